@@ -1,0 +1,146 @@
+"""The engine: one base model, a pool of LoRA adapters, and what can be done with them.
+
+This is what a worker process (or twinkle_sdk's local mode) drives. It knows nothing of
+tenants, HTTP or SQL: adapters are named by opaque ids chosen by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import sampler, state, step
+from .lora import LoraPool
+from .model import BaseModel
+from .optim import adamw_step, check_adam_params
+from .types import (
+    AdamParams,
+    EngineInputError,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
+    LoraConfig,
+    OptimResult,
+    SampleRequest,
+    SampleResult,
+)
+from .validate import check_forward_backward, check_sample
+
+
+@dataclass
+class AdapterInfo:
+    adapter_id: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    steps: int
+    pending: int
+
+
+class Engine:
+    """Load `model_dir` on `device` in `dtype`; adapters up to `max_rank`.
+
+    `token_budget` caps the padded tokens of one micro-batch (activation memory); a larger
+    call is split and its gradients accumulated.
+    """
+
+    def __init__(self, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
+                 device: str | torch.device = "cpu", max_rank: int = 128,
+                 token_budget: int = 16384):
+        self.model = BaseModel(model_dir, dtype=dtype, device=device)
+        self.pool = LoraPool(self.model.targets, max_rank, self.model.device)
+        self.token_budget = token_budget
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    # -- adapters ---------------------------------------------------------------------
+
+    def add_adapter(self, adapter_id: str, config: LoraConfig | None = None) -> AdapterInfo:
+        self.pool.add(adapter_id, config or LoraConfig())
+        return self.adapter_info(adapter_id)
+
+    def remove_adapter(self, adapter_id: str) -> None:
+        self.pool.remove(adapter_id)
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return adapter_id in self.pool.adapters
+
+    def adapter_info(self, adapter_id: str) -> AdapterInfo:
+        a = self.pool.get(adapter_id)
+        c = a.config
+        return AdapterInfo(adapter_id, c.rank, c.alpha, c.target_modules, a.steps, a.pending)
+
+    # -- training ---------------------------------------------------------------------
+
+    def check(self, request: ForwardBackwardRequest | SampleRequest) -> None:
+        """Raise EngineInputError naming the field if the request cannot run."""
+        if isinstance(request, SampleRequest):
+            check_sample(request, self.model, self.pool)
+        else:
+            check_forward_backward(request, self.model, self.pool)
+
+    def forward_backward(self, requests: list[ForwardBackwardRequest]) -> list[ForwardBackwardResult]:
+        """Run several requests (any adapters, forward-only or not) as shared passes.
+
+        Gradients accumulate per adapter until its `optim_step`. All requests are checked
+        first: if one is bad, nothing runs and nothing changes.
+        """
+        for r in requests:
+            self.check(r)
+        adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
+        if all(r.forward_only for r in requests):
+            with torch.no_grad():
+                return step.forward_backward(self.model, requests, adapters, self.token_budget)
+        return step.forward_backward(self.model, requests, adapters, self.token_budget)
+
+    def forward(self, requests: list[ForwardBackwardRequest]) -> list[ForwardBackwardResult]:
+        """Logprobs (and loss values) only; changes nothing."""
+        for r in requests:
+            r.forward_only = True
+        return self.forward_backward(requests)
+
+    def optim_step(self, adapter_id: str, params: AdamParams | None = None) -> OptimResult:
+        params = params or AdamParams()
+        check_adam_params(params)
+        return adamw_step(self.pool.get(adapter_id), params)
+
+    def zero_grad(self, adapter_id: str) -> None:
+        a = self.pool.get(adapter_id)
+        a.bank.zero_slot(a.slot)
+        a.pending = 0
+
+    # -- sampling ---------------------------------------------------------------------
+
+    def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        for r in requests:
+            self.check(r)
+        adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
+        return sampler.generate(self.model, requests, adapters)
+
+    # -- state ------------------------------------------------------------------------
+
+    def save(self, adapter_id: str, path: str | Path, optimizer: bool = True) -> int:
+        """Write a checkpoint directory (PEFT adapter, plus optimizer state); returns bytes."""
+        return state.save_adapter(self.pool.get(adapter_id), path, str(self.model.dir), optimizer)
+
+    def load(self, adapter_id: str, path: str | Path, optimizer: bool = True) -> AdapterInfo:
+        """Load a checkpoint into `adapter_id`, creating it if needed (its shape is the file's).
+
+        Everything is read and checked before the adapter changes.
+        """
+        config, weights, moments, steps = state.read_adapter(
+            path, self.model.targets, self.pool.max_rank, optimizer)
+        if self.has_adapter(adapter_id):
+            current = self.pool.get(adapter_id).config
+            if (current.rank, current.target_modules) != (config.rank, config.target_modules):
+                raise EngineInputError(
+                    "path", f"checkpoint has rank {config.rank} on {config.target_modules}, "
+                    f"adapter {adapter_id!r} has rank {current.rank} on {current.target_modules}")
+            config = current
+        else:
+            self.pool.add(adapter_id, config)
+        state.write_into(self.pool.get(adapter_id), weights, moments, steps if optimizer else 0)
+        return self.adapter_info(adapter_id)

@@ -1,0 +1,257 @@
+"""The multi-LoRA layer: many adapters, one base model, one pass.
+
+Adapters of the same rank and target set live side by side in a *bank*: for every target
+module the bank holds A [slots, r, in] and B [slots, out, r] (fp32 master weights), their
+gradient buffers, and the AdamW moments. A batch row names its adapter's slot, so a
+module's delta for a mixed batch is one gather and two batched matmuls, whatever the
+number of adapters; rows with no adapter get none.
+
+Gradients are written straight into the bank's buffers by the layer's backward (one
+index_add per weight), rather than through autograd leaves: a leaf per adapter per module
+would cost a gradient kernel per adapter per module, which dominates small steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .types import EngineInputError, LoraConfig
+
+
+class Bank:
+    """Adapters of one (rank, targets) shape. Slots are reused after removal."""
+
+    def __init__(self, rank: int, targets: dict[str, tuple[int, int]], device, capacity: int = 4):
+        self.rank = rank
+        self.shapes = targets  # key -> (in_features, out_features)
+        self.device = device
+        self.capacity = 0
+        self.free: list[int] = []
+        self.A: dict[str, torch.Tensor] = {}
+        self.B: dict[str, torch.Tensor] = {}
+        self.gA: dict[str, torch.Tensor] = {}
+        self.gB: dict[str, torch.Tensor] = {}
+        self.mA: dict[str, torch.Tensor] = {}  # AdamW first moments
+        self.mB: dict[str, torch.Tensor] = {}
+        self.vA: dict[str, torch.Tensor] = {}  # AdamW second moments
+        self.vB: dict[str, torch.Tensor] = {}
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+        for key, (fin, fout) in self.shapes.items():
+            for store, shape in (
+                (self.A, (fin,)), (self.gA, (fin,)), (self.mA, (fin,)), (self.vA, (fin,)),
+            ):
+                store[key] = _resized(store.get(key), capacity, (self.rank, *shape), self.device)
+            for store in (self.B, self.gB, self.mB, self.vB):
+                store[key] = _resized(store.get(key), capacity, (fout, self.rank), self.device)
+        self.free.extend(range(capacity - 1, old - 1, -1))
+        self.capacity = capacity
+
+    def allocate(self) -> int:
+        if not self.free:
+            self._grow(max(4, 2 * self.capacity))
+        return self.free.pop()
+
+    def release(self, slot: int) -> None:
+        self.zero_slot(slot, weights=True)
+        self.free.append(slot)
+
+    def zero_slot(self, slot: int, weights: bool = False) -> None:
+        stores = [self.gA, self.gB]
+        if weights:
+            stores += [self.A, self.B, self.mA, self.mB, self.vA, self.vB]
+        for store in stores:
+            for t in store.values():
+                t[slot].zero_()
+
+    def tensors(self, slot: int, kind: str) -> list[torch.Tensor]:
+        """Views of one slot, in a fixed order: weights, grads or moments."""
+        a, b = {"w": (self.A, self.B), "g": (self.gA, self.gB),
+                "m": (self.mA, self.mB), "v": (self.vA, self.vB)}[kind]
+        return [a[k][slot] for k in self.shapes] + [b[k][slot] for k in self.shapes]
+
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for s in (self.A, self.B, self.gA, self.gB, self.mA, self.mB, self.vA, self.vB)
+            for t in s.values()
+        )
+
+
+def _resized(t: torch.Tensor | None, capacity: int, shape: tuple, device) -> torch.Tensor:
+    new = torch.zeros((capacity, *shape), dtype=torch.float32, device=device)
+    if t is not None:
+        new[: t.shape[0]].copy_(t)
+    return new
+
+
+@dataclass
+class Adapter:
+    id: str
+    config: LoraConfig
+    bank: Bank
+    slot: int
+    steps: int = 0  # optimizer steps taken
+    pending: int = 0  # datums whose gradients wait for the next optimizer step
+    counters: list = field(default_factory=list)  # AdamW step counters, one per tensor
+
+    @property
+    def scale(self) -> float:
+        return self.config.scale
+
+
+class LoraPool:
+    """Adds, finds and removes adapters; the base model's weights are never touched."""
+
+    def __init__(self, targets: dict[str, tuple[int, int]], max_rank: int, device):
+        # targets: every module the model can adapt, "model.layers.0.self_attn.q_proj" ->
+        # (in, out); the suffix (q_proj ...) is what a LoraConfig selects.
+        self.targets = targets
+        self.max_rank = max_rank
+        self.device = device
+        self.banks: dict[tuple, Bank] = {}
+        self.adapters: dict[str, Adapter] = {}
+
+    def add(self, adapter_id: str, config: LoraConfig) -> Adapter:
+        if adapter_id in self.adapters:
+            raise EngineInputError("adapter_id", f"adapter {adapter_id!r} already exists")
+        if not isinstance(config.rank, int) or not 1 <= config.rank <= self.max_rank:
+            raise EngineInputError("rank", f"must be an integer in 1..{self.max_rank}, got {config.rank!r}")
+        if not config.target_modules:
+            raise EngineInputError("train_attn/train_mlp/train_unembed", "at least one must be true")
+        if not (config.alpha > 0):
+            raise EngineInputError("alpha", f"must be positive, got {config.alpha!r}")
+        keys = {k: s for k, s in self.targets.items() if k.rsplit(".", 1)[-1] in config.target_modules}
+        bank_key = (config.rank, tuple(sorted(keys)))
+        bank = self.banks.get(bank_key)
+        if bank is None:
+            bank = self.banks[bank_key] = Bank(config.rank, keys, self.device)
+        slot = bank.allocate()
+        self._init_weights(bank, slot, config.seed)
+        adapter = Adapter(adapter_id, config, bank, slot)
+        self.adapters[adapter_id] = adapter
+        return adapter
+
+    @staticmethod
+    @torch.no_grad()
+    def _init_weights(bank: Bank, slot: int, seed: int | None) -> None:
+        # As peft does: A ~ kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0.
+        # Drawn on the CPU so a seed gives the same adapter on every device.
+        gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+        for key, (fin, _) in bank.shapes.items():
+            bound = 1.0 / fin**0.5
+            a = torch.empty((bank.rank, fin)).uniform_(-bound, bound, generator=gen)
+            bank.A[key][slot].copy_(a)
+            bank.B[key][slot].zero_()
+
+    def get(self, adapter_id: str) -> Adapter:
+        try:
+            return self.adapters[adapter_id]
+        except KeyError:
+            raise EngineInputError("adapter_id", f"no adapter {adapter_id!r}") from None
+
+    def remove(self, adapter_id: str) -> None:
+        adapter = self.adapters.pop(adapter_id, None)
+        if adapter is None:
+            raise EngineInputError("adapter_id", f"no adapter {adapter_id!r}")
+        adapter.bank.release(adapter.slot)
+        # A bank with no adapters left frees its memory.
+        if len(adapter.bank.free) == adapter.bank.capacity:
+            self.banks = {k: b for k, b in self.banks.items() if b is not adapter.bank}
+
+
+class _LoraDelta(torch.autograd.Function):
+    """delta = scale * (x @ A[slot]^T) @ B[slot]^T per row; backward fills the bank grads."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, A_rows, B_rows, gA, gB, slots, scale):
+        h = torch.bmm(x, A_rows.transpose(1, 2)) * scale  # [n, S, r]
+        ctx.save_for_backward(x, A_rows, B_rows, h, slots, scale)
+        ctx.grads = (gA, gB)
+        return torch.bmm(h, B_rows.transpose(1, 2))  # [n, S, out]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, A_rows, B_rows, h, slots, scale = ctx.saved_tensors
+        gA, gB = ctx.grads
+        grad_out = grad_out.to(h.dtype)
+        grad_h = torch.bmm(grad_out, B_rows) * scale  # [n, S, r]
+        gB.index_add_(0, slots, torch.bmm(grad_out.transpose(1, 2), h).float())
+        gA.index_add_(0, slots, torch.bmm(grad_h.transpose(1, 2), x).float())
+        grad_x = torch.bmm(grad_h, A_rows) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None, None, None, None, None
+
+
+@dataclass
+class _Group:
+    start: int
+    end: int
+    bank: Bank
+    slots: torch.Tensor  # [n] slot of each row
+    scale: torch.Tensor  # [n, 1, 1]
+
+
+class LoraBatch:
+    """Which adapter each row of a batch uses. Rows of one bank must be contiguous.
+
+    `apply(key, x, y)` adds the adapters' deltas of module `key` to its base output y.
+    With `cache=True` (sampling) the gathered weights are kept across decode steps.
+    """
+
+    def __init__(self, row_adapters: list[Adapter | None], dtype, device, cache: bool = False):
+        self.groups: list[_Group] = []
+        self.n_rows = len(row_adapters)
+        self.dtype = dtype
+        self.cache: dict | None = {} if cache else None
+        # Autograd records an op only if an input requires grad; the bank tensors do not, so
+        # this anchor makes every delta part of the graph even where x has no grad yet.
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
+        i = 0
+        while i < len(row_adapters):
+            ad = row_adapters[i]
+            j = i + 1
+            while j < len(row_adapters) and _same_bank(row_adapters[j], ad):
+                j += 1
+            if ad is not None:
+                rows = row_adapters[i:j]
+                slots = torch.tensor([a.slot for a in rows], device=device)
+                scale = torch.tensor([a.scale for a in rows], dtype=dtype, device=device)
+                self.groups.append(_Group(i, j, ad.bank, slots, scale.view(-1, 1, 1)))
+            i = j
+        seen = [id(g.bank) for g in self.groups]
+        if len(seen) != len(set(seen)):
+            raise ValueError("rows of one bank must be contiguous")
+
+    def _weights(self, key: str, g: _Group):
+        if self.cache is not None and (key, g.start) in self.cache:
+            return self.cache[(key, g.start)]
+        w = (g.bank.A[key].index_select(0, g.slots).to(self.dtype),
+             g.bank.B[key].index_select(0, g.slots).to(self.dtype))
+        if self.cache is not None:
+            self.cache[(key, g.start)] = w
+        return w
+
+    def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for g in self.groups:
+            if key not in g.bank.shapes:
+                continue
+            A_rows, B_rows = self._weights(key, g)
+            whole = g.start == 0 and g.end == self.n_rows
+            xs = x if whole else x[g.start:g.end]
+            d = _LoraDelta.apply(xs, self.anchor, A_rows, B_rows, g.bank.gA[key],
+                                 g.bank.gB[key], g.slots, g.scale)
+            if whole:
+                y = y + d
+            else:
+                y[g.start:g.end] += d  # y is the base linear's fresh output, not a view
+        return y
+
+
+def _same_bank(a: Adapter | None, b: Adapter | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.bank is b.bank

@@ -1,0 +1,166 @@
+"""The base model: loaded once from a Hugging Face directory, frozen, run by our own forward.
+
+We load weights and submodules (norms, rotary embedding, linears) with `transformers` but
+run the decoder loop ourselves. That keeps the multi-LoRA deltas explicit at every linear,
+gives sampling a plain preallocated KV cache, and insulates the hot path from the
+attention/cache API, which changes between transformers releases. The architectures are
+the Llama family: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norms).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .lora import LoraBatch
+from .types import ATTN_MODULES, MLP_MODULES, EngineInputError
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise EngineInputError("dtype", f"must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+class KVCache:
+    """Preallocated keys and values for every layer: [layers, batch, kv_heads, max_len, dim]."""
+
+    def __init__(self, n_layers, batch, n_kv, max_len, head_dim, dtype, device):
+        shape = (n_layers, batch, n_kv, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0  # positions filled; the next forward writes from here
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class BaseModel:
+    def __init__(self, model_dir: str | Path, dtype: str | torch.dtype = "float32",
+                 device: str | torch.device = "cpu"):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise EngineInputError("model", f"{model_dir} is not a Hugging Face model directory")
+        config = AutoConfig.from_pretrained(model_dir)
+        if config.model_type not in SUPPORTED_ARCHS:
+            raise EngineInputError(
+                "model", f"architecture {config.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHS)}")
+        if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+                getattr(config, "layer_types", None) or ()):
+            raise EngineInputError("model", "sliding-window attention is not supported")
+        self.dtype = resolve_dtype(dtype)
+        self.device = torch.device(device)
+        self.dir = model_dir
+        self.config = config
+        self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        self.hf.to(self.device).eval().requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+        self.decoder = self.hf.model
+        self.layers = list(self.decoder.layers)
+        self.lm_head = self.hf.lm_head
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.max_seq_len = int(config.max_position_embeddings)
+        self.eos_token_ids = _eos_ids(config, self.tokenizer)
+
+        # Every linear a LoRA may target: "model.layers.3.mlp.up_proj" -> (in, out).
+        self.targets: dict[str, tuple[int, int]] = {}
+        self.layer_keys: list[dict[str, str]] = []
+        for i in range(len(self.layers)):
+            keys = {}
+            for name in ATTN_MODULES:
+                keys[name] = f"model.layers.{i}.self_attn.{name}"
+            for name in MLP_MODULES:
+                keys[name] = f"model.layers.{i}.mlp.{name}"
+            self.layer_keys.append(keys)
+        modules = dict(self.hf.named_modules())
+        for keys in self.layer_keys:
+            for key in keys.values():
+                m = modules[key]
+                self.targets[key] = (m.in_features, m.out_features)
+        self.targets["lm_head"] = (self.lm_head.in_features, self.lm_head.out_features)
+
+    # -- the forward pass -------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                lora: LoraBatch | None = None, cache: KVCache | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [B, S, H]. Without `mask`, attention is causal within the row
+        (right padding needs no mask: real tokens never attend to later pads)."""
+        h = self.decoder.embed_tokens(input_ids)
+        cos, sin = self.decoder.rotary_emb(h, positions)
+        for i, layer in enumerate(self.layers):
+            keys = self.layer_keys[i]
+            h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos, sin,
+                                    keys, lora, cache, mask)
+            x = layer.post_attention_layernorm(h)
+            mlp = layer.mlp
+            gate = self._linear(mlp.gate_proj, keys["gate_proj"], x, lora)
+            up = self._linear(mlp.up_proj, keys["up_proj"], x, lora)
+            h = h + self._linear(mlp.down_proj, keys["down_proj"], mlp.act_fn(gate) * up, lora)
+        return self.decoder.norm(h)
+
+    def logits(self, hidden: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        return self._linear(self.lm_head, "lm_head", hidden, lora)
+
+    def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask):
+        B, S, _ = x.shape
+        q = self._linear(attn.q_proj, keys["q_proj"], x, lora).view(B, S, -1, self.head_dim)
+        k = self._linear(attn.k_proj, keys["k_proj"], x, lora).view(B, S, -1, self.head_dim)
+        v = self._linear(attn.v_proj, keys["v_proj"], x, lora).view(B, S, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(i, k, v)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
+            scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
+        out = out.transpose(1, 2).reshape(B, S, -1)
+        return self._linear(attn.o_proj, keys["o_proj"], out, lora)
+
+    @staticmethod
+    def _linear(module, key, x, lora):
+        y = F.linear(x, module.weight, module.bias)
+        return y if lora is None else lora.apply(key, x, y)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(len(self.layers), batch, self.n_kv, max_len, self.head_dim,
+                       self.dtype, self.device)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding, half-split layout (as the HF Llama family stores it)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _eos_ids(config, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(i) for i in src)
+    return ids

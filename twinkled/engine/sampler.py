@@ -1,0 +1,164 @@
+"""Batched generation for prompts of many adapters (and the base model) at once.
+
+Prompts are left-padded into one batch with a preallocated KV cache; each decode step is
+one forward of the whole batch, every row through its own LoRA. Token choice is
+vectorised over rows (temperature, top-k, top-p per row); seeded requests draw from their
+own generator, so the same seed gives the same output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .lora import Adapter, LoraBatch
+from .losses import target_logprobs
+from .model import BaseModel
+from .types import SampledSequence, SampleRequest, SampleResult
+
+
+class _Row:
+    def __init__(self, req: int, req_obj: SampleRequest, adapter: Adapter | None):
+        self.req = req
+        self.params = req_obj.params
+        self.prompt = req_obj.prompt
+        self.adapter = adapter
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.done: str | None = None  # stop reason once finished
+
+
+@torch.no_grad()
+def generate(model: BaseModel, requests: list[SampleRequest],
+             adapters: list[Adapter | None]) -> list[SampleResult]:
+    """Sample every request; `adapters[i]` is request i's adapter (None: the base model)."""
+    rows = [_Row(i, r, adapters[i]) for i, r in enumerate(requests) for _ in range(r.num_samples)]
+    # Rows of one LoRA bank must sit together (LoraBatch); base-model rows go first.
+    rows.sort(key=lambda r: (0, 0, 0) if r.adapter is None else (1, id(r.adapter.bank), r.adapter.slot))
+    dev = model.device
+    B = len(rows)
+    P = max(len(r.prompt) for r in rows)
+    max_new = max(r.params.max_tokens for r in rows)
+    T = P + max_new
+    lora = LoraBatch([r.adapter for r in rows], model.dtype, dev, cache=True)
+    cache = model.new_cache(B, T)
+
+    # Left padding: every row's last prompt token sits at P-1, so all rows decode in step.
+    ids = torch.zeros((B, P), dtype=torch.long)
+    pad = torch.tensor([P - len(r.prompt) for r in rows])
+    for b, r in enumerate(rows):
+        ids[b, pad[b]:] = torch.tensor(r.prompt)
+    ids, pad = ids.to(dev), pad.to(dev)
+    cols = torch.arange(T, device=dev)
+    key_ok = cols[None, :] >= pad[:, None]  # [B, T]: False on padding
+    positions = (cols[None, :P] - pad[:, None]).clamp(min=0)
+    causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
+    # A padding query may see nothing; letting it see itself keeps softmax finite.
+    mask = (causal[None] & key_ok[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
+    hidden = model.forward(ids, positions, lora, cache, mask[:, None])
+    cache.length = P
+    logits = model.logits(hidden[:, -1:], lora)[:, 0]
+
+    results = [SampleResult(sequences=[]) for _ in requests]
+    _prompt_logprobs(model, requests, rows, hidden, ids, results)
+
+    chooser = _Chooser(rows, dev)
+    for t in range(max_new):
+        tokens, lps = chooser.choose(logits)
+        for b, (tok, lp) in enumerate(zip(tokens.tolist(), lps.tolist(), strict=True)):
+            r = rows[b]
+            if r.done is None:
+                r.tokens.append(tok)
+                r.logprobs.append(lp)
+                r.done = _stop_reason(model, r)
+        if all(r.done is not None for r in rows) or t == max_new - 1:
+            break
+        pos = P + t
+        step_mask = key_ok[:, None, None, : pos + 1]
+        hidden = model.forward(tokens[:, None], (pos - pad)[:, None], lora, cache, step_mask)
+        cache.length = pos + 1
+        logits = model.logits(hidden, lora)[:, 0]
+
+    for r in sorted(rows, key=lambda r: r.req):  # stable: samples keep their order
+        results[r.req].sequences.append(SampledSequence(r.tokens, r.logprobs, r.done or "length"))
+    return results
+
+
+def _stop_reason(model: BaseModel, r: _Row) -> str | None:
+    stop = r.params.stop
+    tok = r.tokens[-1]
+    if stop is None:  # EOS only
+        if tok in model.eos_token_ids:
+            return "stop"
+    elif stop and isinstance(stop[0], int):
+        if tok in stop:
+            return "stop"
+    elif stop:  # strings: look at the decoded tail of what was generated
+        text = model.tokenizer.decode(r.tokens[-64:])
+        if any(s in text for s in stop):
+            return "stop"
+    return "length" if len(r.tokens) >= r.params.max_tokens else None
+
+
+class _Chooser:
+    """Picks each row's next token: greedy at temperature 0, else sampled after top-k/top-p."""
+
+    def __init__(self, rows: list[_Row], dev):
+        p = [r.params for r in rows]
+        self.temp = torch.tensor([x.temperature for x in p], device=dev, dtype=torch.float32)
+        self.greedy = self.temp == 0
+        self.all_greedy = bool(self.greedy.all())
+        self.top_k = torch.tensor([x.top_k if x.top_k > 0 else 0 for x in p], device=dev)
+        self.top_p = torch.tensor([x.top_p for x in p], device=dev, dtype=torch.float32)
+        self.filtered = any(x.top_k > 0 for x in p) or any(x.top_p < 1.0 for x in p)
+        # Rows of a seeded request draw from that request's own generator.
+        self.groups: list[tuple[torch.Tensor, torch.Generator | None]] = []
+        by_req: dict[int, list[int]] = {}
+        for b, r in enumerate(rows):
+            if r.params.temperature > 0:
+                by_req.setdefault(r.req, []).append(b)
+        for req, idx in by_req.items():
+            seed = rows[idx[0]].params.seed
+            gen = None
+            if seed is not None:
+                gen = torch.Generator(device=dev).manual_seed(seed % 2**63)
+            self.groups.append((torch.tensor(idx, device=dev), gen))
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = logits.float()
+        temp = torch.where(self.greedy, torch.ones_like(self.temp), self.temp)
+        logp = torch.log_softmax(logits / temp[:, None], dim=-1)
+        tokens = logp.argmax(dim=-1)
+        if not self.all_greedy:
+            probs_src = self._filter(logp) if self.filtered else logp
+            probs = probs_src.exp()
+            for idx, gen in self.groups:
+                drawn = torch.multinomial(probs[idx], 1, generator=gen).squeeze(1)
+                tokens[idx] = drawn
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+    def _filter(self, logp: torch.Tensor) -> torch.Tensor:
+        sorted_lp, order = logp.sort(dim=-1, descending=True)
+        rank = torch.arange(logp.shape[-1], device=logp.device)[None, :]
+        drop = (self.top_k[:, None] > 0) & (rank >= self.top_k[:, None])
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()
+        drop |= before >= self.top_p[:, None]
+        sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logp).scatter_(1, order, sorted_lp)
+
+
+def _prompt_logprobs(model, requests, rows, hidden, ids, results) -> None:
+    """Logprob of each prompt token given the ones before it (None for the first)."""
+    want = [b for b, r in enumerate(rows) if requests[r.req].prompt_logprobs
+            and results[r.req].prompt_logprobs is None]
+    for b in want:
+        r = rows[b]
+        n = len(r.prompt)
+        results[r.req].prompt_logprobs = [None]
+        if n < 2:
+            continue
+        start = ids.shape[1] - n  # left padding
+        sub = LoraBatch([r.adapter], model.dtype, model.device)
+        h = hidden[b:b + 1, start:-1]
+        lp = target_logprobs(model.logits(h, sub), ids[b:b + 1, start + 1:])
+        results[r.req].prompt_logprobs += lp[0].tolist()

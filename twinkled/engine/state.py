@@ -1,0 +1,151 @@
+"""Adapter files: PEFT format for weights, safetensors for the optimizer state.
+
+A checkpoint is a directory:
+  adapter_config.json, adapter_model.safetensors   PEFT LoRA (peft, vLLM and others load it)
+  optimizer.safetensors                            AdamW moments + step count (training state)
+Files are written into a temporary sibling directory, fsynced, then renamed into place, so
+a crash never leaves a half-written checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .lora import Adapter
+from .types import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES, EngineInputError, LoraConfig
+
+PEFT_PREFIX = "base_model.model."
+WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+OPTIMIZER = "optimizer.safetensors"
+
+
+def save_adapter(adapter: Adapter, path: str | Path, base_model: str,
+                 optimizer: bool) -> int:
+    """Write the adapter (and its optimizer state) to directory `path`; returns bytes written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        bank, slot = adapter.bank, adapter.slot
+        cfg = adapter.config
+        weights = {}
+        for key in bank.shapes:
+            weights[f"{PEFT_PREFIX}{key}.lora_A.weight"] = bank.A[key][slot].contiguous().cpu()
+            weights[f"{PEFT_PREFIX}{key}.lora_B.weight"] = bank.B[key][slot].contiguous().cpu()
+        save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
+        peft_config = {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank,
+            "lora_alpha": cfg.alpha, "target_modules": sorted(cfg.target_modules),
+            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+            "inference_mode": True, "base_model_name_or_path": base_model,
+        }
+        (tmp / CONFIG).write_text(json.dumps(peft_config, indent=2))
+        if optimizer:
+            moments = {}
+            for key in bank.shapes:
+                for part, m, v in (("lora_A", bank.mA, bank.vA), ("lora_B", bank.mB, bank.vB)):
+                    moments[f"{key}.{part}.exp_avg"] = m[key][slot].contiguous().cpu()
+                    moments[f"{key}.{part}.exp_avg_sq"] = v[key][slot].contiguous().cpu()
+            meta = {"steps": str(adapter.steps), "seed": str(cfg.seed)}
+            save_file(moments, tmp / OPTIMIZER, metadata=meta)
+        for f in tmp.iterdir():
+            _fsync(f)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return sum(f.stat().st_size for f in path.iterdir())
+
+
+def _fsync(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_adapter(path: str | Path, targets: dict[str, tuple[int, int]], max_rank: int,
+                 optimizer: bool) -> tuple[LoraConfig, dict, dict | None, int]:
+    """Read and check a checkpoint fully before anything is changed.
+
+    Returns (config, weights by key, moments by key or None, steps).
+    """
+    path = Path(path)
+    if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
+        raise EngineInputError("path", f"{path} holds no PEFT adapter ({CONFIG} + {WEIGHTS})")
+    pc = json.loads((path / CONFIG).read_text())
+    for flag in ("use_rslora", "use_dora", "fan_in_fan_out"):
+        if pc.get(flag):
+            raise EngineInputError("adapter_config", f"{flag} adapters are not supported")
+    if pc.get("rank_pattern") or pc.get("alpha_pattern"):
+        raise EngineInputError("adapter_config", "rank_pattern/alpha_pattern are not supported")
+    rank = int(pc["r"])
+    if not 1 <= rank <= max_rank:
+        raise EngineInputError("rank", f"adapter rank {rank} is outside 1..{max_rank}")
+    names = pc.get("target_modules") or []
+    names = [names] if isinstance(names, str) else names
+    known = ATTN_MODULES + MLP_MODULES + UNEMBED_MODULES
+    unknown = [n for n in names if n.rsplit(".", 1)[-1] not in known]
+    if unknown:
+        raise EngineInputError("target_modules", f"cannot adapt {unknown}; supported: {known}")
+    short = {n.rsplit(".", 1)[-1] for n in names}
+    config = LoraConfig(
+        rank=rank, alpha=float(pc.get("lora_alpha", rank)),
+        train_attn=bool(short & set(ATTN_MODULES)), train_mlp=bool(short & set(MLP_MODULES)),
+        train_unembed=bool(short & set(UNEMBED_MODULES)))
+    tensors = load_file(path / WEIGHTS)
+    weights = {}
+    for key, (fin, fout) in targets.items():
+        a = tensors.pop(f"{PEFT_PREFIX}{key}.lora_A.weight", None)
+        b = tensors.pop(f"{PEFT_PREFIX}{key}.lora_B.weight", None)
+        if a is None and b is None:
+            continue  # a module this adapter leaves alone (e.g. q/v only): stays zero
+        if a is None or b is None or a.shape != (rank, fin) or b.shape != (fout, rank):
+            raise EngineInputError("weights", f"{key}: expected lora_A {(rank, fin)} and "
+                                   f"lora_B {(fout, rank)} for this base model")
+        weights[key] = (a.float(), b.float())
+    if tensors:
+        extra = sorted(tensors)[:3]
+        raise EngineInputError("weights", f"tensors that match no module of this model: {extra}")
+    moments, steps = None, 0
+    if optimizer:
+        if not (path / OPTIMIZER).is_file():
+            raise EngineInputError("path", f"{path} has no optimizer state ({OPTIMIZER})")
+        from safetensors import safe_open
+
+        with safe_open(path / OPTIMIZER, "pt") as f:
+            steps = int((f.metadata() or {}).get("steps", 0))
+        moments = load_file(path / OPTIMIZER)
+    return config, weights, moments, steps
+
+
+@torch.no_grad()
+def write_into(adapter: Adapter, weights: dict, moments: dict | None, steps: int) -> None:
+    """Copy checked tensors into the adapter's bank slot; gradients are cleared."""
+    bank, slot = adapter.bank, adapter.slot
+    bank.zero_slot(slot, weights=True)
+    for key, (a, b) in weights.items():
+        bank.A[key][slot].copy_(a)
+        bank.B[key][slot].copy_(b)
+    if moments is not None:
+        for key in bank.shapes:
+            for part, m, v in (("lora_A", bank.mA, bank.vA), ("lora_B", bank.mB, bank.vB)):
+                if f"{key}.{part}.exp_avg" in moments:
+                    m[key][slot].copy_(moments[f"{key}.{part}.exp_avg"])
+                    v[key][slot].copy_(moments[f"{key}.{part}.exp_avg_sq"])
+    adapter.steps = steps
+    adapter.pending = 0
+    adapter.counters = []

@@ -1,0 +1,142 @@
+"""One co-batched forward/backward: many requests, many adapters, one pass per micro-batch.
+
+Read top to bottom: rows are laid out so each bank's rows sit together, cut into
+micro-batches under a token budget, run through the base model with every row's LoRA,
+scored with each request's loss, and back-propagated once. Gradients land in the adapters'
+bank buffers and wait there for each adapter's own optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .lora import Adapter, LoraBatch
+from .losses import loss_spec, target_logprobs
+from .model import BaseModel
+from .types import ForwardBackwardRequest, ForwardBackwardResult
+
+
+@dataclass
+class _Row:
+    req: int  # index of the request
+    datum: int  # index of the datum within it
+    adapter: Adapter | None
+    tokens: torch.Tensor  # [N] int64
+    targets: torch.Tensor  # [N] int64
+    train: bool
+
+
+def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
+                     adapters: list[Adapter | None], token_budget: int) -> list[ForwardBackwardResult]:
+    """Run every request's data through the model; back-propagate the training ones.
+
+    `adapters[i]` is request i's adapter (None: the base model). Inputs are validated
+    before this is called: nothing here may fail half-way on bad input.
+    """
+    rows = [
+        _Row(i, j, adapters[i], torch.as_tensor(d.tokens, dtype=torch.long),
+             torch.as_tensor(d.loss_inputs["target_tokens"], dtype=torch.long),
+             adapters[i] is not None and not req.forward_only)
+        for i, req in enumerate(requests) for j, d in enumerate(req.data)
+    ]
+    outputs = [[None] * len(r.data) for r in requests]
+    custom_metrics: dict[int, dict[str, float]] = {}
+
+    for batch in _micro_batches(rows, requests, token_budget):
+        train = any(r.train for r in batch)
+        with torch.set_grad_enabled(train):
+            lp = _logprobs(model, batch)
+            elementwise = torch.zeros_like(lp, requires_grad=False)
+            total = None
+            for k, r in enumerate(batch):
+                req = requests[r.req]
+                if callable(req.loss_fn):
+                    continue
+                n = len(r.tokens)
+                loss = _datum_loss(req, req.data[r.datum], lp[k, :n])
+                elementwise[k, :n] = loss.detach()
+                if r.train:
+                    total = loss.sum() if total is None else total + loss.sum()
+            for i in sorted({r.req for r in batch if callable(requests[r.req].loss_fn)}):
+                # A custom loss sees its whole request (kept in one micro-batch) at once.
+                ks = [k for k, r in enumerate(batch) if r.req == i]
+                lps = [lp[k, : len(batch[k].tokens)] for k in ks]
+                loss, custom_metrics[i] = _custom_loss(requests[i], lps)
+                # No per-token breakdown: the whole loss is reported on the first token.
+                elementwise[ks[0], 0] = loss.detach()
+                if batch[ks[0]].train:
+                    total = loss if total is None else total + loss
+        if total is not None and total.requires_grad:
+            total.backward()
+        lp_host, el_host = lp.detach().cpu(), elementwise.cpu()  # one copy per micro-batch
+        for k, r in enumerate(batch):
+            n = len(r.tokens)
+            outputs[r.req][r.datum] = {"logprobs": lp_host[k, :n], "elementwise_loss": el_host[k, :n]}
+
+    results = []
+    for i, req in enumerate(requests):
+        metrics = {"loss:sum": float(sum(o["elementwise_loss"].sum() for o in outputs[i]))}
+        metrics.update(custom_metrics.get(i, {}))
+        results.append(ForwardBackwardResult(outputs=outputs[i], metrics=metrics))
+        if adapters[i] is not None and not req.forward_only:
+            adapters[i].pending += len(req.data)
+    return results
+
+
+def _micro_batches(rows: list[_Row], requests, token_budget: int) -> list[list[_Row]]:
+    """Bank-contiguous order (base rows first), cut so padded tokens stay under budget.
+
+    A custom-loss request is kept whole in one micro-batch: its loss may couple datums.
+    """
+    def order(r: _Row):
+        a = r.adapter
+        return (0, 0, 0) if a is None else (1, id(a.bank), a.slot)
+
+    rows = sorted(rows, key=order)
+    custom = {i for i, q in enumerate(requests) if callable(q.loss_fn)}
+    batches: list[list[_Row]] = []
+    current: list[_Row] = []
+    longest = 0
+    for r in (r for r in rows if r.req not in custom):
+        n = len(r.tokens)
+        if current and max(longest, n) * (len(current) + 1) > token_budget:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(r)
+        longest = max(longest, n)
+    if current:
+        batches.append(current)
+    for i in sorted(custom):
+        batches.append([r for r in rows if r.req == i])
+    return batches
+
+
+def _logprobs(model: BaseModel, batch: list[_Row]) -> torch.Tensor:
+    """Right-padded forward of a micro-batch; returns the target logprobs [B, S] (fp32)."""
+    S = max(len(r.tokens) for r in batch)
+    dev = model.device
+    ids = torch.zeros((len(batch), S), dtype=torch.long)
+    tgt = torch.zeros((len(batch), S), dtype=torch.long)
+    for k, r in enumerate(batch):
+        ids[k, : len(r.tokens)] = r.tokens
+        tgt[k, : len(r.targets)] = r.targets
+    ids, tgt = ids.to(dev, non_blocking=True), tgt.to(dev, non_blocking=True)
+    positions = torch.arange(S, device=dev).expand(len(batch), S)
+    lora = LoraBatch([r.adapter for r in batch], model.dtype, dev)
+    hidden = model.forward(ids, positions, lora)
+    return target_logprobs(model.logits(hidden, lora), tgt)
+
+
+def _datum_loss(req: ForwardBackwardRequest, datum, lp: torch.Tensor) -> torch.Tensor:
+    """One datum's built-in elementwise loss [N]."""
+    inputs = {k: torch.as_tensor(v, dtype=torch.float32).to(lp.device, non_blocking=True)
+              for k, v in datum.loss_inputs.items() if k != "target_tokens"}
+    return loss_spec(req.loss_fn).fn(lp, inputs, req.loss_config)
+
+
+def _custom_loss(req: ForwardBackwardRequest, lps: list[torch.Tensor]):
+    """A Python callable's loss over the whole request: (data, logprobs) -> (loss, metrics)."""
+    loss, metrics = req.loss_fn(req.data, lps)
+    return loss, {k: float(v) for k, v in metrics.items() if k != "loss:sum"}

@@ -1,0 +1,133 @@
+"""Plain data types the engine takes and returns.
+
+They carry torch tensors and Python callables, so they are dataclasses, not wire structs:
+the daemon's frames (msgspec) are converted to these inside the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+
+
+class EngineInputError(ValueError):
+    """A request the engine refuses before touching any state. `field` names what is wrong."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Tinker's LoraConfig plus what Tinker leaves implicit (alpha; 32 is Tinker's default)."""
+
+    rank: int = 32
+    alpha: float = 32.0
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return (
+            (ATTN_MODULES if self.train_attn else ())
+            + (MLP_MODULES if self.train_mlp else ())
+            + (UNEMBED_MODULES if self.train_unembed else ())
+        )
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass
+class AdamParams:
+    """Tinker's AdamParams, with its defaults. May change at every step."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+# A custom loss gets the request's data and one logprob tensor per datum (with grad) and
+# returns (scalar loss, metrics), as Tinker's forward_backward_custom does.
+CustomLoss = Callable[[list["Datum"], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass
+class Datum:
+    """One sequence: `tokens` is the model input; each loss input has the same length N.
+
+    Position i of the input predicts `loss_inputs["target_tokens"][i]`.
+    """
+
+    tokens: list[int] | torch.Tensor
+    loss_inputs: dict[str, torch.Tensor | list] = field(default_factory=dict)
+
+
+@dataclass
+class ForwardBackwardRequest:
+    """One call of one adapter (None = the base model, forward only)."""
+
+    adapter_id: str | None
+    data: list[Datum]
+    loss_fn: str | CustomLoss = "cross_entropy"
+    loss_config: dict[str, float] = field(default_factory=dict)
+    forward_only: bool = False
+
+
+@dataclass
+class ForwardBackwardResult:
+    outputs: list[dict[str, torch.Tensor]]  # per datum: logprobs, elementwise_loss
+    metrics: dict[str, float]
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    # None: stop at EOS only. []: never stop early, EOS included (Tinker semantics).
+    stop: list[str] | list[int] | None = None
+
+
+@dataclass
+class SampleRequest:
+    adapter_id: str | None
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_samples: int = 1
+    prompt_logprobs: bool = False
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" or "length"
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+
+
+@dataclass
+class OptimResult:
+    applied: bool
+    metrics: dict[str, Any]
