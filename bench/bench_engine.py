@@ -1,0 +1,328 @@
+"""Benchmark the multi-LoRA engine against plain transformers + peft, on the same card.
+
+Why: the engine's point is co-batching. K tenants' small steps run as one pass through the
+shared base model instead of K small passes. This script measures, in one run and on the
+same base weights (one random-weight checkpoint, loaded by both sides):
+
+Training (K=8 adapters, LoRA rank 32 / alpha 32 on q,k,v,o,gate,up,down; a 1 x S batch of
+random tokens per adapter; cross entropy on the next token; one AdamW step per adapter):
+  (a) ours:        one `Engine.forward_backward` with K requests + K `optim_step`s;
+  (b) peft 1-by-1: one PeftModel with K adapters; per adapter `set_adapter`, forward with
+                   labels, backward, that adapter's own AdamW step;
+  (c) peft packed: the same K x S tokens as one K x S batch through a single adapter, i.e.
+                   what co-batching could at best reach. The target is (a) >= 0.90 x (c).
+Sampling (K adapters x 8 prompts, greedy, a fixed number of new tokens):
+  ours = one `Engine.sample` call with every request; peft = `generate` per adapter.
+
+Peft runs with its defaults (adapter weights upcast to fp32, sdpa attention). Timings are
+medians after warm-up rounds, with the GPU synchronised around each timed region.
+
+    python bench/bench_engine.py --shape tiny --device cpu
+    python bench/bench_engine.py --shape qwen2.5-0.5b --shape qwen3-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from twinkled.engine.engine import Engine
+from twinkled.engine.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardRequest,
+    LoraConfig,
+    SampleRequest,
+    SamplingParams,
+)
+
+K = 8  # adapters
+RANK = ALPHA = 32
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b")
+SAMPLING_SHAPES = ("tiny", "qwen2.5-0.5b")  # 8B sampling one adapter at a time takes too long
+
+
+@dataclass(frozen=True)
+class Sizes:
+    seq: int  # S: tokens per adapter per training step
+    rounds: int  # timed training rounds (median); 2 warm-up rounds first
+    prompts: int  # prompts per adapter when sampling
+    prompt_len: int
+    new_tokens: int
+    sample_rounds: int  # timed sampling rounds (median); 1 warm-up round first
+
+
+GPU_SIZES = Sizes(seq=512, rounds=5, prompts=8, prompt_len=64, new_tokens=128, sample_rounds=3)
+CPU_SIZES = Sizes(seq=128, rounds=3, prompts=8, prompt_len=32, new_tokens=32, sample_rounds=1)
+
+
+@dataclass
+class Row:
+    test: str
+    tokens: int  # tokens per unit (one training round, one sampling round)
+    seconds: float  # median time per unit
+    peak_gib: float | None
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.seconds
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(test: str, tokens: int, fn: Callable[[], None], warmup: int, reps: int,
+            device: str) -> Row:
+    """Median wall time of `fn` over `reps` runs after `warmup` runs, and peak GPU memory."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    return Row(test, tokens, statistics.median(times), peak)
+
+
+def build_model(shape: str, out: Path, dtype: torch.dtype, device: str) -> int:
+    """Write a random-weight checkpoint of `shape` (plus a small tokenizer); return its vocab."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    from twinkled.engine.tiny import build_tiny_model, build_tokenizer
+
+    seed_all(0)
+    if shape == "tiny":
+        build_tiny_model(out)
+        return Qwen3Config.from_pretrained(out).vocab_size
+    common = dict(vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6)
+    if shape == "qwen2.5-0.5b":
+        cfg = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2,
+                          tie_word_embeddings=True, max_position_embeddings=32768, **common)
+    else:
+        cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                          tie_word_embeddings=False, max_position_embeddings=40960, **common)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+    model.save_pretrained(str(out))
+    build_tokenizer(out)  # the engine needs one; random ids stay below the model's vocab
+    del model
+    free(device)
+    return cfg.vocab_size
+
+
+def bench_ours(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
+               train: list[torch.Tensor], prompts: list[list[int]] | None) -> list[Row]:
+    eng = Engine(model_dir, dtype=dtype, device=device, max_rank=RANK)
+    names = [f"a{i}" for i in range(K)]
+    for i, name in enumerate(names):
+        eng.add_adapter(name, LoraConfig(rank=RANK, alpha=ALPHA, seed=i, train_attn=True,
+                                         train_mlp=True, train_unembed=False))
+    reqs = [ForwardBackwardRequest(name, [Datum(tokens=x[:-1], loss_inputs={
+        "target_tokens": x[1:], "weights": torch.ones(sz.seq)})], loss_fn="cross_entropy")
+        for name, x in zip(names, train, strict=True)]
+    adam = AdamParams(learning_rate=1e-4)
+
+    def train_round() -> None:
+        eng.forward_backward(reqs)
+        for name in names:
+            eng.optim_step(name, adam)
+
+    rows = [measure("(a) ours: 8 adapters co-batched", K * sz.seq, train_round, 2, sz.rounds,
+                    device)]
+    if prompts is not None:
+        params = SamplingParams(max_tokens=sz.new_tokens, temperature=0.0, stop=[])
+        sreqs = [SampleRequest(names[j // sz.prompts], p, params, num_samples=1)
+                 for j, p in enumerate(prompts)]
+
+        def sample_round() -> None:
+            out = eng.sample(sreqs)
+            assert all(len(s.tokens) == sz.new_tokens for r in out for s in r.sequences)
+
+        rows.append(measure("sampling, ours: one mixed-adapter batch",
+                            len(prompts) * sz.new_tokens, sample_round, 1, sz.sample_rounds,
+                            device))
+    del eng
+    free(device)
+    return rows
+
+
+def bench_peft(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
+               train: list[torch.Tensor], prompts: list[list[int]] | None) -> list[Row]:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def lora() -> PeftLoraConfig:
+        return PeftLoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0)
+
+    names = [f"a{i}" for i in range(K)]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    seed_all(1)
+    model = get_peft_model(base.to(device), lora(), adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, lora())
+    model.train()
+    opts = {name: torch.optim.AdamW(
+        [p for n, p in model.named_parameters() if f".{name}." in n], lr=1e-4,
+        betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, fused=True if device == "cuda" else None)
+        for name in names}
+    inputs = [x[:-1].view(1, -1).to(device) for x in train]
+    packed = torch.cat(inputs)
+
+    def step(name: str, ids: torch.Tensor) -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opts[name].step()
+        opts[name].zero_grad(set_to_none=True)
+
+    def one_by_one() -> None:
+        for name, ids in zip(names, inputs, strict=True):
+            model.set_adapter(name)
+            step(name, ids)
+
+    def packed_round() -> None:
+        model.set_adapter(names[0])
+        step(names[0], packed)
+
+    rows = [measure("(b) peft: one adapter at a time", K * sz.seq, one_by_one, 2, sz.rounds,
+                    device),
+            measure("(c) peft: 8 x S packed, one adapter", K * sz.seq, packed_round, 2,
+                    sz.rounds, device)]
+    del opts
+    free(device)
+    if prompts is not None:
+        model.eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    torch.nn.init.normal_(p, std=0.01)
+        batches = [torch.tensor(prompts[i * sz.prompts:(i + 1) * sz.prompts], device=device)
+                   for i in range(K)]
+
+        def sample_round() -> None:
+            for name, ids in zip(names, batches, strict=True):
+                model.set_adapter(name)
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=sz.new_tokens, min_new_tokens=sz.new_tokens,
+                                     do_sample=False, pad_token_id=0)
+                assert out.shape[1] == sz.prompt_len + sz.new_tokens
+
+        rows.append(measure("sampling, peft: generate per adapter",
+                            K * sz.prompts * sz.new_tokens, sample_round, 1, sz.sample_rounds,
+                            device))
+    del model, base
+    free(device)
+    return rows
+
+
+def run_shape(shape: str, device: str, sample: bool) -> str:
+    """Benchmark one shape; return its markdown section."""
+    sz = GPU_SIZES if device == "cuda" else CPU_SIZES
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
+        model_dir = Path(tmp)
+        vocab = build_model(shape, model_dir, dtype, device)
+        seed_all(2)
+        train = [torch.randint(0, vocab, (sz.seq + 1,)) for _ in range(K)]
+        prompts = ([torch.randint(0, vocab, (sz.prompt_len,)).tolist()
+                    for _ in range(K * sz.prompts)] if sample else None)
+        rows = bench_ours(model_dir, dtype, device, sz, train, prompts)
+        rows += bench_peft(model_dir, dtype, device, sz, train, prompts)
+    by = {r.test[:3]: r.throughput for r in rows}
+    ratios = [("(a) / (c): ours vs packed upper bound (target >= 0.90)", by["(a)"] / by["(c)"]),
+              ("(a) / (b): ours vs peft one at a time", by["(a)"] / by["(b)"]),
+              ("(c) / (b): packed vs one at a time", by["(c)"] / by["(b)"])]
+    if sample:
+        ours, peft = rows[1].throughput, rows[-1].throughput
+        ratios.append(("sampling: ours / peft", ours / peft))
+    lines = [f"### {shape} ({device}, {str(dtype).removeprefix('torch.')}, {K} adapters, "
+             f"LoRA r={RANK} alpha={ALPHA} on {','.join(t.split('_')[0] for t in TARGETS)}, "
+             f"S={sz.seq}"
+             + (f"; sampling {K}x{sz.prompts} prompts of {sz.prompt_len} tokens, "
+                f"{sz.new_tokens} new, greedy" if sample else "") + ")", "",
+             "| test | tokens/unit | time per unit (s) | throughput (tok/s) | peak mem (GiB) |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        mem = "-" if r.peak_gib is None else f"{r.peak_gib:.2f}"
+        lines.append(f"| {r.test} | {r.tokens} | {r.seconds:.4f} | {r.throughput:,.0f} | {mem} |")
+    lines += ["", "| ratio (throughput) | value |", "|---|---:|"]
+    lines += [f"| {name} | {value:.2f} |" for name, value in ratios]
+    return "\n".join(lines) + "\n"
+
+
+def header(device: str) -> str:
+    import peft
+    import transformers
+
+    card = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"## Engine vs peft, {now}\n\n"
+            f"- machine: {platform.node()} ({os.cpu_count()} CPUs); card: {card}\n"
+            f"- torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"peft {peft.__version__}\n"
+            f"- command: `python {' '.join(sys.argv)}`\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", action="append", choices=SHAPES,
+                    help="model shape; repeatable (default: tiny on CPU, qwen2.5-0.5b on GPU)")
+    ap.add_argument("--device", choices=("cpu", "cuda"),
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--skip-sampling", action="store_true")
+    ap.add_argument("--write", default="BENCHMARKS.md", metavar="PATH",
+                    help="append the results to PATH ('' to skip)")
+    args = ap.parse_args()
+    shapes = args.shape or (["qwen2.5-0.5b"] if args.device == "cuda" else ["tiny"])
+
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    text = header(args.device)
+    print(text)
+    for shape in shapes:
+        section = run_shape(shape, args.device,
+                            not args.skip_sampling and shape in SAMPLING_SHAPES)
+        print(section, flush=True)
+        text += "\n" + section
+    if args.write:
+        path = Path(args.write)
+        prefix = "" if path.exists() and path.stat().st_size else "# Benchmarks\n\n"
+        with path.open("a") as f:
+            f.write(prefix + text + "\n")
+        print(f"appended to {path}")
+
+
+if __name__ == "__main__":
+    main()

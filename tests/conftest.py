@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny models built offline once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny Qwen3 model (the default architecture) and its tokenizer."""
+    from twinkled.engine.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def arch_dirs(tmp_path_factory):
+    from twinkled.engine.tiny import build_tiny_model
+
+    return {a: build_tiny_model(tmp_path_factory.mktemp(a) / f"tiny-{a}", arch=a)
+            for a in ("qwen2", "qwen3", "llama")}
+
+
+@pytest.fixture()
+def engine(tiny_dir):
+    from twinkled.engine.engine import Engine
+
+    return Engine(tiny_dir)

@@ -1,0 +1,59 @@
+"""Small builders shared by the engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from twinkled.engine.types import Datum, ForwardBackwardRequest
+
+
+def random_datum(gen: torch.Generator, n: int, vocab: int, **extra) -> Datum:
+    """A datum of n input tokens; targets are the next tokens of a random sequence."""
+    seq = torch.randint(0, vocab, (n + 1,), generator=gen)
+    inputs = {"target_tokens": seq[1:]}
+    inputs.update(extra)
+    return Datum(seq[:-1], inputs)
+
+
+def rl_datum(gen: torch.Generator, n: int, vocab: int) -> Datum:
+    return random_datum(gen, n, vocab, logprobs=-torch.rand(n, generator=gen) * 3,
+                        advantages=torch.randn(n, generator=gen))
+
+
+def ce_request(adapter, gen, vocab, lengths, **kw) -> ForwardBackwardRequest:
+    return ForwardBackwardRequest(adapter, [random_datum(gen, n, vocab) for n in lengths], **kw)
+
+
+def adapter_snapshot(engine, adapter_id: str) -> dict[str, torch.Tensor]:
+    """Copies of an adapter's weights, gradients and AdamW moments."""
+    a = engine.pool.get(adapter_id)
+    out = {}
+    for kind in ("w", "g", "m", "v"):
+        for i, t in enumerate(a.bank.tensors(a.slot, kind)):
+            out[f"{kind}{i}"] = t.detach().clone()
+    return out
+
+
+def grads(engine, adapter_id: str) -> dict[str, torch.Tensor]:
+    a = engine.pool.get(adapter_id)
+    return {k: (a.bank.gA[k][a.slot].clone(), a.bank.gB[k][a.slot].clone()) for k in a.bank.shapes}
+
+
+def weights(engine, adapter_id: str) -> dict[str, torch.Tensor]:
+    a = engine.pool.get(adapter_id)
+    return {k: (a.bank.A[k][a.slot].clone(), a.bank.B[k][a.slot].clone()) for k in a.bank.shapes}
+
+
+def max_diff(x: dict, y: dict) -> float:
+    assert x.keys() == y.keys()
+    return max(max((a - b).abs().max().item() for a, b in zip(x[k], y[k], strict=True)) for k in x)
+
+
+@torch.no_grad()
+def randomize_b(engine, adapter_id: str, seed: int, std: float = 0.05) -> None:
+    """Give lora_B non-zero values (it starts at zero, which would hide A's gradients)."""
+    a = engine.pool.get(adapter_id)
+    gen = torch.Generator().manual_seed(seed)
+    for k in a.bank.shapes:
+        b = a.bank.B[k][a.slot]
+        b.copy_(torch.randn(b.shape, generator=gen) * std)
