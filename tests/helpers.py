@@ -57,3 +57,11 @@ def randomize_b(engine, adapter_id: str, seed: int, std: float = 0.05) -> None:
     for k in a.bank.shapes:
         b = a.bank.B[k][a.slot]
         b.copy_(torch.randn(b.shape, generator=gen) * std)
+
+
+def all_close(x: dict, y: dict, rtol: float = 1e-5, atol: float = 1e-5) -> bool:
+    """Equal up to float rounding where summation order differs (e.g. accumulation):
+    each tensor's worst difference is small next to that tensor's largest value."""
+    assert x.keys() == y.keys()
+    return all((a - b).abs().max() <= atol + rtol * b.abs().max()
+               for k in x for a, b in zip(x[k], y[k], strict=True))

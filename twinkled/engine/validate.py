@@ -11,11 +11,12 @@ import math
 import torch
 
 from .lora import LoraPool
-from .losses import loss_spec
+from .losses import LOSSES, loss_spec
 from .model import BaseModel
 from .types import Datum, EngineInputError, ForwardBackwardRequest, SampleRequest
 
 _INT_INPUTS = {"target_tokens"}
+KNOWN_INPUTS = {n for s in LOSSES.values() for n in s.required + s.optional}
 
 
 def check_forward_backward(req: ForwardBackwardRequest, model: BaseModel, pool: LoraPool) -> None:
@@ -57,11 +58,12 @@ def _check_datum(j: int, d: Datum, spec, model: BaseModel) -> None:
     _check_vocab(f"{where}.model_input", tokens, model.vocab_size)
     if "target_tokens" not in d.loss_inputs:
         raise EngineInputError(f"{where}.loss_fn_inputs.target_tokens", "required")
-    allowed = set(spec.required + spec.optional) if spec else None
     for name, value in d.loss_inputs.items():
         field = f"{where}.loss_fn_inputs.{name}"
-        if allowed is not None and name not in allowed:
-            raise EngineInputError(field, f"not an input of this loss (accepted: {sorted(allowed)})")
+        # Inputs of other built-in losses are allowed (the same RL datums are often sent to
+        # a forward pass); a name no loss knows is most likely a typo.
+        if spec is not None and name not in KNOWN_INPUTS:
+            raise EngineInputError(field, f"unknown loss input (known: {sorted(KNOWN_INPUTS)})")
         t = _as_tensor(field, value, torch.long if name in _INT_INPUTS else torch.float32)
         if t.dim() != 1 or t.numel() != n:
             raise EngineInputError(

@@ -1,0 +1,164 @@
+"""Losses with Tinker semantics: per-token formulas, sums, outputs, forward-only, custom."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import adapter_snapshot, all_close, grads, max_diff, randomize_b, rl_datum
+
+from twinkled.engine.engine import Engine
+from twinkled.engine.losses import target_logprobs
+from twinkled.engine.types import Datum, ForwardBackwardRequest, LoraConfig
+
+
+@pytest.fixture()
+def eng(tiny_dir):
+    e = Engine(tiny_dir)
+    e.add_adapter("a", LoraConfig(rank=4, seed=1))
+    randomize_b(e, "a", seed=2)
+    return e
+
+
+def _reference(name, lp, d, cfg):
+    """The Tinker docs' per-token formulas, written out independently."""
+    q, adv = d.loss_inputs.get("logprobs"), d.loss_inputs.get("advantages")
+    r = torch.exp(lp - q) if q is not None else None
+    lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
+    if name == "cross_entropy":
+        return -lp * d.loss_inputs.get("weights", torch.ones_like(lp))
+    if name == "importance_sampling":
+        return -r * adv
+    if name == "ppo":
+        return -torch.min(r * adv, r.clamp(lo, hi) * adv)
+    if name == "cispo":
+        return -r.clamp(lo, hi) * lp * adv
+    if name == "dro":
+        return -(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2)
+    raise AssertionError(name)
+
+
+CASES = [
+    ("cross_entropy", {}),
+    ("importance_sampling", {}),
+    ("ppo", {}),
+    ("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}),
+    ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+    ("dro", {"beta": 0.3}),
+]
+
+
+@pytest.mark.parametrize(("name", "cfg"), CASES)
+def test_loss_values_and_outputs(eng, name, cfg):
+    gen = torch.Generator().manual_seed(3)
+    vocab = eng.model.vocab_size
+    data = [rl_datum(gen, n, vocab) for n in (7, 12)]
+    if name == "cross_entropy":  # real-valued weights, negative ones too
+        for d in data:
+            n = len(d.tokens)
+            d.loss_inputs = {"target_tokens": d.loss_inputs["target_tokens"],
+                             "weights": torch.linspace(-0.5, 1.5, n)}
+    base = eng.forward([ForwardBackwardRequest("a", data)])[0]
+    res = eng.forward_backward([ForwardBackwardRequest("a", data, name, cfg)])[0]
+    total = 0.0
+    for d, out, fwd in zip(data, res.outputs, base.outputs, strict=True):
+        assert torch.allclose(out["logprobs"], fwd["logprobs"], atol=1e-6)
+        want = _reference(name, fwd["logprobs"], d, cfg)
+        assert torch.allclose(out["elementwise_loss"], want, atol=1e-5)
+        total += want.sum().item()
+    # Summed over tokens and datums, not averaged.
+    assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5, abs=1e-5)
+    assert all(":" in k for k in res.metrics)
+    assert eng.pool.get("a").pending == 2
+
+
+def test_rl_gradients_follow_the_formula(eng, tiny_dir):
+    """PPO's gradient through our path equals autograd of the formula on the logprobs."""
+    gen = torch.Generator().manual_seed(4)
+    d = rl_datum(gen, 10, eng.model.vocab_size)
+    eng.forward_backward([ForwardBackwardRequest("a", [d], "ppo")])
+    ppo_grads = grads(eng, "a")
+
+    # Same gradient from a custom loss that spells the formula out on the logprobs.
+    other = Engine(tiny_dir)
+    other.add_adapter("a", LoraConfig(rank=4, seed=1))
+    randomize_b(other, "a", seed=2)
+
+    def spelled_out(data, lps):
+        per_token = _reference("ppo", lps[0], data[0], {})
+        return per_token.sum(), {"custom:sum": 1.0}
+
+    res = other.forward_backward([ForwardBackwardRequest("a", [d], spelled_out)])[0]
+    assert res.metrics["custom:sum"] == 1.0
+    assert max_diff(ppo_grads, grads(other, "a")) <= 1e-5
+
+
+def test_rows_of_one_batch_use_different_losses(eng, tiny_dir):
+    gen = torch.Generator().manual_seed(5)
+    v = eng.model.vocab_size
+    reqs = [ForwardBackwardRequest("a", [rl_datum(gen, 8, v)], "importance_sampling"),
+            ForwardBackwardRequest("a", [rl_datum(gen, 6, v)], "cispo"),
+            ForwardBackwardRequest("a", [rl_datum(gen, 9, v)], "dro", {"beta": 0.1})]
+    together = eng.forward_backward(reqs)
+    other = Engine(tiny_dir)
+    other.add_adapter("a", LoraConfig(rank=4, seed=1))
+    randomize_b(other, "a", seed=2)
+    for r in reqs:  # one call per loss: accumulated gradients must match the single pass
+        other.forward_backward([r])
+    assert all_close(grads(eng, "a"), grads(other, "a"))
+    assert together[2].metrics["loss:sum"] != together[1].metrics["loss:sum"]
+
+
+def test_forward_only_changes_nothing(eng):
+    gen = torch.Generator().manual_seed(6)
+    before = adapter_snapshot(eng, "a")
+    req = ForwardBackwardRequest("a", [rl_datum(gen, 9, eng.model.vocab_size)], "ppo")
+    res = eng.forward([req])[0]
+    assert res.outputs[0]["logprobs"].shape == (9,)
+    assert (res.outputs[0]["logprobs"] <= 0).all()
+    after = adapter_snapshot(eng, "a")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert eng.pool.get("a").pending == 0
+    assert not eng.optim_step("a").applied
+
+
+def test_custom_loss_gets_per_datum_logprobs(eng):
+    gen = torch.Generator().manual_seed(7)
+    data = [rl_datum(gen, n, eng.model.vocab_size) for n in (4, 6)]
+    seen = []
+
+    def mean_lp(data, lps):
+        seen.extend(lp.shape[0] for lp in lps)
+        assert all(lp.requires_grad for lp in lps)
+        loss = -torch.cat(lps).mean()
+        return loss, {"tokens:sum": float(sum(len(lp) for lp in lps))}
+
+    res = eng.forward_backward([ForwardBackwardRequest("a", data, mean_lp)])[0]
+    assert seen == [4, 6]
+    assert res.metrics["tokens:sum"] == 10
+    fwd = eng.forward([ForwardBackwardRequest("a", data)])[0]
+    want = -torch.cat([o["logprobs"] for o in fwd.outputs]).mean().item()
+    assert res.metrics["loss:sum"] == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 4 * 1000 * 7, 2**30])
+def test_chunked_logprobs_equal_log_softmax(chunk_bytes):
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(3, 11, 1000, generator=gen, requires_grad=True)
+    tgt = torch.randint(0, 1000, (3, 11), generator=gen)
+    weights = torch.randn(3, 11, generator=gen)
+    ours = target_logprobs(logits, tgt, chunk_bytes=chunk_bytes)
+    (ours * weights).sum().backward()
+    g_ours = logits.grad.clone()
+    logits.grad = None
+    ref = torch.log_softmax(logits, -1).gather(2, tgt[..., None]).squeeze(-1)
+    (ref * weights).sum().backward()
+    assert torch.allclose(ours, ref, atol=1e-5)
+    assert torch.allclose(g_ours, logits.grad, atol=1e-6)
+
+
+def test_datum_without_weights_defaults_to_ones(eng):
+    gen = torch.Generator().manual_seed(9)
+    seq = torch.randint(0, eng.model.vocab_size, (8,), generator=gen)
+    d = Datum(seq[:-1], {"target_tokens": seq[1:]})
+    res = eng.forward_backward([ForwardBackwardRequest("a", [d])])[0]
+    assert res.metrics["loss:sum"] == pytest.approx(-res.outputs[0]["logprobs"].sum().item(), abs=1e-5)

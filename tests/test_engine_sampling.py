@@ -1,0 +1,147 @@
+"""Sampling: mixed-adapter batches with a KV cache, Tinker's parameters and stop rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import randomize_b
+
+from twinkled.engine.engine import Engine
+from twinkled.engine.lora import LoraBatch
+from twinkled.engine.types import (
+    Datum,
+    ForwardBackwardRequest,
+    LoraConfig,
+    SampleRequest,
+    SamplingParams,
+)
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_dir):
+    e = Engine(tiny_dir)
+    for i, name in enumerate("ab"):
+        e.add_adapter(name, LoraConfig(rank=4, alpha=16, seed=i))
+        randomize_b(e, name, seed=20 + i, std=0.3)
+    return e
+
+
+def _prompt(eng, n, seed):
+    return torch.randint(5, eng.model.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def _greedy_without_cache(eng, adapter_id, prompt, n):
+    """Reference: re-run the whole sequence for every new token (no cache, no padding)."""
+    adapter = None if adapter_id is None else eng.pool.get(adapter_id)
+    seq = list(prompt)
+    for _ in range(n):
+        ids = torch.tensor([seq])
+        lora = LoraBatch([adapter], eng.model.dtype, eng.model.device)
+        h = eng.model.forward(ids, torch.arange(len(seq))[None], lora)
+        seq.append(int(eng.model.logits(h[:, -1:], lora).argmax(-1)))
+    return seq[len(prompt):]
+
+
+def test_greedy_mixed_batch_matches_uncached_reference(eng):
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, stop=[])
+    reqs = [SampleRequest("a", _prompt(eng, 5, 1), greedy),
+            SampleRequest(None, _prompt(eng, 9, 2), greedy),
+            SampleRequest("b", _prompt(eng, 3, 3), greedy),
+            SampleRequest("a", _prompt(eng, 7, 4), greedy)]
+    results = eng.sample(reqs)
+    for req, res in zip(reqs, results, strict=True):
+        (seq,) = res.sequences
+        assert seq.tokens == _greedy_without_cache(eng, req.adapter_id, req.prompt, 12)
+        assert seq.stop_reason == "length" and len(seq.logprobs) == 12
+    # Adapters change what comes out: the same prompt differs across a, b and base.
+    same = [SampleRequest(x, _prompt(eng, 5, 1), greedy) for x in ("a", "b", None)]
+    outs = [r.sequences[0].tokens for r in eng.sample(same)]
+    assert len({tuple(o) for o in outs}) == 3
+
+
+def test_sampled_logprobs_match_the_trainer(eng):
+    """At temperature 1, a sampled token's logprob equals what forward() computes for it."""
+    prompt = _prompt(eng, 6, 5)
+    res = eng.sample([SampleRequest("b", prompt, SamplingParams(max_tokens=10, seed=3, stop=[]),
+                                    prompt_logprobs=True)])[0]
+    seq = res.sequences[0]
+    full = prompt + seq.tokens
+    fwd = eng.forward([ForwardBackwardRequest("b", [Datum(full[:-1], {"target_tokens": full[1:]})])])
+    lps = fwd[0].outputs[0]["logprobs"]
+    assert torch.allclose(torch.tensor(seq.logprobs), lps[len(prompt) - 1:], atol=1e-4)
+    assert res.prompt_logprobs[0] is None
+    assert torch.allclose(torch.tensor(res.prompt_logprobs[1:]), lps[: len(prompt) - 1], atol=1e-4)
+
+
+def test_seed_gives_the_same_output(eng):
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, stop=[])
+    req = SampleRequest("a", _prompt(eng, 4, 6), params, num_samples=3)
+    first = eng.sample([req])[0].sequences
+    again = eng.sample([req])[0].sequences
+    assert [s.tokens for s in first] == [s.tokens for s in again]
+    assert len(first) == 3 and len({tuple(s.tokens) for s in first}) > 1
+    # The same seed next to other work in one batch still gives the same output.
+    other = SampleRequest("b", _prompt(eng, 11, 7), SamplingParams(max_tokens=5, seed=9))
+    mixed = eng.sample([other, req])[1].sequences
+    assert [s.tokens for s in mixed] == [s.tokens for s in first]
+    diff = SampleRequest("a", req.prompt, SamplingParams(max_tokens=16, seed=4321, stop=[]))
+    assert eng.sample([diff])[0].sequences[0].tokens != first[0].tokens
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(eng):
+    prompt = _prompt(eng, 5, 8)
+    greedy = eng.sample([SampleRequest("a", prompt, SamplingParams(max_tokens=8, temperature=0, stop=[]))])
+    want = greedy[0].sequences[0].tokens
+    for params in (SamplingParams(max_tokens=8, top_k=1, seed=1, stop=[]),
+                   SamplingParams(max_tokens=8, top_p=1e-6, seed=2, stop=[])):
+        assert eng.sample([SampleRequest("a", prompt, params)])[0].sequences[0].tokens == want
+
+
+def test_top_k_limits_choices(eng):
+    prompt = _prompt(eng, 3, 9)
+    lora = LoraBatch([eng.pool.get("a")], eng.model.dtype, eng.model.device)
+    with torch.no_grad():
+        h = eng.model.forward(torch.tensor([prompt]), torch.arange(3)[None], lora)
+        top3 = set(eng.model.logits(h[:, -1:], lora)[0, 0].topk(3).indices.tolist())
+    params = SamplingParams(max_tokens=1, temperature=5.0, top_k=3, seed=0)
+    res = eng.sample([SampleRequest("a", prompt, params, num_samples=40)])[0]
+    firsts = {s.tokens[0] for s in res.sequences}
+    assert firsts <= top3 and len(firsts) > 1
+
+
+def test_stop_token_ids_strings_and_eos(eng):
+    prompt = _prompt(eng, 5, 10)
+    free = eng.sample([SampleRequest("a", prompt, SamplingParams(max_tokens=12, temperature=0, stop=[]))])
+    tokens = free[0].sequences[0].tokens
+    stop_id = tokens[4]
+    res = eng.sample([SampleRequest("a", prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                                stop=[stop_id]))])[0].sequences[0]
+    assert res.stop_reason == "stop" and res.tokens == tokens[: tokens.index(stop_id) + 1]
+    text = eng.tokenizer.decode(tokens[3:5])
+    res = eng.sample([SampleRequest("a", prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                                stop=[text]))])[0].sequences[0]
+    assert res.stop_reason == "stop" and len(res.tokens) <= 5
+    assert text in eng.tokenizer.decode(res.tokens)
+
+
+def test_eos_stops_unless_stops_are_disabled(tiny_dir):
+    """Make an adapter that always says EOS, then compare stop=None and stop=[]."""
+    eng = Engine(tiny_dir)
+    eng.add_adapter("eos", LoraConfig(rank=2, seed=0))
+    eos = eng.tokenizer.eos_token_id
+    a = eng.pool.get("eos")
+    with torch.no_grad():  # lm_head's LoRA pushes every hidden state towards the EOS logit
+        a.bank.A["lm_head"][a.slot].fill_(1.0)
+        a.bank.B["lm_head"][a.slot][eos].fill_(100.0)
+    prompt = [5, 6, 7]
+    res = eng.sample([SampleRequest("eos", prompt, SamplingParams(max_tokens=6, temperature=0)),
+                      SampleRequest("eos", prompt, SamplingParams(max_tokens=6, temperature=0, stop=[]))])
+    assert res[0].sequences[0].tokens == [eos] and res[0].sequences[0].stop_reason == "stop"
+    assert res[1].sequences[0].tokens == [eos] * 6 and res[1].sequences[0].stop_reason == "length"
+
+
+def test_different_max_tokens_in_one_batch(eng):
+    reqs = [SampleRequest("a", _prompt(eng, 4, 11), SamplingParams(max_tokens=n, temperature=0, stop=[]))
+            for n in (1, 7, 3)]
+    assert [len(r.sequences[0].tokens) for r in eng.sample(reqs)] == [1, 7, 3]
