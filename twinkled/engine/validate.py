@@ -113,7 +113,7 @@ def _as_tensor(field: str, value, dtype) -> torch.Tensor:
         t = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as e:
         raise EngineInputError(field, f"not a numeric array ({e})") from None
-    if dtype == torch.long and t.is_floating_point():
+    if dtype == torch.long and t.is_floating_point() and t.numel() > 0:
         raise EngineInputError(field, "must hold integers")
     return t
 

@@ -1,0 +1,141 @@
+"""Checkpoints: PEFT export that peft loads, and exact resumption of training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import ce_request, randomize_b, weights
+
+from twinkled.engine.engine import Engine
+from twinkled.engine.types import AdamParams, EngineInputError, LoraConfig
+
+PARAMS = AdamParams(learning_rate=1e-2, weight_decay=0.01)
+
+
+def _train(eng, name, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        eng.forward_backward([ce_request(name, gen, eng.model.vocab_size, [9, 13])])
+        assert eng.optim_step(name, PARAMS).applied
+    return gen
+
+
+def test_resume_gives_the_same_weights_as_uninterrupted_training(tiny_dir, tmp_path):
+    N, M = 3, 2
+    straight = Engine(tiny_dir)
+    straight.add_adapter("a", LoraConfig(rank=4, seed=1))
+    _train(straight, "a", N + M, seed=0)
+
+    first = Engine(tiny_dir)
+    first.add_adapter("a", LoraConfig(rank=4, seed=1))
+    gen = _train(first, "a", N, seed=0)
+    size = first.save("a", tmp_path / "ckpt", optimizer=True)
+    assert size > 0 and (tmp_path / "ckpt" / "optimizer.safetensors").is_file()
+    rng_state = gen.get_state()
+
+    fresh = Engine(tiny_dir)  # a new process would see only the files
+    info = fresh.load("resumed", tmp_path / "ckpt", optimizer=True)
+    assert info.steps == N and info.rank == 4
+    gen = torch.Generator()
+    gen.set_state(rng_state)
+    for _ in range(M):
+        fresh.forward_backward([ce_request("resumed", gen, fresh.model.vocab_size, [9, 13])])
+        fresh.optim_step("resumed", PARAMS)
+    a, b = weights(straight, "a"), weights(fresh, "resumed")
+    assert all(torch.allclose(a[k][i], b[k][i], atol=1e-6) for k in a for i in range(2))
+
+
+def test_weights_only_load_resets_the_optimizer(tiny_dir, tmp_path):
+    eng = Engine(tiny_dir)
+    eng.add_adapter("a", LoraConfig(rank=4, seed=1))
+    _train(eng, "a", 2, seed=0)
+    eng.save("a", tmp_path / "w", optimizer=False)
+    assert not (tmp_path / "w" / "optimizer.safetensors").exists()
+    info = eng.load("b", tmp_path / "w", optimizer=False)
+    assert info.steps == 0
+    b = eng.pool.get("b")
+    assert all(t.abs().max() == 0 for t in b.bank.tensors(b.slot, "m"))
+    with pytest.raises(EngineInputError, match="no optimizer state"):
+        eng.load("c", tmp_path / "w", optimizer=True)
+    assert not eng.has_adapter("c")
+
+
+def test_exported_adapter_loads_in_peft_with_the_same_logits(tiny_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    eng = Engine(tiny_dir)
+    eng.add_adapter("a", LoraConfig(rank=8, alpha=16, seed=3))
+    randomize_b(eng, "a", seed=4, std=0.2)  # so the adapter visibly changes the logits
+    eng.save("a", tmp_path / "peft", optimizer=False)
+    cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 8 and cfg["lora_alpha"] == 16
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    ids = torch.randint(0, eng.model.vocab_size, (2, 15), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        peft_logits = PeftModel.from_pretrained(base, tmp_path / "peft")(input_ids=ids).logits
+        from twinkled.engine.lora import LoraBatch
+
+        a = eng.pool.get("a")
+        lora = LoraBatch([a, a], eng.model.dtype, eng.model.device)
+        ours = eng.model.logits(eng.model.forward(ids, torch.arange(15).expand(2, -1), lora), lora)
+    assert (peft_logits - plain).abs().max() > 1e-2  # the adapter matters
+    assert (ours - peft_logits).abs().max() <= 1e-5
+
+
+def test_peft_adapter_with_fewer_targets_loads(tiny_dir, tmp_path):
+    """An adapter made by peft itself (q and v only) loads; missing modules stay zero."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    pm = get_peft_model(hf, PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for n, p in pm.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    pm.save_pretrained(tmp_path / "qv")
+    eng = Engine(tiny_dir)
+    info = eng.load("qv", tmp_path / "qv", optimizer=False)
+    assert info.rank == 4 and "q_proj" in info.target_modules
+    ids = torch.randint(0, eng.model.vocab_size, (1, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = pm(input_ids=ids).logits
+        from twinkled.engine.lora import LoraBatch
+
+        lora = LoraBatch([eng.pool.get("qv")], eng.model.dtype, eng.model.device)
+        got = eng.model.logits(eng.model.forward(ids, torch.arange(9)[None], lora), lora)
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_bad_checkpoints_are_refused_and_change_nothing(tiny_dir, tmp_path):
+    eng = Engine(tiny_dir)
+    eng.add_adapter("a", LoraConfig(rank=4, seed=1))
+    eng.add_adapter("big", LoraConfig(rank=8, seed=2))
+    eng.save("big", tmp_path / "r8")
+    before = weights(eng, "a")
+    with pytest.raises(EngineInputError, match="rank 8"):
+        eng.load("a", tmp_path / "r8")  # shape mismatch with the existing adapter
+    with pytest.raises(EngineInputError, match="holds no PEFT adapter"):
+        eng.load("a", tmp_path / "nothing-here")
+    (tmp_path / "r8" / "adapter_config.json").write_text(
+        (tmp_path / "r8" / "adapter_config.json").read_text().replace('"r": 8', '"r": 4'))
+    with pytest.raises(EngineInputError, match="expected lora_A"):
+        eng.load("a", tmp_path / "r8")
+    after = weights(eng, "a")
+    assert all(torch.equal(before[k][i], after[k][i]) for k in before for i in range(2))
+
+
+def test_save_replaces_atomically(tiny_dir, tmp_path):
+    eng = Engine(tiny_dir)
+    eng.add_adapter("a", LoraConfig(rank=4, seed=1))
+    eng.save("a", tmp_path / "ck")
+    _train(eng, "a", 1, seed=0)
+    eng.save("a", tmp_path / "ck")
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "ck"]
+    assert leftovers == []
+    assert eng.load("b", tmp_path / "ck").steps == 1
