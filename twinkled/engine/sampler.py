@@ -116,7 +116,7 @@ class _Chooser:
         for b, r in enumerate(rows):
             if r.params.temperature > 0:
                 by_req.setdefault(r.req, []).append(b)
-        for req, idx in by_req.items():
+        for idx in by_req.values():
             seed = rows[idx[0]].params.seed
             gen = None
             if seed is not None:
