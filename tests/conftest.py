@@ -29,6 +29,6 @@ def arch_dirs(tmp_path_factory):
 
 @pytest.fixture()
 def engine(tiny_dir):
-    from twinkled.engine.engine import Engine
+    from helpers import make_engine
 
-    return Engine(tiny_dir)
+    return make_engine(tiny_dir)

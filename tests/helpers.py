@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from twinkled.engine.engine import Engine
 from twinkled.engine.types import Datum, ForwardBackwardRequest
+
+# The engine tests run on the CPU in CI; TWINKLE_TEST_DEVICE=cuda runs them on a GPU.
+DEVICE = os.environ.get("TWINKLE_TEST_DEVICE", "cpu")
+
+
+def make_engine(model_dir, **kw) -> Engine:
+    kw.setdefault("device", DEVICE)
+    return Engine(model_dir, **kw)
 
 
 def random_datum(gen: torch.Generator, n: int, vocab: int, **extra) -> Datum:
@@ -30,18 +41,20 @@ def adapter_snapshot(engine, adapter_id: str) -> dict[str, torch.Tensor]:
     out = {}
     for kind in ("w", "g", "m", "v"):
         for i, t in enumerate(a.bank.tensors(a.slot, kind)):
-            out[f"{kind}{i}"] = t.detach().clone()
+            out[f"{kind}{i}"] = t.detach().cpu().clone()
     return out
 
 
 def grads(engine, adapter_id: str) -> dict[str, torch.Tensor]:
     a = engine.pool.get(adapter_id)
-    return {k: (a.bank.gA[k][a.slot].clone(), a.bank.gB[k][a.slot].clone()) for k in a.bank.shapes}
+    return {k: (a.bank.gA[k][a.slot].cpu().clone(), a.bank.gB[k][a.slot].cpu().clone())
+            for k in a.bank.shapes}
 
 
 def weights(engine, adapter_id: str) -> dict[str, torch.Tensor]:
     a = engine.pool.get(adapter_id)
-    return {k: (a.bank.A[k][a.slot].clone(), a.bank.B[k][a.slot].clone()) for k in a.bank.shapes}
+    return {k: (a.bank.A[k][a.slot].cpu().clone(), a.bank.B[k][a.slot].cpu().clone())
+            for k in a.bank.shapes}
 
 
 def max_diff(x: dict, y: dict) -> float:
@@ -56,7 +69,7 @@ def randomize_b(engine, adapter_id: str, seed: int, std: float = 0.05) -> None:
     gen = torch.Generator().manual_seed(seed)
     for k in a.bank.shapes:
         b = a.bank.B[k][a.slot]
-        b.copy_(torch.randn(b.shape, generator=gen) * std)
+        b.copy_(torch.randn(b.shape, generator=gen).to(b.device) * std)
 
 
 def all_close(x: dict, y: dict, rtol: float = 1e-5, atol: float = 1e-5) -> bool:

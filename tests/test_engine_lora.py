@@ -7,9 +7,8 @@ import weakref
 
 import pytest
 import torch
-from helpers import ce_request, grads, max_diff, randomize_b
+from helpers import ce_request, grads, make_engine, max_diff, randomize_b
 
-from twinkled.engine.engine import Engine
 from twinkled.engine.types import EngineInputError, ForwardBackwardRequest, LoraConfig
 
 
@@ -29,7 +28,7 @@ def test_add_and_remove_adapters(engine):
 
 
 def test_rank_limits(tiny_dir):
-    eng = Engine(tiny_dir, max_rank=16)
+    eng = make_engine(tiny_dir, max_rank=16)
     for bad in (0, 17, -3):
         with pytest.raises(EngineInputError, match="rank"):
             eng.add_adapter(f"r{bad}", LoraConfig(rank=bad))
@@ -81,7 +80,7 @@ def test_slots_grow_and_are_reused(engine):
 
 
 def _mixed_setup(tiny_dir):
-    eng = Engine(tiny_dir)
+    eng = make_engine(tiny_dir)
     configs = {
         "a": LoraConfig(rank=8, alpha=16, seed=1),
         "b": LoraConfig(rank=4, alpha=8, seed=2, train_unembed=False),
@@ -122,7 +121,7 @@ def test_mixed_batch_gradients_equal_training_alone(tiny_dir):
         for x, y in zip(got, out_alone, strict=True):
             assert x.metrics["loss:sum"] == pytest.approx(y.metrics["loss:sum"], abs=1e-4)
     # The base-model rows equal a base-only forward.
-    base = Engine(tiny_dir).forward([r for r in _requests(vocab) if r.adapter_id is None])
+    base = make_engine(tiny_dir).forward([r for r in _requests(vocab) if r.adapter_id is None])
     got = out_mixed[2].outputs[0]["logprobs"]
     assert torch.allclose(got, base[0].outputs[0]["logprobs"], atol=1e-5)
 
@@ -143,7 +142,7 @@ def test_gradients_match_peft_autograd(tiny_dir):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    eng = Engine(tiny_dir)
+    eng = make_engine(tiny_dir)
     eng.add_adapter("a", LoraConfig(rank=4, alpha=8, seed=5))
     randomize_b(eng, "a", seed=6)
     gen = torch.Generator().manual_seed(1)

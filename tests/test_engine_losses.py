@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import adapter_snapshot, all_close, grads, max_diff, randomize_b, rl_datum
+from helpers import adapter_snapshot, all_close, grads, make_engine, max_diff, randomize_b, rl_datum
 
-from twinkled.engine.engine import Engine
 from twinkled.engine.losses import target_logprobs
 from twinkled.engine.types import Datum, ForwardBackwardRequest, LoraConfig
 
 
 @pytest.fixture()
 def eng(tiny_dir):
-    e = Engine(tiny_dir)
+    e = make_engine(tiny_dir)
     e.add_adapter("a", LoraConfig(rank=4, seed=1))
     randomize_b(e, "a", seed=2)
     return e
@@ -79,7 +78,7 @@ def test_rl_gradients_follow_the_formula(eng, tiny_dir):
     ppo_grads = grads(eng, "a")
 
     # Same gradient from a custom loss that spells the formula out on the logprobs.
-    other = Engine(tiny_dir)
+    other = make_engine(tiny_dir)
     other.add_adapter("a", LoraConfig(rank=4, seed=1))
     randomize_b(other, "a", seed=2)
 
@@ -99,7 +98,7 @@ def test_rows_of_one_batch_use_different_losses(eng, tiny_dir):
             ForwardBackwardRequest("a", [rl_datum(gen, 6, v)], "cispo"),
             ForwardBackwardRequest("a", [rl_datum(gen, 9, v)], "dro", {"beta": 0.1})]
     together = eng.forward_backward(reqs)
-    other = Engine(tiny_dir)
+    other = make_engine(tiny_dir)
     other.add_adapter("a", LoraConfig(rank=4, seed=1))
     randomize_b(other, "a", seed=2)
     for r in reqs:  # one call per loss: accumulated gradients must match the single pass

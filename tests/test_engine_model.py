@@ -7,7 +7,6 @@ import time
 import pytest
 import torch
 
-from twinkled.engine.engine import Engine
 from twinkled.engine.model import BaseModel
 from twinkled.engine.tiny import build_tiny_model
 from twinkled.engine.types import EngineInputError
@@ -62,9 +61,9 @@ def test_unsupported_or_missing_model_is_refused(tmp_path, tiny_dir):
 
 
 def test_training_never_modifies_base_weights(tiny_dir):
-    from helpers import ce_request
+    from helpers import ce_request, make_engine
 
-    eng = Engine(tiny_dir)
+    eng = make_engine(tiny_dir)
     before = {k: v.clone() for k, v in eng.model.hf.state_dict().items()}
     eng.add_adapter("a")
     gen = torch.Generator().manual_seed(0)

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import adapter_snapshot, all_close, ce_request, grads, randomize_b, weights
+from helpers import (
+    adapter_snapshot,
+    all_close,
+    ce_request,
+    grads,
+    make_engine,
+    randomize_b,
+    weights,
+)
 
-from twinkled.engine.engine import Engine
 from twinkled.engine.types import AdamParams, EngineInputError, ForwardBackwardRequest, LoraConfig
 
 
 @pytest.fixture()
 def eng(tiny_dir):
-    e = Engine(tiny_dir)
+    e = make_engine(tiny_dir)
     for i, name in enumerate("ab"):
         e.add_adapter(name, LoraConfig(rank=4, seed=i))
         randomize_b(e, name, seed=10 + i)
@@ -26,7 +33,7 @@ def test_gradients_accumulate_until_the_step(eng, tiny_dir):
     eng.forward_backward([r1])
     eng.forward_backward([r2])
     assert eng.pool.get("a").pending == 3
-    other = Engine(tiny_dir)
+    other = make_engine(tiny_dir)
     other.add_adapter("a", LoraConfig(rank=4, seed=0))
     randomize_b(other, "a", seed=10)
     other.forward_backward([ForwardBackwardRequest("a", r1.data + r2.data)])
@@ -39,14 +46,14 @@ def test_adamw_matches_torch_with_changing_hyperparameters(eng):
     gen = torch.Generator().manual_seed(1)
     v = eng.model.vocab_size
     a = eng.pool.get("a")
-    ref = [t.detach().clone().requires_grad_(True) for t in a.bank.tensors(a.slot, "w")]
+    ref = [t.detach().cpu().clone().requires_grad_(True) for t in a.bank.tensors(a.slot, "w")]
     opt = torch.optim.AdamW(ref, foreach=False)
     schedule = [AdamParams(learning_rate=1e-2, weight_decay=0.1),
                 AdamParams(learning_rate=5e-3, beta1=0.8, beta2=0.99, eps=1e-8),
                 AdamParams(learning_rate=2e-2, grad_clip_norm=0.5)]
     for params in schedule:
         eng.forward_backward([ce_request("a", gen, v, [10, 6])])
-        g = [t.clone() for t in a.bank.tensors(a.slot, "g")]
+        g = [t.cpu().clone() for t in a.bank.tensors(a.slot, "g")]
         for p, gi in zip(ref, g, strict=True):
             p.grad = gi.clone()
         norm = torch.nn.utils.clip_grad_norm_(ref, params.grad_clip_norm or float("inf"))
@@ -56,7 +63,7 @@ def test_adamw_matches_torch_with_changing_hyperparameters(eng):
         res = eng.optim_step("a", params)
         assert res.applied
         assert res.metrics["grad_norm:mean"] == pytest.approx(norm.item(), rel=1e-5)
-        ours = a.bank.tensors(a.slot, "w")
+        ours = [t.cpu() for t in a.bank.tensors(a.slot, "w")]
         assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(ours, ref, strict=True))
         # Gradients are cleared by the step.
         assert all(t.abs().max() == 0 for t in a.bank.tensors(a.slot, "g"))

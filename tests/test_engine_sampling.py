@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import randomize_b
+from helpers import make_engine, randomize_b
 
-from twinkled.engine.engine import Engine
 from twinkled.engine.lora import LoraBatch
 from twinkled.engine.types import (
     Datum,
@@ -19,7 +18,7 @@ from twinkled.engine.types import (
 
 @pytest.fixture(scope="module")
 def eng(tiny_dir):
-    e = Engine(tiny_dir)
+    e = make_engine(tiny_dir)
     for i, name in enumerate("ab"):
         e.add_adapter(name, LoraConfig(rank=4, alpha=16, seed=i))
         randomize_b(e, name, seed=20 + i, std=0.3)
@@ -36,9 +35,10 @@ def _greedy_without_cache(eng, adapter_id, prompt, n):
     adapter = None if adapter_id is None else eng.pool.get(adapter_id)
     seq = list(prompt)
     for _ in range(n):
-        ids = torch.tensor([seq])
-        lora = LoraBatch([adapter], eng.model.dtype, eng.model.device)
-        h = eng.model.forward(ids, torch.arange(len(seq))[None], lora)
+        dev = eng.model.device
+        ids = torch.tensor([seq], device=dev)
+        lora = LoraBatch([adapter], eng.model.dtype, dev)
+        h = eng.model.forward(ids, torch.arange(len(seq), device=dev)[None], lora)
         seq.append(int(eng.model.logits(h[:, -1:], lora).argmax(-1)))
     return seq[len(prompt):]
 
@@ -102,7 +102,8 @@ def test_top_k_limits_choices(eng):
     prompt = _prompt(eng, 3, 9)
     lora = LoraBatch([eng.pool.get("a")], eng.model.dtype, eng.model.device)
     with torch.no_grad():
-        h = eng.model.forward(torch.tensor([prompt]), torch.arange(3)[None], lora)
+        dev = eng.model.device
+        h = eng.model.forward(torch.tensor([prompt], device=dev), torch.arange(3, device=dev)[None], lora)
         top3 = set(eng.model.logits(h[:, -1:], lora)[0, 0].topk(3).indices.tolist())
     params = SamplingParams(max_tokens=1, temperature=5.0, top_k=3, seed=0)
     res = eng.sample([SampleRequest("a", prompt, params, num_samples=40)])[0]
@@ -127,13 +128,14 @@ def test_stop_token_ids_strings_and_eos(eng):
 
 def test_eos_stops_unless_stops_are_disabled(tiny_dir):
     """Make an adapter that always says EOS, then compare stop=None and stop=[]."""
-    eng = Engine(tiny_dir)
+    eng = make_engine(tiny_dir)
     eng.add_adapter("eos", LoraConfig(rank=2, seed=0))
     eos = eng.tokenizer.eos_token_id
     a = eng.pool.get("eos")
     with torch.no_grad():  # lm_head's LoRA pushes every hidden state towards the EOS logit
         a.bank.A["lm_head"][a.slot].fill_(1.0)
         a.bank.B["lm_head"][a.slot][eos].fill_(100.0)
+    # (max_tokens 12 > 8 also exercises the CUDA-graph decode path on a GPU)
     prompt = [5, 6, 7]
     res = eng.sample([SampleRequest("eos", prompt, SamplingParams(max_tokens=6, temperature=0)),
                       SampleRequest("eos", prompt, SamplingParams(max_tokens=6, temperature=0, stop=[]))])

@@ -6,9 +6,8 @@ import json
 
 import pytest
 import torch
-from helpers import ce_request, randomize_b, weights
+from helpers import ce_request, make_engine, randomize_b, weights
 
-from twinkled.engine.engine import Engine
 from twinkled.engine.types import AdamParams, EngineInputError, LoraConfig
 
 PARAMS = AdamParams(learning_rate=1e-2, weight_decay=0.01)
@@ -24,18 +23,18 @@ def _train(eng, name, steps, seed):
 
 def test_resume_gives_the_same_weights_as_uninterrupted_training(tiny_dir, tmp_path):
     N, M = 3, 2
-    straight = Engine(tiny_dir)
+    straight = make_engine(tiny_dir)
     straight.add_adapter("a", LoraConfig(rank=4, seed=1))
     _train(straight, "a", N + M, seed=0)
 
-    first = Engine(tiny_dir)
+    first = make_engine(tiny_dir)
     first.add_adapter("a", LoraConfig(rank=4, seed=1))
     gen = _train(first, "a", N, seed=0)
     size = first.save("a", tmp_path / "ckpt", optimizer=True)
     assert size > 0 and (tmp_path / "ckpt" / "optimizer.safetensors").is_file()
     rng_state = gen.get_state()
 
-    fresh = Engine(tiny_dir)  # a new process would see only the files
+    fresh = make_engine(tiny_dir)  # a new process would see only the files
     info = fresh.load("resumed", tmp_path / "ckpt", optimizer=True)
     assert info.steps == N and info.rank == 4
     gen = torch.Generator()
@@ -48,7 +47,7 @@ def test_resume_gives_the_same_weights_as_uninterrupted_training(tiny_dir, tmp_p
 
 
 def test_weights_only_load_resets_the_optimizer(tiny_dir, tmp_path):
-    eng = Engine(tiny_dir)
+    eng = make_engine(tiny_dir)
     eng.add_adapter("a", LoraConfig(rank=4, seed=1))
     _train(eng, "a", 2, seed=0)
     eng.save("a", tmp_path / "w", optimizer=False)
@@ -66,7 +65,7 @@ def test_exported_adapter_loads_in_peft_with_the_same_logits(tiny_dir, tmp_path)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    eng = Engine(tiny_dir)
+    eng = make_engine(tiny_dir)
     eng.add_adapter("a", LoraConfig(rank=8, alpha=16, seed=3))
     randomize_b(eng, "a", seed=4, std=0.2)  # so the adapter visibly changes the logits
     eng.save("a", tmp_path / "peft", optimizer=False)
@@ -82,7 +81,9 @@ def test_exported_adapter_loads_in_peft_with_the_same_logits(tiny_dir, tmp_path)
 
         a = eng.pool.get("a")
         lora = LoraBatch([a, a], eng.model.dtype, eng.model.device)
-        ours = eng.model.logits(eng.model.forward(ids, torch.arange(15).expand(2, -1), lora), lora)
+        dev = eng.model.device
+        pos = torch.arange(15, device=dev).expand(2, -1)
+        ours = eng.model.logits(eng.model.forward(ids.to(dev), pos, lora), lora).cpu()
     assert (peft_logits - plain).abs().max() > 1e-2  # the adapter matters
     assert (ours - peft_logits).abs().max() <= 1e-5
 
@@ -99,7 +100,7 @@ def test_peft_adapter_with_fewer_targets_loads(tiny_dir, tmp_path):
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.1)
     pm.save_pretrained(tmp_path / "qv")
-    eng = Engine(tiny_dir)
+    eng = make_engine(tiny_dir)
     info = eng.load("qv", tmp_path / "qv", optimizer=False)
     assert info.rank == 4 and "q_proj" in info.target_modules
     ids = torch.randint(0, eng.model.vocab_size, (1, 9), generator=torch.Generator().manual_seed(6))
@@ -108,12 +109,14 @@ def test_peft_adapter_with_fewer_targets_loads(tiny_dir, tmp_path):
         from twinkled.engine.lora import LoraBatch
 
         lora = LoraBatch([eng.pool.get("qv")], eng.model.dtype, eng.model.device)
-        got = eng.model.logits(eng.model.forward(ids, torch.arange(9)[None], lora), lora)
+        dev = eng.model.device
+        pos = torch.arange(9, device=dev)[None]
+        got = eng.model.logits(eng.model.forward(ids.to(dev), pos, lora), lora).cpu()
     assert (got - want).abs().max() <= 1e-5
 
 
 def test_bad_checkpoints_are_refused_and_change_nothing(tiny_dir, tmp_path):
-    eng = Engine(tiny_dir)
+    eng = make_engine(tiny_dir)
     eng.add_adapter("a", LoraConfig(rank=4, seed=1))
     eng.add_adapter("big", LoraConfig(rank=8, seed=2))
     eng.save("big", tmp_path / "r8")
@@ -131,7 +134,7 @@ def test_bad_checkpoints_are_refused_and_change_nothing(tiny_dir, tmp_path):
 
 
 def test_save_replaces_atomically(tiny_dir, tmp_path):
-    eng = Engine(tiny_dir)
+    eng = make_engine(tiny_dir)
     eng.add_adapter("a", LoraConfig(rank=4, seed=1))
     eng.save("a", tmp_path / "ck")
     _train(eng, "a", 1, seed=0)

@@ -37,6 +37,7 @@ class Bank:
         self.mB: dict[str, torch.Tensor] = {}
         self.vA: dict[str, torch.Tensor] = {}  # AdamW second moments
         self.vB: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple[int, str], list[torch.Tensor]] = {}
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
@@ -50,6 +51,7 @@ class Bank:
                 store[key] = _resized(store.get(key), capacity, (fout, self.rank), self.device)
         self.free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
+        self._views.clear()  # they pointed into the old tensors
 
     def allocate(self) -> int:
         if not self.free:
@@ -61,18 +63,21 @@ class Bank:
         self.free.append(slot)
 
     def zero_slot(self, slot: int, weights: bool = False) -> None:
-        stores = [self.gA, self.gB]
-        if weights:
-            stores += [self.A, self.B, self.mA, self.mB, self.vA, self.vB]
-        for store in stores:
-            for t in store.values():
-                t[slot].zero_()
+        """Clear the slot's gradients (and with `weights`, everything)."""
+        for kind in ("g", "w", "m", "v") if weights else ("g",):
+            torch._foreach_zero_(self.tensors(slot, kind))
 
     def tensors(self, slot: int, kind: str) -> list[torch.Tensor]:
-        """Views of one slot, in a fixed order: weights, grads or moments."""
-        a, b = {"w": (self.A, self.B), "g": (self.gA, self.gB),
-                "m": (self.mA, self.mB), "v": (self.vA, self.vB)}[kind]
-        return [a[k][slot] for k in self.shapes] + [b[k][slot] for k in self.shapes]
+        """Views of one slot, in a fixed order: weights "w", grads "g" or moments "m", "v".
+
+        Cached: building hundreds of views costs more host time than the optimizer step."""
+        views = self._views.get((slot, kind))
+        if views is None:
+            a, b = {"w": (self.A, self.B), "g": (self.gA, self.gB),
+                    "m": (self.mA, self.mB), "v": (self.vA, self.vB)}[kind]
+            views = [a[k][slot] for k in self.shapes] + [b[k][slot] for k in self.shapes]
+            self._views[(slot, kind)] = views
+        return views
 
     def nbytes(self) -> int:
         return sum(
@@ -242,8 +247,11 @@ class LoraBatch:
             A_rows, B_rows = self._weights(key, g)
             whole = g.start == 0 and g.end == self.n_rows
             xs = x if whole else x[g.start:g.end]
-            d = _LoraDelta.apply(xs, self.anchor, A_rows, B_rows, g.bank.gA[key],
-                                 g.bank.gB[key], g.slots, g.scale)
+            if torch.is_grad_enabled():
+                d = _LoraDelta.apply(xs, self.anchor, A_rows, B_rows, g.bank.gA[key],
+                                     g.bank.gB[key], g.slots, g.scale)
+            else:  # sampling and forward-only: the same math without autograd's overhead
+                d = torch.bmm(torch.bmm(xs, A_rows.transpose(1, 2)) * g.scale, B_rows.transpose(1, 2))
             if whole:
                 y = y + d
             else:

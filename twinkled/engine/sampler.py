@@ -49,7 +49,9 @@ def generate(model: BaseModel, requests: list[SampleRequest],
         ids[b, pad[b]:] = torch.tensor(r.prompt)
     ids, pad = ids.to(dev), pad.to(dev)
     cols = torch.arange(T, device=dev)
-    key_ok = cols[None, :] >= pad[:, None]  # [B, T]: False on padding
+    # Which cache positions a row may attend to: its prompt (not its padding) for now;
+    # each decode step opens one more position.
+    key_ok = (cols[None, :] >= pad[:, None]) & (cols[None, :] < P)
     positions = (cols[None, :P] - pad[:, None]).clamp(min=0)
     causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
     # A padding query may see nothing; letting it see itself keeps softmax finite.
@@ -62,6 +64,7 @@ def generate(model: BaseModel, requests: list[SampleRequest],
     _prompt_logprobs(model, requests, rows, hidden, ids, results)
 
     chooser = _Chooser(rows, dev)
+    decode = _Decoder(model, lora, cache, key_ok, graph=dev.type == "cuda" and max_new > 8)
     for t in range(max_new):
         tokens, lps = chooser.choose(logits)
         for b, (tok, lp) in enumerate(zip(tokens.tolist(), lps.tolist(), strict=True)):
@@ -72,15 +75,52 @@ def generate(model: BaseModel, requests: list[SampleRequest],
                 r.done = _stop_reason(model, r)
         if all(r.done is not None for r in rows) or t == max_new - 1:
             break
-        pos = P + t
-        step_mask = key_ok[:, None, None, : pos + 1]
-        hidden = model.forward(tokens[:, None], (pos - pad)[:, None], lora, cache, step_mask)
-        cache.length = pos + 1
-        logits = model.logits(hidden, lora)[:, 0]
+        logits = decode(tokens, P + t, P + t - pad)
 
     for r in sorted(rows, key=lambda r: r.req):  # stable: samples keep their order
         results[r.req].sequences.append(SampledSequence(r.tokens, r.logprobs, r.done or "length"))
     return results
+
+
+class _Decoder:
+    """One decode step for the whole batch. On CUDA the step is captured once as a graph
+    and replayed: a small model's decode is otherwise bound by kernel launches."""
+
+    def __init__(self, model: BaseModel, lora: LoraBatch, cache, key_ok: torch.Tensor, graph: bool):
+        self.model, self.lora, self.cache, self.key_ok = model, lora, cache, key_ok
+        B, dev = key_ok.shape[0], key_ok.device
+        self.tok = torch.zeros((B, 1), dtype=torch.long, device=dev)
+        self.pos = torch.zeros((B, 1), dtype=torch.long, device=dev)
+        self.use_graph = graph
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+    def _run(self, mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.forward(self.tok, self.pos, self.lora, self.cache, mask)
+        return self.model.logits(hidden, self.lora)[:, 0]
+
+    def __call__(self, tokens: torch.Tensor, at: int, positions: torch.Tensor) -> torch.Tensor:
+        """Feed `tokens` (one per row) at cache position `at`; returns next-token logits."""
+        self.key_ok[:, at] = True
+        self.tok.copy_(tokens[:, None])
+        self.pos.copy_(positions[:, None])
+        if not self.use_graph:
+            self.cache.length = at
+            return self._run(self.key_ok[:, None, None, : at + 1])
+        if self.graph is None:
+            self.cache.index = torch.tensor([at], device=self.tok.device)
+            mask = self.key_ok[:, None, None, :]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside capture, as CUDA graphs need
+                self._run(mask)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self._run(mask)
+        self.cache.index.fill_(at)
+        self.graph.replay()
+        return self.out
 
 
 def _stop_reason(model: BaseModel, r: _Row) -> str | None:
