@@ -55,8 +55,7 @@ def main() -> None:
             eng.forward_backward(reqs)
 
         def opt():
-            for n in names:
-                eng.optim_step(n, AdamParams(learning_rate=1e-4))
+            eng.optim_steps([(n, AdamParams(learning_rate=1e-4)) for n in names])
 
         fb_t, opt_t = [], []
         for i in range(7):

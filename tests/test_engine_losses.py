@@ -20,11 +20,12 @@ def eng(tiny_dir):
 
 def _reference(name, lp, d, cfg):
     """The Tinker docs' per-token formulas, written out independently."""
-    q, adv = d.loss_inputs.get("logprobs"), d.loss_inputs.get("advantages")
+    inputs = {k: torch.as_tensor(v).to(lp.device) for k, v in d.loss_inputs.items()}
+    q, adv = inputs.get("logprobs"), inputs.get("advantages")
     r = torch.exp(lp - q) if q is not None else None
     lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
     if name == "cross_entropy":
-        return -lp * d.loss_inputs.get("weights", torch.ones_like(lp))
+        return -lp * inputs.get("weights", torch.ones_like(lp))
     if name == "importance_sampling":
         return -r * adv
     if name == "ppo":

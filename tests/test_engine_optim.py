@@ -118,3 +118,43 @@ def test_bad_adam_params_are_refused_and_change_nothing(eng, bad):
     after = adapter_snapshot(eng, "a")
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert eng.pool.get("a").pending == 1
+
+
+def test_stepping_many_adapters_at_once_equals_one_by_one(tiny_dir):
+    engines = []
+    for _ in range(2):
+        e = make_engine(tiny_dir)
+        for i, name in enumerate("abc"):
+            e.add_adapter(name, LoraConfig(rank=4, seed=i))
+        gen = torch.Generator().manual_seed(6)
+        e.forward_backward([ce_request(n, gen, e.model.vocab_size, [7]) for n in "abc"])
+        engines.append(e)
+    params = {"a": AdamParams(learning_rate=1e-2), "b": AdamParams(learning_rate=1e-2),
+              "c": AdamParams(learning_rate=3e-3, grad_clip_norm=0.1)}
+    together = engines[0].optim_steps(list(params.items()))
+    apart = [engines[1].optim_step(n, p) for n, p in params.items()]
+    for n, x, y in zip(params, together, apart, strict=True):
+        assert x.applied and x.metrics == y.metrics
+        a, b = weights(engines[0], n), weights(engines[1], n)
+        assert all(torch.equal(a[k][i], b[k][i]) for k in a for i in range(2))
+    with pytest.raises(EngineInputError, match="only once per call"):
+        engines[0].optim_steps([("a", AdamParams()), ("a", AdamParams())])
+
+
+def test_bf16_engine_uses_the_updated_weights(tiny_dir, tmp_path):
+    """Batches run on a bf16 copy of the fp32 masters: it must follow every change."""
+    eng = make_engine(tiny_dir, dtype="bfloat16")
+    eng.add_adapter("a", LoraConfig(rank=4, seed=0))
+    gen = torch.Generator().manual_seed(7)
+    req = ce_request("a", gen, eng.model.vocab_size, [12])
+    first = eng.forward([req])[0].outputs[0]["logprobs"]
+    for _ in range(5):
+        eng.forward_backward([req])
+        eng.optim_step("a", AdamParams(learning_rate=5e-2))
+    trained = eng.forward([req])[0].outputs[0]["logprobs"]
+    eng.save("a", tmp_path / "a", optimizer=False)
+    ref = make_engine(tiny_dir)  # fp32, from the saved masters
+    ref.load("a", tmp_path / "a", optimizer=False)
+    want = ref.forward([req])[0].outputs[0]["logprobs"]
+    assert (trained - first).abs().max() > 0.5  # training moved it
+    assert (trained - want).abs().max() < 0.25  # and bf16 follows the fp32 masters

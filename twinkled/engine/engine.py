@@ -6,7 +6,7 @@ tenants, HTTP or SQL: adapters are named by opaque ids chosen by the caller.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -14,7 +14,7 @@ import torch
 from . import sampler, state, step
 from .lora import LoraPool
 from .model import BaseModel
-from .optim import adamw_step, check_adam_params
+from .optim import adamw_steps, check_adam_params
 from .types import (
     AdamParams,
     EngineInputError,
@@ -49,7 +49,7 @@ class Engine:
                  device: str | torch.device = "cpu", max_rank: int = 128,
                  token_budget: int = 16384):
         self.model = BaseModel(model_dir, dtype=dtype, device=device)
-        self.pool = LoraPool(self.model.targets, max_rank, self.model.device)
+        self.pool = LoraPool(self.model.targets, max_rank, self.model.device, self.model.dtype)
         self.token_budget = token_budget
 
     @property
@@ -98,14 +98,20 @@ class Engine:
 
     def forward(self, requests: list[ForwardBackwardRequest]) -> list[ForwardBackwardResult]:
         """Logprobs (and loss values) only; changes nothing."""
-        for r in requests:
-            r.forward_only = True
-        return self.forward_backward(requests)
+        return self.forward_backward([replace(r, forward_only=True) for r in requests])
 
     def optim_step(self, adapter_id: str, params: AdamParams | None = None) -> OptimResult:
-        params = params or AdamParams()
-        check_adam_params(params)
-        return adamw_step(self.pool.get(adapter_id), params)
+        """AdamW on the gradients accumulated since the adapter's last step (then cleared)."""
+        return self.optim_steps([(adapter_id, params or AdamParams())])[0]
+
+    def optim_steps(self, items: list[tuple[str, AdamParams]]) -> list[OptimResult]:
+        """Several adapters' optimizer steps at once (cheaper than one call each)."""
+        for _, params in items:
+            check_adam_params(params)
+        ids = [i for i, _ in items]
+        if len(set(ids)) != len(ids):
+            raise EngineInputError("adapter_id", "an adapter may step only once per call")
+        return adamw_steps([(self.pool.get(i), p) for i, p in items])
 
     def zero_grad(self, adapter_id: str) -> None:
         a = self.pool.get(adapter_id)

@@ -23,10 +23,17 @@ from .types import EngineInputError, LoraConfig
 class Bank:
     """Adapters of one (rank, targets) shape. Slots are reused after removal."""
 
-    def __init__(self, rank: int, targets: dict[str, tuple[int, int]], device, capacity: int = 4):
+    def __init__(self, rank: int, targets: dict[str, tuple[int, int]], device,
+                 dtype: torch.dtype = torch.float32, capacity: int = 4):
         self.rank = rank
         self.shapes = targets  # key -> (in_features, out_features)
         self.device = device
+        # Batches run in the base model's dtype; a bf16 copy of the fp32 master weights,
+        # refreshed after each change, spares every layer a cast per step.
+        self.dtype = dtype
+        self.A16: dict[str, torch.Tensor] = {}
+        self.B16: dict[str, torch.Tensor] = {}
+        self.stale: set[int] = set()
         self.capacity = 0
         self.free: list[int] = []
         self.A: dict[str, torch.Tensor] = {}
@@ -49,6 +56,11 @@ class Bank:
                 store[key] = _resized(store.get(key), capacity, (self.rank, *shape), self.device)
             for store in (self.B, self.gB, self.mB, self.vB):
                 store[key] = _resized(store.get(key), capacity, (fout, self.rank), self.device)
+            if self.dtype == torch.float32:
+                self.A16[key], self.B16[key] = self.A[key], self.B[key]
+            else:
+                self.A16[key] = self.A[key].to(self.dtype)
+                self.B16[key] = self.B[key].to(self.dtype)
         self.free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
         self._views.clear()  # they pointed into the old tensors
@@ -60,7 +72,15 @@ class Bank:
 
     def release(self, slot: int) -> None:
         self.zero_slot(slot, weights=True)
+        self.stale.add(slot)
         self.free.append(slot)
+
+    def refresh(self) -> None:
+        """Bring the compute-dtype copy of changed slots up to date with the masters."""
+        if self.dtype != torch.float32:
+            for slot in self.stale:
+                torch._foreach_copy_(self.tensors(slot, "w16"), self.tensors(slot, "w"))
+        self.stale.clear()
 
     def zero_slot(self, slot: int, weights: bool = False) -> None:
         """Clear the slot's gradients (and with `weights`, everything)."""
@@ -73,18 +93,12 @@ class Bank:
         Cached: building hundreds of views costs more host time than the optimizer step."""
         views = self._views.get((slot, kind))
         if views is None:
-            a, b = {"w": (self.A, self.B), "g": (self.gA, self.gB),
+            a, b = {"w": (self.A, self.B), "g": (self.gA, self.gB), "w16": (self.A16, self.B16),
                     "m": (self.mA, self.mB), "v": (self.vA, self.vB)}[kind]
             views = [a[k][slot] for k in self.shapes] + [b[k][slot] for k in self.shapes]
             self._views[(slot, kind)] = views
         return views
 
-    def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for s in (self.A, self.B, self.gA, self.gB, self.mA, self.mB, self.vA, self.vB)
-            for t in s.values()
-        )
 
 
 def _resized(t: torch.Tensor | None, capacity: int, shape: tuple, device) -> torch.Tensor:
@@ -112,12 +126,14 @@ class Adapter:
 class LoraPool:
     """Adds, finds and removes adapters; the base model's weights are never touched."""
 
-    def __init__(self, targets: dict[str, tuple[int, int]], max_rank: int, device):
+    def __init__(self, targets: dict[str, tuple[int, int]], max_rank: int, device,
+                 dtype: torch.dtype = torch.float32):
         # targets: every module the model can adapt, "model.layers.0.self_attn.q_proj" ->
         # (in, out); the suffix (q_proj ...) is what a LoraConfig selects.
         self.targets = targets
         self.max_rank = max_rank
         self.device = device
+        self.dtype = dtype
         self.banks: dict[tuple, Bank] = {}
         self.adapters: dict[str, Adapter] = {}
 
@@ -134,7 +150,7 @@ class LoraPool:
         bank_key = (config.rank, tuple(sorted(keys)))
         bank = self.banks.get(bank_key)
         if bank is None:
-            bank = self.banks[bank_key] = Bank(config.rank, keys, self.device)
+            bank = self.banks[bank_key] = Bank(config.rank, keys, self.device, self.dtype)
         slot = bank.allocate()
         self._init_weights(bank, slot, config.seed)
         adapter = Adapter(adapter_id, config, bank, slot)
@@ -152,6 +168,7 @@ class LoraPool:
             a = torch.empty((bank.rank, fin)).uniform_(-bound, bound, generator=gen)
             bank.A[key][slot].copy_(a)
             bank.B[key][slot].zero_()
+        bank.stale.add(slot)
 
     def get(self, adapter_id: str) -> Adapter:
         try:
@@ -230,12 +247,14 @@ class LoraBatch:
         seen = [id(g.bank) for g in self.groups]
         if len(seen) != len(set(seen)):
             raise ValueError("rows of one bank must be contiguous")
+        for g in self.groups:
+            g.bank.refresh()
 
     def _weights(self, key: str, g: _Group):
         if self.cache is not None and (key, g.start) in self.cache:
             return self.cache[(key, g.start)]
-        w = (g.bank.A[key].index_select(0, g.slots).to(self.dtype),
-             g.bank.B[key].index_select(0, g.slots).to(self.dtype))
+        w = (g.bank.A16[key].index_select(0, g.slots).to(self.dtype),
+             g.bank.B16[key].index_select(0, g.slots).to(self.dtype))
         if self.cache is not None:
             self.cache[(key, g.start)] = w
         return w

@@ -8,6 +8,7 @@ slices. Hyperparameters come with every step (Tinker's AdamParams) and may chang
 from __future__ import annotations
 
 import math
+from dataclasses import astuple
 
 import torch
 from torch.optim.adamw import adamw
@@ -32,6 +33,7 @@ def check_adam_params(p: AdamParams) -> None:
 
 def _counters(adapter: Adapter) -> list[torch.Tensor]:
     """One step counter per weight tensor, as torch's AdamW keeps them (kept between steps).
+    Read before the step: the adapter's `steps` already counts the one being taken.
 
     Fused AdamW (CUDA) wants them on the device; the CPU path reads them on the host.
     """
@@ -44,28 +46,51 @@ def _counters(adapter: Adapter) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def adamw_step(adapter: Adapter, params: AdamParams) -> OptimResult:
-    """Apply AdamW to the gradients accumulated since the adapter's last step, then clear them."""
-    if adapter.pending == 0:
-        return OptimResult(False, {"skipped:sum": 1.0, "reason": "no pending gradients"})
-    bank, slot = adapter.bank, adapter.slot
-    weights, grads = bank.tensors(slot, "w"), bank.tensors(slot, "g")
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item()
-    if not math.isfinite(norm):
-        # Never let a non-finite gradient into the weights: drop it and say so.
-        bank.zero_slot(slot)
+def adamw_steps(items: list[tuple[Adapter, AdamParams]]) -> list[OptimResult]:
+    """Apply AdamW to each adapter's gradients accumulated since its last step; clear them.
+
+    Adapters stepping together share the work: one norm pass and one host sync for all,
+    and one fused AdamW call per distinct set of hyperparameters.
+    """
+    results: list[OptimResult | None] = [None] * len(items)
+    live = []
+    for i, (adapter, params) in enumerate(items):
+        if adapter.pending == 0:
+            results[i] = OptimResult(False, {"skipped:sum": 1.0, "reason": "no pending gradients"})
+        else:
+            live.append((i, adapter, params))
+    if not live:
+        return results
+    grads = [a.bank.tensors(a.slot, "g") for _, a, _ in live]
+    per_tensor = torch.stack(torch._foreach_norm([g for gs in grads for g in gs]))
+    norms = torch.stack([x.norm() for x in per_tensor.split([len(g) for g in grads])]).tolist()
+
+    groups: dict[tuple, list] = {}
+    for (i, adapter, params), g, norm in zip(live, grads, norms, strict=True):
+        if not math.isfinite(norm):
+            # Never let a non-finite gradient into the weights: drop it and say so.
+            results[i] = OptimResult(False, {"grad_norm:mean": norm, "skipped:sum": 1.0,
+                                             "reason": "non-finite gradient norm; gradients dropped"})
+        else:
+            if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
+                torch._foreach_mul_(g, params.grad_clip_norm / (norm + 1e-6))
+            groups.setdefault(astuple(params), []).append(adapter)
+            _counters(adapter)  # made before `steps` moves on; AdamW advances them itself
+            adapter.steps += 1
+            results[i] = OptimResult(True, {"grad_norm:mean": norm,
+                                            "learning_rate:mean": params.learning_rate,
+                                            "step:max": float(adapter.steps)})
+    for key, adapters in groups.items():
+        p = AdamParams(*key)
+        cat = {kind: [t for a in adapters for t in a.bank.tensors(a.slot, kind)]
+               for kind in ("w", "g", "m", "v")}
+        counters = [c for a in adapters for c in _counters(a)]
+        fused = cat["w"][0].is_cuda
+        adamw(cat["w"], cat["g"], cat["m"], cat["v"], [], counters, foreach=not fused,
+              fused=fused, amsgrad=False, beta1=p.beta1, beta2=p.beta2, lr=p.learning_rate,
+              weight_decay=p.weight_decay, eps=p.eps, maximize=False)
+    for _, adapter, _ in live:
         adapter.pending = 0
-        return OptimResult(False, {"grad_norm:mean": norm, "skipped:sum": 1.0,
-                                   "reason": "non-finite gradient norm; gradients dropped"})
-    if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
-        torch._foreach_mul_(grads, params.grad_clip_norm / (norm + 1e-6))
-    fused = weights[0].is_cuda
-    adamw(weights, grads, bank.tensors(slot, "m"), bank.tensors(slot, "v"), [], _counters(adapter),
-          foreach=not fused, fused=fused, amsgrad=False, beta1=params.beta1,
-          beta2=params.beta2, lr=params.learning_rate, weight_decay=params.weight_decay,
-          eps=params.eps, maximize=False)
-    bank.zero_slot(slot)
-    adapter.steps += 1
-    adapter.pending = 0
-    return OptimResult(True, {"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate,
-                              "step:max": float(adapter.steps)})
+        adapter.bank.stale.add(adapter.slot)
+    torch._foreach_zero_([g for gs in grads for g in gs])
+    return results

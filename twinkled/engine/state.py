@@ -146,6 +146,7 @@ def write_into(adapter: Adapter, weights: dict, moments: dict | None, steps: int
                 if f"{key}.{part}.exp_avg" in moments:
                     m[key][slot].copy_(moments[f"{key}.{part}.exp_avg"])
                     v[key][slot].copy_(moments[f"{key}.{part}.exp_avg_sq"])
+    bank.stale.add(slot)
     adapter.steps = steps
     adapter.pending = 0
     adapter.counters = []
