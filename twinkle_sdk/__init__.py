@@ -1,0 +1,1 @@
+"""The native Twinkle client (remote or in-process) and its data side."""
