@@ -1,0 +1,70 @@
+"""Start a real `twinkled serve` subprocess for end-to-end tests, and make API keys."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_key(data_dir: Path, tenant: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data_dir), "keys", "create",
+         "--tenant", tenant], check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+class Daemon:
+    """`twinkled serve` on a free port; waits for the model to be loaded."""
+
+    def __init__(self, model_dir: Path, data_dir: Path, log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "ab")  # noqa: SIM115 - kept open for the process's life
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "twinkled", "serve", "--model", str(model_dir),
+             "--data-dir", str(data_dir), "--port", str(self.port), "--device", "cpu",
+             "--dtype", "float32"], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.wait_ready()
+
+    def health(self) -> dict | None:
+        import json
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/healthz", timeout=2) as r:
+                return json.loads(r.read())
+        except OSError:
+            return None
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"twinkled exited with {self.proc.returncode}")
+            h = self.health()
+            if h and h["status"] == "ok":
+                return
+            time.sleep(0.2)
+        raise TimeoutError("twinkled did not become ready")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()

@@ -1,0 +1,25 @@
+"""Id and path schemes of the Tinker API, and the validation of names that go into paths."""
+
+from __future__ import annotations
+
+KINDS = {"weights": "training", "sampler_weights": "sampler"}
+
+
+def valid_name(name: str) -> bool:
+    """A checkpoint name becomes a path component: no '/', no '..', nothing empty."""
+    return bool(name) and "/" not in name and name not in (".", "..") and "\0" not in name
+
+
+def checkpoint_path(run_id: str, kind: str, name: str) -> str:
+    return f"tinker://{run_id}/{kind}/{name}"
+
+
+def parse_checkpoint_path(path: str) -> tuple[str, str, str]:
+    """'tinker://<run>/<kind>/<name>' -> (run, kind, name); twinkle:// is accepted too."""
+    for scheme in ("tinker://", "twinkle://"):
+        if isinstance(path, str) and path.startswith(scheme):
+            parts = path[len(scheme):].split("/")
+            if len(parts) == 3 and parts[1] in KINDS and valid_name(parts[2]) and parts[0]:
+                return parts[0], parts[1], parts[2]
+    raise ValueError(f"{path!r} is not a checkpoint path (tinker://<run_id>/<kind>/<name>, "
+                     f"kind one of {sorted(KINDS)})")

@@ -1,0 +1,155 @@
+"""The Tinker REST routes (RestClient): training runs, checkpoints and sessions.
+
+A tenant sees only its own objects: anything else is a 404, as if it did not exist.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from datetime import UTC, datetime
+
+from aiohttp import web
+
+from twinkled.service import NotFound, UserError
+
+from .ids import KINDS, checkpoint_path
+
+V1 = "/api/v1"
+
+
+def _iso(t) -> str | None:
+    if t is None:
+        return None
+    if isinstance(t, (int, float)):
+        return datetime.fromtimestamp(t, UTC).isoformat()
+    return str(t)
+
+
+def checkpoint_json(c: dict) -> dict:
+    return {"checkpoint_id": f"{c['kind']}/{c['name']}", "checkpoint_type": KINDS[c["kind"]],
+            "time": _iso(c["created"]), "tinker_path": c["tinker_path"],
+            "size_bytes": c.get("size_bytes"), "public": bool(c.get("public")),
+            "expires_at": _iso(c.get("expires_at"))}
+
+
+def run_json(store, r: dict) -> dict:
+    ckpts, _ = store.list_checkpoints(run_id=r["id"], offset=0, limit=1000)
+    last = {kind: next((c for c in ckpts if c["kind"] == kind), None) for kind in KINDS}
+    return {"training_run_id": r["id"], "base_model": r["base_model"],
+            "model_owner": r["tenant"], "is_lora": True, "corrupted": bool(r.get("corrupted")),
+            "lora_rank": r["lora_rank"], "last_request_time": _iso(r["last_request_time"]),
+            "last_checkpoint": last["weights"] and checkpoint_json(last["weights"]),
+            "last_sampler_checkpoint": last["sampler_weights"]
+            and checkpoint_json(last["sampler_weights"]),
+            "user_metadata": r.get("user_metadata") or None}
+
+
+def _page(request, default_limit: int) -> tuple[int, int]:
+    try:
+        return (int(request.query.get("offset", 0)),
+                int(request.query.get("limit", default_limit)))
+    except ValueError:
+        raise UserError("offset and limit must be integers") from None
+
+
+def _run(request) -> dict:
+    r = request.app["store"].get_run(request.match_info["run_id"])
+    if r is None or r["tenant"] != request["tenant"] or r.get("deleted"):
+        raise NotFound(f"no training run {request.match_info['run_id']!r}")
+    return r
+
+
+def _checkpoint(request) -> dict:
+    run = _run(request)
+    kind_name = request.match_info["checkpoint_id"].split("/")
+    if len(kind_name) != 2 or kind_name[0] not in KINDS:
+        raise UserError("checkpoint_id must be weights/<name> or sampler_weights/<name>")
+    path = checkpoint_path(run["id"], *kind_name)
+    c = request.app["store"].get_checkpoint(path)
+    if c is None or c["status"] != "ready":
+        raise NotFound(f"no checkpoint {path!r}")
+    return c
+
+
+async def list_runs(request):
+    store = request.app["store"]
+    offset, limit = _page(request, 20)
+    rows, total = store.list_runs(request["tenant"], offset, limit)
+    return web.json_response({"training_runs": [run_json(store, r) for r in rows],
+                              "cursor": {"offset": offset, "limit": limit, "total_count": total}})
+
+
+async def get_run(request):
+    return web.json_response(run_json(request.app["store"], _run(request)))
+
+
+async def list_run_checkpoints(request):
+    run = _run(request)
+    rows, total = request.app["store"].list_checkpoints(run_id=run["id"], offset=0, limit=10_000)
+    return web.json_response({"checkpoints": [checkpoint_json(c) for c in rows],
+                              "cursor": {"offset": 0, "limit": 10_000, "total_count": total}})
+
+
+async def list_user_checkpoints(request):
+    offset, limit = _page(request, 100)
+    rows, total = request.app["store"].list_checkpoints(
+        tenant=request["tenant"], offset=offset, limit=limit)
+    return web.json_response({"checkpoints": [checkpoint_json(c) for c in rows],
+                              "cursor": {"offset": offset, "limit": limit, "total_count": total}})
+
+
+async def delete_checkpoint(request):
+    c = _checkpoint(request)
+    request.app["store"].delete_checkpoint(c["tinker_path"])
+    shutil.rmtree(c["dir"], ignore_errors=True)
+    return web.Response(status=204)
+
+
+async def publish(request):
+    c = _checkpoint(request)
+    request.app["store"].set_public(c["tinker_path"], request.method == "POST")
+    return web.Response(status=204)
+
+
+async def set_ttl(request):
+    c = _checkpoint(request)
+    body = await request.json()
+    ttl = body.get("ttl_seconds") if isinstance(body, dict) else None
+    if ttl is not None and (not isinstance(ttl, int) or ttl <= 0):
+        raise UserError("ttl_seconds must be a positive integer or null")
+    request.app["store"].set_expiry(c["tinker_path"], None if ttl is None else time.time() + ttl)
+    return web.Response(status=204)
+
+
+async def list_sessions(request):
+    offset, limit = _page(request, 20)
+    rows, _ = request.app["store"].list_sessions(request["tenant"], offset, limit)
+    return web.json_response({"sessions": [s["id"] for s in rows]})
+
+
+async def get_session(request):
+    store = request.app["store"]
+    s = store.get_session(request.match_info["session_id"])
+    if s is None or s["tenant"] != request["tenant"]:
+        raise NotFound(f"no session {request.match_info['session_id']!r}")
+    runs, _ = store.list_runs(request["tenant"], 0, 100_000)
+    return web.json_response({
+        "training_run_ids": [r["id"] for r in runs if r["session_id"] == s["id"]],
+        "sampler_ids": store.sampler_ids(s["id"]),
+        "user_metadata": s.get("user_metadata") or None})
+
+
+def add_rest_routes(app: web.Application) -> None:
+    r = app.router
+    ckpt = f"{V1}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:.+?}}"
+    r.add_get(f"{V1}/training_runs", list_runs)
+    r.add_get(f"{V1}/training_runs/{{run_id}}", get_run)
+    r.add_get(f"{V1}/training_runs/{{run_id}}/checkpoints", list_run_checkpoints)
+    r.add_get(f"{V1}/checkpoints", list_user_checkpoints)
+    r.add_post(f"{ckpt}/publish", publish)
+    r.add_delete(f"{ckpt}/publish", publish)
+    r.add_put(f"{ckpt}/ttl", set_ttl)
+    r.add_delete(ckpt, delete_checkpoint)
+    r.add_get(f"{V1}/sessions", list_sessions)
+    r.add_get(f"{V1}/sessions/{{session_id}}", get_session)

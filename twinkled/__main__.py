@@ -1,0 +1,5 @@
+"""`python -m twinkled` is the `twinkled` command."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,69 @@
+"""The aiohttp application: auth middleware, error mapping, and the routes mounted on it."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from .service import NotFound, Service, UserError
+
+log = logging.getLogger("twinkled.http")
+
+PUBLIC = {"/api/v1/healthz"}
+
+
+@web.middleware
+async def auth_and_errors(request: web.Request, handler):
+    """X-API-Key -> tenant (401 otherwise); readable 4xx for client faults.
+
+    Never a 5xx/408/409 for a permanent failure: the Tinker client retries those forever.
+    """
+    started = time.perf_counter()
+    request["request_id"] = uuid.uuid4().hex[:12]
+    status = 500
+    try:
+        if request.path not in PUBLIC:
+            key = request.headers.get("X-API-Key", "")
+            tenant = request.app["store"].tenant_for_key(key) if key else None
+            if tenant is None:
+                raise web.HTTPUnauthorized(
+                    text='{"detail": "missing or invalid X-API-Key"}',
+                    content_type="application/json")
+            request["tenant"] = tenant
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as e:
+        status = e.status
+        raise
+    except NotFound as e:
+        status = 404
+        return web.json_response({"detail": str(e)}, status=404)
+    except UserError as e:
+        status = 400
+        return web.json_response({"detail": str(e)}, status=400)
+    finally:
+        log.info("%s %s %s %s %.1fms", request["request_id"], request.get("tenant", "-"),
+                 request.path, status, 1000 * (time.perf_counter() - started))
+
+
+def make_app(service: Service, store) -> web.Application:
+    from tinker_shim.routes import add_routes
+
+    app = web.Application(middlewares=[auth_and_errors], client_max_size=256 * 2**20)
+    app["service"] = service
+    app["store"] = store
+    add_routes(app)
+
+    async def on_startup(app):
+        await service.start()
+
+    async def on_cleanup(app):
+        await service.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app

@@ -1,0 +1,48 @@
+"""Daemon configuration: one dataclass, filled from defaults, a TOML file, then CLI flags."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+@dataclass
+class Config:
+    model: Path | None = None  # a Hugging Face model directory
+    model_name: str | None = None  # what clients pass as base_model; default: the dir's name
+    data_dir: Path = Path("./twinkle-data")
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "bfloat16"  # float32 on a CPU-only box
+    device: str = "auto"  # "cpu", "cuda", "cuda:1", or auto
+    max_rank: int = 128
+    token_budget: int = 16384  # padded tokens per micro-batch (activation memory)
+    poll_seconds: float = 30.0  # retrieve_future long-poll (client times out at 45 s)
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or (self.model.name if self.model else "")
+
+    @classmethod
+    def load(cls, path: Path | None, **overrides) -> Config:
+        values: dict = {}
+        if path is not None:
+            raw = tomllib.loads(Path(path).read_text())
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(raw) - known)
+            if unknown:
+                raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(known)}")
+            values.update(raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        for key in ("model", "data_dir"):
+            if values.get(key) is not None:
+                values[key] = Path(values[key])
+        return cls(**values)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch  # only the engine side asks
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,85 @@
+"""Runs one step of queued operations on the engine (in the engine thread).
+
+Each op is checked on its own first, so a bad request fails alone (category "user") while
+the rest of the step runs. Returns, per op, (result, error message or None, category).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from .engine import Engine, EngineInputError
+
+Outcome = tuple[object, str | None, str | None]
+
+
+def run_ops(engine: Engine, ops: list) -> list[Outcome]:
+    if ops[0].kind == "fwdbwd":
+        return _forward_backward(engine, ops)
+    if ops[0].kind == "sample":
+        return _sample(engine, ops)
+    return [_one(engine, op) for op in ops]
+
+
+def _forward_backward(engine: Engine, ops: list) -> list[Outcome]:
+    outcomes: list[Outcome | None] = [None] * len(ops)
+    good = []
+    for i, op in enumerate(ops):
+        try:
+            engine.check(op.args["request"])
+            good.append(i)
+        except EngineInputError as e:
+            outcomes[i] = (None, str(e), "user")
+    if good:
+        results = engine.forward_backward([ops[i].args["request"] for i in good])
+        for i, r in zip(good, results, strict=True):
+            outcomes[i] = (r, None, None)
+    return outcomes
+
+
+def _sample(engine: Engine, ops: list) -> list[Outcome]:
+    outcomes: list[Outcome | None] = [None] * len(ops)
+    good = []
+    for i, op in enumerate(ops):
+        try:
+            if op.args.get("load_from") and not engine.has_adapter(op.args["adapter_id"]):
+                engine.load(op.args["adapter_id"], op.args["load_from"], optimizer=False)
+            engine.check(op.args["request"])
+            good.append(i)
+        except EngineInputError as e:
+            outcomes[i] = (None, str(e), "user")
+    if good:
+        results = engine.sample([ops[i].args["request"] for i in good])
+        for i, r in zip(good, results, strict=True):
+            outcomes[i] = (r, None, None)
+    return outcomes
+
+
+def _one(engine: Engine, op) -> Outcome:
+    a = op.args
+    try:
+        if op.kind == "create":
+            engine.add_adapter(a["adapter_id"], a["config"])
+            return engine.adapter_info(a["adapter_id"]), None, None
+        if op.kind == "optim":
+            return engine.optim_step(a["adapter_id"], a["params"]), None, None
+        if op.kind == "save":
+            engine.save(a["adapter_id"], a["dir"], optimizer=a["optimizer"])
+            return checkpoint_digest(Path(a["dir"])), None, None
+        if op.kind == "load":
+            return engine.load(a["adapter_id"], a["dir"], optimizer=a["optimizer"]), None, None
+        return None, f"unknown operation {op.kind!r}", "server"
+    except EngineInputError as e:
+        return None, str(e), "user"
+
+
+def checkpoint_digest(path: Path) -> tuple[int, str]:
+    """(total bytes, sha256 over the directory's files in name order)."""
+    h = hashlib.sha256()
+    size = 0
+    for f in sorted(path.iterdir()):
+        data = f.read_bytes()
+        h.update(f.name.encode() + b"\0" + data)
+        size += len(data)
+    return size, h.hexdigest()

@@ -1,0 +1,212 @@
+"""What a request does, independent of the wire protocol.
+
+The service owns the engine (run in one dedicated thread so the event loop never blocks),
+the per-model ordering of operations, and the futures that clients poll. Operations of one
+model run in `seq_id` order, whatever order they arrive in; forward/backward requests of
+different models that are ready together run as ONE co-batched engine call (first come,
+first served; fair sharing is the scheduler's job, a later step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import Config
+
+log = logging.getLogger("twinkled")
+
+# encode(result) -> (payload bytes, content type); chosen by the protocol layer at submit.
+Encoder = Callable[[Any], tuple[bytes, str]]
+
+
+class UserError(ValueError):
+    """The client's fault: answered as a 4xx at submit, or as category "user" later."""
+
+
+class NotFound(UserError):
+    pass
+
+
+@dataclass
+class Future:
+    id: str
+    tenant: str
+    kind: str
+    encode: Encoder
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    payload: bytes | None = None
+    content_type: str = "application/json"
+    error: tuple[str, str] | None = None  # (message, category)
+    completed_at: float | None = None
+
+
+@dataclass
+class Op:
+    """One queued engine operation of a model (or a sampler: seq_id None, no ordering)."""
+
+    kind: str  # "fwdbwd" | "optim" | "save" | "load" | "sample"
+    model_id: str | None
+    seq_id: int | None
+    args: dict
+    future: Future
+
+
+class Service:
+    def __init__(self, config: Config, store):
+        self.config = config
+        self.store = store
+        self.engine = None
+        self.state = "loading"
+        self.load_error: str | None = None
+        self.futures: dict[str, Future] = {}
+        self.seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
+        self.next_seq: dict[str, int] = {}  # model id -> the seq_id it runs next
+        self.queue: dict[str, dict[int, Op]] = {}  # model id -> seq_id -> op
+        self.samples: list[Op] = []
+        self.wake = asyncio.Event()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._task: asyncio.Task | None = None
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model in the engine thread; the HTTP server answers meanwhile."""
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _load(self) -> None:
+        def load():
+            from .engine import Engine
+
+            cfg = self.config
+            dtype = cfg.dtype
+            device = cfg.resolved_device()
+            if device == "cpu" and dtype == "bfloat16":
+                dtype = "float32"  # bf16 matmuls on a CPU are slow and gain nothing here
+            return Engine(cfg.model, dtype=dtype, device=device, max_rank=cfg.max_rank,
+                          token_budget=cfg.token_budget)
+
+        try:
+            self.engine = await self._in_engine(load)
+            self.state = "ready"
+            log.info("model %s loaded", self.config.served_name)
+        except Exception as e:  # the daemon keeps answering healthz with the reason
+            self.state, self.load_error = "failed", f"{type(e).__name__}: {e}"
+            log.exception("model load failed")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _in_engine(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    # -- futures ----------------------------------------------------------------------
+
+    def new_future(self, tenant: str, kind: str, encode: Encoder) -> Future:
+        f = Future(f"req-{uuid.uuid4().hex}", tenant, kind, encode)
+        self.futures[f.id] = f
+        return f
+
+    def resolve(self, f: Future, result: Any) -> None:
+        f.payload, f.content_type = f.encode(result)
+        f.completed_at = time.time()
+        f.done.set()
+
+    def fail(self, f: Future, message: str, category: str) -> None:
+        f.error = (message, category)
+        f.completed_at = time.time()
+        f.done.set()
+
+    def get_future(self, tenant: str, future_id: str) -> Future:
+        f = self.futures.get(future_id)
+        if f is None or f.tenant != tenant:  # another tenant's id is simply not found
+            raise NotFound(f"no request {future_id!r}")
+        return f
+
+    def purge_futures(self, keep_seconds: float = 600.0) -> None:
+        cutoff = time.time() - keep_seconds
+        for fid in [k for k, f in self.futures.items() if f.completed_at and f.completed_at < cutoff]:
+            del self.futures[fid]
+
+    # -- submitting -------------------------------------------------------------------
+
+    def submit(self, op: Op) -> Future:
+        """Queue `op`; a repeated (model, seq_id) returns the original future."""
+        if self.state == "failed":
+            raise UserError(f"the model failed to load: {self.load_error}")
+        if op.kind == "sample":
+            self.samples.append(op)
+        else:
+            key = (op.model_id, op.seq_id)
+            if key in self.seq_index:
+                self.futures.pop(op.future.id, None)
+                return self.futures[self.seq_index[key]]
+            if op.seq_id < self.next_seq.get(op.model_id, 1):
+                self.futures.pop(op.future.id, None)
+                raise UserError(f"seq_id {op.seq_id} of {op.model_id} has already run")
+            self.seq_index[key] = op.future.id
+            self.queue.setdefault(op.model_id, {})[op.seq_id] = op
+        self.wake.set()
+        return op.future
+
+    def open_model(self, model_id: str, first_seq: int = 1) -> None:
+        self.next_seq[model_id] = first_seq
+
+    # -- the engine loop --------------------------------------------------------------
+
+    async def _run(self) -> None:
+        await self._load()
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            while True:
+                batch = self._ready()
+                if not batch:
+                    break
+                await self._execute(batch)
+
+    def _ready(self) -> list[Op]:
+        """The next step: all forward/backward ops at the head of their model's queue, or
+        else one barrier (optim/save/load), or else the pending samples."""
+        heads = []
+        for model_id, ops in self.queue.items():
+            op = ops.get(self.next_seq.get(model_id, 1))
+            if op is not None:
+                heads.append(op)
+        fwd = [op for op in heads if op.kind == "fwdbwd"]
+        if fwd:
+            return fwd
+        if heads:
+            return [heads[0]]
+        if self.samples:
+            batch, self.samples = self.samples, []
+            return batch
+        return []
+
+    async def _execute(self, batch: list[Op]) -> None:
+        from .runner import run_ops  # engine-side code; imports torch
+
+        for op in batch:
+            if op.seq_id is not None:
+                del self.queue[op.model_id][op.seq_id]
+                self.next_seq[op.model_id] = op.seq_id + 1
+        try:
+            outcomes = await self._in_engine(run_ops, self.engine, batch)
+        except Exception as e:  # a bug or an engine fault: fail this step, keep serving
+            log.exception("step failed")
+            outcomes = [(None, f"server error: {type(e).__name__}: {e}", "server")] * len(batch)
+        for op, (result, message, category) in zip(batch, outcomes, strict=True):
+            if message is None:
+                self.resolve(op.future, result)
+            else:
+                self.fail(op.future, message, category)
+            if op.args.get("after") is not None:
+                op.args["after"](op, result, message)
