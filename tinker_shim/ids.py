@@ -10,10 +10,6 @@ def valid_name(name: str) -> bool:
     return bool(name) and "/" not in name and name not in (".", "..") and "\0" not in name
 
 
-def checkpoint_path(run_id: str, kind: str, name: str) -> str:
-    return f"tinker://{run_id}/{kind}/{name}"
-
-
 def parse_checkpoint_path(path: str) -> tuple[str, str, str]:
     """'tinker://<run>/<kind>/<name>' -> (run, kind, name); twinkle:// is accepted too."""
     for scheme in ("tinker://", "twinkle://"):

@@ -12,8 +12,9 @@ from datetime import UTC, datetime
 from aiohttp import web
 
 from twinkled.service import NotFound, UserError
+from twinkled.store import checkpoint_path
 
-from .ids import KINDS, checkpoint_path
+from .ids import KINDS
 
 V1 = "/api/v1"
 
@@ -133,10 +134,9 @@ async def get_session(request):
     s = store.get_session(request.match_info["session_id"])
     if s is None or s["tenant"] != request["tenant"]:
         raise NotFound(f"no session {request.match_info['session_id']!r}")
-    runs, _ = store.list_runs(request["tenant"], 0, 100_000)
+    run_ids, sampler_ids = store.session_children(s["id"])
     return web.json_response({
-        "training_run_ids": [r["id"] for r in runs if r["session_id"] == s["id"]],
-        "sampler_ids": store.sampler_ids(s["id"]),
+        "training_run_ids": run_ids, "sampler_ids": sampler_ids,
         "user_metadata": s.get("user_metadata") or None})
 
 

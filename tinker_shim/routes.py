@@ -13,9 +13,10 @@ import time
 from aiohttp import web
 
 from twinkled.service import NotFound, Op, Service, UserError
+from twinkled.store import Conflict, checkpoint_path
 
 from . import codec
-from .ids import checkpoint_path, parse_checkpoint_path, valid_name
+from .ids import parse_checkpoint_path, valid_name
 
 V1 = "/api/v1"
 
@@ -148,15 +149,15 @@ async def create_model(request):
                         train_unembed=bool(lc.get("train_unembed", True)))
     if not 1 <= config.rank <= _svc(request).config.max_rank:
         raise UserError(f"lora_config.rank must be in 1..{_svc(request).config.max_rank}")
-    model_id = f"{s['id']}:train:{seq}"
     store = request.app["store"]
-    if store.get_run(model_id) is not None:
-        raise UserError(f"model {model_id} already exists")
-    store.create_run(model_id, request["tenant"], s["id"], _svc(request).config.served_name,
-                     config.rank, {"rank": config.rank, "alpha": config.alpha,
-                                   "train_attn": config.train_attn, "train_mlp": config.train_mlp,
-                                   "train_unembed": config.train_unembed, "seed": config.seed},
-                     body.get("user_metadata") or {})
+    lora = {"rank": config.rank, "alpha": config.alpha, "train_attn": config.train_attn,
+            "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
+            "seed": config.seed}
+    try:
+        model_id = store.create_run(s["id"], request["tenant"], _svc(request).config.served_name,
+                                    config.rank, lora, body.get("user_metadata") or {}, seq)
+    except Conflict:
+        raise UserError(f"model {s['id']}:train:{seq} already exists") from None
     svc = _svc(request)
     f = svc.new_future(request["tenant"], "create_model",
                        lambda _: _json({"type": "create_model", "model_id": model_id}))
@@ -231,7 +232,8 @@ def _save(request, run: dict, name: str, kind: str, optimizer: bool, seq_id: int
         raise UserError(f"checkpoint {path} exists (pass overwrite=True to replace it)")
     directory = svc.config.data_dir / "checkpoints" / run["id"] / kind / name
     expires = time.time() + ttl if ttl else None
-    store.begin_checkpoint(path, run["id"], request["tenant"], kind, name, str(directory), expires)
+    store.begin_checkpoint(run["id"], request["tenant"], kind, name, str(directory),
+                           expires_at=expires)
 
     def after(op, result, message):
         if message is None:
@@ -268,12 +270,11 @@ async def save_weights_for_sampler(request):
     # Ephemeral: save a snapshot and hand back a sampling session on it.
     store = request.app["store"]
     session_id = run["session_id"]
-    n = store.next_sampler_seq(session_id)
     name = f"ephemeral-{seq}"
     path = checkpoint_path(run["id"], "sampler_weights", name)
-    sampler_id = f"{session_id}:sample:{n}"
-    store.create_sampler(sampler_id, request["tenant"], session_id,
-                         _svc(request).config.served_name, path)
+    sampler_id = store.create_sampler(session_id, request["tenant"],
+                                      _svc(request).config.served_name, path,
+                                      body.get("sampling_session_seq_id"))
     f = _save(request, run, name, "sampler_weights", False, seq, 3600,
               {"overwrite": True, "body": {"type": "save_weights_for_sampler",
                                            "sampling_session_id": sampler_id}})
@@ -290,10 +291,14 @@ async def load_weights(request):
         seq = _field(body, "seq_id", int)
     else:  # create-via-load: the model is "<session>:train:<model_seq_id>", seq 0
         s = _own_session(request, _field(body, "session_id"))
-        run_id = f"{s['id']}:train:{_field(body, 'model_seq_id', int)}"
-        src = store.get_run(ckpt["run_id"])
-        store.create_run(run_id, request["tenant"], s["id"], svc.config.served_name,
-                         src["lora_rank"], src["lora_config"], body.get("user_metadata") or {})
+        src = store.get_run(ckpt["run_id"], include_deleted=True)
+        try:
+            run_id = store.create_run(s["id"], request["tenant"], svc.config.served_name,
+                                      src["lora_rank"], src["lora_config"],
+                                      body.get("user_metadata") or {},
+                                      _field(body, "model_seq_id", int))
+        except Conflict:
+            raise UserError("that model_seq_id is already used in this session") from None
         run, seq = store.get_run(run_id), 0
         svc.open_model(run_id, 0)
     f = svc.new_future(request["tenant"], "load_weights",
@@ -336,9 +341,12 @@ async def create_sampling_session(request):
         _own_checkpoint(request, path)
     else:
         _check_base_model(request, body.get("base_model"))
-    sampler_id = f"{s['id']}:sample:{store.next_sampler_seq(s['id'])}"
-    store.create_sampler(sampler_id, request["tenant"], s["id"], _svc(request).config.served_name,
-                         path)
+    try:
+        sampler_id = store.create_sampler(s["id"], request["tenant"],
+                                          _svc(request).config.served_name, path,
+                                          body.get("sampling_session_seq_id"))
+    except Conflict:
+        raise UserError("that sampling_session_seq_id is already used") from None
     return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
 
 

@@ -1,0 +1,369 @@
+"""Protobuf codec for the Tinker 0.38 wire (reference: tinker_api.md §6).
+
+In:  the body of ``POST /api/v1/forward_backward`` (``ForwardBackwardRequest``, maybe zstd).
+Out: the ``retrieve_future`` payloads the client only accepts as protobuf
+     (``ForwardBackwardOutput`` and ``SampleResponse``, Content-Type application/x-protobuf).
+
+Arrays on this wire are raw little-endian buffers; ``array`` does the packing so that neither
+numpy nor torch is needed here. The schema is the client's own generated descriptor, read from
+the installed ``tinker`` wheel *without importing the ``tinker`` package* (its ``__init__`` pulls
+in the whole client, and torch when installed) and loaded into a private descriptor pool, so it
+cannot clash with a ``tinker`` client imported into the same process (as in the tests).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import math
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
+from itertools import accumulate
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import zstandard
+from google.protobuf import descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
+
+__all__ = [
+    "CodecError",
+    "DatumIn",
+    "FwdBwdCall",
+    "SampledOut",
+    "TensorIn",
+    "decode_forward_backward",
+    "encode_forward_backward_output",
+    "encode_sample_response",
+]
+
+DType = Literal["float32", "int64"]
+# A decompressed body larger than this is refused (zstd bomb guard). The client caps a chunk at
+# ~5 MB before compression, but one large datum can exceed that, so the limit is generous.
+MAX_DECOMPRESSED_BYTES = 1 << 30
+
+
+class CodecError(ValueError):
+    """The request body is malformed or uses a feature this server does not support (a 400)."""
+
+
+class TensorIn(msgspec.Struct, frozen=True):
+    dtype: DType
+    shape: list[int]
+    values: list[int | float]  # dense, row-major, len == prod(shape)
+
+
+class DatumIn(msgspec.Struct, frozen=True):
+    tokens: list[int]
+    loss_fn_inputs: dict[str, TensorIn]
+
+
+class FwdBwdCall(msgspec.Struct, frozen=True):
+    model_id: str
+    seq_id: int  # 0 means "unset" on the wire; the SDK always sends >= 1
+    forward_only: bool
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None
+    data: list[DatumIn]
+
+
+class SampledOut(msgspec.Struct, frozen=True):
+    tokens: list[int]
+    logprobs: list[float] | None
+    stop_reason: Literal["stop", "length"]
+
+
+# ---------------------------------------------------------------- schema
+
+
+def _load_pool() -> descriptor_pool.DescriptorPool:
+    spec = importlib.util.find_spec("tinker")  # locates the package without running it
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("tinker==0.38.0 must be installed: its tinker_public_pb2 is the schema")
+    src = Path(spec.submodule_search_locations[0], "proto", "tinker_public_pb2.py").read_text()
+    # The generated module registers one serialized FileDescriptorProto; take that literal.
+    blob = next(
+        node.args[0].value
+        for node in ast.walk(ast.parse(src))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "AddSerializedFile"
+    )
+    pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(blob)
+    return pool
+
+
+_POOL = _load_pool()
+
+
+def _message_class(name: str) -> Any:
+    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"tinker_public.{name}"))
+
+
+_FwdBwdRequestPb = _message_class("ForwardBackwardRequest")
+_FwdBwdOutputPb = _message_class("ForwardBackwardOutput")
+_SampleResponsePb = _message_class("SampleResponse")
+
+# Wire enum numbers (fixed by the proto; see §6.1 / §6.3).
+_DT_FLOAT32, _DT_INT64, _DT_INT32, _DT_BFLOAT16 = 1, 2, 3, 4
+_DTYPE_IN = {_DT_FLOAT32: ("float32", "f"), _DT_INT64: ("int64", "q"), _DT_INT32: ("int64", "i")}
+_DTYPE_OUT = {"float32": (_DT_FLOAT32, "f"), "int64": (_DT_INT64, "q")}
+_STOP_REASONS = {"stop": 0, "length": 1}
+_METRIC_REDUCTIONS = {"mean", "sum", "min", "max", "slack", "hash2", "unique"}
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def _unpack(buf: bytes, typecode: str, where: str) -> array:
+    arr = array(typecode)
+    if len(buf) % arr.itemsize:
+        raise CodecError(f"{where}: {len(buf)} bytes is not a multiple of {arr.itemsize}")
+    arr.frombytes(buf)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr
+
+
+def _pack(arr: array) -> bytes:
+    if _BIG_ENDIAN:
+        arr = array(arr.typecode, arr)
+        arr.byteswap()
+    return arr.tobytes()
+
+
+# ---------------------------------------------------------------- request
+
+
+def decode_forward_backward(
+    body: bytes | bytearray | memoryview,
+    content_encoding: str | None = None,
+    *,
+    max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES,
+) -> FwdBwdCall:
+    """Parse a ``/api/v1/forward_backward`` body; raise ``CodecError`` on anything unusable."""
+    raw = _decompress(bytes(body), content_encoding, max_decompressed_bytes)
+    try:
+        msg = _FwdBwdRequestPb.FromString(raw)
+    except DecodeError as exc:
+        raise CodecError(f"malformed ForwardBackwardRequest protobuf: {exc}") from None
+    if not msg.data:
+        raise CodecError("forward_backward request has no data")
+    return FwdBwdCall(
+        model_id=msg.model_id,
+        seq_id=msg.seq_id,
+        forward_only=msg.forward_only,
+        loss_fn=msg.loss_fn,
+        loss_fn_config=_decode_config(msg),
+        data=[_decode_datum(i, d) for i, d in enumerate(msg.data)],
+    )
+
+
+def _decompress(body: bytes, content_encoding: str | None, limit: int) -> bytes:
+    enc = (content_encoding or "").strip().lower()
+    if enc not in ("", "identity", "zstd"):
+        raise CodecError(f"unsupported Content-Encoding {content_encoding!r}; only zstd")
+    # A plain proto body cannot start with the magic (0x28 = field 5 as a varint, but field 5 is
+    # a map), so sniffing also covers proxies that drop the header.
+    if enc != "zstd" and not body.startswith(_ZSTD_MAGIC):
+        return body
+    try:
+        # stream_reader, not decompress(): it copes with frames lacking a content size and lets
+        # us stop reading at the limit instead of trusting the size in the frame header.
+        with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True) as reader:
+            out = reader.read(limit + 1)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"invalid zstd body: {exc}") from None
+    if len(out) > limit:
+        raise CodecError(f"decompressed body exceeds {limit} bytes")
+    return out
+
+
+def _decode_config(msg: Any) -> dict[str, float] | None:
+    # The SDK writes numbers to both maps and strings only to _v2, so _v2 wins when present.
+    if msg.loss_fn_config_v2:
+        config: dict[str, float] = {}
+        for key, value in msg.loss_fn_config_v2.items():
+            kind = value.WhichOneof("value")
+            if kind != "number":
+                # Text values (e.g. a custom loss's loss_id) select behaviour we do not have;
+                # dropping them would silently run a different loss.
+                raise CodecError(f"loss_fn_config[{key!r}]: only numeric values are supported")
+            config[key] = value.number
+        return config
+    return dict(msg.loss_fn_config) or None
+
+
+_CHUNK_REFUSALS = {
+    "image": "image chunks are not supported (text-only models)",
+    "dmel": "dmel (audio) chunks are not supported (text-only models)",
+    None: "empty or unrecognised model_input chunk (a chunk type newer than SDK 0.38?)",
+}
+
+
+def _decode_datum(i: int, datum: Any) -> DatumIn:
+    tokens = array("i")
+    for chunk in datum.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise CodecError(f"data[{i}].model_input: {_CHUNK_REFUSALS.get(kind, kind)}")
+        tokens.extend(_unpack(chunk.encoded_text.tokens, "i", f"data[{i}] tokens"))
+    # Provenance spans are ignored on purpose: only stable_reinforce reads them, and the engine
+    # refuses that loss.
+    inputs = {
+        name: _decode_tensor(tensor, f"data[{i}].loss_fn_inputs[{name!r}]")
+        for name, tensor in datum.loss_fn_inputs.items()
+    }
+    return DatumIn(tokens=tokens.tolist(), loss_fn_inputs=inputs)
+
+
+def _decode_tensor(tensor: Any, where: str) -> TensorIn:
+    if tensor.dtype == _DT_BFLOAT16:
+        raise CodecError(f"{where}: bfloat16 tensors are not supported; send float32")
+    if tensor.dtype not in _DTYPE_IN:
+        raise CodecError(f"{where}: unsupported tensor dtype (enum value {tensor.dtype})")
+    dtype, typecode = _DTYPE_IN[tensor.dtype]  # int32 is widened to int64
+    shape = list(tensor.shape)
+    if any(dim < 0 for dim in shape):
+        raise CodecError(f"{where}: negative dimension in shape {shape}")
+    if tensor.WhichOneof("encoding") == "sparse_csr":
+        values = _expand_csr(tensor.sparse_csr, typecode, shape, where)
+    else:  # dense, or nothing at all (an empty tensor)
+        values = _unpack(tensor.dense, typecode, where).tolist()
+        if not shape:  # TensorData(shape=None) sends no shape; the SDK infers 1-D
+            shape = [len(values)]
+        if math.prod(shape) != len(values):
+            raise CodecError(f"{where}: shape {shape} does not match {len(values)} values")
+    return TensorIn(dtype=dtype, shape=shape, values=values)
+
+
+def _expand_csr(csr: Any, typecode: str, shape: list[int], where: str) -> list[int | float]:
+    if len(shape) != 2:
+        raise CodecError(f"{where}: sparse_csr needs a 2-D shape, got {shape}")
+    rows, cols = shape
+    vals = _unpack(csr.values, typecode, where).tolist()
+    crow = _unpack(csr.crow_indices, "q", where).tolist()
+    col = _unpack(csr.col_indices, "q", where).tolist()
+    if (
+        len(crow) != rows + 1
+        or crow[0] != 0
+        or crow[-1] != len(vals)
+        or len(col) != len(vals)
+        or any(b < a for a, b in zip(crow, crow[1:], strict=False))
+        or any(not 0 <= c < cols for c in col)
+    ):
+        raise CodecError(f"{where}: inconsistent sparse_csr indices for shape {shape}")
+    # The pad value is not on the wire. The SDK's automatic conversion (a 2-D torch tensor in
+    # Datum.loss_fn_inputs) uses TensorData.from_torch_sparse's default pad of 0.
+    out: list[int | float] = [0.0 if typecode == "f" else 0] * (rows * cols)
+    for r in range(rows):
+        base = r * cols
+        for j in range(crow[r], crow[r + 1]):
+            out[base + col[j]] = vals[j]
+    return out
+
+
+# ---------------------------------------------------------------- responses
+
+# Per-datum output values: numbers, or an already-packed little-endian buffer of the dtype.
+Values = Sequence[float] | Sequence[int] | bytes | bytearray | memoryview
+# (values, dtype) is 1-D; a TensorIn's shape[1:] becomes the trailing shape (e.g. [N, K]).
+OutTensor = tuple[Values, DType] | TensorIn
+
+
+def encode_forward_backward_output(
+    outputs: Sequence[Mapping[str, OutTensor]],
+    metrics: Mapping[str, float],
+    loss_fn_output_type: str = "ArrayRecord",
+) -> bytes:
+    """``ForwardBackwardOutput`` for a forward / forward_backward future.
+
+    ``outputs`` has one mapping per request datum, in request order, e.g.
+    ``{"logprobs": (lp, "float32"), "elementwise_loss": (loss, "float32")}``; every datum must
+    carry the same field names. Metric keys must be ``name:reduction`` (client grammar, §7.6).
+    """
+    msg = _FwdBwdOutputPb(loss_fn_output_type=loss_fn_output_type)
+    for key, value in metrics.items():
+        name, colon, reduction = key.partition(":")
+        if not name or not colon or reduction not in _METRIC_REDUCTIONS:
+            # The client crashes on a key without exactly one ':' and drops unknown reductions.
+            raise ValueError(f"metric key {key!r} is not 'name:<{'|'.join(_METRIC_REDUCTIONS)}>'")
+        msg.metrics[key] = float(value)
+    names = sorted(outputs[0]) if outputs else []
+    # The client slices each field per datum by byte offsets; dtype and trailing shape are per
+    # ArrayRecord, so a change in either between consecutive datums starts a new record.
+    runs: list[tuple[tuple[Any, ...], list[dict[str, tuple[int, tuple[int, ...], bytes]]]]] = []
+    for i, out in enumerate(outputs):
+        if sorted(out) != names:
+            raise ValueError(f"outputs[{i}] has fields {sorted(out)}, outputs[0] has {names}")
+        packed = {name: _pack_output(out[name], f"outputs[{i}][{name!r}]") for name in names}
+        signature = tuple((name, dt, trailing) for name, (dt, trailing, _) in packed.items())
+        if not runs or runs[-1][0] != signature:
+            runs.append((signature, []))
+        runs[-1][1].append(packed)
+    for signature, run in runs:
+        # num_datums is what the client counts, even for records without fields. type_tag is
+        # left empty: the client ignores it.
+        record = msg.loss_fn_outputs.add(num_datums=len(run))
+        for name, dt, trailing in signature:
+            parts = [packed[name][2] for packed in run]
+            field = record.fields[name]
+            field.data = b"".join(parts)
+            field.offsets = _pack(array("q", accumulate(map(len, parts), initial=0)))
+            field.dtype = dt
+            field.trailing_shape.extend(trailing)
+    return msg.SerializeToString()
+
+
+def _pack_output(tensor: OutTensor, where: str) -> tuple[int, tuple[int, ...], bytes]:
+    if isinstance(tensor, TensorIn):
+        values, dtype, trailing = tensor.values, tensor.dtype, tuple(tensor.shape[1:])
+    else:
+        (values, dtype), trailing = tensor, ()
+    if dtype not in _DTYPE_OUT:
+        raise ValueError(f"{where}: dtype must be float32 or int64, got {dtype!r}")
+    dt, typecode = _DTYPE_OUT[dtype]
+    if isinstance(values, bytes | bytearray | memoryview):
+        data = bytes(values)
+        itemsize = array(typecode).itemsize
+        if len(data) % itemsize:
+            raise ValueError(f"{where}: {len(data)} bytes is not a multiple of {itemsize}")
+        count = len(data) // itemsize
+    else:
+        data, count = _pack(array(typecode, values)), len(values)
+    if trailing and count % math.prod(trailing):
+        raise ValueError(f"{where}: {count} values do not fit trailing shape {list(trailing)}")
+    return dt, trailing, data
+
+
+def encode_sample_response(
+    sequences: Sequence[SampledOut | Mapping[str, Any]],
+    prompt_logprobs: Sequence[float | None] | None = None,
+    *,
+    prompt_cache_hit_tokens: int = 0,
+) -> bytes:
+    """``SampleResponse`` for an asample future.
+
+    ``sample_sequence_ids`` is NOT part of this message: it goes in the JSON answer to the
+    ``asample`` POST, one id per sequence, in this order. ``prompt_logprobs`` has one entry per
+    prompt token; ``None`` (nothing computed, e.g. position 0) is sent as NaN, which the
+    client turns back into ``None``.
+    """
+    msg = _SampleResponsePb(prompt_cache_hit_tokens=prompt_cache_hit_tokens)
+    for i, seq in enumerate(sequences):
+        if isinstance(seq, Mapping):
+            seq = SampledOut(**seq)
+        if seq.stop_reason not in _STOP_REASONS:
+            raise ValueError(f"sequences[{i}]: stop_reason must be 'stop' or 'length'")
+        out = msg.sequences.add(
+            stop_reason=_STOP_REASONS[seq.stop_reason], tokens=_pack(array("i", seq.tokens))
+        )
+        if seq.logprobs is not None:
+            if len(seq.logprobs) != len(seq.tokens):
+                raise ValueError(f"sequences[{i}]: {len(seq.logprobs)} logprobs for "
+                                 f"{len(seq.tokens)} tokens")
+            out.logprobs = _pack(array("f", seq.logprobs))
+    if prompt_logprobs is not None:
+        lps = [math.nan if lp is None else lp for lp in prompt_logprobs]
+        msg.prompt_logprobs = _pack(array("f", lps))
+    return msg.SerializeToString()

@@ -1,0 +1,478 @@
+"""Persistence for the daemon: one SQLite file (WAL) through ``sqlite-utils``.
+
+What survives a restart lives here: tenants and hashed API keys, sessions, training runs,
+checkpoints, samplers and futures. Calls are short synchronous queries made directly from
+the asyncio main process, so nothing here imports torch or blocks for long. The store does
+not enforce ownership (the service layer does), but every owned row records its ``tenant``.
+
+Conventions: times are unix seconds (floats; ``to_datetime`` turns them into the UTC
+datetimes REST objects need); rows come back as plain dicts with JSON columns decoded and
+flag columns as bools; ``get_*`` returns None for a missing row; mutators return whether a
+row matched, so the caller can answer 404.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+Row = dict[str, Any]
+# checkpoint kind (path segment) -> checkpoint_type (REST field)
+CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler",
+                    "external_weights": "external"}
+MIN_FUTURE_TTL_S = 300.0  # a completed future stays readable at least this long
+_JSON_COLS = ("user_metadata", "lora_config")
+_BOOL_COLS = ("corrupted", "deleted", "public")
+# table -> (columns, primary key, defaults). Flags are 0/1 ints, JSON columns are text.
+_SCHEMA: dict[str, tuple[dict[str, type], str, dict[str, Any]]] = {
+    "tenants": ({"name": str, "weight": float, "created": float}, "name", {"weight": 1.0}),
+    "api_keys": ({"key_hash": str, "tenant": str, "created": float, "revoked_at": float},
+                 "key_hash", {}),
+    # model_seq / sampler_seq: the next per-session counter values to hand out
+    "sessions": ({"id": str, "tenant": str, "created": float, "last_heartbeat": float,
+                  "finished_at": float, "user_metadata": str, "sdk_version": str,
+                  "model_seq": int, "sampler_seq": int}, "id",
+                 {"model_seq": 0, "sampler_seq": 0}),
+    "runs": ({"id": str, "tenant": str, "session_id": str, "base_model": str, "lora_rank": int,
+              "lora_config": str, "created": float, "last_request_time": float,
+              "user_metadata": str, "corrupted": int, "deleted": int}, "id",
+             {"corrupted": 0, "deleted": 0}),
+    "checkpoints": ({"tinker_path": str, "run_id": str, "tenant": str, "kind": str, "name": str,
+                     "checkpoint_type": str, "dir": str, "size_bytes": int, "sha256": str,
+                     "status": str, "error": str, "public": int, "created": float,
+                     "expires_at": float, "user_metadata": str}, "tinker_path", {"public": 0}),
+    "samplers": ({"id": str, "tenant": str, "session_id": str, "base_model": str,
+                  "model_path": str, "created": float}, "id", {}),
+    "futures": ({"id": str, "tenant": str, "kind": str, "model_id": str, "seq_id": int,
+                 "status": str, "result": bytes, "content_type": str, "created": float,
+                 "completed_at": float}, "id", {}),
+}
+_INDEXES = [
+    ("sessions", ["tenant", "created"], False),
+    ("runs", ["tenant", "created"], False),
+    ("runs", ["session_id"], False),
+    ("checkpoints", ["run_id", "created"], False),
+    ("checkpoints", ["tenant", "created"], False),
+    ("samplers", ["session_id"], False),
+    ("futures", ["model_id", "seq_id"], True),  # one future per (model, seq): retries
+    ("futures", ["status", "completed_at"], False),
+]
+
+
+class Conflict(ValueError):
+    """A row with this id already exists (for example a repeated create_model)."""
+
+
+def now() -> float:
+    return time.time()
+
+
+def to_datetime(ts: float | None) -> datetime | None:
+    """Stored unix seconds -> aware UTC datetime (None stays None), for REST objects."""
+    return None if ts is None else datetime.fromtimestamp(ts, UTC)
+
+
+def hash_key(key: str) -> str:
+    """Keys are 256-bit random tokens, so an unsalted sha256 is enough to store them."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def checkpoint_path(run_id: str, kind: str, name: str) -> str:
+    """``tinker://<run_id>/<kind>/<name>``; the SDK's parser needs exactly three parts."""
+    if kind not in CHECKPOINT_TYPES:
+        raise ValueError(f"unknown checkpoint kind {kind!r}")
+    for part in (run_id, name):
+        if not part or "/" in part or ".." in part:
+            raise ValueError(f"invalid checkpoint path component {part!r}")
+    return f"tinker://{run_id}/{kind}/{name}"
+
+
+def _decode(row: Row) -> Row:
+    for c in _JSON_COLS:
+        if isinstance(row.get(c), str):
+            row[c] = json.loads(row[c])
+    for c in _BOOL_COLS:
+        if c in row:
+            row[c] = bool(row[c])
+    return row
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def _error_body(message: str, category: str) -> bytes:
+    """The failed-future body the Tinker client raises RequestFailedError on."""
+    return json.dumps({"error": message, "category": category}).encode()
+
+
+class Store:
+    """The daemon's SQLite database. Safe to share between threads (one lock, one conn)."""
+
+    def __init__(self, path: Path | str) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # One connection shared by the event loop and any helper threads; the lock
+        # serialises its use, so check_same_thread can be off.
+        self.conn = sqlite3.connect(path, check_same_thread=False, timeout=10.0)
+        self.db = sqlite_utils.Database(self.conn)
+        self._lock = threading.RLock()
+        self.db.enable_wal()
+        # WAL + NORMAL: no corruption on power loss, at worst the last commits are lost;
+        # avoids an fsync per future write.
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self._create_tables()
+
+    def close(self) -> None:
+        with self._lock:
+            self.conn.close()
+
+    def _create_tables(self) -> None:
+        with self._lock, self.db.atomic():
+            for name, (columns, pk, defaults) in _SCHEMA.items():
+                self.db.table(name).create(columns, pk=pk, defaults=defaults,
+                                           if_not_exists=True)
+            for table, cols, unique in _INDEXES:
+                self.db.table(table).create_index(cols, unique=unique, if_not_exists=True)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _all(self, sql: str, params: Any = ()) -> list[Row]:
+        with self._lock:
+            cur = self.conn.execute(sql, params)
+            cols = [d[0] for d in cur.description]
+            return [_decode(dict(zip(cols, r, strict=True))) for r in cur.fetchall()]
+
+    def _one(self, sql: str, params: Any = ()) -> Row | None:
+        rows = self._all(sql, params)
+        return rows[0] if rows else None
+
+    def _write(self, sql: str, params: Any = ()) -> int:
+        """Run one statement in its own transaction; returns the number of rows changed."""
+        with self._lock, self.db.atomic():
+            return self.conn.execute(sql, params).rowcount
+
+    def _insert(self, table: str, row: Row) -> None:
+        with self._lock:
+            try:
+                self.db.table(table).insert(row)
+            except sqlite3.IntegrityError as e:
+                raise Conflict(f"{table}: {e}") from e
+
+    def _page(self, where: str, params: list, table: str, offset: int, limit: int,
+              order: str = "created DESC, rowid DESC") -> tuple[list[Row], int]:
+        """One page of rows (newest first by default) and the total count."""
+        with self._lock:  # count and page from the same state
+            total = self._one(f"SELECT count(*) AS n FROM {table} WHERE {where}", params)
+            rows = self._all(f"SELECT * FROM {table} WHERE {where} ORDER BY {order} "
+                             "LIMIT ? OFFSET ?", [*params, limit, offset])
+        return rows, total["n"]  # type: ignore[index]
+
+    # -- tenants and API keys ------------------------------------------------------------
+
+    def ensure_tenant(self, name: str, weight: float | None = None) -> Row:
+        """Create the tenant if it is new; set its fair-share weight when given."""
+        with self._lock, self.db.atomic():
+            self.conn.execute("INSERT OR IGNORE INTO tenants (name, weight, created) "
+                              "VALUES (?, 1.0, ?)", (name, now()))
+            if weight is not None:
+                self.conn.execute("UPDATE tenants SET weight = ? WHERE name = ?",
+                                  (weight, name))
+        return self.get_tenant(name)  # type: ignore[return-value]
+
+    def get_tenant(self, name: str) -> Row | None:
+        return self._one("SELECT * FROM tenants WHERE name = ?", [name])
+
+    def list_tenants(self) -> list[Row]:
+        return self._all("SELECT * FROM tenants ORDER BY name")
+
+    def create_key(self, tenant: str) -> str:
+        """A new API key for tenant. The key is returned once; only its sha256 is kept."""
+        self.ensure_tenant(tenant)
+        key = "tml-" + secrets.token_urlsafe(32)  # tml- so the tinker client accepts it
+        self._insert("api_keys", {"key_hash": hash_key(key), "tenant": tenant,
+                                  "created": now(), "revoked_at": None})
+        return key
+
+    def tenant_for_key(self, key: str) -> str | None:
+        """The tenant a key authenticates, or None if the key is unknown or revoked."""
+        row = self._one("SELECT tenant FROM api_keys WHERE key_hash = ? "
+                        "AND revoked_at IS NULL", [hash_key(key)])
+        return row["tenant"] if row else None
+
+    def revoke_key(self, key_or_prefix: str) -> bool:
+        """Revoke by full key (``tml-...``) or by a hash prefix as shown by list_keys."""
+        if key_or_prefix.startswith("tml-"):
+            where, arg = "key_hash = ?", hash_key(key_or_prefix)
+        else:
+            if len(key_or_prefix) < 6:
+                raise ValueError("hash prefix too short (need at least 6 characters)")
+            where, arg = "key_hash LIKE ?", key_or_prefix.lower() + "%"
+        with self._lock, self.db.atomic():
+            n = self.conn.execute(f"SELECT count(*) FROM api_keys WHERE {where}",
+                                  [arg]).fetchone()[0]
+            if n > 1:
+                raise ValueError(f"prefix {key_or_prefix!r} matches {n} keys")
+            return self.conn.execute(f"UPDATE api_keys SET revoked_at = ? WHERE {where} "
+                                     "AND revoked_at IS NULL", [now(), arg]).rowcount > 0
+
+    def list_keys(self, tenant: str | None = None) -> list[Row]:
+        """Key metadata for admins: hash prefix, tenant, created, revoked_at; never keys."""
+        where, params = ("WHERE tenant = ?", [tenant]) if tenant else ("", [])
+        return self._all("SELECT substr(key_hash, 1, 12) AS key_prefix, tenant, created, "
+                         f"revoked_at FROM api_keys {where} ORDER BY created", params)
+
+    # -- sessions ------------------------------------------------------------------------
+
+    def create_session(self, tenant: str, user_metadata: dict | None = None,
+                       sdk_version: str | None = None) -> str:
+        sid, t = f"sess-{uuid.uuid4().hex}", now()
+        self._insert("sessions", {"id": sid, "tenant": tenant, "created": t,
+                                  "last_heartbeat": t, "finished_at": None,
+                                  "user_metadata": _json(user_metadata),
+                                  "sdk_version": sdk_version})
+        return sid
+
+    def heartbeat(self, session_id: str) -> bool:
+        return self._write("UPDATE sessions SET last_heartbeat = ? WHERE id = ?",
+                           (now(), session_id)) > 0
+
+    def finish_session(self, session_id: str) -> bool:
+        return self._write("UPDATE sessions SET finished_at = ? WHERE id = ? "
+                           "AND finished_at IS NULL", (now(), session_id)) > 0
+
+    def get_session(self, session_id: str) -> Row | None:
+        return self._one("SELECT * FROM sessions WHERE id = ?", [session_id])
+
+    def list_sessions(self, tenant: str, offset: int = 0,
+                      limit: int = 20) -> tuple[list[Row], int]:
+        return self._page("tenant = ?", [tenant], "sessions", offset, limit)
+
+    def session_children(self, session_id: str) -> tuple[list[str], list[str]]:
+        """(training run ids, sampler ids) of a session, for GET /sessions/{id}."""
+        runs = self._all("SELECT id FROM runs WHERE session_id = ? AND NOT deleted "
+                         "ORDER BY rowid", [session_id])
+        samplers = self._all("SELECT id FROM samplers WHERE session_id = ? ORDER BY rowid",
+                             [session_id])
+        return [r["id"] for r in runs], [s["id"] for s in samplers]
+
+    def _next_seq(self, col: str, session_id: str, claim: int | None = None) -> int:
+        """Hand out the next counter value (atomic, one UPDATE ... RETURNING), or, when the
+        client chose the number itself (``claim``), move the counter past it."""
+        with self._lock, self.db.atomic():
+            if claim is None:
+                rows = self.conn.execute(f"UPDATE sessions SET {col} = {col} + 1 "
+                                         f"WHERE id = ? RETURNING {col} - 1",
+                                         [session_id]).fetchall()
+            else:
+                rows = self.conn.execute(f"UPDATE sessions SET {col} = max({col}, ?) "
+                                         "WHERE id = ? RETURNING ?",
+                                         [claim + 1, session_id, claim]).fetchall()
+        if not rows:
+            raise KeyError(f"unknown session {session_id!r}")
+        return rows[0][0]
+
+    def next_model_seq(self, session_id: str) -> int:
+        """0, 1, 2 ... per session: the ``<n>`` of ``<session_id>:train:<n>``."""
+        return self._next_seq("model_seq", session_id)
+
+    def next_sampler_seq(self, session_id: str) -> int:
+        """0, 1, 2 ... per session: the ``<n>`` of ``<session_id>:sample:<n>``."""
+        return self._next_seq("sampler_seq", session_id)
+
+    # -- training runs -------------------------------------------------------------------
+
+    def create_run(self, session_id: str, tenant: str, base_model: str, lora_rank: int,
+                   lora_config: dict | None = None, user_metadata: dict | None = None,
+                   model_seq: int | None = None) -> str:
+        """Create ``<session_id>:train:<n>``. The Tinker client sends its own
+        ``model_seq_id`` (pass it as model_seq); the native API lets the store pick one.
+        Raises KeyError for an unknown session, Conflict if the run exists."""
+        seq = self._next_seq("model_seq", session_id, model_seq)
+        run_id, t = f"{session_id}:train:{seq}", now()
+        self._insert("runs", {"id": run_id, "tenant": tenant, "session_id": session_id,
+                              "base_model": base_model, "lora_rank": lora_rank,
+                              "lora_config": _json(lora_config), "created": t,
+                              "last_request_time": t, "user_metadata": _json(user_metadata),
+                              "corrupted": 0, "deleted": 0})
+        return run_id
+
+    def get_run(self, run_id: str, include_deleted: bool = False) -> Row | None:
+        extra = "" if include_deleted else " AND NOT deleted"
+        return self._one(f"SELECT * FROM runs WHERE id = ?{extra}", [run_id])
+
+    def touch_run(self, run_id: str) -> bool:
+        """Record a request on the run (TrainingRun.last_request_time)."""
+        return self._write("UPDATE runs SET last_request_time = ? WHERE id = ?",
+                           (now(), run_id)) > 0
+
+    def set_run_corrupted(self, run_id: str, corrupted: bool = True) -> bool:
+        return self._write("UPDATE runs SET corrupted = ? WHERE id = ?",
+                           (int(corrupted), run_id)) > 0
+
+    def list_runs(self, tenant: str, offset: int = 0,
+                  limit: int = 20) -> tuple[list[Row], int]:
+        """A tenant's live runs, newest first, and their total count."""
+        return self._page("tenant = ? AND NOT deleted", [tenant], "runs", offset, limit)
+
+    def delete_run(self, run_id: str) -> bool:
+        """Soft delete: the id stays taken so a later run never reuses it."""
+        return self._write("UPDATE runs SET deleted = 1 WHERE id = ? AND NOT deleted",
+                           (run_id,)) > 0
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def begin_checkpoint(self, run_id: str, tenant: str, kind: str, name: str, dir: str,
+                         user_metadata: dict | None = None,
+                         expires_at: float | None = None) -> str:
+        """Record a checkpoint being written (status "writing"); returns its tinker path.
+        Saving again under the same name replaces the old row."""
+        path = checkpoint_path(run_id, kind, name)
+        with self._lock:
+            self.db.table("checkpoints").insert(
+                {"tinker_path": path, "run_id": run_id, "tenant": tenant, "kind": kind,
+                 "name": name, "checkpoint_type": CHECKPOINT_TYPES[kind], "dir": str(dir),
+                 "size_bytes": None, "sha256": None, "status": "writing", "error": None,
+                 "public": 0, "created": now(), "expires_at": expires_at,
+                 "user_metadata": _json(user_metadata)}, replace=True)
+        return path
+
+    def finish_checkpoint(self, path: str, size_bytes: int, sha256: str) -> bool:
+        """The files are on disk (fsynced and renamed): the checkpoint becomes "ready"."""
+        return self._write("UPDATE checkpoints SET status = 'ready', size_bytes = ?, "
+                           "sha256 = ?, error = NULL WHERE tinker_path = ?",
+                           (size_bytes, sha256, path)) > 0
+
+    def mark_corrupt(self, path: str, reason: str) -> bool:
+        """Failed write or checksum mismatch: keep the row (for admins), hide it."""
+        return self._write("UPDATE checkpoints SET status = 'corrupt', error = ? "
+                           "WHERE tinker_path = ?", (reason, path)) > 0
+
+    def abandon_writing_checkpoints(self, reason: str) -> list[Row]:
+        """At start-up: writes cut short by a crash become corrupt; returns those rows so
+        the caller can remove their directories."""
+        with self._lock, self.db.atomic():
+            rows = self._all("SELECT * FROM checkpoints WHERE status = 'writing'")
+            self._write("UPDATE checkpoints SET status = 'corrupt', error = ? "
+                        "WHERE status = 'writing'", (reason,))
+        return rows
+
+    def get_checkpoint(self, path: str) -> Row | None:
+        return self._one("SELECT * FROM checkpoints WHERE tinker_path = ?", [path])
+
+    def list_checkpoints(self, run_id: str | None = None, tenant: str | None = None,
+                         offset: int = 0, limit: int = 100) -> tuple[list[Row], int]:
+        """Ready checkpoints of one run or of one tenant (or both), newest first."""
+        where, params = ["status = 'ready'"], []
+        for col, val in (("run_id", run_id), ("tenant", tenant)):
+            if val is not None:
+                where.append(f"{col} = ?")
+                params.append(val)
+        return self._page(" AND ".join(where), params, "checkpoints", offset, limit)
+
+    def latest_checkpoint(self, run_id: str, kind: str) -> Row | None:
+        """Newest ready checkpoint of a kind (TrainingRun.last_[sampler_]checkpoint)."""
+        return self._one("SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? AND "
+                         "status = 'ready' ORDER BY created DESC, rowid DESC LIMIT 1",
+                         [run_id, kind])
+
+    def delete_checkpoint(self, path: str) -> Row | None:
+        """Remove the row; returns it (the caller deletes ``dir``) or None if missing."""
+        with self._lock, self.db.atomic():
+            row = self.get_checkpoint(path)
+            if row:
+                self._write("DELETE FROM checkpoints WHERE tinker_path = ?", (path,))
+        return row
+
+    def set_public(self, path: str, public: bool) -> bool:
+        return self._write("UPDATE checkpoints SET public = ? WHERE tinker_path = ?",
+                           (int(public), path)) > 0
+
+    def set_expiry(self, path: str, expires_at: float | None) -> bool:
+        """Set (unix seconds) or clear (None) a checkpoint's expiry."""
+        return self._write("UPDATE checkpoints SET expires_at = ? WHERE tinker_path = ?",
+                           (expires_at, path)) > 0
+
+    def expired_checkpoints(self, at: float | None = None) -> list[Row]:
+        """Checkpoints (any status) whose expiry has passed, for the garbage collector."""
+        return self._all("SELECT * FROM checkpoints WHERE expires_at IS NOT NULL AND "
+                         "expires_at <= ? ORDER BY expires_at", [now() if at is None else at])
+
+    # -- samplers ------------------------------------------------------------------------
+
+    def create_sampler(self, session_id: str, tenant: str, base_model: str,
+                       model_path: str | None = None, sampler_seq: int | None = None) -> str:
+        """Create ``<session_id>:sample:<n>`` (n from the client's sampling_session_seq_id
+        when given). Raises KeyError for an unknown session, Conflict if it exists."""
+        seq = self._next_seq("sampler_seq", session_id, sampler_seq)
+        sampler_id = f"{session_id}:sample:{seq}"
+        self._insert("samplers", {"id": sampler_id, "tenant": tenant,
+                                  "session_id": session_id, "base_model": base_model,
+                                  "model_path": model_path, "created": now()})
+        return sampler_id
+
+    def get_sampler(self, sampler_id: str) -> Row | None:
+        return self._one("SELECT * FROM samplers WHERE id = ?", [sampler_id])
+
+    # -- futures -------------------------------------------------------------------------
+
+    def create_future(self, future_id: str, tenant: str, kind: str,
+                      model_id: str | None = None, seq_id: int | None = None) -> str:
+        """Record a pending future. If (model_id, seq_id) already has one, this is a
+        client retry: nothing is created and the original id is returned."""
+        with self._lock, self.db.atomic():
+            if model_id is not None and seq_id is not None:
+                existing = self.find_future(model_id, seq_id)
+                if existing is not None:
+                    return existing
+            self.conn.execute("INSERT INTO futures (id, tenant, kind, model_id, seq_id, "
+                              "status, created) VALUES (?, ?, ?, ?, ?, 'pending', ?)",
+                              (future_id, tenant, kind, model_id, seq_id, now()))
+        return future_id
+
+    def complete_future(self, future_id: str, result: bytes, content_type: str) -> bool:
+        """Store the encoded result (JSON or protobuf bytes). The first resolution wins:
+        returns False if the future is unknown or already resolved."""
+        return self._write("UPDATE futures SET status = 'done', result = ?, "
+                           "content_type = ?, completed_at = ? WHERE id = ? AND "
+                           "status = 'pending'", (result, content_type, now(), future_id)) > 0
+
+    def fail_future(self, future_id: str, message: str, category: str = "server") -> bool:
+        """Resolve with ``{"error", "category"}`` (category "user" or "server")."""
+        return self._write("UPDATE futures SET status = 'error', result = ?, "
+                           "content_type = 'application/json', completed_at = ? "
+                           "WHERE id = ? AND status = 'pending'",
+                           (_error_body(message, category), now(), future_id)) > 0
+
+    def get_future(self, future_id: str) -> Row | None:
+        return self._one("SELECT * FROM futures WHERE id = ?", [future_id])
+
+    def find_future(self, model_id: str, seq_id: int) -> str | None:
+        """The future already submitted for (model_id, seq_id), if any."""
+        row = self._one("SELECT id FROM futures WHERE model_id = ? AND seq_id = ?",
+                        [model_id, seq_id])
+        return row["id"] if row else None
+
+    def fail_pending_futures(self, message: str) -> int:
+        """At start-up: futures a crash left pending fail with a server error (the client
+        would otherwise poll them forever). Returns how many."""
+        return self._write("UPDATE futures SET status = 'error', result = ?, "
+                           "content_type = 'application/json', completed_at = ? "
+                           "WHERE status = 'pending'", (_error_body(message, "server"), now()))
+
+    def purge_futures(self, older_than_seconds: float, at: float | None = None) -> int:
+        """Delete resolved futures completed more than older_than_seconds ago (never less
+        than MIN_FUTURE_TTL_S, so a client may still re-read a result). Returns how many."""
+        cutoff = (now() if at is None else at) - max(older_than_seconds, MIN_FUTURE_TTL_S)
+        return self._write("DELETE FROM futures WHERE status != 'pending' AND "
+                           "completed_at < ?", (cutoff,))
