@@ -37,6 +37,8 @@ __all__ = [
     "decode_forward_backward",
     "encode_forward_backward_output",
     "encode_sample_response",
+    "fwdbwd_encoder",
+    "sample_encoder",
 ]
 
 DType = Literal["float32", "int64"]
@@ -112,6 +114,7 @@ _DTYPE_OUT = {"float32": (_DT_FLOAT32, "f"), "int64": (_DT_INT64, "q")}
 _STOP_REASONS = {"stop": 0, "length": 1}
 _METRIC_REDUCTIONS = {"mean", "sum", "min", "max", "slack", "hash2", "unique"}
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_ZSTD_FEED = 4096  # compressed bytes per step: <= ~128 MiB of output even for a bomb
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
@@ -167,16 +170,27 @@ def _decompress(body: bytes, content_encoding: str | None, limit: int) -> bytes:
     # a map), so sniffing also covers proxies that drop the header.
     if enc != "zstd" and not body.startswith(_ZSTD_MAGIC):
         return body
+    # Fed in small slices so that output is checked against the limit as it grows (a header's
+    # content size is not trusted), and eof catches a truncated stream, which would otherwise
+    # yield a shorter, still parseable protobuf.
+    dobj, view = zstandard.ZstdDecompressor().decompressobj(), memoryview(body)
+    parts: list[bytes] = []
+    size = 0
     try:
-        # stream_reader, not decompress(): it copes with frames lacking a content size and lets
-        # us stop reading at the limit instead of trusting the size in the frame header.
-        with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True) as reader:
-            out = reader.read(limit + 1)
+        for start in range(0, len(body), _ZSTD_FEED):
+            parts.append(dobj.decompress(view[start : start + _ZSTD_FEED]))
+            size += len(parts[-1])
+            if size > limit:
+                raise CodecError(f"decompressed body exceeds {limit} bytes")
+            if dobj.eof:
+                break
     except zstandard.ZstdError as exc:
         raise CodecError(f"invalid zstd body: {exc}") from None
-    if len(out) > limit:
-        raise CodecError(f"decompressed body exceeds {limit} bytes")
-    return out
+    if not dobj.eof:
+        raise CodecError("truncated zstd body")
+    if dobj.unused_data or start + _ZSTD_FEED < len(body):
+        raise CodecError("data after the zstd frame (the SDK sends exactly one frame)")
+    return b"".join(parts)
 
 
 def _decode_config(msg: Any) -> dict[str, float] | None:
@@ -367,3 +381,34 @@ def encode_sample_response(
         lps = [math.nan if lp is None else lp for lp in prompt_logprobs]
         msg.prompt_logprobs = _pack(array("f", lps))
     return msg.SerializeToString()
+
+
+# ---------------------------------------------------------------- future encoders (routes.py)
+
+PROTOBUF = "application/x-protobuf"
+
+
+def fwdbwd_encoder(result: Any) -> tuple[bytes, str]:
+    """Encode a twinkled ``ForwardBackwardResult`` (``.outputs``, ``.metrics``) for a future."""
+    outputs = [{name: _as_out_tensor(v) for name, v in out.items()} for out in result.outputs]
+    return encode_forward_backward_output(outputs, result.metrics), PROTOBUF
+
+
+def sample_encoder(result: Any) -> tuple[bytes, str]:
+    """Encode a twinkled ``SampleResult`` (``.sequences``, ``.prompt_logprobs``) for a future."""
+    seqs = [SampledOut(list(s.tokens), s.logprobs, s.stop_reason) for s in result.sequences]
+    return encode_sample_response(seqs, result.prompt_logprobs), PROTOBUF
+
+
+def _as_out_tensor(value: Any) -> OutTensor:
+    if not hasattr(value, "detach"):  # a plain list of floats
+        return (value, "float32")
+    # A torch.Tensor, duck-typed so that this module never imports torch.
+    t = value.detach().cpu().contiguous()
+    if t.is_floating_point():
+        t, dtype = t.float(), "float32"  # bf16/fp16 widen; the client only knows f32/i64
+    else:
+        t, dtype = t.long(), "int64"
+    if t.dim() <= 1:
+        return (t.numpy().tobytes(), dtype)  # native order is little-endian wherever torch runs
+    return TensorIn(dtype, list(t.shape), t.reshape(-1).tolist())

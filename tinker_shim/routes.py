@@ -65,8 +65,11 @@ def _own_run(request, run_id: str) -> dict:
 # -- service, session and start-up -----------------------------------------------------
 
 async def client_config(request):
+    # No zstd request bodies: aiohttp would try to decode them itself (it needs an extra
+    # package for zstd), and on a local network they save little. pyqwest off keeps the
+    # client on plain httpx.
     return web.json_response({"use_pyqwest_transport": False,
-                              "proto_compress_fwdbwd": True})
+                              "proto_compress_fwdbwd": False})
 
 
 async def dynamic_config(request):
