@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 
 import pytest
 from daemon import Daemon, make_key
@@ -10,53 +12,213 @@ from daemon import Daemon, make_key
 tinker = pytest.importorskip("tinker")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-TIMEOUT = 120
+T = 120  # seconds: every .result() has a timeout, so a broken server fails, not hangs
+SENTENCES = ["the sun and the sea are big.", "hello world from twinkle, yes."]
 
 
 @pytest.fixture(scope="module")
 def daemon(tiny_dir, tmp_path_factory):
     data = tmp_path_factory.mktemp("data")
-    d = Daemon(tiny_dir, data, data / "twinkled.log")
+    cfg = data / "twinkled.toml"
+    cfg.write_text("fwdbwd_max_chunk_len = 2\n")  # so that a 5-datum call arrives in 3 chunks
+    d = Daemon(tiny_dir, data, data / "twinkled.log", "--config", str(cfg))
     d.keys = {t: make_key(data, t) for t in ("alice", "bob")}
     yield d
     d.stop()
 
 
-def _service(daemon, tenant="alice"):
+def service(daemon, tenant="alice"):
     return tinker.ServiceClient(base_url=daemon.url, api_key=daemon.keys[tenant])
 
 
-def _datum(tokenizer, text: str):
-    ids = tokenizer(text).input_ids
-    return tinker.types.Datum(
-        model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
-        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
+def datum(tok, text: str, **extra):
+    ids = tok(text).input_ids
+    n = len(ids) - 1
+    inputs = {"target_tokens": ids[1:], "weights": [1.0] * n}
+    inputs.update({k: v(n) if callable(v) else v for k, v in extra.items()})
+    return tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+                              loss_fn_inputs=inputs)
 
 
-def test_sft_loop_trains_and_samples(daemon, tiny_dir):
-    sc = _service(daemon)
-    tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=8).result(timeout=TIMEOUT)
+def trained_client(sc, tiny_dir, rank=8, steps=0, lr=5e-3):
+    tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=rank).result(timeout=T)
     tok = tc.get_tokenizer()
-    data = [_datum(tok, "the sun and the sea are big"), _datum(tok, "hello world from twinkle")]
+    data = [datum(tok, s) for s in SENTENCES]
     losses = []
-    for _ in range(8):
-        fb = tc.forward_backward(data, "cross_entropy").result(timeout=TIMEOUT)
-        losses.append(fb.metrics["loss:sum"])
-        opt = tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result(timeout=TIMEOUT)
-        assert "grad_norm:mean" in opt.metrics
-    assert losses[-1] < 0.7 * losses[0]
-    assert len(fb.loss_fn_outputs) == 2
-    assert len(fb.loss_fn_outputs[0]["logprobs"].tolist()) == len(data[0].model_input.to_ints())
+    for _ in range(steps):
+        losses.append(tc.forward_backward(data, "cross_entropy").result(timeout=T).metrics["loss:sum"])
+        tc.optim_step(tinker.types.AdamParams(learning_rate=lr)).result(timeout=T)
+    return tc, tok, data, losses
 
-    # forward() equals the logprobs forward_backward reports, and changes nothing.
-    fwd1 = tc.forward(data, "cross_entropy").result(timeout=TIMEOUT)
-    fwd2 = tc.forward(data, "cross_entropy").result(timeout=TIMEOUT)
-    assert fwd1.metrics["loss:sum"] == pytest.approx(fwd2.metrics["loss:sum"])
 
+def greedy(sampler, tok, text, n):
+    prompt = tinker.types.ModelInput.from_ints(tok(text).input_ids)
+    params = tinker.types.SamplingParams(max_tokens=n, temperature=0.0)
+    return sampler.sample(prompt, 1, params).result(timeout=T).sequences[0]
+
+
+def test_sft_memorises_and_greedy_sampling_reproduces(daemon, tiny_dir):
+    sc = service(daemon)
+    tc, tok, data, losses = trained_client(sc, tiny_dir, steps=60, lr=1e-2)
+    assert losses[-1] < 0.1 * losses[0]
     sampler = tc.save_weights_and_get_sampling_client()
-    prompt = tinker.types.ModelInput.from_ints(tok("the sun").input_ids)
-    params = tinker.types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
-    out = sampler.sample(prompt, num_samples=2, sampling_params=params).result(timeout=TIMEOUT)
-    assert len(out.sequences) == 2 and len(out.sequences[0].tokens) == 6
-    assert out.sequences[0].tokens == out.sequences[1].tokens  # greedy
+    for s in SENTENCES:
+        head, tail = s.split(" ", 2)[:2], s.split(" ", 2)[2]
+        prefix = " ".join(head)
+        want = tok(s).input_ids[len(tok(prefix).input_ids):]
+        got = greedy(sampler, tok, prefix, len(want))
+        assert tok.decode(got.tokens) == tok.decode(want), tail
     sc.close("success")
+
+
+def test_forward_matches_forward_backward_and_changes_nothing(daemon, tiny_dir):
+    sc = service(daemon)
+    tc, tok, data, _ = trained_client(sc, tiny_dir, steps=1)
+    f1 = tc.forward(data, "cross_entropy").result(timeout=T)
+    fb = tc.forward_backward(data, "cross_entropy").result(timeout=T)
+    f2 = tc.forward(data, "cross_entropy").result(timeout=T)
+    for a, b in zip(f1.loss_fn_outputs, fb.loss_fn_outputs, strict=True):
+        assert a["logprobs"].tolist() == pytest.approx(b["logprobs"].tolist(), abs=1e-5)
+    assert f1.metrics["loss:sum"] == pytest.approx(f2.metrics["loss:sum"], abs=1e-5)
+    assert all(":" in k for k in fb.metrics)
+
+
+def test_chunked_call_accumulates_like_separate_calls(daemon, tiny_dir):
+    """5 datums with fwdbwd_max_chunk_len=2 go out as 3 concurrent chunks, first last."""
+    sc = service(daemon)
+    texts = ["a b c d e", "the sun", "hello there world", "yes no", "five six seven eight"]
+    one = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4, seed=3).result(timeout=T)
+    two = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4, seed=3).result(timeout=T)
+    tok = one.get_tokenizer()
+    data = [datum(tok, t) for t in texts]
+    whole = one.forward_backward(data, "cross_entropy").result(timeout=T).metrics["loss:sum"]
+    parts = sum(two.forward_backward([d], "cross_entropy").result(timeout=T).metrics["loss:sum"]
+                for d in data)
+    assert whole == pytest.approx(parts, rel=1e-5)
+    adam = tinker.types.AdamParams(learning_rate=1e-2)
+    one.optim_step(adam).result(timeout=T)
+    two.optim_step(adam).result(timeout=T)
+    after1 = one.forward(data, "cross_entropy").result(timeout=T).metrics["loss:sum"]
+    after2 = two.forward(data, "cross_entropy").result(timeout=T).metrics["loss:sum"]
+    assert after1 == pytest.approx(after2, rel=1e-4)  # same accumulated gradients
+
+
+@pytest.mark.parametrize(("loss", "config"), [
+    ("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}),
+    ("cispo", None), ("dro", {"beta": 0.1}),
+])
+def test_rl_losses_run(daemon, tiny_dir, loss, config):
+    sc = service(daemon, "bob")
+    tc, tok, _, _ = trained_client(sc, tiny_dir, rank=4)
+    data = [datum(tok, s, logprobs=lambda n: [-1.0] * n, advantages=lambda n: [0.5] * n)
+            for s in SENTENCES]
+    data = [tinker.types.Datum(model_input=d.model_input, loss_fn_inputs={
+        k: v for k, v in d.loss_fn_inputs.items() if k != "weights"}) for d in data]
+    out = tc.forward_backward(data, loss, config).result(timeout=T)
+    assert math.isfinite(out.metrics["loss:sum"])
+    assert tc.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result(timeout=T)
+
+
+def test_unknown_loss_is_a_clear_user_error(daemon, tiny_dir):
+    sc = service(daemon)
+    tc, tok, data, _ = trained_client(sc, tiny_dir, rank=4)
+    with pytest.raises(tinker.RequestFailedError, match="unknown loss 'nope'"):
+        tc.forward_backward(data, "nope").result(timeout=T)
+    # The model still works afterwards.
+    assert tc.forward_backward(data, "cross_entropy").result(timeout=T).metrics["loss:sum"] > 0
+
+
+def test_save_state_and_resume_with_optimizer(daemon, tiny_dir):
+    sc = service(daemon)
+    tc, tok, data, _ = trained_client(sc, tiny_dir, steps=3)
+    path = tc.save_state("after-3").result(timeout=T).path
+    assert path.startswith("tinker://") and path.endswith("/weights/after-3")
+    adam = tinker.types.AdamParams(learning_rate=5e-3)
+    tc.forward_backward(data, "cross_entropy").result(timeout=T)
+    tc.optim_step(adam).result(timeout=T)
+    want = tc.forward(data, "cross_entropy").result(timeout=T).metrics["loss:sum"]
+
+    resumed = sc.create_training_client_from_state_with_optimizer(path).result(timeout=T)
+    session = sc.holder.get_session_id() if hasattr(sc, "holder") else None
+    assert ":train:" in resumed.model_id and (session is None or resumed.model_id.startswith(session))
+    resumed.forward_backward(data, "cross_entropy").result(timeout=T)
+    resumed.optim_step(adam).result(timeout=T)
+    got = resumed.forward(data, "cross_entropy").result(timeout=T).metrics["loss:sum"]
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_sampling_stop_strings_seeds_and_compute_logprobs(daemon, tiny_dir):
+    sc = service(daemon)
+    tc, tok, data, _ = trained_client(sc, tiny_dir, steps=2)
+    path = tc.save_weights_for_sampler("s1").result(timeout=T).path
+    sampler = sc.create_sampling_client(model_path=path)
+    prompt = tinker.types.ModelInput.from_ints(tok("the sun").input_ids)
+    seeded = tinker.types.SamplingParams(max_tokens=8, temperature=1.0, seed=42, stop=[])
+    a = sampler.sample(prompt, 3, seeded).result(timeout=T)
+    b = sampler.sample(prompt, 3, seeded).result(timeout=T)
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    assert all(s.sequence_id for s in a.sequences)
+    free = greedy(sampler, tok, "the sun", 8)
+    text = tok.decode(free.tokens[2:4])
+    stopped = sampler.sample(prompt, 1, tinker.types.SamplingParams(
+        max_tokens=8, temperature=0.0, stop=[text])).result(timeout=T).sequences[0]
+    assert stopped.stop_reason == "stop" and text in tok.decode(stopped.tokens)
+    lps = sampler.compute_logprobs(prompt).result(timeout=T)
+    assert lps[0] is None and len(lps) == len(prompt.to_ints())
+    fwd = tc.forward([tinker.types.Datum(
+        model_input=tinker.types.ModelInput.from_ints(prompt.to_ints()[:-1]),
+        loss_fn_inputs={"target_tokens": prompt.to_ints()[1:]})], "cross_entropy").result(timeout=T)
+    assert lps[1:] == pytest.approx(fwd.loss_fn_outputs[0]["logprobs"].tolist(), abs=1e-4)
+    base = sc.create_sampling_client(base_model=tiny_dir.name)
+    assert len(base.sample(prompt, 1, seeded).result(timeout=T).sequences[0].tokens) == 8
+
+
+def test_unsupported_sampling_features_are_refused(daemon, tiny_dir):
+    sc = service(daemon)
+    sampler = sc.create_sampling_client(base_model=tiny_dir.name)
+    prompt = tinker.types.ModelInput.from_ints([5, 6, 7])
+    with pytest.raises(tinker.BadRequestError, match="top-k sample logprobs"):
+        sampler.sample(prompt, 1, tinker.types.SamplingParams(max_tokens=2),
+                       topk_sample_logprobs=3).result(timeout=T)
+
+
+def test_rest_listings(daemon, tiny_dir):
+    sc = service(daemon, "bob")
+    tc, _, _, _ = trained_client(sc, tiny_dir, rank=4, steps=1)
+    tc.save_state("r1").result(timeout=T)
+    tc.save_weights_for_sampler("r1s").result(timeout=T)
+    rest = sc.create_rest_client()
+    runs = rest.list_training_runs().result(timeout=T)
+    assert tc.model_id in [r.training_run_id for r in runs.training_runs]
+    ckpts = rest.list_checkpoints(tc.model_id).result(timeout=T).checkpoints
+    assert {c.checkpoint_id for c in ckpts} == {"weights/r1", "sampler_weights/r1s"}
+    assert all(c.size_bytes and c.size_bytes > 0 for c in ckpts)
+    run = rest.get_training_run(tc.model_id).result(timeout=T)
+    assert run.lora_rank == 4 and run.last_checkpoint.checkpoint_id == "weights/r1"
+    mine = rest.list_user_checkpoints().result(timeout=T).checkpoints
+    assert {"weights/r1", "sampler_weights/r1s"} <= {c.checkpoint_id for c in mine}
+    rest.delete_checkpoint(tc.model_id, "sampler_weights/r1s").result(timeout=T)
+    ckpts = rest.list_checkpoints(tc.model_id).result(timeout=T).checkpoints
+    assert {c.checkpoint_id for c in ckpts} == {"weights/r1"}
+
+
+def test_four_clients_of_two_tenants_train_at_once(daemon, tiny_dir):
+    results, errors = {}, []
+
+    def run(tenant, rank, loss_fn):
+        try:
+            sc = service(daemon, tenant)
+            tc, tok, data, losses = trained_client(sc, tiny_dir, rank=rank, steps=6, lr=1e-2)
+            results[(tenant, rank)] = losses
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=a) for a in
+               [("alice", 2, "ce"), ("alice", 8, "ce"), ("bob", 4, "ce"), ("bob", 16, "ce")]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors
+    assert len(results) == 4
+    assert all(v[-1] < v[0] for v in results.values())

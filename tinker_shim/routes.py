@@ -69,7 +69,8 @@ async def client_config(request):
     # package for zstd), and on a local network they save little. pyqwest off keeps the
     # client on plain httpx.
     return web.json_response({"use_pyqwest_transport": False,
-                              "proto_compress_fwdbwd": False})
+                              "proto_compress_fwdbwd": False,
+                              "fwdbwd_max_chunk_len": _svc(request).config.fwdbwd_max_chunk_len})
 
 
 async def dynamic_config(request):
@@ -372,7 +373,8 @@ UNSUPPORTED_SAMPLE = {"topk_prompt_logprobs": "top-k prompt logprobs",
                       "topk_sample_logprobs": "top-k sample logprobs",
                       "prompt_alt_tokens_k": "prompt alternative tokens",
                       "target_prompt_logprobs": "target prompt logprobs",
-                      "record_stability_info": "stability info (stable_reinforce)"}
+                      "record_stability_info": "stability info (stable_reinforce)",
+                      "prompt_logprobs_last_n": "a window of prompt logprobs"}
 
 
 async def asample(request):

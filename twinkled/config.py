@@ -19,6 +19,7 @@ class Config:
     max_rank: int = 128
     token_budget: int = 16384  # padded tokens per micro-batch (activation memory)
     poll_seconds: float = 30.0  # retrieve_future long-poll (client times out at 45 s)
+    fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client chunks)
 
     @property
     def served_name(self) -> str:

@@ -10,6 +10,7 @@ first served; fair sharing is the scheduler's job, a later step).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -77,7 +78,16 @@ class Service:
     # -- life cycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the model in the engine thread; the HTTP server answers meanwhile."""
+        """Load the model in the engine thread; the HTTP server answers meanwhile.
+
+        Work cut short by the last stop is settled first: its futures fail with a clear
+        error when polled, and half-written checkpoints are marked and never served."""
+        failed = self.store.fail_pending_futures(
+            "the daemon restarted before this request finished; submit it again")
+        for c in self.store.abandon_writing_checkpoints("the daemon stopped while writing it"):
+            log.warning("checkpoint %s was cut short by a stop; marked corrupt", c["tinker_path"])
+        if failed:
+            log.warning("%d requests were cut short by the last stop", failed)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _load(self) -> None:
@@ -113,28 +123,47 @@ class Service:
     def new_future(self, tenant: str, kind: str, encode: Encoder) -> Future:
         f = Future(f"req-{uuid.uuid4().hex}", tenant, kind, encode)
         self.futures[f.id] = f
+        self.store.create_future(f.id, tenant, kind)
         return f
 
     def resolve(self, f: Future, result: Any) -> None:
-        f.payload, f.content_type = f.encode(result)
+        try:
+            f.payload, f.content_type = f.encode(result)
+        except Exception as e:  # an encoder bug must not leave the client polling forever
+            log.exception("encoding a %s result failed", f.kind)
+            return self.fail(f, f"server error encoding the result: {e}", "server")
         f.completed_at = time.time()
+        self.store.complete_future(f.id, f.payload, f.content_type)
         f.done.set()
 
     def fail(self, f: Future, message: str, category: str) -> None:
         f.error = (message, category)
         f.completed_at = time.time()
+        self.store.fail_future(f.id, message, category)
         f.done.set()
 
     def get_future(self, tenant: str, future_id: str) -> Future:
+        """A live future, or one from before a restart (read back from the store)."""
         f = self.futures.get(future_id)
+        if f is None:
+            row = self.store.get_future(future_id)
+            if row is not None and row["status"] != "pending":
+                f = Future(row["id"], row["tenant"], row["kind"], encode=None)
+                f.payload, f.content_type = row["result"], row["content_type"]
+                if row["status"] == "error":
+                    body = json.loads(row["result"])
+                    f.error = (body["error"], body["category"])
+                f.done.set()
         if f is None or f.tenant != tenant:  # another tenant's id is simply not found
             raise NotFound(f"no request {future_id!r}")
         return f
 
     def purge_futures(self, keep_seconds: float = 600.0) -> None:
+        """Forget results older than `keep_seconds` (at least 5 minutes after completion)."""
         cutoff = time.time() - keep_seconds
         for fid in [k for k, f in self.futures.items() if f.completed_at and f.completed_at < cutoff]:
             del self.futures[fid]
+        self.store.purge_futures(keep_seconds)
 
     # -- submitting -------------------------------------------------------------------
 
@@ -146,12 +175,15 @@ class Service:
             self.samples.append(op)
         else:
             key = (op.model_id, op.seq_id)
-            if key in self.seq_index:
+            if key in self.seq_index:  # a retry of a request already taken
                 self.futures.pop(op.future.id, None)
+                self.store.fail_future(op.future.id, "superseded by the original request", "user")
                 return self.futures[self.seq_index[key]]
             if op.seq_id < self.next_seq.get(op.model_id, 1):
                 self.futures.pop(op.future.id, None)
-                raise UserError(f"seq_id {op.seq_id} of {op.model_id} has already run")
+                message = f"seq_id {op.seq_id} of {op.model_id} has already run"
+                self.store.fail_future(op.future.id, message, "user")
+                raise UserError(message)
             self.seq_index[key] = op.future.id
             self.queue.setdefault(op.model_id, {})[op.seq_id] = op
         self.wake.set()
