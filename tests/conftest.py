@@ -32,3 +32,18 @@ def engine(tiny_dir):
     from helpers import make_engine
 
     return make_engine(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def daemon(tiny_dir, tmp_path_factory):
+    """A real `twinkled serve` on the tiny model, with keys for tenants alice and bob."""
+    from daemon import Daemon, make_key
+
+    data = tmp_path_factory.mktemp("data")
+    cfg = data / "twinkled.toml"
+    # A 5-datum call arrives in 3 chunks; a poll is held 2 s before try_again.
+    cfg.write_text("fwdbwd_max_chunk_len = 2\npoll_seconds = 2.0\n")
+    d = Daemon(tiny_dir, data, data / "twinkled.log", "--config", str(cfg))
+    d.keys = {t: make_key(data, t) for t in ("alice", "bob")}
+    yield d
+    d.stop()

@@ -7,24 +7,12 @@ import os
 import threading
 
 import pytest
-from daemon import Daemon, make_key
 
 tinker = pytest.importorskip("tinker")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 T = 120  # seconds: every .result() has a timeout, so a broken server fails, not hangs
 SENTENCES = ["the sun and the sea are big.", "hello world from twinkle, yes."]
-
-
-@pytest.fixture(scope="module")
-def daemon(tiny_dir, tmp_path_factory):
-    data = tmp_path_factory.mktemp("data")
-    cfg = data / "twinkled.toml"
-    cfg.write_text("fwdbwd_max_chunk_len = 2\n")  # so that a 5-datum call arrives in 3 chunks
-    d = Daemon(tiny_dir, data, data / "twinkled.log", "--config", str(cfg))
-    d.keys = {t: make_key(data, t) for t in ("alice", "bob")}
-    yield d
-    d.stop()
 
 
 def service(daemon, tenant="alice"):

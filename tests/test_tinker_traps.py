@@ -1,0 +1,129 @@
+"""The compatibility traps of the Tinker reference (section 11.4), each checked on the wire."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+tinker = pytest.importorskip("tinker")
+pb = pytest.importorskip("tinker.proto.tinker_public_pb2")
+
+
+@pytest.fixture()
+def http(daemon):
+    with httpx.Client(base_url=f"{daemon.url}/api/v1", timeout=60,
+                      headers={"X-API-Key": daemon.keys["alice"]}) as c:
+        yield c
+
+
+def new_model(http, tiny_dir, rank=4):
+    sid = http.post("/create_session", json={"tags": [], "user_metadata": {},
+                                             "sdk_version": "0.38.0"}).json()["session_id"]
+    r = http.post("/create_model", json={"session_id": sid, "model_seq_id": 0,
+                                         "base_model": tiny_dir.name,
+                                         "lora_config": {"rank": rank}, "type": "create_model"})
+    return sid, r
+
+
+def poll(http, request_id):
+    while True:
+        r = http.post("/retrieve_future", json={"request_id": request_id,
+                                                "allow_metadata_only": False})
+        if r.headers["content-type"].startswith("application/json") and \
+                r.json().get("type") == "try_again":
+            continue
+        return r
+
+
+def test_1_client_config_exists(http):
+    r = http.post("/client/config", json={"sdk_version": "0.38.0"})
+    assert r.status_code == 200 and isinstance(r.json(), dict)
+
+
+def test_2_and_7_request_ids_are_strings_and_model_ids_follow_the_sdk(http, tiny_dir):
+    sid, r = new_model(http, tiny_dir)
+    body = r.json()
+    assert isinstance(body["request_id"], str)
+    result = poll(http, body["request_id"]).json()
+    assert result["model_id"] == f"{sid}:train:0"
+
+
+def test_4_and_6_results_are_protobuf_and_metric_keys_have_a_reduction(http, tiny_dir, daemon):
+    sc = tinker.ServiceClient(base_url=daemon.url, api_key=daemon.keys["alice"])
+    tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=60)
+    d = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5, 6, 7]),
+                           loss_fn_inputs={"target_tokens": [6, 7, 8]})
+    fut = tc.forward_backward([d], "cross_entropy")
+    out = fut.result(timeout=60)  # the client accepts only protobuf here
+    assert all(k.count(":") == 1 for k in out.metrics)
+    opt = tc.optim_step(tinker.types.AdamParams()).result(timeout=60)
+    assert all(k.count(":") == 1 for k in opt.metrics)
+
+
+def test_5_asample_returns_sample_sequence_ids(http, tiny_dir):
+    sid = http.post("/create_session", json={}).json()["session_id"]
+    sampler = http.post("/create_sampling_session", json={
+        "session_id": sid, "sampling_session_seq_id": 0, "base_model": tiny_dir.name}).json()
+    r = http.post("/asample", json={
+        "num_samples": 3, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
+        "sampling_params": {"max_tokens": 2, "temperature": 0.0},
+        "sampling_session_id": sampler["sampling_session_id"], "seq_id": 0, "type": "sample"})
+    body = r.json()
+    assert len(body["sample_sequence_ids"]) == 3 and len(set(body["sample_sequence_ids"])) == 3
+    assert poll(http, body["request_id"]).headers["content-type"] == "application/x-protobuf"
+
+
+def test_8_finish_session(http):
+    sid = http.post("/create_session", json={}).json()["session_id"]
+    assert http.post(f"/sessions/{sid}/finish", json={"reason": {"type": "success"}}).status_code == 204
+    # A finished session's heartbeat says so (410 stops the client's loop).
+    assert http.post("/session_heartbeat", json={"session_id": sid}).status_code == 410
+
+
+def test_9_polls_are_held_then_try_again(http, tiny_dir):
+    """An op waiting on a seq_id gap stays pending: the poll is held, then try_again."""
+    sid, r = new_model(http, tiny_dir)
+    poll(http, r.json()["request_id"])
+    late = http.post("/optim_step", json={"model_id": f"{sid}:train:0", "seq_id": 5,
+                                          "adam_params": {"learning_rate": 1e-3}}).json()
+    t0 = time.monotonic()
+    r = http.post("/retrieve_future", json={"request_id": late["request_id"]})
+    assert r.json()["type"] == "try_again" and r.json()["queue_state"] == "active"
+    assert time.monotonic() - t0 > 1.0  # held (2 s configured), not answered at once
+
+
+def test_10_permanent_failures_are_never_5xx_408_or_409(http, tiny_dir):
+    sid, r = new_model(http, tiny_dir)
+    poll(http, r.json()["request_id"])
+    again = http.post("/create_model", json={"session_id": sid, "model_seq_id": 0,
+                                             "base_model": tiny_dir.name, "lora_config": {}})
+    assert again.status_code == 400 and "already" in again.json()["detail"]
+    assert http.post("/create_session", content=b"{not json").status_code == 400
+    wrong = http.post("/create_model", json={"session_id": sid, "model_seq_id": 1,
+                                             "base_model": "someone/else", "lora_config": {}})
+    assert wrong.status_code == 400 and "not served here" in wrong.json()["detail"]
+    # A failure found later resolves the future with 200 {"error", "category"}.
+    model_id = f"{sid}:train:0"
+    bad = http.post("/optim_step", json={"model_id": model_id, "seq_id": 1,
+                                         "adam_params": {"learning_rate": -1.0}}).json()
+    res = poll(http, bad["request_id"])
+    assert res.status_code == 200 and res.json()["category"] == "user"
+    assert "learning_rate" in res.json()["error"]
+
+
+def test_retried_seq_id_returns_the_original_future(http, tiny_dir):
+    sid, r = new_model(http, tiny_dir)
+    poll(http, r.json()["request_id"])
+    body = {"model_id": f"{sid}:train:0", "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}
+    first = http.post("/optim_step", json=body).json()["request_id"]
+    second = http.post("/optim_step", json=body).json()["request_id"]
+    assert first == second
+
+
+def test_unauthenticated_requests_are_refused(daemon):
+    for headers in ({}, {"X-API-Key": "tml-not-a-key"}):
+        r = httpx.post(f"{daemon.url}/api/v1/create_session", json={}, headers=headers)
+        assert r.status_code == 401
+    assert httpx.get(f"{daemon.url}/api/v1/healthz").json()["status"] == "ok"
