@@ -210,3 +210,22 @@ def test_four_clients_of_two_tenants_train_at_once(daemon, tiny_dir):
     assert not errors, errors
     assert len(results) == 4
     assert all(v[-1] < v[0] for v in results.values())
+
+
+def test_sampler_checkpoint_saved_again_serves_the_new_weights(daemon, tiny_dir):
+    sc = service(daemon)
+    tc, tok, data, _ = trained_client(sc, tiny_dir, steps=1)
+    prompt = tinker.types.ModelInput.from_ints(tok("the sun and the sea").input_ids)
+    path = tc.save_weights_for_sampler("same").result(timeout=T).path
+    before = sc.create_sampling_client(model_path=path).compute_logprobs(prompt).result(timeout=T)
+    for _ in range(5):
+        tc.forward_backward(data, "cross_entropy").result(timeout=T)
+        tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result(timeout=T)
+    assert tc.save_weights_for_sampler("same").result(timeout=T).path == path
+    after = sc.create_sampling_client(model_path=path).compute_logprobs(prompt).result(timeout=T)
+    ids = prompt.to_ints()
+    fwd = tc.forward([tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+                                         loss_fn_inputs={"target_tokens": ids[1:]})],
+                     "cross_entropy").result(timeout=T).loss_fn_outputs[0]["logprobs"].tolist()
+    assert after[1:] == pytest.approx(fwd, abs=1e-4)
+    assert after[1:] != pytest.approx(before[1:], abs=1e-3)

@@ -399,7 +399,8 @@ async def asample(request):
     args = {}
     if path:
         c = _own_checkpoint(request, path)
-        adapter = f"sampler:{path}"
+        # Keyed by content too: a checkpoint saved again under the same name is new weights.
+        adapter = f"sampler:{path}@{c['sha256'][:16]}"
         args = {"adapter_id": adapter, "load_from": c["dir"]}
     req = SampleRequest(adapter, tokens, params, n, bool(body.get("prompt_logprobs", False)))
     svc = _svc(request)

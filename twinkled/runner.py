@@ -7,6 +7,7 @@ the rest of the step runs. Returns, per op, (result, error message or None, cate
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from pathlib import Path
 
 from .engine import Engine, EngineInputError
@@ -38,13 +39,21 @@ def _forward_backward(engine: Engine, ops: list) -> list[Outcome]:
     return outcomes
 
 
+SAMPLER_ADAPTERS = 32  # sampler checkpoints kept loaded; the least recently used goes first
+
+
 def _sample(engine: Engine, ops: list) -> list[Outcome]:
     outcomes: list[Outcome | None] = [None] * len(ops)
     good = []
+    loaded = engine.__dict__.setdefault("sampler_lru", OrderedDict())
     for i, op in enumerate(ops):
         try:
-            if op.args.get("load_from") and not engine.has_adapter(op.args["adapter_id"]):
-                engine.load(op.args["adapter_id"], op.args["load_from"], optimizer=False)
+            adapter = op.args.get("adapter_id")
+            if op.args.get("load_from"):
+                if not engine.has_adapter(adapter):
+                    engine.load(adapter, op.args["load_from"], optimizer=False)
+                loaded[adapter] = True
+                loaded.move_to_end(adapter)
             engine.check(op.args["request"])
             good.append(i)
         except EngineInputError as e:
@@ -53,6 +62,13 @@ def _sample(engine: Engine, ops: list) -> list[Outcome]:
         results = engine.sample([ops[i].args["request"] for i in good])
         for i, r in zip(good, results, strict=True):
             outcomes[i] = (r, None, None)
+    in_use = {op.args.get("adapter_id") for op in ops}
+    while len(loaded) > SAMPLER_ADAPTERS:
+        old = next(iter(loaded))
+        if old in in_use:
+            break
+        loaded.pop(old)
+        engine.remove_adapter(old)
     return outcomes
 
 

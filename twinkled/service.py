@@ -88,7 +88,24 @@ class Service:
             log.warning("checkpoint %s was cut short by a stop; marked corrupt", c["tinker_path"])
         if failed:
             log.warning("%d requests were cut short by the last stop", failed)
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+        self._janitor = loop.create_task(self._housekeeping())
+
+    async def _housekeeping(self, every: float = 60.0) -> None:
+        """Forget old results and delete checkpoints whose TTL has passed."""
+        import shutil
+
+        while True:
+            await asyncio.sleep(every)
+            try:
+                self.purge_futures()
+                for c in self.store.expired_checkpoints():
+                    self.store.delete_checkpoint(c["tinker_path"])
+                    shutil.rmtree(c["dir"], ignore_errors=True)
+                    log.info("checkpoint %s expired and was deleted", c["tinker_path"])
+            except Exception:  # housekeeping must never take the daemon down
+                log.exception("housekeeping failed")
 
     async def _load(self) -> None:
         def load():
@@ -111,8 +128,9 @@ class Service:
             log.exception("model load failed")
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
+        for task in (self._task, getattr(self, "_janitor", None)):
+            if task:
+                task.cancel()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def _in_engine(self, fn, *args):
