@@ -22,7 +22,8 @@ def main() -> None:
 @click.option("--host", help="Address to listen on (default 127.0.0.1).")
 @click.option("--port", type=int, help="Port (default 8000).")
 @click.option("--device", help="cpu, cuda, cuda:N or auto (default).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]))
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
+              help="Base model dtype (default bfloat16; float32 on a CPU).")
 @click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True),
               help="TOML config file; flags override it.")
 def serve(model, model_name, data_dir, host, port, device, dtype, config_file) -> None:

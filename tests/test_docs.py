@@ -1,0 +1,59 @@
+"""The reference documents every command, option, config key and HTTP route."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import click
+
+from twinkled.cli import main
+from twinkled.config import Config
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = (ROOT / "docs" / "reference.md").read_text()
+
+
+def _commands(group: click.Group, prefix: str):
+    for name, cmd in group.commands.items():
+        path = f"{prefix} {name}"
+        yield path, cmd
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, path)
+
+
+def test_every_command_and_option_is_documented():
+    for path, cmd in _commands(main, "twinkled"):
+        assert path in REFERENCE, f"{path} is not in docs/reference.md"
+        assert cmd.help, f"{path} has no help text"
+        for p in cmd.params:
+            if isinstance(p, click.Option):
+                assert any(o in REFERENCE for o in p.opts), f"{path} {p.opts} undocumented"
+
+
+def test_every_config_key_is_documented():
+    for f in dataclasses.fields(Config):
+        assert f"`{f.name}`" in REFERENCE, f"config key {f.name} undocumented"
+
+
+def test_every_route_is_documented():
+    from aiohttp import web
+
+    from tinker_shim.routes import add_routes
+
+    app = web.Application()
+    add_routes(app)
+    documented = set(re.findall(r"\| (GET|POST|PUT|DELETE) \| `([^`]+)` \|", REFERENCE))
+    for route in app.router.routes():
+        if route.method == "HEAD":
+            continue
+        path = re.sub(r"\{(\w+)(:[^}]*)?\}", r"{\1}", route.resource.canonical)
+        assert (route.method, path) in documented, f"{route.method} {path} undocumented"
+
+
+def test_readme_starts_with_the_two_commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    block = lines[lines.index("```bash") + 1: lines.index("```bash") + 3]
+    assert block[0].startswith("make demo") and block[1].startswith("make test")
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
