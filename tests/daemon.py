@@ -28,7 +28,8 @@ def make_key(data_dir: Path, tenant: str) -> str:
 class Daemon:
     """`twinkled serve` on a free port; waits for the model to be loaded."""
 
-    def __init__(self, model_dir: Path, data_dir: Path, log_path: Path, *extra: str):
+    def __init__(self, model_dir: Path, data_dir: Path, log_path: Path, *extra: str,
+                 wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "ab")  # noqa: SIM115 - kept open for the process's life
@@ -37,7 +38,8 @@ class Daemon:
             [sys.executable, "-m", "twinkled", "serve", "--model", str(model_dir),
              "--data-dir", str(data_dir), "--port", str(self.port), "--device", "cpu",
              "--dtype", "float32", *extra], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.wait_ready()
+        if wait:
+            self.wait_ready()
 
     def health(self) -> dict | None:
         import json

@@ -127,3 +127,25 @@ def test_unauthenticated_requests_are_refused(daemon):
         r = httpx.post(f"{daemon.url}/api/v1/create_session", json={}, headers=headers)
         assert r.status_code == 401
     assert httpx.get(f"{daemon.url}/api/v1/healthz").json()["status"] == "ok"
+
+
+def test_zstd_compressed_forward_backward_bodies_are_accepted(http, tiny_dir):
+    import struct
+
+    import zstandard
+
+    sid, r = new_model(http, tiny_dir)
+    poll(http, r.json()["request_id"])
+    req = pb.ForwardBackwardRequest(model_id=f"{sid}:train:0", seq_id=1, loss_fn="cross_entropy")
+    d = req.data.add()
+    d.model_input.add().encoded_text.tokens = struct.pack("<3i", 5, 6, 7)
+    t = d.loss_fn_inputs["target_tokens"]
+    t.dtype, t.dense = pb.DTYPE_INT64, struct.pack("<3q", 6, 7, 8)
+    t.shape.append(3)
+    body = zstandard.ZstdCompressor().compress(req.SerializeToString())
+    r = http.post("/forward_backward", content=body, headers={
+        "Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"})
+    assert r.status_code == 200, r.text
+    res = poll(http, r.json()["request_id"])
+    out = pb.ForwardBackwardOutput.FromString(res.content)
+    assert out.metrics["loss:sum"] > 0

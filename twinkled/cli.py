@@ -47,8 +47,11 @@ def serve(model, model_name, data_dir, host, port, device, dtype, config_file) -
         uvloop.install()
     except ImportError:  # optional speed-up
         pass
+    # auto_decompress off: forward_backward bodies may be zstd (Content-Encoding: zstd),
+    # which the Tinker codec decodes itself, with a size limit.
     web.run_app(make_app(Service(cfg, store), store), host=cfg.host, port=cfg.port,
-                print=lambda s: click.echo(s, err=True))
+                print=lambda s: click.echo(s, err=True),
+                auto_decompress=False)
 
 
 @main.group()
