@@ -72,6 +72,7 @@ class Service:
         self.queue: dict[str, dict[int, Op]] = {}  # model id -> seq_id -> op
         self.samples: list[Op] = []
         self.wake = asyncio.Event()
+        self._last_was_training = False
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
 
@@ -224,22 +225,36 @@ class Service:
                 await self._execute(batch)
 
     def _ready(self) -> list[Op]:
-        """The next step: all forward/backward ops at the head of their model's queue, or
-        else one barrier (optim/save/load), or else the pending samples."""
-        heads = []
-        for model_id, ops in self.queue.items():
-            op = ops.get(self.next_seq.get(model_id, 1))
-            if op is not None:
-                heads.append(op)
-        fwd = [op for op in heads if op.kind == "fwdbwd"]
-        if fwd:
-            return fwd
-        if heads:
-            return [heads[0]]
-        if self.samples:
+        """The next step.
+
+        Training: every model's run of consecutive forward/backward ops from its next
+        seq_id, all models together (gradients add up, so chunks of one call and calls of
+        many tenants share one pass); else one barrier (optim/save/load/create). Pending
+        samples alternate with training steps so that neither starves the other.
+        """
+        if self.samples and (self._last_was_training or not self._has_ready()):
+            self._last_was_training = False
             batch, self.samples = self.samples, []
             return batch
-        return []
+        fwd, barrier = [], None
+        for model_id, ops in self.queue.items():
+            seq = self.next_seq.get(model_id, 1)
+            op = ops.get(seq)
+            if op is None:
+                continue
+            if op.kind != "fwdbwd":
+                barrier = barrier or op
+                continue
+            while op is not None and op.kind == "fwdbwd":
+                fwd.append(op)
+                seq += 1
+                op = ops.get(seq)
+        batch = fwd or ([barrier] if barrier else [])
+        self._last_was_training = bool(batch)
+        return batch
+
+    def _has_ready(self) -> bool:
+        return any(ops.get(self.next_seq.get(m, 1)) for m, ops in self.queue.items())
 
     async def _execute(self, batch: list[Op]) -> None:
         from .runner import run_ops  # engine-side code; imports torch
@@ -248,6 +263,8 @@ class Service:
             if op.seq_id is not None:
                 del self.queue[op.model_id][op.seq_id]
                 self.next_seq[op.model_id] = op.seq_id + 1
+                # A retry of a recent request still finds its future; older ones are let go.
+                self.seq_index.pop((op.model_id, op.seq_id - 1000), None)
         try:
             outcomes = await self._in_engine(run_ops, self.engine, batch)
         except Exception as e:  # a bug or an engine fault: fail this step, keep serving
