@@ -1,0 +1,59 @@
+"""Tenants share the GPU by tokens: weighted fair queueing on virtual time.
+
+Each tenant has a virtual time that advances by tokens / weight when it is served; the
+tenant with the smallest virtual time goes next. A tenant that was idle re-enters at the
+current virtual clock, so it cannot bank credit while away, and it wins ties against the
+tenants already busy, so it is served in the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Limits:
+    """Per-tenant quotas; None means unlimited."""
+
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
+    max_adapters: int | None = None
+    max_rank: int | None = None
+
+
+@dataclass
+class Tenant:
+    name: str
+    weight: float = 1.0
+    limits: Limits = field(default_factory=Limits)
+    vtime: float = 0.0
+    served_tokens: int = 0
+    queued_requests: int = 0
+    queued_tokens: int = 0
+    rr: int = 0  # round-robin pointer over the tenant's models
+
+    def charge(self, tokens: int) -> None:
+        self.vtime += tokens / self.weight
+        self.served_tokens += tokens
+
+
+class Fairness:
+    def __init__(self) -> None:
+        self.tenants: dict[str, Tenant] = {}
+        self.clock = 0.0  # virtual time of the most recent pick
+
+    def tenant(self, name: str) -> Tenant:
+        t = self.tenants.get(name)
+        if t is None:
+            t = self.tenants[name] = Tenant(name)
+        return t
+
+    def activate(self, t: Tenant) -> None:
+        """Called when an idle tenant gets work: it joins at the current virtual clock."""
+        t.vtime = max(t.vtime, self.clock)
+
+    def pick(self, candidates: list[Tenant]) -> Tenant:
+        # Ties go to the tenant served least: a newcomer beats the flooder it ties with.
+        t = min(candidates, key=lambda c: (c.vtime, c.served_tokens, c.name))
+        self.clock = max(self.clock, t.vtime)
+        return t

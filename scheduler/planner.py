@@ -1,0 +1,208 @@
+"""The planner: what the next engine step holds.
+
+The rule, in order:
+1. Barriers ready at the head of their model (optim, save, load, create; every earlier op of
+   the model finished) run first, all of them in one step: they are cheap and unblock
+   their models. Several models' optim_steps thus run together.
+2. Samples and training alternate when both are waiting, so neither starves.
+3. A training step packs forward/backward ops of many models and tenants up to
+   `token_budget` tokens, tenant by tenant in weighted-fair order (fairness.py); a tenant's
+   models take turns. An op larger than the budget runs alone rather than never.
+4. A sampling step packs samples up to `sample_budget` tokens, tenants taking turns.
+
+Quotas hold work back (it is "paused", and the client is told so) rather than failing it.
+The planner is pure: no I/O, no clocks, no torch; the daemon calls submit/next_step/complete.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .fairness import Fairness, Limits, Tenant
+from .queues import SAMPLE, TRAIN, ModelQueue, Work
+
+
+@dataclass
+class Step:
+    kind: str  # "train" | "barrier" | "sample"
+    work: list[Work] = field(default_factory=list)
+
+
+class Planner:
+    def __init__(self, token_budget: int = 16384, sample_budget: int = 65536):
+        self.token_budget = token_budget
+        self.sample_budget = sample_budget
+        self.fair = Fairness()
+        self.models: dict[str, ModelQueue] = {}
+        self.model_tenant: dict[str, str] = {}
+        self.samples: dict[str, deque[Work]] = {}  # tenant -> FIFO
+        self.held: dict[str, deque[Work]] = {}  # tenant -> work over its quota, FIFO
+        self.paused: set[str] = set()  # ids of held work
+        self.steps = 0
+        self._sample_turn = False
+
+    # -- configuration ------------------------------------------------------------------
+
+    def set_tenant(self, name: str, weight: float = 1.0, limits: Limits | None = None) -> None:
+        if not weight > 0:
+            raise ValueError(f"weight must be positive, got {weight!r}")
+        t = self.fair.tenant(name)
+        t.weight = weight
+        t.limits = limits or Limits()
+
+    def tenant(self, name: str) -> Tenant:
+        return self.fair.tenant(name)
+
+    def open_model(self, model: str, tenant: str, next_seq: int = 1) -> None:
+        self.models[model] = ModelQueue(next_seq=next_seq)
+        self.model_tenant[model] = tenant
+
+    # -- admission ----------------------------------------------------------------------
+
+    def over_quota(self, tenant: str, tokens: int) -> bool:
+        t = self.fair.tenant(tenant)
+        lim = t.limits
+        return ((lim.max_queued_requests is not None
+                 and t.queued_requests + 1 > lim.max_queued_requests)
+                or (lim.max_queued_tokens is not None and t.queued_requests > 0
+                    and t.queued_tokens + tokens > lim.max_queued_tokens))
+
+    def submit(self, w: Work) -> bool:
+        """Queue `w`; False if it is held back by its tenant's quota (paused)."""
+        if w.model is not None and w.model not in self.models:
+            raise KeyError(f"unknown model {w.model!r}")
+        if self.over_quota(w.tenant, w.tokens) and not self._fills_gap(w):
+            self.held.setdefault(w.tenant, deque()).append(w)
+            self.paused.add(w.id)
+            return False
+        self._enqueue(w)
+        return True
+
+    def _fills_gap(self, w: Work) -> bool:
+        # The op a model is waiting for is never held: holding it could stall the model's
+        # queued ops behind it forever while they keep the quota full.
+        return w.model is not None and w.seq == self.models[w.model].next_seq
+
+    def _enqueue(self, w: Work) -> None:
+        t = self.fair.tenant(w.tenant)
+        if t.queued_requests == 0:
+            self.fair.activate(t)
+        t.queued_requests += 1
+        t.queued_tokens += w.tokens
+        w.admitted_step = self.steps
+        if w.kind == SAMPLE:
+            self.samples.setdefault(w.tenant, deque()).append(w)
+        else:
+            q = self.models[w.model]
+            if w.seq in q.pending or w.seq < q.next_seq:
+                raise ValueError(f"seq_id {w.seq} of {w.model} is already queued or done")
+            q.pending[w.seq] = w
+
+    def _admit_held(self) -> None:
+        for tenant, held in self.held.items():
+            while held and (not self.over_quota(tenant, held[0].tokens)
+                            or self._fills_gap(held[0])):
+                w = held.popleft()
+                self.paused.discard(w.id)
+                self._enqueue(w)
+            # A held op that a model waits on jumps the line (see _fills_gap).
+            for w in [w for w in held if self._fills_gap(w)]:
+                held.remove(w)
+                self.paused.discard(w.id)
+                self._enqueue(w)
+
+    # -- planning -----------------------------------------------------------------------
+
+    def next_step(self) -> Step | None:
+        """The next step to run, or None if nothing can run now."""
+        self._admit_held()
+        step = self._barriers()
+        if step is None:
+            has_samples = any(self.samples.values())
+            if has_samples and self._sample_turn:
+                step = self._sample_step()
+            else:
+                step = self._train_step() or (self._sample_step() if has_samples else None)
+        if step is not None:
+            self._sample_turn = step.kind != "sample"
+            self.steps += 1
+            for w in step.work:
+                self._dequeued(w)
+        return step
+
+    def _barriers(self) -> Step | None:
+        ready = [q.head() for q in self.models.values()]
+        ready = [w for w in ready if w is not None and w.is_barrier]
+        if not ready:
+            return None
+        for w in ready:
+            self.models[w.model].take(w)
+        return Step("barrier", ready)
+
+    def _train_step(self) -> Step | None:
+        runs: dict[str, list[list[Work]]] = {}  # tenant -> per-model runs of train ops
+        for model, q in self.models.items():
+            run = q.run_of_train()
+            if run:
+                runs.setdefault(self.model_tenant[model], []).append(run)
+        taken: list[Work] = []
+        used = 0
+        while runs:
+            t = self.fair.pick([self.fair.tenant(n) for n in runs])
+            model_runs = runs[t.name]
+            i = t.rr % len(model_runs)
+            w = model_runs[i][0]
+            if taken and used + w.tokens > self.token_budget:
+                break
+            model_runs[i].pop(0)
+            self.models[w.model].take(w)
+            taken.append(w)
+            used += w.tokens
+            t.charge(w.tokens)
+            t.rr += 1
+            if not model_runs[i]:
+                model_runs.pop(i)
+            if not model_runs:
+                del runs[t.name]
+        return Step("train", taken) if taken else None
+
+    def _sample_step(self) -> Step | None:
+        taken: list[Work] = []
+        used = 0
+        while True:
+            waiting = [self.fair.tenant(n) for n, q in self.samples.items() if q]
+            if not waiting:
+                break
+            t = min(waiting, key=lambda c: (c.served_tokens / c.weight, c.name))
+            w = self.samples[t.name][0]
+            if taken and used + w.tokens > self.sample_budget:
+                break
+            self.samples[t.name].popleft()
+            taken.append(w)
+            used += w.tokens
+            t.served_tokens += w.tokens
+        return Step("sample", taken) if taken else None
+
+    def _dequeued(self, w: Work) -> None:
+        t = self.fair.tenant(w.tenant)
+        t.queued_requests -= 1
+        t.queued_tokens -= w.tokens
+
+    def complete(self, step: Step) -> None:
+        """The step's ops have finished: their models may go on."""
+        for w in step.work:
+            if w.model is not None:
+                self.models[w.model].in_flight -= 1
+
+    # -- reporting ----------------------------------------------------------------------
+
+    def status(self) -> dict[str, dict]:
+        total = sum(t.served_tokens for t in self.fair.tenants.values()) or 1
+        return {name: {"queued_requests": t.queued_requests, "queued_tokens": t.queued_tokens,
+                       "paused": len(self.held.get(name, ())), "served_tokens": t.served_tokens,
+                       "share": t.served_tokens / total, "weight": t.weight}
+                for name, t in sorted(self.fair.tenants.items())}
+
+
+__all__ = ["Limits", "Planner", "Step", "TRAIN", "SAMPLE", "Work"]

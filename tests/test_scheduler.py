@@ -1,0 +1,229 @@
+"""The scheduler, simulated: fairness by tokens, ordering, barriers, quotas. No torch."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import sys
+
+from scheduler import SAMPLE, TRAIN, Limits, Planner, Work
+
+_ids = itertools.count()
+
+
+def work(tenant, kind=TRAIN, tokens=512, model=None, seq=None):
+    return Work(f"w{next(_ids)}", tenant, kind, tokens, model, seq)
+
+
+def flood(p: Planner, tenant: str, model: str, n: int, tokens=512, start=1, optim_every=0):
+    """Queue n train ops (with an optim barrier every `optim_every`) for a new model."""
+    p.open_model(model, tenant)
+    seq = start
+    for i in range(n):
+        p.submit(work(tenant, TRAIN, tokens, model, seq))
+        seq += 1
+        if optim_every and (i + 1) % optim_every == 0:
+            p.submit(work(tenant, "optim", 0, model, seq))
+            seq += 1
+
+
+def run(p: Planner, until=None, max_steps=100_000):
+    """Run steps; returns the list of steps. `until(step_list)` stops early."""
+    steps = []
+    for _ in range(max_steps):
+        s = p.next_step()
+        if s is None:
+            break
+        steps.append(s)
+        p.complete(s)
+        if until and until(steps):
+            break
+    return steps
+
+
+def shares_while_both_busy(p, a, b, steps_fn):
+    served = {a: 0, b: 0}
+    while True:
+        st = p.status()
+        if st[a]["queued_requests"] == 0 or st[b]["queued_requests"] == 0:
+            break
+        s = p.next_step()
+        assert s is not None
+        p.complete(s)
+        if s.kind == "train":
+            for w in s.work:
+                served[w.tenant] += w.tokens
+    total = served[a] + served[b]
+    return served[a] / total, served[b] / total
+
+
+def test_equal_weights_share_equally_when_one_floods_10x():
+    p = Planner(token_budget=2048)
+    flood(p, "a", "a:0", 200, optim_every=4)
+    flood(p, "a", "a:1", 200, optim_every=4)
+    flood(p, "b", "b:0", 40, optim_every=4)
+    sa, sb = shares_while_both_busy(p, "a", "b", None)
+    assert 0.45 <= sa <= 0.55 and 0.45 <= sb <= 0.55, (sa, sb)
+
+
+def test_weights_3_to_1():
+    p = Planner(token_budget=2048)
+    p.set_tenant("a", weight=3)
+    p.set_tenant("b", weight=1)
+    flood(p, "a", "a:0", 400)
+    flood(p, "b", "b:0", 400)
+    sa, sb = shares_while_both_busy(p, "a", "b", None)
+    assert abs(sa - 0.75) <= 0.05 and abs(sb - 0.25) <= 0.05, (sa, sb)
+
+
+def test_a_newcomer_is_served_in_the_next_step():
+    p = Planner(token_budget=2048)
+    flood(p, "flood", "f:0", 500)
+    flood(p, "flood", "f:1", 500)
+    run(p, until=lambda s: len(s) == 50)
+    p.open_model("small:0", "small")
+    p.submit(work("small", TRAIN, 512, "small:0", 1))
+    step = p.next_step()
+    assert any(w.tenant == "small" for w in step.work)
+
+
+def test_a_small_batch_is_not_stuck_behind_a_flood_of_big_ones():
+    p = Planner(token_budget=4096)
+    flood(p, "flood", "f:0", 300, tokens=4096)
+    p.open_model("small:0", "small")
+    p.submit(work("small", TRAIN, 64, "small:0", 1))
+    steps = run(p, until=lambda s: any(w.tenant == "small" for x in s for w in x.work))
+    assert len(steps) <= 2
+
+
+def test_gaps_are_waited_for_and_chunks_run_together():
+    p = Planner()
+    p.open_model("m", "t")
+    p.submit(work("t", TRAIN, 10, "m", 2))
+    p.submit(work("t", TRAIN, 10, "m", 3))
+    assert p.next_step() is None  # seq 1 (the first chunk, sent last) is missing
+    p.submit(work("t", TRAIN, 10, "m", 1))
+    p.submit(work("t", "optim", 0, "m", 4))
+    step = p.next_step()
+    assert step.kind == "train" and [w.seq for w in step.work] == [1, 2, 3]
+    assert p.next_step() is None  # the optim waits for the train step to complete
+    p.complete(step)
+    step = p.next_step()
+    assert step.kind == "barrier" and [w.seq for w in step.work] == [4]
+
+
+def test_optim_steps_of_several_models_run_as_one_step():
+    p = Planner()
+    for m in "xyz":
+        p.open_model(m, f"t{m}")
+        p.submit(work(f"t{m}", TRAIN, 10, m, 1))
+        p.submit(work(f"t{m}", "optim", 0, m, 2))
+    train = p.next_step()
+    assert len(train.work) == 3
+    p.complete(train)
+    barrier = p.next_step()
+    assert barrier.kind == "barrier" and sorted(w.model for w in barrier.work) == list("xyz")
+
+
+def test_samples_and_training_alternate():
+    p = Planner(token_budget=512)
+    flood(p, "a", "a:0", 100)
+    for _ in range(3):
+        p.submit(work("b", SAMPLE, 100))
+    kinds = [s.kind for s in run(p, until=lambda s: len(s) == 4)]
+    assert "sample" in kinds[:2] and "train" in kinds[:2]
+
+
+def test_quota_holds_work_back_then_admits_it():
+    p = Planner(token_budget=10_000)
+    p.set_tenant("q", limits=Limits(max_queued_requests=2))
+    p.open_model("m", "q")
+    ids = []
+    for seq in range(1, 6):
+        w = work("q", TRAIN, 10, "m", seq)
+        ids.append(w.id)
+        p.submit(w)
+    assert sum(i in p.paused for i in ids) == 3
+    assert p.status()["q"]["paused"] == 3
+    done = [w.seq for s in run(p) for w in s.work]
+    assert done == [1, 2, 3, 4, 5] and not p.paused
+
+
+def test_a_held_op_that_fills_a_gap_is_admitted():
+    """Chunks 2 and 3 fill the quota; chunk 1 must still get in, or nothing ever runs."""
+    p = Planner()
+    p.set_tenant("q", limits=Limits(max_queued_requests=2))
+    p.open_model("m", "q")
+    for seq in (2, 3, 1):
+        p.submit(work("q", TRAIN, 10, "m", seq))
+    assert [w.seq for s in run(p) for w in s.work] == [1, 2, 3]
+
+
+def test_ten_thousand_random_arrivals_keep_order_and_finish():
+    rng = random.Random(7)
+    p = Planner(token_budget=4096, sample_budget=2048)
+    tenants = [f"t{i}" for i in range(5)]
+    for i, t in enumerate(tenants):
+        p.set_tenant(t, weight=1 + i % 3, limits=Limits(max_queued_requests=50))
+    models = {f"m{i}": tenants[i % 5] for i in range(20)}
+    for m, t in models.items():
+        p.open_model(m, t)
+    next_seq = dict.fromkeys(models, 1)
+    backlog = []  # generated but not yet submitted: chunks arrive out of order
+    executed: dict[str, list[int]] = {m: [] for m in models}
+    completed: dict[str, set[int]] = {m: set() for m in models}
+    submitted_at, waits = {}, []
+    arrivals, step_no = 0, 0
+    while arrivals < 10_000 or backlog or any(
+            q.pending for q in p.models.values()) or any(p.samples.values()) or p.paused:
+        for _ in range(rng.randint(0, 6)):
+            if arrivals >= 10_000:
+                break
+            arrivals += 1
+            if rng.random() < 0.15:
+                backlog.append(work(rng.choice(tenants), SAMPLE, rng.randint(8, 600)))
+                continue
+            m = rng.choice(list(models))
+            kind = rng.choice([TRAIN] * 6 + ["optim", "save"])
+            backlog.append(work(models[m], kind, rng.randint(1, 3000) if kind == TRAIN else 0,
+                                m, next_seq[m]))
+            next_seq[m] += 1
+        rng.shuffle(backlog)
+        keep = []
+        for w in backlog:  # most arrive now, some later (out of order)
+            if rng.random() < 0.7:
+                p.submit(w)
+                submitted_at[w.id] = step_no
+            else:
+                keep.append(w)
+        backlog = keep
+        step = p.next_step()
+        step_no += 1
+        if step is None:
+            continue
+        for w in step.work:
+            waits.append(step_no - submitted_at[w.id])
+            if w.model is None:
+                continue
+            if w.is_barrier:  # every earlier op of the model has completed
+                assert completed[w.model] >= set(range(1, w.seq)), (w.model, w.seq)
+            executed[w.model].append(w.seq)
+        p.complete(step)
+        for w in step.work:
+            if w.model is not None:
+                completed[w.model].add(w.seq)
+        assert step_no < 200_000, "the simulation did not drain"
+    for m, seqs in executed.items():
+        assert seqs == list(range(1, next_seq[m])), m  # all ran, in order
+    assert len(waits) == 10_000 and max(waits) < 5_000
+    print(f"max wait {max(waits)} steps over {step_no} steps", file=sys.stderr)
+
+
+def test_status_reports_shares():
+    p = Planner(token_budget=1024)
+    flood(p, "a", "a:0", 10)
+    flood(p, "b", "b:0", 10)
+    run(p)
+    st = p.status()
+    assert st["a"]["served_tokens"] == st["b"]["served_tokens"] == 5120
+    assert abs(st["a"]["share"] - 0.5) < 1e-9 and st["a"]["queued_requests"] == 0
