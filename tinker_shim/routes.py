@@ -153,6 +153,7 @@ async def create_model(request):
                         train_unembed=bool(lc.get("train_unembed", True)))
     if not 1 <= config.rank <= _svc(request).config.max_rank:
         raise UserError(f"lora_config.rank must be in 1..{_svc(request).config.max_rank}")
+    _svc(request).check_new_adapter(request["tenant"], config.rank)
     store = request.app["store"]
     lora = {"rank": config.rank, "alpha": config.alpha, "train_attn": config.train_attn,
             "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
@@ -165,7 +166,7 @@ async def create_model(request):
     svc = _svc(request)
     f = svc.new_future(request["tenant"], "create_model",
                        lambda _: _json({"type": "create_model", "model_id": model_id}))
-    svc.open_model(model_id, 0)
+    svc.open_model(model_id, request["tenant"], 0)
     svc.submit(Op("create", model_id, 0, {"adapter_id": model_id, "config": config}, f))
     return _future_response(f, model_id)
 
@@ -198,7 +199,8 @@ async def forward_backward(request):
     req = ForwardBackwardRequest(run["id"], data, call.loss_fn, call.loss_fn_config or {},
                                  forward_only=call.forward_only)
     f = svc.new_future(request["tenant"], "forward_backward", codec.fwdbwd_encoder)
-    f = svc.submit(Op("fwdbwd", run["id"], call.seq_id, {"request": req}, f))
+    tokens = sum(len(d.tokens) for d in call.data)
+    f = svc.submit(Op("fwdbwd", run["id"], call.seq_id, {"request": req}, f, tokens))
     request.app["store"].touch_run(run["id"])
     return _future_response(f, run["id"])
 
@@ -304,7 +306,7 @@ async def load_weights(request):
         except Conflict:
             raise UserError("that model_seq_id is already used in this session") from None
         run, seq = store.get_run(run_id), 0
-        svc.open_model(run_id, 0)
+        svc.open_model(run_id, request["tenant"], 0)
     f = svc.new_future(request["tenant"], "load_weights",
                        lambda _: _json({"type": "load_weights", "path": ckpt["tinker_path"],
                                         "model_id": run["id"]}))
@@ -405,7 +407,8 @@ async def asample(request):
     req = SampleRequest(adapter, tokens, params, n, bool(body.get("prompt_logprobs", False)))
     svc = _svc(request)
     f = svc.new_future(request["tenant"], "sample", codec.sample_encoder)
-    svc.submit(Op("sample", None, None, {"request": req, **args}, f))
+    tokens = len(tokens) + params.max_tokens * n
+    svc.submit(Op("sample", None, None, {"request": req, **args}, f, tokens))
     seq = body.get("seq_id", 0)
     ids = [f"{sampler['id']}:{seq}:{i}" for i in range(n)]
     return _future_response(f, sample_sequence_ids=ids)
@@ -435,8 +438,12 @@ async def retrieve_future(request):
     try:
         await asyncio.wait_for(f.done.wait(), timeout=svc.config.poll_seconds)
     except TimeoutError:
-        return web.json_response({"type": "try_again", "request_id": f.id,
-                                  "queue_state": "active"})
+        body = {"type": "try_again", "request_id": f.id, "queue_state": "active"}
+        if svc.is_paused(f.id):
+            body.update(queue_state="paused_rate_limit",
+                        queue_state_reason="over this tenant's queue quota; it runs as "
+                                           "earlier requests finish")
+        return web.json_response(body)
     if f.error is not None:
         return web.json_response({"error": f.error[0], "category": f.error[1]})
     return web.Response(body=f.payload, content_type=f.content_type)

@@ -8,7 +8,7 @@ import uuid
 
 from aiohttp import web
 
-from .service import NotFound, Service, UserError
+from .service import NotFound, RateLimited, Service, UserError
 
 log = logging.getLogger("twinkled.http")
 
@@ -39,6 +39,9 @@ async def auth_and_errors(request: web.Request, handler):
     except web.HTTPException as e:
         status = e.status
         raise
+    except RateLimited as e:  # the Tinker client backs off and resubmits
+        status = 429
+        return web.json_response({"detail": str(e)}, status=429, headers={"Retry-After": "1"})
     except NotFound as e:
         status = 404
         return web.json_response({"detail": str(e)}, status=404)

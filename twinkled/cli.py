@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from pathlib import Path
 
 import click
@@ -80,3 +82,60 @@ def keys_create(store, tenant: str) -> None:
     key = store.create_key(tenant)
     click.echo(f"created a key for tenant {tenant!r}; keep it, it is not shown again:")
     click.echo(key)
+
+
+@ctl.group()
+def tenants() -> None:
+    """Tenants: fair-share weights and quotas."""
+
+
+@tenants.command("set")
+@click.argument("name")
+@click.option("--weight", type=float, help="Fair-share weight (default 1).")
+@click.option("--max-queued-requests", type=int, help="Queued requests before work waits.")
+@click.option("--max-queued-tokens", type=int, help="Queued tokens before work waits.")
+@click.option("--max-adapters", type=int, help="Adapters (training runs) at once.")
+@click.option("--max-rank", type=int, help="Largest LoRA rank.")
+@click.pass_obj
+def tenants_set(store, name: str, weight, **limits) -> None:
+    """Set a tenant's weight and quotas (0 clears a quota); a daemon applies it in seconds."""
+    if weight is not None and weight <= 0:
+        raise click.BadParameter("must be positive", param_hint="--weight")
+    row = store.set_tenant(name, weight, **limits)
+    click.echo(json.dumps(row))
+
+
+@tenants.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def tenants_list(store, as_json: bool) -> None:
+    """Tenants with their weights and quotas."""
+    rows = store.list_tenants()
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    for r in rows:
+        quotas = ", ".join(f"{k}={r.get(k)}" for k in store.TENANT_LIMITS if r.get(k))
+        click.echo(f"{r['name']:<20} weight {r['weight']:<6g} {quotas or 'no quotas'}")
+
+
+@ctl.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def status(store, as_json: bool) -> None:
+    """The running daemon's state and, per tenant, queues, tokens served and share."""
+    row = store.get_status()
+    if row is None:
+        raise click.ClickException("no status: has a daemon run on this data directory?")
+    body = dict(row["body"], age_seconds=round(time.time() - row["updated"], 1))
+    if as_json:
+        click.echo(json.dumps(body))
+        return
+    click.echo(f"model {body['model']} ({body['state']}), {body['adapters']} adapters, "
+               f"{body['steps']} steps; updated {body['age_seconds']} s ago")
+    click.echo(f"{'tenant':<16}{'weight':>7}{'queued':>8}{'tokens':>9}{'paused':>8}"
+               f"{'served':>12}{'share':>8}")
+    for name, t in body["tenants"].items():
+        click.echo(f"{name:<16}{t['weight']:>7g}{t['queued_requests']:>8}"
+                   f"{t['queued_tokens']:>9}{t['paused']:>8}{t['served_tokens']:>12}"
+                   f"{t['share']:>8.1%}")

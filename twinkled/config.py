@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 
@@ -20,6 +20,14 @@ class Config:
     token_budget: int = 16384  # padded tokens per micro-batch (activation memory)
     poll_seconds: float = 30.0  # retrieve_future long-poll (client times out at 45 s)
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client chunks)
+    sample_budget: int = 65536  # prompt + new tokens per sampling step
+    # Default quotas for every tenant (None: unlimited); `ctl tenants set` overrides them.
+    tenant_max_queued_requests: int | None = None
+    tenant_max_queued_tokens: int | None = None
+    tenant_max_adapters: int | None = None
+    tenant_max_rank: int | None = None
+    # Per-tenant settings: {"alice": {"weight": 2, "max_queued_requests": 64}, ...}
+    tenants: dict = field(default_factory=dict)
 
     @property
     def served_name(self) -> str:

@@ -15,12 +15,22 @@ from .engine import Engine, EngineInputError
 Outcome = tuple[object, str | None, str | None]
 
 
-def run_ops(engine: Engine, ops: list) -> list[Outcome]:
-    if ops[0].kind == "fwdbwd":
+def run_ops(engine: Engine, kind: str, ops: list) -> list[Outcome]:
+    """Run one planned step: "train" (co-batched), "sample", or "barrier" ops."""
+    if kind == "train":
         return _forward_backward(engine, ops)
-    if ops[0].kind == "sample":
+    if kind == "sample":
         return _sample(engine, ops)
-    return [_one(engine, op) for op in ops]
+    outcomes = {id(op): _one(engine, op) for op in ops if op.kind != "optim"}
+    optims = [op for op in ops if op.kind == "optim"]
+    if optims:  # several models' optimizer steps as one engine call
+        try:
+            results = engine.optim_steps([(op.args["adapter_id"], op.args["params"])
+                                          for op in optims])
+            outcomes.update({id(op): (r, None, None) for op, r in zip(optims, results, strict=True)})
+        except EngineInputError:  # one bad step: run them one by one to blame the right one
+            outcomes.update({id(op): _one(engine, op) for op in optims})
+    return [outcomes[id(op)] for op in ops]
 
 
 def _forward_backward(engine: Engine, ops: list) -> list[Outcome]:

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler import Limits, Planner, Work
+
 from .config import Config
 
 log = logging.getLogger("twinkled")
@@ -52,11 +54,16 @@ class Future:
 class Op:
     """One queued engine operation of a model (or a sampler: seq_id None, no ordering)."""
 
-    kind: str  # "fwdbwd" | "optim" | "save" | "load" | "sample"
+    kind: str  # "fwdbwd" | "optim" | "save" | "load" | "create" | "sample"
     model_id: str | None
     seq_id: int | None
     args: dict
     future: Future
+    tokens: int = 0  # what it costs its tenant's share (rows' tokens; 0 for barriers)
+
+
+class RateLimited(UserError):
+    """Over the tenant's quota and the client should come back later (HTTP 429)."""
 
 
 class Service:
@@ -68,11 +75,8 @@ class Service:
         self.load_error: str | None = None
         self.futures: dict[str, Future] = {}
         self.seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
-        self.next_seq: dict[str, int] = {}  # model id -> the seq_id it runs next
-        self.queue: dict[str, dict[int, Op]] = {}  # model id -> seq_id -> op
-        self.samples: list[Op] = []
+        self.planner = Planner(config.token_budget, config.sample_budget)
         self.wake = asyncio.Event()
-        self._last_was_training = False
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
 
@@ -93,20 +97,32 @@ class Service:
         self._task = loop.create_task(self._run())
         self._janitor = loop.create_task(self._housekeeping())
 
-    async def _housekeeping(self, every: float = 60.0) -> None:
-        """Forget old results and delete checkpoints whose TTL has passed."""
+    async def _housekeeping(self, every: float = 2.0) -> None:
+        """Tenant settings and the status row every few seconds; old results and expired
+        checkpoints every minute."""
         import shutil
 
+        ticks = 0
         while True:
-            await asyncio.sleep(every)
             try:
-                self.purge_futures()
-                for c in self.store.expired_checkpoints():
-                    self.store.delete_checkpoint(c["tinker_path"])
-                    shutil.rmtree(c["dir"], ignore_errors=True)
-                    log.info("checkpoint %s expired and was deleted", c["tinker_path"])
+                self.refresh_tenants()
+                self.store.put_status(self.status())
+                if ticks % 30 == 0:
+                    self.purge_futures()
+                    for c in self.store.expired_checkpoints():
+                        self.store.delete_checkpoint(c["tinker_path"])
+                        shutil.rmtree(c["dir"], ignore_errors=True)
+                        log.info("checkpoint %s expired and was deleted", c["tinker_path"])
             except Exception:  # housekeeping must never take the daemon down
                 log.exception("housekeeping failed")
+            ticks += 1
+            await asyncio.sleep(every)
+
+    def status(self) -> dict:
+        return {"model": self.config.served_name, "state": self.state,
+                "device": self.config.device, "steps": self.planner.steps,
+                "adapters": len(self.planner.models), "tenants": self.planner.status(),
+                "time": time.time()}
 
     async def _load(self) -> None:
         def load():
@@ -187,86 +203,90 @@ class Service:
     # -- submitting -------------------------------------------------------------------
 
     def submit(self, op: Op) -> Future:
-        """Queue `op`; a repeated (model, seq_id) returns the original future."""
+        """Queue `op`; a repeated (model, seq_id) returns the original future.
+
+        Over its tenant's quota, training work waits (its polls say "paused_rate_limit");
+        a sample is refused with RateLimited (429), which the client backs off from."""
         if self.state == "failed":
             raise UserError(f"the model failed to load: {self.load_error}")
+        tenant = op.future.tenant
+        work = Work(op.future.id, tenant, op.kind, op.tokens, op.model_id, op.seq_id, op)
         if op.kind == "sample":
-            self.samples.append(op)
+            if self.planner.over_quota(tenant, op.tokens):
+                self._drop(op.future, "over the tenant's sampling quota")
+                raise RateLimited(f"tenant {tenant!r} is over its queue quota; retry shortly")
         else:
+            if op.model_id not in self.planner.models:
+                self._drop(op.future, "model not loaded")
+                raise UserError(f"model {op.model_id} is not loaded in this daemon (it was "
+                                "created before a restart): create a training client from "
+                                "its last checkpoint")
             key = (op.model_id, op.seq_id)
             if key in self.seq_index:  # a retry of a request already taken
-                self.futures.pop(op.future.id, None)
-                self.store.fail_future(op.future.id, "superseded by the original request", "user")
+                self._drop(op.future, "superseded by the original request")
                 return self.futures[self.seq_index[key]]
-            if op.seq_id < self.next_seq.get(op.model_id, 1):
-                self.futures.pop(op.future.id, None)
+            if op.seq_id < self.planner.models[op.model_id].next_seq:
                 message = f"seq_id {op.seq_id} of {op.model_id} has already run"
-                self.store.fail_future(op.future.id, message, "user")
+                self._drop(op.future, message)
                 raise UserError(message)
             self.seq_index[key] = op.future.id
-            self.queue.setdefault(op.model_id, {})[op.seq_id] = op
+        self.planner.submit(work)
         self.wake.set()
         return op.future
 
-    def open_model(self, model_id: str, first_seq: int = 1) -> None:
-        self.next_seq[model_id] = first_seq
+    def _drop(self, f: Future, why: str) -> None:
+        self.futures.pop(f.id, None)
+        self.store.fail_future(f.id, why, "user")
+
+    def is_paused(self, future_id: str) -> bool:
+        return future_id in self.planner.paused
+
+    def open_model(self, model_id: str, tenant: str, first_seq: int = 1) -> None:
+        self.planner.open_model(model_id, tenant, first_seq)
+
+    def check_new_adapter(self, tenant: str, rank: int) -> None:
+        """Quotas on adapters and rank: a clear refusal, not a wait."""
+        lim = self.planner.tenant(tenant).limits
+        if lim.max_rank is not None and rank > lim.max_rank:
+            raise UserError(f"rank {rank} is over tenant {tenant!r}'s cap of {lim.max_rank}")
+        if lim.max_adapters is not None:
+            mine = sum(t == tenant for t in self.planner.model_tenant.values())
+            if mine >= lim.max_adapters:
+                raise UserError(f"tenant {tenant!r} already has {mine} adapters, its quota")
+
+    def refresh_tenants(self) -> None:
+        """Weights and quotas: the store's (`twinkled ctl tenants set`) over the config's."""
+        cfg = self.config
+        for row in self.store.list_tenants():
+            base = dict(cfg.tenants.get(row["name"], {}))
+            weight = row["weight"] if row["weight"] != 1.0 else base.pop("weight", 1.0)
+            base.pop("weight", None)
+            limits = {k: row.get(k) or base.get(k) or getattr(cfg, f"tenant_{k}")
+                      for k in self.store.TENANT_LIMITS}
+            self.planner.set_tenant(row["name"], float(weight), Limits(**limits))
 
     # -- the engine loop --------------------------------------------------------------
 
     async def _run(self) -> None:
         await self._load()
         while True:
-            await self.wake.wait()
-            self.wake.clear()
-            while True:
-                batch = self._ready()
-                if not batch:
-                    break
-                await self._execute(batch)
-
-    def _ready(self) -> list[Op]:
-        """The next step.
-
-        Training: every model's run of consecutive forward/backward ops from its next
-        seq_id, all models together (gradients add up, so chunks of one call and calls of
-        many tenants share one pass); else one barrier (optim/save/load/create). Pending
-        samples alternate with training steps so that neither starves the other.
-        """
-        if self.samples and (self._last_was_training or not self._has_ready()):
-            self._last_was_training = False
-            batch, self.samples = self.samples, []
-            return batch
-        fwd, barrier = [], None
-        for model_id, ops in self.queue.items():
-            seq = self.next_seq.get(model_id, 1)
-            op = ops.get(seq)
-            if op is None:
+            step = self.planner.next_step()
+            if step is None:
+                await self.wake.wait()
+                self.wake.clear()
                 continue
-            if op.kind != "fwdbwd":
-                barrier = barrier or op
-                continue
-            while op is not None and op.kind == "fwdbwd":
-                fwd.append(op)
-                seq += 1
-                op = ops.get(seq)
-        batch = fwd or ([barrier] if barrier else [])
-        self._last_was_training = bool(batch)
-        return batch
+            await self._execute(step.kind, [w.payload for w in step.work])
+            self.planner.complete(step)
 
-    def _has_ready(self) -> bool:
-        return any(ops.get(self.next_seq.get(m, 1)) for m, ops in self.queue.items())
-
-    async def _execute(self, batch: list[Op]) -> None:
+    async def _execute(self, kind: str, batch: list[Op]) -> None:
         from .runner import run_ops  # engine-side code; imports torch
 
         for op in batch:
             if op.seq_id is not None:
-                del self.queue[op.model_id][op.seq_id]
-                self.next_seq[op.model_id] = op.seq_id + 1
                 # A retry of a recent request still finds its future; older ones are let go.
                 self.seq_index.pop((op.model_id, op.seq_id - 1000), None)
         try:
-            outcomes = await self._in_engine(run_ops, self.engine, batch)
+            outcomes = await self._in_engine(run_ops, self.engine, kind, batch)
         except Exception as e:  # a bug or an engine fault: fail this step, keep serving
             log.exception("step failed")
             outcomes = [(None, f"server error: {type(e).__name__}: {e}", "server")] * len(batch)

@@ -35,7 +35,12 @@ _JSON_COLS = ("user_metadata", "lora_config")
 _BOOL_COLS = ("corrupted", "deleted", "public")
 # table -> (columns, primary key, defaults). Flags are 0/1 ints, JSON columns are text.
 _SCHEMA: dict[str, tuple[dict[str, type], str, dict[str, Any]]] = {
-    "tenants": ({"name": str, "weight": float, "created": float}, "name", {"weight": 1.0}),
+    # Quotas are NULL for "unlimited" (or the config file's default).
+    "tenants": ({"name": str, "weight": float, "created": float, "max_queued_requests": int,
+                 "max_queued_tokens": int, "max_adapters": int, "max_rank": int}, "name",
+                {"weight": 1.0}),
+    # The running daemon's status (queues, shares), for `twinkled ctl status`.
+    "daemon_status": ({"name": str, "body": str, "updated": float}, "name", {}),
     "api_keys": ({"key_hash": str, "tenant": str, "created": float, "revoked_at": float},
                  "key_hash", {}),
     # model_seq / sampler_seq: the next per-session counter values to hand out
@@ -140,8 +145,11 @@ class Store:
     def _create_tables(self) -> None:
         with self._lock, self.db.atomic():
             for name, (columns, pk, defaults) in _SCHEMA.items():
-                self.db.table(name).create(columns, pk=pk, defaults=defaults,
-                                           if_not_exists=True)
+                table = self.db.table(name)
+                table.create(columns, pk=pk, defaults=defaults, if_not_exists=True)
+                for col, kind in columns.items():  # a data dir from an older release
+                    if col not in table.columns_dict:
+                        table.add_column(col, kind)
             for table, cols, unique in _INDEXES:
                 self.db.table(table).create_index(cols, unique=unique, if_not_exists=True)
 
@@ -189,6 +197,32 @@ class Store:
                 self.conn.execute("UPDATE tenants SET weight = ? WHERE name = ?",
                                   (weight, name))
         return self.get_tenant(name)  # type: ignore[return-value]
+
+    TENANT_LIMITS = ("max_queued_requests", "max_queued_tokens", "max_adapters", "max_rank")
+
+    def set_tenant(self, name: str, weight: float | None = None, **limits: int | None) -> Row:
+        """Create or update a tenant: weight and quotas (a limit of 0 clears it)."""
+        unknown = set(limits) - set(self.TENANT_LIMITS)
+        if unknown:
+            raise ValueError(f"unknown tenant settings {sorted(unknown)}")
+        self.ensure_tenant(name, weight)
+        with self._lock, self.db.atomic():
+            for key, value in limits.items():
+                if value is not None:
+                    self.conn.execute(f"UPDATE tenants SET {key} = ? WHERE name = ?",
+                                      (value or None, name))
+        return self.get_tenant(name)  # type: ignore[return-value]
+
+    def put_status(self, body: dict) -> None:
+        with self._lock, self.db.atomic():
+            self.conn.execute("INSERT OR REPLACE INTO daemon_status (name, body, updated) "
+                              "VALUES ('daemon', ?, ?)", (json.dumps(body), now()))
+
+    def get_status(self) -> Row | None:
+        row = self._one("SELECT * FROM daemon_status WHERE name = 'daemon'")
+        if row is not None:
+            row["body"] = json.loads(row["body"])
+        return row
 
     def get_tenant(self, name: str) -> Row | None:
         return self._one("SELECT * FROM tenants WHERE name = ?", [name])
