@@ -45,5 +45,6 @@ def daemon(tiny_dir, tmp_path_factory):
     cfg.write_text("fwdbwd_max_chunk_len = 2\npoll_seconds = 2.0\n")
     d = Daemon(tiny_dir, data, data / "twinkled.log", "--config", str(cfg))
     d.keys = {t: make_key(data, t) for t in ("alice", "bob")}
+    d.data = data
     yield d
     d.stop()
