@@ -17,7 +17,7 @@ The planner is pure: no I/O, no clocks, no torch; the daemon calls submit/next_s
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .fairness import Fairness, Limits, Tenant
 from .queues import SAMPLE, TRAIN, ModelQueue, Work
@@ -153,19 +153,48 @@ class Planner:
             model_runs = runs[t.name]
             i = t.rr % len(model_runs)
             w = model_runs[i][0]
-            if taken and used + w.tokens > self.token_budget:
+            piece = self._fit(w, self.token_budget - used, first=not taken)
+            if piece is None:
                 break
-            model_runs[i].pop(0)
-            self.models[w.model].take(w)
-            taken.append(w)
-            used += w.tokens
-            t.charge(w.tokens)
+            taken.append(piece)
+            used += piece.tokens
+            t.charge(piece.tokens)
             t.rr += 1
+            if piece.final:
+                model_runs[i].pop(0)
+                self.models[w.model].take(w)
+            else:  # the rest of a cut op waits for the next step; its model stops here
+                model_runs[i].clear()
             if not model_runs[i]:
                 model_runs.pop(i)
             if not model_runs:
                 del runs[t.name]
         return Step("train", taken) if taken else None
+
+    @staticmethod
+    def _fit(w: Work, room: int, first: bool) -> Work | None:
+        """`w` whole, or its first datums that fit in `room` tokens, or None.
+
+        An op that does not fit is cut between datums, so one huge request cannot hold a
+        step (and every other tenant) for long; a step's first piece may overflow the room
+        by one datum rather than never run.
+        """
+        rest = w.tokens if not w.parts else sum(w.parts[w.taken:])
+        if rest <= room or (first and not w.parts):
+            return _piece(w, w.taken, len(w.parts) if w.parts else None, rest, final=True)
+        if not w.parts:
+            return None
+        hi, size = w.taken, 0
+        while hi < len(w.parts) and size + w.parts[hi] <= room:
+            size += w.parts[hi]
+            hi += 1
+        if hi == w.taken:
+            if not first:
+                return None
+            size, hi = w.parts[hi], hi + 1
+        piece = _piece(w, w.taken, hi, size, final=hi == len(w.parts))
+        w.taken = hi
+        return piece
 
     def _sample_step(self) -> Step | None:
         taken: list[Work] = []
@@ -186,13 +215,13 @@ class Planner:
 
     def _dequeued(self, w: Work) -> None:
         t = self.fair.tenant(w.tenant)
-        t.queued_requests -= 1
+        t.queued_requests -= w.final
         t.queued_tokens -= w.tokens
 
     def complete(self, step: Step) -> None:
         """The step's ops have finished: their models may go on."""
         for w in step.work:
-            if w.model is not None:
+            if w.model is not None and w.final:
                 self.models[w.model].in_flight -= 1
 
     # -- reporting ----------------------------------------------------------------------
@@ -203,6 +232,12 @@ class Planner:
                        "paused": len(self.held.get(name, ())), "served_tokens": t.served_tokens,
                        "share": t.served_tokens / total, "weight": t.weight}
                 for name, t in sorted(self.fair.tenants.items())}
+
+
+def _piece(w: Work, lo: int, hi: int | None, tokens: int, final: bool) -> Work:
+    if lo == 0 and final:
+        return w  # not cut: the op itself
+    return replace(w, tokens=tokens, lo=lo, hi=hi, final=final, parts=None)
 
 
 __all__ = ["Limits", "Planner", "Step", "TRAIN", "SAMPLE", "Work"]

@@ -23,6 +23,13 @@ class Work:
     seq: int | None = None
     payload: Any = None
     admitted_step: int = -1  # the step count when it entered the queue (for waiting times)
+    # A train op may be cut between datums to fit a step: `parts` are its datums' tokens.
+    # A piece carries lo/hi (the datums it covers) and `final` (the op's last piece).
+    parts: list[int] | None = None
+    taken: int = 0  # datums already planned (for an op cut into pieces)
+    lo: int = 0
+    hi: int | None = None
+    final: bool = True
 
     @property
     def is_barrier(self) -> bool:

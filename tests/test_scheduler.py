@@ -227,3 +227,43 @@ def test_status_reports_shares():
     st = p.status()
     assert st["a"]["served_tokens"] == st["b"]["served_tokens"] == 5120
     assert abs(st["a"]["share"] - 0.5) < 1e-9 and st["a"]["queued_requests"] == 0
+
+
+def test_a_large_op_is_cut_between_datums_and_others_get_in():
+    p = Planner(token_budget=1024)
+    p.open_model("big", "flood")
+    big = Work("big1", "flood", TRAIN, 10 * 512, "big", 1, parts=[512] * 10)
+    p.submit(big)
+    p.submit(work("flood", "optim", 0, "big", 2))
+    first = p.next_step()
+    assert [(w.lo, w.hi, w.final) for w in first.work] == [(0, 2, False)]
+    p.complete(first)
+    p.open_model("small", "small")
+    p.submit(work("small", TRAIN, 512, "small", 1))
+    second = p.next_step()
+    assert any(w.tenant == "small" for w in second.work)  # not stuck behind the big op
+    p.complete(second)
+    pieces = [(w.lo, w.hi) for w in first.work + second.work if w.model == "big"]
+    steps = run(p)
+    pieces += [(w.lo, w.hi) for s in steps for w in s.work if w.model == "big" and w.kind == TRAIN]
+    assert pieces[0][0] == 0 and pieces[-1][1] == 10
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))  # in order
+    kinds = [s.kind for s in steps]
+    assert kinds[-1] == "barrier"  # the optim ran after the last piece
+    assert p.status()["flood"]["queued_tokens"] == 0
+
+
+def test_pieces_cover_every_datum_in_order_and_barrier_waits():
+    p = Planner(token_budget=700)
+    p.open_model("m", "t")
+    p.submit(Work("w", "t", TRAIN, 7 * 300, "m", 1, parts=[300] * 7))
+    p.submit(work("t", "optim", 0, "m", 2))
+    covered = []
+    while (s := p.next_step()) is not None:
+        if s.kind == "barrier":
+            assert covered == list(range(7))
+        for w in s.work:
+            if w.kind == TRAIN:
+                covered += list(range(w.lo, w.hi if w.hi is not None else 7))
+        p.complete(s)
+    assert covered == list(range(7))

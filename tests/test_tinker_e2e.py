@@ -237,3 +237,22 @@ def test_sampler_checkpoint_saved_again_serves_the_new_weights(daemon, tiny_dir)
                      "cross_entropy").result(timeout=T).loss_fn_outputs[0]["logprobs"].tolist()
     assert after[1:] == pytest.approx(fwd, abs=1e-4)
     assert after[1:] != pytest.approx(before[1:], abs=1e-3)
+
+
+def test_a_request_cut_into_pieces_fails_whole_on_one_bad_datum(daemon, tiny_dir):
+    """The daemon's steps hold 24 tokens: this 2-datum request (one client chunk) runs in
+    two pieces. A bad last datum fails the whole request before any piece trains."""
+    sc = service(daemon)
+    tc, tok, data, _ = trained_client(sc, tiny_dir, rank=4)
+    good = [datum(tok, "the sun and the sea are big and the sea is blue, and so the sun "
+                       "is hot and the sea is big")]
+    assert len(good[0].model_input.to_ints()) + 3 > 24  # so the two datums are cut apart
+    bad = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5, 6, 10**6]),
+                             loss_fn_inputs={"target_tokens": [6, 7, 8]})
+    with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
+        tc.forward_backward(good + [bad], "cross_entropy").result(timeout=T)
+    before = tc.forward(good, "cross_entropy").result(timeout=T).metrics["loss:sum"]
+    res = tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result(timeout=T)
+    assert res.metrics.get("skipped:sum") == 1.0  # no gradients were left behind
+    after = tc.forward(good, "cross_entropy").result(timeout=T).metrics["loss:sum"]
+    assert after == pytest.approx(before)

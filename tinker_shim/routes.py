@@ -199,8 +199,9 @@ async def forward_backward(request):
     req = ForwardBackwardRequest(run["id"], data, call.loss_fn, call.loss_fn_config or {},
                                  forward_only=call.forward_only)
     f = svc.new_future(request["tenant"], "forward_backward", codec.fwdbwd_encoder)
-    tokens = sum(len(d.tokens) for d in call.data)
-    f = svc.submit(Op("fwdbwd", run["id"], call.seq_id, {"request": req}, f, tokens))
+    parts = [len(d.tokens) for d in call.data]
+    f = svc.submit(Op("fwdbwd", run["id"], call.seq_id, {"request": req, "parts": parts}, f,
+                      sum(parts)))
     request.app["store"].touch_run(run["id"])
     return _future_response(f, run["id"])
 

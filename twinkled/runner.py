@@ -38,7 +38,7 @@ def _forward_backward(engine: Engine, ops: list) -> list[Outcome]:
     good = []
     for i, op in enumerate(ops):
         try:
-            engine.check(op.args["request"])
+            engine.check(op.args.get("check", op.args["request"]))
             good.append(i)
         except EngineInputError as e:
             outcomes[i] = (None, str(e), "user")

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from scheduler import Limits, Planner, Work
@@ -77,6 +77,7 @@ class Service:
         self.seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
         self.planner = Planner(config.token_budget, config.sample_budget)
         self.wake = asyncio.Event()
+        self._pieces: dict[str, list] = {}  # future id -> results of a cut op's pieces
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
 
@@ -210,7 +211,8 @@ class Service:
         if self.state == "failed":
             raise UserError(f"the model failed to load: {self.load_error}")
         tenant = op.future.tenant
-        work = Work(op.future.id, tenant, op.kind, op.tokens, op.model_id, op.seq_id, op)
+        work = Work(op.future.id, tenant, op.kind, op.tokens, op.model_id, op.seq_id, op,
+                    parts=op.args.get("parts"))
         if op.kind == "sample":
             if self.planner.over_quota(tenant, op.tokens):
                 self._drop(op.future, "over the tenant's sampling quota")
@@ -265,6 +267,23 @@ class Service:
                       for k in self.store.TENANT_LIMITS}
             self.planner.set_tenant(row["name"], float(weight), Limits(**limits))
 
+    def _gather(self, op: Op, result, message, category):
+        """Collect the pieces of a cut forward/backward; the last one gives the result."""
+        lo, final = op.args["piece"]
+        parts = self._pieces.setdefault(op.future.id, [])
+        if message is not None:
+            self._pieces.pop(op.future.id, None)
+            return None, message, category
+        parts.append(result)
+        if not final:
+            return None, None, None
+        self._pieces.pop(op.future.id, None)
+        merged = type(result)(outputs=[o for r in parts for o in r.outputs], metrics={})
+        for r in parts:
+            for k, v in r.metrics.items():
+                merged.metrics[k] = merged.metrics.get(k, 0.0) + v if k.endswith(":sum") else v
+        return merged, None, None
+
     # -- the engine loop --------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -275,12 +294,28 @@ class Service:
                 await self.wake.wait()
                 self.wake.clear()
                 continue
-            await self._execute(step.kind, [w.payload for w in step.work])
+            await self._execute(step.kind, [self._piece_op(w) for w in step.work])
             self.planner.complete(step)
+
+    def _piece_op(self, w: Work) -> Op:
+        """The op a planned piece runs: a cut forward/backward covers some of its datums."""
+        op = w.payload
+        if w.final and w.lo == 0:
+            return op
+        req = op.args["request"]
+        part = replace(req, data=req.data[w.lo:w.hi])
+        # The first piece checks the whole request: a bad datum fails it before any trains.
+        check = req if w.lo == 0 else part
+        return replace(op, args={**op.args, "request": part, "check": check,
+                                 "piece": (w.lo, w.final)})
 
     async def _execute(self, kind: str, batch: list[Op]) -> None:
         from .runner import run_ops  # engine-side code; imports torch
 
+        # Pieces of an op that already failed are dropped (nothing of it trains further).
+        batch = [op for op in batch if not ("piece" in op.args and op.future.done.is_set())]
+        if not batch:
+            return
         for op in batch:
             if op.seq_id is not None:
                 # A retry of a recent request still finds its future; older ones are let go.
@@ -291,6 +326,12 @@ class Service:
             log.exception("step failed")
             outcomes = [(None, f"server error: {type(e).__name__}: {e}", "server")] * len(batch)
         for op, (result, message, category) in zip(batch, outcomes, strict=True):
+            if "piece" in op.args:
+                result, message, category = self._gather(op, result, message, category)
+                if result is None and message is None:
+                    continue  # more pieces to come
+            if op.future.done.is_set():
+                continue  # an earlier piece already failed it
             if message is None:
                 self.resolve(op.future, result)
             else:

@@ -1,0 +1,206 @@
+"""Many tenants through the daemon, with real tinker clients: throughput and fairness.
+
+A real `twinkled serve` runs on a model of the chosen shape; each tenant is its own process
+running the unmodified tinker 0.38 client: per step, forward_backward on a batch of
+`--batch` x S random tokens, then optim_step. Measured, in one run:
+
+- 1, 2, 4, 8 tenants at once: aggregate tokens/s and each tenant's p50/p99 step latency
+  (forward_backward + optim_step, as the client sees it), against the same work run one
+  tenant at a time through the same daemon;
+- fairness: a small tenant (1 x S per step) alone, then next to a tenant that floods 10x
+  (10 x S per step): the small tenant's p50/p99 latency in both cases.
+- with --packed-baseline (GPU): plain transformers + peft packing the same 8 x S tokens
+  through one adapter in-process (bench_engine's (c)), the bound the daemon is held to.
+
+    python bench/bench_multitenant.py --shape tiny                 # CPU
+    python bench/bench_multitenant.py --shape qwen2.5-0.5b --packed-baseline   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One tenant: a tinker training loop; prints its step latencies as JSON."""
+    import random
+
+    import tinker
+
+    rng = random.Random(args.seed)
+    sc = tinker.ServiceClient(base_url=args.url, api_key=args.key)
+    tc = sc.create_lora_training_client(base_model=args.base_model, rank=32,
+                                        train_unembed=False).result(timeout=600)
+    data = []
+    for _ in range(args.batch):
+        ids = [rng.randrange(args.vocab) for _ in range(args.seq + 1)]
+        data.append(tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+                                       loss_fn_inputs={"target_tokens": ids[1:]}))
+    adam = tinker.types.AdamParams(learning_rate=1e-4)
+    for _ in range(args.warmup):
+        tc.forward_backward(data, "cross_entropy").result(timeout=600)
+        tc.optim_step(adam).result(timeout=600)
+    while time.time() < args.start_at:  # all tenants start their timed steps together
+        time.sleep(0.001)
+    lat = []
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        s = time.perf_counter()
+        fb = tc.forward_backward(data, "cross_entropy")
+        opt = tc.optim_step(adam)  # sent before the result, as real loops do
+        fb.result(timeout=600)
+        opt.result(timeout=600)
+        lat.append(time.perf_counter() - s)
+    wall = time.perf_counter() - t0
+    print(json.dumps({"lat": lat, "wall": wall, "tokens": args.steps * args.batch * args.seq,
+                      "t0": time.time() - wall, "t1": time.time()}))
+    sc.close("success")
+
+
+def run_tenants(url: str, keys: list[str], model: str, vocab: int, seq: int, steps: int,
+                batches: list[int]) -> list[dict]:
+    start_at = time.time() + 8 + 2 * len(keys)  # time for every client to set up and warm up
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, "--worker", "--url", url, "--key", key, "--base-model", model,
+         "--vocab", str(vocab), "--seq", str(seq), "--steps", str(steps), "--batch", str(b),
+         "--seed", str(i), "--start-at", str(start_at)], stdout=subprocess.PIPE, text=True)
+        for i, (key, b) in enumerate(zip(keys, batches, strict=True))]
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=3600)
+        if p.returncode != 0:
+            raise SystemExit(f"a tenant failed (exit {p.returncode})")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--url")
+    ap.add_argument("--key")
+    ap.add_argument("--base-model")
+    ap.add_argument("--vocab", type=int)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start-at", type=float, default=0.0)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b"))
+    ap.add_argument("--seq", type=int, default=None, help="tokens per datum (S)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per tenant")
+    ap.add_argument("--tenants", default="1,2,4,8")
+    ap.add_argument("--packed-baseline", action="store_true")
+    ap.add_argument("--write", default="BENCHMARKS.md")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from bench_engine import build_model, header
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    seq = args.seq or (512 if device == "cuda" else 64)
+    steps = args.steps or (20 if device == "cuda" else 8)
+    counts = [int(n) for n in args.tenants.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="bench_mt_"))
+    model_dir = work / "model"
+    vocab = build_model(args.shape, model_dir, dtype, device)
+    data = work / "data"
+    keys = []
+    for i in range(max(counts)):
+        out = subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data),
+                              "keys", "create", "--tenant", f"t{i}"],
+                             check=True, capture_output=True, text=True).stdout
+        keys.append(out.strip().splitlines()[-1])
+    port = 18000 + os.getpid() % 1000
+    url = f"http://127.0.0.1:{port}"
+    log = open(work / "twinkled.log", "wb")  # noqa: SIM115
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "twinkled", "serve", "--model", str(model_dir), "--data-dir",
+         str(data), "--port", str(port), "--device", device,
+         "--dtype", "bfloat16" if device == "cuda" else "float32"],
+        stdout=log, stderr=subprocess.STDOUT)
+    rows = []
+    try:
+        import urllib.request
+
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2) as r:
+                    if json.loads(r.read())["status"] == "ok":
+                        break
+            except OSError:
+                time.sleep(0.5)
+        name = model_dir.name
+        for n in counts:
+            res = run_tenants(url, keys[:n], name, vocab, seq, steps, [1] * n)
+            wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
+            together = sum(r["tokens"] for r in res) / wall
+            alone = [run_tenants(url, [k], name, vocab, seq, steps, [1])[0] for k in keys[:n]]
+            one_by_one = sum(r["tokens"] for r in alone) / sum(r["wall"] for r in alone)
+            lat = [x for r in res for x in r["lat"]]
+            rows.append((f"{n} tenant(s), 1x{seq} each", together, one_by_one,
+                         pct(lat, 0.5), pct(lat, 0.99)))
+        small_alone = run_tenants(url, keys[:1], name, vocab, seq, steps, [1])[0]["lat"]
+        mixed = run_tenants(url, keys[:2], name, vocab, seq, steps, [1, 10])
+        small_next = mixed[0]["lat"]
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
+        log.close()
+
+    text = header(device).replace("Engine vs peft", "Multi-tenant through the daemon")
+    text += (f"\n### {args.shape} ({device}, {str(dtype).split('.')[-1]}, LoRA r=32 on all "
+             f"linear layers, S={seq}, {steps} timed steps per tenant, unmodified tinker 0.38 "
+             f"clients, one process each)\n\n"
+             "| tenants | together (tok/s) | one at a time (tok/s) | ratio | step p50 (s) "
+             "| step p99 (s) |\n|---|---:|---:|---:|---:|---:|\n")
+    for label, tog, seqr, p50, p99 in rows:
+        text += f"| {label} | {tog:,.0f} | {seqr:,.0f} | {tog / seqr:.2f} | {p50:.3f} | {p99:.3f} |\n"
+    a50, a99 = pct(small_alone, 0.5), pct(small_alone, 0.99)
+    n50, n99 = pct(small_next, 0.5), pct(small_next, 0.99)
+    text += ("\nFairness: a small tenant (1 x S per step) alone, then next to a tenant sending "
+             "10 x S per step.\n\n| small tenant | step p50 (s) | step p99 (s) |\n|---|---:|---:|\n"
+             f"| alone | {a50:.3f} | {a99:.3f} |\n| next to the 10x flooder | {n50:.3f} | "
+             f"{n99:.3f} |\n| ratio (target p99 <= 2x) | {n50 / a50:.2f} | {n99 / a99:.2f} |\n")
+    if args.packed_baseline:
+        from bench_engine import GPU_SIZES, bench_peft, free
+
+        free(device)
+        seed_train = [torch.randint(0, vocab, (seq + 1,)) for _ in range(8)]
+        peft_rows = bench_peft(model_dir, dtype, device, GPU_SIZES, seed_train, None)
+        packed = next(r for r in peft_rows if r.test.startswith("(c)"))
+        packed_tps = packed.tokens / packed.seconds
+        eight = next((r for r in rows if r[0].startswith("8 ")), None)
+        text += (f"\nIn-process bound, same run: plain peft packing 8 x {seq} tokens through one "
+                 f"adapter: {packed_tps:,.0f} tok/s.")
+        if eight:
+            text += f" 8 tenants through the daemon reach **{eight[1] / packed_tps:.2f}x** of it (target >= 0.75)."
+        text += "\n"
+    print(text)
+    if args.write:
+        path = Path(args.write)
+        with path.open("a") as f:
+            f.write("\n" + text)
+        print(f"appended to {path}")
+
+
+if __name__ == "__main__":
+    main()
