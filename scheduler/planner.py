@@ -7,7 +7,10 @@ The rule, in order:
 2. Samples and training alternate when both are waiting, so neither starves.
 3. A training step packs forward/backward ops of many models and tenants up to
    `token_budget` tokens, tenant by tenant in weighted-fair order (fairness.py); a tenant's
-   models take turns. An op larger than the budget runs alone rather than never.
+   models take turns. An op larger than the budget is cut between datums. A model whose
+   next op is a barrier (typically the optim_step a client sends right behind its
+   forward_backward) gets it appended to the step, to run after the step's rows: a whole
+   training round of every tenant is then one step, not two.
 4. A sampling step packs samples up to `sample_budget` tokens, tenants taking turns.
 
 Quotas hold work back (it is "paused", and the client is told so) rather than failing it.
@@ -169,7 +172,18 @@ class Planner:
                 model_runs.pop(i)
             if not model_runs:
                 del runs[t.name]
-        return Step("train", taken) if taken else None
+        if not taken:
+            return None
+        # Barriers right behind this step's ops run at its end (after all its rows).
+        for model in dict.fromkeys(w.model for w in taken if w.final):
+            q = self.models[model]
+            w = q.pending.get(q.next_seq)
+            if w is not None and w.is_barrier:
+                q.pending.pop(w.seq)
+                q.next_seq += 1
+                q.in_flight += 1
+                taken.append(w)
+        return Step("train", taken)
 
     @staticmethod
     def _fit(w: Work, room: int, first: bool) -> Work | None:

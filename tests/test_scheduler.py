@@ -104,12 +104,13 @@ def test_gaps_are_waited_for_and_chunks_run_together():
     assert p.next_step() is None  # seq 1 (the first chunk, sent last) is missing
     p.submit(work("t", TRAIN, 10, "m", 1))
     p.submit(work("t", "optim", 0, "m", 4))
+    p.submit(work("t", TRAIN, 10, "m", 5))
     step = p.next_step()
-    assert step.kind == "train" and [w.seq for w in step.work] == [1, 2, 3]
-    assert p.next_step() is None  # the optim waits for the train step to complete
+    # The chunks run together; the optim right behind them ends the same step.
+    assert step.kind == "train" and [w.seq for w in step.work] == [1, 2, 3, 4]
+    assert p.next_step() is None  # seq 5 waits for the step (and its optim) to complete
     p.complete(step)
-    step = p.next_step()
-    assert step.kind == "barrier" and [w.seq for w in step.work] == [4]
+    assert [w.seq for w in p.next_step().work] == [5]
 
 
 def test_optim_steps_of_several_models_run_as_one_step():
@@ -118,9 +119,15 @@ def test_optim_steps_of_several_models_run_as_one_step():
         p.open_model(m, f"t{m}")
         p.submit(work(f"t{m}", TRAIN, 10, m, 1))
         p.submit(work(f"t{m}", "optim", 0, m, 2))
-    train = p.next_step()
-    assert len(train.work) == 3
-    p.complete(train)
+    step = p.next_step()
+    train = [w for w in step.work if w.kind == TRAIN]
+    optims = [w for w in step.work if w.kind == "optim"]
+    assert len(train) == 3 and sorted(w.model for w in optims) == list("xyz")
+    assert step.work == train + optims  # rows first, then the optimizer steps together
+    # Optims that become ready on their own (no rows this step) also go together.
+    for m in "xyz":
+        p.submit(work(f"t{m}", "optim", 0, m, 3))
+    p.complete(step)
     barrier = p.next_step()
     assert barrier.kind == "barrier" and sorted(w.model for w in barrier.work) == list("xyz")
 
@@ -201,17 +208,16 @@ def test_ten_thousand_random_arrivals_keep_order_and_finish():
         step_no += 1
         if step is None:
             continue
-        for w in step.work:
+        # A step runs its rows first, then its barriers in order (as the daemon does).
+        for w in sorted(step.work, key=lambda w: w.is_barrier):
             waits.append(step_no - submitted_at[w.id])
             if w.model is None:
                 continue
             if w.is_barrier:  # every earlier op of the model has completed
                 assert completed[w.model] >= set(range(1, w.seq)), (w.model, w.seq)
             executed[w.model].append(w.seq)
+            completed[w.model].add(w.seq)
         p.complete(step)
-        for w in step.work:
-            if w.model is not None:
-                completed[w.model].add(w.seq)
         assert step_no < 200_000, "the simulation did not drain"
     for m, seqs in executed.items():
         assert seqs == list(range(1, next_seq[m])), m  # all ran, in order
@@ -248,8 +254,7 @@ def test_a_large_op_is_cut_between_datums_and_others_get_in():
     pieces += [(w.lo, w.hi) for s in steps for w in s.work if w.model == "big" and w.kind == TRAIN]
     assert pieces[0][0] == 0 and pieces[-1][1] == 10
     assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))  # in order
-    kinds = [s.kind for s in steps]
-    assert kinds[-1] == "barrier"  # the optim ran after the last piece
+    assert steps[-1].work[-1].kind == "optim"  # the optim ran after the last piece
     assert p.status()["flood"]["queued_tokens"] == 0
 
 

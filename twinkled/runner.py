@@ -16,11 +16,21 @@ Outcome = tuple[object, str | None, str | None]
 
 
 def run_ops(engine: Engine, kind: str, ops: list) -> list[Outcome]:
-    """Run one planned step: "train" (co-batched), "sample", or "barrier" ops."""
-    if kind == "train":
-        return _forward_backward(engine, ops)
+    """Run one planned step: "sample", "barrier" ops, or "train": co-batched rows, then the
+    barriers (optim steps ...) that the planner put behind them."""
     if kind == "sample":
         return _sample(engine, ops)
+    rows = [op for op in ops if op.kind == "fwdbwd"]
+    barriers = [op for op in ops if op.kind != "fwdbwd"]
+    outcomes = {}
+    if rows:
+        outcomes.update(zip(map(id, rows), _forward_backward(engine, rows), strict=True))
+    if barriers:
+        outcomes.update(zip(map(id, barriers), _barriers(engine, barriers), strict=True))
+    return [outcomes[id(op)] for op in ops]
+
+
+def _barriers(engine: Engine, ops: list) -> list[Outcome]:
     outcomes = {id(op): _one(engine, op) for op in ops if op.kind != "optim"}
     optims = [op for op in ops if op.kind == "optim"]
     if optims:  # several models' optimizer steps as one engine call
