@@ -21,6 +21,7 @@ class Config:
     poll_seconds: float = 30.0  # retrieve_future long-poll (client times out at 45 s)
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client chunks)
     sample_budget: int = 65536  # prompt + new tokens per sampling step
+    gather_ms: float = 20.0  # wait for the last step's clients to send more, at most this
     # Default quotas for every tenant (None: unlimited); `ctl tenants set` overrides them.
     tenant_max_queued_requests: int | None = None
     tenant_max_queued_tokens: int | None = None

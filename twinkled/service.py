@@ -267,7 +267,7 @@ class Service:
                       for k in self.store.TENANT_LIMITS}
             self.planner.set_tenant(row["name"], float(weight), Limits(**limits))
 
-    def _gather(self, op: Op, result, message, category):
+    def _merge_piece(self, op: Op, result, message, category):
         """Collect the pieces of a cut forward/backward; the last one gives the result."""
         lo, final = op.args["piece"]
         parts = self._pieces.setdefault(op.future.id, [])
@@ -288,14 +288,49 @@ class Service:
 
     async def _run(self) -> None:
         await self._load()
+        recent: set[str] = set()
         while True:
+            await self._wait_for_clients(recent)
             step = self.planner.next_step()
             if step is None:
                 await self.wake.wait()
                 self.wake.clear()
                 continue
-            await self._execute(step.kind, [self._piece_op(w) for w in step.work])
+            try:
+                await self._execute(step.kind, [self._piece_op(w) for w in step.work])
+            except Exception as e:  # never let the loop die: fail what the step held
+                log.exception("a %s step failed outside the engine", step.kind)
+                for w in step.work:
+                    if not w.payload.future.done.is_set():
+                        self.fail(w.payload.future, f"server error: {type(e).__name__}: {e}",
+                                  "server")
             self.planner.complete(step)
+            recent = {w.model for w in step.work if w.model is not None}
+
+    async def _wait_for_clients(self, recent: set[str]) -> None:
+        """Give the clients served by the last step a moment to send their next request.
+
+        They all get their results at once and answer within milliseconds; planning at
+        once would start a step with the first of them and leave the rest for the next
+        one (each step costs about the same whatever its rows, on a host-bound card). So
+        wait, up to `gather_ms`, until each of those models has work again, then a little
+        more for the optim_step a client sends right behind its forward_backward."""
+        window = self.config.gather_ms / 1000
+        if not recent or window <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + window
+        models = self.planner.models
+        while any(m in models and not models[m].pending for m in recent):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), remaining)
+            except TimeoutError:
+                return
+        await asyncio.sleep(min(0.002, max(0.0, deadline - loop.time())))
 
     def _piece_op(self, w: Work) -> Op:
         """The op a planned piece runs: a cut forward/backward covers some of its datums."""
@@ -327,7 +362,7 @@ class Service:
             outcomes = [(None, f"server error: {type(e).__name__}: {e}", "server")] * len(batch)
         for op, (result, message, category) in zip(batch, outcomes, strict=True):
             if "piece" in op.args:
-                result, message, category = self._gather(op, result, message, category)
+                result, message, category = self._merge_piece(op, result, message, category)
                 if result is None and message is None:
                     continue  # more pieces to come
             if op.future.done.is_set():
