@@ -149,3 +149,10 @@ def test_zstd_compressed_forward_backward_bodies_are_accepted(http, tiny_dir):
     res = poll(http, r.json()["request_id"])
     out = pb.ForwardBackwardOutput.FromString(res.content)
     assert out.metrics["loss:sum"] > 0
+
+
+def test_unsupported_features_are_refused_by_name(daemon, tiny_dir):
+    sc = tinker.ServiceClient(base_url=daemon.url, api_key=daemon.keys["alice"])
+    tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="external .*weights is not supported"):
+        tc.save_weights_external("x").result(timeout=60)

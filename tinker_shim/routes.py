@@ -450,6 +450,29 @@ async def retrieve_future(request):
     return web.Response(body=f.payload, content_type=f.content_type)
 
 
+UNSUPPORTED_ROUTES = {
+    ("POST", "/save_weights_external"): "exporting external (merged HF) weights",
+    ("GET", "/training_runs/{run_id}/checkpoints/{checkpoint_id:.+?}/external_weights_urls"):
+        "download URLs for external weights",
+    ("POST", "/create_custom_loss"): "server-side custom losses (traced graphs)",
+    ("POST", "/retrieve_futures"): "batched future polling",
+    ("POST", "/join_sampling_session"): "joining a sampling session",
+    ("POST", "/cancel_future"): "cancelling a future",
+    ("POST", "/copy_weights"): "copying weights between projects",
+    ("POST", "/sessions/search"): "session search",
+    ("GET", "/sessions/{session_id}/trace_export"): "session trace export",
+    ("PUT", "/sessions/{session_id}/project"): "projects",
+    ("POST", "/auth/token"): "JWT authentication",
+}
+
+
+def _refuse(what: str):
+    async def handler(request):
+        raise UserError(f"{what} is not supported by this server")
+
+    return handler
+
+
 def add_routes(app: web.Application) -> None:
     from .rest import add_rest_routes
 
@@ -475,3 +498,5 @@ def add_routes(app: web.Application) -> None:
     r.add_post(f"{V1}/asample", asample)
     r.add_post(f"{V1}/retrieve_future", retrieve_future)
     add_rest_routes(app)
+    for (method, path), what in UNSUPPORTED_ROUTES.items():
+        r.add_route(method, f"{V1}{path}", _refuse(what))

@@ -43,45 +43,44 @@ def _barriers(engine: Engine, ops: list) -> list[Outcome]:
     return [outcomes[id(op)] for op in ops]
 
 
-def _forward_backward(engine: Engine, ops: list) -> list[Outcome]:
+def _each_checked(ops: list, check, run) -> list[Outcome]:
+    """Check each op alone (a bad one fails alone, category "user"); run the rest together."""
     outcomes: list[Outcome | None] = [None] * len(ops)
     good = []
     for i, op in enumerate(ops):
         try:
-            engine.check(op.args.get("check", op.args["request"]))
+            check(op)
             good.append(i)
         except EngineInputError as e:
             outcomes[i] = (None, str(e), "user")
     if good:
-        results = engine.forward_backward([ops[i].args["request"] for i in good])
+        results = run([ops[i].args["request"] for i in good])
         for i, r in zip(good, results, strict=True):
             outcomes[i] = (r, None, None)
     return outcomes
+
+
+def _forward_backward(engine: Engine, ops: list) -> list[Outcome]:
+    return _each_checked(ops, lambda op: engine.check(op.args.get("check", op.args["request"])),
+                         engine.forward_backward)
 
 
 SAMPLER_ADAPTERS = 32  # sampler checkpoints kept loaded; the least recently used goes first
 
 
 def _sample(engine: Engine, ops: list) -> list[Outcome]:
-    outcomes: list[Outcome | None] = [None] * len(ops)
-    good = []
     loaded = engine.__dict__.setdefault("sampler_lru", OrderedDict())
-    for i, op in enumerate(ops):
-        try:
-            adapter = op.args.get("adapter_id")
-            if op.args.get("load_from"):
-                if not engine.has_adapter(adapter):
-                    engine.load(adapter, op.args["load_from"], optimizer=False)
-                loaded[adapter] = True
-                loaded.move_to_end(adapter)
-            engine.check(op.args["request"])
-            good.append(i)
-        except EngineInputError as e:
-            outcomes[i] = (None, str(e), "user")
-    if good:
-        results = engine.sample([ops[i].args["request"] for i in good])
-        for i, r in zip(good, results, strict=True):
-            outcomes[i] = (r, None, None)
+
+    def check(op):
+        adapter = op.args.get("adapter_id")
+        if op.args.get("load_from"):
+            if not engine.has_adapter(adapter):
+                engine.load(adapter, op.args["load_from"], optimizer=False)
+            loaded[adapter] = True
+            loaded.move_to_end(adapter)
+        engine.check(op.args["request"])
+
+    outcomes = _each_checked(ops, check, engine.sample)
     in_use = {op.args.get("adapter_id") for op in ops}
     while len(loaded) > SAMPLER_ADAPTERS:
         old = next(iter(loaded))
