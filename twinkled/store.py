@@ -13,112 +13,31 @@ row matched, so the caller can answer 404.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import sqlite3
 import threading
-import time
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import sqlite_utils
 
-Row = dict[str, Any]
-# checkpoint kind (path segment) -> checkpoint_type (REST field)
-CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler",
-                    "external_weights": "external"}
-MIN_FUTURE_TTL_S = 300.0  # a completed future stays readable at least this long
-_JSON_COLS = ("user_metadata", "lora_config")
-_BOOL_COLS = ("corrupted", "deleted", "public")
-# table -> (columns, primary key, defaults). Flags are 0/1 ints, JSON columns are text.
-_SCHEMA: dict[str, tuple[dict[str, type], str, dict[str, Any]]] = {
-    # Quotas are NULL for "unlimited" (or the config file's default).
-    "tenants": ({"name": str, "weight": float, "created": float, "max_queued_requests": int,
-                 "max_queued_tokens": int, "max_adapters": int, "max_rank": int}, "name",
-                {"weight": 1.0}),
-    # The running daemon's status (queues, shares), for `twinkled ctl status`.
-    "daemon_status": ({"name": str, "body": str, "updated": float}, "name", {}),
-    "api_keys": ({"key_hash": str, "tenant": str, "created": float, "revoked_at": float},
-                 "key_hash", {}),
-    # model_seq / sampler_seq: the next per-session counter values to hand out
-    "sessions": ({"id": str, "tenant": str, "created": float, "last_heartbeat": float,
-                  "finished_at": float, "user_metadata": str, "sdk_version": str,
-                  "model_seq": int, "sampler_seq": int}, "id",
-                 {"model_seq": 0, "sampler_seq": 0}),
-    "runs": ({"id": str, "tenant": str, "session_id": str, "base_model": str, "lora_rank": int,
-              "lora_config": str, "created": float, "last_request_time": float,
-              "user_metadata": str, "corrupted": int, "deleted": int}, "id",
-             {"corrupted": 0, "deleted": 0}),
-    "checkpoints": ({"tinker_path": str, "run_id": str, "tenant": str, "kind": str, "name": str,
-                     "checkpoint_type": str, "dir": str, "size_bytes": int, "sha256": str,
-                     "status": str, "error": str, "public": int, "created": float,
-                     "expires_at": float, "user_metadata": str}, "tinker_path", {"public": 0}),
-    "samplers": ({"id": str, "tenant": str, "session_id": str, "base_model": str,
-                  "model_path": str, "created": float}, "id", {}),
-    "futures": ({"id": str, "tenant": str, "kind": str, "model_id": str, "seq_id": int,
-                 "status": str, "result": bytes, "content_type": str, "created": float,
-                 "completed_at": float}, "id", {}),
-}
-_INDEXES = [
-    ("sessions", ["tenant", "created"], False),
-    ("runs", ["tenant", "created"], False),
-    ("runs", ["session_id"], False),
-    ("checkpoints", ["run_id", "created"], False),
-    ("checkpoints", ["tenant", "created"], False),
-    ("samplers", ["session_id"], False),
-    ("futures", ["model_id", "seq_id"], True),  # one future per (model, seq): retries
-    ("futures", ["status", "completed_at"], False),
-]
-
-
-class Conflict(ValueError):
-    """A row with this id already exists (for example a repeated create_model)."""
-
-
-def now() -> float:
-    return time.time()
-
-
-def to_datetime(ts: float | None) -> datetime | None:
-    """Stored unix seconds -> aware UTC datetime (None stays None), for REST objects."""
-    return None if ts is None else datetime.fromtimestamp(ts, UTC)
-
-
-def hash_key(key: str) -> str:
-    """Keys are 256-bit random tokens, so an unsalted sha256 is enough to store them."""
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def checkpoint_path(run_id: str, kind: str, name: str) -> str:
-    """``tinker://<run_id>/<kind>/<name>``; the SDK's parser needs exactly three parts."""
-    if kind not in CHECKPOINT_TYPES:
-        raise ValueError(f"unknown checkpoint kind {kind!r}")
-    for part in (run_id, name):
-        if not part or "/" in part or ".." in part:
-            raise ValueError(f"invalid checkpoint path component {part!r}")
-    return f"tinker://{run_id}/{kind}/{name}"
-
-
-def _decode(row: Row) -> Row:
-    for c in _JSON_COLS:
-        if isinstance(row.get(c), str):
-            row[c] = json.loads(row[c])
-    for c in _BOOL_COLS:
-        if c in row:
-            row[c] = bool(row[c])
-    return row
-
-
-def _json(value: Any) -> str | None:
-    return None if value is None else json.dumps(value)
-
-
-def _error_body(message: str, category: str) -> bytes:
-    """The failed-future body the Tinker client raises RequestFailedError on."""
-    return json.dumps({"error": message, "category": category}).encode()
+from .schema import (  # noqa: F401 - Conflict and checkpoint_path are the store's API
+    CHECKPOINT_TYPES,
+    INDEXES,
+    MIN_FUTURE_TTL_S,
+    SCHEMA,
+    Conflict,
+    Row,
+    checkpoint_path,
+    decode_row,
+    error_body,
+    hash_key,
+    now,
+    to_datetime,
+    to_json,
+)
 
 
 class Store:
@@ -144,13 +63,13 @@ class Store:
 
     def _create_tables(self) -> None:
         with self._lock, self.db.atomic():
-            for name, (columns, pk, defaults) in _SCHEMA.items():
+            for name, (columns, pk, defaults) in SCHEMA.items():
                 table = self.db.table(name)
                 table.create(columns, pk=pk, defaults=defaults, if_not_exists=True)
                 for col, kind in columns.items():  # a data dir from an older release
                     if col not in table.columns_dict:
                         table.add_column(col, kind)
-            for table, cols, unique in _INDEXES:
+            for table, cols, unique in INDEXES:
                 self.db.table(table).create_index(cols, unique=unique, if_not_exists=True)
 
     # -- helpers -------------------------------------------------------------------------
@@ -159,7 +78,7 @@ class Store:
         with self._lock:
             cur = self.conn.execute(sql, params)
             cols = [d[0] for d in cur.description]
-            return [_decode(dict(zip(cols, r, strict=True))) for r in cur.fetchall()]
+            return [decode_row(dict(zip(cols, r, strict=True))) for r in cur.fetchall()]
 
     def _one(self, sql: str, params: Any = ()) -> Row | None:
         rows = self._all(sql, params)
@@ -273,7 +192,7 @@ class Store:
         sid, t = f"sess-{uuid.uuid4().hex}", now()
         self._insert("sessions", {"id": sid, "tenant": tenant, "created": t,
                                   "last_heartbeat": t, "finished_at": None,
-                                  "user_metadata": _json(user_metadata),
+                                  "user_metadata": to_json(user_metadata),
                                   "sdk_version": sdk_version})
         return sid
 
@@ -336,8 +255,8 @@ class Store:
         run_id, t = f"{session_id}:train:{seq}", now()
         self._insert("runs", {"id": run_id, "tenant": tenant, "session_id": session_id,
                               "base_model": base_model, "lora_rank": lora_rank,
-                              "lora_config": _json(lora_config), "created": t,
-                              "last_request_time": t, "user_metadata": _json(user_metadata),
+                              "lora_config": to_json(lora_config), "created": t,
+                              "last_request_time": t, "user_metadata": to_json(user_metadata),
                               "corrupted": 0, "deleted": 0})
         return run_id
 
@@ -378,7 +297,7 @@ class Store:
                  "name": name, "checkpoint_type": CHECKPOINT_TYPES[kind], "dir": str(dir),
                  "size_bytes": None, "sha256": None, "status": "writing", "error": None,
                  "public": 0, "created": now(), "expires_at": expires_at,
-                 "user_metadata": _json(user_metadata)}, replace=True)
+                 "user_metadata": to_json(user_metadata)}, replace=True)
         return path
 
     def finish_checkpoint(self, path: str, size_bytes: int, sha256: str) -> bool:
@@ -486,7 +405,7 @@ class Store:
         return self._write("UPDATE futures SET status = 'error', result = ?, "
                            "content_type = 'application/json', completed_at = ? "
                            "WHERE id = ? AND status = 'pending'",
-                           (_error_body(message, category), now(), future_id)) > 0
+                           (error_body(message, category), now(), future_id)) > 0
 
     def get_future(self, future_id: str) -> Row | None:
         return self._one("SELECT * FROM futures WHERE id = ?", [future_id])
@@ -502,7 +421,7 @@ class Store:
         would otherwise poll them forever). Returns how many."""
         return self._write("UPDATE futures SET status = 'error', result = ?, "
                            "content_type = 'application/json', completed_at = ? "
-                           "WHERE status = 'pending'", (_error_body(message, "server"), now()))
+                           "WHERE status = 'pending'", (error_body(message, "server"), now()))
 
     def purge_futures(self, older_than_seconds: float, at: float | None = None) -> int:
         """Delete resolved futures completed more than older_than_seconds ago (never less
