@@ -293,6 +293,7 @@ class Service:
             await self._wait_for_clients(recent)
             step = self.planner.next_step()
             if step is None:
+                recent = set()  # idle: the next request is planned at once
                 await self.wake.wait()
                 self.wake.clear()
                 continue
