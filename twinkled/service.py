@@ -293,9 +293,13 @@ class Service:
             await self._wait_for_clients(recent)
             step = self.planner.next_step()
             if step is None:
-                recent = set()  # idle: the next request is planned at once
+                # Idle until a request arrives; then a moment for the ones right behind it
+                # (a client POSTs its optim_step just after its forward_backward), so that
+                # they share a step.
+                recent = set()
                 await self.wake.wait()
                 self.wake.clear()
+                await asyncio.sleep(min(0.002, self.config.gather_ms / 1000))
                 continue
             try:
                 await self._execute(step.kind, [self._piece_op(w) for w in step.work])
