@@ -61,6 +61,13 @@ class Planner:
         self.models[model] = ModelQueue(next_seq=next_seq)
         self.model_tenant[model] = tenant
 
+    def forget_model(self, model: str) -> None:
+        """Drop a model whose ops have all run (its adapter was unloaded)."""
+        q = self.models.get(model)
+        if q is not None and not q.pending and not q.in_flight:
+            del self.models[model]
+            self.model_tenant.pop(model, None)
+
     # -- admission ----------------------------------------------------------------------
 
     def over_quota(self, tenant: str, tokens: int) -> bool:
@@ -235,7 +242,7 @@ class Planner:
     def complete(self, step: Step) -> None:
         """The step's ops have finished: their models may go on."""
         for w in step.work:
-            if w.model is not None and w.final:
+            if w.model is not None and w.final and w.model in self.models:
                 self.models[w.model].in_flight -= 1
 
     # -- reporting ----------------------------------------------------------------------

@@ -79,3 +79,27 @@ def test_status_shows_shares_after_training(daemon, tiny_dir):
     time.sleep(2.5)
     bob = json.loads(ctl(daemon.data, "status", "--json"))["tenants"]["bob"]
     assert bob["served_tokens"] >= 4 and 0 < bob["share"] <= 1
+
+
+def test_finishing_a_session_unloads_its_adapters(daemon, tiny_dir):
+    key = make_key(daemon.data, "erin")
+    ctl(daemon.data, "tenants", "set", "erin", "--max-adapters", "1")
+    time.sleep(3)
+    sc = tinker.ServiceClient(base_url=daemon.url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=60)
+    d = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5, 6, 7]),
+                           loss_fn_inputs={"target_tokens": [6, 7, 8]})
+    tc.forward_backward([d], "cross_entropy").result(timeout=60)
+    path = tc.save_state("erin-1").result(timeout=60).path
+    with pytest.raises(tinker.BadRequestError, match="quota"):  # one adapter at a time
+        sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=60)
+    sc.close("success")  # finishing the session frees its adapter ...
+    time.sleep(1)
+    sc2 = tinker.ServiceClient(base_url=daemon.url, api_key=key)
+    resumed = sc2.create_training_client_from_state_with_optimizer(path).result(timeout=60)
+    assert resumed.forward([d], "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
+    with httpx.Client(base_url=f"{daemon.url}/api/v1", headers={"X-API-Key": key}) as http:
+        r = http.post("/optim_step", json={"model_id": tc.model_id, "seq_id": 99,
+                                           "adam_params": {}})
+    assert r.status_code == 400 and "not loaded" in r.json()["detail"]  # ... and says so
+    sc2.close("success")

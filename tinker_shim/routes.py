@@ -74,8 +74,12 @@ async def telemetry(request):
 
 
 async def finish_session(request):
+    """End a session: its adapters are unloaded once their queued work has run."""
+    store = request.app["store"]
     s = own_session(request, request.match_info["session_id"])
-    request.app["store"].finish_session(s["id"])
+    store.finish_session(s["id"])
+    runs, _ = store.session_children(s["id"])
+    service(request).unload_models(request["tenant"], runs)
     return web.Response(status=204)
 
 

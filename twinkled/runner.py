@@ -104,6 +104,10 @@ def _one(engine: Engine, op) -> Outcome:
             return checkpoint_digest(Path(a["dir"])), None, None
         if op.kind == "load":
             return engine.load(a["adapter_id"], a["dir"], optimizer=a["optimizer"]), None, None
+        if op.kind == "unload":
+            if engine.has_adapter(a["adapter_id"]):
+                engine.remove_adapter(a["adapter_id"])
+            return None, None, None
         return None, f"unknown operation {op.kind!r}", "server"
     except EngineInputError as e:
         return None, str(e), "user"

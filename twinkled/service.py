@@ -246,6 +246,19 @@ class Service:
     def open_model(self, model_id: str, tenant: str, first_seq: int = 1) -> None:
         self.planner.open_model(model_id, tenant, first_seq)
 
+    def unload_models(self, tenant: str, model_ids: list[str]) -> None:
+        """Free the adapters of a finished session, after whatever they still have queued.
+
+        Their runs and checkpoints stay; a training client can be made again from a
+        checkpoint. A request that still names such a model gets a clear 400."""
+        for model in model_ids:
+            q = self.planner.models.get(model)
+            if q is None:
+                continue
+            seq = max([q.next_seq - 1, *q.pending]) + 1
+            f = self.new_future(tenant, "unload", lambda _: (b"{}", "application/json"))
+            self.submit(Op("unload", model, seq, {"adapter_id": model}, f))
+
     def check_new_adapter(self, tenant: str, rank: int) -> None:
         """Quotas on adapters and rank: a clear refusal, not a wait."""
         lim = self.planner.tenant(tenant).limits
@@ -309,7 +322,10 @@ class Service:
                         self.fail(w.payload.future, f"server error: {type(e).__name__}: {e}",
                                   "server")
             self.planner.complete(step)
-            recent = {w.model for w in step.work if w.model is not None}
+            for w in step.work:
+                if w.kind == "unload":
+                    self.planner.forget_model(w.model)
+            recent = {w.model for w in step.work if w.model is not None and w.kind != "unload"}
 
     async def _wait_for_clients(self, recent: set[str]) -> None:
         """Give the clients served by the last step a moment to send their next request.
