@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
+from twinkled.schema import CHECKPOINT_TYPES
+
+# The checkpoint kinds this server writes (external weights are not served).
+KINDS = {k: v for k, v in CHECKPOINT_TYPES.items() if k != "external_weights"}
 
 
 def valid_name(name: str) -> bool:

@@ -35,8 +35,7 @@ def checkpoint_json(c: dict) -> dict:
 
 
 def run_json(store, r: dict) -> dict:
-    ckpts, _ = store.list_checkpoints(run_id=r["id"], offset=0, limit=1000)
-    last = {kind: next((c for c in ckpts if c["kind"] == kind), None) for kind in KINDS}
+    last = {kind: store.latest_checkpoint(r["id"], kind) for kind in KINDS}
     return {"training_run_id": r["id"], "base_model": r["base_model"],
             "model_owner": r["tenant"], "is_lora": True, "corrupted": bool(r.get("corrupted")),
             "lora_rank": r["lora_rank"], "last_request_time": _iso(r["last_request_time"]),
