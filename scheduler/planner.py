@@ -57,9 +57,17 @@ class Planner:
     def tenant(self, name: str) -> Tenant:
         return self.fair.tenant(name)
 
-    def open_model(self, model: str, tenant: str, next_seq: int = 1) -> None:
-        self.models[model] = ModelQueue(next_seq=next_seq)
+    def open_model(self, model: str, tenant: str, next_seq: int = 1,
+                   resync: bool = False) -> None:
+        """`resync`: resume at the first seq_id that arrives (a model restored after a
+        crash, whose client counted on past the state it was restored to)."""
+        self.models[model] = ModelQueue(next_seq=next_seq, resync=resync)
         self.model_tenant[model] = tenant
+
+    def idle(self) -> bool:
+        """Nothing queued, held back or in flight."""
+        return (not any(q.pending or q.in_flight for q in self.models.values())
+                and not any(self.samples.values()) and not any(self.held.values()))
 
     def forget_model(self, model: str) -> None:
         """Drop a model whose ops have all run (its adapter was unloaded)."""
@@ -82,6 +90,10 @@ class Planner:
         """Queue `w`; False if it is held back by its tenant's quota (paused)."""
         if w.model is not None and w.model not in self.models:
             raise KeyError(f"unknown model {w.model!r}")
+        if w.model is not None:
+            q = self.models[w.model]
+            if q.resync and not q.pending and not q.in_flight:
+                q.next_seq, q.resync = max(q.next_seq, w.seq), False
         if self.over_quota(w.tenant, w.tokens) and not self._fills_gap(w):
             self.held.setdefault(w.tenant, deque()).append(w)
             self.paused.add(w.id)

@@ -43,6 +43,9 @@ class ModelQueue:
     next_seq: int = 1
     pending: dict[int, Work] = field(default_factory=dict)
     in_flight: int = 0  # operations planned but not yet reported complete
+    # Restored after a crash: the client's seq_ids ran on past the persisted state, so the
+    # first op to arrive sets where the queue resumes.
+    resync: bool = False
 
     def head(self) -> Work | None:
         """The op that may run now, or None (gap, empty, or the model is busy)."""

@@ -401,6 +401,10 @@ def sample_encoder(result: Any) -> tuple[bytes, str]:
 
 
 def _as_out_tensor(value: Any) -> OutTensor:
+    if isinstance(getattr(value, "data", None), bytes):  # a worker's raw buffer (frames.Buf)
+        if len(value.shape) <= 1:
+            return (value.data, value.dtype)
+        return TensorIn(value.dtype, list(value.shape), value.values())
     if not hasattr(value, "detach"):  # a plain list of floats
         return (value, "float32")
     # A torch.Tensor, duck-typed so that this module never imports torch.

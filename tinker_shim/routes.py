@@ -85,7 +85,7 @@ async def finish_session(request):
 
 async def capabilities(request):
     svc = service(request)
-    ctx = svc.engine.model.max_seq_len if svc.engine else None
+    ctx = svc.model_info.get("max_seq_len")
     return web.json_response({"supported_models": [{
         "model_name": svc.config.served_name, "max_context_length": ctx,
         "trainable": True, "sampleable": True}]})

@@ -66,7 +66,7 @@ async def get_info(request):
     name = svc.config.served_name
     return web.json_response({
         "type": "get_info", "model_id": run["id"],
-        "model_data": {"arch": svc.engine.model.config.model_type if svc.engine else None,
+        "model_data": {"arch": svc.model_info.get("arch"),
                        "model_name": name, "tokenizer_id": str(svc.config.model)},
         "is_lora": True, "lora_rank": run["lora_rank"], "model_name": name,
         "optimizer_config": {"type": "adamw"}})

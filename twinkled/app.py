@@ -8,7 +8,7 @@ import uuid
 
 from aiohttp import web
 
-from .service import NotFound, RateLimited, Service, UserError
+from .service import Draining, NotFound, RateLimited, Service, UserError
 
 log = logging.getLogger("twinkled.http")
 
@@ -42,6 +42,9 @@ async def auth_and_errors(request: web.Request, handler):
     except RateLimited as e:  # the Tinker client backs off and resubmits
         status = 429
         return web.json_response({"detail": str(e)}, status=429, headers={"Retry-After": "1"})
+    except Draining as e:  # a hot restart: the client retries 503s, and we are back soon
+        status = 503
+        return web.json_response({"detail": str(e)}, status=503, headers={"Retry-After": "2"})
     except NotFound as e:
         status = 404
         return web.json_response({"detail": str(e)}, status=404)
@@ -64,9 +67,13 @@ def make_app(service: Service, store) -> web.Application:
     async def on_startup(app):
         await service.start()
 
+    async def on_shutdown(app):  # SIGTERM / SIGINT: drain, persist, stop the workers
+        await service.shutdown()
+
     async def on_cleanup(app):
         await service.close()
 
     app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     return app

@@ -24,11 +24,14 @@ def main() -> None:
 @click.option("--host", help="Address to listen on (default 127.0.0.1).")
 @click.option("--port", type=int, help="Port (default 8000).")
 @click.option("--device", help="cpu, cuda, cuda:N or auto (default).")
+@click.option("--devices", help="One worker per device, comma-separated: cuda:0,cuda:1.")
+@click.option("--workers", type=int, help="Worker ranks on --device (default 1; gloo on CPU).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
               help="Base model dtype (default bfloat16; float32 on a CPU).")
 @click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True),
               help="TOML config file; flags override it.")
-def serve(model, model_name, data_dir, host, port, device, dtype, config_file) -> None:
+def serve(model, model_name, data_dir, host, port, device, devices, workers, dtype,
+          config_file) -> None:
     """Load the base model once and serve the Tinker API over HTTP."""
     from aiohttp import web
 
@@ -37,7 +40,8 @@ def serve(model, model_name, data_dir, host, port, device, dtype, config_file) -
     from .store import Store
 
     cfg = Config.load(config_file, model=model, model_name=model_name, data_dir=data_dir,
-                      host=host, port=port, device=device, dtype=dtype)
+                      host=host, port=port, device=device, dtype=dtype, workers=workers,
+                      devices=devices.split(",") if devices else None)
     if cfg.model is None or not (cfg.model / "config.json").is_file():
         raise click.UsageError("--model must be a Hugging Face model directory")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -139,3 +143,66 @@ def status(store, as_json: bool) -> None:
         click.echo(f"{name:<16}{t['weight']:>7g}{t['queued_requests']:>8}"
                    f"{t['queued_tokens']:>9}{t['paused']:>8}{t['served_tokens']:>12}"
                    f"{t['share']:>8.1%}")
+
+
+@ctl.group()
+def checkpoints() -> None:
+    """Checkpoints: list them and verify their files against the recorded digests."""
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def _data_dir(ctx: click.Context) -> Path:
+    """The --data-dir given to `ctl` (the command's group's group)."""
+    while "data_dir" not in ctx.params:
+        ctx = ctx.parent
+    return ctx.params["data_dir"]
+
+
+@checkpoints.command("list")
+@click.option("--run", "run_id", metavar="RUN_ID", help="Only this training run's.")
+@click.option("--tenant", help="Only this tenant's.")
+@click.option("--status", type=click.Choice(["ready", "corrupt", "writing"]),
+              help="Only checkpoints in this state (default: all).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def checkpoints_list(store, run_id, tenant, status, as_json: bool) -> None:
+    """Checkpoints, newest first, with status, size, creation time and, if corrupt, why."""
+    from .verify import all_checkpoints
+
+    rows = all_checkpoints(store, status=status, run_id=run_id, tenant=tenant)
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    for r in rows:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created"]))
+        line = f"{r['tinker_path']}  {r['status']:<7} {_size(r['size_bytes']):>10}  {created}Z"
+        if r["status"] != "ready" and r["error"]:
+            line += f"  {r['error']}"
+        click.echo(line)
+
+
+@checkpoints.command("verify")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def checkpoints_verify(ctx, as_json: bool) -> None:
+    """Re-hash ready checkpoints; move damaged ones to quarantine/ and mark them corrupt."""
+    from .verify import verify_checkpoints
+
+    damaged = verify_checkpoints(ctx.obj, _data_dir(ctx))
+    if as_json:
+        click.echo(json.dumps(damaged))
+        return
+    for d in damaged:
+        click.echo(f"{d['tinker_path']}: {d['reason']}")
+    click.echo(f"{len(damaged)} damaged checkpoint(s) found" if damaged
+               else "all ready checkpoints are intact")

@@ -15,7 +15,13 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "bfloat16"  # float32 on a CPU-only box
-    device: str = "auto"  # "cpu", "cuda", "cuda:1", or auto
+    device: str = "auto"  # "cpu", "cuda", "cuda:1", or auto (one worker)
+    devices: list[str] = field(default_factory=list)  # one worker per device: cuda:0,cuda:1
+    workers: int = 1  # ranks when `devices` is not given (CPU boxes: gloo workers)
+    worker_threads: int = 0  # torch threads per CPU worker (0: cores / workers)
+    persist_every: int = 1  # persist live adapters after every N-th optimizer step
+    step_timeout_s: float = 900.0  # a step not answered by then restarts the worker group
+    drain_timeout_s: float = 60.0  # SIGTERM: time for queued work before it is failed
     max_rank: int = 128
     token_budget: int = 16384  # padded tokens per micro-batch (activation memory)
     poll_seconds: float = 30.0  # retrieve_future long-poll (client times out at 45 s)
@@ -50,9 +56,27 @@ class Config:
                 values[key] = Path(values[key])
         return cls(**values)
 
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch  # only the engine side asks
+    def worker_devices(self) -> list[str]:
+        """One device per worker rank. "auto" asks a child process whether CUDA is there,
+        so that the daemon itself never imports torch."""
+        if self.devices:
+            return list(self.devices)
+        device = self.device
+        if device == "auto":
+            device = "cuda" if _cuda_count() > 0 else "cpu"
+        if device == "cuda":
+            return [f"cuda:{i}" for i in range(self.workers)]
+        return [device] * self.workers
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+
+def _cuda_count() -> int:
+    import subprocess
+    import sys
+
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=120, check=True)
+        return int(out.stdout.strip() or 0)
+    except (subprocess.SubprocessError, ValueError):
+        return 0

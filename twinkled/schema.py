@@ -18,7 +18,7 @@ CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler",
                     "external_weights": "external"}
 MIN_FUTURE_TTL_S = 300.0  # a completed future stays readable at least this long
 JSON_COLS = ("user_metadata", "lora_config")
-BOOL_COLS = ("corrupted", "deleted", "public")
+BOOL_COLS = ("corrupted", "deleted", "public", "live")
 # table -> (columns, primary key, defaults). Flags are 0/1 ints, JSON columns are text.
 SCHEMA: dict[str, tuple[dict[str, type], str, dict[str, Any]]] = {
     # Quotas are NULL for "unlimited" (or the config file's default).
@@ -36,8 +36,11 @@ SCHEMA: dict[str, tuple[dict[str, type], str, dict[str, Any]]] = {
                  {"model_seq": 0, "sampler_seq": 0}),
     "runs": ({"id": str, "tenant": str, "session_id": str, "base_model": str, "lora_rank": int,
               "lora_config": str, "created": float, "last_request_time": float,
-              "user_metadata": str, "corrupted": int, "deleted": int}, "id",
-             {"corrupted": 0, "deleted": 0}),
+              "user_metadata": str, "corrupted": int, "deleted": int,
+              # live: its adapter is loaded (restored at start-up from data_dir/live/);
+              # next_seq: set by a hot restart, so the run's seq_ids continue exactly.
+              "live": int, "next_seq": int}, "id",
+             {"corrupted": 0, "deleted": 0, "live": 0}),
     "checkpoints": ({"tinker_path": str, "run_id": str, "tenant": str, "kind": str, "name": str,
                      "checkpoint_type": str, "dir": str, "size_bytes": int, "sha256": str,
                      "status": str, "error": str, "public": int, "created": float,

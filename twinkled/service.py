@@ -1,10 +1,9 @@
 """What a request does, independent of the wire protocol.
 
-The service owns the engine (run in one dedicated thread so the event loop never blocks),
-the per-model ordering of operations, and the futures that clients poll. Operations of one
-model run in `seq_id` order, whatever order they arrive in; forward/backward requests of
-different models that are ready together run as ONE co-batched engine call (first come,
-first served; fair sharing is the scheduler's job, a later step).
+The service owns the futures that clients poll and feeds the scheduler's planned steps
+to the worker group (through `WorkerClient`), one step at a time. Operations of one model
+run in `seq_id` order, whatever order they arrive in; forward/backward requests of several
+models that are ready together run as ONE co-batched step. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -15,13 +14,15 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from scheduler import Limits, Planner, Work
 
 from .config import Config
+from .engine.types import LoraConfig
+from .verify import verify_checkpoints
+from .worker_client import WorkerClient
 
 log = logging.getLogger("twinkled")
 
@@ -66,11 +67,15 @@ class RateLimited(UserError):
     """Over the tenant's quota and the client should come back later (HTTP 429)."""
 
 
+class Draining(Exception):
+    """The daemon is stopping (hot restart): come back shortly (HTTP 503, retried)."""
+
+
 class Service:
     def __init__(self, config: Config, store):
         self.config = config
         self.store = store
-        self.engine = None
+        self.workers = WorkerClient(config)
         self.state = "loading"
         self.load_error: str | None = None
         self.futures: dict[str, Future] = {}
@@ -78,13 +83,14 @@ class Service:
         self.planner = Planner(config.token_budget, config.sample_budget)
         self.wake = asyncio.Event()
         self._pieces: dict[str, list] = {}  # future id -> results of a cut op's pieces
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
+        self._stepping = False
+        self.damaged: list[dict] = []  # checkpoints found damaged at start-up
 
     # -- life cycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the model in the engine thread; the HTTP server answers meanwhile.
+        """Start the workers (they load the model); the HTTP server answers meanwhile.
 
         Work cut short by the last stop is settled first: its futures fail with a clear
         error when polled, and half-written checkpoints are marked and never served."""
@@ -95,6 +101,9 @@ class Service:
         if failed:
             log.warning("%d requests were cut short by the last stop", failed)
         loop = asyncio.get_running_loop()
+        # Hashing can take a while on a big data dir: off the event loop (healthz answers).
+        self.damaged = await loop.run_in_executor(None, verify_checkpoints, self.store,
+                                                  self.config.data_dir)
         self._task = loop.create_task(self._run())
         self._janitor = loop.create_task(self._housekeeping())
 
@@ -121,38 +130,75 @@ class Service:
 
     def status(self) -> dict:
         return {"model": self.config.served_name, "state": self.state,
-                "device": self.config.device, "steps": self.planner.steps,
+                "devices": self.workers.group.devices, "steps": self.planner.steps,
                 "adapters": len(self.planner.models), "tenants": self.planner.status(),
+                **self.workers.status(), "damaged_checkpoints": self.damaged,
                 "time": time.time()}
 
+    @property
+    def model_info(self) -> dict:
+        return self.workers.model_info
+
     async def _load(self) -> None:
-        def load():
-            from .engine import Engine
-
-            cfg = self.config
-            dtype = cfg.dtype
-            device = cfg.resolved_device()
-            if device == "cpu" and dtype == "bfloat16":
-                dtype = "float32"  # bf16 matmuls on a CPU are slow and gain nothing here
-            return Engine(cfg.model, dtype=dtype, device=device, max_rank=cfg.max_rank,
-                          token_budget=cfg.token_budget)
-
+        """Start the worker group (it loads the model) and bring back the live adapters."""
         try:
-            self.engine = await self._in_engine(load)
+            await self.workers.start()
+            await self._restore_runs()
             self.state = "ready"
             log.info("model %s loaded", self.config.served_name)
         except Exception as e:  # the daemon keeps answering healthz with the reason
             self.state, self.load_error = "failed", f"{type(e).__name__}: {e}"
             log.exception("model load failed")
 
+    async def _restore_runs(self) -> None:
+        """Adapters live at the last stop, from their persisted state. After a hot restart
+        their seq_ids continue exactly; after a crash the first request resumes them."""
+        runs = self.store.live_runs()
+        configs = {r["id"]: LoraConfig(**{k: v for k, v in (r["lora_config"] or {}).items()
+                                          if k in LoraConfig.__dataclass_fields__})
+                   for r in runs}
+        failed = await self.workers.restore(configs)
+        for r in runs:
+            if r["id"] in failed:
+                log.error("run %s could not be restored: %s", r["id"], failed[r["id"]])
+                self.store.set_run_live(r["id"], False)
+                continue
+            self.planner.open_model(r["id"], r["tenant"], r["next_seq"] or 1,
+                                    resync=r["next_seq"] is None)
+            self.store.set_run_live(r["id"], True)  # forget next_seq: a crash resyncs
+        if runs:
+            log.info("restored %d adapter(s)", len(runs) - len(failed))
+
+    async def shutdown(self) -> None:
+        """SIGTERM: stop taking work, let queued work run (up to `drain_timeout_s`), fail
+        the rest, persist every live adapter with its optimizer state, stop the workers."""
+        self.state = "draining"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s
+        while (self._stepping or not self.planner.idle()) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._task:
+            self._task.cancel()
+        for f in list(self.futures.values()):
+            if not f.done.is_set():
+                self.fail(f, "the daemon stopped before this request ran; submit it again",
+                          "server")
+        if self.load_error is None and self.workers.group.model_info:
+            try:
+                await self.workers.persist_all()
+                for model, q in self.planner.models.items():
+                    self.store.set_run_live(model, True, next_seq=q.next_seq)
+                log.info("persisted %d live adapter(s)", len(self.workers.live))
+            except Exception:
+                log.exception("persisting live adapters at shutdown failed")
+        await self.workers.stop()
+
     async def close(self) -> None:
         for task in (self._task, getattr(self, "_janitor", None)):
             if task:
                 task.cancel()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-    async def _in_engine(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        if self.state != "draining":
+            await self.workers.stop()
 
     # -- futures ----------------------------------------------------------------------
 
@@ -210,6 +256,9 @@ class Service:
         a sample is refused with RateLimited (429), which the client backs off from."""
         if self.state == "failed":
             raise UserError(f"the model failed to load: {self.load_error}")
+        if self.state == "draining":
+            self._drop(op.future, "the daemon is restarting")
+            raise Draining("the daemon is restarting; retry shortly")
         tenant = op.future.tenant
         work = Work(op.future.id, tenant, op.kind, op.tokens, op.model_id, op.seq_id, op,
                     parts=op.args.get("parts"))
@@ -365,8 +414,6 @@ class Service:
                                  "piece": (w.lo, w.final)})
 
     async def _execute(self, kind: str, batch: list[Op]) -> None:
-        from .runner import run_ops  # engine-side code; imports torch
-
         # Pieces of an op that already failed are dropped (nothing of it trains further).
         batch = [op for op in batch if not ("piece" in op.args and op.future.done.is_set())]
         if not batch:
@@ -375,12 +422,16 @@ class Service:
             if op.seq_id is not None:
                 # A retry of a recent request still finds its future; older ones are let go.
                 self.seq_index.pop((op.model_id, op.seq_id - 1000), None)
+        self._stepping = True
         try:
-            outcomes = await self._in_engine(run_ops, self.engine, kind, batch)
-        except Exception as e:  # a bug or an engine fault: fail this step, keep serving
+            outcomes = await self.workers.run_ops(kind, batch)
+        except Exception as e:  # a bug: fail this step, keep serving
             log.exception("step failed")
             outcomes = [(None, f"server error: {type(e).__name__}: {e}", "server")] * len(batch)
+        finally:
+            self._stepping = False
         for op, (result, message, category) in zip(batch, outcomes, strict=True):
+            self._track_live(op, message)
             if "piece" in op.args:
                 result, message, category = self._merge_piece(op, result, message, category)
                 if result is None and message is None:
@@ -393,3 +444,10 @@ class Service:
                 self.fail(op.future, message, category)
             if op.args.get("after") is not None:
                 op.args["after"](op, result, message)
+
+    def _track_live(self, op: Op, message: str | None) -> None:
+        """The store knows which adapters are live, so a restart brings them back."""
+        if op.kind in ("create", "load") and message is None:
+            self.store.set_run_live(op.model_id, True)
+        elif op.kind == "unload":
+            self.store.set_run_live(op.model_id, False)

@@ -273,6 +273,14 @@ class Store:
         return self._write("UPDATE runs SET corrupted = ? WHERE id = ?",
                            (int(corrupted), run_id)) > 0
 
+    def set_run_live(self, run_id: str, live: bool, next_seq: int | None = None) -> bool:
+        return self._write("UPDATE runs SET live = ?, next_seq = ? WHERE id = ?",
+                           (int(live), next_seq, run_id)) > 0
+
+    def live_runs(self) -> list[Row]:
+        """Runs whose adapter was loaded at the last stop (to restore at start-up)."""
+        return self._all("SELECT * FROM runs WHERE live AND NOT deleted ORDER BY created")
+
     def list_runs(self, tenant: str, offset: int = 0,
                   limit: int = 20) -> tuple[list[Row], int]:
         """A tenant's live runs, newest first, and their total count."""
@@ -324,10 +332,12 @@ class Store:
         return self._one("SELECT * FROM checkpoints WHERE tinker_path = ?", [path])
 
     def list_checkpoints(self, run_id: str | None = None, tenant: str | None = None,
-                         offset: int = 0, limit: int = 100) -> tuple[list[Row], int]:
-        """Ready checkpoints of one run or of one tenant (or both), newest first."""
-        where, params = ["status = 'ready'"], []
-        for col, val in (("run_id", run_id), ("tenant", tenant)):
+                         offset: int = 0, limit: int = 100,
+                         status: str | None = "ready") -> tuple[list[Row], int]:
+        """Checkpoints of one run or of one tenant (or both), newest first; ready ones
+        unless status says otherwise (None: any status, for admins)."""
+        where, params = ["1"], []
+        for col, val in (("run_id", run_id), ("tenant", tenant), ("status", status)):
             if val is not None:
                 where.append(f"{col} = ?")
                 params.append(val)

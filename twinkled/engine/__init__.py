@@ -1,8 +1,14 @@
-"""The multi-LoRA engine: one base model, many adapters, shared forward/backward passes."""
+"""The multi-LoRA engine: one base model, many adapters, shared forward/backward passes.
 
-from .engine import AdapterInfo, Engine
+`Engine` is imported lazily: the plain types (`twinkled.engine.types`) are torch-free and
+used by the daemon's HTTP process, which must not import torch.
+"""
+
+from typing import TYPE_CHECKING
+
 from .types import (
     AdamParams,
+    AdapterInfo,
     Datum,
     EngineInputError,
     ForwardBackwardRequest,
@@ -15,8 +21,19 @@ from .types import (
     SamplingParams,
 )
 
+if TYPE_CHECKING:
+    from .engine import Engine
+
 __all__ = [
     "AdamParams", "AdapterInfo", "Datum", "Engine", "EngineInputError",
     "ForwardBackwardRequest", "ForwardBackwardResult", "LoraConfig", "OptimResult",
     "SampleRequest", "SampleResult", "SampledSequence", "SamplingParams",
 ]
+
+
+def __getattr__(name: str):
+    if name == "Engine":
+        from .engine import Engine
+
+        return Engine
+    raise AttributeError(name)

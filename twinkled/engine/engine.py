@@ -6,7 +6,7 @@ tenants, HTTP or SQL: adapters are named by opaque ids chosen by the caller.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,8 +15,10 @@ from . import sampler, state, step
 from .lora import LoraPool
 from .model import BaseModel
 from .optim import adamw_steps, check_adam_params
+from .parallel import reduce_gradients
 from .types import (
     AdamParams,
+    AdapterInfo,
     EngineInputError,
     ForwardBackwardRequest,
     ForwardBackwardResult,
@@ -28,16 +30,6 @@ from .types import (
 from .validate import check_forward_backward, check_sample
 
 
-@dataclass
-class AdapterInfo:
-    adapter_id: str
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    steps: int
-    pending: int
-
-
 class Engine:
     """Load `model_dir` on `device` in `dtype`; adapters up to `max_rank`.
 
@@ -47,10 +39,12 @@ class Engine:
 
     def __init__(self, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", max_rank: int = 128,
-                 token_budget: int = 16384):
+                 token_budget: int = 16384, dp_group=None):
         self.model = BaseModel(model_dir, dtype=dtype, device=device)
         self.pool = LoraPool(self.model.targets, max_rank, self.model.device, self.model.dtype)
         self.token_budget = token_budget
+        # Set in a data-parallel worker group: gradients are summed over it before a step.
+        self.dp_group = dp_group
 
     @property
     def tokenizer(self):
@@ -111,7 +105,10 @@ class Engine:
         ids = [i for i, _ in items]
         if len(set(ids)) != len(ids):
             raise EngineInputError("adapter_id", "an adapter may step only once per call")
-        return adamw_steps([(self.pool.get(i), p) for i, p in items])
+        adapters = [self.pool.get(i) for i in ids]
+        if self.dp_group is not None:
+            reduce_gradients(adapters, self.dp_group)
+        return adamw_steps(list(zip(adapters, [p for _, p in items], strict=True)))
 
     def zero_grad(self, adapter_id: str) -> None:
         a = self.pool.get(adapter_id)

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,20 +28,46 @@ CONFIG = "adapter_config.json"
 OPTIMIZER = "optimizer.safetensors"
 
 
+@dataclass
+class Snapshot:
+    """An adapter's tensors copied to host memory: written later, off the step's path."""
+
+    config: LoraConfig
+    weights: dict[str, torch.Tensor]
+    moments: dict[str, torch.Tensor] | None
+    steps: int
+
+
+def snapshot(adapter: Adapter, optimizer: bool) -> Snapshot:
+    bank, slot = adapter.bank, adapter.slot
+    weights = {}
+    for key in bank.shapes:
+        weights[f"{PEFT_PREFIX}{key}.lora_A.weight"] = bank.A[key][slot].contiguous().cpu()
+        weights[f"{PEFT_PREFIX}{key}.lora_B.weight"] = bank.B[key][slot].contiguous().cpu()
+    moments = None
+    if optimizer:
+        moments = {}
+        for key in bank.shapes:
+            for part, m, v in (("lora_A", bank.mA, bank.vA), ("lora_B", bank.mB, bank.vB)):
+                moments[f"{key}.{part}.exp_avg"] = m[key][slot].contiguous().cpu()
+                moments[f"{key}.{part}.exp_avg_sq"] = v[key][slot].contiguous().cpu()
+    return Snapshot(adapter.config, weights, moments, adapter.steps)
+
+
 def save_adapter(adapter: Adapter, path: str | Path, base_model: str,
                  optimizer: bool) -> int:
     """Write the adapter (and its optimizer state) to directory `path`; returns bytes written."""
+    return write_snapshot(snapshot(adapter, optimizer), path, base_model)
+
+
+def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
+    """Write a snapshot as a checkpoint directory, atomically; returns bytes written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        bank, slot = adapter.bank, adapter.slot
-        cfg = adapter.config
-        weights = {}
-        for key in bank.shapes:
-            weights[f"{PEFT_PREFIX}{key}.lora_A.weight"] = bank.A[key][slot].contiguous().cpu()
-            weights[f"{PEFT_PREFIX}{key}.lora_B.weight"] = bank.B[key][slot].contiguous().cpu()
-        save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
+        cfg = snap.config
+        save_file(snap.weights, tmp / WEIGHTS, metadata={"format": "pt"})
         peft_config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank,
             "lora_alpha": cfg.alpha, "target_modules": sorted(cfg.target_modules),
@@ -49,14 +76,9 @@ def save_adapter(adapter: Adapter, path: str | Path, base_model: str,
             "inference_mode": True, "base_model_name_or_path": base_model,
         }
         (tmp / CONFIG).write_text(json.dumps(peft_config, indent=2))
-        if optimizer:
-            moments = {}
-            for key in bank.shapes:
-                for part, m, v in (("lora_A", bank.mA, bank.vA), ("lora_B", bank.mB, bank.vB)):
-                    moments[f"{key}.{part}.exp_avg"] = m[key][slot].contiguous().cpu()
-                    moments[f"{key}.{part}.exp_avg_sq"] = v[key][slot].contiguous().cpu()
-            meta = {"steps": str(adapter.steps), "seed": str(cfg.seed)}
-            save_file(moments, tmp / OPTIMIZER, metadata=meta)
+        if snap.moments is not None:
+            meta = {"steps": str(snap.steps), "seed": str(cfg.seed)}
+            save_file(snap.moments, tmp / OPTIMIZER, metadata=meta)
         for f in tmp.iterdir():
             _fsync(f)
         if path.exists():

@@ -1,16 +1,18 @@
 """Plain data types the engine takes and returns.
 
-They carry torch tensors and Python callables, so they are dataclasses, not wire structs:
-the daemon's frames (msgspec) are converted to these inside the worker.
+They may carry torch tensors and Python callables, so they are dataclasses, not wire
+structs. This module does not import torch: the daemon's HTTP process builds requests from
+them, and `twinkled.workers.frames` turns them into msgspec frames for the workers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -63,7 +65,7 @@ class AdamParams:
 
 # A custom loss gets the request's data and one logprob tensor per datum (with grad) and
 # returns (scalar loss, metrics), as Tinker's forward_backward_custom does.
-CustomLoss = Callable[[list["Datum"], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+CustomLoss = Callable[[list["Datum"], list["torch.Tensor"]], tuple["torch.Tensor", dict[str, float]]]
 
 
 @dataclass
@@ -125,6 +127,16 @@ class SampledSequence:
 class SampleResult:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
+
+
+@dataclass
+class AdapterInfo:
+    adapter_id: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    steps: int
+    pending: int
 
 
 @dataclass

@@ -1,0 +1,117 @@
+"""A worker process: one rank of the group, one device, one engine; a busy loop over steps.
+
+Started by the supervisor (`python -m twinkled.workers.worker '<json args>'`). It joins the
+torch.distributed group (NCCL on GPUs, gloo on CPUs), loads the model, says hello over its
+ZeroMQ DEALER socket, then for each step frame: run it, answer. It dies with its daemon
+(PR_SET_PDEATHSIG, and a check of the parent while idle), so no orphan holds a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+import zmq
+
+from .frames import HelloF, ReplyF, encoder, step_decoder
+
+log = logging.getLogger("twinkled.worker")
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the idle check below still catches it
+        pass
+
+
+def main(args: dict) -> None:
+    rank = args["rank"]
+    parent = os.getppid()
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s twinkled.worker[{rank}] %(message)s")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(args["endpoint"])
+    try:
+        runner, hello = _start(args)
+    except Exception as e:
+        log.exception("worker start-up failed")
+        sock.send(encoder.encode(HelloF(rank, os.getpid(), args["device"],
+                                        error=f"{type(e).__name__}: {e}")))
+        sys.exit(1)
+    sock.send(encoder.encode(hello))
+    delay = float(os.environ.get("TWINKLED_TEST_STEP_DELAY", "0"))  # fault tests only
+    while True:
+        if not sock.poll(1000):
+            if os.getppid() != parent:  # the daemon is gone
+                sys.exit(0)
+            continue
+        step = step_decoder.decode(sock.recv())
+        if delay:
+            import time
+
+            time.sleep(delay)
+        try:
+            outcomes = runner.run(step)
+        except Exception as e:
+            # Not a user error: the ranks may now disagree (one rank's collective failed),
+            # so die and let the supervisor restart the group from persisted state.
+            log.error("step %d failed: %s", step.id, traceback.format_exc())
+            sys.exit(f"step failed: {type(e).__name__}: {e}")
+        sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, _memory(runner))))
+
+
+def _start(args: dict):
+    import torch
+    import torch.distributed as dist
+
+    from twinkled.engine import Engine
+
+    from .persist import Persister
+    from .runner import StepRunner
+
+    device = args["device"]
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    else:
+        torch.set_num_threads(max(1, int(args.get("threads") or 1)))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=args["dist_url"],
+                            rank=args["rank"], world_size=args["world"],
+                            device_id=torch.device(device) if cuda else None)
+    dtype = args["dtype"]
+    if not cuda and dtype == "bfloat16":
+        dtype = "float32"  # bf16 matmuls on a CPU are slow and gain nothing here
+    engine = Engine(args["model"], dtype=dtype, device=device, max_rank=args["max_rank"],
+                    token_budget=args["token_budget"],
+                    dp_group=dist.group.WORLD if args["world"] > 1 else None)
+    persister = None
+    if args["rank"] == 0 and args.get("live_dir"):
+        persister = Persister(Path(args["live_dir"]), str(engine.model.dir),
+                              args.get("persist_every", 1))
+    cfg = engine.model.config
+    model = {"arch": cfg.model_type, "max_seq_len": engine.model.max_seq_len,
+             "vocab_size": cfg.vocab_size, "dtype": str(engine.model.dtype).replace("torch.", "")}
+    hello = HelloF(args["rank"], os.getpid(), device, model)
+    return StepRunner(engine, args["rank"], args["world"], persister), hello
+
+
+def _memory(runner) -> int:
+    import torch
+
+    dev = runner.engine.model.device
+    return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
