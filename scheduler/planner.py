@@ -65,8 +65,9 @@ class Planner:
         self.model_tenant[model] = tenant
 
     def idle(self) -> bool:
-        """Nothing queued, held back or in flight."""
-        return (not any(q.pending or q.in_flight for q in self.models.values())
+        """Nothing that can run is queued, held back or in flight (ops waiting on a seq_id
+        gap cannot run until their client sends the missing one)."""
+        return (not any(q.head() is not None or q.in_flight for q in self.models.values())
                 and not any(self.samples.values()) and not any(self.held.values()))
 
     def forget_model(self, model: str) -> None:

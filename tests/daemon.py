@@ -29,11 +29,12 @@ class Daemon:
     """`twinkled serve` on a free port; waits for the model to be loaded."""
 
     def __init__(self, model_dir: Path, data_dir: Path, log_path: Path, *extra: str,
-                 wait: bool = True):
-        self.port = free_port()
+                 wait: bool = True, port: int | None = None, env: dict | None = None):
+        self.data_dir = data_dir
+        self.port = port or free_port()  # the same port again: clients keep their base_url
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "ab")  # noqa: SIM115 - kept open for the process's life
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "twinkled", "serve", "--model", str(model_dir),
              "--data-dir", str(data_dir), "--port", str(self.port), "--device", "cpu",
@@ -60,6 +61,22 @@ class Daemon:
                 return
             time.sleep(0.2)
         raise TimeoutError("twinkled did not become ready")
+
+    def workers(self) -> list[int]:
+        """Pids of the worker processes (the daemon's children)."""
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(p) for p in path.read_text().split()]
+
+    def wait_workers(self, n: int, old: set[int] = frozenset(), timeout: float = 120) -> list[int]:
+        """Wait until `n` workers run, none of them in `old`, and the daemon is ready."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            pids = self.workers()
+            h = self.health()
+            if len(pids) == n and not set(pids) & set(old) and h and h["status"] == "ok":
+                return pids
+            time.sleep(0.2)
+        raise TimeoutError(f"workers did not come back: {self.workers()}")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:

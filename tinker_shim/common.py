@@ -79,6 +79,10 @@ def own_checkpoint(request, path: str) -> dict:
     except ValueError as e:
         raise UserError(str(e)) from None
     c = request.app["store"].get_checkpoint(path)
-    if c is None or c["status"] != "ready" or (c["tenant"] != request["tenant"] and not c["public"]):
+    if c is None or (c["tenant"] != request["tenant"] and not c["public"]):
         raise NotFound(f"no checkpoint {path!r}")
+    if c["status"] == "corrupt":  # never served; say why, so the user picks another
+        raise UserError(f"checkpoint {path!r} is corrupt and cannot be used: {c['error']}")
+    if c["status"] != "ready":
+        raise NotFound(f"checkpoint {path!r} is not ready ({c['status']})")
     return c

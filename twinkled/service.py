@@ -144,6 +144,7 @@ class Service:
         try:
             await self.workers.start()
             await self._restore_runs()
+            self._watch = asyncio.get_running_loop().create_task(self.workers.watch())
             self.state = "ready"
             log.info("model %s loaded", self.config.served_name)
         except Exception as e:  # the daemon keeps answering healthz with the reason
@@ -177,8 +178,9 @@ class Service:
         deadline = loop.time() + self.config.drain_timeout_s
         while (self._stepping or not self.planner.idle()) and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if self._task:
-            self._task.cancel()
+        for task in (self._task, getattr(self, "_watch", None)):
+            if task:
+                task.cancel()
         for f in list(self.futures.values()):
             if not f.done.is_set():
                 self.fail(f, "the daemon stopped before this request ran; submit it again",
@@ -194,7 +196,7 @@ class Service:
         await self.workers.stop()
 
     async def close(self) -> None:
-        for task in (self._task, getattr(self, "_janitor", None)):
+        for task in (self._task, getattr(self, "_janitor", None), getattr(self, "_watch", None)):
             if task:
                 task.cancel()
         if self.state != "draining":

@@ -50,6 +50,8 @@ class WorkerClient:
         self.group = WorkerGroup(devices, options,
                                  step_timeout=config.step_timeout_s)
         self.live: dict[str, LoraConfig] = {}  # training adapters to bring back on restart
+        self._lock = asyncio.Lock()  # one step (or one recovery) at a time
+        self._stopping = False
 
     @property
     def model_info(self) -> dict:
@@ -59,11 +61,27 @@ class WorkerClient:
         await self.group.start()
 
     async def stop(self) -> None:
-        await self.group.stop()
+        self._stopping = True
+        async with self._lock:
+            await self.group.stop()
+
+    async def watch(self) -> None:
+        """Restart the group when a worker dies between steps, before a request notices."""
+        while not self._stopping:
+            await asyncio.wait(self.group.exits, return_when=asyncio.FIRST_COMPLETED)
+            async with self._lock:
+                if self.group.dead() and not self._stopping:
+                    log.error("worker group lost between steps: %s; restarting it",
+                              self.group.dead())
+                    await self.recover()
 
     async def run_ops(self, kind: str, ops: list) -> list[Outcome]:
         """Run one planned step. A worker fault fails the whole step (category "server"),
         then the group is restarted and every live adapter restored before this returns."""
+        async with self._lock:
+            return await self._run_ops(kind, ops)
+
+    async def _run_ops(self, kind: str, ops: list) -> list[Outcome]:
         outcomes: list[Outcome | None] = [None] * len(ops)
         frames, where = [], []
         for i, op in enumerate(ops):
@@ -127,7 +145,8 @@ class WorkerClient:
         """Every live adapter's weights and optimizer state on disk (for a hot restart)."""
         frames = [OpF("persist", adapter_id=m) for m in self.live]
         if frames:
-            await self.group.run(StepF(0, "barrier", frames))
+            async with self._lock:
+                await self.group.run(StepF(0, "barrier", frames))
 
     def status(self) -> dict:
         return {"workers": self.group.status(), "restarts": self.group.restarts,

@@ -69,6 +69,18 @@ class WorkerGroup:
     def world(self) -> int:
         return len(self.devices)
 
+    @property
+    def exits(self) -> list[asyncio.Task]:
+        """One task per rank of the current group, done when that process has exited."""
+        return list(self._exits)
+
+    def dead(self) -> str:
+        """Which rank of the current group has exited ("" when all are alive)."""
+        for w, p in zip(self.workers, self._procs, strict=False):
+            if p.returncode is not None:
+                return f"worker rank {w.rank} (pid {w.pid}) exited with code {p.returncode}"
+        return ""
+
     async def start(self) -> None:
         """Spawn the ranks and wait until every one has loaded the model."""
         if self._sock is None:
@@ -99,6 +111,8 @@ class WorkerGroup:
 
     async def run(self, step: StepF) -> list[ReplyF]:
         """Send `step` to every rank; their replies, in rank order."""
+        if self.dead():
+            raise WorkerLost(self.dead())
         self._step += 1
         step.id = self._step
         data = encoder.encode(step)
@@ -121,11 +135,8 @@ class WorkerGroup:
                                          return_when=asyncio.FIRST_COMPLETED)
             if recv not in done:
                 recv.cancel()
-                dead = [w for w, t in zip(self.workers, self._exits, strict=True) if t.done()]
-                if dead:
-                    w = dead[0]
-                    raise WorkerLost(f"worker rank {w.rank} (pid {w.pid}) exited with code "
-                                     f"{self._procs[w.rank].returncode} during {what}")
+                if any(t.done() for t in self._exits):
+                    raise WorkerLost(f"{self.dead()} during {what}")
                 raise WorkerLost(f"the worker group did not answer within {timeout:.0f} s "
                                  f"during {what}")
             ident, frame = recv.result()

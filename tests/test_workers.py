@@ -1,0 +1,242 @@
+"""The worker group: torch stays out of the HTTP process, data parallelism computes what one
+worker would, and killed workers or daemons lose nothing that was acknowledged."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from daemon import Daemon, make_key
+
+tinker = pytest.importorskip("tinker")
+T = 120
+TEXTS = ["the sun and the sea are big.", "a cat.", "one two three four five six seven",
+         "blue green"]
+
+
+def _data(tok, texts=TEXTS):
+    out = []
+    for text in texts:
+        ids = tok(text).input_ids
+        out.append(tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+                                      loss_fn_inputs={"target_tokens": ids[1:]}))
+    return out
+
+
+def _step(tc, data, lr=1e-2):
+    out = tc.forward_backward(data, "cross_entropy").result(timeout=T)
+    tc.optim_step(tinker.types.AdamParams(learning_rate=lr)).result(timeout=T)
+    return out
+
+
+def _logprobs(tc, data) -> list[list[float]]:
+    out = tc.forward(data, "cross_entropy").result(timeout=T)
+    return [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+
+
+def _checkpoint(data_dir, path: str) -> dict:
+    """A saved checkpoint's tensors (weights and optimizer moments), by name."""
+    from safetensors.torch import load_file
+
+    from twinkled.store import Store
+
+    store = Store(data_dir / "twinkle.db")
+    directory = store.get_checkpoint(path)["dir"]
+    store.close()
+    tensors = {}
+    for name in ("adapter_model.safetensors", "optimizer.safetensors"):
+        tensors.update({f"{name}:{k}": v for k, v in load_file(f"{directory}/{name}").items()})
+    return tensors
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_http_process_never_imports_torch(daemon):
+    code = ("import sys, twinkled.cli, twinkled.app, twinkled.service, tinker_shim.routes, "
+            "twinkled.worker_client, twinkled.workers.supervisor, scheduler; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    # The running daemon has not loaded torch's library; its worker has.
+    maps = open(f"/proc/{daemon.proc.pid}/maps").read()
+    assert "libtorch" not in maps
+    workers = daemon.workers()
+    assert len(workers) == 1
+    assert "libtorch" in open(f"/proc/{workers[0]}/maps").read()
+
+
+def test_two_workers_compute_what_one_does(tiny_dir, tmp_path):
+    """Rows split over 2 gloo ranks and summed gradients give the 1-worker adapter."""
+    results = {}
+    for n in (1, 2):
+        data_dir = tmp_path / f"w{n}"
+        key = make_key(data_dir, "alice")
+        d = Daemon(tiny_dir, data_dir, tmp_path / f"log{n}", "--workers", str(n))
+        try:
+            assert len(d.workers()) == n
+            tc = tinker.ServiceClient(base_url=d.url, api_key=key).create_lora_training_client(
+                base_model=tiny_dir.name, rank=4, seed=7).result(timeout=T)
+            data = _data(tc.get_tokenizer())
+            losses = [_step(tc, data).metrics["loss:sum"] for _ in range(3)]
+            path = tc.save_state("after3").result(timeout=T).path
+            results[n] = (losses, _logprobs(tc, data), _checkpoint(data_dir, path))
+        finally:
+            d.stop()
+    (l1, lp1, ck1), (l2, lp2, ck2) = results[1], results[2]
+    assert l1 == pytest.approx(l2, rel=1e-4)
+    assert l1[-1] < l1[0]  # it trained
+    for a, b in zip(lp1, lp2, strict=True):  # every datum's outputs, in the request's order
+        assert a == pytest.approx(b, abs=1e-4)
+    assert ck1.keys() == ck2.keys()
+    for k in ck1:
+        assert ck1[k].float().sub(ck2[k].float()).abs().max() <= 1e-5 + 1e-4 * ck1[k].abs().max(), k
+
+
+@pytest.fixture(scope="module")
+def slow_pair(tiny_dir, tmp_path_factory):
+    """Two CPU workers whose training steps take 1.5 s: time to act in the middle of one."""
+    data_dir = tmp_path_factory.mktemp("slow")
+    keys = {t: make_key(data_dir, t) for t in ("alice", "bob")}
+    d = Daemon(tiny_dir, data_dir, data_dir / "log", "--workers", "2",
+               env={"TWINKLED_TEST_STEP_DELAY": "1.5"})
+    d.keys = keys
+    yield d
+    d.stop()
+
+
+def _client(d, tenant, tiny_dir, seed):
+    sc = tinker.ServiceClient(base_url=d.url, api_key=d.keys[tenant])
+    return sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                          seed=seed).result(timeout=T)
+
+
+def test_healthz_answers_fast_during_a_long_step(slow_pair, tiny_dir):
+    tc = _client(slow_pair, "alice", tiny_dir, 1)
+    data = _data(tc.get_tokenizer())
+    fut = tc.forward_backward(data, "cross_entropy")
+    time.sleep(0.4)  # the step is now running in the workers
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        assert slow_pair.health()["status"] == "ok"
+        times.append(time.perf_counter() - t0)
+    assert max(times) < 0.05, times
+    assert fut.result(timeout=T).metrics["loss:sum"] > 0
+
+
+def test_killed_worker_fails_one_step_and_restores_every_adapter(slow_pair, tiny_dir):
+    alice = _client(slow_pair, "alice", tiny_dir, 2)
+    bob = _client(slow_pair, "bob", tiny_dir, 3)
+    data = _data(alice.get_tokenizer())
+    _step(alice, data)
+    _step(bob, data[:2])
+    time.sleep(0.5)  # the write-behind persistence of those steps
+    before_path = alice.save_state("before").result(timeout=T).path
+    want_a, want_b = _logprobs(alice, data), _logprobs(bob, data)
+
+    old = slow_pair.workers()
+    fut = alice.forward_backward(data, "cross_entropy")
+    time.sleep(0.5)  # mid-step
+    os.kill(old[1], signal.SIGKILL)
+    with pytest.raises(tinker.RequestFailedError, match="restarted"):
+        fut.result(timeout=T)
+    slow_pair.wait_workers(2, old=set(old))
+
+    # Both tenants' adapters are back exactly, optimizer state included; training goes on.
+    assert _logprobs(alice, data) == want_a
+    assert _logprobs(bob, data) == want_b
+    after_path = alice.save_state("after").result(timeout=T).path
+    before = _checkpoint(slow_pair.data_dir, before_path)
+    after = _checkpoint(slow_pair.data_dir, after_path)
+    assert all(before[k].equal(after[k]) for k in before)
+    assert _step(alice, data).metrics["loss:sum"] > 0
+    assert _logprobs(alice, data) != want_a
+
+
+def test_ten_worker_kills_in_a_row_leave_it_serving(slow_pair, tiny_dir):
+    tc = _client(slow_pair, "bob", tiny_dir, 4)
+    data = _data(tc.get_tokenizer())[:1]
+    for i in range(10):
+        old = slow_pair.workers()
+        os.kill(old[i % 2], signal.SIGKILL)
+        slow_pair.wait_workers(2, old=set(old))
+    assert _step(tc, data).metrics["loss:sum"] > 0
+    status = subprocess.run(
+        [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(slow_pair.data_dir),
+         "status", "--json"], capture_output=True, text=True, check=True)
+    assert '"restarts"' in status.stdout
+
+
+def test_sigterm_is_a_hot_restart(tiny_dir, tmp_path):
+    """The same TrainingClient carries on, on the same model id, with the exact weights."""
+    key = make_key(tmp_path, "carol")
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--workers", "2")
+    tc = tinker.ServiceClient(base_url=d.url, api_key=key).create_lora_training_client(
+        base_model=tiny_dir.name, rank=4, seed=5).result(timeout=T)
+    data = _data(tc.get_tokenizer())
+    _step(tc, data)
+    _step(tc, data)
+    want = _logprobs(tc, data)
+    d.stop(signal.SIGTERM)
+    assert d.proc.returncode == 0
+    d2 = Daemon(tiny_dir, tmp_path, tmp_path / "log2", "--workers", "2", port=d.port)
+    try:
+        assert _logprobs(tc, data) == want
+        _step(tc, data)
+        assert _logprobs(tc, data) != want
+    finally:
+        d2.stop()
+
+
+def test_sigkill_rolls_back_to_persisted_state_and_quarantines_damage(tiny_dir, tmp_path):
+    key = make_key(tmp_path, "dave")
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1")
+    tc = tinker.ServiceClient(base_url=d.url, api_key=key).create_lora_training_client(
+        base_model=tiny_dir.name, rank=4, seed=6).result(timeout=T)
+    data = _data(tc.get_tokenizer())
+    _step(tc, data)
+    ckpt = tc.save_state("c1").result(timeout=T).path
+    _step(tc, data)
+    time.sleep(1.0)  # the write-behind persistence of the last step
+    want = _logprobs(tc, data)
+    workers = d.workers()
+    d.stop(signal.SIGKILL)
+    deadline = time.time() + 10
+    while any(_alive(p) for p in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in workers)  # they died with it: no orphan holds a GPU
+
+    from twinkled.store import Store
+
+    store = Store(tmp_path / "twinkle.db")
+    directory = store.get_checkpoint(ckpt)["dir"]
+    store.close()
+    weights = f"{directory}/adapter_model.safetensors"
+    raw = bytearray(open(weights, "rb").read())
+    raw[-3] ^= 0xFF
+    open(weights, "wb").write(raw)
+
+    d2 = Daemon(tiny_dir, tmp_path, tmp_path / "log2", port=d.port)
+    try:
+        assert _logprobs(tc, data) == want  # same client, same model id, resumed
+        _step(tc, data)
+        listed = subprocess.run(
+            [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(tmp_path), "checkpoints",
+             "list", "--status", "corrupt", "--json"], capture_output=True, text=True, check=True)
+        assert ckpt in listed.stdout and "sha256" in listed.stdout
+        assert not os.path.exists(directory)  # moved aside, never served
+        with pytest.raises(Exception, match="corrupt"):
+            tinker.ServiceClient(base_url=d2.url, api_key=key).create_training_client_from_state(
+                ckpt).result(timeout=T)
+    finally:
+        d2.stop()
