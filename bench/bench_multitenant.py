@@ -83,6 +83,42 @@ def run_tenants(url: str, keys: list[str], model: str, vocab: int, seq: int, ste
     return out
 
 
+def start_daemon(model_dir: Path, data: Path, work: Path, device: str,
+                 *extra: str) -> tuple[subprocess.Popen, str, object]:
+    """`twinkled serve` on the model; returns once it answers healthz "ok"."""
+    import urllib.request
+
+    port = 18000 + (os.getpid() + len(extra)) % 1000
+    url = f"http://127.0.0.1:{port}"
+    log = open(work / "twinkled.log", "ab")  # noqa: SIM115
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "twinkled", "serve", "--model", str(model_dir), "--data-dir",
+         str(data), "--port", str(port), "--device", device,
+         "--dtype", "bfloat16" if device.startswith("cuda") else "float32", *extra],
+        stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(1200):
+        try:
+            with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2) as r:
+                if json.loads(r.read())["status"] == "ok":
+                    break
+        except OSError:
+            pass
+        if daemon.poll() is not None:
+            raise SystemExit(f"twinkled exited ({daemon.returncode}); see {work}/twinkled.log")
+        time.sleep(0.5)
+    return daemon, url, log
+
+
+def make_keys(data: Path, n: int) -> list[str]:
+    keys = []
+    for i in range(n):
+        out = subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data),
+                              "keys", "create", "--tenant", f"t{i}"],
+                             check=True, capture_output=True, text=True).stdout
+        keys.append(out.strip().splitlines()[-1])
+    return keys
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -105,6 +141,7 @@ def main() -> None:
     ap.add_argument("--tenants", default="1,2,4,8")
     ap.add_argument("--packed-baseline", action="store_true")
     ap.add_argument("--write", default="BENCHMARKS.md")
+    ap.add_argument("--config", help="a twinkled TOML config for the daemon")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -123,31 +160,11 @@ def main() -> None:
     model_dir = work / "model"
     vocab = build_model(args.shape, model_dir, dtype, device)
     data = work / "data"
-    keys = []
-    for i in range(max(counts)):
-        out = subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data),
-                              "keys", "create", "--tenant", f"t{i}"],
-                             check=True, capture_output=True, text=True).stdout
-        keys.append(out.strip().splitlines()[-1])
-    port = 18000 + os.getpid() % 1000
-    url = f"http://127.0.0.1:{port}"
-    log = open(work / "twinkled.log", "wb")  # noqa: SIM115
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "twinkled", "serve", "--model", str(model_dir), "--data-dir",
-         str(data), "--port", str(port), "--device", device,
-         "--dtype", "bfloat16" if device == "cuda" else "float32"],
-        stdout=log, stderr=subprocess.STDOUT)
+    keys = make_keys(data, max(counts))
+    daemon, url, log = start_daemon(model_dir, data, work, device,
+                                    *(["--config", args.config] if args.config else []))
     rows = []
     try:
-        import urllib.request
-
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2) as r:
-                    if json.loads(r.read())["status"] == "ok":
-                        break
-            except OSError:
-                time.sleep(0.5)
         name = model_dir.name
         # Every tenant does the same work, so one at a time runs at one tenant's alone rate.
         alone = run_tenants(url, keys[:1], name, vocab, seq, steps, [1])[0]
@@ -168,7 +185,8 @@ def main() -> None:
         log.close()
 
     text = header(device).replace("Engine vs peft", "Multi-tenant through the daemon")
-    text += (f"\n### {args.shape} ({device}, {str(dtype).split('.')[-1]}, LoRA r=32 on all "
+    config = f", config `{Path(args.config).read_text().strip()}`" if args.config else ""
+    text += (f"\n### {args.shape} ({device}{config}, {str(dtype).split('.')[-1]}, LoRA r=32 on all "
              f"linear layers, S={seq}, {steps} timed steps per tenant, unmodified tinker 0.38 "
              f"clients, one process each)\n\n"
              "| tenants | together (tok/s) | one at a time (tok/s) | ratio | step p50 (s) "

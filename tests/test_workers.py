@@ -104,11 +104,11 @@ def test_two_workers_compute_what_one_does(tiny_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def slow_pair(tiny_dir, tmp_path_factory):
-    """Two CPU workers whose training steps take 1.5 s: time to act in the middle of one."""
+    """Two CPU workers whose steps take 1 s: time to act in the middle of one."""
     data_dir = tmp_path_factory.mktemp("slow")
     keys = {t: make_key(data_dir, t) for t in ("alice", "bob")}
     d = Daemon(tiny_dir, data_dir, data_dir / "log", "--workers", "2",
-               env={"TWINKLED_TEST_STEP_DELAY": "1.5"})
+               env={"TWINKLED_TEST_STEP_DELAY": "1.0"})
     d.keys = keys
     yield d
     d.stop()

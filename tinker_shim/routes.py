@@ -46,8 +46,7 @@ async def dynamic_config(request):
 
 async def healthz(request):
     svc = service(request)
-    body = {"status": "ok" if svc.state == "ready" else svc.state,
-            "model": svc.config.served_name}
+    body = {"status": svc.health, "model": svc.config.served_name}
     if svc.load_error:
         body["error"] = svc.load_error
     return web.json_response(body)

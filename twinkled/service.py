@@ -136,6 +136,13 @@ class Service:
                 "time": time.time()}
 
     @property
+    def health(self) -> str:
+        """healthz's status: "ok" when requests run now ("restarting" while workers do)."""
+        if self.state == "ready" and self.workers.recovering:
+            return "restarting"
+        return "ok" if self.state == "ready" else self.state
+
+    @property
     def model_info(self) -> dict:
         return self.workers.model_info
 
@@ -183,8 +190,8 @@ class Service:
                 task.cancel()
         for f in list(self.futures.values()):
             if not f.done.is_set():
-                self.fail(f, "the daemon stopped before this request ran; submit it again",
-                          "server")
+                self.fail(f, "the daemon was stopped (restarted) before this request ran; "
+                          "submit it again", "server")
         if self.load_error is None and self.workers.group.model_info:
             try:
                 await self.workers.persist_all()

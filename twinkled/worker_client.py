@@ -52,6 +52,7 @@ class WorkerClient:
         self.live: dict[str, LoraConfig] = {}  # training adapters to bring back on restart
         self._lock = asyncio.Lock()  # one step (or one recovery) at a time
         self._stopping = False
+        self.recovering = False  # the group is being restarted (healthz says "restarting")
 
     @property
     def model_info(self) -> dict:
@@ -113,17 +114,21 @@ class WorkerClient:
     async def recover(self) -> None:
         """Restart the group until it comes up, then restore the live adapters."""
         delay = 1.0
-        while True:
-            try:
-                await self.group.restart()
-                failed = await self.restore(dict(self.live))
-                for model, why in failed.items():
-                    log.error("adapter %s could not be restored: %s", model, why)
-                return
-            except WorkerLost as e:
-                log.error("worker group restart failed: %s; retrying in %.0f s", e, delay)
-                await asyncio.sleep(delay)
-                delay = min(30.0, 2 * delay)
+        self.recovering = True
+        try:
+            while True:
+                try:
+                    await self.group.restart()
+                    failed = await self.restore(dict(self.live))
+                    for model, why in failed.items():
+                        log.error("adapter %s could not be restored: %s", model, why)
+                    return
+                except WorkerLost as e:
+                    log.error("worker group restart failed: %s; retrying in %.0f s", e, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(30.0, 2 * delay)
+        finally:
+            self.recovering = False
 
     async def restore(self, adapters: dict[str, LoraConfig]) -> dict[str, str]:
         """Bring adapters back from their persisted state (fresh if they have none).

@@ -10,6 +10,7 @@ a crash never leaves a half-written checkpoint under the final name.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -30,28 +31,58 @@ OPTIMIZER = "optimizer.safetensors"
 
 @dataclass
 class Snapshot:
-    """An adapter's tensors copied to host memory: written later, off the step's path."""
+    """An adapter's tensors, copied at one instant: later steps cannot change it.
+
+    The copy is one flat buffer. On a GPU it is made on the device (one kernel) and then
+    brought to pinned host memory on a side stream, so the next step does not wait for it;
+    `files()` waits for that copy and gives each file's tensors."""
 
     config: LoraConfig
-    weights: dict[str, torch.Tensor]
-    moments: dict[str, torch.Tensor] | None
     steps: int
+    names: list[tuple[str, str, tuple[int, ...]]]  # (file, tensor name, shape), flat order
+    flat: torch.Tensor
+    ready: torch.cuda.Event | None = None
+    _device_copy: torch.Tensor | None = None  # kept alive until the host copy is done
+
+    def files(self) -> dict[str, dict[str, torch.Tensor]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+            self._device_copy = None
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        parts = self.flat.split([math.prod(shape) for _, _, shape in self.names])
+        for (file, name, shape), part in zip(self.names, parts, strict=True):
+            # safetensors refuses tensors that share memory: one owned copy each.
+            out.setdefault(file, {})[name] = part.view(shape).clone()
+        return out
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def snapshot(adapter: Adapter, optimizer: bool) -> Snapshot:
     bank, slot = adapter.bank, adapter.slot
-    weights = {}
+    names, views = [], []
     for key in bank.shapes:
-        weights[f"{PEFT_PREFIX}{key}.lora_A.weight"] = bank.A[key][slot].contiguous().cpu()
-        weights[f"{PEFT_PREFIX}{key}.lora_B.weight"] = bank.B[key][slot].contiguous().cpu()
-    moments = None
+        for part, w in (("lora_A", bank.A), ("lora_B", bank.B)):
+            names.append((WEIGHTS, f"{PEFT_PREFIX}{key}.{part}.weight", tuple(w[key][slot].shape)))
+            views.append(w[key][slot])
     if optimizer:
-        moments = {}
         for key in bank.shapes:
             for part, m, v in (("lora_A", bank.mA, bank.vA), ("lora_B", bank.mB, bank.vB)):
-                moments[f"{key}.{part}.exp_avg"] = m[key][slot].contiguous().cpu()
-                moments[f"{key}.{part}.exp_avg_sq"] = v[key][slot].contiguous().cpu()
-    return Snapshot(adapter.config, weights, moments, adapter.steps)
+                for suffix, t in (("exp_avg", m), ("exp_avg_sq", v)):
+                    names.append((OPTIMIZER, f"{key}.{part}.{suffix}", tuple(t[key][slot].shape)))
+                    views.append(t[key][slot])
+    flat = torch.cat([v.reshape(-1) for v in views])
+    if not flat.is_cuda:
+        return Snapshot(adapter.config, adapter.steps, names, flat)
+    stream = _copy_streams.setdefault(flat.device, torch.cuda.Stream(flat.device))
+    stream.wait_stream(torch.cuda.current_stream(flat.device))
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(flat, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    return Snapshot(adapter.config, adapter.steps, names, host, ready, flat)
 
 
 def save_adapter(adapter: Adapter, path: str | Path, base_model: str,
@@ -67,7 +98,8 @@ def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         cfg = snap.config
-        save_file(snap.weights, tmp / WEIGHTS, metadata={"format": "pt"})
+        files = snap.files()
+        save_file(files[WEIGHTS], tmp / WEIGHTS, metadata={"format": "pt"})
         peft_config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank,
             "lora_alpha": cfg.alpha, "target_modules": sorted(cfg.target_modules),
@@ -76,9 +108,9 @@ def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
             "inference_mode": True, "base_model_name_or_path": base_model,
         }
         (tmp / CONFIG).write_text(json.dumps(peft_config, indent=2))
-        if snap.moments is not None:
+        if OPTIMIZER in files:
             meta = {"steps": str(snap.steps), "seed": str(cfg.seed)}
-            save_file(snap.moments, tmp / OPTIMIZER, metadata=meta)
+            save_file(files[OPTIMIZER], tmp / OPTIMIZER, metadata=meta)
         for f in tmp.iterdir():
             _fsync(f)
         if path.exists():

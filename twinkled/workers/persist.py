@@ -1,8 +1,10 @@
 """Write-behind persistence of live adapters (rank 0 of the worker group).
 
-After an optimizer step the adapter's tensors are copied to host memory (the only part on
-the step's path) and a background thread writes them to `<live_dir>/<adapter id>/<version>/`
-as a checkpoint directory (PEFT weights + optimizer state). Versions are nanosecond stamps,
+An optimizer step only marks its adapter changed. Between steps, when the writer thread
+has finished its last batch, the changed adapters are snapshotted (one device copy each,
+brought to host memory on a side stream) and the thread writes them to
+`<live_dir>/<adapter id>/<version>/` as checkpoint directories (PEFT weights + optimizer
+state). Versions are nanosecond stamps,
 so the newest complete one (written to a temp name, then renamed) is what a restart loads;
 older versions are removed once a newer one is in place. A crash loses at most the steps
 whose write had not finished.
@@ -32,15 +34,19 @@ def latest_version(live_dir: Path, adapter_id: str) -> Path | None:
 
 
 class Persister:
-    """Queue snapshots and write them in order, newest-wins per adapter.
+    """Remember which adapters changed; snapshot and write them when the writer is free.
 
+    `mark` is all a step pays. `pump` (called by the worker between steps) snapshots the
+    changed adapters only when the previous batch is on disk, so a fast training loop
+    coalesces into as many writes as the disk can take, each of the newest state.
     `every`: persist after every N-th optimizer step of an adapter (0: only when asked)."""
 
     def __init__(self, live_dir: Path, base_model: str, every: int = 1):
         self.live_dir = live_dir
         self.base_model = base_model
         self.every = every
-        self._pending: dict[str, Snapshot | None] = {}  # None: forget the adapter
+        self.dirty: set[str] = set()
+        self._queue: list[tuple[str, Snapshot | None]] = []  # None: forget the adapter
         self._cond = threading.Condition()
         self._busy = False
         self.written = 0
@@ -49,24 +55,43 @@ class Persister:
 
     def after_step(self, adapter_id: str, adapter: Adapter) -> None:
         if self.every > 0 and adapter.steps % self.every == 0:
-            self.save(adapter_id, adapter)
+            self.dirty.add(adapter_id)
 
-    def save(self, adapter_id: str, adapter: Adapter) -> None:
-        snap = snapshot(adapter, optimizer=True)  # host copies: later steps cannot change it
-        with self._cond:
-            self._pending[adapter_id] = snap
-            self._cond.notify()
+    def mark(self, adapter_id: str) -> None:
+        self.dirty.add(adapter_id)
 
     def forget(self, adapter_id: str) -> None:
+        self.dirty.discard(adapter_id)
         with self._cond:
-            self._pending[adapter_id] = None
+            self._queue.append((adapter_id, None))
             self._cond.notify()
 
-    def flush(self, timeout: float = 300.0) -> bool:
-        """Wait until everything queued is on disk."""
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queue and not self._busy
+
+    def pump(self, adapters: dict[str, Adapter]) -> None:
+        """Hand the changed adapters to the writer, if it has finished the last batch."""
+        if not self.dirty or not self.idle():
+            return
+        snaps = [(a, snapshot(adapters[a], optimizer=True)) for a in self.dirty if a in adapters]
+        self.dirty.clear()
+        with self._cond:
+            self._queue.extend(snaps)
+            self._cond.notify()
+
+    def flush(self, adapters: dict[str, Adapter], timeout: float = 300.0) -> bool:
+        """Everything changed is on disk when this returns True."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._busy:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        self.pump(adapters)
+        with self._cond:
+            while self._queue or self._busy:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -76,10 +101,9 @@ class Persister:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending:
+                while not self._queue:
                     self._cond.wait()
-                adapter_id = next(iter(self._pending))
-                snap = self._pending.pop(adapter_id)
+                adapter_id, snap = self._queue.pop(0)
                 self._busy = True
             try:
                 self._write(adapter_id, snap)

@@ -150,11 +150,17 @@ class StepRunner:
     def _persist(self, adapter_id: str, every: bool = False) -> None:
         if self.persister is None:
             return
-        adapter = self.engine.pool.get(adapter_id)
         if every:
-            self.persister.after_step(adapter_id, adapter)
+            self.persister.after_step(adapter_id, self.engine.pool.get(adapter_id))
         else:
-            self.persister.save(adapter_id, adapter)
+            self.persister.mark(adapter_id)
+
+    def between_steps(self) -> bool:
+        """Persist what changed, if the writer is free; True while something waits."""
+        if self.persister is None:
+            return False
+        self.persister.pump(self.engine.pool.adapters)
+        return bool(self.persister.dirty)
 
     def _one(self, i: int, op: OpF) -> OutcomeF:
         engine, aid = self.engine, op.adapter_id
@@ -188,7 +194,7 @@ class StepRunner:
             if op.kind == "persist":  # a hot restart: everything on disk before we answer
                 if engine.has_adapter(aid):
                     self._persist(aid)
-                if self.persister is not None and not self.persister.flush():
+                if self.persister is not None and not self.persister.flush(engine.pool.adapters):
                     return OutcomeF(i, error="persisting timed out", category="server")
                 return OutcomeF(i)
             return OutcomeF(i, error=f"unknown operation {op.kind!r}", category="server")

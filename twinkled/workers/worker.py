@@ -51,10 +51,12 @@ def main(args: dict) -> None:
         sys.exit(1)
     sock.send(encoder.encode(hello))
     delay = float(os.environ.get("TWINKLED_TEST_STEP_DELAY", "0"))  # fault tests only
+    waiting = False  # changed adapters not yet handed to the writer
     while True:
-        if not sock.poll(1000):
+        if not sock.poll(50 if waiting else 1000):
             if os.getppid() != parent:  # the daemon is gone
                 sys.exit(0)
+            waiting = runner.between_steps()
             continue
         step = step_decoder.decode(sock.recv())
         if delay:
@@ -69,6 +71,7 @@ def main(args: dict) -> None:
             log.error("step %d failed: %s", step.id, traceback.format_exc())
             sys.exit(f"step failed: {type(e).__name__}: {e}")
         sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, _memory(runner))))
+        waiting = runner.between_steps()  # after the reply: off the step's path
 
 
 def _start(args: dict):

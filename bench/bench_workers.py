@@ -1,0 +1,82 @@
+"""Data parallelism across worker ranks: tokens/s with 1 worker against N workers.
+
+The same daemon and the same tinker tenants as bench_multitenant.py, at the same batch per
+worker: with 1 worker, `--tenants` tenants each send 1 x S tokens per step; with N workers,
+N times as many tenants do, so every rank holds as many rows as the single worker did.
+Each configuration gets a fresh daemon, in the same run.
+
+    python bench/bench_workers.py --devices cuda:0,cuda:1 --shape qwen2.5-0.5b   # 2 GPUs
+    python bench/bench_workers.py --devices cpu,cpu                              # CPU (gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_multitenant import make_keys, pct, run_tenants, start_daemon  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--devices", required=True, help="the N-worker group, e.g. cuda:0,cuda:1")
+    ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b"))
+    ap.add_argument("--tenants", type=int, default=8, help="tenants per worker")
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--write", default="BENCHMARKS.md")
+    args = ap.parse_args()
+
+    import torch
+    from bench_engine import build_model, header
+
+    devices = args.devices.split(",")
+    gpu = devices[0].startswith("cuda")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    seq = args.seq or (512 if gpu else 64)
+    steps = args.steps or (20 if gpu else 6)
+    work = Path(tempfile.mkdtemp(prefix="bench_workers_"))
+    model_dir = work / "model"
+    vocab = build_model(args.shape, model_dir, dtype, devices[0] if gpu else "cpu")
+    torch.cuda.empty_cache() if gpu else None
+
+    rows = []
+    for group in ([devices[0]], devices):
+        data = work / f"data{len(group)}"
+        n = args.tenants * len(group)
+        keys = make_keys(data, n)
+        daemon, url, log = start_daemon(model_dir, data, work, group[0], "--devices",
+                                        ",".join(group))
+        try:
+            res = run_tenants(url, keys, model_dir.name, vocab, seq, steps, [1] * n)
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=120)
+            log.close()
+        wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
+        lat = [x for r in res for x in r["lat"]]
+        rows.append((len(group), n, sum(r["tokens"] for r in res) / wall, pct(lat, 0.5),
+                     pct(lat, 0.99)))
+
+    base = rows[0][2]
+    text = header("cuda" if gpu else "cpu").replace("Engine vs peft", "Worker ranks (data parallel)")
+    text += (f"\n### {args.shape} ({','.join(devices)}, {str(dtype).split('.')[-1]}, LoRA r=32, "
+             f"S={seq}, {args.tenants} tenants per worker at 1 x S each, {steps} timed steps)\n\n"
+             "| workers | tenants | tokens/s | vs 1 worker | step p50 (s) | step p99 (s) |\n"
+             "|---:|---:|---:|---:|---:|---:|\n")
+    for w, n, tps, p50, p99 in rows:
+        text += f"| {w} | {n} | {tps:,.0f} | {tps / base:.2f}x | {p50:.3f} | {p99:.3f} |\n"
+    print(text)
+    if args.write:
+        with Path(args.write).open("a") as f:
+            f.write("\n" + text)
+        print(f"appended to {args.write}")
+
+
+if __name__ == "__main__":
+    main()
