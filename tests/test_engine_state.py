@@ -142,3 +142,39 @@ def test_save_replaces_atomically(tiny_dir, tmp_path):
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "ck"]
     assert leftovers == []
     assert eng.load("b", tmp_path / "ck").steps == 1
+
+
+def test_live_state_resumes_exactly_and_persister_keeps_the_newest(tiny_dir, tmp_path):
+    """The workers' write-behind state: a restore continues training bit for bit."""
+    from twinkled.workers.persist import Persister, latest_version
+
+    straight = make_engine(tiny_dir)
+    straight.add_adapter("a", LoraConfig(rank=4, alpha=8, seed=1, train_unembed=False))
+    _train(straight, "a", 4, seed=0)
+
+    first = make_engine(tiny_dir)
+    first.add_adapter("a", LoraConfig(rank=4, alpha=8, seed=1, train_unembed=False))
+    persister = Persister(tmp_path / "live")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        first.forward_backward([ce_request("a", gen, first.model.vocab_size, [9, 13])])
+        first.optim_step("a", PARAMS)
+        persister.after_step("a", first.pool.get("a"))
+        persister.pump(first.pool.adapters)
+    assert persister.flush(first.pool.adapters)
+    versions = [p for p in (tmp_path / "live" / "a").iterdir() if not p.name.startswith(".")]
+    assert len(versions) == 1  # older versions go once a newer one is on disk
+
+    fresh = make_engine(tiny_dir)
+    info = fresh.load("a", latest_version(tmp_path / "live", "a"), optimizer=True)
+    assert (info.steps, info.rank, info.alpha) == (2, 4, 8.0)
+    assert "lm_head" not in info.target_modules
+    for _ in range(2):
+        fresh.forward_backward([ce_request("a", gen, fresh.model.vocab_size, [9, 13])])
+        fresh.optim_step("a", PARAMS)
+    a, b = weights(straight, "a"), weights(fresh, "a")
+    assert all(torch.equal(a[k][i], b[k][i]) for k in a for i in range(2))
+
+    persister.forget("a")
+    assert persister.flush(fresh.pool.adapters)
+    assert latest_version(tmp_path / "live", "a") is None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import sampler, state, step
+from . import live, sampler, state, step
 from .lora import LoraPool
 from .model import BaseModel
 from .optim import adamw_steps, check_adam_params
@@ -134,8 +134,11 @@ class Engine:
 
         Everything is read and checked before the adapter changes.
         """
-        config, weights, moments, steps = state.read_adapter(
-            path, self.model.targets, self.pool.max_rank, optimizer)
+        if live.is_live(path):  # a worker's persisted state (see workers/persist.py)
+            config, weights, moments, steps = live.read_live(path)
+        else:
+            config, weights, moments, steps = state.read_adapter(
+                path, self.model.targets, self.pool.max_rank, optimizer)
         if self.has_adapter(adapter_id):
             current = self.pool.get(adapter_id).config
             if (current.rank, current.target_modules) != (config.rank, config.target_modules):

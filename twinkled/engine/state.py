@@ -44,10 +44,15 @@ class Snapshot:
     ready: torch.cuda.Event | None = None
     _device_copy: torch.Tensor | None = None  # kept alive until the host copy is done
 
-    def files(self) -> dict[str, dict[str, torch.Tensor]]:
+    def host(self) -> torch.Tensor:
+        """The flat host copy, once the device-to-host copy has finished."""
         if self.ready is not None:
             self.ready.synchronize()
             self._device_copy = None
+        return self.flat
+
+    def files(self) -> dict[str, dict[str, torch.Tensor]]:
+        self.host()
         out: dict[str, dict[str, torch.Tensor]] = {}
         parts = self.flat.split([math.prod(shape) for _, _, shape in self.names])
         for (file, name, shape), part in zip(self.names, parts, strict=True):

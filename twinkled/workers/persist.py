@@ -3,8 +3,7 @@
 An optimizer step only marks its adapter changed. Between steps, when the writer thread
 has finished its last batch, the changed adapters are snapshotted (one device copy each,
 brought to host memory on a side stream) and the thread writes them to
-`<live_dir>/<adapter id>/<version>/` as checkpoint directories (PEFT weights + optimizer
-state). Versions are nanosecond stamps,
+`<live_dir>/<adapter id>/<version>/` (weights + optimizer state, `engine/live.py`). Versions are nanosecond stamps,
 so the newest complete one (written to a temp name, then renamed) is what a restart loads;
 older versions are removed once a newer one is in place. A crash loses at most the steps
 whose write had not finished.
@@ -18,8 +17,9 @@ import threading
 import time
 from pathlib import Path
 
+from twinkled.engine.live import write_live
 from twinkled.engine.lora import Adapter
-from twinkled.engine.state import Snapshot, snapshot, write_snapshot
+from twinkled.engine.state import Snapshot, snapshot
 
 log = logging.getLogger("twinkled.worker")
 
@@ -41,9 +41,8 @@ class Persister:
     coalesces into as many writes as the disk can take, each of the newest state.
     `every`: persist after every N-th optimizer step of an adapter (0: only when asked)."""
 
-    def __init__(self, live_dir: Path, base_model: str, every: int = 1):
+    def __init__(self, live_dir: Path, every: int = 1):
         self.live_dir = live_dir
-        self.base_model = base_model
         self.every = every
         self.dirty: set[str] = set()
         self._queue: list[tuple[str, Snapshot | None]] = []  # None: forget the adapter
@@ -120,7 +119,7 @@ class Persister:
             shutil.rmtree(root, ignore_errors=True)
             return
         version = root / f"{time.time_ns():020d}"
-        write_snapshot(snap, version, self.base_model)
+        write_live(snap, version)
         self.written += 1
         for old in root.iterdir():
             if old != version and not old.name.startswith("."):

@@ -100,8 +100,7 @@ def _start(args: dict):
                     dp_group=dist.group.WORLD if args["world"] > 1 else None)
     persister = None
     if args["rank"] == 0 and args.get("live_dir"):
-        persister = Persister(Path(args["live_dir"]), str(engine.model.dir),
-                              args.get("persist_every", 1))
+        persister = Persister(Path(args["live_dir"]), args.get("persist_every", 1))
     cfg = engine.model.config
     model = {"arch": cfg.model_type, "max_seq_len": engine.model.max_seq_len,
              "vocab_size": cfg.vocab_size, "dtype": str(engine.model.dtype).replace("torch.", "")}

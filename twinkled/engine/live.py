@@ -1,0 +1,76 @@
+"""The live state of a training adapter, as persisted between checkpoints (`workers/persist`).
+
+Not a user-facing checkpoint (those are PEFT directories, `state.py`): a snapshot's flat
+buffer is written as is, `state.bin`, with a JSON index, `state.json`. The writer runs in a
+background thread beside a host-bound training loop, so the format is chosen to cost no
+copy under the GIL: one `write` of the pinned buffer (the GIL is released for the system
+call), where serialising through safetensors would first copy every tensor to `bytes`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .state import PEFT_PREFIX, WEIGHTS, Snapshot
+from .types import EngineInputError, LoraConfig
+
+INDEX = "state.json"
+DATA = "state.bin"
+
+
+def is_live(path: str | Path) -> bool:
+    return (Path(path) / INDEX).is_file()
+
+
+def write_live(snap: Snapshot, path: str | Path) -> int:
+    """Write `snap` to directory `path` atomically (temp dir, fsync, rename); returns bytes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        flat = snap.host()
+        with open(tmp / DATA, "wb") as f:
+            f.write(memoryview(flat.numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+        index = {"config": asdict(snap.config), "steps": snap.steps, "dtype": "float32",
+                 "tensors": [[file, name, list(shape)] for file, name, shape in snap.names]}
+        (tmp / INDEX).write_text(json.dumps(index))
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return (path / DATA).stat().st_size
+
+
+def read_live(path: str | Path) -> tuple[LoraConfig, dict, dict, int]:
+    """(config, weights by module key as (A, B), moments by name, steps), as read_adapter."""
+    path = Path(path)
+    try:
+        index = json.loads((path / INDEX).read_text())
+        shapes = [tuple(s) for _, _, s in index["tensors"]]
+        total = sum(math.prod(s) for s in shapes)
+        flat = torch.from_file(str(path / DATA), size=total, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise EngineInputError("path", f"{path}: unreadable live state: {e}") from None
+    weights: dict[str, list] = {}
+    moments: dict[str, torch.Tensor] = {}
+    for (file, name, _), shape, part in zip(index["tensors"], shapes,
+                                           flat.split([math.prod(s) for s in shapes]),
+                                           strict=True):
+        t = part.view(shape)
+        if file == WEIGHTS:  # base_model.model.<key>.lora_A.weight
+            key, which = name[len(PEFT_PREFIX):].rsplit(".", 2)[:2]
+            weights.setdefault(key, [None, None])[which == "lora_B"] = t
+        else:
+            moments[name] = t
+    config = LoraConfig(**index["config"])
+    return config, {k: tuple(ab) for k, ab in weights.items()}, moments, int(index["steps"])
