@@ -66,17 +66,16 @@ _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 def snapshot(adapter: Adapter, optimizer: bool) -> Snapshot:
     bank, slot = adapter.bank, adapter.slot
-    names, views = [], []
-    for key in bank.shapes:
-        for part, w in (("lora_A", bank.A), ("lora_B", bank.B)):
-            names.append((WEIGHTS, f"{PEFT_PREFIX}{key}.{part}.weight", tuple(w[key][slot].shape)))
-            views.append(w[key][slot])
+    keys = list(bank.shapes)
+    # The bank's cached views of the slot ("w": every A then every B; "m", "v" likewise),
+    # so a snapshot is one cat kernel however many modules the adapter has.
+    views = list(bank.tensors(slot, "w"))
+    names = [(WEIGHTS, f"{PEFT_PREFIX}{k}.{p}.weight") for p in ("lora_A", "lora_B") for k in keys]
     if optimizer:
-        for key in bank.shapes:
-            for part, m, v in (("lora_A", bank.mA, bank.vA), ("lora_B", bank.mB, bank.vB)):
-                for suffix, t in (("exp_avg", m), ("exp_avg_sq", v)):
-                    names.append((OPTIMIZER, f"{key}.{part}.{suffix}", tuple(t[key][slot].shape)))
-                    views.append(t[key][slot])
+        for kind, suffix in (("m", "exp_avg"), ("v", "exp_avg_sq")):
+            views += bank.tensors(slot, kind)
+            names += [(OPTIMIZER, f"{k}.{p}.{suffix}") for p in ("lora_A", "lora_B") for k in keys]
+    names = [(f, n, tuple(v.shape)) for (f, n), v in zip(names, views, strict=True)]
     flat = torch.cat([v.reshape(-1) for v in views])
     if not flat.is_cuda:
         return Snapshot(adapter.config, adapter.steps, names, flat)

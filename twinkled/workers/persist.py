@@ -44,7 +44,7 @@ class Persister:
     def __init__(self, live_dir: Path, every: int = 1):
         self.live_dir = live_dir
         self.every = every
-        self.dirty: set[str] = set()
+        self.dirty: dict[str, None] = {}  # changed, oldest first (no adapter starves)
         self._queue: list[tuple[str, Snapshot | None]] = []  # None: forget the adapter
         self._cond = threading.Condition()
         self._busy = False
@@ -54,13 +54,13 @@ class Persister:
 
     def after_step(self, adapter_id: str, adapter: Adapter) -> None:
         if self.every > 0 and adapter.steps % self.every == 0:
-            self.dirty.add(adapter_id)
+            self.dirty.setdefault(adapter_id)
 
     def mark(self, adapter_id: str) -> None:
-        self.dirty.add(adapter_id)
+        self.dirty.setdefault(adapter_id)
 
     def forget(self, adapter_id: str) -> None:
-        self.dirty.discard(adapter_id)
+        self.dirty.pop(adapter_id, None)
         with self._cond:
             self._queue.append((adapter_id, None))
             self._cond.notify()
@@ -69,12 +69,15 @@ class Persister:
         with self._cond:
             return not self._queue and not self._busy
 
-    def pump(self, adapters: dict[str, Adapter]) -> None:
-        """Hand the changed adapters to the writer, if it has finished the last batch."""
+    def pump(self, adapters: dict[str, Adapter], limit: int | None = 1) -> None:
+        """Hand up to `limit` changed adapters to the writer, if it is free. One at a time
+        between steps keeps the snapshot's host time off the next step's start."""
         if not self.dirty or not self.idle():
             return
-        snaps = [(a, snapshot(adapters[a], optimizer=True)) for a in self.dirty if a in adapters]
-        self.dirty.clear()
+        chosen = list(self.dirty)[:limit]
+        for a in chosen:
+            del self.dirty[a]
+        snaps = [(a, snapshot(adapters[a], optimizer=True)) for a in chosen if a in adapters]
         with self._cond:
             self._queue.extend(snaps)
             self._cond.notify()
@@ -88,7 +91,7 @@ class Persister:
                 if left <= 0:
                     return False
                 self._cond.wait(left)
-        self.pump(adapters)
+        self.pump(adapters, limit=None)
         with self._cond:
             while self._queue or self._busy:
                 left = deadline - time.monotonic()
