@@ -96,9 +96,12 @@ async def retrieve_future(request):
     body = await json_body(request)
     svc = service(request)
     f = svc.get_future(request["tenant"], field(body, "request_id"))
-    try:
-        await asyncio.wait_for(f.done.wait(), timeout=svc.config.poll_seconds)
-    except TimeoutError:
+    done, stop = asyncio.ensure_future(f.done.wait()), asyncio.ensure_future(svc.stopping.wait())
+    await asyncio.wait([done, stop], timeout=svc.config.poll_seconds,
+                       return_when=asyncio.FIRST_COMPLETED)
+    done.cancel()
+    stop.cancel()
+    if not f.done.is_set():  # held long enough, or the daemon is stopping: poll again
         body = {"type": "try_again", "request_id": f.id, "queue_state": "active"}
         if svc.is_paused(f.id):
             body.update(queue_state="paused_rate_limit",

@@ -35,7 +35,13 @@ async def create_model(request):
     opt = (body.get("optimizer_config") or {}).get("type", "adamw")
     if opt != "adamw":
         raise UserError(f"optimizer {opt!r} is not supported; use adamw")
-    config = LoraConfig(rank=int(lc.get("rank", 32)), alpha=float(lc.get("alpha", 32)),
+    # The Tinker wire has no alpha; the native SDK sends it as user_metadata.
+    meta = body.get("user_metadata") or {}
+    try:
+        alpha = float(lc.get("alpha", meta.get("twinkle.lora_alpha", 32)))
+    except ValueError:
+        raise UserError("user_metadata twinkle.lora_alpha must be a number") from None
+    config = LoraConfig(rank=int(lc.get("rank", 32)), alpha=alpha,
                         seed=lc.get("seed"), train_attn=bool(lc.get("train_attn", True)),
                         train_mlp=bool(lc.get("train_mlp", True)),
                         train_unembed=bool(lc.get("train_unembed", True)))

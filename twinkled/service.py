@@ -85,6 +85,7 @@ class Service:
         self._pieces: dict[str, list] = {}  # future id -> results of a cut op's pieces
         self._task: asyncio.Task | None = None
         self._stepping = False
+        self.stopping = asyncio.Event()  # set at shutdown: long polls return at once
         self.damaged: list[dict] = []  # checkpoints found damaged at start-up
 
     # -- life cycle -------------------------------------------------------------------
@@ -192,6 +193,7 @@ class Service:
             if not f.done.is_set():
                 self.fail(f, "the daemon was stopped (restarted) before this request ran; "
                           "submit it again", "server")
+        self.stopping.set()
         if self.load_error is None and self.workers.group.model_info:
             try:
                 await self.workers.persist_all()

@@ -98,6 +98,7 @@ def build_tiny_model(
     max_position_embeddings: int = 2048,
     tie_word_embeddings: bool = True,
     seed: int = 0,
+    embed_std: float = 0.2,
 ) -> Path:
     """Write a tiny random-weight model of `arch` (qwen3, qwen2 or llama) plus tokenizer.
 
@@ -132,9 +133,10 @@ def build_tiny_model(
         raise ValueError(f"arch must be qwen3, qwen2 or llama, not {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random init with std 0.02 gives near-uniform logits; a larger spread makes the tiny
-    # model's next-token distribution peaked enough for greedy/stop tests to be meaningful.
+    # Random init with std 0.02 gives near-uniform logits; a larger spread (the default 0.2)
+    # makes the tiny model's next-token distribution peaked enough for greedy/stop tests to be
+    # meaningful. RL demos want the opposite: varied samples, so that rewards differ.
     with torch.no_grad():
-        model.get_input_embeddings().weight.normal_(0.0, 0.2)
+        model.get_input_embeddings().weight.normal_(0.0, embed_std)
     model.save_pretrained(str(out))
     return out

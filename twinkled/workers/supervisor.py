@@ -173,6 +173,7 @@ class WorkerGroup:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        self._ctx.destroy(linger=0)  # nothing may keep the process from exiting
 
     def status(self) -> list[dict]:
         return [{"rank": w.rank, "device": w.device, "pid": w.pid, "memory_bytes": w.memory,

@@ -1,0 +1,23 @@
+"""Encoded rows -> the engine's token datums (shared by both backends)."""
+
+from __future__ import annotations
+
+IGNORE = -100  # a label that takes no loss (prompt tokens, padding)
+
+
+def rows_to_datums(rows: list[dict]) -> tuple[list[dict], list[list[int]]]:
+    """Each row's `input_ids` predicts itself shifted by one: tokens = ids[:-1], targets =
+    ids[1:]. Returns the datums and, per datum, 1 where the target is labelled (not -100)."""
+    datums, masks = [], []
+    for i, row in enumerate(rows):
+        ids, labels = row.get("input_ids"), row.get("labels")
+        if ids is None or labels is None:
+            raise ValueError(f"row {i} has no input_ids/labels: encode the dataset first "
+                             "(dataset.set_template(...); dataset.encode())")
+        if len(ids) != len(labels) or len(ids) < 2:
+            raise ValueError(f"row {i}: {len(ids)} input_ids and {len(labels)} labels "
+                             "(need equal lengths, at least 2)")
+        ids = [int(t) for t in ids]
+        datums.append({"tokens": ids[:-1], "target_tokens": ids[1:]})
+        masks.append([0 if int(label) == IGNORE else 1 for label in labels[1:]])
+    return datums, masks
