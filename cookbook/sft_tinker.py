@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--api-key", required=True)
     ap.add_argument("--model", help="the daemon's model directory (default: tiny)")
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=5)
     args = ap.parse_args(argv)
     model_id = args.model or tiny_model()
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         for batch in tqdm(dataloader, desc=f"epoch {epoch}", disable=not sys.stderr.isatty()):
             data = [input_feature_to_datum(feature) for feature in batch]
             fwdbwd = training_client.forward_backward(data, "cross_entropy")
-            optim = training_client.optim_step(types.AdamParams(learning_rate=2e-3))
+            optim = training_client.optim_step(types.AdamParams(learning_rate=1e-2))
             out = fwdbwd.result()
             optim.result()
             tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in data)
