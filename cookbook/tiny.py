@@ -20,3 +20,9 @@ def tiny_model(kind: str = "sft") -> str:
     if not (out / "config.json").is_file():
         build_tiny_model(out, embed_std=0.02 if kind == "rl" else 0.2)
     return str(out)
+
+
+if __name__ == "__main__":  # python cookbook/tiny.py [sft|rl]: build it, print its directory
+    import sys
+
+    print(tiny_model(sys.argv[1] if len(sys.argv) > 1 else "sft"))

@@ -57,3 +57,16 @@ def test_readme_starts_with_the_two_commands():
     block = lines[lines.index("```bash") + 1: lines.index("```bash") + 3]
     assert block[0].startswith("make demo") and block[1].startswith("make test")
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_cookbook_names_every_script_and_they_exist():
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    scripts = {p.name for p in (root / "cookbook").glob("*.py")} - {"tiny.py"}
+    assert scripts, "no cookbook scripts"
+    for name in scripts:
+        assert f"cookbook/{name}" in readme, f"README does not show cookbook/{name}"
+    import re
+
+    for named in re.findall(r"cookbook/([\w.]+\.py)", readme):
+        assert (root / "cookbook" / named).is_file(), f"README names missing cookbook/{named}"

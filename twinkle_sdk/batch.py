@@ -5,11 +5,28 @@ from __future__ import annotations
 IGNORE = -100  # a label that takes no loss (prompt tokens, padding)
 
 
+def unpack(rows: list[dict]) -> list[dict]:
+    """A packed row (DataLoader(packing=True): several rows end to end, `position_ids`
+    restarting at 0 for each) back into its rows. The engine pads and co-batches rows
+    itself, and has no variable-length attention that would keep packed rows apart."""
+    out = []
+    for row in rows:
+        pos = row.get("position_ids")
+        if pos is None:
+            out.append(row)
+            continue
+        starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+        for a, b in zip(starts, starts[1:], strict=False):
+            if b - a >= 2:
+                out.append({"input_ids": row["input_ids"][a:b], "labels": row["labels"][a:b]})
+    return out
+
+
 def rows_to_datums(rows: list[dict]) -> tuple[list[dict], list[list[int]]]:
     """Each row's `input_ids` predicts itself shifted by one: tokens = ids[:-1], targets =
     ids[1:]. Returns the datums and, per datum, 1 where the target is labelled (not -100)."""
     datums, masks = [], []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(unpack(rows)):
         ids, labels = row.get("input_ids"), row.get("labels")
         if ids is None or labels is None:
             raise ValueError(f"row {i} has no input_ids/labels: encode the dataset first "
