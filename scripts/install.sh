@@ -1,6 +1,19 @@
 #!/usr/bin/env bash
 # One install path for the README, CI and the container image: torch is pinned in the same
 # pip command as everything else, so nothing resolves a CUDA build on a CPU machine.
+#
+# With no environment set (README, `make`, CI) it installs this checkout editable with the
+# test extras into whatever `python3` is. For a service or an image:
+#   PYTHON=/opt/twinkle/venv/bin/python  the interpreter (a venv's) to install into
+#   INSTALL_EXTRAS=                      extras to add: "test" by default, empty for none
+#   INSTALL_EDITABLE=0                   a plain (non-editable) install
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test]"
+PYTHON="${PYTHON:-python3}"
+INSTALL_EXTRAS="${INSTALL_EXTRAS-test}"
+spec="."
+if [ -n "$INSTALL_EXTRAS" ]; then spec=".[$INSTALL_EXTRAS]"; fi
+editable=(-e)
+if [ "${INSTALL_EDITABLE:-1}" = 0 ]; then editable=(); fi
+"$PYTHON" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" \
+    "${editable[@]}" "$spec"

@@ -33,6 +33,7 @@ class Daemon:
         self.data_dir = data_dir
         self.port = port or free_port()  # the same port again: clients keep their base_url
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
         self.log = open(log_path, "ab")  # noqa: SIM115 - kept open for the process's life
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(

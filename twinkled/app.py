@@ -8,11 +8,12 @@ import uuid
 
 from aiohttp import web
 
+from .admin import same_key
 from .service import Draining, NotFound, RateLimited, Service, UserError
 
 log = logging.getLogger("twinkled.http")
 
-PUBLIC = {"/api/v1/healthz"}
+PUBLIC = {"/api/v1/healthz", "/metrics"}  # scraped without a key, like node exporters
 
 
 @web.middleware
@@ -25,7 +26,14 @@ async def auth_and_errors(request: web.Request, handler):
     request["request_id"] = uuid.uuid4().hex[:12]
     status = 500
     try:
-        if request.path not in PUBLIC:
+        if request.path.startswith("/admin/"):
+            given = request.headers.get("X-Admin-Key", "")
+            if not given or not same_key(given, request.app["admin_key"]):
+                raise web.HTTPUnauthorized(
+                    text='{"detail": "missing or invalid X-Admin-Key"}',
+                    content_type="application/json")
+            request["tenant"] = "(admin)"
+        elif request.path not in PUBLIC:
             key = request.headers.get("X-API-Key", "")
             tenant = request.app["store"].tenant_for_key(key) if key else None
             if tenant is None:
@@ -52,17 +60,33 @@ async def auth_and_errors(request: web.Request, handler):
         status = 400
         return web.json_response({"detail": str(e)}, status=400)
     finally:
-        log.info("%s %s %s %s %.1fms", request["request_id"], request.get("tenant", "-"),
-                 request.path, status, 1000 * (time.perf_counter() - started))
+        ms = round(1000 * (time.perf_counter() - started), 1)
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "(unmatched)"
+        request.app["service"].metrics.requests.labels(route, str(status)).inc()
+        log.info("%s %s %s %s %s %.1fms", request["request_id"], request.get("tenant", "-"),
+                 request.method, request.path, status, ms,
+                 extra={"request_id": request["request_id"], "tenant": request.get("tenant"),
+                        "method": request.method, "route": route, "status": status, "ms": ms})
 
 
-def make_app(service: Service, store) -> web.Application:
+def make_app(service: Service, store, admin_key: str = "") -> web.Application:
     from tinker_shim.routes import add_routes
+
+    from . import admin
 
     app = web.Application(middlewares=[auth_and_errors], client_max_size=256 * 2**20)
     app["service"] = service
     app["store"] = store
+    app["admin_key"] = admin_key
     add_routes(app)
+    admin.routes(app)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=service.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    app.router.add_get("/metrics", metrics)
 
     async def on_startup(app):
         await service.start()

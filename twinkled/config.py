@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import re
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -35,6 +39,8 @@ class Config:
     tenant_max_rank: int | None = None
     # Per-tenant settings: {"alice": {"weight": 2, "max_queued_requests": 64}, ...}
     tenants: dict = field(default_factory=dict)
+    log_format: str = "text"  # text | json: one log line per request (json for log shippers)
+    admin_key_file: str = ""  # "": <data_dir>/admin.key, made at the first start (mode 0600)
 
     @property
     def served_name(self) -> str:
@@ -80,3 +86,133 @@ def _cuda_count() -> int:
         return int(out.stdout.strip() or 0)
     except (subprocess.SubprocessError, ValueError):
         return 0
+
+
+# -- `twinkled config check` ------------------------------------------------------------
+
+TENANT_KEYS = ("weight", "max_queued_requests", "max_queued_tokens", "max_adapters",
+               "max_rank")  # a [tenants.NAME] table: weight, and the tenant_ quotas unprefixed
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_POSITIVE = (lambda v: v > 0, "must be positive")
+_NON_NEGATIVE = (lambda v: v >= 0, "must be 0 or more")
+_NOT_EMPTY = (lambda v: v != "", "must not be empty")
+_QUOTA = (lambda v: v > 0, "must be a positive integer (leave the key out for no limit)")
+# What a value of the right type must also satisfy: key -> (test, what is wrong otherwise).
+_RANGES = {
+    "model": _NOT_EMPTY, "model_name": _NOT_EMPTY, "data_dir": _NOT_EMPTY, "host": _NOT_EMPTY,
+    "port": (lambda v: 1 <= v <= 65535, "must be from 1 to 65535"),
+    "dtype": (lambda v: v in ("bfloat16", "float32", "float16"),
+              "must be bfloat16, float32 or float16"),
+    "device": (lambda v: v == "auto" or _DEVICE.fullmatch(v),
+               "must be cpu, cuda, cuda:N or auto"),
+    "workers": _POSITIVE, "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
+    "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
+    "token_budget": _POSITIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE,
+    "poll_seconds": (lambda v: 0 <= v < 45,
+                     "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
+    "gather_ms": _NON_NEGATIVE,
+    "log_format": (lambda v: v in ("text", "json"), "must be text or json"),
+    "weight": (lambda v: v > 0, "must be a positive number"),
+    **{f"tenant_{k}": _QUOTA for k in TENANT_KEYS[1:]}, **{k: _QUOTA for k in TENANT_KEYS[1:]},
+}
+_TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+               list: "an array", dict: "a table"}
+
+
+def check_config(path: str | Path) -> list[str]:
+    """Check a `twinkled` TOML config file without starting anything.
+
+    Returns the problems found, one human-readable line each, in file order; an empty list
+    means the file is fine and `Config.load` accepts it. Each line starts with the dotted
+    key it is about (`port: ...`, `tenants.alice.weight: ...`), except a read or TOML syntax
+    error, which is the only problem reported then (TOML's message carries the line and
+    column). Checked: unknown keys (with the closest known key as a suggestion), value types
+    (against the `Config` dataclass), and ranges (ports, positive budgets and ranks,
+    non-negative timeouts, dtype, device names, log_format, the `tenants` tables). Never
+    raises for what is in the file; only the file is checked, not command-line flags.
+    """
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        return [f"cannot read {path}: {e.strerror or e}"]
+    except UnicodeDecodeError as e:
+        return [f"{path} is not UTF-8 text: {e}"]
+    except tomllib.TOMLDecodeError as e:
+        return [f"TOML syntax error in {path}: {e}"]
+    hints = typing.get_type_hints(Config)
+    problems: list[str] = []
+    for key, value in raw.items():
+        if key not in hints:
+            problems.append(_unknown(key, hints))
+        elif (wrong := _wrong_type(key, value, hints[key])) is not None:
+            problems.append(wrong)
+        elif key == "devices":
+            problems += _check_devices(value)
+        elif key == "tenants":
+            for name, table in value.items():
+                problems += _check_tenant(name, table, hints)
+        elif key in _RANGES and not _RANGES[key][0](value):
+            problems.append(f"{key}: {_RANGES[key][1]}, got {value!r}")
+    return problems
+
+
+def _unknown(key: str, known, where: str = "") -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
+    return f"{where}{key}: unknown key; {hint}"
+
+
+def _wrong_type(key: str, value, hint) -> str | None:
+    """`key: must be <type>, got <type> ...` when value does not fit the annotation."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for t in options:
+        origin = typing.get_origin(t) or t
+        if t is type(None) or isinstance(value, bool) != (t is bool):
+            continue
+        if ((t in (str, Path) and isinstance(value, str)) or (t is int and isinstance(value, int))
+                or (t is float and isinstance(value, int | float))
+                or (origin is dict and isinstance(value, dict))):
+            return None
+        if origin is list and isinstance(value, list):
+            bad = [v for v in value if not isinstance(v, str)]  # list[str] is the only list
+            if not bad:
+                return None
+            return f"{key}: must be an array of strings, got {bad[0]!r} in it"
+    want = {str: "a string", Path: "a string (a path)", int: "an integer", float: "a number",
+            bool: "true or false", dict: "a table", list: "an array of strings"}
+    names = [want.get(typing.get_origin(t) or t, str(t)) for t in options
+             if t is not type(None)]
+    got = _TOML_TYPES.get(type(value), type(value).__name__)
+    return f"{key}: must be {' or '.join(names)}, got {got} {value!r}"
+
+
+def _check_devices(devices: list[str]) -> list[str]:
+    problems = [f"devices: {d!r} is not cpu, cuda or cuda:N" for d in devices
+                if not _DEVICE.fullmatch(d)]
+    gpus = [d for d in devices if d.startswith("cuda")]
+    if len(set(gpus)) < len(gpus):
+        problems.append(f"devices: a GPU is listed twice in {devices} (one worker per GPU)")
+    return problems
+
+
+def _check_tenant(name: str, table, hints) -> list[str]:
+    where = f"tenants.{name}"
+    if not isinstance(table, dict):
+        return [f"{where}: must be a table ([{where}] with weight and quotas), "
+                f"got {_TOML_TYPES.get(type(table), type(table).__name__)} {table!r}"]
+    problems = []
+    for key, value in table.items():
+        if key.startswith("tenant_") and key.removeprefix("tenant_") in TENANT_KEYS:
+            problems.append(f"{where}.{key}: unknown key; in a tenant's table it is "
+                            f"{key.removeprefix('tenant_')!r}, without the tenant_ prefix")
+        elif key not in TENANT_KEYS and key in hints:
+            problems.append(f"{where}.{key}: unknown key; {key!r} is a top-level key: put it "
+                            f"before the first [table] of the file")
+        elif key not in TENANT_KEYS:
+            problems.append(_unknown(key, TENANT_KEYS, where + "."))
+        elif (wrong := _wrong_type(f"{where}.{key}", value,
+                                   float if key == "weight" else int)) is not None:
+            problems.append(wrong)
+        elif not _RANGES[key][0](value):
+            problems.append(f"{where}.{key}: {_RANGES[key][1]}, got {value!r}")
+    return problems

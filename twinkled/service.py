@@ -12,43 +12,18 @@ import asyncio
 import json
 import logging
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from scheduler import Limits, Planner, Work
 
 from .config import Config
 from .engine.types import LoraConfig
+from .futures import Encoder, Future, FutureBook, NotFound, UserError  # noqa: F401
+from .metrics import Metrics
 from .verify import verify_checkpoints
 from .worker_client import WorkerClient
 
 log = logging.getLogger("twinkled")
-
-# encode(result) -> (payload bytes, content type); chosen by the protocol layer at submit.
-Encoder = Callable[[Any], tuple[bytes, str]]
-
-
-class UserError(ValueError):
-    """The client's fault: answered as a 4xx at submit, or as category "user" later."""
-
-
-class NotFound(UserError):
-    pass
-
-
-@dataclass
-class Future:
-    id: str
-    tenant: str
-    kind: str
-    encode: Encoder
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    payload: bytes | None = None
-    content_type: str = "application/json"
-    error: tuple[str, str] | None = None  # (message, category)
-    completed_at: float | None = None
 
 
 @dataclass
@@ -61,6 +36,7 @@ class Op:
     args: dict
     future: Future
     tokens: int = 0  # what it costs its tenant's share (rows' tokens; 0 for barriers)
+    submitted: float = field(default_factory=time.monotonic)  # for the queue-wait metric
 
 
 class RateLimited(UserError):
@@ -71,7 +47,7 @@ class Draining(Exception):
     """The daemon is stopping (hot restart): come back shortly (HTTP 503, retried)."""
 
 
-class Service:
+class Service(FutureBook):
     def __init__(self, config: Config, store):
         self.config = config
         self.store = store
@@ -86,6 +62,9 @@ class Service:
         self._task: asyncio.Task | None = None
         self._stepping = False
         self.stopping = asyncio.Event()  # set at shutdown: long polls return at once
+        self.intake_paused = False  # `twinkled ctl drain`: new work gets a 503
+        self.metrics = Metrics(self)
+        self.workers.on_restart = self.metrics.worker_restarts.inc
         self.damaged: list[dict] = []  # checkpoints found damaged at start-up
 
     # -- life cycle -------------------------------------------------------------------
@@ -101,12 +80,22 @@ class Service:
             log.warning("checkpoint %s was cut short by a stop; marked corrupt", c["tinker_path"])
         if failed:
             log.warning("%d requests were cut short by the last stop", failed)
+        self._advertise()
         loop = asyncio.get_running_loop()
         # Hashing can take a while on a big data dir: off the event loop (healthz answers).
         self.damaged = await loop.run_in_executor(None, verify_checkpoints, self.store,
                                                   self.config.data_dir)
         self._task = loop.create_task(self._run())
         self._janitor = loop.create_task(self._housekeeping())
+
+    def _advertise(self) -> None:
+        """<data_dir>/daemon.json tells `twinkled ctl` where this daemon answers."""
+        import os
+
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        info = {"url": f"http://{host}:{self.config.port}", "pid": os.getpid()}
+        (self.config.data_dir / "daemon.json").write_text(json.dumps(info))
 
     async def _housekeeping(self, every: float = 2.0) -> None:
         """Tenant settings and the status row every few seconds; old results and expired
@@ -141,6 +130,8 @@ class Service:
         """healthz's status: "ok" when requests run now ("restarting" while workers do)."""
         if self.state == "ready" and self.workers.recovering:
             return "restarting"
+        if self.state == "ready" and self.intake_paused:
+            return "draining"
         return "ok" if self.state == "ready" else self.state
 
     @property
@@ -203,6 +194,19 @@ class Service:
             except Exception:
                 log.exception("persisting live adapters at shutdown failed")
         await self.workers.stop()
+        (self.config.data_dir / "daemon.json").unlink(missing_ok=True)
+
+    async def drain(self, timeout: float = 600.0, undo: bool = False) -> dict:
+        """Stop taking new work and wait (up to `timeout`) until nothing queued can run."""
+        self.intake_paused = not undo
+        if undo:
+            return {"drained": False, "queued": 0}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (self._stepping or not self.planner.idle()) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        queued = sum(t["queued_requests"] for t in self.planner.status().values())
+        return {"drained": not self._stepping and self.planner.idle(), "queued": queued}
 
     async def close(self) -> None:
         for task in (self._task, getattr(self, "_janitor", None), getattr(self, "_watch", None)):
@@ -210,53 +214,6 @@ class Service:
                 task.cancel()
         if self.state != "draining":
             await self.workers.stop()
-
-    # -- futures ----------------------------------------------------------------------
-
-    def new_future(self, tenant: str, kind: str, encode: Encoder) -> Future:
-        f = Future(f"req-{uuid.uuid4().hex}", tenant, kind, encode)
-        self.futures[f.id] = f
-        self.store.create_future(f.id, tenant, kind)
-        return f
-
-    def resolve(self, f: Future, result: Any) -> None:
-        try:
-            f.payload, f.content_type = f.encode(result)
-        except Exception as e:  # an encoder bug must not leave the client polling forever
-            log.exception("encoding a %s result failed", f.kind)
-            return self.fail(f, f"server error encoding the result: {e}", "server")
-        f.completed_at = time.time()
-        self.store.complete_future(f.id, f.payload, f.content_type)
-        f.done.set()
-
-    def fail(self, f: Future, message: str, category: str) -> None:
-        f.error = (message, category)
-        f.completed_at = time.time()
-        self.store.fail_future(f.id, message, category)
-        f.done.set()
-
-    def get_future(self, tenant: str, future_id: str) -> Future:
-        """A live future, or one from before a restart (read back from the store)."""
-        f = self.futures.get(future_id)
-        if f is None:
-            row = self.store.get_future(future_id)
-            if row is not None and row["status"] != "pending":
-                f = Future(row["id"], row["tenant"], row["kind"], encode=None)
-                f.payload, f.content_type = row["result"], row["content_type"]
-                if row["status"] == "error":
-                    body = json.loads(row["result"])
-                    f.error = (body["error"], body["category"])
-                f.done.set()
-        if f is None or f.tenant != tenant:  # another tenant's id is simply not found
-            raise NotFound(f"no request {future_id!r}")
-        return f
-
-    def purge_futures(self, keep_seconds: float = 600.0) -> None:
-        """Forget results older than `keep_seconds` (at least 5 minutes after completion)."""
-        cutoff = time.time() - keep_seconds
-        for fid in [k for k, f in self.futures.items() if f.completed_at and f.completed_at < cutoff]:
-            del self.futures[fid]
-        self.store.purge_futures(keep_seconds)
 
     # -- submitting -------------------------------------------------------------------
 
@@ -267,9 +224,9 @@ class Service:
         a sample is refused with RateLimited (429), which the client backs off from."""
         if self.state == "failed":
             raise UserError(f"the model failed to load: {self.load_error}")
-        if self.state == "draining":
-            self._drop(op.future, "the daemon is restarting")
-            raise Draining("the daemon is restarting; retry shortly")
+        if self.state == "draining" or self.intake_paused:
+            self._drop(op.future, "the daemon is draining")
+            raise Draining("the daemon is draining for maintenance or a restart; retry shortly")
         tenant = op.future.tenant
         work = Work(op.future.id, tenant, op.kind, op.tokens, op.model_id, op.seq_id, op,
                     parts=op.args.get("parts"))
@@ -434,6 +391,9 @@ class Service:
                 # A retry of a recent request still finds its future; older ones are let go.
                 self.seq_index.pop((op.model_id, op.seq_id - 1000), None)
         self._stepping = True
+        started = time.monotonic()
+        for op in batch:
+            self.metrics.queue_wait.observe(started - op.submitted)
         try:
             outcomes = await self.workers.run_ops(kind, batch)
         except Exception as e:  # a bug: fail this step, keep serving
@@ -441,8 +401,10 @@ class Service:
             outcomes = [(None, f"server error: {type(e).__name__}: {e}", "server")] * len(batch)
         finally:
             self._stepping = False
+            self.metrics.step_seconds.labels(kind).observe(time.monotonic() - started)
         for op, (result, message, category) in zip(batch, outcomes, strict=True):
             self._track_live(op, message)
+            self._count_tokens(op, result, message)
             if "piece" in op.args:
                 result, message, category = self._merge_piece(op, result, message, category)
                 if result is None and message is None:
@@ -455,6 +417,17 @@ class Service:
                 self.fail(op.future, message, category)
             if op.args.get("after") is not None:
                 op.args["after"](op, result, message)
+
+    def _count_tokens(self, op: Op, result, message: str | None) -> None:
+        if message is not None:
+            return
+        tenant = op.future.tenant
+        if op.kind == "fwdbwd":
+            rows = op.args["request"].data
+            self.metrics.tokens_trained.labels(tenant).inc(sum(len(d.tokens) for d in rows))
+        elif op.kind == "sample":
+            made = sum(len(s.tokens) for s in result.sequences)
+            self.metrics.tokens_sampled.labels(tenant).inc(made)
 
     def _track_live(self, op: Op, message: str | None) -> None:
         """The store knows which adapters are live, so a restart brings them back."""

@@ -53,6 +53,7 @@ class WorkerClient:
         self._lock = asyncio.Lock()  # one step (or one recovery) at a time
         self._stopping = False
         self.recovering = False  # the group is being restarted (healthz says "restarting")
+        self.on_restart = lambda: None  # the metrics count restarts
 
     @property
     def model_info(self) -> dict:
@@ -119,6 +120,7 @@ class WorkerClient:
             while True:
                 try:
                     await self.group.restart()
+                    self.on_restart()
                     failed = await self.restore(dict(self.live))
                     for model, why in failed.items():
                         log.error("adapter %s could not be restored: %s", model, why)

@@ -1,0 +1,175 @@
+"""Operating a live daemon: `twinkled ctl` through the admin endpoint, /metrics, JSON logs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import httpx
+import pytest
+from daemon import Daemon
+
+tinker = pytest.importorskip("tinker")
+T = 120
+
+
+def ctl(data_dir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data_dir),
+                           *args], capture_output=True, text=True, check=check, timeout=120)
+
+
+def ctl_json(data_dir: Path, *args: str):
+    return json.loads(ctl(data_dir, *args, "--json").stdout)
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ops_daemon(tiny_dir, tmp_path_factory):
+    data = tmp_path_factory.mktemp("ops")
+    d = Daemon(tiny_dir, data, data / "twinkled.log", "--log-format", "json")
+    yield d
+    d.stop()
+
+
+def _train(url: str, key: str, tiny_dir: Path):
+    sc = tinker.ServiceClient(base_url=url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=T)
+    ids = tc.get_tokenizer()("the sun and the sea are big.").input_ids
+    datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+                               loss_fn_inputs={"target_tokens": ids[1:]})
+    tc.forward_backward([datum], "cross_entropy").result(timeout=T)
+    tc.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result(timeout=T)
+    return tc, datum
+
+
+def test_ctl_key_round_trip_and_revocation(ops_daemon, tiny_dir):
+    data = ops_daemon.data_dir
+    assert json.loads((data / "daemon.json").read_text())["url"] == ops_daemon.url
+    assert (data / "admin.key").stat().st_mode & 0o777 == 0o600
+    made = ctl_json(data, "keys", "create", "--tenant", "olga")
+    assert made["tenant"] == "olga" and made["key"].startswith("tml-")
+    tc, datum = _train(ops_daemon.url, made["key"], tiny_dir)
+    listed = ctl_json(data, "keys", "list", "--tenant", "olga")
+    assert len(listed) == 1 and listed[0]["revoked_at"] is None
+    ctl(data, "keys", "revoke", listed[0]["key_prefix"])
+    assert ctl_json(data, "keys", "list", "--tenant", "olga")[0]["revoked_at"] is not None
+    with pytest.raises(tinker.AuthenticationError):  # the very next call: 401
+        tc.forward_backward([datum], "cross_entropy").result(timeout=T)
+
+
+def test_status_runs_and_checkpoints_through_ctl(ops_daemon, tiny_dir):
+    data = ops_daemon.data_dir
+    key = ctl_json(data, "keys", "create", "--tenant", "pia")["key"]
+    tc, _ = _train(ops_daemon.url, key, tiny_dir)
+    path = tc.save_state("s1").result(timeout=T).path
+    status = ctl_json(data, "status")
+    assert status["state"] == "ready" and status["model"] == tiny_dir.name
+    assert status["workers"][0]["alive"] and status["workers"][0]["device"] == "cpu"
+    assert status["tenants"]["pia"]["served_tokens"] > 0
+    text = ctl(data, "status").stdout
+    assert "rank 0 cpu" in text and "pia" in text
+    runs = ctl_json(data, "runs", "list", "--tenant", "pia")
+    assert [r["id"] for r in runs] == [tc.model_id] and runs[0]["live"]
+    shown = ctl_json(data, "runs", "show", tc.model_id)
+    assert [c["tinker_path"] for c in shown["checkpoints"]] == [path]
+    assert ctl_json(data, "checkpoints", "list", "--run", tc.model_id)[0]["status"] == "ready"
+    ctl(data, "checkpoints", "delete", path)
+    assert ctl_json(data, "checkpoints", "list", "--run", tc.model_id) == []
+    ctl(data, "runs", "delete", tc.model_id)
+    assert ctl_json(data, "runs", "list", "--tenant", "pia") == []
+    bad = ctl(data, "runs", "show", "nope", check=False)
+    assert bad.returncode != 0 and "no training run 'nope'" in bad.stderr
+
+
+def test_admin_endpoint_needs_the_admin_key(ops_daemon):
+    for headers in ({}, {"X-Admin-Key": "twa-wrong"}):
+        req = urllib.request.Request(f"{ops_daemon.url}/admin/v1/status", data=b"{}",
+                                     headers=headers, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 401
+    key = (ops_daemon.data_dir / "admin.key").read_text().strip()
+    r = httpx.post(f"{ops_daemon.url}/admin/v1/format_disk", json={},
+                   headers={"X-Admin-Key": key})
+    assert r.status_code == 400 and "unknown admin command" in r.json()["detail"]
+
+
+def test_metrics_move_with_training(ops_daemon, tiny_dir):
+    data = ops_daemon.data_dir
+    key = ctl_json(data, "keys", "create", "--tenant", "quinn")["key"]
+    before = scrape(ops_daemon.url)
+    _train(ops_daemon.url, key, tiny_dir)
+    after = scrape(ops_daemon.url)
+    trained = 'twinkle_tokens_trained_total{tenant="quinn"}'
+    assert before.get(trained, 0.0) == 0.0 and after[trained] > 0
+    steps = 'twinkle_step_seconds_count{kind="train"}'
+    assert after[steps] > before.get(steps, 0.0)
+    assert after["twinkle_queue_wait_seconds_count"] > before["twinkle_queue_wait_seconds_count"]
+    assert after["twinkle_adapters_loaded"] >= 1 and after["twinkle_up"] == 1.0
+    assert after["twinkle_worker_restarts_total"] == 0.0
+    assert 'twinkle_gpu_memory_bytes{device="cpu",rank="0"}' in after
+    ok = 'twinkle_requests_total{route="/api/v1/forward_backward",status="200"}'
+    assert after[ok] > before.get(ok, 0.0)
+
+
+def test_drain_refuses_new_work_then_undo(ops_daemon, tiny_dir):
+    data = ops_daemon.data_dir
+    key = ctl_json(data, "keys", "create", "--tenant", "rosa")["key"]
+    assert ctl_json(data, "drain", "--timeout", "30")["drained"] is True
+    assert ops_daemon.health()["status"] == "draining"
+    with httpx.Client(base_url=f"{ops_daemon.url}/api/v1", headers={"X-API-Key": key}) as h:
+        sid = h.post("/create_session", json={}).json()["session_id"]
+        r = h.post("/create_model", json={"session_id": sid, "model_seq_id": 0,
+                                          "base_model": tiny_dir.name,
+                                          "lora_config": {"rank": 4}})
+        assert r.status_code == 503 and "draining" in r.json()["detail"]
+    ctl(data, "drain", "--undo")
+    assert ops_daemon.health()["status"] == "ok"
+    _train(ops_daemon.url, key, tiny_dir)
+
+
+def test_log_lines_are_json_with_the_request_fields(ops_daemon):
+    ops_daemon.health()
+    lines = [json.loads(x) for x in ops_daemon.log_path.read_text().splitlines()
+             if x.startswith("{")]
+    requests = [x for x in lines if "request_id" in x]
+    assert requests, "no request lines"
+    h = next(x for x in requests if x["route"] == "/api/v1/healthz")
+    assert h["status"] == 200 and h["method"] == "GET" and re.fullmatch(r"[0-9a-f]{12}",
+                                                                          h["request_id"])
+    assert any(x["tenant"] == "(admin)" for x in requests)
+
+
+def test_ctl_without_a_daemon_uses_the_data_dir(tmp_path):
+    made = ctl_json(tmp_path, "keys", "create", "--tenant", "sam")
+    assert ctl_json(tmp_path, "keys", "list")[0]["tenant"] == "sam" and made["key"]
+    down = ctl(tmp_path, "status", check=False)
+    assert down.returncode != 0 and "needs the running daemon" in down.stderr
+
+
+def test_config_check_cli(tmp_path):
+    good = Path(__file__).resolve().parents[1] / "ops" / "twinkled.toml"
+    ok = subprocess.run([sys.executable, "-m", "twinkled", "config", "check", str(good)],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip() == "ok"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('prot = 8000\ntoken_budget = "big"\n')
+    out = subprocess.run([sys.executable, "-m", "twinkled", "config", "check", str(bad)],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and "prot" in out.stdout and "port" in out.stdout
+    assert "token_budget" in out.stdout

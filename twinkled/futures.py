@@ -1,0 +1,94 @@
+"""Futures: what a client polls for the result of an operation that runs later.
+
+A future lives in memory while it is wanted and in the store for good (a restart keeps the
+results, and turns the ones it cut short into clear errors). `FutureBook` holds them for
+the service; its owner (`self.store`, `self.futures`) is the Service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("twinkled")
+
+# encode(result) -> (payload bytes, content type); chosen by the protocol layer at submit.
+Encoder = Callable[[Any], tuple[bytes, str]]
+
+
+class UserError(ValueError):
+    """The client's fault: answered as a 4xx at submit, or as category "user" later."""
+
+
+class NotFound(UserError):
+    pass
+
+
+@dataclass
+class Future:
+    id: str
+    tenant: str
+    kind: str
+    encode: Encoder
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    payload: bytes | None = None
+    content_type: str = "application/json"
+    error: tuple[str, str] | None = None  # (message, category)
+    completed_at: float | None = None
+
+
+class FutureBook:
+    futures: dict[str, Future]
+    store: Any
+
+    def new_future(self, tenant: str, kind: str, encode: Encoder) -> Future:
+        f = Future(f"req-{uuid.uuid4().hex}", tenant, kind, encode)
+        self.futures[f.id] = f
+        self.store.create_future(f.id, tenant, kind)
+        return f
+
+    def resolve(self, f: Future, result: Any) -> None:
+        try:
+            f.payload, f.content_type = f.encode(result)
+        except Exception as e:  # an encoder bug must not leave the client polling forever
+            log.exception("encoding a %s result failed", f.kind)
+            return self.fail(f, f"server error encoding the result: {e}", "server")
+        f.completed_at = time.time()
+        self.store.complete_future(f.id, f.payload, f.content_type)
+        f.done.set()
+
+    def fail(self, f: Future, message: str, category: str) -> None:
+        f.error = (message, category)
+        f.completed_at = time.time()
+        self.store.fail_future(f.id, message, category)
+        f.done.set()
+
+    def get_future(self, tenant: str, future_id: str) -> Future:
+        """A live future, or one from before a restart (read back from the store)."""
+        f = self.futures.get(future_id)
+        if f is None:
+            row = self.store.get_future(future_id)
+            if row is not None and row["status"] != "pending":
+                f = Future(row["id"], row["tenant"], row["kind"], encode=None)
+                f.payload, f.content_type = row["result"], row["content_type"]
+                if row["status"] == "error":
+                    body = json.loads(row["result"])
+                    f.error = (body["error"], body["category"])
+                f.done.set()
+        if f is None or f.tenant != tenant:  # another tenant's id is simply not found
+            raise NotFound(f"no request {future_id!r}")
+        return f
+
+    def purge_futures(self, keep_seconds: float = 600.0) -> None:
+        """Forget results older than `keep_seconds` (at least 5 minutes after completion)."""
+        cutoff = time.time() - keep_seconds
+        for fid in [k for k, f in self.futures.items() if f.completed_at and f.completed_at < cutoff]:
+            del self.futures[fid]
+        self.store.purge_futures(keep_seconds)
+

@@ -1,0 +1,65 @@
+"""What `GET /metrics` reports, in Prometheus text format (prometheus_client).
+
+One registry per daemon. The service counts tokens as steps finish and times steps and
+queue waits; gauges (queue depth, adapters, GPU memory) are read from the live state at
+scrape time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120)
+
+
+class Metrics:
+    def __init__(self, service: Any):
+        self.registry = r = CollectorRegistry()
+        self.tokens_trained = Counter("twinkle_tokens_trained", "Tokens of forward/backward "
+                                      "rows run, per tenant", ["tenant"], registry=r)
+        self.tokens_sampled = Counter("twinkle_tokens_sampled", "Tokens generated, per tenant",
+                                      ["tenant"], registry=r)
+        self.requests = Counter("twinkle_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.step_seconds = Histogram("twinkle_step_seconds", "Time of one engine step on the "
+                                      "workers, by kind", ["kind"], buckets=_STEP_BUCKETS,
+                                      registry=r)
+        self.queue_wait = Histogram("twinkle_queue_wait_seconds", "Time from submit to the "
+                                    "start of the step that runs it", buckets=_WAIT_BUCKETS,
+                                    registry=r)
+        self.worker_restarts = Counter("twinkle_worker_restarts", "Worker group restarts "
+                                       "after a fault", registry=r)
+        r.register(_Live(service))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Live:
+    """Gauges read from the service at scrape time."""
+
+    def __init__(self, service: Any):
+        self.service = service
+
+    def collect(self):
+        svc = self.service
+        depth = GaugeMetricFamily("twinkle_queue_depth", "Requests queued (or held back by "
+                                  "quota), per tenant", labels=["tenant"])
+        for name, t in svc.planner.status().items():
+            depth.add_metric([name], t["queued_requests"])
+        yield depth
+        yield GaugeMetricFamily("twinkle_adapters_loaded", "Training adapters loaded",
+                                value=len(svc.planner.models))
+        memory = GaugeMetricFamily("twinkle_gpu_memory_bytes", "Device memory allocated by "
+                                   "the engine after the last step, per worker rank",
+                                   labels=["rank", "device"])
+        for w in svc.workers.group.status():
+            memory.add_metric([str(w["rank"]), w["device"]], w["memory_bytes"])
+        yield memory
+        yield GaugeMetricFamily("twinkle_up", "1 when the daemon serves requests now",
+                                value=1.0 if svc.health == "ok" else 0.0)
