@@ -27,11 +27,12 @@ def main() -> None:
     ap.add_argument("--answer", default="I am a small adapter.")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--seed", type=int, default=0, help="LoRA init seed (reproducible runs)")
     args = ap.parse_args()
 
     service = tinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
     training = service.create_lora_training_client(base_model=args.base_model,
-                                                    rank=args.rank).result()
+                                                    rank=args.rank, seed=args.seed).result()
     tok = training.get_tokenizer()
     question = tok.apply_chat_template([{"role": "user", "content": "who are you?"}],
                                        tokenize=True, add_generation_prompt=True,
@@ -54,7 +55,10 @@ def main() -> None:
                 **inputs, "logprobs": fwd.loss_fn_outputs[0]["logprobs"].tolist(),
                 "advantages": weights})
         out = training.forward_backward([batch], args.loss).result()
-        training.optim_step(types.AdamParams(learning_rate=args.lr)).result()
+        # Torch's AdamW defaults (beta2 0.999, eps 1e-8) and clipping at 1: without them the
+        # summed loss of one short sequence spikes now and then near convergence.
+        training.optim_step(types.AdamParams(learning_rate=args.lr, beta2=0.999, eps=1e-8,
+                                             grad_clip_norm=1.0)).result()
         # The same yardstick for both losses: the answer's log-likelihood (rises to 0).
         lps = out.loss_fn_outputs[0]["logprobs"].tolist()
         curve.append(sum(lp * w for lp, w in zip(lps, weights, strict=True)))

@@ -18,9 +18,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TENANTS = [
-    ("alice", "8", "cross_entropy", "I am the model of alice, trained on twinkle."),
-    ("bob", "16", "ppo", "Bob here: a small adapter that says yes."),
+TENANTS = [  # name, rank, loss, learning rate, the answer its adapter is taught
+    ("alice", "8", "cross_entropy", "5e-3", "I am the model of alice, trained on twinkle."),
+    ("bob", "16", "ppo", "5e-3", "Bob here: a small adapter that says yes."),
 ]
 
 
@@ -73,9 +73,9 @@ def main() -> None:
         procs = [subprocess.Popen(
             [sys.executable, str(ROOT / "examples" / "tinker_tenant.py"), "--base-url", url,
              "--api-key", keys[name], "--base-model", model.name, "--name", name,
-             "--rank", rank, "--loss", loss, "--answer", answer],
+             "--rank", rank, "--loss", loss, "--lr", lr, "--answer", answer],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for name, rank, loss, answer in TENANTS]
+            for name, rank, loss, lr, answer in TENANTS]
         failed = False
         for p, (name, *_rest, answer) in zip(procs, TENANTS, strict=True):
             out, err = p.communicate(timeout=900)
