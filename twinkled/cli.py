@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import click
@@ -62,6 +63,28 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, dty
     web.run_app(make_app(Service(cfg, store), store, admin_key), host=cfg.host, port=cfg.port,
                 print=lambda s: click.echo(s, err=True),
                 auto_decompress=False)
+    logging.getLogger("twinkled").info("stopped")
+    _exit_within(10.0)
+
+
+def _exit_within(seconds: float) -> None:
+    """Everything is persisted by now; if some thread still holds the interpreter open,
+    say which (stack dump in the log) and exit anyway, so that a stop never waits for a
+    SIGKILL."""
+    import faulthandler
+    import os
+    import sys
+    import threading
+
+    def stuck() -> None:
+        logging.getLogger("twinkled").error("exit held up for %.0f s by a thread; stacks:",
+                                            seconds)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(0)
+
+    timer = threading.Timer(seconds, stuck)
+    timer.daemon = True
+    timer.start()
 
 
 main.add_command(ctl)

@@ -195,6 +195,7 @@ class Service(FutureBook):
                 log.exception("persisting live adapters at shutdown failed")
         await self.workers.stop()
         (self.config.data_dir / "daemon.json").unlink(missing_ok=True)
+        log.info("workers stopped; closing connections")
 
     async def drain(self, timeout: float = 600.0, undo: bool = False) -> dict:
         """Stop taking new work and wait (up to `timeout`) until nothing queued can run."""
