@@ -201,8 +201,9 @@ def test_sigterm_is_a_hot_restart(tiny_dir, tmp_path):
 def test_sigkill_rolls_back_to_persisted_state_and_quarantines_damage(tiny_dir, tmp_path):
     key = make_key(tmp_path, "dave")
     d = Daemon(tiny_dir, tmp_path, tmp_path / "log1")
-    tc = tinker.ServiceClient(base_url=d.url, api_key=key).create_lora_training_client(
-        base_model=tiny_dir.name, rank=4, seed=6).result(timeout=T)
+    sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                        seed=6).result(timeout=T)
     data = _data(tc.get_tokenizer())
     _step(tc, data)
     ckpt = tc.save_state("c1").result(timeout=T).path
@@ -236,7 +237,7 @@ def test_sigkill_rolls_back_to_persisted_state_and_quarantines_damage(tiny_dir, 
         assert ckpt in listed.stdout and "sha256" in listed.stdout
         assert not os.path.exists(directory)  # moved aside, never served
         with pytest.raises(Exception, match="corrupt"):
-            tinker.ServiceClient(base_url=d2.url, api_key=key).create_training_client_from_state(
-                ckpt).result(timeout=T)
+            sc.create_training_client_from_state(ckpt).result(timeout=T)
     finally:
+        sc.close("success").result(timeout=T)  # while the daemon is up: later, it retries ~30 s
         d2.stop()
