@@ -160,6 +160,20 @@ def test_ctl_without_a_daemon_uses_the_data_dir(tmp_path):
     assert ctl_json(tmp_path, "keys", "list")[0]["tenant"] == "sam" and made["key"]
     down = ctl(tmp_path, "status", check=False)
     assert down.returncode != 0 and "needs the running daemon" in down.stderr
+    drain = ctl(tmp_path, "drain", check=False)
+    assert drain.returncode != 0 and "needs the running daemon" in drain.stderr
+
+
+def test_status_of_a_stopped_daemon_is_its_last_one(tiny_dir, tmp_path):
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log")
+    assert ctl_json(tmp_path, "status")["running"] is True
+    import time
+
+    time.sleep(2.5)  # the status row is written every 2 s
+    d.stop()
+    last = ctl_json(tmp_path, "status")
+    assert last["running"] is False and last["model"] == tiny_dir.name and last["age_seconds"] >= 0
+    assert "NOT RUNNING" in ctl(tmp_path, "status").stdout
 
 
 def test_config_check_cli(tmp_path):

@@ -147,9 +147,16 @@ class Admin:
     # -- the daemon ---------------------------------------------------------------------
 
     def status(self) -> dict:
-        if self.service is None:
-            raise AdminError("no daemon answers: status needs the running daemon")
-        return self.service.status()
+        """The daemon's status; with none answering, the last one it wrote (every 2 s),
+        marked `running: false` with its age, so a crashed daemon's last state shows."""
+        if self.service is not None:
+            return {**self.service.status(), "running": True}
+        row = self.store.get_status()
+        if row is None:
+            raise AdminError("no daemon answers, and none has run on this data directory: "
+                             "status needs the running daemon")
+        return {**row["body"], "running": False,
+                "age_seconds": round(time.time() - row["updated"], 1)}
 
     def drain(self, **_args) -> dict:
         """Served by the daemon itself (Service.drain); here only when none answers."""

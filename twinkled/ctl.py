@@ -277,6 +277,9 @@ def checkpoints_delete(target: Target, path: str, as_json: bool) -> None:
 def status(target: Target, as_json: bool) -> None:
     """Model, devices, workers and memory, queues, and each tenant's share."""
     def render(s):
+        if not s.get("running", True):
+            click.echo(f"NOT RUNNING: no daemon answers; last status written "
+                       f"{s['age_seconds']} s ago:")
         click.echo(f"model {s['model']} ({s['state']}), {s['adapters']} adapters, "
                    f"{s['steps']} steps, worker restarts {s['restarts']}")
         for w in s["workers"]:
