@@ -85,13 +85,12 @@ class Persister:
     def flush(self, adapters: dict[str, Adapter], timeout: float = 300.0) -> bool:
         """Everything changed is on disk when this returns True."""
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
+        if not self._wait_idle(deadline):
+            return False
         self.pump(adapters, limit=None)
+        return self._wait_idle(deadline)
+
+    def _wait_idle(self, deadline: float) -> bool:
         with self._cond:
             while self._queue or self._busy:
                 left = deadline - time.monotonic()
