@@ -3,6 +3,7 @@ worker would, and killed workers or daemons lose nothing that was acknowledged."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -241,3 +242,35 @@ def test_sigkill_rolls_back_to_persisted_state_and_quarantines_damage(tiny_dir, 
     finally:
         sc.close("success").result(timeout=T)  # while the daemon is up: later, it retries ~30 s
         d2.stop()
+
+
+def test_idle_adapters_are_unloaded_and_come_back_on_their_next_request(tiny_dir, tmp_path):
+    cfg = tmp_path / "twinkled.toml"
+    cfg.write_text("idle_unload_s = 1.0\n")
+    key = make_key(tmp_path, "ida")
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--config", str(cfg))
+    try:
+        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+        tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                            seed=8).result(timeout=T)
+        data = _data(tc.get_tokenizer())
+        _step(tc, data)
+        want = _logprobs(tc, data)
+        deadline = time.time() + 30
+        status = {}
+        while time.time() < deadline:
+            status = json.loads(subprocess.run(
+                [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(tmp_path), "status",
+                 "--json"], capture_output=True, text=True, check=True).stdout)
+            if status["adapters"] == 0:
+                break
+            time.sleep(0.5)
+        assert status["adapters"] == 0, "the idle adapter was not unloaded"
+        assert "unloaded after" in (tmp_path / "log").read_text()
+        # Its next request reloads it: same weights, and training (and seq_ids) go on.
+        assert _logprobs(tc, data) == want
+        _step(tc, data)
+        assert _logprobs(tc, data) != want
+        sc.close("success").result(timeout=T)
+    finally:
+        d.stop()

@@ -57,6 +57,13 @@ def own_run(request, run_id: str) -> dict:
 
 
 
+async def loaded_run(request, run_id: str) -> dict:
+    """own_run, with its adapter brought back first if it was unloaded while idle."""
+    run = own_run(request, run_id)
+    await service(request).ensure_loaded(run)
+    return run
+
+
 def check_base_model(request, name: str | None) -> None:
     served = service(request).config.served_name
     if name is not None and name != served:

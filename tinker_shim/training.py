@@ -16,6 +16,7 @@ from .common import (
     future_response,
     json_body,
     json_payload,
+    loaded_run,
     own_checkpoint,
     own_run,
     own_session,
@@ -86,7 +87,7 @@ async def forward_backward(request):
                                              request.headers.get("Content-Encoding"))
     except codec.CodecError as e:
         raise UserError(str(e)) from None
-    run = own_run(request, call.model_id)
+    run = await loaded_run(request, call.model_id)
     svc = service(request)
     data = [Datum(d.tokens, {k: t.values for k, t in d.loss_fn_inputs.items()})
             for d in call.data]
@@ -104,7 +105,7 @@ async def optim_step(request):
     from twinkled.engine.types import AdamParams
 
     body = await json_body(request)
-    run = own_run(request, field(body, "model_id"))
+    run = await loaded_run(request, field(body, "model_id"))
     if "adam_params" not in body:
         raise UserError("only adam_params (AdamW) is supported")
     ap = body["adam_params"] or {}
@@ -149,7 +150,7 @@ def _save(request, run: dict, name: str, kind: str, optimizer: bool, seq_id: int
 
 async def save_weights(request):
     body = await json_body(request)
-    run = own_run(request, field(body, "model_id"))
+    run = await loaded_run(request, field(body, "model_id"))
     name = field(body, "path")
     path = checkpoint_path(run["id"], "weights", name)
     f = _save(request, run, name, "weights", True, field(body, "seq_id", int),
@@ -160,7 +161,7 @@ async def save_weights(request):
 
 async def save_weights_for_sampler(request):
     body = await json_body(request)
-    run = own_run(request, field(body, "model_id"))
+    run = await loaded_run(request, field(body, "model_id"))
     seq = field(body, "seq_id", int)
     if body.get("path"):
         name = body["path"]
@@ -188,7 +189,7 @@ async def load_weights(request):
     ckpt = own_checkpoint(request, field(body, "path"))
     optimizer = bool(body.get("optimizer", False))
     if "model_id" in body:  # legacy: load into an existing model, in its seq order
-        run = own_run(request, body["model_id"])
+        run = await loaded_run(request, body["model_id"])
         seq = field(body, "seq_id", int)
     else:  # create-via-load: the model is "<session>:train:<model_seq_id>", seq 0
         s = own_session(request, field(body, "session_id"))

@@ -24,6 +24,7 @@ class Config:
     workers: int = 1  # ranks when `devices` is not given (CPU boxes: gloo workers)
     worker_threads: int = 0  # torch threads per CPU worker (0: cores / workers)
     persist_every: int = 1  # persist live adapters after every N-th optimizer step
+    idle_unload_s: float = 1800.0  # unload an adapter idle this long (0: never); it comes back on its next request
     step_timeout_s: float = 900.0  # a step not answered by then restarts the worker group
     drain_timeout_s: float = 60.0  # SIGTERM: time for queued work before it is failed
     max_rank: int = 128

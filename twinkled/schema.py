@@ -18,7 +18,7 @@ CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler",
                     "external_weights": "external"}
 MIN_FUTURE_TTL_S = 300.0  # a completed future stays readable at least this long
 JSON_COLS = ("user_metadata", "lora_config")
-BOOL_COLS = ("corrupted", "deleted", "public", "live")
+BOOL_COLS = ("corrupted", "deleted", "public", "live", "idle_unloaded")
 # table -> (columns, primary key, defaults). Flags are 0/1 ints, JSON columns are text.
 SCHEMA: dict[str, tuple[dict[str, type], str, dict[str, Any]]] = {
     # Quotas are NULL for "unlimited" (or the config file's default).
@@ -39,8 +39,8 @@ SCHEMA: dict[str, tuple[dict[str, type], str, dict[str, Any]]] = {
               "user_metadata": str, "corrupted": int, "deleted": int,
               # live: its adapter is loaded (restored at start-up from data_dir/live/);
               # next_seq: set by a hot restart, so the run's seq_ids continue exactly.
-              "live": int, "next_seq": int}, "id",
-             {"corrupted": 0, "deleted": 0, "live": 0}),
+              "live": int, "next_seq": int, "idle_unloaded": int}, "id",
+             {"corrupted": 0, "deleted": 0, "live": 0, "idle_unloaded": 0}),
     "checkpoints": ({"tinker_path": str, "run_id": str, "tenant": str, "kind": str, "name": str,
                      "checkpoint_type": str, "dir": str, "size_bytes": int, "sha256": str,
                      "status": str, "error": str, "public": int, "created": float,

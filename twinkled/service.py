@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 from scheduler import Limits, Planner, Work
 
 from .config import Config
-from .engine.types import LoraConfig
 from .futures import Encoder, Future, FutureBook, NotFound, UserError  # noqa: F401
 from .metrics import Metrics
+from .residency import Residency
 from .verify import verify_checkpoints
 from .worker_client import WorkerClient
 
@@ -47,7 +47,7 @@ class Draining(Exception):
     """The daemon is stopping (hot restart): come back shortly (HTTP 503, retried)."""
 
 
-class Service(FutureBook):
+class Service(FutureBook, Residency):
     def __init__(self, config: Config, store):
         self.config = config
         self.store = store
@@ -64,6 +64,7 @@ class Service(FutureBook):
         self.stopping = asyncio.Event()  # set at shutdown: long polls return at once
         self.intake_paused = False  # `twinkled ctl drain`: new work gets a 503
         self.metrics = Metrics(self)
+        self._model_locks: dict[str, asyncio.Lock] = {}  # idle unload vs reload of a model
         self.workers.on_restart = self.metrics.worker_restarts.inc
         self.damaged: list[dict] = []  # checkpoints found damaged at start-up
 
@@ -107,6 +108,7 @@ class Service(FutureBook):
             try:
                 self.refresh_tenants()
                 self.store.put_status(self.status())
+                await self._unload_idle()
                 if ticks % 30 == 0:
                     self.purge_futures()
                     for c in self.store.expired_checkpoints():
@@ -149,25 +151,6 @@ class Service(FutureBook):
         except Exception as e:  # the daemon keeps answering healthz with the reason
             self.state, self.load_error = "failed", f"{type(e).__name__}: {e}"
             log.exception("model load failed")
-
-    async def _restore_runs(self) -> None:
-        """Adapters live at the last stop, from their persisted state. After a hot restart
-        their seq_ids continue exactly; after a crash the first request resumes them."""
-        runs = self.store.live_runs()
-        configs = {r["id"]: LoraConfig(**{k: v for k, v in (r["lora_config"] or {}).items()
-                                          if k in LoraConfig.__dataclass_fields__})
-                   for r in runs}
-        failed = await self.workers.restore(configs)
-        for r in runs:
-            if r["id"] in failed:
-                log.error("run %s could not be restored: %s", r["id"], failed[r["id"]])
-                self.store.set_run_live(r["id"], False)
-                continue
-            self.planner.open_model(r["id"], r["tenant"], r["next_seq"] or 1,
-                                    resync=r["next_seq"] is None)
-            self.store.set_run_live(r["id"], True)  # forget next_seq: a crash resyncs
-        if runs:
-            log.info("restored %d adapter(s)", len(runs) - len(failed))
 
     async def shutdown(self) -> None:
         """SIGTERM: stop taking work, let queued work run (up to `drain_timeout_s`), fail

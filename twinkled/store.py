@@ -273,9 +273,18 @@ class Store:
         return self._write("UPDATE runs SET corrupted = ? WHERE id = ?",
                            (int(corrupted), run_id)) > 0
 
-    def set_run_live(self, run_id: str, live: bool, next_seq: int | None = None) -> bool:
-        return self._write("UPDATE runs SET live = ?, next_seq = ? WHERE id = ?",
-                           (int(live), next_seq, run_id)) > 0
+    def set_run_live(self, run_id: str, live: bool, next_seq: int | None = None,
+                     idle_unloaded: bool = False) -> bool:
+        """live: loaded now; idle_unloaded: unloaded while idle, back on its next request
+        (next_seq then says where its seq_ids continue)."""
+        return self._write("UPDATE runs SET live = ?, next_seq = ?, idle_unloaded = ? "
+                           "WHERE id = ?", (int(live), next_seq, int(idle_unloaded),
+                                            run_id)) > 0
+
+    def idle_runs(self, before: float) -> list[Row]:
+        """Loaded runs whose last request is older than `before` (unix seconds)."""
+        return self._all("SELECT * FROM runs WHERE live AND NOT deleted AND "
+                         "last_request_time < ?", [before])
 
     def live_runs(self) -> list[Row]:
         """Runs whose adapter was loaded at the last stop (to restore at start-up)."""

@@ -109,7 +109,7 @@ class WorkerClient:
         result, error, _ = outcome
         if error is None and frame.kind in ("create", "load", "restore"):
             self.live[frame.adapter_id] = config_of(result)
-        elif frame.kind == "unload":
+        elif frame.kind in ("unload", "idle_unload"):
             self.live.pop(frame.adapter_id, None)
 
     async def recover(self) -> None:
@@ -147,6 +147,17 @@ class WorkerClient:
                 failed[frame.adapter_id] = outcome[1]
                 self.live.pop(frame.adapter_id, None)
         return failed
+
+    async def unload_idle(self, model: str) -> None:
+        """Persist an idle adapter and free its memory; `restore` brings it back."""
+        async with self._lock:
+            await self.group.run(StepF(0, "barrier", [OpF("idle_unload", adapter_id=model)]))
+            self.live.pop(model, None)
+
+    async def restore_one(self, model: str, config: LoraConfig) -> str | None:
+        """Bring one adapter back between steps; the reason if it could not be."""
+        async with self._lock:
+            return (await self.restore({model: config})).get(model)
 
     async def persist_all(self) -> None:
         """Every live adapter's weights and optimizer state on disk (for a hot restart)."""

@@ -191,6 +191,14 @@ class StepRunner:
                 if self.persister is not None:
                     self.persister.forget(aid)
                 return OutcomeF(i)
+            if op.kind == "idle_unload":  # persisted first; `restore` brings it back
+                if engine.has_adapter(aid):
+                    self._persist(aid)
+                    if self.persister is not None and not self.persister.flush(
+                            engine.pool.adapters):
+                        return OutcomeF(i, error="persisting timed out", category="server")
+                    engine.remove_adapter(aid)
+                return OutcomeF(i)
             if op.kind == "persist":  # a hot restart: everything on disk before we answer
                 if engine.has_adapter(aid):
                     self._persist(aid)
