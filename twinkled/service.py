@@ -83,9 +83,10 @@ class Service(FutureBook, Residency):
             log.warning("%d requests were cut short by the last stop", failed)
         self._advertise()
         loop = asyncio.get_running_loop()
-        # Hashing can take a while on a big data dir: off the event loop (healthz answers).
-        self.damaged = await loop.run_in_executor(None, verify_checkpoints, self.store,
-                                                  self.config.data_dir)
+        # Hashing can take a while on a big data dir: in a thread, while the workers load
+        # the model and the HTTP server answers; no step runs before it is done.
+        self._verified = loop.run_in_executor(None, verify_checkpoints, self.store,
+                                              self.config.data_dir)
         self._task = loop.create_task(self._run())
         self._janitor = loop.create_task(self._housekeeping())
 
@@ -302,6 +303,10 @@ class Service(FutureBook, Residency):
 
     async def _run(self) -> None:
         await self._load()
+        try:
+            self.damaged = await self._verified
+        except Exception:  # a verification bug must not stop the daemon from serving
+            log.exception("verifying checkpoints failed")
         recent: set[str] = set()
         while True:
             await self._wait_for_clients(recent)
