@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
 import os
 import secrets
 import shutil
@@ -62,10 +63,12 @@ class Admin:
     def run(self, command: str, args: dict) -> Any:
         if command not in COMMANDS:
             raise AdminError(f"unknown admin command {command!r}; known: {', '.join(COMMANDS)}")
+        method = getattr(self, command)
         try:
-            return getattr(self, command)(**args)
-        except TypeError as e:  # wrong arguments: say which
+            inspect.signature(method).bind(**args)
+        except TypeError as e:  # wrong arguments: say which (and only those)
             raise AdminError(f"{command}: {e}") from None
+        return method(**args)
 
     # -- keys ---------------------------------------------------------------------------
 
@@ -107,10 +110,7 @@ class Admin:
     # -- runs ---------------------------------------------------------------------------
 
     def runs_list(self, tenant: str | None = None, limit: int = 1000) -> list[dict]:
-        where, params = ("WHERE tenant = ? AND NOT deleted", [tenant]) if tenant else (
-            "WHERE NOT deleted", [])
-        return self.store._all(f"SELECT * FROM runs {where} ORDER BY created DESC LIMIT ?",
-                               [*params, limit])
+        return self.store.all_runs(tenant, limit)
 
     def runs_show(self, run_id: str) -> dict:
         run = self.store.get_run(run_id)

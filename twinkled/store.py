@@ -38,9 +38,10 @@ from .schema import (  # noqa: F401 - Conflict and checkpoint_path are the store
     to_datetime,
     to_json,
 )
+from .store_futures import FutureRows
 
 
-class Store:
+class Store(FutureRows):
     """The daemon's SQLite database. Safe to share between threads (one lock, one conn)."""
 
     def __init__(self, path: Path | str) -> None:
@@ -295,6 +296,12 @@ class Store:
         """A tenant's live runs, newest first, and their total count."""
         return self._page("tenant = ? AND NOT deleted", [tenant], "runs", offset, limit)
 
+    def all_runs(self, tenant: str | None = None, limit: int = 1000) -> list[Row]:
+        """Live runs of every tenant (or one), newest first: the admin's view."""
+        where, params = ("tenant = ? AND NOT deleted", [tenant]) if tenant else ("NOT deleted", [])
+        return self._all(f"SELECT * FROM runs WHERE {where} ORDER BY created DESC LIMIT ?",
+                         [*params, limit])
+
     def delete_run(self, run_id: str) -> bool:
         """Soft delete: the id stays taken so a later run never reuses it."""
         return self._write("UPDATE runs SET deleted = 1 WHERE id = ? AND NOT deleted",
@@ -395,56 +402,3 @@ class Store:
 
     def get_sampler(self, sampler_id: str) -> Row | None:
         return self._one("SELECT * FROM samplers WHERE id = ?", [sampler_id])
-
-    # -- futures -------------------------------------------------------------------------
-
-    def create_future(self, future_id: str, tenant: str, kind: str,
-                      model_id: str | None = None, seq_id: int | None = None) -> str:
-        """Record a pending future. If (model_id, seq_id) already has one, this is a
-        client retry: nothing is created and the original id is returned."""
-        with self._lock, self.db.atomic():
-            if model_id is not None and seq_id is not None:
-                existing = self.find_future(model_id, seq_id)
-                if existing is not None:
-                    return existing
-            self.conn.execute("INSERT INTO futures (id, tenant, kind, model_id, seq_id, "
-                              "status, created) VALUES (?, ?, ?, ?, ?, 'pending', ?)",
-                              (future_id, tenant, kind, model_id, seq_id, now()))
-        return future_id
-
-    def complete_future(self, future_id: str, result: bytes, content_type: str) -> bool:
-        """Store the encoded result (JSON or protobuf bytes). The first resolution wins:
-        returns False if the future is unknown or already resolved."""
-        return self._write("UPDATE futures SET status = 'done', result = ?, "
-                           "content_type = ?, completed_at = ? WHERE id = ? AND "
-                           "status = 'pending'", (result, content_type, now(), future_id)) > 0
-
-    def fail_future(self, future_id: str, message: str, category: str = "server") -> bool:
-        """Resolve with ``{"error", "category"}`` (category "user" or "server")."""
-        return self._write("UPDATE futures SET status = 'error', result = ?, "
-                           "content_type = 'application/json', completed_at = ? "
-                           "WHERE id = ? AND status = 'pending'",
-                           (error_body(message, category), now(), future_id)) > 0
-
-    def get_future(self, future_id: str) -> Row | None:
-        return self._one("SELECT * FROM futures WHERE id = ?", [future_id])
-
-    def find_future(self, model_id: str, seq_id: int) -> str | None:
-        """The future already submitted for (model_id, seq_id), if any."""
-        row = self._one("SELECT id FROM futures WHERE model_id = ? AND seq_id = ?",
-                        [model_id, seq_id])
-        return row["id"] if row else None
-
-    def fail_pending_futures(self, message: str) -> int:
-        """At start-up: futures a crash left pending fail with a server error (the client
-        would otherwise poll them forever). Returns how many."""
-        return self._write("UPDATE futures SET status = 'error', result = ?, "
-                           "content_type = 'application/json', completed_at = ? "
-                           "WHERE status = 'pending'", (error_body(message, "server"), now()))
-
-    def purge_futures(self, older_than_seconds: float, at: float | None = None) -> int:
-        """Delete resolved futures completed more than older_than_seconds ago (never less
-        than MIN_FUTURE_TTL_S, so a client may still re-read a result). Returns how many."""
-        cutoff = (now() if at is None else at) - max(older_than_seconds, MIN_FUTURE_TTL_S)
-        return self._write("DELETE FROM futures WHERE status != 'pending' AND "
-                           "completed_at < ?", (cutoff,))
