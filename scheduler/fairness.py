@@ -19,6 +19,8 @@ class Limits:
     max_queued_tokens: int | None = None
     max_adapters: int | None = None
     max_rank: int | None = None
+    # Checkpoints + user_metadata bytes; the store enforces it (not the scheduler).
+    max_storage_bytes: int | None = None
 
 
 @dataclass

@@ -53,7 +53,7 @@ def _bad_requests(vocab, max_len):
         "too long": (Datum([1] * (max_len + 1), {"target_tokens": [1] * (max_len + 1)}),
                      "cross_entropy", "model_input: length .* exceeds the model's context"),
         "length mismatch": (with_inputs(advantages=torch.zeros(5)), "ppo",
-                            r"advantages: has shape \(5,\), but the model input has 6 tokens"),
+                            r"advantages: has shape \[5\], but the model input has 6 tokens"),
         "missing input": (with_inputs(logprobs=None), "importance_sampling",
                           "logprobs: required"),
         "unknown loss": (good, "reinforce_plus_plus", "loss_fn: unknown loss 'reinforce_plus_plus'"),
@@ -61,8 +61,8 @@ def _bad_requests(vocab, max_len):
         "inf logprobs": (with_inputs(logprobs=inf_lp), "cispo", "logprobs: contains NaN"),
         "typo input": (with_inputs(advantage=torch.zeros(6)), "ppo", "advantage: unknown loss input"),
         "float tokens": (Datum([1.5, 2.0], {"target_tokens": [1, 2]}), "cross_entropy",
-                         "model_input: must hold integers"),
-        "empty": (Datum([], {"target_tokens": []}), "cross_entropy", "non-empty"),
+                         "model_input: token ids must be integers"),
+        "empty": (Datum([], {"target_tokens": []}), "cross_entropy", "model_input: is empty"),
     }
 
 
@@ -104,7 +104,7 @@ def test_dro_needs_beta(eng):
 @pytest.mark.parametrize(("req", "pattern"), [
     (SampleRequest("a", [1, 99999]), "prompt: token id 99999"),
     (SampleRequest("nope", [1, 2]), "adapter_id: no adapter 'nope'"),
-    (SampleRequest("a", []), "prompt: must be a non-empty"),
+    (SampleRequest("a", []), "prompt: is empty"),
     (SampleRequest("a", [1], SamplingParams(max_tokens=0)), "max_tokens: must be >= 1"),
     (SampleRequest("a", [1] * 2000, SamplingParams(max_tokens=100)), "exceeds the model's context"),
     (SampleRequest("a", [1], SamplingParams(temperature=-1)), "temperature"),

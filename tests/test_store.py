@@ -267,7 +267,9 @@ def test_resave_same_name_and_abandoned_writes(store, db_path):
     p = store.begin_checkpoint(run, "alice", "weights", "w", "/d/1")
     store.finish_checkpoint(p, 1, "00")
     store.set_public(p, True)
-    assert store.begin_checkpoint(run, "alice", "weights", "w", "/d/2") == p
+    with pytest.raises(Conflict):  # ready: replaced only when asked to
+        store.begin_checkpoint(run, "alice", "weights", "w", "/d/2")
+    assert store.begin_checkpoint(run, "alice", "weights", "w", "/d/2", overwrite=True) == p
     assert store.get_checkpoint(p)["status"] == "writing"
     assert store.get_checkpoint(p)["dir"] == "/d/2"
     assert store.get_checkpoint(p)["public"] is False

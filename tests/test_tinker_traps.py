@@ -104,13 +104,16 @@ def test_10_permanent_failures_are_never_5xx_408_or_409(http, tiny_dir):
     wrong = http.post("/create_model", json={"session_id": sid, "model_seq_id": 1,
                                              "base_model": "someone/else", "lora_config": {}})
     assert wrong.status_code == 400 and "not served here" in wrong.json()["detail"]
-    # A failure found later resolves the future with 200 {"error", "category"}.
+    # Bad values are refused at the door, naming the field; the refusal takes its seq_id,
+    # so the client's next request (seq_id 2) runs rather than waiting for seq_id 1.
     model_id = f"{sid}:train:0"
     bad = http.post("/optim_step", json={"model_id": model_id, "seq_id": 1,
-                                         "adam_params": {"learning_rate": -1.0}}).json()
-    res = poll(http, bad["request_id"])
-    assert res.status_code == 200 and res.json()["category"] == "user"
-    assert "learning_rate" in res.json()["error"]
+                                         "adam_params": {"learning_rate": -1.0}})
+    assert bad.status_code == 400 and "adam_params.learning_rate" in bad.json()["detail"]
+    nxt = http.post("/optim_step", json={"model_id": model_id, "seq_id": 2,
+                                         "adam_params": {"learning_rate": 1e-3}}).json()
+    res = poll(http, nxt["request_id"])
+    assert res.status_code == 200 and "error" not in res.json()
 
 
 def test_retried_seq_id_returns_the_original_future(http, tiny_dir):

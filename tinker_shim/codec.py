@@ -42,13 +42,25 @@ __all__ = [
 ]
 
 DType = Literal["float32", "int64"]
-# A decompressed body larger than this is refused (zstd bomb guard). The client caps a chunk at
-# ~5 MB before compression, but one large datum can exceed that, so the limit is generous.
-MAX_DECOMPRESSED_BYTES = 1 << 30
+# A decompressed body larger than this is refused (zstd bomb guard; the daemon passes its
+# max_body_bytes). The client caps a chunk at ~5 MB before compression.
+MAX_DECOMPRESSED_BYTES = 64 << 20
+
+
+# Elements one loss input may declare (a sparse tensor's shape is expanded): bounds what a
+# small body can make us allocate. 2**22 is far beyond any model's context.
+MAX_TENSOR_ELEMENTS = 1 << 22
 
 
 class CodecError(ValueError):
-    """The request body is malformed or uses a feature this server does not support (a 400)."""
+    """The request body is malformed or uses a feature this server does not support (a 400).
+
+    `model_id`/`seq_id` are set when the envelope was read, so the refusal can take its
+    seq_id (the client counts on past it)."""
+
+    def __init__(self, message: str, model_id: str | None = None, seq_id: int | None = None):
+        super().__init__(message)
+        self.model_id, self.seq_id = model_id, seq_id
 
 
 class TensorIn(msgspec.Struct, frozen=True):
@@ -150,16 +162,19 @@ def decode_forward_backward(
         msg = _FwdBwdRequestPb.FromString(raw)
     except DecodeError as exc:
         raise CodecError(f"malformed ForwardBackwardRequest protobuf: {exc}") from None
-    if not msg.data:
-        raise CodecError("forward_backward request has no data")
-    return FwdBwdCall(
-        model_id=msg.model_id,
-        seq_id=msg.seq_id,
-        forward_only=msg.forward_only,
-        loss_fn=msg.loss_fn,
-        loss_fn_config=_decode_config(msg),
-        data=[_decode_datum(i, d) for i, d in enumerate(msg.data)],
-    )
+    try:
+        if not msg.data:
+            raise CodecError("data: a forward_backward request needs at least one datum")
+        return FwdBwdCall(
+            model_id=msg.model_id,
+            seq_id=msg.seq_id,
+            forward_only=msg.forward_only,
+            loss_fn=msg.loss_fn,
+            loss_fn_config=_decode_config(msg),
+            data=[_decode_datum(i, d) for i, d in enumerate(msg.data)],
+        )
+    except CodecError as e:
+        raise CodecError(str(e), msg.model_id or None, msg.seq_id) from None
 
 
 def _decompress(body: bytes, content_encoding: str | None, limit: int) -> bytes:
@@ -240,6 +255,8 @@ def _decode_tensor(tensor: Any, where: str) -> TensorIn:
     shape = list(tensor.shape)
     if any(dim < 0 for dim in shape):
         raise CodecError(f"{where}: negative dimension in shape {shape}")
+    if math.prod(shape) > MAX_TENSOR_ELEMENTS:
+        raise CodecError(f"{where}: shape {shape} has more than {MAX_TENSOR_ELEMENTS} elements")
     if tensor.WhichOneof("encoding") == "sparse_csr":
         values = _expand_csr(tensor.sparse_csr, typecode, shape, where)
     else:  # dense, or nothing at all (an empty tensor)

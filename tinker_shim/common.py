@@ -7,35 +7,61 @@ exist (no hint that it does).
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
+from typing import TypeVar
 
 from aiohttp import web
 
-from twinkled.service import NotFound, Service, UserError
+from twinkled.engine.checks import Limits, check_metadata_size
+from twinkled.engine.types import EngineInputError
+from twinkled.service import NotFound, RateLimited, Service, UserError
 
 from .ids import parse_checkpoint_path
+from .messages import decode, encoded_size
+
+M = TypeVar("M")
 
 
 def json_payload(encode_obj) -> tuple[bytes, str]:
     return json.dumps(encode_obj).encode(), "application/json"
 
 
-async def json_body(request: web.Request) -> dict:
+async def body_of(request: web.Request, message: type[M]) -> M:
+    """The request's JSON body as its typed message (a 400 naming the field otherwise)."""
+    return decode(await request.read(), message)
+
+
+def checked(check, *args) -> None:
+    """Run one of `engine.checks`' rules: its error is the client's (a 400)."""
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError("request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise UserError("request body must be a JSON object")
-    return body
+        check(*args)
+    except EngineInputError as e:
+        raise UserError(str(e)) from None
 
 
-def field(body: dict, name: str, kind=str):
-    if name not in body:
-        raise UserError(f"missing field {name!r}")
-    value = body[name]
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        raise UserError(f"field {name!r} must be {kind.__name__}")
+def limits(request) -> Limits:
+    return service(request).limits
+
+
+def metadata(request, value: dict | None, where: str = "user_metadata") -> dict:
+    """user_metadata, bounded in size (it is stored for good)."""
+    if not value:
+        return {}
+    checked(check_metadata_size, where, encoded_size(value), limits(request))
     return value
+
+
+@contextmanager
+def takes_seq_id(request, run_id: str, seq_id: int | None):
+    """Whatever refuses the request inside this block still takes its seq_id, so that the
+    client's later requests (which count on past it) do not wait for it forever."""
+    try:
+        yield
+    except RateLimited:  # retried by the client with the same seq_id: nothing taken
+        raise
+    except UserError as e:
+        service(request).refuse(request["tenant"], run_id, seq_id, str(e))
+        raise
 
 
 def service(request) -> Service:

@@ -11,10 +11,13 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
+from twinkled.engine.checks import check_ttl
+from twinkled.engine.types import EngineInputError
 from twinkled.service import NotFound, UserError
 from twinkled.store import checkpoint_path
 
 from .ids import KINDS
+from .messages import SetTtl, decode
 
 V1 = "/api/v1"
 
@@ -23,7 +26,10 @@ def _iso(t) -> str | None:
     if t is None:
         return None
     if isinstance(t, (int, float)):
-        return datetime.fromtimestamp(t, UTC).isoformat()
+        try:
+            return datetime.fromtimestamp(t, UTC).isoformat()
+        except (OverflowError, ValueError, OSError):  # a far-future expiry of an old row
+            return None
     return str(t)
 
 
@@ -47,10 +53,13 @@ def run_json(store, r: dict) -> dict:
 
 def _page(request, default_limit: int) -> tuple[int, int]:
     try:
-        return (int(request.query.get("offset", 0)),
-                int(request.query.get("limit", default_limit)))
+        offset = int(request.query.get("offset", 0))
+        limit = int(request.query.get("limit", default_limit))
     except ValueError:
         raise UserError("offset and limit must be integers") from None
+    if not 0 <= offset <= 2**62 or not 0 <= limit <= 10_000:
+        raise UserError("offset must be >= 0 and limit in 0..10000")
+    return offset, limit
 
 
 def _run(request) -> dict:
@@ -114,10 +123,11 @@ async def publish(request):
 
 async def set_ttl(request):
     c = _checkpoint(request)
-    body = await request.json()
-    ttl = body.get("ttl_seconds") if isinstance(body, dict) else None
-    if ttl is not None and (not isinstance(ttl, int) or ttl <= 0):
-        raise UserError("ttl_seconds must be a positive integer or null")
+    ttl = decode(await request.read(), SetTtl).ttl_seconds
+    try:
+        check_ttl("ttl_seconds", ttl, request.app["service"].limits)
+    except EngineInputError as e:
+        raise UserError(str(e)) from None
     request.app["store"].set_expiry(c["tinker_path"], None if ttl is None else time.time() + ttl)
     return web.Response(status=204)
 

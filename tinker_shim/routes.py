@@ -13,7 +13,8 @@ from aiohttp import web
 
 from twinkled.service import UserError
 
-from .common import field, json_body, own_session, service
+from .common import body_of, metadata, own_session, service
+from .messages import CreateSession, RetrieveFuture, SessionRef
 from .rest import add_rest_routes
 from .sampling import asample, create_sampling_session, get_sampler
 from .training import (
@@ -53,15 +54,15 @@ async def healthz(request):
 
 
 async def create_session(request):
-    body = await json_body(request)
+    body = await body_of(request, CreateSession)
     sid = request.app["store"].create_session(
-        request["tenant"], body.get("user_metadata") or {}, body.get("sdk_version"))
+        request["tenant"], metadata(request, body.user_metadata), body.sdk_version)
     return web.json_response({"type": "create_session", "session_id": sid})
 
 
 async def heartbeat(request):
-    body = await json_body(request)
-    s = own_session(request, field(body, "session_id"))
+    body = await body_of(request, SessionRef)
+    s = own_session(request, body.session_id)
     if s.get("finished_at"):
         raise web.HTTPGone(text='{"detail": "session finished"}', content_type="application/json")
     request.app["store"].heartbeat(s["id"])
@@ -93,9 +94,9 @@ async def capabilities(request):
 # -- futures -------------------------------------------------------------------------
 
 async def retrieve_future(request):
-    body = await json_body(request)
+    body = await body_of(request, RetrieveFuture)
     svc = service(request)
-    f = svc.get_future(request["tenant"], field(body, "request_id"))
+    f = svc.get_future(request["tenant"], body.request_id)
     done, stop = asyncio.ensure_future(f.done.wait()), asyncio.ensure_future(svc.stopping.wait())
     await asyncio.wait([done, stop], timeout=svc.config.poll_seconds,
                        return_when=asyncio.FIRST_COMPLETED)

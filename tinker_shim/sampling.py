@@ -4,34 +4,38 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from twinkled.engine.checks import check_sample
+from twinkled.engine.types import SampleRequest, SamplingParams
 from twinkled.service import NotFound, Op, UserError
 from twinkled.store import Conflict
 
 from . import codec
 from .common import (
+    body_of,
     check_base_model,
-    field,
+    checked,
     future_response,
-    json_body,
+    limits,
     own_checkpoint,
     own_session,
     service,
 )
+from .messages import Asample, CreateSamplingSession, ModelInputIn
 
 
 async def create_sampling_session(request):
-    body = await json_body(request)
-    s = own_session(request, field(body, "session_id"))
+    body = await body_of(request, CreateSamplingSession)
+    s = own_session(request, body.session_id)
     store = request.app["store"]
-    path = body.get("model_path")
+    path = body.model_path
     if path:
         own_checkpoint(request, path)
     else:
-        check_base_model(request, body.get("base_model"))
+        check_base_model(request, body.base_model)
     try:
         sampler_id = store.create_sampler(s["id"], request["tenant"],
                                           service(request).config.served_name, path,
-                                          body.get("sampling_session_seq_id"))
+                                          body.sampling_session_seq_id)
     except Conflict:
         raise UserError("that sampling_session_seq_id is already used") from None
     return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
@@ -61,22 +65,23 @@ UNSUPPORTED_SAMPLE = {"topk_prompt_logprobs": "top-k prompt logprobs",
 
 
 async def asample(request):
-    from twinkled.engine.types import SampleRequest, SamplingParams
-
-    body = await json_body(request)
-    sampler = _own_sampler(request, field(body, "sampling_session_id"))
+    body = await body_of(request, Asample)
+    sampler = _own_sampler(request, body.sampling_session_id)
     for key, what in UNSUPPORTED_SAMPLE.items():
-        if body.get(key):
+        if getattr(body, key):
             raise UserError(f"{what} ({key}) is not supported by this server")
-    tokens = _prompt_tokens(body.get("prompt"))
-    sp = body.get("sampling_params") or {}
-    params = SamplingParams(max_tokens=int(sp.get("max_tokens") or 16),
-                            temperature=float(sp.get("temperature", 1.0)),
-                            top_k=int(sp.get("top_k", -1)), top_p=float(sp.get("top_p", 1.0)),
-                            seed=sp.get("seed"), stop=sp.get("stop"))
-    if isinstance(params.stop, str):
-        params.stop = [params.stop]
-    n = int(body.get("num_samples", 1))
+    tokens = _prompt_tokens(body.prompt)
+    sp = body.sampling_params
+    stop = [sp.stop] if isinstance(sp.stop, str) else sp.stop
+    # max_tokens unset: Tinker's default of 16 (never "up to the whole context": a client
+    # that forgets it must not hold a step for tens of thousands of tokens).
+    max_tokens = 16 if sp.max_tokens is None else sp.max_tokens
+    checked(check_sample, tokens, max_tokens, body.num_samples, stop, limits(request))
+    params = SamplingParams(max_tokens=max_tokens, temperature=sp.temperature, top_k=sp.top_k,
+                            top_p=sp.top_p, seed=sp.seed, stop=stop)
+    if params.top_k == 0:
+        raise UserError("sampling_params.top_k: must be -1 (off) or >= 1")
+    n = body.num_samples
     path = sampler.get("model_path")
     adapter = None
     args = {}
@@ -85,26 +90,22 @@ async def asample(request):
         # Keyed by content too: a checkpoint saved again under the same name is new weights.
         adapter = f"sampler:{path}@{c['sha256'][:16]}"
         args = {"adapter_id": adapter, "load_from": c["dir"]}
-    req = SampleRequest(adapter, tokens, params, n, bool(body.get("prompt_logprobs", False)))
+    req = SampleRequest(adapter, tokens, params, n, body.prompt_logprobs)
     svc = service(request)
     f = svc.new_future(request["tenant"], "sample", codec.sample_encoder)
-    tokens = len(tokens) + params.max_tokens * n
-    svc.submit(Op("sample", None, None, {"request": req, **args}, f, tokens))
-    seq = body.get("seq_id", 0)
+    cost = len(tokens) + params.max_tokens * n
+    svc.submit(Op("sample", None, None, {"request": req, **args}, f, cost))
+    seq = body.seq_id or 0
     ids = [f"{sampler['id']}:{seq}:{i}" for i in range(n)]
     return future_response(f, sample_sequence_ids=ids)
 
 
-def _prompt_tokens(prompt) -> list[int]:
-    """ModelInput JSON -> token ids; only text chunks are supported."""
-    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
-        raise UserError("prompt must be a ModelInput: {'chunks': [...]}")
+def _prompt_tokens(prompt: ModelInputIn) -> list[int]:
+    """ModelInput -> token ids; only text chunks are supported."""
     tokens: list[int] = []
-    for chunk in prompt["chunks"]:
-        kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
-        if kind != "encoded_text":
-            raise UserError(f"prompt chunks of type {kind!r} are not supported (text only)")
-        if not all(isinstance(t, int) for t in chunk.get("tokens", [])):
-            raise UserError("prompt tokens must be integers")
-        tokens.extend(chunk["tokens"])
+    for i, chunk in enumerate(prompt.chunks):
+        if chunk.type != "encoded_text":
+            raise UserError(f"prompt.chunks[{i}]: chunks of type {chunk.type!r} are not "
+                            "supported (text-only models)")
+        tokens.extend(chunk.tokens)
     return tokens

@@ -2,63 +2,66 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from aiohttp import web
 
+from twinkled.engine.checks import (
+    check_adam_params,
+    check_datum,
+    check_loss,
+    check_name,
+    check_rank,
+    check_ttl,
+)
+from twinkled.engine.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig
 from twinkled.service import Op, UserError
 from twinkled.store import Conflict, checkpoint_path
 
 from . import codec
 from .common import (
+    body_of,
     check_base_model,
-    field,
+    checked,
     future_response,
-    json_body,
     json_payload,
+    limits,
     loaded_run,
+    metadata,
     own_checkpoint,
     own_run,
     own_session,
     service,
+    takes_seq_id,
 )
-from .ids import valid_name
+from .messages import CheckpointRef, CreateModel, LoadWeights, ModelRef, OptimStep, SaveWeights
 
 
 async def create_model(request):
-    from twinkled.engine.types import LoraConfig
-
-    body = await json_body(request)
-    s = own_session(request, field(body, "session_id"))
-    seq = field(body, "model_seq_id", int)
-    check_base_model(request, body.get("base_model"))
-    lc = body.get("lora_config") or {}
-    opt = (body.get("optimizer_config") or {}).get("type", "adamw")
+    body = await body_of(request, CreateModel)
+    s = own_session(request, body.session_id)
+    check_base_model(request, body.base_model)
+    opt = body.optimizer_config.type if body.optimizer_config else "adamw"
     if opt != "adamw":
-        raise UserError(f"optimizer {opt!r} is not supported; use adamw")
-    # The Tinker wire has no alpha; the native SDK sends it as user_metadata.
-    meta = body.get("user_metadata") or {}
-    try:
-        alpha = float(lc.get("alpha", meta.get("twinkle.lora_alpha", 32)))
-    except ValueError:
-        raise UserError("user_metadata twinkle.lora_alpha must be a number") from None
-    config = LoraConfig(rank=int(lc.get("rank", 32)), alpha=alpha,
-                        seed=lc.get("seed"), train_attn=bool(lc.get("train_attn", True)),
-                        train_mlp=bool(lc.get("train_mlp", True)),
-                        train_unembed=bool(lc.get("train_unembed", True)))
-    if not 1 <= config.rank <= service(request).config.max_rank:
-        raise UserError(f"lora_config.rank must be in 1..{service(request).config.max_rank}")
-    service(request).check_new_adapter(request["tenant"], config.rank)
+        raise UserError(f"optimizer_config.type {opt!r} is not supported; use adamw")
+    meta = metadata(request, body.user_metadata)
+    lc = body.lora_config
+    checked(check_rank, lc.rank, limits(request))
+    config = LoraConfig(rank=lc.rank, alpha=_alpha(meta), seed=lc.seed,
+                        train_attn=lc.train_attn, train_mlp=lc.train_mlp,
+                        train_unembed=lc.train_unembed)
+    svc = service(request)
+    svc.check_new_adapter(request["tenant"], config.rank)
     store = request.app["store"]
     lora = {"rank": config.rank, "alpha": config.alpha, "train_attn": config.train_attn,
             "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
             "seed": config.seed}
     try:
-        model_id = store.create_run(s["id"], request["tenant"], service(request).config.served_name,
-                                    config.rank, lora, body.get("user_metadata") or {}, seq)
+        model_id = store.create_run(s["id"], request["tenant"], svc.config.served_name,
+                                    config.rank, lora, meta, body.model_seq_id)
     except Conflict:
-        raise UserError(f"model {s['id']}:train:{seq} already exists") from None
-    svc = service(request)
+        raise UserError(f"model {s['id']}:train:{body.model_seq_id} already exists") from None
     f = svc.new_future(request["tenant"], "create_model",
                        lambda _: json_payload({"type": "create_model", "model_id": model_id}))
     svc.open_model(model_id, request["tenant"], 0)
@@ -66,9 +69,22 @@ async def create_model(request):
     return future_response(f, model_id)
 
 
+def _alpha(meta: dict) -> float:
+    """The Tinker wire has no alpha; the native SDK sends it as user_metadata."""
+    value = meta.get("twinkle.lora_alpha", 32)
+    try:
+        alpha = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        alpha = math.nan
+    if not 0 < alpha <= 1e6:
+        raise UserError("user_metadata.twinkle.lora_alpha must be a number in (0, 1e6], got "
+                        f"{value!r}")
+    return alpha
+
+
 async def get_info(request):
-    body = await json_body(request)
-    run = own_run(request, field(body, "model_id"))
+    body = await body_of(request, ModelRef)
+    run = own_run(request, body.model_id)
     svc = service(request)
     name = svc.config.served_name
     return web.json_response({
@@ -80,15 +96,27 @@ async def get_info(request):
 
 
 async def forward_backward(request):
-    from twinkled.engine.types import Datum, ForwardBackwardRequest
-
+    svc = service(request)
     try:
         call = codec.decode_forward_backward(await request.read(),
-                                             request.headers.get("Content-Encoding"))
+                                             request.headers.get("Content-Encoding"),
+                                             max_decompressed_bytes=svc.config.max_body_bytes)
     except codec.CodecError as e:
+        if e.model_id:  # the envelope was read: the refusal takes its seq_id
+            run = await loaded_run(request, e.model_id)
+            with takes_seq_id(request, run["id"], e.seq_id):
+                raise UserError(str(e)) from None
         raise UserError(str(e)) from None
     run = await loaded_run(request, call.model_id)
-    svc = service(request)
+    with takes_seq_id(request, run["id"], call.seq_id):
+        lim = limits(request)
+        if len(call.data) > lim.max_datums:
+            raise UserError(f"data: {len(call.data)} datums in one request; at most "
+                            f"{lim.max_datums} (send fewer, or raise max_datums)")
+        checked(check_loss, call.loss_fn, call.loss_fn_config)
+        for j, d in enumerate(call.data):
+            inputs = {k: (t.shape, t.values) for k, t in d.loss_fn_inputs.items()}
+            checked(check_datum, j, d.tokens, inputs, call.loss_fn, lim)
     data = [Datum(d.tokens, {k: t.values for k, t in d.loss_fn_inputs.items()})
             for d in call.data]
     req = ForwardBackwardRequest(run["id"], data, call.loss_fn, call.loss_fn_config or {},
@@ -102,19 +130,21 @@ async def forward_backward(request):
 
 
 async def optim_step(request):
-    from twinkled.engine.types import AdamParams
-
-    body = await json_body(request)
-    run = await loaded_run(request, field(body, "model_id"))
-    if "adam_params" not in body:
-        raise UserError("only adam_params (AdamW) is supported")
-    ap = body["adam_params"] or {}
-    known = AdamParams.__dataclass_fields__
-    params = AdamParams(**{k: float(v) for k, v in ap.items() if k in known})
+    body = await body_of(request, OptimStep)
+    run = await loaded_run(request, body.model_id)
+    with takes_seq_id(request, run["id"], body.seq_id):
+        if body.adam_params is None:
+            kind = (body.optimizer_params or {}).get("type", "unknown")
+            raise UserError(f"optimizer {kind!r} (optimizer_params) is not supported; only "
+                            "adam_params (AdamW)")
+        ap = body.adam_params
+        params = AdamParams(ap.learning_rate, ap.beta1, ap.beta2, ap.eps, ap.weight_decay,
+                            ap.grad_clip_norm)
+        checked(check_adam_params, params)
     svc = service(request)
     f = svc.new_future(request["tenant"], "optim_step",
                        lambda r: json_payload({"type": "optim_step", "metrics": _optim_metrics(r)}))
-    f = svc.submit(Op("optim", run["id"], field(body, "seq_id", int),
+    f = svc.submit(Op("optim", run["id"], body.seq_id,
                       {"adapter_id": run["id"], "params": params}, f))
     return future_response(f, run["id"])
 
@@ -123,19 +153,25 @@ def _optim_metrics(result) -> dict[str, float]:
     return {k: float(v) for k, v in result.metrics.items() if isinstance(v, (int, float))}
 
 
-def _save(request, run: dict, name: str, kind: str, optimizer: bool, seq_id: int, ttl,
-          respond) -> object:
-    if not valid_name(name):
-        raise UserError(f"checkpoint name {name!r} is invalid (no '/', no '..', not empty)")
+def _save(request, run: dict, body: SaveWeights, name: str, kind: str, optimizer: bool,
+          respond: dict, overwrite: bool) -> object:
+    """Record the checkpoint as being written, then queue the save (in the run's order)."""
+    lim = limits(request)
+    checked(check_name, "path", name, lim)
+    checked(check_ttl, "ttl_seconds", body.ttl_seconds, lim)
+    meta = metadata(request, body.user_metadata)
     store, svc = request.app["store"], service(request)
     path = checkpoint_path(run["id"], kind, name)
-    existing = store.get_checkpoint(path)
-    if existing is not None and existing["status"] == "ready" and not respond.get("overwrite"):
-        raise UserError(f"checkpoint {path} exists (pass overwrite=True to replace it)")
     directory = svc.config.data_dir / "checkpoints" / run["id"] / kind / name
+    ttl = body.ttl_seconds if body.ttl_seconds is not None else respond.get("ttl")
     expires = time.time() + ttl if ttl else None
-    store.begin_checkpoint(run["id"], request["tenant"], kind, name, str(directory),
-                           expires_at=expires)
+    tenant = request["tenant"]
+    quota = store.tenant_storage_quota(tenant, svc.config.storage_quota_default(tenant))
+    try:
+        store.begin_checkpoint(run["id"], tenant, kind, name, str(directory), meta or None,
+                               expires_at=expires, overwrite=overwrite, quota_bytes=quota)
+    except Conflict as e:
+        raise UserError(str(e)) from None
 
     def after(op, result, message):
         if message is None:
@@ -144,77 +180,84 @@ def _save(request, run: dict, name: str, kind: str, optimizer: bool, seq_id: int
             store.mark_corrupt(path, message)
 
     f = svc.new_future(request["tenant"], "save", lambda _: json_payload(respond["body"]))
-    return svc.submit(Op("save", run["id"], seq_id, {"adapter_id": run["id"], "dir": directory,
-                                                      "optimizer": optimizer, "after": after}, f))
+    return svc.submit(Op("save", run["id"], body.seq_id,
+                         {"adapter_id": run["id"], "dir": directory, "optimizer": optimizer,
+                          "after": after}, f))
 
 
 async def save_weights(request):
-    body = await json_body(request)
-    run = await loaded_run(request, field(body, "model_id"))
-    name = field(body, "path")
-    path = checkpoint_path(run["id"], "weights", name)
-    f = _save(request, run, name, "weights", True, field(body, "seq_id", int),
-              body.get("ttl_seconds"), {"overwrite": body.get("overwrite", False),
-                                        "body": {"type": "save_weights", "path": path}})
+    body = await body_of(request, SaveWeights)
+    run = await loaded_run(request, body.model_id)
+    with takes_seq_id(request, run["id"], body.seq_id):
+        if body.path is None:
+            raise UserError("path: required (the checkpoint's name)")
+        path = checkpoint_path(run["id"], "weights", body.path)
+        f = _save(request, run, body, body.path, "weights", True,
+                  {"body": {"type": "save_weights", "path": path}}, body.overwrite)
     return future_response(f, run["id"])
 
 
 async def save_weights_for_sampler(request):
-    body = await json_body(request)
-    run = await loaded_run(request, field(body, "model_id"))
-    seq = field(body, "seq_id", int)
-    if body.get("path"):
-        name = body["path"]
+    body = await body_of(request, SaveWeights)
+    run = await loaded_run(request, body.model_id)
+    with takes_seq_id(request, run["id"], body.seq_id):
+        if body.path:
+            path = checkpoint_path(run["id"], "sampler_weights", body.path)
+            f = _save(request, run, body, body.path, "sampler_weights", False,
+                      {"body": {"type": "save_weights_for_sampler", "path": path}}, True)
+            return future_response(f, run["id"])
+        # Ephemeral: save a snapshot and hand back a sampling session on it.
+        store = request.app["store"]
+        name = f"ephemeral-{body.seq_id}"
         path = checkpoint_path(run["id"], "sampler_weights", name)
-        f = _save(request, run, name, "sampler_weights", False, seq, body.get("ttl_seconds"),
-                  {"overwrite": True, "body": {"type": "save_weights_for_sampler", "path": path}})
-        return future_response(f, run["id"])
-    # Ephemeral: save a snapshot and hand back a sampling session on it.
-    store = request.app["store"]
-    session_id = run["session_id"]
-    name = f"ephemeral-{seq}"
-    path = checkpoint_path(run["id"], "sampler_weights", name)
-    sampler_id = store.create_sampler(session_id, request["tenant"],
-                                      service(request).config.served_name, path,
-                                      body.get("sampling_session_seq_id"))
-    f = _save(request, run, name, "sampler_weights", False, seq, 3600,
-              {"overwrite": True, "body": {"type": "save_weights_for_sampler",
-                                           "sampling_session_id": sampler_id}})
+        try:
+            sampler_id = store.create_sampler(run["session_id"], request["tenant"],
+                                              service(request).config.served_name, path,
+                                              body.sampling_session_seq_id)
+        except Conflict:
+            raise UserError("that sampling_session_seq_id is already used") from None
+        f = _save(request, run, body, name, "sampler_weights", False,
+                  {"ttl": 3600, "body": {"type": "save_weights_for_sampler",
+                                         "sampling_session_id": sampler_id}}, True)
     return future_response(f, run["id"])
 
 
 async def load_weights(request):
-    body = await json_body(request)
+    body = await body_of(request, LoadWeights)
     store, svc = request.app["store"], service(request)
-    ckpt = own_checkpoint(request, field(body, "path"))
-    optimizer = bool(body.get("optimizer", False))
-    if "model_id" in body:  # legacy: load into an existing model, in its seq order
-        run = await loaded_run(request, body["model_id"])
-        seq = field(body, "seq_id", int)
+    if body.model_id is not None:  # legacy: load into an existing model, in its seq order
+        run = await loaded_run(request, body.model_id)
+        with takes_seq_id(request, run["id"], body.seq_id):
+            if body.seq_id is None:
+                raise UserError("seq_id: required with model_id")
+            ckpt = own_checkpoint(request, body.path)
+        seq = body.seq_id
     else:  # create-via-load: the model is "<session>:train:<model_seq_id>", seq 0
-        s = own_session(request, field(body, "session_id"))
+        if body.session_id is None or body.model_seq_id is None:
+            raise UserError("session_id and model_seq_id are required (or model_id)")
+        s = own_session(request, body.session_id)
+        ckpt = own_checkpoint(request, body.path)
+        check_base_model(request, body.base_model)
         src = store.get_run(ckpt["run_id"], include_deleted=True)
         try:
             run_id = store.create_run(s["id"], request["tenant"], svc.config.served_name,
                                       src["lora_rank"], src["lora_config"],
-                                      body.get("user_metadata") or {},
-                                      field(body, "model_seq_id", int))
+                                      metadata(request, body.user_metadata), body.model_seq_id)
         except Conflict:
             raise UserError("that model_seq_id is already used in this session") from None
         run, seq = store.get_run(run_id), 0
         svc.open_model(run_id, request["tenant"], 0)
     f = svc.new_future(request["tenant"], "load_weights",
                        lambda _: json_payload({"type": "load_weights", "path": ckpt["tinker_path"],
-                                        "model_id": run["id"]}))
+                                               "model_id": run["id"]}))
     f = svc.submit(Op("load", run["id"], seq, {"adapter_id": run["id"], "dir": ckpt["dir"],
-                                                "optimizer": optimizer}, f))
+                                                "optimizer": body.optimizer}, f))
     return future_response(f, run["id"])
 
 
-
 async def weights_info(request):
-    body = await json_body(request)
-    c = own_checkpoint(request, field(body, "tinker_path"))
+    body = await body_of(request, CheckpointRef)
+    c = own_checkpoint(request, body.tinker_path)
     run = request.app["store"].get_run(c["run_id"])
     lc = run["lora_config"]
     return web.json_response({"base_model": run["base_model"], "is_lora": True,

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .config import Config
 from .service import UserError
 from .store import Store
 from .verify import all_checkpoints, verify_checkpoints
@@ -94,7 +95,17 @@ class Admin:
     # -- tenants ------------------------------------------------------------------------
 
     def tenants_list(self) -> list[dict]:
-        return self.store.list_tenants()
+        """Tenant rows, each with `storage_used_bytes` (checkpoints + user_metadata) and
+        `storage_quota_bytes` (the quota in force, None for no limit). Without a running
+        daemon the config file is unknown: the quota shown is the tenant's own, else the
+        built-in default."""
+        config = self.service.config if self.service is not None else Config()
+        rows = self.store.list_tenants()
+        for r in rows:
+            r["storage_used_bytes"] = self.store.storage_used(r["name"])
+            r["storage_quota_bytes"] = self.store.tenant_storage_quota(
+                r["name"], config.storage_quota_default(r["name"]))
+        return rows
 
     def tenants_set(self, name: str, weight: float | None = None, **limits: int | None) -> dict:
         unknown = set(limits) - set(self.store.TENANT_LIMITS)

@@ -75,7 +75,7 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
 
     from . import admin
 
-    app = web.Application(middlewares=[auth_and_errors], client_max_size=256 * 2**20)
+    app = web.Application(middlewares=[auth_and_errors], client_max_size=service.config.max_body_bytes if service else 64 * 2**20)
     app["service"] = service
     app["store"] = store
     app["admin_key"] = admin_key

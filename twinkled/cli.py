@@ -34,6 +34,9 @@ def main() -> None:
 def serve(model, model_name, data_dir, host, port, device, devices, workers, dtype,
           log_format, config_file) -> None:
     """Load the base model once and serve the Tinker API over HTTP."""
+    from .perms import private_dir, private_umask
+
+    private_umask()  # files 0600, dirs 0700: the daemon's and its workers' (docs/operator.md)
     from aiohttp import web
 
     from .app import make_app
@@ -49,7 +52,7 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, dty
     from .logs import setup_logging
 
     setup_logging(cfg.log_format)
-    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(cfg.data_dir)
     admin_key = ensure_admin_key(admin_key_path(cfg.data_dir, cfg.admin_key_file or None))
     store = Store(cfg.data_dir / "twinkle.db")
     try:

@@ -38,10 +38,28 @@ class Config:
     tenant_max_queued_tokens: int | None = None
     tenant_max_adapters: int | None = None
     tenant_max_rank: int | None = None
+    # Checkpoint files + stored user_metadata per tenant (50 GiB); 0 or less: unlimited.
+    tenant_max_storage_bytes: int = 50 * 1024**3
     # Per-tenant settings: {"alice": {"weight": 2, "max_queued_requests": 64}, ...}
     tenants: dict = field(default_factory=dict)
+    # Limits on one request, checked at the door before it is queued (docs/reference.md).
+    max_datums: int = 4096  # datums in one forward_backward request
+    max_num_samples: int = 256  # num_samples of one sampling request
+    max_stop: int = 32  # entries in a sampling stop list
+    max_name_chars: int = 128  # checkpoint names
+    max_ttl_s: int = 315360000  # checkpoint ttl_seconds (10 years)
+    max_metadata_bytes: int = 65536  # user_metadata as JSON
+    max_body_bytes: int = 64 * 2**20  # a request body, after decompression
     log_format: str = "text"  # text | json: one log line per request (json for log shippers)
     admin_key_file: str = ""  # "": <data_dir>/admin.key, made at the first start (mode 0600)
+
+    def storage_quota_default(self, tenant: str) -> int | None:
+        """The tenant's storage quota by this config ([tenants.NAME] max_storage_bytes, else
+        tenant_max_storage_bytes), None for no limit; `ctl tenants set` wins over it
+        (Store.tenant_storage_quota)."""
+        value = (self.tenants.get(tenant) or {}).get("max_storage_bytes")
+        value = value or self.tenant_max_storage_bytes
+        return value if value and value > 0 else None
 
     @property
     def served_name(self) -> str:
@@ -91,8 +109,9 @@ def _cuda_count() -> int:
 
 # -- `twinkled config check` ------------------------------------------------------------
 
+# a [tenants.NAME] table: weight, and the tenant_ quotas unprefixed
 TENANT_KEYS = ("weight", "max_queued_requests", "max_queued_tokens", "max_adapters",
-               "max_rank")  # a [tenants.NAME] table: weight, and the tenant_ quotas unprefixed
+               "max_rank", "max_storage_bytes")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _POSITIVE = (lambda v: v > 0, "must be positive")
 _NON_NEGATIVE = (lambda v: v >= 0, "must be 0 or more")
@@ -115,6 +134,9 @@ _RANGES = {
     "log_format": (lambda v: v in ("text", "json"), "must be text or json"),
     "weight": (lambda v: v > 0, "must be a positive number"),
     **{f"tenant_{k}": _QUOTA for k in TENANT_KEYS[1:]}, **{k: _QUOTA for k in TENANT_KEYS[1:]},
+    "tenant_max_storage_bytes": (lambda v: True, ""),  # 0 or less: unlimited
+    "max_storage_bytes": (lambda v: v != 0, "must be a number of bytes, or -1 for no limit "
+                          "(leave the key out for tenant_max_storage_bytes)"),
 }
 _TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
                list: "an array", dict: "a table"}

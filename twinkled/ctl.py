@@ -5,6 +5,7 @@ the data directory itself, and prints a table or, with --json, the raw result.""
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -13,6 +14,7 @@ from pathlib import Path
 import click
 
 from .admin import Admin, AdminError, admin_key_path
+from .perms import private_dir, private_umask
 
 QUOTAS = ("max_queued_requests", "max_queued_tokens", "max_adapters", "max_rank")
 
@@ -38,7 +40,7 @@ class Target:
                     raise click.ClickException(f"daemon at {self.url}: {e.reason}") from None
         from .store import Store  # no daemon answers: the data dir itself
 
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)
         store = Store(self.data_dir / "twinkle.db")
         try:
             return Admin(store, self.data_dir).run(command, args)
@@ -105,6 +107,8 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 @click.pass_context
 def ctl(ctx, data_dir: Path, url: str | None, admin_key: str | None) -> None:
     """Administer a daemon: through its admin endpoint, or its data dir when it is down."""
+    old = private_umask()  # what ctl writes in the data dir is private too (0600 / 0700)
+    ctx.call_on_close(lambda: os.umask(old))  # ctl called in-process leaves no trace
     ctx.obj = Target(data_dir, url, admin_key)
 
 
@@ -158,6 +162,8 @@ def tenants() -> None:
 @click.option("--max-queued-tokens", type=int, help="Queued tokens before work waits.")
 @click.option("--max-adapters", type=int, help="Adapters (training runs) at once.")
 @click.option("--max-rank", type=int, help="Largest LoRA rank.")
+@click.option("--max-storage-bytes", type=int,
+              help="Checkpoint + metadata bytes; -1: no limit (0: back to the default).")
 @json_option
 @click.pass_obj
 def tenants_set(target: Target, name: str, weight, as_json: bool, **limits) -> None:
@@ -172,11 +178,15 @@ def tenants_set(target: Target, name: str, weight, as_json: bool, **limits) -> N
 @json_option
 @click.pass_obj
 def tenants_list(target: Target, as_json: bool) -> None:
-    """Tenants with their weights and quotas."""
+    """Tenants with their weights, quotas and storage used (checkpoints + metadata)."""
     def render(rows):
         for r in rows:
             quotas = ", ".join(f"{k}={r.get(k)}" for k in QUOTAS if r.get(k))
-            click.echo(f"{r['name']:<20} weight {r['weight']:<6g} {quotas or 'no quotas'}")
+            used, quota = r.get("storage_used_bytes"), r.get("storage_quota_bytes")
+            storage = ("" if used is None else  # an older daemon does not count it
+                       f"storage {_size(used)} of {_size(quota) if quota else 'unlimited'}")
+            click.echo(f"{r['name']:<20} weight {r['weight']:<6g} {storage:<32} "
+                       f"{quotas or 'no quotas'}")
     _out(target.call("tenants_list"), as_json, render)
 
 

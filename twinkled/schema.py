@@ -21,10 +21,11 @@ JSON_COLS = ("user_metadata", "lora_config")
 BOOL_COLS = ("corrupted", "deleted", "public", "live", "idle_unloaded")
 # table -> (columns, primary key, defaults). Flags are 0/1 ints, JSON columns are text.
 SCHEMA: dict[str, tuple[dict[str, type], str, dict[str, Any]]] = {
-    # Quotas are NULL for "unlimited" (or the config file's default).
+    # Quotas are NULL for "unlimited" (or the config file's default); max_storage_bytes
+    # (checkpoints + user_metadata) is NULL for the config's default, negative for unlimited.
     "tenants": ({"name": str, "weight": float, "created": float, "max_queued_requests": int,
-                 "max_queued_tokens": int, "max_adapters": int, "max_rank": int}, "name",
-                {"weight": 1.0}),
+                 "max_queued_tokens": int, "max_adapters": int, "max_rank": int,
+                 "max_storage_bytes": int}, "name", {"weight": 1.0}),
     # The running daemon's status (queues, shares), for `twinkled ctl status`.
     "daemon_status": ({"name": str, "body": str, "updated": float}, "name", {}),
     "api_keys": ({"key_hash": str, "tenant": str, "created": float, "revoked_at": float},

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from scheduler import Limits, Planner, Work
 
 from .config import Config
+from .engine.checks import Limits as RequestLimits
 from .futures import Encoder, Future, FutureBook, NotFound, UserError  # noqa: F401
 from .metrics import Metrics
 from .residency import Residency
@@ -37,6 +38,10 @@ class Op:
     future: Future
     tokens: int = 0  # what it costs its tenant's share (rows' tokens; 0 for barriers)
     submitted: float = field(default_factory=time.monotonic)  # for the queue-wait metric
+
+
+# How far ahead of the one a model waits for a seq_id may be (a client's requests in flight).
+SEQ_WINDOW = 100_000
 
 
 class RateLimited(UserError):
@@ -67,6 +72,9 @@ class Service(FutureBook, Residency):
         self._model_locks: dict[str, asyncio.Lock] = {}  # idle unload vs reload of a model
         self.workers.on_restart = self.metrics.worker_restarts.inc
         self.damaged: list[dict] = []  # checkpoints found damaged at start-up
+        self._limits: RequestLimits | None = None
+        self._limits_from: dict | None = None
+        self._config_json: dict | None = None
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -140,6 +148,32 @@ class Service(FutureBook, Residency):
     @property
     def model_info(self) -> dict:
         return self.workers.model_info
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask (`engine/checks.py`), checked at the door. The model's
+        numbers are the workers' once loaded, its config.json's until then."""
+        info = self.model_info or self._model_config()
+        if self._limits is None or self._limits_from is not info:
+            cfg = self.config
+            self._limits = RequestLimits(
+                vocab_size=int(info.get("vocab_size") or 0),
+                max_seq_len=int(info.get("max_seq_len") or info.get("max_position_embeddings")
+                                or 0),
+                max_rank=cfg.max_rank, max_datums=cfg.max_datums,
+                max_num_samples=cfg.max_num_samples, max_stop=cfg.max_stop,
+                max_name_chars=cfg.max_name_chars, max_ttl_s=cfg.max_ttl_s,
+                max_metadata_bytes=cfg.max_metadata_bytes)
+            self._limits_from = info
+        return self._limits
+
+    def _model_config(self) -> dict:
+        if self._config_json is None:
+            try:
+                self._config_json = json.loads((self.config.model / "config.json").read_text())
+            except (OSError, TypeError, ValueError):
+                self._config_json = {}
+        return self._config_json
 
     async def _load(self) -> None:
         """Start the worker group (it loads the model) and bring back the live adapters."""
@@ -229,14 +263,32 @@ class Service(FutureBook, Residency):
             if key in self.seq_index:  # a retry of a request already taken
                 self._drop(op.future, "superseded by the original request")
                 return self.futures[self.seq_index[key]]
-            if op.seq_id < self.planner.models[op.model_id].next_seq:
+            q = self.planner.models[op.model_id]
+            if op.seq_id < q.next_seq:
                 message = f"seq_id {op.seq_id} of {op.model_id} has already run"
+                self._drop(op.future, message)
+                raise UserError(message)
+            if op.seq_id > q.next_seq + SEQ_WINDOW and not q.resync:
+                message = (f"seq_id {op.seq_id} of {op.model_id} is too far ahead: the model "
+                           f"waits for seq_id {q.next_seq} (at most {SEQ_WINDOW} ahead)")
                 self._drop(op.future, message)
                 raise UserError(message)
             self.seq_index[key] = op.future.id
         self.planner.submit(work)
         self.wake.set()
         return op.future
+
+    def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
+        """A request refused at the door still takes its seq_id: the client counts on past
+        it, and its later requests must not wait for it forever. (A retried seq_id, one
+        already run, or one beyond the window takes nothing.)"""
+        q = self.planner.models.get(model_id)
+        if (q is None or seq_id is None or seq_id < q.next_seq or seq_id in q.pending
+                or (model_id, seq_id) in self.seq_index
+                or (seq_id > q.next_seq + SEQ_WINDOW and not q.resync)):
+            return
+        f = self.new_future(tenant, "refused", lambda _: (b"{}", "application/json"))
+        self.submit(Op("skip", model_id, seq_id, {"why": why}, f))
 
     def _drop(self, f: Future, why: str) -> None:
         self.futures.pop(f.id, None)
@@ -373,6 +425,9 @@ class Service(FutureBook, Residency):
     async def _execute(self, kind: str, batch: list[Op]) -> None:
         # Pieces of an op that already failed are dropped (nothing of it trains further).
         batch = [op for op in batch if not ("piece" in op.args and op.future.done.is_set())]
+        for op in [op for op in batch if op.kind == "skip"]:  # refused at the door
+            self.fail(op.future, op.args["why"], "user")
+        batch = [op for op in batch if op.kind != "skip"]
         if not batch:
             return
         for op in batch:

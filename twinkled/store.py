@@ -13,16 +13,19 @@ row matched, so the caller can answer 404.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import sqlite3
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import sqlite_utils
 
+from .futures import UserError
 from .schema import (  # noqa: F401 - Conflict and checkpoint_path are the store's API
     CHECKPOINT_TYPES,
     INDEXES,
@@ -39,6 +42,24 @@ from .schema import (  # noqa: F401 - Conflict and checkpoint_path are the store
     to_json,
 )
 from .store_futures import FutureRows
+
+# Tables whose rows carry a tenant's user_metadata (JSON text): it counts toward the
+# tenant's storage quota with its checkpoints' files.
+METADATA_TABLES = ("sessions", "runs", "checkpoints")
+
+
+class QuotaExceeded(UserError):
+    """The tenant's storage (checkpoint files + stored user_metadata) is at its quota."""
+
+
+def human_size(n: int | float) -> str:
+    """Bytes for a person: 512 B, 1.5 KiB, 50.0 GiB."""
+    value, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{int(n)} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 class Store(FutureRows):
@@ -90,6 +111,24 @@ class Store(FutureRows):
         with self._lock, self.db.atomic():
             return self.conn.execute(sql, params).rowcount
 
+    @contextlib.contextmanager
+    def _immediate(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction that holds SQLite's write lock from its first statement
+        (BEGIN IMMEDIATE), so a check and the write that depends on it are atomic, also
+        against other processes on the same file (`twinkled ctl` beside the daemon)."""
+        with self._lock:
+            if self.conn.in_transaction:  # nested: the outer transaction holds the lock
+                with self.db.atomic():
+                    yield self.conn
+                return
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.conn
+            except BaseException:
+                self.conn.rollback()
+                raise
+            self.conn.execute("COMMIT")
+
     def _insert(self, table: str, row: Row) -> None:
         with self._lock:
             try:
@@ -118,10 +157,12 @@ class Store(FutureRows):
                                   (weight, name))
         return self.get_tenant(name)  # type: ignore[return-value]
 
-    TENANT_LIMITS = ("max_queued_requests", "max_queued_tokens", "max_adapters", "max_rank")
+    TENANT_LIMITS = ("max_queued_requests", "max_queued_tokens", "max_adapters", "max_rank",
+                     "max_storage_bytes")
 
     def set_tenant(self, name: str, weight: float | None = None, **limits: int | None) -> Row:
-        """Create or update a tenant: weight and quotas (a limit of 0 clears it)."""
+        """Create or update a tenant: weight and quotas (a limit of 0 clears it, back to
+        the config's default; a negative max_storage_bytes means no storage limit)."""
         unknown = set(limits) - set(self.TENANT_LIMITS)
         if unknown:
             raise ValueError(f"unknown tenant settings {sorted(unknown)}")
@@ -167,18 +208,21 @@ class Store(FutureRows):
     def revoke_key(self, key_or_prefix: str) -> bool:
         """Revoke by full key (``tml-...``) or by a hash prefix as shown by list_keys."""
         if key_or_prefix.startswith("tml-"):
-            where, arg = "key_hash = ?", hash_key(key_or_prefix)
+            where, args = "key_hash = ?", [hash_key(key_or_prefix)]
         else:
             if len(key_or_prefix) < 6:
                 raise ValueError("hash prefix too short (need at least 6 characters)")
-            where, arg = "key_hash LIKE ?", key_or_prefix.lower() + "%"
+            # A literal prefix: compared as text, never a LIKE pattern (% and _ match
+            # themselves, so nothing, since hashes are hex).
+            prefix = key_or_prefix.lower()
+            where, args = "substr(key_hash, 1, ?) = ?", [len(prefix), prefix]
         with self._lock, self.db.atomic():
             n = self.conn.execute(f"SELECT count(*) FROM api_keys WHERE {where}",
-                                  [arg]).fetchone()[0]
+                                  args).fetchone()[0]
             if n > 1:
                 raise ValueError(f"prefix {key_or_prefix!r} matches {n} keys")
             return self.conn.execute(f"UPDATE api_keys SET revoked_at = ? WHERE {where} "
-                                     "AND revoked_at IS NULL", [now(), arg]).rowcount > 0
+                                     "AND revoked_at IS NULL", [now(), *args]).rowcount > 0
 
     def list_keys(self, tenant: str | None = None) -> list[Row]:
         """Key metadata for admins: hash prefix, tenant, created, revoked_at; never keys."""
@@ -311,18 +355,68 @@ class Store(FutureRows):
 
     def begin_checkpoint(self, run_id: str, tenant: str, kind: str, name: str, dir: str,
                          user_metadata: dict | None = None,
-                         expires_at: float | None = None) -> str:
+                         expires_at: float | None = None, *, overwrite: bool = False,
+                         quota_bytes: int | None = None) -> str:
         """Record a checkpoint being written (status "writing"); returns its tinker path.
-        Saving again under the same name replaces the old row."""
+
+        Check and insert are one transaction (BEGIN IMMEDIATE), so of concurrent saves to
+        one name exactly one gets through. Raises ``Conflict`` if that path is being written
+        now (whatever ``overwrite`` says) or is ready and ``overwrite`` is False; a corrupt
+        row, or a ready one with ``overwrite``, is replaced (its size no longer counts).
+        Raises ``QuotaExceeded`` if ``quota_bytes`` is a positive number and the tenant's
+        ``storage_used`` (without the row being replaced) is already at or over it; None or
+        a number <= 0 means no limit. See ``tenant_storage_quota`` for the number to pass."""
         path = checkpoint_path(run_id, kind, name)
-        with self._lock:
-            self.db.table("checkpoints").insert(
-                {"tinker_path": path, "run_id": run_id, "tenant": tenant, "kind": kind,
-                 "name": name, "checkpoint_type": CHECKPOINT_TYPES[kind], "dir": str(dir),
-                 "size_bytes": None, "sha256": None, "status": "writing", "error": None,
-                 "public": 0, "created": now(), "expires_at": expires_at,
-                 "user_metadata": to_json(user_metadata)}, replace=True)
+        with self._immediate() as conn:
+            old = conn.execute("SELECT status, size_bytes, length(CAST(user_metadata AS "
+                               "BLOB)) FROM checkpoints WHERE tinker_path = ?",
+                               [path]).fetchone()
+            if old is not None and old[0] == "writing":
+                raise Conflict(f"checkpoint {path} is being written right now by another "
+                               "save; wait for it to finish or use another name")
+            if old is not None and old[0] == "ready" and not overwrite:
+                raise Conflict(f"checkpoint {path} exists (pass overwrite=True to replace it)")
+            if quota_bytes is not None and quota_bytes > 0:
+                used = self.storage_used(tenant)
+                if old is not None:
+                    used -= (old[1] or 0) + (old[2] or 0)
+                if used >= quota_bytes:
+                    raise QuotaExceeded(
+                        f"tenant {tenant!r} uses {human_size(used)} of its "
+                        f"{human_size(quota_bytes)} storage quota; delete checkpoints "
+                        "(twinkled ctl checkpoints delete / RestClient.delete_checkpoint) "
+                        "or ask the operator to raise it")
+            conn.execute(
+                "INSERT OR REPLACE INTO checkpoints (tinker_path, run_id, tenant, kind, name, "
+                "checkpoint_type, dir, size_bytes, sha256, status, error, public, created, "
+                "expires_at, user_metadata) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, NULL, "
+                "'writing', NULL, 0, ?, ?, ?)",
+                [path, run_id, tenant, kind, name, CHECKPOINT_TYPES[kind], str(dir), now(),
+                 expires_at, to_json(user_metadata)])
         return path
+
+    def storage_used(self, tenant: str) -> int:
+        """Bytes the tenant stores: the recorded sizes of its checkpoints (every row still
+        in the table: ready, corrupt or being written; a deleted checkpoint has no row) plus
+        the UTF-8 bytes of its user_metadata JSON on sessions, runs and checkpoints."""
+        parts = ["SELECT coalesce(sum(size_bytes), 0) FROM checkpoints WHERE tenant = ?"]
+        parts += [f"SELECT coalesce(sum(length(CAST(user_metadata AS BLOB))), 0) FROM {t} "
+                  "WHERE tenant = ?" for t in METADATA_TABLES]
+        sql = "SELECT " + " + ".join(f"({p})" for p in parts)
+        with self._lock:
+            return int(self.conn.execute(sql, [tenant] * len(parts)).fetchone()[0])
+
+    def tenant_storage_quota(self, tenant: str, default: int | None) -> int | None:
+        """The tenant's storage quota in bytes, or None for no limit: its own
+        ``max_storage_bytes`` (`twinkled ctl tenants set`; negative: no limit) if set, else
+        ``default`` (the caller's: the ``[tenants.NAME]`` table's ``max_storage_bytes``, else
+        ``tenant_max_storage_bytes``; ``Config.storage_quota_default`` gives it). A default
+        of None or <= 0 means no limit."""
+        row = self.get_tenant(tenant)
+        value = row.get("max_storage_bytes") if row else None
+        if value is None:
+            value = default
+        return None if value is None or value <= 0 else int(value)
 
     def finish_checkpoint(self, path: str, size_bytes: int, sha256: str) -> bool:
         """The files are on disk (fsynced and renamed): the checkpoint becomes "ready"."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import LOSS_SIGNATURES
 from .types import EngineInputError
 
 
@@ -57,15 +58,11 @@ class LossSpec:
     required_config: tuple[str, ...] = ()
 
 
-_RL = ("target_tokens", "logprobs", "advantages")
-_CLIP = ("clip_low_threshold", "clip_high_threshold")
-LOSSES: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec(cross_entropy, ("target_tokens",), ("weights",)),
-    "importance_sampling": LossSpec(importance_sampling, _RL),
-    "ppo": LossSpec(ppo, _RL, _CLIP, _CLIP),
-    "cispo": LossSpec(cispo, _RL, _CLIP, _CLIP),
-    "dro": LossSpec(dro, _RL, (), ("beta",), ("beta",)),
-}
+_FUNCTIONS = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling,
+              "ppo": ppo, "cispo": cispo, "dro": dro}
+# What each loss takes is part of the rules checked at the door (checks.py).
+LOSSES: dict[str, LossSpec] = {name: LossSpec(_FUNCTIONS[name], *sig)
+                               for name, sig in LOSS_SIGNATURES.items()}
 
 
 def loss_spec(name: str) -> LossSpec:

@@ -13,22 +13,9 @@ from dataclasses import astuple
 import torch
 from torch.optim.adamw import adamw
 
+from .checks import check_adam_params  # noqa: F401 - re-exported for the engine
 from .lora import Adapter
-from .types import AdamParams, EngineInputError, OptimResult
-
-
-def check_adam_params(p: AdamParams) -> None:
-    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
-        v = getattr(p, name)
-        if not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise EngineInputError(f"adam_params.{name}", f"must be a finite number, got {v!r}")
-    if p.learning_rate < 0:
-        raise EngineInputError("adam_params.learning_rate", "must be >= 0")
-    for name in ("beta1", "beta2"):
-        if not 0.0 <= getattr(p, name) < 1.0:
-            raise EngineInputError(f"adam_params.{name}", "must be in [0, 1)")
-    if p.eps < 0 or p.weight_decay < 0 or p.grad_clip_norm < 0:
-        raise EngineInputError("adam_params", "eps, weight_decay and grad_clip_norm must be >= 0")
+from .types import AdamParams, OptimResult
 
 
 def _counters(adapter: Adapter) -> list[torch.Tensor]:

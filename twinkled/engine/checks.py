@@ -1,0 +1,218 @@
+"""The rules a request must meet before it is queued: one copy, torch-free.
+
+The daemon's HTTP process runs them at the door (before a request takes a place in a queue,
+so nothing one tenant sends can fail a step that other tenants share); twinkle_sdk's local
+mode runs the same ones through `Engine.check`. Workers do not check again.
+
+Arrays arrive as plain sequences (lists, `array.array`s, or anything with `len`, `min`,
+`max` and iteration), never tensors: the HTTP process has no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .types import AdamParams, EngineInputError
+
+# Loss name -> (required inputs, optional inputs, config keys, required config keys).
+_RL = ("target_tokens", "logprobs", "advantages")
+_CLIP = ("clip_low_threshold", "clip_high_threshold")
+LOSS_SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...],
+                                 tuple[str, ...]]] = {
+    "cross_entropy": (("target_tokens",), ("weights",), (), ()),
+    "importance_sampling": (_RL, (), (), ()),
+    "ppo": (_RL, _CLIP, _CLIP, ()),
+    "cispo": (_RL, _CLIP, _CLIP, ()),
+    "dro": (_RL, (), ("beta",), ("beta",)),
+}
+INT_INPUTS = {"target_tokens"}
+KNOWN_INPUTS = {n for sig in LOSS_SIGNATURES.values() for n in sig[0] + sig[1]}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the model. The model's own numbers (vocab, context)
+    come from its config; the rest are the daemon's settings (`docs/reference.md`)."""
+
+    vocab_size: int
+    max_seq_len: int
+    max_rank: int = 128
+    max_datums: int = 4096  # datums in one forward_backward call
+    max_num_samples: int = 256  # num_samples of one sampling request
+    max_stop: int = 32  # entries in a stop list
+    max_stop_chars: int = 256  # length of one stop string
+    max_name_chars: int = 128  # checkpoint names
+    max_ttl_s: int = 10 * 365 * 86400
+    max_metadata_bytes: int = 65536  # user_metadata, as JSON
+
+
+def fail(field: str, message: str) -> EngineInputError:
+    return EngineInputError(field, message)
+
+
+# -- forward/backward ---------------------------------------------------------------------
+
+def check_loss(loss_fn: str, loss_config: Mapping[str, Any] | None) -> None:
+    if loss_fn not in LOSS_SIGNATURES:
+        raise fail("loss_fn", f"unknown loss {loss_fn!r}; built-in losses: "
+                   f"{', '.join(LOSS_SIGNATURES)}")
+    _, _, known, required = LOSS_SIGNATURES[loss_fn]
+    cfg = loss_config or {}
+    unknown = set(cfg) - set(known)
+    if unknown:
+        raise fail("loss_fn_config", f"{sorted(unknown)} not used by {loss_fn!r} "
+                   f"(accepted: {list(known) or 'none'})")
+    for k in required:
+        if k not in cfg:
+            raise fail(f"loss_fn_config.{k}", f"required by {loss_fn!r}")
+    for k, v in cfg.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise fail(f"loss_fn_config.{k}", f"must be a finite number, got {v!r}")
+
+
+def check_datum(j: int, tokens: Sequence, inputs: Mapping[str, tuple[Sequence[int], Sequence]],
+                loss_fn: str | None, limits: Limits) -> None:
+    """One datum: `inputs` maps a loss input's name to (shape, flat values).
+
+    `loss_fn` None (a Python callable loss, local mode) allows any input name."""
+    where = f"data[{j}]"
+    n = len(tokens)
+    if n == 0:
+        raise fail(f"{where}.model_input", "is empty: a datum needs at least one token")
+    if n > limits.max_seq_len:
+        raise fail(f"{where}.model_input",
+                   f"length {n} exceeds the model's context of {limits.max_seq_len}")
+    check_token_ids(f"{where}.model_input", tokens, limits.vocab_size)
+    if "target_tokens" not in inputs:
+        raise fail(f"{where}.loss_fn_inputs.target_tokens", "required")
+    for name, (shape, values) in inputs.items():
+        field = f"{where}.loss_fn_inputs.{name}"
+        # Inputs of other built-in losses are allowed (the same RL datums are often sent to
+        # a forward pass); a name no loss knows is most likely a typo.
+        if loss_fn is not None and name not in KNOWN_INPUTS:
+            raise fail(field, f"unknown loss input (known: {sorted(KNOWN_INPUTS)})")
+        if list(shape) != [n] or len(values) != n:
+            raise fail(field, f"has shape {list(shape)}, but the model input has {n} tokens")
+        if name in INT_INPUTS:
+            check_token_ids(field, values, limits.vocab_size)
+        else:
+            check_finite(field, values)
+    if loss_fn is not None:
+        for name in LOSS_SIGNATURES[loss_fn][0]:
+            if name not in inputs:
+                raise fail(f"{where}.loss_fn_inputs.{name}", f"required by {loss_fn!r}")
+
+
+def check_token_ids(field: str, ids: Sequence, vocab: int) -> None:
+    if not ids:
+        return
+    if not all(type(t) is int for t in ids):
+        raise fail(field, "token ids must be integers")
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise fail(field, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+
+def check_finite(field: str, values: Sequence) -> None:
+    try:
+        # One C-speed pass: a sum of float32-range values is finite iff every value is.
+        total = math.fsum(values)
+    except TypeError:
+        raise fail(field, "must hold numbers") from None
+    except (OverflowError, ValueError):  # fsum raises on inf - inf or huge Python ints
+        total = math.nan
+    if not math.isfinite(total):
+        raise fail(field, "contains NaN or infinite values")
+
+
+# -- optimizer ------------------------------------------------------------------------
+
+def check_adam_params(p: AdamParams) -> None:
+    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+        v = getattr(p, name)
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise fail(f"adam_params.{name}", f"must be a finite number, got {v!r}")
+    if p.learning_rate < 0:
+        raise fail("adam_params.learning_rate", "must be >= 0")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(p, name) < 1.0:
+            raise fail(f"adam_params.{name}", "must be in [0, 1)")
+    if p.eps < 0 or p.weight_decay < 0 or p.grad_clip_norm < 0:
+        raise fail("adam_params", "eps, weight_decay and grad_clip_norm must be >= 0")
+
+
+
+# -- sampling -----------------------------------------------------------------------------
+
+def check_sample(prompt: Sequence, max_tokens: int, num_samples: int, stop: Any,
+                 limits: Limits) -> None:
+    n = len(prompt)
+    if n == 0:
+        raise fail("prompt", "is empty: a prompt needs at least one token")
+    check_token_ids("prompt", prompt, limits.vocab_size)
+    if not 1 <= num_samples <= limits.max_num_samples:
+        raise fail("num_samples", f"must be in 1..{limits.max_num_samples}, got {num_samples}")
+    if max_tokens < 1:
+        raise fail("sampling_params.max_tokens", f"must be >= 1, got {max_tokens}")
+    if n + max_tokens > limits.max_seq_len:
+        raise fail("sampling_params.max_tokens", f"prompt ({n}) + max_tokens ({max_tokens}) "
+                   f"exceeds the model's context of {limits.max_seq_len}")
+    check_stop(stop, limits)
+
+
+def check_stop(stop: Any, limits: Limits) -> None:
+    """None (EOS), [] (never stop early), all strings, or all token ids."""
+    if stop is None:
+        return
+    field = "sampling_params.stop"
+    if not isinstance(stop, list):
+        raise fail(field, "must be a list of strings or of token ids")
+    if len(stop) > limits.max_stop:
+        raise fail(field, f"has {len(stop)} entries; at most {limits.max_stop}")
+    if not stop:
+        return
+    kinds = {type(s) for s in stop}
+    if kinds == {str}:
+        if any(not s or len(s) > limits.max_stop_chars for s in stop):
+            raise fail(field, f"stop strings must have 1..{limits.max_stop_chars} characters")
+        return
+    if kinds == {int}:
+        check_token_ids(field, stop, limits.vocab_size)
+        return
+    raise fail(field, "must be all strings or all token ids (integers)")
+
+
+# -- names and records --------------------------------------------------------------------
+
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:+=@,")
+
+
+def check_name(field: str, name: str, limits: Limits) -> None:
+    """A checkpoint name becomes a directory name: short, and plain characters only."""
+    if not isinstance(name, str) or not name:
+        raise fail(field, "must be a non-empty string")
+    if len(name) > limits.max_name_chars:
+        raise fail(field, f"is {len(name)} characters long; at most {limits.max_name_chars}")
+    if name[0] in ".-" or not set(name) <= _NAME_CHARS:
+        raise fail(field, f"{name!r} is not a valid name: use letters, digits and . _ - : + = "
+                   "@ , (not starting with '.' or '-'; no '/')")
+
+
+def check_ttl(field: str, ttl: int | None, limits: Limits) -> None:
+    if ttl is not None and not 1 <= ttl <= limits.max_ttl_s:
+        raise fail(field, f"must be in 1..{limits.max_ttl_s} seconds (or null), got {ttl}")
+
+
+def check_metadata_size(field: str, encoded: bytes, limits: Limits) -> None:
+    if len(encoded) > limits.max_metadata_bytes:
+        raise fail(field, f"is {len(encoded)} bytes as JSON; at most "
+                   f"{limits.max_metadata_bytes}")
+
+
+def check_rank(rank: int, limits: Limits) -> None:
+    if not 1 <= rank <= limits.max_rank:
+        raise fail("lora_config.rank", f"must be in 1..{limits.max_rank}, got {rank}")
