@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import secrets
 import time
 
 from aiohttp import web
@@ -48,7 +49,9 @@ async def create_model(request):
     meta = metadata(request, body.user_metadata)
     lc = body.lora_config
     checked(check_rank, lc.rank, limits(request))
-    config = LoraConfig(rank=lc.rank, alpha=_alpha(meta), seed=lc.seed,
+    # A seed always: a restore that must re-create the adapter gets the same weights.
+    seed = lc.seed if lc.seed is not None else secrets.randbits(62)
+    config = LoraConfig(rank=lc.rank, alpha=_alpha(meta), seed=seed,
                         train_attn=lc.train_attn, train_mlp=lc.train_mlp,
                         train_unembed=lc.train_unembed)
     svc = service(request)

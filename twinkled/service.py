@@ -247,8 +247,6 @@ class Service(FutureBook, Residency):
             self._drop(op.future, "the daemon is draining")
             raise Draining("the daemon is draining for maintenance or a restart; retry shortly")
         tenant = op.future.tenant
-        work = Work(op.future.id, tenant, op.kind, op.tokens, op.model_id, op.seq_id, op,
-                    parts=op.args.get("parts"))
         if op.kind == "sample":
             if self.planner.over_quota(tenant, op.tokens):
                 self._drop(op.future, "over the tenant's sampling quota")
@@ -259,6 +257,9 @@ class Service(FutureBook, Residency):
                 raise UserError(f"model {op.model_id} is not loaded in this daemon (it was "
                                 "created before a restart): create a training client from "
                                 "its last checkpoint")
+            lost = self.workers.take_rollback(op.model_id)
+            if lost is not None:  # said once, in place of this request, which takes its seq_id
+                op = Op("skip", op.model_id, op.seq_id, {"why": lost}, op.future)
             key = (op.model_id, op.seq_id)
             if key in self.seq_index:  # a retry of a request already taken
                 self._drop(op.future, "superseded by the original request")
@@ -274,7 +275,8 @@ class Service(FutureBook, Residency):
                 self._drop(op.future, message)
                 raise UserError(message)
             self.seq_index[key] = op.future.id
-        self.planner.submit(work)
+        self.planner.submit(Work(op.future.id, tenant, op.kind, op.tokens, op.model_id,
+                                 op.seq_id, op, parts=op.args.get("parts")))
         self.wake.set()
         return op.future
 
@@ -416,11 +418,8 @@ class Service(FutureBook, Residency):
         if w.final and w.lo == 0:
             return op
         req = op.args["request"]
-        part = replace(req, data=req.data[w.lo:w.hi])
-        # The first piece checks the whole request: a bad datum fails it before any trains.
-        check = req if w.lo == 0 else part
-        return replace(op, args={**op.args, "request": part, "check": check,
-                                 "piece": (w.lo, w.final)})
+        part = replace(req, data=req.data[w.lo:w.hi])  # checked whole at the door
+        return replace(op, args={**op.args, "request": part, "piece": (w.lo, w.final)})
 
     async def _execute(self, kind: str, batch: list[Op]) -> None:
         # Pieces of an op that already failed are dropped (nothing of it trains further).

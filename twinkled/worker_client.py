@@ -22,14 +22,24 @@ from .engine.types import (
     ForwardBackwardResult,
     LoraConfig,
 )
-from .workers.frames import OpF, OutcomeF, ReplyF, StepF, as_result, to_frame
+from .journal import Journal
+from .workers.frames import OpF, OutcomeF, ReplyF, StepF, as_result, encoder, op_decoder, to_frame
 from .workers.supervisor import WorkerGroup, WorkerLost
 
 log = logging.getLogger("twinkled")
 
 Outcome = tuple[object, str | None, str | None]
 RESTART_MESSAGE = ("the worker group failed ({why}) and was restarted; this request did not "
-                   "run and its model is back at its last persisted step: submit it again")
+                   "run (its model is at its last acknowledged step): submit it again")
+RETRY = "retry"  # workers/runner.py: a shared pass failed; its ops run again one at a time
+# The ops that change an adapter, and so are journaled (twinkled/journal.py).
+_CHANGES = {"fwdbwd", "optim", "load", "create"}
+
+
+def _changes(frame: OpF) -> bool:
+    if frame.kind == "fwdbwd":
+        return frame.fwdbwd.adapter_id is not None and not frame.fwdbwd.forward_only
+    return frame.kind in _CHANGES
 
 
 def config_of(info: AdapterInfo) -> LoraConfig:
@@ -50,6 +60,10 @@ class WorkerClient:
         self.group = WorkerGroup(devices, options,
                                  step_timeout=config.step_timeout_s)
         self.live: dict[str, LoraConfig] = {}  # training adapters to bring back on restart
+        # persist_every = 0 is "persistence off": no write-behind, so no journal either.
+        self.journal = Journal(self.live_dir, enabled=config.persist_every > 0)
+        # model -> what its client is told on its next request: its run was rolled back
+        self.rollbacks: dict[str, str] = {}
         self._lock = asyncio.Lock()  # one step (or one recovery) at a time
         self._stopping = False
         self.recovering = False  # the group is being restarted (healthz says "restarting")
@@ -88,22 +102,86 @@ class WorkerClient:
         frames, where = [], []
         for i, op in enumerate(ops):
             try:
-                frames.append(to_frame(op.kind, op.args))
-                where.append(i)
+                frame = to_frame(op.kind, op.args)
             except TypeError as e:
                 outcomes[i] = (None, str(e), "user")
+                continue
+            if _changes(frame):
+                frame.mark = self.journal.reserve(frame.adapter_id or frame.fwdbwd.adapter_id)
+            frames.append(frame)
+            where.append(i)
         if frames:
             try:
-                replies = await self.group.run(StepF(0, kind, frames))
+                merged = await self._run_frames(kind, frames)
             except WorkerLost as e:
                 log.error("worker group lost: %s; restarting it", e)
                 message = RESTART_MESSAGE.format(why=e)
+                for op in ops:
+                    self.journal.drop(op.future.id)
                 await self.recover()
                 return [(None, message, "server")] * len(ops)
-            for i, frame, merged in zip(where, frames, _merge(frames, replies), strict=True):
-                outcomes[i] = merged
-                self._track(frame, merged)
+            for i, frame, outcome in zip(where, frames, merged, strict=True):
+                outcomes[i] = outcome
+                self._track(frame, outcome)
+                self._journal(ops[i], frame, outcome)
         return outcomes
+
+    async def _run_frames(self, kind: str, frames: list[OpF]) -> list[Outcome]:
+        replies = await self.group.run(StepF(0, kind, frames))
+        self._note_persisted(replies)
+        merged = _merge(frames, replies)
+        retry = [i for i, m in enumerate(merged) if m[2] == RETRY]
+        if retry:
+            await self._isolate(frames, merged, retry)
+        return merged
+
+    async def _isolate(self, frames: list[OpF], merged: list[Outcome], retry: list[int]) -> None:
+        """A shared pass failed (an out-of-memory error, say): its adapters may hold part of
+        its gradients. Bring them back to their acknowledged state, then run the pass's ops
+        one at a time: an op that fails alone fails alone (its adapter restored again)."""
+        trained = {frames[i].fwdbwd.adapter_id for i in retry if frames[i].kind == "fwdbwd"}
+        log.warning("a shared step failed (%s); running its %d ops one at a time",
+                    merged[retry[0]][1], len(retry))
+        await self._reset(trained - {None})
+        for i in retry:
+            frame = frames[i]
+            kind = "train" if frame.kind == "fwdbwd" else "barrier"
+            replies = await self.group.run(StepF(0, kind, [frame]))
+            self._note_persisted(replies)
+            outcome = _merge([frame], replies)[0]
+            if outcome[2] == RETRY:
+                await self._reset({frame.fwdbwd.adapter_id} - {None})
+                outcome = (None, f"this request failed in the engine: {outcome[1]}", "user")
+            merged[i] = outcome
+
+    async def _reset(self, models: set[str]) -> None:
+        failed = await self._restore_frames({m: self.live[m] for m in models if m in self.live})
+        for model, why in failed.items():
+            log.error("adapter %s could not be restored: %s", model, why)
+
+    def _journal(self, op, frame: OpF, outcome: Outcome) -> None:
+        """Record an op that changed its adapter, before its client hears it is done. The
+        pieces of a cut forward_backward are recorded together, once the last one ran."""
+        piece = op.args.get("piece")
+        if outcome[1] is not None:
+            if piece is not None:
+                self.journal.drop(op.future.id)
+            return
+        if not frame.mark or frame.kind == "create":  # a restore re-creates it from its seed
+            return
+        model = frame.adapter_id or frame.fwdbwd.adapter_id
+        data = encoder.encode(frame)
+        if piece is None:
+            self.journal.record(model, frame.mark, data)
+            return
+        self.journal.hold(op.future.id, model, frame.mark, data)
+        if piece[1]:
+            self.journal.commit(op.future.id)
+
+    def _note_persisted(self, replies: list[ReplyF]) -> None:
+        for reply in replies:
+            for model, mark in reply.persisted.items():
+                self.journal.persisted(model, mark)
 
     def _track(self, frame: OpF, outcome: Outcome) -> None:
         result, error, _ = outcome
@@ -111,6 +189,8 @@ class WorkerClient:
             self.live[frame.adapter_id] = config_of(result)
         elif frame.kind in ("unload", "idle_unload"):
             self.live.pop(frame.adapter_id, None)
+            if frame.kind == "unload":
+                self.journal.forget(frame.adapter_id)
 
     async def recover(self) -> None:
         """Restart the group until it comes up, then restore the live adapters."""
@@ -133,25 +213,61 @@ class WorkerClient:
             self.recovering = False
 
     async def restore(self, adapters: dict[str, LoraConfig]) -> dict[str, str]:
-        """Bring adapters back from their persisted state (fresh if they have none).
-        Returns {model id: why} for those that could not be."""
+        """Bring adapters back at their acknowledged step: the persisted state, then the
+        journal's ops after it (fresh if they have neither). Returns {model id: why} for
+        those that could not be restored at all."""
+        for model in adapters:
+            if not self.journal.loaded(model):
+                self.journal.load(model)
+        return await self._restore_frames(adapters)
+
+    async def _restore_frames(self, adapters: dict[str, LoraConfig]) -> dict[str, str]:
         if not adapters:
             return {}
         frames = [OpF("restore", adapter_id=m, config=c, dir=str(self.live_dir))
                   for m, c in adapters.items()]
         replies = await self.group.run(StepF(0, "barrier", frames))
+        marks = {frames[o.index].adapter_id: o.mark or 0 for o in replies[0].outcomes}
         failed = {}
         for frame, outcome in zip(frames, _merge(frames, replies), strict=True):
             self._track(frame, outcome)
             if outcome[1] is not None:
                 failed[frame.adapter_id] = outcome[1]
                 self.live.pop(frame.adapter_id, None)
+        for model, mark in marks.items():
+            if model not in failed:
+                await self._replay(model, mark)
         return failed
+
+    async def _replay(self, model: str, mark: int) -> None:
+        """Run again the journaled ops of `model` after position `mark`, in order. If one
+        fails, the run stays where it got to, and its client is told on its next request."""
+        entries = self.journal.since(model, mark)
+        done = 0
+        for entry in entries:
+            frame = op_decoder.decode(entry.frame)
+            kind = "train" if frame.kind == "fwdbwd" else "barrier"
+            replies = await self.group.run(StepF(0, kind, [frame]))
+            _, error, _ = _merge([frame], replies)[0]
+            if error is not None:
+                self.rollbacks[model] = (
+                    f"model {model} was restored after a failure, but {len(entries) - done} "
+                    f"acknowledged operation(s) could not be replayed ({error}); it is at the "
+                    f"state after {done} of them: check its last checkpoint before going on")
+                log.error("%s", self.rollbacks[model])
+                break
+            done += 1
+            mark = entry.mark
+        self.journal.resume(model, mark)
+        if done:
+            log.info("adapter %s: replayed %d journaled op(s)", model, done)
 
     async def unload_idle(self, model: str) -> None:
         """Persist an idle adapter and free its memory; `restore` brings it back."""
         async with self._lock:
-            await self.group.run(StepF(0, "barrier", [OpF("idle_unload", adapter_id=model)]))
+            replies = await self.group.run(
+                StepF(0, "barrier", [OpF("idle_unload", adapter_id=model)]))
+            self._note_persisted(replies)
             self.live.pop(model, None)
 
     async def restore_one(self, model: str, config: LoraConfig) -> str | None:
@@ -159,12 +275,16 @@ class WorkerClient:
         async with self._lock:
             return (await self.restore({model: config})).get(model)
 
+    def take_rollback(self, model: str) -> str | None:
+        """What a model's client must be told once: its run lost acknowledged steps."""
+        return self.rollbacks.pop(model, None)
+
     async def persist_all(self) -> None:
         """Every live adapter's weights and optimizer state on disk (for a hot restart)."""
         frames = [OpF("persist", adapter_id=m) for m in self.live]
         if frames:
             async with self._lock:
-                await self.group.run(StepF(0, "barrier", frames))
+                self._note_persisted(await self.group.run(StepF(0, "barrier", frames)))
 
     def status(self) -> dict:
         return {"workers": self.group.status(), "restarts": self.group.restarts,

@@ -76,14 +76,17 @@ class Engine:
         else:
             check_forward_backward(request, self.model, self.pool)
 
-    def forward_backward(self, requests: list[ForwardBackwardRequest]) -> list[ForwardBackwardResult]:
+    def forward_backward(self, requests: list[ForwardBackwardRequest],
+                         checked: bool = False) -> list[ForwardBackwardResult]:
         """Run several requests (any adapters, forward-only or not) as shared passes.
 
         Gradients accumulate per adapter until its `optim_step`. All requests are checked
-        first: if one is bad, nothing runs and nothing changes.
+        first: if one is bad, nothing runs and nothing changes. `checked`: the caller
+        already did (the daemon checks at its door).
         """
-        for r in requests:
-            self.check(r)
+        if not checked:
+            for r in requests:
+                self.check(r)
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
         if all(r.forward_only for r in requests):
             with torch.no_grad():
@@ -117,9 +120,10 @@ class Engine:
 
     # -- sampling ---------------------------------------------------------------------
 
-    def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
-        for r in requests:
-            self.check(r)
+    def sample(self, requests: list[SampleRequest], checked: bool = False) -> list[SampleResult]:
+        if not checked:
+            for r in requests:
+                self.check(r)
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
         return sampler.generate(self.model, requests, adapters)
 

@@ -30,8 +30,11 @@ def is_live(path: str | Path) -> bool:
     return (Path(path) / INDEX).is_file()
 
 
-def write_live(snap: Snapshot, path: str | Path) -> int:
-    """Write `snap` to directory `path` atomically (temp dir, fsync, rename); returns bytes."""
+def write_live(snap: Snapshot, path: str | Path, mark: int = 0) -> int:
+    """Write `snap` to directory `path` atomically (temp dir, fsync, rename); returns bytes.
+
+    `mark`: the journal position of the last operation the snapshot holds (the daemon
+    replays its journal from there, `twinkled/journal.py`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -41,7 +44,8 @@ def write_live(snap: Snapshot, path: str | Path) -> int:
             f.write(memoryview(flat.numpy()).cast("B"))
             f.flush()
             os.fsync(f.fileno())
-        index = {"config": asdict(snap.config), "steps": snap.steps, "dtype": "float32",
+        index = {"config": asdict(snap.config), "steps": snap.steps, "mark": mark,
+                 "dtype": "float32",
                  "tensors": [[file, name, list(shape)] for file, name, shape in snap.names]}
         (tmp / INDEX).write_text(json.dumps(index))
         os.replace(tmp, path)
@@ -49,6 +53,14 @@ def write_live(snap: Snapshot, path: str | Path) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return (path / DATA).stat().st_size
+
+
+def read_mark(path: str | Path) -> int:
+    """The journal position a persisted state was written at (0 if none is recorded)."""
+    try:
+        return int(json.loads((Path(path) / INDEX).read_text()).get("mark", 0))
+    except (OSError, ValueError, TypeError) as e:
+        raise EngineInputError("path", f"{path}: unreadable live state: {e}") from None
 
 
 def read_live(path: str | Path) -> tuple[LoraConfig, dict, dict, int]:

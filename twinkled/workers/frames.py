@@ -58,15 +58,13 @@ class DatumF(msgspec.Struct, array_like=True):
 
 
 class FwdBwdF(msgspec.Struct):
-    """A forward/backward request. All of `data` is checked; rows `lo:hi` are trained."""
+    """A forward/backward request (or a piece of one), checked at the daemon's door."""
 
     adapter_id: str | None
     data: list[DatumF]
     loss_fn: str
     loss_config: dict[str, float]
     forward_only: bool
-    lo: int = 0
-    hi: int | None = None
 
 
 class SamplingF(msgspec.Struct):
@@ -87,6 +85,8 @@ class SampleF(msgspec.Struct):
 
 
 class OpF(msgspec.Struct, omit_defaults=True):
+    """One operation of a step; `kind` says which of the optional parts it carries."""
+
     kind: str  # fwdbwd | sample | optim | create | save | load | unload | restore | persist
     adapter_id: str | None = None
     fwdbwd: FwdBwdF | None = None
@@ -96,6 +96,7 @@ class OpF(msgspec.Struct, omit_defaults=True):
     params: AdamParams | None = None
     dir: str | None = None
     optimizer: bool = False
+    mark: int = 0  # the op's journal position (twinkled/journal.py); 0: changes nothing
 
 
 class StepF(msgspec.Struct):
@@ -119,6 +120,7 @@ class OutcomeF(msgspec.Struct, omit_defaults=True):
     optim: OptimResult | None = None
     info: AdapterInfo | None = None
     digest: tuple[int, str] | None = None
+    mark: int | None = None  # restore: the journal position of the version it loaded
 
 
 class ReplyF(msgspec.Struct, tag="reply"):
@@ -126,6 +128,7 @@ class ReplyF(msgspec.Struct, tag="reply"):
     rank: int
     outcomes: list[OutcomeF]
     memory: int = 0  # device bytes allocated after the step (0 on a CPU)
+    persisted: dict[str, int] = {}  # adapter -> mark of the versions written since the last
 
 
 class HelloF(msgspec.Struct, tag="hello"):
@@ -141,6 +144,7 @@ class HelloF(msgspec.Struct, tag="hello"):
 # One pair per direction, reused: building an encoder or decoder costs more than using it.
 encoder = msgspec.msgpack.Encoder()
 step_decoder = msgspec.msgpack.Decoder(StepF)
+op_decoder = msgspec.msgpack.Decoder(OpF)
 reply_decoder = msgspec.msgpack.Decoder(ReplyF | HelloF)
 
 
@@ -151,7 +155,7 @@ def to_frame(kind: str, args: dict) -> OpF:
              optimizer=bool(args.get("optimizer", False)))
     req = args.get("request")
     if isinstance(req, ForwardBackwardRequest):
-        op.fwdbwd = _fwdbwd_frame(req, args)
+        op.fwdbwd = _fwdbwd_frame(req)
     elif isinstance(req, SampleRequest):
         p = req.params
         op.sample = SampleF(req.adapter_id, buf(req.prompt), SamplingF(
@@ -164,20 +168,11 @@ def _str(path: Any) -> str | None:
     return None if path is None else str(path)
 
 
-def _fwdbwd_frame(req: ForwardBackwardRequest, args: dict) -> FwdBwdF:
+def _fwdbwd_frame(req: ForwardBackwardRequest) -> FwdBwdF:
     if not isinstance(req.loss_fn, str):
         raise TypeError("a Python callable loss cannot be sent to a worker")
-    # A piece of a cut request: the first piece checks the whole request (a bad datum fails
-    # it before any row trains) and trains its own rows; later pieces carry only theirs.
-    lo, hi = 0, None
-    data = req.data
-    if "piece" in args:
-        first, _ = args["piece"]
-        whole = args["check"].data
-        if first == 0:
-            data, hi = whole, len(req.data)
-    return FwdBwdF(req.adapter_id, [_datum_frame(d) for d in data], req.loss_fn,
-                   dict(req.loss_config), req.forward_only, lo, hi)
+    return FwdBwdF(req.adapter_id, [_datum_frame(d) for d in req.data], req.loss_fn,
+                   dict(req.loss_config), req.forward_only)
 
 
 def _datum_frame(d: Datum) -> DatumF:

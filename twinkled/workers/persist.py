@@ -5,8 +5,9 @@ has finished its last batch, the changed adapters are snapshotted (one device co
 brought to host memory on a side stream) and the thread writes them to
 `<live_dir>/<adapter id>/<version>/` (weights + optimizer state, `engine/live.py`). Versions are nanosecond stamps,
 so the newest complete one (written to a temp name, then renamed) is what a restart loads;
-older versions are removed once a newer one is in place. A crash loses at most the steps
-whose write had not finished.
+older versions are removed once a newer one is in place. Each version records the journal
+position of the last operation it holds; the daemon replays its journal from there, so a
+crash loses nothing acknowledged (`twinkled/journal.py`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class Persister:
         self.live_dir = live_dir
         self.every = every
         self.dirty: dict[str, None] = {}  # changed, oldest first (no adapter starves)
-        self._queue: list[tuple[str, Snapshot | None]] = []  # None: forget the adapter
+        # (adapter, snapshot or None to forget it, journal mark of the snapshot)
+        self._queue: list[tuple[str, Snapshot | None, int]] = []
+        self._written: dict[str, int] = {}  # adapter -> mark, since `take_written`
         self._cond = threading.Condition()
         self._busy = False
         self.written = 0
@@ -62,32 +65,42 @@ class Persister:
     def forget(self, adapter_id: str) -> None:
         self.dirty.pop(adapter_id, None)
         with self._cond:
-            self._queue.append((adapter_id, None))
+            self._queue.append((adapter_id, None, 0))
             self._cond.notify()
 
     def idle(self) -> bool:
         with self._cond:
             return not self._queue and not self._busy
 
-    def pump(self, adapters: dict[str, Adapter], limit: int | None = 1) -> None:
+    def take_written(self) -> dict[str, int]:
+        """{adapter: journal mark} of the versions written since the last call."""
+        with self._cond:
+            written, self._written = self._written, {}
+        return written
+
+    def pump(self, adapters: dict[str, Adapter], marks: dict[str, int],
+             limit: int | None = 1) -> None:
         """Hand up to `limit` changed adapters to the writer, if it is free. One at a time
-        between steps keeps the snapshot's host time off the next step's start."""
+        between steps keeps the snapshot's host time off the next step's start. `marks`:
+        each adapter's journal position as of its state without pending gradients."""
         if not self.dirty or not self.idle():
             return
         chosen = list(self.dirty)[:limit]
         for a in chosen:
             del self.dirty[a]
-        snaps = [(a, snapshot(adapters[a], optimizer=True)) for a in chosen if a in adapters]
+        snaps = [(a, snapshot(adapters[a], optimizer=True), marks.get(a, 0))
+                 for a in chosen if a in adapters]
         with self._cond:
             self._queue.extend(snaps)
             self._cond.notify()
 
-    def flush(self, adapters: dict[str, Adapter], timeout: float = 300.0) -> bool:
+    def flush(self, adapters: dict[str, Adapter], marks: dict[str, int],
+              timeout: float = 300.0) -> bool:
         """Everything changed is on disk when this returns True."""
         deadline = time.monotonic() + timeout
         if not self._wait_idle(deadline):
             return False
-        self.pump(adapters, limit=None)
+        self.pump(adapters, marks, limit=None)
         return self._wait_idle(deadline)
 
     def _wait_idle(self, deadline: float) -> bool:
@@ -104,10 +117,10 @@ class Persister:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
-                adapter_id, snap = self._queue.pop(0)
+                adapter_id, snap, mark = self._queue.pop(0)
                 self._busy = True
             try:
-                self._write(adapter_id, snap)
+                self._write(adapter_id, snap, mark)
             except Exception:  # a full disk must not kill the worker; the next step retries
                 log.exception("persisting adapter %s failed", adapter_id)
             finally:
@@ -115,14 +128,16 @@ class Persister:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _write(self, adapter_id: str, snap: Snapshot | None) -> None:
+    def _write(self, adapter_id: str, snap: Snapshot | None, mark: int) -> None:
         root = self.live_dir / adapter_id
         if snap is None:
             shutil.rmtree(root, ignore_errors=True)
             return
         version = root / f"{time.time_ns():020d}"
-        write_live(snap, version)
+        write_live(snap, version, mark)
         self.written += 1
+        with self._cond:
+            self._written[adapter_id] = mark
         for old in root.iterdir():
             if old != version and not old.name.startswith("."):
                 shutil.rmtree(old, ignore_errors=True)

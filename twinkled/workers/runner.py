@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from twinkled.engine import Engine, EngineInputError
+from twinkled.engine.live import read_mark
 from twinkled.engine.parallel import split_rows
 from twinkled.engine.types import Datum, ForwardBackwardRequest, SampleRequest, SamplingParams
 from twinkled.verify import checkpoint_digest
@@ -44,22 +45,51 @@ def _datum(d: DatumF) -> Datum:
     return Datum(to_tensor(d.tokens), {k: to_tensor(v) for k, v in d.inputs.items()})
 
 
+# An op that could not run because of a failure in a pass it shared: the daemon restores
+# the adapters of the pass and runs its ops one at a time (worker_client.py).
+RETRY = "retry"
+
+
+def fatal(e: BaseException) -> bool:
+    """A fault that leaves this rank unusable or out of step with the others (the group
+    restarts). Anything else fails the requests it touched and the worker goes on."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return False
+    kinds = tuple(k for k in (getattr(torch.distributed, "DistError", None),
+                              getattr(torch, "AcceleratorError", None)) if k is not None)
+    text = str(e)
+    return (isinstance(e, kinds) or "CUDA error" in text or "NCCL" in text
+            or "device-side assert" in text)
+
+
 class StepRunner:
     def __init__(self, engine: Engine, rank: int, world: int, persister: Persister | None):
         self.engine = engine
         self.rank, self.world = rank, world
         self.persister = persister  # rank 0 only
         self.sampler_lru: OrderedDict[str, bool] = OrderedDict()
+        # Per adapter: the journal position of the last op after which it had no pending
+        # gradients (what a snapshot of it holds; twinkled/journal.py).
+        self.marks: dict[str, int] = {}
 
     def run(self, step: StepF) -> list[OutcomeF]:
+        """Every op gets an outcome; an exception leaves only if the rank cannot go on."""
         if step.kind == "sample":
             return self._sample(step.ops)
         rows = [i for i, op in enumerate(step.ops) if op.kind == "fwdbwd"]
         barriers = [i for i, op in enumerate(step.ops) if op.kind != "fwdbwd"]
         outcomes = self._train(step.ops, rows) if rows else []
+        if any(o.category == RETRY for o in outcomes):
+            # The pass failed: the step's barriers (optim_steps behind its rows) wait too.
+            return sorted(outcomes + [OutcomeF(i, error="not run", category=RETRY)
+                                      for i in barriers], key=lambda o: o.index)
         if barriers:
             outcomes += self._barriers(step.ops, barriers)
         return sorted(outcomes, key=lambda o: o.index)
+
+    def persisted(self) -> dict[str, int]:
+        """{adapter: journal mark} of the states written since the last reply."""
+        return self.persister.take_written() if self.persister is not None else {}
 
     # -- forward/backward ---------------------------------------------------------------
 
@@ -67,24 +97,31 @@ class StepRunner:
         outcomes, good = [], []
         for i in indices:
             f = ops[i].fwdbwd
-            req = ForwardBackwardRequest(f.adapter_id, [_datum(d) for d in f.data], f.loss_fn,
-                                         f.loss_config, f.forward_only)
-            try:
-                self.engine.check(req)
-                good.append((i, req, range(f.lo, len(req.data) if f.hi is None else f.hi)))
-            except EngineInputError as e:
-                outcomes.append(OutcomeF(i, error=str(e), category="user"))
-        rows = [(i, req, j) for i, req, span in good for j in span]
+            if f.adapter_id is not None and not self.engine.has_adapter(f.adapter_id):
+                outcomes.append(OutcomeF(i, error=f"adapter_id: no adapter {f.adapter_id!r} "
+                                         "is loaded", category="user"))
+                continue
+            good.append((i, ForwardBackwardRequest(f.adapter_id, [_datum(d) for d in f.data],
+                                                   f.loss_fn, f.loss_config, f.forward_only)))
+        rows = [(i, req, j) for i, req in good for j in range(len(req.data))]
         owner = split_rows([len(req.data[j].tokens) for _, req, j in rows], self.world)
-        mine: dict[int, list[int]] = {i: [] for i, _, _ in good}
+        mine: dict[int, list[int]] = {i: [] for i, _ in good}
         for (i, _, j), r in zip(rows, owner, strict=True):
             if r == self.rank:
                 mine[i].append(j)
-        run = [(i, req) for i, req, _ in good if mine[i]]
-        results = self.engine.forward_backward(
-            [replace(req, data=[req.data[j] for j in mine[i]]) for i, req in run])
+        run = [(i, req) for i, req in good if mine[i]]
+        try:  # checked at the door: the engine does not check again
+            results = self.engine.forward_backward(
+                [replace(req, data=[req.data[j] for j in mine[i]]) for i, req in run],
+                checked=True)
+        except Exception as e:
+            if fatal(e):
+                raise
+            _release(e)
+            why = f"{type(e).__name__}: {e}"
+            return outcomes + [OutcomeF(i, error=why, category=RETRY) for i, _ in good]
         by_op = dict(zip([i for i, _ in run], results, strict=True))
-        for i, _, _ in good:
+        for i, _ in good:
             r = by_op.get(i)
             out = FwdBwdOutF(mine[i], [], {}) if r is None else FwdBwdOutF(
                 mine[i], [{k: to_buf(v) for k, v in o.items()} for o in r.outputs], r.metrics)
@@ -106,13 +143,15 @@ class StepRunner:
                 s.num_samples, s.prompt_logprobs)
             try:
                 self._load_sampler(ops[i])
-                self.engine.check(req)
+                if s.adapter_id is not None and not self.engine.has_adapter(s.adapter_id):
+                    raise EngineInputError("sampling_session_id", "its weights are not loaded")
                 good.append((i, req))
-            except EngineInputError as e:
-                outcomes.append(OutcomeF(i, error=str(e), category="user"))
+            except Exception as e:
+                if fatal(e):
+                    raise
+                outcomes.append(OutcomeF(i, error=str(e), category=_category(e)))
         if good:
-            results = self.engine.sample([req for _, req in good])
-            outcomes += [OutcomeF(i, sample=r) for (i, _), r in zip(good, results, strict=True)]
+            outcomes += self._sample_batch(good)
         in_use = {ops[i].adapter_id for i in mine}
         while len(self.sampler_lru) > SAMPLER_ADAPTERS:
             old = next(iter(self.sampler_lru))
@@ -121,6 +160,21 @@ class StepRunner:
             self.sampler_lru.pop(old)
             self.engine.remove_adapter(old)
         return outcomes
+
+    def _sample_batch(self, good: list[tuple[int, SampleRequest]]) -> list[OutcomeF]:
+        """One batch; if it fails, each request alone, so only the one at fault fails
+        (sampling changes no adapter)."""
+        try:
+            results = self.engine.sample([req for _, req in good], checked=True)
+            return [OutcomeF(i, sample=r) for (i, _), r in zip(good, results, strict=True)]
+        except Exception as e:
+            if fatal(e):
+                raise
+            _release(e)
+            if len(good) == 1:
+                return [OutcomeF(good[0][0], error=f"sampling failed: {type(e).__name__}: {e}",
+                                 category="user")]
+        return [o for item in good for o in self._sample_batch([item])]
 
     def _load_sampler(self, op: OpF) -> None:
         if not op.load_from:
@@ -143,8 +197,10 @@ class StepRunner:
         except EngineInputError:  # one bad step: run them one by one to blame the right one
             stepped = [self._one(i, ops[i]) for i in optims]
         for o in stepped:
-            if o.optim is not None and o.optim.applied:
-                self._persist(ops[o.index].adapter_id, every=True)
+            if o.optim is not None:
+                self.marks[ops[o.index].adapter_id] = ops[o.index].mark
+                if o.optim.applied:
+                    self._persist(ops[o.index].adapter_id, every=True)
         return outcomes + stepped
 
     def _persist(self, adapter_id: str, every: bool = False) -> None:
@@ -155,11 +211,15 @@ class StepRunner:
         else:
             self.persister.mark(adapter_id)
 
+    def _flush(self) -> bool:
+        return self.persister is None or self.persister.flush(self.engine.pool.adapters,
+                                                             self.marks)
+
     def between_steps(self) -> bool:
         """Persist what changed, if the writer is free; True while something waits."""
         if self.persister is None:
             return False
-        self.persister.pump(self.engine.pool.adapters)
+        self.persister.pump(self.engine.pool.adapters, self.marks)
         return bool(self.persister.dirty)
 
     def _one(self, i: int, op: OpF) -> OutcomeF:
@@ -167,12 +227,15 @@ class StepRunner:
         try:
             if op.kind == "create":
                 engine.add_adapter(aid, op.config)
+                self.marks[aid] = op.mark
                 self._persist(aid)
                 return OutcomeF(i, info=engine.adapter_info(aid))
             if op.kind == "restore":
-                return OutcomeF(i, info=self._restore(aid, op))
+                info, mark = self._restore(aid, op)
+                return OutcomeF(i, info=info, mark=mark)
             if op.kind == "optim":
                 result = engine.optim_step(aid, op.params)
+                self.marks[aid] = op.mark
                 if result.applied:
                     self._persist(aid, every=True)
                 return OutcomeF(i, optim=result)
@@ -183,37 +246,56 @@ class StepRunner:
                 return OutcomeF(i, digest=checkpoint_digest(Path(op.dir)))
             if op.kind == "load":
                 info = engine.load(aid, op.dir, optimizer=op.optimizer)
+                self.marks[aid] = op.mark
                 self._persist(aid)
                 return OutcomeF(i, info=info)
             if op.kind == "unload":
                 if engine.has_adapter(aid):
                     engine.remove_adapter(aid)
+                self.marks.pop(aid, None)
                 if self.persister is not None:
                     self.persister.forget(aid)
                 return OutcomeF(i)
             if op.kind == "idle_unload":  # persisted first; `restore` brings it back
                 if engine.has_adapter(aid):
                     self._persist(aid)
-                    if self.persister is not None and not self.persister.flush(
-                            engine.pool.adapters):
+                    if not self._flush():
                         return OutcomeF(i, error="persisting timed out", category="server")
                     engine.remove_adapter(aid)
                 return OutcomeF(i)
             if op.kind == "persist":  # a hot restart: everything on disk before we answer
                 if engine.has_adapter(aid):
                     self._persist(aid)
-                if self.persister is not None and not self.persister.flush(engine.pool.adapters):
+                if not self._flush():
                     return OutcomeF(i, error="persisting timed out", category="server")
                 return OutcomeF(i)
             return OutcomeF(i, error=f"unknown operation {op.kind!r}", category="server")
-        except EngineInputError as e:
-            return OutcomeF(i, error=str(e), category="user")
+        except Exception as e:  # this op's failure only; a save or load changed nothing
+            if fatal(e):
+                raise
+            return OutcomeF(i, error=str(e) if isinstance(e, EngineInputError)
+                            else f"{type(e).__name__}: {e}", category=_category(e))
 
     def _restore(self, aid: str, op: OpF):
-        """An adapter from its last persisted state, or fresh if it never got one."""
+        """An adapter from its last persisted state, or fresh if it never got one; and the
+        journal position that state holds (the daemon replays what came after)."""
         version = latest_version(Path(op.dir), aid) if op.dir else None
         if self.engine.has_adapter(aid):
             self.engine.remove_adapter(aid)
         if version is None:
-            return self.engine.add_adapter(aid, op.config)
-        return self.engine.load(aid, version, optimizer=True)
+            info, mark = self.engine.add_adapter(aid, op.config), 0
+        else:
+            mark = read_mark(version)
+            info = self.engine.load(aid, version, optimizer=True)
+        self.marks[aid] = mark
+        return info, mark
+
+
+def _category(e: BaseException) -> str:
+    return "user" if isinstance(e, EngineInputError) else "server"
+
+
+def _release(e: BaseException) -> None:
+    """After a failed pass: give back what it held, so the next step has the memory."""
+    if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
+        torch.cuda.empty_cache()

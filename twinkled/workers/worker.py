@@ -66,11 +66,14 @@ def main(args: dict) -> None:
         try:
             outcomes = runner.run(step)
         except Exception as e:
-            # Not a user error: the ranks may now disagree (one rank's collective failed),
-            # so die and let the supervisor restart the group from persisted state.
+            # Only what leaves this rank unusable gets here (`runner.fatal`: a CUDA or
+            # collective fault; a request's own failure is its outcome). The ranks may now
+            # disagree, so die: the daemon restarts the group and restores every adapter
+            # at its acknowledged step (persisted state + journal).
             log.error("step %d failed: %s", step.id, traceback.format_exc())
             sys.exit(f"step failed: {type(e).__name__}: {e}")
-        sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, _memory(runner))))
+        sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, _memory(runner),
+                                        runner.persisted())))
         waiting = runner.between_steps()  # after the reply: off the step's path
 
 

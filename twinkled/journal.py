@@ -1,0 +1,148 @@
+"""What makes an acknowledged step durable: the journal of each live adapter.
+
+Workers persist an adapter's state behind the training loop (write-behind, `workers/
+persist.py`), so a persisted version may lag what clients were told is done. The journal
+closes the gap: every operation that changes an adapter (a forward_backward that trains, an
+optim_step, a load) is appended, as the frame the workers ran, BEFORE its client hears it is
+done. Each op carries a position (`mark`); a persisted version records the position of the
+last op it contains. Restoring an adapter = its newest version + the journal's ops after
+that version's mark, replayed in order. So a worker crash or a daemon SIGKILL rolls nothing
+back that was acknowledged.
+
+On disk: `<live_dir>/<adapter>/.journal`, length-prefixed msgpack records appended with a
+plain write (no fsync: the page cache survives the death of any process, and the records
+are tiny); rewritten without the old records when the workers report a newer version.
+Torch-free: the daemon's HTTP process owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from pathlib import Path
+
+import msgspec
+
+log = logging.getLogger("twinkled")
+
+FILE = ".journal"
+_LEN = struct.Struct("<I")
+
+
+class Entry(msgspec.Struct, array_like=True):
+    mark: int
+    frame: bytes  # an encoded workers.frames.OpF
+
+
+class Journal:
+    def __init__(self, live_dir: Path, enabled: bool = True):
+        self.live_dir = Path(live_dir)
+        self.enabled = enabled
+        self._entries: dict[str, list[Entry]] = {}
+        self._next: dict[str, int] = {}
+        self._held: dict[str, list[tuple[str, Entry]]] = {}  # pieces of an unfinished op
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(Entry)
+
+    # -- positions ------------------------------------------------------------------------
+
+    def reserve(self, model: str) -> int:
+        """The next position of `model` (an op that changes it carries it to the workers)."""
+        mark = self._next.get(model, 1)
+        self._next[model] = mark + 1
+        return mark
+
+    def resume(self, model: str, mark: int) -> None:
+        """After a restore at `mark`: later positions stay above it and the file's."""
+        last = max([mark, *[e.mark for e in self._entries.get(model, [])]])
+        self._next[model] = max(self._next.get(model, 1), last + 1)
+
+    # -- records --------------------------------------------------------------------------
+
+    def record(self, model: str, mark: int, frame: bytes) -> None:
+        """An op of `model` ran and is about to be acknowledged."""
+        if not self.enabled:
+            return
+        entry = Entry(mark, frame)
+        self._entries.setdefault(model, []).append(entry)
+        path = self._path(model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = self._enc.encode(entry)
+        with open(path, "ab") as f:
+            f.write(_LEN.pack(len(data)) + data)
+
+    def hold(self, key: str, model: str, mark: int, frame: bytes) -> None:
+        """A piece of an op cut between steps: recorded only once its last piece ran."""
+        if self.enabled:
+            self._held.setdefault(key, []).append((model, Entry(mark, frame)))
+
+    def commit(self, key: str) -> None:
+        for model, e in self._held.pop(key, []):
+            self.record(model, e.mark, e.frame)
+
+    def drop(self, key: str) -> None:
+        self._held.pop(key, None)
+
+    def since(self, model: str, mark: int) -> list[Entry]:
+        """The ops of `model` after position `mark`, in order."""
+        return [e for e in self._entries.get(model, []) if e.mark > mark]
+
+    def persisted(self, model: str, mark: int) -> None:
+        """The workers wrote a version of `model` holding everything up to `mark`."""
+        entries = self._entries.get(model)
+        if not entries or entries[0].mark > mark:
+            return
+        keep = [e for e in entries if e.mark > mark]
+        self._entries[model] = keep
+        self._rewrite(model, keep)
+
+    def forget(self, model: str) -> None:
+        """The adapter is gone (its session ended): nothing to replay any more."""
+        self._entries.pop(model, None)
+        self._next.pop(model, None)
+        self._path(model).unlink(missing_ok=True)
+
+    # -- disk -----------------------------------------------------------------------------
+
+    def loaded(self, model: str) -> bool:
+        return model in self._entries
+
+    def load(self, model: str) -> None:
+        """Read `model`'s journal file (at start-up, before its adapter is restored)."""
+        path = self._path(model)
+        entries: list[Entry] = []
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raw = b""
+        at = 0
+        while at + _LEN.size <= len(raw):
+            (n,) = _LEN.unpack_from(raw, at)
+            try:
+                entries.append(self._dec.decode(raw[at + _LEN.size: at + _LEN.size + n]))
+            except msgspec.DecodeError:  # a torn last record: what came before stands
+                log.warning("journal of %s ends in a torn record; ignored", model)
+                break
+            at += _LEN.size + n
+        self._entries[model] = entries
+        if entries:
+            self._next[model] = max(self._next.get(model, 1), entries[-1].mark + 1)
+
+    def _rewrite(self, model: str, entries: list[Entry]) -> None:
+        path = self._path(model)
+        if not entries:
+            path.unlink(missing_ok=True)
+            return
+        tmp = path.with_name(FILE + ".tmp")
+        with open(tmp, "wb") as f:
+            for e in entries:
+                data = self._enc.encode(e)
+                f.write(_LEN.pack(len(data)) + data)
+        os.replace(tmp, path)
+
+    def _path(self, model: str) -> Path:
+        return self.live_dir / model / FILE
+
+    def size(self, model: str) -> int:
+        return len(self._entries.get(model, []))
