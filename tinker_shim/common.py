@@ -17,7 +17,7 @@ from twinkled.engine.types import EngineInputError
 from twinkled.service import NotFound, RateLimited, Service, UserError
 
 from .ids import parse_checkpoint_path
-from .messages import decode, encoded_size
+from .messages import decode, encoded_size, seq_ref
 
 M = TypeVar("M")
 
@@ -29,6 +29,23 @@ def json_payload(encode_obj) -> tuple[bytes, str]:
 async def body_of(request: web.Request, message: type[M]) -> M:
     """The request's JSON body as its typed message (a 400 naming the field otherwise)."""
     return decode(await request.read(), message)
+
+
+async def seq_body(request: web.Request, message: type[M]) -> M:
+    """As `body_of`, for a body with model_id and seq_id: if the rest of it is wrong, the
+    refusal still takes its seq_id (the client's later requests count on past it)."""
+    raw = await request.read()
+    try:
+        return decode(raw, message)
+    except UserError as e:
+        ref = seq_ref(raw)
+        if ref is not None:
+            try:
+                run = await loaded_run(request, ref.model_id)
+            except UserError:
+                raise e from None
+            service(request).refuse(request["tenant"], run["id"], ref.seq_id, str(e))
+        raise
 
 
 def checked(check, *args) -> None:

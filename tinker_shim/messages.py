@@ -147,6 +147,13 @@ class Asample(Body):
     prompt_logprobs_last_n: Any = None
 
 
+class SeqRef(Struct):
+    """What a seq_id-carrying body must hold for a refusal of it to take its seq_id."""
+
+    model_id: str | None = None
+    seq_id: SeqId | None = None
+
+
 class RetrieveFuture(Body):
     request_id: str
 
@@ -172,6 +179,15 @@ def decode(raw: bytes, message: type[M]) -> M:
         raise UserError(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise UserError("request body is nested too deeply") from None
+
+
+def seq_ref(raw: bytes) -> SeqRef | None:
+    """model_id and seq_id of a body that did not decode as a whole, if they are there."""
+    try:
+        ref = msgspec.json.decode(raw, type=SeqRef)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    return ref if ref.model_id and ref.seq_id is not None else None
 
 
 def encoded_size(value: Any) -> bytes:

@@ -33,6 +33,7 @@ from .common import (
     own_checkpoint,
     own_run,
     own_session,
+    seq_body,
     service,
     takes_seq_id,
 )
@@ -133,7 +134,7 @@ async def forward_backward(request):
 
 
 async def optim_step(request):
-    body = await body_of(request, OptimStep)
+    body = await seq_body(request, OptimStep)
     run = await loaded_run(request, body.model_id)
     with takes_seq_id(request, run["id"], body.seq_id):
         if body.adam_params is None:
@@ -189,11 +190,12 @@ def _save(request, run: dict, body: SaveWeights, name: str, kind: str, optimizer
 
 
 async def save_weights(request):
-    body = await body_of(request, SaveWeights)
+    body = await seq_body(request, SaveWeights)
     run = await loaded_run(request, body.model_id)
     with takes_seq_id(request, run["id"], body.seq_id):
         if body.path is None:
             raise UserError("path: required (the checkpoint's name)")
+        checked(check_name, "path", body.path, limits(request))
         path = checkpoint_path(run["id"], "weights", body.path)
         f = _save(request, run, body, body.path, "weights", True,
                   {"body": {"type": "save_weights", "path": path}}, body.overwrite)
@@ -201,10 +203,11 @@ async def save_weights(request):
 
 
 async def save_weights_for_sampler(request):
-    body = await body_of(request, SaveWeights)
+    body = await seq_body(request, SaveWeights)
     run = await loaded_run(request, body.model_id)
     with takes_seq_id(request, run["id"], body.seq_id):
         if body.path:
+            checked(check_name, "path", body.path, limits(request))
             path = checkpoint_path(run["id"], "sampler_weights", body.path)
             f = _save(request, run, body, body.path, "sampler_weights", False,
                       {"body": {"type": "save_weights_for_sampler", "path": path}}, True)
@@ -226,7 +229,7 @@ async def save_weights_for_sampler(request):
 
 
 async def load_weights(request):
-    body = await body_of(request, LoadWeights)
+    body = await seq_body(request, LoadWeights)
     store, svc = request.app["store"], service(request)
     if body.model_id is not None:  # legacy: load into an existing model, in its seq order
         run = await loaded_run(request, body.model_id)
