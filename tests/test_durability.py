@@ -117,3 +117,56 @@ def test_daemon_sigkill_keeps_every_acknowledged_step(lagging, tiny_dir, tmp_pat
         assert "replayed" in (tmp_path / "log2").read_text()
     finally:
         d2.stop()
+
+
+def _restarts(d) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{d.url}/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("twinkle_worker_restarts_total"))
+
+
+def test_a_failed_shared_pass_fails_only_the_request_at_fault(tiny_dir, tmp_path):
+    """A pass that fails after its backward (injected: any datum of 13 tokens) leaves part
+    of its gradients in every adapter it held. They are restored to their acknowledged
+    state and the pass's requests run one at a time: the other tenant's request succeeds
+    with exactly the gradients it would have had alone, no worker restarts."""
+    keys = {t: make_key(tmp_path, t) for t in ("good", "bad")}
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", env={
+        "TWINKLED_TEST_FAIL_TOKENS": "13", "TWINKLED_TEST_STEP_DELAY": "0.5"})
+    try:
+        sc = {t: tinker.ServiceClient(base_url=d.url, api_key=k) for t, k in keys.items()}
+        good = sc["good"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                     seed=21).result(timeout=T)
+        control = sc["good"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                        seed=21).result(timeout=T)
+        bad = sc["bad"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                   seed=22).result(timeout=T)
+        data = _data(good.get_tokenizer())
+        # Gradients already pending before the shared pass: counted twice or lost, they
+        # would turn the step (AdamW's first step is blind to their overall scale).
+        _fb(control, data[:1])
+        _fb(control, data)
+        _optim(control, 1e-2)
+        _fb(good, data[:1])
+        want = _logprobs(control, data)
+        restarts = _restarts(d)
+
+        poison = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5] * 13),
+                                     loss_fn_inputs={"target_tokens": [6] * 13})]
+        slow = good.forward(data, "cross_entropy")  # holds the workers for 0.5 s ...
+        time.sleep(0.1)
+        fut_good = good.forward_backward(data, "cross_entropy")  # ... so these two share
+        fut_bad = bad.forward_backward(poison, "cross_entropy")  # the next step
+        slow.result(timeout=T)
+        assert fut_good.result(timeout=T).metrics["loss:sum"] > 0
+        with pytest.raises(tinker.RequestFailedError, match="failed in the engine"):
+            fut_bad.result(timeout=T)
+        _optim(good, 1e-2)
+        assert _logprobs(good, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
+        assert _restarts(d) == restarts
+        assert "one at a time" in (tmp_path / "log").read_text()  # they did share a pass
+        assert _fb(bad, data).metrics["loss:sum"] > 0  # the bad tenant goes on
+    finally:
+        d.stop()

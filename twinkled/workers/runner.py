@@ -11,6 +11,7 @@ ranks agree on which ops fail (category "user") before any row trains. Then:
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
@@ -26,6 +27,8 @@ from twinkled.verify import checkpoint_digest
 from .frames import Buf, DatumF, FwdBwdOutF, OpF, OutcomeF, StepF
 from .persist import Persister, latest_version
 
+# Fault tests only: a pass holding a datum of this many tokens fails after its backward.
+_FAIL_TOKENS = int(os.environ.get("TWINKLED_TEST_FAIL_TOKENS", "0"))
 SAMPLER_ADAPTERS = 32  # sampler checkpoints kept loaded; the least recently used goes first
 _DTYPES = {"int64": torch.long, "float32": torch.float32}
 
@@ -114,6 +117,9 @@ class StepRunner:
             results = self.engine.forward_backward(
                 [replace(req, data=[req.data[j] for j in mine[i]]) for i, req in run],
                 checked=True)
+            if _FAIL_TOKENS and any(len(req.data[j].tokens) == _FAIL_TOKENS
+                                    for i, req in run for j in mine[i]):
+                raise RuntimeError("injected failure (TWINKLED_TEST_FAIL_TOKENS)")
         except Exception as e:
             if fatal(e):
                 raise
