@@ -180,7 +180,8 @@ def main() -> None:
             text += (f"| {n} | on | {name} | {mib(s['bytes'])} | {s['journals']} | "
                      f"{s['records']} | {s['journal_bytes']:,} |\n")
     o = max(r["peak"]["journals"] for r in off)
-    text += (f"\nWith persistence off, at most {o} journal(s) were seen under live/. Each tenant "
+    text += (f"\nWith persistence off, at most {o} journal(s) were seen under live/ (its peak: "
+             f"{mib(max(r['peak']['bytes'] for r in off))} MiB). Each tenant "
              f"ran 2 warm-up and "
              f"{steps} timed steps (forward_backward + optim_step each).\n")
     print(text)

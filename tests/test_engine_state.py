@@ -160,8 +160,8 @@ def test_live_state_resumes_exactly_and_persister_keeps_the_newest(tiny_dir, tmp
         first.forward_backward([ce_request("a", gen, first.model.vocab_size, [9, 13])])
         first.optim_step("a", PARAMS)
         persister.after_step("a", first.pool.get("a"))
-        persister.pump(first.pool.adapters)
-    assert persister.flush(first.pool.adapters)
+        persister.pump(first.pool.adapters, {})
+    assert persister.flush(first.pool.adapters, {})
     versions = [p for p in (tmp_path / "live" / "a").iterdir() if not p.name.startswith(".")]
     assert len(versions) == 1  # older versions go once a newer one is on disk
 
@@ -176,5 +176,5 @@ def test_live_state_resumes_exactly_and_persister_keeps_the_newest(tiny_dir, tmp
     assert all(torch.equal(a[k][i], b[k][i]) for k in a for i in range(2))
 
     persister.forget("a")
-    assert persister.flush(fresh.pool.adapters)
+    assert persister.flush(fresh.pool.adapters, {})
     assert latest_version(tmp_path / "live", "a") is None

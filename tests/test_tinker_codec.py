@@ -248,7 +248,7 @@ def test_bfloat16_refused_naming_field() -> None:
 @pytest.mark.parametrize(
     ("body", "encoding", "message"),
     [
-        (pb.ForwardBackwardRequest(model_id="m", seq_id=1).SerializeToString(), None, "no data"),
+        (pb.ForwardBackwardRequest(model_id="m", seq_id=1).SerializeToString(), None, "at least one datum"),
         (b"\xff\xff\xff", None, "malformed"),
         (b"\x28\xb5\x2f\xfdjunk", None, "zstd"),
         (b"", "gzip", "Content-Encoding"),

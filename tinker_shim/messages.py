@@ -175,7 +175,7 @@ def decode(raw: bytes, message: type[M]) -> M:
         return dec.decode(raw)
     except msgspec.ValidationError as e:
         raise UserError(f"invalid request body: {e}") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise UserError(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise UserError("request body is nested too deeply") from None
@@ -185,7 +185,7 @@ def seq_ref(raw: bytes) -> SeqRef | None:
     """model_id and seq_id of a body that did not decode as a whole, if they are there."""
     try:
         ref = msgspec.json.decode(raw, type=SeqRef)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
         return None
     return ref if ref.model_id and ref.seq_id is not None else None
 
