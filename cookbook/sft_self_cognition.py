@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks (under torchrun)")
-    ap.add_argument("--output-dir", default="output", help="local checkpoints")
+    ap.add_argument("--output-dir", default=None,
+                    help="local checkpoints (default ~/.cache/twinkle/output)")
     args = ap.parse_args(argv)
     model_id = args.model or tiny_model()
 

@@ -44,7 +44,7 @@ def rl_daemon(rl_dir, tmp_path_factory):
 def test_sft_local_and_remote_give_the_same_losses(tiny_dir, daemon, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     sft = _script("sft_self_cognition")
-    common = ["--model", str(tiny_dir), "--epochs", "2"]
+    common = ["--model", str(tiny_dir), "--epochs", "2", "--output-dir", "output"]
     local = sft.main(common)
     remote = sft.main([*common, "--base-url", daemon.url, "--api-key", daemon.keys["alice"]])
     assert len(local) == len(remote) == 8  # 16 rows, batches of 4, 2 epochs

@@ -15,7 +15,7 @@ Output = dict[str, list[float]]  # per datum: logprobs, elementwise_loss
 
 
 class LocalBackend:
-    def __init__(self, model_dir: Path, output_dir: str | Path = "output"):
+    def __init__(self, model_dir: Path, output_dir: str | Path | None = None):
         import torch
 
         from twinkled.engine import Engine
@@ -33,7 +33,8 @@ class LocalBackend:
         self.engine = Engine(model_dir, dtype="bfloat16" if cuda else "float32", device=device,
                              dp_group=group)
         self.rank, self.world = rank, world
-        self.output_dir = Path(output_dir)
+        # Never the working directory by default.
+        self.output_dir = Path(output_dir or Path.home() / ".cache" / "twinkle" / "output")
         self.name: str | None = None
         self.model_dir = model_dir
 

@@ -258,7 +258,7 @@ class _Mean:
         return {k: self.sums[k] / self.counts[k] for k in self.sums}
 
 
-def TransformersModel(model_id: str, output_dir: str = "output", **_ignored) -> TwinkleModel:  # noqa: N802
+def TransformersModel(model_id: str, output_dir: str | None = None, **_ignored) -> TwinkleModel:  # noqa: N802
     """The model in this process (local mode); `model_id` is a path or hf:// / ms:// id."""
     from .hub import resolve_model_dir
     from .local import LocalBackend

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import tomllib
 import types
@@ -11,11 +12,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 
+def default_data_dir() -> Path:
+    """Where a daemon keeps its state unless told: never the working directory."""
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "twinkle"
+
+
 @dataclass
 class Config:
     model: Path | None = None  # a Hugging Face model directory
     model_name: str | None = None  # what clients pass as base_model; default: the dir's name
-    data_dir: Path = Path("./twinkle-data")
+    data_dir: Path = field(default_factory=lambda: default_data_dir())
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "bfloat16"  # float32 on a CPU-only box

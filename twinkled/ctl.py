@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from .admin import Admin, AdminError, admin_key_path
+from .config import default_data_dir
 from .perms import private_dir, private_umask
 
 QUOTAS = ("max_queued_requests", "max_queued_tokens", "max_adapters", "max_rank")
@@ -99,7 +100,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 
 
 @click.group()
-@click.option("--data-dir", type=click.Path(path_type=Path), default=Path("./twinkle-data"),
+@click.option("--data-dir", type=click.Path(path_type=Path), default=default_data_dir(),
               show_default=True, help="The daemon's data directory.")
 @click.option("--url", envvar="TWINKLE_URL", help="The daemon (default: from the data dir).")
 @click.option("--admin-key", envvar="TWINKLE_ADMIN_KEY",
