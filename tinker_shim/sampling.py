@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from twinkled.engine.checks import check_sample
+from twinkled.engine.checks import check_knobs, check_sample
 from twinkled.engine.types import SampleRequest, SamplingParams
 from twinkled.service import NotFound, Op, UserError
 from twinkled.store import Conflict
@@ -76,11 +76,10 @@ async def asample(request):
     # max_tokens unset: Tinker's default of 16 (never "up to the whole context": a client
     # that forgets it must not hold a step for tens of thousands of tokens).
     max_tokens = 16 if sp.max_tokens is None else sp.max_tokens
+    checked(check_knobs, sp.temperature, sp.top_p, sp.top_k)
     checked(check_sample, tokens, max_tokens, body.num_samples, stop, limits(request))
     params = SamplingParams(max_tokens=max_tokens, temperature=sp.temperature, top_k=sp.top_k,
                             top_p=sp.top_p, seed=sp.seed, stop=stop)
-    if params.top_k == 0:
-        raise UserError("sampling_params.top_k: must be -1 (off) or >= 1")
     n = body.num_samples
     path = sampler.get("model_path")
     adapter = None

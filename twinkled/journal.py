@@ -143,6 +143,3 @@ class Journal:
 
     def _path(self, model: str) -> Path:
         return self.live_dir / model / FILE
-
-    def size(self, model: str) -> int:
-        return len(self._entries.get(model, []))

@@ -164,6 +164,15 @@ def check_sample(prompt: Sequence, max_tokens: int, num_samples: int, stop: Any,
     check_stop(stop, limits)
 
 
+def check_knobs(temperature: float, top_p: float, top_k: int) -> None:
+    if not 0 <= temperature < math.inf:
+        raise fail("sampling_params.temperature", "must be a finite number >= 0")
+    if not 0 < top_p <= 1:
+        raise fail("sampling_params.top_p", "must be in (0, 1]")
+    if type(top_k) is not int or (top_k < 1 and top_k != -1):
+        raise fail("sampling_params.top_k", "must be -1 (off) or >= 1")
+
+
 def check_stop(stop: Any, limits: Limits) -> None:
     """None (EOS), [] (never stop early), all strings, or all token ids."""
     if stop is None:

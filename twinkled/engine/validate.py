@@ -47,12 +47,7 @@ def check_sample(req: SampleRequest, model: BaseModel, pool: LoraPool) -> None:
                         ("sampling_params.max_tokens", p.max_tokens)):
         if type(value) is not int:
             raise EngineInputError(name, f"must be an integer, got {value!r}")
-    if not p.temperature >= 0 or p.temperature == float("inf"):
-        raise EngineInputError("sampling_params.temperature", "must be a finite number >= 0")
-    if not 0 < p.top_p <= 1:
-        raise EngineInputError("sampling_params.top_p", "must be in (0, 1]")
-    if type(p.top_k) is not int or (p.top_k < 1 and p.top_k != -1):
-        raise EngineInputError("sampling_params.top_k", "must be -1 (off) or >= 1")
+    checks.check_knobs(p.temperature, p.top_p, p.top_k)
     checks.check_sample(_flat("prompt", req.prompt), p.max_tokens, req.num_samples,
                         p.stop, limits_of(model, pool))
 
