@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
+
+from .engine.checks import Limits as RequestLimits
 
 
 def default_data_dir() -> Path:
@@ -67,6 +71,26 @@ class Config:
         value = (self.tenants.get(tenant) or {}).get("max_storage_bytes")
         value = value or self.tenant_max_storage_bytes
         return value if value and value > 0 else None
+
+    @cached_property
+    def model_config(self) -> dict:
+        """The model directory's config.json (read once; {} if unreadable)."""
+        try:
+            return json.loads((self.model / "config.json").read_text())
+        except (OSError, TypeError, ValueError):
+            return {}
+
+    def request_limits(self, model: dict) -> RequestLimits:
+        """The limits one request is held to, given the model's numbers (vocab_size and
+        max_seq_len, or config.json's max_position_embeddings)."""
+        return RequestLimits(
+            vocab_size=int(model.get("vocab_size") or 0),
+            max_seq_len=int(model.get("max_seq_len") or model.get("max_position_embeddings")
+                            or 0),
+            max_rank=self.max_rank, max_datums=self.max_datums,
+            max_num_samples=self.max_num_samples, max_stop=self.max_stop,
+            max_name_chars=self.max_name_chars, max_ttl_s=self.max_ttl_s,
+            max_metadata_bytes=self.max_metadata_bytes)
 
     @property
     def served_name(self) -> str:

@@ -74,7 +74,6 @@ class Service(FutureBook, Residency):
         self.damaged: list[dict] = []  # checkpoints found damaged at start-up
         self._limits: RequestLimits | None = None
         self._limits_from: dict | None = None
-        self._config_json: dict | None = None
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -151,29 +150,12 @@ class Service(FutureBook, Residency):
 
     @property
     def limits(self) -> RequestLimits:
-        """What one request may ask (`engine/checks.py`), checked at the door. The model's
-        numbers are the workers' once loaded, its config.json's until then."""
-        info = self.model_info or self._model_config()
+        """What one request may ask (`engine/checks.py`), checked at the door: the config's
+        limits and the model's numbers (the workers' once loaded, config.json's until then)."""
+        info = self.model_info or self.config.model_config
         if self._limits is None or self._limits_from is not info:
-            cfg = self.config
-            self._limits = RequestLimits(
-                vocab_size=int(info.get("vocab_size") or 0),
-                max_seq_len=int(info.get("max_seq_len") or info.get("max_position_embeddings")
-                                or 0),
-                max_rank=cfg.max_rank, max_datums=cfg.max_datums,
-                max_num_samples=cfg.max_num_samples, max_stop=cfg.max_stop,
-                max_name_chars=cfg.max_name_chars, max_ttl_s=cfg.max_ttl_s,
-                max_metadata_bytes=cfg.max_metadata_bytes)
-            self._limits_from = info
+            self._limits, self._limits_from = self.config.request_limits(info), info
         return self._limits
-
-    def _model_config(self) -> dict:
-        if self._config_json is None:
-            try:
-                self._config_json = json.loads((self.config.model / "config.json").read_text())
-            except (OSError, TypeError, ValueError):
-                self._config_json = {}
-        return self._config_json
 
     async def _load(self) -> None:
         """Start the worker group (it loads the model) and bring back the live adapters."""
