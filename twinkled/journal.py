@@ -97,6 +97,12 @@ class Journal:
         self._entries[model] = keep
         self._rewrite(model, keep)
 
+    def discard_after(self, model: str, mark: int) -> None:
+        """Drop the ops after `mark` (they could not be replayed; the run goes on without)."""
+        keep = [e for e in self._entries.get(model, []) if e.mark <= mark]
+        self._entries[model] = keep
+        self._rewrite(model, keep)
+
     def forget(self, model: str) -> None:
         """The adapter is gone (its session ended): nothing to replay any more."""
         self._entries.pop(model, None)

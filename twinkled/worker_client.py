@@ -32,14 +32,13 @@ Outcome = tuple[object, str | None, str | None]
 RESTART_MESSAGE = ("the worker group failed ({why}) and was restarted; this request did not "
                    "run (its model is at its last acknowledged step): submit it again")
 RETRY = "retry"  # workers/runner.py: a shared pass failed; its ops run again one at a time
-# The ops that change an adapter, and so are journaled (twinkled/journal.py).
-_CHANGES = {"fwdbwd", "optim", "load", "create"}
 
 
 def _changes(frame: OpF) -> bool:
+    """Does the op change its adapter (so it takes a journal position, twinkled/journal.py)?"""
     if frame.kind == "fwdbwd":
         return frame.fwdbwd.adapter_id is not None and not frame.fwdbwd.forward_only
-    return frame.kind in _CHANGES
+    return frame.kind in ("optim", "load", "create")
 
 
 def config_of(info: AdapterInfo) -> LoraConfig:
@@ -145,14 +144,17 @@ class WorkerClient:
         await self._reset(trained - {None})
         for i in retry:
             frame = frames[i]
-            kind = "train" if frame.kind == "fwdbwd" else "barrier"
-            replies = await self.group.run(StepF(0, kind, [frame]))
-            self._note_persisted(replies)
-            outcome = _merge([frame], replies)[0]
+            outcome = await self._run_one(frame)
             if outcome[2] == RETRY:
                 await self._reset({frame.fwdbwd.adapter_id} - {None})
                 outcome = (None, f"this request failed in the engine: {outcome[1]}", "user")
             merged[i] = outcome
+
+    async def _run_one(self, frame: OpF) -> Outcome:
+        kind = "train" if frame.kind == "fwdbwd" else "barrier"
+        replies = await self.group.run(StepF(0, kind, [frame]))
+        self._note_persisted(replies)
+        return _merge([frame], replies)[0]
 
     async def _reset(self, models: set[str]) -> None:
         failed = await self._restore_frames({m: self.live[m] for m in models if m in self.live})
@@ -245,16 +247,14 @@ class WorkerClient:
         entries = self.journal.since(model, mark)
         done = 0
         for entry in entries:
-            frame = op_decoder.decode(entry.frame)
-            kind = "train" if frame.kind == "fwdbwd" else "barrier"
-            replies = await self.group.run(StepF(0, kind, [frame]))
-            _, error, _ = _merge([frame], replies)[0]
+            _, error, _ = await self._run_one(op_decoder.decode(entry.frame))
             if error is not None:
                 self.rollbacks[model] = (
                     f"model {model} was restored after a failure, but {len(entries) - done} "
                     f"acknowledged operation(s) could not be replayed ({error}); it is at the "
                     f"state after {done} of them: check its last checkpoint before going on")
                 log.error("%s", self.rollbacks[model])
+                self.journal.discard_after(model, mark)  # never replayed onto later state
                 break
             done += 1
             mark = entry.mark
