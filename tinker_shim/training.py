@@ -108,8 +108,7 @@ async def forward_backward(request):
     except codec.CodecError as e:
         if e.model_id:  # the envelope was read: the refusal takes its seq_id
             run = await loaded_run(request, e.model_id)
-            with takes_seq_id(request, run["id"], e.seq_id):
-                raise UserError(str(e)) from None
+            svc.refuse(request["tenant"], run["id"], e.seq_id, str(e))
         raise UserError(str(e)) from None
     run = await loaded_run(request, call.model_id)
     with takes_seq_id(request, run["id"], call.seq_id):
@@ -159,10 +158,9 @@ def _optim_metrics(result) -> dict[str, float]:
 
 def _save(request, run: dict, body: SaveWeights, name: str, kind: str, optimizer: bool,
           respond: dict, overwrite: bool) -> object:
-    """Record the checkpoint as being written, then queue the save (in the run's order)."""
-    lim = limits(request)
-    checked(check_name, "path", name, lim)
-    checked(check_ttl, "ttl_seconds", body.ttl_seconds, lim)
+    """Record the checkpoint as being written, then queue the save (in the run's order).
+    `name` was checked by the caller (it is in the path of the answer)."""
+    checked(check_ttl, "ttl_seconds", body.ttl_seconds, limits(request))
     meta = metadata(request, body.user_metadata)
     store, svc = request.app["store"], service(request)
     path = checkpoint_path(run["id"], kind, name)
