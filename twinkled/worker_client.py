@@ -23,7 +23,17 @@ from .engine.types import (
     LoraConfig,
 )
 from .journal import Journal
-from .workers.frames import OpF, OutcomeF, ReplyF, StepF, as_result, encoder, op_decoder, to_frame
+from .workers.frames import (
+    RETRY,
+    OpF,
+    OutcomeF,
+    ReplyF,
+    StepF,
+    as_result,
+    encoder,
+    op_decoder,
+    to_frame,
+)
 from .workers.supervisor import WorkerGroup, WorkerLost
 
 log = logging.getLogger("twinkled")
@@ -31,7 +41,6 @@ log = logging.getLogger("twinkled")
 Outcome = tuple[object, str | None, str | None]
 RESTART_MESSAGE = ("the worker group failed ({why}) and was restarted; this request did not "
                    "run (its model is at its last acknowledged step): submit it again")
-RETRY = "retry"  # workers/runner.py: a shared pass failed; its ops run again one at a time
 
 
 def _changes(frame: OpF) -> bool:

@@ -24,7 +24,7 @@ from twinkled.engine.parallel import split_rows
 from twinkled.engine.types import Datum, ForwardBackwardRequest, SampleRequest, SamplingParams
 from twinkled.verify import checkpoint_digest
 
-from .frames import Buf, DatumF, FwdBwdOutF, OpF, OutcomeF, StepF
+from .frames import RETRY, Buf, DatumF, FwdBwdOutF, OpF, OutcomeF, StepF
 from .persist import Persister, latest_version
 
 # Fault tests only: a pass holding a datum of this many tokens fails after its backward.
@@ -46,11 +46,6 @@ def to_buf(t: torch.Tensor) -> Buf:
 
 def _datum(d: DatumF) -> Datum:
     return Datum(to_tensor(d.tokens), {k: to_tensor(v) for k, v in d.inputs.items()})
-
-
-# An op that could not run because of a failure in a pass it shared: the daemon restores
-# the adapters of the pass and runs its ops one at a time (worker_client.py).
-RETRY = "retry"
 
 
 def fatal(e: BaseException) -> bool:
