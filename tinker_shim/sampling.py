@@ -5,9 +5,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from twinkled.engine.checks import check_knobs, check_sample
-from twinkled.engine.types import SampleRequest, SamplingParams
 from twinkled.service import NotFound, Op, UserError
 from twinkled.store import Conflict
+from twinkled.workers.frames import SampleF, SamplingF, buf
 
 from . import codec
 from .common import (
@@ -78,22 +78,19 @@ async def asample(request):
     max_tokens = 16 if sp.max_tokens is None else sp.max_tokens
     checked(check_knobs, sp.temperature, sp.top_p, sp.top_k)
     checked(check_sample, tokens, max_tokens, body.num_samples, stop, limits(request))
-    params = SamplingParams(max_tokens=max_tokens, temperature=sp.temperature, top_k=sp.top_k,
-                            top_p=sp.top_p, seed=sp.seed, stop=stop)
+    params = SamplingF(max_tokens, sp.temperature, sp.top_k, sp.top_p, sp.seed, stop)
     n = body.num_samples
     path = sampler.get("model_path")
-    adapter = None
-    args = {}
+    adapter = load_from = None
     if path:
         c = own_checkpoint(request, path)
         # Keyed by content too: a checkpoint saved again under the same name is new weights.
-        adapter = f"sampler:{path}@{c['sha256'][:16]}"
-        args = {"adapter_id": adapter, "load_from": c["dir"]}
-    req = SampleRequest(adapter, tokens, params, n, body.prompt_logprobs)
+        adapter, load_from = f"sampler:{path}@{c['sha256'][:16]}", c["dir"]
+    frame = SampleF(adapter, buf(tokens, "int64"), params, n, body.prompt_logprobs, load_from)
     svc = service(request)
     f = svc.new_future(request["tenant"], "sample", codec.sample_encoder)
     cost = len(tokens) + params.max_tokens * n
-    svc.submit(Op("sample", None, None, {"request": req, **args}, f, cost))
+    svc.submit(Op(None, None, frame, f, cost))
     seq = body.seq_id or 0
     ids = [f"{sampler['id']}:{seq}:{i}" for i in range(n)]
     return future_response(f, sample_sequence_ids=ids)

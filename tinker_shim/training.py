@@ -16,9 +16,10 @@ from twinkled.engine.checks import (
     check_rank,
     check_ttl,
 )
-from twinkled.engine.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig
+from twinkled.engine.types import AdamParams, LoraConfig
 from twinkled.service import Op, UserError
 from twinkled.store import Conflict, checkpoint_path
+from twinkled.workers.frames import CreateF, DatumF, LoadF, OptimF, SaveF, TrainF, buf
 
 from . import codec
 from .common import (
@@ -69,7 +70,7 @@ async def create_model(request):
     f = svc.new_future(request["tenant"], "create_model",
                        lambda _: json_payload({"type": "create_model", "model_id": model_id}))
     svc.open_model(model_id, request["tenant"], 0)
-    svc.submit(Op("create", model_id, 0, {"adapter_id": model_id, "config": config}, f))
+    svc.submit(Op(model_id, 0, CreateF(model_id, config), f))
     return future_response(f, model_id)
 
 
@@ -120,14 +121,14 @@ async def forward_backward(request):
         for j, d in enumerate(call.data):
             inputs = {k: (t.shape, t.values) for k, t in d.loss_fn_inputs.items()}
             checked(check_datum, j, d.tokens, inputs, call.loss_fn, lim)
-    data = [Datum(d.tokens, {k: t.values for k, t in d.loss_fn_inputs.items()})
+    data = [DatumF(buf(d.tokens, "int64"), {k: buf(t.values, t.dtype, t.shape)
+                                             for k, t in d.loss_fn_inputs.items()})
             for d in call.data]
-    req = ForwardBackwardRequest(run["id"], data, call.loss_fn, call.loss_fn_config or {},
-                                 forward_only=call.forward_only)
+    frame = TrainF(run["id"], data, call.loss_fn, call.loss_fn_config or {},
+                   call.forward_only)
     f = svc.new_future(request["tenant"], "forward_backward", codec.fwdbwd_encoder)
     parts = [len(d.tokens) for d in call.data]
-    f = svc.submit(Op("fwdbwd", run["id"], call.seq_id, {"request": req, "parts": parts}, f,
-                      sum(parts)))
+    f = svc.submit(Op(run["id"], call.seq_id, frame, f, sum(parts), parts=parts))
     request.app["store"].touch_run(run["id"])
     return future_response(f, run["id"])
 
@@ -147,8 +148,7 @@ async def optim_step(request):
     svc = service(request)
     f = svc.new_future(request["tenant"], "optim_step",
                        lambda r: json_payload({"type": "optim_step", "metrics": _optim_metrics(r)}))
-    f = svc.submit(Op("optim", run["id"], body.seq_id,
-                      {"adapter_id": run["id"], "params": params}, f))
+    f = svc.submit(Op(run["id"], body.seq_id, OptimF(run["id"], params), f))
     return future_response(f, run["id"])
 
 
@@ -175,16 +175,15 @@ def _save(request, run: dict, body: SaveWeights, name: str, kind: str, optimizer
     except Conflict as e:
         raise UserError(str(e)) from None
 
-    def after(op, result, message):
+    def after(result, message):
         if message is None:
             store.finish_checkpoint(path, *result)
         else:
             store.mark_corrupt(path, message)
 
     f = svc.new_future(request["tenant"], "save", lambda _: json_payload(respond["body"]))
-    return svc.submit(Op("save", run["id"], body.seq_id,
-                         {"adapter_id": run["id"], "dir": directory, "optimizer": optimizer,
-                          "after": after}, f))
+    return svc.submit(Op(run["id"], body.seq_id, SaveF(run["id"], str(directory), optimizer),
+                         f, after=after))
 
 
 async def save_weights(request):
@@ -254,8 +253,7 @@ async def load_weights(request):
     f = svc.new_future(request["tenant"], "load_weights",
                        lambda _: json_payload({"type": "load_weights", "path": ckpt["tinker_path"],
                                                "model_id": run["id"]}))
-    f = svc.submit(Op("load", run["id"], seq, {"adapter_id": run["id"], "dir": ckpt["dir"],
-                                                "optimizer": body.optimizer}, f))
+    f = svc.submit(Op(run["id"], seq, LoadF(run["id"], ckpt["dir"], body.optimizer), f))
     return future_response(f, run["id"])
 
 

@@ -12,7 +12,11 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgspec
 
 from scheduler import Limits, Planner, Work
 
@@ -23,21 +27,40 @@ from .metrics import Metrics
 from .residency import Residency
 from .verify import verify_checkpoints
 from .worker_client import WorkerClient
+from .workers.frames import CreateF, LoadF, OpF, SampleF, TrainF, UnloadF, kind_of
 
 log = logging.getLogger("twinkled")
 
 
+class Skip(msgspec.Struct, tag="skip"):
+    """A request refused at the door, queued only to take its seq_id: its client hears why."""
+
+    why: str
+
+
+# What a finished op's result is handed to, with its error message (None if it ran): the
+# store's side of a save, for instance.
+After = Callable[[Any, str | None], None]
+
+
 @dataclass
 class Op:
-    """One queued engine operation of a model (or a sampler: seq_id None, no ordering)."""
+    """One queued operation of a model (or of a sampler: seq_id None, no ordering). `frame`
+    is the typed message the workers run (workers/frames.py), built and checked at the door."""
 
-    kind: str  # "fwdbwd" | "optim" | "save" | "load" | "create" | "sample"
     model_id: str | None
     seq_id: int | None
-    args: dict
+    frame: OpF | Skip
     future: Future
     tokens: int = 0  # what it costs its tenant's share (rows' tokens; 0 for barriers)
+    parts: list[int] | None = None  # a forward_backward's datum sizes: where it may be cut
+    after: After | None = None
+    piece: tuple[int, bool] | None = None  # (first datum, last piece?) of a cut op
     submitted: float = field(default_factory=time.monotonic)  # for the queue-wait metric
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.frame)
 
 
 # How far ahead of the one a model waits for a seq_id may be (a client's requests in flight).
@@ -229,7 +252,7 @@ class Service(FutureBook, Residency):
             self._drop(op.future, "the daemon is draining")
             raise Draining("the daemon is draining for maintenance or a restart; retry shortly")
         tenant = op.future.tenant
-        if op.kind == "sample":
+        if isinstance(op.frame, SampleF):
             if self.planner.over_quota(tenant, op.tokens):
                 self._drop(op.future, "over the tenant's sampling quota")
                 raise RateLimited(f"tenant {tenant!r} is over its queue quota; retry shortly")
@@ -241,7 +264,7 @@ class Service(FutureBook, Residency):
                                 "its last checkpoint")
             lost = self.workers.take_rollback(op.model_id)
             if lost is not None:  # said once, in place of this request, which takes its seq_id
-                op = Op("skip", op.model_id, op.seq_id, {"why": lost}, op.future)
+                op = Op(op.model_id, op.seq_id, Skip(lost), op.future)
             key = (op.model_id, op.seq_id)
             if key in self.seq_index:  # a retry of a request already taken
                 self._drop(op.future, "superseded by the original request")
@@ -258,7 +281,7 @@ class Service(FutureBook, Residency):
                 raise UserError(message)
             self.seq_index[key] = op.future.id
         self.planner.submit(Work(op.future.id, tenant, op.kind, op.tokens, op.model_id,
-                                 op.seq_id, op, parts=op.args.get("parts")))
+                                 op.seq_id, op, parts=op.parts))
         self.wake.set()
         return op.future
 
@@ -272,7 +295,7 @@ class Service(FutureBook, Residency):
                 or (seq_id > q.next_seq + SEQ_WINDOW and not q.resync)):
             return
         f = self.new_future(tenant, "refused", lambda _: (b"{}", "application/json"))
-        self.submit(Op("skip", model_id, seq_id, {"why": why}, f))
+        self.submit(Op(model_id, seq_id, Skip(why), f))
 
     def _drop(self, f: Future, why: str) -> None:
         self.futures.pop(f.id, None)
@@ -295,7 +318,7 @@ class Service(FutureBook, Residency):
                 continue
             seq = max([q.next_seq - 1, *q.pending]) + 1
             f = self.new_future(tenant, "unload", lambda _: (b"{}", "application/json"))
-            self.submit(Op("unload", model, seq, {"adapter_id": model}, f))
+            self.submit(Op(model, seq, UnloadF(model), f))
 
     def check_new_adapter(self, tenant: str, rank: int) -> None:
         """Quotas on adapters and rank: a clear refusal, not a wait."""
@@ -320,7 +343,7 @@ class Service(FutureBook, Residency):
 
     def _merge_piece(self, op: Op, result, message, category):
         """Collect the pieces of a cut forward/backward; the last one gives the result."""
-        lo, final = op.args["piece"]
+        _, final = op.piece
         parts = self._pieces.setdefault(op.future.id, [])
         if message is not None:
             self._pieces.pop(op.future.id, None)
@@ -399,16 +422,15 @@ class Service(FutureBook, Residency):
         op = w.payload
         if w.final and w.lo == 0:
             return op
-        req = op.args["request"]
-        part = replace(req, data=req.data[w.lo:w.hi])  # checked whole at the door
-        return replace(op, args={**op.args, "request": part, "piece": (w.lo, w.final)})
+        part = msgspec.structs.replace(op.frame, data=op.frame.data[w.lo:w.hi])
+        return replace(op, frame=part, piece=(w.lo, w.final))  # checked whole at the door
 
     async def _execute(self, kind: str, batch: list[Op]) -> None:
         # Pieces of an op that already failed are dropped (nothing of it trains further).
-        batch = [op for op in batch if not ("piece" in op.args and op.future.done.is_set())]
-        for op in [op for op in batch if op.kind == "skip"]:  # refused at the door
-            self.fail(op.future, op.args["why"], "user")
-        batch = [op for op in batch if op.kind != "skip"]
+        batch = [op for op in batch if not (op.piece and op.future.done.is_set())]
+        for op in [op for op in batch if isinstance(op.frame, Skip)]:  # refused at the door
+            self.fail(op.future, op.frame.why, "user")
+        batch = [op for op in batch if not isinstance(op.frame, Skip)]
         if not batch:
             return
         for op in batch:
@@ -430,7 +452,7 @@ class Service(FutureBook, Residency):
         for op, (result, message, category) in zip(batch, outcomes, strict=True):
             self._track_live(op, message)
             self._count_tokens(op, result, message)
-            if "piece" in op.args:
+            if op.piece is not None:
                 result, message, category = self._merge_piece(op, result, message, category)
                 if result is None and message is None:
                     continue  # more pieces to come
@@ -440,23 +462,23 @@ class Service(FutureBook, Residency):
                 self.resolve(op.future, result)
             else:
                 self.fail(op.future, message, category)
-            if op.args.get("after") is not None:
-                op.args["after"](op, result, message)
+            if op.after is not None:
+                op.after(result, message)
 
     def _count_tokens(self, op: Op, result, message: str | None) -> None:
         if message is not None:
             return
         tenant = op.future.tenant
-        if op.kind == "fwdbwd":
-            rows = op.args["request"].data
-            self.metrics.tokens_trained.labels(tenant).inc(sum(len(d.tokens) for d in rows))
-        elif op.kind == "sample":
+        if isinstance(op.frame, TrainF):
+            rows = op.frame.data
+            self.metrics.tokens_trained.labels(tenant).inc(sum(d.tokens.shape[0] for d in rows))
+        elif isinstance(op.frame, SampleF):
             made = sum(len(s.tokens) for s in result.sequences)
             self.metrics.tokens_sampled.labels(tenant).inc(made)
 
     def _track_live(self, op: Op, message: str | None) -> None:
         """The store knows which adapters are live, so a restart brings them back."""
-        if op.kind in ("create", "load") and message is None:
+        if isinstance(op.frame, CreateF | LoadF) and message is None:
             self.store.set_run_live(op.model_id, True)
-        elif op.kind == "unload":
+        elif isinstance(op.frame, UnloadF):
             self.store.set_run_live(op.model_id, False)

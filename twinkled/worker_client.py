@@ -25,14 +25,21 @@ from .engine.types import (
 from .journal import Journal
 from .workers.frames import (
     RETRY,
+    CreateF,
+    IdleUnloadF,
+    LoadF,
     OpF,
     OutcomeF,
+    PersistF,
     ReplyF,
+    RestoreF,
     StepF,
+    TrainF,
+    UnloadF,
     as_result,
+    changes_adapter,
     encoder,
     op_decoder,
-    to_frame,
 )
 from .workers.supervisor import WorkerGroup, WorkerLost
 
@@ -41,13 +48,6 @@ log = logging.getLogger("twinkled")
 Outcome = tuple[object, str | None, str | None]
 RESTART_MESSAGE = ("the worker group failed ({why}) and was restarted; this request did not "
                    "run (its model is at its last acknowledged step): submit it again")
-
-
-def _changes(frame: OpF) -> bool:
-    """Does the op change its adapter (so it takes a journal position, twinkled/journal.py)?"""
-    if frame.kind == "fwdbwd":
-        return frame.fwdbwd.adapter_id is not None and not frame.fwdbwd.forward_only
-    return frame.kind in ("optim", "load", "create")
 
 
 def config_of(info: AdapterInfo) -> LoraConfig:
@@ -106,33 +106,23 @@ class WorkerClient:
             return await self._run_ops(kind, ops)
 
     async def _run_ops(self, kind: str, ops: list) -> list[Outcome]:
-        outcomes: list[Outcome | None] = [None] * len(ops)
-        frames, where = [], []
-        for i, op in enumerate(ops):
-            try:
-                frame = to_frame(op.kind, op.args)
-            except TypeError as e:
-                outcomes[i] = (None, str(e), "user")
-                continue
-            if _changes(frame):
-                frame.mark = self.journal.reserve(frame.adapter_id or frame.fwdbwd.adapter_id)
-            frames.append(frame)
-            where.append(i)
-        if frames:
-            try:
-                merged = await self._run_frames(kind, frames)
-            except WorkerLost as e:
-                log.error("worker group lost: %s; restarting it", e)
-                message = RESTART_MESSAGE.format(why=e)
-                for op in ops:
-                    self.journal.drop(op.future.id)
-                await self.recover()
-                return [(None, message, "server")] * len(ops)
-            for i, frame, outcome in zip(where, frames, merged, strict=True):
-                outcomes[i] = outcome
-                self._track(frame, outcome)
-                self._journal(ops[i], frame, outcome)
-        return outcomes
+        frames = [op.frame for op in ops]
+        for frame in frames:
+            if changes_adapter(frame):
+                frame.mark = self.journal.reserve(frame.adapter_id)
+        try:
+            merged = await self._run_frames(kind, frames)
+        except WorkerLost as e:
+            log.error("worker group lost: %s; restarting it", e)
+            message = RESTART_MESSAGE.format(why=e)
+            for op in ops:
+                self.journal.drop(op.future.id)
+            await self.recover()
+            return [(None, message, "server")] * len(ops)
+        for op, outcome in zip(ops, merged, strict=True):
+            self._track(op.frame, outcome)
+            self._journal(op, outcome)
+        return merged
 
     async def _run_frames(self, kind: str, frames: list[OpF]) -> list[Outcome]:
         replies = await self.group.run(StepF(0, kind, frames))
@@ -147,7 +137,7 @@ class WorkerClient:
         """A shared pass failed (an out-of-memory error, say): its adapters may hold part of
         its gradients. Bring them back to their acknowledged state, then run the pass's ops
         one at a time: an op that fails alone fails alone (its adapter restored again)."""
-        trained = {frames[i].fwdbwd.adapter_id for i in retry if frames[i].kind == "fwdbwd"}
+        trained = {frames[i].adapter_id for i in retry if isinstance(frames[i], TrainF)}
         log.warning("a shared step failed (%s); running its %d ops one at a time",
                     merged[retry[0]][1], len(retry))
         await self._reset(trained - {None})
@@ -155,12 +145,12 @@ class WorkerClient:
             frame = frames[i]
             outcome = await self._run_one(frame)
             if outcome[2] == RETRY:
-                await self._reset({frame.fwdbwd.adapter_id} - {None})
+                await self._reset({frame.adapter_id} - {None})
                 outcome = (None, f"this request failed in the engine: {outcome[1]}", "user")
             merged[i] = outcome
 
     async def _run_one(self, frame: OpF) -> Outcome:
-        kind = "train" if frame.kind == "fwdbwd" else "barrier"
+        kind = "train" if isinstance(frame, TrainF) else "barrier"
         replies = await self.group.run(StepF(0, kind, [frame]))
         self._note_persisted(replies)
         return _merge([frame], replies)[0]
@@ -170,17 +160,17 @@ class WorkerClient:
         for model, why in failed.items():
             log.error("adapter %s could not be restored: %s", model, why)
 
-    def _journal(self, op, frame: OpF, outcome: Outcome) -> None:
+    def _journal(self, op, outcome: Outcome) -> None:
         """Record an op that changed its adapter, before its client hears it is done. The
         pieces of a cut forward_backward are recorded together, once the last one ran."""
-        piece = op.args.get("piece")
+        frame, piece = op.frame, op.piece
         if outcome[1] is not None:
             if piece is not None:
                 self.journal.drop(op.future.id)
             return
-        if not frame.mark or frame.kind == "create":  # a restore re-creates it from its seed
-            return
-        model = frame.adapter_id or frame.fwdbwd.adapter_id
+        if not changes_adapter(frame) or not frame.mark or isinstance(frame, CreateF):
+            return  # nothing to replay (a restore re-creates a new adapter from its seed)
+        model = frame.adapter_id
         data = encoder.encode(frame)
         if piece is None:
             self.journal.record(model, frame.mark, data)
@@ -196,11 +186,11 @@ class WorkerClient:
 
     def _track(self, frame: OpF, outcome: Outcome) -> None:
         result, error, _ = outcome
-        if error is None and frame.kind in ("create", "load", "restore"):
+        if error is None and isinstance(frame, CreateF | LoadF | RestoreF):
             self.live[frame.adapter_id] = config_of(result)
-        elif frame.kind in ("unload", "idle_unload"):
+        elif isinstance(frame, UnloadF | IdleUnloadF):
             self.live.pop(frame.adapter_id, None)
-            if frame.kind == "unload":
+            if isinstance(frame, UnloadF):
                 self.journal.forget(frame.adapter_id)
 
     async def recover(self) -> None:
@@ -235,8 +225,7 @@ class WorkerClient:
     async def _restore_frames(self, adapters: dict[str, LoraConfig]) -> dict[str, str]:
         if not adapters:
             return {}
-        frames = [OpF("restore", adapter_id=m, config=c, dir=str(self.live_dir))
-                  for m, c in adapters.items()]
+        frames = [RestoreF(m, c, str(self.live_dir)) for m, c in adapters.items()]
         replies = await self.group.run(StepF(0, "barrier", frames))
         marks = {frames[o.index].adapter_id: o.mark or 0 for o in replies[0].outcomes}
         failed = {}
@@ -275,7 +264,7 @@ class WorkerClient:
         """Persist an idle adapter and free its memory; `restore` brings it back."""
         async with self._lock:
             replies = await self.group.run(
-                StepF(0, "barrier", [OpF("idle_unload", adapter_id=model)]))
+                StepF(0, "barrier", [IdleUnloadF(model)]))
             self._note_persisted(replies)
             self.live.pop(model, None)
 
@@ -290,7 +279,7 @@ class WorkerClient:
 
     async def persist_all(self) -> None:
         """Every live adapter's weights and optimizer state on disk (for a hot restart)."""
-        frames = [OpF("persist", adapter_id=m) for m in self.live]
+        frames = [PersistF(m) for m in self.live]
         if frames:
             async with self._lock:
                 self._note_persisted(await self.group.run(StepF(0, "barrier", frames)))
@@ -314,10 +303,10 @@ def _merge(frames: list[OpF], replies: list[ReplyF]) -> list[Outcome]:
         failed = next((o for o in got if o.error is not None), None)
         if failed is not None:
             merged.append((None, failed.error, failed.category or "server"))
-        elif frame.kind == "fwdbwd":
+        elif isinstance(frame, TrainF):
             merged.append((_join_rows(got), None, None))
         else:  # a sample ran on one rank; a barrier ran on all, rank 0's answer stands
-            merged.append((as_result(frame.kind, got[0]), None, None))
+            merged.append((as_result(got[0]), None, None))
     return merged
 
 

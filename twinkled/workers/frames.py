@@ -16,11 +16,8 @@ import msgspec
 from twinkled.engine.types import (
     AdamParams,
     AdapterInfo,
-    Datum,
-    ForwardBackwardRequest,
     LoraConfig,
     OptimResult,
-    SampleRequest,
     SampleResult,
 )
 
@@ -41,33 +38,27 @@ class Buf(msgspec.Struct, array_like=True):
         return a.tolist()
 
 
-def buf(values: Any) -> Buf:
-    """A list (or array) of numbers as a Buf: int64 when every value is an int, else float32."""
+def buf(values: Any, dtype: str | None = None, shape: list[int] | None = None) -> Buf:
+    """Numbers as a Buf: of `dtype` if given (the wire's), else int64 when every value is an
+    int and float32 otherwise; 1-D unless `shape` (row-major) says otherwise."""
     if isinstance(values, Buf):
         return values
-    if isinstance(values, array):
+    if dtype is not None:
+        a = array(_TYPECODES[dtype], values)
+    elif isinstance(values, array):
         a = values if values.typecode in ("q", "f") else array("f", values)
     else:
         try:
             a = array("q", values)
         except (TypeError, OverflowError):  # floats (or ints too large): the engine says so
             a = array("f", values)
-    return Buf("int64" if a.typecode == "q" else "float32", [len(a)], a.tobytes())
+    return Buf("int64" if a.typecode == "q" else "float32",
+               [len(a)] if shape is None else list(shape), a.tobytes())
 
 
 class DatumF(msgspec.Struct, array_like=True):
     tokens: Buf
     inputs: dict[str, Buf]
-
-
-class FwdBwdF(msgspec.Struct):
-    """A forward/backward request (or a piece of one), checked at the daemon's door."""
-
-    adapter_id: str | None
-    data: list[DatumF]
-    loss_fn: str
-    loss_config: dict[str, float]
-    forward_only: bool
 
 
 class SamplingF(msgspec.Struct):
@@ -79,27 +70,88 @@ class SamplingF(msgspec.Struct):
     stop: list[str | int] | None
 
 
-class SampleF(msgspec.Struct):
+# -- the operations of a step: one struct per kind, told apart by their "kind" tag ----------
+# The runner dispatches on the type; `mark` is the op's journal position (twinkled/journal.py;
+# 0: it changes no adapter state).
+
+class _Op(msgspec.Struct, tag_field="kind", omit_defaults=True):
     adapter_id: str | None
+
+
+class TrainF(_Op, tag="fwdbwd"):
+    """A forward/backward request (or a piece of one), checked at the daemon's door."""
+
+    data: list[DatumF]
+    loss_fn: str
+    loss_config: dict[str, float] = {}
+    forward_only: bool = False
+    mark: int = 0
+
+
+class SampleF(_Op, tag="sample"):
     prompt: Buf
     params: SamplingF
-    num_samples: int
-    prompt_logprobs: bool
-
-
-class OpF(msgspec.Struct, omit_defaults=True):
-    """One operation of a step; `kind` says which of the optional parts it carries."""
-
-    kind: str  # fwdbwd | sample | optim | create | save | load | unload | restore | persist
-    adapter_id: str | None = None
-    fwdbwd: FwdBwdF | None = None
-    sample: SampleF | None = None
+    num_samples: int = 1
+    prompt_logprobs: bool = False
     load_from: str | None = None  # a sampler checkpoint to load as `adapter_id` first
-    config: LoraConfig | None = None
-    params: AdamParams | None = None
-    dir: str | None = None
+
+
+class CreateF(_Op, tag="create"):
+    config: LoraConfig
+    mark: int = 0
+
+
+class OptimF(_Op, tag="optim"):
+    params: AdamParams
+    mark: int = 0
+
+
+class SaveF(_Op, tag="save"):
+    dir: str
     optimizer: bool = False
-    mark: int = 0  # the op's journal position (twinkled/journal.py); 0: changes nothing
+
+
+class LoadF(_Op, tag="load"):
+    dir: str
+    optimizer: bool = False
+    mark: int = 0
+
+
+class UnloadF(_Op, tag="unload"):
+    """Free a finished adapter (its journal goes too)."""
+
+
+class IdleUnloadF(_Op, tag="idle_unload"):
+    """Persist an idle adapter, then free it; a RestoreF brings it back."""
+
+
+class PersistF(_Op, tag="persist"):
+    """Everything of this adapter on disk before the answer (a hot restart)."""
+
+
+class RestoreF(_Op, tag="restore"):
+    """An adapter from its last persisted state under `dir` (fresh from `config` if none)."""
+
+    config: LoraConfig
+    dir: str | None = None
+
+
+OpF = TrainF | SampleF | CreateF | OptimF | SaveF | LoadF | UnloadF | IdleUnloadF | PersistF \
+    | RestoreF
+# Ops that change their adapter take a journal position before they run.
+JOURNALED = (TrainF, CreateF, OptimF, LoadF)
+
+
+def kind_of(op: msgspec.Struct) -> str:
+    """An op's tag ("fwdbwd", "optim", ...): what the planner and the metrics call it."""
+    return op.__struct_config__.tag
+
+
+def changes_adapter(op: OpF) -> bool:
+    """Does the op change its adapter's state (so it takes a journal position)?"""
+    if isinstance(op, TrainF):
+        return op.adapter_id is not None and not op.forward_only
+    return isinstance(op, JOURNALED)
 
 
 class StepF(msgspec.Struct):
@@ -151,38 +203,12 @@ op_decoder = msgspec.msgpack.Decoder(OpF)
 reply_decoder = msgspec.msgpack.Decoder(ReplyF | HelloF)
 
 
-def to_frame(kind: str, args: dict) -> OpF:
-    """An Op's arguments (engine dataclasses, lists of numbers) as a frame."""
-    op = OpF(kind, adapter_id=args.get("adapter_id"), load_from=_str(args.get("load_from")),
-             config=args.get("config"), params=args.get("params"), dir=_str(args.get("dir")),
-             optimizer=bool(args.get("optimizer", False)))
-    req = args.get("request")
-    if isinstance(req, ForwardBackwardRequest):
-        op.fwdbwd = _fwdbwd_frame(req)
-    elif isinstance(req, SampleRequest):
-        p = req.params
-        op.sample = SampleF(req.adapter_id, buf(req.prompt), SamplingF(
-            p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
-            None if p.stop is None else list(p.stop)), req.num_samples, req.prompt_logprobs)
-    return op
+def datum_frame(tokens: Any, inputs: dict[str, Any]) -> DatumF:
+    """A datum's token ids and loss inputs (lists, arrays or Bufs) as a frame."""
+    return DatumF(buf(tokens, "int64"), {k: buf(v) for k, v in inputs.items()})
 
 
-def _str(path: Any) -> str | None:
-    return None if path is None else str(path)
-
-
-def _fwdbwd_frame(req: ForwardBackwardRequest) -> FwdBwdF:
-    if not isinstance(req.loss_fn, str):
-        raise TypeError("a Python callable loss cannot be sent to a worker")
-    return FwdBwdF(req.adapter_id, [_datum_frame(d) for d in req.data], req.loss_fn,
-                   dict(req.loss_config), req.forward_only)
-
-
-def _datum_frame(d: Datum) -> DatumF:
-    return DatumF(buf(d.tokens), {k: buf(v) for k, v in d.loss_inputs.items()})
-
-
-def as_result(kind: str, outcome: OutcomeF) -> Any:
+def as_result(outcome: OutcomeF) -> Any:
     """The result object of one finished op (what the protocol layer encodes)."""
     if outcome.optim is not None:
         return outcome.optim

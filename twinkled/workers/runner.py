@@ -24,7 +24,25 @@ from twinkled.engine.parallel import split_rows
 from twinkled.engine.types import Datum, ForwardBackwardRequest, SampleRequest, SamplingParams
 from twinkled.verify import checkpoint_digest
 
-from .frames import RETRY, Buf, DatumF, FwdBwdOutF, OpF, OutcomeF, StepF
+from .frames import (
+    RETRY,
+    Buf,
+    CreateF,
+    DatumF,
+    FwdBwdOutF,
+    IdleUnloadF,
+    LoadF,
+    OpF,
+    OptimF,
+    OutcomeF,
+    PersistF,
+    RestoreF,
+    SampleF,
+    SaveF,
+    StepF,
+    TrainF,
+    UnloadF,
+)
 from .persist import Persister, latest_version
 
 # Fault tests only: a pass holding a datum of this many tokens fails after its backward.
@@ -74,8 +92,8 @@ class StepRunner:
         """Every op gets an outcome; an exception leaves only if the rank cannot go on."""
         if step.kind == "sample":
             return self._sample(step.ops)
-        rows = [i for i, op in enumerate(step.ops) if op.kind == "fwdbwd"]
-        barriers = [i for i, op in enumerate(step.ops) if op.kind != "fwdbwd"]
+        rows = [i for i, op in enumerate(step.ops) if isinstance(op, TrainF)]
+        barriers = [i for i, op in enumerate(step.ops) if not isinstance(op, TrainF)]
         outcomes = self._train(step.ops, rows) if rows else []
         if any(o.category == RETRY for o in outcomes):
             # The pass failed: the step's barriers (optim_steps behind its rows) wait too.
@@ -94,7 +112,7 @@ class StepRunner:
     def _train(self, ops: list[OpF], indices: list[int]) -> list[OutcomeF]:
         outcomes, good = [], []
         for i in indices:
-            f = ops[i].fwdbwd
+            f = ops[i]
             if f.adapter_id is not None and not self.engine.has_adapter(f.adapter_id):
                 outcomes.append(OutcomeF(i, error=f"adapter_id: no adapter {f.adapter_id!r} "
                                          "is loaded", category="user"))
@@ -132,18 +150,17 @@ class StepRunner:
     # -- sampling -----------------------------------------------------------------------
 
     def _sample(self, ops: list[OpF]) -> list[OutcomeF]:
-        costs = [op.sample.num_samples * (len(op.sample.prompt.data) // 8 + op.sample.params.max_tokens)
-                 for op in ops]
+        costs = [op.num_samples * (op.prompt.shape[0] + op.params.max_tokens) for op in ops]
         mine = [i for i, r in enumerate(split_rows(costs, self.world)) if r == self.rank]
         outcomes, good = [], []
         for i in mine:
-            s = ops[i].sample
+            s = ops[i]
             p = s.params
             req = SampleRequest(s.adapter_id, to_tensor(s.prompt).tolist(), SamplingParams(
                 p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop),
                 s.num_samples, s.prompt_logprobs)
             try:
-                self._load_sampler(ops[i])
+                self._load_sampler(s)
                 if s.adapter_id is not None and not self.engine.has_adapter(s.adapter_id):
                     raise EngineInputError("sampling_session_id", "its weights are not loaded")
                 good.append((i, req))
@@ -177,7 +194,7 @@ class StepRunner:
                                  category="user")]
         return [o for item in good for o in self._sample_batch([item])]
 
-    def _load_sampler(self, op: OpF) -> None:
+    def _load_sampler(self, op: SampleF) -> None:
         if not op.load_from:
             return
         if not self.engine.has_adapter(op.adapter_id):
@@ -188,8 +205,8 @@ class StepRunner:
     # -- barriers -----------------------------------------------------------------------
 
     def _barriers(self, ops: list[OpF], indices: list[int]) -> list[OutcomeF]:
-        optims = [i for i in indices if ops[i].kind == "optim"]
-        outcomes = [self._one(i, ops[i]) for i in indices if ops[i].kind != "optim"]
+        optims = [i for i in indices if isinstance(ops[i], OptimF)]
+        outcomes = [self._one(i, ops[i]) for i in indices if not isinstance(ops[i], OptimF)]
         if not optims:
             return outcomes
         try:  # several models' optimizer steps as one engine call
@@ -224,60 +241,67 @@ class StepRunner:
         return bool(self.persister.dirty)
 
     def _one(self, i: int, op: OpF) -> OutcomeF:
-        engine, aid = self.engine, op.adapter_id
+        """A barrier op, on every rank; its failure is its own (a save or load changed
+        nothing)."""
         try:
-            if op.kind == "create":
-                engine.add_adapter(aid, op.config)
+            return self._barrier(i, op)
+        except Exception as e:
+            if fatal(e):
+                raise
+            return OutcomeF(i, error=str(e) if isinstance(e, EngineInputError)
+                            else f"{type(e).__name__}: {e}", category=_category(e))
+
+    def _barrier(self, i: int, op: OpF) -> OutcomeF:
+        engine, aid = self.engine, op.adapter_id
+        match op:
+            case CreateF(config=config):
+                engine.add_adapter(aid, config)
                 self.marks[aid] = op.mark
                 self._persist(aid)
                 return OutcomeF(i, info=engine.adapter_info(aid))
-            if op.kind == "restore":
+            case RestoreF():
                 info, mark = self._restore(aid, op)
                 return OutcomeF(i, info=info, mark=mark)
-            if op.kind == "optim":
-                result = engine.optim_step(aid, op.params)
+            case OptimF(params=params):
+                result = engine.optim_step(aid, params)
                 self.marks[aid] = op.mark
                 if result.applied:
                     self._persist(aid, every=True)
                 return OutcomeF(i, optim=result)
-            if op.kind == "save":
+            case SaveF():
                 if self.rank != 0:
                     return OutcomeF(i)
                 engine.save(aid, op.dir, optimizer=op.optimizer)
                 return OutcomeF(i, digest=checkpoint_digest(Path(op.dir)))
-            if op.kind == "load":
+            case LoadF():
                 info = engine.load(aid, op.dir, optimizer=op.optimizer)
                 self.marks[aid] = op.mark
                 self._persist(aid)
                 return OutcomeF(i, info=info)
-            if op.kind == "unload":
+            case UnloadF():
                 if engine.has_adapter(aid):
                     engine.remove_adapter(aid)
                 self.marks.pop(aid, None)
                 if self.persister is not None:
                     self.persister.forget(aid)
                 return OutcomeF(i)
-            if op.kind == "idle_unload":  # persisted first; `restore` brings it back
+            case IdleUnloadF():  # persisted first; a RestoreF brings it back
                 if engine.has_adapter(aid):
                     self._persist(aid)
                     if not self._flush():
                         return OutcomeF(i, error="persisting timed out", category="server")
                     engine.remove_adapter(aid)
                 return OutcomeF(i)
-            if op.kind == "persist":  # a hot restart: everything on disk before we answer
+            case PersistF():  # a hot restart: everything on disk before we answer
                 if engine.has_adapter(aid):
                     self._persist(aid)
                 if not self._flush():
                     return OutcomeF(i, error="persisting timed out", category="server")
                 return OutcomeF(i)
-            return OutcomeF(i, error=f"unknown operation {op.kind!r}", category="server")
-        except Exception as e:  # this op's failure only; a save or load changed nothing
-            if fatal(e):
-                raise
-            return OutcomeF(i, error=str(e) if isinstance(e, EngineInputError)
-                            else f"{type(e).__name__}: {e}", category=_category(e))
+        return OutcomeF(i, error=f"{type(op).__name__} cannot run in a barrier step",
+                        category="server")
 
-    def _restore(self, aid: str, op: OpF):
+    def _restore(self, aid: str, op: RestoreF):
         """An adapter from its last persisted state, or fresh if it never got one; and the
         journal position that state holds (the daemon replays what came after)."""
         version = latest_version(Path(op.dir), aid) if op.dir else None
