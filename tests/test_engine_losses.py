@@ -162,3 +162,46 @@ def test_datum_without_weights_defaults_to_ones(eng):
     d = Datum(seq[:-1], {"target_tokens": seq[1:]})
     res = eng.forward_backward([ForwardBackwardRequest("a", [d])])[0]
     assert res.metrics["loss:sum"] == pytest.approx(-res.outputs[0]["logprobs"].sum().item(), abs=1e-5)
+
+
+def test_top_k_cross_entropy_is_the_weighted_sum_of_k_one_target_losses(tiny_dir):
+    """cross_entropy over [N, K] targets and weights (top-K distillation) gives [N, K]
+    logprobs and the gradient of sum_k w[:, k] * CE(targets[:, k]), in one micro-batch
+    with an ordinary row (K = 1) of another adapter."""
+    eng = make_engine(tiny_dir)
+    for name, seed in (("a", 1), ("b", 5)):
+        eng.add_adapter(name, LoraConfig(rank=4, seed=seed))
+        randomize_b(eng, name, seed=seed + 1)
+    gen = torch.Generator().manual_seed(9)
+    vocab, n, k = eng.model.vocab_size, 6, 3
+    tokens = torch.randint(0, vocab, (n,), generator=gen)
+    targets = torch.randint(0, vocab, (n, k), generator=gen)
+    w = torch.rand(n, k, generator=gen)
+    top_k = Datum(tokens, {"target_tokens": targets, "weights": w})
+    other = ForwardBackwardRequest("b", [rl_datum(gen, 9, vocab)], "importance_sampling")
+    (res, _) = eng.forward_backward([ForwardBackwardRequest("a", [top_k]), other])
+    joint = grads(eng, "a")
+    eng.zero_grad("a")
+    singles = [eng.forward_backward([ForwardBackwardRequest("a", [Datum(
+        tokens, {"target_tokens": targets[:, j], "weights": w[:, j]})])])[0] for j in range(k)]
+    lp = res.outputs[0]["logprobs"]
+    assert lp.shape == (n, k) and res.outputs[0]["elementwise_loss"].shape == (n, k)
+    for j, s in enumerate(singles):
+        assert torch.allclose(lp[:, j], s.outputs[0]["logprobs"], atol=1e-5)
+    assert res.metrics["loss:sum"] == pytest.approx(
+        sum(s.metrics["loss:sum"] for s in singles), rel=1e-5)
+    assert all_close(joint, grads(eng, "a"), rtol=1e-4, atol=1e-6)  # the k passes summed
+
+
+def test_top_k_targets_are_for_cross_entropy_only(eng):
+    from twinkled.engine import EngineInputError
+
+    gen = torch.Generator().manual_seed(2)
+    d = rl_datum(gen, 5, eng.model.vocab_size)
+    d.loss_inputs["target_tokens"] = torch.zeros((5, 2), dtype=torch.long)
+    with pytest.raises(EngineInputError, match="target_tokens"):
+        eng.forward_backward([ForwardBackwardRequest("a", [d], "ppo")])
+    ce = Datum(d.tokens, {"target_tokens": torch.zeros((5, 2), dtype=torch.long),
+                          "weights": torch.ones(5)})
+    with pytest.raises(EngineInputError, match="weights"):
+        eng.forward_backward([ForwardBackwardRequest("a", [ce])])

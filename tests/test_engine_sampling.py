@@ -147,3 +147,71 @@ def test_different_max_tokens_in_one_batch(eng):
     reqs = [SampleRequest("a", _prompt(eng, 4, 11), SamplingParams(max_tokens=n, temperature=0, stop=[]))
             for n in (1, 7, 3)]
     assert [len(r.sequences[0].tokens) for r in eng.sample(reqs)] == [1, 7, 3]
+
+
+@torch.no_grad()
+def _prompt_dists(eng, adapter_id, prompt):
+    """Reference: every prompt row's full log-softmax [n - 1, V], the prompt run alone."""
+    adapter = None if adapter_id is None else eng.pool.get(adapter_id)
+    dev = eng.model.device
+    lora = LoraBatch([adapter], eng.model.dtype, dev)
+    h = eng.model.forward(torch.tensor([prompt], device=dev),
+                          torch.arange(len(prompt), device=dev)[None], lora)
+    return torch.log_softmax(eng.model.logits(h[:, :-1], lora)[0].float(), -1)
+
+
+def test_prompt_scores_match_the_full_distributions(eng):
+    """Prompt logprobs (last n), top-k rows, target ids and alternative draws, in a batch
+    with padding and another adapter, equal what the prompt's own distributions say."""
+    prompt = _prompt(eng, 9, 7)
+    n, vocab = len(prompt), eng.model.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randint(0, vocab, (n - 1, 3), generator=gen)
+    target[::2, 1] = -1  # cells that ask for nothing
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=3, stop=[])
+    req = SampleRequest("a", prompt, params, num_samples=2, prompt_logprobs=True,
+                        prompt_last_n=4, topk_prompt=5, topk_sample=4,
+                        target_prompt=target.tolist(), alt_tokens_k=3)
+    other = SampleRequest("b", _prompt(eng, 14, 8), params)  # longer: req is left-padded
+    res, plain = eng.sample([req, other])
+    ref = _prompt_dists(eng, "a", prompt)
+
+    assert res.prompt_logprobs[:n - 4] == [None] * (n - 4)
+    want = ref[torch.arange(n - 1), torch.tensor(prompt[1:])]
+    assert res.prompt_logprobs[n - 4:] == pytest.approx(want[n - 5:].tolist(), abs=1e-4)
+
+    ids, lps = res.topk_prompt
+    assert ids[:n - 4] == [[]] * (n - 4) and lps[:n - 4] == [[]] * (n - 4)
+    top = ref.topk(5, dim=-1)
+    assert ids[n - 4:] == top.indices[n - 5:].tolist()
+    assert torch.tensor(lps[n - 4:]) == pytest.approx(top.values[n - 5:], abs=1e-4)
+
+    got = torch.tensor(res.target_prompt)
+    expect = ref.gather(1, target.clamp(min=0)).masked_fill(target < 0, 0.0)
+    assert got.shape == (n - 1, 3) and got == pytest.approx(expect, abs=1e-4)
+
+    alt_ids, alt_lps = (torch.tensor(x) for x in res.alt_tokens)
+    assert alt_ids.shape == (n - 1, 3)
+    assert alt_lps == pytest.approx(ref.gather(1, alt_ids), abs=1e-4)
+    again = eng.sample([req])[0]  # seeded: the same draws (alone: no padding, same values)
+    assert again.alt_tokens[0] == res.alt_tokens[0]
+
+    for seq in res.sequences:  # top-k of the distribution each token was drawn from
+        rows_ids, rows_lps = seq.topk
+        assert len(rows_ids) == len(seq.tokens) and all(len(r) == 4 for r in rows_ids)
+        for tok, lp, r_ids, r_lps in zip(seq.tokens, seq.logprobs, rows_ids, rows_lps,
+                                         strict=True):
+            assert r_lps == sorted(r_lps, reverse=True) and lp <= r_lps[0] + 1e-5
+            if tok in r_ids:
+                assert r_lps[r_ids.index(tok)] == pytest.approx(lp, abs=1e-5)
+    assert plain.prompt_logprobs is None and plain.topk_prompt is None
+    assert plain.sequences[0].topk is None
+
+
+def test_alternative_draws_at_temperature_zero_are_the_argmax(eng):
+    prompt = _prompt(eng, 6, 9)
+    req = SampleRequest(None, prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                        alt_tokens_k=2, topk_prompt=1)
+    res = eng.sample([req])[0]
+    best = [row[0] for row in res.topk_prompt[0][1:]]
+    assert res.alt_tokens[0] == [[b, b] for b in best]

@@ -28,12 +28,11 @@ from tinker.resources.training import AsyncTrainingResource
 
 from tinker_shim.codec import (
     CodecError,
-    SampledOut,
     TensorIn,
     decode_forward_backward,
     encode_forward_backward_output,
-    encode_sample_response,
 )
+from tinker_shim.sample_codec import SampledOut, encode_sample_response
 
 # ------------------------------------------------------------------ helpers
 
@@ -389,7 +388,8 @@ def test_sample_response_without_optional_parts() -> None:
 
 def test_future_encoders_for_engine_results() -> None:
     torch = pytest.importorskip("torch")
-    from tinker_shim.codec import fwdbwd_encoder, sample_encoder
+    from tinker_shim.codec import fwdbwd_encoder
+    from tinker_shim.sample_codec import sample_encoder
 
     result = SimpleNamespace(
         outputs=[
@@ -406,10 +406,9 @@ def test_future_encoders_for_engine_results() -> None:
     assert out.loss_fn_outputs[1]["elementwise_loss"].shape == [1, 2]
     assert out.metrics == {"loss:sum": 2.5}
 
-    sample = SimpleNamespace(
-        sequences=[SimpleNamespace(tokens=[3, 4], logprobs=[-0.25, -0.5], stop_reason="length")],
-        prompt_logprobs=[None, -1.0],
-    )
+    from twinkled.engine.types import SampledSequence, SampleResult
+
+    sample = SampleResult([SampledSequence([3, 4], [-0.25, -0.5], "length")], [None, -1.0])
     payload, content_type = sample_encoder(sample)
     resp = deserialize_proto_response(payload, types.SampleResponse)
     assert resp.sequences[0].tokens == [3, 4] and resp.sequences[0].stop_reason == "length"

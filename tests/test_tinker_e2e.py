@@ -169,15 +169,6 @@ def test_sampling_stop_strings_seeds_and_compute_logprobs(daemon, tiny_dir):
     assert len(base.sample(prompt, 1, seeded).result(timeout=T).sequences[0].tokens) == 8
 
 
-def test_unsupported_sampling_features_are_refused(daemon, tiny_dir):
-    sc = service(daemon)
-    sampler = sc.create_sampling_client(base_model=tiny_dir.name)
-    prompt = tinker.types.ModelInput.from_ints([5, 6, 7])
-    with pytest.raises(tinker.BadRequestError, match="top-k sample logprobs"):
-        sampler.sample(prompt, 1, tinker.types.SamplingParams(max_tokens=2),
-                       topk_sample_logprobs=3).result(timeout=T)
-
-
 def test_rest_listings(daemon, tiny_dir):
     sc = service(daemon, "bob")
     tc, _, _, _ = trained_client(sc, tiny_dir, rank=4, steps=1)

@@ -2,7 +2,7 @@
 
 In:  the body of ``POST /api/v1/forward_backward`` (``ForwardBackwardRequest``, maybe zstd).
 Out: the ``retrieve_future`` payloads the client only accepts as protobuf
-     (``ForwardBackwardOutput`` and ``SampleResponse``, Content-Type application/x-protobuf).
+     (``ForwardBackwardOutput`` here; ``SampleResponse`` in sample_codec.py).
 
 Arrays on this wire are raw little-endian buffers; ``array`` does the packing so that neither
 numpy nor torch is needed here. The schema is the client's own generated descriptor, read from
@@ -32,13 +32,10 @@ __all__ = [
     "CodecError",
     "DatumIn",
     "FwdBwdCall",
-    "SampledOut",
     "TensorIn",
     "decode_forward_backward",
     "encode_forward_backward_output",
-    "encode_sample_response",
     "fwdbwd_encoder",
-    "sample_encoder",
 ]
 
 DType = Literal["float32", "int64"]
@@ -83,12 +80,6 @@ class FwdBwdCall(msgspec.Struct, frozen=True):
     data: list[DatumIn]
 
 
-class SampledOut(msgspec.Struct, frozen=True):
-    tokens: list[int]
-    logprobs: list[float] | None
-    stop_reason: Literal["stop", "length"]
-
-
 # ---------------------------------------------------------------- schema
 
 
@@ -111,19 +102,17 @@ def _load_pool() -> descriptor_pool.DescriptorPool:
 _POOL = _load_pool()
 
 
-def _message_class(name: str) -> Any:
+def message_class(name: str) -> Any:
     return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"tinker_public.{name}"))
 
 
-_FwdBwdRequestPb = _message_class("ForwardBackwardRequest")
-_FwdBwdOutputPb = _message_class("ForwardBackwardOutput")
-_SampleResponsePb = _message_class("SampleResponse")
+_FwdBwdRequestPb = message_class("ForwardBackwardRequest")
+_FwdBwdOutputPb = message_class("ForwardBackwardOutput")
 
 # Wire enum numbers (fixed by the proto; see §6.1 / §6.3).
 _DT_FLOAT32, _DT_INT64, _DT_INT32, _DT_BFLOAT16 = 1, 2, 3, 4
 _DTYPE_IN = {_DT_FLOAT32: ("float32", "f"), _DT_INT64: ("int64", "q"), _DT_INT32: ("int64", "i")}
 _DTYPE_OUT = {"float32": (_DT_FLOAT32, "f"), "int64": (_DT_INT64, "q")}
-_STOP_REASONS = {"stop": 0, "length": 1}
 _METRIC_REDUCTIONS = {"mean", "sum", "min", "max", "slack", "hash2", "unique"}
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _ZSTD_FEED = 4096  # compressed bytes per step: <= ~128 MiB of output even for a bomb
@@ -140,7 +129,7 @@ def _unpack(buf: bytes, typecode: str, where: str) -> array:
     return arr
 
 
-def _pack(arr: array) -> bytes:
+def pack(arr: array) -> bytes:
     if _BIG_ENDIAN:
         arr = array(arr.typecode, arr)
         arr.byteswap()
@@ -268,6 +257,14 @@ def _decode_tensor(tensor: Any, where: str) -> TensorIn:
     return TensorIn(dtype=dtype, shape=shape, values=values)
 
 
+def csr_consistent(crow: Sequence[int], col: Sequence[int], nnz: int, rows: int,
+                   cols: int) -> bool:
+    """Do sparse CSR indices describe `nnz` cells of a [rows, cols] matrix?"""
+    return (len(crow) == rows + 1 and crow[0] == 0 and crow[-1] == nnz and len(col) == nnz
+            and all(a <= b for a, b in zip(crow, crow[1:], strict=False))
+            and all(0 <= c < cols for c in col))
+
+
 def _expand_csr(csr: Any, typecode: str, shape: list[int], where: str) -> list[int | float]:
     if len(shape) != 2:
         raise CodecError(f"{where}: sparse_csr needs a 2-D shape, got {shape}")
@@ -275,14 +272,7 @@ def _expand_csr(csr: Any, typecode: str, shape: list[int], where: str) -> list[i
     vals = _unpack(csr.values, typecode, where).tolist()
     crow = _unpack(csr.crow_indices, "q", where).tolist()
     col = _unpack(csr.col_indices, "q", where).tolist()
-    if (
-        len(crow) != rows + 1
-        or crow[0] != 0
-        or crow[-1] != len(vals)
-        or len(col) != len(vals)
-        or any(b < a for a, b in zip(crow, crow[1:], strict=False))
-        or any(not 0 <= c < cols for c in col)
-    ):
+    if not csr_consistent(crow, col, len(vals), rows, cols):
         raise CodecError(f"{where}: inconsistent sparse_csr indices for shape {shape}")
     # The pad value is not on the wire. The SDK's automatic conversion (a 2-D torch tensor in
     # Datum.loss_fn_inputs) uses TensorData.from_torch_sparse's default pad of 0.
@@ -340,7 +330,7 @@ def encode_forward_backward_output(
             parts = [packed[name][2] for packed in run]
             field = record.fields[name]
             field.data = b"".join(parts)
-            field.offsets = _pack(array("q", accumulate(map(len, parts), initial=0)))
+            field.offsets = pack(array("q", accumulate(map(len, parts), initial=0)))
             field.dtype = dt
             field.trailing_shape.extend(trailing)
     return msg.SerializeToString()
@@ -361,43 +351,10 @@ def _pack_output(tensor: OutTensor, where: str) -> tuple[int, tuple[int, ...], b
             raise ValueError(f"{where}: {len(data)} bytes is not a multiple of {itemsize}")
         count = len(data) // itemsize
     else:
-        data, count = _pack(array(typecode, values)), len(values)
+        data, count = pack(array(typecode, values)), len(values)
     if trailing and count % math.prod(trailing):
         raise ValueError(f"{where}: {count} values do not fit trailing shape {list(trailing)}")
     return dt, trailing, data
-
-
-def encode_sample_response(
-    sequences: Sequence[SampledOut | Mapping[str, Any]],
-    prompt_logprobs: Sequence[float | None] | None = None,
-    *,
-    prompt_cache_hit_tokens: int = 0,
-) -> bytes:
-    """``SampleResponse`` for an asample future.
-
-    ``sample_sequence_ids`` is NOT part of this message: it goes in the JSON answer to the
-    ``asample`` POST, one id per sequence, in this order. ``prompt_logprobs`` has one entry per
-    prompt token; ``None`` (nothing computed, e.g. position 0) is sent as NaN, which the
-    client turns back into ``None``.
-    """
-    msg = _SampleResponsePb(prompt_cache_hit_tokens=prompt_cache_hit_tokens)
-    for i, seq in enumerate(sequences):
-        if isinstance(seq, Mapping):
-            seq = SampledOut(**seq)
-        if seq.stop_reason not in _STOP_REASONS:
-            raise ValueError(f"sequences[{i}]: stop_reason must be 'stop' or 'length'")
-        out = msg.sequences.add(
-            stop_reason=_STOP_REASONS[seq.stop_reason], tokens=_pack(array("i", seq.tokens))
-        )
-        if seq.logprobs is not None:
-            if len(seq.logprobs) != len(seq.tokens):
-                raise ValueError(f"sequences[{i}]: {len(seq.logprobs)} logprobs for "
-                                 f"{len(seq.tokens)} tokens")
-            out.logprobs = _pack(array("f", seq.logprobs))
-    if prompt_logprobs is not None:
-        lps = [math.nan if lp is None else lp for lp in prompt_logprobs]
-        msg.prompt_logprobs = _pack(array("f", lps))
-    return msg.SerializeToString()
 
 
 # ---------------------------------------------------------------- future encoders (routes.py)
@@ -409,12 +366,6 @@ def fwdbwd_encoder(result: Any) -> tuple[bytes, str]:
     """Encode a twinkled ``ForwardBackwardResult`` (``.outputs``, ``.metrics``) for a future."""
     outputs = [{name: _as_out_tensor(v) for name, v in out.items()} for out in result.outputs]
     return encode_forward_backward_output(outputs, result.metrics), PROTOBUF
-
-
-def sample_encoder(result: Any) -> tuple[bytes, str]:
-    """Encode a twinkled ``SampleResult`` (``.sequences``, ``.prompt_logprobs``) for a future."""
-    seqs = [SampledOut(list(s.tokens), s.logprobs, s.stop_reason) for s in result.sequences]
-    return encode_sample_response(seqs, result.prompt_logprobs), PROTOBUF
 
 
 def _as_out_tensor(value: Any) -> OutTensor:

@@ -8,7 +8,7 @@ daemon's settings live here (ints in int64, seq ids in a sane range); those that
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -131,6 +131,16 @@ class SamplingParamsIn(Struct, kw_only=True):
     stop: str | list[str | Int64] | None = None
 
 
+class TensorJsonIn(Struct):
+    """TensorData in its JSON form (tinker_api.md §7.2): dense, or sparse CSR."""
+
+    data: list[Int64]
+    dtype: Literal["int64"]
+    shape: list[Count] | None = None
+    sparse_crow_indices: list[Count] | None = None
+    sparse_col_indices: list[Count] | None = None
+
+
 class Asample(Body):
     sampling_session_id: str
     prompt: ModelInputIn
@@ -138,13 +148,12 @@ class Asample(Body):
     num_samples: Count = 1
     seq_id: SeqId | None = None
     prompt_logprobs: bool = False
-    # Asked-for features this server does not have: refused by name when set.
-    topk_prompt_logprobs: Any = None
-    topk_sample_logprobs: Any = None
-    prompt_alt_tokens_k: Any = None
-    target_prompt_logprobs: Any = None
-    record_stability_info: Any = None
-    prompt_logprobs_last_n: Any = None
+    topk_prompt_logprobs: Count = 0
+    topk_sample_logprobs: Count = 0
+    prompt_alt_tokens_k: Count = 0
+    target_prompt_logprobs: TensorJsonIn | None = None
+    prompt_logprobs_last_n: Count | None = None
+    record_stability_info: Any = None  # refused by name when set
 
 
 class SeqRef(Struct):

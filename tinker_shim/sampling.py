@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from twinkled.engine.checks import check_knobs, check_sample
+from twinkled.engine.checks import check_knobs, check_prompt_scores, check_sample
 from twinkled.service import NotFound, Op, UserError
 from twinkled.store import Conflict
 from twinkled.workers.frames import SampleF, SamplingF, buf
 
-from . import codec
+from .codec import CodecError
 from .common import (
     body_of,
     check_base_model,
@@ -20,7 +20,8 @@ from .common import (
     own_session,
     service,
 )
-from .messages import Asample, CreateSamplingSession, ModelInputIn
+from .messages import Asample, CreateSamplingSession, ModelInputIn, TensorJsonIn
+from .sample_codec import sample_encoder, target_ids
 
 
 async def create_sampling_session(request):
@@ -56,28 +57,24 @@ async def get_sampler(request):
     return web.json_response(body)
 
 
-UNSUPPORTED_SAMPLE = {"topk_prompt_logprobs": "top-k prompt logprobs",
-                      "topk_sample_logprobs": "top-k sample logprobs",
-                      "prompt_alt_tokens_k": "prompt alternative tokens",
-                      "target_prompt_logprobs": "target prompt logprobs",
-                      "record_stability_info": "stability info (stable_reinforce)",
-                      "prompt_logprobs_last_n": "a window of prompt logprobs"}
-
-
 async def asample(request):
     body = await body_of(request, Asample)
     sampler = _own_sampler(request, body.sampling_session_id)
-    for key, what in UNSUPPORTED_SAMPLE.items():
-        if getattr(body, key):
-            raise UserError(f"{what} ({key}) is not supported by this server")
+    if body.record_stability_info:
+        raise UserError("stability info (record_stability_info) is not supported by this server")
     tokens = _prompt_tokens(body.prompt)
+    lim = limits(request)
+    target, layout = _target_ids(body.target_prompt_logprobs, lim.max_prompt_cells)
+    checked(check_prompt_scores, tokens, body.prompt_logprobs, body.prompt_logprobs_last_n,
+            body.topk_prompt_logprobs, body.topk_sample_logprobs, body.prompt_alt_tokens_k,
+            target, lim)
     sp = body.sampling_params
     stop = [sp.stop] if isinstance(sp.stop, str) else sp.stop
     # max_tokens unset: Tinker's default of 16 (never "up to the whole context": a client
     # that forgets it must not hold a step for tens of thousands of tokens).
     max_tokens = 16 if sp.max_tokens is None else sp.max_tokens
     checked(check_knobs, sp.temperature, sp.top_p, sp.top_k)
-    checked(check_sample, tokens, max_tokens, body.num_samples, stop, limits(request))
+    checked(check_sample, tokens, max_tokens, body.num_samples, stop, lim)
     params = SamplingF(max_tokens, sp.temperature, sp.top_k, sp.top_p, sp.seed, stop)
     n = body.num_samples
     path = sampler.get("model_path")
@@ -86,14 +83,32 @@ async def asample(request):
         c = own_checkpoint(request, path)
         # Keyed by content too: a checkpoint saved again under the same name is new weights.
         adapter, load_from = f"sampler:{path}@{c['sha256'][:16]}", c["dir"]
-    frame = SampleF(adapter, buf(tokens, "int64"), params, n, body.prompt_logprobs, load_from)
+    frame = SampleF(adapter, buf(tokens, "int64"), params, n, body.prompt_logprobs, load_from,
+                    prompt_last_n=body.prompt_logprobs_last_n,
+                    topk_prompt=body.topk_prompt_logprobs,
+                    topk_sample=body.topk_sample_logprobs,
+                    target_prompt=None if target is None else buf(
+                        [t for row in target for t in row], "int64",
+                        [len(target), len(target[0])]),
+                    alt_tokens_k=body.prompt_alt_tokens_k)
     svc = service(request)
-    f = svc.new_future(request["tenant"], "sample", codec.sample_encoder)
+    f = svc.new_future(request["tenant"], "sample",
+                       lambda result: sample_encoder(result, target_layout=layout))
     cost = len(tokens) + params.max_tokens * n
     svc.submit(Op(None, None, frame, f, cost))
     seq = body.seq_id or 0
     ids = [f"{sampler['id']}:{seq}:{i}" for i in range(n)]
     return future_response(f, sample_sequence_ids=ids)
+
+
+def _target_ids(t: TensorJsonIn | None, max_cells: int):
+    if t is None:
+        return None, None
+    try:
+        return target_ids(t.data, t.shape, t.sparse_crow_indices, t.sparse_col_indices,
+                          max_cells)
+    except CodecError as e:
+        raise UserError(str(e)) from None
 
 
 def _prompt_tokens(prompt: ModelInputIn) -> list[int]:

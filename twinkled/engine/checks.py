@@ -44,6 +44,8 @@ class Limits:
     max_num_samples: int = 256  # num_samples of one sampling request
     max_stop: int = 32  # entries in a stop list
     max_stop_chars: int = 256  # length of one stop string
+    max_topk: int = 64  # k of top-k logprobs and of prompt alternative draws
+    max_prompt_cells: int = 1 << 21  # prompt positions x ids scored by one request
     max_name_chars: int = 128  # checkpoint names
     max_ttl_s: int = 10 * 365 * 86400
     max_metadata_bytes: int = 65536  # user_metadata, as JSON
@@ -94,8 +96,11 @@ def check_datum(j: int, tokens: Sequence, inputs: Mapping[str, tuple[Sequence[in
         # a forward pass); a name no loss knows is most likely a typo.
         if loss_fn is not None and name not in KNOWN_INPUTS:
             raise fail(field, f"unknown loss input (known: {sorted(KNOWN_INPUTS)})")
-        if list(shape) != [n] or len(values) != n:
-            raise fail(field, f"has shape {list(shape)}, but the model input has {n} tokens")
+        if list(shape) != [n] and not _top_k_shape(name, shape, n, loss_fn, limits):
+            raise fail(field, f"has shape {list(shape)}, but the model input has {n} tokens"
+                       + (" (or [N, K] with cross_entropy)" if name in TOP_K_INPUTS else ""))
+        if len(values) != math.prod(shape):
+            raise fail(field, f"has {len(values)} values for shape {list(shape)}")
         if name in INT_INPUTS:
             check_token_ids(field, values, limits.vocab_size)
         else:
@@ -104,6 +109,20 @@ def check_datum(j: int, tokens: Sequence, inputs: Mapping[str, tuple[Sequence[in
         for name in LOSS_SIGNATURES[loss_fn][0]:
             if name not in inputs:
                 raise fail(f"{where}.loss_fn_inputs.{name}", f"required by {loss_fn!r}")
+    shapes = {tuple(inputs[k][0]) for k in TOP_K_INPUTS if k in inputs}
+    if len(shapes) > 1:
+        raise fail(f"{where}.loss_fn_inputs.weights", "must have the shape of target_tokens")
+
+
+# Top-K distillation: cross_entropy's target_tokens and weights may be [N, K] (K ids per
+# position, weighted), as Tinker's cross_entropy defines.
+TOP_K_INPUTS = ("target_tokens", "weights")
+
+
+def _top_k_shape(name: str, shape: Sequence[int], n: int, loss_fn: str | None,
+                 limits: Limits) -> bool:
+    return (name in TOP_K_INPUTS and loss_fn in ("cross_entropy", None) and len(shape) == 2
+            and shape[0] == n and 1 <= shape[1] <= limits.max_topk)
 
 
 def check_token_ids(field: str, ids: Sequence, vocab: int) -> None:
@@ -162,6 +181,44 @@ def check_sample(prompt: Sequence, max_tokens: int, num_samples: int, stop: Any,
         raise fail("sampling_params.max_tokens", f"prompt ({n}) + max_tokens ({max_tokens}) "
                    f"exceeds the model's context of {limits.max_seq_len}")
     check_stop(stop, limits)
+
+
+def check_prompt_scores(prompt: Sequence, prompt_logprobs: bool, last_n: int | None,
+                        topk_prompt: int, topk_sample: int, alt_k: int,
+                        target: list[list[int]] | None, limits: Limits) -> None:
+    """What a sampling request asks to know about its prompt (Tinker's SampleRequest):
+    within the model and the limits, and bounded in cost (positions x ids)."""
+    n = len(prompt)
+    for name, k in (("topk_prompt_logprobs", topk_prompt), ("topk_sample_logprobs", topk_sample),
+                    ("prompt_alt_tokens_k", alt_k)):
+        if not 0 <= k <= limits.max_topk:
+            raise fail(name, f"must be in 0..{limits.max_topk}, got {k}")
+    for name, k in (("topk_prompt_logprobs", topk_prompt), ("prompt_alt_tokens_k", alt_k)):
+        if n * k > limits.max_prompt_cells:
+            raise fail(name, f"{n} prompt tokens x {k} is over the limit of "
+                       f"{limits.max_prompt_cells} scored cells")
+    if last_n is not None:
+        if not prompt_logprobs:
+            raise fail("prompt_logprobs_last_n", "applies to prompt logprobs: set "
+                       "prompt_logprobs (include_prompt_logprobs)")
+        if not 1 <= last_n <= n - 1:
+            raise fail("prompt_logprobs_last_n", f"must be in 1..len(prompt) - 1 = {n - 1}, "
+                       f"got {last_n}")
+    if target is None:
+        return
+    where = "target_prompt_logprobs"
+    if len(target) != n - 1:
+        raise fail(where, f"needs exactly len(prompt) - 1 = {n - 1} rows, got {len(target)}")
+    ids = {t for row in target for t in row if t != -1}
+    if not ids:
+        raise fail(where, "names no token id (every cell is -1)")
+    if n * len(ids) > limits.max_prompt_cells:
+        raise fail(where, f"{n} prompt tokens x {len(ids)} distinct ids is over the limit of "
+                   f"{limits.max_prompt_cells} scored cells")
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise fail(where, f"token id {bad} is outside the vocabulary (0..{limits.vocab_size - 1}"
+                   ", or -1 for nothing)")
 
 
 def check_knobs(temperature: float, top_p: float, top_k: int) -> None:

@@ -73,7 +73,8 @@ def loss_spec(name: str) -> LossSpec:
 
 
 class _TargetLogprobs(torch.autograd.Function):
-    """log_softmax(logits)[target] in fp32, a chunk of tokens at a time.
+    """log_softmax(logits)[target] in fp32, a chunk of tokens at a time; targets may carry
+    a trailing K (several ids per position: top-K distillation).
 
     Full fp32 logits for a long batch would take tokens x vocab x 4 bytes (2.5 GB for 4k
     tokens of a 152k vocabulary), and autograd's log_softmax would keep another copy; here
@@ -83,11 +84,11 @@ class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, chunk):
         flat = logits.reshape(-1, logits.shape[-1])
-        tgt = targets.reshape(-1)
+        tgt = targets.reshape(flat.shape[0], -1)  # [tokens, K]
         lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
         for s in range(0, flat.shape[0], chunk):
             lse[s:s + chunk] = torch.logsumexp(flat[s:s + chunk].float(), dim=-1)
-        lp = flat.gather(1, tgt[:, None]).squeeze(1).float() - lse
+        lp = flat.gather(1, tgt).float() - lse[:, None]
         ctx.save_for_backward(logits, targets, lse)
         ctx.chunk = chunk
         return lp.view(targets.shape)
@@ -96,20 +97,22 @@ class _TargetLogprobs(torch.autograd.Function):
     def backward(ctx, grad_lp):
         logits, targets, lse = ctx.saved_tensors
         flat = logits.reshape(-1, logits.shape[-1])
-        tgt = targets.reshape(-1)
-        g = grad_lp.reshape(-1).float()
+        tgt = targets.reshape(flat.shape[0], -1)
+        g = grad_lp.reshape(flat.shape[0], -1).float()
+        total = g.sum(1, keepdim=True)
         grad = torch.empty_like(flat)
         for s in range(0, flat.shape[0], ctx.chunk):
             e = min(s + ctx.chunk, flat.shape[0])
-            # d lp / d logits = onehot(target) - softmax
-            part = torch.exp(flat[s:e].float() - lse[s:e, None]).mul_(-g[s:e, None])
-            part.scatter_add_(1, tgt[s:e, None], g[s:e, None])
+            # d lp_k / d logits = onehot(target_k) - softmax, summed over the K targets
+            part = torch.exp(flat[s:e].float() - lse[s:e, None]).mul_(-total[s:e])
+            part.scatter_add_(1, tgt[s:e], g[s:e])
             grad[s:e] = part.to(grad.dtype)
         return grad.view(logits.shape), None, None
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor,
                     chunk_bytes: int = 256 * 2**20) -> torch.Tensor:
-    """Per-token logprob of `targets` [B, S] under `logits` [B, S, V], as fp32 [B, S]."""
+    """Per-token logprob of `targets` [B, S] (or [B, S, K]) under `logits` [B, S, V], as
+    fp32 of the targets' shape."""
     chunk = max(1, chunk_bytes // (4 * logits.shape[-1]))
     return _TargetLogprobs.apply(logits, targets, chunk)

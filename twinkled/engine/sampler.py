@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from .lora import Adapter, LoraBatch
-from .losses import target_logprobs
 from .model import BaseModel
+from .prompt_scores import score_prompt, wants_scores
 from .types import SampledSequence, SampleRequest, SampleResult
 
 
@@ -24,6 +24,8 @@ class _Row:
         self.adapter = adapter
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.top: tuple[list[list[int]], list[list[float]]] | None = (
+            ([], []) if req_obj.topk_sample else None)
         self.done: str | None = None  # stop reason once finished
 
 
@@ -61,25 +63,47 @@ def generate(model: BaseModel, requests: list[SampleRequest],
     logits = model.logits(hidden[:, -1:], lora)[:, 0]
 
     results = [SampleResult(sequences=[]) for _ in requests]
-    _prompt_logprobs(model, requests, rows, hidden, ids, results)
+    first_row: dict[int, int] = {}  # request -> one of its rows (all share its prompt)
+    for b, r in enumerate(rows):
+        first_row.setdefault(r.req, b)
+    for i, b in first_row.items():
+        if wants_scores(requests[i]):
+            n = len(rows[b].prompt)
+            score_prompt(model, requests[i], rows[b].adapter, hidden[b, P - n:], ids[b, P - n:],
+                         results[i])
+    topk = max(r.topk_sample for r in requests)
 
     chooser = _Chooser(rows, dev)
     decode = _Decoder(model, lora, cache, key_ok, graph=dev.type == "cuda" and max_new > 8)
     for t in range(max_new):
-        tokens, lps = chooser.choose(logits)
+        tokens, lps, logp = chooser.choose(logits)
+        top = _topk(logp, topk)
         for b, (tok, lp) in enumerate(zip(tokens.tolist(), lps.tolist(), strict=True)):
             r = rows[b]
             if r.done is None:
                 r.tokens.append(tok)
                 r.logprobs.append(lp)
+                if r.top is not None:
+                    k = requests[r.req].topk_sample
+                    r.top[0].append(top[0][b][:k])
+                    r.top[1].append(top[1][b][:k])
                 r.done = _stop_reason(model, r)
         if all(r.done is not None for r in rows) or t == max_new - 1:
             break
         logits = decode(tokens, P + t, P + t - pad)
 
     for r in sorted(rows, key=lambda r: r.req):  # stable: samples keep their order
-        results[r.req].sequences.append(SampledSequence(r.tokens, r.logprobs, r.done or "length"))
+        results[r.req].sequences.append(SampledSequence(r.tokens, r.logprobs, r.done or "length",
+                                                        r.top))
     return results
+
+
+def _topk(logp: torch.Tensor, k: int) -> tuple[list, list]:
+    """Every row's top-k (ids, logprobs) of the distribution its token was drawn from."""
+    if k == 0:
+        return [], []
+    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return ids.tolist(), values.tolist()
 
 
 class _Decoder:
@@ -163,7 +187,8 @@ class _Chooser:
                 gen = torch.Generator(device=dev).manual_seed(seed % 2**63)
             self.groups.append((torch.tensor(idx, device=dev), gen))
 
-    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's token, its logprob, and the (temperature-scaled) distribution."""
         logits = logits.float()
         temp = torch.where(self.greedy, torch.ones_like(self.temp), self.temp)
         logp = torch.log_softmax(logits / temp[:, None], dim=-1)
@@ -174,7 +199,7 @@ class _Chooser:
             for idx, gen in self.groups:
                 drawn = torch.multinomial(probs[idx], 1, generator=gen).squeeze(1)
                 tokens[idx] = drawn
-        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1), logp
 
     def _filter(self, logp: torch.Tensor) -> torch.Tensor:
         sorted_lp, order = logp.sort(dim=-1, descending=True)
@@ -185,20 +210,3 @@ class _Chooser:
         drop |= before >= self.top_p[:, None]
         sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
         return torch.empty_like(logp).scatter_(1, order, sorted_lp)
-
-
-def _prompt_logprobs(model, requests, rows, hidden, ids, results) -> None:
-    """Logprob of each prompt token given the ones before it (None for the first)."""
-    want = [b for b, r in enumerate(rows) if requests[r.req].prompt_logprobs
-            and results[r.req].prompt_logprobs is None]
-    for b in want:
-        r = rows[b]
-        n = len(r.prompt)
-        results[r.req].prompt_logprobs = [None]
-        if n < 2:
-            continue
-        start = ids.shape[1] - n  # left padding
-        sub = LoraBatch([r.adapter], model.dtype, model.device)
-        h = hidden[b:b + 1, start:-1]
-        lp = target_logprobs(model.logits(h, sub), ids[b:b + 1, start + 1:])
-        results[r.req].prompt_logprobs += lp[0].tolist()

@@ -24,8 +24,13 @@ class _Row:
     datum: int  # index of the datum within it
     adapter: Adapter | None
     tokens: torch.Tensor  # [N] int64
-    targets: torch.Tensor  # [N] int64
+    targets: torch.Tensor  # [N] int64, or [N, K]: K ids per position (top-K distillation)
     train: bool
+
+    def view(self, t: torch.Tensor, k: int) -> torch.Tensor:
+        """This row's part of a micro-batch tensor [B, S, K]: [N], or [N, K] if 2-D."""
+        n = len(self.tokens)
+        return t[k, :n, 0] if self.targets.dim() == 1 else t[k, :n, :self.targets.shape[1]]
 
 
 def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
@@ -54,26 +59,25 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
                 req = requests[r.req]
                 if callable(req.loss_fn):
                     continue
-                n = len(r.tokens)
-                loss = _datum_loss(req, req.data[r.datum], lp[k, :n])
-                elementwise[k, :n] = loss.detach()
+                loss = _datum_loss(req, req.data[r.datum], r.view(lp, k))
+                r.view(elementwise, k)[:] = loss.detach()
                 if r.train:
                     total = loss.sum() if total is None else total + loss.sum()
             for i in sorted({r.req for r in batch if callable(requests[r.req].loss_fn)}):
                 # A custom loss sees its whole request (kept in one micro-batch) at once.
                 ks = [k for k, r in enumerate(batch) if r.req == i]
-                lps = [lp[k, : len(batch[k].tokens)] for k in ks]
+                lps = [batch[k].view(lp, k) for k in ks]
                 loss, custom_metrics[i] = _custom_loss(requests[i], lps)
                 # No per-token breakdown: the whole loss is reported on the first token.
-                elementwise[ks[0], 0] = loss.detach()
+                elementwise[ks[0], 0, 0] = loss.detach()
                 if batch[ks[0]].train:
                     total = loss if total is None else total + loss
         if total is not None and total.requires_grad:
             total.backward()
         lp_host, el_host = lp.detach().cpu(), elementwise.cpu()  # one copy per micro-batch
         for k, r in enumerate(batch):
-            n = len(r.tokens)
-            outputs[r.req][r.datum] = {"logprobs": lp_host[k, :n], "elementwise_loss": el_host[k, :n]}
+            outputs[r.req][r.datum] = {"logprobs": r.view(lp_host, k),
+                                       "elementwise_loss": r.view(el_host, k)}
 
     results = []
     for i, req in enumerate(requests):
@@ -114,14 +118,16 @@ def _micro_batches(rows: list[_Row], requests, token_budget: int) -> list[list[_
 
 
 def _logprobs(model: BaseModel, batch: list[_Row]) -> torch.Tensor:
-    """Right-padded forward of a micro-batch; returns the target logprobs [B, S] (fp32)."""
+    """Right-padded forward of a micro-batch; returns the target logprobs [B, S, K] (fp32;
+    K is 1 unless a row has several targets per position)."""
     S = max(len(r.tokens) for r in batch)
+    K = max(r.targets.shape[1] if r.targets.dim() == 2 else 1 for r in batch)
     dev = model.device
     ids = torch.zeros((len(batch), S), dtype=torch.long)
-    tgt = torch.zeros((len(batch), S), dtype=torch.long)
+    tgt = torch.zeros((len(batch), S, K), dtype=torch.long)
     for k, r in enumerate(batch):
         ids[k, : len(r.tokens)] = r.tokens
-        tgt[k, : len(r.targets)] = r.targets
+        r.view(tgt, k)[:] = r.targets
     ids, tgt = ids.to(dev, non_blocking=True), tgt.to(dev, non_blocking=True)
     positions = torch.arange(S, device=dev).expand(len(batch), S)
     lora = LoraBatch([r.adapter for r in batch], model.dtype, dev)

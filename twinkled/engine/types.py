@@ -114,6 +114,17 @@ class SampleRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     num_samples: int = 1
     prompt_logprobs: bool = False
+    # What else to score, as Tinker's SampleRequest defines it. Prompt row i (of n - 1) is
+    # the distribution over prompt token i + 1 (token 0 has no context).
+    prompt_last_n: int | None = None  # score only the last n prompt tokens (and top-k rows)
+    topk_prompt: int = 0  # top-k (id, logprob) at every scored prompt position
+    topk_sample: int = 0  # top-k (id, logprob) at every sampled position
+    target_prompt: list[list[int]] | None = None  # [n - 1, K] ids to score; -1: none
+    alt_tokens_k: int = 0  # k draws at the request's temperature per prompt row
+
+
+# Top-k rows: (token ids, logprobs) per position; an empty row was not scored.
+TopK = tuple[list[list[int]], list[list[float]]]
 
 
 @dataclass
@@ -121,12 +132,16 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "stop" or "length"
+    topk: TopK | None = None  # one row per sampled token (topk_sample)
 
 
 @dataclass
 class SampleResult:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
+    topk_prompt: TopK | None = None  # one row per prompt token (row 0 empty)
+    target_prompt: list[list[float]] | None = None  # as target_prompt; 0.0 where -1
+    alt_tokens: tuple[list[list[int]], list[list[float]]] | None = None  # [n - 1, k] each
 
 
 @dataclass

@@ -94,6 +94,12 @@ class SampleF(_Op, tag="sample"):
     num_samples: int = 1
     prompt_logprobs: bool = False
     load_from: str | None = None  # a sampler checkpoint to load as `adapter_id` first
+    # What else to score (engine.types.SampleRequest says what each is).
+    prompt_last_n: int | None = None
+    topk_prompt: int = 0
+    topk_sample: int = 0
+    target_prompt: Buf | None = None  # int64 [len(prompt) - 1, K]; -1: nothing
+    alt_tokens_k: int = 0
 
 
 class CreateF(_Op, tag="create"):

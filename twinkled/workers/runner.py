@@ -156,9 +156,12 @@ class StepRunner:
         for i in mine:
             s = ops[i]
             p = s.params
-            req = SampleRequest(s.adapter_id, to_tensor(s.prompt).tolist(), SamplingParams(
-                p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop),
-                s.num_samples, s.prompt_logprobs)
+            req = SampleRequest(
+                s.adapter_id, to_tensor(s.prompt).tolist(),
+                SamplingParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop),
+                s.num_samples, s.prompt_logprobs, s.prompt_last_n, s.topk_prompt, s.topk_sample,
+                None if s.target_prompt is None else to_tensor(s.target_prompt).tolist(),
+                s.alt_tokens_k)
             try:
                 self._load_sampler(s)
                 if s.adapter_id is not None and not self.engine.has_adapter(s.adapter_id):
