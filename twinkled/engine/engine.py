@@ -33,16 +33,18 @@ from .validate import check_forward_backward, check_sample
 class Engine:
     """Load `model_dir` on `device` in `dtype`; adapters up to `max_rank`.
 
-    `token_budget` caps the padded tokens of one micro-batch (activation memory); a larger
-    call is split and its gradients accumulated.
+    `token_budget` caps the tokens of one micro-batch (activation memory); a larger call is
+    split and its gradients accumulated. `packed`: a micro-batch's rows run end to end as
+    one sequence (it costs its tokens), rather than padded to its longest row.
     """
 
     def __init__(self, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", max_rank: int = 128,
-                 token_budget: int = 16384, dp_group=None):
+                 token_budget: int = 16384, packed: bool = True, dp_group=None):
         self.model = BaseModel(model_dir, dtype=dtype, device=device)
         self.pool = LoraPool(self.model.targets, max_rank, self.model.device, self.model.dtype)
         self.token_budget = token_budget
+        self.packed = packed  # rows end to end in a micro-batch, not padded (packed.py)
         # Set in a data-parallel worker group: gradients are summed over it before a step.
         self.dp_group = dp_group
 
@@ -90,8 +92,10 @@ class Engine:
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
         if all(r.forward_only for r in requests):
             with torch.no_grad():
-                return step.forward_backward(self.model, requests, adapters, self.token_budget)
-        return step.forward_backward(self.model, requests, adapters, self.token_budget)
+                return step.forward_backward(self.model, requests, adapters, self.token_budget,
+                                             self.packed)
+        return step.forward_backward(self.model, requests, adapters, self.token_budget,
+                                     self.packed)
 
     def forward(self, requests: list[ForwardBackwardRequest]) -> list[ForwardBackwardResult]:
         """Logprobs (and loss values) only; changes nothing."""

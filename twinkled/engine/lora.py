@@ -236,7 +236,7 @@ class LoraBatch:
         while i < len(row_adapters):
             ad = row_adapters[i]
             j = i + 1
-            while j < len(row_adapters) and _same_bank(row_adapters[j], ad):
+            while j < len(row_adapters) and same_bank(row_adapters[j], ad):
                 j += 1
             if ad is not None:
                 rows = row_adapters[i:j]
@@ -278,7 +278,7 @@ class LoraBatch:
         return y
 
 
-def _same_bank(a: Adapter | None, b: Adapter | None) -> bool:
+def same_bank(a: Adapter | None, b: Adapter | None) -> bool:
     if a is None or b is None:
         return a is b
     return a.bank is b.bank

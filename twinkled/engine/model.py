@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .lora import LoraBatch
+from .packed import PackedLora, Packing
 from .types import ATTN_MODULES, MLP_MODULES, EngineInputError
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -112,16 +113,18 @@ class BaseModel:
     # -- the forward pass -------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                lora: LoraBatch | None = None, cache: KVCache | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                lora: LoraBatch | PackedLora | None = None, cache: KVCache | None = None,
+                mask: torch.Tensor | None = None, packing: Packing | None = None
+                ) -> torch.Tensor:
         """Final hidden states [B, S, H]. Without `mask`, attention is causal within the row
-        (right padding needs no mask: real tokens never attend to later pads)."""
+        (right padding needs no mask: real tokens never attend to later pads). With
+        `packing`, the one row [1, T] holds several sequences end to end (packed.py)."""
         h = self.decoder.embed_tokens(input_ids)
         cos, sin = self.decoder.rotary_emb(h, positions)
         for i, layer in enumerate(self.layers):
             keys = self.layer_keys[i]
             h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos, sin,
-                                    keys, lora, cache, mask)
+                                    keys, lora, cache, mask, packing)
             x = layer.post_attention_layernorm(h)
             mlp = layer.mlp
             gate = self._linear(mlp.gate_proj, keys["gate_proj"], x, lora)
@@ -129,10 +132,11 @@ class BaseModel:
             h = h + self._linear(mlp.down_proj, keys["down_proj"], mlp.act_fn(gate) * up, lora)
         return self.decoder.norm(h)
 
-    def logits(self, hidden: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, lora: LoraBatch | PackedLora | None = None
+               ) -> torch.Tensor:
         return self._linear(self.lm_head, "lm_head", hidden, lora)
 
-    def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask):
+    def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing):
         B, S, _ = x.shape
         q = self._linear(attn.q_proj, keys["q_proj"], x, lora).view(B, S, -1, self.head_dim)
         k = self._linear(attn.k_proj, keys["k_proj"], x, lora).view(B, S, -1, self.head_dim)
@@ -143,9 +147,12 @@ class BaseModel:
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.write(i, k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
-            scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
+        if packing is not None:
+            out = packing.attend(q, k, v, self.scaling, self.n_kv != self.n_heads)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
+                scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
         out = out.transpose(1, 2).reshape(B, S, -1)
         return self._linear(attn.o_proj, keys["o_proj"], out, lora)
 

@@ -1,8 +1,9 @@
 """One co-batched forward/backward: many requests, many adapters, one pass per micro-batch.
 
 Read top to bottom: rows are laid out so each bank's rows sit together, cut into
-micro-batches under a token budget, run through the base model with every row's LoRA,
-scored with each request's loss, and back-propagated once. Gradients land in the adapters'
+micro-batches under a token budget, run through the base model with every row's LoRA
+(packed end to end without padding, packed.py, or as right-padded rows), scored with each
+request's loss, and back-propagated once. Gradients land in the adapters'
 bank buffers and wait there for each adapter's own optimizer step.
 """
 
@@ -15,6 +16,7 @@ import torch
 from .lora import Adapter, LoraBatch
 from .losses import loss_spec, target_logprobs
 from .model import BaseModel
+from .packed import PackedLora, Packing
 from .types import ForwardBackwardRequest, ForwardBackwardResult
 
 
@@ -34,11 +36,13 @@ class _Row:
 
 
 def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
-                     adapters: list[Adapter | None], token_budget: int) -> list[ForwardBackwardResult]:
+                     adapters: list[Adapter | None], token_budget: int,
+                     packed: bool = True) -> list[ForwardBackwardResult]:
     """Run every request's data through the model; back-propagate the training ones.
 
     `adapters[i]` is request i's adapter (None: the base model). Inputs are validated
-    before this is called: nothing here may fail half-way on bad input.
+    before this is called: nothing here may fail half-way on bad input. `packed`: rows
+    laid end to end (a micro-batch costs its tokens) rather than padded to the longest.
     """
     rows = [
         _Row(i, j, adapters[i], torch.as_tensor(d.tokens, dtype=torch.long),
@@ -49,10 +53,11 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
     outputs = [[None] * len(r.data) for r in requests]
     custom_metrics: dict[int, dict[str, float]] = {}
 
-    for batch in _micro_batches(rows, requests, token_budget):
+    for batch in _micro_batches(rows, requests, token_budget, packed):
         train = any(r.train for r in batch)
         with torch.set_grad_enabled(train):
-            lp = _logprobs(model, batch)
+            pack = packed and _padding(batch) > PACK_ABOVE
+            lp = _packed_logprobs(model, batch) if pack else _logprobs(model, batch)
             elementwise = torch.zeros_like(lp, requires_grad=False)
             total = None
             for k, r in enumerate(batch):
@@ -89,8 +94,21 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
     return results
 
 
-def _micro_batches(rows: list[_Row], requests, token_budget: int) -> list[list[_Row]]:
-    """Bank-contiguous order (base rows first), cut so padded tokens stay under budget.
+# Pack a micro-batch when padding would be more than this share of it; rows of (nearly)
+# one length run padded, as batched matmuls, which costs less host time than grouped ones.
+PACK_ABOVE = 0.1
+
+
+def _padding(batch: list[_Row]) -> float:
+    """The share of a padded micro-batch that would be padding."""
+    lengths = [len(r.tokens) for r in batch]
+    return 1 - sum(lengths) / (max(lengths) * len(lengths))
+
+
+def _micro_batches(rows: list[_Row], requests, token_budget: int,
+                   packed: bool) -> list[list[_Row]]:
+    """Bank-contiguous order (base rows first), cut so the tokens a micro-batch holds
+    (packed: its tokens; padded: rows x the longest) stay under budget.
 
     A custom-loss request is kept whole in one micro-batch: its loss may couple datums.
     """
@@ -102,14 +120,15 @@ def _micro_batches(rows: list[_Row], requests, token_budget: int) -> list[list[_
     custom = {i for i, q in enumerate(requests) if callable(q.loss_fn)}
     batches: list[list[_Row]] = []
     current: list[_Row] = []
-    longest = 0
+    longest = held = 0
     for r in (r for r in rows if r.req not in custom):
         n = len(r.tokens)
-        if current and max(longest, n) * (len(current) + 1) > token_budget:
+        size = held + n if packed else max(longest, n) * (len(current) + 1)
+        if current and size > token_budget:
             batches.append(current)
-            current, longest = [], 0
+            current, longest, held = [], 0, 0
         current.append(r)
-        longest = max(longest, n)
+        longest, held = max(longest, n), held + n
     if current:
         batches.append(current)
     for i in sorted(custom):
@@ -133,6 +152,29 @@ def _logprobs(model: BaseModel, batch: list[_Row]) -> torch.Tensor:
     lora = LoraBatch([r.adapter for r in batch], model.dtype, dev)
     hidden = model.forward(ids, positions, lora)
     return target_logprobs(model.logits(hidden, lora), tgt)
+
+
+def _packed_logprobs(model: BaseModel, batch: list[_Row]) -> torch.Tensor:
+    """The micro-batch as one sequence of all its tokens (packed.py); returns the target
+    logprobs in the row layout [B, S, K] the losses read (zero past each row's end)."""
+    dev = model.device
+    lengths = [len(r.tokens) for r in batch]
+    S = max(lengths)
+    K = max(r.targets.shape[1] if r.targets.dim() == 2 else 1 for r in batch)
+    ids = torch.cat([r.tokens for r in batch])[None].to(dev, non_blocking=True)
+    tgt = torch.zeros((sum(lengths), K), dtype=torch.long)
+    start = 0
+    for r, n in zip(batch, lengths, strict=True):
+        tgt[start:start + n, :r.targets.shape[1] if r.targets.dim() == 2 else 1] = (
+            r.targets.view(n, -1))
+        start += n
+    packing = Packing.of(lengths, dev)
+    lora = PackedLora([(r.adapter, n) for r, n in zip(batch, lengths, strict=True)],
+                      model.dtype, dev)
+    hidden = model.forward(ids, packing.positions, lora, packing=packing)
+    lp = target_logprobs(model.logits(hidden, lora), tgt.to(dev, non_blocking=True)[None])[0]
+    row = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(lengths)).to(dev)
+    return lp.new_zeros((len(batch), S, K)).index_put((row, packing.positions[0]), lp)
 
 
 def _datum_loss(req: ForwardBackwardRequest, datum, lp: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,194 @@
+"""Packing without padding: a micro-batch's rows as ONE sequence of all their tokens.
+
+Rows of different lengths (and different adapters) are laid end to end, so a batch costs
+what its tokens cost. Each row is a *segment*: positions restart at its first token and
+attention is causal within it and blind across it (block-diagonal). Rows are ordered by
+adapter, so every adapter owns one contiguous span of tokens, and a LoRA module's delta
+for the whole sequence is two grouped matmuls over those spans (`torch._grouped_mm`),
+whatever the number of adapters.
+
+Attention: flash attention's variable-length kernel (`torch.nn.attention.varlen`) on a
+GPU in half precision; otherwise (CPU, fp32) one SDPA call per segment, the same math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .lora import Adapter, Bank, same_bank
+
+
+@dataclass
+class Packing:
+    """Where each row's tokens sit in the packed sequence."""
+
+    lengths: list[int]  # tokens of each row, in packed order
+    cu: torch.Tensor  # [rows + 1] int32 segment starts (device)
+    positions: torch.Tensor  # [1, T] position of each token within its row (device)
+
+    @staticmethod
+    def of(lengths: list[int], device) -> Packing:
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        cu = torch.tensor(starts, dtype=torch.int32, device=device)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+        return Packing(lengths, cu, positions)
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               gqa: bool) -> torch.Tensor:
+        """Block-diagonal causal attention. q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]."""
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            from torch.nn.attention.varlen import varlen_attn
+
+            longest = max(self.lengths)
+            out = varlen_attn(*(t[0].transpose(0, 1).contiguous() for t in (q, k, v)),
+                              self.cu, self.cu, longest, longest, scale=scale,
+                              window_size=(-1, 0), enable_gqa=gqa)
+            return out.transpose(0, 1)[None]
+        outs, start = [], 0
+        for n in self.lengths:
+            s = slice(start, start + n)
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, s], k[:, :, s], v[:, :, s], is_causal=True, scale=scale,
+                enable_gqa=gqa))
+            start += n
+        return torch.cat(outs, dim=2)
+
+
+@dataclass
+class _Span:
+    bank: Bank
+    start: int  # first token of the bank's span
+    end: int
+    slots: torch.Tensor  # [G] slot of each adapter of the span, in order
+    offs: torch.Tensor  # [G] int32 end of each adapter's tokens, relative to `start`
+    scale: torch.Tensor  # [end - start, 1] each token's adapter scale
+
+
+class PackedLora:
+    """Which adapter each token of a packed sequence uses (the packed LoraBatch).
+
+    `apply(key, x, y)` adds the adapters' deltas of module `key` to its base output y [1, T, out].
+    """
+
+    def __init__(self, rows: list[tuple[Adapter | None, int]], dtype, device):
+        """`rows`: (adapter, tokens) in packed order; rows of one bank must be contiguous."""
+        self.dtype = dtype
+        self.spans: list[_Span] = []
+        self.anchor = torch.zeros((), device=device, requires_grad=True)  # see LoraBatch
+        t, i = 0, 0
+        while i < len(rows):
+            adapter, j, start = rows[i][0], i, t
+            groups: list[tuple[Adapter, int]] = []  # (adapter, tokens) of this bank
+            while j < len(rows) and same_bank(rows[j][0], adapter):
+                a, n = rows[j]
+                if groups and groups[-1][0] is a:
+                    groups[-1] = (a, groups[-1][1] + n)
+                else:
+                    groups.append((a, n))
+                t += n
+                j += 1
+            if adapter is not None:
+                ends, scales, total = [], [], 0
+                for a, n in groups:
+                    total += n
+                    ends.append(total)
+                    scales.append(torch.full((n,), a.scale))
+                self.spans.append(_Span(
+                    adapter.bank, start, t,
+                    torch.tensor([a.slot for a, _ in groups], device=device),
+                    torch.tensor(ends, dtype=torch.int32, device=device),
+                    torch.cat(scales).to(device=device, dtype=dtype)[:, None]))
+            i = j
+        if len({id(s.bank) for s in self.spans}) != len(self.spans):
+            raise ValueError("rows of one bank must be contiguous")
+        for s in self.spans:
+            s.bank.refresh()
+
+    def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for s in self.spans:
+            if key not in s.bank.shapes:
+                continue
+            A = s.bank.A16[key].index_select(0, s.slots).to(self.dtype)  # [G, r, in]
+            B = s.bank.B16[key].index_select(0, s.slots).to(self.dtype)  # [G, out, r]
+            xs = x[0, s.start:s.end]
+            if torch.is_grad_enabled():
+                d = _PackedDelta.apply(xs, self.anchor, A, B, s.bank.gA[key], s.bank.gB[key],
+                                       s.slots, s.scale, s.offs)
+            else:
+                d = grouped_mm(grouped_mm(xs, A.transpose(1, 2), s.offs) * s.scale,
+                               B.transpose(1, 2), s.offs)
+            if s.start == 0 and s.end == x.shape[1]:
+                y = y + d[None]
+            else:
+                y[0, s.start:s.end] += d  # y is the base linear's fresh output, not a view
+        return y
+
+
+class _PackedDelta(torch.autograd.Function):
+    """delta = scale * (x @ A[g]^T) @ B[g]^T over each adapter g's tokens; the backward
+    adds the adapters' gradients to the bank buffers (as the row layout's does)."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, A, B, gA, gB, slots, scale, offs):
+        h = grouped_mm(x, A.transpose(1, 2), offs) * scale  # [t, r]
+        ctx.save_for_backward(x, A, B, h, slots, scale, offs)
+        ctx.grads = (gA, gB)
+        return grouped_mm(h, B.transpose(1, 2), offs)  # [t, out]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, A, B, h, slots, scale, offs = ctx.saved_tensors
+        gA, gB = ctx.grads
+        grad_out = grad_out.to(h.dtype).contiguous()
+        grad_h = grouped_mm(grad_out, B, offs) * scale  # [t, r]
+        gB.index_add_(0, slots, grouped_weight_grad(grad_out, h, offs).float())
+        gA.index_add_(0, slots, grouped_weight_grad(grad_h, x, offs).float())
+        grad_x = grouped_mm(grad_h, A, offs) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None, None, None, None, None, None
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out[rows of group g] = x[rows of g] @ w[g]; x [t, k], w [G, k, n], offs [G] ends."""
+    if _grouped_ok(x, w):
+        try:
+            return torch._grouped_mm(x.contiguous(), w, offs=offs)
+        except RuntimeError:  # a layout this build's kernel refuses: the loop below
+            pass
+    out, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        out.append(x[start:end] @ w[g])
+        start = end
+    return torch.cat(out)
+
+
+def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[G, n, m]: a[rows of g]^T @ b[rows of g] for each group g; a [t, n], b [t, m]."""
+    if _grouped_ok(a, b):
+        try:
+            return torch._grouped_mm(a.t(), b.contiguous(), offs=offs)
+        except RuntimeError:
+            pass
+    out, start = [], 0
+    for end in offs.tolist():
+        out.append(a[start:end].t() @ b[start:end])
+        start = end
+    return torch.stack(out)
+
+
+def _grouped_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The grouped kernel wants 16-byte aligned rows (and bf16 on a GPU)."""
+    if a.dtype != b.dtype or (a.is_cuda and a.dtype != torch.bfloat16):
+        return False
+    size = a.element_size()
+    return all(d * size % 16 == 0 for d in (*a.shape[1:], *b.shape[1:]))
+
+
