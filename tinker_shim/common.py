@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TypeVar
 
 from aiohttp import web
 
+from twinkled.config import Config
 from twinkled.engine.checks import Limits, check_metadata_size
 from twinkled.engine.types import EngineInputError
 from twinkled.service import NotFound, RateLimited, Service, UserError
@@ -125,26 +127,26 @@ def check_base_model(request, name: str | None) -> None:
     this daemon gives clients to load its tokenizer by (`tokenizer_name`)."""
     svc = service(request)
     served = svc.config.served_name
-    if name is not None and name not in (served, tokenizer_name(svc)):
+    if name is not None and name not in (served, tokenizer_name(svc.config)):
         raise UserError(f"base_model {name!r} is not served here; this daemon serves {served!r}")
 
 
-def tokenizer_name(svc: Service) -> str:
+def tokenizer_name(config: Config) -> str:
     """The model's name where the SDK turns a name into a tokenizer (a sampler's
-    `base_model`, `get_info`'s `model_data.model_name`): SamplingClient.get_tokenizer calls
-    `AutoTokenizer.from_pretrained` on it, so it must be a Hub id or a directory.
+    `base_model`, `get_info`'s `model_data.model_name` and `tokenizer_id`):
+    SamplingClient.get_tokenizer calls `AutoTokenizer.from_pretrained` on it, so it must be
+    a Hub id or a directory.
 
     A served name of the Hub's form (org/model, as `--model-name Qwen/Qwen3-8B` gives) is
     given as it is; otherwise (the default, the directory's bare name) the model directory's
     absolute path, which resolves on a client that sees the same path."""
-    served = svc.config.served_name
-    if served.count("/") == 1 or svc.config.model is None:
+    served = config.served_name
+    if served.count("/") == 1 or config.model is None:
         return served
-    path = str(svc.config.model.resolve())
+    path = str(Path(config.model).resolve())
     # The SDK reads a name with exactly two '/' as org/model/variant and loads org/model
     # ("/srv/model" would become "/srv"); a trailing '/' names the same directory.
     return path + "/" if path.count("/") == 2 else path
-
 
 
 def future_response(f, model_id=None, **extra):

@@ -50,9 +50,13 @@ def download_key(data_dir: Path) -> bytes:
     return bytes.fromhex(path.read_text().strip())
 
 
-def _signature(request: web.Request, what: str, expires: int) -> str:
-    key = download_key(request.app["service"].config.data_dir)
+def sign(key: bytes, what: str, expires: int) -> str:
+    """The signature of a URL: HMAC-SHA256 of what it gives and until when."""
     return hmac.new(key, f"{what}\n{expires}".encode(), hashlib.sha256).hexdigest()
+
+
+def _signature(request: web.Request, what: str, expires: int) -> str:
+    return sign(download_key(request.app["service"].config.data_dir), what, expires)
 
 
 def _base(request: web.Request) -> str:
@@ -124,13 +128,15 @@ async def external_weights_urls(request: web.Request, checkpoint: Callable) -> w
     urls, expires = {}, 0
     for name in files:
         route = "/".join(_q(p) for p in ("checkpoints", c["run_id"], c["kind"], c["name"], name))
-        urls[name], expires = signed_url(request, route, _file_what(c, name))
+        urls[name], expires = signed_url(request, route,
+                                         file_subject(c["tinker_path"], name, c["sha256"]))
     return web.json_response({"urls": urls, "expires": _iso(expires)})
 
 
-def _file_what(c: dict, file: str) -> str:
-    # The checkpoint's sha256 is signed too: once it is saved again or deleted, old links die.
-    return f"file\n{c['tinker_path']}\n{file}\n{c['sha256']}"
+def file_subject(tinker_path: str, file: str, sha256: str) -> str:
+    """What a file's URL gives. The checkpoint's sha256 is in it: once the checkpoint is
+    saved again or deleted, its old links stop working."""
+    return f"file\n{tinker_path}\n{file}\n{sha256}"
 
 
 async def download_file(request: web.Request) -> web.StreamResponse:
@@ -144,7 +150,7 @@ async def download_file(request: web.Request) -> web.StreamResponse:
             c = None
     if c is None or c["status"] != "ready":
         c = {"tinker_path": f"{run_id}/{kind}/{name}", "sha256": "", "dir": ""}
-    check_signature(request, _file_what(c, file))
+    check_signature(request, file_subject(c["tinker_path"], file, c["sha256"]))
     path = Path(c["dir"]) / file
     if not path.is_file():  # signed, but the file is gone (cannot happen short of a hand)
         raise web.HTTPNotFound(text='{"detail": "file not found"}',

@@ -158,7 +158,9 @@ class Asample(Body):
     prompt: ModelInputIn
     sampling_params: SamplingParamsIn = msgspec.field(default_factory=SamplingParamsIn)
     num_samples: Count = 1
-    seq_id: SeqId | None = None
+    # Samples are not ordered; a cloned client (unpickled, or from_sampler_handle) counts
+    # from 1e9 * a random clone id, so any int64 is a sample's seq_id.
+    seq_id: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     prompt_logprobs: bool = False
     topk_prompt_logprobs: Count = 0
     topk_sample_logprobs: Count = 0

@@ -54,7 +54,9 @@ async def get_sampler(request):
     s = _own_sampler(request, request.match_info["sampler_id"])
     svc = service(request)
     # SamplingClient.get_tokenizer loads its tokenizer by this name (common.tokenizer_name).
-    base = tokenizer_name(svc) if s["base_model"] == svc.config.served_name else s["base_model"]
+    base = s["base_model"]
+    if base == svc.config.served_name:
+        base = tokenizer_name(svc.config)
     body = {"sampler_id": s["id"], "base_model": base}
     if s.get("model_path"):
         body["model_path"] = s["model_path"]

@@ -111,7 +111,8 @@ def _us(t: float) -> int:
 def build_trace(store, session_id: str) -> dict:
     """A session as a Chrome trace-event JSON document (Perfetto and chrome://tracing open
     it): one track for the session, one per run and sampler with its requests as spans
-    (the futures the store still holds: `future_ttl`), and its checkpoints as instants."""
+    (the futures the store still holds: 10 minutes after they finish), and its checkpoints
+    as instants."""
     s = store.get_session(session_id)
     if s is None:  # deleted since the URL was signed: an empty trace, not an error page
         return {"traceEvents": []}

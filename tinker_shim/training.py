@@ -96,7 +96,7 @@ async def get_info(request):
     name = svc.config.served_name
     # The SDK loads the tokenizer by tokenizer_id, and a sampler made by
     # save_weights_and_get_sampling_client by model_data.model_name: both must resolve.
-    loadable = tokenizer_name(svc)
+    loadable = tokenizer_name(svc.config)
     return web.json_response({
         "type": "get_info", "model_id": run["id"],
         "model_data": {"arch": svc.model_info.get("arch"),
