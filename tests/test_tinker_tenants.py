@@ -75,6 +75,8 @@ def test_another_tenant_finds_nothing_of_alices(daemon, alices, tiny_dir):
         ("DELETE", f"/training_runs/{run}/checkpoints/{ck}/publish", None),
         ("PUT", f"/training_runs/{run}/checkpoints/{ck}/ttl", {"ttl_seconds": 5}),
         ("GET", f"/sessions/{a['session']}", None),
+        ("GET", f"/sessions/{a['session']}/trace_export", None),
+        ("GET", f"/training_runs/{run}/checkpoints/{ck}/external_weights_urls", None),
     ]
     with httpx.Client(base_url=f"{daemon.url}/api/v1", timeout=60,
                       headers={"X-API-Key": daemon.keys["bob"]}) as bob:

@@ -8,18 +8,33 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import TypeVar
 
 from aiohttp import web
 
+from twinkled.config import Config
 from twinkled.engine.checks import Limits, check_metadata_size
 from twinkled.engine.types import EngineInputError
 from twinkled.service import NotFound, RateLimited, Service, UserError
 
-from .ids import parse_checkpoint_path
+from .ids import KINDS, parse_checkpoint_path
 from .messages import decode, encoded_size, seq_ref
 
 M = TypeVar("M")
+
+
+def iso_time(t) -> str | None:
+    """Stored unix seconds (or text) as the ISO datetime REST objects carry."""
+    if t is None:
+        return None
+    if isinstance(t, (int, float)):
+        try:
+            return datetime.fromtimestamp(t, UTC).isoformat()
+        except (OverflowError, ValueError, OSError):  # a far-future expiry of an old row
+            return None
+    return str(t)
 
 
 def json_payload(encode_obj) -> tuple[bytes, str]:
@@ -108,10 +123,30 @@ async def loaded_run(request, run_id: str) -> dict:
 
 
 def check_base_model(request, name: str | None) -> None:
-    served = service(request).config.served_name
-    if name is not None and name != served:
+    """A base_model a client names must be the served model: its served name, or the name
+    this daemon gives clients to load its tokenizer by (`tokenizer_name`)."""
+    svc = service(request)
+    served = svc.config.served_name
+    if name is not None and name not in (served, tokenizer_name(svc.config)):
         raise UserError(f"base_model {name!r} is not served here; this daemon serves {served!r}")
 
+
+def tokenizer_name(config: Config) -> str:
+    """The model's name where the SDK turns a name into a tokenizer (a sampler's
+    `base_model`, `get_info`'s `model_data.model_name` and `tokenizer_id`):
+    SamplingClient.get_tokenizer calls `AutoTokenizer.from_pretrained` on it, so it must be
+    a Hub id or a directory.
+
+    A served name of the Hub's form (org/model, as `--model-name Qwen/Qwen3-8B` gives) is
+    given as it is; otherwise (the default, the directory's bare name) the model directory's
+    absolute path, which resolves on a client that sees the same path."""
+    served = config.served_name
+    if served.count("/") == 1 or config.model is None:
+        return served
+    path = str(Path(config.model).resolve())
+    # The SDK reads a name with exactly two '/' as org/model/variant and loads org/model
+    # ("/srv/model" would become "/srv"); a trailing '/' names the same directory.
+    return path + "/" if path.count("/") == 2 else path
 
 
 def future_response(f, model_id=None, **extra):
@@ -123,9 +158,9 @@ def future_response(f, model_id=None, **extra):
 
 
 
-def own_checkpoint(request, path: str) -> dict:
+def own_checkpoint(request, path: str, kinds: dict[str, str] = KINDS) -> dict:
     try:
-        parse_checkpoint_path(path)
+        parse_checkpoint_path(path, kinds)
     except ValueError as e:
         raise UserError(str(e)) from None
     c = request.app["store"].get_checkpoint(path)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from twinkled.schema import CHECKPOINT_TYPES
 
-# The checkpoint kinds this server writes (external weights are not served).
+# Every checkpoint kind: listed, deleted, published and given a TTL alike (REST routes).
+ALL_KINDS = CHECKPOINT_TYPES
+# The kinds a training client or a sampler loads from. External weights are an export (the
+# PEFT files, for download); they are not loaded back.
 KINDS = {k: v for k, v in CHECKPOINT_TYPES.items() if k != "external_weights"}
 
 
@@ -13,12 +16,12 @@ def valid_name(name: str) -> bool:
     return bool(name) and "/" not in name and name not in (".", "..") and "\0" not in name
 
 
-def parse_checkpoint_path(path: str) -> tuple[str, str, str]:
+def parse_checkpoint_path(path: str, kinds: dict[str, str] = KINDS) -> tuple[str, str, str]:
     """'tinker://<run>/<kind>/<name>' -> (run, kind, name); twinkle:// is accepted too."""
     for scheme in ("tinker://", "twinkle://"):
         if isinstance(path, str) and path.startswith(scheme):
             parts = path[len(scheme):].split("/")
-            if len(parts) == 3 and parts[1] in KINDS and valid_name(parts[2]) and parts[0]:
+            if len(parts) == 3 and parts[1] in kinds and valid_name(parts[2]) and parts[0]:
                 return parts[0], parts[1], parts[2]
     raise ValueError(f"{path!r} is not a checkpoint path (tinker://<run_id>/<kind>/<name>, "
-                     f"kind one of {sorted(KINDS)})")
+                     f"kind one of {sorted(kinds)})")

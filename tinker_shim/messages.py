@@ -8,6 +8,7 @@ daemon's settings live here (ints in int64, seq ids in a sane range); those that
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -33,6 +34,16 @@ class CreateSession(Body):
     user_metadata: Metadata | None = None
     tags: list[str] | None = None
     sdk_version: str | None = None
+    display_name: Annotated[str, Meta(max_length=256)] | None = None  # shown and searched
+
+
+class FinishReason(Struct, kw_only=True):
+    type: str = "success"  # success | errored | interrupted
+
+
+class FinishSession(Struct, kw_only=True):
+    reason: FinishReason | None = None
+    detail: str | None = None
 
 
 class SessionRef(Body):
@@ -89,6 +100,7 @@ class SaveWeights(Body):
     user_metadata: Metadata | None = None
     sampling_session_seq_id: Count | None = None
     kind: str | None = None
+    age_encryption_recipients: list[str] | None = None  # save_weights_external: refused
 
 
 class LoadWeights(Body):
@@ -146,7 +158,9 @@ class Asample(Body):
     prompt: ModelInputIn
     sampling_params: SamplingParamsIn = msgspec.field(default_factory=SamplingParamsIn)
     num_samples: Count = 1
-    seq_id: SeqId | None = None
+    # Samples are not ordered; a cloned client (unpickled, or from_sampler_handle) counts
+    # from 1e9 * a random clone id, so any int64 is a sample's seq_id.
+    seq_id: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     prompt_logprobs: bool = False
     topk_prompt_logprobs: Count = 0
     topk_sample_logprobs: Count = 0
@@ -169,6 +183,34 @@ class RetrieveFuture(Body):
 
 class SetTtl(Struct, kw_only=True):
     ttl_seconds: Ttl | None = None
+
+
+class SearchOwner(Struct, kw_only=True):
+    type: Literal["own", "accessible", "user"] = "own"
+    owner_urns: list[str] | None = None
+
+
+class StatusQuery(Struct, kw_only=True):
+    type: Literal["active", "cancelled", "failed", "client_finished"]
+    reasons: list[Literal["success", "errored", "interrupted"]] | None = None
+
+
+class SearchCursor(Struct, kw_only=True):
+    last_created_at: Annotated[datetime, Meta(tz=True)]
+    last_session_id: str
+
+
+class SessionSearch(Body):
+    """POST /sessions/search (SDK SessionSearchRequest)."""
+
+    session_id: str | None = None
+    project_ids: list[str] | None = None
+    user_metadata: dict[str, str] = {}
+    display_name: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    owner: SearchOwner = msgspec.field(default_factory=SearchOwner)
+    statuses: Annotated[list[StatusQuery], Meta(min_length=1)] | None = None
+    limit: Annotated[int, Meta(ge=1, le=200)] = 50
+    cursor: SearchCursor | None = None
 
 
 M = TypeVar("M")

@@ -1,4 +1,5 @@
-"""The Tinker REST routes (RestClient): training runs, checkpoints and sessions.
+"""The Tinker REST routes (RestClient): training runs, checkpoints and sessions
+(downloads.py: signed download URLs; sessions.py: search, traces, storage usage).
 
 A tenant sees only its own objects: anything else is a 404, as if it did not exist.
 """
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from datetime import UTC, datetime
 
 from aiohttp import web
 
@@ -16,35 +16,28 @@ from twinkled.engine.types import EngineInputError
 from twinkled.service import NotFound, UserError
 from twinkled.store import checkpoint_path
 
-from .ids import KINDS
+from .common import iso_time
+from .downloads import add_download_routes
+from .ids import ALL_KINDS, KINDS
 from .messages import SetTtl, decode
+from .sessions import add_session_routes, build_trace
 
 V1 = "/api/v1"
 
 
-def _iso(t) -> str | None:
-    if t is None:
-        return None
-    if isinstance(t, (int, float)):
-        try:
-            return datetime.fromtimestamp(t, UTC).isoformat()
-        except (OverflowError, ValueError, OSError):  # a far-future expiry of an old row
-            return None
-    return str(t)
-
-
 def checkpoint_json(c: dict) -> dict:
-    return {"checkpoint_id": f"{c['kind']}/{c['name']}", "checkpoint_type": KINDS[c["kind"]],
-            "time": _iso(c["created"]), "tinker_path": c["tinker_path"],
-            "size_bytes": c.get("size_bytes"), "public": bool(c.get("public")),
-            "expires_at": _iso(c.get("expires_at"))}
+    return {"checkpoint_id": f"{c['kind']}/{c['name']}",
+            "checkpoint_type": ALL_KINDS[c["kind"]], "time": iso_time(c["created"]),
+            "tinker_path": c["tinker_path"], "size_bytes": c.get("size_bytes"),
+            "public": bool(c.get("public")), "user_metadata": c.get("user_metadata") or None,
+            "expires_at": iso_time(c.get("expires_at"))}
 
 
 def run_json(store, r: dict) -> dict:
     last = {kind: store.latest_checkpoint(r["id"], kind) for kind in KINDS}
     return {"training_run_id": r["id"], "base_model": r["base_model"],
             "model_owner": r["tenant"], "is_lora": True, "corrupted": bool(r.get("corrupted")),
-            "lora_rank": r["lora_rank"], "last_request_time": _iso(r["last_request_time"]),
+            "lora_rank": r["lora_rank"], "last_request_time": iso_time(r["last_request_time"]),
             "last_checkpoint": last["weights"] and checkpoint_json(last["weights"]),
             "last_sampler_checkpoint": last["sampler_weights"]
             and checkpoint_json(last["sampler_weights"]),
@@ -72,9 +65,13 @@ def _run(request) -> dict:
 def _checkpoint(request) -> dict:
     run = _run(request)
     kind_name = request.match_info["checkpoint_id"].split("/")
-    if len(kind_name) != 2 or kind_name[0] not in KINDS:
-        raise UserError("checkpoint_id must be weights/<name> or sampler_weights/<name>")
-    path = checkpoint_path(run["id"], *kind_name)
+    if len(kind_name) != 2 or kind_name[0] not in ALL_KINDS:
+        raise UserError("checkpoint_id must be weights/<name>, sampler_weights/<name> or "
+                        "external_weights/<name>")
+    try:
+        path = checkpoint_path(run["id"], *kind_name)
+    except ValueError as e:  # a name no save could have made ("a..b")
+        raise NotFound(f"no checkpoint {request.match_info['checkpoint_id']!r}") from e
     c = request.app["store"].get_checkpoint(path)
     if c is None or c["status"] != "ready":
         raise NotFound(f"no checkpoint {path!r}")
@@ -146,7 +143,7 @@ async def get_session(request):
     run_ids, sampler_ids = store.session_children(s["id"])
     return web.json_response({
         "training_run_ids": run_ids, "sampler_ids": sampler_ids,
-        "user_metadata": s.get("user_metadata") or None})
+        "user_metadata": s.get("user_metadata") or None, "display_name": s.get("display_name")})
 
 
 def add_rest_routes(app: web.Application) -> None:
@@ -162,3 +159,5 @@ def add_rest_routes(app: web.Application) -> None:
     r.add_delete(ckpt, delete_checkpoint)
     r.add_get(f"{V1}/sessions", list_sessions)
     r.add_get(f"{V1}/sessions/{{session_id}}", get_session)
+    add_session_routes(app, V1)
+    add_download_routes(app, _checkpoint, build_trace, ckpt)

@@ -8,13 +8,14 @@ sampler "<session>:sample:<n>", a checkpoint "tinker://<run>/<kind>/<name>".
 from __future__ import annotations
 
 import asyncio
+import json
 
 from aiohttp import web
 
 from twinkled.service import UserError
 
 from .common import body_of, metadata, own_session, service
-from .messages import CreateSession, RetrieveFuture, SessionRef
+from .messages import CreateSession, FinishSession, RetrieveFuture, SessionRef, decode
 from .rest import add_rest_routes
 from .sampling import asample, create_sampling_session, get_sampler
 from .training import (
@@ -24,6 +25,7 @@ from .training import (
     load_weights,
     optim_step,
     save_weights,
+    save_weights_external,
     save_weights_for_sampler,
     weights_info,
 )
@@ -56,7 +58,8 @@ async def healthz(request):
 async def create_session(request):
     body = await body_of(request, CreateSession)
     sid = request.app["store"].create_session(
-        request["tenant"], metadata(request, body.user_metadata), body.sdk_version)
+        request["tenant"], metadata(request, body.user_metadata), body.sdk_version,
+        body.display_name)
     return web.json_response({"type": "create_session", "session_id": sid})
 
 
@@ -77,7 +80,11 @@ async def finish_session(request):
     """End a session: its adapters are unloaded once their queued work has run."""
     store = request.app["store"]
     s = own_session(request, request.match_info["session_id"])
-    store.finish_session(s["id"])
+    try:  # the reason is kept for session search; a body without one still finishes it
+        reason = decode(await request.read(), FinishSession).reason
+    except (UserError, ConnectionError):  # a client gone mid-body: finished all the same
+        reason = None
+    store.finish_session(s["id"], reason.type if reason else None)
     runs, _ = store.session_children(s["id"])
     service(request).unload_models(request["tenant"], runs)
     return web.Response(status=204)
@@ -115,18 +122,15 @@ async def retrieve_future(request):
 
 
 UNSUPPORTED_ROUTES = {
-    ("POST", "/save_weights_external"): "exporting external (merged HF) weights",
-    ("GET", "/training_runs/{run_id}/checkpoints/{checkpoint_id:.+?}/external_weights_urls"):
-        "download URLs for external weights",
     ("POST", "/create_custom_loss"): "server-side custom losses (traced graphs)",
     ("POST", "/retrieve_futures"): "batched future polling",
     ("POST", "/join_sampling_session"): "joining a sampling session",
     ("POST", "/cancel_future"): "cancelling a future",
     ("POST", "/copy_weights"): "copying weights between projects",
-    ("POST", "/sessions/search"): "session search",
-    ("GET", "/sessions/{session_id}/trace_export"): "session trace export",
     ("PUT", "/sessions/{session_id}/project"): "projects",
     ("POST", "/auth/token"): "JWT authentication",
+    ("GET", "/audit"): "the audit log",
+    ("GET", "/billing/usage/events"): "billing usage",
 }
 
 
@@ -135,6 +139,26 @@ def _refuse(what: str):
         raise UserError(f"{what} is not supported by this server")
 
     return handler
+
+
+def _tags_future(handler):
+    """Record on the store's row of the request's future which run or sampler it belongs
+    to (read from the answer: `model_id`, or the sampler of `sample_sequence_ids`), so a
+    session's trace shows its requests."""
+    async def tagged(request):
+        response = await handler(request)
+        try:
+            body = json.loads(response.body)
+        except (TypeError, ValueError):
+            return response
+        owner = body.get("model_id")
+        if owner is None and body.get("sample_sequence_ids"):
+            owner = body["sample_sequence_ids"][0].rsplit(":", 2)[0]  # "<sampler>:<seq>:<i>"
+        if owner is not None and body.get("request_id"):
+            request.app["store"].tag_future(body["request_id"], owner)
+        return response
+
+    return tagged
 
 
 def add_routes(app: web.Application) -> None:
@@ -147,17 +171,18 @@ def add_routes(app: web.Application) -> None:
     r.add_post(f"{V1}/telemetry", telemetry)
     r.add_post(f"{V1}/sessions/{{session_id}}/finish", finish_session)
     r.add_get(f"{V1}/get_server_capabilities", capabilities)
-    r.add_post(f"{V1}/create_model", create_model)
+    r.add_post(f"{V1}/create_model", _tags_future(create_model))
     r.add_post(f"{V1}/get_info", get_info)
-    r.add_post(f"{V1}/forward_backward", forward_backward)
-    r.add_post(f"{V1}/optim_step", optim_step)
-    r.add_post(f"{V1}/save_weights", save_weights)
-    r.add_post(f"{V1}/save_weights_for_sampler", save_weights_for_sampler)
-    r.add_post(f"{V1}/load_weights", load_weights)
+    r.add_post(f"{V1}/forward_backward", _tags_future(forward_backward))
+    r.add_post(f"{V1}/optim_step", _tags_future(optim_step))
+    r.add_post(f"{V1}/save_weights", _tags_future(save_weights))
+    r.add_post(f"{V1}/save_weights_for_sampler", _tags_future(save_weights_for_sampler))
+    r.add_post(f"{V1}/save_weights_external", _tags_future(save_weights_external))
+    r.add_post(f"{V1}/load_weights", _tags_future(load_weights))
     r.add_post(f"{V1}/weights_info", weights_info)
     r.add_post(f"{V1}/create_sampling_session", create_sampling_session)
     r.add_get(f"{V1}/samplers/{{sampler_id}}", get_sampler)
-    r.add_post(f"{V1}/asample", asample)
+    r.add_post(f"{V1}/asample", _tags_future(asample))
     r.add_post(f"{V1}/retrieve_future", retrieve_future)
     add_rest_routes(app)
     for (method, path), what in UNSUPPORTED_ROUTES.items():

@@ -19,6 +19,7 @@ from .common import (
     own_checkpoint,
     own_session,
     service,
+    tokenizer_name,
 )
 from .messages import Asample, CreateSamplingSession, ModelInputIn, TensorJsonIn
 from .sample_codec import sample_encoder, target_ids
@@ -51,7 +52,12 @@ def _own_sampler(request, sampler_id: str) -> dict:
 
 async def get_sampler(request):
     s = _own_sampler(request, request.match_info["sampler_id"])
-    body = {"sampler_id": s["id"], "base_model": s["base_model"]}
+    svc = service(request)
+    # SamplingClient.get_tokenizer loads its tokenizer by this name (common.tokenizer_name).
+    base = s["base_model"]
+    if base == svc.config.served_name:
+        base = tokenizer_name(svc.config)
+    body = {"sampler_id": s["id"], "base_model": base}
     if s.get("model_path"):
         body["model_path"] = s["model_path"]
     return web.json_response(body)

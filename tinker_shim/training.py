@@ -37,7 +37,9 @@ from .common import (
     seq_body,
     service,
     takes_seq_id,
+    tokenizer_name,
 )
+from .ids import ALL_KINDS
 from .messages import CheckpointRef, CreateModel, LoadWeights, ModelRef, OptimStep, SaveWeights
 
 
@@ -92,10 +94,13 @@ async def get_info(request):
     run = own_run(request, body.model_id)
     svc = service(request)
     name = svc.config.served_name
+    # The SDK loads the tokenizer by tokenizer_id, and a sampler made by
+    # save_weights_and_get_sampling_client by model_data.model_name: both must resolve.
+    loadable = tokenizer_name(svc.config)
     return web.json_response({
         "type": "get_info", "model_id": run["id"],
         "model_data": {"arch": svc.model_info.get("arch"),
-                       "model_name": name, "tokenizer_id": str(svc.config.model)},
+                       "model_name": loadable, "tokenizer_id": loadable},
         "is_lora": True, "lora_rank": run["lora_rank"], "model_name": name,
         "optimizer_config": {"type": "adamw"}})
 
@@ -225,6 +230,25 @@ async def save_weights_for_sampler(request):
     return future_response(f, run["id"])
 
 
+async def save_weights_external(request):
+    """The adapter as PEFT files (`adapter_config.json`, `adapter_model.safetensors`; no
+    optimizer state) at tinker://<run>/external_weights/<name>, downloaded through the signed
+    URLs of GET .../external_weights_urls (`downloads.py`). Saved again, a name is replaced."""
+    body = await seq_body(request, SaveWeights)
+    run = await loaded_run(request, body.model_id)
+    with takes_seq_id(request, run["id"], body.seq_id):
+        if body.age_encryption_recipients:
+            raise UserError("age_encryption_recipients: age-encrypted external weights are not "
+                            "supported by this server; export unencrypted")
+        if body.path is None:
+            raise UserError("path: required (the export's name)")
+        checked(check_name, "path", body.path, limits(request))
+        path = checkpoint_path(run["id"], "external_weights", body.path)
+        f = _save(request, run, body, body.path, "external_weights", False,
+                  {"body": {"type": "save_weights_external", "path": path}}, True)
+    return future_response(f, run["id"])
+
+
 async def load_weights(request):
     body = await seq_body(request, LoadWeights)
     store, svc = request.app["store"], service(request)
@@ -259,7 +283,7 @@ async def load_weights(request):
 
 async def weights_info(request):
     body = await body_of(request, CheckpointRef)
-    c = own_checkpoint(request, body.tinker_path)
+    c = own_checkpoint(request, body.tinker_path, ALL_KINDS)
     run = request.app["store"].get_run(c["run_id"])
     lc = run["lora_config"]
     return web.json_response({"base_model": run["base_model"], "is_lora": True,

@@ -14,6 +14,9 @@ from .service import Draining, NotFound, RateLimited, Service, UserError
 log = logging.getLogger("twinkled.http")
 
 PUBLIC = {"/api/v1/healthz", "/metrics"}  # scraped without a key, like node exporters
+# Download links fetched with plain urllib (no key): each URL carries an expiring signature
+# that its route checks instead (tinker_shim/downloads.py, whose PREFIX this is).
+SIGNED_PREFIX = "/api/v1/download/"
 
 
 @web.middleware
@@ -33,7 +36,7 @@ async def auth_and_errors(request: web.Request, handler):
                     text='{"detail": "missing or invalid X-Admin-Key"}',
                     content_type="application/json")
             request["tenant"] = "(admin)"
-        elif request.path not in PUBLIC:
+        elif request.path not in PUBLIC and not request.path.startswith(SIGNED_PREFIX):
             key = request.headers.get("X-API-Key", "")
             tenant = request.app["store"].tenant_for_key(key) if key else None
             if tenant is None:

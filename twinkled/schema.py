@@ -30,10 +30,12 @@ SCHEMA: dict[str, tuple[dict[str, type], str, dict[str, Any]]] = {
     "daemon_status": ({"name": str, "body": str, "updated": float}, "name", {}),
     "api_keys": ({"key_hash": str, "tenant": str, "created": float, "revoked_at": float},
                  "key_hash", {}),
-    # model_seq / sampler_seq: the next per-session counter values to hand out
+    # model_seq / sampler_seq: the next per-session counter values to hand out;
+    # finish_reason: what the client said when it finished it (success, errored, interrupted)
     "sessions": ({"id": str, "tenant": str, "created": float, "last_heartbeat": float,
                   "finished_at": float, "user_metadata": str, "sdk_version": str,
-                  "model_seq": int, "sampler_seq": int}, "id",
+                  "model_seq": int, "sampler_seq": int, "display_name": str,
+                  "finish_reason": str}, "id",
                  {"model_seq": 0, "sampler_seq": 0}),
     "runs": ({"id": str, "tenant": str, "session_id": str, "base_model": str, "lora_rank": int,
               "lora_config": str, "created": float, "last_request_time": float,

@@ -18,7 +18,6 @@ import json
 import secrets
 import sqlite3
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from .schema import (  # noqa: F401 - Conflict and checkpoint_path are the store
     to_json,
 )
 from .store_futures import FutureRows
+from .store_sessions import SessionRows
 
 # Tables whose rows carry a tenant's user_metadata (JSON text): it counts toward the
 # tenant's storage quota with its checkpoints' files.
@@ -62,7 +62,7 @@ def human_size(n: int | float) -> str:
     return f"{int(n)} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
-class Store(FutureRows):
+class Store(FutureRows, SessionRows):
     """The daemon's SQLite database. Safe to share between threads (one lock, one conn)."""
 
     def __init__(self, path: Path | str) -> None:
@@ -230,39 +230,7 @@ class Store(FutureRows):
         return self._all("SELECT substr(key_hash, 1, 12) AS key_prefix, tenant, created, "
                          f"revoked_at FROM api_keys {where} ORDER BY created", params)
 
-    # -- sessions ------------------------------------------------------------------------
-
-    def create_session(self, tenant: str, user_metadata: dict | None = None,
-                       sdk_version: str | None = None) -> str:
-        sid, t = f"sess-{uuid.uuid4().hex}", now()
-        self._insert("sessions", {"id": sid, "tenant": tenant, "created": t,
-                                  "last_heartbeat": t, "finished_at": None,
-                                  "user_metadata": to_json(user_metadata),
-                                  "sdk_version": sdk_version})
-        return sid
-
-    def heartbeat(self, session_id: str) -> bool:
-        return self._write("UPDATE sessions SET last_heartbeat = ? WHERE id = ?",
-                           (now(), session_id)) > 0
-
-    def finish_session(self, session_id: str) -> bool:
-        return self._write("UPDATE sessions SET finished_at = ? WHERE id = ? "
-                           "AND finished_at IS NULL", (now(), session_id)) > 0
-
-    def get_session(self, session_id: str) -> Row | None:
-        return self._one("SELECT * FROM sessions WHERE id = ?", [session_id])
-
-    def list_sessions(self, tenant: str, offset: int = 0,
-                      limit: int = 20) -> tuple[list[Row], int]:
-        return self._page("tenant = ?", [tenant], "sessions", offset, limit)
-
-    def session_children(self, session_id: str) -> tuple[list[str], list[str]]:
-        """(training run ids, sampler ids) of a session, for GET /sessions/{id}."""
-        runs = self._all("SELECT id FROM runs WHERE session_id = ? AND NOT deleted "
-                         "ORDER BY rowid", [session_id])
-        samplers = self._all("SELECT id FROM samplers WHERE session_id = ? ORDER BY rowid",
-                             [session_id])
-        return [r["id"] for r in runs], [s["id"] for s in samplers]
+    # -- sessions (the rest of them: store_sessions.py) ----------------------------------
 
     def _next_seq(self, col: str, session_id: str, claim: int | None = None) -> int:
         """Hand out the next counter value (atomic, one UPDATE ... RETURNING), or, when the

@@ -41,6 +41,12 @@ class FutureRows:
                            "WHERE id = ? AND status = 'pending'",
                            (error_body(message, category), now(), future_id)) > 0
 
+    def tag_future(self, future_id: str, owner_id: str) -> bool:
+        """Record the run or sampler a future belongs to (once), so that its session's trace
+        shows it. seq_id stays NULL: the (model_id, seq_id) index of retries is unaffected."""
+        return self._write("UPDATE futures SET model_id = ? WHERE id = ? AND model_id IS NULL",
+                           (owner_id, future_id)) > 0
+
     def get_future(self, future_id: str) -> Row | None:
         return self._one("SELECT * FROM futures WHERE id = ?", [future_id])
 

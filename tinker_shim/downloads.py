@@ -1,0 +1,183 @@
+"""Files the daemon hands out itself, at signed URLs that expire.
+
+`GET .../external_weights_urls` (RestClient.get_external_weights_urls, `tinker checkpoint
+download`) answers one URL per file of an external weights checkpoint; a session's trace
+export answers one URL for its trace. Those clients fetch the URLs with plain urllib and no
+API key, so the URL itself is the credential: it names what it gives, until when, and an
+HMAC-SHA256 of both under a secret of this daemon (`<data_dir>/download.key`, 0600). A URL
+whose signature does not match (tampered, or its checkpoint was deleted or saved again) or
+whose time has passed is refused with a 403 that says which, and nothing about what exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from functools import cache, partial
+from pathlib import Path
+from urllib.parse import quote
+
+from aiohttp import web
+
+from twinkled.service import UserError
+from twinkled.store import checkpoint_path
+
+from .ids import ALL_KINDS, valid_name
+
+V1 = "/api/v1"
+PREFIX = f"{V1}/download/"  # no API key on these routes: the signature is checked instead
+URL_TTL_S = 3600  # how long a signed URL works; the tinker CLI asks again before it ends
+
+
+@cache
+def download_key(data_dir: Path) -> bytes:
+    """This daemon's signing secret, created on first use (readable by its owner only)."""
+    path = Path(data_dir) / "download.key"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        if path.stat().st_mode & 0o077:  # copied in loosely: tighten it, as the data dir is
+            path.chmod(0o600)
+        return bytes.fromhex(path.read_text().strip())
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return bytes.fromhex(path.read_text().strip())
+
+
+def sign(key: bytes, what: str, expires: int) -> str:
+    """The signature of a URL: HMAC-SHA256 of what it gives and until when."""
+    return hmac.new(key, f"{what}\n{expires}".encode(), hashlib.sha256).hexdigest()
+
+
+def _signature(request: web.Request, what: str, expires: int) -> str:
+    return sign(download_key(request.app["service"].config.data_dir), what, expires)
+
+
+def _base(request: web.Request) -> str:
+    """The scheme and host the client reached us at (its Host header), so the URL works
+    from where the client is, whatever address the daemon listens on."""
+    try:
+        return str(request.url.origin())
+    except ValueError:  # a Host header yarl cannot parse: the address we listen on
+        cfg = request.app["service"].config
+        return f"http://{cfg.host}:{cfg.port}"
+
+
+def signed_url(request: web.Request, route: str, what: str) -> tuple[str, int]:
+    """(URL of `route` under PREFIX, signed for `what`, and its expiry in unix seconds)."""
+    expires = int(time.time()) + URL_TTL_S
+    sig = _signature(request, what, expires)
+    return f"{_base(request)}{PREFIX}{route}?expires={expires}&sig={sig}", expires
+
+
+def check_signature(request: web.Request, what: str) -> None:
+    """403 unless the URL's signature is this daemon's for `what` and has not expired."""
+    try:
+        expires = int(request.query.get("expires", ""))
+    except ValueError:
+        expires = -1
+    given = request.query.get("sig", "")
+    if (expires < 0 or not given.isascii()
+            or not hmac.compare_digest(given, _signature(request, what, expires))):
+        _forbidden("this download link is not valid: it was altered, or what it points to "
+                   "was deleted or saved again; ask for new URLs")
+    if expires < time.time():
+        _forbidden(f"this download link expired at {_iso(expires)}; ask for new URLs "
+                   "(get_external_weights_urls, or export_session_trace)")
+
+
+def _forbidden(message: str):
+    raise web.HTTPForbidden(text=json.dumps({"detail": message}), content_type="application/json")
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+def _q(part: str) -> str:
+    return quote(part, safe=":@+=,")
+
+
+# -- external weights ------------------------------------------------------------------
+
+def _files(directory: str) -> list[str]:
+    """The files of a checkpoint directory (no subdirectories, no temporary files)."""
+    try:
+        return sorted(p.name for p in Path(directory).iterdir()
+                      if p.is_file() and not p.name.startswith("."))
+    except OSError:
+        return []
+
+
+async def external_weights_urls(request: web.Request, checkpoint: Callable) -> web.Response:
+    """One signed URL per file of the caller's own external weights checkpoint."""
+    c = checkpoint(request)
+    if c["kind"] != "external_weights":
+        raise UserError("download URLs are given for external weights checkpoints only "
+                        "(tinker://<run_id>/external_weights/<name>): export one with "
+                        "TrainingClient.save_weights_external")
+    files = _files(c["dir"])
+    if not files:
+        raise UserError(f"checkpoint {c['tinker_path']!r} has no files on disk")
+    urls, expires = {}, 0
+    for name in files:
+        route = "/".join(_q(p) for p in ("checkpoints", c["run_id"], c["kind"], c["name"], name))
+        urls[name], expires = signed_url(request, route,
+                                         file_subject(c["tinker_path"], name, c["sha256"]))
+    return web.json_response({"urls": urls, "expires": _iso(expires)})
+
+
+def file_subject(tinker_path: str, file: str, sha256: str) -> str:
+    """What a file's URL gives. The checkpoint's sha256 is in it: once the checkpoint is
+    saved again or deleted, its old links stop working."""
+    return f"file\n{tinker_path}\n{file}\n{sha256}"
+
+
+async def download_file(request: web.Request) -> web.StreamResponse:
+    m = request.match_info
+    run_id, kind, name, file = m["run_id"], m["kind"], m["name"], m["file"]
+    c = None
+    if kind in ALL_KINDS and valid_name(file):
+        try:
+            c = request.app["store"].get_checkpoint(checkpoint_path(run_id, kind, name))
+        except ValueError:  # not a path this daemon could have signed
+            c = None
+    if c is None or c["status"] != "ready":
+        c = {"tinker_path": f"{run_id}/{kind}/{name}", "sha256": "", "dir": ""}
+    check_signature(request, file_subject(c["tinker_path"], file, c["sha256"]))
+    path = Path(c["dir"]) / file
+    if not path.is_file():  # signed, but the file is gone (cannot happen short of a hand)
+        raise web.HTTPNotFound(text='{"detail": "file not found"}',
+                               content_type="application/json")
+    return web.FileResponse(path, headers={
+        "Content-Disposition": f'attachment; filename="{file}"'})
+
+
+# -- session traces --------------------------------------------------------------------
+
+def trace_url(request: web.Request, session_id: str) -> str:
+    return signed_url(request, f"sessions/{_q(session_id)}/trace.json",
+                      f"trace\n{session_id}")[0]
+
+
+async def download_trace(request: web.Request, build: Callable) -> web.Response:
+    session_id = request.match_info["session_id"]
+    check_signature(request, f"trace\n{session_id}")
+    return web.json_response(build(request.app["store"], session_id), headers={
+        "Content-Disposition": f'attachment; filename="{session_id}.json"'})
+
+
+def add_download_routes(app: web.Application, checkpoint: Callable, build_trace: Callable,
+                        ckpt_route: str) -> None:
+    r = app.router
+    r.add_get(f"{ckpt_route}/external_weights_urls", partial(external_weights_urls,
+                                                             checkpoint=checkpoint))
+    r.add_get(PREFIX + "checkpoints/{run_id}/{kind}/{name}/{file}", download_file)
+    r.add_get(PREFIX + "sessions/{session_id}/trace.json", partial(download_trace,
+                                                                   build=build_trace))
