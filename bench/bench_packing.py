@@ -43,10 +43,12 @@ from bench_engine import (  # noqa: E402
     seed_all,
 )
 
+from twinkled.engine import step  # noqa: E402
 from twinkled.engine.engine import Engine  # noqa: E402
 from twinkled.engine.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig  # noqa: E402
 
 K, ROWS = 8, 4  # adapters, rows each (mixed)
+PACK_ABOVE = step.PACK_ABOVE
 
 
 def mixed_lengths(n: int, cap: int, seed: int = 0) -> list[int]:
@@ -56,9 +58,16 @@ def mixed_lengths(n: int, cap: int, seed: int = 0) -> list[int]:
     return [int(min(cap, max(16, round(math.exp(x))))) for x in draws.tolist()]
 
 
+TOKEN_BUDGET = 16384  # tokens per micro-batch (--token-budget: 4096 fits the 8B shape)
+
+
 def ours(model_dir: Path, dtype, device: str, batches: list[list[torch.Tensor]], packed: bool,
-         label: str, rounds: int) -> Row:
-    eng = Engine(model_dir, dtype=dtype, device=device, max_rank=RANK, packed=packed)
+         label: str, rounds: int, force: bool = False) -> Row:
+    # `force`: pack even rows of one length (the engine leaves those padded) to see what the
+    # packed path itself costs.
+    step.PACK_ABOVE = -1.0 if force else PACK_ABOVE
+    eng = Engine(model_dir, dtype=dtype, device=device, max_rank=RANK, packed=packed,
+                 token_budget=TOKEN_BUDGET)
     names = [f"a{i}" for i in range(K)]
     for i, name in enumerate(names):
         eng.add_adapter(name, LoraConfig(rank=RANK, alpha=ALPHA, seed=i, train_unembed=False))
@@ -128,6 +137,8 @@ def run_shape(shape: str, device: str) -> str:
                              f"uniform {K}x1x{seq}, packed", rounds),
                 lambda: ours(model_dir, dtype, device, uniform, False,
                              f"uniform {K}x1x{seq}, padded", rounds),
+                lambda: ours(model_dir, dtype, device, uniform, True,
+                             f"uniform {K}x1x{seq}, packed (forced)", rounds, force=True),
                 lambda: ours(model_dir, dtype, device, mixed, False, "mixed, padded", rounds),
                 lambda: ours(model_dir, dtype, device, mixed, True, "mixed, packed", rounds),
                 lambda: peft_padded(model_dir, dtype, device, mixed, rounds)]
@@ -136,12 +147,15 @@ def run_shape(shape: str, device: str) -> str:
             rows.append(run())
             free(device)
     u = rows[0].throughput
-    ratios = [("mixed packed / uniform (target >= 1.0)", rows[3].throughput / u),
-              ("mixed padded / uniform", rows[2].throughput / u),
-              ("mixed packed / mixed padded", rows[3].throughput / rows[2].throughput),
-              ("mixed packed / peft padded", rows[3].throughput / rows[4].throughput),
-              ("uniform packed / uniform padded", u / rows[1].throughput)]
-    lines = [f"### {shape} ({device}, {str(dtype).removeprefix('torch.')}, {K} adapters; "
+    by = {r.test: r.throughput for r in rows}
+    mixed_packed, mixed_padded = by["mixed, packed"], by["mixed, padded"]
+    ratios = [("mixed packed / uniform (target >= 1.0)", mixed_packed / u),
+              ("mixed padded / uniform", mixed_padded / u),
+              ("mixed packed / mixed padded", mixed_packed / mixed_padded),
+              ("mixed packed / peft padded", mixed_packed / rows[-1].throughput),
+              ("uniform: packed (forced) / padded", rows[2].throughput / rows[1].throughput)]
+    lines = [f"### {shape} ({device}, {str(dtype).removeprefix('torch.')}, {K} adapters, "
+             f"token_budget {TOKEN_BUDGET}; "
              f"mixed: {K}x{ROWS} rows, lengths {min(lengths)}..{max(lengths)}, "
              f"median {sorted(lengths)[len(lengths) // 2]}, {sum(lengths)} tokens)", "",
              "| test | real tokens/round | time per round (s) | real tok/s | peak mem (GiB) |",
@@ -159,7 +173,9 @@ def main() -> None:
     ap.add_argument("--shape", action="append", choices=SHAPES)
     ap.add_argument("--device", choices=("cpu", "cuda"),
                     default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--token-budget", type=int, default=TOKEN_BUDGET)
     args = ap.parse_args()
+    globals()["TOKEN_BUDGET"] = args.token_budget
     shapes = args.shape or (["qwen2.5-0.5b"] if args.device == "cuda" else ["tiny"])
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()

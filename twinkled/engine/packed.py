@@ -13,7 +13,9 @@ GPU in half precision; otherwise (CPU, fp32) one SDPA call per segment, the same
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -48,10 +50,16 @@ class Packing:
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             from torch.nn.attention.varlen import varlen_attn
 
+            # Causal: `window_size` in newer builds, `is_causal` in older ones.
+            kw = ({"window_size": (-1, 0)} if _varlen_has("window_size")
+                  else {"is_causal": True})
+            if gqa and _varlen_has("enable_gqa"):
+                kw["enable_gqa"] = True
+            elif gqa:  # a build whose kernel wants as many kv heads as query heads
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
             longest = max(self.lengths)
             out = varlen_attn(*(t[0].transpose(0, 1).contiguous() for t in (q, k, v)),
-                              self.cu, self.cu, longest, longest, scale=scale,
-                              window_size=(-1, 0), enable_gqa=gqa)
+                              self.cu, self.cu, longest, longest, scale=scale, **kw)
             return out.transpose(0, 1)[None]
         outs, start = [], 0
         for n in self.lengths:
@@ -61,6 +69,13 @@ class Packing:
                 enable_gqa=gqa))
             start += n
         return torch.cat(outs, dim=2)
+
+
+@cache
+def _varlen_has(arg: str) -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return arg in inspect.signature(varlen_attn).parameters
 
 
 @dataclass
