@@ -46,6 +46,17 @@ def test_resolve_gives_recorded_logprobs_on_sampled_positions():
     assert q == [0.0, 0.0, -0.5, -1.25, -2.0, -0.125]
 
 
+def test_prompt_targets_may_be_padding_but_inputs_must_be_real():
+    """rl_loop pads the prompt's targets with 0 (they carry no loss); the model input it
+    claims to have taken from the prompt must be the prompt."""
+    tokens, targets, model, loss = cookbook_datum()
+    padded = [0, 0] + targets[2:]
+    book().resolve("alice", "sess-a", "data[0]", tokens, padded, model, loss)
+    with pytest.raises(EngineInputError, match=r"data\[0\].model_input_spans\[0\]: the tokens "
+                       "it covers are not prompt tokens 0..2 of 's:0'"):
+        book().resolve("alice", "sess-a", "data[0]", [0] + tokens[1:], targets, model, loss)
+
+
 @pytest.mark.parametrize(("tenant", "session"), [("bob", "sess-a"), ("alice", "sess-b")])
 def test_another_tenant_or_session_sees_nothing(tenant, session):
     with pytest.raises(EngineInputError, match=r"data\[0\].model_input_spans\[0\].sequence_id: "

@@ -106,9 +106,11 @@ class StabilityRecords:
                        "stable_reinforce needs provenance on every datum: name the sampled "
                        "sequences behind its tokens (Datum.with_provenance) and sample with "
                        "record_stability_info=True")
-        for name, spans, values in (("model_input_spans", model_spans, tokens),
-                                    ("loss_fn_input_spans", loss_spans, targets)):
-            self._check_claims(tenant, session, f"{where}.{name}", spans, values)
+        self._check_claims(tenant, session, f"{where}.model_input_spans", model_spans, tokens)
+        # A target at a prompt position carries no loss (no advantage may ride on it), and
+        # the cookbook's rl_loop pads those targets with 0: only the sampled ones must match.
+        self._check_claims(tenant, session, f"{where}.loss_fn_input_spans", loss_spans, targets,
+                           kinds=("sampled",))
         logprobs: list[float] = []
         mask: list[int] = []
         now = self.clock()
@@ -125,8 +127,11 @@ class StabilityRecords:
                 mask.extend([0] * span.length)
         return logprobs, mask
 
-    def _check_claims(self, tenant: str, session: str, field_name: str,
-                      spans: Sequence[Span], values: Sequence[int]) -> None:
+    def _check_claims(self, tenant: str, session: str, field_name: str, spans: Sequence[Span],
+                      values: Sequence[int], kinds: tuple[str, ...] = ("prompt", "sampled"),
+                      ) -> None:
+        """Each span names a record of this session, lies within it, and (for `kinds`)
+        covers exactly the recorded tokens."""
         covered = sum(s.length for s in spans)
         if covered != len(values):
             raise fail(field_name, f"spans cover {covered} positions but the field has "
@@ -145,7 +150,8 @@ class StabilityRecords:
                 raise fail(where, f"offset {span.offset} + length {span.length} is past the "
                            f"{len(run)} {span.kind} tokens of {span.sequence_id!r}")
             claimed = values[pos:pos + span.length]
-            if list(claimed) != run[span.offset:span.offset + span.length].tolist():
+            if (span.kind in kinds
+                    and list(claimed) != run[span.offset:span.offset + span.length].tolist()):
                 raise fail(where, f"the tokens it covers are not {span.kind} tokens "
                            f"{span.offset}..{span.offset + span.length - 1} of "
                            f"{span.sequence_id!r}")
