@@ -28,6 +28,8 @@ import zstandard
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
+from .provenance import SpanError, SpanIn, decode_spans
+
 __all__ = [
     "CodecError",
     "DatumIn",
@@ -65,15 +67,6 @@ class TensorIn(msgspec.Struct, frozen=True):
     dtype: DType
     shape: list[int]
     values: list[int | float]  # dense, row-major, len == prod(shape)
-
-
-class SpanIn(msgspec.Struct, frozen=True):
-    """A provenance run (`twinkled.stability.Span`): kind "prompt" or "sampled"."""
-
-    kind: str
-    sequence_id: str
-    offset: int
-    length: int
 
 
 class DatumIn(msgspec.Struct, frozen=True):
@@ -245,38 +238,16 @@ def _decode_datum(i: int, datum: Any) -> DatumIn:
     }
     # Provenance is read for every loss (the cookbook attaches it whenever it can) but only
     # stable_reinforce checks its claims against the sampler's records.
-    model_spans = _decode_spans(datum.model_input_spans, f"data[{i}].model_input_spans")
-    loss_spans = _decode_spans(datum.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans")
+    try:
+        model_spans = decode_spans(datum.model_input_spans, f"data[{i}].model_input_spans")
+        loss_spans = decode_spans(datum.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans")
+    except SpanError as e:
+        raise CodecError(str(e)) from None
     if (model_spans is None) != (loss_spans is None):
         raise CodecError(f"data[{i}]: provenance comes as a pair: send both model_input_spans "
                          "and loss_fn_input_spans, or neither")
     return DatumIn(tokens=tokens.tolist(), loss_fn_inputs=inputs,
                    model_input_spans=model_spans, loss_fn_input_spans=loss_spans)
-
-
-_SPAN_KINDS = {"prompt_tokens": "prompt", "sampled_tokens": "sampled"}
-MAX_SEQUENCE_ID_CHARS = 256
-
-
-def _decode_spans(spans: Any, where: str) -> list[SpanIn] | None:
-    if not spans:
-        return None
-    if len(spans) > MAX_TENSOR_ELEMENTS:
-        raise CodecError(f"{where}: {len(spans)} spans; at most {MAX_TENSOR_ELEMENTS}")
-    out = []
-    for k, span in enumerate(spans):
-        arm = span.WhichOneof("span")
-        if arm not in _SPAN_KINDS:
-            raise CodecError(f"{where}[{k}]: empty or unrecognised provenance span")
-        run = getattr(span, arm)
-        if not 0 < len(run.sequence_id) <= MAX_SEQUENCE_ID_CHARS:
-            raise CodecError(f"{where}[{k}].sequence_id: must have 1..{MAX_SEQUENCE_ID_CHARS} "
-                             "characters")
-        if not 0 <= run.offset <= MAX_TENSOR_ELEMENTS or not 0 <= run.length <= MAX_TENSOR_ELEMENTS:
-            raise CodecError(f"{where}[{k}]: offset {run.offset} and length {run.length} must be "
-                             f"in 0..{MAX_TENSOR_ELEMENTS}")
-        out.append(SpanIn(_SPAN_KINDS[arm], run.sequence_id, run.offset, run.length))
-    return out
 
 
 def _decode_tensor(tensor: Any, where: str) -> TensorIn:
