@@ -63,6 +63,17 @@ def _bad_requests(vocab, max_len):
         "float tokens": (Datum([1.5, 2.0], {"target_tokens": [1, 2]}), "cross_entropy",
                          "model_input: token ids must be integers"),
         "empty": (Datum([], {"target_tokens": []}), "cross_entropy", "model_input: is empty"),
+        "gspo without mask": (good, "gspo", "sequence_ratio_mask: required by 'gspo'"),
+        "gspo empty mask": (with_inputs(sequence_ratio_mask=torch.zeros(6)), "gspo",
+                            "sequence_ratio_mask: marks no token"),
+        "unrecorded": (good, "stable_reinforce", "sampler_logprobs: required"),
+        "advantage on prompt": (with_inputs(sampler_logprobs=torch.zeros(6),
+                                            sampled_mask=torch.tensor([0., 0, 1, 1, 1, 1])),
+                                "stable_reinforce", "advantages: is .* at position 0, which is "
+                                "not a sampled token"),
+        "mask not 0/1": (with_inputs(sampler_logprobs=torch.zeros(6),
+                                     sampled_mask=torch.full((6,), 0.5)),
+                         "stable_reinforce", "sampled_mask: must hold only 0 and 1"),
     }
 
 
@@ -82,23 +93,24 @@ def test_bad_datum_is_refused_and_changes_nothing(eng, case):
         assert eng.pool.get(n).pending == pending[n]
 
 
-@pytest.mark.parametrize(("config", "pattern"), [
-    ({"clip_low_threshold": float("nan")}, "loss_fn_config.clip_low_threshold"),
-    ({"beta": 0.1}, r"loss_fn_config: \['beta'\] not used by 'ppo'"),
+@pytest.mark.parametrize(("loss", "config", "pattern"), [
+    ("ppo", {"clip_low_threshold": float("nan")}, "loss_fn_config.clip_low_threshold"),
+    ("ppo", {"beta": 0.1}, r"loss_fn_config: \['beta'\] not used by 'ppo'"),
+    ("gspo", {"clip_low_threshold": 1.3, "clip_high_threshold": 1.2},
+     "loss_fn_config.clip_low_threshold: 1.3 is above clip_high_threshold"),
+    ("gspo", {"clip_low_threshold": -0.1}, "loss_fn_config.clip_low_threshold: must be >= 0"),
+    ("dro", {"beta": -1.0}, "loss_fn_config.beta: must be >= 0"),
+    ("stable_reinforce", {"kl_coeff": -0.01}, "loss_fn_config.kl_coeff: must be >= 0"),
+    ("stable_reinforce", {"beta": 0.1}, r"\['beta'\] not used by 'stable_reinforce' "
+     r"\(accepted: \['kl_coeff'\]\)"),
 ])
-def test_bad_loss_config(eng, config, pattern):
+def test_bad_loss_config(eng, loss, config, pattern):
     gen = torch.Generator().manual_seed(3)
     before = adapter_snapshot(eng, "a")
     with pytest.raises(EngineInputError, match=pattern):
-        eng.forward_backward([ForwardBackwardRequest("a", [rl_datum(gen, 4, 1024)], "ppo", config)])
+        eng.forward_backward([ForwardBackwardRequest("a", [rl_datum(gen, 4, 1024)], loss, config)])
     after = adapter_snapshot(eng, "a")
     assert all(torch.equal(before[k], after[k]) for k in before)
-
-
-def test_dro_needs_beta(eng):
-    gen = torch.Generator().manual_seed(4)
-    with pytest.raises(EngineInputError, match="loss_fn_config.beta: required"):
-        eng.forward_backward([ForwardBackwardRequest("a", [rl_datum(gen, 4, 1024)], "dro")])
 
 
 @pytest.mark.parametrize(("req", "pattern"), [

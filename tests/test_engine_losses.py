@@ -32,8 +32,8 @@ def _reference(name, lp, d, cfg):
         return -torch.min(r * adv, r.clamp(lo, hi) * adv)
     if name == "cispo":
         return -r.clamp(lo, hi) * lp * adv
-    if name == "dro":
-        return -(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2)
+    if name == "dro":  # Tinker's DRO page: beta 0.05 unless the config says otherwise
+        return -(lp * adv - 0.5 * cfg.get("beta", 0.05) * (lp - q) ** 2)
     raise AssertionError(name)
 
 
@@ -44,6 +44,7 @@ CASES = [
     ("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}),
     ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
     ("dro", {"beta": 0.3}),
+    ("dro", {}),
 ]
 
 
@@ -205,3 +206,107 @@ def test_top_k_targets_are_for_cross_entropy_only(eng):
                           "weights": torch.ones(5)})
     with pytest.raises(EngineInputError, match="weights"):
         eng.forward_backward([ForwardBackwardRequest("a", [ce])])
+
+
+# -- gspo and stable_reinforce: values from the documented formulas, gradients in closed form --
+
+def _sequence_data(eng, gen, name):
+    """Two datums whose sampler logprobs sit near the learner's (ratios on both sides of 1
+    and of the clip range). The first tokens play the prompt: no advantage there."""
+    vocab = eng.model.vocab_size
+    data = [rl_datum(gen, n, vocab) for n in (7, 12)]
+    fwd = eng.forward([ForwardBackwardRequest("a", data)])[0]
+    for d, out in zip(data, fwd.outputs, strict=True):
+        n, prompt = len(d.tokens), 3
+        sampled = (torch.arange(n) >= prompt).float()
+        q = out["logprobs"] + torch.randn(n, generator=gen) * 0.3
+        adv = torch.randn(n, generator=gen) * sampled
+        d.loss_inputs = {"target_tokens": d.loss_inputs["target_tokens"], "advantages": adv,
+                         "logprobs": q}
+        if name == "gspo":
+            d.loss_inputs["sequence_ratio_mask"] = sampled
+        else:
+            d.loss_inputs.update(sampler_logprobs=q * sampled, sampled_mask=sampled)
+    return data, [o["logprobs"] for o in fwd.outputs]
+
+
+def _formula(name, lp, d, cfg):
+    """(per-token loss, d loss / d lp) as Tinker's GSPO page and losses.py's StableReinforce
+    definition state them; the gradient is worked out by hand, not by autograd."""
+    inp = d.loss_inputs
+    adv = inp["advantages"]
+    if name == "gspo":
+        lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
+        m = inp["sequence_ratio_mask"] != 0
+        s = torch.exp((lp - inp["logprobs"])[m].sum() / m.sum())  # geometric mean ratio
+        unclipped, clipped = s * adv, s.clamp(lo, hi) * adv
+        loss = -torch.minimum(unclipped, clipped)
+        # Each token's ratio has value s and gradient s * d lp_t: the unclipped branch (or
+        # either, inside the range) gives -A_t * s; the clipped branch outside it gives 0.
+        live = (unclipped <= clipped) | ((s >= lo) & (s <= hi))
+        return loss, torch.where(live, -adv * s, torch.zeros_like(lp))
+    k = cfg.get("kl_coeff", 0.01)
+    m = inp["sampled_mask"]
+    r = torch.exp(lp - inp["sampler_logprobs"]) * m + (1 - m)
+    w = torch.clamp(r, max=1.0)
+    loss = m * (-w * adv * lp + k * (r - 1 - torch.log(r)))
+    return loss, m * (-w * adv + k * (r - 1))
+
+
+SEQUENCE_CASES = [
+    ("gspo", {}),
+    ("gspo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.02}),
+    ("stable_reinforce", {}),
+    ("stable_reinforce", {"kl_coeff": 0.5}),
+    ("stable_reinforce", {"kl_coeff": 0.0}),
+]
+
+
+@pytest.mark.parametrize(("name", "cfg"), SEQUENCE_CASES)
+def test_sequence_losses_follow_their_formulas(eng, tiny_dir, name, cfg):
+    gen = torch.Generator().manual_seed(10)
+    data, lps = _sequence_data(eng, gen, name)
+    res = eng.forward_backward([ForwardBackwardRequest("a", data, name, cfg)])[0]
+    total, surrogate_grads = 0.0, []
+    for d, out, lp in zip(data, res.outputs, lps, strict=True):
+        want, dlp = _formula(name, lp, d, cfg)
+        assert torch.allclose(out["logprobs"], lp, atol=1e-6)
+        assert torch.allclose(out["elementwise_loss"], want, atol=1e-5)
+        total += want.sum().item()
+        surrogate_grads.append(dlp)
+    assert res.metrics["loss:sum"] == pytest.approx(total, rel=1e-5, abs=1e-5)
+
+    # The gradient: a linear surrogate sum(lp * dL/dlp) has the same gradient as the loss;
+    # run it as a custom loss on a twin engine and compare the adapters' gradients.
+    other = make_engine(tiny_dir)
+    other.add_adapter("a", LoraConfig(rank=4, seed=1))
+    randomize_b(other, "a", seed=2)
+
+    def surrogate(_data, lps):
+        return sum((lp * g).sum() for lp, g in zip(lps, surrogate_grads, strict=True)), {}
+
+    other.forward_backward([ForwardBackwardRequest("a", data, surrogate)])
+    assert all_close(grads(eng, "a"), grads(other, "a"))
+
+
+def test_gspo_ratio_is_per_datum(eng):
+    """Datums sent together get the same loss as each sent alone: one sequence's ratio never
+    mixes in another's tokens, however rows are batched."""
+    gen = torch.Generator().manual_seed(11)
+    data, _ = _sequence_data(eng, gen, "gspo")
+    together = eng.forward([ForwardBackwardRequest("a", data, "gspo")])[0].outputs
+    for d, out in zip(data, together, strict=True):
+        alone = eng.forward([ForwardBackwardRequest("a", [d], "gspo")])[0].outputs[0]
+        assert torch.allclose(out["elementwise_loss"], alone["elementwise_loss"], atol=1e-6)
+
+
+def test_stable_reinforce_on_policy_is_reinforce(eng):
+    """Sampler logprobs equal to the learner's: the loss is plain REINFORCE, -A * lp."""
+    gen = torch.Generator().manual_seed(12)
+    data, lps = _sequence_data(eng, gen, "stable_reinforce")
+    for d, lp in zip(data, lps, strict=True):
+        d.loss_inputs["sampler_logprobs"] = lp * d.loss_inputs["sampled_mask"]
+    res = eng.forward([ForwardBackwardRequest("a", data, "stable_reinforce")])[0]
+    for d, out, lp in zip(data, res.outputs, lps, strict=True):
+        want = -d.loss_inputs["advantages"] * lp * d.loss_inputs["sampled_mask"]
+        assert torch.allclose(out["elementwise_loss"], want, atol=1e-5)

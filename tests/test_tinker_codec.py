@@ -28,6 +28,7 @@ from tinker.resources.training import AsyncTrainingResource
 
 from tinker_shim.codec import (
     CodecError,
+    SpanIn,
     TensorIn,
     decode_forward_backward,
     encode_forward_backward_output,
@@ -140,6 +141,54 @@ def test_forward_only_and_rl_inputs_with_config() -> None:
     assert d.loss_fn_inputs["target_tokens"].values == [2, 3, 4, 5, 6, 7]
     assert d.loss_fn_inputs["advantages"] == TensorIn("float32", [n], adv.tolist())
     assert d.loss_fn_inputs["logprobs"].values == f32(lps)
+
+
+def test_provenance_spans_decoded() -> None:
+    """What the cookbook's rl_loop attaches for stable_reinforce reaches us span by span."""
+    prompt, sampled = [11, 12, 13], [21, 22, 23, 24]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(prompt + sampled[:-1]),
+        loss_fn_inputs={"target_tokens": prompt[1:] + sampled,
+                        "advantages": [0.0, 0.0] + [1.0] * 4},
+    ).with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="s:0", length=3),
+                     types.SampledProvenanceSpan(sequence_id="s:0", length=3)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="s:0", offset=1, length=2),
+                        types.SampledProvenanceSpan(sequence_id="s:0", length=4)],
+    )
+    body, headers = client_post([datum, sft_datum([1, 2, 3])], "stable_reinforce",
+                                {"kl_coeff": 0.02})
+    call = decode_forward_backward(body, headers.get("Content-Encoding"))
+    d, plain = call.data
+    assert call.loss_fn == "stable_reinforce" and call.loss_fn_config == {"kl_coeff": 0.02}
+    assert d.model_input_spans == [SpanIn("prompt", "s:0", 0, 3), SpanIn("sampled", "s:0", 0, 3)]
+    assert d.loss_fn_input_spans == [SpanIn("prompt", "s:0", 1, 2),
+                                     SpanIn("sampled", "s:0", 0, 4)]
+    assert plain.model_input_spans is None and plain.loss_fn_input_spans is None
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: d.ClearField("loss_fn_input_spans"), r"data\[0\]: provenance comes as a pair"),
+    (lambda d: setattr(d.model_input_spans[0].prompt_tokens, "length", -1),
+     r"data\[0\].model_input_spans\[0\]: offset 0 and length -1 must be in"),
+    (lambda d: setattr(d.loss_fn_input_spans[0].sampled_tokens, "sequence_id", ""),
+     r"loss_fn_input_spans\[0\].sequence_id: must have 1..256 characters"),
+    (lambda d: d.model_input_spans.add(), r"model_input_spans\[1\]: empty or unrecognised"),
+])
+def test_malformed_provenance_refused(mutate, message) -> None:
+    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="stable_reinforce")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.array([1, 2], dtype="<i4").tobytes()
+    d.loss_fn_inputs["target_tokens"].dense = np.array([2, 3], dtype="<i8").tobytes()
+    d.loss_fn_inputs["target_tokens"].dtype = pb.DTYPE_INT64
+    d.loss_fn_inputs["target_tokens"].shape.append(2)
+    d.model_input_spans.add().prompt_tokens.length = 2
+    span = d.loss_fn_input_spans.add().sampled_tokens
+    span.sequence_id, span.length = "s:0", 2
+    d.model_input_spans[0].prompt_tokens.sequence_id = "s:0"
+    mutate(d)
+    with pytest.raises(CodecError, match=message):
+        decode_forward_backward(msg.SerializeToString())
 
 
 def test_reference_doc_vector() -> None:

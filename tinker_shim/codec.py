@@ -28,9 +28,12 @@ import zstandard
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
+from .provenance import SpanError, SpanIn, decode_spans
+
 __all__ = [
     "CodecError",
     "DatumIn",
+    "SpanIn",
     "FwdBwdCall",
     "TensorIn",
     "decode_forward_backward",
@@ -69,6 +72,9 @@ class TensorIn(msgspec.Struct, frozen=True):
 class DatumIn(msgspec.Struct, frozen=True):
     tokens: list[int]
     loss_fn_inputs: dict[str, TensorIn]
+    # Provenance, both or neither (the SDK asserts the pair): None when not sent.
+    model_input_spans: list[SpanIn] | None = None
+    loss_fn_input_spans: list[SpanIn] | None = None
 
 
 class FwdBwdCall(msgspec.Struct, frozen=True):
@@ -226,13 +232,22 @@ def _decode_datum(i: int, datum: Any) -> DatumIn:
         if kind != "encoded_text":
             raise CodecError(f"data[{i}].model_input: {_CHUNK_REFUSALS.get(kind, kind)}")
         tokens.extend(_unpack(chunk.encoded_text.tokens, "i", f"data[{i}] tokens"))
-    # Provenance spans are ignored on purpose: only stable_reinforce reads them, and the engine
-    # refuses that loss.
     inputs = {
         name: _decode_tensor(tensor, f"data[{i}].loss_fn_inputs[{name!r}]")
         for name, tensor in datum.loss_fn_inputs.items()
     }
-    return DatumIn(tokens=tokens.tolist(), loss_fn_inputs=inputs)
+    # Provenance is read for every loss (the cookbook attaches it whenever it can) but only
+    # stable_reinforce checks its claims against the sampler's records.
+    try:
+        model_spans = decode_spans(datum.model_input_spans, f"data[{i}].model_input_spans")
+        loss_spans = decode_spans(datum.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans")
+    except SpanError as e:
+        raise CodecError(str(e)) from None
+    if (model_spans is None) != (loss_spans is None):
+        raise CodecError(f"data[{i}]: provenance comes as a pair: send both model_input_spans "
+                         "and loss_fn_input_spans, or neither")
+    return DatumIn(tokens=tokens.tolist(), loss_fn_inputs=inputs,
+                   model_input_spans=model_spans, loss_fn_input_spans=loss_spans)
 
 
 def _decode_tensor(tensor: Any, where: str) -> TensorIn:

@@ -63,10 +63,11 @@ async def seq_body(request: web.Request, message: type[M]) -> M:
         raise
 
 
-def checked(check, *args) -> None:
-    """Run one of `engine.checks`' rules: its error is the client's (a 400)."""
+def checked(check, *args):
+    """Run one of `engine.checks`' rules (or another check that raises EngineInputError)
+    and return what it returns: its error is the client's (a 400)."""
     try:
-        check(*args)
+        return check(*args)
     except EngineInputError as e:
         raise UserError(str(e)) from None
 

@@ -167,7 +167,8 @@ class Asample(Body):
     prompt_alt_tokens_k: Count = 0
     target_prompt_logprobs: TensorJsonIn | None = None
     prompt_logprobs_last_n: Count | None = None
-    record_stability_info: Any = None  # refused by name when set
+    # Keep each sampled sequence for stable_reinforce (twinkled/stability.py).
+    record_stability_info: bool | None = None
 
 
 class SeqRef(Struct):

@@ -66,8 +66,6 @@ async def get_sampler(request):
 async def asample(request):
     body = await body_of(request, Asample)
     sampler = _own_sampler(request, body.sampling_session_id)
-    if body.record_stability_info:
-        raise UserError("stability info (record_stability_info) is not supported by this server")
     tokens = _prompt_tokens(body.prompt)
     lim = limits(request)
     target, layout = _target_ids(body.target_prompt_logprobs, lim.max_prompt_cells)
@@ -100,10 +98,12 @@ async def asample(request):
     svc = service(request)
     f = svc.new_future(request["tenant"], "sample",
                        lambda result: sample_encoder(result, target_layout=layout))
+    # One id per sequence, never reused: a retried submission (same seq_id) is a new one,
+    # and stable_reinforce's records are found by these ids.
+    ids = [f"{sampler['id']}:{body.seq_id or 0}:{f.id[4:16]}:{i}" for i in range(n)]
+    after = _recorder(request, sampler, ids, tokens) if body.record_stability_info else None
     cost = len(tokens) + params.max_tokens * n
-    svc.submit(Op(None, None, frame, f, cost))
-    seq = body.seq_id or 0
-    ids = [f"{sampler['id']}:{seq}:{i}" for i in range(n)]
+    svc.submit(Op(None, None, frame, f, cost, after=after))
     return future_response(f, sample_sequence_ids=ids)
 
 
@@ -115,6 +115,17 @@ def _target_ids(t: TensorJsonIn | None, max_cells: int):
                           max_cells)
     except CodecError as e:
         raise UserError(str(e)) from None
+
+
+def _recorder(request, sampler: dict, ids: list[str], prompt: list[int]):
+    """Keeps what the sampler produced, once it has, under the ids its client was given."""
+    records, tenant = request.app["stability"], request["tenant"]
+
+    def after(result, message):
+        if message is None:
+            records.put(tenant, sampler["session_id"], ids, prompt, result.sequences)
+
+    return after
 
 
 def _prompt_tokens(prompt: ModelInputIn) -> list[int]:

@@ -9,6 +9,7 @@ import time
 from aiohttp import web
 
 from twinkled.engine.checks import (
+    RECORDED_INPUTS,
     check_adam_params,
     check_datum,
     check_loss,
@@ -123,12 +124,15 @@ async def forward_backward(request):
             raise UserError(f"data: {len(call.data)} datums in one request; at most "
                             f"{lim.max_datums} (send fewer, or raise max_datums)")
         checked(check_loss, call.loss_fn, call.loss_fn_config)
+        data = []
         for j, d in enumerate(call.data):
-            inputs = {k: (t.shape, t.values) for k, t in d.loss_fn_inputs.items()}
+            tensors = dict(d.loss_fn_inputs)
+            if call.loss_fn == "stable_reinforce":
+                tensors.update(_recorded_inputs(request, run, j, d))
+            inputs = {k: (t.shape, t.values) for k, t in tensors.items()}
             checked(check_datum, j, d.tokens, inputs, call.loss_fn, lim)
-    data = [DatumF(buf(d.tokens, "int64"), {k: buf(t.values, t.dtype, t.shape)
-                                             for k, t in d.loss_fn_inputs.items()})
-            for d in call.data]
+            data.append(DatumF(buf(d.tokens, "int64"), {k: buf(t.values, t.dtype, t.shape)
+                                                        for k, t in tensors.items()}))
     frame = TrainF(run["id"], data, call.loss_fn, call.loss_fn_config or {},
                    call.forward_only)
     f = svc.new_future(request["tenant"], "forward_backward", codec.fwdbwd_encoder)
@@ -136,6 +140,24 @@ async def forward_backward(request):
     f = svc.submit(Op(run["id"], call.seq_id, frame, f, sum(parts), parts=parts))
     request.app["store"].touch_run(run["id"])
     return future_response(f, run["id"])
+
+
+def _recorded_inputs(request, run: dict, j: int, d: codec.DatumIn) -> dict:
+    """stable_reinforce's inputs from what the sampler recorded, found through the datum's
+    provenance (every claim checked: `twinkled/stability.py`)."""
+    for name in RECORDED_INPUTS:
+        if name in d.loss_fn_inputs:
+            raise UserError(f"data[{j}].loss_fn_inputs.{name}: filled in by the server from the "
+                            "sampled sequences the datum's provenance names; do not send it")
+    targets = d.loss_fn_inputs.get("target_tokens")
+    if targets is None:
+        raise UserError(f"data[{j}].loss_fn_inputs.target_tokens: required")
+    logprobs, mask = checked(request.app["stability"].resolve, request["tenant"],
+                             run["session_id"], f"data[{j}]", d.tokens, targets.values,
+                             d.model_input_spans, d.loss_fn_input_spans)
+    n = len(mask)
+    return {"sampler_logprobs": codec.TensorIn("float32", [n], logprobs),
+            "sampled_mask": codec.TensorIn("float32", [n], mask)}
 
 
 async def optim_step(request):

@@ -63,6 +63,9 @@ class Config:
     max_ttl_s: int = 315360000  # checkpoint ttl_seconds (10 years)
     max_metadata_bytes: int = 65536  # user_metadata as JSON
     max_body_bytes: int = 64 * 2**20  # a request body, after decompression
+    # Sampled sequences recorded for stable_reinforce (record_stability_info), in memory.
+    stability_bytes: int = 256 * 2**20  # all tenants together
+    stability_tenant_bytes: int = 64 * 2**20  # one tenant
     log_format: str = "text"  # text | json: one log line per request (json for log shippers)
     admin_key_file: str = ""  # "": <data_dir>/admin.key, made at the first start (mode 0600)
 
@@ -164,7 +167,8 @@ _RANGES = {
     "token_budget": _POSITIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE,
     "poll_seconds": (lambda v: 0 <= v < 45,
                      "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
-    "gather_ms": _NON_NEGATIVE,
+    "gather_ms": _NON_NEGATIVE, "stability_bytes": _NON_NEGATIVE,
+    "stability_tenant_bytes": _NON_NEGATIVE,
     "log_format": (lambda v: v in ("text", "json"), "must be text or json"),
     "weight": (lambda v: v > 0, "must be a positive number"),
     **{f"tenant_{k}": _QUOTA for k in TENANT_KEYS[1:]}, **{k: _QUOTA for k in TENANT_KEYS[1:]},

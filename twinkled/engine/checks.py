@@ -20,14 +20,26 @@ from .types import AdamParams, EngineInputError
 # Loss name -> (required inputs, optional inputs, config keys, required config keys).
 _RL = ("target_tokens", "logprobs", "advantages")
 _CLIP = ("clip_low_threshold", "clip_high_threshold")
+# stable_reinforce trains on what the sampler recorded (record_stability_info=True): the
+# daemon fills these two inputs from its records of the sampled sequences that a datum's
+# provenance spans name (`twinkled/stability.py`); a Tinker client never sends them. In
+# local mode (twinkle_sdk in-process) the caller passes them directly.
+RECORDED_INPUTS = ("sampler_logprobs", "sampled_mask")
 LOSS_SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...],
                                  tuple[str, ...]]] = {
     "cross_entropy": (("target_tokens",), ("weights",), (), ()),
     "importance_sampling": (_RL, (), (), ()),
     "ppo": (_RL, _CLIP, _CLIP, ()),
     "cispo": (_RL, _CLIP, _CLIP, ()),
-    "dro": (_RL, (), ("beta",), ("beta",)),
+    "dro": (_RL, (), ("beta",), ()),
+    "gspo": ((*_RL, "sequence_ratio_mask"), _CLIP, _CLIP, ()),
+    # `logprobs` (what the client got from the sampler) is accepted and not used: the
+    # recorded copy is what the loss reads.
+    "stable_reinforce": (("target_tokens", "advantages", *RECORDED_INPUTS), ("logprobs",),
+                         ("kl_coeff",), ()),
 }
+# Config values that must not be negative (a negative penalty would reward moving away).
+NON_NEGATIVE_CONFIG = {"beta", "kl_coeff", *_CLIP}
 INT_INPUTS = {"target_tokens"}
 KNOWN_INPUTS = {n for sig in LOSS_SIGNATURES.values() for n in sig[0] + sig[1]}
 
@@ -73,6 +85,12 @@ def check_loss(loss_fn: str, loss_config: Mapping[str, Any] | None) -> None:
     for k, v in cfg.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise fail(f"loss_fn_config.{k}", f"must be a finite number, got {v!r}")
+        if k in NON_NEGATIVE_CONFIG and v < 0:
+            raise fail(f"loss_fn_config.{k}", f"must be >= 0, got {v!r}")
+    if cfg.get("clip_low_threshold", 0.0) > cfg.get("clip_high_threshold", math.inf):
+        raise fail("loss_fn_config.clip_low_threshold",
+                   f"{cfg['clip_low_threshold']} is above clip_high_threshold "
+                   f"{cfg['clip_high_threshold']}")
 
 
 def check_datum(j: int, tokens: Sequence, inputs: Mapping[str, tuple[Sequence[int], Sequence]],
@@ -109,6 +127,9 @@ def check_datum(j: int, tokens: Sequence, inputs: Mapping[str, tuple[Sequence[in
         for name in LOSS_SIGNATURES[loss_fn][0]:
             if name not in inputs:
                 raise fail(f"{where}.loss_fn_inputs.{name}", f"required by {loss_fn!r}")
+        rule = _DATUM_RULES.get(loss_fn)
+        if rule is not None:
+            rule(f"{where}.loss_fn_inputs", {k: v for k, (_, v) in inputs.items()})
     shapes = {tuple(inputs[k][0]) for k in TOP_K_INPUTS if k in inputs}
     if len(shapes) > 1:
         raise fail(f"{where}.loss_fn_inputs.weights", "must have the shape of target_tokens")
@@ -123,6 +144,28 @@ def _top_k_shape(name: str, shape: Sequence[int], n: int, loss_fn: str | None,
                  limits: Limits) -> bool:
     return (name in TOP_K_INPUTS and loss_fn in ("cross_entropy", None) and len(shape) == 2
             and shape[0] == n and 1 <= shape[1] <= limits.max_topk)
+
+
+def _gspo_datum(where: str, inputs: Mapping[str, Sequence]) -> None:
+    # The sequence ratio is a mean over the marked tokens: with none it is undefined (NaN).
+    if not any(v != 0 for v in inputs["sequence_ratio_mask"]):
+        raise fail(f"{where}.sequence_ratio_mask", "marks no token: gspo's sequence ratio is "
+                   "the mean log-ratio over the marked tokens, so mark at least one")
+
+
+def _stable_reinforce_datum(where: str, inputs: Mapping[str, Sequence]) -> None:
+    mask = inputs["sampled_mask"]
+    if any(v not in (0, 1) for v in mask):
+        raise fail(f"{where}.sampled_mask", "must hold only 0 and 1")
+    # The sampler recorded nothing about a prompt token, so no advantage can ride on one
+    # (the tinker-cookbook relies on this: it refuses KL discounting onto prompt tokens).
+    for i, (m, a) in enumerate(zip(mask, inputs["advantages"], strict=True)):
+        if m == 0 and a != 0:
+            raise fail(f"{where}.advantages", f"is {a} at position {i}, which is not a sampled "
+                       "token: stable_reinforce takes advantages only on sampled tokens")
+
+
+_DATUM_RULES = {"gspo": _gspo_datum, "stable_reinforce": _stable_reinforce_datum}
 
 
 def check_token_ids(field: str, ids: Sequence, vocab: int) -> None:

@@ -178,7 +178,10 @@ def _packed_logprobs(model: BaseModel, batch: list[_Row]) -> torch.Tensor:
 
 
 def _datum_loss(req: ForwardBackwardRequest, datum, lp: torch.Tensor) -> torch.Tensor:
-    """One datum's built-in elementwise loss [N]."""
+    """One datum's built-in elementwise loss [N].
+
+    A loss function sees one datum (one sampled sequence) at a time, whether its micro-batch
+    ran padded or packed: a sequence-level loss (gspo's ratio) is taken over exactly it."""
     inputs = {k: torch.as_tensor(v, dtype=torch.float32).to(lp.device, non_blocking=True)
               for k, v in datum.loss_inputs.items() if k != "target_tokens"}
     return loss_spec(req.loss_fn).fn(lp, inputs, req.loss_config)
