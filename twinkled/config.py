@@ -39,7 +39,8 @@ class Config:
     step_timeout_s: float = 900.0  # a step not answered by then restarts the worker group
     drain_timeout_s: float = 60.0  # SIGTERM: time for queued work before it is failed
     max_rank: int = 128
-    token_budget: int = 16384  # padded tokens per micro-batch (activation memory)
+    token_budget: int = 16384  # tokens per micro-batch (activation memory)
+    packing: bool = True  # rows of mixed lengths run end to end, not padded (engine/packed.py)
     poll_seconds: float = 30.0  # retrieve_future long-poll (client times out at 45 s)
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client chunks)
     sample_budget: int = 65536  # prompt + new tokens per sampling step

@@ -63,6 +63,7 @@ class WorkerClient:
         threads = config.worker_threads or max(1, (os.cpu_count() or 1) // len(devices))
         options = {"model": str(config.model), "dtype": config.dtype,
                    "max_rank": config.max_rank, "token_budget": config.token_budget,
+                   "packing": config.packing,
                    "live_dir": str(self.live_dir), "persist_every": config.persist_every,
                    "threads": threads}
         self.group = WorkerGroup(devices, options,
