@@ -232,12 +232,12 @@ def check_optim_params(optimizer: str, p: AdamParams | DimuonParams) -> None:
     if isinstance(p, AdamParams):
         if optimizer != "adamw":
             raise fail("adam_params", f"this model was created with the {optimizer!r} "
-                       "optimizer: send its params (optimizer_params), not AdamParams")
+                       "optimizer: send DimuonParams (optimizer_params), not AdamParams")
         check_adam_params(p)
     elif isinstance(p, DimuonParams):
         if optimizer != "dimuon":
             raise fail("optimizer_params", f"this model was created with the {optimizer!r} "
-                       "optimizer: send its params, not DimuonParams")
+                       "optimizer: send AdamParams (adam_params), not DimuonParams")
         check_dimuon_params(p)
     else:
         raise fail("optimizer_params", f"expected AdamParams or DimuonParams, got "

@@ -160,8 +160,8 @@ class Engine:
         else:
             config, weights, moments, steps = state.read_adapter(
                 path, self.model.targets, self.pool.max_rank, optimizer)
-        if not optimizer:
-            config = replace(config, optimizer=optimizer_type or "adamw")
+        if not optimizer:  # (a live state holds moments whatever was asked: drop them)
+            config, moments = replace(config, optimizer=optimizer_type or "adamw"), None
         elif optimizer_type is not None and optimizer_type != config.optimizer:
             raise EngineInputError("optimizer_config.type", f"the checkpoint's optimizer state "
                                    f"is {config.optimizer!r}, not {optimizer_type!r}")
