@@ -9,9 +9,9 @@ change.
 from __future__ import annotations
 
 import math
-from dataclasses import astuple
 
 import torch
+from msgspec.structs import astuple
 from torch.optim.adamw import adamw
 
 from .checks import check_adam_params  # noqa: F401 - re-exported for the engine

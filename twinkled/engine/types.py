@@ -1,7 +1,8 @@
 """Plain data types the engine takes and returns.
 
 They may carry torch tensors and Python callables, so they are dataclasses, not wire
-structs. This module does not import torch: the daemon's HTTP process builds requests from
+structs; the optimizer params are the exception (tagged msgspec structs: an optim op carries
+either family's, and a union of two types needs a tag). This module does not import torch: the daemon's HTTP process builds requests from
 them, and `twinkled.workers.frames` turns them into msgspec frames for the workers.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 if TYPE_CHECKING:
     import torch
@@ -56,8 +59,7 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-@dataclass
-class AdamParams:
+class AdamParams(msgspec.Struct, tag_field="type", tag="adamw"):
     """Tinker's AdamParams, with its defaults. May change at every step."""
 
     learning_rate: float = 1e-4
@@ -68,8 +70,7 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
 
-@dataclass
-class DimuonParams:
+class DimuonParams(msgspec.Struct, tag_field="type", tag="dimuon"):
     """Tinker's DimuonParams (SDK 0.38: learning_rate, grad_clip_norm, beta1), one step's.
 
     What the fields mean, and where that is written (`engine/dimuon.py` has the rule):
