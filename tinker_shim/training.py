@@ -96,14 +96,14 @@ def _optimizer(cfg: OptimizerConfigIn | None) -> str:
     return cfg.type
 
 
-def run_optimizer(run: dict) -> str:
+def _run_optimizer(run: dict) -> str:
     """The optimizer family a run was created with (runs from before Dimuon: AdamW)."""
     return (run["lora_config"] or {}).get("optimizer", "adamw")
 
 
 def _optimizer_config(run: dict) -> dict:
     """The run's optimizer_config as the SDK's types read it back (get_info, weights_info)."""
-    opt = run_optimizer(run)
+    opt = _run_optimizer(run)
     return {"type": "dimuon", "version": 1} if opt == "dimuon" else {"type": opt}
 
 
@@ -195,7 +195,7 @@ async def optim_step(request):
     run = await loaded_run(request, body.model_id)
     with takes_seq_id(request, run["id"], body.seq_id):
         params = _optim_params(body)
-        checked(check_optim_params, run_optimizer(run), params)
+        checked(check_optim_params, _run_optimizer(run), params)
     svc = service(request)
     f = svc.new_future(request["tenant"], "optim_step",
                        lambda r: json_payload({"type": "optim_step", "metrics": _optim_metrics(r)}))
@@ -325,10 +325,10 @@ async def load_weights(request):
             if body.seq_id is None:
                 raise UserError("seq_id: required with model_id")
             ckpt = own_checkpoint(request, body.path)
-            saved = run_optimizer(store.get_run(ckpt["run_id"], include_deleted=True))
-            if body.optimizer and saved != run_optimizer(run):
+            saved = _run_optimizer(store.get_run(ckpt["run_id"], include_deleted=True))
+            if body.optimizer and saved != _run_optimizer(run):
                 raise UserError(f"path: the checkpoint holds {saved!r} optimizer state; this "
-                                f"model was created with {run_optimizer(run)!r}")
+                                f"model was created with {_run_optimizer(run)!r}")
         seq, family = body.seq_id, None  # the model keeps its own optimizer
     else:  # create-via-load: the model is "<session>:train:<model_seq_id>", seq 0
         if body.session_id is None or body.model_seq_id is None:
@@ -360,7 +360,7 @@ def _loaded_optimizer(body: LoadWeights, src: dict) -> str:
     for (`optimizer_config`, AdamW by default)."""
     if not body.optimizer:
         return _optimizer(body.optimizer_config)
-    saved = run_optimizer(src)
+    saved = _run_optimizer(src)
     if body.optimizer_config is not None and _optimizer(body.optimizer_config) != saved:
         raise UserError(f"optimizer_config.type: the checkpoint's optimizer state is "
                         f"{saved!r}")
