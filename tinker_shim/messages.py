@@ -59,7 +59,8 @@ class LoraConfigIn(Struct, kw_only=True):
 
 
 class OptimizerConfigIn(Struct, kw_only=True):
-    type: str = "adamw"
+    type: str = "adamw"  # or "dimuon" (with version 1)
+    version: Count | None = None
 
 
 class CreateModel(Body):
@@ -84,11 +85,23 @@ class AdamIn(Struct, kw_only=True):
     grad_clip_norm: Finite = 0.0
 
 
+class DimuonIn(Struct, kw_only=True):
+    """Tinker's DimuonParams (`optimizer_params`). 0.38 clients send the first four fields;
+    newer ones may send the last two (twinkled/engine/dimuon.py says what each means)."""
+
+    type: str = "dimuon"
+    learning_rate: Finite  # the SDK has no default
+    grad_clip_norm: Finite = 0.0
+    beta1: Finite = 0.9
+    rank_lr_correction_exponent: Finite = 0.175
+    damping: Finite | None = None  # named so that it is refused, not ignored
+
+
 class OptimStep(Body):
     model_id: str
     seq_id: SeqId
     adam_params: AdamIn | None = None
-    optimizer_params: dict[str, Any] | None = None
+    optimizer_params: DimuonIn | None = None
 
 
 class SaveWeights(Body):
@@ -112,6 +125,7 @@ class LoadWeights(Body):
     model_seq_id: Count | None = None
     base_model: str | None = None
     user_metadata: Metadata | None = None
+    optimizer_config: OptimizerConfigIn | None = None  # create-via-load, weights only
 
 
 class CheckpointRef(Body):

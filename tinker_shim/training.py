@@ -10,14 +10,15 @@ from aiohttp import web
 
 from twinkled.engine.checks import (
     RECORDED_INPUTS,
-    check_adam_params,
     check_datum,
     check_loss,
     check_name,
+    check_optim_params,
+    check_optimizer,
     check_rank,
     check_ttl,
 )
-from twinkled.engine.types import AdamParams, LoraConfig
+from twinkled.engine.types import AdamParams, DimuonParams, LoraConfig
 from twinkled.service import Op, UserError
 from twinkled.store import Conflict, checkpoint_path
 from twinkled.workers.frames import CreateF, DatumF, LoadF, OptimF, SaveF, TrainF, buf
@@ -41,16 +42,22 @@ from .common import (
     tokenizer_name,
 )
 from .ids import ALL_KINDS
-from .messages import CheckpointRef, CreateModel, LoadWeights, ModelRef, OptimStep, SaveWeights
+from .messages import (
+    CheckpointRef,
+    CreateModel,
+    LoadWeights,
+    ModelRef,
+    OptimizerConfigIn,
+    OptimStep,
+    SaveWeights,
+)
 
 
 async def create_model(request):
     body = await body_of(request, CreateModel)
     s = own_session(request, body.session_id)
     check_base_model(request, body.base_model)
-    opt = body.optimizer_config.type if body.optimizer_config else "adamw"
-    if opt != "adamw":
-        raise UserError(f"optimizer_config.type {opt!r} is not supported; use adamw")
+    opt = _optimizer(body.optimizer_config)
     meta = metadata(request, body.user_metadata)
     lc = body.lora_config
     checked(check_rank, lc.rank, limits(request))
@@ -58,13 +65,13 @@ async def create_model(request):
     seed = lc.seed if lc.seed is not None else secrets.randbits(62)
     config = LoraConfig(rank=lc.rank, alpha=_alpha(meta), seed=seed,
                         train_attn=lc.train_attn, train_mlp=lc.train_mlp,
-                        train_unembed=lc.train_unembed)
+                        train_unembed=lc.train_unembed, optimizer=opt)
     svc = service(request)
     svc.check_new_adapter(request["tenant"], config.rank)
     store = request.app["store"]
     lora = {"rank": config.rank, "alpha": config.alpha, "train_attn": config.train_attn,
             "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
-            "seed": config.seed}
+            "seed": config.seed, "optimizer": opt}  # a restore re-creates it the same
     try:
         model_id = store.create_run(s["id"], request["tenant"], svc.config.served_name,
                                     config.rank, lora, meta, body.model_seq_id)
@@ -75,6 +82,29 @@ async def create_model(request):
     svc.open_model(model_id, request["tenant"], 0)
     svc.submit(Op(model_id, 0, CreateF(model_id, config), f))
     return future_response(f, model_id)
+
+
+def _optimizer(cfg: OptimizerConfigIn | None) -> str:
+    """Tinker's `optimizer_config`: {"type": "adamw"} (the default) or {"type": "dimuon",
+    "version": 1}, fixed for the model's life."""
+    if cfg is None:
+        return "adamw"
+    checked(check_optimizer, cfg.type)
+    if cfg.type == "dimuon" and cfg.version not in (None, 1):
+        raise UserError(f"optimizer_config.version: Dimuon version {cfg.version} is not "
+                        "supported; use 1")
+    return cfg.type
+
+
+def _run_optimizer(run: dict) -> str:
+    """The optimizer family a run was created with (runs from before Dimuon: AdamW)."""
+    return (run["lora_config"] or {}).get("optimizer", "adamw")
+
+
+def _optimizer_config(run: dict) -> dict:
+    """The run's optimizer_config as the SDK's types read it back (get_info, weights_info)."""
+    opt = _run_optimizer(run)
+    return {"type": "dimuon", "version": 1} if opt == "dimuon" else {"type": opt}
 
 
 def _alpha(meta: dict) -> float:
@@ -103,7 +133,7 @@ async def get_info(request):
         "model_data": {"arch": svc.model_info.get("arch"),
                        "model_name": loadable, "tokenizer_id": loadable},
         "is_lora": True, "lora_rank": run["lora_rank"], "model_name": name,
-        "optimizer_config": {"type": "adamw"}})
+        "optimizer_config": _optimizer_config(run)})
 
 
 async def forward_backward(request):
@@ -164,19 +194,34 @@ async def optim_step(request):
     body = await seq_body(request, OptimStep)
     run = await loaded_run(request, body.model_id)
     with takes_seq_id(request, run["id"], body.seq_id):
-        if body.adam_params is None:
-            kind = (body.optimizer_params or {}).get("type", "unknown")
-            raise UserError(f"optimizer {kind!r} (optimizer_params) is not supported; only "
-                            "adam_params (AdamW)")
-        ap = body.adam_params
-        params = AdamParams(ap.learning_rate, ap.beta1, ap.beta2, ap.eps, ap.weight_decay,
-                            ap.grad_clip_norm)
-        checked(check_adam_params, params)
+        params = _optim_params(body)
+        checked(check_optim_params, _run_optimizer(run), params)
     svc = service(request)
     f = svc.new_future(request["tenant"], "optim_step",
                        lambda r: json_payload({"type": "optim_step", "metrics": _optim_metrics(r)}))
     f = svc.submit(Op(run["id"], body.seq_id, OptimF(run["id"], params), f))
     return future_response(f, run["id"])
+
+
+def _optim_params(body: OptimStep) -> AdamParams | DimuonParams:
+    """`adam_params` (AdamW) or `optimizer_params` (another family: Dimuon), as the SDK
+    sends one or the other."""
+    if (body.adam_params is None) == (body.optimizer_params is None):
+        raise UserError("adam_params or optimizer_params: exactly one is required")
+    if (ap := body.adam_params) is not None:
+        return AdamParams(ap.learning_rate, ap.beta1, ap.beta2, ap.eps, ap.weight_decay,
+                          ap.grad_clip_norm)
+    dp = body.optimizer_params
+    if dp.type != "dimuon":
+        raise UserError(f"optimizer_params.type: unknown optimizer {dp.type!r}; supported: "
+                        "dimuon (or adam_params for AdamW)")
+    if dp.damping is not None:
+        # A newer SDK's row and column preconditioner, whose rule Tinker does not publish:
+        # refused rather than ignored, so a run never trains on different math unawares.
+        raise UserError("optimizer_params.damping: not supported by this server's Dimuon "
+                        "(no row/column preconditioner); leave it unset")
+    return DimuonParams(dp.learning_rate, dp.grad_clip_norm, dp.beta1,
+                        dp.rank_lr_correction_exponent)
 
 
 def _optim_metrics(result) -> dict[str, float]:
@@ -280,7 +325,11 @@ async def load_weights(request):
             if body.seq_id is None:
                 raise UserError("seq_id: required with model_id")
             ckpt = own_checkpoint(request, body.path)
-        seq = body.seq_id
+            saved = _run_optimizer(store.get_run(ckpt["run_id"], include_deleted=True))
+            if body.optimizer and saved != _run_optimizer(run):
+                raise UserError(f"path: the checkpoint holds {saved!r} optimizer state; this "
+                                f"model was created with {_run_optimizer(run)!r}")
+        seq, family = body.seq_id, None  # the model keeps its own optimizer
     else:  # create-via-load: the model is "<session>:train:<model_seq_id>", seq 0
         if body.session_id is None or body.model_seq_id is None:
             raise UserError("session_id and model_seq_id are required (or model_id)")
@@ -288,9 +337,11 @@ async def load_weights(request):
         ckpt = own_checkpoint(request, body.path)
         check_base_model(request, body.base_model)
         src = store.get_run(ckpt["run_id"], include_deleted=True)
+        family = _loaded_optimizer(body, src)
+        lora = {**(src["lora_config"] or {}), "optimizer": family}
         try:
             run_id = store.create_run(s["id"], request["tenant"], svc.config.served_name,
-                                      src["lora_rank"], src["lora_config"],
+                                      src["lora_rank"], lora,
                                       metadata(request, body.user_metadata), body.model_seq_id)
         except Conflict:
             raise UserError("that model_seq_id is already used in this session") from None
@@ -299,8 +350,21 @@ async def load_weights(request):
     f = svc.new_future(request["tenant"], "load_weights",
                        lambda _: json_payload({"type": "load_weights", "path": ckpt["tinker_path"],
                                                "model_id": run["id"]}))
-    f = svc.submit(Op(run["id"], seq, LoadF(run["id"], ckpt["dir"], body.optimizer), f))
+    f = svc.submit(Op(run["id"], seq, LoadF(run["id"], ckpt["dir"], body.optimizer, family), f))
     return future_response(f, run["id"])
+
+
+def _loaded_optimizer(body: LoadWeights, src: dict) -> str:
+    """A model created from a checkpoint: with its optimizer state, the checkpoint's family
+    (Tinker: "Dimuon identity retained by full-state resume"); weights only, the one asked
+    for (`optimizer_config`, AdamW by default)."""
+    if not body.optimizer:
+        return _optimizer(body.optimizer_config)
+    saved = _run_optimizer(src)
+    if body.optimizer_config is not None and _optimizer(body.optimizer_config) != saved:
+        raise UserError(f"optimizer_config.type: the checkpoint's optimizer state is "
+                        f"{saved!r}")
+    return saved
 
 
 async def weights_info(request):
@@ -310,4 +374,5 @@ async def weights_info(request):
     lc = run["lora_config"]
     return web.json_response({"base_model": run["base_model"], "is_lora": True,
                               "lora_rank": run["lora_rank"], "train_unembed": lc["train_unembed"],
-                              "train_mlp": lc["train_mlp"], "train_attn": lc["train_attn"]})
+                              "train_mlp": lc["train_mlp"], "train_attn": lc["train_attn"],
+                              "optimizer_config": _optimizer_config(run)})

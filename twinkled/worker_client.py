@@ -53,7 +53,8 @@ RESTART_MESSAGE = ("the worker group failed ({why}) and was restarted; this requ
 def config_of(info: AdapterInfo) -> LoraConfig:
     t = set(info.target_modules)
     return LoraConfig(rank=info.rank, alpha=info.alpha, train_attn=ATTN_MODULES[0] in t,
-                      train_mlp=MLP_MODULES[0] in t, train_unembed=UNEMBED_MODULES[0] in t)
+                      train_mlp=MLP_MODULES[0] in t, train_unembed=UNEMBED_MODULES[0] in t,
+                      optimizer=info.optimizer)
 
 
 class WorkerClient:

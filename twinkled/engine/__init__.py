@@ -10,6 +10,7 @@ from .types import (
     AdamParams,
     AdapterInfo,
     Datum,
+    DimuonParams,
     EngineInputError,
     ForwardBackwardRequest,
     ForwardBackwardResult,
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 __all__ = [
-    "AdamParams", "AdapterInfo", "Datum", "Engine", "EngineInputError",
+    "AdamParams", "AdapterInfo", "Datum", "DimuonParams", "Engine", "EngineInputError",
     "ForwardBackwardRequest", "ForwardBackwardResult", "LoraConfig", "OptimResult",
     "SampleRequest", "SampleResult", "SampledSequence", "SamplingParams",
 ]

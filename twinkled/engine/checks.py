@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .types import AdamParams, EngineInputError
+from .types import OPTIMIZERS, AdamParams, DimuonParams, EngineInputError
 
 # Loss name -> (required inputs, optional inputs, config keys, required config keys).
 _RL = ("target_tokens", "logprobs", "advantages")
@@ -205,6 +205,43 @@ def check_adam_params(p: AdamParams) -> None:
             raise fail(f"adam_params.{name}", "must be in [0, 1)")
     if p.eps < 0 or p.weight_decay < 0 or p.grad_clip_norm < 0:
         raise fail("adam_params", "eps, weight_decay and grad_clip_norm must be >= 0")
+
+
+def check_dimuon_params(p: DimuonParams) -> None:
+    """The SDK's own bounds (tinker 0.38 types/optimizer.py: learning_rate >= 0, 0 <= beta1
+    < 1, no inf/NaN anywhere); grad_clip_norm may be any finite number (<= 0 means off)."""
+    for name in ("learning_rate", "grad_clip_norm", "beta1", "rank_lr_correction_exponent"):
+        v = getattr(p, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise fail(f"optimizer_params.{name}", f"must be a finite number, got {v!r}")
+    if p.learning_rate < 0:
+        raise fail("optimizer_params.learning_rate", "must be >= 0")
+    if not 0.0 <= p.beta1 < 1.0:
+        raise fail("optimizer_params.beta1", "must be in [0, 1)")
+
+
+def check_optimizer(name: str) -> None:
+    """An optimizer family chosen at creation (Tinker's `optimizer_config.type`)."""
+    if name not in OPTIMIZERS:
+        raise fail("optimizer_config.type", f"unknown optimizer {name!r}; supported: "
+                   f"{', '.join(OPTIMIZERS)}")
+
+
+def check_optim_params(optimizer: str, p: AdamParams | DimuonParams) -> None:
+    """One step's params: of the family the model was created with, and in range."""
+    if isinstance(p, AdamParams):
+        if optimizer != "adamw":
+            raise fail("adam_params", f"this model was created with the {optimizer!r} "
+                       "optimizer: send DimuonParams (optimizer_params), not AdamParams")
+        check_adam_params(p)
+    elif isinstance(p, DimuonParams):
+        if optimizer != "dimuon":
+            raise fail("optimizer_params", f"this model was created with the {optimizer!r} "
+                       "optimizer: send AdamParams (adam_params), not DimuonParams")
+        check_dimuon_params(p)
+    else:
+        raise fail("optimizer_params", f"expected AdamParams or DimuonParams, got "
+                   f"{type(p).__name__}")
 
 
 

@@ -12,13 +12,15 @@ from pathlib import Path
 import torch
 
 from . import live, sampler, state, step
+from .checks import check_optim_params, check_optimizer
 from .lora import LoraPool
 from .model import BaseModel
-from .optim import adamw_steps, check_adam_params
+from .optim import optimizer_steps
 from .parallel import reduce_gradients
 from .types import (
     AdamParams,
     AdapterInfo,
+    DimuonParams,
     EngineInputError,
     ForwardBackwardRequest,
     ForwardBackwardResult,
@@ -67,7 +69,8 @@ class Engine:
     def adapter_info(self, adapter_id: str) -> AdapterInfo:
         a = self.pool.get(adapter_id)
         c = a.config
-        return AdapterInfo(adapter_id, c.rank, c.alpha, c.target_modules, a.steps, a.pending)
+        return AdapterInfo(adapter_id, c.rank, c.alpha, c.target_modules, a.steps, a.pending,
+                           c.optimizer)
 
     # -- training ---------------------------------------------------------------------
 
@@ -101,21 +104,25 @@ class Engine:
         """Logprobs (and loss values) only; changes nothing."""
         return self.forward_backward([replace(r, forward_only=True) for r in requests])
 
-    def optim_step(self, adapter_id: str, params: AdamParams | None = None) -> OptimResult:
-        """AdamW on the gradients accumulated since the adapter's last step (then cleared)."""
+    def optim_step(self, adapter_id: str,
+                   params: AdamParams | DimuonParams | None = None) -> OptimResult:
+        """The adapter's optimizer (AdamW or Dimuon, chosen at its creation) on the gradients
+        accumulated since its last step (then cleared). `params` must be of that family;
+        None means AdamW's defaults (Dimuon's learning_rate has no default)."""
         return self.optim_steps([(adapter_id, params or AdamParams())])[0]
 
-    def optim_steps(self, items: list[tuple[str, AdamParams]]) -> list[OptimResult]:
-        """Several adapters' optimizer steps at once (cheaper than one call each)."""
-        for _, params in items:
-            check_adam_params(params)
+    def optim_steps(self, items: list[tuple[str, AdamParams | DimuonParams]]) -> list[OptimResult]:
+        """Several adapters' optimizer steps at once (cheaper than one call each), of either
+        family. Everything is checked first: a bad item fails the call and changes nothing."""
         ids = [i for i, _ in items]
         if len(set(ids)) != len(ids):
             raise EngineInputError("adapter_id", "an adapter may step only once per call")
         adapters = [self.pool.get(i) for i in ids]
+        for adapter, (_, params) in zip(adapters, items, strict=True):
+            check_optim_params(adapter.config.optimizer, params)
         if self.dp_group is not None:
             reduce_gradients(adapters, self.dp_group)
-        return adamw_steps(list(zip(adapters, [p for _, p in items], strict=True)))
+        return optimizer_steps(list(zip(adapters, [p for _, p in items], strict=True)))
 
     def zero_grad(self, adapter_id: str) -> None:
         a = self.pool.get(adapter_id)
@@ -137,22 +144,37 @@ class Engine:
         """Write a checkpoint directory (PEFT adapter, plus optimizer state); returns bytes."""
         return state.save_adapter(self.pool.get(adapter_id), path, str(self.model.dir), optimizer)
 
-    def load(self, adapter_id: str, path: str | Path, optimizer: bool = True) -> AdapterInfo:
+    def load(self, adapter_id: str, path: str | Path, optimizer: bool = True,
+             optimizer_type: str | None = None) -> AdapterInfo:
         """Load a checkpoint into `adapter_id`, creating it if needed (its shape is the file's).
 
+        With `optimizer`, the optimizer state and its family come from the checkpoint (as
+        Tinker's full-state resume keeps Dimuon), and an existing adapter must be of that
+        family. Without, a new adapter gets `optimizer_type` (default AdamW) and fresh state.
         Everything is read and checked before the adapter changes.
         """
+        if optimizer_type is not None:
+            check_optimizer(optimizer_type)
         if live.is_live(path):  # a worker's persisted state (see workers/persist.py)
             config, weights, moments, steps = live.read_live(path)
         else:
             config, weights, moments, steps = state.read_adapter(
                 path, self.model.targets, self.pool.max_rank, optimizer)
+        if not optimizer:  # (a live state holds moments whatever was asked: drop them)
+            config, moments = replace(config, optimizer=optimizer_type or "adamw"), None
+        elif optimizer_type is not None and optimizer_type != config.optimizer:
+            raise EngineInputError("optimizer_config.type", f"the checkpoint's optimizer state "
+                                   f"is {config.optimizer!r}, not {optimizer_type!r}")
         if self.has_adapter(adapter_id):
             current = self.pool.get(adapter_id).config
             if (current.rank, current.target_modules) != (config.rank, config.target_modules):
                 raise EngineInputError(
                     "path", f"checkpoint has rank {config.rank} on {config.target_modules}, "
                     f"adapter {adapter_id!r} has rank {current.rank} on {current.target_modules}")
+            if optimizer and current.optimizer != config.optimizer:
+                raise EngineInputError(
+                    "path", f"checkpoint holds {config.optimizer!r} optimizer state; adapter "
+                    f"{adapter_id!r} was created with {current.optimizer!r}")
             config = current
         else:
             self.pool.add(adapter_id, config)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checks import check_optimizer
 from .types import EngineInputError, LoraConfig
 
 
@@ -40,7 +41,7 @@ class Bank:
         self.B: dict[str, torch.Tensor] = {}
         self.gA: dict[str, torch.Tensor] = {}
         self.gB: dict[str, torch.Tensor] = {}
-        self.mA: dict[str, torch.Tensor] = {}  # AdamW first moments
+        self.mA: dict[str, torch.Tensor] = {}  # AdamW first moments (Dimuon: momentum)
         self.mB: dict[str, torch.Tensor] = {}
         self.vA: dict[str, torch.Tensor] = {}  # AdamW second moments
         self.vB: dict[str, torch.Tensor] = {}
@@ -146,6 +147,7 @@ class LoraPool:
             raise EngineInputError("train_attn/train_mlp/train_unembed", "at least one must be true")
         if not (config.alpha > 0):
             raise EngineInputError("alpha", f"must be positive, got {config.alpha!r}")
+        check_optimizer(config.optimizer)
         keys = {k: s for k, s in self.targets.items() if k.rsplit(".", 1)[-1] in config.target_modules}
         bank_key = (config.rank, tuple(sorted(keys)))
         bank = self.banks.get(bank_key)

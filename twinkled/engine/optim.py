@@ -1,21 +1,23 @@
-"""Per-adapter AdamW over the adapter's slice of its bank.
+"""Per-adapter optimizer steps: AdamW, or Dimuon (`dimuon.py`), as each adapter was created.
 
 torch.optim.AdamW wants leaf parameters; an adapter's weights are slices of shared banks
 (so that a mixed batch gathers them in one op), so we call torch's functional AdamW on the
-slices. Hyperparameters come with every step (Tinker's AdamParams) and may change.
+slices. Hyperparameters come with every step (Tinker's AdamParams / DimuonParams) and may
+change.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import astuple
 
 import torch
+from msgspec.structs import astuple
 from torch.optim.adamw import adamw
 
 from .checks import check_adam_params  # noqa: F401 - re-exported for the engine
+from .dimuon import dimuon_update
 from .lora import Adapter
-from .types import AdamParams, OptimResult
+from .types import AdamParams, DimuonParams, OptimResult
 
 
 def _counters(adapter: Adapter) -> list[torch.Tensor]:
@@ -33,11 +35,13 @@ def _counters(adapter: Adapter) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def adamw_steps(items: list[tuple[Adapter, AdamParams]]) -> list[OptimResult]:
-    """Apply AdamW to each adapter's gradients accumulated since its last step; clear them.
+def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]]) -> list[OptimResult]:
+    """Apply each adapter's optimizer to its gradients accumulated since its last step;
+    clear them. The params' family is the adapter's (checked by the engine).
 
     Adapters stepping together share the work: one norm pass and one host sync for all,
-    and one fused AdamW call per distinct set of hyperparameters.
+    one fused AdamW call per distinct set of AdamW hyperparameters, and one Dimuon call for
+    all Dimuon adapters.
     """
     results: list[OptimResult | None] = [None] * len(items)
     live = []
@@ -53,20 +57,25 @@ def adamw_steps(items: list[tuple[Adapter, AdamParams]]) -> list[OptimResult]:
     norms = torch.stack([x.norm() for x in per_tensor.split([len(g) for g in grads])]).tolist()
 
     groups: dict[tuple, list] = {}
+    dimuon: list[tuple[Adapter, DimuonParams]] = []
     for (i, adapter, params), g, norm in zip(live, grads, norms, strict=True):
         if not math.isfinite(norm):
             # Never let a non-finite gradient into the weights: drop it and say so.
             results[i] = OptimResult(False, {"grad_norm:mean": norm, "skipped:sum": 1.0,
                                              "reason": "non-finite gradient norm; gradients dropped"})
+            continue
+        # Both families clip the same way; Dimuon's "nonpositive" values mean no clipping.
+        if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
+            torch._foreach_mul_(g, params.grad_clip_norm / (norm + 1e-6))
+        if isinstance(params, DimuonParams):
+            dimuon.append((adapter, params))
         else:
-            if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
-                torch._foreach_mul_(g, params.grad_clip_norm / (norm + 1e-6))
             groups.setdefault(astuple(params), []).append(adapter)
             _counters(adapter)  # made before `steps` moves on; AdamW advances them itself
-            adapter.steps += 1
-            results[i] = OptimResult(True, {"grad_norm:mean": norm,
-                                            "learning_rate:mean": params.learning_rate,
-                                            "step:max": float(adapter.steps)})
+        adapter.steps += 1
+        results[i] = OptimResult(True, {"grad_norm:mean": norm,
+                                        "learning_rate:mean": params.learning_rate,
+                                        "step:max": float(adapter.steps)})
     for key, adapters in groups.items():
         p = AdamParams(*key)
         cat = {kind: [t for a in adapters for t in a.bank.tensors(a.slot, kind)]
@@ -76,6 +85,8 @@ def adamw_steps(items: list[tuple[Adapter, AdamParams]]) -> list[OptimResult]:
         adamw(cat["w"], cat["g"], cat["m"], cat["v"], [], counters, foreach=not fused,
               fused=fused, amsgrad=False, beta1=p.beta1, beta2=p.beta2, lr=p.learning_rate,
               weight_decay=p.weight_decay, eps=p.eps, maximize=False)
+    if dimuon:
+        dimuon_update(dimuon)
     for _, adapter, _ in live:
         adapter.pending = 0
         adapter.bank.stale.add(adapter.slot)

@@ -2,7 +2,9 @@
 
 A checkpoint is a directory:
   adapter_config.json, adapter_model.safetensors   PEFT LoRA (peft, vLLM and others load it)
-  optimizer.safetensors                            AdamW moments + step count (training state)
+  optimizer.safetensors                            AdamW moments (exp_avg, exp_avg_sq) or
+                                                   Dimuon momentum (momentum_buffer), the
+                                                   step count and the family (metadata)
 Files are written into a temporary sibling directory, fsynced, then renamed into place, so
 a crash never leaves a half-written checkpoint under the final name.
 """
@@ -14,7 +16,7 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,6 +29,10 @@ PEFT_PREFIX = "base_model.model."
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
 OPTIMIZER = "optimizer.safetensors"
+# An optimizer family's state: (bank buffer, tensor name suffix). Dimuon keeps only its
+# momentum, under torch.optim.Muon's name for it.
+MOMENTS = {"adamw": (("m", "exp_avg"), ("v", "exp_avg_sq")),
+           "dimuon": (("m", "momentum_buffer"),)}
 
 
 @dataclass
@@ -72,7 +78,7 @@ def snapshot(adapter: Adapter, optimizer: bool) -> Snapshot:
     views = list(bank.tensors(slot, "w"))
     names = [(WEIGHTS, f"{PEFT_PREFIX}{k}.{p}.weight") for p in ("lora_A", "lora_B") for k in keys]
     if optimizer:
-        for kind, suffix in (("m", "exp_avg"), ("v", "exp_avg_sq")):
+        for kind, suffix in MOMENTS[adapter.config.optimizer]:
             views += bank.tensors(slot, kind)
             names += [(OPTIMIZER, f"{k}.{p}.{suffix}") for p in ("lora_A", "lora_B") for k in keys]
     names = [(f, n, tuple(v.shape)) for (f, n), v in zip(names, views, strict=True)]
@@ -113,7 +119,8 @@ def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
         }
         (tmp / CONFIG).write_text(json.dumps(peft_config, indent=2))
         if OPTIMIZER in files:
-            meta = {"steps": str(snap.steps), "seed": str(cfg.seed)}
+            meta = {"steps": str(snap.steps), "seed": str(cfg.seed),
+                    "optimizer": cfg.optimizer}
             save_file(files[OPTIMIZER], tmp / OPTIMIZER, metadata=meta)
         for f in tmp.iterdir():
             _fsync(f)
@@ -185,7 +192,12 @@ def read_adapter(path: str | Path, targets: dict[str, tuple[int, int]], max_rank
         from safetensors import safe_open
 
         with safe_open(path / OPTIMIZER, "pt") as f:
-            steps = int((f.metadata() or {}).get("steps", 0))
+            meta = f.metadata() or {}
+        steps = int(meta.get("steps", 0))
+        family = meta.get("optimizer", "adamw")  # files from before Dimuon are AdamW's
+        if family not in MOMENTS:
+            raise EngineInputError("path", f"{path}: unknown optimizer {family!r} in {OPTIMIZER}")
+        config = replace(config, optimizer=family)
         moments = load_file(path / OPTIMIZER)
     return config, weights, moments, steps
 
@@ -199,11 +211,12 @@ def write_into(adapter: Adapter, weights: dict, moments: dict | None, steps: int
         bank.A[key][slot].copy_(a)
         bank.B[key][slot].copy_(b)
     if moments is not None:
-        for key in bank.shapes:
-            for part, m, v in (("lora_A", bank.mA, bank.vA), ("lora_B", bank.mB, bank.vB)):
-                if f"{key}.{part}.exp_avg" in moments:
-                    m[key][slot].copy_(moments[f"{key}.{part}.exp_avg"])
-                    v[key][slot].copy_(moments[f"{key}.{part}.exp_avg_sq"])
+        buffers = {"m": (bank.mA, bank.mB), "v": (bank.vA, bank.vB)}
+        for kind, suffix in MOMENTS[adapter.config.optimizer]:
+            for key in bank.shapes:
+                for part, store in zip(("lora_A", "lora_B"), buffers[kind], strict=True):
+                    if f"{key}.{part}.{suffix}" in moments:
+                        store[key][slot].copy_(moments[f"{key}.{part}.{suffix}"])
     bank.stale.add(slot)
     adapter.steps = steps
     adapter.pending = 0

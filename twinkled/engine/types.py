@@ -1,7 +1,8 @@
 """Plain data types the engine takes and returns.
 
 They may carry torch tensors and Python callables, so they are dataclasses, not wire
-structs. This module does not import torch: the daemon's HTTP process builds requests from
+structs; the optimizer params are the exception (tagged msgspec structs: an optim op carries
+either family's, and a union of two types needs a tag). This module does not import torch: the daemon's HTTP process builds requests from
 them, and `twinkled.workers.frames` turns them into msgspec frames for the workers.
 """
 
@@ -11,12 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 if TYPE_CHECKING:
     import torch
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
+# Tinker's optimizer families (`optimizer_config.type`), fixed when an adapter is created.
+OPTIMIZERS = ("adamw", "dimuon")
 
 
 class EngineInputError(ValueError):
@@ -37,6 +42,9 @@ class LoraConfig:
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
+    # The optimizer family: part of the adapter from its creation, as in Tinker (an
+    # optim_step's params must match it); kept with its live state and checkpoints.
+    optimizer: str = "adamw"
 
     @property
     def target_modules(self) -> tuple[str, ...]:
@@ -51,8 +59,7 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-@dataclass
-class AdamParams:
+class AdamParams(msgspec.Struct, tag_field="type", tag="adamw"):
     """Tinker's AdamParams, with its defaults. May change at every step."""
 
     learning_rate: float = 1e-4
@@ -61,6 +68,29 @@ class AdamParams:
     eps: float = 1e-12
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0
+
+
+class DimuonParams(msgspec.Struct, tag_field="type", tag="dimuon"):
+    """Tinker's DimuonParams (SDK 0.38: learning_rate, grad_clip_norm, beta1), one step's.
+
+    What the fields mean, and where that is written (`engine/dimuon.py` has the rule):
+    - learning_rate (>= 0, no default in the SDK): applied to "a direction with Frobenius
+      norm sqrt(rank), with rank correction applied uniformly to all LoRA matrices"
+      (tinker-docs.thinkingmachines.ai, api-reference/types/dimuonparams);
+    - grad_clip_norm: "Maximum global gradient norm. Nonpositive values disable gradient
+      clipping" (SDK 0.38 tinker/types/optimizer.py); so a negative value is valid: off;
+    - beta1 in [0, 1): "EMA coefficient for the momentum" (same file);
+    - rank_lr_correction_exponent: not in SDK 0.38; the docs' newer DimuonParams has it,
+      default 0.175, "relative to rank 32. Zero disables rank correction".
+    """
+
+    learning_rate: float
+    grad_clip_norm: float = 0.0
+    beta1: float = 0.9
+    rank_lr_correction_exponent: float = 0.175
+
+
+OptimParams = AdamParams | DimuonParams
 
 
 # A custom loss gets the request's data and one logprob tensor per datum (with grad) and
@@ -152,6 +182,7 @@ class AdapterInfo:
     target_modules: tuple[str, ...]
     steps: int
     pending: int
+    optimizer: str = "adamw"
 
 
 @dataclass

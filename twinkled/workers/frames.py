@@ -16,6 +16,7 @@ import msgspec
 from twinkled.engine.types import (
     AdamParams,
     AdapterInfo,
+    DimuonParams,
     LoraConfig,
     OptimResult,
     SampleResult,
@@ -108,7 +109,7 @@ class CreateF(_Op, tag="create"):
 
 
 class OptimF(_Op, tag="optim"):
-    params: AdamParams
+    params: AdamParams | DimuonParams  # of the family the adapter was created with
     mark: int = 0
 
 
@@ -120,6 +121,7 @@ class SaveF(_Op, tag="save"):
 class LoadF(_Op, tag="load"):
     dir: str
     optimizer: bool = False
+    optimizer_type: str | None = None  # a new adapter's family (engine.Engine.load)
     mark: int = 0
 
 

@@ -277,7 +277,8 @@ class StepRunner:
                 engine.save(aid, op.dir, optimizer=op.optimizer)
                 return OutcomeF(i, digest=checkpoint_digest(Path(op.dir)))
             case LoadF():
-                info = engine.load(aid, op.dir, optimizer=op.optimizer)
+                info = engine.load(aid, op.dir, optimizer=op.optimizer,
+                                   optimizer_type=op.optimizer_type)
                 self.marks[aid] = op.mark
                 self._persist(aid)
                 return OutcomeF(i, info=info)
