@@ -206,11 +206,16 @@ def fake_python(tmp_path):
     return run
 
 
-def _pip_install(calls: list[list[str]]) -> list[str]:
-    """The one `python3 -m pip install ...` call, run at the repo root: its arguments."""
+def _pip_install(calls: list[list[str]], cookbook: bool = False) -> list[str]:
+    """The one `python3 -m pip install ...` call that installs the project (with torch
+    pinned), run at the repo root: its arguments. With `cookbook`, it must be followed by
+    the one install of tinker-cookbook without its dependencies (their pins include
+    another torch); without, there is no other install."""
     installs = [c for c in calls if c[1:4] == ["-m", "pip", "install"]]
-    assert len(installs) == 1, calls
+    assert len(installs) == (2 if cookbook else 1), calls
     assert Path(installs[0][0]) == ROOT
+    if cookbook:
+        assert installs[1][-2:] == ["--no-deps", "tinker-cookbook==0.6.1"], installs[1]
     return installs[0][4:]
 
 
@@ -222,8 +227,8 @@ def test_ci_and_readme_run_the_install_script_then_the_tests(fake_python):
     test_line = next(ln for ln in block.splitlines() if "test" in ln.split("#")[0])
     via_readme = fake_python(test_line.split("#")[0].strip())
     assert via_ci == via_readme
-    args = _pip_install(via_ci)
-    assert "torch==2.13.0" in args and args[-2:] == ["-e", ".[test]"]  # the default install
+    args = _pip_install(via_ci, cookbook=True)
+    assert "torch==2.13.0" in args and args[-2:] == ["-e", ".[test,cookbook]"]  # the default
     assert via_ci[-1][1:3] == ["-m", "pytest"], "the tests run after the install"
 
 

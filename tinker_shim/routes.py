@@ -143,8 +143,8 @@ def _refuse(what: str):
 
 def _tags_future(handler):
     """Record on the store's row of the request's future which run or sampler it belongs
-    to (read from the answer: `model_id`, or the sampler of `sample_sequence_ids`), so a
-    session's trace shows its requests."""
+    to (read from the answer's `model_id`), so a session's trace shows its requests.
+    (asample tags its own: the sampler is not in its answer.)"""
     async def tagged(request):
         response = await handler(request)
         try:
@@ -152,8 +152,6 @@ def _tags_future(handler):
         except (TypeError, ValueError):
             return response
         owner = body.get("model_id")
-        if owner is None and body.get("sample_sequence_ids"):
-            owner = body["sample_sequence_ids"][0].rsplit(":", 2)[0]  # "<sampler>:<seq>:<i>"
         if owner is not None and body.get("request_id"):
             request.app["store"].tag_future(body["request_id"], owner)
         return response
@@ -182,7 +180,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post(f"{V1}/weights_info", weights_info)
     r.add_post(f"{V1}/create_sampling_session", create_sampling_session)
     r.add_get(f"{V1}/samplers/{{sampler_id}}", get_sampler)
-    r.add_post(f"{V1}/asample", _tags_future(asample))
+    r.add_post(f"{V1}/asample", asample)
     r.add_post(f"{V1}/retrieve_future", retrieve_future)
     add_rest_routes(app)
     for (method, path), what in UNSUPPORTED_ROUTES.items():

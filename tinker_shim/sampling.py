@@ -104,6 +104,7 @@ async def asample(request):
     after = _recorder(request, sampler, ids, tokens) if body.record_stability_info else None
     cost = len(tokens) + params.max_tokens * n
     svc.submit(Op(None, None, frame, f, cost, after=after))
+    request.app["store"].tag_future(f.id, sampler["id"])  # a session's trace shows it
     return future_response(f, sample_sequence_ids=ids)
 
 

@@ -231,7 +231,8 @@ def _wrong_type(key: str, value, hint) -> str | None:
         origin = typing.get_origin(t) or t
         if t is type(None) or isinstance(value, bool) != (t is bool):
             continue
-        if ((t in (str, Path) and isinstance(value, str)) or (t is int and isinstance(value, int))
+        if ((t in (str, Path) and isinstance(value, str)) or (t is bool)
+                or (t is int and isinstance(value, int))
                 or (t is float and isinstance(value, int | float))
                 or (origin is dict and isinstance(value, dict))):
             return None
