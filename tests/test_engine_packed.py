@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import all_close, grads, make_engine, randomize_b, random_datum, rl_datum
+from helpers import all_close, grads, make_engine, random_datum, randomize_b, rl_datum
 
 from twinkled.engine.packed import grouped_mm, grouped_weight_grad
 from twinkled.engine.types import Datum, ForwardBackwardRequest, LoraConfig
