@@ -14,11 +14,14 @@ asks for predictions while it packs a step. Fitting, pure Python and O(1) per st
 - Weighted least squares on decayed sufficient statistics (X'WX, X'Wy, forgetting factor
   `decay` per step), so the model follows a machine whose speed changes (other load, a
   restarted worker) without keeping a window of samples.
-- Relative errors: a sample weighs 1/seconds^2, so a 2 s step's jitter does not drown the
-  10 ms steps that pin down `fixed`.
-- Robust: after a warm-up, a sample whose relative residual is far outside the recent
-  spread is down-weighted (Huber), so a step slowed by a garbage collection or a restart
-  does not bend the fit.
+- Relative errors: a sample weighs (level/seconds)^2, `level` the machine's current speed
+  against the prior's, so a 2 s step's jitter does not drown the 10 ms steps that pin down
+  `fixed`, and a machine that slows down as a whole keeps its old and new samples' weights.
+- Robust: a sample whose relative residual is far outside the recent spread, and over
+  MIN_OUTLIER, is down-weighted (Huber), so a step slowed by a garbage collection or a
+  restart does not bend the fit. The floor matters: a model that is wrong in a direction
+  few steps explore (the fixed cost, seen in the rare small steps) mispredicts exactly
+  those steps by 20-40%; calling them outliers would keep it wrong for good.
 - A prior before (and beside) measurements: pseudo-observations of a typical GPU step at
   five different shapes, scaled by the median ratio measured/prior, so only the prior's
   *proportions* matter; the data override it in every direction they determine. With steps
@@ -44,6 +47,8 @@ PRIOR = (0.03, 2e-5, 2e-5 / 16384, 2e-4, 2e-3)
 # (tokens per row, rows, adapters) of the prior's pseudo-observations: shapes different
 # enough that every coefficient is pinned.
 _PRIOR_SHAPES = ((64, 1, 1), (1024, 1, 1), (512, 16, 8), (128, 64, 2), (4096, 4, 1))
+LAG = 8  # a step is learnt from when 8 more have been measured (see observe)
+MIN_OUTLIER = 0.5  # a step is an outlier only if at least 50% off (and 3 spreads)
 PRIOR_WEIGHT = 0.05  # each pseudo-observation counts as 1/20 of a measured step
 
 # The automatic step-time target (see CostModel.auto_target).
@@ -80,17 +85,16 @@ def _raw_shape(row_len: int, rows: int, adapters: int) -> StepShape:
 
 
 class CostModel:
-    def __init__(self, prior: tuple[float, ...] = PRIOR, decay: float = 0.99,
-                 warmup: int = 8, huber_k: float = 3.0) -> None:
+    def __init__(self, prior: tuple[float, ...] = PRIOR, decay: float = 0.995,
+                 huber_k: float = 3.0) -> None:
         self.prior = tuple(p * s for p, s in zip(prior, _SCALE, strict=True))  # scaled
         self.decay = decay
-        self.warmup = warmup
         self.huber_k = huber_k
         k = len(FEATURES)
         self._xtx = [[0.0] * k for _ in range(k)]
         self._xty = [0.0] * k
-        # The prior's pseudo-observations, relative-weighted like the data: P = sum w x x'/y^2
-        # and q = sum w x / y; scaled by s (measured/prior) they add P/s^2 and q/s.
+        # The prior's pseudo-observations, weighted like the data (1/prior^2): P = sum w x x'/y^2
+        # and q = sum w x / y; with their targets scaled by s (measured/prior), P and s q.
         self._p = [[0.0] * k for _ in range(k)]
         self._q = [0.0] * k
         for row_len, rows, adapters in _PRIOR_SHAPES:
@@ -101,6 +105,7 @@ class CostModel:
                 for j in range(k):
                     self._p[i][j] += PRIOR_WEIGHT * x[i] * x[j] / (y * y)
         self._ratios: deque[float] = deque(maxlen=31)  # measured / prior, recent steps
+        self._window: deque[tuple] = deque(maxlen=2 * LAG + 1)  # (features, seconds)
         self.scale = 1.0
         self.spread = 0.1  # typical |relative residual| of recent steps
         self.n = 0  # steps observed
@@ -115,47 +120,48 @@ class CostModel:
         if not (seconds > 0 and math.isfinite(seconds)) or shape.rows <= 0:
             return
         x = shape.features()
-        predicted = self.predict(shape)
-        r = (seconds - predicted) / predicted
-        h = 1.0
-        if self.n >= self.warmup:
-            if abs(r) > self.huber_k * self.spread:
-                h = self.huber_k * self.spread / abs(r)
-                self.outliers += 1
-            # Winsorised, so one huge outlier moves the spread by a bounded step.
-            self.spread = max(0.01, 0.95 * self.spread
-                              + 0.05 * min(abs(r), self.huber_k * self.spread))
         self._ratios.append(seconds / _dot(self.prior, x))
-        self.scale = sorted(self._ratios)[len(self._ratios) // 2]
-        w = h / (seconds * seconds)
-        d = self.decay
-        for i, xi in enumerate(x):
-            self._xty[i] = d * self._xty[i] + w * xi * seconds
-            row = self._xtx[i]
-            for j, xj in enumerate(x):
-                row[j] = d * row[j] + w * xi * xj
+        self.scale = _median(self._ratios)
+        # A step is judged when LAG later steps have been seen, against its neighbours on
+        # both sides: the first steps of a daemon are judged too (one of them may be the
+        # slowest of all: CUDA and allocator warm-up), and a change of speed is told from
+        # one slow step by the steps after it.
+        self._window.append((x, seconds))
+        if len(self._window) > LAG:
+            self._learn(len(self._window) - LAG - 1)
         self.n += 1
+
+    def _learn(self, i: int) -> None:
+        ratios = [y / max(1e-9, _dot(self.coef, x)) for x, y in self._window]
+        x, seconds = self._window[i]
+        # The residual against the prediction times the window's median ratio: when the
+        # machine as a whole slows down (other load), its steps are not outliers.
+        r = ratios[i] / _median(ratios) - 1
+        h = 1.0
+        limit = max(MIN_OUTLIER, self.huber_k * self.spread)
+        if abs(r) > limit:
+            h = limit / abs(r)
+            self.outliers += 1
+        # Winsorised, so one huge outlier moves the spread by a bounded step.
+        self.spread = max(0.01, 0.95 * self.spread + 0.05 * min(abs(r), limit))
+        # Relative errors, at the machine's current level: a step slower than its peers
+        # weighs less, whatever the level; a machine slowing down as a whole does not make
+        # its new steps weigh less than its old ones.
+        w = h * (self.scale / seconds) ** 2
+        d = self.decay
+        for k, xk in enumerate(x):
+            self._xty[k] = d * self._xty[k] + w * xk * seconds
+            row = self._xtx[k]
+            for j, xj in enumerate(x):
+                row[j] = d * row[j] + w * xk * xj
         self._dirty = True
 
     def _solve(self) -> None:
         k = len(FEATURES)
         s = self.scale
-        a = [[self._xtx[i][j] + self._p[i][j] / (s * s) for j in range(k)] for i in range(k)]
-        b = [self._xty[i] + self._q[i] / s for i in range(k)]
-        # Non-negative least squares, the simple way: a coefficient that comes out negative
-        # is fixed at 0 and the rest solved again (at most k rounds of a 5x5 solve).
-        free = list(range(k))
-        coef = [0.0] * k
-        while free:
-            sol = _gauss([[a[i][j] for j in free] for i in free], [b[i] for i in free])
-            neg = min(range(len(free)), key=lambda i: sol[i])
-            if sol[neg] >= 0:
-                coef = [0.0] * k
-                for i, c in zip(free, sol, strict=True):
-                    coef[i] = c
-                break
-            free.pop(neg)
-        self._coef = coef
+        a = [[self._xtx[i][j] + self._p[i][j] for j in range(k)] for i in range(k)]
+        b = [self._xty[i] + self._q[i] * s for i in range(k)]
+        self._coef = _nnls(a, b)
         self._dirty = False
 
     # -- predicting ---------------------------------------------------------------------
@@ -213,8 +219,46 @@ class CostModel:
                 "spread": round(self.spread, 3)}
 
 
+def _median(xs) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
 def _dot(a, b) -> float:
     return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def _nnls(a: list[list[float]], b: list[float]) -> list[float]:
+    """min x'ax/2 - b'x over x >= 0 (the normal equations of non-negative least squares):
+    Lawson and Hanson's active-set method, a handful of small solves. Coefficients fixed at
+    0 may come back when the others change (dropping them one by one for good, the simple
+    way, can strand the fit: the intercept dropped, the rows made to pay for it)."""
+    n = len(b)
+    x = [0.0] * n
+    free: list[int] = []
+    for _ in range(3 * n):
+        grad = [b[i] - sum(a[i][j] * x[j] for j in range(n)) for i in range(n)]
+        out = [i for i in range(n) if i not in free and grad[i] > 1e-12 * (abs(b[i]) + 1e-300)]
+        if not out:
+            break
+        free.append(max(out, key=lambda i: grad[i]))
+        while True:
+            z = [0.0] * n
+            for i, v in zip(free, _gauss([[a[i][j] for j in free] for i in free],
+                                         [b[i] for i in free]), strict=True):
+                z[i] = v
+            if all(z[i] > 0 for i in free):
+                x = z
+                break
+            # Step from x toward z as far as stays feasible; drop what reaches 0.
+            step = min(x[i] / (x[i] - z[i]) for i in free if z[i] <= 0)
+            x = [xi + step * (zi - xi) for xi, zi in zip(x, z, strict=True)]
+            free = [i for i in free if x[i] > 1e-15]
+            for i in range(n):
+                if i not in free:
+                    x[i] = 0.0
+            if not free:
+                break
+    return x
 
 
 def _gauss(a: list[list[float]], b: list[float]) -> list[float]:

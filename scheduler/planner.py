@@ -30,6 +30,8 @@ from .cost import CostModel, StepShape
 from .fairness import Fairness, Limits, Tenant
 from .queues import SAMPLE, TRAIN, ModelQueue, Work
 
+PROBE_EVERY = 8  # every 8th training step is a half-size probe (Planner._fit)
+
 
 @dataclass
 class Step:
@@ -56,6 +58,7 @@ class Planner:
         self.held: dict[str, deque[Work]] = {}  # tenant -> work over its quota, FIFO
         self.paused: set[str] = set()  # ids of held work
         self.steps = 0
+        self._train_steps = 0
         self._sample_turn = False
 
     # -- configuration ------------------------------------------------------------------
@@ -192,14 +195,17 @@ class Planner:
         shape = StepShape()
         models: set[str] = set()
         charged: dict[str, float] = {}  # tenant -> seconds its rows add to the step
-        target = self.step_target()
+        target, budget = self.step_target(), self.token_budget
+        self._train_steps += 1
+        if self.target_step_s is None and self._train_steps % PROBE_EVERY == 0:
+            target, budget = target / 2, budget // 2  # a probe: see _fit's docstring
         while runs:
             t = self.fair.pick([self.fair.tenant(n) for n in runs])
             model_runs = runs[t.name]
             i = t.rr % len(model_runs)
             w = model_runs[i][0]
             new_model = w.model not in models
-            fit = self._fit(w, shape, new_model, target, first=not taken)
+            fit = self._fit(w, shape, new_model, target, budget, first=not taken)
             if fit is None:
                 break
             piece, lengths = fit
@@ -238,29 +244,34 @@ class Planner:
                 taken.append(w)
         return Step("train", taken, shape, self.cost.predict(shape))
 
-    def _fit(self, w: Work, shape: StepShape, new_model: bool, target: float,
+    def _fit(self, w: Work, shape: StepShape, new_model: bool, target: float, budget: int,
              first: bool) -> tuple[Work, list[int]] | None:
         """`w` whole, or its first datums that fit, or None; with the datums' lengths.
 
-        A datum fits if the step stays within `token_budget` tokens and its predicted time
-        lands nearer `target` with the datum than without it (so steps come out about the
-        target, not always under it: at most half a datum over, and no step is left half
-        empty because its next datum is long). An op that does not fit is cut between
-        datums, so one huge request cannot hold a step (and every other tenant) for long; a
-        step's first piece may overflow by one datum rather than never run.
+        The step is filled until its predicted time reaches `target`: a datum goes in while
+        the step stays within `budget` tokens and its time so far is under the target
+        (so a step ends at most one datum past the target, and never short of it while work
+        is waiting: its fixed cost stays under the share the target was chosen for). An op
+        that does not fit is cut between datums, so one huge request cannot hold a step (and
+        every other tenant) for long; a step's first piece may overflow by one datum rather
+        than never run.
+
+        Every PROBE_EVERY-th step is packed to half the target and half the budget when the
+        target is automatic: a tenant alone sends steps that all look alike, from which no
+        fit can tell a step's fixed cost from what its rows cost, and the automatic target
+        is made of that fixed cost. Steps of two sizes tell them apart, for ~1% of
+        throughput.
         """
         lengths = w.parts[w.taken:] if w.parts else [w.tokens]
-        tokens_room = self.token_budget - shape.tokens
+        tokens_room = budget - shape.tokens
         seconds = self.cost.predict(shape) + (self.cost.adapter_cost if new_model else 0.0)
         n = size = 0
         for length in lengths:
-            half = self.cost.row_cost(length) / 2
-            if ((size + length > tokens_room or seconds + half > target)
-                    and not (first and n == 0)):
+            if (size + length > tokens_room or seconds >= target) and not (first and n == 0):
                 break
             n += 1
             size += length
-            seconds += 2 * half
+            seconds += self.cost.row_cost(length)
         if n == 0:
             return None
         if not w.parts:
