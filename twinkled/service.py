@@ -429,8 +429,9 @@ class Service(FutureBook, Residency):
         return replace(op, frame=part, piece=(w.lo, w.final))  # checked whole at the door
 
     async def _execute(self, kind: str, batch: list[Op]) -> float | None:
-        """Run a step; returns the seconds the workers took, None if it did not run whole
-        (an op dropped or failed by the server: its time says nothing of the step's cost)."""
+        """Run a step; returns its seconds (the workers' and the handling of its results:
+        until the next step may start), None if it did not run whole (an op dropped or
+        failed by the server: its time says nothing of the step's cost)."""
         planned = len(batch)
         # Pieces of an op that already failed are dropped (nothing of it trains further).
         batch = [op for op in batch if not (op.piece and op.future.done.is_set())]
@@ -454,8 +455,7 @@ class Service(FutureBook, Residency):
             outcomes = [(None, f"server error: {type(e).__name__}: {e}", "server")] * len(batch)
         finally:
             self._stepping = False
-            seconds = time.monotonic() - started
-            self.metrics.step_seconds.labels(kind).observe(seconds)
+            self.metrics.step_seconds.labels(kind).observe(time.monotonic() - started)
         for op, (result, message, category) in zip(batch, outcomes, strict=True):
             self._track_live(op, message)
             self._count_tokens(op, result, message)
@@ -472,7 +472,7 @@ class Service(FutureBook, Residency):
             if op.after is not None:
                 op.after(result, message)
         whole = len(batch) == planned and all(c != "server" for _, _, c in outcomes)
-        return seconds if whole else None
+        return time.monotonic() - started if whole else None
 
     def _count_tokens(self, op: Op, result, message: str | None) -> None:
         if message is not None:
