@@ -9,10 +9,13 @@ The rule, in order:
    in weighted-fair order by time (fairness.py); a tenant's models take turns. It is bounded
    twice: by time (its predicted duration, from a cost model learned from measured steps
    (cost.py), stays about `target_step_s`, so a request that arrives waits about one short
-   step) and by `token_budget` tokens (memory). An op that does not fit is cut between
-   datums. A model whose next op is a barrier (typically the optim_step a client sends
-   right behind its forward_backward) gets it appended to the step, to run after the
-   step's rows: a whole training round of every tenant is then one step, not two.
+   step) and by `token_budget` tokens (memory). A tenant whose whole work fits shortens
+   the step to about its own step x (waiting tenants' weights / its weight), as processor
+   sharing would: a small tenant next to a flooder gets its step back in about twice its
+   time alone. An op that does not fit is cut between datums. A model whose next op is a
+   barrier (typically the optim_step a client sends right behind its forward_backward)
+   gets it appended to the step, to run after the step's rows: a whole training round of
+   every tenant is then one step, not two.
 4. A sampling step packs samples up to `sample_budget` tokens, tenants taking turns.
 
 Quotas hold work back (it is "paused", and the client is told so) rather than failing it.
@@ -196,6 +199,7 @@ class Planner:
         models: set[str] = set()
         charged: dict[str, float] = {}  # tenant -> seconds its rows add to the step
         target, budget = self.step_target(), self.token_budget
+        weights = sum(self.fair.tenant(n).weight for n in runs)  # of the tenants waiting
         self._train_steps += 1
         if self.target_step_s is None and self._train_steps % PROBE_EVERY == 0:
             target, budget = target / 2, budget // 2  # a probe: see _fit's docstring
@@ -226,6 +230,13 @@ class Planner:
                 model_runs.pop(i)
             if not model_runs:
                 del runs[t.name]
+                if piece.final and target < math.inf:
+                    # All this tenant has is in the step. As under processor sharing, it
+                    # should have it back after its own step's time x (weights waiting /
+                    # its weight), not after a whole target's worth of others' rows: a small
+                    # tenant next to a flooder rides a step about twice its own, not T.
+                    own = self.cost.fixed_cost + charged[t.name]
+                    target = min(target, own * weights / t.weight)
         if not taken:
             return None
         # The step's fixed cost is shared in proportion to what each tenant's rows add.
