@@ -270,7 +270,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None, help="tokens per datum (S)")
     ap.add_argument("--small-steps", type=int, default=30)
     ap.add_argument("--flood-clients", type=int, default=3)
-    ap.add_argument("--flood-rows", type=int, default=16, help="datums per request (R)")
+    ap.add_argument("--flood-rows", type=int, default=8, help="datums per request (R)")
     ap.add_argument("--flood-inflight", type=int, default=4)
     ap.add_argument("--flood-optim-every", type=int, default=4)
     ap.add_argument("--flood-seconds", type=float, default=20.0)

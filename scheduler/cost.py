@@ -85,6 +85,8 @@ def _raw_shape(row_len: int, rows: int, adapters: int) -> StepShape:
 
 
 class CostModel:
+    """The step-time model of one daemon (in memory): observe() measured steps, predict()."""
+
     def __init__(self, prior: tuple[float, ...] = PRIOR, decay: float = 0.995,
                  huber_k: float = 3.0) -> None:
         self.prior = tuple(p * s for p, s in zip(prior, _SCALE, strict=True))  # scaled
@@ -93,8 +95,8 @@ class CostModel:
         k = len(FEATURES)
         self._xtx = [[0.0] * k for _ in range(k)]
         self._xty = [0.0] * k
-        # The prior's pseudo-observations, weighted like the data (1/prior^2): P = sum w x x'/y^2
-        # and q = sum w x / y; with their targets scaled by s (measured/prior), P and s q.
+        # The prior's pseudo-observations, weighted like the data: P = sum w x x'/y^2 and
+        # q = sum w x / y; with their targets scaled by s (measured/prior): P and s q.
         self._p = [[0.0] * k for _ in range(k)]
         self._q = [0.0] * k
         for row_len, rows, adapters in _PRIOR_SHAPES:
@@ -122,6 +124,7 @@ class CostModel:
         x = shape.features()
         self._ratios.append(seconds / _dot(self.prior, x))
         self.scale = _median(self._ratios)
+        self._dirty = True  # the prior's part moves with the scale, from the first step
         # A step is judged when LAG later steps have been seen, against its neighbours on
         # both sides: the first steps of a daemon are judged too (one of them may be the
         # slowest of all: CUDA and allocator warm-up), and a change of speed is told from

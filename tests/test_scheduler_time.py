@@ -295,3 +295,33 @@ def test_on_a_host_bound_card_the_token_budget_binds_as_before():
     assert p.step_target() > 0.2  # well above what a full step takes (0.118 s)
     sizes = [s.shape.tokens for s, _ in steps[50:] if s.kind == "train"]
     assert sizes.count(16384) > 0.8 * len(sizes)  # all but the probes
+
+
+def test_target_step_ms_in_the_config(tmp_path):
+    from twinkled.config import Config, check_config
+
+    assert Config().target_step_s is None  # "auto": the planner derives it
+    assert Config(target_step_ms=0).target_step_s == 0  # off: token_budget only
+    assert Config(target_step_ms=250).target_step_s == 0.25
+    with pytest.raises(ValueError, match="auto"):
+        _ = Config(target_step_ms="fast").target_step_s
+    path = tmp_path / "twinkled.toml"
+    for text, ok in (('target_step_ms = "auto"', True), ("target_step_ms = 0", True),
+                     ("target_step_ms = 120.5", True), ("target_step_ms = -1", False),
+                     ('target_step_ms = "fast"', False)):
+        path.write_text(text + "\n")
+        problems = check_config(path)
+        assert (problems == []) == ok, (text, problems)
+        if not ok:
+            assert problems[0].startswith("target_step_ms: must be \"auto\" or a number")
+
+
+def test_the_first_steps_are_predicted_at_the_measured_speed():
+    """Before a step is learnt from (LAG steps later), the prior is scaled to what was
+    measured: a CPU 100x slower than the prior's GPU is predicted as such at once."""
+    card = Machine(fixed=3.0, per_token=2e-3, per_adapter=0.2, noise=0.0)
+    model = CostModel()
+    shape = StepShape(adapters=1)
+    shape.add([512] * 4)
+    model.observe(shape, card.exact(shape))
+    assert model.predict(shape) == pytest.approx(card.exact(shape), rel=1e-6)
