@@ -156,6 +156,12 @@ def start_daemon(model_dir: Path, work: Path, device: str, config: str):
     raise SystemExit("twinkled did not become ready")
 
 
+def daemon_status(data: Path) -> dict:
+    return json.loads(subprocess.run(
+        [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data), "status", "--json"],
+        capture_output=True, text=True, check=True).stdout)
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -194,12 +200,11 @@ def run_policy(model_dir: Path, vocab: int, device: str, target: str, args, work
             time.sleep(0.2)
         t_alone = float(ready.read_text()) + 2  # the planner's model settles meanwhile
         time.sleep(2 + args.flood_seconds)
+        before = daemon_status(data)
         together = run_small(url, keys["small"], name, vocab, args)
+        status = daemon_status(data)
         stop.write_text("")
         done = json.loads(fl.communicate(timeout=600)[0].strip().splitlines()[-1])
-        status = json.loads(subprocess.run(
-            [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data), "status",
-             "--json"], capture_output=True, text=True).stdout or "{}")
     finally:
         daemon.terminate()
         daemon.wait(timeout=120)
@@ -209,7 +214,9 @@ def run_policy(model_dir: Path, vocab: int, device: str, target: str, args, work
         return sum(n for t, n in done if t0 <= t < t1) / (t1 - t0)
 
     t0, t1 = together[0][0], together[-1][0] + together[-1][1]
-    return {"target": target, "alone": alone, "together": [lat for _, lat in together],
+    served = {t: status["tenants"][t]["served_s"] - before["tenants"].get(t, {}).get("served_s", 0)
+              for t in ("small", "flood")}
+    return {"small_share": served["small"] / (sum(served.values()) or 1),"target": target, "alone": alone, "together": [lat for _, lat in together],
             "flood_alone": rate(t_alone, t_alone + args.flood_seconds),
             "flood_together": rate(t0, t1),
             "step_target_ms": status.get("step_target_ms"), "cost": status.get("step_cost")}
@@ -232,7 +239,8 @@ def report(results: list[dict], args, device: str) -> str:
                                            "thread(s)" if device == "cpu" else "") + "\n",
              "| run | policy | step target | small alone p50 / p90 / p99 (s) | next to the flooder "
              "p50 / p90 / p99 (s) | ratio p50 / p90 / p99 | flooder alone (tok/s) | "
-             "flooder together (tok/s) |", "|---:|---|---:|---|---|---|---:|---:|"]
+             "flooder together (tok/s) | small's share of step time together |",
+             "|---:|---|---:|---|---|---|---:|---:|---:|"]
     for i, r in enumerate(results):
         a = [pct(r["alone"], q) for q in (0.5, 0.9, 0.99)]
         t = [pct(r["together"], q) for q in (0.5, 0.9, 0.99)]
@@ -242,7 +250,8 @@ def report(results: list[dict], args, device: str) -> str:
         lines.append(f"| {i + 1} | {label} | {tgt} | {' / '.join(f'{x:.3f}' for x in a)} | "
                      f"{' / '.join(f'{x:.3f}' for x in t)} | "
                      f"{' / '.join(f'{y / x:.2f}' for x, y in zip(a, t, strict=True))} | "
-                     f"{r['flood_alone']:,.0f} | {r['flood_together']:,.0f} |")
+                     f"{r['flood_alone']:,.0f} | {r['flood_together']:,.0f} | "
+                     f"{r['small_share']:.0%} |")
     old = [r for r in results if r["target"] == "0"]
     for i, r in enumerate(results):
         if r["target"] != "0" and old:
