@@ -67,6 +67,10 @@ class Op:
 SEQ_WINDOW = 100_000
 
 
+def _ms(seconds: float) -> float | None:
+    return round(seconds * 1e3, 1) if seconds < float("inf") else None
+
+
 class RateLimited(UserError):
     """Over the tenant's quota and the client should come back later (HTTP 429)."""
 
@@ -155,7 +159,7 @@ class Service(FutureBook, Residency):
         return {"model": self.config.served_name, "state": self.state,
                 "devices": self.workers.group.devices, "steps": self.planner.steps,
                 "adapters": len(self.planner.models), "tenants": self.planner.status(),
-                "step_target_ms": round(self.planner.step_target() * 1e3, 1),
+                "step_target_ms": _ms(self.planner.step_target()),  # None: no time bound
                 "step_cost": self.planner.cost.describe(),
                 **self.workers.status(), "damaged_checkpoints": self.damaged,
                 "time": time.time()}
@@ -380,7 +384,7 @@ class Service(FutureBook, Residency):
                 await self.wake.wait()
                 self.wake.clear()
                 continue
-            seconds = None  # how long the workers took: what the planner's cost model learns
+            seconds = None  # how long the step took: what the planner's cost model learns
             try:
                 seconds = await self._execute(step.kind, [self._piece_op(w) for w in step.work])
             except Exception as e:  # never let the loop die: fail what the step held
