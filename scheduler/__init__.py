@@ -1,8 +1,10 @@
-"""Fair-share step scheduler: per-model queues in seq_id order, token-budget packing,
-weighted fair sharing between tenants, quotas and backpressure. Standard library only."""
+"""Fair-share step scheduler: per-model queues in seq_id order, steps packed up to a time
+target (a cost model learned from measured steps) and a token budget, weighted fair sharing
+of time between tenants, quotas and backpressure. Standard library only."""
 
+from .cost import CostModel, StepShape
 from .fairness import Limits
 from .planner import Planner, Step
 from .queues import SAMPLE, TRAIN, Work
 
-__all__ = ["Limits", "Planner", "SAMPLE", "Step", "TRAIN", "Work"]
+__all__ = ["CostModel", "Limits", "Planner", "SAMPLE", "Step", "StepShape", "TRAIN", "Work"]

@@ -1,7 +1,10 @@
-"""Tenants share the GPU by tokens: weighted fair queueing on virtual time.
+"""Tenants share the GPU by time: weighted fair queueing on virtual time.
 
-Each tenant has a virtual time that advances by tokens / weight when it is served; the
-tenant with the smallest virtual time goes next. A tenant that was idle re-enters at the
+Each tenant has a virtual time that advances by seconds / weight when it is served (its
+share of a step's predicted time, from the cost model: what its rows add to the step, plus
+its part of the step's fixed cost); the tenant with the smallest virtual time goes next.
+Sharing by time rather than tokens matters when rows differ: a long row costs more per
+token (attention), many short rows cost more per token (per-row work). A tenant that was idle re-enters at the
 current virtual clock, so it cannot bank credit while away, and it wins ties against the
 tenants already busy, so it is served in the next step.
 """
@@ -28,14 +31,16 @@ class Tenant:
     name: str
     weight: float = 1.0
     limits: Limits = field(default_factory=Limits)
-    vtime: float = 0.0
+    vtime: float = 0.0  # seconds served / weight
     served_tokens: int = 0
+    served_s: float = 0.0  # predicted seconds of training steps charged to it
     queued_requests: int = 0
     queued_tokens: int = 0
     rr: int = 0  # round-robin pointer over the tenant's models
 
-    def charge(self, tokens: int) -> None:
-        self.vtime += tokens / self.weight
+    def charge(self, seconds: float, tokens: int = 0) -> None:
+        self.vtime += seconds / self.weight
+        self.served_s += seconds
         self.served_tokens += tokens
 
 
@@ -56,6 +61,6 @@ class Fairness:
 
     def pick(self, candidates: list[Tenant]) -> Tenant:
         # Ties go to the tenant served least: a newcomer beats the flooder it ties with.
-        t = min(candidates, key=lambda c: (c.vtime, c.served_tokens, c.name))
+        t = min(candidates, key=lambda c: (c.vtime, c.served_s, c.name))
         self.clock = max(self.clock, t.vtime)
         return t

@@ -5,37 +5,55 @@ The rule, in order:
    the model finished) run first, all of them in one step: they are cheap and unblock
    their models. Several models' optim_steps thus run together.
 2. Samples and training alternate when both are waiting, so neither starves.
-3. A training step packs forward/backward ops of many models and tenants up to
-   `token_budget` tokens, tenant by tenant in weighted-fair order (fairness.py); a tenant's
-   models take turns. An op larger than the budget is cut between datums. A model whose
-   next op is a barrier (typically the optim_step a client sends right behind its
-   forward_backward) gets it appended to the step, to run after the step's rows: a whole
-   training round of every tenant is then one step, not two.
+3. A training step packs forward/backward ops of many models and tenants, tenant by tenant
+   in weighted-fair order by time (fairness.py); a tenant's models take turns. It is bounded
+   twice: by time (its predicted duration, from a cost model learned from measured steps
+   (cost.py), stays about `target_step_s`, so a request that arrives waits about one short
+   step) and by `token_budget` tokens (memory). A tenant whose whole work fits shortens
+   the step to about its own step x (waiting tenants' weights / its weight), as processor
+   sharing would: a small tenant next to a flooder gets its step back in about twice its
+   time alone. An op that does not fit is cut between datums. A model whose next op is a
+   barrier (typically the optim_step a client sends right behind its forward_backward)
+   gets it appended to the step, to run after the step's rows: a whole training round of
+   every tenant is then one step, not two.
 4. A sampling step packs samples up to `sample_budget` tokens, tenants taking turns.
 
 Quotas hold work back (it is "paused", and the client is told so) rather than failing it.
-The planner is pure: no I/O, no clocks, no torch; the daemon calls submit/next_step/complete.
+The planner is pure: no I/O, no clocks, no torch; the daemon calls submit/next_step/complete
+and reports each step's measured seconds to complete().
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from .cost import CostModel, StepShape
 from .fairness import Fairness, Limits, Tenant
 from .queues import SAMPLE, TRAIN, ModelQueue, Work
+
+PROBE_EVERY = 8  # every 8th training step is a half-size probe (Planner._fit)
 
 
 @dataclass
 class Step:
     kind: str  # "train" | "barrier" | "sample"
     work: list[Work] = field(default_factory=list)
+    shape: StepShape | None = None  # a training step's rows, as the cost model sees them
+    predicted_s: float = 0.0  # what the cost model predicted it takes
 
 
 class Planner:
-    def __init__(self, token_budget: int = 16384, sample_budget: int = 65536):
+    def __init__(self, token_budget: int = 16384, sample_budget: int = 65536,
+                 target_step_s: float | None = None, cost: CostModel | None = None):
+        """`target_step_s`: how long a training step should take; None derives it from the
+        cost model (CostModel.auto_target), 0 turns the time bound off (steps are bounded
+        by `token_budget` only, as before the cost model)."""
         self.token_budget = token_budget
         self.sample_budget = sample_budget
+        self.target_step_s = target_step_s
+        self.cost = cost or CostModel()
         self.fair = Fairness()
         self.models: dict[str, ModelQueue] = {}
         self.model_tenant: dict[str, str] = {}
@@ -43,6 +61,7 @@ class Planner:
         self.held: dict[str, deque[Work]] = {}  # tenant -> work over its quota, FIFO
         self.paused: set[str] = set()  # ids of held work
         self.steps = 0
+        self._train_steps = 0
         self._sample_turn = False
 
     # -- configuration ------------------------------------------------------------------
@@ -163,6 +182,12 @@ class Planner:
             self.models[w.model].take(w)
         return Step("barrier", ready)
 
+    def step_target(self) -> float:
+        """The time a training step is packed up to, in seconds (inf: no time bound)."""
+        if self.target_step_s is None:
+            return self.cost.auto_target()
+        return self.target_step_s if self.target_step_s > 0 else math.inf
+
     def _train_step(self) -> Step | None:
         runs: dict[str, list[list[Work]]] = {}  # tenant -> per-model runs of train ops
         for model, q in self.models.items():
@@ -170,18 +195,31 @@ class Planner:
             if run:
                 runs.setdefault(self.model_tenant[model], []).append(run)
         taken: list[Work] = []
-        used = 0
+        shape = StepShape()
+        models: set[str] = set()
+        charged: dict[str, float] = {}  # tenant -> seconds its rows add to the step
+        target, budget = self.step_target(), self.token_budget
+        weights = sum(self.fair.tenant(n).weight for n in runs)  # of the tenants waiting
+        self._train_steps += 1
+        if self.target_step_s is None and self._train_steps % PROBE_EVERY == 0:
+            target, budget = target / 2, budget // 2  # a probe: see _fit's docstring
         while runs:
             t = self.fair.pick([self.fair.tenant(n) for n in runs])
             model_runs = runs[t.name]
             i = t.rr % len(model_runs)
             w = model_runs[i][0]
-            piece = self._fit(w, self.token_budget - used, first=not taken)
-            if piece is None:
+            new_model = w.model not in models
+            fit = self._fit(w, shape, new_model, target, budget, first=not taken)
+            if fit is None:
                 break
+            piece, lengths = fit
+            before = self.cost.predict(shape)
+            shape.add(lengths, new_model)
+            models.add(w.model)
+            added = self.cost.predict(shape) - before
             taken.append(piece)
-            used += piece.tokens
-            t.charge(piece.tokens)
+            t.charge(added, piece.tokens)
+            charged[t.name] = charged.get(t.name, 0.0) + added
             t.rr += 1
             if piece.final:
                 model_runs[i].pop(0)
@@ -192,8 +230,20 @@ class Planner:
                 model_runs.pop(i)
             if not model_runs:
                 del runs[t.name]
+                if piece.final and target < math.inf:
+                    # All this tenant has is in the step. As under processor sharing, it
+                    # should have it back after its own step's time x (weights waiting /
+                    # its weight), not after a whole target's worth of others' rows: a small
+                    # tenant next to a flooder rides a step about twice its own, not T.
+                    own = self.cost.fixed_cost + charged[t.name]
+                    target = min(target, own * weights / t.weight)
         if not taken:
             return None
+        # The step's fixed cost is shared in proportion to what each tenant's rows add.
+        total = sum(charged.values())
+        for name, added in charged.items():
+            share = added / total if total > 0 else 1 / len(charged)
+            self.fair.tenant(name).charge(self.cost.fixed_cost * share)
         # Barriers right behind this step's ops run at its end (after all its rows).
         for model in dict.fromkeys(w.model for w in taken if w.final):
             q = self.models[model]
@@ -203,32 +253,44 @@ class Planner:
                 q.next_seq += 1
                 q.in_flight += 1
                 taken.append(w)
-        return Step("train", taken)
+        return Step("train", taken, shape, self.cost.predict(shape))
 
-    @staticmethod
-    def _fit(w: Work, room: int, first: bool) -> Work | None:
-        """`w` whole, or its first datums that fit in `room` tokens, or None.
+    def _fit(self, w: Work, shape: StepShape, new_model: bool, target: float, budget: int,
+             first: bool) -> tuple[Work, list[int]] | None:
+        """`w` whole, or its first datums that fit, or None; with the datums' lengths.
 
-        An op that does not fit is cut between datums, so one huge request cannot hold a
-        step (and every other tenant) for long; a step's first piece may overflow the room
-        by one datum rather than never run.
+        The step is filled until its predicted time reaches `target`: a datum goes in while
+        the step stays within `budget` tokens and its time so far is under the target
+        (so a step ends at most one datum past the target, and never short of it while work
+        is waiting: its fixed cost stays under the share the target was chosen for). An op
+        that does not fit is cut between datums, so one huge request cannot hold a step (and
+        every other tenant) for long; a step's first piece may overflow by one datum rather
+        than never run.
+
+        Every PROBE_EVERY-th step is packed to half the target and half the budget when the
+        target is automatic: a tenant alone sends steps that all look alike, from which no
+        fit can tell a step's fixed cost from what its rows cost, and the automatic target
+        is made of that fixed cost. Steps of two sizes tell them apart, for ~1% of
+        throughput.
         """
-        rest = w.tokens if not w.parts else sum(w.parts[w.taken:])
-        if rest <= room or (first and not w.parts):
-            return _piece(w, w.taken, len(w.parts) if w.parts else None, rest, final=True)
-        if not w.parts:
+        lengths = w.parts[w.taken:] if w.parts else [w.tokens]
+        tokens_room = budget - shape.tokens
+        seconds = self.cost.predict(shape) + (self.cost.adapter_cost if new_model else 0.0)
+        n = size = 0
+        for length in lengths:
+            if (size + length > tokens_room or seconds >= target) and not (first and n == 0):
+                break
+            n += 1
+            size += length
+            seconds += self.cost.row_cost(length)
+        if n == 0:
             return None
-        hi, size = w.taken, 0
-        while hi < len(w.parts) and size + w.parts[hi] <= room:
-            size += w.parts[hi]
-            hi += 1
-        if hi == w.taken:
-            if not first:
-                return None
-            size, hi = w.parts[hi], hi + 1
+        if not w.parts:
+            return w, lengths
+        hi = w.taken + n
         piece = _piece(w, w.taken, hi, size, final=hi == len(w.parts))
         w.taken = hi
-        return piece
+        return piece, lengths[:n]
 
     def _sample_step(self) -> Step | None:
         taken: list[Work] = []
@@ -252,8 +314,12 @@ class Planner:
         t.queued_requests -= w.final
         t.queued_tokens -= w.tokens
 
-    def complete(self, step: Step) -> None:
-        """The step's ops have finished: their models may go on."""
+    def complete(self, step: Step, seconds: float | None = None) -> None:
+        """The step's ops have finished: their models may go on. `seconds`: how long the
+        step took (measured by the daemon; None if unknown or it failed), which the cost
+        model learns from."""
+        if seconds is not None and step.kind == "train" and step.shape is not None:
+            self.cost.observe(step.shape, seconds)
         for w in step.work:
             if w.model is not None and w.final and w.model in self.models:
                 self.models[w.model].in_flight -= 1
@@ -261,10 +327,12 @@ class Planner:
     # -- reporting ----------------------------------------------------------------------
 
     def status(self) -> dict[str, dict]:
-        total = sum(t.served_tokens for t in self.fair.tenants.values()) or 1
+        """Per tenant; `share` is its share of training time (what fairness divides)."""
+        total = sum(t.served_s for t in self.fair.tenants.values()) or 1.0
         return {name: {"queued_requests": t.queued_requests, "queued_tokens": t.queued_tokens,
                        "paused": len(self.held.get(name, ())), "served_tokens": t.served_tokens,
-                       "share": t.served_tokens / total, "weight": t.weight}
+                       "served_s": round(t.served_s, 3), "share": t.served_s / total,
+                       "weight": t.weight}
                 for name, t in sorted(self.fair.tenants.items())}
 
 

@@ -226,13 +226,16 @@ def test_ten_thousand_random_arrivals_keep_order_and_finish():
 
 
 def test_status_reports_shares():
+    """`share` is of training time (predicted), not tokens: equal work, about equal shares
+    (a tenant alone in a step pays its whole fixed cost)."""
     p = Planner(token_budget=1024)
     flood(p, "a", "a:0", 10)
     flood(p, "b", "b:0", 10)
     run(p)
     st = p.status()
     assert st["a"]["served_tokens"] == st["b"]["served_tokens"] == 5120
-    assert abs(st["a"]["share"] - 0.5) < 1e-9 and st["a"]["queued_requests"] == 0
+    assert abs(st["a"]["share"] - 0.5) < 0.05 and st["a"]["queued_requests"] == 0
+    assert st["a"]["served_s"] > 0 and st["a"]["share"] + st["b"]["share"] == 1
 
 
 def test_a_large_op_is_cut_between_datums_and_others_get_in():

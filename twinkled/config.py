@@ -41,6 +41,9 @@ class Config:
     max_rank: int = 128
     token_budget: int = 16384  # tokens per micro-batch (activation memory)
     packing: bool = True  # rows of mixed lengths run end to end, not padded (engine/packed.py)
+    # How long a training step should take, in ms: "auto" derives it from the step times
+    # measured on this model (scheduler/cost.py), 0 bounds steps by token_budget only.
+    target_step_ms: float | str = "auto"
     poll_seconds: float = 30.0  # retrieve_future long-poll (client times out at 45 s)
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client chunks)
     sample_budget: int = 65536  # prompt + new tokens per sampling step
@@ -98,6 +101,16 @@ class Config:
             max_topk=self.max_topk, max_prompt_cells=self.max_prompt_cells,
             max_name_chars=self.max_name_chars, max_ttl_s=self.max_ttl_s,
             max_metadata_bytes=self.max_metadata_bytes)
+
+    @property
+    def target_step_s(self) -> float | None:
+        """`target_step_ms` for the planner: None for "auto", 0.0 for off, else seconds."""
+        if self.target_step_ms == "auto":
+            return None
+        if isinstance(self.target_step_ms, str) or self.target_step_ms < 0:
+            raise ValueError(f"target_step_ms must be \"auto\" or a number of ms >= 0 "
+                             f"(0: no time bound), got {self.target_step_ms!r}")
+        return self.target_step_ms / 1000
 
     @property
     def served_name(self) -> str:
@@ -170,6 +183,8 @@ _RANGES = {
                      "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
     "gather_ms": _NON_NEGATIVE, "stability_bytes": _NON_NEGATIVE,
     "stability_tenant_bytes": _NON_NEGATIVE,
+    "target_step_ms": (lambda v: v == "auto" or (not isinstance(v, str) and v >= 0),
+                       'must be "auto" or a number of ms >= 0 (0: no time bound)'),
     "log_format": (lambda v: v in ("text", "json"), "must be text or json"),
     "weight": (lambda v: v > 0, "must be a positive number"),
     **{f"tenant_{k}": _QUOTA for k in TENANT_KEYS[1:]}, **{k: _QUOTA for k in TENANT_KEYS[1:]},

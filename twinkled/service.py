@@ -67,6 +67,10 @@ class Op:
 SEQ_WINDOW = 100_000
 
 
+def _ms(seconds: float) -> float | None:
+    return round(seconds * 1e3, 1) if seconds < float("inf") else None
+
+
 class RateLimited(UserError):
     """Over the tenant's quota and the client should come back later (HTTP 429)."""
 
@@ -84,7 +88,7 @@ class Service(FutureBook, Residency):
         self.load_error: str | None = None
         self.futures: dict[str, Future] = {}
         self.seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
-        self.planner = Planner(config.token_budget, config.sample_budget)
+        self.planner = Planner(config.token_budget, config.sample_budget, config.target_step_s)
         self.wake = asyncio.Event()
         self._pieces: dict[str, list] = {}  # future id -> results of a cut op's pieces
         self._task: asyncio.Task | None = None
@@ -155,6 +159,8 @@ class Service(FutureBook, Residency):
         return {"model": self.config.served_name, "state": self.state,
                 "devices": self.workers.group.devices, "steps": self.planner.steps,
                 "adapters": len(self.planner.models), "tenants": self.planner.status(),
+                "step_target_ms": _ms(self.planner.step_target()),  # None: no time bound
+                "step_cost": self.planner.cost.describe(),
                 **self.workers.status(), "damaged_checkpoints": self.damaged,
                 "time": time.time()}
 
@@ -378,15 +384,16 @@ class Service(FutureBook, Residency):
                 await self.wake.wait()
                 self.wake.clear()
                 continue
+            seconds = None  # how long the step took: what the planner's cost model learns
             try:
-                await self._execute(step.kind, [self._piece_op(w) for w in step.work])
+                seconds = await self._execute(step.kind, [self._piece_op(w) for w in step.work])
             except Exception as e:  # never let the loop die: fail what the step held
                 log.exception("a %s step failed outside the engine", step.kind)
                 for w in step.work:
                     if not w.payload.future.done.is_set():
                         self.fail(w.payload.future, f"server error: {type(e).__name__}: {e}",
                                   "server")
-            self.planner.complete(step)
+            self.planner.complete(step, seconds)
             for w in step.work:
                 if w.kind == "unload":
                     self.planner.forget_model(w.model)
@@ -425,14 +432,18 @@ class Service(FutureBook, Residency):
         part = msgspec.structs.replace(op.frame, data=op.frame.data[w.lo:w.hi])
         return replace(op, frame=part, piece=(w.lo, w.final))  # checked whole at the door
 
-    async def _execute(self, kind: str, batch: list[Op]) -> None:
+    async def _execute(self, kind: str, batch: list[Op]) -> float | None:
+        """Run a step; returns its seconds (the workers' and the handling of its results:
+        until the next step may start), None if it did not run whole (an op dropped or
+        failed by the server: its time says nothing of the step's cost)."""
+        planned = len(batch)
         # Pieces of an op that already failed are dropped (nothing of it trains further).
         batch = [op for op in batch if not (op.piece and op.future.done.is_set())]
         for op in [op for op in batch if isinstance(op.frame, Skip)]:  # refused at the door
             self.fail(op.future, op.frame.why, "user")
         batch = [op for op in batch if not isinstance(op.frame, Skip)]
         if not batch:
-            return
+            return None
         for op in batch:
             if op.seq_id is not None:
                 # A retry of a recent request still finds its future; older ones are let go.
@@ -464,6 +475,8 @@ class Service(FutureBook, Residency):
                 self.fail(op.future, message, category)
             if op.after is not None:
                 op.after(result, message)
+        whole = len(batch) == planned and all(c != "server" for _, _, c in outcomes)
+        return time.monotonic() - started if whole else None
 
     def _count_tokens(self, op: Op, result, message: str | None) -> None:
         if message is not None:
