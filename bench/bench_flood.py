@@ -182,7 +182,8 @@ def run_small(url, key, model, vocab, args) -> list[tuple[float, float]]:
 def run_policy(model_dir: Path, vocab: int, device: str, target: str, args, work: Path) -> dict:
     """One daemon: small alone, flooder alone, both. Returns the measurements."""
     config = f"target_step_ms = {target}\n" + (
-        f"worker_threads = {args.worker_threads}\n" if device == "cpu" else "")
+        f"worker_threads = {args.worker_threads}\n" if device == "cpu" else "") + (
+        f"token_budget = {args.token_budget}\n" if args.token_budget else "")
     daemon, url, log, keys, data = start_daemon(model_dir, work, device, config)
     name = model_dir.name
     try:
@@ -278,6 +279,8 @@ def main() -> None:
     ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b"))
     ap.add_argument("--seq", type=int, default=None, help="tokens per datum (S)")
     ap.add_argument("--small-steps", type=int, default=30)
+    ap.add_argument("--token-budget", type=int, default=None,
+                    help="the daemon's token_budget (4096 fits the 8B shape on an 80 GB card)")
     ap.add_argument("--flood-clients", type=int, default=3)
     ap.add_argument("--flood-rows", type=int, default=8, help="datums per request (R)")
     ap.add_argument("--flood-inflight", type=int, default=4)
