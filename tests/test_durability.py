@@ -170,3 +170,31 @@ def test_a_failed_shared_pass_fails_only_the_request_at_fault(tiny_dir, tmp_path
         assert _fb(bad, data).metrics["loss:sum"] > 0  # the bad tenant goes on
     finally:
         d.stop()
+
+
+def test_with_persistence_off_a_worker_kill_brings_an_adapter_back_as_created(tiny_dir,
+                                                                             tmp_path):
+    """persist_every = 0: no write-behind, no journal. A worker kill brings a run back at
+    its creation state (its initial weights, as its seed made them), so one optimizer step
+    after the kill lands exactly where a twin's first step did."""
+    cfg = tmp_path / "twinkled.toml"
+    cfg.write_text("persist_every = 0\n")
+    key = make_key(tmp_path, "ann")
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--config", str(cfg))
+    try:
+        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+        restored, twin = (sc.create_lora_training_client(
+            base_model=tiny_dir.name, rank=4, seed=7).result(timeout=T) for _ in range(2))
+        data = _data(twin.get_tokenizer())
+        for tc in (twin, restored, restored):  # the restored one trains twice before the kill
+            _fb(tc, data)
+            _optim(tc, 5e-2)
+        one_step = _logprobs(twin, data)
+        old = d.workers()
+        os.kill(old[0], signal.SIGKILL)
+        d.wait_workers(1, old=set(old))
+        _fb(restored, data)  # back at its initial state: one step must land where twin's did
+        _optim(restored, 5e-2)
+        assert _logprobs(restored, data) == pytest.approx(one_step, rel=1e-4, abs=1e-5)
+    finally:
+        d.stop()

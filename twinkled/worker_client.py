@@ -188,7 +188,12 @@ class WorkerClient:
 
     def _track(self, frame: OpF, outcome: Outcome) -> None:
         result, error, _ = outcome
-        if error is None and isinstance(frame, CreateF | LoadF | RestoreF):
+        if error is None and isinstance(frame, CreateF | RestoreF):
+            # The config it was made from, seed included: if the worker dies before a first
+            # state of it is persisted, the restore re-creates the same initial weights and
+            # the journal's ops replay onto them.
+            self.live[frame.adapter_id] = frame.config
+        elif error is None and isinstance(frame, LoadF):
             self.live[frame.adapter_id] = config_of(result)
         elif isinstance(frame, UnloadF | IdleUnloadF):
             self.live.pop(frame.adapter_id, None)
