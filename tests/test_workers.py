@@ -153,9 +153,13 @@ def test_killed_worker_fails_one_step_and_restores_every_adapter(slow_pair, tiny
         fut.result(timeout=T)
     slow_pair.wait_workers(2, old=set(old))
 
-    # Both tenants' adapters are back exactly, optimizer state included; training goes on.
-    assert _logprobs(alice, data) == want_a
-    assert _logprobs(bob, data) == want_b
+    # Both tenants' adapters are back exactly, optimizer state included (the checkpoints
+    # below are equal bit for bit); training goes on. Logprobs are compared to float
+    # tolerance: a fresh worker's CPU kernels may sum in another order.
+    for tc, want in ((alice, want_a), (bob, want_b)):
+        got = _logprobs(tc, data)
+        assert [x for row in got for x in row] == pytest.approx(
+            [x for row in want for x in row], rel=1e-5, abs=1e-6)
     after_path = alice.save_state("after").result(timeout=T).path
     before = _checkpoint(slow_pair.data_dir, before_path)
     after = _checkpoint(slow_pair.data_dir, after_path)
