@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     prompts = [list(row["input_ids"]) for row in dataset]
 
     service_client = init_tinker_compat_client(args.base_url, args.api_key)
+    # Seeded, as its sampling is: a run is reproducible (the daemon draws a seed otherwise).
     training_client = service_client.create_lora_training_client(
-        base_model=served_name(model_id), rank=8)
+        base_model=served_name(model_id), rank=8, seed=0)
     advantage_fn = GRPOAdvantage()
     mean_rewards = []
     for step in tqdm(range(args.steps), disable=not sys.stderr.isatty()):
