@@ -283,7 +283,8 @@ def test_sequence_losses_follow_their_formulas(eng, tiny_dir, name, cfg):
     randomize_b(other, "a", seed=2)
 
     def surrogate(_data, lps):
-        return sum((lp * g).sum() for lp, g in zip(lps, surrogate_grads, strict=True)), {}
+        return sum((lp * g.to(lp.device)).sum()
+                   for lp, g in zip(lps, surrogate_grads, strict=True)), {}
 
     other.forward_backward([ForwardBackwardRequest("a", data, surrogate)])
     assert all_close(grads(eng, "a"), grads(other, "a"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import all_close, grads, make_engine, random_datum, randomize_b, rl_datum
+from helpers import DEVICE, all_close, grads, make_engine, random_datum, randomize_b, rl_datum
 
 from twinkled.engine.packed import grouped_mm, grouped_weight_grad
 from twinkled.engine.types import Datum, ForwardBackwardRequest, LoraConfig
@@ -50,8 +50,10 @@ def test_packed_equals_padded(tiny_dir, budget):
             for key in ("logprobs", "elementwise_loss"):
                 assert wo[key].shape == go[key].shape
                 assert torch.allclose(wo[key], go[key], rtol=1e-5, atol=1e-5), key
+    # fp32 on a CPU (CI): 1e-5. A GPU's fp32 kernels sum in other orders per layout.
+    tol = 1e-5 if DEVICE == "cpu" else 1e-4
     for name in ADAPTERS:
-        assert all_close(grads(padded, name), grads(packed, name), rtol=1e-5, atol=1e-6), name
+        assert all_close(grads(padded, name), grads(packed, name), rtol=tol, atol=tol), name
 
 
 def test_grouped_matmuls_equal_per_group_matmuls():
@@ -68,3 +70,26 @@ def test_grouped_matmuls_equal_per_group_matmuls():
     odd = torch.randn(13, 3, generator=gen)  # rows the grouped kernel refuses: the loop
     assert torch.allclose(grouped_weight_grad(x, odd, offs),
                           torch.stack([x[a:b].t() @ odd[a:b] for a, b in parts]), atol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the GPU's kernels: flash varlen, bf16 grouped mm")
+def test_packed_equals_padded_in_bf16_on_a_gpu(tiny_dir):
+    """Where packing runs for real (a GPU in bf16), the two layouts agree to bf16's noise."""
+    engines = []
+    for packed in (False, True):
+        eng = make_engine(tiny_dir, packed=packed, dtype="bfloat16")
+        for i, (name, cfg) in enumerate(ADAPTERS.items()):
+            eng.add_adapter(name, cfg)
+            randomize_b(eng, name, seed=10 + i, std=0.2)
+        engines.append(eng)
+    reqs = _requests(engines[0].model.vocab_size)
+    want, got = (e.forward_backward(reqs) for e in engines)
+    for w, g in zip(want, got, strict=True):
+        assert w.metrics["loss:sum"] == pytest.approx(g.metrics["loss:sum"], rel=2e-2)
+        for wo, go in zip(w.outputs, g.outputs, strict=True):
+            assert (wo["logprobs"].float() - go["logprobs"].float()).abs().mean() < 0.05
+    for name in ADAPTERS:
+        for key, (ga, gb) in grads(engines[0], name).items():
+            pa, pb = grads(engines[1], name)[key]
+            for x, y in ((ga, pa), (gb, pb)):
+                assert (x - y).norm() <= 0.05 * x.norm() + 1e-6, (name, key)

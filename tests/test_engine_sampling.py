@@ -174,7 +174,7 @@ def test_prompt_scores_match_the_full_distributions(eng):
                         target_prompt=target.tolist(), alt_tokens_k=3)
     other = SampleRequest("b", _prompt(eng, 14, 8), params)  # longer: req is left-padded
     res, plain = eng.sample([req, other])
-    ref = _prompt_dists(eng, "a", prompt)
+    ref = _prompt_dists(eng, "a", prompt).cpu()
 
     assert res.prompt_logprobs[:n - 4] == [None] * (n - 4)
     want = ref[torch.arange(n - 1), torch.tensor(prompt[1:])]
@@ -190,7 +190,7 @@ def test_prompt_scores_match_the_full_distributions(eng):
     expect = ref.gather(1, target.clamp(min=0)).masked_fill(target < 0, 0.0)
     assert got.shape == (n - 1, 3) and got == pytest.approx(expect, abs=1e-4)
 
-    alt_ids, alt_lps = (torch.tensor(x) for x in res.alt_tokens)
+    alt_ids, alt_lps = (torch.tensor(x) for x in res.alt_tokens)  # on the CPU, as ref
     assert alt_ids.shape == (n - 1, 3)
     assert alt_lps == pytest.approx(ref.gather(1, alt_ids), abs=1e-4)
     again = eng.sample([req])[0]  # seeded: the same draws (alone: no padding, same values)
