@@ -13,6 +13,8 @@ import logging
 import os
 from pathlib import Path
 
+import msgspec
+
 from .config import Config
 from .engine.types import (
     ATTN_MODULES,
@@ -252,7 +254,12 @@ class WorkerClient:
         entries = self.journal.since(model, mark)
         done = 0
         for entry in entries:
-            _, error, _ = await self._run_one(op_decoder.decode(entry.frame))
+            try:
+                frame = op_decoder.decode(entry.frame)
+            except msgspec.DecodeError as e:  # written by another version of the daemon
+                error = f"a journaled operation could not be read: {e}"
+            else:
+                _, error, _ = await self._run_one(frame)
             if error is not None:
                 self.rollbacks[model] = (
                     f"model {model} was restored after a failure, but {len(entries) - done} "
