@@ -278,3 +278,41 @@ def test_idle_adapters_are_unloaded_and_come_back_on_their_next_request(tiny_dir
         sc.close("success").result(timeout=T)
     finally:
         d.stop()
+
+
+def test_frames_from_outside_the_worker_group_are_ignored(slow_pair, tiny_dir):
+    """A process that is not a rank of this group (an orphaned worker of a daemon that died,
+    reconnecting to a port this daemon reuses) is ignored: its frames, readable or not,
+    neither fail a step nor pass for a rank's answer."""
+    import json as _json
+
+    import msgspec
+    import zmq
+
+    from twinkled.workers.frames import OutcomeF, ReplyF
+
+    args = _json.loads(open(f"/proc/{slow_pair.workers()[0]}/cmdline").read()
+                       .split("\0")[3])
+    tc = _client(slow_pair, "alice", tiny_dir, 4)
+    data = _data(tc.get_tokenizer())
+    pids = slow_pair.workers()
+    socks = []
+    for ident in (b"0123456789abcdef:0", b"rank-0", f"{args['group']}:9".encode()):
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, ident)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(args["endpoint"])
+        socks.append(s)
+    fut = tc.forward_backward(data, "cross_entropy")
+    time.sleep(0.3)  # mid-step: the daemon is gathering its ranks' replies
+    for s in socks:  # unreadable, and forged answers for every step id a rank could await
+        s.send(b"\x01not msgpack")
+        for step in range(1, 400):
+            s.send(msgspec.msgpack.encode(ReplyF(step=step, rank=0, outcomes=[
+                OutcomeF(0, error="forged", category="user")])))
+    assert fut.result(timeout=T).metrics["loss:sum"] > 0
+    tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result(timeout=T)
+    assert len(_logprobs(tc, data)) == len(data)
+    assert slow_pair.workers() == pids and slow_pair.health()["status"] == "ok"
+    for s in socks:
+        s.close()

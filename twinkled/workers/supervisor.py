@@ -12,12 +12,14 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -64,6 +66,10 @@ class WorkerGroup:
         self._sock: zmq.asyncio.Socket | None = None
         self._endpoint = ""
         self._step = 0
+        # Ranks are named "<group>:<rank>". A process of another group (an orphan of a
+        # daemon that died, reconnecting to a port this one reuses) is ignored, never
+        # taken for one of ours.
+        self._group = secrets.token_hex(8)
 
     @property
     def world(self) -> int:
@@ -93,7 +99,7 @@ class WorkerGroup:
         self._procs, self._exits = [], []
         for w in self.workers:
             args = {**self.options, "rank": w.rank, "world": self.world, "device": w.device,
-                    "endpoint": self._endpoint, "dist_url": dist_url}
+                    "endpoint": self._endpoint, "dist_url": dist_url, "group": self._group}
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "twinkled.workers.worker", json.dumps(args),
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -117,7 +123,7 @@ class WorkerGroup:
         step.id = self._step
         data = encoder.encode(step)
         for w in self.workers:
-            await self._sock.send_multipart([f"rank-{w.rank}".encode(), data])
+            await self._sock.send_multipart([f"{self._group}:{w.rank}".encode(), data])
         replies = await self._gather(
             self.step_timeout, lambda m: isinstance(m, ReplyF) and m.step == step.id, "step")
         for w, r in zip(self.workers, replies, strict=True):
@@ -140,9 +146,16 @@ class WorkerGroup:
                 raise WorkerLost(f"the worker group did not answer within {timeout:.0f} s "
                                  f"during {what}")
             ident, frame = recv.result()
-            msg = reply_decoder.decode(frame)
-            if wanted(msg) or (isinstance(msg, HelloF) and msg.error):
-                got[int(ident.decode().split("-")[1])] = msg
+            group, _, rank = ident.decode(errors="replace").partition(":")
+            try:
+                msg = reply_decoder.decode(frame)
+            except msgspec.DecodeError as e:
+                msg = None
+                log.warning("ignored an unreadable frame from %r: %s", ident, e)
+            if group != self._group or not rank.isdigit() or int(rank) >= self.world:
+                log.warning("ignored a frame from %r, not a rank of this worker group", ident)
+            elif msg is not None and (wanted(msg) or (isinstance(msg, HelloF) and msg.error)):
+                got[int(rank)] = msg
         return [got[r] for r in range(self.world)]
 
     async def restart(self) -> None:

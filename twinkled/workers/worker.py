@@ -39,7 +39,7 @@ def main(args: dict) -> None:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s twinkled.worker[{rank}] %(message)s")
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
+    sock.setsockopt(zmq.IDENTITY, f"{args['group']}:{rank}".encode())
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(args["endpoint"])
     try:
