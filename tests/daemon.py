@@ -41,7 +41,11 @@ class Daemon:
              "--data-dir", str(data_dir), "--port", str(self.port), "--device", "cpu",
              "--dtype", "float32", *extra], stdout=self.log, stderr=subprocess.STDOUT, env=env)
         if wait:
-            self.wait_ready()
+            try:
+                self.wait_ready()
+            except BaseException:  # no daemon left behind for the next tests to trip over
+                self.stop()
+                raise
 
     def health(self) -> dict | None:
         import json
@@ -60,6 +64,8 @@ class Daemon:
             h = self.health()
             if h and h["status"] == "ok":
                 return
+            if h and h["status"] == "failed":
+                raise RuntimeError(f"twinkled could not load its model: {h.get('error')}")
             time.sleep(0.2)
         raise TimeoutError("twinkled did not become ready")
 
