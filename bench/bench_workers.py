@@ -12,6 +12,8 @@ Each configuration gets a fresh daemon, in the same run.
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +24,19 @@ sys.path.insert(0, str(HERE))
 from bench_multitenant import make_keys, pct, run_tenants, start_daemon  # noqa: E402
 
 
+def planner_report(data: Path) -> None:
+    """What the daemon's planner made of the run: steps, step-time target, fitted cost."""
+    out = subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data),
+                          "status", "--json"], capture_output=True, text=True)
+    try:
+        s = json.loads(out.stdout)
+    except ValueError:
+        print("(no status)", out.stderr[-300:])
+        return
+    print(f"planner: {s['steps']} steps, target {s.get('step_target_ms')} ms, "
+          f"cost {s.get('step_cost')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", required=True, help="the N-worker group, e.g. cuda:0,cuda:1")
@@ -29,6 +44,7 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=8, help="tenants per worker")
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--config", default=None, help="a twinkled TOML config for the daemons")
     ap.add_argument("--write", default="BENCHMARKS.md")
     args = ap.parse_args()
 
@@ -50,10 +66,12 @@ def main() -> None:
         data = work / f"data{len(group)}"
         n = args.tenants * len(group)
         keys = make_keys(data, n)
+        extra = ("--config", args.config) if args.config else ()
         daemon, url, log = start_daemon(model_dir, data, work, group[0], "--devices",
-                                        ",".join(group))
+                                        ",".join(group), *extra)
         try:
             res = run_tenants(url, keys, model_dir.name, vocab, seq, steps, [1] * n)
+            planner_report(data)
         finally:
             daemon.terminate()
             daemon.wait(timeout=120)

@@ -110,6 +110,7 @@ class CostModel:
         self._window: deque[tuple] = deque(maxlen=2 * LAG + 1)  # (features, seconds)
         self.scale = 1.0
         self.spread = 0.1  # typical |relative residual| of recent steps
+        self.adapters = 1.0  # adapters in a recent step, a moving average (auto_target)
         self.n = 0  # steps observed
         self.outliers = 0  # steps down-weighted as outliers
         self._coef = list(self.prior)
@@ -129,6 +130,7 @@ class CostModel:
         # both sides: the first steps of a daemon are judged too (one of them may be the
         # slowest of all: CUDA and allocator warm-up), and a change of speed is told from
         # one slow step by the steps after it.
+        self.adapters = 0.9 * self.adapters + 0.1 * max(1, shape.adapters)
         self._window.append((x, seconds))
         if len(self._window) > LAG:
             self._learn(len(self._window) - LAG - 1)
@@ -199,16 +201,28 @@ class CostModel:
         """The step time to aim at when the operator set none, in seconds.
 
         Short steps bound how long a newly arrived request waits (about one step) and how
-        long it then rides with others (one more); every step pays the fixed cost of a
-        minimal step (fixed + one adapter) however few rows it holds. So the target is the
-        shortest step whose fixed cost stays under MAX_OVERHEAD of it: a tenant alone then
-        keeps >= 85% of what unbounded steps would give it. On a host-bound model (large
-        fixed cost, rows nearly free) this is long and the token budget binds instead; on a
+        long it then rides with others (one more); every step pays its overhead (the fixed
+        cost and its adapters' cost) however few rows it holds. So the target is the
+        shortest step whose overhead stays under MAX_OVERHEAD of it: the tenants then keep
+        >= 85% of what unbounded steps would give them. On a host-bound model (large fixed
+        cost, rows nearly free) this is long and the token budget binds instead; on a
         compute-bound one it is a few rows. Floored (the daemon's own per-step work is not
         in the model) and capped (no newcomer waits long behind one step).
+
+        The overhead counts the adapters of a typical recent step, not one: when every step
+        holds the same tenants, the fit cannot tell the fixed cost from their adapters' and
+        may put it all on the adapters (seen on a CPU daemon with 8 equal tenants: fixed
+        0 ms, 5.9 ms an adapter); counting one adapter then gave a 36 ms target that split
+        every step of the 8 in two.
         """
-        minimal = self.fixed_cost + self.adapter_cost
-        return min(MAX_TARGET_S, max(MIN_TARGET_S, minimal / MAX_OVERHEAD))
+        overhead = self.fixed_cost + self.adapter_cost * self.adapters
+        return min(MAX_TARGET_S, max(MIN_TARGET_S, overhead / MAX_OVERHEAD))
+
+    def steps_vary(self) -> bool:
+        """Whether the recent steps differ enough in size (1.5x in tokens) to tell the
+        fixed cost from what rows cost, without a probe (see Planner._probe)."""
+        tokens = [x[1] for x, _ in self._window]
+        return len(tokens) > LAG and max(tokens) >= 1.5 * min(tokens)
 
     def describe(self) -> dict:
         """The fitted model in readable units (for `twinkled ctl status`)."""
