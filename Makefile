@@ -1,14 +1,17 @@
-# The two commands of the README. Each installs what it needs first (idempotent).
+# The two commands of the README. Each installs what it needs first (idempotent), into the
+# active virtual environment or the project's .venv (scripts/python.sh says which).
 .PHONY: demo test install lint
 
+PY = $(shell bash scripts/python.sh)
+
 install:
-	bash scripts/install.sh
+	PYTHON=$(PY) bash scripts/install.sh
 
 demo: install
-	python3 -m twinkled.demo
+	$(PY) -m twinkled.demo
 
 test: install
-	python3 -m pytest -q tests
+	$(PY) -m pytest -q tests
 
 lint:
 	ruff check .

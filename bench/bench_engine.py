@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from output import section_path  # bench/ is the script's directory
 from twinkled.engine.engine import Engine
 from twinkled.engine.types import (
     AdamParams,
@@ -306,7 +307,7 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"),
                     default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-sampling", action="store_true")
-    ap.add_argument("--write", default="BENCHMARKS.md", metavar="PATH",
+    ap.add_argument("--write", default=section_path("engine"), metavar="PATH",
                     help="append the results to PATH ('' to skip)")
     args = ap.parse_args()
     shapes = args.shape or (["qwen2.5-0.5b"] if args.device == "cuda" else ["tiny"])

@@ -34,6 +34,8 @@ from collections import deque
 from datetime import UTC, datetime
 from pathlib import Path
 
+from output import section_path  # bench/ is the script's directory
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -292,7 +294,7 @@ def main() -> None:
                     "interleaved (the machine's load drifts)")
     ap.add_argument("--worker-threads", type=int, default=1,
                     help="torch threads of the CPU worker (1: steady timings on a shared box)")
-    ap.add_argument("--write", default=str(ROOT / "out" / "bench_flood.md"),
+    ap.add_argument("--write", default=section_path("flood"),
                     help="append the table to PATH ('' to skip)")
     args = ap.parse_args()
     if args.small:

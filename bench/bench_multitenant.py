@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from output import section_path  # bench/ is the script's directory
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -140,7 +142,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per tenant")
     ap.add_argument("--tenants", default="1,2,4,8")
     ap.add_argument("--packed-baseline", action="store_true")
-    ap.add_argument("--write", default="BENCHMARKS.md")
+    ap.add_argument("--write", default=section_path("multitenant"))
     ap.add_argument("--config", help="a twinkled TOML config for the daemon")
     args = ap.parse_args()
     if args.worker:

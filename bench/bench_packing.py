@@ -24,10 +24,11 @@ import math
 import sys
 import tempfile
 import warnings
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+
+from output import section_path  # bench/ is the script's directory
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import (  # noqa: E402
@@ -187,9 +188,7 @@ def main() -> None:
         section = run_shape(shape, args.device)
         print(section, flush=True)
         text += "\n" + section
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    path = out / f"packing-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}.md"
+    path = Path(section_path("packing"))
     path.write_text(text)
     print(f"written to {path}")
 

@@ -25,6 +25,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from output import section_path  # bench/ is the script's directory
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -113,7 +115,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None, help="tokens per datum (512 GPU, 64 CPU)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (20 GPU, 6 CPU)")
     ap.add_argument("--repeats", type=int, default=2, help="off/on pairs, interleaved")
-    ap.add_argument("--write", default="BENCHMARKS.md", help="append the section here ('' to skip)")
+    ap.add_argument("--write", default=section_path("persistence"), help="append the section here ('' to skip)")
     args = ap.parse_args()
 
     import torch

@@ -17,6 +17,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from output import section_path  # bench/ is the script's directory
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scheduler import TRAIN, Planner, Work  # noqa: E402
 
@@ -37,7 +39,7 @@ def fill(p: Planner, models: int, per_model: int, tenants: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--write", default="BENCHMARKS.md")
+    ap.add_argument("--write", default=section_path("scheduler"))
     args = ap.parse_args()
     times = []
     for _ in range(5):

@@ -23,6 +23,8 @@ sys.path.insert(0, str(HERE))
 
 from bench_multitenant import make_keys, pct, run_tenants, start_daemon  # noqa: E402
 
+from output import section_path  # noqa: E402
+
 
 def planner_report(data: Path) -> None:
     """What the daemon's planner made of the run: steps, step-time target, fitted cost."""
@@ -45,7 +47,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--config", default=None, help="a twinkled TOML config for the daemons")
-    ap.add_argument("--write", default="BENCHMARKS.md")
+    ap.add_argument("--write", default=section_path("workers"))
     args = ap.parse_args()
 
     import torch

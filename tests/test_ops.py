@@ -232,6 +232,42 @@ def test_ci_and_readme_run_the_install_script_then_the_tests(fake_python):
     assert via_ci[-1][1:3] == ["-m", "pytest"], "the tests run after the install"
 
 
+def test_outside_a_venv_make_installs_into_a_project_venv(tmp_path):
+    # A stock Debian/Ubuntu python3 refuses system-wide pip installs (PEP 668): the README's
+    # commands install into the project's .venv unless a virtual environment is active.
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    if not base.exists():
+        pytest.skip("no base interpreter to make a venv from")
+    project = tmp_path / "project"
+    (project / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "python.sh", project / "scripts")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(base)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+
+    def which() -> str:
+        return subprocess.run(["bash", str(project / "scripts" / "python.sh")], env=env,
+                              check=True, capture_output=True, text=True,
+                              timeout=300).stdout.strip()
+
+    made = which()
+    assert made == str(project / ".venv" / "bin" / "python")
+    prefix = subprocess.run([made, "-c", "import sys; print(sys.prefix)"], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    assert Path(prefix) == project / ".venv"
+    assert which() == made  # made once, then reused
+    # Inside an active venv, that venv's python3 is used; $PYTHON overrides both.
+    active = tmp_path / "active"
+    subprocess.run([str(base), "-m", "venv", "--without-pip", str(active)], check=True,
+                   timeout=120)
+    env["PATH"] = f"{active / 'bin'}{os.pathsep}{env['PATH']}"
+    assert which() == str(active / "bin" / "python3")
+    env["PYTHON"] = "/opt/twinkle/bin/python"
+    assert which() == "/opt/twinkle/bin/python"
+
+
 def _dockerfile() -> list[tuple[str, str]]:
     text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
     out = []
@@ -319,3 +355,24 @@ def test_guide_covers_every_ctl_command_and_the_metrics():
                    "log_format", "--log-format json", "healthz"):
         assert needed in GUIDE, needed
     assert "scripts/install.sh" in GUIDE and "Dockerfile" in GUIDE
+
+
+def test_the_default_data_dir_is_state_never_the_working_directory(tmp_path, monkeypatch):
+    from twinkled.config import Config, default_data_dir
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.chdir(tmp_path)
+    assert default_data_dir() == tmp_path / "state" / "twinkle"
+    assert Config().data_dir == tmp_path / "state" / "twinkle"
+    # A data dir an older version made under XDG_DATA_HOME is kept in use ...
+    (tmp_path / "data" / "twinkle").mkdir(parents=True)
+    (tmp_path / "data" / "twinkle" / "twinkle.db").write_bytes(b"")
+    assert default_data_dir() == tmp_path / "data" / "twinkle"
+    # ... until the new one exists.
+    (tmp_path / "state" / "twinkle").mkdir(parents=True)
+    assert default_data_dir() == tmp_path / "state" / "twinkle"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_data_dir() == Path.home() / ".local" / "state" / "twinkle"

@@ -17,9 +17,17 @@ from .engine.checks import Limits as RequestLimits
 
 
 def default_data_dir() -> Path:
-    """Where a daemon keeps its state unless told: never the working directory."""
-    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(base) / "twinkle"
+    """Where a daemon keeps its state unless told: never the working directory.
+
+    `$XDG_STATE_HOME/twinkle` (~/.local/state/twinkle): runs, checkpoints and the database are
+    state that persists across restarts, not portable data. A data dir that an older version
+    made under `$XDG_DATA_HOME/twinkle` is still used when the new one does not exist yet,
+    so an upgrade does not lose sight of its runs."""
+    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    old = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    if not (state / "twinkle").exists() and (old / "twinkle" / "twinkle.db").exists():
+        return old / "twinkle"
+    return state / "twinkle"
 
 
 @dataclass
