@@ -82,8 +82,9 @@ def two_hosts(tiny_dir, tmp_path_factory):
         d.here = socket.gethostname()
         yield d
     finally:
-        d.agent.stop()
-        d.stop()
+        d.stop()  # first: an agent stopping first would restart the group for nothing
+        agent.stop()
+        getattr(d, "agent", agent).stop()
 
 
 def _train(url: str, key: str, tiny_dir: Path):

@@ -202,6 +202,7 @@ class HostRegistry:
                 case BeatF(group=group, pids=pids) if group and group == host.group:
                     host.pids = pids
                 case LostF(group=group, rank=rank, why=why) if group == host.group:
+                    log.error("worker rank %d on host %s %s", rank, host.name, why)
                     self._lose(host, f"worker rank {rank} on host {host.name} {why}")
                 case ByeF(why=why):
                     self._drop(host, f"host {host.name} left: {why}")
@@ -260,7 +261,6 @@ class HostRegistry:
 
     def _lose(self, host: RemoteHost, why: str) -> None:
         if host.lost is not None and not host.lost.done():
-            log.error("%s", why)
             host.lost.set_result(why)
 
     def _drop(self, host: RemoteHost, why: str) -> None:
