@@ -166,3 +166,54 @@ def test_a_lost_host_costs_a_step_never_the_daemon(two_hosts, tiny_dir):
     d.agent = Agent(d.join_port, d.token, d.data_dir / "agent2.log")
     _wait_ranks(d.data_dir, [d.here, "hostb"])
     assert _step(tc, data).metrics["loss:sum"] > 0
+
+
+# -- fast checks: config keys, the unit, the agent's command line -------------------------
+
+
+@pytest.mark.parametrize("text, says", [
+    ('join_listen = "0.0.0.0:7070"', "join_listen: must be"),
+    ('join_listen = "tcp://0.0.0.0"', "join_listen: must be"),
+    ("remote_ranks = 2", "remote_ranks: remote ranks need join_listen"),
+    ('join_listen = "tcp://*:7070"\nremote_ranks = -1', "remote_ranks: must be 0 or more"),
+    ('join_listen = "tcp://*:7070"\njoin_heartbeat_s = 0.5', "join_heartbeat_s: must be"),
+])
+def test_join_keys_are_checked(tmp_path, text, says):
+    from twinkled.config import check_config
+
+    path = tmp_path / "t.toml"
+    path.write_text(text + "\n")
+    assert any(p.startswith(says) for p in check_config(path)), check_config(path)
+
+
+def test_join_keys_that_are_fine(tmp_path):
+    from twinkled.config import check_config
+
+    path = tmp_path / "t.toml"
+    path.write_text('join_listen = "tcp://10.0.0.1:7070"\nremote_ranks = 2\n'
+                    'join_timeout_s = 30\njoin_heartbeat_s = 5\njoin_token_file = "/k"\n')
+    assert check_config(path) == []
+
+
+def test_agent_refuses_bad_arguments_and_short_tokens(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "twinkled", "worker", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    short = tmp_path / "short.key"
+    short.write_text("abc")
+    out = run("--join", "tcp://127.0.0.1:1", "--devices", "gpu0", "--token-file", str(short))
+    assert out.returncode == 2 and "--devices" in out.stderr
+    out = run("--join", "127.0.0.1:1", "--devices", "cpu", "--token-file", str(short))
+    assert out.returncode == 2 and "--join" in out.stderr
+    out = run("--join", "tcp://127.0.0.1:1", "--devices", "cpu", "--token-file", str(short))
+    assert out.returncode == 1 and "fewer than 16 bytes" in out.stderr
+
+
+def test_worker_unit_runs_the_agent_and_does_not_retry_a_refused_token():
+    unit = (Path(__file__).resolve().parent.parent / "ops" / "twinkled-worker.service")
+    settings = dict(line.split("=", 1) for line in unit.read_text().splitlines()
+                    if "=" in line and not line.startswith(("#", "[")))
+    assert settings["ExecStart"].split()[1:4] == ["worker", "--join", "${TWINKLE_HEAD}"]
+    assert settings["RestartPreventExitStatus"] == "2"  # host.REFUSED
+    assert "PrivateDevices" not in settings and settings["User"] == "twinkle"

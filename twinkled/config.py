@@ -241,6 +241,8 @@ def check_config(path: str | Path) -> list[str]:
                 problems += _check_tenant(name, table, hints)
         elif key in _RANGES and not _RANGES[key][0](value):
             problems.append(f"{key}: {_RANGES[key][1]}, got {value!r}")
+    if raw.get("remote_ranks") and not raw.get("join_listen"):
+        problems.append("remote_ranks: remote ranks need join_listen (where they join)")
     return problems
 
 
