@@ -134,6 +134,29 @@ def test_a_joiner_without_the_token_is_refused(two_hosts, tmp_path):
     assert [w["host"] for w in status["workers"]] == [two_hosts.here, "hostb"]
 
 
+def test_loads_and_samplers_reach_the_other_host(two_hosts, tiny_dir):
+    """Ranks on another host cannot read the daemon's data dir: a checkpoint load and a
+    sampler load come from rank 0, so both ranks hold the same weights."""
+    d = two_hosts
+    tc, data, _ = _train(d.url, d.key, tiny_dir)
+    path = tc.save_state("mid").result(timeout=T).path
+    want = _logprobs(tc, data)
+    _step(tc, data)
+    tc.load_state(path).result(timeout=T)
+    got = _logprobs(tc, data)  # rows split over both ranks: each rank's copy is the saved one
+    assert [x for r in got for x in r] == pytest.approx([x for r in want for x in r], abs=1e-5)
+
+    sampler = tc.save_weights_and_get_sampling_client()
+    tok = tc.get_tokenizer()
+    prompts = [tinker.types.ModelInput.from_ints(tok(t).input_ids) for t in ("a cat", "blue")]
+    greedy = tinker.types.SamplingParams(max_tokens=4, temperature=0.0)
+    # Two requests in one step: one runs on each rank.
+    futs = [sampler.sample(p, 1, greedy) for p in prompts * 2]
+    out = [f.result(timeout=T).sequences[0].tokens for f in futs]
+    assert out[:2] == out[2:] and all(len(t) == 4 for t in out)
+    assert _ctl_status(d.data_dir)["restarts"] == 0
+
+
 def test_a_lost_host_costs_a_step_never_the_daemon(two_hosts, tiny_dir):
     d = two_hosts
     tc = tinker.ServiceClient(base_url=d.url, api_key=d.key).create_lora_training_client(

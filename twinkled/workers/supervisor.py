@@ -143,9 +143,12 @@ class WorkerGroup:
             await self.hosts.wait_for(self.join.remote_ranks, self.join.timeout_s)
             hosts = self.hosts.ready()
         self.workers = [WorkerInfo(r, d) for r, d in enumerate(self.devices)]
+        plan: list[tuple[RemoteHost, list[int]]] = []  # two agents may share a host name
         for host in hosts:
-            for d in host.devices:
-                self.workers.append(WorkerInfo(len(self.workers), d, host=host.name))
+            plan.append((host, list(range(len(self.workers),
+                                          len(self.workers) + len(host.devices)))))
+            self.workers += [WorkerInfo(len(self.workers) + i, d, host=host.name)
+                             for i, d in enumerate(host.devices)]
         dist_port = _free_port(self._bind_host)
         local = _reachable(self._bind_host)
         # Ranks on several hosts cannot read each other's files: rank 0 then hands out what
@@ -162,8 +165,7 @@ class WorkerGroup:
             w.pid, w.started = proc.pid, time.time()
             self._procs.append(proc)
             self._exits.append(asyncio.ensure_future(proc.wait()))
-        for host in hosts:
-            ranks = [w.rank for w in self.workers if w.host == host.name]
+        for host, ranks in plan:
             lost = await self.hosts.assign(host, self._group, ranks, self.world,
                                            int(self._endpoint.rpartition(":")[2]), dist_port,
                                            options)
