@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -147,6 +148,7 @@ def test_loads_and_samplers_reach_the_other_host(two_hosts, tiny_dir):
     assert [x for r in got for x in r] == pytest.approx([x for r in want for x in r], abs=1e-5)
 
     sampler = tc.save_weights_and_get_sampling_client()
+    sampler = sampler.result(timeout=T) if hasattr(sampler, "result") else sampler
     tok = tc.get_tokenizer()
     prompts = [tinker.types.ModelInput.from_ints(tok(t).input_ids) for t in ("a cat", "blue")]
     greedy = tinker.types.SamplingParams(max_tokens=4, temperature=0.0)
@@ -154,6 +156,11 @@ def test_loads_and_samplers_reach_the_other_host(two_hosts, tiny_dir):
     futs = [sampler.sample(p, 1, greedy) for p in prompts * 2]
     out = [f.result(timeout=T).sequences[0].tokens for f in futs]
     assert out[:2] == out[2:] and all(len(t) == 4 for t in out)
+    # The remote rank read neither from the daemon's disk: rank 0 sent both directories.
+    shared = (d.data_dir / "agent.log").read_text()
+    assert re.search(r"file\(s\) of \S+/checkpoints/\S+/weights/mid from rank 0", shared)
+    assert re.search(r"file\(s\) of \S+/checkpoints/\S+/sampler_weights/\S+ from rank 0",
+                     shared)
     assert _ctl_status(d.data_dir)["restarts"] == 0
 
 

@@ -10,12 +10,15 @@ copy. Collective: every rank calls it, in the same order (barrier ops run on eve
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
+
+log = logging.getLogger("twinkled.worker")
 
 
 def _read(path: Path | None) -> dict[str, bytes] | str | None:
@@ -46,6 +49,7 @@ def rank0_dir(path: str | Path | None, rank: int):
             target = copy / name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
+        log.info("%d file(s) of %s from rank 0", len(files), path)
         yield copy
     finally:
         shutil.rmtree(copy, ignore_errors=True)
