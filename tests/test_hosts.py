@@ -135,6 +135,7 @@ def test_a_joiner_without_the_token_is_refused(two_hosts, tmp_path):
     assert [w["host"] for w in status["workers"]] == [two_hosts.here, "hostb"]
 
 
+@pytest.mark.filterwarnings("ignore:DEPRECATED")  # load_state: the legacy path
 def test_loads_and_samplers_reach_the_other_host(two_hosts, tiny_dir):
     """Ranks on another host cannot read the daemon's data dir: a checkpoint load and a
     sampler load come from rank 0, so both ranks hold the same weights."""
