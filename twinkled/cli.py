@@ -93,6 +93,39 @@ def _exit_within(seconds: float) -> None:
 main.add_command(ctl)
 
 
+@main.command()
+@click.option("--join", "join", required=True, metavar="tcp://HEAD:PORT",
+              help="The daemon's join_listen address, as this host reaches it.")
+@click.option("--devices", required=True, help="This host's ranks, comma-separated: "
+              "cuda:0,cuda:1 or cpu,cpu.")
+@click.option("--token-file", type=click.Path(path_type=Path, dir_okay=False),
+              default=Path("/etc/twinkle/join.key"), show_default=True,
+              help="A copy of the daemon's join token (join_token_file).")
+@click.option("--model", help="The model directory on this host (default: the daemon's "
+              "path, which must then exist here too).")
+@click.option("--name", help="This host's name in `twinkled ctl status` (default: hostname).")
+def worker(join, devices, token_file, model, name) -> None:
+    """Join a daemon's worker group from another host: run the ranks it assigns here."""
+    import re
+    import sys
+
+    from .workers.host import main as agent
+    from .workers.join import split_endpoint
+
+    names = [d.strip() for d in devices.split(",") if d.strip()]
+    if not names or any(not re.fullmatch(r"cpu|cuda:\d+", d) for d in names):
+        raise click.UsageError(f"--devices must list cpu or cuda:N, got {devices!r}")
+    try:
+        split_endpoint(join)
+    except ValueError as e:
+        raise click.UsageError(f"--join: {e}") from None
+    try:
+        code = agent(join, names, token_file, model, name)
+    except (OSError, ValueError) as e:  # an unreadable or short token file
+        raise click.ClickException(str(e)) from None
+    sys.exit(code)
+
+
 @main.group()
 def config() -> None:
     """Configuration files."""

@@ -80,6 +80,12 @@ class Config:
     stability_tenant_bytes: int = 64 * 2**20  # one tenant
     log_format: str = "text"  # text | json: one log line per request (json for log shippers)
     admin_key_file: str = ""  # "": <data_dir>/admin.key, made at the first start (mode 0600)
+    # Worker ranks on other hosts (`twinkled worker --join`): where they join ("": none).
+    join_listen: str = ""  # tcp://ADDRESS:PORT, e.g. tcp://0.0.0.0:7070
+    join_token_file: str = ""  # "": <data_dir>/join.key, made at the first start (0600)
+    remote_ranks: int = 0  # remote ranks each (re)start waits for, up to join_timeout_s
+    join_timeout_s: float = 60.0
+    join_heartbeat_s: float = 10.0  # a host that sends nothing for this long is lost
 
     def storage_quota_default(self, tenant: str) -> int | None:
         """The tenant's storage quota by this config ([tenants.NAME] max_storage_bytes, else
@@ -172,6 +178,7 @@ def _cuda_count() -> int:
 TENANT_KEYS = ("weight", "max_queued_requests", "max_queued_tokens", "max_adapters",
                "max_rank", "max_storage_bytes")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_ENDPOINT = re.compile(r"tcp://(\*|[\w.-]+):(\d{1,5})")
 _POSITIVE = (lambda v: v > 0, "must be positive")
 _NON_NEGATIVE = (lambda v: v >= 0, "must be 0 or more")
 _NOT_EMPTY = (lambda v: v != "", "must not be empty")
@@ -194,6 +201,10 @@ _RANGES = {
     "target_step_ms": (lambda v: v == "auto" or (not isinstance(v, str) and v >= 0),
                        'must be "auto" or a number of ms >= 0 (0: no time bound)'),
     "log_format": (lambda v: v in ("text", "json"), "must be text or json"),
+    "join_listen": (lambda v: v == "" or _ENDPOINT.fullmatch(v),
+                    'must be "" or tcp://ADDRESS:PORT (e.g. tcp://0.0.0.0:7070)'),
+    "remote_ranks": _NON_NEGATIVE, "join_timeout_s": _NON_NEGATIVE,
+    "join_heartbeat_s": (lambda v: v >= 1, "must be 1 s or more"),
     "weight": (lambda v: v > 0, "must be a positive number"),
     **{f"tenant_{k}": _QUOTA for k in TENANT_KEYS[1:]}, **{k: _QUOTA for k in TENANT_KEYS[1:]},
     "tenant_max_storage_bytes": (lambda v: True, ""),  # 0 or less: unlimited
@@ -238,6 +249,8 @@ def check_config(path: str | Path) -> list[str]:
                 problems += _check_tenant(name, table, hints)
         elif key in _RANGES and not _RANGES[key][0](value):
             problems.append(f"{key}: {_RANGES[key][1]}, got {value!r}")
+    if raw.get("remote_ranks") and not raw.get("join_listen"):
+        problems.append("remote_ranks: remote ranks need join_listen (where they join)")
     return problems
 
 

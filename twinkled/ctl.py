@@ -294,7 +294,8 @@ def status(target: Target, as_json: bool) -> None:
         click.echo(f"model {s['model']} ({s['state']}), {s['adapters']} adapters, "
                    f"{s['steps']} steps, worker restarts {s['restarts']}")
         for w in s["workers"]:
-            click.echo(f"  rank {w['rank']} {w['device']:<8} pid {w['pid']}  "
+            where = f" on {w['host']}" if w.get("remote") else ""
+            click.echo(f"  rank {w['rank']} {w['device']:<8}{where} pid {w['pid']}  "
                        f"{'alive' if w['alive'] else 'DOWN'}  memory {_size(w['memory_bytes'])}")
         for d in s.get("damaged_checkpoints", []):
             click.echo(f"  damaged checkpoint {d['tinker_path']}: {d['reason']}")

@@ -43,6 +43,7 @@ from .workers.frames import (
     encoder,
     op_decoder,
 )
+from .workers.hosts import join_settings
 from .workers.supervisor import WorkerGroup, WorkerLost
 
 log = logging.getLogger("twinkled")
@@ -69,8 +70,8 @@ class WorkerClient:
                    "packing": config.packing,
                    "live_dir": str(self.live_dir), "persist_every": config.persist_every,
                    "threads": threads}
-        self.group = WorkerGroup(devices, options,
-                                 step_timeout=config.step_timeout_s)
+        self.group = WorkerGroup(devices, options, step_timeout=config.step_timeout_s,
+                                 join=join_settings(config))
         self.live: dict[str, LoraConfig] = {}  # training adapters to bring back on restart
         # persist_every = 0 is "persistence off": no write-behind, so no journal either.
         self.journal = Journal(self.live_dir, enabled=config.persist_every > 0)

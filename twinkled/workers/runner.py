@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from .frames import (
     UnloadF,
 )
 from .persist import Persister, latest_version
+from .share import rank0_dir
 
 # Fault tests only: a pass holding a datum of this many tokens fails after its backward.
 _FAIL_TOKENS = int(os.environ.get("TWINKLED_TEST_FAIL_TOKENS", "0"))
@@ -79,10 +81,15 @@ def fatal(e: BaseException) -> bool:
 
 
 class StepRunner:
-    def __init__(self, engine: Engine, rank: int, world: int, persister: Persister | None):
+    def __init__(self, engine: Engine, rank: int, world: int, persister: Persister | None,
+                 spans_hosts: bool = False):
         self.engine = engine
         self.rank, self.world = rank, world
         self.persister = persister  # rank 0 only
+        # Ranks on other hosts cannot read the daemon's data dir: what a load reads comes
+        # from rank 0 (share.py), and every rank loads every sampler of a step, so that
+        # this collective runs in the same order everywhere.
+        self.spans_hosts = spans_hosts
         self.sampler_lru: OrderedDict[str, bool] = OrderedDict()
         # Per adapter: the journal position of the last op after which it had no pending
         # gradients (what a snapshot of it holds; twinkled/journal.py).
@@ -153,6 +160,15 @@ class StepRunner:
         costs = [op.num_samples * (op.prompt.shape[0] + op.params.max_tokens) for op in ops]
         mine = [i for i, r in enumerate(split_rows(costs, self.world)) if r == self.rank]
         outcomes, good = [], []
+        failed: dict[int, Exception] = {}
+        if self.spans_hosts:  # every rank loads every sampler, in op order (collective)
+            for i, s in enumerate(ops):
+                try:
+                    self._load_sampler(s)
+                except Exception as e:
+                    if fatal(e):
+                        raise
+                    failed[i] = e
         for i in mine:
             s = ops[i]
             p = s.params
@@ -163,7 +179,10 @@ class StepRunner:
                 None if s.target_prompt is None else to_tensor(s.target_prompt).tolist(),
                 s.alt_tokens_k)
             try:
-                self._load_sampler(s)
+                if i in failed:
+                    raise failed[i]
+                if not self.spans_hosts:
+                    self._load_sampler(s)
                 if s.adapter_id is not None and not self.engine.has_adapter(s.adapter_id):
                     raise EngineInputError("sampling_session_id", "its weights are not loaded")
                 good.append((i, req))
@@ -173,7 +192,8 @@ class StepRunner:
                 outcomes.append(OutcomeF(i, error=str(e), category=_category(e)))
         if good:
             outcomes += self._sample_batch(good)
-        in_use = {ops[i].adapter_id for i in mine}
+        # The same evictions on every rank when they must hold the same samplers.
+        in_use = {ops[i].adapter_id for i in (range(len(ops)) if self.spans_hosts else mine)}
         while len(self.sampler_lru) > SAMPLER_ADAPTERS:
             old = next(iter(self.sampler_lru))
             if old in in_use:
@@ -201,7 +221,11 @@ class StepRunner:
         if not op.load_from:
             return
         if not self.engine.has_adapter(op.adapter_id):
-            self.engine.load(op.adapter_id, op.load_from, optimizer=False)
+            if self.spans_hosts:
+                with rank0_dir(op.load_from, self.rank) as path:
+                    self.engine.load(op.adapter_id, path or op.load_from, optimizer=False)
+            else:
+                self.engine.load(op.adapter_id, op.load_from, optimizer=False)
         self.sampler_lru[op.adapter_id] = True
         self.sampler_lru.move_to_end(op.adapter_id)
 
@@ -277,8 +301,9 @@ class StepRunner:
                 engine.save(aid, op.dir, optimizer=op.optimizer)
                 return OutcomeF(i, digest=checkpoint_digest(Path(op.dir)))
             case LoadF():
-                info = engine.load(aid, op.dir, optimizer=op.optimizer,
-                                   optimizer_type=op.optimizer_type)
+                with self._readable(op.dir) as path:
+                    info = engine.load(aid, path or op.dir, optimizer=op.optimizer,
+                                       optimizer_type=op.optimizer_type)
                 self.marks[aid] = op.mark
                 self._persist(aid)
                 return OutcomeF(i, info=info)
@@ -309,15 +334,22 @@ class StepRunner:
         """An adapter from its last persisted state, or fresh if it never got one; and the
         journal position that state holds (the daemon replays what came after)."""
         version = latest_version(Path(op.dir), aid) if op.dir else None
-        if self.engine.has_adapter(aid):
-            self.engine.remove_adapter(aid)
-        if version is None:
-            info, mark = self.engine.add_adapter(aid, op.config), 0
-        else:
-            mark = read_mark(version)
-            info = self.engine.load(aid, version, optimizer=True)
+        with self._readable(version) as version:
+            if self.engine.has_adapter(aid):
+                self.engine.remove_adapter(aid)
+            if version is None:
+                info, mark = self.engine.add_adapter(aid, op.config), 0
+            else:
+                mark = read_mark(version)
+                info = self.engine.load(aid, version, optimizer=True)
         self.marks[aid] = mark
         return info, mark
+
+    def _readable(self, path):
+        """`path` as this rank can read it: rank 0's files when the group spans hosts."""
+        if self.spans_hosts:
+            return rank0_dir(path, self.rank)
+        return nullcontext(None if path is None else Path(path))
 
 
 def _category(e: BaseException) -> str:

@@ -4,6 +4,11 @@ Torch-free (the HTTP process never imports torch). One ROUTER socket talks to ev
 DEALER; a step is encoded once and sent to all ranks; `run` returns when every rank has
 answered, and raises WorkerLost as soon as any rank exits or the step overruns its time.
 The caller then fails that step's requests and calls `restart`.
+
+With `join` settings the group may also hold ranks on other hosts (`twinkled worker
+--join`, hosts.py): local ranks come first (rank 0, which persists, is always here), then
+each joined host's devices. A remote rank's loss is a future that its host registry
+resolves (an agent's report, or its silence); it counts like a local process's exit.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from .frames import HelloF, ReplyF, StepF, encoder, reply_decoder
+from .hosts import HostRegistry, JoinSettings, RemoteHost
 
 log = logging.getLogger("twinkled")
 
@@ -39,12 +45,20 @@ class WorkerInfo:
     pid: int | None = None
     memory: int = 0
     started: float = field(default_factory=time.time)
+    host: str = ""  # "" on this host; else the joined host's name
+    lost: asyncio.Future | None = None  # a remote rank: resolves when its host loses it
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _reachable(bind_host: str) -> str:
+    """The address local ranks use for a socket bound on `bind_host`."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "*", "") else \
+        "[::1]" if bind_host in ("::", "[::]") else bind_host
 
 
 class WorkerGroup:
@@ -52,73 +66,161 @@ class WorkerGroup:
     (model, dtype, max_rank, token_budget, live_dir, persist_every, threads)."""
 
     def __init__(self, devices: list[str], options: dict, start_timeout: float = 900.0,
-                 step_timeout: float = 900.0):
-        self.devices = devices
+                 step_timeout: float = 900.0, join: JoinSettings | None = None):
+        self.devices = devices  # this host's
         self.options = options
         self.start_timeout = start_timeout
         self.step_timeout = step_timeout
-        self.workers = [WorkerInfo(r, d) for r, d in enumerate(devices)]
+        self.workers = [WorkerInfo(r, d) for r, d in enumerate(devices)]  # the current group
         self.model_info: dict = {}
         self.restarts = 0
         self._procs: list[asyncio.subprocess.Process] = []
-        self._exits: list[asyncio.Task] = []
+        self._exits: list[asyncio.Future] = []  # local exits and remote losses
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._endpoint = ""
+        self._bind_host = _bind_host(join)
         self._step = 0
-        # Ranks are named "<group>:<rank>". A process of another group (an orphan of a
-        # daemon that died, reconnecting to a port this one reuses) is ignored, never
-        # taken for one of ours.
+        self.join = join
+        self.hosts = HostRegistry(join, self._ctx) if join else None
+        self._grow: asyncio.Future | None = None  # a host joined: restart to take it in
+        # Ranks are named "<group>:<rank>", with a new group id at every start. A process
+        # of another group (an orphan of a daemon that died, reconnecting to a port this
+        # one reuses, or a remote rank of the last start) is ignored, never taken for one
+        # of ours.
         self._group = secrets.token_hex(8)
 
     @property
     def world(self) -> int:
-        return len(self.devices)
+        return len(self.workers)
 
     @property
-    def exits(self) -> list[asyncio.Task]:
-        """One task per rank of the current group, done when that process has exited."""
-        return list(self._exits)
+    def exits(self) -> list[asyncio.Future]:
+        """Done when a rank of the current group is gone (a local process exited, a host
+        lost its rank), or when a new host joined and the group should restart to take it
+        in: then `dead()` says so."""
+        return self._exits + ([self._grow] if self._grow is not None else [])
 
     def dead(self) -> str:
-        """Which rank of the current group has exited ("" when all are alive)."""
+        """Why the current group must restart ("" when all is well)."""
+        lost = self._lost()
+        if not lost and self._grow is not None and self._grow.done():
+            return self._grow.result()
+        return lost
+
+    def _lost(self) -> str:
+        """Which rank of the current group is gone ("" when all are alive)."""
         for w, p in zip(self.workers, self._procs, strict=False):
             if p.returncode is not None:
                 return f"worker rank {w.rank} (pid {w.pid}) exited with code {p.returncode}"
+        for w in self.workers:
+            if w.lost is not None and w.lost.done() and not w.lost.cancelled():
+                return w.lost.result()
         return ""
 
     async def start(self) -> None:
-        """Spawn the ranks and wait until every one has loaded the model."""
-        if self._sock is None:
-            self._sock = self._ctx.socket(zmq.ROUTER)
-            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes its name
-            self._sock.setsockopt(zmq.LINGER, 0)
-            port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-            self._endpoint = f"tcp://127.0.0.1:{port}"
-        dist_url = f"tcp://127.0.0.1:{_free_port()}"
+        """Spawn the ranks and wait until every one has loaded the model. A remote host
+        whose ranks fail to come up is left out and the group started again without it:
+        a host can cost a start, never the daemon's."""
+        while True:
+            failed: set[str] = set()
+            try:
+                await self._start(failed)
+                return
+            except WorkerLost:
+                await self.kill()
+                if not failed:
+                    raise
+                for host in self.hosts.ready():
+                    if host.name in failed:
+                        self.hosts.ban(host, "its ranks did not start")
+
+    async def _start(self, failed: set[str]) -> None:
+        await self._open()
+        self._group = secrets.token_hex(8)
+        hosts: list[RemoteHost] = []
+        if self.hosts is not None:
+            await self.hosts.wait_for(self.join.remote_ranks, self.join.timeout_s)
+            hosts = self.hosts.ready()
+        self.workers = [WorkerInfo(r, d) for r, d in enumerate(self.devices)]
+        plan: list[tuple[RemoteHost, list[int]]] = []  # two agents may share a host name
+        for host in hosts:
+            plan.append((host, list(range(len(self.workers),
+                                          len(self.workers) + len(host.devices)))))
+            self.workers += [WorkerInfo(len(self.workers) + i, d, host=host.name)
+                             for i, d in enumerate(host.devices)]
+        dist_port = _free_port(self._bind_host)
+        local = _reachable(self._bind_host)
+        # Ranks on several hosts cannot read each other's files: rank 0 then hands out what
+        # a load or a restore reads (runner.py).
+        options = {**self.options, "world": self.world, "group": self._group,
+                   "spans_hosts": bool(hosts)}
         self._procs, self._exits = [], []
-        for w in self.workers:
-            args = {**self.options, "rank": w.rank, "world": self.world, "device": w.device,
-                    "endpoint": self._endpoint, "dist_url": dist_url, "group": self._group}
+        for w in self.workers[:len(self.devices)]:
+            args = {**options, "rank": w.rank, "device": w.device, "endpoint": self._endpoint,
+                    "dist_url": f"tcp://{local}:{dist_port}"}
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "twinkled.workers.worker", json.dumps(args),
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
             w.pid, w.started = proc.pid, time.time()
             self._procs.append(proc)
-            self._exits.append(asyncio.create_task(proc.wait()))
-        hellos = await self._gather(self.start_timeout, lambda m: isinstance(m, HelloF), "start")
-        errors = [h.error for h in hellos if h.error]
+            self._exits.append(asyncio.ensure_future(proc.wait()))
+        for host, ranks in plan:
+            lost = await self.hosts.assign(host, self._group, ranks, self.world,
+                                           int(self._endpoint.rpartition(":")[2]), dist_port,
+                                           options)
+            for r in ranks:
+                self.workers[r].lost = lost
+            self._exits.append(lost)
+        self._grow = asyncio.get_running_loop().create_future()
+        if self.hosts is not None:
+            self.hosts.on_join = self._on_join
+        got: dict[int, HelloF] = {}
+        try:
+            await self._gather(self.start_timeout, lambda m: isinstance(m, HelloF), "start",
+                               got)
+        except WorkerLost:
+            failed |= self._blame(got)
+            raise
+        errors = [h.error for h in got.values() if h.error]
         if errors:
-            await self.kill()
+            failed |= self._blame(got)
             raise WorkerLost(f"worker start-up failed: {errors[0]}")
-        self.model_info = hellos[0].model
-        log.info("worker group up: %d rank(s) on %s (pids %s)", self.world,
-                 ",".join(self.devices), [w.pid for w in self.workers])
+        for w in self.workers:
+            w.pid = got[w.rank].pid
+        self.model_info = got[0].model
+        log.info("worker group up: %d rank(s): %s", self.world,
+                 ", ".join(f"{w.device}@{w.host or 'local'}" for w in self.workers))
+
+    def _blame(self, got: dict[int, HelloF]) -> set[str]:
+        """The remote hosts to leave out after a failed start: those with a rank that did
+        not come up, when every local rank did (else the fault is likely here)."""
+        def bad(w: WorkerInfo) -> bool:
+            return w.rank not in got or got[w.rank].error is not None
+
+        if any(bad(w) for w in self.workers if not w.host):
+            return set()
+        return {w.host for w in self.workers if w.host and bad(w)}
+
+    def _on_join(self, host: RemoteHost) -> None:
+        if self._grow is not None and not self._grow.done() and self.model_info:
+            self._grow.set_result(f"host {host.name} joined with {len(host.devices)} "
+                                  f"device(s): restarting the group to take it in")
+
+    async def _open(self) -> None:
+        if self._sock is None:
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes its name
+            self._sock.setsockopt(zmq.LINGER, 0)
+            port = self._sock.bind_to_random_port(f"tcp://{self._bind_host}")
+            self._endpoint = f"tcp://{_reachable(self._bind_host)}:{port}"
+        if self.hosts is not None:
+            await self.hosts.open()
 
     async def run(self, step: StepF) -> list[ReplyF]:
         """Send `step` to every rank; their replies, in rank order."""
-        if self.dead():
-            raise WorkerLost(self.dead())
+        if self._lost():
+            raise WorkerLost(self._lost())
         self._step += 1
         step.id = self._step
         data = encoder.encode(step)
@@ -130,9 +232,11 @@ class WorkerGroup:
             w.memory = r.memory
         return replies
 
-    async def _gather(self, timeout: float, wanted, what: str) -> list:
-        """One wanted message per rank; WorkerLost if a rank exits or time runs out."""
-        got: dict[int, object] = {}
+    async def _gather(self, timeout: float, wanted, what: str,
+                      got: dict | None = None) -> list:
+        """One wanted message per rank (into `got`); WorkerLost if a rank is lost or time
+        runs out."""
+        got = {} if got is None else got
         deadline = asyncio.get_running_loop().time() + timeout
         while len(got) < self.world:
             recv = asyncio.ensure_future(self._sock.recv_multipart())
@@ -142,7 +246,7 @@ class WorkerGroup:
             if recv not in done:
                 recv.cancel()
                 if any(t.done() for t in self._exits):
-                    raise WorkerLost(f"{self.dead()} during {what}")
+                    raise WorkerLost(f"{self._lost()} during {what}")
                 raise WorkerLost(f"the worker group did not answer within {timeout:.0f} s "
                                  f"during {what}")
             ident, frame = recv.result()
@@ -164,31 +268,58 @@ class WorkerGroup:
         await self.start()
 
     async def kill(self) -> None:
-        """SIGKILL every rank (a rank may be stuck in a collective) and reap them."""
+        """SIGKILL every local rank (a rank may be stuck in a collective) and reap them;
+        every remote host kills its own."""
         for proc in self._procs:
             if proc.returncode is None:
                 try:
                     proc.send_signal(signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        if self._exits:
-            await asyncio.wait(self._exits, timeout=30)
+        if self.hosts is not None:
+            await self.hosts.release()
+        if self._procs:
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in self._procs],
+                               timeout=30)
 
     async def stop(self, grace: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds."""
         for proc in self._procs:
             if proc.returncode is None:
                 proc.terminate()
-        if self._exits:
-            _, pending = await asyncio.wait(self._exits, timeout=grace)
+        if self.hosts is not None:
+            await self.hosts.release()
+        if self._procs:
+            waits = [asyncio.ensure_future(p.wait()) for p in self._procs]
+            _, pending = await asyncio.wait(waits, timeout=grace)
             if pending:
                 await self.kill()
+        if self.hosts is not None:
+            await self.hosts.close()
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
         self._ctx.destroy(linger=0)  # nothing may keep the process from exiting
 
     def status(self) -> list[dict]:
-        return [{"rank": w.rank, "device": w.device, "pid": w.pid, "memory_bytes": w.memory,
-                 "alive": p.returncode is None, "up_s": round(time.time() - w.started, 1)}
-                for w, p in zip(self.workers, self._procs, strict=False)]
+        here = socket.gethostname()
+        out = []
+        for w in self.workers:
+            if w.host:
+                alive = w.lost is not None and not w.lost.done()
+            else:
+                p = self._procs[w.rank] if w.rank < len(self._procs) else None
+                alive = p is not None and p.returncode is None
+            out.append({"rank": w.rank, "device": w.device, "host": w.host or here,
+                        "remote": bool(w.host), "pid": w.pid, "memory_bytes": w.memory,
+                        "alive": alive, "up_s": round(time.time() - w.started, 1)})
+        return out
+
+
+def _bind_host(join: JoinSettings | None) -> str:
+    """Where the step socket and the rendezvous listen: loopback unless hosts may join,
+    then the join address's interface (remote ranks connect to them too)."""
+    if join is None:
+        return "127.0.0.1"
+    host = join.bind_host
+    return "0.0.0.0" if host == "*" else host.strip("[]") if host.startswith("[") else host

@@ -108,7 +108,9 @@ def _start(args: dict):
     model = {"arch": cfg.model_type, "max_seq_len": engine.model.max_seq_len,
              "vocab_size": cfg.vocab_size, "dtype": str(engine.model.dtype).replace("torch.", "")}
     hello = HelloF(args["rank"], os.getpid(), device, model)
-    return StepRunner(engine, args["rank"], args["world"], persister), hello
+    runner = StepRunner(engine, args["rank"], args["world"], persister,
+                        spans_hosts=args.get("spans_hosts", False))
+    return runner, hello
 
 
 def _memory(runner) -> int:
