@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
 import random
 
 import pytest
@@ -15,9 +16,9 @@ import pytest
 from twinkled.config import Config
 from twinkled.engine.types import AdamParams, LoraConfig
 from twinkled.executor import in_process_executor
-from twinkled.service import Op, Service, UserError
+from twinkled.service import Service, UserError
 from twinkled.store import Store
-from twinkled.workers.frames import CreateF, DatumF, OptimF, SaveF, TrainF, buf
+from twinkled.workers.frames import DatumF, OptimF, TrainF, buf
 
 WAIT = 120.0  # seconds a step may take on a busy CPU
 
@@ -27,7 +28,6 @@ class Box:
 
     def __init__(self, svc: Service, store: Store):
         self.svc, self.store = svc, store
-        self.results: dict[str, object] = {}
         self.sessions: dict[str, str] = {}
         self.vocab = 0
 
@@ -46,11 +46,8 @@ class Box:
         if tenant not in self.sessions:
             self.sessions[tenant] = self.store.create_session(tenant)
         config = LoraConfig(rank=rank, alpha=8.0, seed=random.randrange(1 << 30))
-        model = self.store.create_run(self.sessions[tenant], tenant, "tiny", rank,
-                                      {"rank": rank, "alpha": 8.0, "seed": config.seed})
-        f = self.future(tenant, "create_model")
-        self.svc.open_model(model, tenant, 0)
-        self.svc.submit(Op(model, 0, CreateF(model, config), f))
+        model, f = self.svc.create_model(tenant, self.sessions[tenant], None, config, {},
+                                         lambda model: (b"{}", "application/json"))
         await done(f)
         assert f.error is None, f.error
         return model
@@ -64,13 +61,22 @@ class Box:
             data.append(DatumF(buf(toks[:-1], "int64"),
                                {"target_tokens": buf(toks[1:], "int64"),
                                 "weights": buf([1.0] * n, "float32")}))
-        f = self.future(tenant, "forward_backward")
         frame = TrainF(model, data, "cross_entropy", {}, forward_only)
-        return self.svc.submit(Op(model, seq, frame, f, sum(lengths), parts=list(lengths)))
+        return self.svc.forward_backward(tenant, model, seq, frame, self.keep)
 
     def optim(self, tenant: str, model: str, seq: int, lr: float = 1e-2):
-        f = self.future(tenant, "optim_step")
-        return self.svc.submit(Op(model, seq, OptimF(model, AdamParams(learning_rate=lr)), f))
+        frame = OptimF(model, AdamParams(learning_rate=lr))
+        return self.svc.optim_step(tenant, model, seq, frame, self.keep)
+
+    @staticmethod
+    def keep(result) -> tuple[bytes, str]:
+        """An encoder that keeps the result itself (`result` reads it back)."""
+        return pickle.dumps(result), "application/octet-stream"
+
+
+def result(f):
+    """What future `f` was resolved with."""
+    return pickle.loads(f.payload)
 
 
 async def done(*futures, timeout: float = WAIT) -> None:
@@ -125,13 +131,13 @@ def test_two_tenants_co_batched_in_one_step(tiny_dir, tmp_path):
             await done(fa, fb)
             assert fa.error is None and fb.error is None
             assert box.svc.planner.steps == steps + 1  # one step held both tenants' rows
-            ra, rb = box.results[fa.id], box.results[fb.id]
+            ra, rb = result(fa), result(fb)
             assert [len(x) for x in logprobs(ra)] == [5, 7]
             assert [len(x) for x in logprobs(rb)] == [6]
             # Alone, alice's rows give the same logprobs: co-batching changed nothing.
             alone = box.fwdbwd("alice", a, 2, [5, 7], seed=1, forward_only=True)
             await done(alone)
-            for x, y in zip(logprobs(ra), logprobs(box.results[alone.id]), strict=True):
+            for x, y in zip(logprobs(ra), logprobs(result(alone)), strict=True):
                 assert max(abs(p - q) for p, q in zip(x, y, strict=True)) < 1e-4
 
     run(go())
@@ -167,11 +173,11 @@ def test_a_cut_forward_backward_is_merged_in_datum_order(tiny_dir, tmp_path):
             await done(f)
             assert f.error is None
             assert box.svc.planner.steps >= steps + 2  # it ran in pieces
-            cut = logprobs(box.results[f.id])
+            cut = logprobs(result(f))
             assert [len(x) for x in cut] == lengths  # one result, datums in order
             whole = box.fwdbwd("alice", m, 2, lengths[:1], seed=4, forward_only=True)
             await done(whole)
-            assert max(abs(p - q) for p, q in zip(cut[0], logprobs(box.results[whole.id])[0],
+            assert max(abs(p - q) for p, q in zip(cut[0], logprobs(result(whole))[0],
                                                   strict=True)) < 1e-4
 
     run(go())
@@ -218,7 +224,7 @@ def test_idle_unload_and_reload_through_residency(tiny_dir, tmp_path):
             after = box.fwdbwd("alice", m, 4, [6], seed=6, forward_only=True)
             await done(after)
             assert after.error is None
-            x, y = logprobs(box.results[before.id])[0], logprobs(box.results[after.id])[0]
+            x, y = logprobs(result(before))[0], logprobs(result(after))[0]
             assert max(abs(p - q) for p, q in zip(x, y, strict=True)) < 1e-5  # same weights
 
     run(go())
@@ -231,14 +237,15 @@ def test_futures_fail_cleanly_and_the_loop_goes_on(tiny_dir, tmp_path):
             m = await box.create("alice")
             # An op that fails in the engine fails its own future, with its reason; its
             # `after` hears it; the model goes on.
-            blocker = tmp_path / "a-file"
-            blocker.write_text("")
-            heard = []
-            f = box.future("alice", "save")
-            svc.submit(Op(m, 1, SaveF(m, str(blocker / "ckpt")), f,
-                          after=lambda result, message: heard.append(message)))
+            (tmp_path / "checkpoints").write_text("")  # no directory can be made under it
+            run = box.store.get_run(m)
+            f = svc.save("alice", run, 1, "weights", "first", optimizer=True, user_metadata={},
+                         ttl_s=None, overwrite=False, answer=lambda path: (b"{}", "text/plain"))
             await done(f)
-            assert f.error is not None and heard == [f.error[0]]
+            assert f.error is not None and f.error[1] == "server"
+            # Its store row says why: behind the service, the save's callback ran.
+            ckpt = box.store.get_checkpoint(f"tinker://{m}/weights/first")
+            assert ckpt["status"] == "corrupt" and ckpt["error"] == f.error[0]
             # The executor itself failing (a bug): the step's futures fail as server errors.
             real = svc.executor.run_ops
 

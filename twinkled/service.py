@@ -13,20 +13,30 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from scheduler import Limits, Planner
 
 from .config import Config
-from .core import EngineCore, Op, RateLimited, Skip  # noqa: F401  (re-exported for the routes)
+from .core import After, EngineCore, Op, RateLimited, Skip  # noqa: F401  (re-exported)
 from .engine.checks import Limits as RequestLimits
+from .engine.types import LoraConfig
 from .executor import Executor, zmq_executor
 from .futures import Encoder, Future, Futures, NotFound, UserError, empty_json  # noqa: F401
 from .metrics import Metrics
 from .residency import Residency
+from .stability import StabilityRecords
+from .store import Conflict, checkpoint_path
 from .verify import verify_checkpoints
-from .workers.frames import UnloadF
+from .workers.frames import CreateF, LoadF, OptimF, SampleF, SaveF, TrainF, UnloadF
 
 log = logging.getLogger("twinkled")
+
+
+# How a command that makes something answers, given the id of what it made (a model, a
+# checkpoint path, a sampler): the protocol layer's choice, like an Encoder.
+Answer = Callable[[str], tuple[bytes, str]]
 
 
 def _ms(seconds: float) -> float | None:
@@ -48,6 +58,9 @@ class Service:
         self.stopping = asyncio.Event()  # set at shutdown: long polls return at once
         self.intake_paused = False  # `twinkled ctl drain`: new work gets a 503
         self.damaged: list[dict] = []  # checkpoints found damaged at start-up
+        # What samplers produced, for stable_reinforce (filled by `sample`, read by the
+        # forward_backward that names it).
+        self.stability = StabilityRecords(config.stability_bytes, config.stability_tenant_bytes)
         self.metrics = Metrics(self)
         self.futures = Futures(store)
         self.planner = Planner(config.token_budget, config.sample_budget, config.target_step_s)
@@ -246,20 +259,135 @@ class Service:
     def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
         self.core.refuse(tenant, model_id, seq_id, why)
 
-    def new_future(self, tenant: str, kind: str, encode: Encoder) -> Future:
-        return self.futures.new(tenant, kind, encode)
-
     def get_future(self, tenant: str, future_id: str) -> Future:
         return self.futures.get(tenant, future_id)
 
     def is_paused(self, future_id: str) -> bool:
         return self.planner.is_paused(future_id)
 
-    def open_model(self, model_id: str, tenant: str, first_seq: int = 1) -> None:
-        self.residency.open(model_id, tenant, first_seq)
-
     async def ensure_loaded(self, run: dict) -> None:
+        """Bring back a run's adapter if it was unloaded while idle."""
         await self.residency.ensure_loaded(run)
+
+    def create_model(self, tenant: str, session_id: str, model_seq: int | None,
+                     config: LoraConfig, user_metadata: dict,
+                     answer: Answer) -> tuple[str, Future]:
+        """A new training run and its adapter (op 0 of the model): its id and future."""
+        self.check_new_adapter(tenant, config.rank)
+        lora = {"rank": config.rank, "alpha": config.alpha, "train_attn": config.train_attn,
+                "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
+                "seed": config.seed, "optimizer": config.optimizer}  # a restore re-creates it
+        try:
+            model = self.store.create_run(session_id, tenant, self.config.served_name,
+                                          config.rank, lora, user_metadata, model_seq)
+        except Conflict:
+            raise UserError(f"model {session_id}:train:{model_seq} already exists") from None
+        f = self.futures.new(tenant, "create_model", lambda _: answer(model))
+        self.residency.open(model, tenant, 0)
+        return model, self.submit(Op(model, 0, CreateF(model, config), f))
+
+    def forward_backward(self, tenant: str, model: str, seq_id: int, frame: TrainF,
+                         encode: Encoder) -> Future:
+        parts = [d.tokens.shape[0] for d in frame.data]  # where the planner may cut it
+        f = self.futures.new(tenant, "forward_backward", encode)
+        f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts))
+        self.store.touch_run(model)
+        return f
+
+    def optim_step(self, tenant: str, model: str, seq_id: int, frame: OptimF,
+                   encode: Encoder) -> Future:
+        f = self.futures.new(tenant, "optim_step", encode)
+        return self.submit(Op(model, seq_id, frame, f))
+
+    def save(self, tenant: str, run: dict, seq_id: int, kind: str, name: str, *,
+             optimizer: bool, user_metadata: dict, ttl_s: float | None, overwrite: bool,
+             answer: Answer) -> Future:
+        """Record checkpoint `tinker://<run>/<kind>/<name>` as being written, then save it
+        in the run's order; the store learns its size and digest (or why it failed)."""
+        path = checkpoint_path(run["id"], kind, name)
+        directory = self.config.data_dir / "checkpoints" / run["id"] / kind / name
+        quota = self.store.tenant_storage_quota(tenant, self.config.storage_quota_default(tenant))
+        try:
+            self.store.begin_checkpoint(run["id"], tenant, kind, name, str(directory),
+                                        user_metadata or None,
+                                        expires_at=time.time() + ttl_s if ttl_s else None,
+                                        overwrite=overwrite, quota_bytes=quota)
+        except Conflict as e:
+            raise UserError(str(e)) from None
+
+        def after(result: Any, message: str | None) -> None:
+            if message is None:
+                self.store.finish_checkpoint(path, *result)
+            else:
+                self.store.mark_corrupt(path, message)
+
+        f = self.futures.new(tenant, "save", lambda _: answer(path))
+        frame = SaveF(run["id"], str(directory), optimizer)
+        return self.submit(Op(run["id"], seq_id, frame, f, after=after))
+
+    def save_for_sampler(self, tenant: str, run: dict, seq_id: int, sampler_seq: int | None,
+                         *, user_metadata: dict, ttl_s: float | None,
+                         answer: Answer) -> Future:
+        """A snapshot of the adapter (kept an hour unless `ttl_s` says otherwise) and a
+        sampling session on it."""
+        path = checkpoint_path(run["id"], "sampler_weights", f"ephemeral-{seq_id}")
+        try:
+            sampler = self.store.create_sampler(run["session_id"], tenant,
+                                                self.config.served_name, path, sampler_seq)
+        except Conflict:
+            raise UserError("that sampling_session_seq_id is already used") from None
+        return self.save(tenant, run, seq_id, "sampler_weights", f"ephemeral-{seq_id}",
+                         optimizer=False, user_metadata=user_metadata,
+                         ttl_s=3600 if ttl_s is None else ttl_s, overwrite=True,
+                         answer=lambda _: answer(sampler))
+
+    def load(self, tenant: str, run: dict, seq_id: int, checkpoint: dict, optimizer: bool,
+             answer: Answer) -> Future:
+        """A checkpoint's weights (and optimizer state) into an existing model."""
+        f = self.futures.new(tenant, "load_weights", lambda _: answer(run["id"]))
+        frame = LoadF(run["id"], checkpoint["dir"], optimizer, None)
+        return self.submit(Op(run["id"], seq_id, frame, f))
+
+    def create_from_checkpoint(self, tenant: str, session_id: str, model_seq: int | None,
+                               checkpoint: dict, optimizer: bool, family: str,
+                               user_metadata: dict, answer: Answer) -> tuple[str, Future]:
+        """A new training run whose adapter is loaded from a checkpoint (op 0)."""
+        src = self.store.get_run(checkpoint["run_id"], include_deleted=True)
+        lora = {**(src["lora_config"] or {}), "optimizer": family}
+        try:
+            model = self.store.create_run(session_id, tenant, self.config.served_name,
+                                          src["lora_rank"], lora, user_metadata, model_seq)
+        except Conflict:
+            raise UserError("that model_seq_id is already used in this session") from None
+        self.residency.open(model, tenant, 0)
+        f = self.futures.new(tenant, "load_weights", lambda _: answer(model))
+        return model, self.submit(Op(model, 0, LoadF(model, checkpoint["dir"], optimizer,
+                                                     family), f))
+
+    def sample(self, tenant: str, sampler: dict, frame: SampleF, encode: Encoder,
+               record: tuple[list[str], list[int]] | None = None) -> Future:
+        """Sample from a sampler's weights. `record`: (sequence ids, prompt) to keep the
+        sampled sequences under, for stable_reinforce."""
+        f = self.futures.new(tenant, "sample", encode)
+        after: After | None = None
+        if record is not None:
+            ids, prompt = record
+
+            def after(result: Any, message: str | None) -> None:
+                if message is None:
+                    self.stability.put(tenant, sampler["session_id"], ids, prompt,
+                                       result.sequences)
+
+        cost = frame.prompt.shape[0] + frame.params.max_tokens * frame.num_samples
+        f = self.submit(Op(None, None, frame, f, cost, after=after))
+        self.store.tag_future(f.id, sampler["id"])  # a session's trace shows it
+        return f
+
+    def finish_session(self, tenant: str, session_id: str, reason: str | None) -> None:
+        """A client ended its session: its adapters go once their queued work has run."""
+        self.store.finish_session(session_id, reason)
+        runs, _ = self.store.session_children(session_id)
+        self.unload_models(tenant, runs)
 
     def unload_models(self, tenant: str, model_ids: list[str]) -> None:
         """Free the adapters of a finished session, after whatever they still have queued.
