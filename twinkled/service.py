@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from scheduler import Limits, Planner
+from scheduler import Planner
 
 from .config import Config
 from .core import After, EngineCore, Op, RateLimited, Skip  # noqa: F401  (re-exported)
@@ -28,6 +28,7 @@ from .metrics import Metrics
 from .residency import Residency
 from .stability import StabilityRecords
 from .store import Conflict, checkpoint_path
+from .tenants import Tenants
 from .verify import verify_checkpoints
 from .workers.frames import CreateF, LoadF, OptimF, SampleF, SaveF, TrainF, UnloadF
 
@@ -66,6 +67,7 @@ class Service:
         self.planner = Planner(config.token_budget, config.sample_budget, config.target_step_s)
         self.executor = executor or zmq_executor(config)
         self.residency = Residency(store, self.planner, self.executor)
+        self.tenants = Tenants(config, store, self.planner)
         self.executor.serve(self.residency, on_restart=self.metrics.worker_restarts.inc)
         self.core = EngineCore(self.planner, self.executor, self.futures, self.residency,
                                self.metrics, config.gather_ms / 1000)
@@ -273,7 +275,7 @@ class Service:
                      config: LoraConfig, user_metadata: dict,
                      answer: Answer) -> tuple[str, Future]:
         """A new training run and its adapter (op 0 of the model): its id and future."""
-        self.check_new_adapter(tenant, config.rank)
+        self.tenants.check_new_adapter(tenant, config.rank)
         lora = {"rank": config.rank, "alpha": config.alpha, "train_attn": config.train_attn,
                 "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
                 "seed": config.seed, "optimizer": config.optimizer}  # a restore re-creates it
@@ -400,23 +402,6 @@ class Service:
             f = self.futures.new(tenant, "unload", empty_json)
             self.submit(Op(model, self.planner.seq_after_queued(model), UnloadF(model), f))
 
-    def check_new_adapter(self, tenant: str, rank: int) -> None:
-        """Quotas on adapters and rank: a clear refusal, not a wait."""
-        lim = self.planner.tenant(tenant).limits
-        if lim.max_rank is not None and rank > lim.max_rank:
-            raise UserError(f"rank {rank} is over tenant {tenant!r}'s cap of {lim.max_rank}")
-        if lim.max_adapters is not None:
-            mine = self.planner.model_count(tenant)
-            if mine >= lim.max_adapters:
-                raise UserError(f"tenant {tenant!r} already has {mine} adapters, its quota")
-
     def refresh_tenants(self) -> None:
-        """Weights and quotas: the store's (`twinkled ctl tenants set`) over the config's."""
-        cfg = self.config
-        for row in self.store.list_tenants():
-            base = dict(cfg.tenants.get(row["name"], {}))
-            weight = row["weight"] if row["weight"] != 1.0 else base.pop("weight", 1.0)
-            base.pop("weight", None)
-            limits = {k: row.get(k) or base.get(k) or getattr(cfg, f"tenant_{k}")
-                      for k in self.store.TENANT_LIMITS}
-            self.planner.set_tenant(row["name"], float(weight), Limits(**limits))
+        """Weights and quotas as the store and config say now (`twinkled ctl tenants set`)."""
+        self.tenants.refresh()
