@@ -31,16 +31,6 @@ class Box:
         self.sessions: dict[str, str] = {}
         self.vocab = 0
 
-    def future(self, tenant: str, kind: str):
-        box = self.results
-
-        def encode(result):
-            box[f.id] = result
-            return b"{}", "application/json"
-
-        f = self.svc.new_future(tenant, kind, encode)
-        return f
-
     async def create(self, tenant: str, rank: int = 4) -> str:
         self.store.ensure_tenant(tenant)
         if tenant not in self.sessions:
