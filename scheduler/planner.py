@@ -96,6 +96,53 @@ class Planner:
             del self.models[model]
             self.model_tenant.pop(model, None)
 
+    # -- what the daemon may ask of a model's queue ---------------------------------------
+
+    def has_model(self, model: str) -> bool:
+        return model in self.models
+
+    def next_seq(self, model: str) -> int | None:
+        """The seq_id the model waits for (None: no such model)."""
+        q = self.models.get(model)
+        return None if q is None else q.next_seq
+
+    def seq_taken(self, model: str, seq: int) -> bool:
+        """`seq` of `model` already ran or is queued."""
+        q = self.models[model]
+        return seq < q.next_seq or seq in q.pending
+
+    def resyncing(self, model: str) -> bool:
+        """The model resumes at whatever seq_id arrives first (restored after a crash)."""
+        return self.models[model].resync
+
+    def has_pending(self, model: str) -> bool:
+        q = self.models.get(model)
+        return q is not None and bool(q.pending)
+
+    def busy(self, model: str) -> bool:
+        """Something of the model is queued or running."""
+        q = self.models.get(model)
+        return q is not None and bool(q.pending or q.in_flight)
+
+    def seq_after_queued(self, model: str) -> int:
+        """The first seq_id after everything the model ran or has queued."""
+        q = self.models[model]
+        return max([q.next_seq - 1, *q.pending]) + 1
+
+    def model_count(self, tenant: str | None = None) -> int:
+        """How many models are open (of `tenant`, if given)."""
+        if tenant is None:
+            return len(self.models)
+        return sum(t == tenant for t in self.model_tenant.values())
+
+    def model_seqs(self) -> dict[str, int]:
+        """{model: the seq_id it waits for}, of every open model."""
+        return {m: q.next_seq for m, q in self.models.items()}
+
+    def is_paused(self, work_id: str) -> bool:
+        """The work is held back by its tenant's quota."""
+        return work_id in self.paused
+
     # -- admission ----------------------------------------------------------------------
 
     def over_quota(self, tenant: str, tokens: int) -> bool:

@@ -64,7 +64,7 @@ def _alive(pid: int) -> bool:
 
 def test_http_process_never_imports_torch(daemon):
     code = ("import sys, twinkled.cli, twinkled.app, twinkled.service, tinker_shim.routes, "
-            "twinkled.worker_client, twinkled.workers.supervisor, scheduler; "
+            "twinkled.executor, twinkled.core, twinkled.workers.supervisor, scheduler; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

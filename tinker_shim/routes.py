@@ -78,15 +78,12 @@ async def telemetry(request):
 
 async def finish_session(request):
     """End a session: its adapters are unloaded once their queued work has run."""
-    store = request.app["store"]
     s = own_session(request, request.match_info["session_id"])
     try:  # the reason is kept for session search; a body without one still finishes it
         reason = decode(await request.read(), FinishSession).reason
     except (UserError, ConnectionError):  # a client gone mid-body: finished all the same
         reason = None
-    store.finish_session(s["id"], reason.type if reason else None)
-    runs, _ = store.session_children(s["id"])
-    service(request).unload_models(request["tenant"], runs)
+    service(request).finish_session(request["tenant"], s["id"], reason.type if reason else None)
     return web.Response(status=204)
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import secrets
+
 from aiohttp import web
 
 from twinkled.engine.checks import check_knobs, check_prompt_scores, check_sample
-from twinkled.service import NotFound, Op, UserError
+from twinkled.service import NotFound, UserError
 from twinkled.store import Conflict
 from twinkled.workers.frames import SampleF, SamplingF, buf
 
@@ -95,16 +97,14 @@ async def asample(request):
                         [t for row in target for t in row], "int64",
                         [len(target), len(target[0])]),
                     alt_tokens_k=body.prompt_alt_tokens_k)
-    svc = service(request)
-    f = svc.new_future(request["tenant"], "sample",
-                       lambda result: sample_encoder(result, target_layout=layout))
     # One id per sequence, never reused: a retried submission (same seq_id) is a new one,
     # and stable_reinforce's records are found by these ids.
-    ids = [f"{sampler['id']}:{body.seq_id or 0}:{f.id[4:16]}:{i}" for i in range(n)]
-    after = _recorder(request, sampler, ids, tokens) if body.record_stability_info else None
-    cost = len(tokens) + params.max_tokens * n
-    svc.submit(Op(None, None, frame, f, cost, after=after))
-    request.app["store"].tag_future(f.id, sampler["id"])  # a session's trace shows it
+    tag = secrets.token_hex(6)
+    ids = [f"{sampler['id']}:{body.seq_id or 0}:{tag}:{i}" for i in range(n)]
+    f = service(request).sample(
+        request["tenant"], sampler, frame,
+        lambda result: sample_encoder(result, target_layout=layout),
+        record=(ids, tokens) if body.record_stability_info else None)
     return future_response(f, sample_sequence_ids=ids)
 
 
@@ -116,17 +116,6 @@ def _target_ids(t: TensorJsonIn | None, max_cells: int):
                           max_cells)
     except CodecError as e:
         raise UserError(str(e)) from None
-
-
-def _recorder(request, sampler: dict, ids: list[str], prompt: list[int]):
-    """Keeps what the sampler produced, once it has, under the ids its client was given."""
-    records, tenant = request.app["stability"], request["tenant"]
-
-    def after(result, message):
-        if message is None:
-            records.put(tenant, sampler["session_id"], ids, prompt, result.sequences)
-
-    return after
 
 
 def _prompt_tokens(prompt: ModelInputIn) -> list[int]:

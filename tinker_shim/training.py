@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import secrets
-import time
 
 from aiohttp import web
 
@@ -19,9 +18,8 @@ from twinkled.engine.checks import (
     check_ttl,
 )
 from twinkled.engine.types import AdamParams, DimuonParams, LoraConfig
-from twinkled.service import Op, UserError
-from twinkled.store import Conflict, checkpoint_path
-from twinkled.workers.frames import CreateF, DatumF, LoadF, OptimF, SaveF, TrainF, buf
+from twinkled.service import UserError
+from twinkled.workers.frames import DatumF, OptimF, TrainF, buf
 
 from . import codec
 from .common import (
@@ -66,21 +64,9 @@ async def create_model(request):
     config = LoraConfig(rank=lc.rank, alpha=_alpha(meta), seed=seed,
                         train_attn=lc.train_attn, train_mlp=lc.train_mlp,
                         train_unembed=lc.train_unembed, optimizer=opt)
-    svc = service(request)
-    svc.check_new_adapter(request["tenant"], config.rank)
-    store = request.app["store"]
-    lora = {"rank": config.rank, "alpha": config.alpha, "train_attn": config.train_attn,
-            "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
-            "seed": config.seed, "optimizer": opt}  # a restore re-creates it the same
-    try:
-        model_id = store.create_run(s["id"], request["tenant"], svc.config.served_name,
-                                    config.rank, lora, meta, body.model_seq_id)
-    except Conflict:
-        raise UserError(f"model {s['id']}:train:{body.model_seq_id} already exists") from None
-    f = svc.new_future(request["tenant"], "create_model",
-                       lambda _: json_payload({"type": "create_model", "model_id": model_id}))
-    svc.open_model(model_id, request["tenant"], 0)
-    svc.submit(Op(model_id, 0, CreateF(model_id, config), f))
+    model_id, f = service(request).create_model(
+        request["tenant"], s["id"], body.model_seq_id, config, meta,
+        lambda model: json_payload({"type": "create_model", "model_id": model}))
     return future_response(f, model_id)
 
 
@@ -165,10 +151,8 @@ async def forward_backward(request):
                                                         for k, t in tensors.items()}))
     frame = TrainF(run["id"], data, call.loss_fn, call.loss_fn_config or {},
                    call.forward_only)
-    f = svc.new_future(request["tenant"], "forward_backward", codec.fwdbwd_encoder)
-    parts = [len(d.tokens) for d in call.data]
-    f = svc.submit(Op(run["id"], call.seq_id, frame, f, sum(parts), parts=parts))
-    request.app["store"].touch_run(run["id"])
+    f = svc.forward_backward(request["tenant"], run["id"], call.seq_id, frame,
+                             codec.fwdbwd_encoder)
     return future_response(f, run["id"])
 
 
@@ -182,7 +166,7 @@ def _recorded_inputs(request, run: dict, j: int, d: codec.DatumIn) -> dict:
     targets = d.loss_fn_inputs.get("target_tokens")
     if targets is None:
         raise UserError(f"data[{j}].loss_fn_inputs.target_tokens: required")
-    logprobs, mask = checked(request.app["stability"].resolve, request["tenant"],
+    logprobs, mask = checked(service(request).stability.resolve, request["tenant"],
                              run["session_id"], f"data[{j}]", d.tokens, targets.values,
                              d.model_input_spans, d.loss_fn_input_spans)
     n = len(mask)
@@ -196,10 +180,9 @@ async def optim_step(request):
     with takes_seq_id(request, run["id"], body.seq_id):
         params = _optim_params(body)
         checked(check_optim_params, _run_optimizer(run), params)
-    svc = service(request)
-    f = svc.new_future(request["tenant"], "optim_step",
-                       lambda r: json_payload({"type": "optim_step", "metrics": _optim_metrics(r)}))
-    f = svc.submit(Op(run["id"], body.seq_id, OptimF(run["id"], params), f))
+    f = service(request).optim_step(
+        request["tenant"], run["id"], body.seq_id, OptimF(run["id"], params),
+        lambda r: json_payload({"type": "optim_step", "metrics": _optim_metrics(r)}))
     return future_response(f, run["id"])
 
 
@@ -229,33 +212,13 @@ def _optim_metrics(result) -> dict[str, float]:
 
 
 def _save(request, run: dict, body: SaveWeights, name: str, kind: str, optimizer: bool,
-          respond: dict, overwrite: bool) -> object:
-    """Record the checkpoint as being written, then queue the save (in the run's order).
-    `name` was checked by the caller (it is in the path of the answer)."""
+          answer: str, overwrite: bool) -> object:
+    """Save the checkpoint `name` (checked by the caller: it is in the answer's path)."""
     checked(check_ttl, "ttl_seconds", body.ttl_seconds, limits(request))
-    meta = metadata(request, body.user_metadata)
-    store, svc = request.app["store"], service(request)
-    path = checkpoint_path(run["id"], kind, name)
-    directory = svc.config.data_dir / "checkpoints" / run["id"] / kind / name
-    ttl = body.ttl_seconds if body.ttl_seconds is not None else respond.get("ttl")
-    expires = time.time() + ttl if ttl else None
-    tenant = request["tenant"]
-    quota = store.tenant_storage_quota(tenant, svc.config.storage_quota_default(tenant))
-    try:
-        store.begin_checkpoint(run["id"], tenant, kind, name, str(directory), meta or None,
-                               expires_at=expires, overwrite=overwrite, quota_bytes=quota)
-    except Conflict as e:
-        raise UserError(str(e)) from None
-
-    def after(result, message):
-        if message is None:
-            store.finish_checkpoint(path, *result)
-        else:
-            store.mark_corrupt(path, message)
-
-    f = svc.new_future(request["tenant"], "save", lambda _: json_payload(respond["body"]))
-    return svc.submit(Op(run["id"], body.seq_id, SaveF(run["id"], str(directory), optimizer),
-                         f, after=after))
+    return service(request).save(
+        request["tenant"], run, body.seq_id, kind, name, optimizer=optimizer,
+        user_metadata=metadata(request, body.user_metadata), ttl_s=body.ttl_seconds,
+        overwrite=overwrite, answer=lambda path: json_payload({"type": answer, "path": path}))
 
 
 async def save_weights(request):
@@ -265,9 +228,8 @@ async def save_weights(request):
         if body.path is None:
             raise UserError("path: required (the checkpoint's name)")
         checked(check_name, "path", body.path, limits(request))
-        path = checkpoint_path(run["id"], "weights", body.path)
-        f = _save(request, run, body, body.path, "weights", True,
-                  {"body": {"type": "save_weights", "path": path}}, body.overwrite)
+        f = _save(request, run, body, body.path, "weights", True, "save_weights",
+                  body.overwrite)
     return future_response(f, run["id"])
 
 
@@ -277,23 +239,16 @@ async def save_weights_for_sampler(request):
     with takes_seq_id(request, run["id"], body.seq_id):
         if body.path:
             checked(check_name, "path", body.path, limits(request))
-            path = checkpoint_path(run["id"], "sampler_weights", body.path)
             f = _save(request, run, body, body.path, "sampler_weights", False,
-                      {"body": {"type": "save_weights_for_sampler", "path": path}}, True)
+                      "save_weights_for_sampler", True)
             return future_response(f, run["id"])
         # Ephemeral: save a snapshot and hand back a sampling session on it.
-        store = request.app["store"]
-        name = f"ephemeral-{body.seq_id}"
-        path = checkpoint_path(run["id"], "sampler_weights", name)
-        try:
-            sampler_id = store.create_sampler(run["session_id"], request["tenant"],
-                                              service(request).config.served_name, path,
-                                              body.sampling_session_seq_id)
-        except Conflict:
-            raise UserError("that sampling_session_seq_id is already used") from None
-        f = _save(request, run, body, name, "sampler_weights", False,
-                  {"ttl": 3600, "body": {"type": "save_weights_for_sampler",
-                                         "sampling_session_id": sampler_id}}, True)
+        checked(check_ttl, "ttl_seconds", body.ttl_seconds, limits(request))
+        f = service(request).save_for_sampler(
+            request["tenant"], run, body.seq_id, body.sampling_session_seq_id,
+            user_metadata=metadata(request, body.user_metadata), ttl_s=body.ttl_seconds,
+            answer=lambda sampler: json_payload({"type": "save_weights_for_sampler",
+                                          "sampling_session_id": sampler}))
     return future_response(f, run["id"])
 
 
@@ -310,15 +265,14 @@ async def save_weights_external(request):
         if body.path is None:
             raise UserError("path: required (the export's name)")
         checked(check_name, "path", body.path, limits(request))
-        path = checkpoint_path(run["id"], "external_weights", body.path)
         f = _save(request, run, body, body.path, "external_weights", False,
-                  {"body": {"type": "save_weights_external", "path": path}}, True)
+                  "save_weights_external", True)
     return future_response(f, run["id"])
 
 
 async def load_weights(request):
     body = await seq_body(request, LoadWeights)
-    store, svc = request.app["store"], service(request)
+    store, svc, tenant = request.app["store"], service(request), request["tenant"]
     if body.model_id is not None:  # legacy: load into an existing model, in its seq order
         run = await loaded_run(request, body.model_id)
         with takes_seq_id(request, run["id"], body.seq_id):
@@ -329,29 +283,24 @@ async def load_weights(request):
             if body.optimizer and saved != _run_optimizer(run):
                 raise UserError(f"path: the checkpoint holds {saved!r} optimizer state; this "
                                 f"model was created with {_run_optimizer(run)!r}")
-        seq, family = body.seq_id, None  # the model keeps its own optimizer
-    else:  # create-via-load: the model is "<session>:train:<model_seq_id>", seq 0
-        if body.session_id is None or body.model_seq_id is None:
-            raise UserError("session_id and model_seq_id are required (or model_id)")
-        s = own_session(request, body.session_id)
-        ckpt = own_checkpoint(request, body.path)
-        check_base_model(request, body.base_model)
-        src = store.get_run(ckpt["run_id"], include_deleted=True)
-        family = _loaded_optimizer(body, src)
-        lora = {**(src["lora_config"] or {}), "optimizer": family}
-        try:
-            run_id = store.create_run(s["id"], request["tenant"], svc.config.served_name,
-                                      src["lora_rank"], lora,
-                                      metadata(request, body.user_metadata), body.model_seq_id)
-        except Conflict:
-            raise UserError("that model_seq_id is already used in this session") from None
-        run, seq = store.get_run(run_id), 0
-        svc.open_model(run_id, request["tenant"], 0)
-    f = svc.new_future(request["tenant"], "load_weights",
-                       lambda _: json_payload({"type": "load_weights", "path": ckpt["tinker_path"],
-                                               "model_id": run["id"]}))
-    f = svc.submit(Op(run["id"], seq, LoadF(run["id"], ckpt["dir"], body.optimizer, family), f))
-    return future_response(f, run["id"])
+        f = svc.load(tenant, run, body.seq_id, ckpt, body.optimizer, _loaded(ckpt))
+        return future_response(f, run["id"])
+    # create-via-load: the model is "<session>:train:<model_seq_id>", seq 0
+    if body.session_id is None or body.model_seq_id is None:
+        raise UserError("session_id and model_seq_id are required (or model_id)")
+    s = own_session(request, body.session_id)
+    ckpt = own_checkpoint(request, body.path)
+    check_base_model(request, body.base_model)
+    family = _loaded_optimizer(body, store.get_run(ckpt["run_id"], include_deleted=True))
+    model_id, f = svc.create_from_checkpoint(
+        tenant, s["id"], body.model_seq_id, ckpt, body.optimizer, family,
+        metadata(request, body.user_metadata), _loaded(ckpt))
+    return future_response(f, model_id)
+
+
+def _loaded(ckpt: dict):
+    return lambda model: json_payload({"type": "load_weights", "path": ckpt["tinker_path"],
+                                       "model_id": model})
 
 
 def _loaded_optimizer(body: LoadWeights, src: dict) -> str:

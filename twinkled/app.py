@@ -10,7 +10,6 @@ from aiohttp import web
 
 from .admin import same_key
 from .service import Draining, NotFound, RateLimited, Service, UserError
-from .stability import StabilityRecords
 
 log = logging.getLogger("twinkled.http")
 
@@ -82,11 +81,6 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
     app = web.Application(middlewares=[auth_and_errors], client_max_size=service.config.max_body_bytes if service else 64 * 2**20)
     app["service"] = service
     app["store"] = store
-    # What samplers produced, for stable_reinforce; owned here, next to the routes that
-    # fill (asample) and read (forward_backward) it.
-    cfg = service.config if service else None  # None: only listing the routes (docs test)
-    app["stability"] = (StabilityRecords(cfg.stability_bytes, cfg.stability_tenant_bytes)
-                        if cfg else StabilityRecords())
     app["admin_key"] = admin_key
     add_routes(app)
     admin.routes(app)

@@ -1,8 +1,8 @@
 """Futures: what a client polls for the result of an operation that runs later.
 
 A future lives in memory while it is wanted and in the store for good (a restart keeps the
-results, and turns the ones it cut short into clear errors). `FutureBook` holds them for
-the service; its owner (`self.store`, `self.futures`) is the Service.
+results, and turns the ones it cut short into clear errors). `Futures` is the one place
+that makes, settles and finds them.
 """
 
 from __future__ import annotations
@@ -43,14 +43,22 @@ class Future:
     completed_at: float | None = None
 
 
-class FutureBook:
-    futures: dict[str, Future]
-    store: Any
+def empty_json(_: Any) -> tuple[bytes, str]:
+    """The encoder of futures whose result nobody reads (an unload, a refusal)."""
+    return b"{}", "application/json"
 
-    def new_future(self, tenant: str, kind: str, encode: Encoder) -> Future:
+
+class Futures:
+    """The futures of this daemon's requests, mirrored to the store's `futures` table."""
+
+    def __init__(self, store: Any):
+        self._store = store
+        self._live: dict[str, Future] = {}
+
+    def new(self, tenant: str, kind: str, encode: Encoder) -> Future:
         f = Future(f"req-{uuid.uuid4().hex}", tenant, kind, encode)
-        self.futures[f.id] = f
-        self.store.create_future(f.id, tenant, kind)
+        self._live[f.id] = f
+        self._store.create_future(f.id, tenant, kind)
         return f
 
     def resolve(self, f: Future, result: Any) -> None:
@@ -60,20 +68,35 @@ class FutureBook:
             log.exception("encoding a %s result failed", f.kind)
             return self.fail(f, f"server error encoding the result: {e}", "server")
         f.completed_at = time.time()
-        self.store.complete_future(f.id, f.payload, f.content_type)
+        self._store.complete_future(f.id, f.payload, f.content_type)
         f.done.set()
 
     def fail(self, f: Future, message: str, category: str) -> None:
         f.error = (message, category)
         f.completed_at = time.time()
-        self.store.fail_future(f.id, message, category)
+        self._store.fail_future(f.id, message, category)
         f.done.set()
 
-    def get_future(self, tenant: str, future_id: str) -> Future:
-        """A live future, or one from before a restart (read back from the store)."""
-        f = self.futures.get(future_id)
+    def drop(self, f: Future, why: str) -> None:
+        """A future whose request was refused at submit (the client heard why as a 4xx):
+        never polled, so it is only recorded as failed."""
+        self._live.pop(f.id, None)
+        self._store.fail_future(f.id, why, "user")
+
+    def fail_unfinished(self, message: str, category: str) -> None:
+        for f in list(self._live.values()):
+            if not f.done.is_set():
+                self.fail(f, message, category)
+
+    def find(self, future_id: str) -> Future | None:
+        """A live future by id, whoever owns it (for the daemon's own bookkeeping)."""
+        return self._live.get(future_id)
+
+    def get(self, tenant: str, future_id: str) -> Future:
+        """A tenant's future: a live one, or one from before a restart (from the store)."""
+        f = self._live.get(future_id)
         if f is None:
-            row = self.store.get_future(future_id)
+            row = self._store.get_future(future_id)
             if row is not None and row["status"] != "pending":
                 f = Future(row["id"], row["tenant"], row["kind"], encode=None)
                 f.payload, f.content_type = row["result"], row["content_type"]
@@ -85,10 +108,12 @@ class FutureBook:
             raise NotFound(f"no request {future_id!r}")
         return f
 
-    def purge_futures(self, keep_seconds: float = 600.0) -> None:
+    def purge(self, keep_seconds: float = 600.0) -> None:
         """Forget results older than `keep_seconds` (at least 5 minutes after completion)."""
         cutoff = time.time() - keep_seconds
-        for fid in [k for k, f in self.futures.items() if f.completed_at and f.completed_at < cutoff]:
-            del self.futures[fid]
-        self.store.purge_futures(keep_seconds)
+        for fid in [k for k, f in self._live.items() if f.completed_at and f.completed_at < cutoff]:
+            del self._live[fid]
+        self._store.purge_futures(keep_seconds)
 
+    def __len__(self) -> int:
+        return len(self._live)

@@ -47,19 +47,19 @@ class _Live:
         self.service = service
 
     def collect(self):
-        svc = self.service
+        g = self.service.gauges()
         depth = GaugeMetricFamily("twinkle_queue_depth", "Requests queued (or held back by "
                                   "quota), per tenant", labels=["tenant"])
-        for name, t in svc.planner.status().items():
-            depth.add_metric([name], t["queued_requests"])
+        for name, n in g["queued"].items():
+            depth.add_metric([name], n)
         yield depth
         yield GaugeMetricFamily("twinkle_adapters_loaded", "Training adapters loaded",
-                                value=len(svc.planner.models))
+                                value=g["adapters"])
         memory = GaugeMetricFamily("twinkle_gpu_memory_bytes", "Device memory allocated by "
                                    "the engine after the last step, per worker rank",
                                    labels=["rank", "device"])
-        for w in svc.workers.group.status():
+        for w in g["workers"]:
             memory.add_metric([str(w["rank"]), w["device"]], w["memory_bytes"])
         yield memory
         yield GaugeMetricFamily("twinkle_up", "1 when the daemon serves requests now",
-                                value=1.0 if svc.health == "ok" else 0.0)
+                                value=1.0 if g["up"] else 0.0)

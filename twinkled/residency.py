@@ -1,6 +1,11 @@
-"""Which adapters are in the workers' memory: brought back at start-up, unloaded when idle,
-reloaded on their next request. A mixin of the Service (`self.store`, `self.planner`,
-`self.workers`, `self.config`)."""
+"""Residency: the one owner of adapter liveness.
+
+Which training adapters the workers hold (with the config a restore re-creates them from),
+which models accept operations (their queue in the planner), and the store's `live` flag
+that brings them back after a restart: all three change here and only here. Adapters are
+restored at start-up, unloaded when idle (persisted first), and reloaded on their next
+request. The executor asks `live_configs` when a restarted worker group must get them back.
+"""
 
 from __future__ import annotations
 
@@ -9,82 +14,146 @@ import logging
 import time
 from typing import Any
 
-from .engine.types import LoraConfig
+from scheduler import Planner
+
+from .engine.types import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES, AdapterInfo, LoraConfig
+from .executor import Executor, Outcome
 from .futures import UserError
+from .workers.frames import CreateF, LoadF, OpF, UnloadF
 
 log = logging.getLogger("twinkled")
 
 
-def _config(run: dict) -> LoraConfig:
+def stored_config(run: dict) -> LoraConfig:
+    """The config a run was created with, as its store row keeps it."""
     return LoraConfig(**{k: v for k, v in (run["lora_config"] or {}).items()
                          if k in LoraConfig.__dataclass_fields__})
 
 
-class Residency:
-    store: Any
-    planner: Any
-    workers: Any
-    config: Any
-    state: str
-    intake_paused: bool
-    _model_locks: dict[str, asyncio.Lock]
+def loaded_config(info: AdapterInfo) -> LoraConfig:
+    """The config of an adapter loaded from a checkpoint, as the engine reports it."""
+    t = set(info.target_modules)
+    return LoraConfig(rank=info.rank, alpha=info.alpha, train_attn=ATTN_MODULES[0] in t,
+                      train_mlp=MLP_MODULES[0] in t, train_unembed=UNEMBED_MODULES[0] in t,
+                      optimizer=info.optimizer)
 
-    async def _restore_runs(self) -> None:
+
+class Residency:
+    def __init__(self, store: Any, planner: Planner, executor: Executor):
+        self._store = store
+        self._planner = planner
+        self._executor = executor
+        self._live: dict[str, LoraConfig] = {}  # training adapters in the workers' memory
+        self._locks: dict[str, asyncio.Lock] = {}  # idle unload vs reload of one model
+
+    # -- what is live -------------------------------------------------------------------
+
+    def is_open(self, model: str) -> bool:
+        """The model takes operations (created, restored or reloaded; not yet closed)."""
+        return self._planner.has_model(model)
+
+    def live_configs(self) -> dict[str, LoraConfig]:
+        return dict(self._live)
+
+    def count(self) -> int:
+        return len(self._live)
+
+    # -- what steps did -----------------------------------------------------------------
+
+    def open(self, model: str, tenant: str, first_seq: int = 1, resync: bool = False) -> None:
+        """A model starts taking operations, from `first_seq` (its create or load is op 0)."""
+        self._planner.open_model(model, tenant, first_seq, resync=resync)
+
+    def note(self, frame: OpF, outcome: Outcome) -> None:
+        """What an op that ran changed: a created or loaded adapter is live (a restart
+        brings it back); an unloaded one is not."""
+        result, error, _ = outcome
+        model = frame.adapter_id
+        if error is None and isinstance(frame, CreateF):
+            # The config it was made from, seed included: a restore before its first
+            # persisted state re-creates the same initial weights, and the journal replays.
+            self._live[model] = frame.config
+            self._store.set_run_live(model, True)
+        elif error is None and isinstance(frame, LoadF):
+            self._live[model] = loaded_config(result)
+            self._store.set_run_live(model, True)
+        elif isinstance(frame, UnloadF):
+            self._live.pop(model, None)
+            self._store.set_run_live(model, False)
+
+    def close(self, model: str) -> None:
+        """An unloaded model's queue goes (once its last op has completed)."""
+        self._planner.forget_model(model)
+
+    def lost(self, model: str, why: str) -> None:
+        """The executor could not bring an adapter back after a worker fault: its requests
+        now fail in the engine ("no adapter loaded") until its client loads a checkpoint."""
+        self._live.pop(model, None)
+
+    # -- start-up, idle unload, reload, shutdown -----------------------------------------
+
+    async def restore_at_start(self) -> None:
         """Adapters live at the last stop, from their persisted state. After a hot restart
         their seq_ids continue exactly; after a crash the first request resumes them."""
-        runs = self.store.live_runs()
-        configs = {r["id"]: _config(r) for r in runs}
-        failed = await self.workers.restore(configs)
+        runs = self._store.live_runs()
+        configs = {r["id"]: stored_config(r) for r in runs}
+        failed = await self._executor.restore(configs)
         for r in runs:
             if r["id"] in failed:
                 log.error("run %s could not be restored: %s", r["id"], failed[r["id"]])
-                self.store.set_run_live(r["id"], False)
+                self._store.set_run_live(r["id"], False)
                 continue
-            self.planner.open_model(r["id"], r["tenant"], r["next_seq"] or 1,
-                                    resync=r["next_seq"] is None)
-            self.store.set_run_live(r["id"], True)  # forget next_seq: a crash resyncs
+            self._live[r["id"]] = configs[r["id"]]
+            self.open(r["id"], r["tenant"], r["next_seq"] or 1, resync=r["next_seq"] is None)
+            self._store.set_run_live(r["id"], True)  # forget next_seq: a crash resyncs
         if runs:
             log.info("restored %d adapter(s)", len(runs) - len(failed))
 
-    async def _unload_idle(self) -> None:
-        """Free the memory of adapters idle for `idle_unload_s` (clients that went away
-        without finishing their session). They are persisted first and come back, at the
-        same weights and seq_ids, on their next request (`ensure_loaded`)."""
-        limit = self.config.idle_unload_s
-        if limit <= 0 or self.state != "ready" or self.intake_paused:
-            return
-        for run in self.store.idle_runs(time.time() - limit):
+    async def unload_idle(self, idle_s: float) -> None:
+        """Free the memory of adapters idle for `idle_s` (clients that went away without
+        finishing their session). They are persisted first and come back, at the same
+        weights and seq_ids, on their next request (`ensure_loaded`)."""
+        for run in self._store.idle_runs(time.time() - idle_s):
             model = run["id"]
-            async with self._model_locks.setdefault(model, asyncio.Lock()):
-                q = self.planner.models.get(model)
-                if q is None or q.pending or q.in_flight:
+            async with self._locks.setdefault(model, asyncio.Lock()):
+                next_seq = self._planner.next_seq(model)
+                if next_seq is None or self._planner.busy(model):
                     continue
-                next_seq = q.next_seq
-                self.planner.forget_model(model)
+                self._planner.forget_model(model)
                 try:
-                    await self.workers.unload_idle(model)
+                    await self._executor.unload_idle(model)
                 except Exception:  # the group restarts and restores it: keep it loaded
                     log.exception("unloading idle adapter %s failed", model)
-                    self.planner.open_model(model, run["tenant"], next_seq)
+                    self.open(model, run["tenant"], next_seq)
                     continue
-                self.store.set_run_live(model, False, next_seq=next_seq, idle_unloaded=True)
-                log.info("adapter %s unloaded after %.0f s idle", model, limit)
+                self._live.pop(model, None)
+                self._store.set_run_live(model, False, next_seq=next_seq, idle_unloaded=True)
+                log.info("adapter %s unloaded after %.0f s idle", model, idle_s)
 
     async def ensure_loaded(self, run: dict) -> None:
         """Bring back an adapter unloaded while idle, before a request for it is queued."""
         model = run["id"]
-        if model in self.planner.models:
+        if self.is_open(model):
             return
-        async with self._model_locks.setdefault(model, asyncio.Lock()):
-            fresh = self.store.get_run(model)
-            if model in self.planner.models or not (fresh and fresh["idle_unloaded"]):
+        async with self._locks.setdefault(model, asyncio.Lock()):
+            fresh = self._store.get_run(model)
+            if self.is_open(model) or not (fresh and fresh["idle_unloaded"]):
                 return  # loaded meanwhile, or never unloaded (submit says why not loaded)
-            why = await self.workers.restore_one(model, _config(fresh))
+            config = stored_config(fresh)
+            why = await self._executor.restore_one(model, config)
             if why is not None:
                 raise UserError(f"model {model} was unloaded while idle and could not be "
                                 f"reloaded: {why}")
-            self.planner.open_model(model, fresh["tenant"], fresh["next_seq"] or 1,
-                                    resync=fresh["next_seq"] is None)
-            self.store.set_run_live(model, True)
+            self._live[model] = config
+            self.open(model, fresh["tenant"], fresh["next_seq"] or 1,
+                      resync=fresh["next_seq"] is None)
+            self._store.set_run_live(model, True)
             log.info("adapter %s reloaded after being idle", model)
 
+    async def persist_all(self) -> int:
+        """Every live adapter on disk, and where each model's seq_ids go on (a hot restart
+        continues them exactly). Returns how many adapters were live."""
+        await self._executor.persist_all()
+        for model, next_seq in self._planner.model_seqs().items():
+            self._store.set_run_live(model, True, next_seq=next_seq)
+        return len(self._live)

@@ -24,7 +24,7 @@ from twinkled.engine.types import (
 
 _TYPECODES = {"int64": "q", "float32": "f"}
 # An outcome's category when the op could not run because a pass it shared failed: the
-# daemon restores that pass's adapters and runs its ops one at a time (worker_client.py).
+# daemon restores that pass's adapters and runs its ops one at a time (executor.py).
 RETRY = "retry"
 
 

@@ -1,9 +1,15 @@
-"""Planned steps in, outcomes out: the service's only way to the worker group.
+"""Planned steps in, outcomes out: the core's only way to the engine.
 
-It turns a step's ops into frames, runs them on every rank, and merges the ranks' answers
-into one outcome per op: (result, error message or None, category). It remembers which
-training adapters are live, so that after a worker dies it can restart the group and
-restore each of them from its last persisted state. Torch-free.
+`Executor` turns a step's ops into frames, runs them on every rank of a worker group, and
+merges the ranks' answers into one outcome per op: (result, error message or None,
+category). It journals what changed an adapter, so that after a worker dies it can restart
+the group and bring every live adapter back at its acknowledged step. Which adapters are
+live it asks of Residency (twinkled/residency.py), their one owner. Torch-free.
+
+Where the ranks run is the `Transport`: `WorkerGroup` (workers/supervisor.py: one process
+per device, ZeroMQ frames) in the daemon, or `InProcessGroup` (workers/inprocess.py: the
+same StepRunner on an engine in this process, in a thread) for tests and single-process use.
+The frames are the same either way.
 """
 
 from __future__ import annotations
@@ -11,25 +17,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 
 from .config import Config
-from .engine.types import (
-    ATTN_MODULES,
-    MLP_MODULES,
-    UNEMBED_MODULES,
-    AdapterInfo,
-    ForwardBackwardResult,
-    LoraConfig,
-)
+from .engine.types import ForwardBackwardResult, LoraConfig
 from .journal import Journal
 from .workers.frames import (
     RETRY,
     CreateF,
     IdleUnloadF,
-    LoadF,
     OpF,
     OutcomeF,
     PersistF,
@@ -53,34 +53,67 @@ RESTART_MESSAGE = ("the worker group failed ({why}) and was restarted; this requ
                    "run (its model is at its last acknowledged step): submit it again")
 
 
-def config_of(info: AdapterInfo) -> LoraConfig:
-    t = set(info.target_modules)
-    return LoraConfig(rank=info.rank, alpha=info.alpha, train_attn=ATTN_MODULES[0] in t,
-                      train_mlp=MLP_MODULES[0] in t, train_unembed=UNEMBED_MODULES[0] in t,
-                      optimizer=info.optimizer)
+class Transport(Protocol):
+    """Where the ranks run: every rank gets the same step, their replies come back in rank
+    order; WorkerLost when a rank dies (then `restart`)."""
+
+    devices: list[str]
+    model_info: dict
+    restarts: int
+
+    @property
+    def exits(self) -> list[asyncio.Future]: ...
+    def dead(self) -> str: ...
+    async def start(self) -> None: ...
+    async def run(self, step: StepF) -> list[ReplyF]: ...
+    async def restart(self) -> None: ...
+    async def stop(self) -> None: ...
+    def status(self) -> list[dict]: ...
 
 
-class WorkerClient:
-    def __init__(self, config: Config):
-        self.live_dir = Path(config.data_dir) / "live"
-        devices = config.worker_devices()
-        threads = config.worker_threads or max(1, (os.cpu_count() or 1) // len(devices))
-        options = {"model": str(config.model), "dtype": config.dtype,
-                   "max_rank": config.max_rank, "token_budget": config.token_budget,
-                   "packing": config.packing,
-                   "live_dir": str(self.live_dir), "persist_every": config.persist_every,
-                   "threads": threads}
-        self.group = WorkerGroup(devices, options, step_timeout=config.step_timeout_s,
-                                 join=join_settings(config))
-        self.live: dict[str, LoraConfig] = {}  # training adapters to bring back on restart
+class LiveAdapters(Protocol):
+    """Who knows which training adapters the workers hold (Residency)."""
+
+    def live_configs(self) -> dict[str, LoraConfig]: ...
+    def lost(self, model: str, why: str) -> None: ...
+
+
+def zmq_executor(config: Config) -> Executor:
+    """The daemon's executor: a worker process per device, driven over ZeroMQ."""
+    devices = config.worker_devices()
+    threads = config.worker_threads or max(1, (os.cpu_count() or 1) // len(devices))
+    live_dir = Path(config.data_dir) / "live"
+    options = {"model": str(config.model), "dtype": config.dtype,
+               "max_rank": config.max_rank, "token_budget": config.token_budget,
+               "packing": config.packing,
+               "live_dir": str(live_dir), "persist_every": config.persist_every,
+               "threads": threads}
+    group = WorkerGroup(devices, options, step_timeout=config.step_timeout_s,
+                        join=join_settings(config))
+    return Executor(group, live_dir, config.persist_every)
+
+
+class Executor:
+    def __init__(self, group: Transport, live_dir: Path, persist_every: int = 1):
+        self.group = group
+        self.live_dir = live_dir
         # persist_every = 0 is "persistence off": no write-behind, so no journal either.
-        self.journal = Journal(self.live_dir, enabled=config.persist_every > 0)
+        self.journal = Journal(live_dir, enabled=persist_every > 0)
         # model -> what its client is told on its next request: its run was rolled back
         self.rollbacks: dict[str, str] = {}
         self._lock = asyncio.Lock()  # one step (or one recovery) at a time
         self._stopping = False
         self.recovering = False  # the group is being restarted (healthz says "restarting")
-        self.on_restart = lambda: None  # the metrics count restarts
+        self._adapters: LiveAdapters | None = None
+        self._on_restart: Callable[[], None] = lambda: None
+
+    def serve(self, adapters: LiveAdapters, on_restart: Callable[[], None]) -> None:
+        """Who to ask which adapters a restarted group must get back, and who counts
+        restarts (the metrics)."""
+        self._adapters, self._on_restart = adapters, on_restart
+
+    def _live(self) -> dict[str, LoraConfig]:
+        return self._adapters.live_configs() if self._adapters is not None else {}
 
     @property
     def model_info(self) -> dict:
@@ -125,7 +158,8 @@ class WorkerClient:
             await self.recover()
             return [(None, message, "server")] * len(ops)
         for op, outcome in zip(ops, merged, strict=True):
-            self._track(op.frame, outcome)
+            if isinstance(op.frame, UnloadF):  # a model closed for good: nothing to replay
+                self.journal.forget(op.frame.adapter_id)
             self._journal(op, outcome)
         return merged
 
@@ -161,9 +195,15 @@ class WorkerClient:
         return _merge([frame], replies)[0]
 
     async def _reset(self, models: set[str]) -> None:
-        failed = await self._restore_frames({m: self.live[m] for m in models if m in self.live})
+        live = self._live()
+        failed = await self._restore_frames({m: live[m] for m in models if m in live})
+        self._lost(failed)
+
+    def _lost(self, failed: dict[str, str]) -> None:
         for model, why in failed.items():
             log.error("adapter %s could not be restored: %s", model, why)
+            if self._adapters is not None:
+                self._adapters.lost(model, why)
 
     def _journal(self, op, outcome: Outcome) -> None:
         """Record an op that changed its adapter, before its client hears it is done. The
@@ -189,20 +229,6 @@ class WorkerClient:
             for model, mark in reply.persisted.items():
                 self.journal.persisted(model, mark)
 
-    def _track(self, frame: OpF, outcome: Outcome) -> None:
-        result, error, _ = outcome
-        if error is None and isinstance(frame, CreateF | RestoreF):
-            # The config it was made from, seed included: if the worker dies before a first
-            # state of it is persisted, the restore re-creates the same initial weights and
-            # the journal's ops replay onto them.
-            self.live[frame.adapter_id] = frame.config
-        elif error is None and isinstance(frame, LoadF):
-            self.live[frame.adapter_id] = config_of(result)
-        elif isinstance(frame, UnloadF | IdleUnloadF):
-            self.live.pop(frame.adapter_id, None)
-            if isinstance(frame, UnloadF):
-                self.journal.forget(frame.adapter_id)
-
     async def recover(self) -> None:
         """Restart the group until it comes up, then restore the live adapters."""
         delay = 1.0
@@ -211,10 +237,8 @@ class WorkerClient:
             while True:
                 try:
                     await self.group.restart()
-                    self.on_restart()
-                    failed = await self.restore(dict(self.live))
-                    for model, why in failed.items():
-                        log.error("adapter %s could not be restored: %s", model, why)
+                    self._on_restart()
+                    self._lost(await self.restore(self._live()))
                     return
                 except WorkerLost as e:
                     log.error("worker group restart failed: %s; retrying in %.0f s", e, delay)
@@ -226,7 +250,7 @@ class WorkerClient:
     async def restore(self, adapters: dict[str, LoraConfig]) -> dict[str, str]:
         """Bring adapters back at their acknowledged step: the persisted state, then the
         journal's ops after it (fresh if they have neither). Returns {model id: why} for
-        those that could not be restored at all."""
+        those that could not be restored at all (the caller decides what they become)."""
         for model in adapters:
             if not self.journal.loaded(model):
                 self.journal.load(model)
@@ -240,10 +264,8 @@ class WorkerClient:
         marks = {frames[o.index].adapter_id: o.mark or 0 for o in replies[0].outcomes}
         failed = {}
         for frame, outcome in zip(frames, _merge(frames, replies), strict=True):
-            self._track(frame, outcome)
             if outcome[1] is not None:
                 failed[frame.adapter_id] = outcome[1]
-                self.live.pop(frame.adapter_id, None)
         for model, mark in marks.items():
             if model not in failed:
                 await self._replay(model, mark)
@@ -281,7 +303,6 @@ class WorkerClient:
             replies = await self.group.run(
                 StepF(0, "barrier", [IdleUnloadF(model)]))
             self._note_persisted(replies)
-            self.live.pop(model, None)
 
     async def restore_one(self, model: str, config: LoraConfig) -> str | None:
         """Bring one adapter back between steps; the reason if it could not be."""
@@ -294,14 +315,13 @@ class WorkerClient:
 
     async def persist_all(self) -> None:
         """Every live adapter's weights and optimizer state on disk (for a hot restart)."""
-        frames = [PersistF(m) for m in self.live]
+        frames = [PersistF(m) for m in self._live()]
         if frames:
             async with self._lock:
                 self._note_persisted(await self.group.run(StepF(0, "barrier", frames)))
 
     def status(self) -> dict:
-        return {"workers": self.group.status(), "restarts": self.group.restarts,
-                "live_adapters": len(self.live)}
+        return {"workers": self.group.status(), "restarts": self.group.restarts}
 
 
 def _merge(frames: list[OpF], replies: list[ReplyF]) -> list[Outcome]:
@@ -333,3 +353,17 @@ def _join_rows(parts: list[OutcomeF]) -> ForwardBackwardResult:
         for k, v in p.fwdbwd.metrics.items():
             metrics[k] = metrics.get(k, 0.0) + v if k.endswith(":sum") else metrics.get(k, v)
     return ForwardBackwardResult(outputs=[out for _, out in rows], metrics=metrics)
+
+
+def in_process_executor(config: Config) -> Executor:
+    """The engine in this process (one rank, no ZeroMQ): tests, and a box without workers."""
+    from .workers.inprocess import InProcessGroup
+
+    live_dir = Path(config.data_dir) / "live"
+    device = config.worker_devices()[0]
+    # bf16 matmuls on a CPU are slow and gain nothing here (as a worker process decides)
+    dtype = "float32" if device == "cpu" and config.dtype == "bfloat16" else config.dtype
+    group = InProcessGroup(config.model, device=device, dtype=dtype, max_rank=config.max_rank,
+                           token_budget=config.token_budget, packing=config.packing,
+                           live_dir=live_dir, persist_every=config.persist_every)
+    return Executor(group, live_dir, config.persist_every)

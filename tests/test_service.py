@@ -1,0 +1,259 @@
+"""The service and its engine core, driven in-process (no subprocesses, no HTTP).
+
+The executor runs the same frames on the same StepRunner as a worker process does, through
+`InProcessGroup` (twinkled/workers/inprocess.py), on the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+import random
+
+import pytest
+
+from twinkled.config import Config
+from twinkled.engine.types import AdamParams, LoraConfig
+from twinkled.executor import in_process_executor
+from twinkled.service import Service, UserError
+from twinkled.store import Store
+from twinkled.workers.frames import DatumF, OptimF, TrainF, buf
+
+WAIT = 120.0  # seconds a step may take on a busy CPU
+
+
+class Box:
+    """A service on the tiny model, with helpers that queue ops as the routes do."""
+
+    def __init__(self, svc: Service, store: Store):
+        self.svc, self.store = svc, store
+        self.sessions: dict[str, str] = {}
+        self.vocab = 0
+
+    async def create(self, tenant: str, rank: int = 4) -> str:
+        self.store.ensure_tenant(tenant)
+        if tenant not in self.sessions:
+            self.sessions[tenant] = self.store.create_session(tenant)
+        config = LoraConfig(rank=rank, alpha=8.0, seed=random.randrange(1 << 30))
+        model, f = self.svc.create_model(tenant, self.sessions[tenant], None, config, {},
+                                         lambda model: (b"{}", "application/json"))
+        await done(f)
+        assert f.error is None, f.error
+        return model
+
+    def fwdbwd(self, tenant: str, model: str, seq: int, lengths: list[int], seed: int = 0,
+               forward_only: bool = False):
+        gen = random.Random(seed)
+        data = []
+        for n in lengths:
+            toks = [gen.randrange(self.vocab) for _ in range(n + 1)]
+            data.append(DatumF(buf(toks[:-1], "int64"),
+                               {"target_tokens": buf(toks[1:], "int64"),
+                                "weights": buf([1.0] * n, "float32")}))
+        frame = TrainF(model, data, "cross_entropy", {}, forward_only)
+        return self.svc.forward_backward(tenant, model, seq, frame, self.keep)
+
+    def optim(self, tenant: str, model: str, seq: int, lr: float = 1e-2):
+        frame = OptimF(model, AdamParams(learning_rate=lr))
+        return self.svc.optim_step(tenant, model, seq, frame, self.keep)
+
+    @staticmethod
+    def keep(result) -> tuple[bytes, str]:
+        """An encoder that keeps the result itself (`result` reads it back)."""
+        return pickle.dumps(result), "application/octet-stream"
+
+
+def result(f):
+    """What future `f` was resolved with."""
+    return pickle.loads(f.payload)
+
+
+async def done(*futures, timeout: float = WAIT) -> None:
+    await asyncio.wait_for(asyncio.gather(*(f.done.wait() for f in futures)), timeout)
+
+
+@contextlib.asynccontextmanager
+async def service(tiny_dir, tmp_path, **overrides):
+    cfg = Config(model=tiny_dir, data_dir=tmp_path, device="cpu", dtype="float32",
+                 gather_ms=0, worker_threads=1, **overrides)
+    store = Store(tmp_path / "twinkled.db")
+    svc = Service(cfg, store, executor=in_process_executor(cfg))
+    await svc.start(housekeeping=False)
+    await asyncio.wait_for(svc.ready(), WAIT)
+    assert svc.state == "ready", svc.load_error
+    box = Box(svc, store)
+    box.vocab = svc.model_info["vocab_size"]
+    try:
+        yield box
+    finally:
+        if svc.state != "draining":
+            await svc.shutdown()
+        await svc.close()
+        store.close()
+
+
+def refused(store) -> list[str]:
+    return [r[0] for r in store.db.execute("SELECT status FROM futures WHERE kind = 'refused'")]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 600))
+
+
+def logprobs(result) -> list[list[float]]:
+    import struct
+
+    out = []
+    for o in result.outputs:
+        b = o["logprobs"]
+        out.append(list(struct.unpack(f"<{len(b.data) // 4}f", b.data)))
+    return out
+
+
+def test_two_tenants_co_batched_in_one_step(tiny_dir, tmp_path):
+    async def go():
+        async with service(tiny_dir, tmp_path) as box:
+            a, b = await box.create("alice"), await box.create("bob")
+            steps = box.svc.planner.steps
+            fa = box.fwdbwd("alice", a, 1, [5, 7], seed=1)
+            fb = box.fwdbwd("bob", b, 1, [6], seed=2)
+            await done(fa, fb)
+            assert fa.error is None and fb.error is None
+            assert box.svc.planner.steps == steps + 1  # one step held both tenants' rows
+            ra, rb = result(fa), result(fb)
+            assert [len(x) for x in logprobs(ra)] == [5, 7]
+            assert [len(x) for x in logprobs(rb)] == [6]
+            # Alone, alice's rows give the same logprobs: co-batching changed nothing.
+            alone = box.fwdbwd("alice", a, 2, [5, 7], seed=1, forward_only=True)
+            await done(alone)
+            for x, y in zip(logprobs(ra), logprobs(result(alone)), strict=True):
+                assert max(abs(p - q) for p, q in zip(x, y, strict=True)) < 1e-4
+
+    run(go())
+
+
+def test_ops_run_in_seq_id_order_whatever_order_they_arrive(tiny_dir, tmp_path):
+    async def go():
+        async with service(tiny_dir, tmp_path) as box:
+            m = await box.create("alice")
+            f2 = box.optim("alice", m, 2)
+            await asyncio.sleep(0.3)
+            assert not f2.done.is_set()  # waits for seq_id 1
+            f1 = box.fwdbwd("alice", m, 1, [4], seed=3)
+            await done(f1, f2)
+            assert f1.error is None and f2.error is None
+            assert f1.completed_at <= f2.completed_at
+            # A retry of a taken seq_id gets the original future; one too far ahead of the
+            # model's next is refused.
+            assert box.fwdbwd("alice", m, 2, [4]) is f2
+            with pytest.raises(UserError, match="too far ahead"):
+                box.fwdbwd("alice", m, 3 + 100_001, [4])
+
+    run(go())
+
+
+def test_a_cut_forward_backward_is_merged_in_datum_order(tiny_dir, tmp_path):
+    async def go():
+        async with service(tiny_dir, tmp_path, token_budget=24) as box:
+            m = await box.create("alice")
+            steps = box.svc.planner.steps
+            lengths = [9, 3, 11, 5, 7]  # 35 tokens: more than one 24-token step
+            f = box.fwdbwd("alice", m, 1, lengths, seed=4)
+            await done(f)
+            assert f.error is None
+            assert box.svc.planner.steps >= steps + 2  # it ran in pieces
+            cut = logprobs(result(f))
+            assert [len(x) for x in cut] == lengths  # one result, datums in order
+            whole = box.fwdbwd("alice", m, 2, lengths[:1], seed=4, forward_only=True)
+            await done(whole)
+            assert max(abs(p - q) for p, q in zip(cut[0], logprobs(result(whole))[0],
+                                                  strict=True)) < 1e-4
+
+    run(go())
+
+
+def test_a_refused_request_takes_its_seq_id(tiny_dir, tmp_path):
+    async def go():
+        async with service(tiny_dir, tmp_path) as box:
+            m = await box.create("alice")
+            f2 = box.fwdbwd("alice", m, 2, [4])
+            box.svc.refuse("alice", m, 1, "data[0]: bad")  # seq 1 was refused at the door
+            await done(f2)  # seq 2 did not wait for seq 1 forever
+            assert f2.error is None
+            assert box.svc.planner.next_seq(m) == 3
+            # The refusal's future failed with its reason.
+            assert refused(box.store) == ["error"]
+            # A refused seq_id that already ran takes nothing.
+            box.svc.refuse("alice", m, 2, "late")
+            assert box.svc.planner.next_seq(m) == 3
+            assert refused(box.store) == ["error"]
+
+    run(go())
+
+
+def test_idle_unload_and_reload_through_residency(tiny_dir, tmp_path):
+    async def go():
+        async with service(tiny_dir, tmp_path) as box:
+            svc = box.svc
+            m = await box.create("alice")
+            await done(box.fwdbwd("alice", m, 1, [6], seed=5), box.optim("alice", m, 2))
+            before = box.fwdbwd("alice", m, 3, [6], seed=6, forward_only=True)
+            await done(before)
+            box.store.touch_run(m)
+            await asyncio.sleep(0.05)
+            await svc.residency.unload_idle(0.01)
+            assert not svc.residency.is_open(m) and svc.residency.count() == 0
+            row = box.store.get_run(m)
+            assert not row["live"] and row["idle_unloaded"] and row["next_seq"] == 4
+            with pytest.raises(UserError, match="not loaded"):
+                box.fwdbwd("alice", m, 4, [6])
+            await svc.ensure_loaded(box.store.get_run(m))
+            assert svc.residency.is_open(m) and svc.residency.count() == 1
+            assert box.store.get_run(m)["live"]
+            after = box.fwdbwd("alice", m, 4, [6], seed=6, forward_only=True)
+            await done(after)
+            assert after.error is None
+            x, y = logprobs(result(before))[0], logprobs(result(after))[0]
+            assert max(abs(p - q) for p, q in zip(x, y, strict=True)) < 1e-5  # same weights
+
+    run(go())
+
+
+def test_futures_fail_cleanly_and_the_loop_goes_on(tiny_dir, tmp_path):
+    async def go():
+        async with service(tiny_dir, tmp_path) as box:
+            svc = box.svc
+            m = await box.create("alice")
+            # An op that fails in the engine fails its own future, with its reason; its
+            # `after` hears it; the model goes on.
+            (tmp_path / "checkpoints").write_text("")  # no directory can be made under it
+            run = box.store.get_run(m)
+            f = svc.save("alice", run, 1, "weights", "first", optimizer=True, user_metadata={},
+                         ttl_s=None, overwrite=False, answer=lambda path: (b"{}", "text/plain"))
+            await done(f)
+            assert f.error is not None and f.error[1] == "server"
+            # Its store row says why: behind the service, the save's callback ran.
+            ckpt = box.store.get_checkpoint(f"tinker://{m}/weights/first")
+            assert ckpt["status"] == "corrupt" and ckpt["error"] == f.error[0]
+            # The executor itself failing (a bug): the step's futures fail as server errors.
+            real = svc.executor.run_ops
+
+            async def broken(kind, ops):
+                raise RuntimeError("boom")
+
+            svc.executor.run_ops = broken
+            g = box.fwdbwd("alice", m, 2, [4])
+            await done(g)
+            assert g.error == ("server error: RuntimeError: boom", "server")
+            svc.executor.run_ops = real
+            h = box.fwdbwd("alice", m, 3, [4])
+            await done(h)
+            assert h.error is None
+            # Shutdown fails what is still waiting (seq 5 waits for seq 4, never sent).
+            stuck = box.optim("alice", m, 5)
+            await svc.shutdown()
+            assert stuck.done.is_set() and stuck.error[1] == "server"
+            assert "stopped" in stuck.error[0]
+
+    run(go())

@@ -1,0 +1,36 @@
+"""Tenants' weights and quotas, as the planner enforces them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler import Limits, Planner
+
+from .config import Config
+from .futures import UserError
+
+
+class Tenants:
+    def __init__(self, config: Config, store: Any, planner: Planner):
+        self._config, self._store, self._planner = config, store, planner
+
+    def refresh(self) -> None:
+        """Weights and quotas: the store's (`twinkled ctl tenants set`) over the config's."""
+        cfg = self._config
+        for row in self._store.list_tenants():
+            base = dict(cfg.tenants.get(row["name"], {}))
+            weight = row["weight"] if row["weight"] != 1.0 else base.pop("weight", 1.0)
+            base.pop("weight", None)
+            limits = {k: row.get(k) or base.get(k) or getattr(cfg, f"tenant_{k}")
+                      for k in self._store.TENANT_LIMITS}
+            self._planner.set_tenant(row["name"], float(weight), Limits(**limits))
+
+    def check_new_adapter(self, tenant: str, rank: int) -> None:
+        """Quotas on adapters and rank: a clear refusal, not a wait."""
+        lim = self._planner.tenant(tenant).limits
+        if lim.max_rank is not None and rank > lim.max_rank:
+            raise UserError(f"rank {rank} is over tenant {tenant!r}'s cap of {lim.max_rank}")
+        if lim.max_adapters is not None:
+            mine = self._planner.model_count(tenant)
+            if mine >= lim.max_adapters:
+                raise UserError(f"tenant {tenant!r} already has {mine} adapters, its quota")

@@ -1,0 +1,97 @@
+"""A worker group of one rank in this process: the engine runs in a thread.
+
+It speaks the same frames as the ZeroMQ group (supervisor.py), encoded and decoded the same
+way, and runs them with the same StepRunner, so the executor (twinkled/executor.py) cannot
+tell the two apart. The service's tests drive the whole daemon core with it, without
+subprocesses; the event loop stays free while a step runs (one engine thread, so steps and
+the write-behind persistence between them never overlap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .frames import ReplyF, StepF, encoder, reply_decoder, step_decoder
+
+
+class InProcessGroup:
+    def __init__(self, model: str | Path, *, device: str = "cpu", dtype: str = "float32",
+                 max_rank: int = 64, token_budget: int = 16384, packing: bool = True,
+                 live_dir: Path | None = None, persist_every: int = 1):
+        self.devices = [device]
+        self.model_info: dict = {}
+        self.restarts = 0
+        self._engine_args = {"dtype": dtype, "device": device, "max_rank": max_rank,
+                             "token_budget": token_budget, "packed": packing}
+        self._model = str(model)
+        self._live_dir, self._persist_every = live_dir, persist_every
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._runner = None
+        self._stopped: asyncio.Future | None = None
+        self._pump: asyncio.Task | None = None
+        self._step = 0
+
+    @property
+    def exits(self) -> list[asyncio.Future]:
+        """Done when the group is stopped (an in-process rank cannot die alone)."""
+        return [self._stopped] if self._stopped is not None else []
+
+    def dead(self) -> str:
+        return ""
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._stopped = loop.create_future()
+        self._runner, self.model_info = await loop.run_in_executor(self._thread, self._load)
+
+    def _load(self):
+        from twinkled.engine import Engine
+
+        from .persist import Persister
+        from .runner import StepRunner
+
+        engine = Engine(self._model, **self._engine_args)
+        persister = (Persister(self._live_dir, self._persist_every)
+                     if self._live_dir is not None else None)
+        cfg = engine.model.config
+        info = {"arch": cfg.model_type, "max_seq_len": engine.model.max_seq_len,
+                "vocab_size": cfg.vocab_size,
+                "dtype": str(engine.model.dtype).replace("torch.", "")}
+        return StepRunner(engine, 0, 1, persister), info
+
+    async def run(self, step: StepF) -> list[ReplyF]:
+        """Run `step` on the engine thread; the frames cross the same codec as over ZeroMQ."""
+        self._step += 1
+        step.id = self._step
+        frame = step_decoder.decode(encoder.encode(step))
+        loop = asyncio.get_running_loop()
+        reply = await loop.run_in_executor(self._thread, self._run, frame)
+        if self._pump is None or self._pump.done():
+            self._pump = loop.create_task(self._between_steps())
+        return [reply_decoder.decode(encoder.encode(reply))]
+
+    def _run(self, step: StepF) -> ReplyF:
+        outcomes = self._runner.run(step)
+        return ReplyF(step.id, 0, outcomes, 0, self._runner.persisted())
+
+    async def _between_steps(self) -> None:
+        """What a worker does while idle: hand changed adapters to the writer."""
+        loop = asyncio.get_running_loop()
+        while await loop.run_in_executor(self._thread, self._runner.between_steps):
+            await asyncio.sleep(0.05)
+
+    async def restart(self) -> None:
+        self.restarts += 1
+
+    async def stop(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(None)
+        self._thread.shutdown(wait=False)
+
+    def status(self) -> list[dict]:
+        return [{"rank": 0, "device": self.devices[0], "pid": None, "memory_bytes": 0,
+                 "alive": self._runner is not None, "up_s": 0.0}]
