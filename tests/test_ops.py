@@ -328,7 +328,8 @@ CTL = ["keys create", "keys list", "keys revoke", "tenants list", "tenants set",
 METRICS = ["twinkle_tokens_trained_total", "twinkle_tokens_sampled_total",
            "twinkle_step_seconds", "twinkle_queue_wait_seconds", "twinkle_queue_depth",
            "twinkle_adapters_loaded", "twinkle_worker_restarts_total",
-           "twinkle_gpu_memory_bytes", "twinkle_requests_total"]
+           "twinkle_gpu_memory_bytes", "twinkle_requests_total",
+           "twinkle_worker_busy_seconds_total", "twinkle_gather_wait_seconds"]
 
 
 def test_guide_covers_every_ctl_command_and_the_metrics():

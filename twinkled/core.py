@@ -305,7 +305,14 @@ class EngineCore:
         if not recent or window <= 0:
             return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + window
+        began = loop.time()
+        try:
+            await self._await_clients(recent, began + window)
+        finally:
+            self.metrics.gather_wait.observe(loop.time() - began)
+
+    async def _await_clients(self, recent: set[str], deadline: float) -> None:
+        loop = asyncio.get_running_loop()
         while any(self.residency.is_open(m) and not self.planner.has_pending(m)
                   for m in recent):
             remaining = deadline - loop.time()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -32,6 +32,9 @@ class Metrics:
         self.queue_wait = Histogram("twinkle_queue_wait_seconds", "Time from submit to the "
                                     "start of the step that runs it", buckets=_WAIT_BUCKETS,
                                     registry=r)
+        self.gather_wait = Histogram("twinkle_gather_wait_seconds", "Time the loop waited "
+                                     "after a step for its clients' next requests (gather_ms)",
+                                     buckets=_WAIT_BUCKETS, registry=r)
         self.worker_restarts = Counter("twinkle_worker_restarts", "Worker group restarts "
                                        "after a fault", registry=r)
         r.register(_Live(service))
@@ -61,5 +64,11 @@ class _Live:
         for w in g["workers"]:
             memory.add_metric([str(w["rank"]), w["device"]], w["memory_bytes"])
         yield memory
+        busy = CounterMetricFamily("twinkle_worker_busy_seconds", "Time each worker rank spent "
+                                   "running steps since the group (re)started; against wall "
+                                   "time, how busy the rank is", labels=["rank", "device"])
+        for w in g["workers"]:
+            busy.add_metric([str(w["rank"]), w["device"]], w.get("busy_s", 0.0))
+        yield busy
         yield GaugeMetricFamily("twinkle_up", "1 when the daemon serves requests now",
                                 value=1.0 if g["up"] else 0.0)

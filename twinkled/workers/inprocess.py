@@ -10,6 +10,7 @@ the write-behind persistence between them never overlap).
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class InProcessGroup:
         self._stopped: asyncio.Future | None = None
         self._pump: asyncio.Task | None = None
         self._step = 0
+        self._busy_s = 0.0  # seconds spent running steps
 
     @property
     def exits(self) -> list[asyncio.Future]:
@@ -68,13 +70,16 @@ class InProcessGroup:
         frame = step_decoder.decode(encoder.encode(step))
         loop = asyncio.get_running_loop()
         reply = await loop.run_in_executor(self._thread, self._run, frame)
+        self._busy_s += reply.busy_s
         if self._pump is None or self._pump.done():
             self._pump = loop.create_task(self._between_steps())
         return [reply_decoder.decode(encoder.encode(reply))]
 
     def _run(self, step: StepF) -> ReplyF:
+        started = time.perf_counter()
         outcomes = self._runner.run(step)
-        return ReplyF(step.id, 0, outcomes, 0, self._runner.persisted())
+        return ReplyF(step.id, 0, outcomes, 0, self._runner.persisted(),
+                      time.perf_counter() - started)
 
     async def _between_steps(self) -> None:
         """What a worker does while idle: hand changed adapters to the writer."""
@@ -94,4 +99,4 @@ class InProcessGroup:
 
     def status(self) -> list[dict]:
         return [{"rank": 0, "device": self.devices[0], "pid": None, "memory_bytes": 0,
-                 "alive": self._runner is not None, "up_s": 0.0}]
+                 "busy_s": round(self._busy_s, 3), "alive": self._runner is not None, "up_s": 0.0}]

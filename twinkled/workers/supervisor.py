@@ -44,6 +44,7 @@ class WorkerInfo:
     device: str
     pid: int | None = None
     memory: int = 0
+    busy_s: float = 0.0  # seconds spent running steps since the group (re)started
     started: float = field(default_factory=time.time)
     host: str = ""  # "" on this host; else the joined host's name
     lost: asyncio.Future | None = None  # a remote rank: resolves when its host loses it
@@ -230,6 +231,7 @@ class WorkerGroup:
             self.step_timeout, lambda m: isinstance(m, ReplyF) and m.step == step.id, "step")
         for w, r in zip(self.workers, replies, strict=True):
             w.memory = r.memory
+            w.busy_s += r.busy_s
         return replies
 
     async def _gather(self, timeout: float, wanted, what: str,
@@ -312,7 +314,7 @@ class WorkerGroup:
                 alive = p is not None and p.returncode is None
             out.append({"rank": w.rank, "device": w.device, "host": w.host or here,
                         "remote": bool(w.host), "pid": w.pid, "memory_bytes": w.memory,
-                        "alive": alive, "up_s": round(time.time() - w.started, 1)})
+                        "busy_s": round(w.busy_s, 3), "alive": alive, "up_s": round(time.time() - w.started, 1)})
         return out
 
 

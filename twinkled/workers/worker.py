@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -60,9 +61,8 @@ def main(args: dict) -> None:
             continue
         step = step_decoder.decode(sock.recv())
         if delay:
-            import time
-
             time.sleep(delay)
+        started = time.perf_counter()
         try:
             outcomes = runner.run(step)
         except Exception as e:
@@ -72,8 +72,9 @@ def main(args: dict) -> None:
             # at its acknowledged step (persisted state + journal).
             log.error("step %d failed: %s", step.id, traceback.format_exc())
             sys.exit(f"step failed: {type(e).__name__}: {e}")
+        busy = time.perf_counter() - started
         sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, _memory(runner),
-                                        runner.persisted())))
+                                        runner.persisted(), busy)))
         waiting = runner.between_steps()  # after the reply: off the step's path
 
 
