@@ -39,6 +39,31 @@ def planner_report(data: Path) -> None:
           f"cost {s.get('step_cost')}")
 
 
+def path_report(url: str) -> None:
+    """Where a step's time went, from the daemon's /metrics (since it started): the daemon's
+    step time, each rank's busy time inside it, and the wait for clients between steps."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            m[name] = float(value)
+    steps = sum(v for k, v in m.items() if k.startswith("twinkle_step_seconds_count"))
+    step_s = sum(v for k, v in m.items() if k.startswith("twinkle_step_seconds_sum"))
+    busy = {k.split('rank="')[1].split('"')[0]: v for k, v in m.items()
+            if k.startswith("twinkle_worker_busy_seconds_total")}
+    gathers = m.get("twinkle_gather_wait_seconds_count", 0.0)
+    gather_s = m.get("twinkle_gather_wait_seconds_sum", 0.0)
+    if steps:
+        ranks = ", ".join(f"rank {r} {1e3 * b / steps:.1f} ms" for r, b in sorted(busy.items()))
+        print(f"path: {steps:.0f} steps, daemon step {1e3 * step_s / steps:.1f} ms "
+              f"(ranks busy: {ranks}); gather wait {1e3 * gather_s / max(gathers, 1):.1f} ms "
+              f"x {gathers:.0f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", required=True, help="the N-worker group, e.g. cuda:0,cuda:1")
@@ -74,6 +99,7 @@ def main() -> None:
         try:
             res = run_tenants(url, keys, model_dir.name, vocab, seq, steps, [1] * n)
             planner_report(data)
+            path_report(url)
         finally:
             daemon.terminate()
             daemon.wait(timeout=120)
