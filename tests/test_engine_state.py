@@ -8,7 +8,12 @@ import pytest
 import torch
 from helpers import ce_request, make_engine, randomize_b, weights
 
-from twinkled.engine.types import AdamParams, EngineInputError, LoraConfig
+from twinkled.engine.types import (
+    AdamParams,
+    EngineInputError,
+    ForwardBackwardRequest,
+    LoraConfig,
+)
 
 PARAMS = AdamParams(learning_rate=1e-2, weight_decay=0.01)
 
@@ -178,3 +183,32 @@ def test_live_state_resumes_exactly_and_persister_keeps_the_newest(tiny_dir, tmp
     persister.forget("a")
     assert persister.flush(fresh.pool.adapters, {})
     assert latest_version(tmp_path / "live", "a") is None
+
+
+def test_a_copied_adapter_has_the_weights_at_the_copy_and_nothing_else(tiny_dir, tmp_path):
+    # What a sampler of a just-saved adapter is made of (runner: SaveF.sampler): the same
+    # weights as the files of that save, none of the optimizer state, and independent of
+    # the live adapter's later steps.
+    eng = make_engine(tiny_dir)
+    eng.add_adapter("a", LoraConfig(rank=4, seed=1))
+    gen = _train(eng, "a", 2, seed=0)
+    eng.save("a", tmp_path / "ckpt", optimizer=False)
+    info = eng.copy_adapter("a", "copy")
+    assert info.rank == 4 and info.steps == 2
+    eng.load("read", tmp_path / "ckpt", optimizer=False)
+    copy, read = weights(eng, "copy"), weights(eng, "read")
+    assert all(torch.equal(copy[k][i], read[k][i]) for k in copy for i in range(2))
+    c = eng.pool.get("copy")
+    assert all(float(t.abs().sum()) == 0 for t in c.bank.tensors(c.slot, "m"))
+    assert all(float(t.abs().sum()) == 0 for t in c.bank.tensors(c.slot, "g"))
+    _train(eng, "a", 1, seed=5)
+    later = weights(eng, "copy")
+    assert all(torch.equal(copy[k][i], later[k][i]) for k in copy for i in range(2))
+    assert not all(torch.equal(copy[k][0], weights(eng, "a")[k][0]) for k in copy)
+    req = ce_request("copy", gen, eng.model.vocab_size, [7])
+    same = ForwardBackwardRequest("read", req.data)
+    lp = [r.outputs[0]["logprobs"] for r in eng.forward([req, same])]
+    assert torch.allclose(lp[0], lp[1])
+    with pytest.raises(EngineInputError):
+        eng.copy_adapter("a", "copy")  # an id in use is refused, and changes nothing
+    assert torch.equal(weights(eng, "copy")[next(iter(copy))][0], copy[next(iter(copy))][0])

@@ -157,10 +157,24 @@ def test_loads_and_samplers_reach_the_other_host(two_hosts, tiny_dir):
     futs = [sampler.sample(p, 1, greedy) for p in prompts * 2]
     out = [f.result(timeout=T).sequences[0].tokens for f in futs]
     assert out[:2] == out[2:] and all(len(t) == 4 for t in out)
-    # The remote rank read neither from the daemon's disk: rank 0 sent both directories.
+    # The remote rank did not read the daemon's disk: rank 0 sent the checkpoint's files,
+    # and the sampler came from the device copy each rank made at the save.
     shared = (d.data_dir / "agent.log").read_text()
     assert re.search(r"file\(s\) of \S+/checkpoints/\S+/weights/mid from rank 0", shared)
-    assert re.search(r"file\(s\) of \S+/checkpoints/\S+/sampler_weights/\S+ from rank 0",
+    assert "sampler_weights" not in shared
+    # Sampler weights whose device copy is gone (more saves than are kept) come from the
+    # files, which rank 0 sends.
+    from twinkled.workers.runner import FRESH_SAMPLERS
+
+    paths = [tc.save_weights_for_sampler(f"s{i}").result(timeout=T).path
+             for i in range(FRESH_SAMPLERS + 1)]
+    old = tinker.ServiceClient(base_url=d.url, api_key=d.key).create_sampling_client(
+        model_path=paths[0])
+    out = [f.result(timeout=T).sequences[0].tokens
+           for f in [old.sample(p, 1, greedy) for p in prompts * 2]]
+    assert out[:2] == out[2:]
+    shared = (d.data_dir / "agent.log").read_text()
+    assert re.search(r"file\(s\) of \S+/checkpoints/\S+/sampler_weights/s0 from rank 0",
                      shared)
     assert _ctl_status(d.data_dir)["restarts"] == 0
 

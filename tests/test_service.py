@@ -257,3 +257,52 @@ def test_futures_fail_cleanly_and_the_loop_goes_on(tiny_dir, tmp_path):
             assert "stopped" in stuck.error[0]
 
     run(go())
+
+
+def test_sampler_weights_are_sampled_from_a_device_copy(tiny_dir, tmp_path):
+    # An RL loop saves sampler weights, then samples at once: the workers keep a device
+    # copy at the save, so the first sample reads no files. Proven by removing them: the
+    # sample still runs, and gives what an engine loading those files gives.
+    import shutil
+
+    from twinkled.engine import Engine
+    from twinkled.engine.types import SampleRequest, SamplingParams
+    from twinkled.workers.frames import SampleF, SamplingF
+
+    async def go():
+        async with service(tiny_dir, tmp_path) as box:
+            m = await box.create("ann")
+            await done(box.fwdbwd("ann", m, 1, [6, 5]), box.optim("ann", m, 2, lr=0.2))
+            saved = box.svc.save_for_sampler("ann", box.store.get_run(m), 3, None,
+                                             user_metadata={}, ttl_s=None,
+                                             answer=lambda s: (str(s).encode(), "text/plain"))
+            await done(saved)
+            assert saved.error is None, saved.error
+            sampler = box.store.get_sampler(saved.payload.decode())
+            ckpt = box.store.get_checkpoint(sampler["model_path"])
+            # The model trains on: the sampler must keep the weights of its save.
+            await done(box.fwdbwd("ann", m, 4, [7]), box.optim("ann", m, 5, lr=0.2))
+            kept = tmp_path / "kept"
+            shutil.copytree(ckpt["dir"], kept)
+            shutil.rmtree(ckpt["dir"])
+            prompt = [3, 1, 4, 1, 5]
+            frame = SampleF(f"sampler:{sampler['model_path']}@{ckpt['sha256'][:16]}",
+                            buf(prompt, "int64"), SamplingF(6, 0.0, -1, 1.0, None, []), 1,
+                            False, ckpt["dir"])
+            f = box.svc.sample("ann", sampler, frame, box.keep)
+            await done(f)
+            assert f.error is None, f.error
+            return result(f).sequences[0].tokens, kept
+
+    tokens, kept = run(go())
+    eng = Engine(tiny_dir, dtype="float32", device="cpu")
+    eng.load("s", kept, optimizer=False)
+    want = eng.sample([SampleRequest("s", prompt_tensor([3, 1, 4, 1, 5]),
+                                     SamplingParams(max_tokens=6, temperature=0.0, stop=[]))])
+    assert list(tokens) == list(want[0].sequences[0].tokens)
+
+
+def prompt_tensor(ids):
+    import torch
+
+    return torch.tensor(ids, dtype=torch.long)

@@ -324,7 +324,8 @@ class Service:
                 self.store.mark_corrupt(path, message)
 
         f = self.futures.new(tenant, "save", lambda _: answer(path))
-        frame = SaveF(run["id"], str(directory), optimizer)
+        # Sampler weights are sampled next: the workers keep a device copy for that.
+        frame = SaveF(run["id"], str(directory), optimizer, sampler=kind == "sampler_weights")
         return self.submit(Op(run["id"], seq_id, frame, f, after=after))
 
     def save_for_sampler(self, tenant: str, run: dict, seq_id: int, sampler_seq: int | None,

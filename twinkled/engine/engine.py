@@ -60,6 +60,22 @@ class Engine:
         self.pool.add(adapter_id, config or LoraConfig())
         return self.adapter_info(adapter_id)
 
+    def copy_adapter(self, src: str, dst: str) -> AdapterInfo:
+        """A new adapter `dst` with `src`'s configuration and current weights, but none of
+        its gradients or optimizer state: a sampler of a live adapter made on the device,
+        instead of reading back the files just written (they hold the same fp32 masters)."""
+        a = self.pool.get(src)
+        b = self.pool.add(dst, a.config)
+        try:
+            with torch.no_grad():
+                torch._foreach_copy_(b.bank.tensors(b.slot, "w"), a.bank.tensors(a.slot, "w"))
+        except BaseException:
+            self.pool.remove(dst)
+            raise
+        b.bank.stale.add(b.slot)  # its compute-dtype copy follows at the next use
+        b.steps = a.steps
+        return self.adapter_info(dst)
+
     def remove_adapter(self, adapter_id: str) -> None:
         self.pool.remove(adapter_id)
 

@@ -116,6 +116,9 @@ class OptimF(_Op, tag="optim"):
 class SaveF(_Op, tag="save"):
     dir: str
     optimizer: bool = False
+    # Sampler weights: every rank also keeps a device copy, which the first sample from
+    # this checkpoint uses instead of reading the files back (runner.StepRunner).
+    sampler: bool = False
 
 
 class LoadF(_Op, tag="load"):

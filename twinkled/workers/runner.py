@@ -11,6 +11,7 @@ ranks agree on which ops fail (category "user") before any row trains. Then:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from contextlib import nullcontext
@@ -47,8 +48,11 @@ from .frames import (
 from .persist import Persister, latest_version
 from .share import rank0_dir
 
+log = logging.getLogger("twinkled.worker")
+
 # Fault tests only: a pass holding a datum of this many tokens fails after its backward.
 _FAIL_TOKENS = int(os.environ.get("TWINKLED_TEST_FAIL_TOKENS", "0"))
+FRESH_SAMPLERS = 8  # device copies of just-saved sampler weights kept for their first use
 SAMPLER_ADAPTERS = 32  # sampler checkpoints kept loaded; the least recently used goes first
 _DTYPES = {"int64": torch.long, "float32": torch.float32}
 
@@ -91,6 +95,12 @@ class StepRunner:
         # this collective runs in the same order everywhere.
         self.spans_hosts = spans_hosts
         self.sampler_lru: OrderedDict[str, bool] = OrderedDict()
+        # Sampler weights just saved (SaveF.sampler): checkpoint dir -> a device copy of the
+        # adapter at that save. An RL loop saves and then samples at once; the first
+        # sample then copies these on the device instead of reading the files back, and
+        # every rank has them (the save ran everywhere), so no rank waits on a disk read
+        # or, across hosts, on rank 0 sharing the files.
+        self.fresh: OrderedDict[str, str] = OrderedDict()
         # Per adapter: the journal position of the last op after which it had no pending
         # gradients (what a snapshot of it holds; twinkled/journal.py).
         self.marks: dict[str, int] = {}
@@ -217,11 +227,26 @@ class StepRunner:
                                  category="user")]
         return [o for item in good for o in self._sample_batch([item])]
 
+    def _keep_fresh(self, adapter_id: str, directory: str) -> None:
+        """A device copy of `adapter_id` as saved to `directory` (see `self.fresh`)."""
+        name = f"fresh:{directory}"
+        if self.fresh.pop(directory, None) is not None:
+            self.engine.remove_adapter(name)  # saved again under the same name
+        self.engine.copy_adapter(adapter_id, name)
+        self.fresh[directory] = name
+        while len(self.fresh) > FRESH_SAMPLERS:  # never sampled: the files will do
+            _, old = self.fresh.popitem(last=False)
+            self.engine.remove_adapter(old)
+
     def _load_sampler(self, op: SampleF) -> None:
         if not op.load_from:
             return
         if not self.engine.has_adapter(op.adapter_id):
-            if self.spans_hosts:
+            fresh = self.fresh.pop(op.load_from, None)
+            if fresh is not None:
+                self.engine.copy_adapter(fresh, op.adapter_id)
+                self.engine.remove_adapter(fresh)
+            elif self.spans_hosts:
                 with rank0_dir(op.load_from, self.rank) as path:
                     self.engine.load(op.adapter_id, path or op.load_from, optimizer=False)
             else:
@@ -296,6 +321,13 @@ class StepRunner:
                     self._persist(aid, every=True)
                 return OutcomeF(i, optim=result)
             case SaveF():
+                if op.sampler:
+                    try:
+                        self._keep_fresh(aid, op.dir)
+                    except Exception as e:  # a cache: the save goes on, sampling reads files
+                        if fatal(e):
+                            raise
+                        log.warning("no device copy of %s for sampling: %s", op.dir, e)
                 if self.rank != 0:
                     return OutcomeF(i)
                 engine.save(aid, op.dir, optimizer=op.optimizer)
