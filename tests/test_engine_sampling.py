@@ -215,3 +215,31 @@ def test_alternative_draws_at_temperature_zero_are_the_argmax(eng):
     res = eng.sample([req])[0]
     best = [row[0] for row in res.topk_prompt[0][1:]]
     assert res.alt_tokens[0] == [[b, b] for b in best]
+
+
+def test_a_shared_prefill_samples_what_prefilling_every_row_samples(eng):
+    """num_samples copies and identical prompts across requests prefill once
+    (sampler.generate); the samples are those of prefilling every row on its own, for the
+    same seeds: tokens equal, logprobs and prompt logprobs to float tolerance."""
+    from twinkled.engine.sampler import generate
+
+    p, q = _prompt(eng, 11, 7), _prompt(eng, 4, 8)
+    hot = SamplingParams(max_tokens=8, temperature=1.0, seed=5, stop=[])
+    reqs = [SampleRequest("a", p, hot, num_samples=4, prompt_logprobs=True),
+            SampleRequest("b", p, SamplingParams(max_tokens=8, temperature=0.7, seed=6, stop=[]),
+                          num_samples=3),
+            SampleRequest("a", p, SamplingParams(max_tokens=8, temperature=0.0, stop=[])),
+            SampleRequest(None, q, hot, num_samples=2),
+            SampleRequest("a", q, SamplingParams(max_tokens=8, temperature=1.0, seed=9, stop=[]),
+                          num_samples=2)]
+    adapters = [None if r.adapter_id is None else eng.pool.get(r.adapter_id) for r in reqs]
+    shared = generate(eng.model, reqs, adapters)
+    alone = generate(eng.model, reqs, adapters, share_prefill=False)
+    for s, a in zip(shared, alone, strict=True):
+        assert [x.tokens for x in s.sequences] == [x.tokens for x in a.sequences]
+        for x, y in zip(s.sequences, a.sequences, strict=True):
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+    assert shared[0].prompt_logprobs[1:] == pytest.approx(alone[0].prompt_logprobs[1:],
+                                                          abs=1e-5)
+    # The copies really are different samples (temperature 1), not one sample repeated.
+    assert len({tuple(x.tokens) for x in shared[0].sequences}) > 1

@@ -31,8 +31,10 @@ class _Row:
 
 @torch.no_grad()
 def generate(model: BaseModel, requests: list[SampleRequest],
-             adapters: list[Adapter | None]) -> list[SampleResult]:
-    """Sample every request; `adapters[i]` is request i's adapter (None: the base model)."""
+             adapters: list[Adapter | None], share_prefill: bool = True) -> list[SampleResult]:
+    """Sample every request; `adapters[i]` is request i's adapter (None: the base model).
+    `share_prefill=False` prefills every row on its own (the reference the shared prefill
+    is tested against)."""
     rows = [_Row(i, r, adapters[i]) for i, r in enumerate(requests) for _ in range(r.num_samples)]
     # Rows of one LoRA bank must sit together (LoraBatch); base-model rows go first.
     rows.sort(key=lambda r: (0, 0, 0) if r.adapter is None else (1, id(r.adapter.bank), r.adapter.slot))
@@ -44,23 +46,45 @@ def generate(model: BaseModel, requests: list[SampleRequest],
     lora = LoraBatch([r.adapter for r in rows], model.dtype, dev, cache=True)
     cache = model.new_cache(B, T)
 
+    # Prefill once per distinct (adapter, prompt): a request's num_samples copies, and
+    # identical prompts of other requests, share it; only the continuations are per row.
+    # `uniq` are the rows that prefill (in row order, so a bank's rows stay together);
+    # `of[b]` is the prefilled row whose prompt row b copies.
+    first: dict[tuple, int] = {}
+    of = [first.setdefault((None if r.adapter is None else r.adapter.id, tuple(r.prompt))
+                           if share_prefill else (b,), len(first)) for b, r in enumerate(rows)]
+    uniq = [rows[b] for b in sorted({of[b]: b for b in reversed(range(B))}.values())]
+    U = len(uniq)
+
     # Left padding: every row's last prompt token sits at P-1, so all rows decode in step.
-    ids = torch.zeros((B, P), dtype=torch.long)
     pad = torch.tensor([P - len(r.prompt) for r in rows])
-    for b, r in enumerate(rows):
-        ids[b, pad[b]:] = torch.tensor(r.prompt)
+    ids = torch.zeros((U, P), dtype=torch.long)
+    for u, r in enumerate(uniq):
+        ids[u, P - len(r.prompt):] = torch.tensor(r.prompt)
     ids, pad = ids.to(dev), pad.to(dev)
+    of_t = torch.tensor(of, device=dev)
     cols = torch.arange(T, device=dev)
     # Which cache positions a row may attend to: its prompt (not its padding) for now;
     # each decode step opens one more position.
     key_ok = (cols[None, :] >= pad[:, None]) & (cols[None, :] < P)
-    positions = (cols[None, :P] - pad[:, None]).clamp(min=0)
+    pad_u = torch.tensor([P - len(r.prompt) for r in uniq], device=dev)
+    key_u = (cols[None, :P] >= pad_u[:, None])
+    positions = (cols[None, :P] - pad_u[:, None]).clamp(min=0)
     causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
     # A padding query may see nothing; letting it see itself keeps softmax finite.
-    mask = (causal[None] & key_ok[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
-    hidden = model.forward(ids, positions, lora, cache, mask[:, None])
+    mask = (causal[None] & key_u[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)
+    if U == B:  # nothing shared: prefill straight into the decode cache
+        hidden = model.forward(ids, positions, lora, cache, mask[:, None])
+        logits = model.logits(hidden[:, -1:], lora)[:, 0]
+    else:
+        lora_u = LoraBatch([r.adapter for r in uniq], model.dtype, dev)
+        prompt_cache = model.new_cache(U, P)
+        hidden = model.forward(ids, positions, lora_u, prompt_cache, mask[:, None])
+        cache.k[:, :, :, :P] = prompt_cache.k.index_select(1, of_t)
+        cache.v[:, :, :, :P] = prompt_cache.v.index_select(1, of_t)
+        del prompt_cache
+        logits = model.logits(hidden[:, -1:], lora_u)[:, 0].index_select(0, of_t)
     cache.length = P
-    logits = model.logits(hidden[:, -1:], lora)[:, 0]
 
     results = [SampleResult(sequences=[]) for _ in requests]
     first_row: dict[int, int] = {}  # request -> one of its rows (all share its prompt)
@@ -68,8 +92,8 @@ def generate(model: BaseModel, requests: list[SampleRequest],
         first_row.setdefault(r.req, b)
     for i, b in first_row.items():
         if wants_scores(requests[i]):
-            n = len(rows[b].prompt)
-            score_prompt(model, requests[i], rows[b].adapter, hidden[b, P - n:], ids[b, P - n:],
+            n, u = len(rows[b].prompt), of[b]
+            score_prompt(model, requests[i], rows[b].adapter, hidden[u, P - n:], ids[u, P - n:],
                          results[i])
     topk = max(r.topk_sample for r in requests)
 

@@ -1,0 +1,75 @@
+"""RL-style fan-out: N samples of one prompt against one sample, with the prompt prefilled
+once (the default) and once per sample (the reference), in the same run.
+
+    python bench/bench_fanout.py                      # CPU, the tiny model
+    python bench/bench_fanout.py --device cuda --shape qwen2.5-0.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_engine import build_model, header
+
+from output import section_path
+from twinkled.engine.engine import Engine
+from twinkled.engine.sampler import generate
+from twinkled.engine.types import LoraConfig, SampleRequest, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prompt", type=int, default=400)
+    ap.add_argument("--new", type=int, default=32, help="tokens generated per sample")
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--write", default=section_path("fanout"))
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(args.shape, Path(tmp) / "model", dtype, args.device)
+        eng = Engine(Path(tmp) / "model", dtype=dtype, device=dev)
+        eng.add_adapter("a", LoraConfig(rank=32, alpha=32, seed=0))
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, eng.model.vocab_size, (args.prompt,), generator=gen).tolist()
+        adapter = [eng.pool.get("a")]
+
+        def timed(n: int, share: bool) -> float:
+            params = SamplingParams(max_tokens=args.new, temperature=1.0, seed=1, stop=[])
+            req = [SampleRequest("a", prompt, params, num_samples=n)]
+            out = []
+            for _ in range(args.repeats + 1):
+                sync()
+                t0 = time.perf_counter()
+                generate(eng.model, req, adapter, share_prefill=share)
+                sync()
+                out.append(time.perf_counter() - t0)
+            return statistics.median(out[1:])
+
+        one = timed(1, True)
+        rows = [(f"{args.samples} samples, prefilled once", timed(args.samples, True)),
+                (f"{args.samples} samples, prefilled per sample", timed(args.samples, False))]
+    text = header(args.device).replace("Engine vs peft", "Sampling fan-out")
+    text += (f"\n### {args.shape} ({args.device}, {str(dtype).split('.')[-1]}), prompt "
+             f"{args.prompt} tokens, {args.new} new tokens per sample, temperature 1, median "
+             f"of {args.repeats}\n\n| run | seconds | vs 1 sample |\n|---|---:|---:|\n"
+             f"| 1 sample | {one:.3f} | 1.00x |\n")
+    for name, t in rows:
+        text += f"| {name} | {t:.3f} | {t / one:.2f}x |\n"
+    print(text)
+    if args.write:
+        Path(args.write).write_text(text)
+        print(f"written to {args.write}")
+
+
+if __name__ == "__main__":
+    main()
