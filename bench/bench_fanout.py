@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from bench_engine import build_model, header
 
-from output import section_path
+from output import emit, section_path
 from twinkled.engine.engine import Engine
 from twinkled.engine.sampler import generate
 from twinkled.engine.types import LoraConfig, SampleRequest, SamplingParams
@@ -65,10 +65,7 @@ def main() -> None:
              f"| 1 sample | {one:.3f} | 1.00x |\n")
     for name, t in rows:
         text += f"| {name} | {t:.3f} | {t / one:.2f}x |\n"
-    print(text)
-    if args.write:
-        Path(args.write).write_text(text)
-        print(f"written to {args.write}")
+    emit(text, args.write)
 
 
 if __name__ == "__main__":

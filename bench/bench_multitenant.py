@@ -86,15 +86,18 @@ def run_tenants(url: str, keys: list[str], model: str, vocab: int, seq: int, ste
 
 
 def start_daemon(model_dir: Path, data: Path, work: Path, device: str,
-                 *extra: str) -> tuple[subprocess.Popen, str, object]:
-    """`twinkled serve` on the model; returns once it answers healthz "ok"."""
+                 *extra: str, launcher: tuple[str, ...] = ()
+                 ) -> tuple[subprocess.Popen, str, object]:
+    """`twinkled serve` on the model; returns once it answers healthz "ok". `launcher`:
+    python options that run it under a wrapper, e.g. ("-m", "cProfile", "-o", PATH)."""
     import urllib.request
 
     port = 18000 + (os.getpid() + len(extra)) % 1000
     url = f"http://127.0.0.1:{port}"
     log = open(work / "twinkled.log", "ab")  # noqa: SIM115
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "twinkled", "serve", "--model", str(model_dir), "--data-dir",
+        [sys.executable, *launcher, "-m", "twinkled", "serve", "--model", str(model_dir),
+         "--data-dir",
          str(data), "--port", str(port), "--device", device,
          "--dtype", "bfloat16" if device.startswith("cuda") else "float32", *extra],
         stdout=log, stderr=subprocess.STDOUT)

@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import pstats
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from bench_engine import build_model
-from bench_multitenant import make_keys, run_tenants
+from bench_multitenant import make_keys, run_tenants, start_daemon
 
-from output import section_path
+from output import emit, section_path
 
 
 def cpu_seconds(pid: int) -> float:
@@ -55,21 +51,8 @@ def main() -> None:
     data = work / "data"
     keys = make_keys(data, args.tenants)
     prof = work / "daemon.prof"
-    port = 19000 + os.getpid() % 1000
-    url = f"http://127.0.0.1:{port}"
-    log = open(work / "twinkled.log", "ab")  # noqa: SIM115
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "twinkled", "serve",
-         "--model", str(work / "model"), "--data-dir", str(data), "--port", str(port),
-         "--device", args.device, "--dtype", "bfloat16" if gpu else "float32"],
-        stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(1200):
-        try:
-            with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2) as r:
-                if json.loads(r.read())["status"] == "ok":
-                    break
-        except OSError:
-            time.sleep(0.5)
+    daemon, url, log = start_daemon(work / "model", data, work, args.device,
+                                    launcher=("-m", "cProfile", "-o", str(prof)))
     cpu0, t0 = cpu_seconds(daemon.pid), time.time()
     res = run_tenants(url, keys, "model", vocab, args.seq, args.steps, [1] * args.tenants)
     cpu1, t1 = cpu_seconds(daemon.pid), time.time()
@@ -92,10 +75,7 @@ def main() -> None:
         body = out.getvalue()
         text += body[body.index("   ncalls"):] + "\n"
     text += "```\n"
-    print(text)
-    if args.write:
-        Path(args.write).write_text(text)
-        print(f"written to {args.write}")
+    emit(text, args.write)
 
 
 if __name__ == "__main__":

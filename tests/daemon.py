@@ -25,6 +25,17 @@ def make_key(data_dir: Path, tenant: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 30) -> None:
+    """Send `sig`, wait up to `grace` seconds, then SIGKILL; the process is reaped."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
 class Daemon:
     """`twinkled serve` on a free port; waits for the model to be loaded."""
 
@@ -86,11 +97,5 @@ class Daemon:
         raise TimeoutError(f"workers did not come back: {self.workers()}")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, sig)
         self.log.close()

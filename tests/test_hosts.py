@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon import Daemon, free_port, make_key
+from daemon import Daemon, free_port, make_key, stop_process
 from test_workers import T, _checkpoint, _data, _logprobs, _step
 
 tinker = pytest.importorskip("tinker")
@@ -33,13 +33,7 @@ class Agent:
             env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
 
 

@@ -51,9 +51,15 @@ def generate(model: BaseModel, requests: list[SampleRequest],
     # `uniq` are the rows that prefill (in row order, so a bank's rows stay together);
     # `of[b]` is the prefilled row whose prompt row b copies.
     first: dict[tuple, int] = {}
-    of = [first.setdefault((None if r.adapter is None else r.adapter.id, tuple(r.prompt))
-                           if share_prefill else (b,), len(first)) for b, r in enumerate(rows)]
-    uniq = [rows[b] for b in sorted({of[b]: b for b in reversed(range(B))}.values())]
+    uniq: list[_Row] = []
+    of: list[int] = []
+    for b, r in enumerate(rows):
+        key = ((None if r.adapter is None else r.adapter.id, tuple(r.prompt))
+               if share_prefill else (b,))
+        if key not in first:
+            first[key] = len(uniq)
+            uniq.append(r)
+        of.append(first[key])
     U = len(uniq)
 
     # Left padding: every row's last prompt token sits at P-1, so all rows decode in step.
