@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--config", default=None, help="a twinkled TOML config for the daemons")
+    ap.add_argument("--trace", action="store_true",
+                    help="trace each daemon's steps (TWINKLED_TRACE) and print trace_report")
     ap.add_argument("--write", default=section_path("workers"))
     args = ap.parse_args()
 
@@ -94,12 +97,18 @@ def main() -> None:
         n = args.tenants * len(group)
         keys = make_keys(data, n)
         extra = ("--config", args.config) if args.config else ()
+        traced = work / f"trace{len(group)}.jsonl"
+        if args.trace:
+            os.environ["TWINKLED_TRACE"] = str(traced)
         daemon, url, log = start_daemon(model_dir, data, work, group[0], "--devices",
                                         ",".join(group), *extra)
         try:
             res = run_tenants(url, keys, model_dir.name, vocab, seq, steps, [1] * n)
             planner_report(data)
             path_report(url)
+            if args.trace:  # the timed window: about 2 steps per tenant round
+                subprocess.run([sys.executable, str(HERE / "trace_report.py"), str(traced),
+                                "--last", str(2 * steps)], check=False)
         finally:
             daemon.terminate()
             daemon.wait(timeout=120)

@@ -28,6 +28,7 @@ import msgspec
 
 from scheduler import Planner, Step, Work
 
+from . import trace
 from .executor import Executor, Outcome
 from .futures import Future, Futures, UserError, empty_json
 from .metrics import Metrics
@@ -195,6 +196,7 @@ class EngineCore:
 
     async def step(self) -> bool:
         """Plan, execute and complete one step; False if nothing could run."""
+        planning = time.time()
         step = self.planner.next_step()  # 1. plan
         if step is None:
             return False
@@ -204,8 +206,14 @@ class EngineCore:
         if ops:
             started = time.monotonic()
             try:
+                executing = time.time()
                 outcomes = await self._execute(step.kind, ops)  # 2. execute
+                completing = time.time()
                 self._complete(ops, outcomes)  # 3. complete
+                if trace.enabled():
+                    trace.record("loop", kind=step.kind, ops=len(ops), planned=planning,
+                                 executing=executing, completing=completing, done=time.time(),
+                                 queued=max(started - op.submitted for op in ops))
                 if len(ops) == len(planned) and all(c != "server" for _, _, c in outcomes):
                     seconds = time.monotonic() - started  # a step that ran whole
             except Exception as e:  # never let the loop die: fail what the step held
@@ -310,6 +318,8 @@ class EngineCore:
             await self._await_clients(recent, began + window)
         finally:
             self.metrics.gather_wait.observe(loop.time() - began)
+            if trace.enabled():
+                trace.record("gather", waited=loop.time() - began, at=time.time())
 
     async def _await_clients(self, recent: set[str], deadline: float) -> None:
         loop = asyncio.get_running_loop()

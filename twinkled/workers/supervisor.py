@@ -28,6 +28,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from .. import trace
 from .frames import HelloF, ReplyF, StepF, encoder, reply_decoder
 from .hosts import HostRegistry, JoinSettings, RemoteHost
 
@@ -224,18 +225,25 @@ class WorkerGroup:
             raise WorkerLost(self._lost())
         self._step += 1
         step.id = self._step
+        sent = time.time()
         data = encoder.encode(step)
         for w in self.workers:
             await self._sock.send_multipart([f"{self._group}:{w.rank}".encode(), data])
+        arrived: dict[int, float] = {}
         replies = await self._gather(
-            self.step_timeout, lambda m: isinstance(m, ReplyF) and m.step == step.id, "step")
+            self.step_timeout, lambda m: isinstance(m, ReplyF) and m.step == step.id, "step",
+            arrived=arrived)
         for w, r in zip(self.workers, replies, strict=True):
             w.memory = r.memory
             w.busy_s += r.busy_s
+        if trace.enabled():
+            trace.record("group", step=step.id, kind=step.kind, sent=sent, bytes=len(data),
+                         ranks=[{"began": r.began, "busy": r.busy_s, "arrived": arrived[i]}
+                                for i, r in enumerate(replies)])
         return replies
 
     async def _gather(self, timeout: float, wanted, what: str,
-                      got: dict | None = None) -> list:
+                      got: dict | None = None, arrived: dict | None = None) -> list:
         """One wanted message per rank (into `got`); WorkerLost if a rank is lost or time
         runs out."""
         got = {} if got is None else got
@@ -262,6 +270,8 @@ class WorkerGroup:
                 log.warning("ignored a frame from %r, not a rank of this worker group", ident)
             elif msg is not None and (wanted(msg) or (isinstance(msg, HelloF) and msg.error)):
                 got[int(rank)] = msg
+                if arrived is not None:
+                    arrived[int(rank)] = time.time()
         return [got[r] for r in range(self.world)]
 
     async def restart(self) -> None:

@@ -62,7 +62,7 @@ def main(args: dict) -> None:
         step = step_decoder.decode(sock.recv())
         if delay:
             time.sleep(delay)
-        started = time.perf_counter()
+        began, started = time.time(), time.perf_counter()
         try:
             outcomes = runner.run(step)
         except Exception as e:
@@ -74,7 +74,7 @@ def main(args: dict) -> None:
             sys.exit(f"step failed: {type(e).__name__}: {e}")
         busy = time.perf_counter() - started
         sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, _memory(runner),
-                                        runner.persisted(), busy)))
+                                        runner.persisted(), busy, began)))
         waiting = runner.between_steps()  # after the reply: off the step's path
 
 
