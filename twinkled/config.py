@@ -41,7 +41,7 @@ class Config:
     device: str = "auto"  # "cpu", "cuda", "cuda:1", or auto (one worker)
     devices: list[str] = field(default_factory=list)  # one worker per device: cuda:0,cuda:1
     workers: int = 1  # ranks when `devices` is not given (CPU boxes: gloo workers)
-    worker_threads: int = 0  # torch threads per CPU worker (0: cores / workers)
+    worker_threads: int = 0  # torch threads per worker (0: CPU cores / workers; 2 per GPU)
     persist_every: int = 1  # persist live adapters after every N-th optimizer step
     idle_unload_s: float = 1800.0  # unload an adapter idle this long (0: never); it comes back on its next request
     step_timeout_s: float = 900.0  # a step not answered by then restarts the worker group

@@ -78,10 +78,25 @@ class LiveAdapters(Protocol):
     def lost(self, model: str, why: str) -> None: ...
 
 
+# A GPU worker's host work is launching kernels and moving small arrays: one thread does it,
+# and more only hurt. Measured on 2 x H100 (bench_workers --trace): with torch's default
+# of a thread per core in each worker, a rank's forward/backward took 287 ms in a 2-worker
+# group against 167 ms alone; the workers' idle OpenMP threads spin on the cores the other
+# worker and the tenants need.
+GPU_WORKER_THREADS = 2
+
+
+def default_threads(devices: list[str]) -> int:
+    """torch threads per worker: CPU workers share the cores; GPU workers need few."""
+    if all(d.startswith("cuda") for d in devices):
+        return GPU_WORKER_THREADS
+    return max(1, (os.cpu_count() or 1) // len(devices))
+
+
 def zmq_executor(config: Config) -> Executor:
     """The daemon's executor: a worker process per device, driven over ZeroMQ."""
     devices = config.worker_devices()
-    threads = config.worker_threads or max(1, (os.cpu_count() or 1) // len(devices))
+    threads = config.worker_threads or default_threads(devices)
     live_dir = Path(config.data_dir) / "live"
     options = {"model": str(config.model), "dtype": config.dtype,
                "max_rank": config.max_rank, "token_budget": config.token_budget,

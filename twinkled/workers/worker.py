@@ -91,8 +91,7 @@ def _start(args: dict):
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(torch.device(device))
-    else:
-        torch.set_num_threads(max(1, int(args.get("threads") or 1)))
+    torch.set_num_threads(max(1, int(args.get("threads") or 1)))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=args["dist_url"],
                             rank=args["rank"], world_size=args["world"],
                             device_id=torch.device(device) if cuda else None)
