@@ -9,6 +9,7 @@ bank buffers and wait there for each adapter's own optimizer step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,28 @@ class _Row:
         return t[k, :n, 0] if self.targets.dim() == 1 else t[k, :n, :self.targets.shape[1]]
 
 
+class HostTime:
+    """Host seconds spent issuing forward and backward passes and waiting for the device
+    to finish them, summed until taken: the worker reports them for a step trace
+    (twinkled/trace.py). Issuing near the waiting time means the pass is bound by kernel
+    launches; waiting much longer than issuing means it is bound by the device."""
+
+    def __init__(self) -> None:
+        self._sums = [0.0, 0.0, 0.0]
+
+    def add(self, forward: float, backward: float, wait: float) -> None:
+        for i, v in enumerate((forward, backward, wait)):
+            self._sums[i] += v
+
+    def take(self) -> dict[str, float]:
+        out = dict(zip(("forward", "backward", "device wait"), self._sums, strict=True))
+        self._sums = [0.0, 0.0, 0.0]
+        return out
+
+
+HOST_TIME = HostTime()
+
+
 def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
                      adapters: list[Adapter | None], token_budget: int,
                      packed: bool = True) -> list[ForwardBackwardResult]:
@@ -54,6 +77,7 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
     custom_metrics: dict[int, dict[str, float]] = {}
 
     for batch in _micro_batches(rows, requests, token_budget, packed):
+        began = time.perf_counter()
         train = any(r.train for r in batch)
         with torch.set_grad_enabled(train):
             pack = packed and _padding(batch) > PACK_ABOVE
@@ -77,9 +101,12 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
                 elementwise[ks[0], 0, 0] = loss.detach()
                 if batch[ks[0]].train:
                     total = loss if total is None else total + loss
+        forwarded = time.perf_counter()
         if total is not None and total.requires_grad:
             total.backward()
+        backwarded = time.perf_counter()
         lp_host, el_host = lp.detach().cpu(), elementwise.cpu()  # one copy per micro-batch
+        HOST_TIME.add(forwarded - began, backwarded - forwarded, time.perf_counter() - backwarded)
         for k, r in enumerate(batch):
             outputs[r.req][r.datum] = {"logprobs": r.view(lp_host, k),
                                        "elementwise_loss": r.view(el_host, k)}

@@ -197,6 +197,7 @@ class ReplyF(msgspec.Struct, tag="reply"):
     persisted: dict[str, int] = {}  # adapter -> mark of the versions written since the last
     busy_s: float = 0.0  # seconds the rank spent running the step (the rest is transport)
     began: float = 0.0  # wall-clock time the rank started the step (for twinkled/trace.py)
+    phases: dict[str, float] = {}  # host seconds by phase inside the step (engine.step.HostTime)
 
 
 class HelloF(msgspec.Struct, tag="hello"):

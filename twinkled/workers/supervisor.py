@@ -238,7 +238,8 @@ class WorkerGroup:
             w.busy_s += r.busy_s
         if trace.enabled():
             trace.record("group", step=step.id, kind=step.kind, sent=sent, bytes=len(data),
-                         ranks=[{"began": r.began, "busy": r.busy_s, "arrived": arrived[i]}
+                         ranks=[{"began": r.began, "busy": r.busy_s, "arrived": arrived[i],
+                                 "phases": r.phases}
                                 for i, r in enumerate(replies)])
         return replies
 

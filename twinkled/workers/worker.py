@@ -51,6 +51,7 @@ def main(args: dict) -> None:
                                         error=f"{type(e).__name__}: {e}")))
         sys.exit(1)
     sock.send(encoder.encode(hello))
+    from twinkled.engine.step import HOST_TIME  # torch is loaded by now
     delay = float(os.environ.get("TWINKLED_TEST_STEP_DELAY", "0"))  # fault tests only
     waiting = False  # changed adapters not yet handed to the writer
     while True:
@@ -59,6 +60,7 @@ def main(args: dict) -> None:
                 sys.exit(0)
             waiting = runner.between_steps()
             continue
+        received = time.perf_counter()
         step = step_decoder.decode(sock.recv())
         if delay:
             time.sleep(delay)
@@ -74,7 +76,8 @@ def main(args: dict) -> None:
             sys.exit(f"step failed: {type(e).__name__}: {e}")
         busy = time.perf_counter() - started
         sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, _memory(runner),
-                                        runner.persisted(), busy, began)))
+                                        runner.persisted(), busy, began,
+                                        {"decode": started - received, **HOST_TIME.take()})))
         waiting = runner.between_steps()  # after the reply: off the step's path
 
 
