@@ -21,16 +21,16 @@ from .types import AdamParams, DimuonParams, OptimResult
 
 
 def _counters(adapter: Adapter) -> list[torch.Tensor]:
-    """One step counter per weight tensor, as torch's AdamW keeps them (kept between steps).
-    Read before the step: the adapter's `steps` already counts the one being taken.
+    """The adapter's AdamW step counter, as torch's AdamW keeps it (kept between steps):
+    one for the adapter's whole flat state (`Bank.flat`). Read before the step: the
+    adapter's `steps` already counts the one being taken.
 
-    Fused AdamW (CUDA) wants them on the device; the CPU path reads them on the host.
+    Fused AdamW (CUDA) wants it on the device; the CPU path reads it on the host.
     """
-    n = 2 * len(adapter.bank.shapes)
-    if len(adapter.counters) != n:
+    if len(adapter.counters) != 1:
         dev = adapter.bank.device
         where = dev if torch.device(dev).type == "cuda" else "cpu"
-        adapter.counters = [torch.tensor(float(adapter.steps), device=where) for _ in range(n)]
+        adapter.counters = [torch.tensor(float(adapter.steps), device=where)]
     return adapter.counters
 
 
@@ -52,9 +52,9 @@ def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]]) -> l
             live.append((i, adapter, params))
     if not live:
         return results
-    grads = [a.bank.tensors(a.slot, "g") for _, a, _ in live]
-    per_tensor = torch.stack(torch._foreach_norm([g for gs in grads for g in gs]))
-    norms = torch.stack([x.norm() for x in per_tensor.split([len(g) for g in grads])]).tolist()
+    # Each adapter's gradients are one flat tensor (Bank.flat): its norm is one norm.
+    grads = [a.bank.flat(a.slot, "g") for _, a, _ in live]
+    norms = torch.stack(torch._foreach_norm(grads)).tolist()
 
     groups: dict[tuple, list] = {}
     dimuon: list[tuple[Adapter, DimuonParams]] = []
@@ -66,7 +66,7 @@ def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]]) -> l
             continue
         # Both families clip the same way; Dimuon's "nonpositive" values mean no clipping.
         if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
-            torch._foreach_mul_(g, params.grad_clip_norm / (norm + 1e-6))
+            g.mul_(params.grad_clip_norm / (norm + 1e-6))
         if isinstance(params, DimuonParams):
             dimuon.append((adapter, params))
         else:
@@ -78,7 +78,7 @@ def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]]) -> l
                                         "step:max": float(adapter.steps)})
     for key, adapters in groups.items():
         p = AdamParams(*key)
-        cat = {kind: [t for a in adapters for t in a.bank.tensors(a.slot, kind)]
+        cat = {kind: [a.bank.flat(a.slot, kind) for a in adapters]
                for kind in ("w", "g", "m", "v")}
         counters = [c for a in adapters for c in _counters(a)]
         fused = cat["w"][0].is_cuda
@@ -90,5 +90,5 @@ def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]]) -> l
     for _, adapter, _ in live:
         adapter.pending = 0
         adapter.bank.stale.add(adapter.slot)
-    torch._foreach_zero_([g for gs in grads for g in gs])
+    torch._foreach_zero_(grads)
     return results

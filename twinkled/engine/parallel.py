@@ -21,14 +21,13 @@ def reduce_gradients(adapters: list[Adapter], group: dist.ProcessGroup | None) -
     step is taken (or skipped) on every rank alike."""
     if not adapters:
         return
-    grads = [g for a in adapters for g in a.bank.tensors(a.slot, "g")]
+    grads = [a.bank.flat(a.slot, "g") for a in adapters]  # one tensor per adapter
     counts = torch.tensor([float(a.pending) for a in adapters], dtype=grads[0].dtype,
                           device=grads[0].device)
-    flat = torch.cat([g.reshape(-1) for g in grads] + [counts])
+    flat = torch.cat([*grads, counts])
     dist.all_reduce(flat, group=group)
-    sizes = [g.numel() for g in grads] + [len(adapters)]
-    *parts, total = flat.split(sizes)
-    torch._foreach_copy_(grads, [p.view_as(g) for p, g in zip(parts, grads, strict=True)])
+    *parts, total = flat.split([g.numel() for g in grads] + [len(adapters)])
+    torch._foreach_copy_(grads, parts)
     for a, n in zip(adapters, total.tolist(), strict=True):
         a.pending = round(n)
 
