@@ -1,0 +1,110 @@
+"""One choice's answer, built as its tokens arrive: text deltas (incremental detokenization,
+end-of-sequence, stop strings cut out), the tokens each delta covers, and how it finished.
+
+A streamed answer sends the deltas as they come; a whole answer joins them, so both give
+the same text for the same tokens. Text that may be the start of a stop string is held
+back until it is known not to be one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from twinkled.streams import Piece
+
+from .tokens import Detokenizer, TextSide
+
+
+@dataclass
+class TokenOut:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+    offset: int  # where the token's text starts in the choice's text
+
+
+@dataclass
+class Delta:
+    text: str
+    tokens: list[TokenOut]
+    finish: str | None = None
+
+
+@dataclass
+class ChoiceText:
+    side: TextSide
+    stops: list[str]
+    text: str = ""  # everything decoded so far (cut at a stop string once one is seen)
+    sent: int = 0  # how much of `text` is given out
+    count: int = 0  # completion tokens
+    finish: str | None = None
+    _pending: list[TokenOut] = field(default_factory=list)
+    _detok: Detokenizer | None = None
+
+    def __post_init__(self) -> None:
+        self._detok = Detokenizer(self.side.decode)
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def feed(self, piece: Piece) -> list[Delta]:
+        """The deltas that the piece's tokens make ready (the last one finishes the choice
+        when the piece does)."""
+        out: list[Delta] = []
+        for i, token in enumerate(piece.tokens):
+            if self.finish is not None:
+                break  # past a stop string: the engine's own check stops a token later
+            top = []
+            if piece.top is not None:
+                top = list(zip(piece.top[0][i], piece.top[1][i], strict=True))
+            self.count += 1
+            self._pending.append(TokenOut(token, piece.logprobs[i], top, len(self.text)))
+            if token in self.side.eos_ids:
+                self.finish = "stop"
+                break
+            self._add(self._detok.add(token))
+            if self.finish is None:
+                ready = len(self.text) - self._hold if self.stops else len(self.text)
+                if ready > self.sent:
+                    out.append(self._take(ready))
+        if self.finish is None and piece.finish is not None:
+            self._add(self._detok.flush())
+            self.finish = self.finish or piece.finish
+        if self.finish is not None:
+            last = self._take(len(self.text))
+            last.finish = self.finish
+            out.append(last)
+        return out
+
+    def _add(self, delta: str) -> None:
+        if not delta or self.finish is not None:
+            return
+        start = max(0, len(self.text) - self._hold)
+        self.text += delta
+        cuts = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if cuts:
+            self.text, self.finish = self.text[:min(cuts)], "stop"
+
+    def _take(self, upto: int) -> Delta:
+        d = Delta(self.text[self.sent:upto], self._pending)
+        self.sent, self._pending = max(self.sent, upto), []
+        return d
+
+
+# -- logprobs in the two shapes OpenAI gives them ------------------------------------------
+
+def completion_logprobs(side: TextSide, tokens: list[TokenOut], top: bool = True) -> dict:
+    """`/completions`' logprobs object (`top`: with the top-k alternatives)."""
+    return {"tokens": [side.token_text(t.token) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{side.token_text(i): lp for i, lp in t.top} for t in tokens]
+            if top else None,
+            "text_offset": [t.offset for t in tokens]}
+
+
+def chat_logprobs(side: TextSide, tokens: list[TokenOut]) -> dict:
+    """`/chat/completions`' logprobs object."""
+    def entry(token: int, lp: float) -> dict:
+        return {"token": side.token_text(token), "logprob": lp,
+                "bytes": list(side.token_bytes(token))}
+
+    return {"content": [{**entry(t.token, t.logprob),
+                         "top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in tokens]}

@@ -1,0 +1,250 @@
+"""The OpenAI-compatible routes under `/oai/api/v1`: completions, chat completions, models.
+
+A request is decoded and checked at the door (messages.py), its `model` resolved to the
+base model or sampler weights the key may read (models.py), its prompts tokenized
+(tokens.py), and each prompt queued as one sample op through the same service command as
+Tinker's asample (`Service.sample_stream`: quotas, fair share, co-batching with every other
+tenant's samples). The answer is built from the stream of tokens (choices.py), whole or
+as server-sent events (streaming.py).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from tinker_shim.common import limits, service
+from twinkled.engine.checks import check_token_ids
+from twinkled.engine.types import EngineInputError
+from twinkled.service import UserError
+from twinkled.streams import SampleFailed, SampleStream
+from twinkled.workers.frames import SampleF, SamplingF, buf
+
+from .choices import ChoiceText, TokenOut, chat_logprobs, completion_logprobs
+from .errors import bad_param, openai_errors
+from .messages import (
+    ChatRequest,
+    CompletionRequest,
+    Sampling,
+    chat_messages,
+    check_chat,
+    check_completion,
+    check_sampling,
+    decode,
+    prompts,
+)
+from .models import Target, listing, resolve
+from .streaming import EventStream, freed_if_gone, merged
+from .tokens import TextSide, TextSideSlot
+
+V1 = "/oai/api/v1"
+
+
+@dataclass
+class Job:
+    """One request, checked: what to sample and how to answer."""
+
+    body: Sampling
+    chat: bool
+    target: Target
+    side: TextSide
+    stops: list[str]
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    topk: int  # top-k logprobs per token
+    logprobs: bool
+
+    @property
+    def n(self) -> int:
+        return self.body.n
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response(listing(request))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = decode(await request.read(), CompletionRequest)
+    lim = limits(request)
+    stops = check_sampling(body, lim)
+    check_completion(body, lim)
+    target = resolve(request, body.model)
+    side = await request.app["oai_text"].get()
+    ids = [side.encode(p) if isinstance(p, str) else p for p in prompts(body.prompt)]
+    job = Job(body, False, target, side, stops, ids,
+              _budgets(request, ids, body.max_tokens, "max_tokens", "prompt", 16),
+              body.logprobs or 0, body.logprobs is not None)
+    return await _answer(request, job)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = decode(await request.read(), ChatRequest)
+    lim = limits(request)
+    stops = check_sampling(body, lim)
+    check_chat(body, lim)
+    target = resolve(request, body.model)
+    side = await request.app["oai_text"].get()
+    ids = [side.chat(chat_messages(body))]
+    asked, param = body.max_completion_tokens, "max_completion_tokens"
+    if asked is None:
+        asked, param = body.max_tokens, "max_tokens"
+    job = Job(body, True, target, side, stops, ids,
+              _budgets(request, ids, asked, param, "messages", None),
+              body.top_logprobs or 0, body.logprobs)
+    return await _answer(request, job)
+
+
+def _budgets(request, ids: list[list[int]], asked: int | None, param: str, prompt_param: str,
+             default: int | None) -> list[int]:
+    """Each prompt's max_tokens: as asked (within the context), else `default` (None: the
+    rest of the context, as OpenAI's chat does)."""
+    lim = limits(request)
+    ctx, out = lim.max_seq_len, []
+    for p in ids:
+        try:
+            check_token_ids(prompt_param, p, lim.vocab_size)
+        except EngineInputError as e:
+            raise bad_param(prompt_param, str(e)) from None
+        if not p:
+            raise bad_param(prompt_param, "the prompt is empty")
+        if len(p) >= ctx:
+            raise bad_param(prompt_param, f"the prompt is {len(p)} tokens; this model's "
+                            f"context is {ctx} tokens")
+        if asked is None:
+            out.append(ctx - len(p) if default is None else min(default, ctx - len(p)))
+        elif len(p) + asked > ctx:
+            raise bad_param(param, f"{param} ({asked}) + the prompt ({len(p)} tokens) is "
+                            f"more than this model's context of {ctx} tokens")
+        else:
+            out.append(asked)
+    return out
+
+
+def _queue(request, job: Job) -> list[SampleStream]:
+    """One sample op per prompt, through the service's sample command."""
+    body, svc = job.body, service(request)
+    # Stop strings are cut out here (choices.py); the engine stops at them too, and at
+    # the end-of-sequence tokens (which its stop-string check sees only as text).
+    stop = [*job.stops, *job.side.eos_texts] if job.stops else None
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    streams: list[SampleStream] = []
+    try:
+        for p, max_tokens in zip(job.prompts, job.max_tokens, strict=True):
+            params = SamplingF(max_tokens, temperature, -1, top_p, body.seed, stop)
+            frame = SampleF(job.target.adapter, buf(p, "int64"), params, job.n,
+                            load_from=job.target.load_from, topk_sample=job.topk)
+            streams.append(svc.sample_stream(request["tenant"], job.target.owner, frame))
+    except BaseException:
+        for s in streams:
+            s.cancel()
+        raise
+    return streams
+
+
+async def _answer(request, job: Job) -> web.StreamResponse:
+    streams = _queue(request, job)
+    fmt = _Format(job, f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}")
+    choices = [ChoiceText(job.side, job.stops) for _ in range(len(job.prompts) * job.n)]
+    if job.body.stream:
+        return await _stream(request, job, fmt, streams, choices)
+    tokens: list[list[TokenOut]] = [[] for _ in choices]
+    async with freed_if_gone(request, streams):
+        async for i, piece in merged(streams):
+            c = i * job.n + piece.choice
+            for d in choices[c].feed(piece):
+                tokens[c].extend(d.tokens)
+    return web.json_response({
+        **fmt.head(), "choices": [fmt.whole(c, ch, tokens[c]) for c, ch in enumerate(choices)],
+        "usage": _usage(job, choices)})
+
+
+async def _stream(request, job: Job, fmt: _Format, streams: list[SampleStream],
+                  choices: list[ChoiceText]) -> web.StreamResponse:
+    usage = job.body.stream_options is not None and job.body.stream_options.include_usage
+    out = EventStream(request)
+    try:
+        async with freed_if_gone(request, streams):
+            await out.open()
+            if job.chat:  # the assistant's turn begins at once, before any token
+                for c in range(len(choices)):
+                    await out.send(fmt.chunk(c, {"role": "assistant", "content": ""}, None,
+                                             None, usage))
+            try:
+                async for i, piece in merged(streams):
+                    c = i * job.n + piece.choice
+                    for d in choices[c].feed(piece):
+                        if d.text or d.finish or (job.logprobs and d.tokens):
+                            await out.send(fmt.delta_chunk(c, d, usage))
+            except (UserError, SampleFailed) as e:
+                await out.fail(e)
+                return await out.close()
+        if usage:
+            await out.send({**fmt.head(True), "choices": [], "usage": _usage(job, choices)})
+        return await out.close()
+    except ConnectionError:  # the client went away mid-stream: its samples were freed
+        return out.response
+
+
+def _usage(job: Job, choices: list[ChoiceText]) -> dict:
+    prompt = sum(len(p) for p in job.prompts)
+    made = sum(c.count for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+
+
+class _Format:
+    """The answer's JSON, in the shape of the route (completion or chat completion)."""
+
+    def __init__(self, job: Job, rid: str):
+        self.job, self.id, self.created = job, rid, int(time.time())
+
+    def head(self, chunk: bool = False) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.job.chat \
+            else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.job.body.model}
+
+    def _logprobs(self, tokens: list[TokenOut]) -> dict | None:
+        if not self.job.logprobs:
+            return None
+        if self.job.chat:
+            return chat_logprobs(self.job.side, tokens)
+        return completion_logprobs(self.job.side, tokens, top=self.job.topk > 0)
+
+    def whole(self, index: int, choice: ChoiceText, tokens: list[TokenOut]) -> dict:
+        out = {"index": index, "logprobs": self._logprobs(tokens),
+               "finish_reason": choice.finish}
+        if self.job.chat:
+            out["message"] = {"role": "assistant", "content": choice.text}
+        else:
+            out["text"] = choice.text
+        return out
+
+    def delta_chunk(self, index: int, d, usage: bool) -> dict:
+        delta = {"content": d.text} if d.text else {}
+        return self.chunk(index, delta, d.finish, self._logprobs(d.tokens), usage)
+
+    def chunk(self, index: int, delta: dict, finish: str | None, logprobs: dict | None,
+              usage: bool) -> dict:
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": finish}
+        if self.job.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta.get("content", "")
+        out = {**self.head(True), "choices": [choice]}
+        if usage:
+            out["usage"] = None
+        return out
+
+
+def add_routes(app: web.Application) -> None:
+    """Mount the OpenAI face (where the Tinker face is mounted: twinkled/app.py)."""
+    cfg = app["service"].config if app["service"] is not None else None
+    app["oai_text"] = TextSideSlot(cfg and cfg.model, cfg.model_config if cfg else {})
+    r = app.router
+    r.add_get(f"{V1}/models", openai_errors(models))
+    r.add_post(f"{V1}/completions", openai_errors(completions))
+    r.add_post(f"{V1}/chat/completions", openai_errors(chat_completions))
