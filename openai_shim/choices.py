@@ -58,7 +58,8 @@ class ChoiceText:
             self.count += 1
             self._pending.append(TokenOut(token, piece.logprobs[i], top, len(self.text)))
             if token in self.side.eos_ids:
-                self.finish = "stop"
+                self._add(self._detok.flush())
+                self.finish = self.finish or "stop"
                 break
             self._add(self._detok.add(token))
             if self.finish is None:

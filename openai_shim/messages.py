@@ -11,10 +11,11 @@ import math
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
-import msgspec
 from msgspec import Meta, Struct
 
+from tinker_shim.messages import decode as decode_body
 from twinkled.engine.checks import Limits
+from twinkled.futures import UserError
 
 from .errors import bad_param
 
@@ -74,29 +75,22 @@ class ChatRequest(Sampling, kw_only=True):
     top_logprobs: Count | None = None
 
 
-_decoders: dict[type, msgspec.json.Decoder] = {}
 _AT = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
 def decode(raw: bytes, message: type[M]) -> M:
-    """`raw` as `message`, or a 400 naming the parameter that does not fit."""
-    dec = _decoders.get(message)
-    if dec is None:
-        dec = _decoders[message] = msgspec.json.Decoder(message)
+    """`raw` as `message` (the Tinker face's decoder), or a 400 naming the parameter that
+    does not fit."""
     try:
-        return dec.decode(raw)
-    except msgspec.ValidationError as e:
+        return decode_body(raw, message)
+    except UserError as e:
         text = str(e)
         at, missing = _AT.search(text), _MISSING.search(text)
         param = missing.group(1) if missing else (at.group(1) if at else None)
         if at and missing and at.group(1):  # a nested object lacks a field
             param = f"{at.group(1)}.{missing.group(1)}"
-        raise bad_param(param or None, f"Invalid request: {text}") from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:
-        raise bad_param(None, f"The request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise bad_param(None, "The request body is nested too deeply") from None
+        raise bad_param(param or None, text[:1].upper() + text[1:]) from None
 
 
 def check_sampling(body: Sampling, limits: Limits) -> list[str]:

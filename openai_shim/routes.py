@@ -10,6 +10,7 @@ as server-sent events (streaming.py).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,6 +42,10 @@ from .streaming import EventStream, freed_if_gone, merged
 from .tokens import TextSide, TextSideSlot
 
 V1 = "/oai/api/v1"
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /completions
+# Chat's default in OpenAI's API is the rest of the context; the sampler reserves its KV
+# cache for max_tokens up front, so a client that leaves it out gets at most this.
+CHAT_MAX_TOKENS = 4096
 
 
 @dataclass
@@ -66,41 +71,50 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response(listing(request))
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    body = decode(await request.read(), CompletionRequest)
+async def _door(request, message: type, check) -> tuple:
+    """The body decoded and checked, its stop strings, its target and the tokenizer."""
+    body = decode(await request.read(), message)
     lim = limits(request)
     stops = check_sampling(body, lim)
-    check_completion(body, lim)
-    target = resolve(request, body.model)
-    side = await request.app["oai_text"].get()
-    ids = [side.encode(p) if isinstance(p, str) else p for p in prompts(body.prompt)]
+    check(body, lim)
+    return body, stops, resolve(request, body.model), await request.app["oai_text"].get()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body, stops, target, side = await _door(request, CompletionRequest, check_completion)
+    given = prompts(body.prompt)
+    if len(given) * body.n > limits(request).max_num_samples:
+        raise bad_param("prompt", f"{len(given)} prompts x n={body.n} is more than "
+                        f"{limits(request).max_num_samples} completions in one request")
+    ids = [p if isinstance(p, list) else await _off_loop(side.encode, p) for p in given]
     job = Job(body, False, target, side, stops, ids,
-              _budgets(request, ids, body.max_tokens, "max_tokens", "prompt", 16),
+              _budgets(request, ids, body.max_tokens, "max_tokens", "prompt",
+                       COMPLETION_MAX_TOKENS),
               body.logprobs or 0, body.logprobs is not None)
     return await _answer(request, job)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = decode(await request.read(), ChatRequest)
-    lim = limits(request)
-    stops = check_sampling(body, lim)
-    check_chat(body, lim)
-    target = resolve(request, body.model)
-    side = await request.app["oai_text"].get()
-    ids = [side.chat(chat_messages(body))]
+    body, stops, target, side = await _door(request, ChatRequest, check_chat)
+    ids = [await _off_loop(side.chat, chat_messages(body))]
     asked, param = body.max_completion_tokens, "max_completion_tokens"
     if asked is None:
         asked, param = body.max_tokens, "max_tokens"
     job = Job(body, True, target, side, stops, ids,
-              _budgets(request, ids, asked, param, "messages", None),
+              _budgets(request, ids, asked, param, "messages", CHAT_MAX_TOKENS),
               body.top_logprobs or 0, body.logprobs)
     return await _answer(request, job)
 
 
+async def _off_loop(fn, arg):
+    """Tokenizing a long text takes a while: not on the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, arg)
+
+
 def _budgets(request, ids: list[list[int]], asked: int | None, param: str, prompt_param: str,
-             default: int | None) -> list[int]:
-    """Each prompt's max_tokens: as asked (within the context), else `default` (None: the
-    rest of the context, as OpenAI's chat does)."""
+             default: int) -> list[int]:
+    """Each prompt's max_tokens: as asked (within the context), else `default` (or the
+    rest of the context, if less)."""
     lim = limits(request)
     ctx, out = lim.max_seq_len, []
     for p in ids:
@@ -114,7 +128,7 @@ def _budgets(request, ids: list[list[int]], asked: int | None, param: str, promp
             raise bad_param(prompt_param, f"the prompt is {len(p)} tokens; this model's "
                             f"context is {ctx} tokens")
         if asked is None:
-            out.append(ctx - len(p) if default is None else min(default, ctx - len(p)))
+            out.append(min(default, ctx - len(p)))
         elif len(p) + asked > ctx:
             raise bad_param(param, f"{param} ({asked}) + the prompt ({len(p)} tokens) is "
                             f"more than this model's context of {ctx} tokens")
