@@ -148,6 +148,12 @@ def test_a_trained_adapter_answers_as_tinker_samples_it(daemon, tiny_dir):
     assert got.logprobs.token_logprobs == pytest.approx(want.logprobs[:len(got.logprobs.tokens)],
                                                         abs=1e-4)
     assert path in [m.id for m in c.models.list().data]
+    # The sampling session the Tinker client made on that path names the same weights.
+    session = tc.model_id.split(":train:")[0]
+    rest = tinker.RestClient(base_url=daemon.url, api_key=daemon.keys["alice"])
+    sampler = rest.get_session(session).result(timeout=T).sampler_ids[-1]
+    for name in (sampler, f"tinker://{sampler}"):
+        assert c.completions.create(model=name, **kw).choices[0].text == got.text
     base = c.completions.create(model=tiny_dir.name, **kw).choices[0]
     assert base.logprobs.token_logprobs != pytest.approx(got.logprobs.token_logprobs, abs=1e-4)
 
