@@ -71,5 +71,11 @@ def openai_errors(handler):
             return await handler(request)
         except (OpenAIError, UserError, Draining, SampleFailed) as e:
             return as_openai(e).response()
+        except web.HTTPException:
+            raise
+        except Exception as e:  # a bug: logged, and still an answer the client can read
+            log.exception("%s %s failed", request.method, request.path)
+            return OpenAIError(f"server error: {type(e).__name__}: {e}", None, 500,
+                               "server_error").response()
 
     return wrapped

@@ -46,6 +46,7 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /completions
 # Chat's default in OpenAI's API is the rest of the context; the sampler reserves its KV
 # cache for max_tokens up front, so a client that leaves it out gets at most this.
 CHAT_MAX_TOKENS = 4096
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy sampling
 
 
 @dataclass
@@ -144,6 +145,8 @@ def _queue(request, job: Job) -> list[SampleStream]:
     # the end-of-sequence tokens (which its stop-string check sees only as text).
     stop = [*job.stops, *job.side.eos_texts] if job.stops else None
     temperature = 1.0 if body.temperature is None else body.temperature
+    if temperature < GREEDY_BELOW:  # dividing logits by it would overflow
+        temperature = 0.0
     top_p = 1.0 if body.top_p is None else body.top_p
     streams: list[SampleStream] = []
     try:
