@@ -18,7 +18,7 @@ from .tokens import Detokenizer, TextSide
 @dataclass
 class TokenOut:
     token: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (echo), which has no context
     top: list[tuple[int, float]]
     offset: int  # where the token's text starts in the choice's text
 
@@ -92,13 +92,16 @@ class ChoiceText:
 
 # -- logprobs in the two shapes OpenAI gives them ------------------------------------------
 
-def completion_logprobs(side: TextSide, tokens: list[TokenOut], top: bool = True) -> dict:
-    """`/completions`' logprobs object (`top`: with the top-k alternatives)."""
+def completion_logprobs(side: TextSide, tokens: list[TokenOut], top: bool = True,
+                        shift: int = 0) -> dict:
+    """`/completions`' logprobs object (`top`: with the top-k alternatives; `shift`: where
+    the tokens' text starts in the choice's, after an echoed prompt)."""
     return {"tokens": [side.token_text(t.token) for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{side.token_text(i): lp for i, lp in t.top} for t in tokens]
+            "top_logprobs": [None if t.logprob is None else
+                             {side.token_text(i): lp for i, lp in t.top} for t in tokens]
             if top else None,
-            "text_offset": [t.offset for t in tokens]}
+            "text_offset": [shift + t.offset for t in tokens]}
 
 
 def chat_logprobs(side: TextSide, tokens: list[TokenOut]) -> dict:

@@ -102,8 +102,10 @@ def check_sampling(body: Sampling, limits: Limits) -> list[str]:
         raise bad_param("top_p", f"top_p must be in (0, 1], got {body.top_p}")
     if not 1 <= body.n <= limits.max_num_samples:
         raise bad_param("n", f"n must be in 1..{limits.max_num_samples}, got {body.n}")
-    if body.max_tokens is not None and body.max_tokens < 1:
-        raise bad_param("max_tokens", f"max_tokens must be at least 1, got {body.max_tokens}")
+    least = 0 if getattr(body, "echo", False) else 1  # echo: the prompt alone is an answer
+    if body.max_tokens is not None and body.max_tokens < least:
+        raise bad_param("max_tokens", f"max_tokens must be at least {least}, got "
+                        f"{body.max_tokens}")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise bad_param(name, f"{name} is not supported by this server (send 0 or omit it)")
@@ -124,8 +126,6 @@ def check_completion(body: CompletionRequest, limits: Limits) -> None:
     if body.logprobs is not None and not 0 <= body.logprobs <= limits.max_topk:
         raise bad_param("logprobs", f"logprobs must be in 0..{limits.max_topk}, got "
                         f"{body.logprobs}")
-    if body.echo:
-        raise bad_param("echo", "echo is not supported by this server")
     if body.suffix:
         raise bad_param("suffix", "suffix is not supported by this server")
     if body.best_of is not None and body.best_of != body.n:

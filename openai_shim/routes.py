@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from tinker_shim.common import limits, service
-from twinkled.engine.checks import check_token_ids
+from twinkled.engine.checks import check_prompt_scores, check_token_ids
 from twinkled.engine.types import EngineInputError
 from twinkled.service import UserError
-from twinkled.streams import SampleFailed, SampleStream
+from twinkled.streams import Piece, SampleFailed, SampleStream
 from twinkled.workers.frames import SampleF, SamplingF, buf
 
-from .choices import ChoiceText, TokenOut, chat_logprobs, completion_logprobs
+from .choices import ChoiceText, Delta, TokenOut, chat_logprobs, completion_logprobs
+from .echo import echoed
 from .errors import bad_param, openai_errors
 from .messages import (
     ChatRequest,
@@ -62,6 +63,12 @@ class Job:
     max_tokens: list[int]
     topk: int  # top-k logprobs per token
     logprobs: bool
+    echo: bool = False  # the prompt comes back before each completion (completions only)
+
+    @property
+    def sampled(self) -> bool:
+        """False for echo with max_tokens 0: the prompt (and its scores) alone."""
+        return min(self.max_tokens) > 0
 
     @property
     def n(self) -> int:
@@ -91,7 +98,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     job = Job(body, False, target, side, stops, ids,
               _budgets(request, ids, body.max_tokens, "max_tokens", "prompt",
                        COMPLETION_MAX_TOKENS),
-              body.logprobs or 0, body.logprobs is not None)
+              body.logprobs or 0, body.logprobs is not None, body.echo)
     return await _answer(request, job)
 
 
@@ -151,9 +158,13 @@ def _queue(request, job: Job) -> list[SampleStream]:
     streams: list[SampleStream] = []
     try:
         for p, max_tokens in zip(job.prompts, job.max_tokens, strict=True):
-            params = SamplingF(max_tokens, temperature, -1, top_p, body.seed, stop)
+            # max_tokens 0 (echo): one token is sampled, and dropped.
+            params = SamplingF(max(1, max_tokens), temperature, -1, top_p, body.seed, stop)
+            scored = job.echo and job.logprobs
+            _check_scores(request, p, scored, job.topk if scored else 0, job.topk)
             frame = SampleF(job.target.adapter, buf(p, "int64"), params, job.n,
-                            load_from=job.target.load_from, topk_sample=job.topk)
+                            prompt_logprobs=scored, load_from=job.target.load_from,
+                            topk_prompt=job.topk if scored else 0, topk_sample=job.topk)
             streams.append(svc.sample_stream(request["tenant"], job.target.owner, frame))
     except BaseException:
         for s in streams:
@@ -162,45 +173,82 @@ def _queue(request, job: Job) -> list[SampleStream]:
     return streams
 
 
+def _check_scores(request, prompt: list[int], scored: bool, topk_prompt: int,
+                  topk: int) -> None:
+    try:
+        check_prompt_scores(prompt, scored, None, topk_prompt, topk, 0, None, limits(request))
+    except EngineInputError as e:
+        raise bad_param("logprobs", str(e)) from None
+
+
+class _Deltas:
+    """Each choice's deltas from the pieces of its stream, the echoed prompt first."""
+
+    def __init__(self, job: Job, streams: list[SampleStream]):
+        self.job, self.streams = job, streams
+        self.choices = [ChoiceText(job.side, job.stops) for _ in range(len(job.prompts) * job.n)]
+        self._shift: dict[int, int] = {}  # choice -> length of its echoed prompt
+
+    def of(self, stream: int, piece: Piece) -> tuple[int, list[Delta]]:
+        job, c = self.job, stream * self.job.n + piece.choice
+        out = []
+        if job.echo and c not in self._shift:
+            out.append(echoed(job.side, job.prompts[stream], self.streams[stream].prompt))
+            self._shift[c] = len(out[0].text)
+        if not job.sampled:
+            self.choices[c].finish = "length"
+            out.append(Delta("", [], "length"))
+            return c, out
+        made = self.choices[c].feed(piece)
+        for d in made:
+            for t in d.tokens:
+                t.offset += self._shift.get(c, 0)
+        return c, out + made
+
+
 async def _answer(request, job: Job) -> web.StreamResponse:
     streams = _queue(request, job)
     fmt = _Format(job, f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}")
-    choices = [ChoiceText(job.side, job.stops) for _ in range(len(job.prompts) * job.n)]
+    deltas = _Deltas(job, streams)
     if job.body.stream:
-        return await _stream(request, job, fmt, streams, choices)
-    tokens: list[list[TokenOut]] = [[] for _ in choices]
+        return await _stream(request, job, fmt, streams, deltas)
+    texts = [""] * len(deltas.choices)
+    tokens: list[list[TokenOut]] = [[] for _ in deltas.choices]
     async with freed_if_gone(request, streams):
         async for i, piece in merged(streams):
-            c = i * job.n + piece.choice
-            for d in choices[c].feed(piece):
+            c, made = deltas.of(i, piece)
+            for d in made:
+                texts[c] += d.text
                 tokens[c].extend(d.tokens)
     return web.json_response({
-        **fmt.head(), "choices": [fmt.whole(c, ch, tokens[c]) for c, ch in enumerate(choices)],
-        "usage": _usage(job, choices)})
+        **fmt.head(), "choices": [fmt.whole(c, ch.finish, texts[c], tokens[c])
+                                  for c, ch in enumerate(deltas.choices)],
+        "usage": _usage(job, deltas.choices)})
 
 
 async def _stream(request, job: Job, fmt: _Format, streams: list[SampleStream],
-                  choices: list[ChoiceText]) -> web.StreamResponse:
+                  deltas: _Deltas) -> web.StreamResponse:
     usage = job.body.stream_options is not None and job.body.stream_options.include_usage
     out = EventStream(request)
     try:
         async with freed_if_gone(request, streams):
             await out.open()
             if job.chat:  # the assistant's turn begins at once, before any token
-                for c in range(len(choices)):
+                for c in range(len(deltas.choices)):
                     await out.send(fmt.chunk(c, {"role": "assistant", "content": ""}, None,
                                              None, usage))
             try:
                 async for i, piece in merged(streams):
-                    c = i * job.n + piece.choice
-                    for d in choices[c].feed(piece):
+                    c, made = deltas.of(i, piece)
+                    for d in made:
                         if d.text or d.finish or (job.logprobs and d.tokens):
                             await out.send(fmt.delta_chunk(c, d, usage))
             except (UserError, SampleFailed) as e:
                 await out.fail(e)
                 return await out.close()
         if usage:
-            await out.send({**fmt.head(True), "choices": [], "usage": _usage(job, choices)})
+            await out.send({**fmt.head(True), "choices": [],
+                            "usage": _usage(job, deltas.choices)})
         return await out.close()
     except ConnectionError:  # the client went away mid-stream: its samples were freed
         return out.response
@@ -231,13 +279,13 @@ class _Format:
             return chat_logprobs(self.job.side, tokens)
         return completion_logprobs(self.job.side, tokens, top=self.job.topk > 0)
 
-    def whole(self, index: int, choice: ChoiceText, tokens: list[TokenOut]) -> dict:
-        out = {"index": index, "logprobs": self._logprobs(tokens),
-               "finish_reason": choice.finish}
+    def whole(self, index: int, finish: str | None, text: str,
+              tokens: list[TokenOut]) -> dict:
+        out = {"index": index, "logprobs": self._logprobs(tokens), "finish_reason": finish}
         if self.job.chat:
-            out["message"] = {"role": "assistant", "content": choice.text}
+            out["message"] = {"role": "assistant", "content": text}
         else:
-            out["text"] = choice.text
+            out["text"] = text
         return out
 
     def delta_chunk(self, index: int, d, usage: bool) -> dict:

@@ -105,6 +105,28 @@ def test_completion_logprobs_and_several_prompts(daemon, tiny_dir):
     assert r.usage.completion_tokens == 20
 
 
+def test_echo_gives_the_prompt_and_its_logprobs_as_tinker_scores_them(daemon, tiny_dir, tok):
+    c = client(daemon)
+    ids = tok.encode(PROMPT)
+    kw = dict(model=tiny_dir.name, prompt=PROMPT, echo=True, logprobs=1, temperature=0)
+    r = c.completions.create(**kw, max_tokens=0)
+    ch = r.choices[0]
+    assert ch.text == PROMPT and ch.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    lp = ch.logprobs
+    assert "".join(lp.tokens) == PROMPT and lp.token_logprobs[0] is None
+    sc = tinker.ServiceClient(base_url=daemon.url, api_key=daemon.keys["alice"])
+    want = sc.create_sampling_client(base_model=tiny_dir.name).result(timeout=T).compute_logprobs(
+        tinker.types.ModelInput.from_ints(ids)).result(timeout=T)
+    assert lp.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
+    one = c.completions.create(**kw, max_tokens=2)
+    assert one.choices[0].text.startswith(PROMPT) and one.usage.completion_tokens == 2
+    assert len(one.choices[0].logprobs.tokens) == len(ids) + 2
+    assert one.choices[0].logprobs.text_offset[len(ids)] == len(PROMPT)
+    text, _, _ = streamed(c.completions.create(**kw, max_tokens=2, stream=True))
+    assert text == {0: one.choices[0].text}
+
+
 def test_stop_strings_cut_the_text(daemon, tiny_dir):
     c = client(daemon)
     kw = dict(model=tiny_dir.name, prompt=PROMPT, max_tokens=16, temperature=0)

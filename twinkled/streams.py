@@ -41,18 +41,31 @@ class Piece:
     finish: str | None = None
 
 
+@dataclass(frozen=True)
+class PromptScores:
+    """What the op asked about its prompt (SampleF.prompt_logprobs, topk_prompt): one entry
+    per prompt token, the first None (no context)."""
+
+    logprobs: list[float | None] | None
+    top: TopRows | None
+
+
 class SampleStream:
-    """The pieces of one queued sample op, read once with `async for`."""
+    """The pieces of one queued sample op, read once with `async for`. `prompt` holds the
+    prompt's scores, when asked for, from before the first piece on."""
 
     def __init__(self, withdraw: Callable[[Future, str], bool]):
         self._withdraw = withdraw
         self._queue: asyncio.Queue[Piece | None] = asyncio.Queue()
         self.future: Future | None = None  # set by Service.sample_stream
         self.cancelled = False
+        self.prompt: PromptScores | None = None
 
     def encode(self, result: Any) -> tuple[bytes, str]:
         """The future's encoder: hands the engine's result to the reader as pieces, and
         stores only a summary (the reader has the tokens; nobody polls this future)."""
+        if result.prompt_logprobs is not None or result.topk_prompt is not None:
+            self.prompt = PromptScores(result.prompt_logprobs, result.topk_prompt)
         for i, seq in enumerate(result.sequences):
             self.push(Piece(i, list(seq.tokens), list(seq.logprobs), seq.topk, seq.stop_reason))
         self._queue.put_nowait(None)
