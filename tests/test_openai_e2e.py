@@ -90,6 +90,8 @@ def test_chat_whole_and_streamed_agree_with_n_and_seed(daemon, tiny_dir, tok):
     text, finish, _ = streamed(c.chat.completions.create(**kw, stream=True))
     assert text == {ch.index: ch.message.content for ch in whole.choices}
     assert finish == {ch.index: ch.finish_reason for ch in whole.choices}
+    # The tokenizer and chat template run in the HTTP process, which stays torch-free.
+    assert "libtorch" not in open(f"/proc/{daemon.proc.pid}/maps").read()
 
 
 def test_completion_logprobs_and_several_prompts(daemon, tiny_dir):
