@@ -34,6 +34,10 @@ class Delta:
 class ChoiceText:
     side: TextSide
     stops: list[str]
+    # Each token's place in the text is wanted (logprobs): decode token by token. Without
+    # it and without stop strings, a piece is decoded in one go: 0.5 us a token against 25
+    # token by token (4096 tokens, one CPU core).
+    offsets: bool = True
     text: str = ""  # everything decoded so far (cut at a stop string once one is seen)
     sent: int = 0  # how much of `text` is given out
     count: int = 0  # completion tokens
@@ -48,6 +52,8 @@ class ChoiceText:
     def feed(self, piece: Piece) -> list[Delta]:
         """The deltas that the piece's tokens make ready (the last one finishes the choice
         when the piece does)."""
+        if not self.stops and not self.offsets:
+            return self._feed_whole(piece)
         out: list[Delta] = []
         for i, token in enumerate(piece.tokens):
             if self.finish is not None:
@@ -74,6 +80,22 @@ class ChoiceText:
             last.finish = self.finish
             out.append(last)
         return out
+
+    def _feed_whole(self, piece: Piece) -> list[Delta]:
+        if self.finish is not None:
+            return []
+        tokens = piece.tokens
+        end = next((i for i, t in enumerate(tokens) if t in self.side.eos_ids), None)
+        self.count += len(tokens) if end is None else end + 1
+        self._add(self._detok.extend(tokens if end is None else tokens[:end]))
+        if end is not None or piece.finish is not None:
+            self._add(self._detok.flush())
+            self.finish = "stop" if end is not None else piece.finish
+        if self.finish is None and len(self.text) == self.sent:
+            return []
+        last = self._take(len(self.text))
+        last.finish = self.finish
+        return [last]
 
     def _add(self, delta: str) -> None:
         if not delta or self.finish is not None:

@@ -186,7 +186,8 @@ class _Deltas:
 
     def __init__(self, job: Job, streams: list[SampleStream]):
         self.job, self.streams = job, streams
-        self.choices = [ChoiceText(job.side, job.stops) for _ in range(len(job.prompts) * job.n)]
+        self.choices = [ChoiceText(job.side, job.stops, offsets=job.logprobs)
+                        for _ in range(len(job.prompts) * job.n)]
         self._shift: dict[int, int] = {}  # choice -> length of its echoed prompt
 
     def of(self, stream: int, piece: Piece) -> tuple[int, list[Delta]]:

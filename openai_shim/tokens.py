@@ -116,6 +116,11 @@ class Detokenizer:
         self.ids.append(token)
         return self._delta(final=False)
 
+    def extend(self, tokens: list[int]) -> str:
+        """`add` for several tokens at once (one decode)."""
+        self.ids.extend(tokens)
+        return self._delta(final=False)
+
     def flush(self) -> str:
         """What is held back (an incomplete character at the very end, as U+FFFD)."""
         return self._delta(final=True)

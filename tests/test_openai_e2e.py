@@ -253,6 +253,13 @@ def test_detokenizing_keeps_characters_split_across_tokens_whole(tok):
     deltas += choice.feed(Piece(0, [], [], finish="length"))
     assert all("\ufffd" not in d.text for d in deltas)
     assert "".join(d.text for d in deltas) == text
+    # Pieces of several tokens (decoded in one go), split inside a character: the same text.
+    split = next(i for i, t in enumerate(ids) if tok.decode([t]) == "\ufffd") + 1
+    whole = ChoiceText(tok, [], offsets=False)
+    out = whole.feed(Piece(0, ids[:split], [0.0] * split))
+    out += whole.feed(Piece(0, ids[split:], [0.0] * (len(ids) - split), finish="length"))
+    assert all("\ufffd" not in d.text for d in out) and "".join(d.text for d in out) == text
+    assert whole.count == len(ids) and out[-1].finish == "length"
     cut = ChoiceText(tok, ["日本"])
     out = cut.feed(Piece(0, ids, [0.0] * len(ids), finish="length"))
     assert "".join(d.text for d in out) == "héllo → " and cut.finish == "stop"
