@@ -73,6 +73,11 @@ class ChatRequest(Sampling, kw_only=True):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Count | None = None
+    # Known and not served: refused by name when asked for (checked in `check_chat`).
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
 
 
 _AT = re.compile(r"at `\$\.?([^`]*)`")
@@ -138,6 +143,14 @@ def check_chat(body: ChatRequest, limits: Limits) -> None:
     if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
         raise bad_param("max_completion_tokens", "max_completion_tokens must be at least 1, "
                         f"got {body.max_completion_tokens}")
+    for name in ("tools", "functions"):
+        if getattr(body, name):
+            raise bad_param(name, f"{name} (tool calling) is not supported by this server")
+    if body.tool_choice not in (None, "none"):
+        raise bad_param("tool_choice", "tool calling is not supported by this server")
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        raise bad_param("response_format", "only the text response format is supported by "
+                        "this server (no JSON mode or schemas)")
     k = body.top_logprobs
     if k is not None:
         if not body.logprobs:

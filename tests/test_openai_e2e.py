@@ -213,6 +213,11 @@ def test_errors_in_openai_shape(daemon, tiny_dir):
     status, body = _post(daemon, "chat/completions", {"model": tiny_dir.name},
                          daemon.keys["alice"])
     assert status == 400 and body["error"]["param"] == "messages"
+    hi = [{"role": "user", "content": "hi"}]
+    status, body = _post(daemon, "chat/completions", {"model": tiny_dir.name, "messages": hi,
+                                                       "tools": [{"type": "function"}]},
+                         daemon.keys["alice"])
+    assert status == 400 and body["error"]["param"] == "tools"
     with pytest.raises(openai.NotFoundError) as e:
         client(daemon).chat.completions.create(model="no-such-model", messages=[
             {"role": "user", "content": "hi"}])
