@@ -6,9 +6,11 @@ sample op as Tinker's asample (`Service.sample`: quotas, fair share, co-batching
 is no side door.
 
 Today the engine generates a whole sample in one step, so a stream yields each choice's
-tokens in one piece when that step returns. The interface is per piece so that an engine
-that hands out tokens as it decodes can feed `push` and every reader streams them as they
-come, unchanged.
+tokens in one piece when that step returns (`encode`, the op's future's encoder). The
+interface is per piece so that an engine that hands out tokens as it decodes can feed
+`push` with each choice's new tokens (and `finish` on its last piece; the future's
+resolution then only ends the stream) and every reader streams them as they come,
+unchanged; `cancel` is then also where a running sample would be stopped.
 """
 
 from __future__ import annotations
