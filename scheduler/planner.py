@@ -201,6 +201,21 @@ class Planner:
                 self.paused.discard(w.id)
                 self._enqueue(w)
 
+    def withdraw(self, work_id: str, tenant: str) -> bool:
+        """Take a queued sample out before it runs (its client went away); False if it is
+        not queued any more (it runs or ran)."""
+        for queues in (self.samples, self.held):
+            q = queues.get(tenant, ())
+            for w in q:
+                if w.id == work_id and w.kind == SAMPLE:
+                    q.remove(w)
+                    if work_id in self.paused:
+                        self.paused.discard(work_id)
+                    else:
+                        self._dequeued(w)
+                    return True
+        return False
+
     # -- planning -----------------------------------------------------------------------
 
     def next_step(self) -> Step | None:

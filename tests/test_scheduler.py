@@ -132,6 +132,22 @@ def test_optim_steps_of_several_models_run_as_one_step():
     assert barrier.kind == "barrier" and sorted(w.model for w in barrier.work) == list("xyz")
 
 
+def test_a_withdrawn_sample_leaves_the_queue_and_its_quota():
+    p = Planner(sample_budget=100_000)
+    p.set_tenant("a", limits=Limits(max_queued_requests=2))
+    keep, gone = work("a", SAMPLE, 100), work("a", SAMPLE, 300)
+    p.submit(keep)
+    p.submit(gone)
+    assert p.over_quota("a", 10)
+    assert p.withdraw(gone.id, "a") and not p.withdraw(gone.id, "a")
+    assert p.status()["a"]["queued_tokens"] == 100 and not p.over_quota("a", 10)
+    step = p.next_step()
+    assert [w.id for w in step.work] == [keep.id]
+    assert not p.withdraw(keep.id, "a")  # planned: it runs
+    p.complete(step)
+    assert p.idle() and p.status()["a"]["queued_requests"] == 0
+
+
 def test_samples_and_training_alternate():
     p = Planner(token_budget=512)
     flood(p, "a", "a:0", 100)

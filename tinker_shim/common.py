@@ -172,3 +172,9 @@ def own_checkpoint(request, path: str, kinds: dict[str, str] = KINDS) -> dict:
     if c["status"] != "ready":
         raise NotFound(f"checkpoint {path!r} is not ready ({c['status']})")
     return c
+
+
+def sampler_adapter(path: str, checkpoint: dict) -> tuple[str, str]:
+    """(adapter id, directory to load it from) of sampling from a checkpoint. Keyed by
+    content too: a checkpoint saved again under the same name is new weights."""
+    return f"sampler:{path}@{checkpoint['sha256'][:16]}", checkpoint["dir"]

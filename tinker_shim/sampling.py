@@ -20,6 +20,7 @@ from .common import (
     limits,
     own_checkpoint,
     own_session,
+    sampler_adapter,
     service,
     tokenizer_name,
 )
@@ -86,9 +87,7 @@ async def asample(request):
     path = sampler.get("model_path")
     adapter = load_from = None
     if path:
-        c = own_checkpoint(request, path)
-        # Keyed by content too: a checkpoint saved again under the same name is new weights.
-        adapter, load_from = f"sampler:{path}@{c['sha256'][:16]}", c["dir"]
+        adapter, load_from = sampler_adapter(path, own_checkpoint(request, path))
     frame = SampleF(adapter, buf(tokens, "int64"), params, n, body.prompt_logprobs, load_from,
                     prompt_last_n=body.prompt_logprobs_last_n,
                     topk_prompt=body.topk_prompt_logprobs,

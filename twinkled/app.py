@@ -19,9 +19,23 @@ PUBLIC = {"/api/v1/healthz", "/metrics"}  # scraped without a key, like node exp
 SIGNED_PREFIX = "/api/v1/download/"
 
 
+OAI_PREFIX = "/oai/"  # the OpenAI-compatible face (openai_shim/)
+
+
+def api_key(request: web.Request) -> str:
+    """The request's API key: X-API-Key (the Tinker client), or `Authorization: Bearer`
+    (what OpenAI clients send)."""
+    key = request.headers.get("X-API-Key", "")
+    if not key:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer":
+            key = token.strip()
+    return key
+
+
 @web.middleware
 async def auth_and_errors(request: web.Request, handler):
-    """X-API-Key -> tenant (401 otherwise); readable 4xx for client faults.
+    """API key -> tenant (401 otherwise); readable 4xx for client faults.
 
     Never a 5xx/408/409 for a permanent failure: the Tinker client retries those forever.
     """
@@ -37,9 +51,12 @@ async def auth_and_errors(request: web.Request, handler):
                     content_type="application/json")
             request["tenant"] = "(admin)"
         elif request.path not in PUBLIC and not request.path.startswith(SIGNED_PREFIX):
-            key = request.headers.get("X-API-Key", "")
+            key = api_key(request)
             tenant = request.app["store"].tenant_for_key(key) if key else None
             if tenant is None:
+                if request.path.startswith(OAI_PREFIX):  # in the OpenAI API's shape
+                    status = 401
+                    return web.json_response(request.app["oai_unauthorized"], status=401)
                 raise web.HTTPUnauthorized(
                     text='{"detail": "missing or invalid X-API-Key"}',
                     content_type="application/json")
@@ -74,6 +91,8 @@ async def auth_and_errors(request: web.Request, handler):
 
 
 def make_app(service: Service, store, admin_key: str = "") -> web.Application:
+    from openai_shim.errors import UNAUTHORIZED
+    from openai_shim.routes import add_routes as add_openai_routes
     from tinker_shim.routes import add_routes
 
     from . import admin
@@ -82,7 +101,9 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
     app["service"] = service
     app["store"] = store
     app["admin_key"] = admin_key
+    app["oai_unauthorized"] = UNAUTHORIZED
     add_routes(app)
+    add_openai_routes(app)
     admin.routes(app)
 
     async def metrics(request: web.Request) -> web.Response:

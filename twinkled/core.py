@@ -175,6 +175,14 @@ class EngineCore:
         f = self.futures.new(tenant, "refused", empty_json)
         self.add(Op(model_id, seq_id, Skip(why), f))
 
+    def withdraw(self, f: Future, why: str) -> bool:
+        """Take a queued sample out of the queue before it runs and fail its future with
+        `why`; False if it already runs or ran (a step is not cut short)."""
+        if f.done.is_set() or not self.planner.withdraw(f.id, f.tenant):
+            return False
+        self.futures.fail(f, why, "user")
+        return True
+
     def idle(self) -> bool:
         """No step is running and nothing queued can run."""
         return not self.stepping and self.planner.idle()

@@ -28,6 +28,7 @@ from .metrics import Metrics
 from .residency import Residency
 from .stability import StabilityRecords
 from .store import Conflict, checkpoint_path
+from .streams import SampleStream
 from .tenants import Tenants
 from .verify import verify_checkpoints
 from .workers.frames import CreateF, LoadF, OptimF, SampleF, SaveF, TrainF, UnloadF
@@ -385,6 +386,13 @@ class Service:
         f = self.submit(Op(None, None, frame, f, cost, after=after))
         self.store.tag_future(f.id, sampler["id"])  # a session's trace shows it
         return f
+
+    def sample_stream(self, tenant: str, owner: str, frame: SampleF) -> SampleStream:
+        """`sample`, read as pieces of tokens (streams.py); `owner` (a sampler path, or the
+        base model's name) is recorded on its future."""
+        stream = SampleStream(self.core.withdraw)
+        stream.future = self.sample(tenant, {"id": owner}, frame, stream.encode)
+        return stream
 
     def finish_session(self, tenant: str, session_id: str, reason: str | None) -> None:
         """A client ended its session: its adapters go once their queued work has run."""
