@@ -78,11 +78,10 @@ class LiveAdapters(Protocol):
     def lost(self, model: str, why: str) -> None: ...
 
 
-# A GPU worker's host work is launching kernels and moving small arrays: one thread does it,
-# and more only hurt. Measured on 2 x H100 (bench_workers --trace): with torch's default
-# of a thread per core in each worker, a rank's forward/backward took 287 ms in a 2-worker
-# group against 167 ms alone; the workers' idle OpenMP threads spin on the cores the other
-# worker and the tenants need.
+# A GPU worker's host work is launching kernels and moving small arrays: one thread does it.
+# torch's default, a thread per core in every worker, gives N workers N x cores threads
+# on one box's cores. Measured on 2 x H100 (bench_workers, 2 vs 32 threads per worker):
+# no difference beyond the run-to-run spread, so this is hygiene, not a speed-up.
 GPU_WORKER_THREADS = 2
 
 
