@@ -13,6 +13,7 @@ would cost a gradient kernel per adapter per module, which dominates small steps
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -49,13 +50,13 @@ class Bank:
         self.free: list[int] = []
         # Where each module's A and B sit in a slot's row: A of every key, then B of every
         # key (the order of `tensors`).
-        self._layout: list[tuple[str, str, tuple[int, int], int]] = []
+        self._layout: list[tuple[str, str, tuple[int, ...], int]] = []
         at = 0
         for part in ("A", "B"):
-            for key, (fin, fout) in targets.items():
-                shape = (rank, fin) if part == "A" else (fout, rank)
+            for key, (fin, fout, *experts) in targets.items():
+                shape = (*experts, rank, fin) if part == "A" else (*experts, fout, rank)
                 self._layout.append((part, key, shape, at))
-                at += shape[0] * shape[1]
+                at += math.prod(shape)
         self.slot_numel = at
         self._flat: dict[str, torch.Tensor] = {}
         self.A: dict[str, torch.Tensor] = {}
@@ -83,7 +84,7 @@ class Bank:
             self._flat[kind] = flat
             stores = self._stores(kind)
             for part, key, shape, at in self._layout:
-                view = flat[:, at:at + shape[0] * shape[1]].view(capacity, *shape)
+                view = flat[:, at:at + math.prod(shape)].view(capacity, *shape)
                 stores[0 if part == "A" else 1][key] = view
         for key in self.shapes:
             if self.dtype == torch.float32:
