@@ -17,6 +17,7 @@ from .lora import LoraPool
 from .model import BaseModel
 from .optim import optimizer_steps
 from .parallel import reduce_gradients
+from .running import RunningBatch
 from .types import (
     AdamParams,
     AdapterInfo,
@@ -49,6 +50,9 @@ class Engine:
         self.packed = packed  # rows end to end in a micro-batch, not padded (packed.py)
         # Set in a data-parallel worker group: gradients are summed over it before a step.
         self.dp_group = dp_group
+        # Sampling's running batch: its KV page pool and decode CUDA graphs are made at the
+        # first sample call and kept for the next ones.
+        self._running: RunningBatch | None = None
 
     @property
     def tokenizer(self):
@@ -152,7 +156,13 @@ class Engine:
             for r in requests:
                 self.check(r)
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
-        return sampler.generate(self.model, requests, adapters)
+        batch = self._running or RunningBatch(self.model)
+        self._running = batch = batch.sized_for(requests)
+        try:
+            return sampler.generate(self.model, requests, adapters, batch=batch)
+        except BaseException:
+            self._running = None  # rows may be left holding pages: start afresh next time
+            raise
 
     # -- state ------------------------------------------------------------------------
 
