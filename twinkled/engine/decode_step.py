@@ -11,7 +11,8 @@ the buffers' row count) and pages per row (the attended length) likewise. A buck
 is captured the first time it is needed and replayed by every later step and every later
 `sample` call; slots past n in a bucket are inert (they feed token 0 at position 0 from
 page 0 with no adapter, and their outputs are ignored). On CPU the same function runs
-eagerly at the exact size.
+eagerly at the exact size ("eager"); "buckets" runs it eagerly at the graphs' sizes, so
+CPU tests see what the padding slots of a graph do.
 """
 
 from __future__ import annotations
@@ -30,8 +31,12 @@ def bucket(n: int, cap: int) -> int:
 
 
 class DecodeStep:
+    MODES = ("eager", "buckets", "graphs")
+
     def __init__(self, model, pool: PagePool, stack: AdapterStack, rows: int, max_pages: int,
-                 graphs: bool):
+                 mode: str):
+        if mode not in self.MODES:
+            raise ValueError(f"decode mode must be one of {self.MODES}, got {mode!r}")
         dev = model.device
         self.model, self.pool, self.stack = model, pool, stack
         self.rows, self.max_pages = rows, max_pages
@@ -39,10 +44,10 @@ class DecodeStep:
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
         self.table = torch.zeros((rows, max_pages), dtype=torch.long, device=dev)
         self.mask = torch.zeros((rows, stack.width), dtype=model.dtype, device=dev)
-        self.use_graphs = graphs
+        self.mode = mode
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._version = stack.version
-        self._mempool = torch.cuda.graph_pool_handle() if graphs else None
+        self._mempool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
 
     # -- the slots ------------------------------------------------------------------------
 
@@ -79,9 +84,11 @@ class DecodeStep:
         """Next-token logits [n, vocab] of live slots 0..n-1, which attend over at most
         `pages` pages each."""
         self._follow_stack()
-        if not self.use_graphs:
+        if self.mode == "eager":
             return self._run(n, pages)
         key = (bucket(n, self.rows), bucket(pages, self.max_pages))
+        if self.mode == "buckets":
+            return self._run(*key)[:n]
         got = self._graphs.get(key)
         if got is None:
             got = self._graphs[key] = self._capture(*key)

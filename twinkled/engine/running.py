@@ -83,12 +83,12 @@ class _Seq:
 
 class RunningBatch:
     """Up to `rows` sequences decoding together over a pool of `pages` KV pages (default:
-    `KV_BYTES` of the device type). `graphs`: capture decode steps as CUDA graphs (default:
-    on CUDA devices)."""
+    `KV_BYTES` of the device type). `decode`: how a decode step runs (decode_step.py;
+    default "graphs" on CUDA devices, else "eager")."""
 
     def __init__(self, model, rows: int = 256, pages: int | None = None,
                  page_size: int = PAGE_SIZE, prefill_tokens: int | None = None,
-                 graphs: bool | None = None):
+                 decode: str | None = None):
         dev = model.device
         if pages is None:
             per_token = 2 * len(model.layers) * model.n_kv * model.head_dim * model.dtype.itemsize
@@ -99,7 +99,7 @@ class RunningBatch:
         self.stack = AdapterStack(model.dtype, dev)
         max_pages = min(self.pool.usable, self.pool.pages_for(model.max_seq_len))
         self.decode = DecodeStep(model, self.pool, self.stack, rows, max_pages,
-                                 dev.type == "cuda" if graphs is None else graphs)
+                                 decode or ("graphs" if dev.type == "cuda" else "eager"))
         self.prefill_tokens = prefill_tokens or PREFILL_TOKENS.get(dev.type, 16384)
         self.waiting: deque[_Request] = deque()
         self.live: list[_Seq] = []  # slot order
@@ -152,7 +152,7 @@ class RunningBatch:
         rows = max([self.rows, *(r.num_samples for r in requests)])
         pages = max([self.pool.pages, *(self._pages(r) + 1 for r in requests)])
         return RunningBatch(self.model, rows, pages, self.pool.page_size, self.prefill_tokens,
-                            self.decode.use_graphs)
+                            self.decode.mode)
 
     # -- admission and prefill ----------------------------------------------------------
 
