@@ -132,3 +132,36 @@ def test_trained_weights_are_seen_by_the_next_call(tiny_dir):
     after = e.sample(req)[0].sequences[0].tokens
     want = generate_padded(e.model, req, _adapters(e, req))[0].sequences[0].tokens
     assert after == want and after != before
+
+
+def test_decode_slices_stream_and_let_a_later_short_request_pass(tiny_dir):
+    """Engine.sample_submit / sample_slice: a long request runs in bounded slices; a short
+    one submitted later joins at a slice boundary and finishes first; a blocking `sample`
+    in between runs beside them; streamed pieces add up to the final tokens."""
+    e = make_engine(tiny_dir)
+    e.add_adapter("a", LoraConfig(rank=4, seed=0))
+    randomize_b(e, "a", seed=4, std=0.3)
+    greedy = SamplingParams(max_tokens=24, temperature=0, stop=[])
+    long = SampleRequest("a", [5, 6, 7, 8, 9], greedy, num_samples=2)
+    short = SampleRequest(None, [9, 8, 7], SamplingParams(max_tokens=3, seed=1, stop=[]))
+    (t_long,) = e.sample_submit([long])
+    assert e.sample_slice(max_steps=4) == []
+    streamed = [list(p) for p in e.sample_pieces()[t_long]]
+    assert all(len(p) == 5 for p in streamed)  # the prefill's token and 4 decode steps
+    (t_short,) = e.sample_submit([short])
+    finished = e.sample_slice(max_steps=3)
+    assert [f.ticket for f in finished] == [t_short]
+    mid = e.sample([short])  # blocking, beside the running long request
+    finished = []
+    while len(finished) < 1:
+        for piece, more in zip(streamed, e.sample_pieces().get(t_long, [[], []]), strict=True):
+            piece += more
+        finished += e.sample_slice(max_steps=5)
+    (done,) = finished
+    assert done.ticket == t_long
+    want = generate_padded(e.model, [long, short], _adapters(e, [long, short]))
+    _assert_same([done.result], want[:1])
+    _assert_same(mid, want[1:])
+    for piece, seq in zip(streamed, done.result.sequences, strict=True):
+        assert seq.tokens[:len(piece)] == piece  # the rest came with the result
+    assert e.sample_slice() == []

@@ -21,6 +21,7 @@ seed gives the same tokens on both paths (while a request's rows run to the same
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -54,10 +55,8 @@ class _Request:
         self.gen = request_generator(req.params, dev)
         self.seqs: list[_Seq] = []
         self.running = 0
-
-    @property
-    def key(self) -> tuple:  # what a shared prefill must agree on
-        return (None if self.adapter is None else self.adapter.id, tuple(self.req.prompt))
+        # What a shared prefill must agree on.
+        self.key = (None if adapter is None else adapter.id, tuple(req.prompt))
 
 
 class _Seq:
@@ -68,6 +67,7 @@ class _Seq:
         self.length = length  # positions in the KV cache
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.sent = 0  # tokens already handed out by `RunningBatch.pieces`
         self.top: tuple[list, list] | None = ([], []) if request.req.topk_sample else None
         self.done: str | None = None
 
@@ -103,6 +103,7 @@ class RunningBatch:
         self.prefill_tokens = prefill_tokens or PREFILL_TOKENS.get(dev.type, 16384)
         self.waiting: deque[_Request] = deque()
         self.live: list[_Seq] = []  # slot order
+        self._started: dict[int, _Request] = {}  # admitted and not finished, by ticket
         self._tickets = itertools.count()
         self._choice: RowChoice | None = None  # of the live rows; None: rebuild
 
@@ -135,6 +136,27 @@ class RunningBatch:
         new = [_Request(next(self._tickets), r, a, dev) for r, a in zip(requests, adapters, strict=True)]
         self.waiting.extend(new)
         return [r.ticket for r in new]
+
+    def run(self, max_steps: int | None = None, max_seconds: float | None = None
+            ) -> list[Finished]:
+        """A decode slice: steps until the batch is idle, `max_steps` steps ran or
+        `max_seconds` passed (checked between steps); returns the requests that finished."""
+        done: list[Finished] = []
+        start, steps = time.monotonic(), 0
+        while not self.idle and (max_steps is None or steps < max_steps) and (
+                max_seconds is None or time.monotonic() - start < max_seconds):
+            done += self.step()
+            steps += 1
+        return done
+
+    def pieces(self) -> dict[int, list[list[int]]]:
+        """Tokens generated since the last call, per running ticket and sample (streaming)."""
+        out = {}
+        for ticket, r in self._started.items():
+            out[ticket] = [s.tokens[s.sent:] for s in r.seqs]
+            for s in r.seqs:
+                s.sent = len(s.tokens)
+        return out
 
     @torch.no_grad()
     def step(self) -> list[Finished]:
@@ -230,6 +252,7 @@ class RunningBatch:
                 r.seqs.append(s)
                 seqs.append(s)
             r.running = r.req.num_samples
+            self._started[r.ticket] = r
         for i, u in enumerate(uniq):  # the shared pages' holders are the samples
             full = len(u.req.prompt) // pool.page_size
             pool.share(prompt_pages[i][:full], holders[u.key] - 1)
@@ -321,6 +344,7 @@ class RunningBatch:
             self.stack.release(r.adapter)
         r.running -= 1
         if r.running == 0:
+            del self._started[r.ticket]
             r.result.sequences = [SampledSequence(x.tokens, x.logprobs, x.done or "length", x.top)
                                   for x in r.seqs]
             done.append(Finished(r.ticket, r.result))

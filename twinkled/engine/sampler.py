@@ -17,28 +17,34 @@ from .choose import RowChoice, request_generator, stop_reason, top_rows
 from .lora import Adapter, LoraBatch
 from .model import BaseModel
 from .prompt_scores import score_prompt, wants_scores
-from .running import RunningBatch
+from .running import Finished, RunningBatch
 from .types import SampledSequence, SampleRequest, SampleResult
 
 
 @torch.no_grad()
 def generate(model: BaseModel, requests: list[SampleRequest], adapters: list[Adapter | None],
-             share_prefill: bool = True, batch: RunningBatch | None = None) -> list[SampleResult]:
+             share_prefill: bool = True, batch: RunningBatch | None = None,
+             others: list[Finished] | None = None) -> list[SampleResult]:
     """Sample every request; `adapters[i]` is request i's adapter (None: the base model).
-    `batch`: an idle running batch to use (its CUDA graphs are kept across calls); by
-    default a new one. `share_prefill=False` runs the padded path with every row
+    `batch`: the running batch to use (its CUDA graphs are kept across calls; by default a
+    new one); requests it already runs go on beside these, and those that finish meanwhile
+    are put in `others`. `share_prefill=False` runs the padded path with every row
     prefilled on its own (the reference the shared prefill is tested against)."""
     if not share_prefill:
         return generate_padded(model, requests, adapters, share_prefill=False)
     if batch is None:
         batch = RunningBatch(model)
-    if not batch.idle:
-        raise RuntimeError("generate needs a running batch of its own")
+    if not batch.idle and others is None:
+        raise RuntimeError("the running batch is in use: pass `others` for its results")
     tickets = batch.admit(requests, adapters)
+    mine = set(tickets)
     results: dict[int, SampleResult] = {}
     while len(results) < len(tickets):
         for f in batch.step():
-            results[f.ticket] = f.result
+            if f.ticket in mine:
+                results[f.ticket] = f.result
+            else:
+                others.append(f)
     return [results[t] for t in tickets]
 
 
