@@ -47,8 +47,15 @@ class RowChoice:
         if not self.all_greedy:
             probs_src = self._filter(logp) if self.filtered else logp
             probs = probs_src.exp()
+            # What torch.multinomial(probs[idx], 1, generator=gen) does (its one-sample
+            # path: the argmax of probs / Exp(1) noise), with the same draws from each
+            # group's generator, but one division and one argmax for all the groups.
+            noise = torch.ones_like(probs)
             for idx, gen in self.groups:
-                tokens[idx] = torch.multinomial(probs[idx], 1, generator=gen).squeeze(1)
+                noise[idx] = torch.empty((idx.shape[0], probs.shape[1]), device=probs.device,
+                                         dtype=probs.dtype).exponential_(generator=gen)
+            drawn = (probs / noise).argmax(dim=-1)
+            tokens = torch.where(greedy, tokens, drawn)
         return tokens, logp.gather(1, tokens[:, None]).squeeze(1), logp
 
     def _filter(self, logp: torch.Tensor) -> torch.Tensor:

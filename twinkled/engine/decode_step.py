@@ -7,7 +7,9 @@ attention mask) is computed from them inside the step, so the step is a pure fun
 the buffers and can be captured as a CUDA graph.
 
 Graphs are keyed by (rows, pages): rows rounded up to a power of two (1, 2, 4, ... up to
-the buffers' row count) and pages per row (the attended length) likewise. A bucket's graph
+the buffers' row count) and pages per row (the attended length) to 1, 2, 3, 4, 6, 8, 12, ...
+(a power of two or 1.5 times one: every slot attends over at most a third more than it
+needs, and a row's whole life uses few buckets). A bucket's graph
 is captured the first time it is needed and replayed by every later step and every later
 `sample` call; slots past n in a bucket are inert (they feed token 0 at position 0 from
 page 0 with no adapter, and their outputs are ignored). On CPU the same function runs
@@ -23,9 +25,12 @@ from .kv_pages import PagePool
 from .lora_rows import AdapterStack, RowLora
 
 
-def bucket(n: int, cap: int) -> int:
+def bucket(n: int, cap: int, fine: bool = False) -> int:
+    """n rounded up to a power of two (`fine`: or 1.5 times one), at most `cap`."""
     b = 1
     while b < n:
+        if fine and b >= 2 and b * 3 // 2 >= n:
+            return min(b * 3 // 2, cap)
         b *= 2
     return min(b, cap)
 
@@ -86,7 +91,7 @@ class DecodeStep:
         self._follow_stack()
         if self.mode == "eager":
             return self._run(n, pages)
-        key = (bucket(n, self.rows), bucket(pages, self.max_pages))
+        key = (bucket(n, self.rows), bucket(pages, self.max_pages, fine=True))
         if self.mode == "buckets":
             return self._run(*key)[:n]
         got = self._graphs.get(key)
@@ -100,12 +105,11 @@ class DecodeStep:
         table = self.table[:rows, :pages]
         size = self.pool.page_size
         write = table.gather(1, (pos // size)[:, None])[:, 0] * size + pos % size
-        read = self.pool.slots(table)
-        keys = torch.arange(read.shape[1], device=pos.device)
+        keys = torch.arange(pages * size, device=pos.device)
         mask = (keys[None, :] <= pos[:, None])[:, None, None, :]
         lora = RowLora(self.stack, self.mask[:rows])
         hidden = self.model.forward(self.tok[:rows, None], pos[:, None], lora,
-                                    self.pool.view(write, read), mask)
+                                    self.pool.view(write, table), mask)
         return self.model.logits(hidden, lora)[:, 0]
 
     def _capture(self, rows: int, pages: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

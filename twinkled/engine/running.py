@@ -284,14 +284,14 @@ class RunningBatch:
             table[i, :len(pages[i])] = torch.tensor(pages[i])
         ids, table = ids.to(dev), table.to(dev)
         cols = torch.arange(S, device=dev)
-        real = cols[None, :] < lens[:, None]
-        read = pool.slots(table)[:, :S] * real  # padding reads and writes page 0
-        causal = torch.ones((S, S), dtype=torch.bool, device=dev).tril()
-        mask = (causal[None] & real[:, None, :])[:, None]
+        write = pool.slots(table)[:, :S] * (cols[None, :] < lens[:, None])  # padding: page 0
+        keys = torch.arange(table.shape[1] * pool.page_size, device=dev)
+        causal = keys[None, :] <= cols[:, None]  # [S, L]
+        mask = (causal[None] & (keys[None, :] < lens[:, None])[:, None, :])[:, None]
         masks = torch.stack([self.stack.mask_row(u.adapter) for u in uniq]).to(dev)
         lora = RowLora(self.stack, masks)
         positions = cols[None, :].expand(len(uniq), S)
-        hidden = model.forward(ids, positions, lora, pool.view(read.reshape(-1), read), mask)
+        hidden = model.forward(ids, positions, lora, pool.view(write.reshape(-1), table), mask)
         last = hidden[torch.arange(len(uniq), device=dev), lens - 1]
         return hidden, model.logits(last[:, None], lora)[:, 0]
 
