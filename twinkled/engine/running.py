@@ -36,7 +36,7 @@ from .prompt_scores import score_prompt, wants_scores
 from .types import EngineInputError, SampledSequence, SampleRequest, SampleResult
 
 PAGE_SIZE = 16  # tokens per KV page
-KV_BYTES = {"cuda": 4 << 30, "cpu": 256 << 20}  # default page pool size per device type
+KV_BYTES = {"cuda": 4 << 30, "cpu": 64 << 20}  # default page pool size per device type
 PREFILL_TOKENS = {"cuda": 16384, "cpu": 2048}  # padded prompt tokens of one prefill pass
 
 
