@@ -56,13 +56,22 @@ class DecodeStep:
 
     # -- the slots ------------------------------------------------------------------------
 
-    def set_slot(self, i: int, token: int, pos: int, pages: list[int], mask: torch.Tensor) -> None:
+    def set_slots(self, first: int, tokens: list[int], pos: list[int], tables: list[list[int]],
+                  masks: list[torch.Tensor]) -> None:
+        """Seat rows in slots first, first + 1, ...: built on the host, one copy per buffer
+        (a row at a time, seating 256 rows cost thousands of tiny copies)."""
         self._follow_stack()
-        self.tok[i] = token
-        self.pos[i] = pos
-        self.table[i].zero_()
-        self.table[i, :len(pages)] = torch.tensor(pages)
-        self.mask[i] = mask.to(self.mask.device)
+        n = len(tokens)
+        if n == 0:
+            return
+        table = torch.zeros((n, self.max_pages), dtype=torch.long)
+        for i, pages in enumerate(tables):
+            table[i, :len(pages)] = torch.tensor(pages)
+        end = first + n
+        self.tok[first:end] = torch.tensor(tokens).to(self.tok.device)
+        self.pos[first:end] = torch.tensor(pos).to(self.pos.device)
+        self.table[first:end] = table.to(self.table.device)
+        self.mask[first:end] = torch.stack(masks).to(self.mask.device)
 
     def move_slot(self, src: int, dst: int) -> None:
         """Slot `src`'s inputs into `dst`, and `src` made inert."""

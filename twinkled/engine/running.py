@@ -261,14 +261,22 @@ class RunningBatch:
         choice = self._choice_of(seqs, list(range(len(seqs))))
         tokens, lps, logp = choice.choose(logits.index_select(0, torch.tensor(rows, device=logits.device)))
         top = top_rows(logp, max(r.req.topk_sample for r in take))
+        seated: list[_Seq] = []
         for b, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), lps.tolist(), strict=True)):
             s.record(model, tok, lp, top, b)
             if s.done is not None:
                 self._finish(s, done)
             else:
-                ad = s.request.adapter
-                self.decode.set_slot(len(self.live), tok, s.length, s.pages, self.stack.mask_row(ad))
-                self.live.append(s)
+                seated.append(s)
+        masks = {}  # one mask row per adapter
+        for s in seated:
+            ad = s.request.adapter
+            if id(ad) not in masks:
+                masks[id(ad)] = self.stack.mask_row(ad)
+        self.decode.set_slots(len(self.live), [s.tokens[-1] for s in seated],
+                              [s.length for s in seated], [s.pages for s in seated],
+                              [masks[id(s.request.adapter)] for s in seated])
+        self.live += seated
         self._choice = None
 
     def _prefill(self, uniq: list[_Request], pages: list[list[int]]):
