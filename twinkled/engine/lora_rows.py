@@ -104,7 +104,9 @@ class AdapterStack:
 
 
 class RowLora:
-    """The `lora.apply(key, x, y)` of a batch whose row b uses the columns `mask[b]` picks."""
+    """The `lora.apply(key, x, y)` of a batch whose row b uses the columns `mask[b]` picks.
+    Sampling only (no autograd): the delta is added into `y`, the base linear's fresh
+    output, by one fused matmul-add."""
 
     def __init__(self, stack: AdapterStack, mask: torch.Tensor):
         self.stack, self.mask = stack, mask
@@ -114,4 +116,5 @@ class RowLora:
         if a is None:
             return y
         h = F.linear(x, a) * self.mask[:, None, :]
-        return y + F.linear(h, self.stack.B[key])
+        y.view(-1, y.shape[-1]).addmm_(h.view(-1, h.shape[-1]), self.stack.B[key].t())
+        return y
