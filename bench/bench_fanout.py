@@ -1,5 +1,6 @@
 """RL-style fan-out: N samples of one prompt against one sample, with the prompt prefilled
-once (the default) and once per sample (the reference), in the same run.
+once (the default: `Engine.sample`, the running batch over shared KV pages) and once per
+sample (the padded reference), in the same run.
 
     python bench/bench_fanout.py                      # CPU, the tiny model
     python bench/bench_fanout.py --device cuda --shape qwen2.5-0.5b
@@ -50,7 +51,10 @@ def main() -> None:
             for _ in range(args.repeats + 1):
                 sync()
                 t0 = time.perf_counter()
-                generate(eng.model, req, adapter, share_prefill=share)
+                if share:
+                    eng.sample(req)
+                else:
+                    generate(eng.model, req, adapter, share_prefill=False)
                 sync()
                 out.append(time.perf_counter() - t0)
             return statistics.median(out[1:])

@@ -13,10 +13,11 @@ import torch
 
 from . import live, sampler, state, step
 from .checks import check_optim_params, check_optimizer
-from .lora import LoraPool
+from .lora import Adapter, LoraPool
 from .model import BaseModel
 from .optim import optimizer_steps
 from .parallel import reduce_gradients
+from .running import Finished, RunningBatch
 from .types import (
     AdamParams,
     AdapterInfo,
@@ -49,6 +50,10 @@ class Engine:
         self.packed = packed  # rows end to end in a micro-batch, not padded (packed.py)
         # Set in a data-parallel worker group: gradients are summed over it before a step.
         self.dp_group = dp_group
+        # Sampling's running batch: its KV page pool and decode CUDA graphs are made at the
+        # first sample call and kept for the next ones.
+        self._running: RunningBatch | None = None
+        self._finished: list[Finished] = []  # submitted requests done during `sample`
 
     @property
     def tokenizer(self):
@@ -148,11 +153,51 @@ class Engine:
     # -- sampling ---------------------------------------------------------------------
 
     def sample(self, requests: list[SampleRequest], checked: bool = False) -> list[SampleResult]:
+        """Sample every request and wait for all of them. Requests queued by
+        `sample_submit` keep running meanwhile; those that finish wait for `sample_slice`."""
+        batch, adapters = self._sampling_batch(requests, checked)
+        try:
+            return sampler.generate(self.model, requests, adapters, batch=batch,
+                                    others=self._finished)
+        except BaseException:
+            self._running = None  # rows may be left holding pages: start afresh next time
+            raise
+
+    def sample_submit(self, requests: list[SampleRequest], checked: bool = False) -> list[int]:
+        """Queue requests in the running batch; returns their tickets. They run, beside
+        later ones, in `sample_slice` calls (which return them when they finish)."""
+        batch, adapters = self._sampling_batch(requests, checked)
+        return batch.admit(requests, adapters)
+
+    def sample_slice(self, max_steps: int | None = None, max_seconds: float | None = None
+                     ) -> list[Finished]:
+        """Run the queued requests for up to `max_steps` decode steps / `max_seconds`;
+        returns those that finished. If a step fails, every queued request is lost (the
+        batch starts afresh) and the error propagates."""
+        done, self._finished = self._finished, []
+        if self._running is None:
+            return done
+        try:
+            return done + self._running.run(max_steps, max_seconds)
+        except BaseException:
+            self._running = None
+            raise
+
+    def sample_pieces(self) -> dict[int, list[list[int]]]:
+        """Tokens each running ticket's samples generated since the last call."""
+        return {} if self._running is None else self._running.pieces()
+
+    def _sampling_batch(self, requests: list[SampleRequest], checked: bool
+                        ) -> tuple[RunningBatch, list[Adapter | None]]:
         if not checked:
             for r in requests:
                 self.check(r)
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
-        return sampler.generate(self.model, requests, adapters)
+        batch = self._running or RunningBatch(self.model)
+        if batch.idle:  # (a batch in use cannot grow; admit refuses what it cannot hold)
+            batch = batch.sized_for(requests)
+        self._running = batch
+        return batch, adapters
 
     # -- state ------------------------------------------------------------------------
 

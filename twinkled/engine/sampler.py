@@ -1,19 +1,51 @@
 """Batched generation for prompts of many adapters (and the base model) at once.
 
-Prompts are left-padded into one batch with a preallocated KV cache; each decode step is
-one forward of the whole batch, every row through its own LoRA. Token choice is
-vectorised over rows (temperature, top-k, top-p per row); seeded requests draw from their
-own generator, so the same seed gives the same output.
+`generate` is a loop over a `RunningBatch` (running.py): continuous batching over a paged
+KV cache, rows joining and leaving at every step. `generate_padded` is the earlier path,
+kept as the reference the tests compare the running batch against: prompts are
+left-padded into one batch with a preallocated KV cache and each decode step is one
+forward of the whole batch (it waits for its longest row). On both, every row runs through
+its own LoRA and token choice is vectorised over rows (choose.py); seeded requests draw
+from their own generator, so the same seed gives the same output.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .choose import RowChoice, request_generator, stop_reason, top_rows
 from .lora import Adapter, LoraBatch
 from .model import BaseModel
 from .prompt_scores import score_prompt, wants_scores
+from .running import Finished, RunningBatch
 from .types import SampledSequence, SampleRequest, SampleResult
+
+
+@torch.no_grad()
+def generate(model: BaseModel, requests: list[SampleRequest], adapters: list[Adapter | None],
+             share_prefill: bool = True, batch: RunningBatch | None = None,
+             others: list[Finished] | None = None) -> list[SampleResult]:
+    """Sample every request; `adapters[i]` is request i's adapter (None: the base model).
+    `batch`: the running batch to use (its CUDA graphs are kept across calls; by default a
+    new one); requests it already runs go on beside these, and those that finish meanwhile
+    are put in `others`. `share_prefill=False` runs the padded path with every row
+    prefilled on its own (the reference the shared prefill is tested against)."""
+    if not share_prefill:
+        return generate_padded(model, requests, adapters, share_prefill=False)
+    if batch is None:
+        batch = RunningBatch(model)
+    if not batch.idle and others is None:
+        raise RuntimeError("the running batch is in use: pass `others` for its results")
+    tickets = batch.admit(requests, adapters)
+    mine = set(tickets)
+    results: dict[int, SampleResult] = {}
+    while len(results) < len(tickets):
+        for f in batch.step():
+            if f.ticket in mine:
+                results[f.ticket] = f.result
+            else:
+                others.append(f)
+    return [results[t] for t in tickets]
 
 
 class _Row:
@@ -30,11 +62,11 @@ class _Row:
 
 
 @torch.no_grad()
-def generate(model: BaseModel, requests: list[SampleRequest],
-             adapters: list[Adapter | None], share_prefill: bool = True) -> list[SampleResult]:
-    """Sample every request; `adapters[i]` is request i's adapter (None: the base model).
-    `share_prefill=False` prefills every row on its own (the reference the shared prefill
-    is tested against)."""
+def generate_padded(model: BaseModel, requests: list[SampleRequest],
+                    adapters: list[Adapter | None], share_prefill: bool = True
+                    ) -> list[SampleResult]:
+    """The padded path: one left-padded batch that decodes until its longest row is done.
+    `share_prefill=False` prefills every row on its own."""
     rows = [_Row(i, r, adapters[i]) for i, r in enumerate(requests) for _ in range(r.num_samples)]
     # Rows of one LoRA bank must sit together (LoraBatch); base-model rows go first.
     rows.sort(key=lambda r: (0, 0, 0) if r.adapter is None else (1, id(r.adapter.bank), r.adapter.slot))
@@ -103,11 +135,11 @@ def generate(model: BaseModel, requests: list[SampleRequest],
                          results[i])
     topk = max(r.topk_sample for r in requests)
 
-    chooser = _Chooser(rows, dev)
+    chooser = _chooser(rows, dev)
     decode = _Decoder(model, lora, cache, key_ok, graph=dev.type == "cuda" and max_new > 8)
     for t in range(max_new):
         tokens, lps, logp = chooser.choose(logits)
-        top = _topk(logp, topk)
+        top = top_rows(logp, topk)
         for b, (tok, lp) in enumerate(zip(tokens.tolist(), lps.tolist(), strict=True)):
             r = rows[b]
             if r.done is None:
@@ -117,7 +149,7 @@ def generate(model: BaseModel, requests: list[SampleRequest],
                     k = requests[r.req].topk_sample
                     r.top[0].append(top[0][b][:k])
                     r.top[1].append(top[1][b][:k])
-                r.done = _stop_reason(model, r)
+                r.done = stop_reason(model, r.params, r.tokens)
         if all(r.done is not None for r in rows) or t == max_new - 1:
             break
         logits = decode(tokens, P + t, P + t - pad)
@@ -126,14 +158,6 @@ def generate(model: BaseModel, requests: list[SampleRequest],
         results[r.req].sequences.append(SampledSequence(r.tokens, r.logprobs, r.done or "length",
                                                         r.top))
     return results
-
-
-def _topk(logp: torch.Tensor, k: int) -> tuple[list, list]:
-    """Every row's top-k (ids, logprobs) of the distribution its token was drawn from."""
-    if k == 0:
-        return [], []
-    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    return ids.tolist(), values.tolist()
 
 
 class _Decoder:
@@ -177,66 +201,10 @@ class _Decoder:
         return self.out
 
 
-def _stop_reason(model: BaseModel, r: _Row) -> str | None:
-    stop = r.params.stop
-    tok = r.tokens[-1]
-    if stop is None:  # EOS only
-        if tok in model.eos_token_ids:
-            return "stop"
-    elif stop and isinstance(stop[0], int):
-        if tok in stop:
-            return "stop"
-    elif stop:  # strings: look at the decoded tail of what was generated
-        text = model.tokenizer.decode(r.tokens[-64:])
-        if any(s in text for s in stop):
-            return "stop"
-    return "length" if len(r.tokens) >= r.params.max_tokens else None
-
-
-class _Chooser:
-    """Picks each row's next token: greedy at temperature 0, else sampled after top-k/top-p."""
-
-    def __init__(self, rows: list[_Row], dev):
-        p = [r.params for r in rows]
-        self.temp = torch.tensor([x.temperature for x in p], device=dev, dtype=torch.float32)
-        self.greedy = self.temp == 0
-        self.all_greedy = bool(self.greedy.all())
-        self.top_k = torch.tensor([x.top_k if x.top_k > 0 else 0 for x in p], device=dev)
-        self.top_p = torch.tensor([x.top_p for x in p], device=dev, dtype=torch.float32)
-        self.filtered = any(x.top_k > 0 for x in p) or any(x.top_p < 1.0 for x in p)
-        # Rows of a seeded request draw from that request's own generator.
-        self.groups: list[tuple[torch.Tensor, torch.Generator | None]] = []
-        by_req: dict[int, list[int]] = {}
-        for b, r in enumerate(rows):
-            if r.params.temperature > 0:
-                by_req.setdefault(r.req, []).append(b)
-        for idx in by_req.values():
-            seed = rows[idx[0]].params.seed
-            gen = None
-            if seed is not None:
-                gen = torch.Generator(device=dev).manual_seed(seed % 2**63)
-            self.groups.append((torch.tensor(idx, device=dev), gen))
-
-    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each row's token, its logprob, and the (temperature-scaled) distribution."""
-        logits = logits.float()
-        temp = torch.where(self.greedy, torch.ones_like(self.temp), self.temp)
-        logp = torch.log_softmax(logits / temp[:, None], dim=-1)
-        tokens = logp.argmax(dim=-1)
-        if not self.all_greedy:
-            probs_src = self._filter(logp) if self.filtered else logp
-            probs = probs_src.exp()
-            for idx, gen in self.groups:
-                drawn = torch.multinomial(probs[idx], 1, generator=gen).squeeze(1)
-                tokens[idx] = drawn
-        return tokens, logp.gather(1, tokens[:, None]).squeeze(1), logp
-
-    def _filter(self, logp: torch.Tensor) -> torch.Tensor:
-        sorted_lp, order = logp.sort(dim=-1, descending=True)
-        rank = torch.arange(logp.shape[-1], device=logp.device)[None, :]
-        drop = (self.top_k[:, None] > 0) & (rank >= self.top_k[:, None])
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()
-        drop |= before >= self.top_p[:, None]
-        sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logp).scatter_(1, order, sorted_lp)
+def _chooser(rows: list[_Row], dev: torch.device) -> RowChoice:
+    by_req: dict[int, list[int]] = {}
+    for b, r in enumerate(rows):
+        if r.params.temperature > 0:
+            by_req.setdefault(r.req, []).append(b)
+    groups = [(idx, request_generator(rows[idx[0]].params, dev)) for idx in by_req.values()]
+    return RowChoice.of([r.params for r in rows], groups, dev)

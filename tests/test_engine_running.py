@@ -1,0 +1,167 @@
+"""Continuous batching over a paged KV cache (engine/running.py): the running batch samples
+what the padded sampler samples, rows join and leave at every step, pages come back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_engine, randomize_b
+
+from twinkled.engine.running import RunningBatch
+from twinkled.engine.sampler import generate, generate_padded
+from twinkled.engine.types import LoraConfig, SampleRequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_dir):
+    e = make_engine(tiny_dir)
+    e.add_adapter("a", LoraConfig(rank=4, alpha=16, seed=0))
+    e.add_adapter("b", LoraConfig(rank=2, alpha=8, seed=1, train_unembed=False))
+    for i, name in enumerate("ab"):
+        randomize_b(e, name, seed=20 + i, std=0.3)
+    return e
+
+
+def _prompt(eng, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(5, eng.model.vocab_size, (n,), generator=gen).tolist()
+
+
+def _adapters(eng, reqs):
+    return [None if r.adapter_id is None else eng.pool.get(r.adapter_id) for r in reqs]
+
+
+def _assert_same(got, want):
+    """Tokens equal; logprobs (sampled, top-k, prompt) equal to float tolerance."""
+    for g, w in zip(got, want, strict=True):
+        assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
+        assert [s.stop_reason for s in g.sequences] == [s.stop_reason for s in w.sequences]
+        for x, y in zip(g.sequences, w.sequences, strict=True):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+            assert (x.topk is None) == (y.topk is None)
+            if x.topk is not None:
+                assert x.topk[0] == y.topk[0]
+        if w.prompt_logprobs is not None:
+            assert g.prompt_logprobs[1:] == pytest.approx(w.prompt_logprobs[1:], abs=1e-4)
+
+
+def _mixed(eng):
+    """Adapters a, b and the base model; seeded, greedy, top-k/top-p; prompts shorter and
+    longer than a page and a whole number of pages (page size 4 below); shared prompts."""
+    p, q, r = _prompt(eng, 11, 1), _prompt(eng, 8, 2), _prompt(eng, 3, 3)
+
+    def params(n, **kw):
+        return SamplingParams(max_tokens=n, stop=[], **kw)
+
+    return [SampleRequest("a", p, params(9, seed=5), num_samples=3, prompt_logprobs=True),
+            SampleRequest("b", p, params(14, temperature=0.7, seed=6, top_p=0.9), num_samples=2),
+            SampleRequest("a", p, params(5, temperature=0.0), topk_sample=3),
+            SampleRequest(None, q, params(12, seed=7, top_k=5), num_samples=2),
+            SampleRequest("b", r, params(3, seed=8)),
+            SampleRequest("a", q, params(16, seed=9), num_samples=2)]
+
+
+@pytest.mark.parametrize("decode", ["eager", "buckets"])
+def test_running_batch_samples_what_the_padded_sampler_samples(eng, decode):
+    """Same seeds, same tokens: requests of different lengths leave the batch at different
+    steps; "buckets" runs the decode at the CUDA graphs' padded sizes (inert slots)."""
+    reqs = _mixed(eng)
+    ads = _adapters(eng, reqs)
+    batch = RunningBatch(eng.model, rows=16, pages=64, page_size=4, decode=decode)
+    got = generate(eng.model, reqs, ads, batch=batch)
+    _assert_same(got, generate_padded(eng.model, reqs, ads))
+    assert batch.idle and batch.free_pages == 63  # every page came back
+    if decode == "eager":  # the same batch serves the next call, with the same output
+        _assert_same(generate(eng.model, reqs, ads, batch=batch), got)
+
+
+def test_requests_beyond_the_page_pool_wait_for_pages(eng):
+    """12 requests of 2 samples need ~100 pages; the pool has 24: requests wait, join as
+    finished rows free their pages, and all sample what the padded sampler samples."""
+    reqs = [SampleRequest("ab"[i % 2] if i % 3 else None, _prompt(eng, 5 + i, 40 + i),
+                          SamplingParams(max_tokens=6 + i % 4, seed=i, stop=[]), num_samples=2)
+            for i in range(12)]
+    ads = _adapters(eng, reqs)
+    batch = RunningBatch(eng.model, rows=8, pages=25, page_size=4)
+    tickets = batch.admit(reqs, ads)
+    results, waited, most = {}, 0, 0
+    while len(results) < len(reqs):
+        for f in batch.step():
+            results[f.ticket] = f.result
+        waited = max(waited, len(batch.waiting))
+        most = max(most, len(batch.live))
+        assert batch.free_pages >= 0 and len(batch.live) <= 8
+    assert waited > 0 and most > 2  # it did queue, and it did run several at once
+    assert batch.free_pages == 24
+    _assert_same([results[t] for t in tickets], generate_padded(eng.model, reqs, ads))
+
+
+def test_a_short_request_beside_a_long_one_finishes_first(eng):
+    long = SampleRequest("a", _prompt(eng, 6, 50), SamplingParams(max_tokens=30, seed=1, stop=[]))
+    short = SampleRequest("b", _prompt(eng, 9, 51), SamplingParams(max_tokens=3, seed=2, stop=[]))
+    batch = RunningBatch(eng.model, rows=4, pages=32, page_size=4)
+    t_long, t_short = batch.admit([long, short], _adapters(eng, [long, short]))
+    order, steps = [], 0
+    while len(order) < 2:
+        steps += 1
+        order += [(f.ticket, steps) for f in batch.step()]
+        if steps == 1:
+            assert len(batch.live) == 2  # both admitted at once, decoding side by side
+    assert order == [(t_short, 2), (t_long, 29)]  # the first token comes from the prefill
+    assert batch.free_pages == 31
+
+
+def test_a_request_larger_than_the_pool_is_refused_clearly(eng):
+    batch = RunningBatch(eng.model, rows=4, pages=8, page_size=4)
+    big = SampleRequest("a", _prompt(eng, 10, 60), SamplingParams(max_tokens=40))
+    with pytest.raises(ValueError, match="do not fit the sampler's KV pool"):
+        batch.admit([big], _adapters(eng, [big]))
+    assert batch.idle
+    # The engine sizes its own batch to what a call needs.
+    assert len(eng.sample([big])[0].sequences[0].tokens) <= 40
+
+
+def test_trained_weights_are_seen_by_the_next_call(tiny_dir):
+    """The running batch keeps adapters' weights while rows use them; a later call after
+    the adapter changed samples from the new weights."""
+    e = make_engine(tiny_dir)
+    e.add_adapter("a", LoraConfig(rank=4, seed=0))
+    req = [SampleRequest("a", [5, 6, 7, 8], SamplingParams(max_tokens=8, temperature=0, stop=[]))]
+    before = e.sample(req)[0].sequences[0].tokens
+    randomize_b(e, "a", seed=3, std=0.5)
+    after = e.sample(req)[0].sequences[0].tokens
+    want = generate_padded(e.model, req, _adapters(e, req))[0].sequences[0].tokens
+    assert after == want and after != before
+
+
+def test_decode_slices_stream_and_let_a_later_short_request_pass(tiny_dir):
+    """Engine.sample_submit / sample_slice: a long request runs in bounded slices; a short
+    one submitted later joins at a slice boundary and finishes first; a blocking `sample`
+    in between runs beside them; streamed pieces add up to the final tokens."""
+    e = make_engine(tiny_dir)
+    e.add_adapter("a", LoraConfig(rank=4, seed=0))
+    randomize_b(e, "a", seed=4, std=0.3)
+    greedy = SamplingParams(max_tokens=24, temperature=0, stop=[])
+    long = SampleRequest("a", [5, 6, 7, 8, 9], greedy, num_samples=2)
+    short = SampleRequest(None, [9, 8, 7], SamplingParams(max_tokens=3, seed=1, stop=[]))
+    (t_long,) = e.sample_submit([long])
+    assert e.sample_slice(max_steps=4) == []
+    streamed = [list(p) for p in e.sample_pieces()[t_long]]
+    assert all(len(p) == 5 for p in streamed)  # the prefill's token and 4 decode steps
+    (t_short,) = e.sample_submit([short])
+    finished = e.sample_slice(max_steps=3)
+    assert [f.ticket for f in finished] == [t_short]
+    mid = e.sample([short])  # blocking, beside the running long request
+    finished = []
+    while len(finished) < 1:
+        for piece, more in zip(streamed, e.sample_pieces().get(t_long, [[], []]), strict=True):
+            piece += more
+        finished += e.sample_slice(max_steps=5)
+    (done,) = finished
+    assert done.ticket == t_long
+    want = generate_padded(e.model, [long, short], _adapters(e, [long, short]))
+    _assert_same([done.result], want[:1])
+    _assert_same(mid, want[1:])
+    for piece, seq in zip(streamed, done.result.sequences, strict=True):
+        assert seq.tokens[:len(piece)] == piece  # the rest came with the result
+    assert e.sample_slice() == []

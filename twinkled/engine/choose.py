@@ -1,0 +1,101 @@
+"""Choosing each row's next token, and when a row stops: shared by both sampling paths.
+
+A row is greedy at temperature 0, else sampled after its top-k / top-p. Rows of a seeded
+request draw together from that request's own generator (one `multinomial` over its rows,
+in sample order), so a seed gives the same output whichever rows sit beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .types import SamplingParams
+
+
+@dataclass
+class RowChoice:
+    """Per-row sampling parameters of a batch, on the device."""
+
+    temp: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] long, 0: off
+    top_p: torch.Tensor  # [B] float32
+    all_greedy: bool
+    filtered: bool  # some row has a top-k or top-p
+    # (row indices, generator) per request with temperature > 0; None: the global stream.
+    groups: list[tuple[torch.Tensor, torch.Generator | None]]
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], groups: list[tuple[list[int], torch.Generator | None]],
+           dev: torch.device) -> RowChoice:
+        return cls(
+            temp=torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
+            top_k=torch.tensor([max(p.top_k, 0) for p in params], device=dev),
+            top_p=torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
+            all_greedy=all(p.temperature == 0 for p in params),
+            filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            groups=[(torch.tensor(idx, device=dev), gen) for idx, gen in groups if idx])
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's token, its logprob, and the (temperature-scaled) distribution."""
+        logits = logits.float()
+        greedy = self.temp == 0
+        temp = torch.where(greedy, torch.ones_like(self.temp), self.temp)
+        logp = torch.log_softmax(logits / temp[:, None], dim=-1)
+        tokens = logp.argmax(dim=-1)
+        if not self.all_greedy:
+            probs_src = self._filter(logp) if self.filtered else logp
+            probs = probs_src.exp()
+            # What torch.multinomial(probs[idx], 1, generator=gen) does (its one-sample
+            # path: the argmax of probs / Exp(1) noise), with the same draws from each
+            # group's generator, but one division and one argmax for all the groups.
+            noise = torch.ones_like(probs)
+            for idx, gen in self.groups:
+                noise[idx] = torch.empty((idx.shape[0], probs.shape[1]), device=probs.device,
+                                         dtype=probs.dtype).exponential_(generator=gen)
+            drawn = (probs / noise).argmax(dim=-1)
+            tokens = torch.where(greedy, tokens, drawn)
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1), logp
+
+    def _filter(self, logp: torch.Tensor) -> torch.Tensor:
+        sorted_lp, order = logp.sort(dim=-1, descending=True)
+        rank = torch.arange(logp.shape[-1], device=logp.device)[None, :]
+        drop = (self.top_k[:, None] > 0) & (rank >= self.top_k[:, None])
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()
+        drop |= before >= self.top_p[:, None]
+        sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logp).scatter_(1, order, sorted_lp)
+
+
+def request_generator(params: SamplingParams, dev: torch.device) -> torch.Generator | None:
+    """A seeded request's own stream (None: unseeded, or greedy)."""
+    if params.seed is None or params.temperature == 0:
+        return None
+    return torch.Generator(device=dev).manual_seed(params.seed % 2**63)
+
+
+def top_rows(logp: torch.Tensor, k: int) -> tuple[list, list]:
+    """Every row's top-k (ids, logprobs) of the distribution its token was drawn from."""
+    if k == 0:
+        return [], []
+    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return ids.tolist(), values.tolist()
+
+
+def stop_reason(model, params: SamplingParams, tokens: list[int]) -> str | None:
+    """Why a row with `tokens` generated so far stops now ("stop", "length"), or None."""
+    stop = params.stop
+    tok = tokens[-1]
+    if stop is None:  # EOS only
+        if tok in model.eos_token_ids:
+            return "stop"
+    elif stop and isinstance(stop[0], int):
+        if tok in stop:
+            return "stop"
+    elif stop:  # strings: look at the decoded tail of what was generated
+        text = model.tokenizer.decode(tokens[-64:])
+        if any(s in text for s in stop):
+            return "stop"
+    return "length" if len(tokens) >= params.max_tokens else None

@@ -1,0 +1,147 @@
+"""One decode step of a running batch, from per-slot input buffers; CUDA graphs per bucket.
+
+Running row i sits in slot i (slots 0..n-1 are the live rows, compacted). Its inputs live
+in fixed device buffers: the token to feed, its position (= the KV length before it), its
+block table and its LoRA mask row. Everything else (slots to write, slots to read, the
+attention mask) is computed from them inside the step, so the step is a pure function of
+the buffers and can be captured as a CUDA graph.
+
+Graphs are keyed by (rows, pages): rows rounded up to a power of two (1, 2, 4, ... up to
+the buffers' row count) and pages per row (the attended length) to 1, 2, 3, 4, 6, 8, 12, ...
+(a power of two or 1.5 times one: every slot attends over at most a third more than it
+needs, and a row's whole life uses few buckets). A bucket's graph
+is captured the first time it is needed and replayed by every later step and every later
+`sample` call; slots past n in a bucket are inert (they feed token 0 at position 0 from
+page 0 with no adapter, and their outputs are ignored). On CPU the same function runs
+eagerly at the exact size ("eager"); "buckets" runs it eagerly at the graphs' sizes, so
+CPU tests see what the padding slots of a graph do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_pages import PagePool
+from .lora_rows import AdapterStack, RowLora
+
+
+def bucket(n: int, cap: int, fine: bool = False) -> int:
+    """n rounded up to a power of two (`fine`: or 1.5 times one), at most `cap`."""
+    b = 1
+    while b < n:
+        if fine and b >= 2 and b * 3 // 2 >= n:
+            return min(b * 3 // 2, cap)
+        b *= 2
+    return min(b, cap)
+
+
+class DecodeStep:
+    MODES = ("eager", "buckets", "graphs")
+
+    def __init__(self, model, pool: PagePool, stack: AdapterStack, rows: int, max_pages: int,
+                 mode: str):
+        if mode not in self.MODES:
+            raise ValueError(f"decode mode must be one of {self.MODES}, got {mode!r}")
+        dev = model.device
+        self.model, self.pool, self.stack = model, pool, stack
+        self.rows, self.max_pages = rows, max_pages
+        self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.table = torch.zeros((rows, max_pages), dtype=torch.long, device=dev)
+        self.mask = torch.zeros((rows, stack.width), dtype=model.dtype, device=dev)
+        self.mode = mode
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._version = stack.version
+        self._mempool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
+
+    # -- the slots ------------------------------------------------------------------------
+
+    def set_slots(self, first: int, tokens: list[int], pos: list[int], tables: list[list[int]],
+                  masks: list[torch.Tensor]) -> None:
+        """Seat rows in slots first, first + 1, ...: built on the host, one copy per buffer
+        (a row at a time, seating 256 rows cost thousands of tiny copies)."""
+        self._follow_stack()
+        n = len(tokens)
+        if n == 0:
+            return
+        table = torch.zeros((n, self.max_pages), dtype=torch.long)
+        for i, pages in enumerate(tables):
+            table[i, :len(pages)] = torch.tensor(pages)
+        end = first + n
+        self.tok[first:end] = torch.tensor(tokens).to(self.tok.device)
+        self.pos[first:end] = torch.tensor(pos).to(self.pos.device)
+        self.table[first:end] = table.to(self.table.device)
+        self.mask[first:end] = torch.stack(masks).to(self.mask.device)
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """Slot `src`'s inputs into `dst`, and `src` made inert."""
+        for buf in (self.tok, self.pos, self.table, self.mask):
+            buf[dst] = buf[src]
+            buf[src] = 0
+
+    def clear_slot(self, i: int) -> None:
+        for buf in (self.tok, self.pos, self.table, self.mask):
+            buf[i] = 0
+
+    def advance(self, n: int, tokens: torch.Tensor) -> None:
+        """Live slots 0..n-1 feed `tokens` next, one position further on."""
+        self.tok[:n] = tokens
+        self.pos[:n] += 1
+
+    def count_graphs(self) -> int:
+        return len(self._graphs)
+
+    # -- the step -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def __call__(self, n: int, pages: int) -> torch.Tensor:
+        """Next-token logits [n, vocab] of live slots 0..n-1, which attend over at most
+        `pages` pages each."""
+        self._follow_stack()
+        if self.mode == "eager":
+            return self._run(n, pages)
+        key = (bucket(n, self.rows), bucket(pages, self.max_pages, fine=True))
+        if self.mode == "buckets":
+            return self._run(*key)[:n]
+        got = self._graphs.get(key)
+        if got is None:
+            got = self._graphs[key] = self._capture(*key)
+        got[0].replay()
+        return got[1][:n]
+
+    def _run(self, rows: int, pages: int) -> torch.Tensor:
+        pos = self.pos[:rows]
+        table = self.table[:rows, :pages]
+        size = self.pool.page_size
+        write = table.gather(1, (pos // size)[:, None])[:, 0] * size + pos % size
+        keys = torch.arange(pages * size, device=pos.device)
+        mask = (keys[None, :] <= pos[:, None])[:, None, None, :]
+        lora = RowLora(self.stack, self.mask[:rows])
+        hidden = self.model.forward(self.tok[:rows, None], pos[:, None], lora,
+                                    self.pool.view(write, table), mask)
+        return self.model.logits(hidden, lora)[:, 0]
+
+    def _capture(self, rows: int, pages: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm-up outside capture, as CUDA graphs need. It writes the live rows' keys at
+        # their positions, as the replay will again: the same values.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._run(rows, pages)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            out = self._run(rows, pages)
+        return graph, out
+
+    def _follow_stack(self) -> None:
+        """The adapter stack grew: widen the mask (columns keep their places); the graphs
+        read the old buffers, so they go."""
+        if self._version == self.stack.version:
+            return
+        mask = torch.zeros((self.rows, self.stack.width), dtype=self.mask.dtype,
+                           device=self.mask.device)
+        mask[:, :self.mask.shape[1]] = self.mask
+        self.mask = mask
+        self._graphs.clear()
+        self._version = self.stack.version

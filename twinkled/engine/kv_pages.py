@@ -1,0 +1,117 @@
+"""A paged KV cache for sampling: fixed-size pages from one preallocated pool.
+
+Every layer's keys and values live in one pool of `pages` pages of `page_size` token slots
+([layers, pages * page_size, kv_heads, head_dim]). A sequence holds a block table, the
+list of its pages in order; position p of the sequence is slot
+`table[p // page_size] * page_size + p % page_size`. Pages are reference-counted: the
+samples of one prompt share the prompt's full pages (the prompt's last, partial page is
+copied, so each continuation writes only to pages of its own and no copy-on-write is
+needed), and a finished sequence gives its pages back at once for waiting requests.
+
+Page 0 is never handed out: it is where padding writes go and what unused block-table
+entries point at. Those reads are masked out; the page holds finite values (it starts at
+zero and only ever receives computed keys), so masked rows never turn into NaN.
+
+How attention reads pages. A `PagedView` is what `BaseModel.forward` takes as its cache
+(the `write(layer, k, v) -> (k, v)` protocol of `KVCache`): it scatters the step's new keys
+into their slots and gathers each row's pages into a contiguous [B, kv_heads, L, dim]
+view, which the model's ordinary `scaled_dot_product_attention` reads with a mask. We chose
+the gather over flex_attention's paged block masks because it runs unchanged on CPU (the
+tests) and inside a CUDA graph, needs no compilation, and leaves model.py's attention (the
+training path) untouched. The price is memory traffic: the keys a step reads are read,
+written and read again (about 3x what a fused paged kernel moves). bench/bench_sampling.py
+reports a decode step against the card's bandwidth bound; that is where a fused kernel
+(flex_attention decoding, compiled) would be the next step if the KV share dominates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagePool:
+    """The pages, their reference counts and the free list."""
+
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, pages: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        if pages < 2:
+            raise ValueError("a page pool needs at least 2 pages (page 0 is reserved)")
+        shape = (n_layers, pages * page_size, n_kv, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.pages = pages
+        self.page_size = page_size
+        self._refs = [0] * pages
+        self._free = list(range(pages - 1, 0, -1))  # popped from the end: low ids first
+        self._within = torch.arange(page_size, device=device)
+
+    @property
+    def free(self) -> int:
+        """Pages that can be allocated now."""
+        return len(self._free)
+
+    @property
+    def usable(self) -> int:
+        """Pages a sequence could ever get (all but the reserved page 0)."""
+        return self.pages - 1
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"{n} KV pages wanted, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        for p in out:
+            self._refs[p] = 1
+        return out
+
+    def share(self, pages: list[int], times: int) -> None:
+        """`times` more holders of each of `pages`."""
+        for p in pages:
+            self._refs[p] += times
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Every layer's keys and values of page `src` into page `dst`."""
+        a, b = src * self.page_size, dst * self.page_size
+        self.k[:, b:b + self.page_size] = self.k[:, a:a + self.page_size]
+        self.v[:, b:b + self.page_size] = self.v[:, a:a + self.page_size]
+
+    def slots(self, table: torch.Tensor) -> torch.Tensor:
+        """Block tables [B, n] -> the token slots they cover [B, n * page_size]."""
+        return (table[:, :, None] * self.page_size + self._within).reshape(table.shape[0], -1)
+
+    def view(self, write: torch.Tensor, table: torch.Tensor) -> PagedView:
+        return PagedView(self, write, table)
+
+
+class PagedView:
+    """One forward's access to the pool: `write` [B * S] slots of the new tokens (row-major),
+    `table` [B, n] the pages each row attends over (n * page_size positions, in order).
+
+    The gather copies whole pages (page_size x kv_heads x dim contiguous elements each), not
+    single positions: on an H100, gathering 256-byte positions ran at a third of the card's
+    bandwidth and took 40% of a 256-row decode step."""
+
+    def __init__(self, pool: PagePool, write: torch.Tensor, table: torch.Tensor):
+        self.pool = pool
+        self.write_slots = write
+        self.pages = table.reshape(-1)
+        self.batch, self.length = table.shape[0], table.shape[1] * pool.page_size
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store the new keys/values [B, kv, S, dim]; return each row's [B, kv, L, dim]."""
+        B, H, S, D = k.shape
+        keys, values = self.pool.k[layer], self.pool.v[layer]
+        keys.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(B * S, H, D))
+        values.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(B * S, H, D))
+        paged = (-1, self.pool.page_size, H, D)
+        shape = (self.batch, self.length, H, D)
+        return (keys.view(paged).index_select(0, self.pages).view(shape).transpose(1, 2),
+                values.view(paged).index_select(0, self.pages).view(shape).transpose(1, 2))

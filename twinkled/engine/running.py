@@ -1,0 +1,358 @@
+"""Continuous batching for sampling: sequences join and leave the running batch at every step.
+
+`RunningBatch.admit` queues requests; each `step` first admits waiting requests while rows
+and KV pages allow (first come, first served), prefilling their prompts straight into
+pages and choosing their first tokens, then runs one decode step for every running row.
+A row that stops gives its pages and its slot back at once, so a waiting request joins at
+the next step and a short request never waits for a long one beside it.
+
+Admission takes a request whole: all its samples start together and hold, from the start,
+the pages their longest possible continuation needs (prompt + max_tokens), so a running
+row never waits for memory and nothing is ever preempted. A request's samples, and
+identical (adapter, prompt) pairs admitted together, prefill once and share the prompt's
+full pages (kv_pages.py).
+
+Rows of many adapters (and the base model) run in one step, each through its own LoRA
+(lora_rows.py), with its own temperature, top-k, top-p, seed and stop rule (choose.py).
+Seeded rows draw from their request's generator as the padded sampler does, so the same
+seed gives the same tokens on both paths (while a request's rows run to the same length).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .choose import RowChoice, request_generator, stop_reason, top_rows
+from .decode_step import DecodeStep
+from .kv_pages import PagePool
+from .lora import Adapter
+from .lora_rows import AdapterStack, RowLora
+from .prompt_scores import score_prompt, wants_scores
+from .types import EngineInputError, SampledSequence, SampleRequest, SampleResult
+
+PAGE_SIZE = 16  # tokens per KV page
+KV_BYTES = {"cuda": 4 << 30, "cpu": 64 << 20}  # default page pool size per device type
+PREFILL_TOKENS = {"cuda": 16384, "cpu": 2048}  # padded prompt tokens of one prefill pass
+
+
+@dataclass
+class Finished:
+    """A request whose samples have all stopped."""
+
+    ticket: int
+    result: SampleResult
+
+
+class _Request:
+    def __init__(self, ticket: int, req: SampleRequest, adapter: Adapter | None, dev):
+        self.ticket, self.req, self.adapter = ticket, req, adapter
+        self.result = SampleResult(sequences=[])
+        self.gen = request_generator(req.params, dev)
+        self.seqs: list[_Seq] = []
+        self.running = 0
+        # What a shared prefill must agree on.
+        self.key = (None if adapter is None else adapter.id, tuple(req.prompt))
+
+
+class _Seq:
+    """One sample: its pages (the prompt's shared ones first) and what it generated."""
+
+    def __init__(self, request: _Request, pages: list[int], length: int):
+        self.request, self.pages = request, pages
+        self.length = length  # positions in the KV cache
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.sent = 0  # tokens already handed out by `RunningBatch.pieces`
+        self.top: tuple[list, list] | None = ([], []) if request.req.topk_sample else None
+        self.done: str | None = None
+
+    def record(self, model, token: int, logprob: float, top: tuple[list, list], b: int) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if self.top is not None:
+            k = self.request.req.topk_sample
+            self.top[0].append(top[0][b][:k])
+            self.top[1].append(top[1][b][:k])
+        self.done = stop_reason(model, self.request.req.params, self.tokens)
+
+
+class RunningBatch:
+    """Up to `rows` sequences decoding together over a pool of `pages` KV pages (default:
+    `KV_BYTES` of the device type). `decode`: how a decode step runs (decode_step.py;
+    default "graphs" on CUDA devices, else "eager")."""
+
+    def __init__(self, model, rows: int = 256, pages: int | None = None,
+                 page_size: int = PAGE_SIZE, prefill_tokens: int | None = None,
+                 decode: str | None = None):
+        dev = model.device
+        if pages is None:
+            per_token = 2 * len(model.layers) * model.n_kv * model.head_dim * model.dtype.itemsize
+            pages = KV_BYTES.get(dev.type, KV_BYTES["cuda"]) // (per_token * page_size)
+        self.model, self.rows = model, rows
+        self.pool = PagePool(len(model.layers), model.n_kv, model.head_dim, pages, page_size,
+                             model.dtype, dev)
+        self.stack = AdapterStack(model.dtype, dev)
+        max_pages = min(self.pool.usable, self.pool.pages_for(model.max_seq_len))
+        self.decode = DecodeStep(model, self.pool, self.stack, rows, max_pages,
+                                 decode or ("graphs" if dev.type == "cuda" else "eager"))
+        self.prefill_tokens = prefill_tokens or PREFILL_TOKENS.get(dev.type, 16384)
+        self.waiting: deque[_Request] = deque()
+        self.live: list[_Seq] = []  # slot order
+        self._started: dict[int, _Request] = {}  # admitted and not finished, by ticket
+        self._tickets = itertools.count()
+        self._choice: RowChoice | None = None  # of the live rows; None: rebuild
+
+    # -- public -----------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.live
+
+    @property
+    def free_pages(self) -> int:
+        return self.pool.free
+
+    def fits(self, req: SampleRequest) -> bool:
+        """Whether `req` could run in this batch when it is empty."""
+        length = len(req.prompt) + req.params.max_tokens
+        return (req.num_samples <= self.rows and self._pages(req) <= self.pool.usable
+                and self.pool.pages_for(length) <= self.decode.max_pages)
+
+    def admit(self, requests: list[SampleRequest], adapters: list[Adapter | None]) -> list[int]:
+        """Queue `requests` (adapters[i]: request i's, None: the base model); returns their
+        tickets, which `step` names when they finish."""
+        for r in requests:
+            if not self.fits(r):
+                raise EngineInputError(
+                    "num_samples/max_tokens", f"{r.num_samples} samples of {len(r.prompt)} + "
+                    f"{r.params.max_tokens} tokens do not fit the sampler's KV pool "
+                    f"({self.pool.usable} pages of {self.pool.page_size}, {self.rows} rows)")
+        dev = self.model.device
+        new = [_Request(next(self._tickets), r, a, dev) for r, a in zip(requests, adapters, strict=True)]
+        self.waiting.extend(new)
+        return [r.ticket for r in new]
+
+    def run(self, max_steps: int | None = None, max_seconds: float | None = None
+            ) -> list[Finished]:
+        """A decode slice: steps until the batch is idle, `max_steps` steps ran or
+        `max_seconds` passed (checked between steps); returns the requests that finished."""
+        done: list[Finished] = []
+        start, steps = time.monotonic(), 0
+        while not self.idle and (max_steps is None or steps < max_steps) and (
+                max_seconds is None or time.monotonic() - start < max_seconds):
+            done += self.step()
+            steps += 1
+        return done
+
+    def pieces(self) -> dict[int, list[list[int]]]:
+        """Tokens generated since the last call, per running ticket and sample (streaming)."""
+        out = {}
+        for ticket, r in self._started.items():
+            out[ticket] = [s.tokens[s.sent:] for s in r.seqs]
+            for s in r.seqs:
+                s.sent = len(s.tokens)
+        return out
+
+    @torch.no_grad()
+    def step(self) -> list[Finished]:
+        """Admit what fits, then one decode step; returns the requests that finished."""
+        done: list[Finished] = []
+        self._admit_waiting(done)
+        if self.live:
+            self._decode(done)
+        return done
+
+    def sized_for(self, requests: list[SampleRequest]) -> RunningBatch:
+        """This batch if every request fits it, else a new one, as large as they need."""
+        if all(self.fits(r) for r in requests):
+            return self
+        rows = max([self.rows, *(r.num_samples for r in requests)])
+        pages = max([self.pool.pages, *(self._pages(r) + 1 for r in requests)])
+        return RunningBatch(self.model, rows, pages, self.pool.page_size, self.prefill_tokens,
+                            self.decode.mode)
+
+    # -- admission and prefill ----------------------------------------------------------
+
+    def _pages(self, req: SampleRequest, shared: bool = False) -> int:
+        """Pages `req` takes: the prompt's full pages once (none if `shared` with a request
+        admitted beside it), and each sample's own pages."""
+        n, P = len(req.prompt), self.pool.page_size
+        full = n // P
+        own = self.pool.pages_for(n + req.params.max_tokens) - full
+        return (0 if shared else full) + req.num_samples * own
+
+    def _admit_waiting(self, done: list[Finished]) -> None:
+        take: list[_Request] = []
+        keys: dict[tuple, int] = {}  # key -> its prompt length
+        pages, rows = self.pool.free, self.rows - len(self.live)
+        while self.waiting:
+            r = self.waiting[0]
+            shared = r.key in keys
+            cost = self._pages(r.req, shared)
+            longest = max([len(r.req.prompt), *keys.values()])
+            padded = longest * (len(keys) + (not shared))
+            if (cost > pages or r.req.num_samples > rows
+                    or (keys and padded > self.prefill_tokens)):
+                break
+            self.waiting.popleft()
+            take.append(r)
+            keys[r.key] = len(r.req.prompt)
+            pages -= cost
+            rows -= r.req.num_samples
+        if take:
+            self._start(take, done)
+
+    def _start(self, take: list[_Request], done: list[Finished]) -> None:
+        """Prefill `take`'s distinct prompts into pages, give every sample its pages and its
+        first token, and seat the ones that go on."""
+        model, pool = self.model, self.pool
+        firsts: dict[tuple, _Request] = {}
+        for r in take:
+            firsts.setdefault(r.key, r)
+        uniq = list(firsts.values())
+        for r in take:
+            for _ in range(r.req.num_samples):
+                if r.adapter is not None:
+                    self.stack.acquire(r.adapter)
+        prompt_pages = [pool.allocate(pool.pages_for(len(u.req.prompt))) for u in uniq]
+        hidden, logits = self._prefill(uniq, prompt_pages)
+        at = {u.key: i for i, u in enumerate(uniq)}
+        for r in take:
+            if wants_scores(r.req):
+                u, n = at[r.key], len(r.req.prompt)
+                ids = torch.tensor(r.req.prompt, device=model.device)
+                score_prompt(model, r.req, r.adapter, hidden[u, :n], ids, r.result)
+        del hidden
+
+        # Every sample's pages: the prompt's full pages shared, its own for the rest. The
+        # first sample of a prompt takes the prompt's partial page; the others copy it.
+        holders = {u.key: sum(r.req.num_samples for r in take if r.key == u.key) for u in uniq}
+        spare = {u.key: prompt_pages[i] for i, u in enumerate(uniq)}
+        seqs: list[_Seq] = []
+        for r in take:
+            n = len(r.req.prompt)
+            full = n // pool.page_size
+            shared = prompt_pages[at[r.key]][:full]
+            want = pool.pages_for(n + r.req.params.max_tokens) - full
+            for _ in range(r.req.num_samples):
+                partial = spare[r.key][full:]
+                if partial:  # the prompt's own partial page, once
+                    spare[r.key] = spare[r.key][:full]
+                    own = partial + pool.allocate(want - 1)
+                else:
+                    own = pool.allocate(want)
+                    if n % pool.page_size:
+                        pool.copy_page(prompt_pages[at[r.key]][full], own[0])
+                s = _Seq(r, shared + own, n)
+                r.seqs.append(s)
+                seqs.append(s)
+            r.running = r.req.num_samples
+            self._started[r.ticket] = r
+        for i, u in enumerate(uniq):  # the shared pages' holders are the samples
+            full = len(u.req.prompt) // pool.page_size
+            pool.share(prompt_pages[i][:full], holders[u.key] - 1)
+
+        rows = [at[s.request.key] for s in seqs]
+        choice = self._choice_of(seqs, list(range(len(seqs))))
+        tokens, lps, logp = choice.choose(logits.index_select(0, torch.tensor(rows, device=logits.device)))
+        top = top_rows(logp, max(r.req.topk_sample for r in take))
+        seated: list[_Seq] = []
+        for b, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), lps.tolist(), strict=True)):
+            s.record(model, tok, lp, top, b)
+            if s.done is not None:
+                self._finish(s, done)
+            else:
+                seated.append(s)
+        masks = {}  # one mask row per adapter
+        for s in seated:
+            ad = s.request.adapter
+            if id(ad) not in masks:
+                masks[id(ad)] = self.stack.mask_row(ad)
+        self.decode.set_slots(len(self.live), [s.tokens[-1] for s in seated],
+                              [s.length for s in seated], [s.pages for s in seated],
+                              [masks[id(s.request.adapter)] for s in seated])
+        self.live += seated
+        self._choice = None
+
+    def _prefill(self, uniq: list[_Request], pages: list[list[int]]):
+        """One forward of the distinct prompts (right-padded), writing their keys and values
+        into `pages`; returns the hidden states [U, S, H] and last-position logits [U, V]."""
+        model, pool, dev = self.model, self.pool, self.model.device
+        lens = torch.tensor([len(u.req.prompt) for u in uniq], device=dev)
+        S = int(lens.max())
+        ids = torch.zeros((len(uniq), S), dtype=torch.long)
+        table = torch.zeros((len(uniq), pool.pages_for(S)), dtype=torch.long)
+        for i, u in enumerate(uniq):
+            ids[i, :len(u.req.prompt)] = torch.tensor(u.req.prompt)
+            table[i, :len(pages[i])] = torch.tensor(pages[i])
+        ids, table = ids.to(dev), table.to(dev)
+        cols = torch.arange(S, device=dev)
+        write = pool.slots(table)[:, :S] * (cols[None, :] < lens[:, None])  # padding: page 0
+        keys = torch.arange(table.shape[1] * pool.page_size, device=dev)
+        causal = keys[None, :] <= cols[:, None]  # [S, L]
+        mask = (causal[None] & (keys[None, :] < lens[:, None])[:, None, :])[:, None]
+        masks = torch.stack([self.stack.mask_row(u.adapter) for u in uniq]).to(dev)
+        lora = RowLora(self.stack, masks)
+        positions = cols[None, :].expand(len(uniq), S)
+        hidden = model.forward(ids, positions, lora, pool.view(write.reshape(-1), table), mask)
+        last = hidden[torch.arange(len(uniq), device=dev), lens - 1]
+        return hidden, model.logits(last[:, None], lora)[:, 0]
+
+    # -- decoding -----------------------------------------------------------------------
+
+    def _decode(self, done: list[Finished]) -> None:
+        live = self.live
+        n = len(live)
+        pages = max(self.pool.pages_for(s.length + 1) for s in live)
+        logits = self.decode(n, pages)
+        if self._choice is None:
+            self._choice = self._choice_of(live, list(range(n)))
+        tokens, lps, logp = self._choice.choose(logits)
+        top = top_rows(logp, max(s.request.req.topk_sample for s in live))
+        self.decode.advance(n, tokens)
+        stopped = []
+        for b, (tok, lp) in enumerate(zip(tokens.tolist(), lps.tolist(), strict=True)):
+            s = live[b]
+            s.length += 1
+            s.record(self.model, tok, lp, top, b)
+            if s.done is not None:
+                stopped.append(b)
+        for b in reversed(stopped):  # highest slot first: the row moved in has not stopped
+            self._finish(live[b], done)
+            last = len(live) - 1
+            if b != last:
+                self.decode.move_slot(last, b)
+                live[b] = live[last]
+            else:
+                self.decode.clear_slot(b)
+            live.pop()
+        if stopped:
+            self._choice = None
+
+    def _choice_of(self, seqs: list[_Seq], slots: list[int]) -> RowChoice:
+        """Sampling parameters of `seqs` (in `slots`); a request's rows draw together, in
+        sample order."""
+        by_req: dict[int, tuple[_Request, list[tuple[int, int]]]] = {}
+        for s, slot in zip(seqs, slots, strict=True):
+            if s.request.req.params.temperature > 0:
+                r = s.request
+                by_req.setdefault(r.ticket, (r, []))[1].append((r.seqs.index(s), slot))
+        groups = [([slot for _, slot in sorted(idx)], r.gen) for r, idx in by_req.values()]
+        return RowChoice.of([s.request.req.params for s in seqs], groups, self.model.device)
+
+    def _finish(self, s: _Seq, done: list[Finished]) -> None:
+        self.pool.release(s.pages)
+        r = s.request
+        if r.adapter is not None:
+            self.stack.release(r.adapter)
+        r.running -= 1
+        if r.running == 0:
+            del self._started[r.ticket]
+            r.result.sequences = [SampledSequence(x.tokens, x.logprobs, x.done or "length", x.top)
+                                  for x in r.seqs]
+            done.append(Finished(r.ticket, r.result))
