@@ -165,3 +165,14 @@ def test_decode_slices_stream_and_let_a_later_short_request_pass(tiny_dir):
     for piece, seq in zip(streamed, done.result.sequences, strict=True):
         assert seq.tokens[:len(piece)] == piece  # the rest came with the result
     assert e.sample_slice() == []
+
+
+def test_the_sampler_page_pool_is_sized_by_kv_bytes(tiny_dir):
+    """Config `sample_kv_mb` reaches the engine as `kv_bytes`: the pool it makes is that
+    size (the tiny model's KV is 1 KiB a position at most here), not the device default."""
+    small, default = make_engine(tiny_dir, kv_bytes=1 << 20), make_engine(tiny_dir)
+    req = SampleRequest(None, _prompt(small, 6, 70), SamplingParams(max_tokens=4))
+    for e in (small, default):
+        assert e.kv_pages == 0
+        assert len(e.sample([req])[0].sequences[0].tokens) == 4
+    assert 0 < small.kv_pages < default.kv_pages

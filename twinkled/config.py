@@ -49,6 +49,7 @@ class Config:
     max_rank: int = 128
     token_budget: int = 16384  # tokens per micro-batch (activation memory)
     packing: bool = True  # rows of mixed lengths run end to end, not padded (engine/packed.py)
+    sample_kv_mb: int = 0  # the sampler's KV page pool per worker (0: 4096 on a GPU, 64 on a CPU)
     # How long a training step should take, in ms: "auto" derives it from the step times
     # measured on this model (scheduler/cost.py), 0 bounds steps by token_budget only.
     target_step_ms: float | str = "auto"
@@ -193,7 +194,7 @@ _RANGES = {
                "must be cpu, cuda, cuda:N or auto"),
     "workers": _POSITIVE, "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
-    "token_budget": _POSITIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE,
+    "token_budget": _POSITIVE, "sample_kv_mb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE,
     "poll_seconds": (lambda v: 0 <= v < 45,
                      "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
     "gather_ms": _NON_NEGATIVE, "stability_bytes": _NON_NEGATIVE,

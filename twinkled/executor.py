@@ -99,6 +99,7 @@ def zmq_executor(config: Config) -> Executor:
     live_dir = Path(config.data_dir) / "live"
     options = {"model": str(config.model), "dtype": config.dtype,
                "max_rank": config.max_rank, "token_budget": config.token_budget,
+               "sample_kv_mb": config.sample_kv_mb,
                "packing": config.packing,
                "live_dir": str(live_dir), "persist_every": config.persist_every,
                "threads": threads}
@@ -379,5 +380,5 @@ def in_process_executor(config: Config) -> Executor:
     dtype = "float32" if device == "cpu" and config.dtype == "bfloat16" else config.dtype
     group = InProcessGroup(config.model, device=device, dtype=dtype, max_rank=config.max_rank,
                            token_budget=config.token_budget, packing=config.packing,
-                           live_dir=live_dir, persist_every=config.persist_every)
+                           sample_kv_mb=config.sample_kv_mb, live_dir=live_dir, persist_every=config.persist_every)
     return Executor(group, live_dir, config.persist_every)

@@ -43,7 +43,8 @@ class Engine:
 
     def __init__(self, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", max_rank: int = 128,
-                 token_budget: int = 16384, packed: bool = True, dp_group=None):
+                 token_budget: int = 16384, packed: bool = True, dp_group=None,
+                 kv_bytes: int | None = None):
         self.model = BaseModel(model_dir, dtype=dtype, device=device)
         self.pool = LoraPool(self.model.targets, max_rank, self.model.device, self.model.dtype)
         self.token_budget = token_budget
@@ -53,6 +54,7 @@ class Engine:
         # Sampling's running batch: its KV page pool and decode CUDA graphs are made at the
         # first sample call and kept for the next ones.
         self._running: RunningBatch | None = None
+        self.kv_bytes = kv_bytes  # its page pool's size (None: running.KV_BYTES)
         self._finished: list[Finished] = []  # submitted requests done during `sample`
 
     @property
@@ -163,6 +165,11 @@ class Engine:
             self._running = None  # rows may be left holding pages: start afresh next time
             raise
 
+    @property
+    def kv_pages(self) -> int:
+        """Pages in the sampler's KV pool (0 before the first sample)."""
+        return 0 if self._running is None else self._running.pool.pages
+
     def sample_submit(self, requests: list[SampleRequest], checked: bool = False) -> list[int]:
         """Queue requests in the running batch; returns their tickets. They run, beside
         later ones, in `sample_slice` calls (which return them when they finish)."""
@@ -193,7 +200,7 @@ class Engine:
             for r in requests:
                 self.check(r)
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
-        batch = self._running or RunningBatch(self.model)
+        batch = self._running or RunningBatch(self.model, kv_bytes=self.kv_bytes)
         if batch.idle:  # (a batch in use cannot grow; admit refuses what it cannot hold)
             batch = batch.sized_for(requests)
         self._running = batch

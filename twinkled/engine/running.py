@@ -83,16 +83,17 @@ class _Seq:
 
 class RunningBatch:
     """Up to `rows` sequences decoding together over a pool of `pages` KV pages (default:
-    `KV_BYTES` of the device type). `decode`: how a decode step runs (decode_step.py;
+    as many as `kv_bytes` hold, else `KV_BYTES` of the device type). `decode`: how a decode step runs (decode_step.py;
     default "graphs" on CUDA devices, else "eager")."""
 
     def __init__(self, model, rows: int = 256, pages: int | None = None,
                  page_size: int = PAGE_SIZE, prefill_tokens: int | None = None,
-                 decode: str | None = None):
+                 decode: str | None = None, kv_bytes: int | None = None):
         dev = model.device
         if pages is None:
             per_token = 2 * len(model.layers) * model.n_kv * model.head_dim * model.dtype.itemsize
-            pages = KV_BYTES.get(dev.type, KV_BYTES["cuda"]) // (per_token * page_size)
+            kv_bytes = kv_bytes or KV_BYTES.get(dev.type, KV_BYTES["cuda"])
+            pages = max(2, kv_bytes // (per_token * page_size))
         self.model, self.rows = model, rows
         self.pool = PagePool(len(model.layers), model.n_kv, model.head_dim, pages, page_size,
                              model.dtype, dev)

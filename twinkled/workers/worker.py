@@ -103,6 +103,7 @@ def _start(args: dict):
         dtype = "float32"  # bf16 matmuls on a CPU are slow and gain nothing here
     engine = Engine(args["model"], dtype=dtype, device=device, max_rank=args["max_rank"],
                     token_budget=args["token_budget"], packed=args.get("packing", True),
+                    kv_bytes=(args.get("sample_kv_mb") or 0) << 20 or None,
                     dp_group=dist.group.WORLD if args["world"] > 1 else None)
     persister = None
     if args["rank"] == 0 and args.get("live_dir"):
