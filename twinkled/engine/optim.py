@@ -35,13 +35,15 @@ def _counters(adapter: Adapter) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]]) -> list[OptimResult]:
+def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]],
+                    shard=None) -> list[OptimResult]:
     """Apply each adapter's optimizer to its gradients accumulated since its last step;
     clear them. The params' family is the adapter's (checked by the engine).
 
     Adapters stepping together share the work: one norm pass and one host sync for all,
     one fused AdamW call per distinct set of AdamW hyperparameters, and one Dimuon call for
-    all Dimuon adapters.
+    all Dimuon adapters. `shard` (tp.py): the banks hold tensor-parallel slices, so norms
+    are of the whole adapter, summed over the group.
     """
     results: list[OptimResult | None] = [None] * len(items)
     live = []
@@ -53,8 +55,12 @@ def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]]) -> l
     if not live:
         return results
     grads = [a.bank.tensors(a.slot, "g") for _, a, _ in live]
-    per_tensor = torch.stack(torch._foreach_norm([g for gs in grads for g in gs]))
-    norms = torch.stack([x.norm() for x in per_tensor.split([len(g) for g in grads])]).tolist()
+    if shard is not None:
+        keys = [[f"{p}:{k}" for p in "AB" for k in a.bank.shapes] for _, a, _ in live]
+        norms = shard.grad_norms(grads, keys)
+    else:
+        per_tensor = torch.stack(torch._foreach_norm([g for gs in grads for g in gs]))
+        norms = torch.stack([x.norm() for x in per_tensor.split([len(g) for g in grads])]).tolist()
 
     groups: dict[tuple, list] = {}
     dimuon: list[tuple[Adapter, DimuonParams]] = []
