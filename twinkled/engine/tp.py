@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .sizing import split_problem
 from .types import EngineInputError
 
 COLUMN = ("q_proj", "gate_proj", "up_proj")
@@ -110,7 +111,9 @@ class ShardPlan:
         self.n_kv = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.intermediate = config.intermediate_size
-        check_divides(self.size, self.n_heads, self.n_kv, self.intermediate)
+        problem = split_problem(config.to_dict(), self.size)
+        if problem is not None:
+            raise EngineInputError("tp", problem)
         if self.n_kv >= self.size:
             per = self.n_kv // self.size
             self.kv_heads = range(self.rank * per, (self.rank + 1) * per)
@@ -236,19 +239,6 @@ class ShardPlan:
         return out
 
 
-def check_divides(tp: int, n_heads: int, n_kv: int, intermediate: int) -> None:
-    """Refuse a split the model cannot take, naming the numbers."""
-    if n_heads % tp:
-        raise EngineInputError("tp", f"tensor-parallel size {tp} does not divide the model's "
-                               f"{n_heads} attention heads")
-    if n_kv % tp and tp % n_kv:
-        raise EngineInputError("tp", f"tensor-parallel size {tp} and the model's {n_kv} KV "
-                               "heads: one must divide the other")
-    if intermediate % tp:
-        raise EngineInputError("tp", f"tensor-parallel size {tp} does not divide the MLP "
-                               f"width {intermediate}")
-
-
 # -- loading ----------------------------------------------------------------------------
 
 
@@ -309,15 +299,4 @@ def load_sharded(model_dir: Path, config, dtype: torch.dtype, device: torch.devi
     if left:
         raise EngineInputError("model", f"{model_dir}: tensors left unloaded: {left[:3]}")
     return hf.eval().requires_grad_(False)
-
-
-def param_bytes(config, dtype_bytes: int, tp: int) -> int:
-    """The base weights one rank of a tensor-parallel group holds (estimate, in bytes)."""
-    h, n_l = config.hidden_size, config.num_hidden_layers
-    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    n_kv_local = max(1, config.num_key_value_heads // tp)
-    attn = h * d * (2 * config.num_attention_heads // tp + 2 * n_kv_local)
-    mlp = 3 * h * config.intermediate_size // tp
-    embed = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
-    return dtype_bytes * (n_l * (attn + mlp + 2 * h) + embed + h)
 

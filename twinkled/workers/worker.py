@@ -99,9 +99,15 @@ def _start(args: dict):
     dtype = args["dtype"]
     if not cuda and dtype == "bfloat16":
         dtype = "float32"  # bf16 matmuls on a CPU are slow and gain nothing here
+    tp, dp_group = None, dist.group.WORLD if args["world"] > 1 else None
+    if args.get("tp", 1) > 1:  # megatron-core only here (engine/tp.py)
+        from twinkled.engine.tp import TensorParallel
+
+        tp = TensorParallel(args["tp"])
+        dp_group = tp.dp_group
     engine = Engine(args["model"], dtype=dtype, device=device, max_rank=args["max_rank"],
                     token_budget=args["token_budget"], packed=args.get("packing", True),
-                    dp_group=dist.group.WORLD if args["world"] > 1 else None)
+                    dp_group=dp_group, tp=tp)
     persister = None
     if args["rank"] == 0 and args.get("live_dir"):
         persister = Persister(Path(args["live_dir"]), args.get("persist_every", 1))
