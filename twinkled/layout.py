@@ -88,6 +88,6 @@ def _fit_problems(cfg: Config, model: dict, card: int, n_devices: int) -> list[s
                            rank=min(cfg.max_rank, 32), adapters=1) <= HEADROOM * card]
     hint = (f"; --tp {fits[0]} would fit" if fits else
             "; more cards (a larger --tp) or a smaller token_budget are needed")
-    return [f"model: {cfg.served_name()} needs about {need / GiB:.1f} GiB per GPU at tp "
+    return [f"model: {cfg.served_name} needs about {need / GiB:.1f} GiB per GPU at tp "
             f"{cfg.tp} (weights {weight_bytes(model, dtype_bytes, cfg.tp) / GiB:.1f} GiB), "
             f"more than the {card / GiB:.1f} GiB cards hold{hint}"]
