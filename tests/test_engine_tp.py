@@ -20,6 +20,7 @@ from tp_scenario import run
 from twinkled.engine.engine import Engine
 from twinkled.engine.lora import LoraBatch
 from twinkled.engine.tiny import build_tiny_model
+from twinkled.engine.types import LoraConfig
 
 pytest.importorskip("megatron.core")
 HERE = Path(__file__).parent
@@ -101,3 +102,21 @@ def test_tp2_checkpoint_loads_whole_and_in_peft(tp_run):
         pos = torch.arange(11).expand(2, -1)
         ours = eng.model.logits(eng.model.forward(ids, pos, lora), lora)
     assert _rel(ours, theirs) <= RTOL
+
+
+def test_recomputed_activations_give_the_same_gradients(tiny_dir):
+    """activation_checkpointing "on" (recompute per layer) changes memory, not results."""
+    from tp_scenario import _requests
+
+    out = {}
+    for mode in ("off", "on"):
+        eng = Engine(tiny_dir, recompute=mode)
+        eng.add_adapter("a", LoraConfig(rank=4, seed=1))
+        eng.add_adapter("b", LoraConfig(rank=4, seed=2, train_unembed=False))
+        res = eng.forward_backward(_requests(eng.model.vocab_size))
+        a = eng.pool.get("a")
+        out[mode] = ([r.metrics["loss:sum"] for r in res],
+                     [g.clone() for g in a.bank.tensors(a.slot, "g")], eng.model.recompute.used)
+    assert out["on"][2] > 0 and out["off"][2] == 0
+    assert _rel(out["on"][0], out["off"][0]) <= 1e-6
+    assert max(_rel(x, y) for x, y in zip(out["on"][1], out["off"][1], strict=True)) <= 1e-5

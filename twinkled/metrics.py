@@ -64,6 +64,12 @@ class _Live:
         for w in g["workers"]:
             memory.add_metric([str(w["rank"]), w["device"]], w["memory_bytes"])
         yield memory
+        peak = GaugeMetricFamily("twinkle_gpu_peak_memory_bytes", "The most device memory "
+                                 "the engine has allocated since the worker started, per "
+                                 "worker rank", labels=["rank", "device"])
+        for w in g["workers"]:
+            peak.add_metric([str(w["rank"]), w["device"]], w.get("peak_memory_bytes", 0))
+        yield peak
         busy = CounterMetricFamily("twinkle_worker_busy_seconds", "Time each worker rank spent "
                                    "running steps since the group (re)started; against wall "
                                    "time, how busy the rank is", labels=["rank", "device"])

@@ -42,11 +42,13 @@ class Engine:
 
     def __init__(self, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", max_rank: int = 128,
-                 token_budget: int = 16384, packed: bool = True, dp_group=None, tp=None):
+                 token_budget: int = 16384, packed: bool = True, dp_group=None, tp=None,
+                 recompute: str = "auto"):
         # `tp` (tp.py: TensorParallel): this rank holds a slice of the base model and of
         # every adapter; `dp_group` is then the group across the replicas.
         self.model = BaseModel(model_dir, dtype=dtype, device=device, tp=tp)
         self.shard = self.model.shard  # None unless split
+        self.model.recompute.set_mode(recompute)  # activation checkpointing (recompute.py)
         self.pool = LoraPool(self.model.targets, max_rank, self.model.device, self.model.dtype,
                              shard=self.shard)
         self.token_budget = token_budget

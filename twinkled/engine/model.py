@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .lora import LoraBatch
 from .packed import PackedLora, Packing
+from .recompute import Recompute
 from .tp import NoSplit
 from .types import ATTN_MODULES, MLP_MODULES, EngineInputError
 
@@ -104,6 +106,8 @@ class BaseModel:
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_seq_len = int(config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(config, self.tokenizer)
+        self.recompute = Recompute(config.to_dict(), self.dtype, self.device, self.tp.size,
+                                   getattr(self.tp, "group", None))
 
         # Every linear a LoRA may target: "model.layers.3.mlp.up_proj" -> (in, out).
         self.targets: dict[str, tuple[int, int]] = {}
@@ -135,18 +139,25 @@ class BaseModel:
         `packing`, the one row [1, T] holds several sequences end to end (packed.py)."""
         h = self.decoder.embed_tokens(input_ids)
         cos, sin = self.decoder.rotary_emb(h, positions)
+        # Recompute per layer (checkpointing): the backward keeps only each layer's input
+        # and runs the layer again; recompute.py says when (a step that would not fit).
+        again = torch.is_grad_enabled() and self.recompute.wanted(input_ids.numel())
         for i, layer in enumerate(self.layers):
-            keys = self.layer_keys[i]
-            x = self.tp.enter(layer.input_layernorm(h))
-            h = h + self.tp.leave(self._attention(i, layer.self_attn, x, cos, sin, keys, lora,
-                                                  cache, mask, packing))
-            x = self.tp.enter(layer.post_attention_layernorm(h))
-            mlp = layer.mlp
-            gate = self._linear(mlp.gate_proj, keys["gate_proj"], x, lora)
-            up = self._linear(mlp.up_proj, keys["up_proj"], x, lora)
-            h = h + self.tp.leave(self._linear(mlp.down_proj, keys["down_proj"],
-                                               mlp.act_fn(gate) * up, lora))
+            args = (i, layer, h, cos, sin, lora, cache, mask, packing)
+            h = checkpoint(self._layer, *args, use_reentrant=False) if again else self._layer(*args)
         return self.decoder.norm(h)
+
+    def _layer(self, i, layer, h, cos, sin, lora, cache, mask, packing) -> torch.Tensor:
+        keys = self.layer_keys[i]
+        x = self.tp.enter(layer.input_layernorm(h))
+        h = h + self.tp.leave(self._attention(i, layer.self_attn, x, cos, sin, keys, lora,
+                                              cache, mask, packing))
+        x = self.tp.enter(layer.post_attention_layernorm(h))
+        mlp = layer.mlp
+        gate = self._linear(mlp.gate_proj, keys["gate_proj"], x, lora)
+        up = self._linear(mlp.up_proj, keys["up_proj"], x, lora)
+        return h + self.tp.leave(self._linear(mlp.down_proj, keys["down_proj"],
+                                              mlp.act_fn(gate) * up, lora))
 
     def logits(self, hidden: torch.Tensor, lora: LoraBatch | PackedLora | None = None
                ) -> torch.Tensor:

@@ -73,7 +73,7 @@ def main(args: dict) -> None:
             log.error("step %d failed: %s", step.id, traceback.format_exc())
             sys.exit(f"step failed: {type(e).__name__}: {e}")
         busy = time.perf_counter() - started
-        sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, _memory(runner),
+        sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, *_memory(runner),
                                         runner.persisted(), busy)))
         waiting = runner.between_steps()  # after the reply: off the step's path
 
@@ -107,7 +107,8 @@ def _start(args: dict):
         dp_group = tp.dp_group
     engine = Engine(args["model"], dtype=dtype, device=device, max_rank=args["max_rank"],
                     token_budget=args["token_budget"], packed=args.get("packing", True),
-                    dp_group=dp_group, tp=tp)
+                    dp_group=dp_group, tp=tp,
+                    recompute=args.get("activation_checkpointing", "auto"))
     persister = None
     if args["rank"] == 0 and args.get("live_dir"):
         persister = Persister(Path(args["live_dir"]), args.get("persist_every", 1))
@@ -120,11 +121,14 @@ def _start(args: dict):
     return runner, hello
 
 
-def _memory(runner) -> int:
+def _memory(runner) -> tuple[int, int]:
+    """Device bytes allocated now, and the most since the start (0, 0 on a CPU)."""
     import torch
 
     dev = runner.engine.model.device
-    return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    if dev.type != "cuda":
+        return 0, 0
+    return torch.cuda.memory_allocated(dev), torch.cuda.max_memory_allocated(dev)
 
 
 if __name__ == "__main__":
