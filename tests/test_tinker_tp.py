@@ -78,3 +78,12 @@ def test_tp2_daemon_matches_one_rank(tp_daemon, daemon, tiny_dir):
     assert got["live"] == want["live"]
     q_b = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
     assert got["live"][q_b] == [128, 8]  # 2 heads x 64, not one rank's head
+
+
+def test_tp_daemon_reports_every_rank_and_its_peak_memory(tp_daemon):
+    import urllib.request
+
+    with urllib.request.urlopen(f"{tp_daemon.url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for rank in (0, 1):  # on a CPU the engine holds no device memory: 0
+        assert f'twinkle_gpu_peak_memory_bytes{{device="cpu",rank="{rank}"}} 0.0' in text
