@@ -72,11 +72,12 @@ def _datum(d: DatumF) -> Datum:
     return Datum(to_tensor(d.tokens), {k: to_tensor(v) for k, v in d.inputs.items()})
 
 
-def fatal(e: BaseException) -> bool:
+def fatal(e: BaseException, split: bool = False) -> bool:
     """A fault that leaves this rank unusable or out of step with the others (the group
-    restarts). Anything else fails the requests it touched and the worker goes on."""
+    restarts). Anything else fails the requests it touched and the worker goes on. `split`
+    (tensor parallelism): out of memory too, as the rank's peers wait in the collectives."""
     if isinstance(e, torch.OutOfMemoryError):
-        return False
+        return split
     kinds = tuple(k for k in (getattr(torch.distributed, "DistError", None),
                               getattr(torch, "AcceleratorError", None)) if k is not None)
     text = str(e)
@@ -157,7 +158,7 @@ class StepRunner:
                                     for i, req in run for j in mine[i]):
                 raise RuntimeError("injected failure (TWINKLED_TEST_FAIL_TOKENS)")
         except Exception as e:
-            if fatal(e):
+            if fatal(e, self.engine.shard is not None):
                 raise
             _release(e)
             why = f"{type(e).__name__}: {e}"
@@ -182,7 +183,7 @@ class StepRunner:
                 try:
                     self._load_sampler(s)
                 except Exception as e:
-                    if fatal(e):
+                    if fatal(e, self.engine.shard is not None):
                         raise
                     failed[i] = e
         for i in mine:
@@ -203,7 +204,7 @@ class StepRunner:
                     raise EngineInputError("sampling_session_id", "its weights are not loaded")
                 good.append((i, req))
             except Exception as e:
-                if fatal(e):
+                if fatal(e, self.engine.shard is not None):
                     raise
                 outcomes.append(OutcomeF(i, error=str(e), category=_category(e)))
         if good:
@@ -225,7 +226,7 @@ class StepRunner:
             results = self.engine.sample([req for _, req in good], checked=True)
             return [OutcomeF(i, sample=r) for (i, _), r in zip(good, results, strict=True)]
         except Exception as e:
-            if fatal(e):
+            if fatal(e, self.engine.shard is not None):
                 raise
             _release(e)
             if len(good) == 1:
@@ -311,7 +312,7 @@ class StepRunner:
         try:
             return self._barrier(i, op)
         except Exception as e:
-            if fatal(e):
+            if fatal(e, self.engine.shard is not None):
                 raise
             return OutcomeF(i, error=str(e) if isinstance(e, EngineInputError)
                             else f"{type(e).__name__}: {e}", category=_category(e))
@@ -338,7 +339,7 @@ class StepRunner:
                     try:
                         self._keep_fresh(aid, op.dir)
                     except Exception as e:  # a cache: the save goes on, sampling reads files
-                        if fatal(e):
+                        if fatal(e, self.engine.shard is not None):
                             raise
                         log.warning("no device copy of %s for sampling: %s", op.dir, e)
                 if self.rank != 0:
