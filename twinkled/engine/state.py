@@ -99,12 +99,6 @@ def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
     return Snapshot(adapter.config, adapter.steps, names, host, ready, flat)
 
 
-def save_adapter(adapter: Adapter, path: str | Path, base_model: str,
-                 optimizer: bool) -> int:
-    """Write the adapter (and its optimizer state) to directory `path`; returns bytes written."""
-    return write_snapshot(snapshot(adapter, optimizer), path, base_model)
-
-
 def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
     """Write a snapshot as a checkpoint directory, atomically; returns bytes written."""
     path = Path(path)
