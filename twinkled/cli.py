@@ -9,6 +9,7 @@ import click
 
 from .config import Config
 from .ctl import ctl
+from .layout import expand_devices, layout_problems
 
 
 @click.group()
@@ -23,15 +24,18 @@ def main() -> None:
 @click.option("--host", help="Address to listen on (default 127.0.0.1).")
 @click.option("--port", type=int, help="Port (default 8000).")
 @click.option("--device", help="cpu, cuda, cuda:N or auto (default).")
-@click.option("--devices", help="One worker per device, comma-separated: cuda:0,cuda:1.")
+@click.option("--devices", help="One worker per device, comma-separated: cuda:0,cuda:1 "
+              "(a range: cuda:0-3).")
 @click.option("--workers", type=int, help="Worker ranks on --device (default 1; gloo on CPU).")
+@click.option("--tp", type=int, help="Tensor-parallel size: each replica of the base model "
+              "is split over this many devices (default 1).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
               help="Base model dtype (default bfloat16; float32 on a CPU).")
 @click.option("--log-format", type=click.Choice(["text", "json"]),
               help="One line per request; json for log shippers (default text).")
 @click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True),
               help="TOML config file; flags override it.")
-def serve(model, model_name, data_dir, host, port, device, devices, workers, dtype,
+def serve(model, model_name, data_dir, host, port, device, devices, workers, tp, dtype,
           log_format, config_file) -> None:
     """Load the base model once and serve the Tinker API over HTTP."""
     from .perms import private_dir, private_umask
@@ -44,10 +48,14 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, dty
     from .store import Store
 
     cfg = Config.load(config_file, model=model, model_name=model_name, data_dir=data_dir,
-                      host=host, port=port, device=device, dtype=dtype, workers=workers,
-                      devices=devices.split(",") if devices else None, log_format=log_format)
+                      host=host, port=port, device=device, dtype=dtype, workers=workers, tp=tp,
+                      devices=expand_devices(devices) if devices else None,
+                      log_format=log_format)
     if cfg.model is None or not (cfg.model / "config.json").is_file():
         raise click.UsageError("--model must be a Hugging Face model directory")
+    problems = layout_problems(cfg)
+    if problems:
+        raise click.UsageError("; ".join(problems))
     from .admin import admin_key_path, ensure_admin_key
     from .logs import setup_logging
 

@@ -41,6 +41,10 @@ class Config:
     device: str = "auto"  # "cpu", "cuda", "cuda:1", or auto (one worker)
     devices: list[str] = field(default_factory=list)  # one worker per device: cuda:0,cuda:1
     workers: int = 1  # ranks when `devices` is not given (CPU boxes: gloo workers)
+    tp: int = 1  # tensor-parallel size: each replica of the base model spans tp devices
+    # Recompute activations per layer in the backward: auto (when a step would not fit
+    # otherwise), on, off.
+    activation_checkpointing: str = "auto"
     worker_threads: int = 0  # torch threads per worker (0: CPU cores / workers; 2 per GPU)
     persist_every: int = 1  # persist live adapters after every N-th optimizer step
     idle_unload_s: float = 1800.0  # unload an adapter idle this long (0: never); it comes back on its next request
@@ -192,7 +196,9 @@ _RANGES = {
               "must be bfloat16, float32 or float16"),
     "device": (lambda v: v == "auto" or _DEVICE.fullmatch(v),
                "must be cpu, cuda, cuda:N or auto"),
-    "workers": _POSITIVE, "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
+    "workers": _POSITIVE, "tp": _POSITIVE,
+    "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
+                                 "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
     "token_budget": _POSITIVE, "sample_kv_mb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE,
     "poll_seconds": (lambda v: 0 <= v < 45,

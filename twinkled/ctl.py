@@ -296,7 +296,8 @@ def status(target: Target, as_json: bool) -> None:
         for w in s["workers"]:
             where = f" on {w['host']}" if w.get("remote") else ""
             click.echo(f"  rank {w['rank']} {w['device']:<8}{where} pid {w['pid']}  "
-                       f"{'alive' if w['alive'] else 'DOWN'}  memory {_size(w['memory_bytes'])}")
+                       f"{'alive' if w['alive'] else 'DOWN'}  memory {_size(w['memory_bytes'])}"
+                       f" (peak {_size(w.get('peak_memory_bytes', 0))})")
         for d in s.get("damaged_checkpoints", []):
             click.echo(f"  damaged checkpoint {d['tinker_path']}: {d['reason']}")
         click.echo(f"{'tenant':<16}{'weight':>7}{'queued':>8}{'tokens':>9}{'paused':>8}"

@@ -58,12 +58,15 @@ class _Live:
         yield depth
         yield GaugeMetricFamily("twinkle_adapters_loaded", "Training adapters loaded",
                                 value=g["adapters"])
-        memory = GaugeMetricFamily("twinkle_gpu_memory_bytes", "Device memory allocated by "
-                                   "the engine after the last step, per worker rank",
-                                   labels=["rank", "device"])
-        for w in g["workers"]:
-            memory.add_metric([str(w["rank"]), w["device"]], w["memory_bytes"])
-        yield memory
+        for name, what, key in (
+                ("twinkle_gpu_memory_bytes", "Device memory allocated by the engine after "
+                 "the last step, per worker rank", "memory_bytes"),
+                ("twinkle_gpu_peak_memory_bytes", "The most device memory the engine has "
+                 "allocated since the worker started, per worker rank", "peak_memory_bytes")):
+            memory = GaugeMetricFamily(name, what, labels=["rank", "device"])
+            for w in g["workers"]:
+                memory.add_metric([str(w["rank"]), w["device"]], w.get(key, 0))
+            yield memory
         busy = CounterMetricFamily("twinkle_worker_busy_seconds", "Time each worker rank spent "
                                    "running steps since the group (re)started; against wall "
                                    "time, how busy the rank is", labels=["rank", "device"])

@@ -43,10 +43,15 @@ class Engine:
 
     def __init__(self, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", max_rank: int = 128,
-                 token_budget: int = 16384, packed: bool = True, dp_group=None,
-                 kv_bytes: int | None = None):
-        self.model = BaseModel(model_dir, dtype=dtype, device=device)
-        self.pool = LoraPool(self.model.targets, max_rank, self.model.device, self.model.dtype)
+                 token_budget: int = 16384, packed: bool = True, dp_group=None, tp=None,
+                 recompute: str = "auto", kv_bytes: int | None = None):
+        # `tp` (tp.py: TensorParallel): this rank holds a slice of the base model and of
+        # every adapter; `dp_group` is then the group across the replicas.
+        self.model = BaseModel(model_dir, dtype=dtype, device=device, tp=tp)
+        self.shard = self.model.shard  # None unless split
+        self.model.recompute.set_mode(recompute)  # activation checkpointing (recompute.py)
+        self.pool = LoraPool(self.model.targets, max_rank, self.model.device, self.model.dtype,
+                             shard=self.shard)
         self.token_budget = token_budget
         self.packed = packed  # rows end to end in a micro-batch, not padded (packed.py)
         # Set in a data-parallel worker group: gradients are summed over it before a step.
@@ -64,8 +69,21 @@ class Engine:
     # -- adapters ---------------------------------------------------------------------
 
     def add_adapter(self, adapter_id: str, config: LoraConfig | None = None) -> AdapterInfo:
-        self.pool.add(adapter_id, config or LoraConfig())
+        config = config or LoraConfig()
+        if self.shard is not None:
+            config = self._split_config(config)
+        self.pool.add(adapter_id, config)
         return self.adapter_info(adapter_id)
+
+    def _split_config(self, config: LoraConfig) -> LoraConfig:
+        """Under tensor parallelism: Dimuon orthogonalises whole matrices, which a rank's
+        slice is not; and an unseeded adapter gets a seed all ranks share."""
+        if config.optimizer == "dimuon":
+            raise EngineInputError("optimizer", "Dimuon is not supported on a tensor-parallel "
+                                   "worker group (tp > 1); use AdamW")
+        if config.seed is None:
+            config = replace(config, seed=self.shard.tp.broadcast_seed())
+        return config
 
     def copy_adapter(self, src: str, dst: str) -> AdapterInfo:
         """A new adapter `dst` with `src`'s configuration and current weights, but none of
@@ -143,9 +161,12 @@ class Engine:
         adapters = [self.pool.get(i) for i in ids]
         for adapter, (_, params) in zip(adapters, items, strict=True):
             check_optim_params(adapter.config.optimizer, params)
+        if self.shard is not None:
+            self.shard.reduce_grads(adapters)
         if self.dp_group is not None:
             reduce_gradients(adapters, self.dp_group)
-        return optimizer_steps(list(zip(adapters, [p for _, p in items], strict=True)))
+        return optimizer_steps(list(zip(adapters, [p for _, p in items], strict=True)),
+                               self.shard)
 
     def zero_grad(self, adapter_id: str) -> None:
         a = self.pool.get(adapter_id)
@@ -157,6 +178,16 @@ class Engine:
     def sample(self, requests: list[SampleRequest], checked: bool = False) -> list[SampleResult]:
         """Sample every request and wait for all of them. Requests queued by
         `sample_submit` keep running meanwhile; those that finish wait for `sample_slice`."""
+        if self.shard is not None:
+            # The running batch's stacked LoRA (lora_rows.py) does not follow the split:
+            # under tensor parallelism the padded sampler runs, over the split LoraBatch.
+            if not checked:
+                for r in requests:
+                    self.check(r)
+            adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id)
+                        for r in requests]
+            torch.manual_seed(self.shard.tp.broadcast_seed())  # unseeded draws must agree
+            return sampler.generate_padded(self.model, requests, adapters)
         batch, adapters = self._sampling_batch(requests, checked)
         try:
             return sampler.generate(self.model, requests, adapters, batch=batch,
@@ -200,6 +231,9 @@ class Engine:
             for r in requests:
                 self.check(r)
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
+        if self.shard is not None:
+            raise EngineInputError("sample", "queued sampling (the running batch) does not run "
+                                   "under tensor parallelism yet")
         batch = self._running or RunningBatch(self.model, kv_bytes=self.kv_bytes)
         if batch.idle:  # (a batch in use cannot grow; admit refuses what it cannot hold)
             batch = batch.sized_for(requests)
@@ -208,9 +242,19 @@ class Engine:
 
     # -- state ------------------------------------------------------------------------
 
-    def save(self, adapter_id: str, path: str | Path, optimizer: bool = True) -> int:
-        """Write a checkpoint directory (PEFT adapter, plus optimizer state); returns bytes."""
-        return state.save_adapter(self.pool.get(adapter_id), path, str(self.model.dir), optimizer)
+    def save(self, adapter_id: str, path: str | Path, optimizer: bool = True,
+             write: bool = True) -> int:
+        """Write a checkpoint directory (PEFT adapter, plus optimizer state); returns bytes.
+
+        Under tensor parallelism every rank of the group must call it (the tensors are
+        gathered whole); only those with `write` write the files."""
+        snap = self.snapshot(adapter_id, optimizer)
+        return state.write_snapshot(snap, path, str(self.model.dir)) if write else 0
+
+    def snapshot(self, adapter_id: str, optimizer: bool = True) -> state.Snapshot:
+        """The adapter's whole tensors at this instant (collective under tensor
+        parallelism)."""
+        return state.snapshot(self.pool.get(adapter_id), optimizer, self.shard)
 
     def load(self, adapter_id: str, path: str | Path, optimizer: bool = True,
              optimizer_type: str | None = None) -> AdapterInfo:
@@ -245,6 +289,9 @@ class Engine:
                     f"{adapter_id!r} was created with {current.optimizer!r}")
             config = current
         else:
+            if self.shard is not None and config.optimizer == "dimuon":
+                self._split_config(config)  # refuses it
             self.pool.add(adapter_id, config)
-        state.write_into(self.pool.get(adapter_id), weights, moments, steps if optimizer else 0)
+        state.write_into(self.pool.get(adapter_id), weights, moments, steps if optimizer else 0,
+                         self.shard)
         return self.adapter_info(adapter_id)

@@ -39,6 +39,10 @@ class Bank:
                  dtype: torch.dtype = torch.float32, capacity: int = 4):
         self.rank = rank
         self.shapes = targets  # key -> (in_features, out_features)
+        # Where its rows go in a mixed batch: the same on every rank of a tensor-parallel
+        # group (an id() would differ between processes, and the group's collectives would
+        # then sum different rows).
+        self.order = (rank, tuple(sorted(targets)))
         self.device = device
         # Batches run in the base model's dtype; a bf16 copy of the fp32 master weights,
         # refreshed after each change, spares every layer a cast per step.
@@ -153,10 +157,12 @@ class LoraPool:
     """Adds, finds and removes adapters; the base model's weights are never touched."""
 
     def __init__(self, targets: dict[str, tuple[int, int]], max_rank: int, device,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, shard=None):
         # targets: every module the model can adapt, "model.layers.0.self_attn.q_proj" ->
         # (in, out); the suffix (q_proj ...) is what a LoraConfig selects.
         self.targets = targets
+        # Under tensor parallelism (tp.py: ShardPlan) banks hold this rank's slices.
+        self.shard = shard
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
@@ -173,7 +179,8 @@ class LoraPool:
         if not (config.alpha > 0):
             raise EngineInputError("alpha", f"must be positive, got {config.alpha!r}")
         check_optimizer(config.optimizer)
-        keys = {k: s for k, s in self.targets.items() if k.rsplit(".", 1)[-1] in config.target_modules}
+        keys = {k: s if self.shard is None else self.shard.local_shape(k, s)
+                for k, s in self.targets.items() if k.rsplit(".", 1)[-1] in config.target_modules}
         bank_key = (config.rank, tuple(sorted(keys)))
         bank = self.banks.get(bank_key)
         if bank is None:
@@ -184,15 +191,19 @@ class LoraPool:
         self.adapters[adapter_id] = adapter
         return adapter
 
-    @staticmethod
     @torch.no_grad()
-    def _init_weights(bank: Bank, slot: int, seed: int | None) -> None:
+    def _init_weights(self, bank: Bank, slot: int, seed: int | None) -> None:
         # As peft does: A ~ kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0.
-        # Drawn on the CPU so a seed gives the same adapter on every device.
+        # Drawn on the CPU so a seed gives the same adapter on every device (and, drawn
+        # whole then sliced, under any tensor-parallel split). Unseeded, the ranks of a
+        # tensor-parallel group must still agree: the engine passes a shared seed then.
         gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
-        for key, (fin, _) in bank.shapes.items():
+        for key in bank.shapes:
+            fin = self.targets[key][0]
             bound = 1.0 / fin**0.5
             a = torch.empty((bank.rank, fin)).uniform_(-bound, bound, generator=gen)
+            if self.shard is not None:
+                a = self.shard.local_lora(key, "A", a)
             bank.A[key][slot].copy_(a)
             bank.B[key][slot].zero_()
         bank.stale.add(slot)

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .lora import LoraBatch
 from .packed import PackedLora, Packing
+from .recompute import Recompute
+from .tp import NoSplit
 from .types import ATTN_MODULES, MLP_MODULES, EngineInputError
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -59,7 +62,7 @@ class KVCache:
 
 class BaseModel:
     def __init__(self, model_dir: str | Path, dtype: str | torch.dtype = "float32",
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", tp=None):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         model_dir = Path(model_dir)
@@ -77,8 +80,17 @@ class BaseModel:
         self.device = torch.device(device)
         self.dir = model_dir
         self.config = config
-        self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
-        self.hf.to(self.device).eval().requires_grad_(False)
+        # Tensor parallelism (tp.py): `tp` is this rank's TensorParallel; `shard` says
+        # which slice of each module it holds. NoSplit: the whole model, no collectives.
+        self.tp, self.shard = NoSplit(), None
+        if tp is not None and tp.size > 1:
+            from .tp import ShardPlan, load_sharded
+
+            self.tp, self.shard = tp, ShardPlan(config, tp)
+            self.hf = load_sharded(model_dir, config, self.dtype, self.device, self.shard)
+        else:
+            self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+            self.hf.to(self.device).eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
         self.decoder = self.hf.model
@@ -88,10 +100,14 @@ class BaseModel:
         self.head_dim = attn.head_dim
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
+        if self.shard is not None:  # this rank's heads
+            self.n_heads, self.n_kv = self.shard.local_heads, self.shard.local_kv
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_seq_len = int(config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(config, self.tokenizer)
+        self.recompute = Recompute(config.to_dict(), self.dtype, self.device, self.tp.size,
+                                   getattr(self.tp, "group", None))
 
         # Every linear a LoRA may target: "model.layers.3.mlp.up_proj" -> (in, out).
         self.targets: dict[str, tuple[int, int]] = {}
@@ -109,6 +125,8 @@ class BaseModel:
                 m = modules[key]
                 self.targets[key] = (m.in_features, m.out_features)
         self.targets["lm_head"] = (self.lm_head.in_features, self.lm_head.out_features)
+        if self.shard is not None:
+            self.shard.full_shapes = self.targets
 
     # -- the forward pass -------------------------------------------------------------
 
@@ -121,16 +139,25 @@ class BaseModel:
         `packing`, the one row [1, T] holds several sequences end to end (packed.py)."""
         h = self.decoder.embed_tokens(input_ids)
         cos, sin = self.decoder.rotary_emb(h, positions)
+        # Recompute per layer (checkpointing): the backward keeps only each layer's input
+        # and runs the layer again; recompute.py says when (a step that would not fit).
+        again = torch.is_grad_enabled() and self.recompute.wanted(input_ids.numel())
         for i, layer in enumerate(self.layers):
-            keys = self.layer_keys[i]
-            h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos, sin,
-                                    keys, lora, cache, mask, packing)
-            x = layer.post_attention_layernorm(h)
-            mlp = layer.mlp
-            gate = self._linear(mlp.gate_proj, keys["gate_proj"], x, lora)
-            up = self._linear(mlp.up_proj, keys["up_proj"], x, lora)
-            h = h + self._linear(mlp.down_proj, keys["down_proj"], mlp.act_fn(gate) * up, lora)
+            args = (i, layer, h, cos, sin, lora, cache, mask, packing)
+            h = checkpoint(self._layer, *args, use_reentrant=False) if again else self._layer(*args)
         return self.decoder.norm(h)
+
+    def _layer(self, i, layer, h, cos, sin, lora, cache, mask, packing) -> torch.Tensor:
+        keys = self.layer_keys[i]
+        x = self.tp.enter(layer.input_layernorm(h))
+        h = h + self.tp.leave(self._attention(i, layer.self_attn, x, cos, sin, keys, lora,
+                                              cache, mask, packing))
+        x = self.tp.enter(layer.post_attention_layernorm(h))
+        mlp = layer.mlp
+        gate = self._linear(mlp.gate_proj, keys["gate_proj"], x, lora)
+        up = self._linear(mlp.up_proj, keys["up_proj"], x, lora)
+        return h + self.tp.leave(self._linear(mlp.down_proj, keys["down_proj"],
+                                              mlp.act_fn(gate) * up, lora))
 
     def logits(self, hidden: torch.Tensor, lora: LoraBatch | PackedLora | None = None
                ) -> torch.Tensor:

@@ -35,13 +35,15 @@ def _counters(adapter: Adapter) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]]) -> list[OptimResult]:
+def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]],
+                    shard=None) -> list[OptimResult]:
     """Apply each adapter's optimizer to its gradients accumulated since its last step;
     clear them. The params' family is the adapter's (checked by the engine).
 
     Adapters stepping together share the work: one norm pass and one host sync for all,
     one fused AdamW call per distinct set of AdamW hyperparameters, and one Dimuon call for
-    all Dimuon adapters.
+    all Dimuon adapters. `shard` (tp.py): the banks hold tensor-parallel slices, so norms
+    are of the whole adapter, summed over the group.
     """
     results: list[OptimResult | None] = [None] * len(items)
     live = []
@@ -54,7 +56,11 @@ def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]]) -> l
         return results
     # Each adapter's gradients are one flat tensor (Bank.flat): its norm is one norm.
     grads = [a.bank.flat(a.slot, "g") for _, a, _ in live]
-    norms = torch.stack(torch._foreach_norm(grads)).tolist()
+    if shard is not None:  # slices of each adapter: norms are summed over the group
+        keys = [[f"{p}:{k}" for p in "AB" for k in a.bank.shapes] for _, a, _ in live]
+        norms = shard.grad_norms([a.bank.tensors(a.slot, "g") for _, a, _ in live], keys)
+    else:
+        norms = torch.stack(torch._foreach_norm(grads)).tolist()
 
     groups: dict[tuple, list] = {}
     dimuon: list[tuple[Adapter, DimuonParams]] = []

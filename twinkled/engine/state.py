@@ -70,7 +70,9 @@ class Snapshot:
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def snapshot(adapter: Adapter, optimizer: bool) -> Snapshot:
+def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
+    """`shard` (tp.py): the bank holds tensor-parallel slices; the snapshot is of the
+    whole tensors, gathered over the group (a collective: every rank calls it)."""
     bank, slot = adapter.bank, adapter.slot
     keys = list(bank.shapes)
     # The bank's cached views of the slot ("w": every A then every B; "m", "v" likewise),
@@ -81,6 +83,8 @@ def snapshot(adapter: Adapter, optimizer: bool) -> Snapshot:
         for kind, suffix in MOMENTS[adapter.config.optimizer]:
             views += bank.tensors(slot, kind)
             names += [(OPTIMIZER, f"{k}.{p}.{suffix}") for p in ("lora_A", "lora_B") for k in keys]
+    if shard is not None:
+        views = shard.gather_views(keys, views)
     names = [(f, n, tuple(v.shape)) for (f, n), v in zip(names, views, strict=True)]
     flat = torch.cat([v.reshape(-1) for v in views])
     if not flat.is_cuda:
@@ -93,12 +97,6 @@ def snapshot(adapter: Adapter, optimizer: bool) -> Snapshot:
         ready = torch.cuda.Event()
         ready.record(stream)
     return Snapshot(adapter.config, adapter.steps, names, host, ready, flat)
-
-
-def save_adapter(adapter: Adapter, path: str | Path, base_model: str,
-                 optimizer: bool) -> int:
-    """Write the adapter (and its optimizer state) to directory `path`; returns bytes written."""
-    return write_snapshot(snapshot(adapter, optimizer), path, base_model)
 
 
 def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
@@ -203,20 +201,27 @@ def read_adapter(path: str | Path, targets: dict[str, tuple[int, int]], max_rank
 
 
 @torch.no_grad()
-def write_into(adapter: Adapter, weights: dict, moments: dict | None, steps: int) -> None:
-    """Copy checked tensors into the adapter's bank slot; gradients are cleared."""
+def write_into(adapter: Adapter, weights: dict, moments: dict | None, steps: int,
+               shard=None) -> None:
+    """Copy checked tensors into the adapter's bank slot; gradients are cleared.
+    `shard` (tp.py): the bank holds tensor-parallel slices; each takes its own."""
     bank, slot = adapter.bank, adapter.slot
     bank.zero_slot(slot, weights=True)
+
+    def mine(key: str, part: str, t: torch.Tensor) -> torch.Tensor:
+        return t if shard is None else shard.local_lora(key, part, t)
+
     for key, (a, b) in weights.items():
-        bank.A[key][slot].copy_(a)
-        bank.B[key][slot].copy_(b)
+        bank.A[key][slot].copy_(mine(key, "A", a))
+        bank.B[key][slot].copy_(mine(key, "B", b))
     if moments is not None:
         buffers = {"m": (bank.mA, bank.mB), "v": (bank.vA, bank.vB)}
         for kind, suffix in MOMENTS[adapter.config.optimizer]:
             for key in bank.shapes:
                 for part, store in zip(("lora_A", "lora_B"), buffers[kind], strict=True):
                     if f"{key}.{part}.{suffix}" in moments:
-                        store[key][slot].copy_(moments[f"{key}.{part}.{suffix}"])
+                        store[key][slot].copy_(mine(key, part[-1],
+                                                    moments[f"{key}.{part}.{suffix}"]))
     bank.stale.add(slot)
     adapter.steps = steps
     adapter.pending = 0

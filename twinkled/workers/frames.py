@@ -194,6 +194,7 @@ class ReplyF(msgspec.Struct, tag="reply"):
     rank: int
     outcomes: list[OutcomeF]
     memory: int = 0  # device bytes allocated after the step (0 on a CPU)
+    peak_memory: int = 0  # the most device bytes allocated since the worker started
     persisted: dict[str, int] = {}  # adapter -> mark of the versions written since the last
     busy_s: float = 0.0  # seconds the rank spent running the step (the rest is transport)
     began: float = 0.0  # wall-clock time the rank started the step (for twinkled/trace.py)

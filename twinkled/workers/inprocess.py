@@ -79,7 +79,7 @@ class InProcessGroup:
     def _run(self, step: StepF) -> ReplyF:
         started = time.perf_counter()
         outcomes = self._runner.run(step)
-        return ReplyF(step.id, 0, outcomes, 0, self._runner.persisted(),
+        return ReplyF(step.id, 0, outcomes, 0, 0, self._runner.persisted(),
                       time.perf_counter() - started)
 
     async def _between_steps(self) -> None:
@@ -99,5 +99,5 @@ class InProcessGroup:
         self._thread.shutdown(wait=False)
 
     def status(self) -> list[dict]:
-        return [{"rank": 0, "device": self.devices[0], "pid": None, "memory_bytes": 0,
+        return [{"rank": 0, "device": self.devices[0], "pid": None, "memory_bytes": 0, "peak_memory_bytes": 0,
                  "busy_s": round(self._busy_s, 3), "alive": self._runner is not None, "up_s": 0.0}]

@@ -46,6 +46,9 @@ class Persister:
         self.live_dir = live_dir
         self.every = every
         self.dirty: dict[str, None] = {}  # changed, oldest first (no adapter starves)
+        # Snapshots taken when the adapter changed (`hold`: tensor-parallel adapters, whose
+        # gathering is a collective), with their journal marks; written instead of a new one.
+        self.ready: dict[str, tuple[Snapshot, int]] = {}
         # (adapter, snapshot or None to forget it, journal mark of the snapshot)
         self._queue: list[tuple[str, Snapshot | None, int]] = []
         self._written: dict[str, int] = {}  # adapter -> mark, since `take_written`
@@ -62,8 +65,17 @@ class Persister:
     def mark(self, adapter_id: str) -> None:
         self.dirty.setdefault(adapter_id)
 
+    def hold(self, adapter_id: str, snap: Snapshot, mark: int, every: bool = False) -> None:
+        """A snapshot made by the caller, to write as `mark` (as `after_step` with `every`,
+        else as `mark`)."""
+        if every and not (self.every > 0 and snap.steps % self.every == 0):
+            return
+        self.ready[adapter_id] = (snap, mark)
+        self.dirty.setdefault(adapter_id)
+
     def forget(self, adapter_id: str) -> None:
         self.dirty.pop(adapter_id, None)
+        self.ready.pop(adapter_id, None)
         with self._cond:
             self._queue.append((adapter_id, None, 0))
             self._cond.notify()
@@ -88,8 +100,10 @@ class Persister:
         chosen = list(self.dirty)[:limit]
         for a in chosen:
             del self.dirty[a]
-        snaps = [(a, snapshot(adapters[a], optimizer=True), marks.get(a, 0))
-                 for a in chosen if a in adapters]
+        snaps = [self.ready.pop(a, None) for a in chosen]
+        snaps = [(a, *held) if held is not None else
+                 (a, snapshot(adapters[a], optimizer=True), marks.get(a, 0))
+                 for a, held in zip(chosen, snaps, strict=True) if held is not None or a in adapters]
         with self._cond:
             self._queue.extend(snaps)
             self._cond.notify()

@@ -72,11 +72,12 @@ def _datum(d: DatumF) -> Datum:
     return Datum(to_tensor(d.tokens), {k: to_tensor(v) for k, v in d.inputs.items()})
 
 
-def fatal(e: BaseException) -> bool:
+def fatal(e: BaseException, split: bool = False) -> bool:
     """A fault that leaves this rank unusable or out of step with the others (the group
-    restarts). Anything else fails the requests it touched and the worker goes on."""
+    restarts). Anything else fails the requests it touched and the worker goes on. `split`
+    (tensor parallelism): out of memory too, as the rank's peers wait in the collectives."""
     if isinstance(e, torch.OutOfMemoryError):
-        return False
+        return split
     kinds = tuple(k for k in (getattr(torch.distributed, "DistError", None),
                               getattr(torch, "AcceleratorError", None)) if k is not None)
     text = str(e)
@@ -89,6 +90,12 @@ class StepRunner:
                  spans_hosts: bool = False):
         self.engine = engine
         self.rank, self.world = rank, world
+        # Under tensor parallelism (engine/tp.py) rows and samples are split over the
+        # data-parallel replicas; every rank of a replica runs the same ones, and its
+        # tensor-parallel rank 0 alone reports the rows (the executor joins what ranks say).
+        shard = engine.shard
+        self.replica, self.replicas = (shard.tp.dp_rank, shard.tp.dp_size) if shard else (rank, world)
+        self.reports = shard is None or shard.rank == 0
         self.persister = persister  # rank 0 only
         # Ranks on other hosts cannot read the daemon's data dir: what a load reads comes
         # from rank 0 (share.py), and every rank loads every sampler of a step, so that
@@ -137,10 +144,10 @@ class StepRunner:
             good.append((i, ForwardBackwardRequest(f.adapter_id, [_datum(d) for d in f.data],
                                                    f.loss_fn, f.loss_config, f.forward_only)))
         rows = [(i, req, j) for i, req in good for j in range(len(req.data))]
-        owner = split_rows([len(req.data[j].tokens) for _, req, j in rows], self.world)
+        owner = split_rows([len(req.data[j].tokens) for _, req, j in rows], self.replicas)
         mine: dict[int, list[int]] = {i: [] for i, _ in good}
         for (i, _, j), r in zip(rows, owner, strict=True):
-            if r == self.rank:
+            if r == self.replica:
                 mine[i].append(j)
         run = [(i, req) for i, req in good if mine[i]]
         try:  # checked at the door: the engine does not check again
@@ -151,15 +158,15 @@ class StepRunner:
                                     for i, req in run for j in mine[i]):
                 raise RuntimeError("injected failure (TWINKLED_TEST_FAIL_TOKENS)")
         except Exception as e:
-            if fatal(e):
+            if fatal(e, self.engine.shard is not None):
                 raise
             _release(e)
             why = f"{type(e).__name__}: {e}"
             return outcomes + [OutcomeF(i, error=why, category=RETRY) for i, _ in good]
         by_op = dict(zip([i for i, _ in run], results, strict=True))
         for i, _ in good:
-            r = by_op.get(i)
-            out = FwdBwdOutF(mine[i], [], {}) if r is None else FwdBwdOutF(
+            r = by_op.get(i) if self.reports else None
+            out = FwdBwdOutF(mine[i] if self.reports else [], [], {}) if r is None else FwdBwdOutF(
                 mine[i], [{k: to_buf(v) for k, v in o.items()} for o in r.outputs], r.metrics)
             outcomes.append(OutcomeF(i, fwdbwd=out))
         return outcomes
@@ -168,7 +175,7 @@ class StepRunner:
 
     def _sample(self, ops: list[OpF]) -> list[OutcomeF]:
         costs = [op.num_samples * (op.prompt.shape[0] + op.params.max_tokens) for op in ops]
-        mine = [i for i, r in enumerate(split_rows(costs, self.world)) if r == self.rank]
+        mine = [i for i, r in enumerate(split_rows(costs, self.replicas)) if r == self.replica]
         outcomes, good = [], []
         failed: dict[int, Exception] = {}
         if self.spans_hosts:  # every rank loads every sampler, in op order (collective)
@@ -176,7 +183,7 @@ class StepRunner:
                 try:
                     self._load_sampler(s)
                 except Exception as e:
-                    if fatal(e):
+                    if fatal(e, self.engine.shard is not None):
                         raise
                     failed[i] = e
         for i in mine:
@@ -197,7 +204,7 @@ class StepRunner:
                     raise EngineInputError("sampling_session_id", "its weights are not loaded")
                 good.append((i, req))
             except Exception as e:
-                if fatal(e):
+                if fatal(e, self.engine.shard is not None):
                     raise
                 outcomes.append(OutcomeF(i, error=str(e), category=_category(e)))
         if good:
@@ -219,7 +226,7 @@ class StepRunner:
             results = self.engine.sample([req for _, req in good], checked=True)
             return [OutcomeF(i, sample=r) for (i, _), r in zip(good, results, strict=True)]
         except Exception as e:
-            if fatal(e):
+            if fatal(e, self.engine.shard is not None):
                 raise
             _release(e)
             if len(good) == 1:
@@ -274,6 +281,13 @@ class StepRunner:
         return outcomes + stepped
 
     def _persist(self, adapter_id: str, every: bool = False) -> None:
+        if self.engine.shard is not None:
+            # Split adapters are gathered whole now, on every rank of the group (a
+            # collective, so not at the writer's leisure); rank 0 keeps the snapshot.
+            snap = self.engine.snapshot(adapter_id)
+            if self.persister is not None:
+                self.persister.hold(adapter_id, snap, self.marks.get(adapter_id, 0), every)
+            return
         if self.persister is None:
             return
         if every:
@@ -298,7 +312,7 @@ class StepRunner:
         try:
             return self._barrier(i, op)
         except Exception as e:
-            if fatal(e):
+            if fatal(e, self.engine.shard is not None):
                 raise
             return OutcomeF(i, error=str(e) if isinstance(e, EngineInputError)
                             else f"{type(e).__name__}: {e}", category=_category(e))
@@ -325,10 +339,12 @@ class StepRunner:
                     try:
                         self._keep_fresh(aid, op.dir)
                     except Exception as e:  # a cache: the save goes on, sampling reads files
-                        if fatal(e):
+                        if fatal(e, self.engine.shard is not None):
                             raise
                         log.warning("no device copy of %s for sampling: %s", op.dir, e)
                 if self.rank != 0:
+                    if engine.shard is not None:  # gathered whole: every rank takes part
+                        engine.save(aid, op.dir, optimizer=op.optimizer, write=False)
                     return OutcomeF(i)
                 engine.save(aid, op.dir, optimizer=op.optimizer)
                 return OutcomeF(i, digest=checkpoint_digest(Path(op.dir)))

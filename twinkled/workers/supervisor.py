@@ -45,6 +45,7 @@ class WorkerInfo:
     device: str
     pid: int | None = None
     memory: int = 0
+    peak_memory: int = 0
     busy_s: float = 0.0  # seconds spent running steps since the group (re)started
     started: float = field(default_factory=time.time)
     host: str = ""  # "" on this host; else the joined host's name
@@ -235,6 +236,7 @@ class WorkerGroup:
             arrived=arrived)
         for w, r in zip(self.workers, replies, strict=True):
             w.memory = r.memory
+            w.peak_memory = r.peak_memory
             w.busy_s += r.busy_s
         if trace.enabled():
             trace.record("group", step=step.id, kind=step.kind, sent=sent, bytes=len(data),
@@ -325,6 +327,7 @@ class WorkerGroup:
                 alive = p is not None and p.returncode is None
             out.append({"rank": w.rank, "device": w.device, "host": w.host or here,
                         "remote": bool(w.host), "pid": w.pid, "memory_bytes": w.memory,
+                        "peak_memory_bytes": w.peak_memory,
                         "busy_s": round(w.busy_s, 3), "alive": alive, "up_s": round(time.time() - w.started, 1)})
         return out
 

@@ -75,7 +75,7 @@ def main(args: dict) -> None:
             log.error("step %d failed: %s", step.id, traceback.format_exc())
             sys.exit(f"step failed: {type(e).__name__}: {e}")
         busy = time.perf_counter() - started
-        sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, _memory(runner),
+        sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, *_memory(runner),
                                         runner.persisted(), busy, began,
                                         {"decode": started - received, **HOST_TIME.take()})))
         waiting = runner.between_steps()  # after the reply: off the step's path
@@ -101,10 +101,17 @@ def _start(args: dict):
     dtype = args["dtype"]
     if not cuda and dtype == "bfloat16":
         dtype = "float32"  # bf16 matmuls on a CPU are slow and gain nothing here
+    tp, dp_group = None, dist.group.WORLD if args["world"] > 1 else None
+    if args.get("tp", 1) > 1:  # megatron-core only here (engine/tp.py)
+        from twinkled.engine.tp import TensorParallel
+
+        tp = TensorParallel(args["tp"])
+        dp_group = tp.dp_group
     engine = Engine(args["model"], dtype=dtype, device=device, max_rank=args["max_rank"],
                     token_budget=args["token_budget"], packed=args.get("packing", True),
                     kv_bytes=(args.get("sample_kv_mb") or 0) << 20 or None,
-                    dp_group=dist.group.WORLD if args["world"] > 1 else None)
+                    dp_group=dp_group, tp=tp,
+                    recompute=args.get("activation_checkpointing", "auto"))
     persister = None
     if args["rank"] == 0 and args.get("live_dir"):
         persister = Persister(Path(args["live_dir"]), args.get("persist_every", 1))
@@ -117,11 +124,14 @@ def _start(args: dict):
     return runner, hello
 
 
-def _memory(runner) -> int:
+def _memory(runner) -> tuple[int, int]:
+    """Device bytes allocated now, and the most since the start (0, 0 on a CPU)."""
     import torch
 
     dev = runner.engine.model.device
-    return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    if dev.type != "cuda":
+        return 0, 0
+    return torch.cuda.memory_allocated(dev), torch.cuda.max_memory_allocated(dev)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,205 @@
+"""Tensor parallelism: LoRA training tokens/s, MFU and peak memory per GPU at tp = 1, 2, ...
+
+Random-weight checkpoints of real shapes (written tensor by tensor, so a 32B model never
+sits whole in memory), one engine replica split over `tp` GPUs (one process per GPU,
+NCCL), `--adapters` adapters co-batched, each with one row of `--seq` tokens per step
+(forward_backward + optim_step). MFU counts 4N FLOPs per trained token (forward 2N,
+backward through the frozen base 2N; attention and LoRA left out, recomputation not
+counted as useful work) against the card's dense bf16 peak.
+
+    python bench/bench_tp.py --shape qwen3-8b --tp 1,2          # 1 GPU, then 2
+    python bench/bench_tp.py --shape qwen3-32b --tp 2
+    python bench/bench_tp.py --shape tiny --tp 1,2 --device cpu # CPU, gloo (a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHAPES = {  # config.json numbers of the Qwen3 family (vocab 151936)
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8),
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, num_key_value_heads=8),
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8),
+}
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def write_random_checkpoint(shape: str, out: Path) -> None:
+    """A Qwen3 checkpoint of `shape` with random bf16 weights, one safetensors file per
+    layer, generated on a GPU when there is one."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from twinkled.engine.tiny import build_tiny_model, build_tokenizer
+
+    if shape == "tiny":
+        build_tiny_model(out, num_heads=4, num_kv_heads=2)
+        return
+    cfg = Qwen3Config(head_dim=128, tie_word_embeddings=False, max_position_embeddings=40960,
+                      vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6, **SHAPES[shape])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(dev).manual_seed(0)
+    parts: dict[str, list] = {}  # file -> [(name, shape)]: a layer per file, then the rest
+    for name, p in model.named_parameters():
+        part = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        parts.setdefault(f"model-{part}.safetensors", []).append((name, p.shape))
+    for file, params in parts.items():
+        tensors = {name: (torch.ones(shape, dtype=torch.bfloat16) if "norm" in name else
+                          (torch.randn(shape, device=dev, generator=gen, dtype=torch.bfloat16)
+                           * 0.02).cpu()) for name, shape in params}
+        save_file(tensors, out / file, metadata={"format": "pt"})
+    files = {file: [name for name, _ in params] for file, params in parts.items()}
+    wmap = {name: f for f, names in files.items() for name in names}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {},
+                                                                  "weight_map": wmap}))
+    cfg.save_pretrained(out)
+    build_tokenizer(out)
+
+
+def worker(args: dict) -> None:
+    """One rank: an engine replica's share; rank 0 prints one JSON line."""
+    import torch
+    import torch.distributed as dist
+
+    from twinkled.engine.engine import Engine
+    from twinkled.engine.sizing import weight_bytes
+    from twinkled.engine.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig
+
+    rank, world, tp = args["rank"], args["world"], args["tp"]
+    cuda = args["device"] == "cuda"
+    device = f"cuda:{rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=args["url"], rank=rank,
+                            world_size=world)
+    tpc = None
+    if tp > 1:
+        from twinkled.engine.tp import TensorParallel
+
+        tpc = TensorParallel(tp)
+    dtype = "bfloat16" if cuda else "float32"
+    eng = Engine(args["model"], dtype=dtype, device=device, max_rank=args["rank_lora"],
+                 token_budget=args["token_budget"], tp=tpc, recompute=args["recompute"],
+                 dp_group=None if tpc is None else tpc.dp_group)
+    names = [f"a{i}" for i in range(args["adapters"])]
+    for i, n in enumerate(names):
+        eng.add_adapter(n, LoraConfig(rank=args["rank_lora"], alpha=32, seed=i))
+    gen = torch.Generator().manual_seed(0)
+    vocab, seq = eng.model.vocab_size, args["seq"]
+    reqs = []
+    for n in names:
+        x = torch.randint(0, vocab, (seq + 1,), generator=gen)
+        reqs.append(ForwardBackwardRequest(n, [Datum(x[:-1], {"target_tokens": x[1:],
+                                                              "weights": torch.ones(seq)})]))
+    adam = [(n, AdamParams(learning_rate=1e-4)) for n in names]
+
+    def step():
+        eng.forward_backward(reqs, checked=True)
+        eng.optim_steps(adam)
+        if cuda:
+            torch.cuda.synchronize()
+
+    for _ in range(args["warmup"]):
+        step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args["steps"]):
+        step()
+    seconds = (time.perf_counter() - t0) / args["steps"]
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    peaks = [None] * world
+    dist.all_gather_object(peaks, peak)
+    if rank == 0:
+        n_params = weight_bytes(eng.model.config.to_dict(), 1, 1)  # bytes at 1 B each = N
+        tokens = seq * len(names)
+        print("RESULT " + json.dumps({
+            "tp": tp, "gpus": world, "tokens": tokens, "step_s": seconds,
+            "tok_s": tokens / seconds, "flops_per_token": 4 * n_params,
+            "peak_gib": [p / 2**30 for p in peaks],
+            "recomputed": eng.model.recompute.used > 0,
+            "card": torch.cuda.get_device_name(0) if cuda else "cpu"}), flush=True)
+    dist.destroy_process_group()
+
+
+def run_config(model: Path, tp: int, a) -> dict | None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = {"model": str(model), "world": tp, "tp": tp, "device": a.device,
+              "url": f"tcp://127.0.0.1:{port}", "adapters": a.adapters, "seq": a.seq,
+              "rank_lora": a.lora_rank, "token_budget": a.token_budget, "steps": a.steps,
+              "warmup": a.warmup, "recompute": a.recompute}
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), TOKENIZERS_PARALLELISM="false")
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker",
+                               json.dumps({**common, "rank": r})], env=env,
+                              stdout=subprocess.PIPE, text=True) for r in range(tp)]
+    result = None
+    for p in procs:
+        out, _ = p.communicate()
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                result = json.loads(line[7:])
+    if any(p.returncode for p in procs):
+        print(f"tp={tp}: a rank failed (exit codes {[p.returncode for p in procs]})")
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-8b", choices=[*SHAPES, "tiny"])
+    ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes to run, one after another")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--token-budget", type=int, default=16384)
+    ap.add_argument("--recompute", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--model-dir", type=Path, help="reuse (or keep) the random checkpoint here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(json.loads(a.worker))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        model = a.model_dir or Path(tmp) / a.shape
+        if not (model / "config.json").is_file():
+            model.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            write_random_checkpoint(a.shape, model)
+            print(f"wrote a random {a.shape} checkpoint in {time.perf_counter() - t0:.0f} s")
+        print(f"{a.shape}: {a.adapters} adapters x {a.seq} tokens per step, LoRA r={a.lora_rank} "
+              f"on every module, recompute={a.recompute}")
+        print("| tp | GPUs | tokens/s | tokens/s per GPU | MFU | peak GiB per GPU | recomputed |")
+        print("|---:|---:|---:|---:|---:|---|---|")
+        for tp in (int(t) for t in a.tp.split(",")):
+            r = run_config(model, tp, a)
+            if r is None:
+                print(f"| {tp} | {tp} | failed (out of memory?) | | | | |")
+                continue
+            peak = next((v for k, v in PEAK_BF16.items() if k in r["card"]), None)
+            mfu = (f"{r['tok_s'] * r['flops_per_token'] / (peak * r['gpus']):.1%}"
+                   if peak else "-")
+            print(f"| {tp} | {r['gpus']} | {r['tok_s']:,.0f} | {r['tok_s'] / r['gpus']:,.0f} | "
+                  f"{mfu} | {', '.join(f'{g:.1f}' for g in r['peak_gib'])} | "
+                  f"{'yes' if r['recomputed'] else 'no'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Tensor parallelism on the CPU: two gloo ranks at tp=2 give what one rank gives.
+
+The group runs tests/tp_scenario.py (mixed-adapter training, an optimizer step, greedy and
+seeded sampling, a checkpoint) in two processes; this process runs the same scenario on a
+whole engine and compares: fp32, relative 1e-4. The checkpoint written under tp=2 loads
+under tp=1 and in peft."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tp_scenario import run
+
+from twinkled.engine.engine import Engine
+from twinkled.engine.lora import LoraBatch
+from twinkled.engine.tiny import build_tiny_model
+from twinkled.engine.types import LoraConfig
+
+pytest.importorskip("megatron.core")
+HERE = Path(__file__).parent
+RTOL = 1e-4
+
+
+def _rel(a, b) -> float:
+    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    """Tiny models (qwen3: 2 heads, 1 KV head, replicated; qwen2: 4 heads, 2 KV heads,
+    split, with qkv biases; llama: 4 heads, 1 KV head) and the group's results on them."""
+    root = tmp_path_factory.mktemp("tp")
+    models = {
+        "qwen3": str(build_tiny_model(root / "qwen3", arch="qwen3")),
+        "qwen2": str(build_tiny_model(root / "qwen2", arch="qwen2", num_heads=4, num_kv_heads=2)),
+        "llama": str(build_tiny_model(root / "llama", arch="llama", num_heads=4, num_kv_heads=1)),
+    }
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "tp_scenario.py"), json.dumps(
+        {"url": url, "rank": r, "world": 2, "tp": 2, "models": models, "out": str(root)})])
+        for r in range(2)]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0]
+    return root, models, torch.load(root / "results.pt")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_tp2_matches_one_rank(tp_run, arch):
+    root, models, results = tp_run
+    got, ref = results[arch], run(Engine(models[arch]), None)
+    for kind in ("init", "grads_a", "grads_b", "stepped"):
+        assert got[kind].keys() == ref[kind].keys()
+        worst = max(_rel(got[kind][k], ref[kind][k]) for k in ref[kind])
+        assert worst <= RTOL, (kind, worst, max((_rel(got[kind][k], ref[kind][k]), k) for k in ref[kind]))
+    assert any(v.abs().max() > 0 for v in ref["grads_a"].values())
+    for a, b in zip(got["logprobs"], ref["logprobs"], strict=True):
+        assert max(_rel(x, y) for x, y in zip(a, b, strict=True)) <= RTOL
+    assert _rel(got["loss"], ref["loss"]) <= RTOL
+    assert _rel(got["grad_norm"], ref["grad_norm"]) <= RTOL
+    assert max(_rel(x, y) for x, y in zip(got["after"], ref["after"], strict=True)) <= RTOL
+    assert got["greedy"] == ref["greedy"] and got["seeded"] == ref["seeded"]
+    assert _rel(got["greedy_lp"], ref["greedy_lp"]) <= RTOL
+
+
+def test_tp2_checkpoint_loads_whole_and_in_peft(tp_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root, models, results = tp_run
+    ckpt = root / "qwen3-ckpt"
+    eng = Engine(models["qwen3"])
+    eng.load("a", ckpt, optimizer=True)
+    a = eng.pool.get("a")
+    stepped = results["qwen3"]["stepped"]
+    for k in a.bank.shapes:
+        assert _rel(a.bank.A[k][a.slot], stepped[f"A:{k}"]) <= RTOL
+        assert _rel(a.bank.B[k][a.slot], stepped[f"B:{k}"]) <= RTOL
+    assert a.steps == 1
+    ids = torch.randint(0, eng.model.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    base = AutoModelForCausalLM.from_pretrained(models["qwen3"], dtype=torch.float32)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(base, ckpt)(input_ids=ids).logits
+        lora = LoraBatch([a, a], eng.model.dtype, eng.model.device)
+        pos = torch.arange(11).expand(2, -1)
+        ours = eng.model.logits(eng.model.forward(ids, pos, lora), lora)
+    assert _rel(ours, theirs) <= RTOL
+
+
+def test_recomputed_activations_give_the_same_gradients(tiny_dir):
+    """activation_checkpointing "on" (recompute per layer) changes memory, not results."""
+    from tp_scenario import _requests
+
+    out = {}
+    for mode in ("off", "on"):
+        eng = Engine(tiny_dir, recompute=mode)
+        eng.add_adapter("a", LoraConfig(rank=4, seed=1))
+        eng.add_adapter("b", LoraConfig(rank=4, seed=2, train_unembed=False))
+        res = eng.forward_backward(_requests(eng.model.vocab_size))
+        a = eng.pool.get("a")
+        out[mode] = ([r.metrics["loss:sum"] for r in res],
+                     [g.clone() for g in a.bank.tensors(a.slot, "g")], eng.model.recompute.used)
+    assert out["on"][2] > 0 and out["off"][2] == 0
+    assert _rel(out["on"][0], out["off"][0]) <= 1e-6
+    assert max(_rel(x, y) for x, y in zip(out["on"][1], out["off"][1], strict=True)) <= 1e-5

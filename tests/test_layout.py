@@ -1,0 +1,60 @@
+"""Worker layouts refused at start-up, before any worker loads anything (twinkled/layout.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+from twinkled.config import Config
+from twinkled.layout import expand_devices, layout_problems
+
+QWEN3_32B = {"model_type": "qwen3", "hidden_size": 5120, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 25600,
+             "num_hidden_layers": 64, "vocab_size": 151936, "tie_word_embeddings": False}
+H100 = 80 * 10**9
+
+
+def _config(tmp_path, model: dict, **kw) -> Config:
+    (tmp_path / "config.json").write_text(json.dumps(model))
+    return Config(model=tmp_path, data_dir=tmp_path / "data", **kw)
+
+
+def test_device_ranges_expand():
+    assert expand_devices("cuda:0-3") == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert expand_devices("cpu,cpu") == ["cpu", "cpu"]
+
+
+def test_tp_must_divide_devices_and_heads(tmp_path):
+    cfg = _config(tmp_path, {**QWEN3_32B, "num_attention_heads": 6}, devices=["cpu"] * 4, tp=4)
+    assert layout_problems(cfg) == ["tp: tp 4 does not divide the model's 6 attention heads"]
+    cfg = _config(tmp_path, {**QWEN3_32B, "num_key_value_heads": 3}, devices=["cpu"] * 4, tp=4)
+    assert layout_problems(cfg) == ["tp: tp 4 and the model's 3 KV heads: one must divide "
+                                    "the other"]
+    cfg = _config(tmp_path, QWEN3_32B, devices=["cpu"] * 3, tp=2)
+    assert layout_problems(cfg) == ["tp: 2 does not divide the 3 worker devices "
+                                    "['cpu', 'cpu', 'cpu']"]
+
+
+def test_more_gpus_than_present(tmp_path):
+    cfg = _config(tmp_path, QWEN3_32B, devices=["cuda:0", "cuda:1"], tp=2)
+    assert layout_problems(cfg, gpu_memory=[H100]) == [
+        "devices: cuda:1 is not here (1 CUDA device(s) present)"]
+
+
+def test_a_model_that_does_not_fit_is_refused_with_the_tp_that_would(tmp_path):
+    cfg = _config(tmp_path, QWEN3_32B, devices=["cuda:0", "cuda:1"], tp=1,
+                  token_budget=4096)
+    problems = layout_problems(cfg, gpu_memory=[H100, H100])
+    assert len(problems) == 1 and "--tp 2 would fit" in problems[0], problems
+    assert layout_problems(replace(cfg, tp=2), gpu_memory=[H100, H100]) == []
+
+
+def test_serve_refuses_a_bad_layout_at_start(tiny_dir, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "twinkled", "serve", "--model", str(tiny_dir),
+                          "--data-dir", str(tmp_path), "--devices", "cpu,cpu", "--tp", "4"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "tp: 4 does not divide the 2 worker devices" in out.stderr
+    assert "tp 4 does not divide the model's 2 attention heads" in out.stderr

@@ -1,0 +1,302 @@
+"""Tensor parallelism: a base model split over the ranks of a tensor-parallel group.
+
+Megatron's layout. In every decoder layer q/k/v and gate/up are column-parallel (each rank
+holds a slice of the output features: whole attention heads, a slice of the MLP) and
+o_proj/down_proj are row-parallel (the matching slice of the input features); the
+residual stream, norms, embedding and lm_head are replicated. Per layer that is one
+collective forward (megatron's `reduce_from_tensor_model_parallel_region` after o_proj
+and after down_proj) and one backward (`copy_to_tensor_model_parallel_region` in front of
+q/k/v and gate/up, whose backward sums the input gradient). KV heads fewer than the
+group are replicated: rank r holds kv head r * n_kv // tp, the one its query heads use.
+
+LoRA follows the split: a column-parallel module's A is replicated and its B split like
+the base rows; a row-parallel module's A is split like the base columns and its B
+replicated. The delta rides inside the same collectives (for a row-parallel module,
+sum_r (x_r A_r^T) B^T = (x A^T) B^T, so it is added before the reduce). The adapters'
+gradients go straight into bank buffers outside autograd (lora.py), so the parts every
+rank computes only a share of, A of a column-parallel module and B of a row-parallel one,
+are summed over the group before the optimizer step (`reduce_grads`); AdamW is
+elementwise, so each rank then steps its own slice.
+
+Checkpoints never depend on the split: saving gathers every tensor whole (`gather_views`),
+loading slices (`ShardPlan.local_lora`). The base weights are read slice by slice from the
+safetensors files (`load_sharded`), never whole.
+
+megatron-core is imported only here, and only when tp > 1. With megatron-core 0.16.1 on a
+CPU, `parallel_state.initialize_model_parallel` builds its groups with the default
+(gloo) backend and the copy/reduce mappings work over gloo; the gather mapping allocates
+on CUDA, which is one reason lm_head is replicated rather than vocabulary-parallel.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .sizing import split_problem
+from .types import EngineInputError
+
+COLUMN = ("q_proj", "gate_proj", "up_proj")
+KV = ("k_proj", "v_proj")
+ROW = ("o_proj", "down_proj")
+
+
+class NoSplit:
+    """One rank holds the whole model: the mappings are the identity."""
+
+    size = 1
+
+    @staticmethod
+    def enter(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def leave(y: torch.Tensor) -> torch.Tensor:
+        return y
+
+
+class TensorParallel:
+    """This process's place in megatron's parallel state: its tensor-parallel group of
+    `size` consecutive ranks, and the data-parallel group across the replicas.
+
+    torch.distributed must be initialised (the worker does, NCCL or gloo)."""
+
+    def __init__(self, size: int):
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import mappings
+
+        world = dist.get_world_size()
+        if size < 1 or world % size:
+            raise EngineInputError("tp", f"tensor-parallel size {size} does not divide the "
+                                   f"{world} ranks of the worker group")
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=size)
+        self.size = size
+        self.rank = ps.get_tensor_model_parallel_rank()
+        self.group = ps.get_tensor_model_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_group = ps.get_data_parallel_group() if self.dp_size > 1 else None
+        self._mappings = mappings
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """In front of column-parallel modules: forward identity, backward sums the input
+        gradient over the group."""
+        return self._mappings.copy_to_tensor_model_parallel_region(x, group=self.group)
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        """After a row-parallel module: sums the partial outputs over the group."""
+        return self._mappings.reduce_from_tensor_model_parallel_region(y, group=self.group)
+
+    def broadcast_seed(self) -> int:
+        """A seed that every rank of the group shares: unseeded sampling must draw the same
+        tokens on every rank, or their decode loops (and collectives) would part ways."""
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.long)
+        if dist.get_backend(self.group) == "nccl":
+            seed = seed.cuda()
+        dist.broadcast(seed, dist.get_global_rank(self.group, 0), group=self.group)
+        return int(seed.item())
+
+
+class ShardPlan:
+    """Which slice of each module, of the base weights and of a LoRA, this rank holds."""
+
+    def __init__(self, config, tp: TensorParallel):
+        self.tp = tp
+        self.size, self.rank = tp.size, tp.rank
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.intermediate = config.intermediate_size
+        problem = split_problem(config.to_dict(), self.size)
+        if problem is not None:
+            raise EngineInputError("tp", problem)
+        if self.n_kv >= self.size:
+            per = self.n_kv // self.size
+            self.kv_heads = range(self.rank * per, (self.rank + 1) * per)
+        else:  # replicated: the one kv head this rank's query heads read
+            head = self.rank * self.n_kv // self.size
+            self.kv_heads = range(head, head + 1)
+        self.local_heads = self.n_heads // self.size
+        self.local_kv = len(self.kv_heads)
+        # Every adaptable module's whole (in, out): set by the model once it has them.
+        self.full_shapes: dict[str, tuple[int, int]] = {}
+
+    def _even(self, n: int) -> slice:
+        per = n // self.size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def slices(self, key: str, shape: tuple[int, int]) -> tuple[slice | None, slice | None]:
+        """(rows of the weight [out, in] this rank holds, its columns); None = all."""
+        name = key.rsplit(".", 1)[-1]
+        fin, fout = shape
+        if name in COLUMN:
+            return self._even(fout), None
+        if name in KV:
+            d = self.head_dim
+            return slice(self.kv_heads.start * d, self.kv_heads.stop * d), None
+        if name in ROW:
+            return None, self._even(fin)
+        return None, None
+
+    def holders(self, key: str) -> int:
+        """How many ranks of the group hold the same rows of `key` (1: split)."""
+        name = key.rsplit(".", 1)[-1]
+        if name in KV:
+            return max(1, self.size // self.n_kv)
+        return 1 if name in COLUMN + ROW else self.size
+
+    def local_shape(self, key: str, shape: tuple[int, int]) -> tuple[int, int]:
+        rows, cols = self.slices(key, shape)
+        fin, fout = shape
+        return (fin if cols is None else cols.stop - cols.start,
+                fout if rows is None else rows.stop - rows.start)
+
+    def local_lora(self, key: str, part: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a whole LoRA tensor: A [r, in] or B [out, r] of `key`."""
+        rows, cols = self.slices(key, self.full_shapes[key])
+        if part == "A":
+            return t if cols is None else t[:, cols]
+        return t if rows is None else t[rows]
+
+    # -- gradients --------------------------------------------------------------------
+
+    def reduce_grads(self, adapters: list) -> None:
+        """Sum, over the group, the gradient parts each rank computed only a share of:
+        A of split-output modules (and kv modules), B of split-input ones. One all-reduce
+        for all of them; a replicated kv head's B is summed over the ranks that hold it."""
+        summed, kv_b = [], []
+        for a in adapters:
+            bank = a.bank
+            for key in bank.shapes:
+                name = key.rsplit(".", 1)[-1]
+                if name in COLUMN + KV:
+                    summed.append(bank.gA[key][a.slot])
+                elif name in ROW:
+                    summed.append(bank.gB[key][a.slot])
+                if name in KV and self.holders(key) > 1:
+                    kv_b.append(bank.gB[key][a.slot])
+        if summed:
+            flat = torch.cat([g.reshape(-1) for g in summed])
+            dist.all_reduce(flat, group=self.tp.group)
+            torch._foreach_copy_(summed, [p.view_as(g) for p, g in
+                                          zip(flat.split([g.numel() for g in summed]), summed,
+                                              strict=True)])
+        if kv_b:
+            flat = torch.cat([g.reshape(-1) for g in kv_b])
+            parts = [torch.empty_like(flat) for _ in range(self.size)]
+            dist.all_gather(parts, flat, group=self.tp.group)
+            mine = self.kv_heads.start
+            same = [r for r in range(self.size) if r * self.n_kv // self.size == mine]
+            total = torch.stack([parts[r] for r in same]).sum(0)
+            torch._foreach_copy_(kv_b, [p.view_as(g) for p, g in
+                                        zip(total.split([g.numel() for g in kv_b]), kv_b,
+                                            strict=True)])
+
+    def grad_norms(self, grads: list[list[torch.Tensor]], keys: list[list[str]]) -> list[float]:
+        """Each adapter's gradient norm over the whole (unsplit) adapter: squares of split
+        parts summed over the group, a replicated part counted once."""
+        flat = [g for gs in grads for g in gs]
+        sq = torch.stack(torch._foreach_norm(flat)).float() ** 2
+        weight = torch.tensor([1.0 / self._holders_of(k) for ks in keys for k in ks],
+                              device=sq.device)
+        per = torch.stack([x.sum() for x in (sq * weight).split([len(g) for g in grads])])
+        dist.all_reduce(per, group=self.tp.group)
+        return per.sqrt().tolist()
+
+    def _holders_of(self, part_key: str) -> int:
+        """`part_key` is "A:<module>" or "B:<module>"."""
+        part, key = part_key.split(":", 1)
+        name = key.rsplit(".", 1)[-1]
+        split = (part == "B" and name in COLUMN + KV) or (part == "A" and name in ROW)
+        if not split:
+            return self.size
+        return self.holders(key) if name in KV else 1
+
+    # -- whole tensors for checkpoints --------------------------------------------------
+
+    def gather_views(self, keys: list[str], views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Whole tensors from this rank's slices. `views` repeats [A of every key, B of
+        every key] (weights, then each moment), as `Bank.tensors` orders a slot."""
+        n = len(keys)
+        out = []
+        for i, v in enumerate(views):
+            key = keys[i % n]
+            part = "A" if (i // n) % 2 == 0 else "B"
+            rows, cols = self.slices(key, self.full_shapes[key])
+            dim = 1 if part == "A" and cols is not None else 0 if part == "B" and rows is not None else None
+            if dim is None:
+                out.append(v)
+                continue
+            parts = [torch.empty_like(v) for _ in range(self.size)]
+            dist.all_gather(parts, v.contiguous(), group=self.tp.group)
+            if key.rsplit(".", 1)[-1] in KV and self.holders(key) > 1:
+                parts = [parts[r] for r in range(0, self.size, self.holders(key))]
+            out.append(torch.cat(parts, dim))
+        return out
+
+
+# -- loading ----------------------------------------------------------------------------
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        wmap = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / f for name, f in wmap.items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise EngineInputError("model", f"{model_dir} has no safetensors weights (tensor "
+                               "parallelism reads each rank's slice from them)")
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_sharded(model_dir: Path, config, dtype: torch.dtype, device: torch.device,
+                 plan: ShardPlan):
+    """The HF model with only this rank's slices, read straight from the files."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    files = _weight_files(model_dir)
+    handles: dict[Path, object] = {}
+    for name in [n for n, _ in hf.named_parameters()]:
+        if name not in files:
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # tied below
+            raise EngineInputError("model", f"{model_dir}: no tensor {name!r} in its files")
+        f = handles.get(files[name])
+        if f is None:
+            f = handles[files[name]] = safe_open(files[name], "pt", device="cpu")
+        owner, leaf = name.rsplit(".", 1)
+        module = hf.get_submodule(owner)
+        rows = cols = None
+        if isinstance(module, torch.nn.Linear):
+            rows, cols = plan.slices(owner, (module.in_features, module.out_features))
+        sl = f.get_slice(name)
+        if leaf == "bias":
+            t = sl[rows] if rows is not None else sl[:]
+            if cols is not None and plan.rank != 0:
+                t = torch.zeros_like(t)  # a row-parallel bias is added once, after the sum
+        else:
+            t = sl[rows] if rows is not None else sl[:, cols] if cols is not None else sl[:]
+        setattr(module, leaf, torch.nn.Parameter(t.to(device=device, dtype=dtype),
+                                                 requires_grad=False))
+    if config.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    # Buffers (the rotary frequencies) are computed, not stored: build them on the device.
+    with torch.device(device):
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)
+    left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
+    if left:
+        raise EngineInputError("model", f"{model_dir}: tensors left unloaded: {left[:3]}")
+    return hf.eval().requires_grad_(False)
+
