@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .checks import check_optimizer
-from .types import EngineInputError, LoraConfig
+from .types import EXPERT_MODULES, EngineInputError, LoraConfig
 
 
 class Bank:
@@ -27,7 +27,9 @@ class Bank:
     def __init__(self, rank: int, targets: dict[str, tuple[int, int]], device,
                  dtype: torch.dtype = torch.float32, capacity: int = 4):
         self.rank = rank
-        self.shapes = targets  # key -> (in_features, out_features)
+        # key -> (in_features, out_features), or (in, out, experts) for an MoE layer's expert
+        # parameter: each expert has its own pair, A [experts, r, in] and B [experts, out, r].
+        self.shapes = targets
         self.device = device
         # Batches run in the base model's dtype; a bf16 copy of the fp32 master weights,
         # refreshed after each change, spares every layer a cast per step.
@@ -50,13 +52,13 @@ class Bank:
 
     def _grow(self, capacity: int) -> None:
         old = self.capacity
-        for key, (fin, fout) in self.shapes.items():
-            for store, shape in (
-                (self.A, (fin,)), (self.gA, (fin,)), (self.mA, (fin,)), (self.vA, (fin,)),
-            ):
-                store[key] = _resized(store.get(key), capacity, (self.rank, *shape), self.device)
+        for key, (fin, fout, *experts) in self.shapes.items():
+            for store in (self.A, self.gA, self.mA, self.vA):
+                store[key] = _resized(store.get(key), capacity, (*experts, self.rank, fin),
+                                      self.device)
             for store in (self.B, self.gB, self.mB, self.vB):
-                store[key] = _resized(store.get(key), capacity, (fout, self.rank), self.device)
+                store[key] = _resized(store.get(key), capacity, (*experts, fout, self.rank),
+                                      self.device)
             if self.dtype == torch.float32:
                 self.A16[key], self.B16[key] = self.A[key], self.B[key]
             else:
@@ -148,7 +150,8 @@ class LoraPool:
         if not (config.alpha > 0):
             raise EngineInputError("alpha", f"must be positive, got {config.alpha!r}")
         check_optimizer(config.optimizer)
-        keys = {k: s for k, s in self.targets.items() if k.rsplit(".", 1)[-1] in config.target_modules}
+        modules = config.target_modules + (EXPERT_MODULES if config.train_mlp else ())
+        keys = {k: s for k, s in self.targets.items() if k.rsplit(".", 1)[-1] in modules}
         bank_key = (config.rank, tuple(sorted(keys)))
         bank = self.banks.get(bank_key)
         if bank is None:
@@ -165,9 +168,9 @@ class LoraPool:
         # As peft does: A ~ kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0.
         # Drawn on the CPU so a seed gives the same adapter on every device.
         gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
-        for key, (fin, _) in bank.shapes.items():
+        for key, (fin, *_) in bank.shapes.items():
             bound = 1.0 / fin**0.5
-            a = torch.empty((bank.rank, fin)).uniform_(-bound, bound, generator=gen)
+            a = torch.empty(bank.A[key].shape[1:]).uniform_(-bound, bound, generator=gen)
             bank.A[key][slot].copy_(a)
             bank.B[key][slot].zero_()
         bank.stale.add(slot)

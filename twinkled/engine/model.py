@@ -4,7 +4,8 @@ We load weights and submodules (norms, rotary embedding, linears) with `transfor
 run the decoder loop ourselves. That keeps the multi-LoRA deltas explicit at every linear,
 gives sampling a plain preallocated KV cache, and insulates the hot path from the
 attention/cache API, which changes between transformers releases. The architectures are
-the Llama family: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norms).
+the Llama family: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norms), and its
+mixture-of-experts kin Qwen3-MoE and Mixtral, whose sparse MLPs run in moe.py.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from .lora import LoraBatch
+from .moe import MOE_ARCHS, bank_tokens, moe_blocks
 from .packed import PackedLora, Packing
 from .types import ATTN_MODULES, MLP_MODULES, EngineInputError
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -71,7 +73,8 @@ class BaseModel:
                 "model", f"architecture {config.model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHS)}")
         if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
-                getattr(config, "layer_types", None) or ()):
+                getattr(config, "layer_types", None) or ()) or (
+                config.model_type == "mixtral" and getattr(config, "sliding_window", None)):
             raise EngineInputError("model", "sliding-window attention is not supported")
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
@@ -83,6 +86,7 @@ class BaseModel:
 
         self.decoder = self.hf.model
         self.layers = list(self.decoder.layers)
+        self.moe = moe_blocks(config.model_type, config, self.layers)  # sparse MLP layers
         self.lm_head = self.hf.lm_head
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -100,7 +104,7 @@ class BaseModel:
             keys = {}
             for name in ATTN_MODULES:
                 keys[name] = f"model.layers.{i}.self_attn.{name}"
-            for name in MLP_MODULES:
+            for name in () if i in self.moe else MLP_MODULES:
                 keys[name] = f"model.layers.{i}.mlp.{name}"
             self.layer_keys.append(keys)
         modules = dict(self.hf.named_modules())
@@ -109,6 +113,8 @@ class BaseModel:
                 m = modules[key]
                 self.targets[key] = (m.in_features, m.out_features)
         self.targets["lm_head"] = (self.lm_head.in_features, self.lm_head.out_features)
+        for block in self.moe.values():  # expert parameters: key -> (in, out, experts)
+            self.targets.update(block.targets())
 
     # -- the forward pass -------------------------------------------------------------
 
@@ -121,11 +127,15 @@ class BaseModel:
         `packing`, the one row [1, T] holds several sequences end to end (packed.py)."""
         h = self.decoder.embed_tokens(input_ids)
         cos, sin = self.decoder.rotary_emb(h, positions)
+        banks = bank_tokens(lora, h.shape[1]) if self.moe else []
         for i, layer in enumerate(self.layers):
             keys = self.layer_keys[i]
             h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos, sin,
                                     keys, lora, cache, mask, packing)
             x = layer.post_attention_layernorm(h)
+            if i in self.moe:
+                h = h + self.moe[i](x, banks)
+                continue
             mlp = layer.mlp
             gate = self._linear(mlp.gate_proj, keys["gate_proj"], x, lora)
             up = self._linear(mlp.up_proj, keys["up_proj"], x, lora)

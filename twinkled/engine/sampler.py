@@ -104,7 +104,9 @@ def generate(model: BaseModel, requests: list[SampleRequest],
     topk = max(r.topk_sample for r in requests)
 
     chooser = _Chooser(rows, dev)
-    decode = _Decoder(model, lora, cache, key_ok, graph=dev.type == "cuda" and max_new > 8)
+    # An MoE layer's routing has data-dependent shapes: no CUDA graph for those models.
+    decode = _Decoder(model, lora, cache, key_ok,
+                      graph=dev.type == "cuda" and max_new > 8 and not model.moe)
     for t in range(max_new):
         tokens, lps, logp = chooser.choose(logits)
         top = _topk(logp, topk)
