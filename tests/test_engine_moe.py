@@ -106,7 +106,7 @@ def test_export_loads_in_peft_with_the_same_logits_and_gradients(moe_dir, tmp_pa
 
 
 def test_checkpoint_and_live_state_round_trip(moe_dir, tmp_path):
-    from twinkled.engine.live import read_live, write_live
+    from twinkled.engine.live import write_live
     from twinkled.engine.state import snapshot
 
     eng = _engine(moe_dir)

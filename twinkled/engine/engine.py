@@ -15,6 +15,7 @@ from . import live, sampler, state, step
 from .checks import check_optim_params, check_optimizer
 from .lora import LoraPool
 from .model import BaseModel
+from .moe_parallel import ExpertSplit, reduce_split_gradients
 from .optim import optimizer_steps
 from .parallel import reduce_gradients
 from .types import (
@@ -42,13 +43,17 @@ class Engine:
 
     def __init__(self, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", max_rank: int = 128,
-                 token_budget: int = 16384, packed: bool = True, dp_group=None):
-        self.model = BaseModel(model_dir, dtype=dtype, device=device)
+                 token_budget: int = 16384, packed: bool = True, dp_group=None,
+                 experts: ExpertSplit | None = None):
+        self.model = BaseModel(model_dir, dtype=dtype, device=device, experts=experts)
         self.pool = LoraPool(self.model.targets, max_rank, self.model.device, self.model.dtype)
         self.token_budget = token_budget
         self.packed = packed  # rows end to end in a micro-batch, not padded (packed.py)
         # Set in a data-parallel worker group: gradients are summed over it before a step.
+        # With expert parallelism (`experts`), expert gradients are summed over the world
+        # and dp_group is the data-parallel group, or None if there is none.
         self.dp_group = dp_group
+        self.experts = experts
 
     @property
     def tokenizer(self):
@@ -136,7 +141,9 @@ class Engine:
         adapters = [self.pool.get(i) for i in ids]
         for adapter, (_, params) in zip(adapters, items, strict=True):
             check_optim_params(adapter.config.optimizer, params)
-        if self.dp_group is not None:
+        if self.experts is not None:
+            reduce_split_gradients(adapters, self.dp_group)
+        elif self.dp_group is not None:
             reduce_gradients(adapters, self.dp_group)
         return optimizer_steps(list(zip(adapters, [p for _, p in items], strict=True)))
 

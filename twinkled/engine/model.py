@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .lora import LoraBatch
-from .moe import MOE_ARCHS, bank_tokens, moe_blocks
+from .moe import MOE_ARCHS, bank_tokens, moe_blocks, shard_experts
+from .moe_parallel import ExpertSplit
 from .packed import PackedLora, Packing
 from .types import ATTN_MODULES, MLP_MODULES, EngineInputError
 
@@ -61,7 +62,8 @@ class KVCache:
 
 class BaseModel:
     def __init__(self, model_dir: str | Path, dtype: str | torch.dtype = "float32",
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", experts: ExpertSplit | None = None):
+        """`experts`: this rank's share of an MoE model's experts (expert parallelism)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         model_dir = Path(model_dir)
@@ -81,12 +83,16 @@ class BaseModel:
         self.dir = model_dir
         self.config = config
         self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        # Sparse MLP layers (moe.py); the experts of other ranks are dropped before the copy
+        # to the device.
+        self.moe = moe_blocks(config.model_type, config, list(self.hf.model.layers), experts)
+        if experts is not None:
+            shard_experts(self.moe, experts)
         self.hf.to(self.device).eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
         self.decoder = self.hf.model
         self.layers = list(self.decoder.layers)
-        self.moe = moe_blocks(config.model_type, config, self.layers)  # sparse MLP layers
         self.lm_head = self.hf.lm_head
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim

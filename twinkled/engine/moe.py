@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .lora import Bank, LoraBatch
+from .moe_parallel import ExpertSplit, copy_to_experts, reduce_from_experts
 from .packed import PackedLora, grouped_mm, grouped_weight_grad
 from .types import EXPERT_MODULES, EngineInputError
 
@@ -83,21 +84,28 @@ def _distinct(bank, tokens, token_slots, token_scale) -> BankTokens:
 class MoeBlock:
     """One decoder layer's sparse MLP, run over the frozen weights of its HF module."""
 
-    def __init__(self, index: int, mlp, normalize: bool | None, top_k: int):
+    def __init__(self, index: int, mlp, normalize: bool | None, top_k: int,
+                 split: ExpertSplit | None = None):
         self.index = index
         self.router = mlp.gate.weight  # [E, H]
-        self.gate_up = mlp.experts.gate_up_proj  # [E, 2I, H]
-        self.down = mlp.experts.down_proj  # [E, H, I]
+        # This rank's experts (all of them without expert parallelism; `shard_experts`
+        # already dropped the others): the global experts `owned`.
+        self.gate_up = mlp.experts.gate_up_proj  # [E_local, 2I, H]
+        self.down = mlp.experts.down_proj  # [E_local, H, I]
         self.act = mlp.experts.act_fn
         self.n_experts = self.router.shape[0]
+        self.split = split
+        self.owned = (slice(0, self.n_experts) if split is None
+                      else split.owned(self.n_experts, index))
         self.top_k = top_k
         self.normalize = normalize
         prefix = f"model.layers.{index}.mlp.experts."
         self.keys = {p: prefix + p for p in EXPERT_MODULES}
 
     def targets(self) -> dict[str, tuple[int, int, int]]:
-        """The LoRA targets: key -> (in, out, experts)."""
-        E, two_i, H = self.gate_up.shape
+        """The LoRA targets: key -> (in, out, experts); the banks keep every expert."""
+        _, two_i, H = self.gate_up.shape
+        E = self.n_experts
         return {self.keys["gate_up_proj"]: (H, two_i, E),
                 self.keys["down_proj"]: (two_i // 2, H, E)}
 
@@ -113,25 +121,32 @@ class MoeBlock:
         """x [B, S, H] -> the layer's MLP output [B, S, H]."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        if self.split is not None:
+            flat = copy_to_experts(flat, self.split)
         experts, weights = self.route(flat)
-        out = self.expert_pairs(flat, experts.reshape(-1), weights.reshape(-1), banks)
+        experts, weights = experts.reshape(-1), weights.reshape(-1)
+        tokens = torch.arange(flat.shape[0], device=flat.device).repeat_interleave(self.top_k)
+        if self.split is not None:  # only the pairs of this rank's experts
+            lo, hi = self.owned.start, self.owned.stop
+            keep = (experts >= lo) & (experts < hi)
+            experts, weights, tokens = experts[keep] - lo, weights[keep], tokens[keep]
+        out = self.expert_pairs(flat, experts, weights, banks, tokens)
+        if self.split is not None:
+            out = reduce_from_experts(out, self.split)
         return out.reshape(shape)
 
     def expert_pairs(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                     banks: list[BankTokens], tokens: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     banks: list[BankTokens], tokens: torch.Tensor) -> torch.Tensor:
         """The weighted expert outputs of (token, expert) pairs, summed per token [T, H].
 
-        Pair j is token `tokens[j]` (default: j // top_k) sent to expert `experts[j]`."""
+        Pair j is token `tokens[j]` sent to local expert `experts[j]`."""
         T = flat.shape[0]
-        if tokens is None:
-            tokens = torch.arange(T, device=flat.device).repeat_interleave(self.top_k)
         order = torch.argsort(experts, stable=True)
         experts, tokens, weights = experts[order], tokens[order], weights[order]
         E = self.gate_up.shape[0]
         offs = torch.cumsum(torch.bincount(experts, minlength=E), 0).to(torch.int32)
         xs = flat.index_select(0, tokens)
-        pairs = _PairAdapters.of(banks, tokens, experts, E, T)
+        pairs = _PairAdapters.of(banks, tokens, experts, E, T, self.owned)
         gu = _ExpertMM.apply(xs, self.gate_up, offs)
         gu = pairs.add_deltas(self.keys["gate_up_proj"], xs, gu)
         gate, up = gu.chunk(2, dim=-1)
@@ -145,12 +160,14 @@ class MoeBlock:
 class _PairAdapters:
     """For expert-sorted pairs: which pairs each bank owns, sorted by (expert, adapter)."""
 
-    def __init__(self, parts: list[tuple[BankTokens, torch.Tensor, torch.Tensor, torch.Tensor]]):
+    def __init__(self, parts: list[tuple[BankTokens, torch.Tensor, torch.Tensor, torch.Tensor]],
+                 owned: slice):
         self.parts = parts  # (bank tokens, its pair rows, their scales [p, 1], group ends)
+        self.owned = owned  # the experts of the bank these pairs use
 
     @staticmethod
     def of(banks: list[BankTokens], tokens: torch.Tensor, experts: torch.Tensor, E: int,
-           T: int) -> _PairAdapters:
+           T: int, owned: slice) -> _PairAdapters:
         parts = []
         for bt in banks:
             unit_of = torch.full((T,), -1, dtype=torch.long, device=tokens.device)
@@ -164,15 +181,15 @@ class _PairAdapters:
             offs = torch.cumsum(torch.bincount(group, minlength=E * n), 0).to(torch.int32)
             scale = bt.scale[unit[rows]][:, None]
             parts.append((bt, rows, scale, offs))
-        return _PairAdapters(parts)
+        return _PairAdapters(parts, owned)
 
     def add_deltas(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         for bt, rows, scale, offs in self.parts:
             if key not in bt.bank.shapes or len(rows) == 0:
                 continue
-            bank = bt.bank
-            args = (bank.A16[key], bank.B16[key], bank.gA[key], bank.gB[key], bt.slots, scale,
-                    offs)
+            bank, e = bt.bank, self.owned
+            args = (bank.A16[key][:, e], bank.B16[key][:, e], bank.gA[key][:, e],
+                    bank.gB[key][:, e], bt.slots, scale, offs)
             if torch.is_grad_enabled():
                 d = _ExpertDelta.apply(x.index_select(0, rows), _anchor(x), *args)
             else:
@@ -241,9 +258,18 @@ class _ExpertMM(torch.autograd.Function):
         return grouped_mm(grad_out.contiguous(), W, offs), None, None
 
 
-def moe_blocks(model_type: str, config, layers) -> dict[int, MoeBlock]:
+def shard_experts(blocks: dict[int, MoeBlock], split: ExpertSplit) -> None:
+    """Keep only this rank's experts of every layer (before the model goes to its device)."""
+    for block in blocks.values():
+        for param in (block.gate_up, block.down):
+            param.data = param.data[block.owned].clone()
+
+
+def moe_blocks(model_type: str, config, layers, split: ExpertSplit | None = None
+               ) -> dict[int, MoeBlock]:
     """The sparse layers of a model, checked against the layout we know; {} for a dense
-    model. Anything else is refused with what we found."""
+    model. Anything else is refused with what we found. With `split`, each block computes
+    this rank's experts only (see moe_parallel.py)."""
     if model_type not in MOE_ARCHS:
         return {}
     normalize = MOE_ARCHS[model_type]
@@ -265,5 +291,5 @@ def moe_blocks(model_type: str, config, layers) -> dict[int, MoeBlock]:
             raise EngineInputError("model", f"layer {i}: expert shapes do not match the router")
         if not 1 <= top_k <= E:
             raise EngineInputError("model", f"num_experts_per_tok {top_k} is not in 1..{E}")
-        blocks[i] = MoeBlock(i, mlp, normalize, top_k)
+        blocks[i] = MoeBlock(i, mlp, normalize, top_k, split)
     return blocks
