@@ -68,6 +68,12 @@ class Bank:
         self.capacity = capacity
         self._views.clear()  # they pointed into the old tensors
 
+    @property
+    def order(self) -> tuple:
+        """Where this bank's rows go in a batch: the same on every rank (not its address),
+        as expert parallelism needs ranks to lay out a step alike (moe_parallel.py)."""
+        return (self.rank, tuple(self.shapes))
+
     def allocate(self) -> int:
         if not self.free:
             self._grow(max(4, 2 * self.capacity))

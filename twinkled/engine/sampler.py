@@ -37,7 +37,7 @@ def generate(model: BaseModel, requests: list[SampleRequest],
     is tested against)."""
     rows = [_Row(i, r, adapters[i]) for i, r in enumerate(requests) for _ in range(r.num_samples)]
     # Rows of one LoRA bank must sit together (LoraBatch); base-model rows go first.
-    rows.sort(key=lambda r: (0, 0, 0) if r.adapter is None else (1, id(r.adapter.bank), r.adapter.slot))
+    rows.sort(key=lambda r: (0, (), 0) if r.adapter is None else (1, r.adapter.bank.order, r.adapter.slot))
     dev = model.device
     B = len(rows)
     P = max(len(r.prompt) for r in rows)
