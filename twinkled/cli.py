@@ -25,13 +25,15 @@ def main() -> None:
 @click.option("--device", help="cpu, cuda, cuda:N or auto (default).")
 @click.option("--devices", help="One worker per device, comma-separated: cuda:0,cuda:1.")
 @click.option("--workers", type=int, help="Worker ranks on --device (default 1; gloo on CPU).")
+@click.option("--ep", type=int, help="Expert parallelism: ranks that split an MoE model's "
+              "experts (default 1; divides the ranks and the experts).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
               help="Base model dtype (default bfloat16; float32 on a CPU).")
 @click.option("--log-format", type=click.Choice(["text", "json"]),
               help="One line per request; json for log shippers (default text).")
 @click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True),
               help="TOML config file; flags override it.")
-def serve(model, model_name, data_dir, host, port, device, devices, workers, dtype,
+def serve(model, model_name, data_dir, host, port, device, devices, workers, ep, dtype,
           log_format, config_file) -> None:
     """Load the base model once and serve the Tinker API over HTTP."""
     from .perms import private_dir, private_umask
@@ -45,9 +47,13 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, dty
 
     cfg = Config.load(config_file, model=model, model_name=model_name, data_dir=data_dir,
                       host=host, port=port, device=device, dtype=dtype, workers=workers,
-                      devices=devices.split(",") if devices else None, log_format=log_format)
+                      devices=devices.split(",") if devices else None, log_format=log_format,
+                      ep=ep)
     if cfg.model is None or not (cfg.model / "config.json").is_file():
         raise click.UsageError("--model must be a Hugging Face model directory")
+    if cfg.ep < 1 or len(cfg.worker_devices()) % cfg.ep:
+        raise click.UsageError(f"--ep {cfg.ep} must divide the {len(cfg.worker_devices())} "
+                               "worker ranks (--devices / --workers)")
     from .admin import admin_key_path, ensure_admin_key
     from .logs import setup_logging
 

@@ -41,6 +41,7 @@ class Config:
     device: str = "auto"  # "cpu", "cuda", "cuda:1", or auto (one worker)
     devices: list[str] = field(default_factory=list)  # one worker per device: cuda:0,cuda:1
     workers: int = 1  # ranks when `devices` is not given (CPU boxes: gloo workers)
+    ep: int = 1  # expert parallelism: ranks that split an MoE model's experts (divides ranks)
     worker_threads: int = 0  # torch threads per CPU worker (0: cores / workers)
     persist_every: int = 1  # persist live adapters after every N-th optimizer step
     idle_unload_s: float = 1800.0  # unload an adapter idle this long (0: never); it comes back on its next request
@@ -191,7 +192,7 @@ _RANGES = {
               "must be bfloat16, float32 or float16"),
     "device": (lambda v: v == "auto" or _DEVICE.fullmatch(v),
                "must be cpu, cuda, cuda:N or auto"),
-    "workers": _POSITIVE, "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
+    "workers": _POSITIVE, "ep": _POSITIVE, "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
     "token_budget": _POSITIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE,
     "poll_seconds": (lambda v: 0 <= v < 45,

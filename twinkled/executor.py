@@ -85,7 +85,7 @@ def zmq_executor(config: Config) -> Executor:
     live_dir = Path(config.data_dir) / "live"
     options = {"model": str(config.model), "dtype": config.dtype,
                "max_rank": config.max_rank, "token_budget": config.token_budget,
-               "packing": config.packing,
+               "packing": config.packing, "ep": config.ep,
                "live_dir": str(live_dir), "persist_every": config.persist_every,
                "threads": threads}
     group = WorkerGroup(devices, options, step_timeout=config.step_timeout_s,

@@ -86,9 +86,18 @@ def fatal(e: BaseException) -> bool:
 
 class StepRunner:
     def __init__(self, engine: Engine, rank: int, world: int, persister: Persister | None,
-                 spans_hosts: bool = False):
+                 spans_hosts: bool = False, ep: int = 1, seed: int | None = None):
         self.engine = engine
         self.rank, self.world = rank, world
+        # Expert parallelism: the `ep` ranks of an expert group run the same rows and the
+        # same samples (engine/moe_parallel.py), so rows are split between expert groups
+        # and only each group's first rank reports them. Unseeded samples get seeds from
+        # `seed` (the same on every rank), so the group's ranks draw the same tokens.
+        self.ep = ep
+        self.replica, self.replicas = rank // ep, world // ep
+        self.reports = rank % ep == 0
+        self.seed = seed
+        self.samples = 0
         self.persister = persister  # rank 0 only
         # Ranks on other hosts cannot read the daemon's data dir: what a load reads comes
         # from rank 0 (share.py), and every rank loads every sampler of a step, so that
@@ -137,10 +146,10 @@ class StepRunner:
             good.append((i, ForwardBackwardRequest(f.adapter_id, [_datum(d) for d in f.data],
                                                    f.loss_fn, f.loss_config, f.forward_only)))
         rows = [(i, req, j) for i, req in good for j in range(len(req.data))]
-        owner = split_rows([len(req.data[j].tokens) for _, req, j in rows], self.world)
+        owner = split_rows([len(req.data[j].tokens) for _, req, j in rows], self.replicas)
         mine: dict[int, list[int]] = {i: [] for i, _ in good}
         for (i, _, j), r in zip(rows, owner, strict=True):
-            if r == self.rank:
+            if r == self.replica:
                 mine[i].append(j)
         run = [(i, req) for i, req in good if mine[i]]
         try:  # checked at the door: the engine does not check again
@@ -158,8 +167,9 @@ class StepRunner:
             return outcomes + [OutcomeF(i, error=why, category=RETRY) for i, _ in good]
         by_op = dict(zip([i for i, _ in run], results, strict=True))
         for i, _ in good:
-            r = by_op.get(i)
-            out = FwdBwdOutF(mine[i], [], {}) if r is None else FwdBwdOutF(
+            r = by_op.get(i) if self.reports else None
+            rows_i = mine[i] if self.reports else []
+            out = FwdBwdOutF(rows_i, [], {}) if r is None else FwdBwdOutF(
                 mine[i], [{k: to_buf(v) for k, v in o.items()} for o in r.outputs], r.metrics)
             outcomes.append(OutcomeF(i, fwdbwd=out))
         return outcomes
@@ -168,7 +178,7 @@ class StepRunner:
 
     def _sample(self, ops: list[OpF]) -> list[OutcomeF]:
         costs = [op.num_samples * (op.prompt.shape[0] + op.params.max_tokens) for op in ops]
-        mine = [i for i, r in enumerate(split_rows(costs, self.world)) if r == self.rank]
+        mine = [i for i, r in enumerate(split_rows(costs, self.replicas)) if r == self.replica]
         outcomes, good = [], []
         failed: dict[int, Exception] = {}
         if self.spans_hosts:  # every rank loads every sampler, in op order (collective)
@@ -182,9 +192,13 @@ class StepRunner:
         for i in mine:
             s = ops[i]
             p = s.params
+            seed = p.seed
+            if seed is None and self.seed is not None:
+                self.samples += 1
+                seed = (self.seed + self.samples) % 2**62
             req = SampleRequest(
                 s.adapter_id, to_tensor(s.prompt).tolist(),
-                SamplingParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop),
+                SamplingParams(p.max_tokens, p.temperature, p.top_k, p.top_p, seed, p.stop),
                 s.num_samples, s.prompt_logprobs, s.prompt_last_n, s.topk_prompt, s.topk_sample,
                 None if s.target_prompt is None else to_tensor(s.target_prompt).tolist(),
                 s.alt_tokens_k)
@@ -202,6 +216,8 @@ class StepRunner:
                 outcomes.append(OutcomeF(i, error=str(e), category=_category(e)))
         if good:
             outcomes += self._sample_batch(good)
+        if not self.reports:  # the expert group's first rank answers for it
+            outcomes = []
         # The same evictions on every rank when they must hold the same samplers.
         in_use = {ops[i].adapter_id for i in (range(len(ops)) if self.spans_hosts else mine)}
         while len(self.sampler_lru) > SAMPLER_ADAPTERS:

@@ -99,9 +99,15 @@ def _start(args: dict):
     dtype = args["dtype"]
     if not cuda and dtype == "bfloat16":
         dtype = "float32"  # bf16 matmuls on a CPU are slow and gain nothing here
+    ep = int(args.get("ep", 1))
+    experts, dp_group = None, dist.group.WORLD if args["world"] > 1 else None
+    if ep > 1:  # expert parallelism (engine/moe_parallel.py)
+        from twinkled.engine.moe_parallel import expert_groups
+
+        experts, dp_group = expert_groups(args["rank"], args["world"], ep)
     engine = Engine(args["model"], dtype=dtype, device=device, max_rank=args["max_rank"],
                     token_budget=args["token_budget"], packed=args.get("packing", True),
-                    dp_group=dist.group.WORLD if args["world"] > 1 else None)
+                    dp_group=dp_group, experts=experts)
     persister = None
     if args["rank"] == 0 and args.get("live_dir"):
         persister = Persister(Path(args["live_dir"]), args.get("persist_every", 1))
@@ -109,8 +115,13 @@ def _start(args: dict):
     model = {"arch": cfg.model_type, "max_seq_len": engine.model.max_seq_len,
              "vocab_size": cfg.vocab_size, "dtype": str(engine.model.dtype).replace("torch.", "")}
     hello = HelloF(args["rank"], os.getpid(), device, model)
+    seed = None
+    if ep > 1:  # one seed base for the group: unseeded samples must draw alike (runner.py)
+        t = torch.randint(0, 2**62, (1,), device=device)
+        dist.broadcast(t, 0)
+        seed = int(t.item())
     runner = StepRunner(engine, args["rank"], args["world"], persister,
-                        spans_hosts=args.get("spans_hosts", False))
+                        spans_hosts=args.get("spans_hosts", False), ep=ep, seed=seed)
     return runner, hello
 
 
