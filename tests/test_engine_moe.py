@@ -175,3 +175,28 @@ def test_ep_must_divide_the_experts(moe_dir):
 
     with pytest.raises(EngineInputError, match="ep=3 does not divide the 8 experts"):
         make_engine(moe_dir, experts=ExpertSplit(0, 3, None))
+
+
+def test_mixtral_shares_the_layout(tmp_path):
+    """Mixtral's router always renormalises its top-k; no q/k norms. Same logits as HF."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from twinkled.engine.tiny import build_tokenizer
+
+    tok = build_tokenizer(tmp_path)
+    cfg = MixtralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=32,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    hf.save_pretrained(tmp_path)
+    eng = make_engine(tmp_path)
+    assert sorted(eng.model.moe) == [0, 1]
+    ids = torch.randint(0, len(tok), (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+    assert (_logits(eng, None, ids) - want).abs().max() <= 1e-5

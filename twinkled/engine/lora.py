@@ -30,6 +30,9 @@ class Bank:
         # key -> (in_features, out_features), or (in, out, experts) for an MoE layer's expert
         # parameter: each expert has its own pair, A [experts, r, in] and B [experts, out, r].
         self.shapes = targets
+        # Where this bank's rows go in a batch: the same on every rank (not its address), as
+        # expert parallelism needs the ranks to lay out a step alike (moe_parallel.py).
+        self.order = (rank, tuple(targets))
         self.device = device
         # Batches run in the base model's dtype; a bf16 copy of the fp32 master weights,
         # refreshed after each change, spares every layer a cast per step.
@@ -67,12 +70,6 @@ class Bank:
         self.free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
         self._views.clear()  # they pointed into the old tensors
-
-    @property
-    def order(self) -> tuple:
-        """Where this bank's rows go in a batch: the same on every rank (not its address),
-        as expert parallelism needs ranks to lay out a step alike (moe_parallel.py)."""
-        return (self.rank, tuple(self.shapes))
 
     def allocate(self) -> int:
         if not self.free:
