@@ -49,3 +49,11 @@ def daemon(tiny_dir, tmp_path_factory):
     d.data = data
     yield d
     d.stop()
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE (8 experts, top-2, every layer sparse) and its tokenizer."""
+    from twinkled.engine.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe", arch="qwen3_moe")

@@ -41,6 +41,7 @@ class Config:
     device: str = "auto"  # "cpu", "cuda", "cuda:1", or auto (one worker)
     devices: list[str] = field(default_factory=list)  # one worker per device: cuda:0,cuda:1
     workers: int = 1  # ranks when `devices` is not given (CPU boxes: gloo workers)
+    ep: int = 1  # expert parallelism: ranks that split an MoE model's experts (divides ranks)
     tp: int = 1  # tensor-parallel size: each replica of the base model spans tp devices
     # Recompute activations per layer in the backward: auto (when a step would not fit
     # otherwise), on, off.
@@ -196,7 +197,7 @@ _RANGES = {
               "must be bfloat16, float32 or float16"),
     "device": (lambda v: v == "auto" or _DEVICE.fullmatch(v),
                "must be cpu, cuda, cuda:N or auto"),
-    "workers": _POSITIVE, "tp": _POSITIVE,
+    "workers": _POSITIVE, "tp": _POSITIVE, "ep": _POSITIVE,
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
                                  "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,

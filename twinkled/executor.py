@@ -100,7 +100,7 @@ def zmq_executor(config: Config) -> Executor:
     options = {"model": str(config.model), "dtype": config.dtype,
                "max_rank": config.max_rank, "token_budget": config.token_budget,
                "sample_kv_mb": config.sample_kv_mb,
-               "packing": config.packing, "tp": config.tp,
+               "packing": config.packing, "tp": config.tp, "ep": config.ep,
                "activation_checkpointing": config.activation_checkpointing,
                "live_dir": str(live_dir), "persist_every": config.persist_every,
                "threads": threads}

@@ -57,6 +57,12 @@ def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[st
         problems.append("tp: tensor parallelism across hosts (remote_ranks) is not supported")
     if ranks % tp:
         problems.append(f"tp: {tp} does not divide the {ranks} worker devices {devices}")
+    if cfg.ep > 1 and tp > 1:
+        problems.append("ep: expert parallelism together with tensor parallelism (tp) is not "
+                        "supported yet")
+    elif cfg.ep < 1 or ranks % cfg.ep:
+        problems.append(f"ep: --ep {cfg.ep} must divide the {ranks} worker ranks (--devices / "
+                        "--workers)")
     model = cfg.model_config
     if tp > 1 and model and (why := split_problem(model, tp)) is not None:
         problems.append(f"tp: {why}")

@@ -26,7 +26,8 @@ The rule, per adapter and step (our reading of the above; `tests/test_engine_dim
 computes it by hand and checks it against torch.optim.Muon):
     g <- the accumulated gradients; if grad_clip_norm c > 0 and their global norm |g| > c,
          all of them times c / |g| (the clipping AdamW steps share, `optim.py`)
-    for each LoRA matrix X (every lora_A [r, in] and lora_B [out, r]; an adapter's trainable
+    for each LoRA matrix X (every lora_A [r, in] and lora_B [out, r], each expert's own on an
+    MoE model; an adapter's trainable
     parameters are all such matrices, so nothing falls back to another optimizer):
         m <- beta1 * m + (1 - beta1) * g              momentum (state; kept with the adapter)
         u <- (1 - beta1) * g + beta1 * m              Nesterov
@@ -103,6 +104,8 @@ def dimuon_update(items: list[tuple[Adapter, DimuonParams]]) -> None:
             us.append(u)
             lrs.append(-lr)
     for ws, us, lrs in groups.values():
-        o = msign(torch.stack(us))
-        o.mul_(torch.tensor(lrs, dtype=o.dtype).to(o.device, non_blocking=True).view(-1, 1, 1))
+        u = torch.stack(us)  # an MoE expert pair is [experts, rows, cols]: one matrix each
+        o = msign(u.reshape(-1, *u.shape[-2:])).reshape(u.shape)
+        lr = torch.tensor(lrs, dtype=o.dtype).to(o.device, non_blocking=True)
+        o.mul_(lr.view(-1, *[1] * (u.dim() - 1)))
         torch._foreach_add_(ws, list(o.unbind(0)))

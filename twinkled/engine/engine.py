@@ -15,6 +15,7 @@ from . import live, sampler, state, step
 from .checks import check_optim_params, check_optimizer
 from .lora import Adapter, LoraPool
 from .model import BaseModel
+from .moe_parallel import ExpertSplit, reduce_split_gradients
 from .optim import optimizer_steps
 from .parallel import reduce_gradients
 from .running import Finished, RunningBatch
@@ -44,10 +45,12 @@ class Engine:
     def __init__(self, model_dir: str | Path, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", max_rank: int = 128,
                  token_budget: int = 16384, packed: bool = True, dp_group=None, tp=None,
-                 recompute: str = "auto", kv_bytes: int | None = None):
+                 recompute: str = "auto", kv_bytes: int | None = None,
+                 experts: ExpertSplit | None = None):
         # `tp` (tp.py: TensorParallel): this rank holds a slice of the base model and of
-        # every adapter; `dp_group` is then the group across the replicas.
-        self.model = BaseModel(model_dir, dtype=dtype, device=device, tp=tp)
+        # every adapter; `dp_group` is then the group across the replicas. `experts`
+        # (moe_parallel.py): this rank's share of an MoE model's experts.
+        self.model = BaseModel(model_dir, dtype=dtype, device=device, tp=tp, experts=experts)
         self.shard = self.model.shard  # None unless split
         self.model.recompute.set_mode(recompute)  # activation checkpointing (recompute.py)
         self.pool = LoraPool(self.model.targets, max_rank, self.model.device, self.model.dtype,
@@ -55,12 +58,15 @@ class Engine:
         self.token_budget = token_budget
         self.packed = packed  # rows end to end in a micro-batch, not padded (packed.py)
         # Set in a data-parallel worker group: gradients are summed over it before a step.
+        # With expert parallelism (`experts`), expert gradients are summed over the world
+        # and dp_group is the data-parallel group, or None if there is none.
         self.dp_group = dp_group
         # Sampling's running batch: its KV page pool and decode CUDA graphs are made at the
         # first sample call and kept for the next ones.
         self._running: RunningBatch | None = None
         self.kv_bytes = kv_bytes  # its page pool's size (None: running.KV_BYTES)
         self._finished: list[Finished] = []  # submitted requests done during `sample`
+        self.experts = experts
 
     @property
     def tokenizer(self):
@@ -163,7 +169,9 @@ class Engine:
             check_optim_params(adapter.config.optimizer, params)
         if self.shard is not None:
             self.shard.reduce_grads(adapters)
-        if self.dp_group is not None:
+        if self.experts is not None:
+            reduce_split_gradients(adapters, self.dp_group)
+        elif self.dp_group is not None:
             reduce_gradients(adapters, self.dp_group)
         return optimizer_steps(list(zip(adapters, [p for _, p in items], strict=True)),
                                self.shard)
@@ -178,15 +186,17 @@ class Engine:
     def sample(self, requests: list[SampleRequest], checked: bool = False) -> list[SampleResult]:
         """Sample every request and wait for all of them. Requests queued by
         `sample_submit` keep running meanwhile; those that finish wait for `sample_slice`."""
-        if self.shard is not None:
-            # The running batch's stacked LoRA (lora_rows.py) does not follow the split:
-            # under tensor parallelism the padded sampler runs, over the split LoraBatch.
+        if self.shard is not None or self.model.moe:
+            # The running batch's stacked LoRA (lora_rows.py) follows neither a tensor-
+            # parallel split nor experts: those models sample with the padded sampler, over
+            # a LoraBatch.
             if not checked:
                 for r in requests:
                     self.check(r)
             adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id)
                         for r in requests]
-            torch.manual_seed(self.shard.tp.broadcast_seed())  # unseeded draws must agree
+            if self.shard is not None:  # unseeded draws must agree over the group
+                torch.manual_seed(self.shard.tp.broadcast_seed())
             return sampler.generate_padded(self.model, requests, adapters)
         batch, adapters = self._sampling_batch(requests, checked)
         try:
@@ -231,9 +241,9 @@ class Engine:
             for r in requests:
                 self.check(r)
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
-        if self.shard is not None:
+        if self.shard is not None or self.model.moe:
             raise EngineInputError("sample", "queued sampling (the running batch) does not run "
-                                   "under tensor parallelism yet")
+                                   "under tensor parallelism or for MoE models yet")
         batch = self._running or RunningBatch(self.model, kv_bytes=self.kv_bytes)
         if batch.idle:  # (a batch in use cannot grow; admit refuses what it cannot hold)
             batch = batch.sized_for(requests)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .moe_peft import from_peft, is_expert, key_of_module
 from .state import PEFT_PREFIX, WEIGHTS, Snapshot
 from .types import EngineInputError, LoraConfig
 
@@ -79,10 +80,14 @@ def read_live(path: str | Path) -> tuple[LoraConfig, dict, dict, int]:
                                            flat.split([math.prod(s) for s in shapes]),
                                            strict=True):
         t = part.view(shape)
-        if file == WEIGHTS:  # base_model.model.<key>.lora_A.weight
-            key, which = name[len(PEFT_PREFIX):].rsplit(".", 2)[:2]
-            weights.setdefault(key, [None, None])[which == "lora_B"] = t
+        if file == WEIGHTS:  # base_model.model.<module>.lora_A.weight
+            module, which = name[len(PEFT_PREFIX):].rsplit(".", 2)[:2]
+            weights.setdefault(key_of_module(module), [None, None])[which == "lora_B"] = t
         else:
             moments[name] = t
     config = LoraConfig(**index["config"])
+    for key, (a, b) in weights.items():  # expert pairs are kept in peft's layout
+        if is_expert(key):
+            shape = (a.shape[1], b.shape[0], a.shape[0] // config.rank)
+            weights[key] = from_peft(key, a, b, config.rank, shape)
     return config, {k: tuple(ab) for k, ab in weights.items()}, moments, int(index["steps"])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .checks import check_optimizer
-from .types import EngineInputError, LoraConfig
+from .types import EXPERT_MODULES, EngineInputError, LoraConfig
 
 
 class Bank:
@@ -38,10 +38,12 @@ class Bank:
     def __init__(self, rank: int, targets: dict[str, tuple[int, int]], device,
                  dtype: torch.dtype = torch.float32, capacity: int = 4):
         self.rank = rank
-        self.shapes = targets  # key -> (in_features, out_features)
-        # Where its rows go in a mixed batch: the same on every rank of a tensor-parallel
-        # group (an id() would differ between processes, and the group's collectives would
-        # then sum different rows).
+        # key -> (in_features, out_features), or (in, out, experts) for an MoE layer's expert
+        # parameter: each expert has its own pair, A [experts, r, in] and B [experts, out, r].
+        self.shapes = targets
+        # Where its rows go in a mixed batch: the same on every rank of a tensor-parallel or
+        # expert group (an id() would differ between processes, and the group's
+        # collectives would then combine different rows).
         self.order = (rank, tuple(sorted(targets)))
         self.device = device
         # Batches run in the base model's dtype; a bf16 copy of the fp32 master weights,
@@ -179,8 +181,9 @@ class LoraPool:
         if not (config.alpha > 0):
             raise EngineInputError("alpha", f"must be positive, got {config.alpha!r}")
         check_optimizer(config.optimizer)
+        modules = config.target_modules + (EXPERT_MODULES if config.train_mlp else ())
         keys = {k: s if self.shard is None else self.shard.local_shape(k, s)
-                for k, s in self.targets.items() if k.rsplit(".", 1)[-1] in config.target_modules}
+                for k, s in self.targets.items() if k.rsplit(".", 1)[-1] in modules}
         bank_key = (config.rank, tuple(sorted(keys)))
         bank = self.banks.get(bank_key)
         if bank is None:
@@ -199,9 +202,9 @@ class LoraPool:
         # tensor-parallel group must still agree: the engine passes a shared seed then.
         gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
         for key in bank.shapes:
-            fin = self.targets[key][0]
+            fin, _, *experts = self.targets[key]
             bound = 1.0 / fin**0.5
-            a = torch.empty((bank.rank, fin)).uniform_(-bound, bound, generator=gen)
+            a = torch.empty((*experts, bank.rank, fin)).uniform_(-bound, bound, generator=gen)
             if self.shard is not None:
                 a = self.shard.local_lora(key, "A", a)
             bank.A[key][slot].copy_(a)

@@ -4,7 +4,8 @@ We load weights and submodules (norms, rotary embedding, linears) with `transfor
 run the decoder loop ourselves. That keeps the multi-LoRA deltas explicit at every linear,
 gives sampling a plain preallocated KV cache, and insulates the hot path from the
 attention/cache API, which changes between transformers releases. The architectures are
-the Llama family: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norms).
+the Llama family: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norms), and its
+mixture-of-experts kin Qwen3-MoE and Mixtral, whose sparse MLPs run in moe.py.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .lora import LoraBatch
+from .moe import MOE_ARCHS, bank_tokens, moe_blocks, shard_experts
+from .moe_parallel import ExpertSplit
 from .packed import PackedLora, Packing
 from .recompute import Recompute
 from .tp import NoSplit
 from .types import ATTN_MODULES, MLP_MODULES, EngineInputError
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -62,7 +65,10 @@ class KVCache:
 
 class BaseModel:
     def __init__(self, model_dir: str | Path, dtype: str | torch.dtype = "float32",
-                 device: str | torch.device = "cpu", tp=None):
+                 device: str | torch.device = "cpu", tp=None,
+                 experts: ExpertSplit | None = None):
+        """`tp`: this rank's TensorParallel (tp.py); `experts`: this rank's share of an MoE
+        model's experts (expert parallelism, moe_parallel.py)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         model_dir = Path(model_dir)
@@ -74,7 +80,8 @@ class BaseModel:
                 "model", f"architecture {config.model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHS)}")
         if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
-                getattr(config, "layer_types", None) or ()):
+                getattr(config, "layer_types", None) or ()) or (
+                config.model_type == "mixtral" and getattr(config, "sliding_window", None)):
             raise EngineInputError("model", "sliding-window attention is not supported")
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
@@ -83,13 +90,23 @@ class BaseModel:
         # Tensor parallelism (tp.py): `tp` is this rank's TensorParallel; `shard` says
         # which slice of each module it holds. NoSplit: the whole model, no collectives.
         self.tp, self.shard = NoSplit(), None
+        self.moe = {}
         if tp is not None and tp.size > 1:
+            if config.model_type in MOE_ARCHS:
+                raise EngineInputError("tp", "tensor parallelism does not split mixture-of-"
+                                       "experts models yet; use --ep to split their experts")
             from .tp import ShardPlan, load_sharded
 
             self.tp, self.shard = tp, ShardPlan(config, tp)
             self.hf = load_sharded(model_dir, config, self.dtype, self.device, self.shard)
         else:
             self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+            # Sparse MLP layers (moe.py); the experts of other ranks are dropped before the
+            # copy to the device.
+            self.moe = moe_blocks(config.model_type, config, list(self.hf.model.layers),
+                                  experts)
+            if experts is not None:
+                shard_experts(self.moe, experts)
             self.hf.to(self.device).eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
@@ -116,7 +133,7 @@ class BaseModel:
             keys = {}
             for name in ATTN_MODULES:
                 keys[name] = f"model.layers.{i}.self_attn.{name}"
-            for name in MLP_MODULES:
+            for name in () if i in self.moe else MLP_MODULES:
                 keys[name] = f"model.layers.{i}.mlp.{name}"
             self.layer_keys.append(keys)
         modules = dict(self.hf.named_modules())
@@ -125,6 +142,8 @@ class BaseModel:
                 m = modules[key]
                 self.targets[key] = (m.in_features, m.out_features)
         self.targets["lm_head"] = (self.lm_head.in_features, self.lm_head.out_features)
+        for block in self.moe.values():  # expert parameters: key -> (in, out, experts)
+            self.targets.update(block.targets())
         if self.shard is not None:
             self.shard.full_shapes = self.targets
 
@@ -142,17 +161,20 @@ class BaseModel:
         # Recompute per layer (checkpointing): the backward keeps only each layer's input
         # and runs the layer again; recompute.py says when (a step that would not fit).
         again = torch.is_grad_enabled() and self.recompute.wanted(input_ids.numel())
+        banks = bank_tokens(lora, h.shape[1]) if self.moe else []
         for i, layer in enumerate(self.layers):
-            args = (i, layer, h, cos, sin, lora, cache, mask, packing)
+            args = (i, layer, h, cos, sin, lora, cache, mask, packing, banks)
             h = checkpoint(self._layer, *args, use_reentrant=False) if again else self._layer(*args)
         return self.decoder.norm(h)
 
-    def _layer(self, i, layer, h, cos, sin, lora, cache, mask, packing) -> torch.Tensor:
+    def _layer(self, i, layer, h, cos, sin, lora, cache, mask, packing, banks) -> torch.Tensor:
         keys = self.layer_keys[i]
         x = self.tp.enter(layer.input_layernorm(h))
         h = h + self.tp.leave(self._attention(i, layer.self_attn, x, cos, sin, keys, lora,
                                               cache, mask, packing))
         x = self.tp.enter(layer.post_attention_layernorm(h))
+        if i in self.moe:  # (never under tensor parallelism)
+            return h + self.moe[i](x, banks)
         mlp = layer.mlp
         gate = self._linear(mlp.gate_proj, keys["gate_proj"], x, lora)
         up = self._linear(mlp.up_proj, keys["up_proj"], x, lora)

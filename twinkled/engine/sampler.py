@@ -69,7 +69,7 @@ def generate_padded(model: BaseModel, requests: list[SampleRequest],
     `share_prefill=False` prefills every row on its own."""
     rows = [_Row(i, r, adapters[i]) for i, r in enumerate(requests) for _ in range(r.num_samples)]
     # Rows of one LoRA bank must sit together (LoraBatch); base-model rows go first.
-    rows.sort(key=lambda r: (0, 0, 0) if r.adapter is None else (1, r.adapter.bank.order, r.adapter.slot))
+    rows.sort(key=lambda r: (0, (), 0) if r.adapter is None else (1, r.adapter.bank.order, r.adapter.slot))
     dev = model.device
     B = len(rows)
     P = max(len(r.prompt) for r in rows)
@@ -136,9 +136,11 @@ def generate_padded(model: BaseModel, requests: list[SampleRequest],
     topk = max(r.topk_sample for r in requests)
 
     chooser = _chooser(rows, dev)
-    # (Not captured under tensor parallelism: a step's collectives stay eager.)
+    # No CUDA graph under tensor parallelism (a step's collectives stay eager) nor for an
+    # MoE model (its routing has data-dependent shapes).
     decode = _Decoder(model, lora, cache, key_ok,
-                      graph=dev.type == "cuda" and max_new > 8 and model.shard is None)
+                      graph=dev.type == "cuda" and max_new > 8 and model.shard is None
+                      and not model.moe)
     for t in range(max_new):
         tokens, lps, logp = chooser.choose(logits)
         top = top_rows(logp, topk)

@@ -23,7 +23,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .lora import Adapter
-from .types import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES, EngineInputError, LoraConfig
+from .moe_peft import from_peft, is_expert, key_of_module, peft_module, peft_parameters, to_peft
+from .types import (
+    ATTN_MODULES,
+    EXPERT_MODULES,
+    MLP_MODULES,
+    UNEMBED_MODULES,
+    EngineInputError,
+    LoraConfig,
+)
 
 PEFT_PREFIX = "base_model.model."
 WEIGHTS = "adapter_model.safetensors"
@@ -77,8 +85,10 @@ def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
     keys = list(bank.shapes)
     # The bank's cached views of the slot ("w": every A then every B; "m", "v" likewise),
     # so a snapshot is one cat kernel however many modules the adapter has.
-    views = list(bank.tensors(slot, "w"))
-    names = [(WEIGHTS, f"{PEFT_PREFIX}{k}.{p}.weight") for p in ("lora_A", "lora_B") for k in keys]
+    parts = [(k, p) for p in ("lora_A", "lora_B") for k in keys]
+    # Expert pairs are written in peft's layout (moe_peft.py): a copy, the rest are views.
+    views = [to_peft(k, p, v) for (k, p), v in zip(parts, bank.tensors(slot, "w"), strict=True)]
+    names = [(WEIGHTS, f"{PEFT_PREFIX}{peft_module(k)}.{p}.weight") for k, p in parts]
     if optimizer:
         for kind, suffix in MOMENTS[adapter.config.optimizer]:
             views += bank.tensors(slot, kind)
@@ -110,7 +120,7 @@ def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
         save_file(files[WEIGHTS], tmp / WEIGHTS, metadata={"format": "pt"})
         peft_config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank,
-            "lora_alpha": cfg.alpha, "target_modules": sorted(cfg.target_modules),
+            "lora_alpha": cfg.alpha, **_peft_targets(snap),
             "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True,
             "inference_mode": True, "base_model_name_or_path": base_model,
@@ -130,6 +140,18 @@ def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return sum(f.stat().st_size for f in path.iterdir())
+
+
+def _peft_targets(snap: Snapshot) -> dict:
+    """target_modules (and for an MoE model, target_parameters) of the snapshot's adapter."""
+    keys = [key_of_module(name[len(PEFT_PREFIX):].rsplit(".", 2)[0])
+            for file, name, _ in snap.names if file == WEIGHTS]
+    experts = peft_parameters(keys)
+    if not experts:
+        return {"target_modules": sorted(snap.config.target_modules)}
+    # Only modules the model has: peft refuses names that match nothing when all do.
+    modules = sorted({k.rsplit(".", 1)[-1] for k in keys if not is_expert(k)})
+    return {"target_modules": modules, "target_parameters": experts}
 
 
 def _fsync(p: Path) -> None:
@@ -165,21 +187,26 @@ def read_adapter(path: str | Path, targets: dict[str, tuple[int, int]], max_rank
     if unknown:
         raise EngineInputError("target_modules", f"cannot adapt {unknown}; supported: {known}")
     short = {n.rsplit(".", 1)[-1] for n in names}
+    params = {n.rsplit(".", 1)[-1] for n in pc.get("target_parameters") or []}
+    if params - set(EXPERT_MODULES):
+        raise EngineInputError("target_parameters", f"cannot adapt {sorted(params)}; "
+                               f"supported: {EXPERT_MODULES}")
     config = LoraConfig(
         rank=rank, alpha=float(pc.get("lora_alpha", rank)),
-        train_attn=bool(short & set(ATTN_MODULES)), train_mlp=bool(short & set(MLP_MODULES)),
+        train_attn=bool(short & set(ATTN_MODULES)),
+        train_mlp=bool(short & set(MLP_MODULES) or params),
         train_unembed=bool(short & set(UNEMBED_MODULES)))
     tensors = load_file(path / WEIGHTS)
     weights = {}
-    for key, (fin, fout) in targets.items():
-        a = tensors.pop(f"{PEFT_PREFIX}{key}.lora_A.weight", None)
-        b = tensors.pop(f"{PEFT_PREFIX}{key}.lora_B.weight", None)
+    for key, shape in targets.items():
+        a = tensors.pop(f"{PEFT_PREFIX}{peft_module(key)}.lora_A.weight", None)
+        b = tensors.pop(f"{PEFT_PREFIX}{peft_module(key)}.lora_B.weight", None)
         if a is None and b is None:
             continue  # a module this adapter leaves alone (e.g. q/v only): stays zero
-        if a is None or b is None or a.shape != (rank, fin) or b.shape != (fout, rank):
-            raise EngineInputError("weights", f"{key}: expected lora_A {(rank, fin)} and "
-                                   f"lora_B {(fout, rank)} for this base model")
-        weights[key] = (a.float(), b.float())
+        if a is None or b is None:
+            raise EngineInputError("weights", f"{key}: lora_A and lora_B must come together")
+        a, b = from_peft(key, a.float(), b.float(), rank, shape)
+        weights[key] = (a, b)
     if tensors:
         extra = sorted(tensors)[:3]
         raise EngineInputError("weights", f"tensors that match no module of this model: {extra}")

@@ -141,7 +141,7 @@ def _micro_batches(rows: list[_Row], requests, token_budget: int,
     """
     def order(r: _Row):
         a = r.adapter
-        return (0, 0, 0) if a is None else (1, a.bank.order, a.slot)
+        return (0, (), 0) if a is None else (1, a.bank.order, a.slot)
 
     rows = sorted(rows, key=order)
     custom = {i for i, q in enumerate(requests) if callable(q.loss_fn)}

@@ -99,13 +99,22 @@ def build_tiny_model(
     tie_word_embeddings: bool = True,
     seed: int = 0,
     embed_std: float = 0.2,
+    num_experts: int = 8,
+    experts_per_token: int = 2,
 ) -> Path:
-    """Write a tiny random-weight model of `arch` (qwen3, qwen2 or llama) plus tokenizer.
+    """Write a tiny random-weight model of `arch` (qwen3, qwen2, llama, or qwen3_moe with
+    `num_experts` experts of which each token uses `experts_per_token`) plus tokenizer.
 
     head_dim is hidden/heads (64 by default), which vLLM's CPU build also accepts.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -125,12 +134,16 @@ def build_tiny_model(
     )
     if arch == "qwen3":
         config = Qwen3Config(head_dim=hidden_size // num_heads, **common)
+    elif arch == "qwen3_moe":  # Qwen3-30B-A3B's choices: renormalised top-k, every layer sparse
+        config = Qwen3MoeConfig(head_dim=hidden_size // num_heads, num_experts=num_experts,
+                                num_experts_per_tok=experts_per_token, norm_topk_prob=True,
+                                moe_intermediate_size=intermediate_size // 4, **common)
     elif arch == "qwen2":
         config = Qwen2Config(**common)
     elif arch == "llama":
         config = LlamaConfig(head_dim=hidden_size // num_heads, **common)
     else:
-        raise ValueError(f"arch must be qwen3, qwen2 or llama, not {arch!r}")
+        raise ValueError(f"arch must be qwen3, qwen2, llama or qwen3_moe, not {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init with std 0.02 gives near-uniform logits; a larger spread (the default 0.2)
@@ -138,5 +151,8 @@ def build_tiny_model(
     # meaningful. RL demos want the opposite: varied samples, so that rewards differ.
     with torch.no_grad():
         model.get_input_embeddings().weight.normal_(0.0, embed_std)
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # a router that prefers some experts
+                p.normal_(0.0, 0.5)
     model.save_pretrained(str(out))
     return out

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
+# An MoE layer's expert parameters (moe.py); `train_mlp` adapts them as it does a dense MLP.
+EXPERT_MODULES = ("gate_up_proj", "down_proj")
 # Tinker's optimizer families (`optimizer_config.type`), fixed when an adapter is created.
 OPTIMIZERS = ("adamw", "dimuon")
 

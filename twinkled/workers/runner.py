@@ -87,15 +87,24 @@ def fatal(e: BaseException, split: bool = False) -> bool:
 
 class StepRunner:
     def __init__(self, engine: Engine, rank: int, world: int, persister: Persister | None,
-                 spans_hosts: bool = False):
+                 spans_hosts: bool = False, ep: int = 1, seed: int | None = None):
         self.engine = engine
         self.rank, self.world = rank, world
-        # Under tensor parallelism (engine/tp.py) rows and samples are split over the
-        # data-parallel replicas; every rank of a replica runs the same ones, and its
-        # tensor-parallel rank 0 alone reports the rows (the executor joins what ranks say).
+        # Rows and samples are split over the data-parallel replicas; every rank of a
+        # replica runs the same ones, and one rank of it reports them (the executor joins
+        # what ranks say). A replica is a tensor-parallel group (engine/tp.py) or an expert
+        # group of `ep` ranks (engine/moe_parallel.py). Unseeded samples get seeds from
+        # `seed` (the same on every rank), so an expert group's ranks draw the same tokens.
         shard = engine.shard
-        self.replica, self.replicas = (shard.tp.dp_rank, shard.tp.dp_size) if shard else (rank, world)
-        self.reports = shard is None or shard.rank == 0
+        if shard is not None:
+            self.replica, self.replicas = shard.tp.dp_rank, shard.tp.dp_size
+            self.reports = shard.rank == 0
+        else:
+            self.replica, self.replicas = rank // ep, world // ep
+            self.reports = rank % ep == 0
+        self.ep = ep
+        self.seed = seed
+        self.samples = 0
         self.persister = persister  # rank 0 only
         # Ranks on other hosts cannot read the daemon's data dir: what a load reads comes
         # from rank 0 (share.py), and every rank loads every sampler of a step, so that
@@ -166,7 +175,8 @@ class StepRunner:
         by_op = dict(zip([i for i, _ in run], results, strict=True))
         for i, _ in good:
             r = by_op.get(i) if self.reports else None
-            out = FwdBwdOutF(mine[i] if self.reports else [], [], {}) if r is None else FwdBwdOutF(
+            rows_i = mine[i] if self.reports else []
+            out = FwdBwdOutF(rows_i, [], {}) if r is None else FwdBwdOutF(
                 mine[i], [{k: to_buf(v) for k, v in o.items()} for o in r.outputs], r.metrics)
             outcomes.append(OutcomeF(i, fwdbwd=out))
         return outcomes
@@ -189,9 +199,13 @@ class StepRunner:
         for i in mine:
             s = ops[i]
             p = s.params
+            seed = p.seed
+            if seed is None and self.seed is not None:
+                self.samples += 1
+                seed = (self.seed + self.samples) % 2**62
             req = SampleRequest(
                 s.adapter_id, to_tensor(s.prompt).tolist(),
-                SamplingParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop),
+                SamplingParams(p.max_tokens, p.temperature, p.top_k, p.top_p, seed, p.stop),
                 s.num_samples, s.prompt_logprobs, s.prompt_last_n, s.topk_prompt, s.topk_sample,
                 None if s.target_prompt is None else to_tensor(s.target_prompt).tolist(),
                 s.alt_tokens_k)
@@ -209,6 +223,8 @@ class StepRunner:
                 outcomes.append(OutcomeF(i, error=str(e), category=_category(e)))
         if good:
             outcomes += self._sample_batch(good)
+        if not self.reports:  # the expert group's first rank answers for it
+            outcomes = []
         # The same evictions on every rank when they must hold the same samplers.
         in_use = {ops[i].adapter_id for i in (range(len(ops)) if self.spans_hosts else mine)}
         while len(self.sampler_lru) > SAMPLER_ADAPTERS:

@@ -107,10 +107,16 @@ def _start(args: dict):
 
         tp = TensorParallel(args["tp"])
         dp_group = tp.dp_group
+    ep = int(args.get("ep", 1))
+    experts = None
+    if ep > 1:  # expert parallelism (engine/moe_parallel.py)
+        from twinkled.engine.moe_parallel import expert_groups
+
+        experts, dp_group = expert_groups(args["rank"], args["world"], ep)
     engine = Engine(args["model"], dtype=dtype, device=device, max_rank=args["max_rank"],
                     token_budget=args["token_budget"], packed=args.get("packing", True),
                     kv_bytes=(args.get("sample_kv_mb") or 0) << 20 or None,
-                    dp_group=dp_group, tp=tp,
+                    dp_group=dp_group, tp=tp, experts=experts,
                     recompute=args.get("activation_checkpointing", "auto"))
     persister = None
     if args["rank"] == 0 and args.get("live_dir"):
@@ -119,8 +125,13 @@ def _start(args: dict):
     model = {"arch": cfg.model_type, "max_seq_len": engine.model.max_seq_len,
              "vocab_size": cfg.vocab_size, "dtype": str(engine.model.dtype).replace("torch.", "")}
     hello = HelloF(args["rank"], os.getpid(), device, model)
+    seed = None
+    if ep > 1:  # one seed base for the group: unseeded samples must draw alike (runner.py)
+        t = torch.randint(0, 2**62, (1,), device=device)
+        dist.broadcast(t, 0)
+        seed = int(t.item())
     runner = StepRunner(engine, args["rank"], args["world"], persister,
-                        spans_hosts=args.get("spans_hosts", False))
+                        spans_hosts=args.get("spans_hosts", False), ep=ep, seed=seed)
     return runner, hello
 
 
