@@ -200,3 +200,20 @@ def test_mixtral_shares_the_layout(tmp_path):
     with torch.no_grad():
         want = hf(input_ids=ids).logits
     assert (_logits(eng, None, ids) - want).abs().max() <= 1e-5
+
+
+def test_an_unknown_expert_layout_is_refused():
+    """A sparse block with more than router + fused experts (here Qwen2-MoE's shared expert)
+    under a model type we know is refused, naming what was found."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    from twinkled.engine.moe import moe_blocks
+
+    cfg = Qwen2MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4,
+                         num_experts_per_tok=2, shared_expert_intermediate_size=16)
+    layer = SimpleNamespace(mlp=Qwen2MoeSparseMoeBlock(cfg))
+    with pytest.raises(EngineInputError, match="layer 0: MoE layout .*shared_expert"):
+        moe_blocks("qwen3_moe", cfg, [layer])
