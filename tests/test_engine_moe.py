@@ -200,3 +200,43 @@ def test_mixtral_shares_the_layout(tmp_path):
     with torch.no_grad():
         want = hf(input_ids=ids).logits
     assert (_logits(eng, None, ids) - want).abs().max() <= 1e-5
+
+
+def test_an_unknown_expert_layout_is_refused():
+    """A sparse block with more than router + fused experts (here Qwen2-MoE's shared expert)
+    under a model type we know is refused, naming what was found."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    from twinkled.engine.moe import moe_blocks
+
+    cfg = Qwen2MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4,
+                         num_experts_per_tok=2, shared_expert_intermediate_size=16)
+    layer = SimpleNamespace(mlp=Qwen2MoeSparseMoeBlock(cfg))
+    with pytest.raises(EngineInputError, match="layer 0: MoE layout .*shared_expert"):
+        moe_blocks("qwen3_moe", cfg, [layer])
+
+
+def test_a_peft_made_expert_adapter_loads(moe_dir, tmp_path):
+    """peft's own target_parameters adapter (q, v and the experts) loads with its logits."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    pm = get_peft_model(hf, PeftLoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    for n, p in pm.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    pm.save_pretrained(tmp_path)
+    eng = make_engine(moe_dir)
+    assert eng.load("x", tmp_path, optimizer=False).rank == 4
+    ids = torch.randint(0, eng.model.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = pm(input_ids=ids).logits
+    assert (_logits(eng, "x", ids) - want).abs().max() <= 1e-5
+    assert (_logits(eng, None, ids) - want).abs().max() > 1e-2

@@ -46,6 +46,11 @@ def _run(daemon, model_dir, export: Path | None = None) -> dict:
     prompt = tinker.types.ModelInput.from_ints(tok("the sun").input_ids)
     greedy = tinker.types.SamplingParams(max_tokens=6, temperature=0.0)
     seq = sampler.sample(prompt, 1, greedy).result(timeout=T).sequences[0]
+    # Unseeded draws: an expert group's ranks must draw alike or their layers would mix
+    # different tokens (and could stop at different steps and wait on each other forever).
+    drawn = sampler.sample(prompt, 3, tinker.types.SamplingParams(max_tokens=8, temperature=1.0)
+                           ).result(timeout=T).sequences
+    assert len(drawn) == 3 and all(1 <= len(s.tokens) <= 8 for s in drawn)
     if export is not None:
         rest = tinker.RestClient(base_url=daemon.url, api_key=key)
         path = tc.save_weights_external("hf").result(timeout=T).path
