@@ -94,7 +94,7 @@ async def service(tiny_dir, tmp_path, **overrides):
 
 
 def refused(store) -> list[str]:
-    return [r[0] for r in store.db.conn.execute("SELECT status FROM futures WHERE kind = 'refused'")]
+    return [r["status"] for r in store.db.all("SELECT status FROM futures WHERE kind = 'refused'")]
 
 
 def run(coro):

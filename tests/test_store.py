@@ -355,9 +355,8 @@ def test_purge_futures_keeps_recent_and_pending(store):
     store.futures.complete("old", b"{}", "application/json")
     store.futures.fail("new", "x", "user")
     t = now()
-    store.db.conn.execute("UPDATE futures SET completed_at = ? WHERE id = 'old'", [t - 3600])
-    store.db.conn.execute("UPDATE futures SET created = ? WHERE id = 'pending'", [t - 86400])
-    store.db.conn.commit()
+    store.db.write("UPDATE futures SET completed_at = ? WHERE id = 'old'", [t - 3600])
+    store.db.write("UPDATE futures SET created = ? WHERE id = 'pending'", [t - 86400])
 
     # an age below the floor is raised to MIN_FUTURE_TTL_S: nothing recent goes
     assert store.futures.purge(0, at=t) == 1

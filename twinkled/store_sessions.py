@@ -16,7 +16,7 @@ class Sessions:
         self._db = db
 
     def create(self, tenant: str, user_metadata: dict | None = None,
-                       sdk_version: str | None = None, display_name: str | None = None) -> str:
+               sdk_version: str | None = None, display_name: str | None = None) -> str:
         sid, t = f"sess-{uuid.uuid4().hex}", now()
         self._db.insert("sessions", {"id": sid, "tenant": tenant, "created": t,
                                      "last_heartbeat": t, "finished_at": None,
@@ -55,14 +55,14 @@ class Sessions:
 
     def finish(self, session_id: str, reason: str | None = None) -> bool:
         """Mark it finished, with the client's reason (success, errored, interrupted)."""
-        return self._db.write("UPDATE sessions SET finished_at = ?, finish_reason = ? WHERE id = ? "
-                              "AND finished_at IS NULL", (now(), reason, session_id)) > 0
+        return self._db.write("UPDATE sessions SET finished_at = ?, finish_reason = ? "
+                              "WHERE id = ? AND finished_at IS NULL",
+                              (now(), reason, session_id)) > 0
 
     def get(self, session_id: str) -> Row | None:
         return self._db.one("SELECT * FROM sessions WHERE id = ?", [session_id])
 
-    def list(self, tenant: str, offset: int = 0,
-                      limit: int = 20) -> tuple[list[Row], int]:
+    def list(self, tenant: str, offset: int = 0, limit: int = 20) -> tuple[list[Row], int]:
         return self._db.page("tenant = ?", [tenant], "sessions", offset, limit)
 
     def children(self, session_id: str) -> tuple[list[str], list[str]]:
@@ -73,8 +73,7 @@ class Sessions:
                                 [session_id])
         return [r["id"] for r in runs], [s["id"] for s in samplers]
 
-    def before(self, tenant: str, cursor: tuple[int, str] | None,
-                        limit: int) -> list[Row]:
+    def before(self, tenant: str, cursor: tuple[int, str] | None, limit: int) -> list[Row]:
         """A tenant's sessions, newest first, strictly after `cursor` in that order.
 
         The cursor is (created in whole microseconds, session id): what a REST cursor carries
