@@ -38,7 +38,7 @@ def resolve(request: web.Request, name: str) -> Target:
     bare = next((name[len(s):] for s in SCHEMES if name.startswith(s)), name)
     path = name
     if "/" not in bare and ":sample:" in bare:  # a sampling session
-        s = request.app["store"].get_sampler(bare)
+        s = request.app["store"].samplers.get(bare)
         if s is None or s["tenant"] != request["tenant"]:
             raise model_not_found(name)
         if not s.get("model_path"):
@@ -61,7 +61,7 @@ def listing(request: web.Request, limit: int = 1000) -> dict:
     svc = service(request)
     data = [{"id": svc.config.served_name, "object": "model", "created": 0,
              "owned_by": "twinkled"}]
-    rows, _ = request.app["store"].list_checkpoints(tenant=request["tenant"], limit=limit)
+    rows, _ = request.app["store"].checkpoints.list(tenant=request["tenant"], limit=limit)
     for c in rows:
         if c["kind"] == "sampler_weights":
             data.append({"id": c["tinker_path"], "object": "model",

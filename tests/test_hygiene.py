@@ -64,8 +64,8 @@ def store(tmp_path):
 
 
 def run_of(store: Store, tenant: str, metadata: dict | None = None) -> str:
-    sid = store.create_session(tenant, metadata, None)
-    return store.create_run(sid, tenant, "m", 4, user_metadata=metadata)
+    sid = store.sessions.create(tenant, metadata, None)
+    return store.runs.create(sid, tenant, "m", 4, user_metadata=metadata)
 
 
 # -- a real daemon: modes after training and a checkpoint ----------------------------------
@@ -212,26 +212,26 @@ def test_private_dir_warns_and_goes_on_for_a_dir_it_does_not_own(tmp_path, caplo
 
 @pytest.mark.parametrize("pattern", ["%%%%%%", "______", "%", "tml-%", "tml-_"])
 def test_revoke_prefix_is_literal_not_a_like_pattern(store, pattern):
-    key = store.create_key("alice")
+    key = store.tenants.create_key("alice")
     if len(pattern) < 6 and not pattern.startswith("tml-"):
         with pytest.raises(ValueError, match="too short"):
-            store.revoke_key(pattern)
+            store.tenants.revoke_key(pattern)
     else:
-        assert store.revoke_key(pattern) is False
-    assert store.tenant_for_key(key) == "alice"
+        assert store.tenants.revoke_key(pattern) is False
+    assert store.tenants.for_key(key) == "alice"
 
 
 def test_revoke_wildcards_inside_a_real_prefix_match_nothing(store, tmp_path):
-    keys = [store.create_key("alice") for _ in range(3)]
-    prefixes = [r["key_prefix"] for r in store.list_keys()]
+    keys = [store.tenants.create_key("alice") for _ in range(3)]
+    prefixes = [r["key_prefix"] for r in store.tenants.list_keys()]
     first = prefixes[0]
     for pattern in (first[:6] + "%", first[:5] + "_", first[:6] + "_" * 4, "%" + first[1:8]):
-        assert store.revoke_key(pattern) is False, pattern
-    assert all(store.tenant_for_key(k) == "alice" for k in keys)
+        assert store.tenants.revoke_key(pattern) is False, pattern
+    assert all(store.tenants.for_key(k) == "alice" for k in keys)
     with pytest.raises(AdminError, match="no active key matches"):
         Admin(store, tmp_path).keys_revoke("%%%%%%%%")
-    assert store.revoke_key(first.upper()[:8]) is True  # a real prefix still works
-    assert sum(store.tenant_for_key(k) is None for k in keys) == 1
+    assert store.tenants.revoke_key(first.upper()[:8]) is True  # a real prefix still works
+    assert sum(store.tenants.for_key(k) is None for k in keys) == 1
 
 
 # -- overwrite checks: atomic under concurrency --------------------------------------------
@@ -246,7 +246,7 @@ def _race(db: Path, run: str, n: int, **kw) -> tuple[list[str], list[Exception]]
     def go(s: Store) -> None:
         barrier.wait()
         try:
-            won.append(s.begin_checkpoint(run, "alice", "weights", "same", "/d/x", **kw))
+            won.append(s.checkpoints.begin(run, "alice", "weights", "same", "/d/x", **kw))
         except Exception as e:  # noqa: BLE001 - collected and checked below
             lost.append(e)
 
@@ -267,12 +267,12 @@ def test_concurrent_saves_to_one_name_one_wins(tmp_path):
     won, lost = _race(db, run, 12)
     assert len(won) == 1 and len(lost) == 11
     assert all(isinstance(e, Conflict) for e in lost), lost
-    assert s.get_checkpoint(won[0])["status"] == "writing"
+    assert s.checkpoints.get(won[0])["status"] == "writing"
     # while it is being written, overwrite=True does not let a second writer in either
     won2, lost2 = _race(db, run, 8, overwrite=True)
     assert won2 == [] and all(isinstance(e, Conflict) for e in lost2) and len(lost2) == 8
     # once ready: refused without overwrite, and exactly one overwriter gets through
-    s.finish_checkpoint(won[0], 10, "00")
+    s.checkpoints.finish(won[0], 10, "00")
     won3, lost3 = _race(db, run, 8)
     assert won3 == [] and all("overwrite=True" in str(e) for e in lost3)
     won4, lost4 = _race(db, run, 8, overwrite=True)
@@ -282,10 +282,10 @@ def test_concurrent_saves_to_one_name_one_wins(tmp_path):
 
 def test_corrupt_checkpoint_may_be_saved_again(store):
     run = run_of(store, "alice")
-    p = store.begin_checkpoint(run, "alice", "weights", "w", "/d/1")
-    store.mark_corrupt(p, "write failed")
-    assert store.begin_checkpoint(run, "alice", "weights", "w", "/d/2") == p
-    assert store.get_checkpoint(p)["status"] == "writing"
+    p = store.checkpoints.begin(run, "alice", "weights", "w", "/d/1")
+    store.checkpoints.mark_corrupt(p, "write failed")
+    assert store.checkpoints.begin(run, "alice", "weights", "w", "/d/2") == p
+    assert store.checkpoints.get(p)["status"] == "writing"
 
 
 # -- the storage quota -------------------------------------------------------------------
@@ -294,72 +294,72 @@ def test_corrupt_checkpoint_may_be_saved_again(store):
 def test_storage_used_counts_checkpoint_sizes_and_metadata(store):
     meta = {"note": "é" * 10}  # bytes, not characters
     meta_bytes = len(json.dumps(meta).encode())
-    assert store.storage_used("alice") == 0
+    assert store.checkpoints.storage_used("alice") == 0
     run = run_of(store, "alice", meta)  # a session and a run, both with metadata
-    assert store.storage_used("alice") == 2 * meta_bytes
-    p1 = store.begin_checkpoint(run, "alice", "weights", "a", "/d/a", user_metadata=meta)
-    store.finish_checkpoint(p1, 1000, "00")
-    p2 = store.begin_checkpoint(run, "alice", "sampler_weights", "b", "/d/b")
-    store.finish_checkpoint(p2, 234, "00")
-    p3 = store.begin_checkpoint(run, "alice", "weights", "c", "/d/c")  # writing: no size yet
-    assert store.storage_used("alice") == 3 * meta_bytes + 1234
-    store.mark_corrupt(p3, "x")
+    assert store.checkpoints.storage_used("alice") == 2 * meta_bytes
+    p1 = store.checkpoints.begin(run, "alice", "weights", "a", "/d/a", user_metadata=meta)
+    store.checkpoints.finish(p1, 1000, "00")
+    p2 = store.checkpoints.begin(run, "alice", "sampler_weights", "b", "/d/b")
+    store.checkpoints.finish(p2, 234, "00")
+    p3 = store.checkpoints.begin(run, "alice", "weights", "c", "/d/c")  # writing: no size yet
+    assert store.checkpoints.storage_used("alice") == 3 * meta_bytes + 1234
+    store.checkpoints.mark_corrupt(p3, "x")
     other = run_of(store, "bob", {"big": "x" * 5000})
-    store.finish_checkpoint(store.begin_checkpoint(other, "bob", "weights", "z", "/d/z"), 99, "0")
-    assert store.storage_used("alice") == 3 * meta_bytes + 1234  # bob's is not alice's
-    store.delete_checkpoint(p1)
-    assert store.storage_used("alice") == 2 * meta_bytes + 234
+    store.checkpoints.finish(store.checkpoints.begin(other, "bob", "weights", "z", "/d/z"), 99, "0")
+    assert store.checkpoints.storage_used("alice") == 3 * meta_bytes + 1234  # bob's is not alice's
+    store.checkpoints.delete(p1)
+    assert store.checkpoints.storage_used("alice") == 2 * meta_bytes + 234
 
 
 def test_quota_refuses_a_save_at_the_quota(store):
     run = run_of(store, "alice")
-    p = store.begin_checkpoint(run, "alice", "weights", "a", "/d/a", quota_bytes=1000)
-    store.finish_checkpoint(p, 999, "00")
-    used = store.storage_used("alice")
+    p = store.checkpoints.begin(run, "alice", "weights", "a", "/d/a", quota_bytes=1000)
+    store.checkpoints.finish(p, 999, "00")
+    used = store.checkpoints.storage_used("alice")
     assert used == 999
     # under the quota: a save starts
-    q = store.begin_checkpoint(run, "alice", "weights", "b", "/d/b", quota_bytes=1000)
-    store.finish_checkpoint(q, 1, "00")
+    q = store.checkpoints.begin(run, "alice", "weights", "b", "/d/b", quota_bytes=1000)
+    store.checkpoints.finish(q, 1, "00")
     # at the quota: refused, with a message that says what to do, and nothing recorded
     with pytest.raises(QuotaExceeded) as e:
-        store.begin_checkpoint(run, "alice", "weights", "c", "/d/c", quota_bytes=1000)
+        store.checkpoints.begin(run, "alice", "weights", "c", "/d/c", quota_bytes=1000)
     assert isinstance(e.value, UserError)
     msg = str(e.value)
     assert "'alice'" in msg and "1000 B of its 1000 B storage quota" in msg
     assert "checkpoints delete" in msg and "delete_checkpoint" in msg
-    assert store.get_checkpoint(checkpoint_path(run, "weights", "c")) is None
+    assert store.checkpoints.get(checkpoint_path(run, "weights", "c")) is None
     # overwriting frees what it replaces, so it is allowed at the quota
-    assert store.begin_checkpoint(run, "alice", "weights", "a", "/d/a2", overwrite=True,
-                                  quota_bytes=1000) == p
+    assert store.checkpoints.begin(run, "alice", "weights", "a", "/d/a2", overwrite=True,
+                                   quota_bytes=1000) == p
     # no limit: None, or a quota of 0 or less
     for quota in (None, 0, -1):
-        store.begin_checkpoint(run, "alice", "weights", f"n{quota}", "/d/n", quota_bytes=quota)
+        store.checkpoints.begin(run, "alice", "weights", f"n{quota}", "/d/n", quota_bytes=quota)
     # metadata counts toward it too
     run2 = run_of(store, "carol", {"blob": "y" * 2000})
     with pytest.raises(QuotaExceeded, match="GiB|KiB"):
-        store.begin_checkpoint(run2, "carol", "weights", "a", "/d/ca", quota_bytes=1024)
+        store.checkpoints.begin(run2, "carol", "weights", "a", "/d/ca", quota_bytes=1024)
 
 
 def test_quota_message_in_gib(store):
     run = run_of(store, "alice")
-    p = store.begin_checkpoint(run, "alice", "weights", "a", "/d/a")
-    store.finish_checkpoint(p, int(51 * GIB), "00")
+    p = store.checkpoints.begin(run, "alice", "weights", "a", "/d/a")
+    store.checkpoints.finish(p, int(51 * GIB), "00")
     with pytest.raises(QuotaExceeded, match=r"uses 51\.0 GiB of its 50\.0 GiB storage quota"):
-        store.begin_checkpoint(run, "alice", "weights", "b", "/d/b", quota_bytes=50 * GIB)
+        store.checkpoints.begin(run, "alice", "weights", "b", "/d/b", quota_bytes=50 * GIB)
 
 
 def test_tenant_storage_quota_row_over_default(store):
-    store.ensure_tenant("alice")
-    assert store.tenant_storage_quota("alice", 50 * GIB) == 50 * GIB
-    assert store.tenant_storage_quota("nobody", 123) == 123
-    assert store.tenant_storage_quota("alice", None) is None
-    assert store.tenant_storage_quota("alice", 0) is None
-    store.set_tenant("alice", max_storage_bytes=2048)
-    assert store.tenant_storage_quota("alice", 50 * GIB) == 2048
-    store.set_tenant("alice", max_storage_bytes=-1)
-    assert store.tenant_storage_quota("alice", 50 * GIB) is None
-    store.set_tenant("alice", max_storage_bytes=0)  # cleared: the default again
-    assert store.tenant_storage_quota("alice", 50 * GIB) == 50 * GIB
+    store.tenants.ensure("alice")
+    assert store.checkpoints.storage_quota("alice", 50 * GIB) == 50 * GIB
+    assert store.checkpoints.storage_quota("nobody", 123) == 123
+    assert store.checkpoints.storage_quota("alice", None) is None
+    assert store.checkpoints.storage_quota("alice", 0) is None
+    store.tenants.set("alice", max_storage_bytes=2048)
+    assert store.checkpoints.storage_quota("alice", 50 * GIB) == 2048
+    store.tenants.set("alice", max_storage_bytes=-1)
+    assert store.checkpoints.storage_quota("alice", 50 * GIB) is None
+    store.tenants.set("alice", max_storage_bytes=0)  # cleared: the default again
+    assert store.checkpoints.storage_quota("alice", 50 * GIB) == 50 * GIB
 
 
 def test_config_storage_quota_default(tmp_path):
@@ -385,7 +385,7 @@ def test_ctl_tenants_list_shows_storage_without_a_daemon(tmp_path):
     ctl(data, "keys", "create", "--tenant", "alice")
     s = Store(data / "twinkle.db")
     run = run_of(s, "alice")
-    s.finish_checkpoint(s.begin_checkpoint(run, "alice", "weights", "a", "/d/a"), 3 * 1024**2,
+    s.checkpoints.finish(s.checkpoints.begin(run, "alice", "weights", "a", "/d/a"), 3 * 1024**2,
                         "00")
     s.close()
     alice = ctl_json(data, "tenants", "list")[0]

@@ -17,7 +17,7 @@ def frame(prompt: list[int], max_tokens: int, n: int, seed: int) -> SampleF:
 def test_a_stream_yields_its_choices_and_a_cancelled_one_leaves_the_queue(tiny_dir, tmp_path):
     async def go():
         async with service(tiny_dir, tmp_path) as box:
-            box.store.ensure_tenant("ann")
+            box.store.tenants.ensure("ann")
             svc = box.svc
             # Queued together, before the engine loop runs: the cancelled one never runs.
             kept = svc.sample_stream("ann", "base", frame([3, 1, 4], 5, 2, seed=1))

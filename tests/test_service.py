@@ -32,9 +32,9 @@ class Box:
         self.vocab = 0
 
     async def create(self, tenant: str, rank: int = 4) -> str:
-        self.store.ensure_tenant(tenant)
+        self.store.tenants.ensure(tenant)
         if tenant not in self.sessions:
-            self.sessions[tenant] = self.store.create_session(tenant)
+            self.sessions[tenant] = self.store.sessions.create(tenant)
         config = LoraConfig(rank=rank, alpha=8.0, seed=random.randrange(1 << 30))
         model, f = self.svc.create_model(tenant, self.sessions[tenant], None, config, {},
                                          lambda model: (b"{}", "application/json"))
@@ -94,7 +94,7 @@ async def service(tiny_dir, tmp_path, **overrides):
 
 
 def refused(store) -> list[str]:
-    return [r[0] for r in store.db.execute("SELECT status FROM futures WHERE kind = 'refused'")]
+    return [r["status"] for r in store.db.all("SELECT status FROM futures WHERE kind = 'refused'")]
 
 
 def run(coro):
@@ -200,17 +200,17 @@ def test_idle_unload_and_reload_through_residency(tiny_dir, tmp_path):
             await done(box.fwdbwd("alice", m, 1, [6], seed=5), box.optim("alice", m, 2))
             before = box.fwdbwd("alice", m, 3, [6], seed=6, forward_only=True)
             await done(before)
-            box.store.touch_run(m)
+            box.store.runs.touch(m)
             await asyncio.sleep(0.05)
             await svc.residency.unload_idle(0.01)
             assert not svc.residency.is_open(m) and svc.residency.count() == 0
-            row = box.store.get_run(m)
+            row = box.store.runs.get(m)
             assert not row["live"] and row["idle_unloaded"] and row["next_seq"] == 4
             with pytest.raises(UserError, match="not loaded"):
                 box.fwdbwd("alice", m, 4, [6])
-            await svc.ensure_loaded(box.store.get_run(m))
+            await svc.ensure_loaded(box.store.runs.get(m))
             assert svc.residency.is_open(m) and svc.residency.count() == 1
-            assert box.store.get_run(m)["live"]
+            assert box.store.runs.get(m)["live"]
             after = box.fwdbwd("alice", m, 4, [6], seed=6, forward_only=True)
             await done(after)
             assert after.error is None
@@ -228,13 +228,13 @@ def test_futures_fail_cleanly_and_the_loop_goes_on(tiny_dir, tmp_path):
             # An op that fails in the engine fails its own future, with its reason; its
             # `after` hears it; the model goes on.
             (tmp_path / "checkpoints").write_text("")  # no directory can be made under it
-            run = box.store.get_run(m)
+            run = box.store.runs.get(m)
             f = svc.save("alice", run, 1, "weights", "first", optimizer=True, user_metadata={},
                          ttl_s=None, overwrite=False, answer=lambda path: (b"{}", "text/plain"))
             await done(f)
             assert f.error is not None and f.error[1] == "server"
             # Its store row says why: behind the service, the save's callback ran.
-            ckpt = box.store.get_checkpoint(f"tinker://{m}/weights/first")
+            ckpt = box.store.checkpoints.get(f"tinker://{m}/weights/first")
             assert ckpt["status"] == "corrupt" and ckpt["error"] == f.error[0]
             # The executor itself failing (a bug): the step's futures fail as server errors.
             real = svc.executor.run_ops
@@ -273,13 +273,13 @@ def test_sampler_weights_are_sampled_from_a_device_copy(tiny_dir, tmp_path):
         async with service(tiny_dir, tmp_path) as box:
             m = await box.create("ann")
             await done(box.fwdbwd("ann", m, 1, [6, 5]), box.optim("ann", m, 2, lr=0.2))
-            saved = box.svc.save_for_sampler("ann", box.store.get_run(m), 3, None,
+            saved = box.svc.save_for_sampler("ann", box.store.runs.get(m), 3, None,
                                              user_metadata={}, ttl_s=None,
                                              answer=lambda s: (str(s).encode(), "text/plain"))
             await done(saved)
             assert saved.error is None, saved.error
-            sampler = box.store.get_sampler(saved.payload.decode())
-            ckpt = box.store.get_checkpoint(sampler["model_path"])
+            sampler = box.store.samplers.get(saved.payload.decode())
+            ckpt = box.store.checkpoints.get(sampler["model_path"])
             # The model trains on: the sampler must keep the weights of its save.
             await done(box.fwdbwd("ann", m, 4, [7]), box.optim("ann", m, 5, lr=0.2))
             kept = tmp_path / "kept"

@@ -152,7 +152,7 @@ def test_signed_urls_refuse_tampering_and_expiry(daemon, export):
         key_file = daemon.data / "download.key"
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
         store = Store(daemon.data / "twinkle.db")
-        sha = store.get_checkpoint(export["external"])["sha256"]
+        sha = store.checkpoints.get(export["external"])["sha256"]
         store.close()
         past = int(time.time()) - 3600
         sig = sign(download_key(daemon.data), file_subject(export["external"],

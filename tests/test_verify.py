@@ -45,13 +45,13 @@ def save(store: Store, data_dir: Path, name: str, tenant: str = "alice",
          run: str | None = None) -> tuple[str, Path]:
     """A checkpoint written and registered the way the daemon does it."""
     if run is None:
-        run = store.create_run(store.create_session(tenant, None, None), tenant, "m", 8)
+        run = store.runs.create(store.sessions.create(tenant, None, None), tenant, "m", 8)
     directory = data_dir / "checkpoints" / run / "weights" / name
     directory.mkdir(parents=True)
     for fname, data in FILES.items():
         (directory / fname).write_bytes(data)
-    path = store.begin_checkpoint(run, tenant, "weights", name, str(directory))
-    assert store.finish_checkpoint(path, *checkpoint_digest(directory))
+    path = store.checkpoints.begin(run, tenant, "weights", name, str(directory))
+    assert store.checkpoints.finish(path, *checkpoint_digest(directory))
     return path, directory
 
 
@@ -76,7 +76,7 @@ def test_digest_format_and_chunking(tmp_path, monkeypatch):
 def test_intact_checkpoint_stays_ready(store, data_dir):
     path, directory = save(store, data_dir, "good")
     assert verify_checkpoints(store, data_dir) == []
-    row = store.get_checkpoint(path)
+    row = store.checkpoints.get(path)
     assert row["status"] == "ready" and row["error"] is None
     assert {f.name: f.read_bytes() for f in directory.iterdir()} == FILES
     assert quarantined(data_dir) == []
@@ -98,7 +98,7 @@ def test_flipped_byte_is_quarantined(store, data_dir, caplog):
     assert not directory.exists()
     # never deleted: the damaged bytes are all there, in quarantine
     assert (moved / "adapter_model.safetensors").read_bytes() == bytes(data)
-    row = store.get_checkpoint(path)
+    row = store.checkpoints.get(path)
     assert row["status"] == "corrupt"
     assert row["error"] == found[0]["reason"]
     assert "sha256 mismatch" in row["error"] and str(moved) in row["error"]
@@ -106,8 +106,8 @@ def test_flipped_byte_is_quarantined(store, data_dir, caplog):
     assert any(path in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records if r.name == "twinkled")
     # hidden from listings; the intact one is untouched
-    assert [r["tinker_path"] for r in store.list_checkpoints()[0]] == [good]
-    assert store.get_checkpoint(good)["status"] == "ready"
+    assert [r["tinker_path"] for r in store.checkpoints.list()[0]] == [good]
+    assert store.checkpoints.get(good)["status"] == "ready"
     # a second pass finds nothing new
     assert verify_checkpoints(store, data_dir) == []
 
@@ -120,7 +120,7 @@ def test_missing_directory(store, data_dir):
     found = verify_checkpoints(store, data_dir)
     assert found == [{"tinker_path": path, "reason": f"missing directory {directory}",
                       "moved_to": None}]
-    row = store.get_checkpoint(path)
+    row = store.checkpoints.get(path)
     assert row["status"] == "corrupt" and row["error"].startswith("missing directory")
     assert quarantined(data_dir) == []
 
@@ -131,7 +131,7 @@ def test_truncated_file(store, data_dir):
     f.write_bytes(f.read_bytes()[:100])
     found = verify_checkpoints(store, data_dir)
     assert [d["tinker_path"] for d in found] == [path]
-    row = store.get_checkpoint(path)
+    row = store.checkpoints.get(path)
     assert row["status"] == "corrupt"
     assert "size mismatch" in row["error"] and str(sum(map(len, FILES.values()))) in row["error"]
     assert quarantined(data_dir) == [Path(found[0]["moved_to"])]
@@ -153,27 +153,27 @@ def test_unreadable_directory_and_name_clash(store, data_dir):
     assert found[path1]["reason"].startswith("unreadable")
     moved = {Path(d["moved_to"]) for d in found.values()}
     assert set(quarantined(data_dir)) == moved and len(moved) == 2
-    assert all(store.get_checkpoint(p)["status"] == "corrupt" for p in found)
+    assert all(store.checkpoints.get(p)["status"] == "corrupt" for p in found)
 
 
 def test_only_ready_checkpoints_are_checked(store, data_dir):
     path, directory = save(store, data_dir, "old")
-    store.mark_corrupt(path, "earlier reason")
-    writing = store.begin_checkpoint(store.get_checkpoint(path)["run_id"], "alice", "weights",
-                                     "inflight", str(data_dir / "nowhere"))
+    store.checkpoints.mark_corrupt(path, "earlier reason")
+    writing = store.checkpoints.begin(store.checkpoints.get(path)["run_id"], "alice", "weights",
+                                      "inflight", str(data_dir / "nowhere"))
     assert verify_checkpoints(store, data_dir) == []
-    assert store.get_checkpoint(path)["error"] == "earlier reason"
-    assert store.get_checkpoint(writing)["status"] == "writing"
+    assert store.checkpoints.get(path)["error"] == "earlier reason"
+    assert store.checkpoints.get(writing)["status"] == "writing"
     assert directory.exists()
 
 
 def test_list_checkpoints_status_filter(store, data_dir):
     ready, _ = save(store, data_dir, "a")
     bad, _ = save(store, data_dir, "b")
-    store.mark_corrupt(bad, "why")
-    assert [r["tinker_path"] for r in store.list_checkpoints()[0]] == [ready]  # default
-    assert [r["tinker_path"] for r in store.list_checkpoints(status="corrupt")[0]] == [bad]
-    rows, total = store.list_checkpoints(status=None)
+    store.checkpoints.mark_corrupt(bad, "why")
+    assert [r["tinker_path"] for r in store.checkpoints.list()[0]] == [ready]  # default
+    assert [r["tinker_path"] for r in store.checkpoints.list(status="corrupt")[0]] == [bad]
+    rows, total = store.checkpoints.list(status=None)
     assert total == 2 and {r["tinker_path"] for r in rows} == {ready, bad}
 
 
@@ -198,7 +198,7 @@ def test_ctl_list_and_verify(store, data_dir):
                           "--json").stdout) == []
     listed = json.loads(ctl(data_dir, "checkpoints", "list", "--tenant", "bob", "--json").stdout)
     assert [r["tinker_path"] for r in listed] == [bob]
-    run = store.get_checkpoint(good)["run_id"]
+    run = store.checkpoints.get(good)["run_id"]
     listed = json.loads(ctl(data_dir, "checkpoints", "list", "--run", run, "--json").stdout)
     assert [r["tinker_path"] for r in listed] == [good]
 

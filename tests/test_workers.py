@@ -46,7 +46,7 @@ def _checkpoint(data_dir, path: str) -> dict:
     from twinkled.store import Store
 
     store = Store(data_dir / "twinkle.db")
-    directory = store.get_checkpoint(path)["dir"]
+    directory = store.checkpoints.get(path)["dir"]
     store.close()
     tensors = {}
     for name in ("adapter_model.safetensors", "optimizer.safetensors"):
@@ -225,7 +225,7 @@ def test_sigkill_rolls_back_to_persisted_state_and_quarantines_damage(tiny_dir, 
     from twinkled.store import Store
 
     store = Store(tmp_path / "twinkle.db")
-    directory = store.get_checkpoint(ckpt)["dir"]
+    directory = store.checkpoints.get(ckpt)["dir"]
     store.close()
     weights = f"{directory}/adapter_model.safetensors"
     raw = bytearray(open(weights, "rb").read())

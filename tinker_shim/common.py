@@ -102,14 +102,14 @@ def service(request) -> Service:
 
 
 def own_session(request, session_id: str) -> dict:
-    s = request.app["store"].get_session(session_id)
+    s = request.app["store"].sessions.get(session_id)
     if s is None or s["tenant"] != request["tenant"]:
         raise NotFound(f"no session {session_id!r}")
     return s
 
 
 def own_run(request, run_id: str) -> dict:
-    r = request.app["store"].get_run(run_id)
+    r = request.app["store"].runs.get(run_id)
     if r is None or r["tenant"] != request["tenant"] or r.get("deleted"):
         raise NotFound(f"no training run {run_id!r}")
     return r
@@ -164,7 +164,7 @@ def own_checkpoint(request, path: str, kinds: dict[str, str] = KINDS) -> dict:
         parse_checkpoint_path(path, kinds)
     except ValueError as e:
         raise UserError(str(e)) from None
-    c = request.app["store"].get_checkpoint(path)
+    c = request.app["store"].checkpoints.get(path)
     if c is None or (c["tenant"] != request["tenant"] and not c["public"]):
         raise NotFound(f"no checkpoint {path!r}")
     if c["status"] == "corrupt":  # never served; say why, so the user picks another

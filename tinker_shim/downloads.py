@@ -145,7 +145,7 @@ async def download_file(request: web.Request) -> web.StreamResponse:
     c = None
     if kind in ALL_KINDS and valid_name(file):
         try:
-            c = request.app["store"].get_checkpoint(checkpoint_path(run_id, kind, name))
+            c = request.app["store"].checkpoints.get(checkpoint_path(run_id, kind, name))
         except ValueError:  # not a path this daemon could have signed
             c = None
     if c is None or c["status"] != "ready":

@@ -34,7 +34,7 @@ def checkpoint_json(c: dict) -> dict:
 
 
 def run_json(store, r: dict) -> dict:
-    last = {kind: store.latest_checkpoint(r["id"], kind) for kind in KINDS}
+    last = {kind: store.checkpoints.latest(r["id"], kind) for kind in KINDS}
     return {"training_run_id": r["id"], "base_model": r["base_model"],
             "model_owner": r["tenant"], "is_lora": True, "corrupted": bool(r.get("corrupted")),
             "lora_rank": r["lora_rank"], "last_request_time": iso_time(r["last_request_time"]),
@@ -56,7 +56,7 @@ def _page(request, default_limit: int) -> tuple[int, int]:
 
 
 def _run(request) -> dict:
-    r = request.app["store"].get_run(request.match_info["run_id"])
+    r = request.app["store"].runs.get(request.match_info["run_id"])
     if r is None or r["tenant"] != request["tenant"] or r.get("deleted"):
         raise NotFound(f"no training run {request.match_info['run_id']!r}")
     return r
@@ -72,7 +72,7 @@ def _checkpoint(request) -> dict:
         path = checkpoint_path(run["id"], *kind_name)
     except ValueError as e:  # a name no save could have made ("a..b")
         raise NotFound(f"no checkpoint {request.match_info['checkpoint_id']!r}") from e
-    c = request.app["store"].get_checkpoint(path)
+    c = request.app["store"].checkpoints.get(path)
     if c is None or c["status"] != "ready":
         raise NotFound(f"no checkpoint {path!r}")
     return c
@@ -81,7 +81,7 @@ def _checkpoint(request) -> dict:
 async def list_runs(request):
     store = request.app["store"]
     offset, limit = _page(request, 20)
-    rows, total = store.list_runs(request["tenant"], offset, limit)
+    rows, total = store.runs.list(request["tenant"], offset, limit)
     return web.json_response({"training_runs": [run_json(store, r) for r in rows],
                               "cursor": {"offset": offset, "limit": limit, "total_count": total}})
 
@@ -92,14 +92,14 @@ async def get_run(request):
 
 async def list_run_checkpoints(request):
     run = _run(request)
-    rows, total = request.app["store"].list_checkpoints(run_id=run["id"], offset=0, limit=10_000)
+    rows, total = request.app["store"].checkpoints.list(run_id=run["id"], offset=0, limit=10_000)
     return web.json_response({"checkpoints": [checkpoint_json(c) for c in rows],
                               "cursor": {"offset": 0, "limit": 10_000, "total_count": total}})
 
 
 async def list_user_checkpoints(request):
     offset, limit = _page(request, 100)
-    rows, total = request.app["store"].list_checkpoints(
+    rows, total = request.app["store"].checkpoints.list(
         tenant=request["tenant"], offset=offset, limit=limit)
     return web.json_response({"checkpoints": [checkpoint_json(c) for c in rows],
                               "cursor": {"offset": offset, "limit": limit, "total_count": total}})
@@ -107,14 +107,14 @@ async def list_user_checkpoints(request):
 
 async def delete_checkpoint(request):
     c = _checkpoint(request)
-    request.app["store"].delete_checkpoint(c["tinker_path"])
+    request.app["store"].checkpoints.delete(c["tinker_path"])
     shutil.rmtree(c["dir"], ignore_errors=True)
     return web.Response(status=204)
 
 
 async def publish(request):
     c = _checkpoint(request)
-    request.app["store"].set_public(c["tinker_path"], request.method == "POST")
+    request.app["store"].checkpoints.set_public(c["tinker_path"], request.method == "POST")
     return web.Response(status=204)
 
 
@@ -125,22 +125,23 @@ async def set_ttl(request):
         check_ttl("ttl_seconds", ttl, request.app["service"].limits)
     except EngineInputError as e:
         raise UserError(str(e)) from None
-    request.app["store"].set_expiry(c["tinker_path"], None if ttl is None else time.time() + ttl)
+    expires_at = None if ttl is None else time.time() + ttl
+    request.app["store"].checkpoints.set_expiry(c["tinker_path"], expires_at)
     return web.Response(status=204)
 
 
 async def list_sessions(request):
     offset, limit = _page(request, 20)
-    rows, _ = request.app["store"].list_sessions(request["tenant"], offset, limit)
+    rows, _ = request.app["store"].sessions.list(request["tenant"], offset, limit)
     return web.json_response({"sessions": [s["id"] for s in rows]})
 
 
 async def get_session(request):
     store = request.app["store"]
-    s = store.get_session(request.match_info["session_id"])
+    s = store.sessions.get(request.match_info["session_id"])
     if s is None or s["tenant"] != request["tenant"]:
         raise NotFound(f"no session {request.match_info['session_id']!r}")
-    run_ids, sampler_ids = store.session_children(s["id"])
+    run_ids, sampler_ids = store.sessions.children(s["id"])
     return web.json_response({
         "training_run_ids": run_ids, "sampler_ids": sampler_ids,
         "user_metadata": s.get("user_metadata") or None, "display_name": s.get("display_name")})

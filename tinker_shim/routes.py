@@ -57,7 +57,7 @@ async def healthz(request):
 
 async def create_session(request):
     body = await body_of(request, CreateSession)
-    sid = request.app["store"].create_session(
+    sid = request.app["store"].sessions.create(
         request["tenant"], metadata(request, body.user_metadata), body.sdk_version,
         body.display_name)
     return web.json_response({"type": "create_session", "session_id": sid})
@@ -68,7 +68,7 @@ async def heartbeat(request):
     s = own_session(request, body.session_id)
     if s.get("finished_at"):
         raise web.HTTPGone(text='{"detail": "session finished"}', content_type="application/json")
-    request.app["store"].heartbeat(s["id"])
+    request.app["store"].sessions.heartbeat(s["id"])
     return web.json_response({"type": "session_heartbeat"})
 
 
@@ -150,7 +150,7 @@ def _tags_future(handler):
             return response
         owner = body.get("model_id")
         if owner is not None and body.get("request_id"):
-            request.app["store"].tag_future(body["request_id"], owner)
+            request.app["store"].futures.tag(body["request_id"], owner)
         return response
 
     return tagged

@@ -38,16 +38,16 @@ async def create_sampling_session(request):
     else:
         check_base_model(request, body.base_model)
     try:
-        sampler_id = store.create_sampler(s["id"], request["tenant"],
-                                          service(request).config.served_name, path,
-                                          body.sampling_session_seq_id)
+        sampler_id = store.samplers.create(s["id"], request["tenant"],
+                                           service(request).config.served_name, path,
+                                           body.sampling_session_seq_id)
     except Conflict:
         raise UserError("that sampling_session_seq_id is already used") from None
     return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
 
 
 def _own_sampler(request, sampler_id: str) -> dict:
-    s = request.app["store"].get_sampler(sampler_id)
+    s = request.app["store"].samplers.get(sampler_id)
     if s is None or s["tenant"] != request["tenant"]:
         raise NotFound(f"no sampler {sampler_id!r}")
     return s

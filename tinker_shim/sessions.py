@@ -77,7 +77,7 @@ async def search_sessions(request):
         cursor = (round(q.cursor.last_created_at.timestamp() * 1e6), q.cursor.last_session_id)
     at, found = time.time(), []
     while len(found) <= q.limit:  # one more than a page: is there a next one?
-        rows = store.sessions_before(tenant, cursor, 200)
+        rows = store.sessions.before(tenant, cursor, 200)
         for s in rows:
             status = session_status(s, at)
             if _matches(q, s, status):
@@ -86,7 +86,7 @@ async def search_sessions(request):
             break
         cursor = (rows[-1]["created_us"], rows[-1]["id"])
     page, more = found[:q.limit], len(found) > q.limit
-    ckpts = store.session_checkpoints([s["id"] for s, _ in page])
+    ckpts = store.sessions.checkpoint_usage([s["id"] for s, _ in page])
     next_cursor = None
     if more:
         last = page[-1][0]
@@ -113,10 +113,10 @@ def build_trace(store, session_id: str) -> dict:
     it): one track for the session, one per run and sampler with its requests as spans
     (the futures the store still holds: 10 minutes after they finish), and its checkpoints
     as instants."""
-    s = store.get_session(session_id)
+    s = store.sessions.get(session_id)
     if s is None:  # deleted since the URL was signed: an empty trace, not an error page
         return {"traceEvents": []}
-    rows, at = store.session_trace_rows(session_id), time.time()
+    rows, at = store.sessions.trace_rows(session_id), time.time()
     ends: dict[str | None, float] = {}  # track -> when its last request finished
     for f in rows["futures"]:
         ends[f["model_id"]] = max(ends.get(f["model_id"], 0), f["completed_at"] or at)
@@ -160,7 +160,7 @@ async def checkpoint_storage_usage(request):
     if request.query.get("project_id"):
         raise UserError("project_id: projects are not supported by this server")
     tenant = request["tenant"]
-    count, size = request.app["store"].checkpoint_usage(tenant)
+    count, size = request.app["store"].checkpoints.usage(tenant)
     return web.json_response({"effective_rate_usd_per_gigabyte_month": None, "data": [{
         "project_id": None, "org_user_urn": tenant, "user_email": None, "user_name": tenant,
         "checkpoint_count": count, "size_bytes": size, "size_gigabytes": size / GB,

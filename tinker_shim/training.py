@@ -279,7 +279,7 @@ async def load_weights(request):
             if body.seq_id is None:
                 raise UserError("seq_id: required with model_id")
             ckpt = own_checkpoint(request, body.path)
-            saved = _run_optimizer(store.get_run(ckpt["run_id"], include_deleted=True))
+            saved = _run_optimizer(store.runs.get(ckpt["run_id"], include_deleted=True))
             if body.optimizer and saved != _run_optimizer(run):
                 raise UserError(f"path: the checkpoint holds {saved!r} optimizer state; this "
                                 f"model was created with {_run_optimizer(run)!r}")
@@ -291,7 +291,7 @@ async def load_weights(request):
     s = own_session(request, body.session_id)
     ckpt = own_checkpoint(request, body.path)
     check_base_model(request, body.base_model)
-    family = _loaded_optimizer(body, store.get_run(ckpt["run_id"], include_deleted=True))
+    family = _loaded_optimizer(body, store.runs.get(ckpt["run_id"], include_deleted=True))
     model_id, f = svc.create_from_checkpoint(
         tenant, s["id"], body.model_seq_id, ckpt, body.optimizer, family,
         metadata(request, body.user_metadata), _loaded(ckpt))
@@ -319,7 +319,7 @@ def _loaded_optimizer(body: LoadWeights, src: dict) -> str:
 async def weights_info(request):
     body = await body_of(request, CheckpointRef)
     c = own_checkpoint(request, body.tinker_path, ALL_KINDS)
-    run = request.app["store"].get_run(c["run_id"])
+    run = request.app["store"].runs.get(c["run_id"])
     lc = run["lora_config"]
     return web.json_response({"base_model": run["base_model"], "is_lora": True,
                               "lora_rank": run["lora_rank"], "train_unembed": lc["train_unembed"],

@@ -76,16 +76,16 @@ class Admin:
     def keys_create(self, tenant: str) -> dict:
         if not tenant or "/" in tenant:
             raise AdminError(f"invalid tenant name {tenant!r}")
-        self.store.ensure_tenant(tenant)
-        return {"tenant": tenant, "key": self.store.create_key(tenant)}
+        self.store.tenants.ensure(tenant)
+        return {"tenant": tenant, "key": self.store.tenants.create_key(tenant)}
 
     def keys_list(self, tenant: str | None = None) -> list[dict]:
-        return self.store.list_keys(tenant)
+        return self.store.tenants.list_keys(tenant)
 
     def keys_revoke(self, key: str) -> dict:
         """By the full key or the hash prefix `keys list` shows; effective on the next call."""
         try:
-            revoked = self.store.revoke_key(key)
+            revoked = self.store.tenants.revoke_key(key)
         except ValueError as e:
             raise AdminError(str(e)) from None
         if not revoked:
@@ -100,20 +100,20 @@ class Admin:
         daemon the config file is unknown: the quota shown is the tenant's own, else the
         built-in default."""
         config = self.service.config if self.service is not None else Config()
-        rows = self.store.list_tenants()
+        rows = self.store.tenants.list()
         for r in rows:
-            r["storage_used_bytes"] = self.store.storage_used(r["name"])
-            r["storage_quota_bytes"] = self.store.tenant_storage_quota(
+            r["storage_used_bytes"] = self.store.checkpoints.storage_used(r["name"])
+            r["storage_quota_bytes"] = self.store.checkpoints.storage_quota(
                 r["name"], config.storage_quota_default(r["name"]))
         return rows
 
     def tenants_set(self, name: str, weight: float | None = None, **limits: int | None) -> dict:
-        unknown = set(limits) - set(self.store.TENANT_LIMITS)
+        unknown = set(limits) - set(self.store.tenants.LIMITS)
         if unknown:
-            raise AdminError(f"unknown quota {sorted(unknown)}; known: {self.store.TENANT_LIMITS}")
+            raise AdminError(f"unknown quota {sorted(unknown)}; known: {self.store.tenants.LIMITS}")
         if weight is not None and weight <= 0:
             raise AdminError("weight must be positive")
-        row = self.store.set_tenant(name, weight, **limits)
+        row = self.store.tenants.set(name, weight, **limits)
         if self.service is not None:
             self.service.refresh_tenants()  # at once, not at the next housekeeping tick
         return row
@@ -121,10 +121,10 @@ class Admin:
     # -- runs ---------------------------------------------------------------------------
 
     def runs_list(self, tenant: str | None = None, limit: int = 1000) -> list[dict]:
-        return self.store.all_runs(tenant, limit)
+        return self.store.runs.all(tenant, limit)
 
     def runs_show(self, run_id: str) -> dict:
-        run = self.store.get_run(run_id)
+        run = self.store.runs.get(run_id)
         if run is None:
             raise AdminError(f"no training run {run_id!r}")
         return {**run, "checkpoints": all_checkpoints(self.store, run_id=run_id)}
@@ -134,8 +134,8 @@ class Admin:
         run = self.runs_show(run_id)
         if self.service is not None and run.get("live"):
             self.service.unload_models(run["tenant"], [run_id])
-        self.store.set_run_live(run_id, False)
-        self.store.delete_run(run_id)
+        self.store.runs.set_live(run_id, False)
+        self.store.runs.delete(run_id)
         return {"deleted": run_id, "checkpoints_kept": len(run["checkpoints"])}
 
     # -- checkpoints --------------------------------------------------------------------
@@ -148,7 +148,7 @@ class Admin:
         return verify_checkpoints(self.store, self.data_dir)
 
     def checkpoints_delete(self, path: str) -> dict:
-        row = self.store.delete_checkpoint(path)
+        row = self.store.checkpoints.delete(path)
         if row is None:
             raise AdminError(f"no checkpoint {path!r}")
         if row.get("dir"):
@@ -162,7 +162,7 @@ class Admin:
         marked `running: false` with its age, so a crashed daemon's last state shows."""
         if self.service is not None:
             return {**self.service.status(), "running": True}
-        row = self.store.get_status()
+        row = self.store.status.get()
         if row is None:
             raise AdminError("no daemon answers, and none has run on this data directory: "
                              "status needs the running daemon")

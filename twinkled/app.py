@@ -52,7 +52,7 @@ async def auth_and_errors(request: web.Request, handler):
             request["tenant"] = "(admin)"
         elif request.path not in PUBLIC and not request.path.startswith(SIGNED_PREFIX):
             key = api_key(request)
-            tenant = request.app["store"].tenant_for_key(key) if key else None
+            tenant = request.app["store"].tenants.for_key(key) if key else None
             if tenant is None:
                 if request.path.startswith(OAI_PREFIX):  # in the OpenAI API's shape
                     status = 401

@@ -96,7 +96,7 @@ class Config:
     def storage_quota_default(self, tenant: str) -> int | None:
         """The tenant's storage quota by this config ([tenants.NAME] max_storage_bytes, else
         tenant_max_storage_bytes), None for no limit; `ctl tenants set` wins over it
-        (Store.tenant_storage_quota)."""
+        (store.checkpoints.storage_quota)."""
         value = (self.tenants.get(tenant) or {}).get("max_storage_bytes")
         value = value or self.tenant_max_storage_bytes
         return value if value and value > 0 else None

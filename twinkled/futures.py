@@ -58,7 +58,7 @@ class Futures:
     def new(self, tenant: str, kind: str, encode: Encoder) -> Future:
         f = Future(f"req-{uuid.uuid4().hex}", tenant, kind, encode)
         self._live[f.id] = f
-        self._store.create_future(f.id, tenant, kind)
+        self._store.futures.create(f.id, tenant, kind)
         return f
 
     def resolve(self, f: Future, result: Any) -> None:
@@ -68,20 +68,20 @@ class Futures:
             log.exception("encoding a %s result failed", f.kind)
             return self.fail(f, f"server error encoding the result: {e}", "server")
         f.completed_at = time.time()
-        self._store.complete_future(f.id, f.payload, f.content_type)
+        self._store.futures.complete(f.id, f.payload, f.content_type)
         f.done.set()
 
     def fail(self, f: Future, message: str, category: str) -> None:
         f.error = (message, category)
         f.completed_at = time.time()
-        self._store.fail_future(f.id, message, category)
+        self._store.futures.fail(f.id, message, category)
         f.done.set()
 
     def drop(self, f: Future, why: str) -> None:
         """A future whose request was refused at submit (the client heard why as a 4xx):
         never polled, so it is only recorded as failed."""
         self._live.pop(f.id, None)
-        self._store.fail_future(f.id, why, "user")
+        self._store.futures.fail(f.id, why, "user")
 
     def fail_unfinished(self, message: str, category: str) -> None:
         for f in list(self._live.values()):
@@ -96,7 +96,7 @@ class Futures:
         """A tenant's future: a live one, or one from before a restart (from the store)."""
         f = self._live.get(future_id)
         if f is None:
-            row = self._store.get_future(future_id)
+            row = self._store.futures.get(future_id)
             if row is not None and row["status"] != "pending":
                 f = Future(row["id"], row["tenant"], row["kind"], encode=None)
                 f.payload, f.content_type = row["result"], row["content_type"]
@@ -113,7 +113,7 @@ class Futures:
         cutoff = time.time() - keep_seconds
         for fid in [k for k, f in self._live.items() if f.completed_at and f.completed_at < cutoff]:
             del self._live[fid]
-        self._store.purge_futures(keep_seconds)
+        self._store.futures.purge(keep_seconds)
 
     def __len__(self) -> int:
         return len(self._live)

@@ -73,13 +73,13 @@ class Residency:
             # The config it was made from, seed included: a restore before its first
             # persisted state re-creates the same initial weights, and the journal replays.
             self._live[model] = frame.config
-            self._store.set_run_live(model, True)
+            self._store.runs.set_live(model, True)
         elif error is None and isinstance(frame, LoadF):
             self._live[model] = loaded_config(result)
-            self._store.set_run_live(model, True)
+            self._store.runs.set_live(model, True)
         elif isinstance(frame, UnloadF):
             self._live.pop(model, None)
-            self._store.set_run_live(model, False)
+            self._store.runs.set_live(model, False)
 
     def close(self, model: str) -> None:
         """An unloaded model's queue goes (once its last op has completed)."""
@@ -95,17 +95,17 @@ class Residency:
     async def restore_at_start(self) -> None:
         """Adapters live at the last stop, from their persisted state. After a hot restart
         their seq_ids continue exactly; after a crash the first request resumes them."""
-        runs = self._store.live_runs()
+        runs = self._store.runs.live()
         configs = {r["id"]: stored_config(r) for r in runs}
         failed = await self._executor.restore(configs)
         for r in runs:
             if r["id"] in failed:
                 log.error("run %s could not be restored: %s", r["id"], failed[r["id"]])
-                self._store.set_run_live(r["id"], False)
+                self._store.runs.set_live(r["id"], False)
                 continue
             self._live[r["id"]] = configs[r["id"]]
             self.open(r["id"], r["tenant"], r["next_seq"] or 1, resync=r["next_seq"] is None)
-            self._store.set_run_live(r["id"], True)  # forget next_seq: a crash resyncs
+            self._store.runs.set_live(r["id"], True)  # forget next_seq: a crash resyncs
         if runs:
             log.info("restored %d adapter(s)", len(runs) - len(failed))
 
@@ -113,7 +113,7 @@ class Residency:
         """Free the memory of adapters idle for `idle_s` (clients that went away without
         finishing their session). They are persisted first and come back, at the same
         weights and seq_ids, on their next request (`ensure_loaded`)."""
-        for run in self._store.idle_runs(time.time() - idle_s):
+        for run in self._store.runs.idle(time.time() - idle_s):
             model = run["id"]
             async with self._locks.setdefault(model, asyncio.Lock()):
                 next_seq = self._planner.next_seq(model)
@@ -127,7 +127,7 @@ class Residency:
                     self.open(model, run["tenant"], next_seq)
                     continue
                 self._live.pop(model, None)
-                self._store.set_run_live(model, False, next_seq=next_seq, idle_unloaded=True)
+                self._store.runs.set_live(model, False, next_seq=next_seq, idle_unloaded=True)
                 log.info("adapter %s unloaded after %.0f s idle", model, idle_s)
 
     async def ensure_loaded(self, run: dict) -> None:
@@ -136,7 +136,7 @@ class Residency:
         if self.is_open(model):
             return
         async with self._locks.setdefault(model, asyncio.Lock()):
-            fresh = self._store.get_run(model)
+            fresh = self._store.runs.get(model)
             if self.is_open(model) or not (fresh and fresh["idle_unloaded"]):
                 return  # loaded meanwhile, or never unloaded (submit says why not loaded)
             config = stored_config(fresh)
@@ -147,7 +147,7 @@ class Residency:
             self._live[model] = config
             self.open(model, fresh["tenant"], fresh["next_seq"] or 1,
                       resync=fresh["next_seq"] is None)
-            self._store.set_run_live(model, True)
+            self._store.runs.set_live(model, True)
             log.info("adapter %s reloaded after being idle", model)
 
     async def persist_all(self) -> int:
@@ -155,5 +155,5 @@ class Residency:
         continues them exactly). Returns how many adapters were live."""
         await self._executor.persist_all()
         for model, next_seq in self._planner.model_seqs().items():
-            self._store.set_run_live(model, True, next_seq=next_seq)
+            self._store.runs.set_live(model, True, next_seq=next_seq)
         return len(self._live)

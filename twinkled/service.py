@@ -83,9 +83,9 @@ class Service:
 
         Work cut short by the last stop is settled first: its futures fail with a clear
         error when polled, and half-written checkpoints are marked and never served."""
-        failed = self.store.fail_pending_futures(
+        failed = self.store.futures.fail_pending(
             "the daemon restarted before this request finished; submit it again")
-        for c in self.store.abandon_writing_checkpoints("the daemon stopped while writing it"):
+        for c in self.store.checkpoints.abandon_writing("the daemon stopped while writing it"):
             log.warning("checkpoint %s was cut short by a stop; marked corrupt", c["tinker_path"])
         if failed:
             log.warning("%d requests were cut short by the last stop", failed)
@@ -153,11 +153,11 @@ class Service:
         import shutil
 
         self.refresh_tenants()
-        self.store.put_status(self.status())
+        self.store.status.put(self.status())
         if minute:
             self.futures.purge()
-            for c in self.store.expired_checkpoints():
-                self.store.delete_checkpoint(c["tinker_path"])
+            for c in self.store.checkpoints.expired():
+                self.store.checkpoints.delete(c["tinker_path"])
                 shutil.rmtree(c["dir"], ignore_errors=True)
                 log.info("checkpoint %s expired and was deleted", c["tinker_path"])
 
@@ -281,8 +281,8 @@ class Service:
                 "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
                 "seed": config.seed, "optimizer": config.optimizer}  # a restore re-creates it
         try:
-            model = self.store.create_run(session_id, tenant, self.config.served_name,
-                                          config.rank, lora, user_metadata, model_seq)
+            model = self.store.runs.create(session_id, tenant, self.config.served_name,
+                                           config.rank, lora, user_metadata, model_seq)
         except Conflict:
             raise UserError(f"model {session_id}:train:{model_seq} already exists") from None
         f = self.futures.new(tenant, "create_model", lambda _: answer(model))
@@ -294,7 +294,7 @@ class Service:
         parts = [d.tokens.shape[0] for d in frame.data]  # where the planner may cut it
         f = self.futures.new(tenant, "forward_backward", encode)
         f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts))
-        self.store.touch_run(model)
+        self.store.runs.touch(model)
         return f
 
     def optim_step(self, tenant: str, model: str, seq_id: int, frame: OptimF,
@@ -309,20 +309,21 @@ class Service:
         in the run's order; the store learns its size and digest (or why it failed)."""
         path = checkpoint_path(run["id"], kind, name)
         directory = self.config.data_dir / "checkpoints" / run["id"] / kind / name
-        quota = self.store.tenant_storage_quota(tenant, self.config.storage_quota_default(tenant))
+        quota = self.store.checkpoints.storage_quota(tenant,
+                                                     self.config.storage_quota_default(tenant))
         try:
-            self.store.begin_checkpoint(run["id"], tenant, kind, name, str(directory),
-                                        user_metadata or None,
-                                        expires_at=time.time() + ttl_s if ttl_s else None,
-                                        overwrite=overwrite, quota_bytes=quota)
+            self.store.checkpoints.begin(run["id"], tenant, kind, name, str(directory),
+                                         user_metadata or None,
+                                         expires_at=time.time() + ttl_s if ttl_s else None,
+                                         overwrite=overwrite, quota_bytes=quota)
         except Conflict as e:
             raise UserError(str(e)) from None
 
         def after(result: Any, message: str | None) -> None:
             if message is None:
-                self.store.finish_checkpoint(path, *result)
+                self.store.checkpoints.finish(path, *result)
             else:
-                self.store.mark_corrupt(path, message)
+                self.store.checkpoints.mark_corrupt(path, message)
 
         f = self.futures.new(tenant, "save", lambda _: answer(path))
         # Sampler weights are sampled next: the workers keep a device copy for that.
@@ -336,8 +337,8 @@ class Service:
         sampling session on it."""
         path = checkpoint_path(run["id"], "sampler_weights", f"ephemeral-{seq_id}")
         try:
-            sampler = self.store.create_sampler(run["session_id"], tenant,
-                                                self.config.served_name, path, sampler_seq)
+            sampler = self.store.samplers.create(run["session_id"], tenant,
+                                                 self.config.served_name, path, sampler_seq)
         except Conflict:
             raise UserError("that sampling_session_seq_id is already used") from None
         return self.save(tenant, run, seq_id, "sampler_weights", f"ephemeral-{seq_id}",
@@ -356,11 +357,11 @@ class Service:
                                checkpoint: dict, optimizer: bool, family: str,
                                user_metadata: dict, answer: Answer) -> tuple[str, Future]:
         """A new training run whose adapter is loaded from a checkpoint (op 0)."""
-        src = self.store.get_run(checkpoint["run_id"], include_deleted=True)
+        src = self.store.runs.get(checkpoint["run_id"], include_deleted=True)
         lora = {**(src["lora_config"] or {}), "optimizer": family}
         try:
-            model = self.store.create_run(session_id, tenant, self.config.served_name,
-                                          src["lora_rank"], lora, user_metadata, model_seq)
+            model = self.store.runs.create(session_id, tenant, self.config.served_name,
+                                           src["lora_rank"], lora, user_metadata, model_seq)
         except Conflict:
             raise UserError("that model_seq_id is already used in this session") from None
         self.residency.open(model, tenant, 0)
@@ -384,7 +385,7 @@ class Service:
 
         cost = frame.prompt.shape[0] + frame.params.max_tokens * frame.num_samples
         f = self.submit(Op(None, None, frame, f, cost, after=after))
-        self.store.tag_future(f.id, sampler["id"])  # a session's trace shows it
+        self.store.futures.tag(f.id, sampler["id"])  # a session's trace shows it
         return f
 
     def sample_stream(self, tenant: str, owner: str, frame: SampleF) -> SampleStream:
@@ -396,8 +397,8 @@ class Service:
 
     def finish_session(self, tenant: str, session_id: str, reason: str | None) -> None:
         """A client ended its session: its adapters go once their queued work has run."""
-        self.store.finish_session(session_id, reason)
-        runs, _ = self.store.session_children(session_id)
+        self.store.sessions.finish(session_id, reason)
+        runs, _ = self.store.sessions.children(session_id)
         self.unload_models(tenant, runs)
 
     def unload_models(self, tenant: str, model_ids: list[str]) -> None:

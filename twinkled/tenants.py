@@ -17,12 +17,12 @@ class Tenants:
     def refresh(self) -> None:
         """Weights and quotas: the store's (`twinkled ctl tenants set`) over the config's."""
         cfg = self._config
-        for row in self._store.list_tenants():
+        for row in self._store.tenants.list():
             base = dict(cfg.tenants.get(row["name"], {}))
             weight = row["weight"] if row["weight"] != 1.0 else base.pop("weight", 1.0)
             base.pop("weight", None)
             limits = {k: row.get(k) or base.get(k) or getattr(cfg, f"tenant_{k}")
-                      for k in self._store.TENANT_LIMITS}
+                      for k in self._store.tenants.LIMITS}
             self._planner.set_tenant(row["name"], float(weight), Limits(**limits))
 
     def check_new_adapter(self, tenant: str, rank: int) -> None:

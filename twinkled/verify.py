@@ -43,7 +43,7 @@ def all_checkpoints(store: Store, status: str | None = None, run_id: str | None 
     """Every checkpoint matching the filters (status None: any), newest first."""
     rows: list[Row] = []
     while True:
-        page, total = store.list_checkpoints(run_id=run_id, tenant=tenant, status=status,
+        page, total = store.checkpoints.list(run_id=run_id, tenant=tenant, status=status,
                                              offset=len(rows), limit=500)
         rows.extend(page)
         if not page or len(rows) >= total:
@@ -97,7 +97,7 @@ def verify_checkpoints(store: Store, data_dir: Path) -> list[dict]:
             continue
         path = row["tinker_path"]
         # Saved again or deleted while we were reading it (a running daemon): not ours.
-        current = store.get_checkpoint(path)
+        current = store.checkpoints.get(path)
         if current is None or any(current[k] != row[k] for k in
                                   ("status", "sha256", "size_bytes", "created", "dir")):
             continue
@@ -108,7 +108,7 @@ def verify_checkpoints(store: Store, data_dir: Path) -> list[dict]:
                 reason = f"{problem}; moved to {moved_to}"
         except OSError as e:
             reason = f"{problem}; could not move it aside: {e}"
-        if not store.mark_corrupt(path, reason):
+        if not store.checkpoints.mark_corrupt(path, reason):
             continue  # the row went away meanwhile
         log.warning("checkpoint %s is damaged and was marked corrupt: %s", path, reason)
         damaged.append({"tinker_path": path, "reason": reason,

@@ -1,0 +1,167 @@
+"""Checkpoints (``store.checkpoints``): rows of saved weights, their write states (writing,
+ready, corrupt), expiry and public flag, and the per-tenant storage quota they count toward.
+The files themselves live under the data dir; a row records where (``dir``)."""
+
+from __future__ import annotations
+
+from .db import Db
+from .futures import UserError
+from .schema import CHECKPOINT_TYPES, Conflict, Row, checkpoint_path, now, to_json
+from .store_tenants import Tenants
+
+# Tables whose rows carry a tenant's user_metadata (JSON text): it counts toward the
+# tenant's storage quota with its checkpoints' files.
+METADATA_TABLES = ("sessions", "runs", "checkpoints")
+
+
+class QuotaExceeded(UserError):
+    """The tenant's storage (checkpoint files + stored user_metadata) is at its quota."""
+
+
+def human_size(n: int | float) -> str:
+    """Bytes for a person: 512 B, 1.5 KiB, 50.0 GiB."""
+    value, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{int(n)} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+class Checkpoints:
+    """The checkpoints table, keyed by tinker path."""
+
+    def __init__(self, db: Db, tenants: Tenants) -> None:
+        self._db = db
+        self._tenants = tenants  # a tenant's own max_storage_bytes overrides the default
+
+    def begin(self, run_id: str, tenant: str, kind: str, name: str, dir: str,
+              user_metadata: dict | None = None, expires_at: float | None = None, *,
+              overwrite: bool = False, quota_bytes: int | None = None) -> str:
+        """Record a checkpoint being written (status "writing"); returns its tinker path.
+
+        Check and insert are one transaction (BEGIN IMMEDIATE), so of concurrent saves to
+        one name exactly one gets through. Raises ``Conflict`` if that path is being written
+        now (whatever ``overwrite`` says) or is ready and ``overwrite`` is False; a corrupt
+        row, or a ready one with ``overwrite``, is replaced (its size no longer counts).
+        Raises ``QuotaExceeded`` if ``quota_bytes`` is a positive number and the tenant's
+        ``storage_used`` (without the row being replaced) is already at or over it; None or
+        a number <= 0 means no limit. See ``storage_quota`` for the number to pass."""
+        path = checkpoint_path(run_id, kind, name)
+        with self._db.immediate() as conn:
+            old = conn.execute("SELECT status, size_bytes, length(CAST(user_metadata AS "
+                               "BLOB)) FROM checkpoints WHERE tinker_path = ?",
+                               [path]).fetchone()
+            if old is not None and old[0] == "writing":
+                raise Conflict(f"checkpoint {path} is being written right now by another "
+                               "save; wait for it to finish or use another name")
+            if old is not None and old[0] == "ready" and not overwrite:
+                raise Conflict(f"checkpoint {path} exists (pass overwrite=True to replace it)")
+            if quota_bytes is not None and quota_bytes > 0:
+                used = self.storage_used(tenant)
+                if old is not None:
+                    used -= (old[1] or 0) + (old[2] or 0)
+                if used >= quota_bytes:
+                    raise QuotaExceeded(
+                        f"tenant {tenant!r} uses {human_size(used)} of its "
+                        f"{human_size(quota_bytes)} storage quota; delete checkpoints "
+                        "(twinkled ctl checkpoints delete / RestClient.delete_checkpoint) "
+                        "or ask the operator to raise it")
+            conn.execute(
+                "INSERT OR REPLACE INTO checkpoints (tinker_path, run_id, tenant, kind, name, "
+                "checkpoint_type, dir, size_bytes, sha256, status, error, public, created, "
+                "expires_at, user_metadata) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, NULL, "
+                "'writing', NULL, 0, ?, ?, ?)",
+                [path, run_id, tenant, kind, name, CHECKPOINT_TYPES[kind], str(dir), now(),
+                 expires_at, to_json(user_metadata)])
+        return path
+
+    def storage_used(self, tenant: str) -> int:
+        """Bytes the tenant stores: the recorded sizes of its checkpoints (every row still
+        in the table: ready, corrupt or being written; a deleted checkpoint has no row) plus
+        the UTF-8 bytes of its user_metadata JSON on sessions, runs and checkpoints."""
+        parts = ["SELECT coalesce(sum(size_bytes), 0) FROM checkpoints WHERE tenant = ?"]
+        parts += [f"SELECT coalesce(sum(length(CAST(user_metadata AS BLOB))), 0) FROM {t} "
+                  "WHERE tenant = ?" for t in METADATA_TABLES]
+        sql = "SELECT " + " + ".join(f"({p})" for p in parts) + " AS n"
+        return int(self._db.one(sql, [tenant] * len(parts))["n"])  # type: ignore[index]
+
+    def storage_quota(self, tenant: str, default: int | None) -> int | None:
+        """The tenant's storage quota in bytes, or None for no limit: its own
+        ``max_storage_bytes`` (`twinkled ctl tenants set`; negative: no limit) if set, else
+        ``default`` (the caller's: the ``[tenants.NAME]`` table's ``max_storage_bytes``, else
+        ``tenant_max_storage_bytes``; ``Config.storage_quota_default`` gives it). A default
+        of None or <= 0 means no limit."""
+        row = self._tenants.get(tenant)
+        value = row.get("max_storage_bytes") if row else None
+        if value is None:
+            value = default
+        return None if value is None or value <= 0 else int(value)
+
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """(ready checkpoints, their bytes) of a tenant: what it can list and delete."""
+        row = self._db.one("SELECT count(*) AS n, coalesce(sum(size_bytes), 0) AS bytes FROM "
+                           "checkpoints WHERE tenant = ? AND status = 'ready'", [tenant])
+        return row["n"], row["bytes"]  # type: ignore[index]
+
+    def finish(self, path: str, size_bytes: int, sha256: str) -> bool:
+        """The files are on disk (fsynced and renamed): the checkpoint becomes "ready"."""
+        return self._db.write("UPDATE checkpoints SET status = 'ready', size_bytes = ?, "
+                              "sha256 = ?, error = NULL WHERE tinker_path = ?",
+                              (size_bytes, sha256, path)) > 0
+
+    def mark_corrupt(self, path: str, reason: str) -> bool:
+        """Failed write or checksum mismatch: keep the row (for admins), hide it."""
+        return self._db.write("UPDATE checkpoints SET status = 'corrupt', error = ? "
+                              "WHERE tinker_path = ?", (reason, path)) > 0
+
+    def abandon_writing(self, reason: str) -> list[Row]:
+        """At start-up: writes cut short by a crash become corrupt; returns those rows so
+        the caller can remove their directories."""
+        with self._db.transaction():
+            rows = self._db.all("SELECT * FROM checkpoints WHERE status = 'writing'")
+            self._db.write("UPDATE checkpoints SET status = 'corrupt', error = ? "
+                           "WHERE status = 'writing'", (reason,))
+        return rows
+
+    def get(self, path: str) -> Row | None:
+        return self._db.one("SELECT * FROM checkpoints WHERE tinker_path = ?", [path])
+
+    def list(self, run_id: str | None = None, tenant: str | None = None, offset: int = 0,
+             limit: int = 100, status: str | None = "ready") -> tuple[list[Row], int]:
+        """Checkpoints of one run or of one tenant (or both), newest first; ready ones
+        unless status says otherwise (None: any status, for admins)."""
+        where, params = ["1"], []
+        for col, val in (("run_id", run_id), ("tenant", tenant), ("status", status)):
+            if val is not None:
+                where.append(f"{col} = ?")
+                params.append(val)
+        return self._db.page(" AND ".join(where), params, "checkpoints", offset, limit)
+
+    def latest(self, run_id: str, kind: str) -> Row | None:
+        """Newest ready checkpoint of a kind (TrainingRun.last_[sampler_]checkpoint)."""
+        return self._db.one("SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? AND "
+                            "status = 'ready' ORDER BY created DESC, rowid DESC LIMIT 1",
+                            [run_id, kind])
+
+    def delete(self, path: str) -> Row | None:
+        """Remove the row; returns it (the caller deletes ``dir``) or None if missing."""
+        with self._db.transaction():
+            row = self.get(path)
+            if row:
+                self._db.write("DELETE FROM checkpoints WHERE tinker_path = ?", (path,))
+        return row
+
+    def set_public(self, path: str, public: bool) -> bool:
+        return self._db.write("UPDATE checkpoints SET public = ? WHERE tinker_path = ?",
+                              (int(public), path)) > 0
+
+    def set_expiry(self, path: str, expires_at: float | None) -> bool:
+        """Set (unix seconds) or clear (None) a checkpoint's expiry."""
+        return self._db.write("UPDATE checkpoints SET expires_at = ? WHERE tinker_path = ?",
+                              (expires_at, path)) > 0
+
+    def expired(self, at: float | None = None) -> list[Row]:
+        """Checkpoints (any status) whose expiry has passed, for the garbage collector."""
+        return self._db.all("SELECT * FROM checkpoints WHERE expires_at IS NOT NULL AND "
+                            "expires_at <= ? ORDER BY expires_at", [now() if at is None else at])
