@@ -144,7 +144,8 @@ def run_config(model: Path, tp: int, a) -> dict | None:
               "url": f"tcp://127.0.0.1:{port}", "adapters": a.adapters, "seq": a.seq,
               "rank_lora": a.lora_rank, "token_budget": a.token_budget, "steps": a.steps,
               "warmup": a.warmup, "recompute": a.recompute}
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent), TOKENIZERS_PARALLELISM="false")
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
     procs = [subprocess.Popen([sys.executable, __file__, "--worker",
                                json.dumps({**common, "rank": r})], env=env,
                               stdout=subprocess.PIPE, text=True) for r in range(tp)]

@@ -80,6 +80,10 @@ def test_tp2_matches_one_rank(tp_run, arch):
     assert _rel(got["greedy_lp"], ref["greedy_lp"]) <= RTOL
 
 
+def test_dimuon_is_refused_on_a_split_model(tp_run):
+    assert "Dimuon is not supported on a tensor-parallel" in tp_run[2]["dimuon"]
+
+
 def test_tp2_checkpoint_loads_whole_and_in_peft(tp_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -14,6 +14,7 @@ import torch
 from twinkled.engine.types import (
     AdamParams,
     Datum,
+    EngineInputError,
     ForwardBackwardRequest,
     LoraConfig,
     SampleRequest,
@@ -113,6 +114,10 @@ def main(args: dict) -> None:
     for name, model_dir in args["models"].items():
         engine = Engine(model_dir, tp=tp, dp_group=tp.dp_group)
         results[name] = run(engine, Path(args["out"]) / f"{name}-ckpt")
+    try:  # Dimuon orthogonalises whole matrices: refused on a split model
+        engine.add_adapter("d", LoraConfig(rank=4, optimizer="dimuon"))
+    except EngineInputError as e:
+        results["dimuon"] = str(e)
     if dist.get_rank() == 0:
         torch.save(results, Path(args["out"]) / "results.pt")
     dist.destroy_process_group()

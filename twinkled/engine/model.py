@@ -124,7 +124,7 @@ class BaseModel:
         self.max_seq_len = int(config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(config, self.tokenizer)
         self.recompute = Recompute(config.to_dict(), self.dtype, self.device, self.tp.size,
-                                   getattr(self.tp, "group", None))
+                                   self.tp.group)
 
         # Every linear a LoRA may target: "model.layers.3.mlp.up_proj" -> (in, out).
         self.targets: dict[str, tuple[int, int]] = {}

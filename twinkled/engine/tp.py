@@ -48,6 +48,7 @@ class NoSplit:
     """One rank holds the whole model: the mappings are the identity."""
 
     size = 1
+    group = None
 
     @staticmethod
     def enter(x: torch.Tensor) -> torch.Tensor:
