@@ -158,7 +158,7 @@ def test_loads_and_samplers_reach_the_other_host(two_hosts, tiny_dir):
     assert "sampler_weights" not in shared
     # Sampler weights whose device copy is gone (more saves than are kept) come from the
     # files, which rank 0 sends.
-    from twinkled.workers.runner import FRESH_SAMPLERS
+    from twinkled.workers.sampling import FRESH_SAMPLERS
 
     paths = [tc.save_weights_for_sampler(f"s{i}").result(timeout=T).path
              for i in range(FRESH_SAMPLERS + 1)]

@@ -13,22 +13,18 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.live import read_mark
 from twinkled.engine.parallel import split_rows
-from twinkled.engine.types import Datum, ForwardBackwardRequest, SampleRequest, SamplingParams
+from twinkled.engine.types import Datum, ForwardBackwardRequest
 from twinkled.verify import checkpoint_digest
 
 from .frames import (
     RETRY,
-    Buf,
     CreateF,
     DatumF,
     FwdBwdOutF,
@@ -39,50 +35,24 @@ from .frames import (
     OutcomeF,
     PersistF,
     RestoreF,
-    SampleF,
     SaveF,
     StepF,
     TrainF,
     UnloadF,
 )
 from .persist import Persister, latest_version
+from .rank_io import category, fatal, release, to_buf, to_tensor
+from .sampling import SampleRunner
 from .share import rank0_dir
 
 log = logging.getLogger("twinkled.worker")
 
 # Fault tests only: a pass holding a datum of this many tokens fails after its backward.
 _FAIL_TOKENS = int(os.environ.get("TWINKLED_TEST_FAIL_TOKENS", "0"))
-FRESH_SAMPLERS = 8  # device copies of just-saved sampler weights kept for their first use
-SAMPLER_ADAPTERS = 32  # sampler checkpoints kept loaded; the least recently used goes first
-_DTYPES = {"int64": torch.long, "float32": torch.float32}
-
-
-def to_tensor(b: Buf) -> torch.Tensor:
-    return torch.frombuffer(bytearray(b.data), dtype=_DTYPES[b.dtype]).reshape(b.shape)
-
-
-def to_buf(t: torch.Tensor) -> Buf:
-    t = t.detach().cpu().contiguous()
-    t = t.float() if t.is_floating_point() else t.long()
-    return Buf("float32" if t.dtype == torch.float32 else "int64", list(t.shape),
-               t.numpy().tobytes())
 
 
 def _datum(d: DatumF) -> Datum:
     return Datum(to_tensor(d.tokens), {k: to_tensor(v) for k, v in d.inputs.items()})
-
-
-def fatal(e: BaseException, split: bool = False) -> bool:
-    """A fault that leaves this rank unusable or out of step with the others (the group
-    restarts). Anything else fails the requests it touched and the worker goes on. `split`
-    (tensor parallelism): out of memory too, as the rank's peers wait in the collectives."""
-    if isinstance(e, torch.OutOfMemoryError):
-        return split
-    kinds = tuple(k for k in (getattr(torch.distributed, "DistError", None),
-                              getattr(torch, "AcceleratorError", None)) if k is not None)
-    text = str(e)
-    return (isinstance(e, kinds) or "CUDA error" in text or "NCCL" in text
-            or "device-side assert" in text)
 
 
 class StepRunner:
@@ -102,21 +72,10 @@ class StepRunner:
         else:
             self.replica, self.replicas = rank // ep, world // ep
             self.reports = rank % ep == 0
-        self.ep = ep
-        self.seed = seed
-        self.samples = 0
         self.persister = persister  # rank 0 only
-        # Ranks on other hosts cannot read the daemon's data dir: what a load reads comes
-        # from rank 0 (share.py), and every rank loads every sampler of a step, so that
-        # this collective runs in the same order everywhere.
-        self.spans_hosts = spans_hosts
-        self.sampler_lru: OrderedDict[str, bool] = OrderedDict()
-        # Sampler weights just saved (SaveF.sampler): checkpoint dir -> a device copy of the
-        # adapter at that save. An RL loop saves and then samples at once; the first
-        # sample then copies these on the device instead of reading the files back, and
-        # every rank has them (the save ran everywhere), so no rank waits on a disk read
-        # or, across hosts, on rank 0 sharing the files.
-        self.fresh: OrderedDict[str, str] = OrderedDict()
+        self.spans_hosts = spans_hosts  # rank 0's files are shared to the others (share.py)
+        self.sampling = SampleRunner(engine, rank, self.replica, self.replicas, self.reports,
+                                     spans_hosts, seed)
         # Per adapter: the journal position of the last op after which it had no pending
         # gradients (what a snapshot of it holds; twinkled/journal.py).
         self.marks: dict[str, int] = {}
@@ -124,7 +83,7 @@ class StepRunner:
     def run(self, step: StepF) -> list[OutcomeF]:
         """Every op gets an outcome; an exception leaves only if the rank cannot go on."""
         if step.kind == "sample":
-            return self._sample(step.ops)
+            return self.sampling.run(step.ops)
         rows = [i for i, op in enumerate(step.ops) if isinstance(op, TrainF)]
         barriers = [i for i, op in enumerate(step.ops) if not isinstance(op, TrainF)]
         outcomes = self._train(step.ops, rows) if rows else []
@@ -169,7 +128,7 @@ class StepRunner:
         except Exception as e:
             if fatal(e, self.engine.shard is not None):
                 raise
-            _release(e)
+            release(e)
             why = f"{type(e).__name__}: {e}"
             return outcomes + [OutcomeF(i, error=why, category=RETRY) for i, _ in good]
         by_op = dict(zip([i for i, _ in run], results, strict=True))
@@ -180,102 +139,6 @@ class StepRunner:
                 mine[i], [{k: to_buf(v) for k, v in o.items()} for o in r.outputs], r.metrics)
             outcomes.append(OutcomeF(i, fwdbwd=out))
         return outcomes
-
-    # -- sampling -----------------------------------------------------------------------
-
-    def _sample(self, ops: list[OpF]) -> list[OutcomeF]:
-        costs = [op.num_samples * (op.prompt.shape[0] + op.params.max_tokens) for op in ops]
-        mine = [i for i, r in enumerate(split_rows(costs, self.replicas)) if r == self.replica]
-        outcomes, good = [], []
-        failed: dict[int, Exception] = {}
-        if self.spans_hosts:  # every rank loads every sampler, in op order (collective)
-            for i, s in enumerate(ops):
-                try:
-                    self._load_sampler(s)
-                except Exception as e:
-                    if fatal(e, self.engine.shard is not None):
-                        raise
-                    failed[i] = e
-        for i in mine:
-            s = ops[i]
-            p = s.params
-            seed = p.seed
-            if seed is None and self.seed is not None:
-                self.samples += 1
-                seed = (self.seed + self.samples) % 2**62
-            req = SampleRequest(
-                s.adapter_id, to_tensor(s.prompt).tolist(),
-                SamplingParams(p.max_tokens, p.temperature, p.top_k, p.top_p, seed, p.stop),
-                s.num_samples, s.prompt_logprobs, s.prompt_last_n, s.topk_prompt, s.topk_sample,
-                None if s.target_prompt is None else to_tensor(s.target_prompt).tolist(),
-                s.alt_tokens_k)
-            try:
-                if i in failed:
-                    raise failed[i]
-                if not self.spans_hosts:
-                    self._load_sampler(s)
-                if s.adapter_id is not None and not self.engine.has_adapter(s.adapter_id):
-                    raise EngineInputError("sampling_session_id", "its weights are not loaded")
-                good.append((i, req))
-            except Exception as e:
-                if fatal(e, self.engine.shard is not None):
-                    raise
-                outcomes.append(OutcomeF(i, error=str(e), category=_category(e)))
-        if good:
-            outcomes += self._sample_batch(good)
-        if not self.reports:  # the expert group's first rank answers for it
-            outcomes = []
-        # The same evictions on every rank when they must hold the same samplers.
-        in_use = {ops[i].adapter_id for i in (range(len(ops)) if self.spans_hosts else mine)}
-        while len(self.sampler_lru) > SAMPLER_ADAPTERS:
-            old = next(iter(self.sampler_lru))
-            if old in in_use:
-                break
-            self.sampler_lru.pop(old)
-            self.engine.remove_adapter(old)
-        return outcomes
-
-    def _sample_batch(self, good: list[tuple[int, SampleRequest]]) -> list[OutcomeF]:
-        """One batch; if it fails, each request alone, so only the one at fault fails
-        (sampling changes no adapter)."""
-        try:
-            results = self.engine.sample([req for _, req in good], checked=True)
-            return [OutcomeF(i, sample=r) for (i, _), r in zip(good, results, strict=True)]
-        except Exception as e:
-            if fatal(e, self.engine.shard is not None):
-                raise
-            _release(e)
-            if len(good) == 1:
-                return [OutcomeF(good[0][0], error=f"sampling failed: {type(e).__name__}: {e}",
-                                 category="user")]
-        return [o for item in good for o in self._sample_batch([item])]
-
-    def _keep_fresh(self, adapter_id: str, directory: str) -> None:
-        """A device copy of `adapter_id` as saved to `directory` (see `self.fresh`)."""
-        name = f"fresh:{directory}"
-        if self.fresh.pop(directory, None) is not None:
-            self.engine.remove_adapter(name)  # saved again under the same name
-        self.engine.copy_adapter(adapter_id, name)
-        self.fresh[directory] = name
-        while len(self.fresh) > FRESH_SAMPLERS:  # never sampled: the files will do
-            _, old = self.fresh.popitem(last=False)
-            self.engine.remove_adapter(old)
-
-    def _load_sampler(self, op: SampleF) -> None:
-        if not op.load_from:
-            return
-        if not self.engine.has_adapter(op.adapter_id):
-            fresh = self.fresh.pop(op.load_from, None)
-            if fresh is not None:
-                self.engine.copy_adapter(fresh, op.adapter_id)
-                self.engine.remove_adapter(fresh)
-            elif self.spans_hosts:
-                with rank0_dir(op.load_from, self.rank) as path:
-                    self.engine.load(op.adapter_id, path or op.load_from, optimizer=False)
-            else:
-                self.engine.load(op.adapter_id, op.load_from, optimizer=False)
-        self.sampler_lru[op.adapter_id] = True
-        self.sampler_lru.move_to_end(op.adapter_id)
 
     # -- barriers -----------------------------------------------------------------------
 
@@ -331,7 +194,7 @@ class StepRunner:
             if fatal(e, self.engine.shard is not None):
                 raise
             return OutcomeF(i, error=str(e) if isinstance(e, EngineInputError)
-                            else f"{type(e).__name__}: {e}", category=_category(e))
+                            else f"{type(e).__name__}: {e}", category=category(e))
 
     def _barrier(self, i: int, op: OpF) -> OutcomeF:
         engine, aid = self.engine, op.adapter_id
@@ -353,7 +216,7 @@ class StepRunner:
             case SaveF():
                 if op.sampler:
                     try:
-                        self._keep_fresh(aid, op.dir)
+                        self.sampling.keep_fresh(aid, op.dir)
                     except Exception as e:  # a cache: the save goes on, sampling reads files
                         if fatal(e, self.engine.shard is not None):
                             raise
@@ -414,13 +277,3 @@ class StepRunner:
         if self.spans_hosts:
             return rank0_dir(path, self.rank)
         return nullcontext(None if path is None else Path(path))
-
-
-def _category(e: BaseException) -> str:
-    return "user" if isinstance(e, EngineInputError) else "server"
-
-
-def _release(e: BaseException) -> None:
-    """After a failed pass: give back what it held, so the next step has the memory."""
-    if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
-        torch.cuda.empty_cache()

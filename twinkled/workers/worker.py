@@ -68,7 +68,7 @@ def main(args: dict) -> None:
         try:
             outcomes = runner.run(step)
         except Exception as e:
-            # Only what leaves this rank unusable gets here (`runner.fatal`: a CUDA or
+            # Only what leaves this rank unusable gets here (`rank_io.fatal`: a CUDA or
             # collective fault; a request's own failure is its outcome). The ranks may now
             # disagree, so die: the daemon restarts the group and restores every adapter
             # at its acknowledged step (persisted state + journal).
