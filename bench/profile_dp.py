@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from bench_engine import build_model
+from profile_engine import tenant_rows
 
 from twinkled.engine.engine import Engine
-from twinkled.engine.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig
+from twinkled.engine.types import AdamParams
 
 
 def main() -> None:
@@ -42,14 +43,7 @@ def main() -> None:
         build_model(args.shape, model_dir, torch.bfloat16, "cuda:0")
     dist.barrier()
     eng = Engine(model_dir, dtype=torch.bfloat16, device=dev, dp_group=dist.group.WORLD)
-    names = [f"t{i}" for i in range(args.adapters)]
-    for i, n in enumerate(names):
-        eng.add_adapter(n, LoraConfig(rank=32, alpha=32, seed=i, train_unembed=False))
-    gen = torch.Generator().manual_seed(0)
-    reqs = []
-    for n in names:
-        seq = torch.randint(0, eng.model.vocab_size, (args.seq + 1,), generator=gen)
-        reqs.append(ForwardBackwardRequest(n, [Datum(seq[:-1], {"target_tokens": seq[1:]})]))
+    names, reqs = tenant_rows(eng, args.adapters, args.seq)
     mine = reqs[rank::world]
     adam = [(n, AdamParams(learning_rate=1e-4)) for n in names]
     phases: dict[str, list[float]] = {"forward_backward": [], "optim (reduce + step)": []}

@@ -27,6 +27,20 @@ from twinkled.engine.types import (  # noqa: E402
 )
 
 
+def tenant_rows(eng: Engine, adapters: int, seq: int
+                ) -> tuple[list[str], list[ForwardBackwardRequest]]:
+    """`adapters` adapters (r=32, seeded) and one random row of `seq` tokens for each."""
+    names = [f"t{i}" for i in range(adapters)]
+    for i, n in enumerate(names):
+        eng.add_adapter(n, LoraConfig(rank=32, alpha=32, seed=i, train_unembed=False))
+    gen = torch.Generator().manual_seed(0)
+    reqs = []
+    for n in names:
+        ids = torch.randint(0, eng.model.vocab_size, (seq + 1,), generator=gen)
+        reqs.append(ForwardBackwardRequest(n, [Datum(ids[:-1], {"target_tokens": ids[1:]})]))
+    return names, reqs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-0.5b")
@@ -41,15 +55,7 @@ def main() -> None:
         model_dir = Path(tmp) / "model"
         build_model(args.shape, model_dir, dtype, dev.type)
         eng = Engine(model_dir, dtype=dtype, device=dev)
-        vocab = eng.model.vocab_size
-        names = [f"t{i}" for i in range(args.adapters)]
-        for i, n in enumerate(names):
-            eng.add_adapter(n, LoraConfig(rank=32, alpha=32, seed=i, train_unembed=False))
-        gen = torch.Generator().manual_seed(0)
-        reqs = []
-        for n in names:
-            seq = torch.randint(0, vocab, (args.seq + 1,), generator=gen)
-            reqs.append(ForwardBackwardRequest(n, [Datum(seq[:-1], {"target_tokens": seq[1:]})]))
+        names, reqs = tenant_rows(eng, args.adapters, args.seq)
 
         def fb():
             eng.forward_backward(reqs)

@@ -65,6 +65,9 @@ class Engine:
         # first sample call and kept for the next ones.
         self._running: RunningBatch | None = None
         self.kv_bytes = kv_bytes  # its page pool's size (None: running.KV_BYTES)
+        # The running batch's stacked LoRA (lora_rows.py) follows neither a tensor-parallel
+        # split nor experts: those models sample with the padded sampler, over a LoraBatch.
+        self.padded_sampling = self.shard is not None or bool(self.model.moe)
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
 
@@ -186,15 +189,8 @@ class Engine:
     def sample(self, requests: list[SampleRequest], checked: bool = False) -> list[SampleResult]:
         """Sample every request and wait for all of them. Requests queued by
         `sample_submit` keep running meanwhile; those that finish wait for `sample_slice`."""
-        if self.shard is not None or self.model.moe:
-            # The running batch's stacked LoRA (lora_rows.py) follows neither a tensor-
-            # parallel split nor experts: those models sample with the padded sampler, over
-            # a LoraBatch.
-            if not checked:
-                for r in requests:
-                    self.check(r)
-            adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id)
-                        for r in requests]
+        if self.padded_sampling:
+            adapters = self._sample_adapters(requests, checked)
             if self.shard is not None:  # unseeded draws must agree over the group
                 torch.manual_seed(self.shard.tp.broadcast_seed())
             return sampler.generate_padded(self.model, requests, adapters)
@@ -235,13 +231,18 @@ class Engine:
         """Tokens each running ticket's samples generated since the last call."""
         return {} if self._running is None else self._running.pieces()
 
-    def _sampling_batch(self, requests: list[SampleRequest], checked: bool
-                        ) -> tuple[RunningBatch, list[Adapter | None]]:
+    def _sample_adapters(self, requests: list[SampleRequest], checked: bool
+                         ) -> list[Adapter | None]:
+        """Each request's adapter (None: the base model), after checking the requests."""
         if not checked:
             for r in requests:
                 self.check(r)
-        adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
-        if self.shard is not None or self.model.moe:
+        return [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
+
+    def _sampling_batch(self, requests: list[SampleRequest], checked: bool
+                        ) -> tuple[RunningBatch, list[Adapter | None]]:
+        adapters = self._sample_adapters(requests, checked)
+        if self.padded_sampling:
             raise EngineInputError("sample", "queued sampling (the running batch) does not run "
                                    "under tensor parallelism or for MoE models yet")
         batch = self._running or RunningBatch(self.model, kv_bytes=self.kv_bytes)
