@@ -72,10 +72,11 @@ class GpuMemory:
                 i, used = (int(x) for x in line.split(","))
                 self.peak[i] = max(self.peak.get(i, 0), used)
 
-    def done(self) -> str:
+    def done(self, gpus: list[int]) -> str:
+        """The peaks of `gpus` (the group's cards; others may be busy with other work)."""
         self.stop.set()
         self.thread.join()
-        return ", ".join(f"{v / 1024:.1f}" for _, v in sorted(self.peak.items())) or "-"
+        return ", ".join(f"{self.peak.get(i, 0) / 1024:.1f}" for i in gpus) or "-"
 
 
 def peft_run(model_dir: Path, tenants: int, seq: int, steps: int, rank: int) -> tuple[float, str]:
@@ -144,12 +145,13 @@ def main() -> None:
         daemon, url, log = start_daemon(model_dir, data, work, group[0], "--devices",
                                         ",".join(group), "--ep", str(ep), "--config", str(cfg))
         try:
-            res = run_tenants(url, keys, model_dir.name, vocab, seq, steps, [1] * args.tenants)
+            res = run_tenants(url, keys, model_dir.name, vocab, seq, steps, [1] * args.tenants,
+                              rank=args.rank)
         finally:
             daemon.terminate()
             daemon.wait(timeout=120)
             log.close()
-        peak = mem.done() if mem else "-"
+        peak = mem.done([int(d.split(":")[1]) for d in group]) if mem else "-"
         wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
         lat = [x for r in res for x in r["lat"]]
         rows.append((f"twinkled, {len(group)} rank(s), ep {ep}",
@@ -160,6 +162,9 @@ def main() -> None:
             rows.append(("transformers + peft, tenants one at a time, 1 GPU", tps, None, peak))
         except torch.OutOfMemoryError:
             rows.append(("transformers + peft, 1 GPU: out of memory", 0.0, None, "OOM"))
+        except Exception as e:  # noqa: BLE001 - the baseline failing must not lose our rows
+            rows.append((f"transformers + peft, 1 GPU: failed ({type(e).__name__}: "
+                         f"{str(e)[:80]})", 0.0, None, "-"))
 
     shape = "tiny Qwen3-MoE" if args.tiny else f"Qwen3-30B-A3B shape, {args.layers} of 48 layers"
     text = (f"\n### MoE: {shape} ({args.devices}, LoRA r={args.rank} on attention, experts "

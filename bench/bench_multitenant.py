@@ -40,7 +40,7 @@ def worker(args: argparse.Namespace) -> None:
 
     rng = random.Random(args.seed)
     sc = tinker.ServiceClient(base_url=args.url, api_key=args.key)
-    tc = sc.create_lora_training_client(base_model=args.base_model, rank=32,
+    tc = sc.create_lora_training_client(base_model=args.base_model, rank=args.rank,
                                         train_unembed=False).result(timeout=600)
     data = []
     for _ in range(args.batch):
@@ -69,12 +69,12 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_tenants(url: str, keys: list[str], model: str, vocab: int, seq: int, steps: int,
-                batches: list[int]) -> list[dict]:
+                batches: list[int], rank: int = 32) -> list[dict]:
     start_at = time.time() + 6 + len(keys)  # time for every client to set up and warm up
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--worker", "--url", url, "--key", key, "--base-model", model,
          "--vocab", str(vocab), "--seq", str(seq), "--steps", str(steps), "--batch", str(b),
-         "--seed", str(i), "--start-at", str(start_at)], stdout=subprocess.PIPE, text=True)
+         "--seed", str(i), "--start-at", str(start_at), "--rank", str(rank)], stdout=subprocess.PIPE, text=True)
         for i, (key, b) in enumerate(zip(keys, batches, strict=True))]
     out = []
     for p in procs:
@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rank", type=int, default=32, help=argparse.SUPPRESS)
     ap.add_argument("--start-at", type=float, default=0.0)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b"))

@@ -10,6 +10,14 @@ counted as useful work) against the card's dense bf16 peak.
     python bench/bench_tp.py --shape qwen3-8b --tp 1,2          # 1 GPU, then 2
     python bench/bench_tp.py --shape qwen3-32b --tp 2
     python bench/bench_tp.py --shape tiny --tp 1,2 --device cpu # CPU, gloo (a smoke run)
+
+With `--daemon`, the same work goes through a real `twinkled serve --tp N` on N GPUs, driven
+by `--adapters` tenants each running the unmodified tinker client (bench_multitenant's
+tenants, 1 x `--seq` tokens per step): tokens/s as the clients see it, and each rank's
+peak memory from `twinkled ctl status`.
+
+    python bench/bench_tp.py --shape qwen3-32b --tp 2 --daemon
+    python bench/bench_tp.py --shape llama3-70b --tp 4 --daemon
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 SHAPES = {  # config.json numbers of the Qwen3 family (vocab 151936)
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8),
@@ -32,6 +41,9 @@ SHAPES = {  # config.json numbers of the Qwen3 family (vocab 151936)
                       num_attention_heads=40, num_key_value_heads=8),
     "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                       num_attention_heads=64, num_key_value_heads=8),
+    # Llama-3.3-70B's widths and depth in the Qwen3 layout (q/k norms; Qwen3's vocabulary)
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8),
 }
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
@@ -160,6 +172,55 @@ def run_config(model: Path, tp: int, a) -> dict | None:
     return result
 
 
+def run_daemon(model: Path, tp: int, a) -> dict | None:
+    """`--adapters` tinker tenants against `twinkled serve --tp tp` on the first tp devices."""
+    from bench_multitenant import make_keys, run_tenants, start_daemon
+    from transformers import AutoConfig
+
+    from twinkled.engine.sizing import weight_bytes
+
+    cfg = AutoConfig.from_pretrained(model)
+    work = Path(tempfile.mkdtemp(prefix=f"bench_tp{tp}_"))
+    conf = work / "twinkled.toml"
+    conf.write_text(f"persist_every = 0\nmax_rank = {a.lora_rank}\n"
+                    f"token_budget = {a.token_budget}\n"
+                    f'activation_checkpointing = "{a.recompute}"\n')
+    cuda = a.device == "cuda"
+    devices = ",".join(f"cuda:{i}" if cuda else "cpu" for i in range(tp))
+    data = work / "data"
+    keys = make_keys(data, a.adapters)
+    try:
+        daemon, url, log = start_daemon(model, data, work, devices.split(",")[0], "--devices",
+                                        devices, "--tp", str(tp), "--config", str(conf))
+    except SystemExit as e:
+        print(f"tp={tp}: {e}")
+        print((work / "twinkled.log").read_text()[-2000:])
+        return None
+    try:
+        res = run_tenants(url, keys, model.name, cfg.vocab_size, a.seq, a.steps,
+                          [1] * a.adapters, rank=a.lora_rank)
+        status = json.loads(subprocess.run(
+            [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data), "status",
+             "--json"], capture_output=True, text=True).stdout)
+    except (SystemExit, ValueError) as e:
+        print(f"tp={tp}: {e}")
+        print((work / "twinkled.log").read_text()[-2000:])
+        return None
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=300)
+        log.close()
+    wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
+    tokens = sum(r["tokens"] for r in res)
+    import torch
+
+    return {"tp": tp, "gpus": tp, "tok_s": tokens / wall,
+            "flops_per_token": 4 * weight_bytes(cfg.to_dict(), 1, 1),
+            "peak_gib": [w.get("peak_memory_bytes", 0) / 2**30 for w in status["workers"]],
+            "recomputed": None,
+            "card": torch.cuda.get_device_name(0) if cuda else "cpu"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-8b", choices=[*SHAPES, "tiny"])
@@ -173,6 +234,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--model-dir", type=Path, help="reuse (or keep) the random checkpoint here")
+    ap.add_argument("--daemon", action="store_true",
+                    help="through twinkled serve --tp N and tinker clients, not the engine")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="write the random checkpoint into --model-dir and stop")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -185,12 +250,15 @@ def main() -> None:
             t0 = time.perf_counter()
             write_random_checkpoint(a.shape, model)
             print(f"wrote a random {a.shape} checkpoint in {time.perf_counter() - t0:.0f} s")
+        if a.prepare_only:
+            return
         print(f"{a.shape}: {a.adapters} adapters x {a.seq} tokens per step, LoRA r={a.lora_rank} "
-              f"on every module, recompute={a.recompute}")
+              f"on every module, recompute={a.recompute}, "
+              f"{'through the daemon' if a.daemon else 'the engine alone'}")
         print("| tp | GPUs | tokens/s | tokens/s per GPU | MFU | peak GiB per GPU | recomputed |")
         print("|---:|---:|---:|---:|---:|---|---|")
         for tp in (int(t) for t in a.tp.split(",")):
-            r = run_config(model, tp, a)
+            r = run_daemon(model, tp, a) if a.daemon else run_config(model, tp, a)
             if r is None:
                 print(f"| {tp} | {tp} | failed (out of memory?) | | | | |")
                 continue
@@ -199,7 +267,7 @@ def main() -> None:
                    if peak else "-")
             print(f"| {tp} | {r['gpus']} | {r['tok_s']:,.0f} | {r['tok_s'] / r['gpus']:,.0f} | "
                   f"{mfu} | {', '.join(f'{g:.1f}' for g in r['peak_gib'])} | "
-                  f"{'yes' if r['recomputed'] else 'no'} |", flush=True)
+                  f"{ {True: 'yes', False: 'no'}.get(r['recomputed'], '-')} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Each configuration gets a fresh daemon, in the same run.
 
     python bench/bench_workers.py --devices cuda:0,cuda:1 --shape qwen2.5-0.5b   # 2 GPUs
     python bench/bench_workers.py --devices cpu,cpu                              # CPU (gloo)
+    python bench/bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen2.5-0.5b
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def path_report(url: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", required=True, help="the N-worker group, e.g. cuda:0,cuda:1")
+    ap.add_argument("--sizes", default=None,
+                    help="worker counts to run, one after another (default: 1 and all)")
     ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b"))
     ap.add_argument("--tenants", type=int, default=8, help="tenants per worker")
     ap.add_argument("--seq", type=int, default=None)
@@ -81,7 +84,10 @@ def main() -> None:
     import torch
     from bench_engine import build_model, header
 
-    devices = args.devices.split(",")
+    from twinkled.layout import expand_devices
+
+    devices = expand_devices(args.devices)
+    sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else [1, len(devices)]
     gpu = devices[0].startswith("cuda")
     dtype = torch.bfloat16 if gpu else torch.float32
     seq = args.seq or (512 if gpu else 64)
@@ -92,7 +98,7 @@ def main() -> None:
     torch.cuda.empty_cache() if gpu else None
 
     rows = []
-    for group in ([devices[0]], devices):
+    for group in (devices[:n] for n in sizes):
         data = work / f"data{len(group)}"
         n = args.tenants * len(group)
         keys = make_keys(data, n)

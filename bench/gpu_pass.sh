@@ -1,27 +1,60 @@
 #!/usr/bin/env bash
-# The GPU measurements the open issues wait for, batched so that one device call on a
-# 2-GPU machine runs a group of them (a call is limited to 10 minutes):
+# The GPU measurements the open issues wait for, batched so that a few device calls on one
+# 4-GPU machine run them all (a call is limited to 10 minutes; the machine stays warm
+# between calls, so files written by one call are there for the next):
 #
-#   bash bench/gpu_pass.sh workers sampling   # issue 14 (flat banks), issue 16 (sampler)
-#   bash bench/gpu_pass.sh tp                 # issue 15: 8B at tp 1 and 2 (32B: tp32)
-#   bash bench/gpu_pass.sh moe                # issue 17: Qwen3-30B-A3B shape, 1 GPU and --ep 2
+#   bash bench/gpu_pass.sh workers4 prewrite moe   # issue 14 (1/2/4 workers), issue 17 (MoE)
+#   bash bench/gpu_pass.sh tp32 tp                 # issue 15: 32B at tp 2 via the daemon; 8B
+#   bash bench/gpu_pass.sh tp70                    # issue 15: a 70B shape at tp 4 via the daemon
+#   bash bench/gpu_pass.sh sampling                # issue 16 (one GPU: $SAMPLING_GPU, default 0)
 #
+# `prewrite` starts writing the 32B and 70B random checkpoints in the background (its own
+# process session, on GPU 3), so the tp32 and tp70 steps, which wait for them, need not.
+# The 70B one (137 GB) waits for the disk to have room beside the 32B one (65 GB).
 # Each bench writes its section under $OUT (the device's returned folder) or bench/results/.
 set -uo pipefail
 cd "$(dirname "$0")"
 out="${OUT:-results}"
 mkdir -p "$out"
 printf 'persist_every = 0\n' > /tmp/gpu_pass_p0.toml
+ckpt="${GPU_PASS_CKPT:-/tmp/gpu_pass}"
+py="$(command -v python3 || command -v python)"
+
+wait_for() {  # a checkpoint `prewrite` is writing
+    while [ ! -e "$1/.done" ]; do
+        if [ -e "$ckpt/prewrite.failed" ]; then echo "prewrite failed:"; tail -5 "$ckpt/prewrite.log"; return 1; fi
+        sleep 5
+    done
+}
+
 for what in "$@"; do
-    echo "== $what"
+    echo "== $what $(date +%T)"
     case "$what" in
-        workers) python bench_workers.py --devices cuda:0,cuda:1 --shape qwen2.5-0.5b \
+        workers) "$py" bench_workers.py --devices cuda:0,cuda:1 --shape qwen2.5-0.5b \
                      --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
-        sampling) python bench_sampling.py --device cuda --shape qwen2.5-0.5b \
-                     --write "$out/sampling.md" ;;
-        tp) python bench_tp.py --shape qwen3-8b --tp 1,2 ;;
-        tp32) python bench_tp.py --shape qwen3-32b --tp 2 ;;
-        moe) python bench_moe.py --devices cuda:0,cuda:1 --layers 12 --write "$out/moe.md" ;;
-        *) echo "unknown: $what (workers, sampling, tp, tp32, moe)"; exit 2 ;;
+        workers4) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen2.5-0.5b \
+                      --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
+        prewrite) mkdir -p "$ckpt"
+                  CUDA_VISIBLE_DEVICES=3 setsid bash -c "
+                      $py bench_tp.py --shape qwen3-32b --prepare-only --model-dir $ckpt/qwen3-32b \
+                        && touch $ckpt/qwen3-32b/.done \
+                      && while [ -e $ckpt/qwen3-32b ] \
+                               && [ \$(df --output=avail -B1G $ckpt | tail -1) -lt 160 ]; do sleep 5; done \
+                      && $py bench_tp.py --shape llama3-70b --prepare-only --model-dir $ckpt/llama3-70b \
+                        && touch $ckpt/llama3-70b/.done || touch $ckpt/prewrite.failed
+                  " > "$ckpt/prewrite.log" 2>&1 < /dev/null & ;;
+        sampling) CUDA_VISIBLE_DEVICES="${SAMPLING_GPU:-0}" "$py" bench_sampling.py --device cuda \
+                      --shape qwen2.5-0.5b --write "$out/sampling.md" ;;
+        tp) "$py" bench_tp.py --shape qwen3-8b --tp 1,2 | tee -a "$out/tp.md" ;;
+        tp32) wait_for "$ckpt/qwen3-32b" && "$py" bench_tp.py --shape qwen3-32b --tp 2 --daemon \
+                  --model-dir "$ckpt/qwen3-32b" --token-budget 4096 | tee -a "$out/tp.md"
+              rm -rf "$ckpt/qwen3-32b" ;;
+        # r=16: at r=32 the sizing estimate for 8 adapters (73 GiB) leaves an H100 no headroom
+        tp70) wait_for "$ckpt/llama3-70b" && "$py" bench_tp.py --shape llama3-70b --tp 4 --daemon \
+                  --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
+                  | tee -a "$out/tp.md" ;;
+        moe) "$py" bench_moe.py --devices cuda:0,cuda:1 --layers 12 --write "$out/moe.md" ;;
+        *) echo "unknown: $what (workers, workers4, prewrite, sampling, tp, tp32, tp70, moe)"; exit 2 ;;
     esac
 done
+echo "== done $(date +%T)"
