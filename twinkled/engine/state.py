@@ -56,7 +56,7 @@ class Snapshot:
     names: list[tuple[str, str, tuple[int, ...]]]  # (file, tensor name, shape), flat order
     flat: torch.Tensor
     ready: torch.cuda.Event | None = None
-    _device_copy: torch.Tensor | None = None  # kept alive until the host copy is done
+    _device_copy: list[torch.Tensor] | None = None  # kept alive until the host copy is done
 
     def host(self) -> torch.Tensor:
         """The flat host copy, once the device-to-host copy has finished."""
@@ -77,6 +77,8 @@ class Snapshot:
 
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
+SMALL_SNAPSHOT = 64 * 2**20  # elements (256 MiB of fp32)
+
 
 def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
     """`shard` (tp.py): the bank holds tensor-parallel slices; the snapshot is of the
@@ -96,17 +98,30 @@ def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
     if shard is not None:
         views = shard.gather_views(keys, views)
     names = [(f, n, tuple(v.shape)) for (f, n), v in zip(names, views, strict=True)]
-    flat = torch.cat([v.reshape(-1) for v in views])
-    if not flat.is_cuda:
-        return Snapshot(adapter.config, adapter.steps, names, flat)
-    stream = _copy_streams.setdefault(flat.device, torch.cuda.Stream(flat.device))
-    stream.wait_stream(torch.cuda.current_stream(flat.device))
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    if not views[0].is_cuda:
+        return Snapshot(adapter.config, adapter.steps, names,
+                        torch.cat([v.reshape(-1) for v in views]))
+    device = views[0].device
+    total = sum(v.numel() for v in views)
+    host = torch.empty(total, dtype=views[0].dtype, pin_memory=True)
+    if total < SMALL_SNAPSHOT:
+        keep = [torch.cat([v.reshape(-1) for v in views])]
+        stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
+        stream.wait_stream(torch.cuda.current_stream(device))
+    else:
+        # A big adapter (a 32B model's, with its moments, is GiBs) is copied view by view
+        # on the compute stream itself: a cat would need as much free GPU memory again
+        # beside a model that fills the card, and stream order keeps later steps from
+        # changing a view before its copy has run.
+        keep, stream = views, torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
-        host.copy_(flat, non_blocking=True)
+        at = 0
+        for v in keep:
+            host[at:at + v.numel()].copy_(v.reshape(-1), non_blocking=True)
+            at += v.numel()
         ready = torch.cuda.Event()
         ready.record(stream)
-    return Snapshot(adapter.config, adapter.steps, names, host, ready, flat)
+    return Snapshot(adapter.config, adapter.steps, names, host, ready, keep)
 
 
 def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
