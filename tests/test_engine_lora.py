@@ -79,6 +79,28 @@ def test_slots_grow_and_are_reused(engine):
     assert max_diff(weights(engine, "t0"), weights(engine, "check")) == 0
 
 
+@pytest.mark.parametrize("parks", [False, True])
+def test_growth_keeps_weights_and_moments(engine, monkeypatch, parks):
+    """Growing a bank keeps every adapter's weights and optimizer moments, also when a big
+    bank parks its rows in host memory while it grows (the path GPU banks over
+    BIG_BANK_BYTES take)."""
+    from twinkled.engine.lora import Bank
+
+    monkeypatch.setattr(Bank, "parks", lambda self, slots: parks)
+    engine.add_adapter("t0", LoraConfig(rank=4, seed=0))
+    bank = engine.pool.get("t0").bank
+    before = {k: bank.flat(0, k).clone() for k in ("w", "m", "v")}
+    before["m"].normal_(), before["v"].uniform_()
+    bank.flat(0, "m").copy_(before["m"]), bank.flat(0, "v").copy_(before["v"])
+    for i in range(1, 9):  # past the first capacity of 4, then 8
+        engine.add_adapter(f"t{i}", LoraConfig(rank=4, seed=i))
+    assert bank.capacity >= 9
+    for k, v in before.items():
+        assert torch.equal(bank.flat(0, k), v), k
+    key = next(iter(bank.shapes))
+    assert bank.A[key].data_ptr() == bank.flat(0, "w").data_ptr()  # views into the new rows
+
+
 def _mixed_setup(tiny_dir):
     eng = make_engine(tiny_dir)
     configs = {

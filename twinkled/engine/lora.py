@@ -21,6 +21,8 @@ import torch
 from .checks import check_optimizer
 from .types import EXPERT_MODULES, EngineInputError, LoraConfig
 
+BIG_BANK_BYTES = 2 * 2**30
+
 
 class Bank:
     """Adapters of one (rank, targets) shape. Slots are reused after removal.
@@ -82,6 +84,14 @@ class Bank:
 
     def _grow(self, capacity: int) -> None:
         old = self.capacity
+        # A big bank on a GPU moves its rows through host memory, so growing never holds
+        # the old and new buffers on the card at once (1.5x the bank: GiBs for a 32B model).
+        if self.parks(old):
+            self._flat = {k: v.cpu() for k, v in self._flat.items()}
+            self._views.clear()
+            for kind in (*self.KINDS, "w16"):  # every view into the old buffers
+                for store in self._stores(kind):
+                    store.clear()
         for kind in self.KINDS:
             flat = torch.zeros((capacity, self.slot_numel), dtype=torch.float32,
                                device=self.device)
@@ -101,6 +111,11 @@ class Bank:
         self.free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
         self._views.clear()  # they pointed into the old tensors
+
+    def parks(self, slots: int) -> bool:
+        """Whether growing from `slots` moves the rows through host memory first."""
+        return (torch.device(self.device).type == "cuda"
+                and len(self.KINDS) * slots * self.slot_numel * 4 > BIG_BANK_BYTES)
 
     def allocate(self) -> int:
         if not self.free:

@@ -47,9 +47,10 @@ MOMENTS = {"adamw": (("m", "exp_avg"), ("v", "exp_avg_sq")),
 class Snapshot:
     """An adapter's tensors, copied at one instant: later steps cannot change it.
 
-    The copy is one flat buffer. On a GPU it is made on the device (one kernel) and then
-    brought to pinned host memory on a side stream, so the next step does not wait for it;
-    `files()` waits for that copy and gives each file's tensors."""
+    The copy is one flat buffer. On a GPU a small adapter's is made on the device (one
+    kernel) and then brought to pinned host memory on a side stream, so the next step does
+    not wait for it; a big one's goes to the host at once (`snapshot`). `files()` waits
+    for that copy and gives each file's tensors."""
 
     config: LoraConfig
     steps: int
@@ -110,9 +111,10 @@ def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
         stream.wait_stream(torch.cuda.current_stream(device))
     else:
         # A big adapter (a 32B model's, with its moments, is GiBs) is copied view by view
-        # on the compute stream itself: a cat would need as much free GPU memory again
-        # beside a model that fills the card, and stream order keeps later steps from
-        # changing a view before its copy has run.
+        # and waited for: a cat would need as much free GPU memory again beside a model
+        # that fills the card, and so would keeping its gathered tensor-parallel slices
+        # until a writer thread gets to it (8 tenants created in one step held 8 of them:
+        # measured out of memory on 2 x H100 with a 32B model).
         keep, stream = views, torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
         at = 0
@@ -121,6 +123,9 @@ def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
             at += v.numel()
         ready = torch.cuda.Event()
         ready.record(stream)
+    if keep is views:
+        ready.synchronize()
+        return Snapshot(adapter.config, adapter.steps, names, host)
     return Snapshot(adapter.config, adapter.steps, names, host, ready, keep)
 
 
