@@ -14,6 +14,7 @@ GPU in half precision; otherwise (CPU, fp32) one SDPA call per segment, the same
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 from functools import cache
 
@@ -21,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from .lora import Adapter, Bank, same_bank
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -176,8 +179,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     if _grouped_ok(x, w):
         try:
             return torch._grouped_mm(x.contiguous(), w, offs=offs)
-        except RuntimeError:  # a layout this build's kernel refuses: the loop below
-            pass
+        except RuntimeError as e:  # a layout this build's kernel refuses: the loop below
+            _slow_path(x, w, e)
+    else:
+        _slow_path(x, w, None)
     out, start = [], 0
     for g, end in enumerate(offs.tolist()):
         out.append(x[start:end] @ w[g])
@@ -190,13 +195,28 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) ->
     if _grouped_ok(a, b):
         try:
             return torch._grouped_mm(a.t(), b.contiguous(), offs=offs)
-        except RuntimeError:
-            pass
+        except RuntimeError as e:
+            _slow_path(a, b, e)
+    else:
+        _slow_path(a, b, None)
     out, start = [], 0
     for end in offs.tolist():
         out.append(a[start:end].t() @ b[start:end])
         start = end
     return torch.stack(out)
+
+
+_warned: set[tuple] = set()
+
+
+def _slow_path(a: torch.Tensor, b: torch.Tensor, error: Exception | None) -> None:
+    """Say once per layout when a GPU falls back to the loop over groups: it syncs with the
+    host and launches a kernel per group, the MoE layers' main cost if it happens there."""
+    key = (a.dtype, b.dtype, tuple(a.shape[1:]), tuple(b.shape[1:]))
+    if a.is_cuda and key not in _warned:
+        _warned.add(key)
+        log.warning("grouped matmul fell back to a loop over groups: %s x %s %s%s", a.dtype,
+                    b.dtype, tuple(b.shape), f" ({error})" if error else "")
 
 
 def _grouped_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
