@@ -119,6 +119,14 @@ class Planner:
         q = self.models.get(model)
         return q is not None and bool(q.pending)
 
+    def awaits_barrier(self, model: str) -> bool:
+        """The model's last queued op is a forward/backward: a client that sends an
+        optim_step right behind each one has not sent it yet."""
+        q = self.models.get(model)
+        if q is None or not q.pending:
+            return False
+        return not q.pending[max(q.pending)].is_barrier
+
     def busy(self, model: str) -> bool:
         """Something of the model is queued or running."""
         q = self.models.get(model)

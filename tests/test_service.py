@@ -76,7 +76,7 @@ async def done(*futures, timeout: float = WAIT) -> None:
 @contextlib.asynccontextmanager
 async def service(tiny_dir, tmp_path, **overrides):
     cfg = Config(model=tiny_dir, data_dir=tmp_path, device="cpu", dtype="float32",
-                 gather_ms=0, worker_threads=1, **overrides)
+                 **{"gather_ms": 0, "worker_threads": 1, **overrides})
     store = Store(tmp_path / "twinkled.db")
     svc = Service(cfg, store, executor=in_process_executor(cfg))
     await svc.start(housekeeping=False)
@@ -306,3 +306,30 @@ def prompt_tensor(ids):
     import torch
 
     return torch.tensor(ids, dtype=torch.long)
+
+
+def test_gather_waits_for_the_optim_step_behind_a_forward_backward(tiny_dir, tmp_path):
+    """A client that sends optim_step right behind each forward_backward gets both run in
+    one step, even when the optim_step comes some milliseconds later; a client that
+    accumulates gradients (no optim_step behind) is not waited for again."""
+    async def go():
+        async with service(tiny_dir, tmp_path, gather_ms=2000) as box:
+            a = await box.create("alice")
+            await done(box.fwdbwd("alice", a, 1, [5]), box.optim("alice", a, 2))
+            steps = box.svc.planner.steps
+            f = box.fwdbwd("alice", a, 3, [5])
+            await asyncio.sleep(0.2)  # the optim_step arrives well after the fwdbwd
+            o = box.optim("alice", a, 4)
+            await done(f, o)
+            assert box.svc.planner.steps == steps + 1  # one step: fwdbwd then optim
+            assert o.error is None and result(o).applied
+            # Accumulation: two fwdbwd without an optim_step; the gather gives up once
+            # (at most gather_ms) and then stops waiting for this model's optim_steps.
+            await done(box.fwdbwd("alice", a, 5, [5]))
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            await done(box.fwdbwd("alice", a, 6, [5]))
+            await done(box.fwdbwd("alice", a, 7, [5]))
+            assert loop.time() - began < 3.5  # one wait of 2 s at most, not one per op
+
+    run(go())

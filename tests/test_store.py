@@ -100,6 +100,40 @@ def test_keys_hashed_and_revocable(store, db_path):
     assert len(revoked) == 2
 
 
+def test_known_keys_are_remembered_briefly(store, db_path, monkeypatch):
+    """A key revoked by another process (ctl on the data directory) is refused once the
+    cache entry expires; one revoked through this store at once."""
+    import twinkled.store_tenants as st
+
+    key = store.tenants.create_key("alice")
+    assert store.tenants.for_key(key) == "alice"
+    other = Store(db_path)  # another process's view of the same file
+    assert other.tenants.revoke_key(key) is True
+    assert store.tenants.for_key(key) == "alice"  # within KEY_CACHE_S
+    monkeypatch.setattr(st, "KEY_CACHE_S", 0.0)
+    assert store.tenants.for_key(key) is None
+    monkeypatch.undo()
+    key2 = store.tenants.create_key("alice")
+    assert store.tenants.for_key(key2) == "alice"
+    assert store.tenants.revoke_key(key2) is True
+    assert store.tenants.for_key(key2) is None  # revoked here: refused at once
+    other.close()
+
+
+def test_touch_writes_at_most_once_a_second(store, monkeypatch):
+    import twinkled.store_runs as sr
+
+    sid = store.sessions.create("alice", None, None)
+    run = store.runs.create(sid, "alice", "m", 8)
+    times = iter([1000.0, 1000.5, 1001.2])
+    monkeypatch.setattr(sr, "now", lambda: next(times))
+    seen = []
+    for _ in range(3):
+        assert store.runs.touch(run)
+        seen.append(store.runs.get(run)["last_request_time"])
+    assert seen == [1000.0, 1000.0, 1001.2]
+
+
 # -- sessions -----------------------------------------------------------------------------
 
 def test_sessions_and_counters(store):

@@ -150,7 +150,7 @@ def _tags_future(handler):
             return response
         owner = body.get("model_id")
         if owner is not None and body.get("request_id"):
-            request.app["store"].futures.tag(body["request_id"], owner)
+            request.app["service"].tag_future(body["request_id"], owner)
         return response
 
     return tagged

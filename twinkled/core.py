@@ -116,6 +116,11 @@ class EngineCore:
         self._seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
         self._pieces = Pieces()
         self._recent: set[str] = set()  # the models the last step served
+        # Models whose client sends an optim_step right behind each forward_backward: the
+        # gather waits for that too, so the pair runs as one step (a barrier step of its
+        # own costs a round trip). A model that leaves the wait without it (gradient
+        # accumulation) is dropped until its next optim_step.
+        self._paired: set[str] = set()
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -274,28 +279,33 @@ class EngineCore:
             self.metrics.step_seconds.labels(kind).observe(time.monotonic() - started)
 
     def _complete(self, ops: list[Op], outcomes: list[Outcome]) -> None:
-        for op, outcome in zip(ops, outcomes, strict=True):
-            self.residency.note(op.frame, outcome)
-            self._count_tokens(op, outcome)
-            if op.piece is not None:
-                outcome = self._pieces.add(op, outcome)
-                if outcome is None:
-                    continue  # more pieces to come
-            if op.future.done.is_set():
-                continue  # an earlier piece already failed it
-            result, message, category = outcome
-            if message is None:
-                self.futures.resolve(op.future, result)
-            else:
-                self.futures.fail(op.future, message, category)
-            if op.after is not None:
-                op.after(result, message)
+        with self.futures.settling():  # one store commit for the step's results
+            for op, outcome in zip(ops, outcomes, strict=True):
+                self._settle(op, outcome)
+
+    def _settle(self, op: Op, outcome: Outcome) -> None:
+        self.residency.note(op.frame, outcome)
+        self._count_tokens(op, outcome)
+        if op.piece is not None:
+            outcome = self._pieces.add(op, outcome)
+            if outcome is None:
+                return  # more pieces to come
+        if op.future.done.is_set():
+            return  # an earlier piece already failed it
+        result, message, category = outcome
+        if message is None:
+            self.futures.resolve(op.future, result)
+        else:
+            self.futures.fail(op.future, message, category)
+        if op.after is not None:
+            op.after(result, message)
 
     def _after(self, step: Step) -> None:
         for w in step.work:
             if w.kind == "unload":
                 self.residency.close(w.model)
         self._recent = {w.model for w in step.work if w.model is not None and w.kind != "unload"}
+        self._paired |= {w.model for w in step.work if w.kind == "optim"}
 
     def _count_tokens(self, op: Op, outcome: Outcome) -> None:
         result, message, _ = outcome
@@ -331,14 +341,22 @@ class EngineCore:
 
     async def _await_clients(self, recent: set[str], deadline: float) -> None:
         loop = asyncio.get_running_loop()
-        while any(self.residency.is_open(m) and not self.planner.has_pending(m)
-                  for m in recent):
+        while waiting := self._waiting_for(recent):
             remaining = deadline - loop.time()
             if remaining <= 0:
+                self._paired -= waiting  # no optim_step behind it this time
                 return
             self.wake.clear()
             try:
                 await asyncio.wait_for(self.wake.wait(), remaining)
             except TimeoutError:
+                self._paired -= self._waiting_for(recent)
                 return
         await asyncio.sleep(min(0.002, max(0.0, deadline - loop.time())))
+
+    def _waiting_for(self, recent: set[str]) -> set[str]:
+        """The last step's models whose client has not sent its next request yet (or the
+        optim_step it sends right behind its forward_backward)."""
+        return {m for m in recent if self.residency.is_open(m)
+                and (not self.planner.has_pending(m)
+                     or (m in self._paired and self.planner.awaits_barrier(m)))}

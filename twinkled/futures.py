@@ -8,6 +8,7 @@ that makes, settles and finds them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -41,6 +42,7 @@ class Future:
     content_type: str = "application/json"
     error: tuple[str, str] | None = None  # (message, category)
     completed_at: float | None = None
+    owner: str | None = None  # the run or sampler it belongs to, written when it settles
 
 
 def empty_json(_: Any) -> tuple[bytes, str]:
@@ -61,6 +63,22 @@ class Futures:
         self._store.futures.create(f.id, tenant, kind)
         return f
 
+    @contextlib.contextmanager
+    def settling(self):
+        """Settle a step's futures in one store transaction: one commit per step, not one
+        per request (the event loop's main SQLite cost with many tenants)."""
+        with self._store.db.transaction():
+            yield
+
+    def tag(self, future_id: str, owner: str) -> None:
+        """Record which run or sampler a future belongs to, so a session's trace shows it:
+        kept on a live pending future and written with its result (no write of its own)."""
+        f = self._live.get(future_id)
+        if f is not None and not f.done.is_set():
+            f.owner = f.owner or owner
+        else:
+            self._store.futures.tag(future_id, owner)
+
     def resolve(self, f: Future, result: Any) -> None:
         try:
             f.payload, f.content_type = f.encode(result)
@@ -68,13 +86,13 @@ class Futures:
             log.exception("encoding a %s result failed", f.kind)
             return self.fail(f, f"server error encoding the result: {e}", "server")
         f.completed_at = time.time()
-        self._store.futures.complete(f.id, f.payload, f.content_type)
+        self._store.futures.complete(f.id, f.payload, f.content_type, f.owner)
         f.done.set()
 
     def fail(self, f: Future, message: str, category: str) -> None:
         f.error = (message, category)
         f.completed_at = time.time()
-        self._store.futures.fail(f.id, message, category)
+        self._store.futures.fail(f.id, message, category, f.owner)
         f.done.set()
 
     def drop(self, f: Future, why: str) -> None:

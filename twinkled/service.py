@@ -289,6 +289,10 @@ class Service:
         self.residency.open(model, tenant, 0)
         return model, self.submit(Op(model, 0, CreateF(model, config), f))
 
+    def tag_future(self, future_id: str, owner: str) -> None:
+        """Record the run or sampler a request's future belongs to (a session's trace)."""
+        self.futures.tag(future_id, owner)
+
     def forward_backward(self, tenant: str, model: str, seq_id: int, frame: TrainF,
                          encode: Encoder) -> Future:
         parts = [d.tokens.shape[0] for d in frame.data]  # where the planner may cut it
@@ -385,7 +389,7 @@ class Service:
 
         cost = frame.prompt.shape[0] + frame.params.max_tokens * frame.num_samples
         f = self.submit(Op(None, None, frame, f, cost, after=after))
-        self.store.futures.tag(f.id, sampler["id"])  # a session's trace shows it
+        self.futures.tag(f.id, sampler["id"])  # a session's trace shows it
         return f
 
     def sample_stream(self, tenant: str, owner: str, frame: SampleF) -> SampleStream:

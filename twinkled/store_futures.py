@@ -28,19 +28,25 @@ class FutureRows:
                          (future_id, tenant, kind, model_id, seq_id, now()))
         return future_id
 
-    def complete(self, future_id: str, result: bytes, content_type: str) -> bool:
-        """Store the encoded result (JSON or protobuf bytes). The first resolution wins:
-        returns False if the future is unknown or already resolved."""
+    def complete(self, future_id: str, result: bytes, content_type: str,
+                 owner: str | None = None) -> bool:
+        """Store the encoded result (JSON or protobuf bytes), and the run or sampler it
+        belongs to if known (`tag`). The first resolution wins: returns False if the future
+        is unknown or already resolved."""
         return self._db.write("UPDATE futures SET status = 'done', result = ?, "
-                              "content_type = ?, completed_at = ? WHERE id = ? AND "
-                              "status = 'pending'", (result, content_type, now(), future_id)) > 0
+                              "content_type = ?, completed_at = ?, "
+                              "model_id = COALESCE(model_id, ?) WHERE id = ? AND "
+                              "status = 'pending'",
+                              (result, content_type, now(), owner, future_id)) > 0
 
-    def fail(self, future_id: str, message: str, category: str = "server") -> bool:
+    def fail(self, future_id: str, message: str, category: str = "server",
+             owner: str | None = None) -> bool:
         """Resolve with ``{"error", "category"}`` (category "user" or "server")."""
         return self._db.write("UPDATE futures SET status = 'error', result = ?, "
-                              "content_type = 'application/json', completed_at = ? "
+                              "content_type = 'application/json', completed_at = ?, "
+                              "model_id = COALESCE(model_id, ?) "
                               "WHERE id = ? AND status = 'pending'",
-                              (error_body(message, category), now(), future_id)) > 0
+                              (error_body(message, category), now(), owner, future_id)) > 0
 
     def tag(self, future_id: str, owner_id: str) -> bool:
         """Record the run or sampler a future belongs to (once), so that its session's trace

@@ -3,9 +3,13 @@ creates, numbered by the session's counters (``<session_id>:train:<n>``, ``:samp
 
 from __future__ import annotations
 
+import math
+
 from .db import Db
 from .schema import Row, now, to_json
 from .store_sessions import Sessions
+
+TOUCH_EVERY_S = 1.0
 
 
 class Runs:
@@ -14,6 +18,7 @@ class Runs:
     def __init__(self, db: Db, sessions: Sessions) -> None:
         self._db = db
         self._sessions = sessions
+        self._touched: dict[str, float] = {}  # run id -> the last_request_time written
 
     def create(self, session_id: str, tenant: str, base_model: str, lora_rank: int,
                lora_config: dict | None = None, user_metadata: dict | None = None,
@@ -36,9 +41,15 @@ class Runs:
         return self._db.one(f"SELECT * FROM runs WHERE id = ?{extra}", [run_id])
 
     def touch(self, run_id: str) -> bool:
-        """Record a request on the run (TrainingRun.last_request_time)."""
+        """Record a request on the run (TrainingRun.last_request_time), to the second: a
+        run's requests within a second of the last one written are not written again
+        (a busy tenant sends several a second; idle unloading counts minutes)."""
+        t = now()
+        if t - self._touched.get(run_id, -math.inf) < TOUCH_EVERY_S:
+            return True
+        self._touched[run_id] = t
         return self._db.write("UPDATE runs SET last_request_time = ? WHERE id = ?",
-                              (now(), run_id)) > 0
+                              (t, run_id)) > 0
 
     def set_corrupted(self, run_id: str, corrupted: bool = True) -> bool:
         return self._db.write("UPDATE runs SET corrupted = ? WHERE id = ?",

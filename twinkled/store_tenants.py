@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 
 from .db import Db
 from .schema import Row, hash_key, now
+
+KEY_CACHE_S = 2.0
 
 
 class Tenants:
@@ -19,6 +22,7 @@ class Tenants:
 
     def __init__(self, db: Db) -> None:
         self._db = db
+        self._known: dict[str, tuple[str, float]] = {}  # key hash -> (tenant, looked up at)
 
     def ensure(self, name: str, weight: float | None = None) -> Row:
         """Create the tenant if it is new; set its fair-share weight when given."""
@@ -58,10 +62,22 @@ class Tenants:
         return key
 
     def for_key(self, key: str) -> str | None:
-        """The tenant a key authenticates, or None if the key is unknown or revoked."""
+        """The tenant a key authenticates, or None if the key is unknown or revoked.
+
+        Every request asks, so a known key is remembered for KEY_CACHE_S: a key revoked
+        here is refused at once, one revoked by another process (`twinkled ctl` on the
+        data directory) within that time. Unknown keys are always looked up."""
+        h, t = hash_key(key), time.monotonic()
+        hit = self._known.get(h)
+        if hit is not None and t - hit[1] < KEY_CACHE_S:
+            return hit[0]
         row = self._db.one("SELECT tenant FROM api_keys WHERE key_hash = ? "
-                           "AND revoked_at IS NULL", [hash_key(key)])
-        return row["tenant"] if row else None
+                           "AND revoked_at IS NULL", [h])
+        if row is None:
+            self._known.pop(h, None)
+            return None
+        self._known[h] = (row["tenant"], t)
+        return row["tenant"]
 
     def revoke_key(self, key_or_prefix: str) -> bool:
         """Revoke by full key (``tml-...``) or by a hash prefix as shown by list_keys."""
@@ -74,6 +90,7 @@ class Tenants:
             # themselves, so nothing, since hashes are hex).
             prefix = key_or_prefix.lower()
             where, args = "substr(key_hash, 1, ?) = ?", [len(prefix), prefix]
+        self._known.clear()  # refused from the next request on
         with self._db.transaction() as conn:
             n = conn.execute(f"SELECT count(*) FROM api_keys WHERE {where}", args).fetchone()[0]
             if n > 1:
