@@ -218,12 +218,13 @@ class Planner:
 
     # -- planning -----------------------------------------------------------------------
 
-    def next_step(self) -> Step | None:
-        """The next step to run, or None if nothing can run now."""
+    def next_step(self, samples: bool = True) -> Step | None:
+        """The next step to run, or None if nothing can run now. `samples` False: no
+        sampling step now (the daemon's workers have no room for more samples yet)."""
         self._admit_held()
         step = self._barriers()
         if step is None:
-            has_samples = any(self.samples.values())
+            has_samples = samples and any(self.samples.values())
             if has_samples and self._sample_turn:
                 step = self._sample_step()
             else:

@@ -4,7 +4,9 @@
 the whole life of one step, top to bottom:
 
   1. plan      the planner picks what runs together (scheduler/planner.py): co-batched
-               forward/backward rows of many models, or barriers, or samples;
+               forward/backward rows of many models, or barriers, or samples (which join
+               the workers' running batches for one decode slice: pending_samples.py; a
+               "slice" step, between the others, goes on with them);
   2. execute   the executor runs the step's frames on the engine and merges the ranks'
                answers into one outcome per op (executor.py);
   3. complete  each outcome goes to its future (the pieces of a cut op are merged first),
@@ -29,9 +31,10 @@ import msgspec
 from scheduler import Planner, Step, Work
 
 from . import trace
-from .executor import Executor, Outcome
+from .executor import Executor, Outcome, Sliced
 from .futures import Future, Futures, UserError, empty_json
 from .metrics import Metrics
+from .pending_samples import PendingSamples
 from .residency import Residency
 from .workers.frames import OpF, SampleF, TrainF, kind_of
 
@@ -69,6 +72,7 @@ class Op:
     parts: list[int] | None = None  # a forward_backward's datum sizes: where it may be cut
     after: After | None = None
     piece: tuple[int, bool] | None = None  # (first datum, last piece?) of a cut op
+    stream: Callable[[list], None] | None = None  # a streamed sample's reader: new tokens
     submitted: float = field(default_factory=time.monotonic)  # for the queue-wait metric
 
     @property
@@ -104,7 +108,8 @@ class Pieces:
 
 class EngineCore:
     def __init__(self, planner: Planner, executor: Executor, futures: Futures,
-                 residency: Residency, metrics: Metrics, gather_s: float = 0.0):
+                 residency: Residency, metrics: Metrics, gather_s: float = 0.0,
+                 slice_s: float = 0.0):
         self.planner = planner
         self.executor = executor
         self.futures = futures
@@ -116,6 +121,9 @@ class EngineCore:
         self._seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
         self._pieces = Pieces()
         self._recent: set[str] = set()  # the models the last step served
+        self.samples = PendingSamples(slice_s)  # the samples the workers decode across steps
+        self._sampled = False  # the last step was a sampling one
+        executor.on_restart(self._samples_lost)
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -176,23 +184,25 @@ class EngineCore:
         self.add(Op(model_id, seq_id, Skip(why), f))
 
     def withdraw(self, f: Future, why: str) -> bool:
-        """Take a queued sample out of the queue before it runs and fail its future with
-        `why`; False if it already runs or ran (a step is not cut short)."""
-        if f.done.is_set() or not self.planner.withdraw(f.id, f.tenant):
+        """Take a sample out of the queue, or out of the workers' running batches (at the
+        next sampling step), and fail its future with `why`; False if it is done."""
+        if f.done.is_set() or not (self.planner.withdraw(f.id, f.tenant)
+                                   or self.samples.cancel(f)):
             return False
         self.futures.fail(f, why, "user")
         return True
 
     def idle(self) -> bool:
         """No step is running and nothing queued can run."""
-        return not self.stepping and self.planner.idle()
+        return not self.stepping and self.planner.idle() and not self.samples.busy
 
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Step while there is work; sleep until a request arrives."""
         while True:
-            await self._gather()
+            if not self._slice_due():  # (a slice gives the clients that moment anyway)
+                await self._gather()
             if not await self.step():
                 # Idle until a request arrives. `_recent` is kept: the gather above then
                 # gives the last step's other clients (and the optim_step a client POSTs
@@ -204,12 +214,24 @@ class EngineCore:
 
     async def step(self) -> bool:
         """Plan, execute and complete one step; False if nothing could run."""
+        if self._slice_due():  # samples decode on between the other steps
+            await self._sample([])
+            return True
         planning = time.time()
-        step = self.planner.next_step()  # 1. plan
+        step = self.planner.next_step(samples=not self.samples.backlog)  # 1. plan
         if step is None:
-            return False
+            if not self.samples.busy:
+                return False
+            await self._sample([])
+            return True
         planned = [self._piece_op(w) for w in step.work]
         ops = self._runnable(planned)
+        if step.kind == "sample":
+            await self._sample(ops)
+            self.planner.complete(step)
+            self._after(step)
+            return True
+        self._sampled = False
         seconds = None  # how long the step took: what the planner's cost model learns
         if ops:
             started = time.monotonic()
@@ -258,6 +280,36 @@ class EngineCore:
                 self._seq_index.pop((op.model_id, op.seq_id - 1000), None)
             ops.append(op)
         return ops
+
+    def _slice_due(self) -> bool:
+        return self.samples.busy and not self._sampled
+
+    async def _sample(self, ops: list[Op]) -> None:
+        """A sampling step: `ops` join the workers' running batches (none: a "slice" step),
+        which decode for one slice; what finished is completed."""
+        frames = self.samples.add(ops)
+        kind = "sample" if ops else "slice"
+        self.stepping, self._sampled, self._recent = True, True, set()
+        started = time.monotonic()
+        for op in ops:
+            self.metrics.queue_wait.observe(started - op.submitted)
+        try:
+            sliced = await self.executor.run_samples(
+                frames, self.samples.slice_s, self.samples.take_cancels(), self.samples.holds())
+        except Exception as e:  # a bug: fail what it ran, keep serving
+            log.exception("a %s step failed", kind)
+            sliced = Sliced(lost=f"server error: {type(e).__name__}: {e}")
+        finally:
+            self.stepping = False
+            self.metrics.step_seconds.labels(kind).observe(time.monotonic() - started)
+        self._settle(self.samples.settle(sliced))
+
+    def _samples_lost(self, why: str) -> None:
+        self._settle(self.samples.lose(why))
+
+    def _settle(self, done: list[tuple[Op, Outcome]]) -> None:
+        if done:
+            self._complete([op for op, _ in done], [outcome for _, outcome in done])
 
     async def _execute(self, kind: str, ops: list[Op]) -> list[Outcome]:
         self.stepping = True

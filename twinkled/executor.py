@@ -18,13 +18,14 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import msgspec
 
 from .config import Config
-from .engine.types import ForwardBackwardResult, LoraConfig
+from .engine.types import ForwardBackwardResult, LoraConfig, SampledSequence
 from .journal import Journal
 from .workers.frames import (
     RETRY,
@@ -51,6 +52,19 @@ log = logging.getLogger("twinkled")
 Outcome = tuple[object, str | None, str | None]
 RESTART_MESSAGE = ("the worker group failed ({why}) and was restarted; this request did not "
                    "run (its model is at its last acknowledged step): submit it again")
+SAMPLES_LOST = ("the worker group failed ({why}) and was restarted; this sample was cut "
+                "short: submit it again")
+
+
+@dataclass
+class Sliced:
+    """What a sampling step says of the samples the workers run, by SampleF.key."""
+
+    finished: dict[str, Outcome] = field(default_factory=dict)
+    running: set[str] = field(default_factory=set)  # still decoding, on some rank
+    waiting: int = 0  # requests a rank holds that wait for room in its running batch
+    pieces: dict[str, list[SampledSequence]] = field(default_factory=dict)  # streamed ones
+    lost: str | None = None  # the group failed: every sample it ran is gone, and why
 
 
 class Transport(Protocol):
@@ -122,11 +136,18 @@ class Executor:
         self.recovering = False  # the group is being restarted (healthz says "restarting")
         self._adapters: LiveAdapters | None = None
         self._on_restart: Callable[[], None] = lambda: None
+        # Told why, each time the group restarts: whoever keeps work that lived in the
+        # workers between steps (the samples they decode across steps: pending_samples.py).
+        self._restart_hooks: list[Callable[[str], None]] = []
 
     def serve(self, adapters: LiveAdapters, on_restart: Callable[[], None]) -> None:
         """Who to ask which adapters a restarted group must get back, and who counts
         restarts (the metrics)."""
         self._adapters, self._on_restart = adapters, on_restart
+
+    def on_restart(self, hook: Callable[[str], None]) -> None:
+        """Call `hook(why)` whenever the worker group is restarted."""
+        self._restart_hooks.append(hook)
 
     def _live(self) -> dict[str, LoraConfig]:
         return self._adapters.live_configs() if self._adapters is not None else {}
@@ -149,9 +170,9 @@ class Executor:
             await asyncio.wait(self.group.exits, return_when=asyncio.FIRST_COMPLETED)
             async with self._lock:
                 if self.group.dead() and not self._stopping:
-                    log.error("worker group lost between steps: %s; restarting it",
-                              self.group.dead())
-                    await self.recover()
+                    why = self.group.dead()
+                    log.error("worker group lost between steps: %s; restarting it", why)
+                    await self.recover(why)
 
     async def run_ops(self, kind: str, ops: list) -> list[Outcome]:
         """Run one planned step. A worker fault fails the whole step (category "server"),
@@ -171,13 +192,39 @@ class Executor:
             message = RESTART_MESSAGE.format(why=e)
             for op in ops:
                 self.journal.drop(op.future.id)
-            await self.recover()
+            await self.recover(str(e))
             return [(None, message, "server")] * len(ops)
         for op, outcome in zip(ops, merged, strict=True):
             if isinstance(op.frame, UnloadF):  # a model closed for good: nothing to replay
                 self.journal.forget(op.frame.adapter_id)
             self._journal(op, outcome)
         return merged
+
+    async def run_samples(self, frames: list[OpF], slice_s: float, cancel: list[str],
+                          hold: list[str]) -> Sliced:
+        """A sampling step: `frames` (SampleF, keyed) join the workers' running batches
+        (none: a "slice" step, which only goes on with them), `cancel` names samples to drop
+        and `hold` the samplers still in use; the workers decode for up to `slice_s` (0:
+        this step's samples to completion). If a worker dies, the group is restarted and
+        `lost` says why (every running sample went with it)."""
+        step = StepF(0, "sample" if frames else "slice", frames, slice_s, cancel, hold)
+        async with self._lock:
+            try:
+                replies = await self.group.run(step)
+            except WorkerLost as e:
+                log.error("worker group lost: %s; restarting it", e)
+                await self.recover(str(e))
+                return Sliced(lost=SAMPLES_LOST.format(why=e))
+        out = Sliced()
+        for reply in replies:  # a sample runs on one rank, which alone reports it
+            for o in reply.outcomes:
+                out.finished[o.key] = (None, o.error, o.category or "server") \
+                    if o.error is not None else (as_result(o), None, None)
+            if reply.sampling is not None:
+                out.running.update(reply.sampling.running)
+                out.waiting += reply.sampling.waiting
+                out.pieces.update(reply.sampling.pieces)
+        return out
 
     async def _run_frames(self, kind: str, frames: list[OpF]) -> list[Outcome]:
         replies = await self.group.run(StepF(0, kind, frames))
@@ -245,10 +292,12 @@ class Executor:
             for model, mark in reply.persisted.items():
                 self.journal.persisted(model, mark)
 
-    async def recover(self) -> None:
+    async def recover(self, why: str = "a worker was lost") -> None:
         """Restart the group until it comes up, then restore the live adapters."""
         delay = 1.0
         self.recovering = True
+        for hook in self._restart_hooks:  # what the dead group held is gone already
+            hook(SAMPLES_LOST.format(why=why))
         try:
             while True:
                 try:

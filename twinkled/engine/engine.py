@@ -28,6 +28,7 @@ from .types import (
     ForwardBackwardResult,
     LoraConfig,
     OptimResult,
+    SampledSequence,
     SampleRequest,
     SampleResult,
 )
@@ -230,6 +231,20 @@ class Engine:
     def sample_pieces(self) -> dict[int, list[list[int]]]:
         """Tokens each running ticket's samples generated since the last call."""
         return {} if self._running is None else self._running.pieces()
+
+    def sample_partials(self) -> dict[int, list[SampledSequence]]:
+        """`sample_pieces` with each token's logprob and top-k row (stop_reason "")."""
+        return {} if self._running is None else self._running.partials()
+
+    def sample_cancel(self, ticket: int) -> bool:
+        """Drop a submitted request (queued or running; its pages are freed at once);
+        False if it already finished."""
+        return self._running is not None and self._running.cancel(ticket)
+
+    @property
+    def sample_waiting(self) -> int:
+        """Submitted requests waiting for room in the running batch."""
+        return 0 if self._running is None else self._running.waiting_requests
 
     def _sample_adapters(self, requests: list[SampleRequest], checked: bool
                          ) -> list[Adapter | None]:

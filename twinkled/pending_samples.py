@@ -1,0 +1,99 @@
+"""The sample ops the workers are decoding, between the step that brought them and the one
+in which they finish.
+
+With sliced sampling (`sample_slice_ms` > 0) a sampling step does not run its samples to
+completion: they join the workers' running batches, which decode for one slice, and the
+step's answer holds only the samples that finished, of this step or of earlier ones. The
+core then runs other work (a training step, say) and comes back with a "slice" step that
+only goes on decoding. So a tenant's long generation never holds the GPU for its whole
+length: a short sample submitted meanwhile finishes a slice or so later, and training
+steps run between the slices.
+
+`PendingSamples` keeps those ops by key (their future's id, which the workers' outcomes
+name), feeds a streamed op's reader the new tokens each slice made, hands back the ops
+that finished, and drops the ones whose clients went away (the next step tells the
+workers, which free their pages). A sample can never be left pending: one that no worker
+reports any more, or that a worker-group restart took, fails with a clear error.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .executor import Outcome, Sliced
+from .futures import Future
+
+if TYPE_CHECKING:
+    from .core import Op
+    from .workers.frames import SampleF
+
+GONE = ("server error: no worker holds this sample any more (its worker may have been "
+        "restarted): submit it again")
+
+
+class PendingSamples:
+    def __init__(self, slice_s: float):
+        self.slice_s = slice_s  # how long one slice decodes (0: a step runs to completion)
+        self._ops: dict[str, Op] = {}  # key (future id) -> the op
+        self._cancel: list[str] = []  # keys to drop at the next sampling step
+        self._waiting = 0  # the workers' requests waiting for room, at the last step
+
+    @property
+    def busy(self) -> bool:
+        """Something for the workers: samples to go on with, or to drop."""
+        return bool(self._ops or self._cancel)
+
+    @property
+    def backlog(self) -> bool:
+        """The workers hold samples they have no room to start yet: new ones had better
+        wait in the planner's queues (fair share, quotas, withdrawal) than in theirs."""
+        return self._waiting > 0 and bool(self._ops)
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def add(self, ops: list[Op]) -> list[SampleF]:
+        """The frames of a sampling step's new ops, keyed; the ops are pending from now."""
+        frames = []
+        for op in ops:
+            op.frame.key = op.future.id
+            op.frame.stream = op.stream is not None
+            self._ops[op.future.id] = op
+            frames.append(op.frame)
+        return frames
+
+    def take_cancels(self) -> list[str]:
+        out, self._cancel = self._cancel, []
+        return out
+
+    def holds(self) -> list[str]:
+        """The sampler adapters pending samples use (the workers must keep them loaded)."""
+        return sorted({op.frame.adapter_id for op in self._ops.values()
+                       if op.frame.adapter_id is not None})
+
+    def cancel(self, f: Future) -> bool:
+        """Stop a pending sample (its client went away); False if it is not pending."""
+        if self._ops.pop(f.id, None) is None:
+            return False
+        self._cancel.append(f.id)
+        return True
+
+    def settle(self, sliced: Sliced) -> list[tuple[Op, Outcome]]:
+        """What a sampling step's answer settles: streamed tokens go to their readers, and
+        the ops that finished (or that no worker holds any more) leave, with outcomes."""
+        if sliced.lost is not None:
+            return self.lose(sliced.lost)
+        self._waiting = sliced.waiting
+        for key, partials in sliced.pieces.items():
+            op = self._ops.get(key)
+            if op is not None and op.stream is not None:
+                op.stream(partials)
+        done = [(self._ops.pop(key), outcome) for key, outcome in sliced.finished.items()
+                if key in self._ops]
+        gone = [key for key in self._ops if key not in sliced.running]
+        return done + [(self._ops.pop(key), (None, GONE, "server")) for key in gone]
+
+    def lose(self, why: str) -> list[tuple[Op, Outcome]]:
+        """Every pending op, failed with `why` (the worker group that ran them is gone)."""
+        ops, self._ops, self._cancel, self._waiting = self._ops, {}, [], 0
+        return [(op, (None, why, "server")) for op in ops.values()]
