@@ -157,6 +157,21 @@ def test_samples_and_training_alternate():
     assert "sample" in kinds[:2] and "train" in kinds[:2]
 
 
+def test_samples_wait_in_the_queue_while_the_workers_have_no_room():
+    """next_step(samples=False) (the daemon's workers hold samples they cannot start yet):
+    training still runs, samples stay queued (withdrawable), and come when asked for."""
+    p = Planner(token_budget=512)
+    flood(p, "a", "a:0", 1)
+    s = work("b", SAMPLE, 100)
+    p.submit(s)
+    step = p.next_step(samples=False)
+    assert step.kind == "train"
+    p.complete(step)
+    assert p.next_step(samples=False) is None and p.status()["b"]["queued_requests"] == 1
+    step = p.next_step()
+    assert step.kind == "sample" and [w.id for w in step.work] == [s.id]
+
+
 def test_quota_holds_work_back_then_admits_it():
     p = Planner(token_budget=10_000)
     p.set_tenant("q", limits=Limits(max_queued_requests=2))

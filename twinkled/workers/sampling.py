@@ -41,10 +41,9 @@ class SampleRunner:
         # every rank has them (the save ran everywhere), so no rank waits on a disk read
         # or, across hosts, on rank 0 sharing the files.
         self.fresh: OrderedDict[str, str] = OrderedDict()
-        # Sliced sampling: engine ticket -> (its sampler adapter, its SampleF.key), while
-        # it runs; and whether its reader streams it.
-        self.queued: dict[int, tuple[str | None, str]] = {}
-        self.streamed: dict[int, bool] = {}
+        # Sliced sampling: engine ticket -> (its sampler adapter, its SampleF.key, whether
+        # its reader streams it), while it runs.
+        self.queued: dict[int, tuple[str | None, str, bool]] = {}
 
     def run(self, step: StepF) -> list[OutcomeF]:
         """This rank's share of the step's samples. Sliced (`step.slice_s` > 0, and an
@@ -70,7 +69,7 @@ class SampleRunner:
         if self.spans_hosts:  # the same on every rank: what the daemon says, and the step's
             self._evict({*step.hold, *(op.adapter_id for op in ops)})
         else:
-            self._evict({*step.hold, *(a for a, _ in self.queued.values()),
+            self._evict({*step.hold, *(q[0] for q in self.queued.values()),
                          *(ops[i].adapter_id for i, _ in good)})
         return outcomes
 
@@ -78,11 +77,9 @@ class SampleRunner:
         """The samples this rank still decodes, and the streamed ones' new tokens."""
         if not self.reports:
             return None
-        streamed = {t: seqs for t, seqs in self.engine.sample_partials().items()
-                    if t in self.queued and self.streamed.get(t)}
-        return SlicedF([self.queued[t][1] for t in self.queued], self.engine.sample_waiting,
-                       {self.queued[t][1]: seqs for t, seqs in streamed.items()
-                        if any(s.tokens for s in seqs)})
+        pieces = {self.queued[t][1]: seqs for t, seqs in self.engine.sample_partials().items()
+                  if t in self.queued and self.queued[t][2] and any(s.tokens for s in seqs)}
+        return SlicedF([q[1] for q in self.queued.values()], self.engine.sample_waiting, pieces)
 
     def _requests(self, ops: list[OpF]) -> tuple[list[tuple[int, SampleRequest]], list[OutcomeF]]:
         """This rank's share of `ops` as engine requests (their samplers loaded), and the
@@ -141,8 +138,7 @@ class SampleRunner:
                                          else f"sampling failed: {type(e).__name__}: {e}",
                                          category=category(e)))
                 continue
-            self.queued[ticket] = (ops[i].adapter_id, ops[i].key)
-            self.streamed[ticket] = ops[i].stream
+            self.queued[ticket] = (ops[i].adapter_id, ops[i].key, ops[i].stream)
         return outcomes
 
     def _slice(self, seconds: float) -> list[OutcomeF]:
@@ -155,25 +151,22 @@ class SampleRunner:
                 raise
             release(e)
             why = f"sampling failed beside other samples: {type(e).__name__}: {e}"
-            out = [OutcomeF(-1, error=why, category="server", key=k)
-                   for _, k in self.queued.values()]
+            out = [OutcomeF(-1, error=why, category="server", key=q[1])
+                   for q in self.queued.values()]
             self.queued.clear()
-            self.streamed.clear()
             return out
         out = []
         for f in finished:
             queued = self.queued.pop(f.ticket, None)
-            self.streamed.pop(f.ticket, None)
             if queued is not None:  # (None: cancelled after it finished)
                 out.append(OutcomeF(-1, sample=f.result, key=queued[1]))
         return out
 
     def _cancel(self, key: str) -> None:
-        for ticket, (_, k) in list(self.queued.items()):
-            if k == key:
+        for ticket, q in list(self.queued.items()):
+            if q[1] == key:
                 self.engine.sample_cancel(ticket)
                 del self.queued[ticket]
-                self.streamed.pop(ticket, None)
 
     def _evict(self, in_use: set[str | None]) -> None:
         """Keep at most SAMPLER_ADAPTERS samplers loaded, never one in use (ranks that
