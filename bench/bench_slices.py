@@ -80,6 +80,8 @@ def _tenants(url: str, keys: list[str], model: str, vocab: int, long: int, seq: 
     for t in threads:
         t.join()
     out["made"] = made
+    for c in clients:
+        c.close("success")
     return out
 
 

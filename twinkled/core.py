@@ -122,7 +122,10 @@ class EngineCore:
         self._pieces = Pieces()
         self._recent: set[str] = set()  # the models the last step served
         self.samples = PendingSamples(slice_s)  # the samples the workers decode across steps
-        self._sampled = False  # the last step was a sampling one
+        # Seconds of sampling in the current turn (None: a training step ended it). A turn
+        # lasts `slice_s`: its steps may each end early (a sample finished), and while it
+        # lasts no training step runs.
+        self._turn: float | None = None
         executor.on_restart(self._samples_lost)
 
     # -- intake ---------------------------------------------------------------------------
@@ -201,7 +204,7 @@ class EngineCore:
     async def run(self) -> None:
         """Step while there is work; sleep until a request arrives."""
         while True:
-            if not self._slice_due():  # (a slice gives the clients that moment anyway)
+            if not self._in_turn():  # (a slice gives the clients that moment anyway)
                 await self._gather()
             if not await self.step():
                 # Idle until a request arrives. `_recent` is kept: the gather above then
@@ -214,11 +217,9 @@ class EngineCore:
 
     async def step(self) -> bool:
         """Plan, execute and complete one step; False if nothing could run."""
-        if self._slice_due():  # samples decode on between the other steps
-            await self._sample([])
-            return True
         planning = time.time()
-        step = self.planner.next_step(samples=not self.samples.backlog)  # 1. plan
+        step = self.planner.next_step(samples=not self.samples.backlog,  # 1. plan
+                                      train=not self._in_turn())
         if step is None:
             if not self.samples.busy:
                 return False
@@ -231,7 +232,8 @@ class EngineCore:
             self.planner.complete(step)
             self._after(step)
             return True
-        self._sampled = False
+        if step.kind == "train":
+            self._turn = None  # the samples' next turn comes after this step
         seconds = None  # how long the step took: what the planner's cost model learns
         if ops:
             started = time.monotonic()
@@ -281,26 +283,33 @@ class EngineCore:
             ops.append(op)
         return ops
 
-    def _slice_due(self) -> bool:
-        return self.samples.busy and not self._sampled
+    def _in_turn(self) -> bool:
+        """Samples run on the workers and training waits for them: their turn has come
+        (a training step ran last) or is not over yet."""
+        return self.samples.busy and (self._turn is None or self._turn < self.samples.slice_s)
 
     async def _sample(self, ops: list[Op]) -> None:
         """A sampling step: `ops` join the workers' running batches (none: a "slice" step),
-        which decode for one slice; what finished is completed."""
+        which decode for the rest of sampling's turn, or until a sample finished; what
+        finished is completed."""
         frames = self.samples.add(ops)
         kind = "sample" if ops else "slice"
-        self.stepping, self._sampled, self._recent = True, True, set()
+        if self._turn is None or self._turn >= self.samples.slice_s:
+            self._turn = 0.0  # a new turn
+        self.stepping, self._recent = True, set()
         started = time.monotonic()
         for op in ops:
             self.metrics.queue_wait.observe(started - op.submitted)
         try:
             sliced = await self.executor.run_samples(
-                frames, self.samples.slice_s, self.samples.take_cancels(), self.samples.holds())
+                frames, self.samples.slice_s - self._turn, self.samples.take_cancels(),
+                self.samples.holds())
         except Exception as e:  # a bug: fail what it ran, keep serving
             log.exception("a %s step failed", kind)
             sliced = Sliced(lost=f"server error: {type(e).__name__}: {e}")
         finally:
             self.stepping = False
+            self._turn += time.monotonic() - started
             self.metrics.step_seconds.labels(kind).observe(time.monotonic() - started)
         self._settle(self.samples.settle(sliced))
 

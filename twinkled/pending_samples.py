@@ -2,12 +2,13 @@
 in which they finish.
 
 With sliced sampling (`sample_slice_ms` > 0) a sampling step does not run its samples to
-completion: they join the workers' running batches, which decode for one slice, and the
-step's answer holds only the samples that finished, of this step or of earlier ones. The
-core then runs other work (a training step, say) and comes back with a "slice" step that
-only goes on decoding. So a tenant's long generation never holds the GPU for its whole
-length: a short sample submitted meanwhile finishes a slice or so later, and training
-steps run between the slices.
+completion: they join the workers' running batches, which decode for one slice (until
+sampling's turn is over, or a sample finished), and the step's answer holds only the
+samples that finished, of this step or of earlier ones. The core then runs other work (a
+training step, say) and comes back with "slice" steps that only go on decoding. So a
+tenant's long generation never holds the GPU for its whole length: a short sample
+submitted meanwhile joins at the next slice and comes back when it finishes, and training
+steps run between the turns (core.py: EngineCore._in_turn).
 
 `PendingSamples` keeps those ops by key (their future's id, which the workers' outcomes
 name), feeds a streamed op's reader the new tokens each slice made, hands back the ops

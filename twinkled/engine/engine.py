@@ -214,16 +214,17 @@ class Engine:
         batch, adapters = self._sampling_batch(requests, checked)
         return batch.admit(requests, adapters)
 
-    def sample_slice(self, max_steps: int | None = None, max_seconds: float | None = None
-                     ) -> list[Finished]:
-        """Run the queued requests for up to `max_steps` decode steps / `max_seconds`;
-        returns those that finished. If a step fails, every queued request is lost (the
-        batch starts afresh) and the error propagates."""
+    def sample_slice(self, max_steps: int | None = None, max_seconds: float | None = None,
+                     until_done: bool = False) -> list[Finished]:
+        """Run the queued requests for up to `max_steps` decode steps / `max_seconds` (with
+        `until_done`, only until one finishes); returns those that finished. If a step
+        fails, every queued request is lost (the batch starts afresh) and the error
+        propagates."""
         done, self._finished = self._finished, []
-        if self._running is None:
+        if self._running is None or (until_done and done):
             return done
         try:
-            return done + self._running.run(max_steps, max_seconds)
+            return done + self._running.run(max_steps, max_seconds, until_done)
         except BaseException:
             self._running = None
             raise

@@ -138,14 +138,16 @@ class RunningBatch:
         self.waiting.extend(new)
         return [r.ticket for r in new]
 
-    def run(self, max_steps: int | None = None, max_seconds: float | None = None
-            ) -> list[Finished]:
+    def run(self, max_steps: int | None = None, max_seconds: float | None = None,
+            until_done: bool = False) -> list[Finished]:
         """A decode slice: steps until the batch is idle, `max_steps` steps ran or
-        `max_seconds` passed (checked between steps); returns the requests that finished."""
+        `max_seconds` passed (checked between steps), or with `until_done` as soon as a
+        request finished; returns the requests that finished."""
         done: list[Finished] = []
         start, steps = time.monotonic(), 0
         while not self.idle and (max_steps is None or steps < max_steps) and (
-                max_seconds is None or time.monotonic() - start < max_seconds):
+                max_seconds is None or time.monotonic() - start < max_seconds) and not (
+                until_done and done):
             done += self.step()
             steps += 1
         return done

@@ -142,10 +142,12 @@ class SampleRunner:
         return outcomes
 
     def _slice(self, seconds: float) -> list[OutcomeF]:
-        """Decode for up to `seconds`; the outcomes of the samples that finished. If the
-        batch fails, every sample it held fails (which one was at fault is not known)."""
+        """Decode for up to `seconds`, or until a sample finished; the outcomes of the
+        samples that finished. If the batch fails, every sample it held fails (which one was at fault is not known)."""
         try:
-            finished = self.engine.sample_slice(max_seconds=seconds)
+            # Back as soon as a sample finished: its client hears at once, and the daemon
+            # goes on with the others (and new ones) at once if sampling's turn is not over.
+            finished = self.engine.sample_slice(max_seconds=seconds, until_done=True)
         except Exception as e:
             if fatal(e, self.split):
                 raise
