@@ -146,3 +146,29 @@ def test_streams_come_per_slice_and_a_gone_reader_leaves_the_running_batch(tiny_
     assert [x for p in pieces for x in p.logprobs] == pytest.approx(want.logprobs, abs=1e-5)
     assert [p.finish for p in pieces] == [None] * (len(pieces) - 1) + [want.stop_reason]
     assert pending == 0 and idle
+
+
+def test_a_sample_too_large_for_the_busy_batch_waits_for_it_to_drain(tiny_dir, tmp_path):
+    """A 1 MiB KV pool holds ~1024 tokens of the tiny model: 4 samples of 400 tokens fit only
+    a pool made for them, which the running batch can become only once it is idle. Sent
+    while a long sample runs, the large one waits for it (no "does not fit" error)."""
+    async def go():
+        async with service(tiny_dir, tmp_path, sample_kv_mb=1, sample_slice_ms=5) as box:
+            box.store.tenants.ensure("ann")
+            svc = box.svc
+            running = svc.sample_stream("ann", "base", _frame([3, 1, 4], 300))
+            it = running.__aiter__()
+            await it.__anext__()  # it runs
+            big = _frame([2, 7, 1], 400)
+            big.params.stop, big.num_samples = [], 4
+            f = svc.sample("ann", {"id": "base"}, big, box.keep)
+            rest = [p async for p in running]
+            await done(f)
+            return f, rest
+
+    f, rest = run(go())
+    import pickle
+
+    assert f.error is None, f.error
+    assert [len(s.tokens) for s in pickle.loads(f.payload).sequences] == [400] * 4
+    assert rest and rest[-1].finish is not None

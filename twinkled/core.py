@@ -31,10 +31,11 @@ import msgspec
 from scheduler import Planner, Step, Work
 
 from . import trace
-from .executor import Executor, Outcome, Sliced
+from .executor import Executor, Outcome
 from .futures import Future, Futures, UserError, empty_json
 from .metrics import Metrics
-from .pending_samples import PendingSamples
+from .pending_samples import LOST, PendingSamples, Sliced
+from .pieces import Pieces
 from .residency import Residency
 from .workers.frames import OpF, SampleF, TrainF, kind_of
 
@@ -80,32 +81,6 @@ class Op:
         return kind_of(self.frame)
 
 
-class Pieces:
-    """The results of a forward/backward the planner cut between datums, until its last
-    piece has run: then one result, as if it had run whole."""
-
-    def __init__(self) -> None:
-        self._done: dict[str, list] = {}  # future id -> results of its pieces so far
-
-    def add(self, op: Op, outcome: Outcome) -> Outcome | None:
-        """The whole op's outcome once it is known (a piece failed, or the last one ran);
-        None while more pieces are to come."""
-        result, message, _ = outcome
-        if message is not None:
-            self._done.pop(op.future.id, None)
-            return outcome
-        parts = self._done.setdefault(op.future.id, [])
-        parts.append(result)
-        if not op.piece[1]:
-            return None
-        del self._done[op.future.id]
-        merged = type(result)(outputs=[o for r in parts for o in r.outputs], metrics={})
-        for r in parts:
-            for k, v in r.metrics.items():
-                merged.metrics[k] = merged.metrics.get(k, 0.0) + v if k.endswith(":sum") else v
-        return merged, None, None
-
-
 class EngineCore:
     def __init__(self, planner: Planner, executor: Executor, futures: Futures,
                  residency: Residency, metrics: Metrics, gather_s: float = 0.0,
@@ -122,10 +97,6 @@ class EngineCore:
         self._pieces = Pieces()
         self._recent: set[str] = set()  # the models the last step served
         self.samples = PendingSamples(slice_s)  # the samples the workers decode across steps
-        # Seconds of sampling in the current turn (None: a training step ended it). A turn
-        # lasts `slice_s`: its steps may each end early (a sample finished), and while it
-        # lasts no training step runs.
-        self._turn: float | None = None
         executor.on_restart(self._samples_lost)
 
     # -- intake ---------------------------------------------------------------------------
@@ -204,7 +175,7 @@ class EngineCore:
     async def run(self) -> None:
         """Step while there is work; sleep until a request arrives."""
         while True:
-            if not self._in_turn():  # (a slice gives the clients that moment anyway)
+            if not self.samples.in_turn():  # (a slice gives the clients that moment anyway)
                 await self._gather()
             if not await self.step():
                 # Idle until a request arrives. `_recent` is kept: the gather above then
@@ -219,7 +190,7 @@ class EngineCore:
         """Plan, execute and complete one step; False if nothing could run."""
         planning = time.time()
         step = self.planner.next_step(samples=not self.samples.backlog,  # 1. plan
-                                      train=not self._in_turn())
+                                      train=not self.samples.in_turn())
         if step is None:
             if not self.samples.busy:
                 return False
@@ -233,7 +204,7 @@ class EngineCore:
             self._after(step)
             return True
         if step.kind == "train":
-            self._turn = None  # the samples' next turn comes after this step
+            self.samples.end_turn()
         seconds = None  # how long the step took: what the planner's cost model learns
         if ops:
             started = time.monotonic()
@@ -283,38 +254,32 @@ class EngineCore:
             ops.append(op)
         return ops
 
-    def _in_turn(self) -> bool:
-        """Samples run on the workers and training waits for them: their turn has come
-        (a training step ran last) or is not over yet."""
-        return self.samples.busy and (self._turn is None or self._turn < self.samples.slice_s)
-
     async def _sample(self, ops: list[Op]) -> None:
         """A sampling step: `ops` join the workers' running batches (none: a "slice" step),
         which decode for the rest of sampling's turn, or until a sample finished; what
         finished is completed."""
-        frames = self.samples.add(ops)
-        kind = "sample" if ops else "slice"
-        if self._turn is None or self._turn >= self.samples.slice_s:
-            self._turn = 0.0  # a new turn
+        frame = self.samples.step(ops)
         self.stepping, self._recent = True, set()
-        started = time.monotonic()
+        started, began = time.monotonic(), time.time()
         for op in ops:
             self.metrics.queue_wait.observe(started - op.submitted)
         try:
-            sliced = await self.executor.run_samples(
-                frames, self.samples.slice_s - self._turn, self.samples.take_cancels(),
-                self.samples.holds())
+            sliced = Sliced.of(await self.executor.run_samples(frame))
         except Exception as e:  # a bug: fail what it ran, keep serving
-            log.exception("a %s step failed", kind)
+            log.exception("a %s step failed", frame.kind)
             sliced = Sliced(lost=f"server error: {type(e).__name__}: {e}")
         finally:
             self.stepping = False
-            self._turn += time.monotonic() - started
-            self.metrics.step_seconds.labels(kind).observe(time.monotonic() - started)
+            self.samples.spent(time.monotonic() - started)
+            self.metrics.step_seconds.labels(frame.kind).observe(time.monotonic() - started)
+        if trace.enabled():
+            trace.record("loop", kind=frame.kind, ops=len(ops), planned=began,
+                         executing=began, completing=time.time(), done=time.time(),
+                         queued=max((started - op.submitted for op in ops), default=0.0))
         self._settle(self.samples.settle(sliced))
 
     def _samples_lost(self, why: str) -> None:
-        self._settle(self.samples.lose(why))
+        self._settle(self.samples.lose(LOST.format(why=why)))
 
     def _settle(self, done: list[tuple[Op, Outcome]]) -> None:
         if done:

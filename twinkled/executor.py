@@ -18,14 +18,13 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import msgspec
 
 from .config import Config
-from .engine.types import ForwardBackwardResult, LoraConfig, SampledSequence
+from .engine.types import ForwardBackwardResult, LoraConfig
 from .journal import Journal
 from .workers.frames import (
     RETRY,
@@ -52,19 +51,6 @@ log = logging.getLogger("twinkled")
 Outcome = tuple[object, str | None, str | None]
 RESTART_MESSAGE = ("the worker group failed ({why}) and was restarted; this request did not "
                    "run (its model is at its last acknowledged step): submit it again")
-SAMPLES_LOST = ("the worker group failed ({why}) and was restarted; this sample was cut "
-                "short: submit it again")
-
-
-@dataclass
-class Sliced:
-    """What a sampling step says of the samples the workers run, by SampleF.key."""
-
-    finished: dict[str, Outcome] = field(default_factory=dict)
-    running: set[str] = field(default_factory=set)  # still decoding, on some rank
-    waiting: int = 0  # requests a rank holds that wait for room in its running batch
-    pieces: dict[str, list[SampledSequence]] = field(default_factory=dict)  # streamed ones
-    lost: str | None = None  # the group failed: every sample it ran is gone, and why
 
 
 class Transport(Protocol):
@@ -200,31 +186,16 @@ class Executor:
             self._journal(op, outcome)
         return merged
 
-    async def run_samples(self, frames: list[OpF], slice_s: float, cancel: list[str],
-                          hold: list[str]) -> Sliced:
-        """A sampling step: `frames` (SampleF, keyed) join the workers' running batches
-        (none: a "slice" step, which only goes on with them), `cancel` names samples to drop
-        and `hold` the samplers still in use; the workers decode for up to `slice_s` (0:
-        this step's samples to completion). If a worker dies, the group is restarted and
-        `lost` says why (every running sample went with it)."""
-        step = StepF(0, "sample" if frames else "slice", frames, slice_s, cancel, hold)
+    async def run_samples(self, step: StepF) -> list[ReplyF] | str:
+        """A sampling step (pending_samples.py says what it holds): the ranks' replies, or
+        why the group failed (it is restarted; the samples it ran are gone)."""
         async with self._lock:
             try:
-                replies = await self.group.run(step)
+                return await self.group.run(step)
             except WorkerLost as e:
                 log.error("worker group lost: %s; restarting it", e)
                 await self.recover(str(e))
-                return Sliced(lost=SAMPLES_LOST.format(why=e))
-        out = Sliced()
-        for reply in replies:  # a sample runs on one rank, which alone reports it
-            for o in reply.outcomes:
-                out.finished[o.key] = (None, o.error, o.category or "server") \
-                    if o.error is not None else (as_result(o), None, None)
-            if reply.sampling is not None:
-                out.running.update(reply.sampling.running)
-                out.waiting += reply.sampling.waiting
-                out.pieces.update(reply.sampling.pieces)
-        return out
+                return str(e)
 
     async def _run_frames(self, kind: str, frames: list[OpF]) -> list[Outcome]:
         replies = await self.group.run(StepF(0, kind, frames))
@@ -297,7 +268,7 @@ class Executor:
         delay = 1.0
         self.recovering = True
         for hook in self._restart_hooks:  # what the dead group held is gone already
-            hook(SAMPLES_LOST.format(why=why))
+            hook(why)
         try:
             while True:
                 try:

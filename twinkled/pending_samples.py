@@ -19,25 +19,62 @@ reports any more, or that a worker-group restart took, fails with a clear error.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .executor import Outcome, Sliced
 from .futures import Future
+from .workers.frames import ReplyF, StepF, as_result
 
 if TYPE_CHECKING:
     from .core import Op
-    from .workers.frames import SampleF
+    from .engine.types import SampledSequence
+    from .executor import Outcome
 
 GONE = ("server error: no worker holds this sample any more (its worker may have been "
         "restarted): submit it again")
+LOST = ("the worker group failed ({why}) and was restarted; this sample was cut short: "
+        "submit it again")
+
+
+@dataclass
+class Sliced:
+    """What a sampling step's replies say of the samples the workers run, by key."""
+
+    finished: dict[str, Outcome] = field(default_factory=dict)
+    running: set[str] = field(default_factory=set)  # still decoding, on some rank
+    waiting: int = 0  # requests the ranks hold that wait for room in their running batches
+    pieces: dict[str, list[SampledSequence]] = field(default_factory=dict)  # streamed ones
+    lost: str | None = None  # the group failed: every sample it ran is gone, and why
+
+    @classmethod
+    def of(cls, replies: list[ReplyF] | str) -> Sliced:
+        """From the ranks' replies (a sample runs on one rank, which alone reports it), or
+        from why the group failed."""
+        if isinstance(replies, str):
+            return cls(lost=LOST.format(why=replies))
+        out = cls()
+        for reply in replies:
+            for o in reply.outcomes:
+                out.finished[o.key] = (None, o.error, o.category or "server") \
+                    if o.error is not None else (as_result(o), None, None)
+            if reply.sampling is not None:
+                out.running.update(reply.sampling.running)
+                out.waiting += reply.sampling.waiting
+                out.pieces.update(reply.sampling.pieces)
+        return out
 
 
 class PendingSamples:
+    """The pending ops, and sampling's turns: samples decode for `slice_s` of sampling
+    steps, each of which may end early (a sample finished), while training waits; then
+    one other step, and the next turn."""
+
     def __init__(self, slice_s: float):
-        self.slice_s = slice_s  # how long one slice decodes (0: a step runs to completion)
+        self.slice_s = slice_s  # a turn (0: a sampling step runs its samples to the end)
         self._ops: dict[str, Op] = {}  # key (future id) -> the op
         self._cancel: list[str] = []  # keys to drop at the next sampling step
         self._waiting = 0  # the workers' requests waiting for room, at the last step
+        self._turn: float | None = None  # seconds of this turn used (None: it ended)
 
     @property
     def busy(self) -> bool:
@@ -53,24 +90,36 @@ class PendingSamples:
     def __len__(self) -> int:
         return len(self._ops)
 
-    def add(self, ops: list[Op]) -> list[SampleF]:
-        """The frames of a sampling step's new ops, keyed; the ops are pending from now."""
+    def in_turn(self) -> bool:
+        """Samples run, and their turn has come (the turn ended before: `end_turn`) or
+        is not over yet: training waits."""
+        return self.busy and (self._turn is None or self._turn < self.slice_s)
+
+    def end_turn(self) -> None:
+        """Another step (training) ran: the samples' next turn comes."""
+        self._turn = None
+
+    def spent(self, seconds: float) -> None:
+        """A sampling step took `seconds` of the turn."""
+        self._turn = (self._turn or 0.0) + seconds
+
+    def step(self, ops: list[Op]) -> StepF:
+        """The next sampling step: `ops` keyed (pending from now; none: a "slice" step),
+        the samples to drop, the samplers still in use, and what is left of the turn
+        (a new one if the last is over)."""
+        if self._turn is None or self._turn >= self.slice_s:
+            self._turn = 0.0
         frames = []
         for op in ops:
             op.frame.key = op.future.id
             op.frame.stream = op.stream is not None
             self._ops[op.future.id] = op
             frames.append(op.frame)
-        return frames
-
-    def take_cancels(self) -> list[str]:
-        out, self._cancel = self._cancel, []
-        return out
-
-    def holds(self) -> list[str]:
-        """The sampler adapters pending samples use (the workers must keep them loaded)."""
-        return sorted({op.frame.adapter_id for op in self._ops.values()
-                       if op.frame.adapter_id is not None})
+        holds = sorted({op.frame.adapter_id for op in self._ops.values()
+                        if op.frame.adapter_id is not None})
+        cancel, self._cancel = self._cancel, []
+        return StepF(0, "sample" if ops else "slice", frames, self.slice_s - self._turn,
+                     cancel, holds)
 
     def cancel(self, f: Future) -> bool:
         """Stop a pending sample (its client went away); False if it is not pending."""

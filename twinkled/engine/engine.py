@@ -242,6 +242,17 @@ class Engine:
         False if it already finished."""
         return self._running is not None and self._running.cancel(ticket)
 
+    def sample_fits(self, request: SampleRequest) -> bool:
+        """Whether the running batch can take `request` now (it may wait there for room);
+        False: only once the batch is idle (`sample_idle`: it then grows to hold it)."""
+        b = self._running
+        return b is None or b.idle or b.fits(request)
+
+    @property
+    def sample_idle(self) -> bool:
+        """No submitted request is queued or running."""
+        return self._running is None or self._running.idle
+
     @property
     def sample_waiting(self) -> int:
         """Submitted requests waiting for room in the running batch."""

@@ -44,6 +44,9 @@ class SampleRunner:
         # Sliced sampling: engine ticket -> (its sampler adapter, its SampleF.key, whether
         # its reader streams it), while it runs.
         self.queued: dict[int, tuple[str | None, str, bool]] = {}
+        # Requests too large for the running batch while it is busy, with the same three:
+        # they start, in order, once it is idle (it then grows to hold them).
+        self.deferred: list[tuple[SampleRequest, tuple[str | None, str, bool]]] = []
 
     def run(self, step: StepF) -> list[OutcomeF]:
         """This rank's share of the step's samples. Sliced (`step.slice_s` > 0, and an
@@ -57,7 +60,11 @@ class SampleRunner:
         good, outcomes = self._requests(ops)
         sliced = step.slice_s > 0 and not self.engine.padded_sampling
         if sliced:
-            outcomes += self._submit(ops, good)
+            if self.deferred and self.engine.sample_idle:
+                deferred, self.deferred = self.deferred, []
+                outcomes += self._submit([(-1, req, meta) for req, meta in deferred])
+            outcomes += self._submit([(i, req, (ops[i].adapter_id, ops[i].key, ops[i].stream))
+                                      for i, req in good])
             outcomes += self._slice(step.slice_s)
         elif good:
             outcomes += self._batch(good)
@@ -70,6 +77,7 @@ class SampleRunner:
             self._evict({*step.hold, *(op.adapter_id for op in ops)})
         else:
             self._evict({*step.hold, *(q[0] for q in self.queued.values()),
+                         *(q[0] for _, q in self.deferred),
                          *(ops[i].adapter_id for i, _ in good)})
         return outcomes
 
@@ -79,7 +87,8 @@ class SampleRunner:
             return None
         pieces = {self.queued[t][1]: seqs for t, seqs in self.engine.sample_partials().items()
                   if t in self.queued and self.queued[t][2] and any(s.tokens for s in seqs)}
-        return SlicedF([q[1] for q in self.queued.values()], self.engine.sample_waiting, pieces)
+        running = [q[1] for q in self.queued.values()] + [q[1] for _, q in self.deferred]
+        return SlicedF(running, self.engine.sample_waiting + len(self.deferred), pieces)
 
     def _requests(self, ops: list[OpF]) -> tuple[list[tuple[int, SampleRequest]], list[OutcomeF]]:
         """This rank's share of `ops` as engine requests (their samplers loaded), and the
@@ -123,11 +132,16 @@ class SampleRunner:
                 outcomes.append(OutcomeF(i, error=str(e), category=category(e)))
         return good, outcomes
 
-    def _submit(self, ops: list[OpF], good: list[tuple[int, SampleRequest]]) -> list[OutcomeF]:
-        """Queue `good` in the running batch, one by one so that a request that cannot
-        run (too large for the KV pool) fails alone."""
+    def _submit(self, items: list[tuple[int, SampleRequest, tuple[str | None, str, bool]]]
+                ) -> list[OutcomeF]:
+        """Queue (op index, request, (adapter, key, streamed?)) items in the running batch,
+        one by one, so that one that cannot run fails alone. One too large for the batch
+        while it is busy waits (`deferred`), and those behind it with it."""
         outcomes = []
-        for i, req in good:
+        for i, req, meta in items:
+            if self.deferred or not self.engine.sample_fits(req):
+                self.deferred.append((req, meta))
+                continue
             try:
                 (ticket,) = self.engine.sample_submit([req], checked=True)
             except Exception as e:
@@ -136,14 +150,15 @@ class SampleRunner:
                 release(e)
                 outcomes.append(OutcomeF(i, error=str(e) if isinstance(e, EngineInputError)
                                          else f"sampling failed: {type(e).__name__}: {e}",
-                                         category=category(e)))
+                                         category=category(e), key=meta[1]))
                 continue
-            self.queued[ticket] = (ops[i].adapter_id, ops[i].key, ops[i].stream)
+            self.queued[ticket] = meta
         return outcomes
 
     def _slice(self, seconds: float) -> list[OutcomeF]:
         """Decode for up to `seconds`, or until a sample finished; the outcomes of the
-        samples that finished. If the batch fails, every sample it held fails (which one was at fault is not known)."""
+        samples that finished. If the batch fails, every sample it held fails (which one
+        was at fault is not known)."""
         try:
             # Back as soon as a sample finished: its client hears at once, and the daemon
             # goes on with the others (and new ones) at once if sampling's turn is not over.
@@ -169,6 +184,7 @@ class SampleRunner:
             if q[1] == key:
                 self.engine.sample_cancel(ticket)
                 del self.queued[ticket]
+        self.deferred = [d for d in self.deferred if d[1][1] != key]
 
     def _evict(self, in_use: set[str | None]) -> None:
         """Keep at most SAMPLER_ADAPTERS samplers loaded, never one in use (ranks that
