@@ -272,11 +272,12 @@ class EngineCore:
             self.stepping = False
             self.samples.spent(time.monotonic() - started)
             self.metrics.step_seconds.labels(frame.kind).observe(time.monotonic() - started)
-        if trace.enabled():
-            trace.record("loop", kind=frame.kind, ops=len(ops), planned=began,
-                         executing=began, completing=time.time(), done=time.time(),
-                         queued=max((started - op.submitted for op in ops), default=0.0))
+        completing = time.time()
         self._settle(self.samples.settle(sliced))
+        if trace.enabled():
+            trace.record("loop", kind=frame.kind, ops=len(ops), planned=began, executing=began,
+                         completing=completing, done=time.time(),
+                         queued=max((started - op.submitted for op in ops), default=0.0))
 
     def _samples_lost(self, why: str) -> None:
         self._settle(self.samples.lose(LOST.format(why=why)))
