@@ -172,3 +172,37 @@ def test_a_sample_too_large_for_the_busy_batch_waits_for_it_to_drain(tiny_dir, t
     assert f.error is None, f.error
     assert [len(s.tokens) for s in pickle.loads(f.payload).sequences] == [400] * 4
     assert rest and rest[-1].finish is not None
+
+
+def test_a_sampler_with_running_samples_is_not_evicted(tiny_dir, tmp_path, monkeypatch):
+    """Samplers kept loaded are bounded (SAMPLER_ADAPTERS, least recently used first), but
+    one whose sample still decodes stays until it finishes."""
+    from twinkled.engine.types import LoraConfig
+    from twinkled.workers import sampling
+    from twinkled.workers.frames import StepF
+
+    monkeypatch.setattr(sampling, "SAMPLER_ADAPTERS", 1)
+    engine = make_engine(tiny_dir)
+    dirs = []
+    for name in ("one", "two"):
+        engine.add_adapter(name, LoraConfig(rank=4, seed=len(dirs)))
+        engine.save(name, tmp_path / name)
+        dirs.append(str(tmp_path / name))
+    runner = sampling.SampleRunner(engine, 0, 0, 1, True, False, None)
+
+    def op(adapter: str, path: str, max_tokens: int, key: str) -> SampleF:
+        f = SampleF(adapter, buf([3, 1, 4], "int64"),
+                    SamplingF(max_tokens, 0.0, -1, 1.0, None, []), load_from=path)
+        f.key = key
+        return f
+
+    assert runner.run(StepF(0, "sample", [op("s1", dirs[0], 200, "long")], 0.001)) == []
+    assert runner.news().running == ["long"]
+    got = runner.run(StepF(0, "sample", [op("s2", dirs[1], 2, "short")], 5.0))
+    assert [o.key for o in got] == ["short"]
+    assert engine.has_adapter("s1")  # over the bound, but "long" still runs on it
+    while "long" in runner.news().running:
+        got = runner.run(StepF(0, "slice", [], 5.0))
+    assert [o.key for o in got] == ["long"] and len(got[0].sample.sequences[0].tokens) == 200
+    runner.run(StepF(0, "slice", [], 5.0))
+    assert not engine.has_adapter("s1") and engine.has_adapter("s2")  # then it goes
