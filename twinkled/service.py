@@ -174,6 +174,7 @@ class Service:
                 "step_target_ms": _ms(self.planner.step_target()),  # None: no time bound
                 "step_cost": self.planner.cost.describe(),
                 **self.executor.status(), "live_adapters": self.residency.count(),
+                "samples_running": len(self.core.samples),  # decoding across steps
                 "damaged_checkpoints": self.damaged, "time": time.time()}
 
     def gauges(self) -> dict:
