@@ -175,8 +175,9 @@ def test_a_sample_too_large_for_the_busy_batch_waits_for_it_to_drain(tiny_dir, t
 
 
 def test_a_sampler_with_running_samples_is_not_evicted(tiny_dir, tmp_path, monkeypatch):
-    """Samplers kept loaded are bounded (SAMPLER_ADAPTERS, least recently used first), but
-    one whose sample still decodes stays until it finishes."""
+    """A rank's SampleRunner: samplers kept loaded are bounded (SAMPLER_ADAPTERS, least
+    recently used first), but one whose sample still decodes stays until it finishes; a
+    cancelled sample leaves the running batch."""
     from twinkled.engine.types import LoraConfig
     from twinkled.workers import sampling
     from twinkled.workers.frames import StepF
@@ -206,3 +207,7 @@ def test_a_sampler_with_running_samples_is_not_evicted(tiny_dir, tmp_path, monke
     assert [o.key for o in got] == ["long"] and len(got[0].sample.sequences[0].tokens) == 200
     runner.run(StepF(0, "slice", [], 5.0))
     assert not engine.has_adapter("s1") and engine.has_adapter("s2")  # then it goes
+
+    assert runner.run(StepF(0, "sample", [op("s2", dirs[1], 200, "gone")], 0.001)) == []
+    assert runner.run(StepF(0, "slice", [], 5.0, cancel=["gone"])) == []
+    assert runner.news().running == [] and engine.sample_idle
