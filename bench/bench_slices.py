@@ -6,7 +6,9 @@ tinker clients (one thread each): A asks for one long sample (`--long` tokens, n
 B then sends short samples (16 tokens) one after another, C trains (forward_backward +
 optim_step on 1 x S tokens) meanwhile. Run once with the given `sample_slice_ms` and once
 with 0 (each sampling step to the end, the behaviour before slices). Reported per run: A's
-time, B's and C's latencies (p50, p99, max) while A runs.
+time, B's and C's latencies (p50, p99, max) while A runs; and what slicing costs a
+rollout alone: `--rollout` samples of lengths spread from long/8 to long/2 sent at once by
+one tenant, their tokens/s (each finished sample ends its slice, one more round trip).
 
     python bench/bench_slices.py --shape tiny                  # CPU
     python bench/bench_slices.py --shape qwen2.5-0.5b          # GPU
@@ -27,7 +29,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def _tenants(url: str, keys: list[str], model: str, vocab: int, long: int, seq: int) -> dict:
+def _tenants(url: str, keys: list[str], model: str, vocab: int, long: int, seq: int,
+             n_rollout: int) -> dict:
     import random
 
     import tinker
@@ -66,6 +69,15 @@ def _tenants(url: str, keys: list[str], model: str, vocab: int, long: int, seq: 
             opt.result(timeout=3600)
             out["train"].append(time.perf_counter() - s)
 
+    rollout = []  # (max_tokens) of the rollout's samples, spread out
+    for i in range(n_rollout):
+        rollout.append(long // 8 + (long // 2 - long // 8) * i // max(1, n_rollout - 1))
+    s = time.perf_counter()
+    futs = [a.sample(prompt, 1, tinker.types.SamplingParams(max_tokens=n, temperature=1.0,
+                                                             stop=[])) for n in rollout]
+    made = sum(len(f.result(timeout=3600).sequences[0].tokens) for f in futs)
+    out["rollout"] = made / (time.perf_counter() - s)
+
     running.set()
     s = time.perf_counter()
     fut = a.sample(prompt, 1, tinker.types.SamplingParams(max_tokens=long, temperature=1.0,
@@ -99,6 +111,7 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=None, help="tokens of A's sample")
     ap.add_argument("--seq", type=int, default=None, help="tokens of C's datum")
     ap.add_argument("--slice-ms", type=float, default=250.0)
+    ap.add_argument("--rollout", type=int, default=64, help="samples of the rollout")
     ap.add_argument("--write", default=section_path("slices"))
     args = ap.parse_args()
 
@@ -121,7 +134,7 @@ def main() -> None:
         cfg.write_text(f"sample_slice_ms = {slice_ms}\n")
         daemon, url, log = start_daemon(model_dir, data, work, device, "--config", str(cfg))
         try:
-            res = _tenants(url, keys, model_dir.name, vocab, long, seq)
+            res = _tenants(url, keys, model_dir.name, vocab, long, seq, args.rollout)
         finally:
             daemon.terminate()
             daemon.wait(timeout=120)
@@ -134,11 +147,11 @@ def main() -> None:
              f"trains (LoRA r=32, 1 x {seq} tokens + optim_step per step); unmodified tinker "
              "0.38 clients\n\n"
              "| sample_slice_ms | A's sample (s) | B samples | B p50 / p99 (s) | B max (s) "
-             "| C steps | C p50 / p99 (s) | C max (s) |\n"
-             "|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+             f"| C steps | C p50 / p99 (s) | C max (s) | rollout of {args.rollout} alone "
+             "(tok/s) |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     for slice_ms, r in rows:
         text += (f"| {slice_ms:g} | {r['long']:.2f} ({r['made']} tokens) | "
-                 f"{_stats(r['short'])} | {_stats(r['train'])} |\n")
+                 f"{_stats(r['short'])} | {_stats(r['train'])} | {r['rollout']:,.0f} |\n")
     emit(text, args.write)
 
 

@@ -233,9 +233,11 @@ class Engine:
         """Tokens each running ticket's samples generated since the last call."""
         return {} if self._running is None else self._running.pieces()
 
-    def sample_partials(self) -> dict[int, list[SampledSequence]]:
-        """`sample_pieces` with each token's logprob and top-k row (stop_reason "")."""
-        return {} if self._running is None else self._running.partials()
+    def sample_partials(self, tickets: list[int] | None = None
+                        ) -> dict[int, list[SampledSequence]]:
+        """`sample_pieces` with each token's logprob and top-k row (stop_reason ""), of
+        `tickets` if given."""
+        return {} if self._running is None else self._running.partials(tickets)
 
     def sample_cancel(self, ticket: int) -> bool:
         """Drop a submitted request (queued or running; its pages are freed at once);

@@ -156,12 +156,15 @@ class RunningBatch:
         """Tokens generated since the last call, per running ticket and sample (streaming)."""
         return {t: [s.tokens for s in seqs] for t, seqs in self.partials().items()}
 
-    def partials(self) -> dict[int, list[SampledSequence]]:
-        """What each running ticket's samples generated since the last call (tokens, their
-        logprobs and top-k rows; stop_reason ""): a stream's next piece. A request that
-        finishes hands the rest out in its result."""
+    def partials(self, tickets: list[int] | None = None) -> dict[int, list[SampledSequence]]:
+        """What each running ticket's samples (of `tickets`, if given) generated since the
+        last call (tokens, their logprobs and top-k rows; stop_reason ""): a stream's next
+        piece. A request that finishes hands the rest out in its result."""
         out = {}
-        for ticket, r in self._started.items():
+        for ticket in self._started if tickets is None else tickets:
+            r = self._started.get(ticket)
+            if r is None:  # not started yet, or finished
+                continue
             out[ticket] = [SampledSequence(s.tokens[s.sent:], s.logprobs[s.sent:], "",
                                            None if s.top is None else
                                            (s.top[0][s.sent:], s.top[1][s.sent:]))

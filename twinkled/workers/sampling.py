@@ -85,8 +85,9 @@ class SampleRunner:
         """The samples this rank still decodes, and the streamed ones' new tokens."""
         if not self.reports:
             return None
-        pieces = {self.queued[t][1]: seqs for t, seqs in self.engine.sample_partials().items()
-                  if t in self.queued and self.queued[t][2] and any(s.tokens for s in seqs)}
+        streamed = [t for t, q in self.queued.items() if q[2]]
+        pieces = {self.queued[t][1]: seqs for t, seqs in self.engine.sample_partials(streamed).items()
+                  if any(s.tokens for s in seqs)}
         running = [q[1] for q in self.queued.values()] + [q[1] for _, q in self.deferred]
         return SlicedF(running, self.engine.sample_waiting + len(self.deferred), pieces)
 
