@@ -175,8 +175,9 @@ class StepF(msgspec.Struct, omit_defaults=True):
     id: int
     kind: str  # "train" | "sample" | "barrier" (as the planner says) | "slice"
     ops: list[OpF]
-    # Sampling ("sample": new ops, "slice": none): decode for up to `slice_s` seconds, then
-    # answer with the samples that finished (0: run this step's samples to completion).
+    # Sampling ("sample": new ops, "slice": none): decode for up to `slice_s` seconds, or
+    # until a sample finished, then answer with those that finished (0: run this step's
+    # samples to completion).
     slice_s: float = 0.0
     cancel: list[str] = []  # keys of samples to drop (their clients went away)
     hold: list[str] = []  # sampler adapters that samples still use: never evicted now
