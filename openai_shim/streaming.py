@@ -2,8 +2,8 @@
 
 A streamed answer is `data: <json>\\n\\n` per chunk and `data: [DONE]\\n\\n` at the end. A
 client that disconnects (mid-stream, or before its result) frees its work: samples still
-queued are taken out of the queue (`SampleStream.cancel`); one already running on the
-engine finishes its shared step and its tokens are dropped.
+queued are taken out of the queue (`SampleStream.cancel`), and ones already running leave
+the workers' running batches at the next sampling step (their pages freed).
 """
 
 from __future__ import annotations

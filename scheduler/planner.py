@@ -226,15 +226,17 @@ class Planner:
 
     # -- planning -----------------------------------------------------------------------
 
-    def next_step(self) -> Step | None:
-        """The next step to run, or None if nothing can run now."""
+    def next_step(self, samples: bool = True, train: bool = True) -> Step | None:
+        """The next step to run, or None if nothing can run now. `samples` False: no
+        sampling step now (the daemon's workers have no room for more samples yet);
+        `train` False: no training step now (sampling's turn on the workers is not over)."""
         self._admit_held()
         step = self._barriers()
         if step is None:
-            has_samples = any(self.samples.values())
-            if has_samples and self._sample_turn:
+            has_samples = samples and any(self.samples.values())
+            if has_samples and (self._sample_turn or not train):
                 step = self._sample_step()
-            else:
+            elif train:
                 step = self._train_step() or (self._sample_step() if has_samples else None)
         if step is not None:
             self._sample_turn = step.kind != "sample"

@@ -176,3 +176,25 @@ def test_the_sampler_page_pool_is_sized_by_kv_bytes(tiny_dir):
         assert e.kv_pages == 0
         assert len(e.sample([req])[0].sequences[0].tokens) == 4
     assert 0 < small.kv_pages < default.kv_pages
+
+
+
+def test_a_cancelled_request_leaves_at_once_and_gives_its_pages_back(eng):
+    """RunningBatch.cancel: a running request's rows leave the batch, every page comes
+    back, and the request beside it samples what it would alone; a queued one is simply
+    dropped, a finished one cannot be."""
+    greedy = SamplingParams(max_tokens=40, temperature=0, stop=[])
+    stay = SampleRequest("a", _prompt(eng, 21, 5), greedy, num_samples=2)
+    gone = SampleRequest("b", _prompt(eng, 37, 6), greedy, num_samples=3)
+    batch = RunningBatch(eng.model)
+    free = batch.free_pages
+    t_stay, t_gone = batch.admit([stay, gone], _adapters(eng, [stay, gone]))
+    assert batch.run(max_steps=3) == []
+    assert batch.cancel(t_gone) and not batch.cancel(t_gone)
+    assert set(batch.partials()) == {t_stay}
+    (queued,) = batch.admit([gone], _adapters(eng, [gone]))
+    assert batch.waiting_requests == 1 and batch.cancel(queued)
+    finished = batch.run()
+    assert [f.ticket for f in finished] == [t_stay] and not batch.cancel(t_stay)
+    assert batch.idle and batch.free_pages == free
+    _assert_same([finished[0].result], generate_padded(eng.model, [stay], _adapters(eng, [stay])))

@@ -157,6 +157,25 @@ def test_samples_and_training_alternate():
     assert "sample" in kinds[:2] and "train" in kinds[:2]
 
 
+def test_the_daemon_may_hold_back_samples_or_training():
+    """next_step(samples=False) (the daemon's workers hold samples they cannot start yet):
+    training still runs, samples stay queued (withdrawable). next_step(train=False)
+    (sampling's turn on the workers): samples come first, training waits."""
+    p = Planner(token_budget=512)
+    flood(p, "a", "a:0", 2)
+    s, later = work("b", SAMPLE, 100), work("b", SAMPLE, 100)
+    p.submit(s)
+    step = p.next_step(samples=False)
+    assert step.kind == "train"
+    p.complete(step)
+    p.submit(later)
+    step = p.next_step(train=False)
+    assert step.kind == "sample" and [w.id for w in step.work] == [s.id, later.id]
+    p.complete(step)
+    assert p.next_step(train=False) is None
+    assert p.next_step(samples=False).kind == "train"
+
+
 def test_quota_holds_work_back_then_admits_it():
     p = Planner(token_budget=10_000)
     p.set_tenant("q", limits=Limits(max_queued_requests=2))

@@ -61,6 +61,8 @@ class Config:
     poll_seconds: float = 30.0  # retrieve_future long-poll (client times out at 45 s)
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client chunks)
     sample_budget: int = 65536  # prompt + new tokens per sampling step
+    # Samples decode in slices of this long between other steps (0: each step's to the end)
+    sample_slice_ms: float = 250.0
     gather_ms: float = 20.0  # wait for the last step's clients to send more, at most this
     # Default quotas for every tenant (None: unlimited); `ctl tenants set` overrides them.
     tenant_max_queued_requests: int | None = None
@@ -201,7 +203,7 @@ _RANGES = {
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
                                  "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
-    "token_budget": _POSITIVE, "sample_kv_mb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE,
+    "token_budget": _POSITIVE, "sample_kv_mb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
     "poll_seconds": (lambda v: 0 <= v < 45,
                      "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
     "gather_ms": _NON_NEGATIVE, "stability_bytes": _NON_NEGATIVE,

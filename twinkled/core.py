@@ -4,7 +4,9 @@
 the whole life of one step, top to bottom:
 
   1. plan      the planner picks what runs together (scheduler/planner.py): co-batched
-               forward/backward rows of many models, or barriers, or samples;
+               forward/backward rows of many models, or barriers, or samples (which join
+               the workers' running batches for one decode slice: pending_samples.py; a
+               "slice" step, between the others, goes on with them);
   2. execute   the executor runs the step's frames on the engine and merges the ranks'
                answers into one outcome per op (executor.py);
   3. complete  each outcome goes to its future (the pieces of a cut op are merged first),
@@ -32,6 +34,8 @@ from . import trace
 from .executor import Executor, Outcome
 from .futures import Future, Futures, UserError, empty_json
 from .metrics import Metrics
+from .pending_samples import LOST, PendingSamples, Sliced
+from .pieces import Pieces
 from .residency import Residency
 from .workers.frames import OpF, SampleF, TrainF, kind_of
 
@@ -69,6 +73,7 @@ class Op:
     parts: list[int] | None = None  # a forward_backward's datum sizes: where it may be cut
     after: After | None = None
     piece: tuple[int, bool] | None = None  # (first datum, last piece?) of a cut op
+    stream: Callable[[list], None] | None = None  # a streamed sample's reader: new tokens
     submitted: float = field(default_factory=time.monotonic)  # for the queue-wait metric
 
     @property
@@ -76,35 +81,10 @@ class Op:
         return kind_of(self.frame)
 
 
-class Pieces:
-    """The results of a forward/backward the planner cut between datums, until its last
-    piece has run: then one result, as if it had run whole."""
-
-    def __init__(self) -> None:
-        self._done: dict[str, list] = {}  # future id -> results of its pieces so far
-
-    def add(self, op: Op, outcome: Outcome) -> Outcome | None:
-        """The whole op's outcome once it is known (a piece failed, or the last one ran);
-        None while more pieces are to come."""
-        result, message, _ = outcome
-        if message is not None:
-            self._done.pop(op.future.id, None)
-            return outcome
-        parts = self._done.setdefault(op.future.id, [])
-        parts.append(result)
-        if not op.piece[1]:
-            return None
-        del self._done[op.future.id]
-        merged = type(result)(outputs=[o for r in parts for o in r.outputs], metrics={})
-        for r in parts:
-            for k, v in r.metrics.items():
-                merged.metrics[k] = merged.metrics.get(k, 0.0) + v if k.endswith(":sum") else v
-        return merged, None, None
-
-
 class EngineCore:
     def __init__(self, planner: Planner, executor: Executor, futures: Futures,
-                 residency: Residency, metrics: Metrics, gather_s: float = 0.0):
+                 residency: Residency, metrics: Metrics, gather_s: float = 0.0,
+                 slice_s: float = 0.0):
         self.planner = planner
         self.executor = executor
         self.futures = futures
@@ -121,6 +101,8 @@ class EngineCore:
         # own costs a round trip). A model that leaves the wait without it (gradient
         # accumulation) is dropped until its next optim_step.
         self._paired: set[str] = set()
+        self.samples = PendingSamples(slice_s)  # the samples the workers decode across steps
+        executor.on_restart(self._samples_lost)
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -181,23 +163,25 @@ class EngineCore:
         self.add(Op(model_id, seq_id, Skip(why), f))
 
     def withdraw(self, f: Future, why: str) -> bool:
-        """Take a queued sample out of the queue before it runs and fail its future with
-        `why`; False if it already runs or ran (a step is not cut short)."""
-        if f.done.is_set() or not self.planner.withdraw(f.id, f.tenant):
+        """Take a sample out of the queue, or out of the workers' running batches (at the
+        next sampling step), and fail its future with `why`; False if it is done."""
+        if f.done.is_set() or not (self.planner.withdraw(f.id, f.tenant)
+                                   or self.samples.cancel(f)):
             return False
         self.futures.fail(f, why, "user")
         return True
 
     def idle(self) -> bool:
         """No step is running and nothing queued can run."""
-        return not self.stepping and self.planner.idle()
+        return not self.stepping and self.planner.idle() and not self.samples.busy
 
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Step while there is work; sleep until a request arrives."""
         while True:
-            await self._gather()
+            if not self.samples.in_turn():  # (a slice gives the clients that moment anyway)
+                await self._gather()
             if not await self.step():
                 # Idle until a request arrives. `_recent` is kept: the gather above then
                 # gives the last step's other clients (and the optim_step a client POSTs
@@ -210,11 +194,22 @@ class EngineCore:
     async def step(self) -> bool:
         """Plan, execute and complete one step; False if nothing could run."""
         planning = time.time()
-        step = self.planner.next_step()  # 1. plan
+        step = self.planner.next_step(samples=not self.samples.backlog,  # 1. plan
+                                      train=not self.samples.in_turn())
         if step is None:
-            return False
+            if not self.samples.busy:
+                return False
+            await self._sample([])
+            return True
         planned = [self._piece_op(w) for w in step.work]
         ops = self._runnable(planned)
+        if step.kind == "sample":
+            await self._sample(ops)
+            self.planner.complete(step)
+            self._after(step)
+            return True
+        if step.kind == "train":
+            self.samples.end_turn()
         seconds = None  # how long the step took: what the planner's cost model learns
         if ops:
             started = time.monotonic()
@@ -264,6 +259,38 @@ class EngineCore:
             ops.append(op)
         return ops
 
+    async def _sample(self, ops: list[Op]) -> None:
+        """A sampling step: `ops` join the workers' running batches (none: a "slice" step),
+        which decode for the rest of sampling's turn, or until a sample finished; what
+        finished is completed."""
+        frame = self.samples.step(ops)
+        self.stepping, self._recent = True, set()
+        started, began = time.monotonic(), time.time()
+        for op in ops:
+            self.metrics.queue_wait.observe(started - op.submitted)
+        try:
+            sliced = Sliced.of(await self.executor.run_samples(frame))
+        except Exception as e:  # a bug: fail what it ran, keep serving
+            log.exception("a %s step failed", frame.kind)
+            sliced = Sliced(lost=f"server error: {type(e).__name__}: {e}")
+        finally:
+            self.stepping = False
+            self.samples.spent(time.monotonic() - started)
+            self.metrics.step_seconds.labels(frame.kind).observe(time.monotonic() - started)
+        completing = time.time()
+        self._settle(self.samples.settle(sliced))
+        if trace.enabled():
+            trace.record("loop", kind=frame.kind, ops=len(ops), planned=began, executing=began,
+                         completing=completing, done=time.time(),
+                         queued=max((started - op.submitted for op in ops), default=0.0))
+
+    def _samples_lost(self, why: str) -> None:
+        self._settle(self.samples.lose(LOST.format(why=why)))
+
+    def _settle(self, done: list[tuple[Op, Outcome]]) -> None:
+        if done:
+            self._complete([op for op, _ in done], [outcome for _, outcome in done])
+
     async def _execute(self, kind: str, ops: list[Op]) -> list[Outcome]:
         self.stepping = True
         started = time.monotonic()
@@ -281,9 +308,9 @@ class EngineCore:
     def _complete(self, ops: list[Op], outcomes: list[Outcome]) -> None:
         with self.futures.settling():  # one store commit for the step's results
             for op, outcome in zip(ops, outcomes, strict=True):
-                self._settle(op, outcome)
+                self._settle_one(op, outcome)
 
-    def _settle(self, op: Op, outcome: Outcome) -> None:
+    def _settle_one(self, op: Op, outcome: Outcome) -> None:
         self.residency.note(op.frame, outcome)
         self._count_tokens(op, outcome)
         if op.piece is not None:

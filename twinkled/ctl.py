@@ -292,7 +292,8 @@ def status(target: Target, as_json: bool) -> None:
             click.echo(f"NOT RUNNING: no daemon answers; last status written "
                        f"{s['age_seconds']} s ago:")
         click.echo(f"model {s['model']} ({s['state']}), {s['adapters']} adapters, "
-                   f"{s['steps']} steps, worker restarts {s['restarts']}")
+                   f"{s['steps']} steps, {s.get('samples_running', 0)} samples decoding, "
+                   f"worker restarts {s['restarts']}")
         for w in s["workers"]:
             where = f" on {w['host']}" if w.get("remote") else ""
             click.echo(f"  rank {w['rank']} {w['device']:<8}{where} pid {w['pid']}  "

@@ -122,11 +122,18 @@ class Executor:
         self.recovering = False  # the group is being restarted (healthz says "restarting")
         self._adapters: LiveAdapters | None = None
         self._on_restart: Callable[[], None] = lambda: None
+        # Told why, each time the group restarts: whoever keeps work that lived in the
+        # workers between steps (the samples they decode across steps: pending_samples.py).
+        self._restart_hooks: list[Callable[[str], None]] = []
 
     def serve(self, adapters: LiveAdapters, on_restart: Callable[[], None]) -> None:
         """Who to ask which adapters a restarted group must get back, and who counts
         restarts (the metrics)."""
         self._adapters, self._on_restart = adapters, on_restart
+
+    def on_restart(self, hook: Callable[[str], None]) -> None:
+        """Call `hook(why)` whenever the worker group is restarted."""
+        self._restart_hooks.append(hook)
 
     def _live(self) -> dict[str, LoraConfig]:
         return self._adapters.live_configs() if self._adapters is not None else {}
@@ -149,9 +156,9 @@ class Executor:
             await asyncio.wait(self.group.exits, return_when=asyncio.FIRST_COMPLETED)
             async with self._lock:
                 if self.group.dead() and not self._stopping:
-                    log.error("worker group lost between steps: %s; restarting it",
-                              self.group.dead())
-                    await self.recover()
+                    why = self.group.dead()
+                    log.error("worker group lost between steps: %s; restarting it", why)
+                    await self.recover(why)
 
     async def run_ops(self, kind: str, ops: list) -> list[Outcome]:
         """Run one planned step. A worker fault fails the whole step (category "server"),
@@ -171,13 +178,24 @@ class Executor:
             message = RESTART_MESSAGE.format(why=e)
             for op in ops:
                 self.journal.drop(op.future.id)
-            await self.recover()
+            await self.recover(str(e))
             return [(None, message, "server")] * len(ops)
         for op, outcome in zip(ops, merged, strict=True):
             if isinstance(op.frame, UnloadF):  # a model closed for good: nothing to replay
                 self.journal.forget(op.frame.adapter_id)
             self._journal(op, outcome)
         return merged
+
+    async def run_samples(self, step: StepF) -> list[ReplyF] | str:
+        """A sampling step (pending_samples.py says what it holds): the ranks' replies, or
+        why the group failed (it is restarted; the samples it ran are gone)."""
+        async with self._lock:
+            try:
+                return await self.group.run(step)
+            except WorkerLost as e:
+                log.error("worker group lost: %s; restarting it", e)
+                await self.recover(str(e))
+                return str(e)
 
     async def _run_frames(self, kind: str, frames: list[OpF]) -> list[Outcome]:
         replies = await self.group.run(StepF(0, kind, frames))
@@ -245,10 +263,12 @@ class Executor:
             for model, mark in reply.persisted.items():
                 self.journal.persisted(model, mark)
 
-    async def recover(self) -> None:
+    async def recover(self, why: str = "a worker was lost") -> None:
         """Restart the group until it comes up, then restore the live adapters."""
         delay = 1.0
         self.recovering = True
+        for hook in self._restart_hooks:  # what the dead group held is gone already
+            hook(why)
         try:
             while True:
                 try:

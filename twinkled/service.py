@@ -71,7 +71,7 @@ class Service:
         self.tenants = Tenants(config, store, self.planner)
         self.executor.serve(self.residency, on_restart=self.metrics.worker_restarts.inc)
         self.core = EngineCore(self.planner, self.executor, self.futures, self.residency,
-                               self.metrics, config.gather_ms / 1000)
+                               self.metrics, config.gather_ms / 1000, config.sample_slice_ms / 1000)
         self._limits: RequestLimits | None = None
         self._limits_from: dict | None = None
         self._tasks: list[asyncio.Task] = []
@@ -174,6 +174,7 @@ class Service:
                 "step_target_ms": _ms(self.planner.step_target()),  # None: no time bound
                 "step_cost": self.planner.cost.describe(),
                 **self.executor.status(), "live_adapters": self.residency.count(),
+                "samples_running": len(self.core.samples),  # decoding across steps
                 "damaged_checkpoints": self.damaged, "time": time.time()}
 
     def gauges(self) -> dict:
@@ -374,9 +375,10 @@ class Service:
                                                      family), f))
 
     def sample(self, tenant: str, sampler: dict, frame: SampleF, encode: Encoder,
-               record: tuple[list[str], list[int]] | None = None) -> Future:
+               record: tuple[list[str], list[int]] | None = None,
+               stream: Callable[[list], None] | None = None) -> Future:
         """Sample from a sampler's weights. `record`: (sequence ids, prompt) to keep the
-        sampled sequences under, for stable_reinforce."""
+        sampled sequences under, for stable_reinforce; `stream`: fed the new tokens."""
         f = self.futures.new(tenant, "sample", encode)
         after: After | None = None
         if record is not None:
@@ -388,7 +390,7 @@ class Service:
                                        result.sequences)
 
         cost = frame.prompt.shape[0] + frame.params.max_tokens * frame.num_samples
-        f = self.submit(Op(None, None, frame, f, cost, after=after))
+        f = self.submit(Op(None, None, frame, f, cost, after=after, stream=stream))
         self.futures.tag(f.id, sampler["id"])  # a session's trace shows it
         return f
 
@@ -396,7 +398,10 @@ class Service:
         """`sample`, read as pieces of tokens (streams.py); `owner` (a sampler path, or the
         base model's name) is recorded on its future."""
         stream = SampleStream(self.core.withdraw)
-        stream.future = self.sample(tenant, {"id": owner}, frame, stream.encode)
+        # Tokens as they come, unless the reader wants the prompt's scores before them
+        # (they come with the result).
+        live = None if frame.prompt_logprobs or frame.topk_prompt else stream.feed
+        stream.future = self.sample(tenant, {"id": owner}, frame, stream.encode, stream=live)
         return stream
 
     def finish_session(self, tenant: str, session_id: str, reason: str | None) -> None:

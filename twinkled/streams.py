@@ -5,12 +5,13 @@ A protocol that streams (the OpenAI face, `openai_shim/`) reads a `SampleStream`
 sample op as Tinker's asample (`Service.sample`: quotas, fair share, co-batching), so it
 is no side door.
 
-Today the engine generates a whole sample in one step, so a stream yields each choice's
-tokens in one piece when that step returns (`encode`, the op's future's encoder). The
-interface is per piece so that an engine that hands out tokens as it decodes can feed
-`push` with each choice's new tokens (and `finish` on its last piece; the future's
-resolution then only ends the stream) and every reader streams them as they come,
-unchanged; `cancel` is then also where a running sample would be stopped.
+The workers decode samples in slices (`sample_slice_ms`, twinkled/pending_samples.py):
+after each slice the engine core hands a streamed op's new tokens to `feed`, one piece per
+choice, and when the sample finishes its result goes to `encode` (the op's future's
+encoder), which pushes what the slices had not yet sent, with each choice's finish reason,
+and ends the stream. With slicing off (or on a tensor-parallel or MoE worker group, whose
+sampler runs to completion) the first pieces are the whole choices. `cancel` takes the
+op out of the queue, or out of the workers' running batches if it already runs.
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ class SampleStream:
         self.future: Future | None = None  # set by Service.sample_stream
         self.cancelled = False
         self.prompt: PromptScores | None = None
+        self._sent: dict[int, int] = {}  # choice -> tokens pushed so far
+
+    def feed(self, partials: Sequence[Any]) -> None:
+        """A slice's new tokens of each choice (engine SampledSequence, stop_reason "")."""
+        for i, seq in enumerate(partials):
+            if seq.tokens:
+                self.push(Piece(i, list(seq.tokens), list(seq.logprobs), seq.topk))
+                self._sent[i] = self._sent.get(i, 0) + len(seq.tokens)
 
     def encode(self, result: Any) -> tuple[bytes, str]:
         """The future's encoder: hands the engine's result to the reader as pieces, and
@@ -69,7 +78,10 @@ class SampleStream:
         if result.prompt_logprobs is not None or result.topk_prompt is not None:
             self.prompt = PromptScores(result.prompt_logprobs, result.topk_prompt)
         for i, seq in enumerate(result.sequences):
-            self.push(Piece(i, list(seq.tokens), list(seq.logprobs), seq.topk, seq.stop_reason))
+            n = self._sent.get(i, 0)  # what `feed` already pushed
+            top = None if seq.topk is None else (seq.topk[0][n:], seq.topk[1][n:])
+            self.push(Piece(i, list(seq.tokens[n:]), list(seq.logprobs[n:]), top,
+                            seq.stop_reason))
         self._queue.put_nowait(None)
         made = sum(len(s.tokens) for s in result.sequences)
         return msgspec.json.encode({"sequences": len(result.sequences), "tokens": made}), \
@@ -98,8 +110,8 @@ class SampleStream:
             yield piece
 
     def cancel(self) -> bool:
-        """The reader went away: a sample still queued is taken out (True); one already
-        running finishes (its step is shared) and its tokens are dropped."""
+        """The reader went away: the sample is taken out of the queue, or out of the
+        workers' running batches (True); False if it already finished."""
         self.cancelled = True
         return self.future is not None and self._withdraw(
-            self.future, "cancelled: the client went away before the sample ran")
+            self.future, "cancelled: the client went away before the sample finished")

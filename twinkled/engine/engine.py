@@ -28,6 +28,7 @@ from .types import (
     ForwardBackwardResult,
     LoraConfig,
     OptimResult,
+    SampledSequence,
     SampleRequest,
     SampleResult,
 )
@@ -213,16 +214,17 @@ class Engine:
         batch, adapters = self._sampling_batch(requests, checked)
         return batch.admit(requests, adapters)
 
-    def sample_slice(self, max_steps: int | None = None, max_seconds: float | None = None
-                     ) -> list[Finished]:
-        """Run the queued requests for up to `max_steps` decode steps / `max_seconds`;
-        returns those that finished. If a step fails, every queued request is lost (the
-        batch starts afresh) and the error propagates."""
+    def sample_slice(self, max_steps: int | None = None, max_seconds: float | None = None,
+                     until_done: bool = False) -> list[Finished]:
+        """Run the queued requests for up to `max_steps` decode steps / `max_seconds` (with
+        `until_done`, only until one finishes); returns those that finished. If a step
+        fails, every queued request is lost (the batch starts afresh) and the error
+        propagates."""
         done, self._finished = self._finished, []
-        if self._running is None:
+        if self._running is None or (until_done and done):
             return done
         try:
-            return done + self._running.run(max_steps, max_seconds)
+            return done + self._running.run(max_steps, max_seconds, until_done)
         except BaseException:
             self._running = None
             raise
@@ -230,6 +232,33 @@ class Engine:
     def sample_pieces(self) -> dict[int, list[list[int]]]:
         """Tokens each running ticket's samples generated since the last call."""
         return {} if self._running is None else self._running.pieces()
+
+    def sample_partials(self, tickets: list[int] | None = None
+                        ) -> dict[int, list[SampledSequence]]:
+        """`sample_pieces` with each token's logprob and top-k row (stop_reason ""), of
+        `tickets` if given."""
+        return {} if self._running is None else self._running.partials(tickets)
+
+    def sample_cancel(self, ticket: int) -> bool:
+        """Drop a submitted request (queued or running; its pages are freed at once);
+        False if it already finished."""
+        return self._running is not None and self._running.cancel(ticket)
+
+    def sample_fits(self, request: SampleRequest) -> bool:
+        """Whether the running batch can take `request` now (it may wait there for room);
+        False: only once the batch is idle (`sample_idle`: it then grows to hold it)."""
+        b = self._running
+        return b is None or b.idle or b.fits(request)
+
+    @property
+    def sample_idle(self) -> bool:
+        """No submitted request is queued or running."""
+        return self._running is None or self._running.idle
+
+    @property
+    def sample_waiting(self) -> int:
+        """Submitted requests waiting for room in the running batch."""
+        return 0 if self._running is None else self._running.waiting_requests
 
     def _sample_adapters(self, requests: list[SampleRequest], checked: bool
                          ) -> list[Adapter | None]:

@@ -138,26 +138,64 @@ class RunningBatch:
         self.waiting.extend(new)
         return [r.ticket for r in new]
 
-    def run(self, max_steps: int | None = None, max_seconds: float | None = None
-            ) -> list[Finished]:
+    def run(self, max_steps: int | None = None, max_seconds: float | None = None,
+            until_done: bool = False) -> list[Finished]:
         """A decode slice: steps until the batch is idle, `max_steps` steps ran or
-        `max_seconds` passed (checked between steps); returns the requests that finished."""
+        `max_seconds` passed (checked between steps), or with `until_done` as soon as a
+        request finished; returns the requests that finished."""
         done: list[Finished] = []
         start, steps = time.monotonic(), 0
         while not self.idle and (max_steps is None or steps < max_steps) and (
-                max_seconds is None or time.monotonic() - start < max_seconds):
+                max_seconds is None or time.monotonic() - start < max_seconds) and not (
+                until_done and done):
             done += self.step()
             steps += 1
         return done
 
     def pieces(self) -> dict[int, list[list[int]]]:
         """Tokens generated since the last call, per running ticket and sample (streaming)."""
+        return {t: [s.tokens for s in seqs] for t, seqs in self.partials().items()}
+
+    def partials(self, tickets: list[int] | None = None) -> dict[int, list[SampledSequence]]:
+        """What each running ticket's samples (of `tickets`, if given) generated since the
+        last call (tokens, their logprobs and top-k rows; stop_reason ""): a stream's next
+        piece. A request that finishes hands the rest out in its result."""
         out = {}
-        for ticket, r in self._started.items():
-            out[ticket] = [s.tokens[s.sent:] for s in r.seqs]
+        for ticket in self._started if tickets is None else tickets:
+            r = self._started.get(ticket)
+            if r is None:  # not started yet, or finished
+                continue
+            out[ticket] = [SampledSequence(s.tokens[s.sent:], s.logprobs[s.sent:], "",
+                                           None if s.top is None else
+                                           (s.top[0][s.sent:], s.top[1][s.sent:]))
+                           for s in r.seqs]
             for s in r.seqs:
                 s.sent = len(s.tokens)
         return out
+
+    @property
+    def waiting_requests(self) -> int:
+        """Admitted requests that wait for rows or pages (they start as others finish)."""
+        return len(self.waiting)
+
+    def cancel(self, ticket: int) -> bool:
+        """Drop a queued or running request: its rows leave the batch at once and give
+        their pages back. False if the ticket is neither (it finished, or never was)."""
+        for r in self.waiting:
+            if r.ticket == ticket:
+                self.waiting.remove(r)
+                return True
+        r = self._started.pop(ticket, None)
+        if r is None:
+            return False
+        for b in reversed([b for b, s in enumerate(self.live) if s.request is r]):
+            s = self.live[b]
+            self.pool.release(s.pages)
+            if r.adapter is not None:
+                self.stack.release(r.adapter)
+            self._vacate(b)
+        self._choice = None
+        return True
 
     @torch.no_grad()
     def step(self) -> list[Finished]:
@@ -325,15 +363,19 @@ class RunningBatch:
                 stopped.append(b)
         for b in reversed(stopped):  # highest slot first: the row moved in has not stopped
             self._finish(live[b], done)
-            last = len(live) - 1
-            if b != last:
-                self.decode.move_slot(last, b)
-                live[b] = live[last]
-            else:
-                self.decode.clear_slot(b)
-            live.pop()
+            self._vacate(b)
         if stopped:
             self._choice = None
+
+    def _vacate(self, b: int) -> None:
+        """Free slot `b`: the last row moves into it (so free the highest slots first)."""
+        live, last = self.live, len(self.live) - 1
+        if b != last:
+            self.decode.move_slot(last, b)
+            live[b] = live[last]
+        else:
+            self.decode.clear_slot(b)
+        live.pop()
 
     def _choice_of(self, seqs: list[_Seq], slots: list[int]) -> RowChoice:
         """Sampling parameters of `seqs` (in `slots`); a request's rows draw together, in

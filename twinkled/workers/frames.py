@@ -19,6 +19,7 @@ from twinkled.engine.types import (
     DimuonParams,
     LoraConfig,
     OptimResult,
+    SampledSequence,
     SampleResult,
 )
 
@@ -101,6 +102,11 @@ class SampleF(_Op, tag="sample"):
     topk_sample: int = 0
     target_prompt: Buf | None = None  # int64 [len(prompt) - 1, K]; -1: nothing
     alt_tokens_k: int = 0
+    # Set by the daemon when it queues the op: the name its outcome and pieces come back
+    # under (a sample may finish steps after the one that brought it), and whether its
+    # reader streams it (then the workers send its new tokens after each slice).
+    key: str = ""
+    stream: bool = False
 
 
 class CreateF(_Op, tag="create"):
@@ -165,10 +171,24 @@ def changes_adapter(op: OpF) -> bool:
     return isinstance(op, JOURNALED)
 
 
-class StepF(msgspec.Struct):
+class StepF(msgspec.Struct, omit_defaults=True):
     id: int
-    kind: str  # "train" | "sample" | "barrier" (as the planner says)
+    kind: str  # "train" | "sample" | "barrier" (as the planner says) | "slice"
     ops: list[OpF]
+    # Sampling ("sample": new ops, "slice": none): decode for up to `slice_s` seconds, or
+    # until a sample finished, then answer with those that finished (0: run this step's
+    # samples to completion).
+    slice_s: float = 0.0
+    cancel: list[str] = []  # keys of samples to drop (their clients went away)
+    hold: list[str] = []  # sampler adapters that samples still use: never evicted now
+
+
+class SlicedF(msgspec.Struct, omit_defaults=True):
+    """A rank's sampling after a "sample" or "slice" step, beside its finished outcomes."""
+
+    running: list[str] = []  # keys of the samples it still decodes (or holds queued)
+    waiting: int = 0  # of those, requests that wait for room in its running batch
+    pieces: dict[str, list[SampledSequence]] = {}  # streamed keys: tokens since the last
 
 
 class FwdBwdOutF(msgspec.Struct):
@@ -187,6 +207,7 @@ class OutcomeF(msgspec.Struct, omit_defaults=True):
     info: AdapterInfo | None = None
     digest: tuple[int, str] | None = None
     mark: int | None = None  # restore: the journal position of the version it loaded
+    key: str = ""  # a sample's SampleF.key (its index is -1 if it came in an earlier step)
 
 
 class ReplyF(msgspec.Struct, tag="reply"):
@@ -199,6 +220,7 @@ class ReplyF(msgspec.Struct, tag="reply"):
     busy_s: float = 0.0  # seconds the rank spent running the step (the rest is transport)
     began: float = 0.0  # wall-clock time the rank started the step (for twinkled/trace.py)
     phases: dict[str, float] = {}  # host seconds by phase inside the step (engine.step.HostTime)
+    sampling: SlicedF | None = None  # after a "sample" or "slice" step
 
 
 class HelloF(msgspec.Struct, tag="hello"):

@@ -80,7 +80,7 @@ class InProcessGroup:
         started = time.perf_counter()
         outcomes = self._runner.run(step)
         return ReplyF(step.id, 0, outcomes, 0, 0, self._runner.persisted(),
-                      time.perf_counter() - started)
+                      time.perf_counter() - started, sampling=self._runner.sampling_news(step))
 
     async def _between_steps(self) -> None:
         """What a worker does while idle: hand changed adapters to the writer."""

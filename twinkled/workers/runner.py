@@ -36,6 +36,7 @@ from .frames import (
     PersistF,
     RestoreF,
     SaveF,
+    SlicedF,
     StepF,
     TrainF,
     UnloadF,
@@ -82,8 +83,8 @@ class StepRunner:
 
     def run(self, step: StepF) -> list[OutcomeF]:
         """Every op gets an outcome; an exception leaves only if the rank cannot go on."""
-        if step.kind == "sample":
-            return self.sampling.run(step.ops)
+        if step.kind in ("sample", "slice"):
+            return self.sampling.run(step)
         rows = [i for i, op in enumerate(step.ops) if isinstance(op, TrainF)]
         barriers = [i for i, op in enumerate(step.ops) if not isinstance(op, TrainF)]
         outcomes = self._train(step.ops, rows) if rows else []
@@ -94,6 +95,10 @@ class StepRunner:
         if barriers:
             outcomes += self._barriers(step.ops, barriers)
         return sorted(outcomes, key=lambda o: o.index)
+
+    def sampling_news(self, step: StepF) -> SlicedF | None:
+        """After a sampling step: the samples still running here, and streamed tokens."""
+        return self.sampling.news() if step.kind in ("sample", "slice") else None
 
     def persisted(self) -> dict[str, int]:
         """{adapter: journal mark} of the states written since the last reply."""

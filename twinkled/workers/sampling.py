@@ -10,7 +10,7 @@ from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.parallel import split_rows
 from twinkled.engine.types import SampleRequest, SamplingParams
 
-from .frames import OpF, OutcomeF, SampleF
+from .frames import OpF, OutcomeF, SampleF, SlicedF, StepF
 from .rank_io import category, fatal, release, to_tensor
 from .share import rank0_dir
 
@@ -41,9 +41,59 @@ class SampleRunner:
         # every rank has them (the save ran everywhere), so no rank waits on a disk read
         # or, across hosts, on rank 0 sharing the files.
         self.fresh: OrderedDict[str, str] = OrderedDict()
+        # Sliced sampling: engine ticket -> (its sampler adapter, its SampleF.key, whether
+        # its reader streams it), while it runs.
+        self.queued: dict[int, tuple[str | None, str, bool]] = {}
+        # Requests too large for the running batch while it is busy, with the same three:
+        # they start, in order, once it is idle (it then grows to hold them).
+        self.deferred: list[tuple[SampleRequest, tuple[str | None, str, bool]]] = []
 
-    def run(self, ops: list[OpF]) -> list[OutcomeF]:
-        """Every op gets an outcome (this rank's share of them, if it reports)."""
+    def run(self, step: StepF) -> list[OutcomeF]:
+        """This rank's share of the step's samples. Sliced (`step.slice_s` > 0, and an
+        engine with a running batch): they join the running batch, it decodes for up to
+        `slice_s`, and the outcomes are of the samples that finished, of this step or of
+        earlier ones (`key` names them); the rest go on at the next "sample" or "slice"
+        step (`news` says which). Else this step's samples run to completion."""
+        ops = step.ops
+        for key in step.cancel:
+            self._cancel(key)
+        good, outcomes = self._requests(ops)
+        sliced = step.slice_s > 0 and not self.engine.padded_sampling
+        if sliced:
+            if self.deferred and self.engine.sample_idle:
+                deferred, self.deferred = self.deferred, []
+                outcomes += self._submit([(-1, req, meta) for req, meta in deferred])
+            outcomes += self._submit([(i, req, (ops[i].adapter_id, ops[i].key, ops[i].stream))
+                                      for i, req in good])
+            outcomes += self._slice(step.slice_s)
+        elif good:
+            outcomes += self._batch(good)
+        if not self.reports:  # the expert group's first rank answers for it
+            outcomes = []
+        for o in outcomes:
+            if o.index >= 0:
+                o.key = ops[o.index].key
+        if self.spans_hosts:  # the same on every rank: what the daemon says, and the step's
+            self._evict({*step.hold, *(op.adapter_id for op in ops)})
+        else:
+            self._evict({*step.hold, *(q[0] for q in self.queued.values()),
+                         *(q[0] for _, q in self.deferred),
+                         *(ops[i].adapter_id for i, _ in good)})
+        return outcomes
+
+    def news(self) -> SlicedF | None:
+        """The samples this rank still decodes, and the streamed ones' new tokens."""
+        if not self.reports:
+            return None
+        streamed = [t for t, q in self.queued.items() if q[2]]
+        pieces = {self.queued[t][1]: seqs for t, seqs in self.engine.sample_partials(streamed).items()
+                  if any(s.tokens for s in seqs)}
+        running = [q[1] for q in self.queued.values()] + [q[1] for _, q in self.deferred]
+        return SlicedF(running, self.engine.sample_waiting + len(self.deferred), pieces)
+
+    def _requests(self, ops: list[OpF]) -> tuple[list[tuple[int, SampleRequest]], list[OutcomeF]]:
+        """This rank's share of `ops` as engine requests (their samplers loaded), and the
+        outcomes of those that cannot run."""
         costs = [op.num_samples * (op.prompt.shape[0] + op.params.max_tokens) for op in ops]
         mine = [i for i, r in enumerate(split_rows(costs, self.replicas)) if r == self.replica]
         outcomes, good = [], []
@@ -81,19 +131,71 @@ class SampleRunner:
                 if fatal(e, self.split):
                     raise
                 outcomes.append(OutcomeF(i, error=str(e), category=category(e)))
-        if good:
-            outcomes += self._batch(good)
-        if not self.reports:  # the expert group's first rank answers for it
-            outcomes = []
-        # The same evictions on every rank when they must hold the same samplers.
-        in_use = {ops[i].adapter_id for i in (range(len(ops)) if self.spans_hosts else mine)}
+        return good, outcomes
+
+    def _submit(self, items: list[tuple[int, SampleRequest, tuple[str | None, str, bool]]]
+                ) -> list[OutcomeF]:
+        """Queue (op index, request, (adapter, key, streamed?)) items in the running batch,
+        one by one, so that one that cannot run fails alone. One too large for the batch
+        while it is busy waits (`deferred`), and those behind it with it."""
+        outcomes = []
+        for i, req, meta in items:
+            if self.deferred or not self.engine.sample_fits(req):
+                self.deferred.append((req, meta))
+                continue
+            try:
+                (ticket,) = self.engine.sample_submit([req], checked=True)
+            except Exception as e:
+                if fatal(e, self.split):
+                    raise
+                release(e)
+                outcomes.append(OutcomeF(i, error=str(e) if isinstance(e, EngineInputError)
+                                         else f"sampling failed: {type(e).__name__}: {e}",
+                                         category=category(e), key=meta[1]))
+                continue
+            self.queued[ticket] = meta
+        return outcomes
+
+    def _slice(self, seconds: float) -> list[OutcomeF]:
+        """Decode for up to `seconds`, or until a sample finished; the outcomes of the
+        samples that finished. If the batch fails, every sample it held fails (which one
+        was at fault is not known)."""
+        try:
+            # Back as soon as a sample finished: its client hears at once, and the daemon
+            # goes on with the others (and new ones) at once if sampling's turn is not over.
+            finished = self.engine.sample_slice(max_seconds=seconds, until_done=True)
+        except Exception as e:
+            if fatal(e, self.split):
+                raise
+            release(e)
+            why = f"sampling failed beside other samples: {type(e).__name__}: {e}"
+            out = [OutcomeF(-1, error=why, category="server", key=q[1])
+                   for q in self.queued.values()]
+            self.queued.clear()
+            return out
+        out = []
+        for f in finished:
+            queued = self.queued.pop(f.ticket, None)
+            if queued is not None:  # (None: cancelled after it finished)
+                out.append(OutcomeF(-1, sample=f.result, key=queued[1]))
+        return out
+
+    def _cancel(self, key: str) -> None:
+        for ticket, q in list(self.queued.items()):
+            if q[1] == key:
+                self.engine.sample_cancel(ticket)
+                del self.queued[ticket]
+        self.deferred = [d for d in self.deferred if d[1][1] != key]
+
+    def _evict(self, in_use: set[str | None]) -> None:
+        """Keep at most SAMPLER_ADAPTERS samplers loaded, never one in use (ranks that
+        span hosts must evict alike, so they are told what is in use)."""
         while len(self.sampler_lru) > SAMPLER_ADAPTERS:
             old = next(iter(self.sampler_lru))
             if old in in_use:
                 break
             self.sampler_lru.pop(old)
             self.engine.remove_adapter(old)
-        return outcomes
 
     def _batch(self, good: list[tuple[int, SampleRequest]]) -> list[OutcomeF]:
         """One batch; if it fails, each request alone, so only the one at fault fails

@@ -77,7 +77,8 @@ def main(args: dict) -> None:
         busy = time.perf_counter() - started
         sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, *_memory(runner),
                                         runner.persisted(), busy, began,
-                                        {"decode": started - received, **HOST_TIME.take()})))
+                                        {"decode": started - received, **HOST_TIME.take()},
+                                        runner.sampling_news(step))))
         waiting = runner.between_steps()  # after the reply: off the step's path
 
 

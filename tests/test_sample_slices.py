@@ -1,0 +1,213 @@
+"""Sliced sampling (twinkled/pending_samples.py): a long generation decodes in slices
+between other steps, so it never holds back another tenant's short sample or training
+step; streams get tokens per slice; a stream whose reader goes away leaves the running
+batch; a worker that dies fails the samples it was decoding instead of hanging them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sqlite3
+import time
+import urllib.request
+
+import pytest
+from daemon import Daemon, make_key
+from helpers import make_engine
+from test_service import done, run, service
+
+from twinkled.engine.types import SampleRequest, SamplingParams
+from twinkled.service import UserError
+from twinkled.workers.frames import SampleF, SamplingF, buf
+
+tinker = pytest.importorskip("tinker")
+T = 120
+LONG = 1500  # tokens of the long sample: many slices of 20 ms on a CPU
+
+
+@pytest.fixture(scope="module")
+def sliced(tiny_dir, tmp_path_factory):
+    data = tmp_path_factory.mktemp("sliced")
+    cfg = data / "twinkled.toml"
+    cfg.write_text("sample_slice_ms = 20\n")
+    keys = {t: make_key(data, t) for t in ("alice", "bob", "carol")}
+    d = Daemon(tiny_dir, data, data / "twinkled.log", "--config", str(cfg))
+    d.keys = keys
+    yield d
+    d.stop()
+
+
+def _sampler(d, tenant, tiny_dir):
+    sc = tinker.ServiceClient(base_url=d.url, api_key=d.keys[tenant])
+    return sc.create_sampling_client(base_model=tiny_dir.name).result(timeout=T)
+
+
+def _greedy(n: int):
+    return tinker.types.SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def _completed(d, tenant: str, kind: str) -> float:
+    """When the tenant's (last) request of `kind` completed, by the daemon's store."""
+    with sqlite3.connect(d.data_dir / "twinkle.db") as db:
+        (at,) = db.execute("SELECT max(completed_at) FROM futures WHERE tenant = ? AND kind = ?",
+                           (tenant, kind)).fetchone()
+    assert at is not None, (tenant, kind)
+    return at
+
+
+def _slices(d) -> float:
+    """How many "slice" steps the daemon has run (its /metrics)."""
+    with urllib.request.urlopen(f"{d.url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(r'twinkle_step_seconds_count\{kind="slice"\} (\S+)', text)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_long_sample_holds_back_neither_a_short_one_nor_training(sliced, tiny_dir):
+    long_sampler = _sampler(sliced, "alice", tiny_dir)
+    short_sampler = _sampler(sliced, "bob", tiny_dir)
+    tc = tinker.ServiceClient(base_url=sliced.url, api_key=sliced.keys["carol"]) \
+        .create_lora_training_client(base_model=tiny_dir.name, rank=4, seed=1).result(timeout=T)
+    tok = tc.get_tokenizer()
+    ids = tok("the sun and the sea are big.").input_ids
+    datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+                               loss_fn_inputs={"target_tokens": ids[1:]})
+    long_prompt, short_prompt = tok("the sun and").input_ids, tok("a cat").input_ids
+
+    fa = long_sampler.sample(tinker.types.ModelInput.from_ints(long_prompt), 1, _greedy(LONG))
+    fb = short_sampler.sample(tinker.types.ModelInput.from_ints(short_prompt), 1, _greedy(4))
+    fc = tc.forward_backward([datum], "cross_entropy")
+    fo = tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2))
+    b = fb.result(timeout=T).sequences[0]
+    assert fc.result(timeout=T).metrics["loss:sum"] > 0
+    fo.result(timeout=T)
+    a = fa.result(timeout=T).sequences[0]
+
+    # The short sample and the training round finished while the long one still ran.
+    finished = _completed(sliced, "alice", "sample")
+    assert _completed(sliced, "bob", "sample") < finished
+    assert _completed(sliced, "carol", "optim_step") < finished
+    assert _slices(sliced) > 1
+    # Each is what the engine samples running it to completion, alone.
+    engine = make_engine(tiny_dir)
+    for got, prompt, n in ((a, long_prompt, LONG), (b, short_prompt, 4)):
+        (want,) = engine.sample([SampleRequest(None, prompt, SamplingParams(n, temperature=0))])
+        assert list(got.tokens) == want.sequences[0].tokens
+        assert list(got.logprobs) == pytest.approx(want.sequences[0].logprobs, abs=1e-3)
+    assert len(a.tokens) == LONG
+
+
+def test_a_killed_worker_fails_the_sample_it_was_decoding(sliced, tiny_dir):
+    sampler = _sampler(sliced, "alice", tiny_dir)
+    prompt = tinker.types.ModelInput.from_ints([5, 6, 7])
+    before = _slices(sliced)
+    fut = sampler.sample(prompt, 1, _greedy(LONG))
+    deadline = time.time() + T
+    while _slices(sliced) <= before:  # a slice ran: the sample is in the worker's batch
+        assert time.time() < deadline
+        time.sleep(0.01)
+    old = sliced.workers()
+    os.kill(old[0], signal.SIGKILL)
+    with pytest.raises(tinker.RequestFailedError, match="restarted"):
+        fut.result(timeout=T)
+    sliced.wait_workers(1, old=set(old))
+    assert len(sampler.sample(prompt, 1, _greedy(3)).result(timeout=T).sequences[0].tokens) == 3
+
+
+def _frame(prompt: list[int], max_tokens: int) -> SampleF:
+    return SampleF(None, buf(prompt, "int64"), SamplingF(max_tokens, 0.0, -1, 1.0, None, None))
+
+
+def test_streams_come_per_slice_and_a_gone_reader_leaves_the_running_batch(tiny_dir, tmp_path):
+    async def go():
+        async with service(tiny_dir, tmp_path, sample_slice_ms=5) as box:
+            box.store.tenants.ensure("ann")
+            svc = box.svc
+            kept = svc.sample_stream("ann", "base", _frame([3, 1, 4], 300))
+            gone = svc.sample_stream("ann", "base", _frame([2, 7], 1000))
+            it = gone.__aiter__()
+            first = await it.__anext__()  # it runs: its first slice's tokens came
+            assert first.tokens and len(svc.core.samples) == 2
+            assert gone.cancel()
+            with pytest.raises(UserError, match="client went away"):
+                await it.__anext__()
+            pieces = [p async for p in kept]
+            same = svc.sample("ann", {"id": "base"}, _frame([3, 1, 4], 300), box.keep)
+            await done(same)
+            return pieces, same, len(svc.core.samples), svc.core.idle()
+
+    pieces, same, pending, idle = run(go())
+    import pickle
+
+    want = pickle.loads(same.payload).sequences[0]
+    assert len(pieces) > 1 and {p.choice for p in pieces} == {0}
+    assert [t for p in pieces for t in p.tokens] == want.tokens
+    assert [x for p in pieces for x in p.logprobs] == pytest.approx(want.logprobs, abs=1e-5)
+    assert [p.finish for p in pieces] == [None] * (len(pieces) - 1) + [want.stop_reason]
+    assert pending == 0 and idle
+
+
+def test_a_sample_too_large_for_the_busy_batch_waits_for_it_to_drain(tiny_dir, tmp_path):
+    """A 1 MiB KV pool holds ~1024 tokens of the tiny model: 4 samples of 400 tokens fit only
+    a pool made for them, which the running batch can become only once it is idle. Sent
+    while a long sample runs, the large one waits for it (no "does not fit" error)."""
+    async def go():
+        async with service(tiny_dir, tmp_path, sample_kv_mb=1, sample_slice_ms=5) as box:
+            box.store.tenants.ensure("ann")
+            svc = box.svc
+            running = svc.sample_stream("ann", "base", _frame([3, 1, 4], 300))
+            it = running.__aiter__()
+            await it.__anext__()  # it runs
+            big = _frame([2, 7, 1], 400)
+            big.params.stop, big.num_samples = [], 4
+            f = svc.sample("ann", {"id": "base"}, big, box.keep)
+            rest = [p async for p in running]
+            await done(f)
+            return f, rest
+
+    f, rest = run(go())
+    import pickle
+
+    assert f.error is None, f.error
+    assert [len(s.tokens) for s in pickle.loads(f.payload).sequences] == [400] * 4
+    assert rest and rest[-1].finish is not None
+
+
+def test_a_sampler_with_running_samples_is_not_evicted(tiny_dir, tmp_path, monkeypatch):
+    """A rank's SampleRunner: samplers kept loaded are bounded (SAMPLER_ADAPTERS, least
+    recently used first), but one whose sample still decodes stays until it finishes; a
+    cancelled sample leaves the running batch."""
+    from twinkled.engine.types import LoraConfig
+    from twinkled.workers import sampling
+    from twinkled.workers.frames import StepF
+
+    monkeypatch.setattr(sampling, "SAMPLER_ADAPTERS", 1)
+    engine = make_engine(tiny_dir)
+    dirs = []
+    for name in ("one", "two"):
+        engine.add_adapter(name, LoraConfig(rank=4, seed=len(dirs)))
+        engine.save(name, tmp_path / name)
+        dirs.append(str(tmp_path / name))
+    runner = sampling.SampleRunner(engine, 0, 0, 1, True, False, None)
+
+    def op(adapter: str, path: str, max_tokens: int, key: str) -> SampleF:
+        f = SampleF(adapter, buf([3, 1, 4], "int64"),
+                    SamplingF(max_tokens, 0.0, -1, 1.0, None, []), load_from=path)
+        f.key = key
+        return f
+
+    assert runner.run(StepF(0, "sample", [op("s1", dirs[0], 200, "long")], 0.001)) == []
+    assert runner.news().running == ["long"]
+    got = runner.run(StepF(0, "sample", [op("s2", dirs[1], 2, "short")], 5.0))
+    assert [o.key for o in got] == ["short"]
+    assert engine.has_adapter("s1")  # over the bound, but "long" still runs on it
+    while "long" in runner.news().running:
+        got = runner.run(StepF(0, "slice", [], 5.0))
+    assert [o.key for o in got] == ["long"] and len(got[0].sample.sequences[0].tokens) == 200
+    runner.run(StepF(0, "slice", [], 5.0))
+    assert not engine.has_adapter("s1") and engine.has_adapter("s2")  # then it goes
+
+    assert runner.run(StepF(0, "sample", [op("s2", dirs[1], 200, "gone")], 0.001)) == []
+    assert runner.run(StepF(0, "slice", [], 5.0, cancel=["gone"])) == []
+    assert runner.news().running == [] and engine.sample_idle
