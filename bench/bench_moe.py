@@ -151,6 +151,10 @@ def main() -> None:
             daemon.terminate()
             daemon.wait(timeout=120)
             log.close()
+        # The engine says when a GPU's grouped matmul falls back to a loop over groups.
+        for line in (work / "twinkled.log").read_text(errors="replace").splitlines():
+            if "fell back" in line:
+                print(f"ep {ep}: {line}")
         peak = mem.done([int(d.split(":")[1]) for d in group]) if mem else "-"
         wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
         lat = [x for r in res for x in r["lat"]]

@@ -6,7 +6,7 @@
 #   bash bench/gpu_pass.sh workers4 prewrite moe   # issue 14 (1/2/4 workers), issue 17 (MoE)
 #   bash bench/gpu_pass.sh tp32 tp                 # issue 15: 32B at tp 2 via the daemon; 8B
 #   bash bench/gpu_pass.sh tp70                    # issue 15: a 70B shape at tp 4 via the daemon
-#   bash bench/gpu_pass.sh sampling                # issue 16 (one GPU: $SAMPLING_GPU, default 0)
+#   bash bench/gpu_pass.sh sampling slices         # issue 16 (one GPU: $SAMPLING_GPU, default 0)
 #
 # `prewrite` starts writing the 32B and 70B random checkpoints in the background (its own
 # process session, on GPU 3), so the tp32 and tp70 steps, which wait for them, need not.
@@ -45,6 +45,8 @@ for what in "$@"; do
                   " > "$ckpt/prewrite.log" 2>&1 < /dev/null & ;;
         sampling) CUDA_VISIBLE_DEVICES="${SAMPLING_GPU:-0}" "$py" bench_sampling.py --device cuda \
                       --shape qwen2.5-0.5b --write "$out/sampling.md" ;;
+        slices) CUDA_VISIBLE_DEVICES="${SAMPLING_GPU:-0}" "$py" bench_slices.py \
+                    --shape qwen2.5-0.5b --write "$out/slices.md" ;;
         tp) "$py" bench_tp.py --shape qwen3-8b --tp 1,2 | tee -a "$out/tp.md" ;;
         tp32) wait_for "$ckpt/qwen3-32b" && "$py" bench_tp.py --shape qwen3-32b --tp 2 --daemon \
                   --model-dir "$ckpt/qwen3-32b" --token-budget 4096 | tee -a "$out/tp.md"
@@ -54,7 +56,7 @@ for what in "$@"; do
                   --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
                   | tee -a "$out/tp.md" ;;
         moe) "$py" bench_moe.py --devices cuda:0,cuda:1 --layers 12 --write "$out/moe.md" ;;
-        *) echo "unknown: $what (workers, workers4, prewrite, sampling, tp, tp32, tp70, moe)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
     esac
 done
 echo "== done $(date +%T)"
