@@ -220,7 +220,7 @@ class CostModel:
 
     def steps_vary(self) -> bool:
         """Whether the recent steps differ enough in size (1.5x in tokens) to tell the
-        fixed cost from what rows cost, without a probe (see Planner._probe)."""
+        fixed cost from what rows cost, without a probe (see packing.is_probe)."""
         tokens = [x[1] for x, _ in self._window]
         return len(tokens) > LAG and max(tokens) >= 1.5 * min(tokens)
 

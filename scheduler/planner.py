@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .cost import CostModel, StepShape
 from .fairness import Fairness, Limits, Tenant
+from .packing import fit_work, is_probe
 from .queues import SAMPLE, TRAIN, ModelQueue, Work
-
-PROBE_EVERY = 8  # every 8th training step is a half-size probe (Planner._probe)
 
 
 @dataclass
@@ -273,15 +272,16 @@ class Planner:
         target, budget = self.step_target(), self.token_budget
         weights = sum(self.fair.tenant(n).weight for n in runs)  # of the tenants waiting
         self._train_steps += 1
-        if self._probe(runs, target, budget):
-            target, budget = target / 2, budget // 2  # see _probe
+        if is_probe(runs, target, budget, self.cost,
+                    automatic=self.target_step_s is None, nth=self._train_steps):
+            target, budget = target / 2, budget // 2  # see packing.is_probe
         while runs:
             t = self.fair.pick([self.fair.tenant(n) for n in runs])
             model_runs = runs[t.name]
             i = t.rr % len(model_runs)
             w = model_runs[i][0]
             new_model = w.model not in models
-            fit = self._fit(w, shape, new_model, target, budget, first=not taken)
+            fit = fit_work(w, shape, new_model, target, budget, self.cost, first=not taken)
             if fit is None:
                 break
             piece, lengths = fit
@@ -327,61 +327,6 @@ class Planner:
                 taken.append(w)
         return Step("train", taken, shape, self.cost.predict(shape))
 
-    def _probe(self, runs: dict[str, list[list[Work]]], target: float, budget: int) -> bool:
-        """Whether this step is a probe, packed to half the target and half the budget.
-
-        A tenant alone sends steps that all look alike, from which no fit can tell a step's
-        fixed cost from what its rows cost, and the automatic target is made of that fixed
-        cost. Steps of two sizes tell them apart, for ~1% of throughput. So every
-        PROBE_EVERY-th step is a probe when the target is automatic, unless the recent steps
-        already differ in size, or the step would hold all the waiting work anyway: halving
-        that one would push some tenants a whole step back (measured through the daemon on
-        an H100, 8 equal tenants: p99 0.28 s -> 0.6 s) and teach the model nothing a full
-        step would not.
-        """
-        if self.target_step_s is not None or self._train_steps % PROBE_EVERY:
-            return False
-        if self.cost.steps_vary():
-            return False
-        waiting = StepShape()
-        for model_runs in runs.values():
-            for run in model_runs:
-                for w in run:
-                    waiting.add(w.parts[w.taken:] if w.parts else [w.tokens], w is run[0])
-        return waiting.tokens > budget or self.cost.predict(waiting) > target
-
-    def _fit(self, w: Work, shape: StepShape, new_model: bool, target: float, budget: int,
-             first: bool) -> tuple[Work, list[int]] | None:
-        """`w` whole, or its first datums that fit, or None; with the datums' lengths.
-
-        The step is filled until its predicted time reaches `target`: a datum goes in while
-        the step stays within `budget` tokens and its time so far is under the target
-        (so a step ends at most one datum past the target, and never short of it while work
-        is waiting: its fixed cost stays under the share the target was chosen for). An op
-        that does not fit is cut between datums, so one huge request cannot hold a step (and
-        every other tenant) for long; a step's first piece may overflow by one datum rather
-        than never run.
-
-        """
-        lengths = w.parts[w.taken:] if w.parts else [w.tokens]
-        tokens_room = budget - shape.tokens
-        seconds = self.cost.predict(shape) + (self.cost.adapter_cost if new_model else 0.0)
-        n = size = 0
-        for length in lengths:
-            if (size + length > tokens_room or seconds >= target) and not (first and n == 0):
-                break
-            n += 1
-            size += length
-            seconds += self.cost.row_cost(length)
-        if n == 0:
-            return None
-        if not w.parts:
-            return w, lengths
-        hi = w.taken + n
-        piece = _piece(w, w.taken, hi, size, final=hi == len(w.parts))
-        w.taken = hi
-        return piece, lengths[:n]
-
     def _sample_step(self) -> Step | None:
         taken: list[Work] = []
         used = 0
@@ -424,12 +369,6 @@ class Planner:
                        "served_s": round(t.served_s, 3), "share": t.served_s / total,
                        "weight": t.weight}
                 for name, t in sorted(self.fair.tenants.items())}
-
-
-def _piece(w: Work, lo: int, hi: int | None, tokens: int, final: bool) -> Work:
-    if lo == 0 and final:
-        return w  # not cut: the op itself
-    return replace(w, tokens=tokens, lo=lo, hi=hi, final=final, parts=None)
 
 
 __all__ = ["Limits", "Planner", "Step", "TRAIN", "SAMPLE", "Work"]
