@@ -24,6 +24,7 @@ from .engine.checks import Limits as RequestLimits
 from .engine.types import LoraConfig
 from .executor import Executor, zmq_executor
 from .futures import Encoder, Future, Futures, NotFound, UserError, empty_json  # noqa: F401
+from .housekeeping import Housekeeping
 from .metrics import Metrics
 from .residency import Residency
 from .stability import StabilityRecords
@@ -97,7 +98,11 @@ class Service:
                                               self.config.data_dir)
         self._tasks.append(loop.create_task(self._run()))
         if housekeeping:
-            self._tasks.append(loop.create_task(self._housekeeping()))
+            chores = Housekeeping(self.config, self.store, self.futures, self.residency,
+                                  status=self.status, refresh_tenants=self.refresh_tenants,
+                                  may_unload=lambda: self.state == "ready"
+                                  and not self.intake_paused)
+            self._tasks.append(loop.create_task(chores.run()))
 
     async def ready(self) -> None:
         """Wait until the model is loaded (or failed to load)."""
@@ -132,40 +137,6 @@ class Service:
         except Exception as e:  # the daemon keeps answering healthz with the reason
             self.state, self.load_error = "failed", f"{type(e).__name__}: {e}"
             log.exception("model load failed")
-
-    async def _housekeeping(self, every: float = 2.0) -> None:
-        """Tenant settings and the status row every few seconds; old results and expired
-        checkpoints every minute."""
-        ticks = 0
-        while True:
-            try:
-                self.housekeep(minute=ticks % 30 == 0)
-            except Exception:  # housekeeping must never take the daemon down
-                log.exception("housekeeping failed")
-            try:
-                await self.unload_idle()
-            except Exception:
-                log.exception("unloading idle adapters failed")
-            ticks += 1
-            await asyncio.sleep(every)
-
-    def housekeep(self, minute: bool = False) -> None:
-        import shutil
-
-        self.refresh_tenants()
-        self.store.status.put(self.status())
-        if minute:
-            self.futures.purge()
-            for c in self.store.checkpoints.expired():
-                self.store.checkpoints.delete(c["tinker_path"])
-                shutil.rmtree(c["dir"], ignore_errors=True)
-                log.info("checkpoint %s expired and was deleted", c["tinker_path"])
-
-    async def unload_idle(self) -> None:
-        """Adapters idle for `idle_unload_s` leave the workers' memory (Residency)."""
-        limit = self.config.idle_unload_s
-        if limit > 0 and self.state == "ready" and not self.intake_paused:
-            await self.residency.unload_idle(limit)
 
     def status(self) -> dict:
         return {"model": self.config.served_name, "state": self.state,
