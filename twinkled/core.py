@@ -96,10 +96,11 @@ class EngineCore:
         self._seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
         self._pieces = Pieces()
         self._recent: set[str] = set()  # the models the last step served
-        # Models whose client sends an optim_step right behind each forward_backward: the
-        # gather waits for that too, so the pair runs as one step (a barrier step of its
-        # own costs a round trip). A model that leaves the wait without it (gradient
-        # accumulation) is dropped until its next optim_step.
+        # Models whose client sends an optim_step right behind each forward_backward (seen
+        # riding in the same step once): the gather waits for that too, so the pair runs
+        # as one step (a barrier step of its own costs a round trip). A model that leaves
+        # the wait without it (gradient accumulation, a slow client) is dropped until its
+        # optim_step rides behind its rows again.
         self._paired: set[str] = set()
         self.samples = PendingSamples(slice_s)  # the samples the workers decode across steps
         executor.on_restart(self._samples_lost)
@@ -332,7 +333,8 @@ class EngineCore:
             if w.kind == "unload":
                 self.residency.close(w.model)
         self._recent = {w.model for w in step.work if w.model is not None and w.kind != "unload"}
-        self._paired |= {w.model for w in step.work if w.kind == "optim"}
+        if step.kind == "train":  # an optim_step that came in time to ride behind its rows
+            self._paired |= {w.model for w in step.work if w.kind == "optim"}
 
     def _count_tokens(self, op: Op, outcome: Outcome) -> None:
         result, message, _ = outcome
