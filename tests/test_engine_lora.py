@@ -94,7 +94,7 @@ def test_growth_keeps_weights_and_moments(engine, monkeypatch, parks):
     bank.flat(0, "m").copy_(before["m"]), bank.flat(0, "v").copy_(before["v"])
     for i in range(1, 9):  # past the first capacity of 4, then 8
         engine.add_adapter(f"t{i}", LoraConfig(rank=4, seed=i))
-    assert bank.capacity >= 9
+    assert bank.capacity == (12 if parks else 16)  # a big bank grows by a quarter (min 4)
     for k, v in before.items():
         assert torch.equal(bank.flat(0, k), v), k
     key = next(iter(bank.shapes))
