@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_multitenant import make_keys, pct, run_tenants, start_daemon  # noqa: E402
+from bench_workers import path_report, planner_report  # noqa: E402
 
 from output import section_path  # noqa: E402
 
@@ -147,6 +148,9 @@ def main() -> None:
         try:
             res = run_tenants(url, keys, model_dir.name, vocab, seq, steps, [1] * args.tenants,
                               rank=args.rank)
+            print(f"ep {ep}:", end=" ")
+            planner_report(data)  # how many steps a round took, and the step target
+            path_report(url)
         finally:
             daemon.terminate()
             daemon.wait(timeout=120)
