@@ -58,3 +58,23 @@ def test_serve_refuses_a_bad_layout_at_start(tiny_dir, tmp_path):
     assert out.returncode == 2
     assert "tp: 4 does not divide the 2 worker devices" in out.stderr
     assert "tp 4 does not divide the model's 2 attention heads" in out.stderr
+
+
+def test_adapter_budget_follows_the_card_and_the_split(tmp_path):
+    """What adapters may take per rank: the card less the weights, a recomputed micro-batch
+    and the sampler pool; more with a bigger split; no limit without GPUs. A rank-32
+    adapter of the 32B shape takes ~2.9 GiB a rank at tp 2 (18 bytes a parameter)."""
+    from twinkled.engine.sizing import GiB, adapter_bytes
+    from twinkled.layout import adapters_budget
+
+    cfg = _config(tmp_path, QWEN3_32B, devices=["cuda:0", "cuda:1"], tp=2, token_budget=4096)
+    two = adapters_budget(cfg, [H100, H100])
+    assert 20 * GiB < two < 35 * GiB
+    assert adapters_budget(replace(cfg, token_budget=16384), [H100, H100]) < two
+    assert adapters_budget(replace(cfg, devices=["cuda:0"], tp=1), [H100]) == 0  # no room
+    assert adapters_budget(replace(cfg, devices=["cpu", "cpu"]), []) is None
+    one = adapter_bytes(QWEN3_32B, 32, tp=2)
+    assert 2.5 * GiB < one < 3.2 * GiB
+    assert adapter_bytes(QWEN3_32B, 16, tp=2) * 2 == one
+    assert adapter_bytes(QWEN3_32B, 32, tp=1) > one  # the split parts halve under tp 2
+    assert adapter_bytes(QWEN3_32B, 32, mlp=False, unembed=False, tp=2) < one / 2

@@ -333,3 +333,34 @@ def test_gather_waits_for_the_optim_step_behind_a_forward_backward(tiny_dir, tmp
             assert loop.time() - began < 3.5  # one wait of 2 s at most, not one per op
 
     run(go())
+
+
+def test_an_adapter_that_would_not_fit_is_refused_and_others_keep_training(tiny_dir,
+                                                                           tmp_path):
+    """With room for two rank-4 adapters, a third create_model is refused at once with the
+    numbers (nothing is queued, no worker runs out of memory); the two train on, and once
+    one is unloaded the third fits."""
+    from twinkled.adapter_room import NoRoom
+    from twinkled.config import Config as C
+    from twinkled.engine.sizing import adapter_bytes
+
+    model_cfg = C(model=tiny_dir).model_config
+    gb = 2.5 * adapter_bytes(model_cfg, 4) / 2**30
+
+    async def go():
+        async with service(tiny_dir, tmp_path, adapter_memory_gb=gb) as box:
+            a, b = await box.create("alice"), await box.create("bob")
+            with pytest.raises(NoRoom, match="adapter_memory_gb"):
+                await box.create("carol")
+            assert box.store.runs.list("carol")[1] == 0  # no run row was left behind
+            fa, fb = box.fwdbwd("alice", a, 1, [5]), box.fwdbwd("bob", b, 1, [6])
+            await done(fa, fb)
+            assert fa.error is None and fb.error is None
+            box.svc.unload_models("bob", [b])
+            await done(box.fwdbwd("alice", a, 2, [5]))  # a step after the unload
+            c = await box.create("carol")
+            f = box.fwdbwd("carol", c, 1, [4])
+            await done(f)
+            assert f.error is None
+
+    run(go())

@@ -9,7 +9,7 @@ import click
 
 from .config import Config
 from .ctl import ctl
-from .layout import expand_devices, layout_problems
+from .layout import adapters_budget, expand_devices, gpu_memory, layout_problems
 
 
 @click.group()
@@ -55,7 +55,8 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
                       log_format=log_format)
     if cfg.model is None or not (cfg.model / "config.json").is_file():
         raise click.UsageError("--model must be a Hugging Face model directory")
-    problems = layout_problems(cfg)
+    memory = gpu_memory(cfg)
+    problems = layout_problems(cfg, memory)
     if problems:
         raise click.UsageError("; ".join(problems))
     from .admin import admin_key_path, ensure_admin_key
@@ -73,7 +74,8 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
         pass
     # auto_decompress off: forward_backward bodies may be zstd (Content-Encoding: zstd),
     # which the Tinker codec decodes itself, with a size limit.
-    web.run_app(make_app(Service(cfg, store), store, admin_key), host=cfg.host, port=cfg.port,
+    service = Service(cfg, store, adapter_budget=adapters_budget(cfg, memory))
+    web.run_app(make_app(service, store, admin_key), host=cfg.host, port=cfg.port,
                 print=lambda s: click.echo(s, err=True),
                 auto_decompress=False)
     logging.getLogger("twinkled").info("stopped")

@@ -55,6 +55,9 @@ class Config:
     token_budget: int = 16384  # tokens per micro-batch (activation memory)
     packing: bool = True  # rows of mixed lengths run end to end, not padded (engine/packed.py)
     sample_kv_mb: int = 0  # the sampler's KV page pool per worker (0: 4096 on a GPU, 64 on a CPU)
+    # GPU memory per rank for loaded adapters; 0: what the sizing estimate leaves of the
+    # smallest card (on GPUs; no limit on CPUs). An adapter that would not fit is refused.
+    adapter_memory_gb: float = 0.0
     # How long a training step should take, in ms: "auto" derives it from the step times
     # measured on this model (scheduler/cost.py), 0 bounds steps by token_budget only.
     target_step_ms: float | str = "auto"
@@ -203,7 +206,7 @@ _RANGES = {
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
                                  "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
-    "token_budget": _POSITIVE, "sample_kv_mb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
+    "token_budget": _POSITIVE, "sample_kv_mb": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
     "poll_seconds": (lambda v: 0 <= v < 45,
                      "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
     "gather_ms": _NON_NEGATIVE, "stability_bytes": _NON_NEGATIVE,

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from .config import Config
-from .engine.sizing import DTYPE_BYTES, GiB, split_problem, step_bytes, weight_bytes
+from .engine.sizing import DTYPE_BYTES, GiB, adapter_budget, split_problem, step_bytes, weight_bytes
 
 _RANGE = re.compile(r"cuda:(\d+)-(\d+)")
 # What may stay free of the estimate: CUDA context, allocator slack, the estimate's error.
@@ -44,6 +44,25 @@ def _gpu_memory() -> list[int]:
         return [int(x) for x in json.loads(out.stdout.strip() or "[]")]
     except (subprocess.SubprocessError, ValueError):
         return []
+
+
+def gpu_memory(cfg: Config) -> list[int]:
+    """The sizes of this box's CUDA cards ([] when the workers use none)."""
+    uses_gpu = any(d.startswith("cuda") for d in cfg.worker_devices())
+    return _gpu_memory() if uses_gpu else []
+
+
+def adapters_budget(cfg: Config, memory: list[int]) -> int | None:
+    """Bytes per rank that loaded adapters may take (`AdapterRoom`): what the sizing
+    estimate leaves of the smallest card in use; None (no limit) without GPUs."""
+    devices = cfg.worker_devices()
+    gpus = sorted({int(d.partition(":")[2] or 0) for d in devices if d.startswith("cuda")})
+    model = cfg.model_config
+    if not gpus or not model or any(g >= len(memory) for g in gpus):
+        return None
+    kv = (cfg.sample_kv_mb or 4096) * 2**20
+    return adapter_budget(model, min(memory[g] for g in gpus), DTYPE_BYTES.get(cfg.dtype, 2),
+                          cfg.token_budget, cfg.tp, kv, HEADROOM)
 
 
 def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from scheduler import Planner
 
+from .adapter_room import AdapterRoom
 from .engine.types import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES, AdapterInfo, LoraConfig
 from .executor import Executor, Outcome
 from .futures import UserError
@@ -39,10 +40,12 @@ def loaded_config(info: AdapterInfo) -> LoraConfig:
 
 
 class Residency:
-    def __init__(self, store: Any, planner: Planner, executor: Executor):
+    def __init__(self, store: Any, planner: Planner, executor: Executor,
+                 room: AdapterRoom | None = None):
         self._store = store
         self._planner = planner
         self._executor = executor
+        self.room = room or AdapterRoom(None, lambda _: 0)  # GPU memory for adapters
         self._live: dict[str, LoraConfig] = {}  # training adapters in the workers' memory
         self._locks: dict[str, asyncio.Lock] = {}  # idle unload vs reload of one model
 
@@ -69,6 +72,8 @@ class Residency:
         brings it back); an unloaded one is not."""
         result, error, _ = outcome
         model = frame.adapter_id
+        if error is not None and isinstance(frame, CreateF | LoadF) and model not in self._live:
+            self.room.release(model)  # it never came to be
         if error is None and isinstance(frame, CreateF):
             # The config it was made from, seed included: a restore before its first
             # persisted state re-creates the same initial weights, and the journal replays.
@@ -76,9 +81,11 @@ class Residency:
             self._store.runs.set_live(model, True)
         elif error is None and isinstance(frame, LoadF):
             self._live[model] = loaded_config(result)
+            self.room.hold(model, self._live[model])
             self._store.runs.set_live(model, True)
         elif isinstance(frame, UnloadF):
             self._live.pop(model, None)
+            self.room.release(model)
             self._store.runs.set_live(model, False)
 
     def close(self, model: str) -> None:
@@ -89,6 +96,7 @@ class Residency:
         """The executor could not bring an adapter back after a worker fault: its requests
         now fail in the engine ("no adapter loaded") until its client loads a checkpoint."""
         self._live.pop(model, None)
+        self.room.release(model)
 
     # -- start-up, idle unload, reload, shutdown -----------------------------------------
 
@@ -104,6 +112,7 @@ class Residency:
                 self._store.runs.set_live(r["id"], False)
                 continue
             self._live[r["id"]] = configs[r["id"]]
+            self.room.hold(r["id"], configs[r["id"]])  # what was live comes back, room or not
             self.open(r["id"], r["tenant"], r["next_seq"] or 1, resync=r["next_seq"] is None)
             self._store.runs.set_live(r["id"], True)  # forget next_seq: a crash resyncs
         if runs:
@@ -127,6 +136,7 @@ class Residency:
                     self.open(model, run["tenant"], next_seq)
                     continue
                 self._live.pop(model, None)
+                self.room.release(model)
                 self._store.runs.set_live(model, False, next_seq=next_seq, idle_unloaded=True)
                 log.info("adapter %s unloaded after %.0f s idle", model, idle_s)
 
@@ -140,8 +150,10 @@ class Residency:
             if self.is_open(model) or not (fresh and fresh["idle_unloaded"]):
                 return  # loaded meanwhile, or never unloaded (submit says why not loaded)
             config = stored_config(fresh)
+            self.room.admit(model, config)
             why = await self._executor.restore_one(model, config)
             if why is not None:
+                self.room.release(model)
                 raise UserError(f"model {model} was unloaded while idle and could not be "
                                 f"reloaded: {why}")
             self._live[model] = config

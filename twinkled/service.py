@@ -18,15 +18,17 @@ from typing import Any
 
 from scheduler import Planner
 
+from .adapter_room import AdapterRoom
 from .config import Config
 from .core import After, EngineCore, Op, RateLimited, Skip  # noqa: F401  (re-exported)
 from .engine.checks import Limits as RequestLimits
+from .engine.sizing import adapter_bytes
 from .engine.types import LoraConfig
 from .executor import Executor, zmq_executor
 from .futures import Encoder, Future, Futures, NotFound, UserError, empty_json  # noqa: F401
 from .housekeeping import Housekeeping
 from .metrics import Metrics
-from .residency import Residency
+from .residency import Residency, stored_config
 from .stability import StabilityRecords
 from .store import Conflict, checkpoint_path
 from .streams import SampleStream
@@ -46,14 +48,28 @@ def _ms(seconds: float) -> float | None:
     return round(seconds * 1e3, 1) if seconds < float("inf") else None
 
 
+def adapter_room(config: Config, budget: int | None) -> AdapterRoom:
+    """The adapters' share of GPU memory: the config's `adapter_memory_gb` if set, else
+    `budget` (None: no limit), counted with the sizing estimate of this model."""
+    if config.adapter_memory_gb > 0:
+        budget = int(config.adapter_memory_gb * 2**30)
+    model = config.model_config or {}
+    if budget is None or not model:
+        return AdapterRoom(None, lambda _: 0)
+    return AdapterRoom(budget, lambda c: adapter_bytes(
+        model, c.rank, c.train_attn, c.train_mlp, c.train_unembed, config.tp))
+
+
 class Draining(Exception):
     """The daemon is stopping (hot restart): come back shortly (HTTP 503, retried)."""
 
 
 class Service:
-    def __init__(self, config: Config, store, executor: Executor | None = None):
+    def __init__(self, config: Config, store, executor: Executor | None = None,
+                 adapter_budget: int | None = None):
         """`executor`: where steps run; by default a worker group over ZeroMQ (tests pass
-        an in-process one, `workers/inprocess.py`)."""
+        an in-process one, `workers/inprocess.py`). `adapter_budget`: bytes per rank for
+        adapters (`layout.adapter_budget`; None: no limit), unless the config sets one."""
         self.config = config
         self.store = store
         self.state = "loading"
@@ -68,7 +84,8 @@ class Service:
         self.futures = Futures(store)
         self.planner = Planner(config.token_budget, config.sample_budget, config.target_step_s)
         self.executor = executor or zmq_executor(config)
-        self.residency = Residency(store, self.planner, self.executor)
+        self.residency = Residency(store, self.planner, self.executor,
+                                   adapter_room(config, adapter_budget))
         self.tenants = Tenants(config, store, self.planner)
         self.executor.serve(self.residency, on_restart=self.metrics.worker_restarts.inc)
         self.core = EngineCore(self.planner, self.executor, self.futures, self.residency,
@@ -249,6 +266,7 @@ class Service:
                      answer: Answer) -> tuple[str, Future]:
         """A new training run and its adapter (op 0 of the model): its id and future."""
         self.tenants.check_new_adapter(tenant, config.rank)
+        self.residency.room.check(config)
         lora = {"rank": config.rank, "alpha": config.alpha, "train_attn": config.train_attn,
                 "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
                 "seed": config.seed, "optimizer": config.optimizer}  # a restore re-creates it
@@ -258,6 +276,7 @@ class Service:
         except Conflict:
             raise UserError(f"model {session_id}:train:{model_seq} already exists") from None
         f = self.futures.new(tenant, "create_model", lambda _: answer(model))
+        self.residency.room.hold(model, config)
         self.residency.open(model, tenant, 0)
         return model, self.submit(Op(model, 0, CreateF(model, config), f))
 
@@ -335,11 +354,14 @@ class Service:
         """A new training run whose adapter is loaded from a checkpoint (op 0)."""
         src = self.store.runs.get(checkpoint["run_id"], include_deleted=True)
         lora = {**(src["lora_config"] or {}), "optimizer": family}
+        stored = stored_config({"lora_config": lora})
+        self.residency.room.check(stored)
         try:
             model = self.store.runs.create(session_id, tenant, self.config.served_name,
                                            src["lora_rank"], lora, user_metadata, model_seq)
         except Conflict:
             raise UserError("that model_seq_id is already used in this session") from None
+        self.residency.room.hold(model, stored)
         self.residency.open(model, tenant, 0)
         f = self.futures.new(tenant, "load_weights", lambda _: answer(model))
         return model, self.submit(Op(model, 0, LoadF(model, checkpoint["dir"], optimizer,

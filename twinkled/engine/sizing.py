@@ -70,3 +70,32 @@ def step_bytes(cfg: dict, dtype_bytes: int, tokens: int, tp: int = 1,
     """Weights + adapters + one micro-batch's activations on one rank."""
     return (weight_bytes(cfg, dtype_bytes, tp) + lora_bytes(cfg, rank, adapters, tp)
             + activation_bytes(cfg, dtype_bytes, tokens, tp, recompute))
+
+
+def adapter_bytes(cfg: dict, rank: int, attn: bool = True, mlp: bool = True,
+                  unembed: bool = True, tp: int = 1) -> int:
+    """One adapter on one rank: fp32 weights, gradients and two AdamW moments, and the
+    compute-dtype copy the passes read (18 bytes a parameter), for the modules it trains.
+    An MoE model's MLP adapter covers every expert (experts replace the dense MLP)."""
+    h, heads, kv, d, inter, layers, vocab = _dims(cfg)
+    per_layer = 0
+    if attn:
+        per_layer += (h + heads * d // tp) * 2 + (h + kv * d // tp) * 2
+    if mlp:
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        if experts:
+            moe_inter = int(cfg.get("moe_intermediate_size") or inter)
+            per_layer += experts * (2 * h + 3 * moe_inter)
+        else:
+            per_layer += (h + inter // tp) * 3
+    return 18 * rank * (layers * per_layer + ((h + vocab) if unembed else 0))
+
+
+def adapter_budget(cfg: dict, card: int, dtype_bytes: int, tokens: int, tp: int = 1,
+                   sampler_bytes: int = 0, headroom: float = 0.92) -> int:
+    """What one rank of `card` bytes has for adapters once the base weights, a training
+    micro-batch of `tokens` (recomputed: the least a step takes) and the sampler's KV pool
+    are counted, with `headroom` of the card usable."""
+    taken = (weight_bytes(cfg, dtype_bytes, tp)
+             + activation_bytes(cfg, dtype_bytes, tokens, tp, recompute=True) + sampler_bytes)
+    return max(0, int(headroom * card) - taken)
