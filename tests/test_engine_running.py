@@ -198,3 +198,21 @@ def test_a_cancelled_request_leaves_at_once_and_gives_its_pages_back(eng):
     assert [f.ticket for f in finished] == [t_stay] and not batch.cancel(t_stay)
     assert batch.idle and batch.free_pages == free
     _assert_same([finished[0].result], generate_padded(eng.model, [stay], _adapters(eng, [stay])))
+
+
+def test_a_slice_ends_after_a_finish_only_once_min_seconds_passed(eng):
+    """`until_done` ends a slice at the first finished request; with `min_seconds` it
+    decodes on until that time has passed (fewer round trips for a rollout)."""
+    def two():
+        long = SampleRequest("a", _prompt(eng, 6, 50), SamplingParams(max_tokens=30, seed=1,
+                                                                      stop=[]))
+        short = SampleRequest("b", _prompt(eng, 9, 51), SamplingParams(max_tokens=3, seed=2,
+                                                                       stop=[]))
+        batch = RunningBatch(eng.model, rows=4, pages=32, page_size=4)
+        return batch, batch.admit([long, short], _adapters(eng, [long, short]))
+
+    batch, (t_long, t_short) = two()
+    assert [f.ticket for f in batch.run(until_done=True)] == [t_short]
+    batch, (t_long, t_short) = two()
+    done = batch.run(until_done=True, min_seconds=600.0)  # on until the batch is idle
+    assert [f.ticket for f in done] == [t_short, t_long] and batch.idle

@@ -215,16 +215,16 @@ class Engine:
         return batch.admit(requests, adapters)
 
     def sample_slice(self, max_steps: int | None = None, max_seconds: float | None = None,
-                     until_done: bool = False) -> list[Finished]:
+                     until_done: bool = False, min_seconds: float = 0.0) -> list[Finished]:
         """Run the queued requests for up to `max_steps` decode steps / `max_seconds` (with
-        `until_done`, only until one finishes); returns those that finished. If a step
-        fails, every queued request is lost (the batch starts afresh) and the error
-        propagates."""
+        `until_done`, only until one finishes and `min_seconds` passed); returns those that
+        finished. If a step fails, every queued request is lost (the batch starts afresh)
+        and the error propagates."""
         done, self._finished = self._finished, []
         if self._running is None or (until_done and done):
             return done
         try:
-            return done + self._running.run(max_steps, max_seconds, until_done)
+            return done + self._running.run(max_steps, max_seconds, until_done, min_seconds)
         except BaseException:
             self._running = None
             raise

@@ -16,6 +16,7 @@ from .share import rank0_dir
 
 FRESH_SAMPLERS = 8  # device copies of just-saved sampler weights kept for their first use
 SAMPLER_ADAPTERS = 32  # sampler checkpoints kept loaded; the least recently used goes first
+EARLY_RETURN_S = 0.02  # a finished sample ends its slice once this much of it has run
 
 
 class SampleRunner:
@@ -161,9 +162,12 @@ class SampleRunner:
         samples that finished. If the batch fails, every sample it held fails (which one
         was at fault is not known)."""
         try:
-            # Back as soon as a sample finished: its client hears at once, and the daemon
-            # goes on with the others (and new ones) at once if sampling's turn is not over.
-            finished = self.engine.sample_slice(max_seconds=seconds, until_done=True)
+            # Back soon after a sample finished: its client hears within EARLY_RETURN_S,
+            # and the daemon goes on with the others (and new ones) if sampling's turn is
+            # not over. Not at once: a rollout whose samples end one by one would pay a
+            # round trip to the daemon per sample (measured on a CPU: 10-20% slower).
+            finished = self.engine.sample_slice(max_seconds=seconds, until_done=True,
+                                                min_seconds=min(seconds, EARLY_RETURN_S))
         except Exception as e:
             if fatal(e, self.split):
                 raise
