@@ -52,9 +52,16 @@ def test_base_forward_matches_transformers(moe_dir):
     assert (_logits(eng, None, ids) - want).abs().max() <= 1e-5
 
 
-def test_cobatched_gradients_equal_each_adapter_alone(moe_dir):
+@pytest.mark.parametrize("max_groups", [None, 8])
+def test_cobatched_gradients_equal_each_adapter_alone(moe_dir, monkeypatch, max_groups):
     """Packed rows of three adapters in two banks and a base-model row, against each alone
-    (single-datum requests run padded: both LoRA layouts are exercised)."""
+    (single-datum requests run padded: both LoRA layouts are exercised). With max_groups
+    8 (one adapter's 8 experts), a bank's adapters run in parts, as a GPU's grouped matmul
+    needs for 128 experts x 8 adapters."""
+    if max_groups is not None:
+        import twinkled.engine.moe as moe
+
+        monkeypatch.setattr(moe, "MAX_GROUPS", max_groups)
     gen = torch.Generator().manual_seed(0)
     V = 1024
     reqs = [ce_request("a", gen, V, [7, 12]), ce_request("b", gen, V, [9]),
