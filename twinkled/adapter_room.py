@@ -5,17 +5,17 @@ refused at the door with the numbers, instead of running a worker out of memory 
 
 The budget is `adapter_memory_gb`, or on GPUs what the sizing estimate leaves of the
 smallest card once the base weights, a recomputed training micro-batch and the sampler's
-KV pool are counted (`twinkled.layout.adapter_budget`); on CPUs there is no limit.
+KV pool are counted (`twinkled.layout.adapters_budget`); on CPUs there is no limit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from .config import Config
+from .engine.sizing import GiB, adapter_bytes
 from .engine.types import LoraConfig
 from .futures import UserError
-
-GiB = 2**30
 
 
 class NoRoom(UserError):
@@ -58,3 +58,15 @@ class AdapterRoom:
         """check, then hold."""
         self.check(config)
         self.hold(model, config)
+
+
+def adapter_room(config: Config, budget: int | None) -> AdapterRoom:
+    """The adapters' share of GPU memory: the config's `adapter_memory_gb` if set, else
+    `budget` (None: no limit), counted with the sizing estimate of this model."""
+    if config.adapter_memory_gb > 0:
+        budget = int(config.adapter_memory_gb * GiB)
+    model = config.model_config or {}
+    if budget is None or not model:
+        return AdapterRoom(None, lambda _: 0)
+    return AdapterRoom(budget, lambda c: adapter_bytes(
+        model, c.rank, c.train_attn, c.train_mlp, c.train_unembed, config.tp))

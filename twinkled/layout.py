@@ -46,18 +46,20 @@ def _gpu_memory() -> list[int]:
         return []
 
 
+def _gpus(devices: list[str]) -> list[int]:
+    """The CUDA card indices among worker devices ("cuda" is card 0)."""
+    return sorted({int(d.partition(":")[2] or 0) for d in devices if d.startswith("cuda")})
+
+
 def gpu_memory(cfg: Config) -> list[int]:
     """The sizes of this box's CUDA cards ([] when the workers use none)."""
-    uses_gpu = any(d.startswith("cuda") for d in cfg.worker_devices())
-    return _gpu_memory() if uses_gpu else []
+    return _gpu_memory() if _gpus(cfg.worker_devices()) else []
 
 
 def adapters_budget(cfg: Config, memory: list[int]) -> int | None:
     """Bytes per rank that loaded adapters may take (`AdapterRoom`): what the sizing
     estimate leaves of the smallest card in use; None (no limit) without GPUs."""
-    devices = cfg.worker_devices()
-    gpus = sorted({int(d.partition(":")[2] or 0) for d in devices if d.startswith("cuda")})
-    model = cfg.model_config
+    gpus, model = _gpus(cfg.worker_devices()), cfg.model_config
     if not gpus or not model or any(g >= len(memory) for g in gpus):
         return None
     kv = (cfg.sample_kv_mb or 4096) * 2**20
@@ -85,7 +87,7 @@ def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[st
     model = cfg.model_config
     if tp > 1 and model and (why := split_problem(model, tp)) is not None:
         problems.append(f"tp: {why}")
-    gpus = sorted({int(d.partition(":")[2] or 0) for d in devices if d.startswith("cuda")})
+    gpus = _gpus(devices)
     if not gpus:
         return problems
     memory = _gpu_memory() if gpu_memory is None else gpu_memory

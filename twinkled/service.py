@@ -18,11 +18,10 @@ from typing import Any
 
 from scheduler import Planner
 
-from .adapter_room import AdapterRoom
+from .adapter_room import adapter_room
 from .config import Config
 from .core import After, EngineCore, Op, RateLimited, Skip  # noqa: F401  (re-exported)
 from .engine.checks import Limits as RequestLimits
-from .engine.sizing import adapter_bytes
 from .engine.types import LoraConfig
 from .executor import Executor, zmq_executor
 from .futures import Encoder, Future, Futures, NotFound, UserError, empty_json  # noqa: F401
@@ -48,18 +47,6 @@ def _ms(seconds: float) -> float | None:
     return round(seconds * 1e3, 1) if seconds < float("inf") else None
 
 
-def adapter_room(config: Config, budget: int | None) -> AdapterRoom:
-    """The adapters' share of GPU memory: the config's `adapter_memory_gb` if set, else
-    `budget` (None: no limit), counted with the sizing estimate of this model."""
-    if config.adapter_memory_gb > 0:
-        budget = int(config.adapter_memory_gb * 2**30)
-    model = config.model_config or {}
-    if budget is None or not model:
-        return AdapterRoom(None, lambda _: 0)
-    return AdapterRoom(budget, lambda c: adapter_bytes(
-        model, c.rank, c.train_attn, c.train_mlp, c.train_unembed, config.tp))
-
-
 class Draining(Exception):
     """The daemon is stopping (hot restart): come back shortly (HTTP 503, retried)."""
 
@@ -69,7 +56,7 @@ class Service:
                  adapter_budget: int | None = None):
         """`executor`: where steps run; by default a worker group over ZeroMQ (tests pass
         an in-process one, `workers/inprocess.py`). `adapter_budget`: bytes per rank for
-        adapters (`layout.adapter_budget`; None: no limit), unless the config sets one."""
+        adapters (`layout.adapters_budget`; None: no limit), unless the config sets one."""
         self.config = config
         self.store = store
         self.state = "loading"

@@ -57,7 +57,7 @@ class Snapshot:
     names: list[tuple[str, str, tuple[int, ...]]]  # (file, tensor name, shape), flat order
     flat: torch.Tensor
     ready: torch.cuda.Event | None = None
-    _device_copy: list[torch.Tensor] | None = None  # kept alive until the host copy is done
+    _device_copy: torch.Tensor | None = None  # kept alive until the host copy is done
 
     def host(self) -> torch.Tensor:
         """The flat host copy, once the device-to-host copy has finished."""
@@ -105,28 +105,26 @@ def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
     device = views[0].device
     total = sum(v.numel() for v in views)
     host = torch.empty(total, dtype=views[0].dtype, pin_memory=True)
-    if total < SMALL_SNAPSHOT:
-        keep = [torch.cat([v.reshape(-1) for v in views])]
-        stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
-        stream.wait_stream(torch.cuda.current_stream(device))
-    else:
+    if total >= SMALL_SNAPSHOT:
         # A big adapter (a 32B model's, with its moments, is GiBs) is copied view by view
         # and waited for: a cat would need as much free GPU memory again beside a model
         # that fills the card, and so would keeping its gathered tensor-parallel slices
         # until a writer thread gets to it (8 tenants created in one step held 8 of them:
         # measured out of memory on 2 x H100 with a 32B model).
-        keep, stream = views, torch.cuda.current_stream(device)
-    with torch.cuda.stream(stream):
         at = 0
-        for v in keep:
+        for v in views:
             host[at:at + v.numel()].copy_(v.reshape(-1), non_blocking=True)
             at += v.numel()
+        torch.cuda.current_stream(device).synchronize()
+        return Snapshot(adapter.config, adapter.steps, names, host)
+    flat = torch.cat([v.reshape(-1) for v in views])
+    stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        host.copy_(flat, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(stream)
-    if keep is views:
-        ready.synchronize()
-        return Snapshot(adapter.config, adapter.steps, names, host)
-    return Snapshot(adapter.config, adapter.steps, names, host, ready, keep)
+    return Snapshot(adapter.config, adapter.steps, names, host, ready, flat)
 
 
 def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
