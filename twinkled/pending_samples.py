@@ -8,7 +8,7 @@ samples that finished, of this step or of earlier ones. The core then runs other
 training step, say) and comes back with "slice" steps that only go on decoding. So a
 tenant's long generation never holds the GPU for its whole length: a short sample
 submitted meanwhile joins at the next slice and comes back when it finishes, and training
-steps run between the turns (core.py: EngineCore._in_turn).
+steps run between the turns (`PendingSamples.in_turn`, asked by core.py).
 
 `PendingSamples` keeps those ops by key (their future's id, which the workers' outcomes
 name), feeds a streamed op's reader the new tokens each slice made, hands back the ops
