@@ -87,3 +87,35 @@ def test_tp_daemon_reports_every_rank_and_its_peak_memory(tp_daemon):
         text = r.read().decode()
     for rank in (0, 1):  # on a CPU the engine holds no device memory: 0
         assert f'twinkle_gpu_peak_memory_bytes{{device="cpu",rank="{rank}"}} 0.0' in text
+
+
+def test_tp_adapters_persist_behind_the_steps_and_at_shutdown(tiny_dir, tmp_path):
+    """A split adapter is gathered to be written only when the writer takes it, not at every
+    optimizer step: with `persist_every = 0` the steps write nothing, and the shutdown
+    writes the latest state, of whole tensors."""
+    conf = tmp_path / "twinkled.toml"
+    conf.write_text("persist_every = 0\n")
+    data = tmp_path / "data"
+    d = Daemon(tiny_dir, data, tmp_path / "twinkled.log", "--devices", "cpu,cpu", "--tp", "2",
+               "--config", str(conf))
+    try:
+        sc = tinker.ServiceClient(base_url=d.url, api_key=make_key(data, "alice"))
+        tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=8, seed=0).result(
+            timeout=T)
+        batch = [datum(tc.get_tokenizer(), s) for s in SENTENCES]
+        for _ in range(3):
+            tc.forward_backward(batch, "cross_entropy").result(timeout=T)
+            tc.optim_step(tinker.types.AdamParams(learning_rate=5e-3)).result(timeout=T)
+        live = data / "live" / tc.model_id
+        _live_shapes(live)  # the new adapter's first state, written behind its creation
+        assert _live_steps(live) == 0  # the three optimizer steps were not persisted
+        sc.close("success")
+    finally:
+        d.stop()
+    assert _live_steps(live) == 3  # the shutdown persisted the latest state, whole
+    q_b = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    assert _live_shapes(live)[q_b] == [128, 8]
+
+
+def _live_steps(root) -> int:
+    return json.loads(next(root.glob("*/state.json")).read_text())["steps"]

@@ -18,6 +18,9 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from twinkled.engine.live import write_live
 from twinkled.engine.lora import Adapter
 from twinkled.engine.state import Snapshot, snapshot
@@ -65,13 +68,14 @@ class Persister:
     def mark(self, adapter_id: str) -> None:
         self.dirty.setdefault(adapter_id)
 
-    def hold(self, adapter_id: str, snap: Snapshot, mark: int, every: bool = False) -> None:
-        """A snapshot made by the caller, to write as `mark` (as `after_step` with `every`,
-        else as `mark`)."""
-        if every and not (self.every > 0 and snap.steps % self.every == 0):
-            return
+    def hold(self, adapter_id: str, snap: Snapshot, mark: int) -> None:
+        """A snapshot made by the caller (a tensor-parallel one), to write as `mark`."""
         self.ready[adapter_id] = (snap, mark)
         self.dirty.setdefault(adapter_id)
+
+    def free(self) -> bool:
+        """Nothing waits to be written: a new snapshot would go to the disk at once."""
+        return not self.dirty and self.idle()
 
     def forget(self, adapter_id: str) -> None:
         self.dirty.pop(adapter_id, None)
@@ -155,3 +159,61 @@ class Persister:
         for old in root.iterdir():
             if old != version and not old.name.startswith("."):
                 shutil.rmtree(old, ignore_errors=True)
+
+
+class SplitPersistence:
+    """Write-behind persistence of tensor-parallel adapters, kept by every rank alike.
+
+    A split adapter is gathered whole to be written, and the gather is a collective, so
+    every rank of the worker group must take the same snapshots at the same point of the
+    same step. Every rank keeps the same list of changed adapters (the ops, and so the
+    step counts, are the same on all ranks). At the end of a step with something changed,
+    rank 0 says whether its writer is free (one broadcast of one number); if it is, the
+    oldest changed adapter is gathered by the tensor-parallel group that holds rank 0 and
+    handed to the writer. So, as for unsplit adapters (`Persister.pump`), a fast loop
+    coalesces into as many writes as the disk takes, and a step never gathers an
+    adapter's GiBs of state just because it stepped (a 70B's state with its moments)."""
+
+    def __init__(self, engine, persister: Persister | None, every: int, replica: int):
+        self.engine = engine
+        self.persister = persister  # rank 0 only
+        self.every = every  # persist_every: after every N-th optimizer step (0: when asked)
+        self.writes = replica == 0  # the group holding rank 0 gathers; the others skip
+        self.dirty: dict[str, None] = {}
+
+    def stepped(self, adapter_id: str) -> None:
+        steps = self.engine.pool.get(adapter_id).steps
+        if self.every > 0 and steps % self.every == 0:
+            self.dirty.setdefault(adapter_id)
+
+    def changed(self, adapter_id: str) -> None:
+        self.dirty.setdefault(adapter_id)
+
+    def forget(self, adapter_id: str) -> None:
+        self.dirty.pop(adapter_id, None)
+
+    def now(self, adapter_id: str, mark: int) -> None:
+        """Gather `adapter_id` now (asked to persist: every rank calls this)."""
+        self.dirty.pop(adapter_id, None)
+        if self.writes:
+            snap = self.engine.snapshot(adapter_id)
+            if self.persister is not None:
+                self.persister.hold(adapter_id, snap, mark)
+
+    def pump(self, marks: dict[str, int]) -> None:
+        """At the end of a step, on every rank: gather one changed adapter if rank 0's
+        writer is free."""
+        if not self.dirty or not self._writer_free():
+            return
+        adapter_id = next(iter(self.dirty))
+        if self.engine.has_adapter(adapter_id):
+            self.now(adapter_id, marks.get(adapter_id, 0))
+        else:
+            self.dirty.pop(adapter_id)
+
+    def _writer_free(self) -> bool:
+        flag = torch.tensor([1 if self.persister is not None and self.persister.free() else 0])
+        if dist.get_backend() == "nccl":
+            flag = flag.to(self.engine.model.device)
+        dist.broadcast(flag, 0)
+        return bool(flag.item())

@@ -41,7 +41,7 @@ from .frames import (
     TrainF,
     UnloadF,
 )
-from .persist import Persister, latest_version
+from .persist import Persister, SplitPersistence, latest_version
 from .rank_io import category, fatal, release, to_buf, to_tensor
 from .sampling import SampleRunner
 from .share import rank0_dir
@@ -58,7 +58,8 @@ def _datum(d: DatumF) -> Datum:
 
 class StepRunner:
     def __init__(self, engine: Engine, rank: int, world: int, persister: Persister | None,
-                 spans_hosts: bool = False, ep: int = 1, seed: int | None = None):
+                 spans_hosts: bool = False, ep: int = 1, seed: int | None = None,
+                 persist_every: int = 1):
         self.engine = engine
         self.rank, self.world = rank, world
         # Rows and samples are split over the data-parallel replicas; every rank of a
@@ -74,6 +75,9 @@ class StepRunner:
             self.replica, self.replicas = rank // ep, world // ep
             self.reports = rank % ep == 0
         self.persister = persister  # rank 0 only
+        # Split adapters are persisted by every rank together (a gather), on rank 0's word.
+        self.split = None if shard is None else SplitPersistence(
+            engine, persister, persist_every, self.replica)
         self.spans_hosts = spans_hosts  # rank 0's files are shared to the others (share.py)
         self.sampling = SampleRunner(engine, rank, self.replica, self.replicas, self.reports,
                                      spans_hosts, seed)
@@ -94,6 +98,8 @@ class StepRunner:
                                       for i in barriers], key=lambda o: o.index)
         if barriers:
             outcomes += self._barriers(step.ops, barriers)
+        if self.split is not None:  # every rank, at the same point of the same step
+            self.split.pump(self.marks)
         return sorted(outcomes, key=lambda o: o.index)
 
     def sampling_news(self, step: StepF) -> SlicedF | None:
@@ -164,13 +170,15 @@ class StepRunner:
                     self._persist(ops[o.index].adapter_id, every=True)
         return outcomes + stepped
 
-    def _persist(self, adapter_id: str, every: bool = False) -> None:
-        if self.engine.shard is not None:
-            # Split adapters are gathered whole now, on every rank of the group (a
-            # collective, so not at the writer's leisure); rank 0 keeps the snapshot.
-            snap = self.engine.snapshot(adapter_id)
-            if self.persister is not None:
-                self.persister.hold(adapter_id, snap, self.marks.get(adapter_id, 0), every)
+    def _persist(self, adapter_id: str, every: bool = False, now: bool = False) -> None:
+        """`every`: after an optimizer step (persist_every decides); `now`: before a flush."""
+        if self.split is not None:
+            if now:
+                self.split.now(adapter_id, self.marks.get(adapter_id, 0))
+            elif every:
+                self.split.stepped(adapter_id)
+            else:
+                self.split.changed(adapter_id)
             return
         if self.persister is None:
             return
@@ -243,19 +251,21 @@ class StepRunner:
                 if engine.has_adapter(aid):
                     engine.remove_adapter(aid)
                 self.marks.pop(aid, None)
+                if self.split is not None:
+                    self.split.forget(aid)
                 if self.persister is not None:
                     self.persister.forget(aid)
                 return OutcomeF(i)
             case IdleUnloadF():  # persisted first; a RestoreF brings it back
                 if engine.has_adapter(aid):
-                    self._persist(aid)
+                    self._persist(aid, now=True)
                     if not self._flush():
                         return OutcomeF(i, error="persisting timed out", category="server")
                     engine.remove_adapter(aid)
                 return OutcomeF(i)
             case PersistF():  # a hot restart: everything on disk before we answer
                 if engine.has_adapter(aid):
-                    self._persist(aid)
+                    self._persist(aid, now=True)
                 if not self._flush():
                     return OutcomeF(i, error="persisting timed out", category="server")
                 return OutcomeF(i)

@@ -132,7 +132,8 @@ def _start(args: dict):
         dist.broadcast(t, 0)
         seed = int(t.item())
     runner = StepRunner(engine, args["rank"], args["world"], persister,
-                        spans_hosts=args.get("spans_hosts", False), ep=ep, seed=seed)
+                        spans_hosts=args.get("spans_hosts", False), ep=ep, seed=seed,
+                        persist_every=args.get("persist_every", 1))
     return runner, hello
 
 
