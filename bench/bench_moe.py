@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -27,6 +26,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_multitenant import make_keys, pct, run_tenants, start_daemon  # noqa: E402
 from bench_workers import path_report, planner_report  # noqa: E402
+from peft_baseline import peft_run  # noqa: E402
 
 from output import section_path  # noqa: E402
 
@@ -78,38 +78,6 @@ class GpuMemory:
         self.stop.set()
         self.thread.join()
         return ", ".join(f"{self.peak.get(i, 0) / 1024:.1f}" for i in gpus) or "-"
-
-
-def peft_run(model_dir: Path, tenants: int, seq: int, steps: int, rank: int) -> tuple[float, str]:
-    """transformers + peft, one adapter per tenant, tenants one at a time (tokens/s, GiB)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
-    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj",
-                     "o_proj", "lm_head"], target_parameters=["mlp.experts.gate_up_proj",
-                                                              "mlp.experts.down_proj"])
-    pm = get_peft_model(model, cfg, adapter_name="t0")
-    for i in range(1, tenants):
-        pm.add_adapter(f"t{i}", cfg)
-    opts = {f"t{i}": torch.optim.AdamW([p for n, p in pm.named_parameters() if f".t{i}." in n],
-                                       lr=1e-4) for i in range(tenants)}
-    ids = torch.randint(0, 1000, (1, seq), device="cuda")
-    torch.cuda.reset_peak_memory_stats()
-    t0 = None
-    for s in range(steps + 1):
-        if s == 1:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-        for i in range(tenants):
-            pm.set_adapter(f"t{i}")
-            pm(input_ids=ids, labels=ids).loss.backward()
-            opts[f"t{i}"].step()
-            opts[f"t{i}"].zero_grad()
-    torch.cuda.synchronize()
-    tps = steps * tenants * seq / (time.perf_counter() - t0)
-    return tps, f"{torch.cuda.max_memory_allocated() / 2**30:.1f}"
 
 
 def main() -> None:
@@ -166,7 +134,10 @@ def main() -> None:
                      sum(r["tokens"] for r in res) / wall, pct(lat, 0.5), peak))
     if gpu and not args.no_peft:
         try:
-            tps, peak = peft_run(model_dir, args.tenants, seq, steps, args.rank)
+            tps, peaks = peft_run(model_dir, args.tenants, seq, steps, args.rank,
+                                  ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"],
+                                  ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+            peak = f"{peaks[0]:.1f}"
             rows.append(("transformers + peft, tenants one at a time, 1 GPU", tps, None, peak))
         except torch.OutOfMemoryError:
             rows.append(("transformers + peft, 1 GPU: out of memory", 0.0, None, "OOM"))

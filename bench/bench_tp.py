@@ -236,6 +236,9 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, help="reuse (or keep) the random checkpoint here")
     ap.add_argument("--daemon", action="store_true",
                     help="through twinkled serve --tp N and tinker clients, not the engine")
+    ap.add_argument("--peft", action="store_true",
+                    help="also plain transformers + peft over the largest tp's GPUs "
+                         "(device_map=auto, tenants one at a time)")
     ap.add_argument("--prepare-only", action="store_true",
                     help="write the random checkpoint into --model-dir and stop")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -259,15 +262,40 @@ def main() -> None:
         print("|---:|---:|---:|---:|---:|---|---|")
         for tp in (int(t) for t in a.tp.split(",")):
             r = run_daemon(model, tp, a) if a.daemon else run_config(model, tp, a)
-            if r is None:
-                print(f"| {tp} | {tp} | failed (out of memory?) | | | | |")
-                continue
-            peak = next((v for k, v in PEAK_BF16.items() if k in r["card"]), None)
-            mfu = (f"{r['tok_s'] * r['flops_per_token'] / (peak * r['gpus']):.1%}"
-                   if peak else "-")
-            print(f"| {tp} | {r['gpus']} | {r['tok_s']:,.0f} | {r['tok_s'] / r['gpus']:,.0f} | "
-                  f"{mfu} | {', '.join(f'{g:.1f}' for g in r['peak_gib'])} | "
-                  f"{ {True: 'yes', False: 'no'}.get(r['recomputed'], '-')} |", flush=True)
+            print_row(str(tp), r)
+        if a.peft and a.device == "cuda":
+            print_row("peft", run_peft(model, max(int(t) for t in a.tp.split(",")), a))
+
+
+def print_row(label: str, r: dict | None) -> None:
+    if r is None:
+        print(f"| {label} | | failed | | | | |", flush=True)
+        return
+    peak = next((v for k, v in PEAK_BF16.items() if k in r["card"]), None)
+    mfu = f"{r['tok_s'] * r['flops_per_token'] / (peak * r['gpus']):.1%}" if peak else "-"
+    print(f"| {label} | {r['gpus']} | {r['tok_s']:,.0f} | {r['tok_s'] / r['gpus']:,.0f} | "
+          f"{mfu} | {', '.join(f'{g:.1f}' for g in r['peak_gib'])} | "
+          f"{ {True: 'yes', False: 'no'}.get(r['recomputed'], '-')} |", flush=True)
+
+
+def run_peft(model: Path, gpus: int, a) -> dict | None:
+    """Plain transformers + peft over `gpus` cards (bench/peft_baseline.py), gradient
+    checkpointing on as a user of a model this size would have it."""
+    import torch
+    from peft_baseline import DENSE, peft_run
+    from transformers import AutoConfig
+
+    from twinkled.engine.sizing import weight_bytes
+
+    try:
+        tps, peaks = peft_run(model, a.adapters, a.seq, a.steps, a.lora_rank, DENSE,
+                              gpus=gpus, checkpointing=True)
+    except Exception as e:  # noqa: BLE001 - the baseline failing must not lose our rows
+        print(f"peft: {type(e).__name__}: {str(e)[:200]}")
+        return None
+    return {"tp": 0, "gpus": gpus, "tok_s": tps, "peak_gib": peaks, "recomputed": True,
+            "flops_per_token": 4 * weight_bytes(AutoConfig.from_pretrained(model).to_dict(), 1, 1),
+            "card": torch.cuda.get_device_name(0)}
 
 
 if __name__ == "__main__":
