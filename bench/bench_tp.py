@@ -175,6 +175,7 @@ def run_config(model: Path, tp: int, a) -> dict | None:
 def run_daemon(model: Path, tp: int, a) -> dict | None:
     """`--adapters` tinker tenants against `twinkled serve --tp tp` on the first tp devices."""
     from bench_multitenant import make_keys, run_tenants, start_daemon
+    from bench_workers import path_report, planner_report
     from transformers import AutoConfig
 
     from twinkled.engine.sizing import weight_bytes
@@ -199,6 +200,8 @@ def run_daemon(model: Path, tp: int, a) -> dict | None:
     try:
         res = run_tenants(url, keys, model.name, cfg.vocab_size, a.seq, a.steps,
                           [1] * a.adapters, rank=a.lora_rank)
+        planner_report(data)  # how many steps a round took, the step target, the fitted cost
+        path_report(url)  # the daemon's step time, each rank's busy time, the gather wait
         status = json.loads(subprocess.run(
             [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data), "status",
              "--json"], capture_output=True, text=True).stdout)

@@ -335,6 +335,34 @@ def test_gather_waits_for_the_optim_step_behind_a_forward_backward(tiny_dir, tmp
     run(go())
 
 
+def test_an_optim_step_sent_before_its_forward_backward_finished_pairs_them(tiny_dir,
+                                                                           tmp_path):
+    """tinker's client sends optim_step right behind forward_backward, before its result.
+    Seen once (the optim_step arrives while the forward_backward runs, too late for its
+    step), the gather waits for the optim_step from then on and each later pair runs as
+    one step. Only a pair that happened to arrive within the gather's last 2 ms used to be
+    seen together, which through HTTP on a GPU was almost never: every round paid a
+    barrier step of its own."""
+    async def go():
+        async with service(tiny_dir, tmp_path, gather_ms=2000) as box:
+            a = await box.create("alice")
+            planned = box.svc.planner.steps
+            f = box.fwdbwd("alice", a, 1, [48] * 4)
+            while box.svc.planner.steps == planned:  # its step has begun, without the optim
+                await asyncio.sleep(0.001)
+            o = box.optim("alice", a, 2)
+            await done(f, o)
+            assert box.svc.planner.steps == planned + 2  # the first pair: two steps
+            f = box.fwdbwd("alice", a, 3, [48] * 4)
+            await asyncio.sleep(0.2)  # the optim_step arrives well after the fwdbwd
+            o = box.optim("alice", a, 4)
+            await done(f, o)
+            assert box.svc.planner.steps == planned + 3  # one step: fwdbwd then optim
+            assert o.error is None and result(o).applied
+
+    run(go())
+
+
 def test_an_adapter_that_would_not_fit_is_refused_and_others_keep_training(tiny_dir,
                                                                            tmp_path):
     """With room for two rank-4 adapters, a third create_model is refused at once with the

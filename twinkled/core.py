@@ -97,8 +97,9 @@ class EngineCore:
         self._pieces = Pieces()
         self._recent: set[str] = set()  # the models the last step served
         # Models whose client sends an optim_step right behind each forward_backward (seen
-        # riding in the same step once): the gather waits for that too, so the pair runs
-        # as one step (a barrier step of its own costs a round trip). A model that leaves
+        # arriving while the work ahead of it was queued or running, or riding in the same
+        # step): the gather waits for that too, so the pair runs as one step (a barrier
+        # step of its own costs a round trip). A model that leaves
         # the wait without it (gradient accumulation, a slow client) is dropped until its
         # optim_step rides behind its rows again.
         self._paired: set[str] = set()
@@ -137,6 +138,10 @@ class EngineCore:
                 self.futures.drop(op.future, message)
                 raise UserError(message)
             self._seq_index[key] = op.future.id
+            if op.kind == "optim" and self.planner.busy(model):
+                # Sent before the forward_backward ahead of it finished, as a pipelining
+                # client (tinker's) does: from now on the gather waits for it (`_paired`).
+                self._paired.add(model)
         self.planner.submit(Work(op.future.id, tenant, op.kind, op.tokens, op.model_id,
                                  op.seq_id, op, parts=op.parts))
         self.wake.set()
