@@ -190,6 +190,9 @@ def run_daemon(model: Path, tp: int, a) -> dict | None:
     devices = ",".join(f"cuda:{i}" if cuda else "cpu" for i in range(tp))
     data = work / "data"
     keys = make_keys(data, a.adapters)
+    traced = work / "trace.jsonl"
+    if a.trace:
+        os.environ["TWINKLED_TRACE"] = str(traced)
     try:
         daemon, url, log = start_daemon(model, data, work, devices.split(",")[0], "--devices",
                                         devices, "--tp", str(tp), "--config", str(conf))
@@ -202,6 +205,9 @@ def run_daemon(model: Path, tp: int, a) -> dict | None:
                           [1] * a.adapters, rank=a.lora_rank)
         planner_report(data)  # how many steps a round took, the step target, the fitted cost
         path_report(url)  # the daemon's step time, each rank's busy time, the gather wait
+        if a.trace:  # the timed window: up to 2 steps a round
+            subprocess.run([sys.executable, str(HERE / "trace_report.py"), str(traced),
+                            "--last", str(2 * a.steps)], check=False)
         status = json.loads(subprocess.run(
             [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data), "status",
              "--json"], capture_output=True, text=True).stdout)
@@ -239,6 +245,8 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, help="reuse (or keep) the random checkpoint here")
     ap.add_argument("--daemon", action="store_true",
                     help="through twinkled serve --tp N and tinker clients, not the engine")
+    ap.add_argument("--trace", action="store_true",
+                    help="with --daemon: trace its steps (TWINKLED_TRACE) and print the report")
     ap.add_argument("--peft", action="store_true",
                     help="also plain transformers + peft over the largest tp's GPUs "
                          "(device_map=auto, tenants one at a time)")

@@ -48,12 +48,15 @@ for what in "$@"; do
         slices) CUDA_VISIBLE_DEVICES="${SAMPLING_GPU:-0}" "$py" bench_slices.py \
                     --shape qwen2.5-0.5b --write "$out/slices.md" ;;
         tp) "$py" bench_tp.py --shape qwen3-8b --tp 1,2 | tee -a "$out/tp.md" ;;
+        # the daemon with its trace, the engine alone and plain peft, on the same two cards
         tp32) wait_for "$ckpt/qwen3-32b" && "$py" bench_tp.py --shape qwen3-32b --tp 2 --daemon \
-                  --model-dir "$ckpt/qwen3-32b" --token-budget 4096 | tee -a "$out/tp.md"
+                  --trace --peft --model-dir "$ckpt/qwen3-32b" --token-budget 4096 | tee -a "$out/tp.md"
+              "$py" bench_tp.py --shape qwen3-32b --tp 2 --model-dir "$ckpt/qwen3-32b" \
+                  --token-budget 4096 | tee -a "$out/tp.md"
               rm -rf "$ckpt/qwen3-32b" ;;
         # r=16: at r=32 the sizing estimate for 8 adapters (73 GiB) leaves an H100 no headroom
         tp70) wait_for "$ckpt/llama3-70b" && "$py" bench_tp.py --shape llama3-70b --tp 4 --daemon \
-                  --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
+                  --trace --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
                   | tee -a "$out/tp.md" ;;
         moe) "$py" bench_moe.py --devices cuda:0,cuda:1 --layers 12 --write "$out/moe.md" ;;
         *) echo "unknown: $what (workers, workers4, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
