@@ -219,6 +219,9 @@ def run_daemon(model: Path, tp: int, a) -> dict | None:
         daemon.terminate()
         daemon.wait(timeout=300)
         log.close()
+    for line in (work / "twinkled.log").read_text(errors="replace").splitlines():
+        if "allocator retried" in line or "fell back" in line:  # the workers' warnings
+            print(line)
     wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
     tokens = sum(r["tokens"] for r in res)
     import torch

@@ -54,6 +54,7 @@ def main(args: dict) -> None:
     from twinkled.engine.step import HOST_TIME  # torch is loaded by now
     delay = float(os.environ.get("TWINKLED_TEST_STEP_DELAY", "0"))  # fault tests only
     waiting = False  # changed adapters not yet handed to the writer
+    retries = _AllocRetries()
     while True:
         if not sock.poll(50 if waiting else 1000):
             if os.getppid() != parent:  # the daemon is gone
@@ -80,6 +81,7 @@ def main(args: dict) -> None:
                                         {"decode": started - received, **HOST_TIME.take()},
                                         runner.sampling_news(step))))
         waiting = runner.between_steps()  # after the reply: off the step's path
+        retries.check(runner)
 
 
 def _start(args: dict):
@@ -135,6 +137,28 @@ def _start(args: dict):
                         spans_hosts=args.get("spans_hosts", False), ep=ep, seed=seed,
                         persist_every=args.get("persist_every", 1))
     return runner, hello
+
+
+class _AllocRetries:
+    """Says in the log when torch's CUDA allocator had to free its cache and retry (the
+    card's memory fragmented near full: every retry synchronises the device and costs a
+    step dearly). Logged the first time and each time the count doubles."""
+
+    def __init__(self):
+        self.logged = 0
+
+    def check(self, runner) -> None:
+        import torch
+
+        dev = runner.engine.model.device
+        if dev.type != "cuda":
+            return
+        n = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
+        if n > 2 * self.logged or (n and not self.logged):
+            self.logged = n
+            log.warning("the CUDA allocator retried %d time(s) after freeing its cache: "
+                        "memory is fragmented near full (PYTORCH_CUDA_ALLOC_CONF="
+                        "expandable_segments:True may help)", n)
 
 
 def _memory(runner) -> tuple[int, int]:
