@@ -66,7 +66,7 @@ def tp_run(tmp_path_factory):
 def test_tp2_matches_one_rank(tp_run, arch):
     root, models, results = tp_run
     got, ref = results[arch], run(Engine(models[arch]), None)
-    for kind in ("init", "grads_a", "grads_b", "stepped"):
+    for kind in ("init", "grads_a", "grads_b", "stepped", "grads_top_k"):
         assert got[kind].keys() == ref[kind].keys()
         worst = max(_rel(got[kind][k], ref[kind][k]) for k in ref[kind])
         assert worst <= RTOL, (kind, worst, max((_rel(got[kind][k], ref[kind][k]), k) for k in ref[kind]))
@@ -76,6 +76,7 @@ def test_tp2_matches_one_rank(tp_run, arch):
     assert _rel(got["loss"], ref["loss"]) <= RTOL
     assert _rel(got["grad_norm"], ref["grad_norm"]) <= RTOL
     assert max(_rel(x, y) for x, y in zip(got["after"], ref["after"], strict=True)) <= RTOL
+    assert max(_rel(x, y) for x, y in zip(got["top_k"], ref["top_k"], strict=True)) <= RTOL
     assert got["greedy"] == ref["greedy"] and got["seeded"] == ref["seeded"]
     assert _rel(got["greedy_lp"], ref["greedy_lp"]) <= RTOL
 

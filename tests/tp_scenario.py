@@ -83,6 +83,18 @@ def run(engine, save_dir: Path | None) -> dict:
     out["stepped"] = _whole(engine, "a", "w")
     after = engine.forward([ForwardBackwardRequest("a", _requests(vocab)[0].data)])
     out["after"] = [o["logprobs"].clone() for o in after[0].outputs]
+    # Rows of one length (the padded pass) with top-K targets [S, K]: under a vocabulary
+    # split each target's logit is on one rank only.
+    gen = torch.Generator().manual_seed(11)
+    top_k = [Datum(torch.randint(0, vocab, (6,), generator=gen),
+                   {"target_tokens": torch.randint(0, vocab, (6, 3), generator=gen),
+                    "weights": torch.rand(6, 3, generator=gen)}) for _ in range(2)]
+    engine.zero_grad("a")
+    res = engine.forward_backward([ForwardBackwardRequest("a", top_k)])
+    out["top_k"] = [o["logprobs"].clone() for o in res[0].outputs]
+    if engine.shard is not None:
+        engine.shard.reduce_grads([engine.pool.get("a")])
+    out["grads_top_k"] = _whole(engine, "a", "g")
     prompt = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(9)).tolist()
     sampled = engine.sample([
         SampleRequest("a", prompt, SamplingParams(max_tokens=8, temperature=0.0, stop=[])),

@@ -159,15 +159,22 @@ class _TargetLogprobs(torch.autograd.Function):
         flat = logits.reshape(-1, logits.shape[-1])
         tgt = targets.reshape(flat.shape[0], -1)
         g = grad_lp.reshape(flat.shape[0], -1).float()
-        total = g.sum(1, keepdim=True)
-        grad = torch.empty_like(flat)
-        for s in range(0, flat.shape[0], ctx.chunk):
-            e = min(s + ctx.chunk, flat.shape[0])
-            # d lp_k / d logits = onehot(target_k) - softmax, summed over the K targets
-            part = torch.exp(flat[s:e].float() - lse[s:e, None]).mul_(-total[s:e])
-            part.scatter_add_(1, tgt[s:e], g[s:e])
-            grad[s:e] = part.to(grad.dtype)
+        grad = logprob_grad(flat, lse, tgt, g, g.sum(1, keepdim=True), ctx.chunk)
         return grad.view(logits.shape), None, None
+
+
+def logprob_grad(flat: torch.Tensor, lse: torch.Tensor, index: torch.Tensor, g: torch.Tensor,
+                 total: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The gradient of sum_k g_k * lp_k over logits [tokens, V], lp_k = logits[index_k] - lse:
+    d lp_k / d logits = onehot(index_k) - softmax, so g scattered at the targets minus the
+    softmax times `total` (sum_k g_k), a chunk of tokens at a time."""
+    grad = torch.empty_like(flat)
+    for s in range(0, flat.shape[0], chunk):
+        e = min(s + chunk, flat.shape[0])
+        part = torch.exp(flat[s:e].float() - lse[s:e, None]).mul_(-total[s:e])
+        part.scatter_add_(1, index[s:e], g[s:e])
+        grad[s:e] = part.to(grad.dtype)
+    return grad
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .lora import LoraBatch
+from .losses import target_logprobs
 from .moe import MOE_ARCHS, bank_tokens, moe_blocks, shard_experts
 from .moe_parallel import ExpertSplit
 from .packed import PackedLora, Packing
@@ -120,7 +121,7 @@ class BaseModel:
         if self.shard is not None:  # this rank's heads
             self.n_heads, self.n_kv = self.shard.local_heads, self.shard.local_kv
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
-        self.vocab_size = self.lm_head.weight.shape[0]
+        self.vocab_size = self.lm_head.out_features  # whole, when this rank holds a slice
         self.max_seq_len = int(config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(config, self.tokenizer)
         self.recompute = Recompute(config.to_dict(), self.dtype, self.device, self.tp.size,
@@ -156,7 +157,10 @@ class BaseModel:
         """Final hidden states [B, S, H]. Without `mask`, attention is causal within the row
         (right padding needs no mask: real tokens never attend to later pads). With
         `packing`, the one row [1, T] holds several sequences end to end (packed.py)."""
-        h = self.decoder.embed_tokens(input_ids)
+        if self.shard is not None and self.shard.vocab_split:
+            h = self.shard.embed(self.decoder.embed_tokens.weight, input_ids)
+        else:
+            h = self.decoder.embed_tokens(input_ids)
         cos, sin = self.decoder.rotary_emb(h, positions)
         # Recompute per layer (checkpointing): the backward keeps only each layer's input
         # and runs the layer again; recompute.py says when (a step that would not fit).
@@ -183,7 +187,20 @@ class BaseModel:
 
     def logits(self, hidden: torch.Tensor, lora: LoraBatch | PackedLora | None = None
                ) -> torch.Tensor:
-        return self._linear(self.lm_head, "lm_head", hidden, lora)
+        """Whole-vocabulary logits (sampling, prompt scores); gathered over the group
+        when the vocabulary is split (tp.py), so not for training."""
+        if self.shard is None or not self.shard.vocab_split:
+            return self._linear(self.lm_head, "lm_head", hidden, lora)
+        return self.shard.gather_vocab(self._linear(self.lm_head, "lm_head", hidden, lora))
+
+    def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
+                        lora: LoraBatch | PackedLora | None = None) -> torch.Tensor:
+        """Each target's logprob [B, S(, K)] in fp32, differentiable. Under a vocabulary
+        split each rank computes only its share of the logits."""
+        if self.shard is None or not self.shard.vocab_split:
+            return target_logprobs(self.logits(hidden, lora), targets)
+        local = self._linear(self.lm_head, "lm_head", self.tp.enter(hidden), lora)
+        return self.shard.target_logprobs(local, targets)
 
     def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing):
         B, S, _ = x.shape

@@ -9,7 +9,9 @@ The activation figure is per token per decoder layer: about 14 hidden-widths (no
 fp32, q/k/v, rotary temporaries, attention out) and 4 MLP-widths (gate, up, act, product)
 in the compute dtype, calibrated on Qwen3-8B at 4096 tokens (57.5 GiB measured peak,
 BENCHMARKS.md); under tensor parallelism the attention and MLP parts are split, the
-norms are not. The log-softmax over the vocabulary adds two fp32 logit tensors.
+norms are not. The log-softmax over the vocabulary adds two fp32 logit tensors. The
+embedding and lm_head are split over the vocabulary when tp divides it (tp.py), and so are
+the logits.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ def _dims(cfg: dict) -> tuple[int, int, int, int, int, int, int]:
             int(cfg["vocab_size"]))
 
 
+def _vocab(vocab: int, tp: int) -> int:
+    """The vocabulary rows one rank holds (tp.py splits them when tp divides them)."""
+    return vocab // tp if vocab % tp == 0 else vocab
+
+
 def split_problem(cfg: dict, tp: int) -> str | None:
     """Why the model cannot be split over `tp` ranks (None: it can)."""
     _, heads, kv, _, inter, _, _ = _dims(cfg)
@@ -40,12 +47,12 @@ def split_problem(cfg: dict, tp: int) -> str | None:
 
 
 def weight_bytes(cfg: dict, dtype_bytes: int, tp: int = 1) -> int:
-    """The base weights one rank holds (embedding and lm_head are replicated)."""
+    """The base weights one rank holds."""
     h, heads, kv, d, inter, layers, vocab = _dims(cfg)
     kv_local = max(1, kv // tp)
     attn = h * d * (2 * heads // tp + 2 * kv_local)
     mlp = 3 * h * inter // tp
-    embed = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    embed = _vocab(vocab, tp) * h * (1 if cfg.get("tie_word_embeddings") else 2)
     return dtype_bytes * (layers * (attn + mlp + 2 * h) + embed + h)
 
 
@@ -53,7 +60,7 @@ def lora_bytes(cfg: dict, rank: int, adapters: int, tp: int = 1) -> int:
     """Adapters of `rank` on every module: fp32 weights, gradients and two AdamW moments."""
     h, heads, kv, d, inter, layers, vocab = _dims(cfg)
     per_layer = (h + heads * d // tp) * 2 + (h + kv * d // tp) * 2 + (h + inter // tp) * 3
-    return 16 * rank * adapters * (layers * per_layer + h + vocab)
+    return 16 * rank * adapters * (layers * per_layer + h + _vocab(vocab, tp))
 
 
 def activation_bytes(cfg: dict, dtype_bytes: int, tokens: int, tp: int = 1,
@@ -62,7 +69,7 @@ def activation_bytes(cfg: dict, dtype_bytes: int, tokens: int, tp: int = 1,
     h, _, _, _, inter, layers, vocab = _dims(cfg)
     layer = dtype_bytes * tokens * (8 * h + (6 * h + 4 * inter) // tp)
     kept = layers * dtype_bytes * tokens * h + layer if recompute else layers * layer
-    return kept + 2 * 4 * tokens * vocab
+    return kept + 2 * 4 * tokens * _vocab(vocab, tp)
 
 
 def step_bytes(cfg: dict, dtype_bytes: int, tokens: int, tp: int = 1,
@@ -88,7 +95,7 @@ def adapter_bytes(cfg: dict, rank: int, attn: bool = True, mlp: bool = True,
             per_layer += experts * (2 * h + 3 * moe_inter)
         else:
             per_layer += (h + inter // tp) * 3
-    return 18 * rank * (layers * per_layer + ((h + vocab) if unembed else 0))
+    return 18 * rank * (layers * per_layer + ((h + _vocab(vocab, tp)) if unembed else 0))
 
 
 def adapter_budget(cfg: dict, card: int, dtype_bytes: int, tokens: int, tp: int = 1,

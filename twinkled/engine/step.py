@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .lora import Adapter, LoraBatch
-from .losses import loss_spec, target_logprobs
+from .losses import loss_spec
 from .model import BaseModel
 from .packed import PackedLora, Packing
 from .types import ForwardBackwardRequest, ForwardBackwardResult
@@ -178,7 +178,7 @@ def _logprobs(model: BaseModel, batch: list[_Row]) -> torch.Tensor:
     positions = torch.arange(S, device=dev).expand(len(batch), S)
     lora = LoraBatch([r.adapter for r in batch], model.dtype, dev)
     hidden = model.forward(ids, positions, lora)
-    return target_logprobs(model.logits(hidden, lora), tgt)
+    return model.target_logprobs(hidden, tgt, lora)
 
 
 def _packed_logprobs(model: BaseModel, batch: list[_Row]) -> torch.Tensor:
@@ -199,7 +199,7 @@ def _packed_logprobs(model: BaseModel, batch: list[_Row]) -> torch.Tensor:
     lora = PackedLora([(r.adapter, n) for r, n in zip(batch, lengths, strict=True)],
                       model.dtype, dev)
     hidden = model.forward(ids, packing.positions, lora, packing=packing)
-    lp = target_logprobs(model.logits(hidden, lora), tgt.to(dev, non_blocking=True)[None])[0]
+    lp = model.target_logprobs(hidden, tgt.to(dev, non_blocking=True)[None], lora)[0]
     row = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(lengths)).to(dev)
     return lp.new_zeros((len(batch), S, K)).index_put((row, packing.positions[0]), lp)
 

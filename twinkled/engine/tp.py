@@ -3,7 +3,13 @@
 Megatron's layout. In every decoder layer q/k/v and gate/up are column-parallel (each rank
 holds a slice of the output features: whole attention heads, a slice of the MLP) and
 o_proj/down_proj are row-parallel (the matching slice of the input features); the
-residual stream, norms, embedding and lm_head are replicated. Per layer that is one
+residual stream and norms are replicated. The embedding and lm_head are split over the
+vocabulary when the group divides it (Qwen's 151,936 and Llama-3's 128,256 rows do, for
+2, 4 and 8 ranks; otherwise both stay whole): a rank looks up the ids in its rows and the
+group sums, and lm_head is column-parallel, so a rank holds only its share of the logits
+(a 4k-token step of a 152k vocabulary is 2.5 GB of them in fp32). The training logprobs
+come from those shares with three all-reduces of one number per token (`target_logprobs`);
+sampling gathers the whole logits of the few positions it reads. Per layer that is one
 collective forward (megatron's `reduce_from_tensor_model_parallel_region` after o_proj
 and after down_proj) and one backward (`copy_to_tensor_model_parallel_region` in front of
 q/k/v and gate/up, whose backward sums the input gradient). KV heads fewer than the
@@ -25,7 +31,7 @@ safetensors files (`load_sharded`), never whole.
 megatron-core is imported only here, and only when tp > 1. With megatron-core 0.16.1 on a
 CPU, `parallel_state.initialize_model_parallel` builds its groups with the default
 (gloo) backend and the copy/reduce mappings work over gloo; the gather mapping allocates
-on CUDA, which is one reason lm_head is replicated rather than vocabulary-parallel.
+on CUDA, so the vocabulary's shares are joined with plain collectives here.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .losses import logprob_grad
 from .sizing import split_problem
 from .types import EngineInputError
 
@@ -123,6 +130,9 @@ class ShardPlan:
             self.kv_heads = range(head, head + 1)
         self.local_heads = self.n_heads // self.size
         self.local_kv = len(self.kv_heads)
+        self.vocab = config.vocab_size
+        self.vocab_split = self.vocab % self.size == 0
+        self.vocab_rows = self._even(self.vocab) if self.vocab_split else slice(0, self.vocab)
         # Every adaptable module's whole (in, out): set by the model once it has them.
         self.full_shapes: dict[str, tuple[int, int]] = {}
 
@@ -130,11 +140,15 @@ class ShardPlan:
         per = n // self.size
         return slice(self.rank * per, (self.rank + 1) * per)
 
+    def _column(self, name: str) -> bool:
+        """A module whose output features are split (lm_head: over the vocabulary)."""
+        return name in COLUMN or (name == "lm_head" and self.vocab_split)
+
     def slices(self, key: str, shape: tuple[int, int]) -> tuple[slice | None, slice | None]:
         """(rows of the weight [out, in] this rank holds, its columns); None = all."""
         name = key.rsplit(".", 1)[-1]
         fin, fout = shape
-        if name in COLUMN:
+        if self._column(name):
             return self._even(fout), None
         if name in KV:
             d = self.head_dim
@@ -148,7 +162,7 @@ class ShardPlan:
         name = key.rsplit(".", 1)[-1]
         if name in KV:
             return max(1, self.size // self.n_kv)
-        return 1 if name in COLUMN + ROW else self.size
+        return 1 if self._column(name) or name in ROW else self.size
 
     def local_shape(self, key: str, shape: tuple[int, int]) -> tuple[int, int]:
         rows, cols = self.slices(key, shape)
@@ -174,7 +188,7 @@ class ShardPlan:
             bank = a.bank
             for key in bank.shapes:
                 name = key.rsplit(".", 1)[-1]
-                if name in COLUMN + KV:
+                if self._column(name) or name in KV:
                     summed.append(bank.gA[key][a.slot])
                 elif name in ROW:
                     summed.append(bank.gB[key][a.slot])
@@ -212,10 +226,38 @@ class ShardPlan:
         """`part_key` is "A:<module>" or "B:<module>"."""
         part, key = part_key.split(":", 1)
         name = key.rsplit(".", 1)[-1]
-        split = (part == "B" and name in COLUMN + KV) or (part == "A" and name in ROW)
+        split = (part == "B" and (self._column(name) or name in KV)) or (part == "A" and name in ROW)
         if not split:
             return self.size
         return self.holders(key) if name in KV else 1
+
+    # -- the vocabulary -----------------------------------------------------------------
+
+    def embed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The split embedding: each rank looks the ids up in its rows (zeros for the
+        others' ids) and the group sums (megatron's reduce mapping)."""
+        local = ids - self.vocab_rows.start
+        outside = (local < 0) | (local >= weight.shape[0])
+        h = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+        return self.tp.leave(h.masked_fill(outside[..., None], 0))
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        """Whole-vocabulary logits from each rank's share (sampling: no gradient)."""
+        if torch.is_grad_enabled() and local.requires_grad:
+            raise RuntimeError("whole logits under a vocabulary split carry no gradient: "
+                               "train through target_logprobs")
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local.contiguous(), group=self.tp.group)
+        return torch.cat(parts, -1)
+
+    def target_logprobs(self, local: torch.Tensor, targets: torch.Tensor,
+                        chunk_bytes: int = 256 * 2**20) -> torch.Tensor:
+        """Per-token logprob of `targets` [B, S] (or [B, S, K]) from this rank's share of
+        the logits [B, S, V / tp], as fp32 of the targets' shape (losses.target_logprobs
+        over the whole vocabulary)."""
+        chunk = max(1, chunk_bytes // (4 * local.shape[-1]))
+        return _SplitTargetLogprobs.apply(local, targets, self.vocab_rows.start,
+                                          self.tp.group, chunk)
 
     # -- whole tensors for checkpoints --------------------------------------------------
 
@@ -238,6 +280,44 @@ class ShardPlan:
                 parts = [parts[r] for r in range(0, self.size, self.holders(key))]
             out.append(torch.cat(parts, dim))
         return out
+
+
+class _SplitTargetLogprobs(torch.autograd.Function):
+    """log_softmax(logits)[target] when each rank holds a slice of the vocabulary: the
+    group's max and sum of exponentials per token, and each target's logit from the rank
+    that holds it, are three all-reduces of a number a token. The backward needs none:
+    d lp / d logits = onehot(target) - softmax, and each rank has its softmax's share."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, group, chunk):
+        flat = logits.reshape(-1, logits.shape[-1])
+        n, width = flat.shape
+        local = targets.reshape(n, -1) - start  # [tokens, K]
+        mine = (local >= 0) & (local < width)
+        local = local.clamp(0, width - 1)
+        top = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for s in range(0, n, chunk):
+            top[s:s + chunk] = flat[s:s + chunk].amax(-1).float()
+        dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
+        total = torch.empty_like(top)
+        for s in range(0, n, chunk):
+            total[s:s + chunk] = (flat[s:s + chunk].float() - top[s:s + chunk, None]).exp_().sum(-1)
+        dist.all_reduce(total, group=group)
+        lse = top + total.log()
+        picked = flat.gather(1, local).float() * mine
+        dist.all_reduce(picked, group=group)
+        ctx.save_for_backward(logits, local, mine, lse)
+        ctx.chunk = chunk
+        return (picked - lse[:, None]).view(targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad_lp):
+        logits, local, mine, lse = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.shape[-1])
+        g = grad_lp.reshape(flat.shape[0], -1).float()
+        # A target outside this rank's slice has no logit here; the softmax part still does.
+        grad = logprob_grad(flat, lse, local, g * mine, g.sum(1, keepdim=True), ctx.chunk)
+        return grad.view(logits.shape), None, None, None, None
 
 
 # -- loading ----------------------------------------------------------------------------
@@ -282,6 +362,8 @@ def load_sharded(model_dir: Path, config, dtype: torch.dtype, device: torch.devi
         rows = cols = None
         if isinstance(module, torch.nn.Linear):
             rows, cols = plan.slices(owner, (module.in_features, module.out_features))
+        elif isinstance(module, torch.nn.Embedding) and plan.vocab_split:
+            rows = plan.vocab_rows
         sl = f.get_slice(name)
         if leaf == "bias":
             t = sl[rows] if rows is not None else sl[:]
