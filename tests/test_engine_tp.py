@@ -40,13 +40,17 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
-    """Tiny models (qwen3: 2 heads, 1 KV head, replicated; qwen2: 4 heads, 2 KV heads,
-    split, with qkv biases; llama: 4 heads, 1 KV head) and the group's results on them."""
+    """Tiny models (qwen3: 2 heads, 1 KV head, replicated, tied embeddings split over the
+    vocabulary; qwen2: 4 heads, 2 KV heads, split, with qkv biases, an untied lm_head;
+    llama: 4 heads, 1 KV head, an odd vocabulary that stays whole) and the group's results
+    on them."""
     root = tmp_path_factory.mktemp("tp")
     models = {
         "qwen3": str(build_tiny_model(root / "qwen3", arch="qwen3")),
-        "qwen2": str(build_tiny_model(root / "qwen2", arch="qwen2", num_heads=4, num_kv_heads=2)),
-        "llama": str(build_tiny_model(root / "llama", arch="llama", num_heads=4, num_kv_heads=1)),
+        "qwen2": str(build_tiny_model(root / "qwen2", arch="qwen2", num_heads=4, num_kv_heads=2,
+                                      tie_word_embeddings=False)),
+        "llama": str(build_tiny_model(root / "llama", arch="llama", num_heads=4, num_kv_heads=1,
+                                      vocab_size=1023)),
     }
     url = f"tcp://127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen([sys.executable, str(HERE / "tp_scenario.py"), json.dumps(

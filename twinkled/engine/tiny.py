@@ -101,6 +101,7 @@ def build_tiny_model(
     embed_std: float = 0.2,
     num_experts: int = 8,
     experts_per_token: int = 2,
+    vocab_size: int = 1024,
 ) -> Path:
     """Write a tiny random-weight model of `arch` (qwen3, qwen2, llama, or qwen3_moe with
     `num_experts` experts of which each token uses `experts_per_token`) plus tokenizer.
@@ -118,7 +119,7 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
+    tokenizer = build_tokenizer(out, vocab_size)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
