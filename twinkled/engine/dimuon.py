@@ -38,7 +38,9 @@ The step size is the same for A and B ("uniformly"): torch.optim.Muon's shape ad
 which is not a direction of norm sqrt(rank). The correction shrinks the step as the rank
 grows: an update of norm sqrt(r) per matrix grows with r. Not implemented: the `damping`
 (row and column preconditioner) of the newer SDK, whose rule Tinker does not publish;
-0.38 clients never send it, and the daemon refuses a request that does.
+0.38 clients never send it, and the daemon refuses a request that does. Under tensor
+parallelism the sign is taken of each whole matrix (gathered), so a split model steps as
+one rank would.
 
 Why not call torch.optim.Muon: it steps one tensor at a time in a Python loop (15 kernels
 per matrix, ~5000 per adapter of a 0.5B model) and runs the iteration in bfloat16. Here every
@@ -79,13 +81,18 @@ def step_size(params: DimuonParams, rank: int) -> float:
 
 
 @torch.no_grad()
-def dimuon_update(items: list[tuple[Adapter, DimuonParams]]) -> None:
+def dimuon_update(items: list[tuple[Adapter, DimuonParams]], shard=None) -> None:
     """Apply the rule to each adapter's (already clipped, finite) gradients.
 
     Momentum lives in the bank's first-moment buffers ("m"), which AdamW adapters use for
     exp_avg; the gradient buffers are overwritten with the Nesterov direction (the caller
     clears them after the step). Adapters sharing beta1 share one momentum kernel, and
-    same-shaped matrices of all adapters share one Newton-Schulz batch."""
+    same-shaped matrices of all adapters share one Newton-Schulz batch.
+
+    `shard` (tp.py): the banks hold tensor-parallel slices. The momentum is elementwise,
+    but the matrix sign is of the whole matrix: each direction is gathered whole over the
+    group (LoRA matrices have r rows or columns: small), every rank computes the same sign,
+    and each keeps its slice of it."""
     by_beta: dict[float, list[Adapter]] = {}
     for adapter, p in items:
         by_beta.setdefault(p.beta1, []).append(adapter)
@@ -94,18 +101,28 @@ def dimuon_update(items: list[tuple[Adapter, DimuonParams]]) -> None:
         m = [t for a in adapters for t in a.bank.tensors(a.slot, "m")]
         torch._foreach_lerp_(m, g, 1.0 - beta1)  # m = beta1 m + (1 - beta1) g
         torch._foreach_lerp_(g, m, beta1)  # g = (1 - beta1) g + beta1 m
-    groups: dict[tuple[int, ...], tuple[list, list, list]] = {}
+    groups: dict[tuple[int, ...], tuple[list, list, list, list]] = {}
     for adapter, p in items:
         lr = step_size(p, adapter.config.rank)
         bank, slot = adapter.bank, adapter.slot
-        for w, u in zip(bank.tensors(slot, "w"), bank.tensors(slot, "g"), strict=True):
-            ws, us, lrs = groups.setdefault(tuple(w.shape), ([], [], []))
+        keys = list(bank.shapes)
+        parts = [(k, part) for part in ("A", "B") for k in keys]  # as Bank.tensors orders
+        directions = bank.tensors(slot, "g")
+        if shard is not None:
+            directions = shard.gather_views(keys, directions)
+        for w, u, part in zip(bank.tensors(slot, "w"), directions, parts, strict=True):
+            ws, us, lrs, where = groups.setdefault(tuple(u.shape), ([], [], [], []))
             ws.append(w)
             us.append(u)
             lrs.append(-lr)
-    for ws, us, lrs in groups.values():
+            where.append(part)
+    for ws, us, lrs, where in groups.values():
         u = torch.stack(us)  # an MoE expert pair is [experts, rows, cols]: one matrix each
         o = msign(u.reshape(-1, *u.shape[-2:])).reshape(u.shape)
         lr = torch.tensor(lrs, dtype=o.dtype).to(o.device, non_blocking=True)
         o.mul_(lr.view(-1, *[1] * (u.dim() - 1)))
-        torch._foreach_add_(ws, list(o.unbind(0)))
+        steps = list(o.unbind(0))
+        if shard is not None:  # this rank's slice of each whole update
+            steps = [shard.local_lora(k, part, x) for x, (k, part) in zip(steps, where,
+                                                                          strict=True)]
+        torch._foreach_add_(ws, steps)

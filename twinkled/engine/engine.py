@@ -86,11 +86,7 @@ class Engine:
         return self.adapter_info(adapter_id)
 
     def _split_config(self, config: LoraConfig) -> LoraConfig:
-        """Under tensor parallelism: Dimuon orthogonalises whole matrices, which a rank's
-        slice is not; and an unseeded adapter gets a seed all ranks share."""
-        if config.optimizer == "dimuon":
-            raise EngineInputError("optimizer", "Dimuon is not supported on a tensor-parallel "
-                                   "worker group (tp > 1); use AdamW")
+        """Under tensor parallelism an unseeded adapter gets a seed all ranks share."""
         if config.seed is None:
             config = replace(config, seed=self.shard.tp.broadcast_seed())
         return config
@@ -329,8 +325,6 @@ class Engine:
                     f"{adapter_id!r} was created with {current.optimizer!r}")
             config = current
         else:
-            if self.shard is not None and config.optimizer == "dimuon":
-                self._split_config(config)  # refuses it
             self.pool.add(adapter_id, config)
         state.write_into(self.pool.get(adapter_id), weights, moments, steps if optimizer else 0,
                          self.shard)

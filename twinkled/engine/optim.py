@@ -92,7 +92,7 @@ def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]],
               fused=fused, amsgrad=False, beta1=p.beta1, beta2=p.beta2, lr=p.learning_rate,
               weight_decay=p.weight_decay, eps=p.eps, maximize=False)
     if dimuon:
-        dimuon_update(dimuon)
+        dimuon_update(dimuon, shard)
     for _, adapter, _ in live:
         adapter.pending = 0
         adapter.bank.stale.add(adapter.slot)
