@@ -4,12 +4,15 @@
 # between calls, so files written by one call are there for the next):
 #
 #   bash bench/gpu_pass.sh workers4 prewrite moe   # issue 14 (1/2/4 workers), issue 17 (MoE)
-#   bash bench/gpu_pass.sh tp32 tp                 # issue 15: 32B at tp 2 via the daemon; 8B
+#   bash bench/gpu_pass.sh tp32 tp                 # issue 15: 32B at tp 2 (daemon traced,
+#                                                  #   peft, engine alone); 8B engine tp 1, 2
 #   bash bench/gpu_pass.sh tp70                    # issue 15: a 70B shape at tp 4 via the daemon
 #   bash bench/gpu_pass.sh sampling slices         # issue 16 (one GPU: $SAMPLING_GPU, default 0)
 #
 # `prewrite` starts writing the 32B and 70B random checkpoints in the background (its own
 # process session, on GPU 3), so the tp32 and tp70 steps, which wait for them, need not.
+# Put it after `workers4`, never before: writing 137 GB beside the 4-worker run (GPU 3, the
+# disk, the host) spoiled that run's figures once.
 # The 70B one (137 GB) waits for the disk to have room beside the 32B one (65 GB).
 # Each bench writes its section under $OUT (the device's returned folder) or bench/results/.
 set -uo pipefail
@@ -56,7 +59,7 @@ for what in "$@"; do
               rm -rf "$ckpt/qwen3-32b" ;;
         # r=16: at r=32 the sizing estimate for 8 adapters (73 GiB) leaves an H100 no headroom
         tp70) wait_for "$ckpt/llama3-70b" && "$py" bench_tp.py --shape llama3-70b --tp 4 --daemon \
-                  --trace --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
+                  --trace --peft --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
                   | tee -a "$out/tp.md" ;;
         moe) "$py" bench_moe.py --devices cuda:0,cuda:1 --layers 12 --write "$out/moe.md" ;;
         *) echo "unknown: $what (workers, workers4, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
