@@ -42,8 +42,8 @@ def _free_port() -> int:
 def tp_run(tmp_path_factory):
     """Tiny models (qwen3: 2 heads, 1 KV head, replicated, tied embeddings split over the
     vocabulary; qwen2: 4 heads, 2 KV heads, split, with qkv biases, an untied lm_head;
-    llama: 4 heads, 1 KV head, an odd vocabulary that stays whole) and the group's results
-    on them."""
+    llama: 4 heads, 1 KV head, an odd vocabulary that stays whole; qwen3_moe: 8 experts,
+    4 on each rank, LoRA on them) and the group's results on them."""
     root = tmp_path_factory.mktemp("tp")
     models = {
         "qwen3": str(build_tiny_model(root / "qwen3", arch="qwen3")),
@@ -51,6 +51,7 @@ def tp_run(tmp_path_factory):
                                       tie_word_embeddings=False)),
         "llama": str(build_tiny_model(root / "llama", arch="llama", num_heads=4, num_kv_heads=1,
                                       vocab_size=1023)),
+        "qwen3_moe": str(build_tiny_model(root / "qwen3_moe", arch="qwen3_moe")),
     }
     url = f"tcp://127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen([sys.executable, str(HERE / "tp_scenario.py"), json.dumps(
@@ -66,7 +67,7 @@ def tp_run(tmp_path_factory):
     return root, models, torch.load(root / "results.pt")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "qwen3_moe"])
 def test_tp2_matches_one_rank(tp_run, arch):
     root, models, results = tp_run
     got, ref = results[arch], run(Engine(models[arch]), None)

@@ -1,6 +1,6 @@
 """The unmodified tinker client against `twinkled serve` on a tiny Qwen3-MoE (8 experts,
 top-2): training lowers the loss, sampling uses the adapter, and two expert-parallel CPU
-ranks (--workers 2 --ep 2) give what one rank gives."""
+ranks (--workers 2 --ep 2), or a tensor-parallel pair (--tp 2), give what one rank gives."""
 
 from __future__ import annotations
 
@@ -67,21 +67,25 @@ def test_moe_training_and_expert_parallel_ranks_match_one(moe_dir, tmp_path):
     results = {}
     export = tmp_path / "export"
     export.mkdir()
-    for name, extra in (("one", ()), ("ep2", ("--workers", "2", "--ep", "2"))):
+    for name, extra in (("one", ()), ("ep2", ("--workers", "2", "--ep", "2")),
+                        ("tp2", ("--devices", "cpu,cpu", "--tp", "2"))):
         data = tmp_path / name
         d = Daemon(moe_dir, data, tmp_path / f"{name}.log", *extra)
         try:
             results[name] = _run(d, moe_dir, export if name == "one" else None)
         finally:
             d.stop()
-    one, ep2 = results["one"], results["ep2"]
+    one = results["one"]
     assert one["losses"][-1] < 0.7 * one["losses"][0], one["losses"]
     assert len(one["tokens"]) == 6
-    assert ep2["tokens"] == one["tokens"]
-    assert ep2["losses"] == pytest.approx(one["losses"], rel=1e-4)
-    for x, y in zip(ep2["logprobs"], one["logprobs"], strict=True):
-        assert x == pytest.approx(y, abs=1e-4)
-    assert ep2["lp"] == pytest.approx(one["lp"], abs=1e-4)
+    # The experts split over two ranks (--ep 2), or the attention heads and the experts
+    # split over a tensor-parallel pair (--tp 2), give what one rank gives.
+    for split in (results["ep2"], results["tp2"]):
+        assert split["tokens"] == one["tokens"]
+        assert split["losses"] == pytest.approx(one["losses"], rel=1e-4)
+        for x, y in zip(split["logprobs"], one["logprobs"], strict=True):
+            assert x == pytest.approx(y, abs=1e-4)
+        assert split["lp"] == pytest.approx(one["lp"], abs=1e-4)
 
     # peft loads the export (target_parameters on the experts) and gives the same logprobs.
     import torch

@@ -79,8 +79,8 @@ def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[st
     if ranks % tp:
         problems.append(f"tp: {tp} does not divide the {ranks} worker devices {devices}")
     if cfg.ep > 1 and tp > 1:
-        problems.append("ep: expert parallelism together with tensor parallelism (tp) is not "
-                        "supported yet")
+        problems.append("ep: under --tp the experts are already split over each tensor-"
+                        "parallel group; use --tp alone (or --ep without --tp)")
     elif cfg.ep < 1 or ranks % cfg.ep:
         problems.append(f"ep: --ep {cfg.ep} must divide the {ranks} worker ranks (--devices / "
                         "--workers)")

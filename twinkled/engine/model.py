@@ -93,13 +93,22 @@ class BaseModel:
         self.tp, self.shard = NoSplit(), None
         self.moe = {}
         if tp is not None and tp.size > 1:
-            if config.model_type in MOE_ARCHS:
-                raise EngineInputError("tp", "tensor parallelism does not split mixture-of-"
-                                       "experts models yet; use --ep to split their experts")
-            from .tp import ShardPlan, load_sharded
+            from .tp import ShardPlan
+            from .tp_load import load_sharded, shard_loaded
 
             self.tp, self.shard = tp, ShardPlan(config, tp)
-            self.hf = load_sharded(model_dir, config, self.dtype, self.device, self.shard)
+            if config.model_type in MOE_ARCHS:
+                # Attention split as for a dense model, the experts split over the same
+                # group as --ep splits them (moe_parallel.py: all-reduce dispatch).
+                self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+                shard_loaded(self.hf, self.shard)
+                split = ExpertSplit(tp.rank, tp.size, tp.group)
+                self.moe = moe_blocks(config.model_type, config, list(self.hf.model.layers),
+                                      split)
+                shard_experts(self.moe, split)
+                self.hf.to(self.device).eval().requires_grad_(False)
+            else:
+                self.hf = load_sharded(model_dir, config, self.dtype, self.device, self.shard)
         else:
             self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
             # Sparse MLP layers (moe.py); the experts of other ranks are dropped before the
@@ -176,9 +185,9 @@ class BaseModel:
         x = self.tp.enter(layer.input_layernorm(h))
         h = h + self.tp.leave(self._attention(i, layer.self_attn, x, cos, sin, keys, lora,
                                               cache, mask, packing))
+        if i in self.moe:  # split experts bring their own pair of collectives (moe.py)
+            return h + self.moe[i](layer.post_attention_layernorm(h), banks)
         x = self.tp.enter(layer.post_attention_layernorm(h))
-        if i in self.moe:  # (never under tensor parallelism)
-            return h + self.moe[i](x, banks)
         mlp = layer.mlp
         gate = self._linear(mlp.gate_proj, keys["gate_proj"], x, lora)
         up = self._linear(mlp.up_proj, keys["up_proj"], x, lora)

@@ -43,6 +43,9 @@ def split_problem(cfg: dict, tp: int) -> str | None:
         return f"tp {tp} and the model's {kv} KV heads: one must divide the other"
     if inter % tp:
         return f"tp {tp} does not divide the model's MLP width {inter}"
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts % tp:
+        return f"tp {tp} does not divide the model's {experts} experts"
     return None
 
 

@@ -26,7 +26,7 @@ elementwise, so each rank then steps its own slice.
 
 Checkpoints never depend on the split: saving gathers every tensor whole (`gather_views`),
 loading slices (`ShardPlan.local_lora`). The base weights are read slice by slice from the
-safetensors files (`load_sharded`), never whole.
+safetensors files (`tp_load.py`), never whole.
 
 megatron-core is imported only here, and only when tp > 1. With megatron-core 0.16.1 on a
 CPU, `parallel_state.initialize_model_parallel` builds its groups with the default
@@ -36,13 +36,11 @@ on CUDA, so the vocabulary's shares are joined with plain collectives here.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
 from .losses import logprob_grad
+from .moe_peft import is_expert
 from .sizing import split_problem
 from .types import EngineInputError
 
@@ -145,7 +143,10 @@ class ShardPlan:
         return name in COLUMN or (name == "lm_head" and self.vocab_split)
 
     def slices(self, key: str, shape: tuple[int, int]) -> tuple[slice | None, slice | None]:
-        """(rows of the weight [out, in] this rank holds, its columns); None = all."""
+        """(rows of the weight [out, in] this rank holds, its columns); None = all. An
+        MoE expert pair is whole: its experts, not its rows, are split (moe.py)."""
+        if is_expert(key):
+            return None, None
         name = key.rsplit(".", 1)[-1]
         fin, fout = shape
         if self._column(name):
@@ -159,12 +160,16 @@ class ShardPlan:
 
     def holders(self, key: str) -> int:
         """How many ranks of the group hold the same rows of `key` (1: split)."""
+        if is_expert(key):
+            return self.size  # the banks keep every expert on every rank
         name = key.rsplit(".", 1)[-1]
         if name in KV:
             return max(1, self.size // self.n_kv)
         return 1 if self._column(name) or name in ROW else self.size
 
-    def local_shape(self, key: str, shape: tuple[int, int]) -> tuple[int, int]:
+    def local_shape(self, key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if is_expert(key):
+            return shape  # (in, out, experts): every expert, whole
         rows, cols = self.slices(key, shape)
         fin, fout = shape
         return (fin if cols is None else cols.stop - cols.start,
@@ -188,7 +193,9 @@ class ShardPlan:
             bank = a.bank
             for key in bank.shapes:
                 name = key.rsplit(".", 1)[-1]
-                if self._column(name) or name in KV:
+                if is_expert(key):  # only the ranks owning an expert have its gradients
+                    summed += [bank.gA[key][a.slot], bank.gB[key][a.slot]]
+                elif self._column(name) or name in KV:
                     summed.append(bank.gA[key][a.slot])
                 elif name in ROW:
                     summed.append(bank.gB[key][a.slot])
@@ -225,6 +232,8 @@ class ShardPlan:
     def _holders_of(self, part_key: str) -> int:
         """`part_key` is "A:<module>" or "B:<module>"."""
         part, key = part_key.split(":", 1)
+        if is_expert(key):
+            return self.size
         name = key.rsplit(".", 1)[-1]
         split = (part == "B" and (self._column(name) or name in KV)) or (part == "A" and name in ROW)
         if not split:
@@ -318,68 +327,3 @@ class _SplitTargetLogprobs(torch.autograd.Function):
         # A target outside this rank's slice has no logit here; the softmax part still does.
         grad = logprob_grad(flat, lse, local, g * mine, g.sum(1, keepdim=True), ctx.chunk)
         return grad.view(logits.shape), None, None, None, None
-
-
-# -- loading ----------------------------------------------------------------------------
-
-
-def _weight_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file that holds it."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        wmap = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / f for name, f in wmap.items()}
-    single = model_dir / "model.safetensors"
-    if not single.is_file():
-        raise EngineInputError("model", f"{model_dir} has no safetensors weights (tensor "
-                               "parallelism reads each rank's slice from them)")
-    from safetensors import safe_open
-
-    with safe_open(single, "pt") as f:
-        return {name: single for name in f.keys()}
-
-
-def load_sharded(model_dir: Path, config, dtype: torch.dtype, device: torch.device,
-                 plan: ShardPlan):
-    """The HF model with only this rank's slices, read straight from the files."""
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    files = _weight_files(model_dir)
-    handles: dict[Path, object] = {}
-    for name in [n for n, _ in hf.named_parameters()]:
-        if name not in files:
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # tied below
-            raise EngineInputError("model", f"{model_dir}: no tensor {name!r} in its files")
-        f = handles.get(files[name])
-        if f is None:
-            f = handles[files[name]] = safe_open(files[name], "pt", device="cpu")
-        owner, leaf = name.rsplit(".", 1)
-        module = hf.get_submodule(owner)
-        rows = cols = None
-        if isinstance(module, torch.nn.Linear):
-            rows, cols = plan.slices(owner, (module.in_features, module.out_features))
-        elif isinstance(module, torch.nn.Embedding) and plan.vocab_split:
-            rows = plan.vocab_rows
-        sl = f.get_slice(name)
-        if leaf == "bias":
-            t = sl[rows] if rows is not None else sl[:]
-            if cols is not None and plan.rank != 0:
-                t = torch.zeros_like(t)  # a row-parallel bias is added once, after the sum
-        else:
-            t = sl[rows] if rows is not None else sl[:, cols] if cols is not None else sl[:]
-        setattr(module, leaf, torch.nn.Parameter(t.to(device=device, dtype=dtype),
-                                                 requires_grad=False))
-    if config.tie_word_embeddings:
-        hf.lm_head.weight = hf.model.embed_tokens.weight
-    # Buffers (the rotary frequencies) are computed, not stored: build them on the device.
-    with torch.device(device):
-        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)
-    left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
-    if left:
-        raise EngineInputError("model", f"{model_dir}: tensors left unloaded: {left[:3]}")
-    return hf.eval().requires_grad_(False)
-
