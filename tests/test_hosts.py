@@ -24,11 +24,12 @@ TOKEN = "0123456789abcdef" * 4
 class Agent:
     """`twinkled worker --join` in its own process group (its workers die with it)."""
 
-    def __init__(self, port: int, token_file: Path, log: Path, env: dict | None = None):
+    def __init__(self, port: int, token_file: Path, log: Path, env: dict | None = None,
+                 devices: str = "cpu"):
         self.log = open(log, "ab")  # noqa: SIM115 - kept open for the process's life
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "twinkled", "worker", "--join", f"tcp://127.0.0.1:{port}",
-             "--devices", "cpu", "--token-file", str(token_file), "--name", "hostb"],
+             "--devices", devices, "--token-file", str(token_file), "--name", "hostb"],
             stdout=self.log, stderr=subprocess.STDOUT,
             env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})))
 
@@ -103,6 +104,53 @@ def test_two_hosts_train_like_one_host_with_two_ranks(two_hosts, tiny_dir, tmp_p
         tc, data, losses = _train(local.url, key, tiny_dir)
         path = tc.save_state("after3").result(timeout=T).path
         want = (losses, _logprobs(tc, data), _checkpoint(tmp_path, path))
+    finally:
+        local.stop()
+    assert got[0] == pytest.approx(want[0], rel=1e-4)
+    assert got[0][-1] < got[0][0]  # it trained
+    for a, b in zip(got[1], want[1], strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert got[2].keys() == want[2].keys()
+    for k, v in want[2].items():
+        assert got[2][k].float().sub(v.float()).abs().max() <= 1e-5 + 1e-4 * v.abs().max(), k
+
+
+def test_tensor_parallel_groups_on_two_hosts_train_like_one_group(tiny_dir, tmp_path):
+    """--tp 2 on two hosts of two ranks each: a host holds a whole tensor-parallel group
+    (its collectives never cross hosts) and the hosts are data-parallel replicas. Training
+    gives what one tp=2 group on one host gives."""
+    import socket
+
+    pytest.importorskip("megatron.core")
+    port, token = free_port(), tmp_path / "join.key"
+    token.write_text(TOKEN + "\n")
+    cfg = tmp_path / "head.toml"
+    cfg.write_text(f'join_listen = "tcp://127.0.0.1:{port}"\njoin_token_file = "{token}"\n'
+                   "remote_ranks = 2\njoin_timeout_s = 60\nworker_threads = 1\n")
+    head = tmp_path / "head"
+    head.mkdir()
+    key = make_key(head, "alice")
+    d = Daemon(tiny_dir, head, head / "log", "--devices", "cpu,cpu", "--tp", "2",
+               "--config", str(cfg), wait=False)
+    agent = Agent(port, token, tmp_path / "agent.log", devices="cpu,cpu")
+    try:
+        d.wait_ready()
+        here = socket.gethostname()
+        _wait_ranks(head, [here, here, "hostb", "hostb"])
+        tc, data, losses = _train(d.url, key, tiny_dir)
+        path = tc.save_state("after3").result(timeout=T).path
+        got = (losses, _logprobs(tc, data), _checkpoint(head, path))
+    finally:
+        d.stop()
+        agent.stop()
+    one = tmp_path / "one"
+    one.mkdir()
+    key = make_key(one, "alice")
+    local = Daemon(tiny_dir, one, one / "log", "--devices", "cpu,cpu", "--tp", "2")
+    try:
+        tc, data, losses = _train(local.url, key, tiny_dir)
+        path = tc.save_state("after3").result(timeout=T).path
+        want = (losses, _logprobs(tc, data), _checkpoint(one, path))
     finally:
         local.stop()
     assert got[0] == pytest.approx(want[0], rel=1e-4)

@@ -35,6 +35,11 @@ def test_tp_must_divide_devices_and_heads(tmp_path):
     cfg = _config(tmp_path, QWEN3_32B, devices=["cpu"] * 3, tp=2)
     assert layout_problems(cfg) == ["tp: 2 does not divide the 3 worker devices "
                                     "['cpu', 'cpu', 'cpu']"]
+    # Across hosts, each host brings whole tensor-parallel groups.
+    cfg = _config(tmp_path, QWEN3_32B, devices=["cpu"] * 3, tp=2, join_listen="tcp://*:7070",
+                  remote_ranks=1)
+    assert layout_problems(cfg) == ["tp: each host's ranks must make whole groups of 2: "
+                                    "this host has 3, remote_ranks is 1"]
 
 
 def test_more_gpus_than_present(tmp_path):

@@ -74,8 +74,11 @@ def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[st
     devices = cfg.worker_devices()
     ranks = len(devices) + cfg.remote_ranks
     problems = []
-    if tp > 1 and cfg.remote_ranks:
-        problems.append("tp: tensor parallelism across hosts (remote_ranks) is not supported")
+    if tp > 1 and cfg.remote_ranks and (len(devices) % tp or cfg.remote_ranks % tp):
+        # Each host brings whole tensor-parallel groups: NCCL inside a host, data
+        # parallelism between hosts (a group split over the network would crawl).
+        problems.append(f"tp: each host's ranks must make whole groups of {tp}: this host "
+                        f"has {len(devices)}, remote_ranks is {cfg.remote_ranks}")
     if ranks % tp:
         problems.append(f"tp: {tp} does not divide the {ranks} worker devices {devices}")
     if cfg.ep > 1 and tp > 1:

@@ -147,11 +147,19 @@ class WorkerGroup:
             hosts = self.hosts.ready()
         self.workers = [WorkerInfo(r, d) for r, d in enumerate(self.devices)]
         plan: list[tuple[RemoteHost, list[int]]] = []  # two agents may share a host name
+        tp = int(self.options.get("tp", 1))
         for host in hosts:
+            # A tensor-parallel group never spans hosts: a host brings whole groups of tp
+            # ranks (its spare devices idle), or none.
+            devices = host.devices[:len(host.devices) // tp * tp]
+            if not devices:
+                log.warning("host %s brings %d device(s), fewer than tp=%d: left out",
+                            host.name, len(host.devices), tp)
+                continue
             plan.append((host, list(range(len(self.workers),
-                                          len(self.workers) + len(host.devices)))))
+                                          len(self.workers) + len(devices)))))
             self.workers += [WorkerInfo(len(self.workers) + i, d, host=host.name)
-                             for i, d in enumerate(host.devices)]
+                             for i, d in enumerate(devices)]
         dist_port = _free_port(self._bind_host)
         local = _reachable(self._bind_host)
         # Ranks on several hosts cannot read each other's files: rank 0 then hands out what
