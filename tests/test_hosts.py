@@ -91,6 +91,17 @@ def _train(url: str, key: str, tiny_dir: Path):
     return tc, data, losses
 
 
+def _same_training(got: tuple, want: tuple) -> None:
+    """(losses, logprobs, checkpoint tensors) of two runs agree, and the first trained."""
+    assert got[0] == pytest.approx(want[0], rel=1e-4)
+    assert got[0][-1] < got[0][0]  # it trained
+    for a, b in zip(got[1], want[1], strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert got[2].keys() == want[2].keys()
+    for k, v in want[2].items():
+        assert got[2][k].float().sub(v.float()).abs().max() <= 1e-5 + 1e-4 * v.abs().max(), k
+
+
 def test_two_hosts_train_like_one_host_with_two_ranks(two_hosts, tiny_dir, tmp_path):
     workers = _wait_ranks(two_hosts.data_dir, [two_hosts.here, "hostb"])
     assert [w["remote"] for w in workers] == [False, True]
@@ -106,13 +117,7 @@ def test_two_hosts_train_like_one_host_with_two_ranks(two_hosts, tiny_dir, tmp_p
         want = (losses, _logprobs(tc, data), _checkpoint(tmp_path, path))
     finally:
         local.stop()
-    assert got[0] == pytest.approx(want[0], rel=1e-4)
-    assert got[0][-1] < got[0][0]  # it trained
-    for a, b in zip(got[1], want[1], strict=True):
-        assert a == pytest.approx(b, abs=1e-4)
-    assert got[2].keys() == want[2].keys()
-    for k, v in want[2].items():
-        assert got[2][k].float().sub(v.float()).abs().max() <= 1e-5 + 1e-4 * v.abs().max(), k
+    _same_training(got, want)
 
 
 def test_tensor_parallel_groups_on_two_hosts_train_like_one_group(tiny_dir, tmp_path):
@@ -153,13 +158,7 @@ def test_tensor_parallel_groups_on_two_hosts_train_like_one_group(tiny_dir, tmp_
         want = (losses, _logprobs(tc, data), _checkpoint(one, path))
     finally:
         local.stop()
-    assert got[0] == pytest.approx(want[0], rel=1e-4)
-    assert got[0][-1] < got[0][0]  # it trained
-    for a, b in zip(got[1], want[1], strict=True):
-        assert a == pytest.approx(b, abs=1e-4)
-    assert got[2].keys() == want[2].keys()
-    for k, v in want[2].items():
-        assert got[2][k].float().sub(v.float()).abs().max() <= 1e-5 + 1e-4 * v.abs().max(), k
+    _same_training(got, want)
 
 
 def test_a_joiner_without_the_token_is_refused(two_hosts, tmp_path):
