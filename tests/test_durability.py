@@ -172,6 +172,47 @@ def test_a_failed_shared_pass_fails_only_the_request_at_fault(tiny_dir, tmp_path
         d.stop()
 
 
+def test_a_pass_that_fails_on_one_data_parallel_rank_fails_alone(tiny_dir, tmp_path):
+    """Two data-parallel ranks; a step holds a good tenant's forward_backward and the
+    optim_step right behind it, and a bad tenant's datum that makes the pass fail (injected)
+    on the one rank that gets it. The ranks agree that the pass failed before any of them
+    enters the optim_step's gradient all-reduce, which the failed rank would never join:
+    the bad request fails alone, the good tenant's step is exactly what it would be alone,
+    and no worker restarts or hangs."""
+    keys = {t: make_key(tmp_path, t) for t in ("good", "bad")}
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--workers", "2", env={
+        "TWINKLED_TEST_FAIL_TOKENS": "13", "TWINKLED_TEST_STEP_DELAY": "0.5"})
+    try:
+        sc = {t: tinker.ServiceClient(base_url=d.url, api_key=k) for t, k in keys.items()}
+        good, control = (sc["good"].create_lora_training_client(
+            base_model=tiny_dir.name, rank=4, seed=21).result(timeout=T) for _ in range(2))
+        bad = sc["bad"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                   seed=22).result(timeout=T)
+        data = _data(good.get_tokenizer())
+        _fb(control, data)
+        _optim(control, 1e-2)
+        want = _logprobs(control, data)
+        restarts = _restarts(d)
+
+        poison = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5] * 13),
+                                     loss_fn_inputs={"target_tokens": [6] * 13})]
+        slow = good.forward(data, "cross_entropy")  # holds the workers for 0.5 s ...
+        time.sleep(0.1)
+        fut_good = good.forward_backward(data, "cross_entropy")  # ... so these three
+        fut_opt = good.optim_step(tinker.types.AdamParams(learning_rate=1e-2))  # share
+        fut_bad = bad.forward_backward(poison, "cross_entropy")  # the next step
+        slow.result(timeout=T)
+        assert fut_good.result(timeout=T).metrics["loss:sum"] > 0
+        assert fut_opt.result(timeout=T) is not None
+        with pytest.raises(tinker.RequestFailedError, match="failed in the engine"):
+            fut_bad.result(timeout=T)
+        assert _logprobs(good, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
+        assert _restarts(d) == restarts
+        assert _fb(bad, data).metrics["loss:sum"] > 0  # the bad tenant goes on
+    finally:
+        d.stop()
+
+
 def test_with_persistence_off_a_worker_kill_brings_an_adapter_back_as_created(tiny_dir,
                                                                              tmp_path):
     """persist_every = 0: no write-behind, no journal. A worker kill brings a run back at

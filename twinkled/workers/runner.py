@@ -17,6 +17,9 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.live import read_mark
 from twinkled.engine.parallel import split_rows
@@ -56,6 +59,15 @@ def _datum(d: DatumF) -> Datum:
     return Datum(to_tensor(d.tokens), {k: to_tensor(v) for k, v in d.inputs.items()})
 
 
+def _anywhere(flag: bool, device) -> bool:
+    """Whether `flag` holds on any rank of the worker group (every rank calls this)."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.get_backend() == "nccl":
+        t = t.to(device)
+    dist.all_reduce(t, dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 class StepRunner:
     def __init__(self, engine: Engine, rank: int, world: int, persister: Persister | None,
                  spans_hosts: bool = False, ep: int = 1, seed: int | None = None,
@@ -92,7 +104,13 @@ class StepRunner:
         rows = [i for i, op in enumerate(step.ops) if isinstance(op, TrainF)]
         barriers = [i for i, op in enumerate(step.ops) if not isinstance(op, TrainF)]
         outcomes = self._train(step.ops, rows) if rows else []
-        if any(o.category == RETRY for o in outcomes):
+        failed = any(o.category == RETRY for o in outcomes)
+        if rows and self.world > 1:
+            # Rows are split, so a pass may fail on some ranks only; all must agree before
+            # any enters the collectives that follow (an optim_step's all-reduce), which
+            # a rank that stopped here would never join.
+            failed = _anywhere(failed, self.engine.model.device)
+        if failed:
             # The pass failed: the step's barriers (optim_steps behind its rows) wait too.
             return sorted(outcomes + [OutcomeF(i, error="not run", category=RETRY)
                                       for i in barriers], key=lambda o: o.index)
