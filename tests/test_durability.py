@@ -13,6 +13,9 @@ from daemon import Daemon, make_key
 
 tinker = pytest.importorskip("tinker")
 T = 120
+# A datum of 13 tokens makes a pass fail after its backward (TWINKLED_TEST_FAIL_TOKENS).
+POISON = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5] * 13),
+                             loss_fn_inputs={"target_tokens": [6] * 13})]
 TEXTS = ["the sun and the sea are big.", "a cat.", "one two three four five six seven"]
 
 
@@ -127,6 +130,14 @@ def _restarts(d) -> float:
                if line.startswith("twinkle_worker_restarts_total"))
 
 
+def _hold_workers(tc, data):
+    """A forward that holds the workers (TWINKLED_TEST_STEP_DELAY): what is sent while it
+    runs shares the next step."""
+    slow = tc.forward(data, "cross_entropy")
+    time.sleep(0.1)
+    return slow
+
+
 def test_a_failed_shared_pass_fails_only_the_request_at_fault(tiny_dir, tmp_path):
     """A pass that fails after its backward (injected: any datum of 13 tokens) leaves part
     of its gradients in every adapter it held. They are restored to their acknowledged
@@ -153,12 +164,9 @@ def test_a_failed_shared_pass_fails_only_the_request_at_fault(tiny_dir, tmp_path
         want = _logprobs(control, data)
         restarts = _restarts(d)
 
-        poison = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5] * 13),
-                                     loss_fn_inputs={"target_tokens": [6] * 13})]
-        slow = good.forward(data, "cross_entropy")  # holds the workers for 0.5 s ...
-        time.sleep(0.1)
+        slow = _hold_workers(good, data)
         fut_good = good.forward_backward(data, "cross_entropy")  # ... so these two share
-        fut_bad = bad.forward_backward(poison, "cross_entropy")  # the next step
+        fut_bad = bad.forward_backward(POISON, "cross_entropy")  # the next step
         slow.result(timeout=T)
         assert fut_good.result(timeout=T).metrics["loss:sum"] > 0
         with pytest.raises(tinker.RequestFailedError, match="failed in the engine"):
@@ -194,13 +202,10 @@ def test_a_pass_that_fails_on_one_data_parallel_rank_fails_alone(tiny_dir, tmp_p
         want = _logprobs(control, data)
         restarts = _restarts(d)
 
-        poison = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5] * 13),
-                                     loss_fn_inputs={"target_tokens": [6] * 13})]
-        slow = good.forward(data, "cross_entropy")  # holds the workers for 0.5 s ...
-        time.sleep(0.1)
+        slow = _hold_workers(good, data)
         fut_good = good.forward_backward(data, "cross_entropy")  # ... so these three
         fut_opt = good.optim_step(tinker.types.AdamParams(learning_rate=1e-2))  # share
-        fut_bad = bad.forward_backward(poison, "cross_entropy")  # the next step
+        fut_bad = bad.forward_backward(POISON, "cross_entropy")  # the next step
         slow.result(timeout=T)
         assert fut_good.result(timeout=T).metrics["loss:sum"] > 0
         assert fut_opt.result(timeout=T) is not None
