@@ -91,6 +91,23 @@ def _train(url: str, key: str, tiny_dir: Path):
     return tc, data, losses
 
 
+def _trained(url: str, key: str, tiny_dir: Path, data_dir: Path) -> tuple:
+    """(losses, logprobs, checkpoint tensors) of three steps through the daemon at `url`."""
+    tc, data, losses = _train(url, key, tiny_dir)
+    path = tc.save_state("after3").result(timeout=T).path
+    return losses, _logprobs(tc, data), _checkpoint(data_dir, path)
+
+
+def _trained_on_one_host(tiny_dir: Path, data_dir: Path, *extra: str) -> tuple:
+    """`_trained` on a local daemon started with `extra`."""
+    key = make_key(data_dir, "alice")
+    local = Daemon(tiny_dir, data_dir, data_dir / "log", *extra)
+    try:
+        return _trained(local.url, key, tiny_dir, data_dir)
+    finally:
+        local.stop()
+
+
 def _same_training(got: tuple, want: tuple) -> None:
     """(losses, logprobs, checkpoint tensors) of two runs agree, and the first trained."""
     assert got[0] == pytest.approx(want[0], rel=1e-4)
@@ -105,19 +122,8 @@ def _same_training(got: tuple, want: tuple) -> None:
 def test_two_hosts_train_like_one_host_with_two_ranks(two_hosts, tiny_dir, tmp_path):
     workers = _wait_ranks(two_hosts.data_dir, [two_hosts.here, "hostb"])
     assert [w["remote"] for w in workers] == [False, True]
-    tc, data, losses = _train(two_hosts.url, two_hosts.key, tiny_dir)
-    path = tc.save_state("after3").result(timeout=T).path
-    got = (losses, _logprobs(tc, data), _checkpoint(two_hosts.data_dir, path))
-
-    key = make_key(tmp_path, "alice")
-    local = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--devices", "cpu,cpu")
-    try:
-        tc, data, losses = _train(local.url, key, tiny_dir)
-        path = tc.save_state("after3").result(timeout=T).path
-        want = (losses, _logprobs(tc, data), _checkpoint(tmp_path, path))
-    finally:
-        local.stop()
-    _same_training(got, want)
+    got = _trained(two_hosts.url, two_hosts.key, tiny_dir, two_hosts.data_dir)
+    _same_training(got, _trained_on_one_host(tiny_dir, tmp_path, "--devices", "cpu,cpu"))
 
 
 def test_tensor_parallel_groups_on_two_hosts_train_like_one_group(tiny_dir, tmp_path):
@@ -142,23 +148,13 @@ def test_tensor_parallel_groups_on_two_hosts_train_like_one_group(tiny_dir, tmp_
         d.wait_ready()
         here = socket.gethostname()
         _wait_ranks(head, [here, here, "hostb", "hostb"])
-        tc, data, losses = _train(d.url, key, tiny_dir)
-        path = tc.save_state("after3").result(timeout=T).path
-        got = (losses, _logprobs(tc, data), _checkpoint(head, path))
+        got = _trained(d.url, key, tiny_dir, head)
     finally:
         d.stop()
         agent.stop()
     one = tmp_path / "one"
     one.mkdir()
-    key = make_key(one, "alice")
-    local = Daemon(tiny_dir, one, one / "log", "--devices", "cpu,cpu", "--tp", "2")
-    try:
-        tc, data, losses = _train(local.url, key, tiny_dir)
-        path = tc.save_state("after3").result(timeout=T).path
-        want = (losses, _logprobs(tc, data), _checkpoint(one, path))
-    finally:
-        local.stop()
-    _same_training(got, want)
+    _same_training(got, _trained_on_one_host(tiny_dir, one, "--devices", "cpu,cpu", "--tp", "2"))
 
 
 def test_a_joiner_without_the_token_is_refused(two_hosts, tmp_path):

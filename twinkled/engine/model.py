@@ -94,23 +94,22 @@ class BaseModel:
         self.moe = {}
         if tp is not None and tp.size > 1:
             from .tp import ShardPlan
-            from .tp_load import load_sharded, shard_loaded
 
             self.tp, self.shard = tp, ShardPlan(config, tp)
-            if config.model_type in MOE_ARCHS:
-                # Attention split as for a dense model, the experts split over the same
-                # group as --ep splits them (moe_parallel.py: all-reduce dispatch).
-                self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
-                shard_loaded(self.hf, self.shard)
-                split = ExpertSplit(tp.rank, tp.size, tp.group)
-                self.moe = moe_blocks(config.model_type, config, list(self.hf.model.layers),
-                                      split)
-                shard_experts(self.moe, split)
-                self.hf.to(self.device).eval().requires_grad_(False)
-            else:
-                self.hf = load_sharded(model_dir, config, self.dtype, self.device, self.shard)
+        if self.shard is not None and config.model_type not in MOE_ARCHS:
+            from .tp_load import load_sharded
+
+            self.hf = load_sharded(model_dir, config, self.dtype, self.device, self.shard)
         else:
+            # Read whole on the host; an MoE model's files hold its experts one by one, and
+            # transformers fuses them as it loads.
             self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+            if self.shard is not None:  # attention split as for a dense model
+                from .tp_load import shard_loaded
+
+                shard_loaded(self.hf, self.shard)
+                # ... and the experts over the same group, as --ep splits them
+                experts = ExpertSplit(tp.rank, tp.size, tp.group)
             # Sparse MLP layers (moe.py); the experts of other ranks are dropped before the
             # copy to the device.
             self.moe = moe_blocks(config.model_type, config, list(self.hf.model.layers),

@@ -17,8 +17,6 @@ import torch
 from .tp import ShardPlan
 from .types import EngineInputError
 
-# -- loading ----------------------------------------------------------------------------
-
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it."""

@@ -18,12 +18,11 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from twinkled.engine.live import write_live
 from twinkled.engine.lora import Adapter
 from twinkled.engine.state import Snapshot, snapshot
+
+from .rank_io import anywhere
 
 log = logging.getLogger("twinkled.worker")
 
@@ -168,7 +167,7 @@ class SplitPersistence:
     every rank of the worker group must take the same snapshots at the same point of the
     same step. Every rank keeps the same list of changed adapters (the ops, and so the
     step counts, are the same on all ranks). At the end of a step with something changed,
-    rank 0 says whether its writer is free (one broadcast of one number); if it is, the
+    rank 0 says whether its writer is free (one all-reduce of one number); if it is, the
     oldest changed adapter is gathered by the tensor-parallel group that holds rank 0 and
     handed to the writer. So, as for unsplit adapters (`Persister.pump`), a fast loop
     coalesces into as many writes as the disk takes, and a step never gathers an
@@ -212,8 +211,6 @@ class SplitPersistence:
             self.dirty.pop(adapter_id)
 
     def _writer_free(self) -> bool:
-        flag = torch.tensor([1 if self.persister is not None and self.persister.free() else 0])
-        if dist.get_backend() == "nccl":
-            flag = flag.to(self.engine.model.device)
-        dist.broadcast(flag, 0)
-        return bool(flag.item())
+        """Rank 0's word (the other ranks have no writer and say no)."""
+        free = self.persister is not None and self.persister.free()
+        return anywhere(free, self.engine.model.device)

@@ -4,6 +4,7 @@ judged (the request's own fault, or one that leaves the rank unusable)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from twinkled.engine import EngineInputError
 
@@ -46,3 +47,13 @@ def release(e: BaseException) -> None:
     """After a failed pass: give back what it held, so the next step has the memory."""
     if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def anywhere(flag: bool, device) -> bool:
+    """Whether `flag` holds on any rank of the worker group (every rank calls this; one
+    all-reduce of one number)."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.get_backend() == "nccl":
+        t = t.to(device)
+    dist.all_reduce(t, dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -17,9 +17,6 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.live import read_mark
 from twinkled.engine.parallel import split_rows
@@ -45,7 +42,7 @@ from .frames import (
     UnloadF,
 )
 from .persist import Persister, SplitPersistence, latest_version
-from .rank_io import category, fatal, release, to_buf, to_tensor
+from .rank_io import anywhere, category, fatal, release, to_buf, to_tensor
 from .sampling import SampleRunner
 from .share import rank0_dir
 
@@ -57,15 +54,6 @@ _FAIL_TOKENS = int(os.environ.get("TWINKLED_TEST_FAIL_TOKENS", "0"))
 
 def _datum(d: DatumF) -> Datum:
     return Datum(to_tensor(d.tokens), {k: to_tensor(v) for k, v in d.inputs.items()})
-
-
-def _anywhere(flag: bool, device) -> bool:
-    """Whether `flag` holds on any rank of the worker group (every rank calls this)."""
-    t = torch.tensor([1.0 if flag else 0.0])
-    if dist.get_backend() == "nccl":
-        t = t.to(device)
-    dist.all_reduce(t, dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 class StepRunner:
@@ -109,7 +97,7 @@ class StepRunner:
             # Rows are split, so a pass may fail on some ranks only; all must agree before
             # any enters the collectives that follow (an optim_step's all-reduce), which
             # a rank that stopped here would never join.
-            failed = _anywhere(failed, self.engine.model.device)
+            failed = anywhere(failed, self.engine.model.device)
         if failed:
             # The pass failed: the step's barriers (optim_steps behind its rows) wait too.
             return sorted(outcomes + [OutcomeF(i, error="not run", category=RETRY)

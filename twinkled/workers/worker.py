@@ -154,7 +154,7 @@ class _AllocRetries:
         if dev.type != "cuda":
             return
         n = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
-        if n > 2 * self.logged or (n and not self.logged):
+        if n > 2 * self.logged:  # the first retry, then each doubling
             self.logged = n
             log.warning("the CUDA allocator retried %d time(s) after freeing its cache: "
                         "memory is fragmented near full (PYTORCH_CUDA_ALLOC_CONF="
