@@ -363,6 +363,32 @@ def test_an_optim_step_sent_before_its_forward_backward_finished_pairs_them(tiny
     run(go())
 
 
+def test_a_late_optim_step_gets_one_more_window_and_its_model_stays_paired(tiny_dir,
+                                                                          tmp_path):
+    """Half a pair in (the forward_backward) when the gather's window ends: it waits one
+    more window for the optim_step behind it, so the pair still runs as one step; and a
+    client that was slow once is still waited for next time (it used to be dropped, and
+    every later pair paid a barrier step of its own)."""
+    async def go():
+        async with service(tiny_dir, tmp_path, gather_ms=300) as box:
+            a = await box.create("alice")
+            planned = box.svc.planner.steps
+            f = box.fwdbwd("alice", a, 1, [48] * 4)
+            while box.svc.planner.steps == planned:
+                await asyncio.sleep(0.001)
+            await done(f, box.optim("alice", a, 2))  # seen: alice pairs
+            for seq in (3, 5):
+                before = box.svc.planner.steps
+                f = box.fwdbwd("alice", a, seq, [48] * 4)
+                await asyncio.sleep(0.45)  # past the window, within the one more
+                o = box.optim("alice", a, seq + 1)
+                await done(f, o)
+                assert box.svc.planner.steps == before + 1  # one step: fwdbwd then optim
+                assert o.error is None and result(o).applied
+
+    run(go())
+
+
 def test_an_adapter_that_would_not_fit_is_refused_and_others_keep_training(tiny_dir,
                                                                            tmp_path):
     """With room for two rank-4 adapters, a third create_model is refused at once with the
