@@ -3,7 +3,10 @@
 The rule, in order:
 1. Barriers ready at the head of their model (optim, save, load, create; every earlier op of
    the model finished) run first, all of them in one step: they are cheap and unblock
-   their models. Several models' optim_steps thus run together.
+   their models. Several models' optim_steps thus run together. When they are all
+   optim_steps with no rows of their models queued behind them (they came too late to ride
+   behind their rows), they ride at the end of the next training step instead: a step of
+   their own would unblock nothing, and costs a round trip and a gather.
 2. Samples and training alternate when both are waiting, so neither starves.
 3. A training step packs forward/backward ops of many models and tenants, tenant by tenant
    in weighted-fair order by time (fairness.py); a tenant's models take turns. It is bounded
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from .cost import CostModel, StepShape
 from .fairness import Fairness, Limits, Tenant
 from .packing import fit_work, is_probe
-from .queues import SAMPLE, TRAIN, ModelQueue, Work
+from .queues import OPTIM, SAMPLE, TRAIN, ModelQueue, Work
 
 
 @dataclass
@@ -230,10 +233,19 @@ class Planner:
         sampling step now (the daemon's workers have no room for more samples yet);
         `train` False: no training step now (sampling's turn on the workers is not over)."""
         self._admit_held()
-        step = self._barriers()
+        has_samples = samples and any(self.samples.values())
+        sampling = has_samples and (self._sample_turn or not train)
+        ready = [w for w in (q.head() for q in self.models.values())
+                 if w is not None and w.is_barrier]
+        step = None
+        if ready and train and not sampling and self._foldable(ready):
+            step = self._train_step(tail=ready)
+        if step is None and ready:
+            for w in ready:
+                self.models[w.model].take(w)
+            step = Step("barrier", ready)
         if step is None:
-            has_samples = samples and any(self.samples.values())
-            if has_samples and (self._sample_turn or not train):
+            if sampling:
                 step = self._sample_step()
             elif train:
                 step = self._train_step() or (self._sample_step() if has_samples else None)
@@ -244,14 +256,13 @@ class Planner:
                 self._dequeued(w)
         return step
 
-    def _barriers(self) -> Step | None:
-        ready = [q.head() for q in self.models.values()]
-        ready = [w for w in ready if w is not None and w.is_barrier]
-        if not ready:
-            return None
-        for w in ready:
-            self.models[w.model].take(w)
-        return Step("barrier", ready)
+    def _foldable(self, ready: list[Work]) -> bool:
+        """Ready barriers may ride at the end of a training step instead of running first
+        in a step of their own when they are all optim_steps with no rows of their model
+        queued behind them: running them first would unblock nothing now, and a barrier
+        step costs a round trip of the workers and a gather for its models' clients. (Such
+        an optim_step came too late to ride behind its model's rows.)"""
+        return all(w.kind == OPTIM and not self.models[w.model].rows_behind(w) for w in ready)
 
     def step_target(self) -> float:
         """The time a training step is packed up to, in seconds (inf: no time bound)."""
@@ -259,7 +270,9 @@ class Planner:
             return self.cost.auto_target()
         return self.target_step_s if self.target_step_s > 0 else math.inf
 
-    def _train_step(self) -> Step | None:
+    def _train_step(self, tail: list[Work] = ()) -> Step | None:
+        """A training step, or None if no rows can run; `tail`: ready barriers (of other
+        models) that run after its rows (`_foldable`)."""
         runs: dict[str, list[list[Work]]] = {}  # tenant -> per-model runs of train ops
         for model, q in self.models.items():
             run = q.run_of_train()
@@ -325,6 +338,9 @@ class Planner:
                 q.next_seq += 1
                 q.in_flight += 1
                 taken.append(w)
+        for w in tail:
+            self.models[w.model].take(w)
+            taken.append(w)
         return Step("train", taken, shape, self.cost.predict(shape))
 
     def _sample_step(self) -> Step | None:

@@ -7,6 +7,7 @@ from typing import Any
 
 TRAIN = "fwdbwd"  # forward / forward_backward rows: packed with other models' rows
 SAMPLE = "sample"
+OPTIM = "optim"
 # Everything else (optim, save, load, create) is a barrier: it runs alone for its model,
 # after every earlier operation of that model has finished.
 
@@ -62,6 +63,10 @@ class ModelQueue:
             out.append(w)
             seq += 1
         return out
+
+    def rows_behind(self, w: Work) -> bool:
+        """Forward/backward ops are queued behind `w`."""
+        return any(p.kind == TRAIN for seq, p in self.pending.items() if seq > w.seq)
 
     def take(self, w: Work) -> None:
         assert w.seq == self.next_seq, "a model's ops leave in seq_id order"

@@ -132,6 +132,37 @@ def test_optim_steps_of_several_models_run_as_one_step():
     assert barrier.kind == "barrier" and sorted(w.model for w in barrier.work) == list("xyz")
 
 
+def test_a_late_optim_step_rides_at_the_end_of_the_next_training_step():
+    """An optim_step that came too late to ride behind its model's rows runs after the next
+    training step's rows (other models'), not in a barrier step of its own: that step would
+    unblock nothing. With rows of its model queued behind it, it runs first, alone."""
+    p = Planner()
+    for m in "xy":
+        p.open_model(m, f"t{m}")
+    p.submit(work("tx", TRAIN, 10, "x", 1))
+    first = p.next_step()
+    p.submit(work("tx", "optim", 0, "x", 2))  # late: x's rows are running
+    p.complete(first)
+    p.submit(work("ty", TRAIN, 10, "y", 1))
+    step = p.next_step()
+    assert step.kind == "train"
+    assert [(w.model, w.kind) for w in step.work] == [("y", TRAIN), ("x", "optim")]
+    p.complete(step)
+    # x's optim_step with x's next rows queued behind it: a barrier step first.
+    p.submit(work("tx", "optim", 0, "x", 4))
+    p.submit(work("tx", TRAIN, 10, "x", 3))
+    p.submit(work("tx", TRAIN, 10, "x", 5))
+    p.submit(work("ty", TRAIN, 10, "y", 2))
+    rows = p.next_step()  # x's rows (3) and y's, with x's optim_step (4) behind its rows
+    assert {(w.model, w.kind) for w in rows.work} == {("x", TRAIN), ("y", TRAIN),
+                                                       ("x", "optim")}
+    p.complete(rows)
+    p.submit(work("ty", "optim", 0, "y", 3))
+    p.submit(work("ty", TRAIN, 10, "y", 4))
+    barrier = p.next_step()  # y has rows behind its optim_step: it runs first
+    assert barrier.kind == "barrier" and [w.model for w in barrier.work] == ["y"]
+
+
 def test_a_withdrawn_sample_leaves_the_queue_and_its_quota():
     p = Planner(sample_budget=100_000)
     p.set_tenant("a", limits=Limits(max_queued_requests=2))

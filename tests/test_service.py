@@ -363,12 +363,12 @@ def test_an_optim_step_sent_before_its_forward_backward_finished_pairs_them(tiny
     run(go())
 
 
-def test_a_late_optim_step_gets_one_more_window_and_its_model_stays_paired(tiny_dir,
-                                                                          tmp_path):
-    """Half a pair in (the forward_backward) when the gather's window ends: it waits one
-    more window for the optim_step behind it, so the pair still runs as one step; and a
-    client that was slow once is still waited for next time (it used to be dropped, and
-    every later pair paid a barrier step of its own)."""
+def test_a_late_optim_step_gets_a_window_from_its_forward_backward_and_stays_paired(
+        tiny_dir, tmp_path):
+    """Half a pair in (the forward_backward, late) when the gather's window ends: it waits
+    a window from the forward_backward's arrival for the optim_step behind it, so the pair
+    still runs as one step; and a client that was slow once is still waited for next time
+    (it used to be dropped, and every later pair paid a barrier step of its own)."""
     async def go():
         async with service(tiny_dir, tmp_path, gather_ms=300) as box:
             a = await box.create("alice")
@@ -379,8 +379,9 @@ def test_a_late_optim_step_gets_one_more_window_and_its_model_stays_paired(tiny_
             await done(f, box.optim("alice", a, 2))  # seen: alice pairs
             for seq in (3, 5):
                 before = box.svc.planner.steps
+                await asyncio.sleep(0.2)  # the client is slow: its gather window ends at 0.3
                 f = box.fwdbwd("alice", a, seq, [48] * 4)
-                await asyncio.sleep(0.45)  # past the window, within the one more
+                await asyncio.sleep(0.25)  # past the window, within one from the fwdbwd
                 o = box.optim("alice", a, seq + 1)
                 await done(f, o)
                 assert box.svc.planner.steps == before + 1  # one step: fwdbwd then optim

@@ -28,11 +28,12 @@ from typing import Any
 
 import msgspec
 
-from scheduler import TRAIN, Planner, Step, Work
+from scheduler import Planner, Step, Work
 
 from . import trace
 from .executor import Executor, Outcome
 from .futures import Future, Futures, UserError, empty_json
+from .gather import Gather
 from .metrics import Metrics
 from .pending_samples import LOST, PendingSamples, Sliced
 from .pieces import Pieces
@@ -90,21 +91,11 @@ class EngineCore:
         self.futures = futures
         self.residency = residency
         self.metrics = metrics
-        self.gather_s = gather_s
         self.wake = asyncio.Event()  # set when work arrives
+        self.gather = Gather(planner, residency, metrics, gather_s, self.wake)
         self.stepping = False
         self._seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
         self._pieces = Pieces()
-        self._recent: set[str] = set()  # the models the last step served
-        # Models whose client sends an optim_step right behind each forward_backward (seen
-        # arriving while the work ahead of it was queued or running, or riding in the same
-        # step): the gather waits for that too, so the pair runs as one step (a barrier
-        # step of its own costs a round trip, and splits the tenants into two cohorts that
-        # stay apart). A model whose forward_backward follows another one (gradient
-        # accumulation) is dropped until an optim_step rides behind its rows again; a slow
-        # client is not: it was slow once.
-        self._paired: set[str] = set()
-        self._last_kind: dict[str, str] = {}  # model -> the kind of its latest op
         self.samples = PendingSamples(slice_s)  # the samples the workers decode across steps
         executor.on_restart(self._samples_lost)
 
@@ -140,13 +131,7 @@ class EngineCore:
                 self.futures.drop(op.future, message)
                 raise UserError(message)
             self._seq_index[key] = op.future.id
-            if op.kind == "optim" and self.planner.busy(model):
-                # Sent before the forward_backward ahead of it finished, as a pipelining
-                # client (tinker's) does: from now on the gather waits for it (`_paired`).
-                self._paired.add(model)
-            elif op.kind == TRAIN and self._last_kind.get(model) == TRAIN:
-                self._paired.discard(model)  # accumulating gradients: no optim_step behind
-            self._last_kind[model] = op.kind
+            self.gather.arrived(model, op.kind)
         self.planner.submit(Work(op.future.id, tenant, op.kind, op.tokens, op.model_id,
                                  op.seq_id, op, parts=op.parts))
         self.wake.set()
@@ -192,9 +177,9 @@ class EngineCore:
         """Step while there is work; sleep until a request arrives."""
         while True:
             if not self.samples.in_turn():  # (a slice gives the clients that moment anyway)
-                await self._gather()
+                await self.gather.wait()
             if not await self.step():
-                # Idle until a request arrives. `_recent` is kept: the gather above then
+                # Idle until a request arrives. The gather's clients are kept: it then
                 # gives the last step's other clients (and the optim_step a client POSTs
                 # right behind its forward_backward) a moment to join the next step.
                 # Measured on an H200 with 8 tenants, dropping that wait after idle cost
@@ -275,7 +260,8 @@ class EngineCore:
         which decode for the rest of sampling's turn, or until a sample finished; what
         finished is completed."""
         frame = self.samples.step(ops)
-        self.stepping, self._recent = True, set()
+        self.stepping = True
+        self.gather.sampling()
         started, began = time.monotonic(), time.time()
         for op in ops:
             self.metrics.queue_wait.observe(started - op.submitted)
@@ -342,9 +328,7 @@ class EngineCore:
         for w in step.work:
             if w.kind == "unload":
                 self.residency.close(w.model)
-        self._recent = {w.model for w in step.work if w.model is not None and w.kind != "unload"}
-        if step.kind == "train":  # an optim_step that came in time to ride behind its rows
-            self._paired |= {w.model for w in step.work if w.kind == "optim"}
+        self.gather.stepped(step)
 
     def _count_tokens(self, op: Op, outcome: Outcome) -> None:
         result, message, _ = outcome
@@ -357,53 +341,3 @@ class EngineCore:
         elif isinstance(op.frame, SampleF):
             made = sum(len(s.tokens) for s in result.sequences)
             self.metrics.tokens_sampled.labels(tenant).inc(made)
-
-    async def _gather(self) -> None:
-        """Give the clients served by the last step a moment to send their next request.
-
-        They all get their results at once and answer within milliseconds; planning at
-        once would start a step with the first of them and leave the rest for the next
-        one (each step costs about the same whatever its rows, on a host-bound card). So
-        wait, up to `gather_s`, until each of those models has work again, then a little
-        more for the optim_step a client sends right behind its forward_backward."""
-        recent, window = self._recent, self.gather_s
-        if not recent or window <= 0:
-            return
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        try:
-            await self._await_clients(recent, began + window)
-        finally:
-            self.metrics.gather_wait.observe(loop.time() - began)
-            if trace.enabled():
-                trace.record("gather", waited=loop.time() - began, at=time.time())
-
-    async def _await_clients(self, recent: set[str], deadline: float) -> None:
-        loop = asyncio.get_running_loop()
-        extended = False
-        while waiting := self._waiting_for(recent):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                # Half a pair is in (its forward_backward, not yet the optim_step right
-                # behind it): one more window for those alone. Planning now would run the
-                # optim_step as a barrier step of its own. Measured through HTTP on a GPU
-                # machine: the pairs of 4 tinker tenants came 5 to 23 ms after the step,
-                # and half the steps were such barrier steps with a 20 ms window.
-                halves = {m for m in waiting if self.planner.has_pending(m)}
-                if extended or not halves:
-                    return
-                recent, deadline, extended = halves, deadline + self.gather_s, True
-                continue
-            self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), remaining)
-            except TimeoutError:
-                pass
-        await asyncio.sleep(min(0.002, max(0.0, deadline - loop.time())))
-
-    def _waiting_for(self, recent: set[str]) -> set[str]:
-        """The last step's models whose client has not sent its next request yet (or the
-        optim_step it sends right behind its forward_backward)."""
-        return {m for m in recent if self.residency.is_open(m)
-                and (not self.planner.has_pending(m)
-                     or (m in self._paired and self.planner.awaits_barrier(m)))}
