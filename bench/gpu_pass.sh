@@ -4,6 +4,7 @@
 # between calls, so files written by one call are there for the next):
 #
 #   bash bench/gpu_pass.sh workers4 prewrite moe   # issue 14 (1/2/4 workers), issue 17 (MoE)
+#   bash bench/gpu_pass.sh workers8b               # issue 14: 1/2/4 workers on the 8B shape
 #   bash bench/gpu_pass.sh tp32 tp                 # issue 15: 32B at tp 2 (daemon traced,
 #                                                  #   peft, engine alone); 8B engine tp 1, 2
 #   bash bench/gpu_pass.sh tp70                    # issue 15: a 70B shape at tp 4 via the daemon
@@ -37,6 +38,9 @@ for what in "$@"; do
                      --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
         workers4) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen2.5-0.5b \
                       --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
+        # the regime where the GPU, not the host, bounds a step: does the daemon scale there?
+        workers8b) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen3-8b \
+                       --steps 10 --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
         prewrite) mkdir -p "$ckpt"
                   CUDA_VISIBLE_DEVICES=3 setsid bash -c "
                       $py bench_tp.py --shape qwen3-32b --prepare-only --model-dir $ckpt/qwen3-32b \
@@ -62,7 +66,7 @@ for what in "$@"; do
                   --trace --peft --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
                   | tee -a "$out/tp.md" ;;
         moe) "$py" bench_moe.py --devices cuda:0,cuda:1 --layers 12 --write "$out/moe.md" ;;
-        *) echo "unknown: $what (workers, workers4, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, workers8b, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
     esac
 done
 echo "== done $(date +%T)"

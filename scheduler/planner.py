@@ -129,6 +129,10 @@ class Planner:
             return False
         return not q.pending[max(q.pending)].is_barrier
 
+    def models_with_work(self) -> int:
+        """How many models have ops queued."""
+        return sum(1 for q in self.models.values() if q.pending)
+
     def busy(self, model: str) -> bool:
         """Something of the model is queued or running."""
         q = self.models.get(model)

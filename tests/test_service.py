@@ -363,12 +363,10 @@ def test_an_optim_step_sent_before_its_forward_backward_finished_pairs_them(tiny
     run(go())
 
 
-def test_a_late_optim_step_gets_a_window_from_its_forward_backward_and_stays_paired(
-        tiny_dir, tmp_path):
-    """Half a pair in (the forward_backward, late) when the gather's window ends: it waits
-    a window from the forward_backward's arrival for the optim_step behind it, so the pair
-    still runs as one step; and a client that was slow once is still waited for next time
-    (it used to be dropped, and every later pair paid a barrier step of its own)."""
+def test_a_client_late_once_is_still_waited_for(tiny_dir, tmp_path):
+    """A pipelining client whose optim_step once came too late for its forward_backward's
+    step (it ran in a step of its own) is still waited for next time: the pair rides one
+    step again. It used to be dropped, and every later pair paid a barrier step."""
     async def go():
         async with service(tiny_dir, tmp_path, gather_ms=300) as box:
             a = await box.create("alice")
@@ -376,16 +374,19 @@ def test_a_late_optim_step_gets_a_window_from_its_forward_backward_and_stays_pai
             f = box.fwdbwd("alice", a, 1, [48] * 4)
             while box.svc.planner.steps == planned:
                 await asyncio.sleep(0.001)
-            await done(f, box.optim("alice", a, 2))  # seen: alice pairs
-            for seq in (3, 5):
-                before = box.svc.planner.steps
-                await asyncio.sleep(0.2)  # the client is slow: its gather window ends at 0.3
-                f = box.fwdbwd("alice", a, seq, [48] * 4)
-                await asyncio.sleep(0.25)  # past the window, within one from the fwdbwd
-                o = box.optim("alice", a, seq + 1)
-                await done(f, o)
-                assert box.svc.planner.steps == before + 1  # one step: fwdbwd then optim
-                assert o.error is None and result(o).applied
+            await done(f, box.optim("alice", a, 2))  # seen: alice pipelines
+            before = box.svc.planner.steps
+            f = box.fwdbwd("alice", a, 3, [48] * 4)
+            await asyncio.sleep(1.5)  # far too late: past every window
+            await done(f, box.optim("alice", a, 4))
+            assert box.svc.planner.steps == before + 2  # the rows, then the optim_step
+            before = box.svc.planner.steps
+            f = box.fwdbwd("alice", a, 5, [48] * 4)
+            await asyncio.sleep(0.1)  # within the window
+            o = box.optim("alice", a, 6)
+            await done(f, o)
+            assert box.svc.planner.steps == before + 1  # one step: still paired
+            assert o.error is None and result(o).applied
 
     run(go())
 

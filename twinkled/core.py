@@ -202,7 +202,7 @@ class EngineCore:
         if step.kind == "sample":
             await self._sample(ops)
             self.planner.complete(step)
-            self._after(step)
+            self._after(step, None)
             return True
         if step.kind == "train":
             self.samples.end_turn()
@@ -227,7 +227,7 @@ class EngineCore:
                         self.futures.fail(op.future, f"server error: {type(e).__name__}: "
                                           f"{e}", "server")
         self.planner.complete(step, seconds)
-        self._after(step)
+        self._after(step, seconds)
         return True
 
     def _piece_op(self, w: Work) -> Op:
@@ -324,11 +324,11 @@ class EngineCore:
         if op.after is not None:
             op.after(result, message)
 
-    def _after(self, step: Step) -> None:
+    def _after(self, step: Step, seconds: float | None) -> None:
         for w in step.work:
             if w.kind == "unload":
                 self.residency.close(w.model)
-        self.gather.stepped(step)
+        self.gather.stepped(step, seconds)
 
     def _count_tokens(self, op: Op, outcome: Outcome) -> None:
         result, message, _ = outcome
