@@ -31,11 +31,12 @@ class Box:
         self.sessions: dict[str, str] = {}
         self.vocab = 0
 
-    async def create(self, tenant: str, rank: int = 4) -> str:
+    async def create(self, tenant: str, rank: int = 4, seed: int | None = None) -> str:
         self.store.tenants.ensure(tenant)
         if tenant not in self.sessions:
             self.sessions[tenant] = self.store.sessions.create(tenant)
-        config = LoraConfig(rank=rank, alpha=8.0, seed=random.randrange(1 << 30))
+        seed = random.randrange(1 << 30) if seed is None else seed
+        config = LoraConfig(rank=rank, alpha=8.0, seed=seed)
         model, f = self.svc.create_model(tenant, self.sessions[tenant], None, config, {},
                                          lambda model: (b"{}", "application/json"))
         await done(f)
@@ -359,6 +360,40 @@ def test_an_optim_step_sent_before_its_forward_backward_finished_pairs_them(tiny
             await done(f, o)
             assert box.svc.planner.steps == planned + 3  # one step: fwdbwd then optim
             assert o.error is None and result(o).applied
+
+    run(go())
+
+
+def test_a_late_optim_step_rides_another_tenants_training_step(tiny_dir, tmp_path):
+    """An optim_step that missed its rows' step runs at the end of the next training step
+    (another tenant's rows), not in a step of its own, and takes the same step it would
+    have taken alone: the adapter then scores as a control that stepped in a barrier step."""
+    async def go():
+        async with service(tiny_dir, tmp_path) as box:
+            a = await box.create("alice", seed=7)
+            b = await box.create("bob")
+            c = await box.create("carol", seed=7)  # the control: alice's twin
+            await done(box.fwdbwd("alice", a, 1, [5, 7], seed=1))
+            steps = box.svc.planner.steps
+            o = box.optim("alice", a, 2)  # late, beside bob's rows
+            fb = box.fwdbwd("bob", b, 1, [6], seed=2)
+            await done(o, fb)
+            assert box.svc.planner.steps == steps + 1  # bob's rows, then alice's optim_step
+            assert o.error is None and result(o).applied and fb.error is None
+            await done(box.fwdbwd("carol", c, 1, [5, 7], seed=1))
+            steps = box.svc.planner.steps
+            await done(box.optim("carol", c, 2))
+            assert box.svc.planner.steps == steps + 1  # a barrier step of its own
+            fa = box.fwdbwd("alice", a, 3, [5, 7], seed=1, forward_only=True)
+            fc = box.fwdbwd("carol", c, 3, [5, 7], seed=1, forward_only=True)
+            await done(fa, fc)
+            d = await box.create("dave", seed=7)  # alice's twin, untrained
+            before = box.fwdbwd("dave", d, 1, [5, 7], seed=1, forward_only=True)
+            await done(before)
+            for x, y in zip(logprobs(result(fa)), logprobs(result(fc)), strict=True):
+                assert x == pytest.approx(y, abs=1e-5)
+            # ... and the step did something: alice no longer scores as an untrained twin
+            assert logprobs(result(fa)) != logprobs(result(before))
 
     run(go())
 
