@@ -4,7 +4,8 @@
 # between calls, so files written by one call are there for the next):
 #
 #   bash bench/gpu_pass.sh workers4 prewrite moe   # issue 14 (1/2/4 workers), issue 17 (MoE)
-#   bash bench/gpu_pass.sh workers8b               # issue 14: 1/2/4 workers on the 8B shape
+#   bash bench/gpu_pass.sh workers8b dpnuma        # issue 14: 1/2/4 workers on the 8B shape;
+#                                                  #   the engine's 4 ranks with NUMA binding
 #   bash bench/gpu_pass.sh tp32 tp                 # issue 15: 32B at tp 2 (daemon traced,
 #                                                  #   peft, engine alone); 8B engine tp 1, 2
 #   bash bench/gpu_pass.sh tp70                    # issue 15: a 70B shape at tp 4 via the daemon
@@ -41,6 +42,12 @@ for what in "$@"; do
         # the regime where the GPU, not the host, bounds a step: does the daemon scale there?
         workers8b) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen3-8b \
                        --steps 10 --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
+        # the engine alone over 4 ranks, 32 adapters, with and without NUMA binding: do the
+        # ranks' forward_backward times (143-193 ms on the same rows, last pass) converge?
+        dpnuma) for bind in "" "--numa-binding node"; do
+                    echo "-- torchrun $bind"
+                    torchrun --nproc_per_node 4 $bind profile_dp.py --adapters 32 2>&1 | grep "^rank"
+                done ;;
         prewrite) mkdir -p "$ckpt"
                   CUDA_VISIBLE_DEVICES=3 setsid bash -c "
                       $py bench_tp.py --shape qwen3-32b --prepare-only --model-dir $ckpt/qwen3-32b \
@@ -66,7 +73,7 @@ for what in "$@"; do
                   --trace --peft --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
                   | tee -a "$out/tp.md" ;;
         moe) "$py" bench_moe.py --devices cuda:0,cuda:1 --layers 12 --write "$out/moe.md" ;;
-        *) echo "unknown: $what (workers, workers4, workers8b, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, workers8b, dpnuma, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
     esac
 done
 echo "== done $(date +%T)"
