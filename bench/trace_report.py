@@ -53,7 +53,11 @@ def main() -> None:
     for prev, s in zip(window, window[1:], strict=False):
         add("gap: previous step done -> plan", s["planned"] - prev["done"])
     for s in window:
-        add(f"step ({s['kind']})", s["done"] - s["planned"])
+        # A barrier step says what it held (optim_steps that missed their rows' step, or
+        # create / save / unload); a train step, whether optim_steps rode behind its rows.
+        what = "+".join(s.get("work", []))
+        add(f"step ({s['kind']}: {what})" if what else f"step ({s['kind']})",
+            s["done"] - s["planned"])
         add("  queued (oldest op)", s["queued"])
         add("  gather wait before", s["gather"])
         add("  plan", s["executing"] - s["planned"])

@@ -51,4 +51,4 @@ def test_a_traced_daemon_records_each_ranks_share_of_a_step(tiny_dir, tmp_path):
                    for r in g["ranks"]) for g in train)
     out = subprocess.run([sys.executable, str(REPORT), str(path)], capture_output=True,
                          text=True, check=True).stdout
-    assert "rank 1 busy" in out and "step (train)" in out
+    assert "rank 1 busy" in out and "step (train: fwdbwd" in out

@@ -216,6 +216,7 @@ class EngineCore:
                 self._complete(ops, outcomes)  # 3. complete
                 if trace.enabled():
                     trace.record("loop", kind=step.kind, ops=len(ops), planned=planning,
+                                 work=sorted({op.kind for op in ops}),
                                  executing=executing, completing=completing, done=time.time(),
                                  queued=max(started - op.submitted for op in ops))
                 if len(ops) == len(planned) and all(c != "server" for _, _, c in outcomes):
