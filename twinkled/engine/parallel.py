@@ -1,8 +1,13 @@
 """Data parallelism: the ranks of a worker group split a step's rows, then sum gradients.
 
 Tinker's losses are sums over tokens, so the gradient of a batch is the sum of its parts'
-gradients: an all-reduce (SUM) before the optimizer step gives every rank exactly what one
+gradients: summed over the ranks before the optimizer step, every rank has exactly what one
 rank computing all rows would have, and every rank then takes the same step.
+
+Most adapters' rows land on one rank (a small tenant's datum is one row); the others hold
+zeros for them. Those are broadcast from the one rank that holds them rather than summed:
+an all-reduce moves about twice the bytes a broadcast does, and at 32 adapters of a 0.5B
+model on 4 GPUs that is 2.25 GB a step. Adapters whose rows were split are all-reduced.
 """
 
 from __future__ import annotations
@@ -14,22 +19,45 @@ from .lora import Adapter
 
 
 def reduce_gradients(adapters: list[Adapter], group: dist.ProcessGroup | None) -> None:
-    """Sum the adapters' gradients and pending counts over `group`, in one collective.
+    """Sum the adapters' gradients and pending counts over `group`.
 
     Every rank must call this with the same adapters in the same order (SPMD). A rank that
-    ran no rows of an adapter contributes zeros; `pending` becomes the group's total, so the
-    step is taken (or skipped) on every rank alike."""
+    ran no rows of an adapter holds zeros for it; `pending` becomes the group's total, so
+    the step is taken (or skipped) on every rank alike. One all-gather of the counts says
+    which ranks hold what; then one broadcast per rank that alone holds some adapters, and
+    one all-reduce for the adapters held by several."""
     if not adapters:
         return
     grads = [a.bank.flat(a.slot, "g") for a in adapters]  # one tensor per adapter
-    counts = torch.tensor([float(a.pending) for a in adapters], dtype=grads[0].dtype,
-                          device=grads[0].device)
-    flat = torch.cat([*grads, counts])
-    dist.all_reduce(flat, group=group)
-    *parts, total = flat.split([g.numel() for g in grads] + [len(adapters)])
-    torch._foreach_copy_(grads, parts)
-    for a, n in zip(adapters, total.tolist(), strict=True):
-        a.pending = round(n)
+    mine = torch.tensor([float(a.pending) for a in adapters], dtype=grads[0].dtype,
+                        device=grads[0].device)
+    counts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, mine, group=group)
+    held = torch.stack(counts).tolist()  # [rank][adapter]
+    holders = [[r for r, row in enumerate(held) if row[i] > 0] for i in range(len(adapters))]
+    _sum_in_place([g for g, h in zip(grads, holders, strict=True) if len(h) > 1], group)
+    for r in range(len(held)):
+        _broadcast_in_place([g for g, h in zip(grads, holders, strict=True) if h == [r]],
+                            r, group)
+    for i, a in enumerate(adapters):
+        a.pending = round(sum(row[i] for row in held))
+
+
+def _sum_in_place(tensors: list[torch.Tensor], group) -> None:
+    if tensors:
+        flat = torch.cat(tensors)
+        dist.all_reduce(flat, group=group)
+        torch._foreach_copy_(tensors, flat.split([t.numel() for t in tensors]))
+
+
+def _broadcast_in_place(tensors: list[torch.Tensor], src: int, group) -> None:
+    """`src`: a rank of `group` (not a global rank)."""
+    if tensors:
+        flat = torch.cat(tensors)
+        dist.broadcast(flat, src=dist.get_global_rank(group, src) if group else src,
+                       group=group)
+        if dist.get_rank(group) != src:
+            torch._foreach_copy_(tensors, flat.split([t.numel() for t in tensors]))
 
 
 def split_rows(costs: list[int], world: int) -> list[int]:
