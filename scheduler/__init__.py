@@ -5,6 +5,6 @@ of time between tenants, quotas and backpressure. Standard library only."""
 from .cost import CostModel, StepShape
 from .fairness import Limits
 from .planner import Planner, Step
-from .queues import SAMPLE, TRAIN, Work
+from .queues import OPTIM, SAMPLE, TRAIN, Work
 
-__all__ = ["CostModel", "Limits", "Planner", "SAMPLE", "Step", "StepShape", "TRAIN", "Work"]
+__all__ = ["CostModel", "Limits", "OPTIM", "Planner", "SAMPLE", "Step", "StepShape", "TRAIN", "Work"]

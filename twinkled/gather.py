@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from scheduler import TRAIN, Planner, Step
+from scheduler import OPTIM, TRAIN, Planner, Step
 
 from . import trace
 from .metrics import Metrics
@@ -49,7 +49,7 @@ class Gather:
 
     def arrived(self, model: str, kind: str) -> None:
         """A training op of `model` is in (called before the planner queues it)."""
-        if kind == "optim" and self.planner.busy(model):
+        if kind == OPTIM and self.planner.busy(model):
             # Sent before the forward_backward ahead of it finished: a pipelining client.
             self._paired.add(model)
         elif kind == TRAIN and self._latest.get(model, ("",))[0] == TRAIN:
@@ -67,7 +67,7 @@ class Gather:
             self._train_s = seconds
         if step.kind == "train":  # an optim_step that came in time to ride behind its rows
             rows = {w.model for w in step.work if w.kind == TRAIN}
-            self._paired |= {w.model for w in step.work if w.kind == "optim" and w.model in rows}
+            self._paired |= {w.model for w in step.work if w.kind == OPTIM and w.model in rows}
 
     def sampling(self) -> None:
         """A sampling step runs: its clients answer on their own time (no gather after it)."""

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .lora import Adapter
 from .moe_peft import is_expert
+from .parallel import sum_in_place
 from .types import EngineInputError
 
 
@@ -121,18 +122,8 @@ def reduce_split_gradients(adapters: list[Adapter], dp_group) -> None:
         for key, g in zip(keys, a.bank.tensors(a.slot, "g"), strict=True):
             (expert if is_expert(key) else dense).append(g)
     counts = torch.tensor([float(a.pending) for a in adapters], device=adapters[0].bank.device)
-    _sum(expert, None)  # None: the world
+    sum_in_place(expert, None)  # None: the world
     if dp_group is not None:
-        _sum(dense + [counts], dp_group)
+        sum_in_place(dense + [counts], dp_group)
     for a, n in zip(adapters, counts.tolist(), strict=True):
         a.pending = round(n)
-
-
-def _sum(tensors: list[torch.Tensor], group) -> None:
-    """All-reduce (sum) the tensors in place, as one flat buffer."""
-    if not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    parts = flat.split([t.numel() for t in tensors])
-    torch._foreach_copy_(tensors, [p.view_as(t) for p, t in zip(parts, tensors, strict=True)])

@@ -35,7 +35,7 @@ def reduce_gradients(adapters: list[Adapter], group: dist.ProcessGroup | None) -
     dist.all_gather(counts, mine, group=group)
     held = torch.stack(counts).tolist()  # [rank][adapter]
     holders = [[r for r, row in enumerate(held) if row[i] > 0] for i in range(len(adapters))]
-    _sum_in_place([g for g, h in zip(grads, holders, strict=True) if len(h) > 1], group)
+    sum_in_place([g for g, h in zip(grads, holders, strict=True) if len(h) > 1], group)
     for r in range(len(held)):
         _broadcast_in_place([g for g, h in zip(grads, holders, strict=True) if h == [r]],
                             r, group)
@@ -43,11 +43,13 @@ def reduce_gradients(adapters: list[Adapter], group: dist.ProcessGroup | None) -
         a.pending = round(sum(row[i] for row in held))
 
 
-def _sum_in_place(tensors: list[torch.Tensor], group) -> None:
+def sum_in_place(tensors: list[torch.Tensor], group) -> None:
+    """All-reduce (sum) the tensors in place over `group`, as one flat buffer."""
     if tensors:
-        flat = torch.cat(tensors)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
         dist.all_reduce(flat, group=group)
-        torch._foreach_copy_(tensors, flat.split([t.numel() for t in tensors]))
+        parts = flat.split([t.numel() for t in tensors])
+        torch._foreach_copy_(tensors, [p.view_as(t) for p, t in zip(parts, tensors, strict=True)])
 
 
 def _broadcast_in_place(tensors: list[torch.Tensor], src: int, group) -> None:
