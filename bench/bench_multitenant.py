@@ -86,13 +86,13 @@ def run_tenants(url: str, keys: list[str], model: str, vocab: int, seq: int, ste
 
 
 def start_daemon(model_dir: Path, data: Path, work: Path, device: str,
-                 *extra: str, launcher: tuple[str, ...] = ()
+                 *extra: str, launcher: tuple[str, ...] = (), port: int | None = None
                  ) -> tuple[subprocess.Popen, str, object]:
     """`twinkled serve` on the model; returns once it answers healthz "ok". `launcher`:
     python options that run it under a wrapper, e.g. ("-m", "cProfile", "-o", PATH)."""
     import urllib.request
 
-    port = 18000 + (os.getpid() + len(extra)) % 1000
+    port = port or 18000 + (os.getpid() + len(extra)) % 1000
     url = f"http://127.0.0.1:{port}"
     log = open(work / "twinkled.log", "ab")  # noqa: SIM115
     daemon = subprocess.Popen(

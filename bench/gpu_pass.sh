@@ -4,7 +4,8 @@
 # between calls, so files written by one call are there for the next):
 #
 #   bash bench/gpu_pass.sh workers4 prewrite moe   # issue 14 (1/2/4 workers), issue 17 (MoE)
-#   bash bench/gpu_pass.sh workers8b dpnuma        # issue 14: 1/2/4 workers on the 8B shape;
+#   bash bench/gpu_pass.sh workers8b lanes dpnuma  # issue 14: 1/2/4 workers on the 8B shape;
+#                                                  #   one daemon per GPU (the bound of lanes);
 #                                                  #   the engine's 4 ranks with NUMA binding
 #   bash bench/gpu_pass.sh tp32 tp                 # issue 15: 32B at tp 2 (daemon traced,
 #                                                  #   peft, engine alone); 8B engine tp 1, 2
@@ -40,14 +41,20 @@ for what in "$@"; do
         workers4) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen2.5-0.5b \
                       --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
         # the regime where the GPU, not the host, bounds a step: does the daemon scale there?
+        # 4 tenants per worker: every rank holds every adapter, and 32 rank-32 adapters of
+        # the 8B (1.46 GiB each) do not fit an H100 beside the model (18 do)
         workers8b) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen3-8b \
-                       --steps 10 --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
+                       --tenants 4 --steps 10 --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
         # the engine alone over 4 ranks, 32 adapters, with and without NUMA binding: do the
         # ranks' forward_backward times (143-193 ms on the same rows, last pass) converge?
         dpnuma) for bind in "" "--numa-binding node"; do
                     echo "-- torchrun $bind"
                     torchrun --nproc_per_node 4 $bind profile_dp.py --adapters 32 2>&1 | grep "^rank"
                 done ;;
+        # one daemon per GPU, 8 tenants each, all at once: what placing each tenant on one
+        # GPU would give, against workers4's data-parallel group
+        lanes) "$py" bench_lanes.py --devices cuda:0-3 --shape qwen2.5-0.5b \
+                   --config /tmp/gpu_pass_p0.toml --write "$out/lanes.md" ;;
         prewrite) mkdir -p "$ckpt"
                   CUDA_VISIBLE_DEVICES=3 setsid bash -c "
                       $py bench_tp.py --shape qwen3-32b --prepare-only --model-dir $ckpt/qwen3-32b \
@@ -73,7 +80,7 @@ for what in "$@"; do
                   --trace --peft --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
                   | tee -a "$out/tp.md" ;;
         moe) "$py" bench_moe.py --devices cuda:0,cuda:1 --layers 12 --write "$out/moe.md" ;;
-        *) echo "unknown: $what (workers, workers4, workers8b, dpnuma, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, workers8b, lanes, dpnuma, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
     esac
 done
 echo "== done $(date +%T)"
