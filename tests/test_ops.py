@@ -377,3 +377,66 @@ def test_the_default_data_dir_is_state_never_the_working_directory(tmp_path, mon
     monkeypatch.delenv("XDG_DATA_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_data_dir() == Path.home() / ".local" / "state" / "twinkle"
+
+
+# -- one daemon per GPU (docs/operator.md §5c) ---------------------------------------------
+
+
+def _per_gpu(tmp_path, n: str, config_text: str) -> subprocess.CompletedProcess:
+    (tmp_path / "units").mkdir(exist_ok=True)
+    config = tmp_path / "twinkled.toml"
+    config.write_text(config_text)
+    env = {**os.environ, "CONFIG": str(config), "UNIT_DIR": str(tmp_path / "units")}
+    return subprocess.run(["bash", str(ROOT / "ops" / "per-gpu.sh"), n], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_per_gpu_writes_one_clean_config_per_gpu_and_a_unit_template(tmp_path):
+    out = _per_gpu(tmp_path, "3", EXAMPLE.read_text())
+    assert out.returncode == 0, out.stderr
+    main = tomllib.loads(EXAMPLE.read_text())
+    for i in range(3):
+        path = tmp_path / f"twinkled-{i}.toml"
+        assert check_config(path) == []
+        got = tomllib.loads(path.read_text())
+        assert got["devices"] == [f"cuda:{i}"] and got["port"] == main["port"] + i
+        assert got["data_dir"] == f"{main['data_dir']}/gpu{i}"
+        same = {k: v for k, v in got.items() if k not in ("devices", "port", "data_dir")}
+        assert same == {k: v for k, v in main.items() if k in same}  # the rest is kept
+    assert not (tmp_path / "twinkled-3.toml").exists()
+    unit = (tmp_path / "units" / "twinkled@.service").read_text()
+    assert f"serve --config {tmp_path}/twinkled-%i.toml\n" in unit
+    # The rest is the shipped unit: the drain on stop, the hardening, the GPUs kept.
+    assert unit.replace(f"{tmp_path}/twinkled-%i.toml", "/etc/twinkle/twinkled.toml") \
+        .replace(" (GPU %i)", "") == UNIT.read_text()
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+def test_per_gpu_unit_instance_passes_systemd_analyze_verify(tmp_path):
+    assert _per_gpu(tmp_path, "2", EXAMPLE.read_text()).returncode == 0
+    text = (tmp_path / "units" / "twinkled@.service").read_text()
+    runnable = re.sub(r"^ExecStart=\S+", f"ExecStart={os.path.realpath(sys.executable)}",
+                      text, flags=re.M)
+    instance = tmp_path / "twinkled@1.service"
+    instance.write_text(runnable)
+    out = subprocess.run(["systemd-analyze", "verify", str(instance)], capture_output=True,
+                         text=True, timeout=60)
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()
+             and not (re.search(r"user|User=", ln) and "twinkle" in ln)]
+    assert lines == [] and out.returncode == 0, lines
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda t: t.replace('join_listen = ""', 'join_listen = "tcp://10.0.0.1:7070"'),
+     "join_listen"),
+    (lambda t: re.sub(r"^port = .*\n", "", t, flags=re.M), "sets no port"),
+])
+def test_per_gpu_refuses_what_it_cannot_split(tmp_path, edit, says):
+    out = _per_gpu(tmp_path, "2", edit(EXAMPLE.read_text()))
+    assert out.returncode == 2 and says in out.stderr
+    assert not (tmp_path / "twinkled-0.toml").exists()
+
+
+def test_per_gpu_wants_a_number(tmp_path):
+    out = _per_gpu(tmp_path, "four", EXAMPLE.read_text())
+    assert out.returncode == 2 and "not a number of GPUs" in out.stderr
