@@ -8,6 +8,11 @@ Each configuration gets a fresh daemon, in the same run.
     python bench/bench_workers.py --devices cuda:0,cuda:1 --shape qwen2.5-0.5b   # 2 GPUs
     python bench/bench_workers.py --devices cpu,cpu                              # CPU (gloo)
     python bench/bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen2.5-0.5b
+    python bench/bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --lanes   # a lane per GPU
+
+With `--lanes`, N workers are N lanes of one worker (`twinkled serve --lanes N`: each
+tenant's adapter on one GPU, each GPU stepping on its own) instead of one data-parallel
+group of N ranks.
 """
 
 from __future__ import annotations
@@ -55,15 +60,22 @@ def path_report(url: str) -> None:
             m[name] = float(value)
     steps = sum(v for k, v in m.items() if k.startswith("twinkle_step_seconds_count"))
     step_s = sum(v for k, v in m.items() if k.startswith("twinkle_step_seconds_sum"))
-    busy = {k.split('rank="')[1].split('"')[0]: v for k, v in m.items()
+    busy = {_label(k, "lane") + "." + _label(k, "rank"): v for k, v in m.items()
             if k.startswith("twinkle_worker_busy_seconds_total")}
     gathers = m.get("twinkle_gather_wait_seconds_count", 0.0)
     gather_s = m.get("twinkle_gather_wait_seconds_sum", 0.0)
     if steps:
+        # lane.rank (a lane's steps are its own: with lanes, this is per step of any lane)
         ranks = ", ".join(f"rank {r} {1e3 * b / steps:.1f} ms" for r, b in sorted(busy.items()))
         print(f"path: {steps:.0f} steps, daemon step {1e3 * step_s / steps:.1f} ms "
               f"(ranks busy: {ranks}); gather wait {1e3 * gather_s / max(gathers, 1):.1f} ms "
               f"x {gathers:.0f}")
+
+
+def _label(sample: str, name: str) -> str:
+    """A label's value in a Prometheus sample line's name part ("0" when absent)."""
+    part = sample.split(f'{name}="')
+    return part[1].split('"')[0] if len(part) > 1 else "0"
 
 
 def main() -> None:
@@ -76,6 +88,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--config", default=None, help="a twinkled TOML config for the daemons")
+    ap.add_argument("--lanes", action="store_true",
+                    help="one lane per worker (twinkled serve --lanes N), not one group")
     ap.add_argument("--trace", action="store_true",
                     help="trace each daemon's steps (TWINKLED_TRACE) and print trace_report")
     ap.add_argument("--write", default=section_path("workers"))
@@ -102,7 +116,8 @@ def main() -> None:
         data = work / f"data{len(group)}"
         n = args.tenants * len(group)
         keys = make_keys(data, n)
-        extra = ("--config", args.config) if args.config else ()
+        extra = (("--config", args.config) if args.config else ()) + \
+            (("--lanes", str(len(group))) if args.lanes else ())
         traced = work / f"trace{len(group)}.jsonl"
         if args.trace:
             os.environ["TWINKLED_TRACE"] = str(traced)
@@ -125,7 +140,8 @@ def main() -> None:
                      pct(lat, 0.99)))
 
     base = rows[0][2]
-    text = header("cuda" if gpu else "cpu").replace("Engine vs peft", "Worker ranks (data parallel)")
+    title = "Worker lanes (one per GPU)" if args.lanes else "Worker ranks (data parallel)"
+    text = header("cuda" if gpu else "cpu").replace("Engine vs peft", title)
     text += (f"\n### {args.shape} ({','.join(devices)}, {str(dtype).split('.')[-1]}, LoRA r=32, "
              f"S={seq}, {args.tenants} tenants per worker at 1 x S each, {steps} timed steps)\n\n"
              "| workers | tenants | tokens/s | vs 1 worker | step p50 (s) | step p99 (s) |\n"

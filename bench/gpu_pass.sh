@@ -3,6 +3,8 @@
 # 4-GPU machine run them all (a call is limited to 10 minutes; the machine stays warm
 # between calls, so files written by one call are there for the next):
 #
+#   bash bench/gpu_pass.sh workers4 lanes4         # issue 14: 1/2/4 workers, as one data-parallel
+#                                                  #   group and as lanes (twinkled --lanes)
 #   bash bench/gpu_pass.sh workers4 prewrite moe   # issue 14 (1/2/4 workers), issue 17 (MoE)
 #   bash bench/gpu_pass.sh workers8b lanes dpnuma  # issue 14: 1/2/4 workers on the 8B shape;
 #                                                  #   one daemon per GPU (the bound of lanes);
@@ -40,6 +42,9 @@ for what in "$@"; do
                      --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
         workers4) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen2.5-0.5b \
                       --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
+        # the same tenants on lanes: one worker group per GPU, each tenant's adapter on one
+        lanes4) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen2.5-0.5b \
+                    --lanes --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
         # the regime where the GPU, not the host, bounds a step: does the daemon scale there?
         # 4 tenants per worker: every rank holds every adapter, and 32 rank-32 adapters of
         # the 8B (1.46 GiB each) do not fit an H100 beside the model (18 do)
@@ -80,7 +85,7 @@ for what in "$@"; do
                   --trace --peft --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
                   | tee -a "$out/tp.md" ;;
         moe) "$py" bench_moe.py --devices cuda:0,cuda:1 --layers 12 --write "$out/moe.md" ;;
-        *) echo "unknown: $what (workers, workers4, workers8b, lanes, dpnuma, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, lanes4, workers8b, lanes, dpnuma, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
     esac
 done
 echo "== done $(date +%T)"

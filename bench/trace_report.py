@@ -24,17 +24,18 @@ def q(xs: list[float], p: float) -> float:
 
 def steps(path: Path) -> list[dict]:
     """Each loop event with the group event (the last transport run) inside it and the
-    gather wait before it."""
-    out, group, gather = [], None, 0.0
+    gather wait before it, matched within its lane (twinkled --lanes: one loop per lane)."""
+    out, group, gather = [], {}, {}
     for line in path.read_text().splitlines():
         e = json.loads(line)
+        lane = e.get("lane", 0)
         if e["event"] == "group":
-            group = e
+            group[lane] = e
         elif e["event"] == "gather":
-            gather = e["waited"]
+            gather[lane] = e["waited"]
         elif e["event"] == "loop":
-            out.append({**e, "group": group, "gather": gather})
-            group, gather = None, 0.0
+            out.append({**e, "lane": lane, "group": group.pop(lane, None),
+                        "gather": gather.pop(lane, 0.0)})
     return out
 
 
@@ -50,8 +51,10 @@ def main() -> None:
     def add(name: str, v: float) -> None:
         rows.setdefault(name, []).append(1e3 * v)
 
-    for prev, s in zip(window, window[1:], strict=False):
-        add("gap: previous step done -> plan", s["planned"] - prev["done"])
+    for lane in sorted({s["lane"] for s in window}):
+        mine = [s for s in window if s["lane"] == lane]
+        for prev, s in zip(mine, mine[1:], strict=False):
+            add("gap: previous step done -> plan", s["planned"] - prev["done"])
     for s in window:
         # A barrier step says what it held (optim_steps that missed their rows' step, or
         # create / save / unload); a train step, whether optim_steps rode behind its rows.

@@ -122,9 +122,9 @@ def test_metrics_move_with_training(ops_daemon, tiny_dir):
     assert after["twinkle_queue_wait_seconds_count"] > before["twinkle_queue_wait_seconds_count"]
     assert after["twinkle_adapters_loaded"] >= 1 and after["twinkle_up"] == 1.0
     assert after["twinkle_worker_restarts_total"] == 0.0
-    assert 'twinkle_gpu_memory_bytes{device="cpu",rank="0"}' in after
+    assert 'twinkle_gpu_memory_bytes{device="cpu",lane="0",rank="0"}' in after
     # The rank's busy time grew by at most the steps' time (it is part of each step).
-    busy = 'twinkle_worker_busy_seconds_total{device="cpu",rank="0"}'
+    busy = 'twinkle_worker_busy_seconds_total{device="cpu",lane="0",rank="0"}'
     grew = after[busy] - before.get(busy, 0.0)
     step_s = 'twinkle_step_seconds_sum{kind="train"}'
     assert 0 < grew <= after[step_s] + after.get('twinkle_step_seconds_sum{kind="barrier"}', 0)

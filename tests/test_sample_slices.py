@@ -128,14 +128,14 @@ def test_streams_come_per_slice_and_a_gone_reader_leaves_the_running_batch(tiny_
             gone = svc.sample_stream("ann", "base", _frame([2, 7], 1000))
             it = gone.__aiter__()
             first = await it.__anext__()  # it runs: its first slice's tokens came
-            assert first.tokens and len(svc.core.samples) == 2
+            assert first.tokens and len(svc.lanes.all[0].core.samples) == 2
             assert gone.cancel()
             with pytest.raises(UserError, match="client went away"):
                 await it.__anext__()
             pieces = [p async for p in kept]
             same = svc.sample("ann", {"id": "base"}, _frame([3, 1, 4], 300), box.keep)
             await done(same)
-            return pieces, same, len(svc.core.samples), svc.core.idle()
+            return pieces, same, len(svc.lanes.all[0].core.samples), svc.lanes.all[0].core.idle()
 
     pieces, same, pending, idle = run(go())
     import pickle

@@ -23,7 +23,7 @@ def test_a_stream_yields_its_choices_and_a_cancelled_one_leaves_the_queue(tiny_d
             kept = svc.sample_stream("ann", "base", frame([3, 1, 4], 5, 2, seed=1))
             gone = svc.sample_stream("ann", "base", frame([2, 7], 500, 4, seed=2))
             assert gone.cancel()
-            assert svc.planner.status()["ann"]["queued_requests"] == 1
+            assert svc.lanes.all[0].planner.status()["ann"]["queued_requests"] == 1
             pieces = [p async for p in kept]
             with pytest.raises(UserError, match="client went away"):
                 async for _ in gone:
@@ -33,7 +33,7 @@ def test_a_stream_yields_its_choices_and_a_cancelled_one_leaves_the_queue(tiny_d
             # The same op through the plain sample command gives the same tokens.
             same = svc.sample("ann", {"id": "base"}, frame([3, 1, 4], 5, 2, seed=1), box.keep)
             await done(same)
-            return pieces, same, svc.planner.status()["ann"]["queued_requests"]
+            return pieces, same, svc.lanes.all[0].planner.status()["ann"]["queued_requests"]
 
     pieces, same, queued = run(go())
     import pickle

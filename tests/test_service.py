@@ -79,7 +79,7 @@ async def service(tiny_dir, tmp_path, **overrides):
     cfg = Config(model=tiny_dir, data_dir=tmp_path, device="cpu", dtype="float32",
                  **{"gather_ms": 0, "worker_threads": 1, **overrides})
     store = Store(tmp_path / "twinkled.db")
-    svc = Service(cfg, store, executor=in_process_executor(cfg))
+    svc = Service(cfg, store, executor=[in_process_executor(cfg) for _ in range(cfg.lanes)])
     await svc.start(housekeeping=False)
     await asyncio.wait_for(svc.ready(), WAIT)
     assert svc.state == "ready", svc.load_error
@@ -116,12 +116,12 @@ def test_two_tenants_co_batched_in_one_step(tiny_dir, tmp_path):
     async def go():
         async with service(tiny_dir, tmp_path) as box:
             a, b = await box.create("alice"), await box.create("bob")
-            steps = box.svc.planner.steps
+            steps = box.svc.lanes.all[0].planner.steps
             fa = box.fwdbwd("alice", a, 1, [5, 7], seed=1)
             fb = box.fwdbwd("bob", b, 1, [6], seed=2)
             await done(fa, fb)
             assert fa.error is None and fb.error is None
-            assert box.svc.planner.steps == steps + 1  # one step held both tenants' rows
+            assert box.svc.lanes.all[0].planner.steps == steps + 1  # one step held both tenants' rows
             ra, rb = result(fa), result(fb)
             assert [len(x) for x in logprobs(ra)] == [5, 7]
             assert [len(x) for x in logprobs(rb)] == [6]
@@ -158,12 +158,12 @@ def test_a_cut_forward_backward_is_merged_in_datum_order(tiny_dir, tmp_path):
     async def go():
         async with service(tiny_dir, tmp_path, token_budget=24) as box:
             m = await box.create("alice")
-            steps = box.svc.planner.steps
+            steps = box.svc.lanes.all[0].planner.steps
             lengths = [9, 3, 11, 5, 7]  # 35 tokens: more than one 24-token step
             f = box.fwdbwd("alice", m, 1, lengths, seed=4)
             await done(f)
             assert f.error is None
-            assert box.svc.planner.steps >= steps + 2  # it ran in pieces
+            assert box.svc.lanes.all[0].planner.steps >= steps + 2  # it ran in pieces
             cut = logprobs(result(f))
             assert [len(x) for x in cut] == lengths  # one result, datums in order
             whole = box.fwdbwd("alice", m, 2, lengths[:1], seed=4, forward_only=True)
@@ -182,12 +182,12 @@ def test_a_refused_request_takes_its_seq_id(tiny_dir, tmp_path):
             box.svc.refuse("alice", m, 1, "data[0]: bad")  # seq 1 was refused at the door
             await done(f2)  # seq 2 did not wait for seq 1 forever
             assert f2.error is None
-            assert box.svc.planner.next_seq(m) == 3
+            assert box.svc.lanes.all[0].planner.next_seq(m) == 3
             # The refusal's future failed with its reason.
             assert refused(box.store) == ["error"]
             # A refused seq_id that already ran takes nothing.
             box.svc.refuse("alice", m, 2, "late")
-            assert box.svc.planner.next_seq(m) == 3
+            assert box.svc.lanes.all[0].planner.next_seq(m) == 3
             assert refused(box.store) == ["error"]
 
     run(go())
@@ -203,14 +203,14 @@ def test_idle_unload_and_reload_through_residency(tiny_dir, tmp_path):
             await done(before)
             box.store.runs.touch(m)
             await asyncio.sleep(0.05)
-            await svc.residency.unload_idle(0.01)
-            assert not svc.residency.is_open(m) and svc.residency.count() == 0
+            await svc.lanes.all[0].residency.unload_idle(0.01)
+            assert not svc.lanes.all[0].residency.is_open(m) and svc.lanes.all[0].residency.count() == 0
             row = box.store.runs.get(m)
             assert not row["live"] and row["idle_unloaded"] and row["next_seq"] == 4
             with pytest.raises(UserError, match="not loaded"):
                 box.fwdbwd("alice", m, 4, [6])
             await svc.ensure_loaded(box.store.runs.get(m))
-            assert svc.residency.is_open(m) and svc.residency.count() == 1
+            assert svc.lanes.all[0].residency.is_open(m) and svc.lanes.all[0].residency.count() == 1
             assert box.store.runs.get(m)["live"]
             after = box.fwdbwd("alice", m, 4, [6], seed=6, forward_only=True)
             await done(after)
@@ -238,16 +238,16 @@ def test_futures_fail_cleanly_and_the_loop_goes_on(tiny_dir, tmp_path):
             ckpt = box.store.checkpoints.get(f"tinker://{m}/weights/first")
             assert ckpt["status"] == "corrupt" and ckpt["error"] == f.error[0]
             # The executor itself failing (a bug): the step's futures fail as server errors.
-            real = svc.executor.run_ops
+            real = svc.lanes.all[0].executor.run_ops
 
             async def broken(kind, ops):
                 raise RuntimeError("boom")
 
-            svc.executor.run_ops = broken
+            svc.lanes.all[0].executor.run_ops = broken
             g = box.fwdbwd("alice", m, 2, [4])
             await done(g)
             assert g.error == ("server error: RuntimeError: boom", "server")
-            svc.executor.run_ops = real
+            svc.lanes.all[0].executor.run_ops = real
             h = box.fwdbwd("alice", m, 3, [4])
             await done(h)
             assert h.error is None
@@ -317,12 +317,12 @@ def test_gather_waits_for_the_optim_step_behind_a_forward_backward(tiny_dir, tmp
         async with service(tiny_dir, tmp_path, gather_ms=2000) as box:
             a = await box.create("alice")
             await done(box.fwdbwd("alice", a, 1, [5]), box.optim("alice", a, 2))
-            steps = box.svc.planner.steps
+            steps = box.svc.lanes.all[0].planner.steps
             f = box.fwdbwd("alice", a, 3, [5])
             await asyncio.sleep(0.2)  # the optim_step arrives well after the fwdbwd
             o = box.optim("alice", a, 4)
             await done(f, o)
-            assert box.svc.planner.steps == steps + 1  # one step: fwdbwd then optim
+            assert box.svc.lanes.all[0].planner.steps == steps + 1  # one step: fwdbwd then optim
             assert o.error is None and result(o).applied
             # Accumulation: two fwdbwd without an optim_step; the gather gives up once
             # (at most gather_ms) and then stops waiting for this model's optim_steps.
@@ -347,18 +347,18 @@ def test_an_optim_step_sent_before_its_forward_backward_finished_pairs_them(tiny
     async def go():
         async with service(tiny_dir, tmp_path, gather_ms=2000) as box:
             a = await box.create("alice")
-            planned = box.svc.planner.steps
+            planned = box.svc.lanes.all[0].planner.steps
             f = box.fwdbwd("alice", a, 1, [48] * 4)
-            while box.svc.planner.steps == planned:  # its step has begun, without the optim
+            while box.svc.lanes.all[0].planner.steps == planned:  # its step has begun, without the optim
                 await asyncio.sleep(0.001)
             o = box.optim("alice", a, 2)
             await done(f, o)
-            assert box.svc.planner.steps == planned + 2  # the first pair: two steps
+            assert box.svc.lanes.all[0].planner.steps == planned + 2  # the first pair: two steps
             f = box.fwdbwd("alice", a, 3, [48] * 4)
             await asyncio.sleep(0.2)  # the optim_step arrives well after the fwdbwd
             o = box.optim("alice", a, 4)
             await done(f, o)
-            assert box.svc.planner.steps == planned + 3  # one step: fwdbwd then optim
+            assert box.svc.lanes.all[0].planner.steps == planned + 3  # one step: fwdbwd then optim
             assert o.error is None and result(o).applied
 
     run(go())
@@ -374,16 +374,16 @@ def test_a_late_optim_step_rides_another_tenants_training_step(tiny_dir, tmp_pat
             b = await box.create("bob")
             c = await box.create("carol", seed=7)  # the control: alice's twin
             await done(box.fwdbwd("alice", a, 1, [5, 7], seed=1))
-            steps = box.svc.planner.steps
+            steps = box.svc.lanes.all[0].planner.steps
             o = box.optim("alice", a, 2)  # late, beside bob's rows
             fb = box.fwdbwd("bob", b, 1, [6], seed=2)
             await done(o, fb)
-            assert box.svc.planner.steps == steps + 1  # bob's rows, then alice's optim_step
+            assert box.svc.lanes.all[0].planner.steps == steps + 1  # bob's rows, then alice's optim_step
             assert o.error is None and result(o).applied and fb.error is None
             await done(box.fwdbwd("carol", c, 1, [5, 7], seed=1))
-            steps = box.svc.planner.steps
+            steps = box.svc.lanes.all[0].planner.steps
             await done(box.optim("carol", c, 2))
-            assert box.svc.planner.steps == steps + 1  # a barrier step of its own
+            assert box.svc.lanes.all[0].planner.steps == steps + 1  # a barrier step of its own
             fa = box.fwdbwd("alice", a, 3, [5, 7], seed=1, forward_only=True)
             fc = box.fwdbwd("carol", c, 3, [5, 7], seed=1, forward_only=True)
             await done(fa, fc)
@@ -405,22 +405,22 @@ def test_a_client_late_once_is_still_waited_for(tiny_dir, tmp_path):
     async def go():
         async with service(tiny_dir, tmp_path, gather_ms=300) as box:
             a = await box.create("alice")
-            planned = box.svc.planner.steps
+            planned = box.svc.lanes.all[0].planner.steps
             f = box.fwdbwd("alice", a, 1, [48] * 4)
-            while box.svc.planner.steps == planned:
+            while box.svc.lanes.all[0].planner.steps == planned:
                 await asyncio.sleep(0.001)
             await done(f, box.optim("alice", a, 2))  # seen: alice pipelines
-            before = box.svc.planner.steps
+            before = box.svc.lanes.all[0].planner.steps
             f = box.fwdbwd("alice", a, 3, [48] * 4)
             await asyncio.sleep(1.5)  # far too late: past every window
             await done(f, box.optim("alice", a, 4))
-            assert box.svc.planner.steps == before + 2  # the rows, then the optim_step
-            before = box.svc.planner.steps
+            assert box.svc.lanes.all[0].planner.steps == before + 2  # the rows, then the optim_step
+            before = box.svc.lanes.all[0].planner.steps
             f = box.fwdbwd("alice", a, 5, [48] * 4)
             await asyncio.sleep(0.1)  # within the window
             o = box.optim("alice", a, 6)
             await done(f, o)
-            assert box.svc.planner.steps == before + 1  # one step: still paired
+            assert box.svc.lanes.all[0].planner.steps == before + 1  # one step: still paired
             assert o.error is None and result(o).applied
 
     run(go())

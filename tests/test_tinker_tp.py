@@ -86,7 +86,7 @@ def test_tp_daemon_reports_every_rank_and_its_peak_memory(tp_daemon):
     with urllib.request.urlopen(f"{tp_daemon.url}/metrics", timeout=10) as r:
         text = r.read().decode()
     for rank in (0, 1):  # on a CPU the engine holds no device memory: 0
-        assert f'twinkle_gpu_peak_memory_bytes{{device="cpu",rank="{rank}"}} 0.0' in text
+        assert f'twinkle_gpu_peak_memory_bytes{{device="cpu",lane="0",rank="{rank}"}} 0.0' in text
 
 
 def test_tp_adapters_persist_behind_the_steps_and_at_shutdown(tiny_dir, tmp_path):

@@ -316,3 +316,38 @@ def test_frames_from_outside_the_worker_group_are_ignored(slow_pair, tiny_dir):
     assert slow_pair.workers() == pids and slow_pair.health()["status"] == "ok"
     for s in socks:
         s.close()
+
+
+def test_a_killed_lane_costs_only_its_own_tenants(tiny_dir, tmp_path):
+    """Two lanes of one CPU worker each: alice's model on lane 0, bob's on lane 1 (placed
+    in turn). Lane 1's worker killed mid-step fails bob's step only; alice's, in the same
+    moment on lane 0, completes; lane 1 restarts with bob's adapter and both go on."""
+    keys = {t: make_key(tmp_path, t) for t in ("alice", "bob")}
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--workers", "2", "--lanes", "2",
+               env={"TWINKLED_TEST_STEP_DELAY": "1.0"})
+    d.keys = keys
+    try:
+        alice = _client(d, "alice", tiny_dir, 5)
+        bob = _client(d, "bob", tiny_dir, 6)
+        data = _data(alice.get_tokenizer())[:2]
+        _step(alice, data)
+        _step(bob, data)
+        status = json.loads(subprocess.run(
+            [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(tmp_path), "status",
+             "--json"], capture_output=True, text=True, check=True).stdout)
+        assert [lane["adapters"] for lane in status["lanes"]] == [1, 1]
+        lane1 = next(w["pid"] for w in status["workers"] if w["lane"] == 1)
+        old = d.workers()
+        fa = alice.forward_backward(data, "cross_entropy")
+        fb = bob.forward_backward(data, "cross_entropy")
+        time.sleep(0.5)  # both lanes mid-step
+        os.kill(lane1, signal.SIGKILL)
+        with pytest.raises(tinker.RequestFailedError, match="restarted"):
+            fb.result(timeout=T)
+        assert fa.result(timeout=T).metrics["loss:sum"] > 0
+        pids = d.wait_workers(2, old={lane1})
+        assert set(old) - {lane1} <= set(pids)  # lane 0's worker was never restarted
+        assert _step(bob, data).metrics["loss:sum"] > 0
+        assert _step(alice, data).metrics["loss:sum"] > 0
+    finally:
+        d.stop()

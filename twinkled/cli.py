@@ -31,14 +31,16 @@ def main() -> None:
               "is split over this many devices (default 1).")
 @click.option("--ep", type=int, help="Expert parallelism: ranks that split an MoE model's "
               "experts (default 1; divides the ranks and the experts).")
+@click.option("--lanes", type=int, help="Independent worker groups to split the devices "
+              "into, each with its own steps; a model lives on one (default 1).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
               help="Base model dtype (default bfloat16; float32 on a CPU).")
 @click.option("--log-format", type=click.Choice(["text", "json"]),
               help="One line per request; json for log shippers (default text).")
 @click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True),
               help="TOML config file; flags override it.")
-def serve(model, model_name, data_dir, host, port, device, devices, workers, tp, ep, dtype,
-          log_format, config_file) -> None:
+def serve(model, model_name, data_dir, host, port, device, devices, workers, tp, ep, lanes,
+          dtype, log_format, config_file) -> None:
     """Load the base model once and serve the Tinker API over HTTP."""
     from .perms import private_dir, private_umask
 
@@ -51,7 +53,7 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
 
     cfg = Config.load(config_file, model=model, model_name=model_name, data_dir=data_dir,
                       host=host, port=port, device=device, dtype=dtype, workers=workers, tp=tp,
-                      ep=ep, devices=expand_devices(devices) if devices else None,
+                      ep=ep, lanes=lanes, devices=expand_devices(devices) if devices else None,
                       log_format=log_format)
     if cfg.model is None or not (cfg.model / "config.json").is_file():
         raise click.UsageError("--model must be a Hugging Face model directory")

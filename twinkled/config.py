@@ -43,6 +43,9 @@ class Config:
     workers: int = 1  # ranks when `devices` is not given (CPU boxes: gloo workers)
     ep: int = 1  # expert parallelism: ranks that split an MoE model's experts (divides ranks)
     tp: int = 1  # tensor-parallel size: each replica of the base model spans tp devices
+    # Independent worker groups the devices are split into, each with its own step loop;
+    # a model lives on one (docs/internals.md, "Scaling over GPUs"). 1: one group.
+    lanes: int = 1
     # Recompute activations per layer in the backward: auto (when a step would not fit
     # otherwise), on, off.
     activation_checkpointing: str = "auto"
@@ -169,6 +172,12 @@ class Config:
             return [f"cuda:{i}" for i in range(self.workers)]
         return [device] * self.workers
 
+    def lane_devices(self) -> list[list[str]]:
+        """The worker devices of each lane: `lanes` consecutive, equal slices."""
+        devices = self.worker_devices()
+        n = max(1, len(devices) // self.lanes)
+        return [devices[i:i + n] for i in range(0, len(devices), n)]
+
 
 def _cuda_count() -> int:
     import subprocess
@@ -202,7 +211,7 @@ _RANGES = {
               "must be bfloat16, float32 or float16"),
     "device": (lambda v: v == "auto" or _DEVICE.fullmatch(v),
                "must be cpu, cuda, cuda:N or auto"),
-    "workers": _POSITIVE, "tp": _POSITIVE, "ep": _POSITIVE,
+    "workers": _POSITIVE, "tp": _POSITIVE, "lanes": _POSITIVE, "ep": _POSITIVE,
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
                                  "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,

@@ -296,7 +296,8 @@ def status(target: Target, as_json: bool) -> None:
                    f"worker restarts {s['restarts']}")
         for w in s["workers"]:
             where = f" on {w['host']}" if w.get("remote") else ""
-            click.echo(f"  rank {w['rank']} {w['device']:<8}{where} pid {w['pid']}  "
+            lane = f"lane {w['lane']} " if "lanes" in s else ""
+            click.echo(f"  {lane}rank {w['rank']} {w['device']:<8}{where} pid {w['pid']}  "
                        f"{'alive' if w['alive'] else 'DOWN'}  memory {_size(w['memory_bytes'])}"
                        f" (peak {_size(w.get('peak_memory_bytes', 0))})")
         for d in s.get("damaged_checkpoints", []):

@@ -92,10 +92,11 @@ def default_threads(devices: list[str]) -> int:
     return max(1, (os.cpu_count() or 1) // len(devices))
 
 
-def zmq_executor(config: Config) -> Executor:
-    """The daemon's executor: a worker process per device, driven over ZeroMQ."""
-    devices = config.worker_devices()
-    threads = config.worker_threads or default_threads(devices)
+def zmq_executor(config: Config, devices: list[str] | None = None) -> Executor:
+    """The daemon's executor (one per lane): a worker process per device of `devices`
+    (default: all of the config's), driven over ZeroMQ."""
+    threads = config.worker_threads or default_threads(config.worker_devices())  # all lanes'
+    devices = devices or config.worker_devices()
     live_dir = Path(config.data_dir) / "live"
     options = {"model": str(config.model), "dtype": config.dtype,
                "max_rank": config.max_rank, "token_budget": config.token_budget,

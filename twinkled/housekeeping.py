@@ -8,22 +8,28 @@ import asyncio
 import logging
 import shutil
 from collections.abc import Callable
+from typing import Protocol
 
 from .config import Config
 from .futures import Futures
-from .residency import Residency
 
 log = logging.getLogger("twinkled")
 
 
+class Idle(Protocol):
+    """Who unloads idle adapters (the lanes, each asking its residency)."""
+
+    async def unload_idle(self, idle_s: float) -> None: ...
+
+
 class Housekeeping:
-    def __init__(self, config: Config, store, futures: Futures, residency: Residency, *,
+    def __init__(self, config: Config, store, futures: Futures, adapters: Idle, *,
                  status: Callable[[], dict], refresh_tenants: Callable[[], None],
                  may_unload: Callable[[], bool]):
         """`status`: the row `twinkled ctl status` reads; `may_unload`: whether idle
         adapters may leave now (not while loading or draining)."""
         self._config, self._store = config, store
-        self._futures, self._residency = futures, residency
+        self._futures, self._adapters = futures, adapters
         self._status, self._refresh_tenants = status, refresh_tenants
         self._may_unload = may_unload
 
@@ -55,4 +61,4 @@ class Housekeeping:
         """Adapters idle for `idle_unload_s` leave the workers' memory (Residency)."""
         limit = self._config.idle_unload_s
         if limit > 0 and self._may_unload():
-            await self._residency.unload_idle(limit)
+            await self._adapters.unload_idle(limit)

@@ -81,6 +81,15 @@ def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[st
                         f"has {len(devices)}, remote_ranks is {cfg.remote_ranks}")
     if ranks % tp:
         problems.append(f"tp: {tp} does not divide the {ranks} worker devices {devices}")
+    if cfg.lanes > 1 and len(devices) % cfg.lanes:
+        problems.append(f"lanes: {cfg.lanes} does not divide the {len(devices)} worker "
+                        f"devices {devices}")
+    elif cfg.lanes > 1 and (len(devices) // cfg.lanes) % tp:
+        problems.append(f"lanes: each lane's {len(devices) // cfg.lanes} device(s) must make "
+                        f"whole tensor-parallel groups of {tp}")
+    if cfg.lanes > 1 and (cfg.remote_ranks or cfg.join_listen):
+        problems.append("lanes: a daemon with lanes takes no other hosts (remote_ranks, "
+                        "join_listen)")
     if cfg.ep > 1 and tp > 1:
         problems.append("ep: under --tp the experts are already split over each tensor-"
                         "parallel group; use --tp alone (or --ep without --tp)")

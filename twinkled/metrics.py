@@ -63,15 +63,16 @@ class _Live:
                  "the last step, per worker rank", "memory_bytes"),
                 ("twinkle_gpu_peak_memory_bytes", "The most device memory the engine has "
                  "allocated since the worker started, per worker rank", "peak_memory_bytes")):
-            memory = GaugeMetricFamily(name, what, labels=["rank", "device"])
+            memory = GaugeMetricFamily(name, what, labels=["lane", "rank", "device"])
             for w in g["workers"]:
-                memory.add_metric([str(w["rank"]), w["device"]], w.get(key, 0))
+                memory.add_metric([str(w["lane"]), str(w["rank"]), w["device"]], w.get(key, 0))
             yield memory
         busy = CounterMetricFamily("twinkle_worker_busy_seconds", "Time each worker rank spent "
                                    "running steps since the group (re)started; against wall "
-                                   "time, how busy the rank is", labels=["rank", "device"])
+                                   "time, how busy the rank is",
+                                   labels=["lane", "rank", "device"])
         for w in g["workers"]:
-            busy.add_metric([str(w["rank"]), w["device"]], w.get("busy_s", 0.0))
+            busy.add_metric([str(w["lane"]), str(w["rank"]), w["device"]], w.get("busy_s", 0.0))
         yield busy
         yield GaugeMetricFamily("twinkle_up", "1 when the daemon serves requests now",
                                 value=1.0 if g["up"] else 0.0)

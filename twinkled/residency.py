@@ -100,10 +100,11 @@ class Residency:
 
     # -- start-up, idle unload, reload, shutdown -----------------------------------------
 
-    async def restore_at_start(self) -> None:
-        """Adapters live at the last stop, from their persisted state. After a hot restart
-        their seq_ids continue exactly; after a crash the first request resumes them."""
-        runs = self._store.runs.live()
+    async def restore_at_start(self, runs: list[dict] | None = None) -> None:
+        """Adapters live at the last stop (or `runs` of them: this lane's share), from
+        their persisted state. After a hot restart their seq_ids continue exactly; after a
+        crash the first request resumes them."""
+        runs = self._store.runs.live() if runs is None else runs
         configs = {r["id"]: stored_config(r) for r in runs}
         failed = await self._executor.restore(configs)
         for r in runs:

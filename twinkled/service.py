@@ -20,14 +20,15 @@ from scheduler import Planner
 
 from .adapter_room import adapter_room
 from .config import Config
-from .core import After, EngineCore, Op, RateLimited, Skip  # noqa: F401  (re-exported)
+from .core import After, Op, RateLimited, Skip  # noqa: F401  (re-exported)
 from .engine.checks import Limits as RequestLimits
 from .engine.types import LoraConfig
 from .executor import Executor, zmq_executor
 from .futures import Encoder, Future, Futures, NotFound, UserError, empty_json  # noqa: F401
 from .housekeeping import Housekeeping
+from .lanes import Lane, Lanes, make_lane
 from .metrics import Metrics
-from .residency import Residency, stored_config
+from .residency import stored_config
 from .stability import StabilityRecords
 from .store import Conflict, checkpoint_path
 from .streams import SampleStream
@@ -43,20 +44,17 @@ log = logging.getLogger("twinkled")
 Answer = Callable[[str], tuple[bytes, str]]
 
 
-def _ms(seconds: float) -> float | None:
-    return round(seconds * 1e3, 1) if seconds < float("inf") else None
-
-
 class Draining(Exception):
     """The daemon is stopping (hot restart): come back shortly (HTTP 503, retried)."""
 
 
 class Service:
-    def __init__(self, config: Config, store, executor: Executor | None = None,
+    def __init__(self, config: Config, store, executor: Executor | list[Executor] | None = None,
                  adapter_budget: int | None = None):
-        """`executor`: where steps run; by default a worker group over ZeroMQ (tests pass
-        an in-process one, `workers/inprocess.py`). `adapter_budget`: bytes per rank for
-        adapters (`layout.adapters_budget`; None: no limit), unless the config sets one."""
+        """`executor`: where steps run, one per lane (`config.lanes`); by default a worker
+        group over ZeroMQ per lane (tests pass in-process ones, `workers/inprocess.py`).
+        `adapter_budget`: bytes per rank for adapters (`layout.adapters_budget`; None: no
+        limit), unless the config sets one."""
         self.config = config
         self.store = store
         self.state = "loading"
@@ -69,14 +67,16 @@ class Service:
         self.stability = StabilityRecords(config.stability_bytes, config.stability_tenant_bytes)
         self.metrics = Metrics(self)
         self.futures = Futures(store)
-        self.planner = Planner(config.token_budget, config.sample_budget, config.target_step_s)
-        self.executor = executor or zmq_executor(config)
-        self.residency = Residency(store, self.planner, self.executor,
-                                   adapter_room(config, adapter_budget))
-        self.tenants = Tenants(config, store, self.planner)
-        self.executor.serve(self.residency, on_restart=self.metrics.worker_restarts.inc)
-        self.core = EngineCore(self.planner, self.executor, self.futures, self.residency,
-                               self.metrics, config.gather_ms / 1000, config.sample_slice_ms / 1000)
+        if executor is None:
+            executor = [zmq_executor(config, devices) for devices in config.lane_devices()]
+        executors = executor if isinstance(executor, list) else [executor]
+        self.lanes = Lanes([
+            make_lane(i, Planner(config.token_budget, config.sample_budget,
+                                 config.target_step_s),
+                      ex, store, adapter_room(config, adapter_budget), self.futures,
+                      self.metrics, config.gather_ms / 1000, config.sample_slice_ms / 1000)
+            for i, ex in enumerate(executors)], store)
+        self.tenants = Tenants(config, store, [lane.planner for lane in self.lanes.all])
         self._limits: RequestLimits | None = None
         self._limits_from: dict | None = None
         self._tasks: list[asyncio.Task] = []
@@ -102,7 +102,7 @@ class Service:
                                               self.config.data_dir)
         self._tasks.append(loop.create_task(self._run()))
         if housekeeping:
-            chores = Housekeeping(self.config, self.store, self.futures, self.residency,
+            chores = Housekeeping(self.config, self.store, self.futures, self.lanes,
                                   status=self.status, refresh_tenants=self.refresh_tenants,
                                   may_unload=lambda: self.state == "ready"
                                   and not self.intake_paused)
@@ -128,14 +128,14 @@ class Service:
             self.damaged = await self._verified
         except Exception:  # a verification bug must not stop the daemon from serving
             log.exception("verifying checkpoints failed")
-        await self.core.run()
+        await self.lanes.run()
 
     async def _load(self) -> None:
-        """Start the worker group (it loads the model) and bring back the live adapters."""
+        """Start the worker groups (they load the model) and bring back the live adapters."""
         try:
-            await self.executor.start()
-            await self.residency.restore_at_start()
-            self._tasks.append(asyncio.get_running_loop().create_task(self.executor.watch()))
+            await self.lanes.start()
+            loop = asyncio.get_running_loop()
+            self._tasks += [loop.create_task(w) for w in self.lanes.watchers()]
             self.state = "ready"
             log.info("model %s loaded", self.config.served_name)
         except Exception as e:  # the daemon keeps answering healthz with the reason
@@ -143,25 +143,19 @@ class Service:
             log.exception("model load failed")
 
     def status(self) -> dict:
-        return {"model": self.config.served_name, "state": self.state,
-                "devices": self.executor.group.devices, "steps": self.planner.steps,
-                "adapters": self.planner.model_count(), "tenants": self.planner.status(),
-                "step_target_ms": _ms(self.planner.step_target()),  # None: no time bound
-                "step_cost": self.planner.cost.describe(),
-                **self.executor.status(), "live_adapters": self.residency.count(),
-                "samples_running": len(self.core.samples),  # decoding across steps
+        return {"model": self.config.served_name, "state": self.state, **self.lanes.status(),
                 "damaged_checkpoints": self.damaged, "time": time.time()}
 
     def gauges(self) -> dict:
         """What /metrics reads at scrape time."""
-        return {"queued": {t: s["queued_requests"] for t, s in self.planner.status().items()},
-                "adapters": self.planner.model_count(),
-                "workers": self.executor.group.status(), "up": self.health == "ok"}
+        queued = {t: s["queued_requests"] for t, s in self.lanes.tenant_status().items()}
+        return {"queued": queued, "adapters": self.lanes.model_count(),
+                "workers": self.lanes.workers(), "up": self.health == "ok"}
 
     @property
     def health(self) -> str:
         """healthz's status: "ok" when requests run now ("restarting" while workers do)."""
-        if self.state == "ready" and self.executor.recovering:
+        if self.state == "ready" and self.lanes.recovering:
             return "restarting"
         if self.state == "ready" and self.intake_paused:
             return "draining"
@@ -169,7 +163,7 @@ class Service:
 
     @property
     def model_info(self) -> dict:
-        return self.executor.model_info
+        return self.lanes.all[0].executor.model_info
 
     @property
     def limits(self) -> RequestLimits:
@@ -183,9 +177,9 @@ class Service:
     async def _until_idle(self, timeout: float) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not self.core.idle() and loop.time() < deadline:
+        while not self.lanes.idle() and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        return self.core.idle()
+        return self.lanes.idle()
 
     async def shutdown(self) -> None:
         """SIGTERM: stop taking work, let queued work run (up to `drain_timeout_s`), fail
@@ -196,13 +190,13 @@ class Service:
         self.futures.fail_unfinished("the daemon was stopped (restarted) before this "
                                      "request ran; submit it again", "server")
         self.stopping.set()
-        if self.load_error is None and self.executor.model_info:
+        if self.load_error is None and self.model_info:
             try:
-                live = await self.residency.persist_all()
+                live = await self.lanes.persist_all()
                 log.info("persisted %d live adapter(s)", live)
             except Exception:
                 log.exception("persisting live adapters at shutdown failed")
-        await self.executor.stop()
+        await self.lanes.stop()
         (self.config.data_dir / "daemon.json").unlink(missing_ok=True)
         log.info("workers stopped; closing connections")
 
@@ -212,7 +206,7 @@ class Service:
         if undo:
             return {"drained": False, "queued": 0}
         drained = await self._until_idle(timeout)
-        queued = sum(t["queued_requests"] for t in self.planner.status().values())
+        queued = sum(t["queued_requests"] for t in self.lanes.tenant_status().values())
         return {"drained": drained, "queued": queued}
 
     def _cancel_tasks(self) -> None:
@@ -222,38 +216,40 @@ class Service:
     async def close(self) -> None:
         self._cancel_tasks()
         if self.state != "draining":
-            await self.executor.stop()
+            await self.lanes.stop()
 
     # -- commands ---------------------------------------------------------------------
 
-    def submit(self, op: Op) -> Future:
-        """Queue `op` on the core (see EngineCore.add), if the daemon takes work now."""
+    def submit(self, op: Op, lane: Lane | None = None) -> Future:
+        """Queue `op` on its lane's core (see EngineCore.add), if the daemon takes work now.
+        `lane`: where a sample goes (`Lanes.for_sample`); a model's ops go to its lane."""
         if self.state == "failed":
             raise UserError(f"the model failed to load: {self.load_error}")
         if self.state == "draining" or self.intake_paused:
             self.futures.drop(op.future, "the daemon is draining")
             raise Draining("the daemon is draining for maintenance or a restart; retry shortly")
-        return self.core.add(op)
+        return (lane or self.lanes.of(op.model_id)).core.add(op)
 
     def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
-        self.core.refuse(tenant, model_id, seq_id, why)
+        self.lanes.of(model_id).core.refuse(tenant, model_id, seq_id, why)
 
     def get_future(self, tenant: str, future_id: str) -> Future:
         return self.futures.get(tenant, future_id)
 
     def is_paused(self, future_id: str) -> bool:
-        return self.planner.is_paused(future_id)
+        return self.lanes.find(lambda lane: lane.planner.is_paused(future_id))
 
     async def ensure_loaded(self, run: dict) -> None:
         """Bring back a run's adapter if it was unloaded while idle."""
-        await self.residency.ensure_loaded(run)
+        await self.lanes.ensure_loaded(run)
 
     def create_model(self, tenant: str, session_id: str, model_seq: int | None,
                      config: LoraConfig, user_metadata: dict,
                      answer: Answer) -> tuple[str, Future]:
         """A new training run and its adapter (op 0 of the model): its id and future."""
         self.tenants.check_new_adapter(tenant, config.rank)
-        self.residency.room.check(config)
+        lane = self.lanes.choose(config)
+        lane.residency.room.check(config)
         lora = {"rank": config.rank, "alpha": config.alpha, "train_attn": config.train_attn,
                 "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
                 "seed": config.seed, "optimizer": config.optimizer}  # a restore re-creates it
@@ -263,8 +259,7 @@ class Service:
         except Conflict:
             raise UserError(f"model {session_id}:train:{model_seq} already exists") from None
         f = self.futures.new(tenant, "create_model", lambda _: answer(model))
-        self.residency.room.hold(model, config)
-        self.residency.open(model, tenant, 0)
+        self._open(lane, model, tenant, config)
         return model, self.submit(Op(model, 0, CreateF(model, config), f))
 
     def tag_future(self, future_id: str, owner: str) -> None:
@@ -342,17 +337,23 @@ class Service:
         src = self.store.runs.get(checkpoint["run_id"], include_deleted=True)
         lora = {**(src["lora_config"] or {}), "optimizer": family}
         stored = stored_config({"lora_config": lora})
-        self.residency.room.check(stored)
+        lane = self.lanes.choose(stored)
+        lane.residency.room.check(stored)
         try:
             model = self.store.runs.create(session_id, tenant, self.config.served_name,
                                            src["lora_rank"], lora, user_metadata, model_seq)
         except Conflict:
             raise UserError("that model_seq_id is already used in this session") from None
-        self.residency.room.hold(model, stored)
-        self.residency.open(model, tenant, 0)
+        self._open(lane, model, tenant, stored)
         f = self.futures.new(tenant, "load_weights", lambda _: answer(model))
         return model, self.submit(Op(model, 0, LoadF(model, checkpoint["dir"], optimizer,
                                                      family), f))
+
+    def _open(self, lane: Lane, model: str, tenant: str, config: LoraConfig) -> None:
+        """A new model on `lane`: it holds its adapter's room and takes ops from op 0."""
+        self.lanes.place(model, lane)
+        lane.residency.room.hold(model, config)
+        lane.residency.open(model, tenant, 0)
 
     def sample(self, tenant: str, sampler: dict, frame: SampleF, encode: Encoder,
                record: tuple[list[str], list[int]] | None = None,
@@ -370,14 +371,15 @@ class Service:
                                        result.sequences)
 
         cost = frame.prompt.shape[0] + frame.params.max_tokens * frame.num_samples
-        f = self.submit(Op(None, None, frame, f, cost, after=after, stream=stream))
+        f = self.submit(Op(None, None, frame, f, cost, after=after, stream=stream),
+                        self.lanes.for_sample(frame.adapter_id))
         self.futures.tag(f.id, sampler["id"])  # a session's trace shows it
         return f
 
     def sample_stream(self, tenant: str, owner: str, frame: SampleF) -> SampleStream:
         """`sample`, read as pieces of tokens (streams.py); `owner` (a sampler path, or the
         base model's name) is recorded on its future."""
-        stream = SampleStream(self.core.withdraw)
+        stream = SampleStream(self.lanes.withdraw)
         # Tokens as they come, unless the reader wants the prompt's scores before them
         # (they come with the result).
         live = None if frame.prompt_logprobs or frame.topk_prompt else stream.feed
@@ -396,10 +398,11 @@ class Service:
         Their runs and checkpoints stay; a training client can be made again from a
         checkpoint. A request that still names such a model gets a clear 400."""
         for model in model_ids:
-            if not self.residency.is_open(model):
+            lane = self.lanes.of(model)
+            if not lane.residency.is_open(model):
                 continue
             f = self.futures.new(tenant, "unload", empty_json)
-            self.submit(Op(model, self.planner.seq_after_queued(model), UnloadF(model), f))
+            self.submit(Op(model, lane.planner.seq_after_queued(model), UnloadF(model), f))
 
     def refresh_tenants(self) -> None:
         """Weights and quotas as the store and config say now (`twinkled ctl tenants set`)."""

@@ -4,17 +4,25 @@
 loop's view of a step (plan, execute, complete, the wait for clients before it) and the
 worker group's (when each rank got the frame, started, finished, and when its reply
 arrived), all in wall-clock seconds so that the worker processes' stamps line up with
-the daemon's. `bench/trace_report.py` turns a trace into a table. Off, it costs one
-attribute check per step.
+the daemon's. Each event names its lane (twinkled/lanes.py: each lane's loop runs in its
+own task, which sets it). `bench/trace_report.py` turns a trace into a table. Off, it costs
+one attribute check per step.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 from typing import Any
 
 _path = os.environ.get("TWINKLED_TRACE") or None
+_lane: contextvars.ContextVar[int] = contextvars.ContextVar("lane", default=0)
+
+
+def in_lane(index: int) -> None:
+    """The events the current task records from now on are lane `index`'s."""
+    _lane.set(index)
 
 
 def enabled() -> bool:
@@ -26,4 +34,4 @@ def record(event: str, **fields: Any) -> None:
     if _path is None:
         return
     with open(_path, "a") as f:  # tens of lines a second at most: no handle kept open
-        f.write(json.dumps({"event": event, **fields}) + "\n")
+        f.write(json.dumps({"event": event, "lane": _lane.get(), **fields}) + "\n")

@@ -10,11 +10,16 @@ the write-behind persistence between them never overlap).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .frames import ReplyF, StepF, encoder, reply_decoder, step_decoder
+
+# transformers builds a model under process-wide state (the default device and dtype, meta
+# tensors): two groups of this process (lanes) must not load at the same time.
+_LOADING = threading.Lock()
 
 
 class InProcessGroup:
@@ -55,7 +60,8 @@ class InProcessGroup:
         from .persist import Persister
         from .runner import StepRunner
 
-        engine = Engine(self._model, **self._engine_args)
+        with _LOADING:
+            engine = Engine(self._model, **self._engine_args)
         persister = (Persister(self._live_dir, self._persist_every)
                      if self._live_dir is not None else None)
         cfg = engine.model.config

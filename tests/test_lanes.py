@@ -1,0 +1,134 @@
+"""Lanes (twinkled/lanes.py): the devices split into independent worker groups, a model on
+one of them. In-process lanes here (two engines in this process); a daemon with two lanes
+of worker processes, one of them killed, in test_workers.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+from test_service import Box, done, logprobs, result, run, service
+
+from twinkled.config import Config
+from twinkled.layout import layout_problems
+from twinkled.workers.frames import SampleF, SamplingF, buf
+
+
+def lane_of(box: Box, model: str) -> int:
+    return box.svc.lanes.of(model).index
+
+
+async def train(box: Box, tenant: str, model: str, rounds: int) -> list[list[float]]:
+    """`rounds` of forward_backward + optim_step on the same rows; the last losses."""
+    out = []
+    for r in range(rounds):
+        f = box.fwdbwd(tenant, model, 1 + 2 * r, [6, 4], seed=11)
+        o = box.optim(tenant, model, 2 + 2 * r)
+        await done(f, o)
+        assert f.error is None and o.error is None, (f.error, o.error)
+        out = logprobs(result(f))
+    return out
+
+
+def test_models_spread_over_lanes_and_train_as_on_one(tiny_dir, tmp_path):
+    async def two_lanes():
+        async with service(tiny_dir, tmp_path / "two", lanes=2) as box:
+            a, b = await box.create("alice", seed=1), await box.create("bob", seed=2)
+            assert {lane_of(box, a), lane_of(box, b)} == {0, 1}  # one each
+            got = await asyncio.gather(train(box, "alice", a, 3), train(box, "bob", b, 3))
+            steps = [lane.planner.steps for lane in box.svc.lanes.all]
+            status = box.svc.status()
+            return got, steps, status
+
+    async def one_lane():
+        async with service(tiny_dir, tmp_path / "one") as box:
+            a, b = await box.create("alice", seed=1), await box.create("bob", seed=2)
+            return await asyncio.gather(train(box, "alice", a, 3), train(box, "bob", b, 3))
+
+    (got, steps, status), want = run(two_lanes()), run(one_lane())
+    assert all(n >= 4 for n in steps), steps  # each lane stepped its own model
+    for x, y in zip(got, want, strict=True):  # the same weights as on one worker group
+        for p, q in zip(x, y, strict=True):
+            assert max(abs(u - v) for u, v in zip(p, q, strict=True)) < 1e-4
+    assert status["adapters"] == 2 and [ln["adapters"] for ln in status["lanes"]] == [1, 1]
+    assert sorted(w["lane"] for w in status["workers"]) == [0, 1]
+    assert status["tenants"]["alice"]["served_tokens"] > 0 and \
+        status["tenants"]["bob"]["served_tokens"] > 0
+
+
+def test_a_failing_lane_fails_only_its_own_steps(tiny_dir, tmp_path):
+    async def go():
+        async with service(tiny_dir, tmp_path, lanes=2) as box:
+            a, b = await box.create("alice"), await box.create("bob")
+            broken = box.svc.lanes.of(b)
+            real = broken.executor.run_ops
+
+            async def fails(kind, ops):
+                raise RuntimeError("lane on fire")
+
+            broken.executor.run_ops = fails
+            fa, fb = box.fwdbwd("alice", a, 1, [5]), box.fwdbwd("bob", b, 1, [5])
+            await done(fa, fb)
+            broken.executor.run_ops = real
+            again = box.fwdbwd("bob", b, 2, [5])
+            await done(again)
+            return fa.error, fb.error, again.error
+
+    ok, failed, again = run(go())
+    assert ok is None and "lane on fire" in failed[0] and again is None
+
+
+def test_sampling_runs_on_the_lane_of_the_run_that_saved_it(tiny_dir, tmp_path):
+    async def go():
+        async with service(tiny_dir, tmp_path, lanes=2) as box:
+            a, b = await box.create("alice"), await box.create("bob")
+            run_b = box.store.runs.get(b)
+            saved = box.svc.save_for_sampler("bob", run_b, 1, None, user_metadata={},
+                                             ttl_s=None, answer=lambda s: (s.encode(), "x"))
+            await done(saved)
+            assert saved.error is None, saved.error
+            path = f"tinker://{b}/sampler_weights/ephemeral-1"
+            sampler = box.store.samplers.get(saved.payload.decode())
+            ck = box.store.checkpoints.get(path)
+            adapter = f"sampler:{path}@{ck['sha256'][:16]}"
+            frame = SampleF(adapter, buf([1, 2, 3], "int64"),
+                            SamplingF(4, 1.0, -1, 1.0, 7, None), 1, load_from=ck["dir"])
+            lane = box.svc.lanes.for_sample(adapter)
+            before = lane.planner.steps
+            f = box.svc.sample("bob", sampler, frame, box.keep)
+            await done(f)
+            return f.error, lane.index, lane_of(box, b), lane.planner.steps - before, a
+
+    error, lane, home, steps, _ = run(go())
+    assert error is None and lane == home and steps >= 1
+
+
+def test_restart_brings_every_model_back_on_some_lane(tiny_dir, tmp_path):
+    async def first():
+        async with service(tiny_dir, tmp_path, lanes=2) as box:
+            models = [await box.create(t) for t in ("ann", "ben", "cat")]
+            for m, t in zip(models, ("ann", "ben", "cat"), strict=True):
+                await train(box, t, m, 1)
+            return models, box.sessions
+
+    async def second(models):
+        async with service(tiny_dir, tmp_path, lanes=2) as box:
+            lanes = [lane_of(box, m) for m in models]
+            open_ = [box.svc.lanes.of(m).residency.is_open(m) for m in models]
+            f = box.fwdbwd("ann", models[0], 3, [6, 4], seed=11)
+            await done(f)
+            return lanes, open_, f.error
+
+    models, _ = run(first())
+    lanes, open_, error = run(second(models))
+    assert all(open_) and sorted(set(lanes)) == [0, 1] and error is None
+
+
+def test_layout_names_lanes_that_do_not_divide_the_devices(tiny_dir, tmp_path):
+    cfg = Config(model=tiny_dir, data_dir=tmp_path, devices=["cpu"] * 3, lanes=2)
+    assert any("lanes: 2 does not divide the 3" in p for p in layout_problems(cfg))
+    cfg = Config(model=tiny_dir, data_dir=tmp_path, devices=["cpu"] * 4, lanes=2)
+    assert cfg.lane_devices() == [["cpu", "cpu"], ["cpu", "cpu"]]
+    assert not any(p.startswith("lanes") for p in layout_problems(cfg))
+    cfg = Config(model=tiny_dir, data_dir=tmp_path, devices=["cpu"] * 2, lanes=2,
+                 remote_ranks=2)
+    assert any("takes no other hosts" in p for p in layout_problems(cfg))
