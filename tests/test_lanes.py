@@ -132,3 +132,32 @@ def test_layout_names_lanes_that_do_not_divide_the_devices(tiny_dir, tmp_path):
     cfg = Config(model=tiny_dir, data_dir=tmp_path, devices=["cpu"] * 2, lanes=2,
                  remote_ranks=2)
     assert any("takes no other hosts" in p for p in layout_problems(cfg))
+
+
+def test_a_checkpoint_saved_on_one_lane_loads_on_another(tiny_dir, tmp_path):
+    """create_from_checkpoint places the new run anew (the lane with fewest models): the
+    state saved by a run on lane 0 is read by a run on lane 1, same weights."""
+    async def go():
+        async with service(tiny_dir, tmp_path, lanes=2) as box:
+            svc = box.svc
+            a = await box.create("alice")
+            await train(box, "alice", a, 2)
+            saved = svc.save("alice", box.store.runs.get(a), 5, "weights", "w", optimizer=True,
+                             user_metadata={}, ttl_s=None, overwrite=False,
+                             answer=lambda path: (path.encode(), "text/plain"))
+            await done(saved)
+            assert saved.error is None, saved.error
+            ck = box.store.checkpoints.get(f"tinker://{a}/weights/w")
+            b, f = svc.create_from_checkpoint("alice", box.sessions["alice"], None, ck, True,
+                                              "adamw", {}, lambda m: (m.encode(), "text/plain"))
+            await done(f)
+            assert f.error is None, f.error
+            x = box.fwdbwd("alice", a, 6, [6, 4], seed=11, forward_only=True)
+            y = box.fwdbwd("alice", b, 1, [6, 4], seed=11, forward_only=True)
+            await done(x, y)
+            return lane_of(box, a), lane_of(box, b), logprobs(result(x)), logprobs(result(y))
+
+    la, lb, x, y = run(go())
+    assert (la, lb) == (0, 1)
+    for p, q in zip(x, y, strict=True):
+        assert max(abs(u - v) for u, v in zip(p, q, strict=True)) < 1e-5

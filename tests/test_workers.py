@@ -349,5 +349,14 @@ def test_a_killed_lane_costs_only_its_own_tenants(tiny_dir, tmp_path):
         assert set(old) - {lane1} <= set(pids)  # lane 0's worker was never restarted
         assert _step(bob, data).metrics["loss:sum"] > 0
         assert _step(alice, data).metrics["loss:sum"] > 0
+        # Sampling: from bob's weights (on bob's lane) and from the base model (any lane).
+        prompt = tinker.types.ModelInput.from_ints(alice.get_tokenizer()("a cat").input_ids)
+        params = tinker.types.SamplingParams(max_tokens=3, temperature=0.0)
+        sampler = bob.save_weights_and_get_sampling_client().result(timeout=T)
+        assert len(sampler.sample(prompt, 1, params).result(timeout=T).sequences[0].tokens) == 3
+        base = tinker.ServiceClient(base_url=d.url, api_key=keys["alice"]) \
+            .create_sampling_client(base_model=tiny_dir.name).result(timeout=T)
+        for _ in range(2):  # base-model samples take turns over the lanes
+            assert len(base.sample(prompt, 1, params).result(timeout=T).sequences[0].tokens) == 3
     finally:
         d.stop()
