@@ -7,6 +7,8 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
+
 from twinkled.config import Config
 from twinkled.layout import expand_devices, layout_problems
 
@@ -63,6 +65,20 @@ def test_serve_refuses_a_bad_layout_at_start(tiny_dir, tmp_path):
     assert out.returncode == 2
     assert "tp: 4 does not divide the 2 worker devices" in out.stderr
     assert "tp 4 does not divide the model's 2 attention heads" in out.stderr
+
+
+@pytest.mark.parametrize("flag, says", [
+    (("--tp", "0"), "tp: must be positive, got 0"),
+    (("--lanes", "0"), "lanes: must be positive, got 0"),
+    (("--port", "70000"), "port: must be from 1 to 65535, got 70000"),
+])
+def test_serve_names_a_flag_out_of_range(tiny_dir, tmp_path, flag, says):
+    """Flags are held to the ranges a config file is (not a traceback: a division by 0)."""
+    out = subprocess.run([sys.executable, "-m", "twinkled", "serve", "--model", str(tiny_dir),
+                          "--data-dir", str(tmp_path), "--device", "cpu", *flag],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and says in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_adapter_budget_follows_the_card_and_the_split(tmp_path):

@@ -57,6 +57,9 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
                       log_format=log_format)
     if cfg.model is None or not (cfg.model / "config.json").is_file():
         raise click.UsageError("--model must be a Hugging Face model directory")
+    problems = cfg.range_problems()
+    if problems:
+        raise click.UsageError("; ".join(problems))
     memory = gpu_memory(cfg)
     problems = layout_problems(cfg, memory)
     if problems:

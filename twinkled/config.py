@@ -172,6 +172,19 @@ class Config:
             return [f"cuda:{i}" for i in range(self.workers)]
         return [device] * self.workers
 
+    def range_problems(self) -> list[str]:
+        """The settled values (file and command-line flags together) against the ranges
+        `check_config` holds a file to: `twinkled serve --tp 0` is refused by name too."""
+        problems = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name not in _RANGES or value is None or isinstance(value, Path):
+                continue
+            ok, why = _RANGES[f.name]
+            if not ok(value):
+                problems.append(f"{f.name}: {why}, got {value!r}")
+        return problems
+
     def lane_devices(self) -> list[list[str]]:
         """The worker devices of each lane: `lanes` consecutive, equal slices."""
         devices = self.worker_devices()
