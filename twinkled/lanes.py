@@ -30,6 +30,10 @@ from .futures import Future, Futures
 from .metrics import Metrics
 from .residency import Residency, stored_config
 
+# Sampler adapters whose lane is remembered (those of runs not placed here: a restarted
+# daemon's, say); past this the oldest are forgotten (they load again where they next go).
+SAMPLERS_KEPT = 4096
+
 
 @dataclass
 class Lane:
@@ -99,6 +103,9 @@ class Lanes:
         if run in self._home:
             return self._home[run]
         if adapter not in self._samplers:
+            if len(self._samplers) >= SAMPLERS_KEPT:  # forget the oldest half
+                for key in list(self._samplers)[:SAMPLERS_KEPT // 2]:
+                    del self._samplers[key]
             self._turn = (self._turn + 1) % len(self.all)
             self._samplers[adapter] = self.all[self._turn]
         return self._samplers[adapter]
