@@ -161,3 +161,5 @@ def test_a_checkpoint_saved_on_one_lane_loads_on_another(tiny_dir, tmp_path):
     assert (la, lb) == (0, 1)
     for p, q in zip(x, y, strict=True):
         assert max(abs(u - v) for u, v in zip(p, q, strict=True)) < 1e-5
+    cfg = Config(model=tiny_dir, data_dir=tmp_path, devices=["cpu"] * 4, lanes=2, ep=4)
+    assert "ep: --ep 4 must divide each lane's 2 worker ranks" in layout_problems(cfg)

@@ -96,6 +96,9 @@ def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[st
     elif cfg.ep < 1 or ranks % cfg.ep:
         problems.append(f"ep: --ep {cfg.ep} must divide the {ranks} worker ranks (--devices / "
                         "--workers)")
+    elif cfg.lanes > 1 and (len(devices) // cfg.lanes) % cfg.ep:
+        problems.append(f"ep: --ep {cfg.ep} must divide each lane's "
+                        f"{len(devices) // cfg.lanes} worker ranks")
     model = cfg.model_config
     if tp > 1 and model and (why := split_problem(model, tp)) is not None:
         problems.append(f"tp: {why}")
