@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -63,20 +62,13 @@ def main() -> None:
     ap.add_argument("--write", default=section_path("lanes"))
     args = ap.parse_args()
 
-    import torch
-    from bench_engine import build_model, header
+    from bench_engine import header
+    from bench_workers import prepare
 
     from twinkled.layout import expand_devices
 
     devices = expand_devices(args.devices)
-    gpu = devices[0].startswith("cuda")
-    dtype = torch.bfloat16 if gpu else torch.float32
-    seq = args.seq or (512 if gpu else 64)
-    steps = args.steps or (20 if gpu else 6)
-    work = Path(tempfile.mkdtemp(prefix="bench_lanes_"))
-    model_dir = work / "model"
-    vocab = build_model(args.shape, model_dir, dtype, devices[0] if gpu else "cpu")
-    torch.cuda.empty_cache() if gpu else None
+    gpu, dtype, seq, steps, work, model_dir, vocab = prepare(args, devices, "bench_lanes_")
     extra = ("--config", args.config) if args.config else ()
     rows = []
     for group in (devices[:1], devices):

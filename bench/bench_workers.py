@@ -78,6 +78,23 @@ def _label(sample: str, name: str) -> str:
     return part[1].split('"')[0] if len(part) > 1 else "0"
 
 
+def prepare(args: argparse.Namespace, devices: list[str], prefix: str) -> tuple:
+    """What a run of daemons on `devices` shares: (gpu?, dtype, S, timed steps, work dir,
+    model dir, vocab), the model of `args.shape` written once into the work dir."""
+    import torch
+    from bench_engine import build_model
+
+    gpu = devices[0].startswith("cuda")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    seq = args.seq or (512 if gpu else 64)
+    steps = args.steps or (20 if gpu else 6)
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    vocab = build_model(args.shape, work / "model", dtype, devices[0] if gpu else "cpu")
+    if gpu:
+        torch.cuda.empty_cache()
+    return gpu, dtype, seq, steps, work, work / "model", vocab
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", required=True, help="the N-worker group, e.g. cuda:0,cuda:1")
@@ -95,21 +112,13 @@ def main() -> None:
     ap.add_argument("--write", default=section_path("workers"))
     args = ap.parse_args()
 
-    import torch
-    from bench_engine import build_model, header
+    from bench_engine import header
 
     from twinkled.layout import expand_devices
 
     devices = expand_devices(args.devices)
     sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else [1, len(devices)]
-    gpu = devices[0].startswith("cuda")
-    dtype = torch.bfloat16 if gpu else torch.float32
-    seq = args.seq or (512 if gpu else 64)
-    steps = args.steps or (20 if gpu else 6)
-    work = Path(tempfile.mkdtemp(prefix="bench_workers_"))
-    model_dir = work / "model"
-    vocab = build_model(args.shape, model_dir, dtype, devices[0] if gpu else "cpu")
-    torch.cuda.empty_cache() if gpu else None
+    gpu, dtype, seq, steps, work, model_dir, vocab = prepare(args, devices, "bench_workers_")
 
     rows = []
     for group in (devices[:n] for n in sizes):

@@ -33,13 +33,15 @@ class AdapterRoom:
     def used(self) -> int:
         return sum(self._held.values())
 
+    def fits(self, config: LoraConfig) -> bool:
+        """Whether an adapter of `config` fits now."""
+        return self.budget is None or self.used() + self._size_of(config) <= self.budget
+
     def check(self, config: LoraConfig) -> None:
         """Refuse, saying why, an adapter of `config` that does not fit now."""
-        if self.budget is None:
+        if self.fits(config):
             return
         need, used = self._size_of(config), self.used()
-        if used + need <= self.budget:
-            return
         raise NoRoom(
             f"no GPU memory for another adapter: a rank-{config.rank} adapter needs about "
             f"{need / GiB:.2f} GiB per GPU, and the {len(self._held)} loaded adapter(s) "

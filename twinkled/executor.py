@@ -85,18 +85,18 @@ class LiveAdapters(Protocol):
 GPU_WORKER_THREADS = 2
 
 
-def default_threads(devices: list[str]) -> int:
-    """torch threads per worker: CPU workers share the cores; GPU workers need few."""
+def default_threads(devices: list[str], groups: int = 1) -> int:
+    """torch threads per worker of `groups` groups of `devices` each: CPU workers share
+    the cores; GPU workers need few."""
     if all(d.startswith("cuda") for d in devices):
         return GPU_WORKER_THREADS
-    return max(1, (os.cpu_count() or 1) // len(devices))
+    return max(1, (os.cpu_count() or 1) // (len(devices) * groups))
 
 
-def zmq_executor(config: Config, devices: list[str] | None = None) -> Executor:
-    """The daemon's executor (one per lane): a worker process per device of `devices`
-    (default: all of the config's), driven over ZeroMQ."""
-    threads = config.worker_threads or default_threads(config.worker_devices())  # all lanes'
-    devices = devices or config.worker_devices()
+def zmq_executor(config: Config, devices: list[str]) -> Executor:
+    """The daemon's executor for one lane (`Config.lane_devices`): a worker process per
+    device of `devices`, driven over ZeroMQ."""
+    threads = config.worker_threads or default_threads(devices, config.lanes)
     live_dir = Path(config.data_dir) / "live"
     options = {"model": str(config.model), "dtype": config.dtype,
                "max_rank": config.max_rank, "token_budget": config.token_budget,

@@ -22,7 +22,7 @@ from typing import Any
 from scheduler import Planner
 
 from . import trace
-from .adapter_room import AdapterRoom, NoRoom
+from .adapter_room import AdapterRoom
 from .core import EngineCore
 from .engine.types import LoraConfig
 from .executor import Executor
@@ -75,13 +75,7 @@ class Lanes:
         lane with the most room left, which says why."""
         if len(self.all) == 1:
             return self.all[0]
-        fits = []
-        for lane in self.all:
-            try:
-                lane.residency.room.check(config)
-                fits.append(lane)
-            except NoRoom:
-                continue
+        fits = [lane for lane in self.all if lane.residency.room.fits(config)]
         if fits:
             return min(fits, key=lambda lane: (lane.planner.model_count(), lane.index))
         return min(self.all, key=lambda lane: (lane.residency.room.used(), lane.index))
@@ -193,12 +187,13 @@ class Lanes:
         """The workers' side of the daemon's status, summed over the lanes (the step target
         and cost are lane 0's); with several lanes, each lane's own under "lanes"."""
         first = self.all[0]
+        restarts = [lane.executor.status()["restarts"] for lane in self.all]
         status = {"devices": [d for lane in self.all for d in lane.executor.group.devices],
                   "steps": sum(lane.planner.steps for lane in self.all),
                   "adapters": self.model_count(), "tenants": self.tenant_status(),
                   "step_target_ms": _ms(first.planner.step_target()),  # None: no time bound
                   "step_cost": first.planner.cost.describe(), "workers": self.workers(),
-                  "restarts": sum(lane.executor.status()["restarts"] for lane in self.all),
+                  "restarts": sum(restarts),
                   "live_adapters": sum(lane.residency.count() for lane in self.all),
                   # decoding across steps
                   "samples_running": sum(len(lane.core.samples) for lane in self.all)}
@@ -207,7 +202,7 @@ class Lanes:
                 {"lane": lane.index, "devices": lane.executor.group.devices,
                  "steps": lane.planner.steps, "adapters": lane.planner.model_count(),
                  "step_target_ms": _ms(lane.planner.step_target()),
-                 "restarts": lane.executor.status()["restarts"]} for lane in self.all]
+                 "restarts": restarts[lane.index]} for lane in self.all]
         return status
 
     def model_count(self) -> int:
