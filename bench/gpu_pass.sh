@@ -6,6 +6,7 @@
 #   bash bench/gpu_pass.sh workers4 lanes4         # issue 14: 1/2/4 workers, as one data-parallel
 #                                                  #   group and as lanes (twinkled --lanes)
 #   bash bench/gpu_pass.sh workers4 prewrite moe   # issue 14 (1/2/4 workers), issue 17 (MoE)
+#   bash bench/gpu_pass.sh lanes8b                 # issue 14: the 8B on 1 and 4 lanes, 8 tenants a GPU
 #   bash bench/gpu_pass.sh workers8b lanes dpnuma  # issue 14: 1/2/4 workers on the 8B shape;
 #                                                  #   one daemon per GPU (the bound of lanes);
 #                                                  #   the engine's 4 ranks with NUMA binding
@@ -43,11 +44,16 @@ for what in "$@"; do
         workers4) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen2.5-0.5b \
                       --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
         # the same tenants on lanes: one worker group per GPU, each tenant's adapter on one
-        lanes4) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen2.5-0.5b \
-                    --lanes --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
+        # (1 lane again at the end, 60 steps: the 1-GPU figure moves from run to run)
+        lanes4) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,2,4,1 --shape qwen2.5-0.5b \
+                    --steps 60 --lanes --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
         # the regime where the GPU, not the host, bounds a step: does the daemon scale there?
         # 4 tenants per worker: every rank holds every adapter, and 32 rank-32 adapters of
         # the 8B (1.46 GiB each) do not fit an H100 beside the model (18 do)
+        # the 8B on lanes: each GPU holds only its own lane's adapters, so 8 tenants a GPU fit
+        lanes8b) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,4 --shape qwen3-8b \
+                     --tenants 8 --steps 30 --lanes --config /tmp/gpu_pass_p0.toml --trace \
+                     --write "$out/workers.md" ;;
         workers8b) "$py" bench_workers.py --devices cuda:0-3 --sizes 1,2,4 --shape qwen3-8b \
                        --tenants 4 --steps 10 --config /tmp/gpu_pass_p0.toml --trace --write "$out/workers.md" ;;
         # the engine alone over 4 ranks, 32 adapters, with and without NUMA binding: do the
@@ -85,7 +91,7 @@ for what in "$@"; do
                   --trace --peft --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
                   | tee -a "$out/tp.md" ;;
         moe) "$py" bench_moe.py --devices cuda:0,cuda:1 --layers 12 --write "$out/moe.md" ;;
-        *) echo "unknown: $what (workers, workers4, lanes4, workers8b, lanes, dpnuma, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
     esac
 done
 echo "== done $(date +%T)"
