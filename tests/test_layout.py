@@ -99,3 +99,21 @@ def test_adapter_budget_follows_the_card_and_the_split(tmp_path):
     assert adapter_bytes(QWEN3_32B, 16, tp=2) * 2 == one
     assert adapter_bytes(QWEN3_32B, 32, tp=1) > one  # the split parts halve under tp 2
     assert adapter_bytes(QWEN3_32B, 32, mlp=False, unembed=False, tp=2) < one / 2
+
+
+def test_the_start_up_line_names_the_grouping_and_suggests_lanes_where_they_apply(tmp_path):
+    """Four local GPUs as one data-parallel group: the log says so and names --lanes 4
+    (the grouping that scales for many small tenants); not once lanes are set, not with a
+    single device, and not with other hosts (lanes take none)."""
+    from twinkled.layout import layout_summary
+
+    cfg = _config(tmp_path, QWEN3_32B, devices=["cuda:0", "cuda:1", "cuda:2", "cuda:3"])
+    line = layout_summary(cfg)
+    assert "1 lane(s) of 4 worker rank(s) on cuda:0, cuda:1, cuda:2, cuda:3" in line
+    assert "--lanes 4" in line
+    assert "--lanes 2" in layout_summary(replace(cfg, tp=2))  # two replicas of 2 GPUs
+    lanes = layout_summary(replace(cfg, lanes=4))
+    assert lanes.startswith("4 lane(s) of 1 worker rank(s)") and "--lanes" not in lanes
+    assert "--lanes" not in layout_summary(replace(cfg, devices=["cuda:0"]))
+    hosts = layout_summary(replace(cfg, remote_ranks=2, join_listen="tcp://0.0.0.0:7070"))
+    assert "2 remote rank(s)" in hosts and "--lanes" not in hosts

@@ -9,7 +9,13 @@ import click
 
 from .config import Config
 from .ctl import ctl
-from .layout import adapters_budget, expand_devices, gpu_memory, layout_problems
+from .layout import (
+    adapters_budget,
+    expand_devices,
+    gpu_memory,
+    layout_problems,
+    layout_summary,
+)
 
 
 @click.group()
@@ -68,6 +74,7 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
     from .logs import setup_logging
 
     setup_logging(cfg.log_format)
+    logging.getLogger("twinkled").info("workers: %s", layout_summary(cfg))
     private_dir(cfg.data_dir)
     admin_key = ensure_admin_key(admin_key_path(cfg.data_dir, cfg.admin_key_file or None))
     store = Store(cfg.data_dir / "twinkle.db")

@@ -133,3 +133,19 @@ def _fit_problems(cfg: Config, model: dict, card: int, n_devices: int) -> list[s
     return [f"model: {cfg.served_name} needs about {need / GiB:.1f} GiB per GPU at tp "
             f"{cfg.tp} (weights {weight_bytes(model, dtype_bytes, cfg.tp) / GiB:.1f} GiB), "
             f"more than the {card / GiB:.1f} GiB cards hold{hint}"]
+
+
+def layout_summary(cfg: Config) -> str:
+    """One line for the start-up log: how the devices are grouped, and, where several
+    local GPUs make one data-parallel group, that lanes serve many small tenants better
+    (4 x H100, 0.5B: 3.84x one GPU on 4 lanes against 1.50x as one group; BENCHMARKS.md)."""
+    devices = cfg.worker_devices()
+    per_lane = len(devices) // cfg.lanes
+    line = (f"{cfg.lanes} lane(s) of {per_lane} worker rank(s) on {', '.join(devices)}"
+            f" (tp {cfg.tp}, ep {cfg.ep}"
+            + (f", {cfg.remote_ranks} remote rank(s)" if cfg.remote_ranks else "") + ")")
+    replicas = len(devices) // max(cfg.tp, cfg.ep)
+    if cfg.lanes == 1 and replicas > 1 and not (cfg.remote_ranks or cfg.join_listen):
+        line += (f"; for many small tenants, --lanes {replicas} puts each run on its own "
+                 "worker group and scales better (docs/operator.md, section 5c)")
+    return line
