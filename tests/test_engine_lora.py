@@ -79,14 +79,15 @@ def test_slots_grow_and_are_reused(engine):
     assert max_diff(weights(engine, "t0"), weights(engine, "check")) == 0
 
 
-@pytest.mark.parametrize("parks", [False, True])
-def test_growth_keeps_weights_and_moments(engine, monkeypatch, parks):
-    """Growing a bank keeps every adapter's weights and optimizer moments, also when a big
-    bank parks its rows in host memory while it grows (the path GPU banks over
-    BIG_BANK_BYTES take)."""
+@pytest.mark.parametrize("big,parks", [(False, False), (True, False), (True, True)])
+def test_growth_keeps_weights_and_moments(engine, monkeypatch, big, parks):
+    """Growing a bank keeps every adapter's weights and optimizer moments: a small bank
+    doubling, a big one growing by a quarter on its card (a kind at a time), and a big one
+    whose card has no room for that, parking its rows in host memory while it grows."""
     from twinkled.engine.lora import Bank
 
-    monkeypatch.setattr(Bank, "parks", lambda self, slots: parks)
+    monkeypatch.setattr(Bank, "big", lambda self, slots: big)
+    monkeypatch.setattr(Bank, "parks", lambda self, old, capacity: parks)
     engine.add_adapter("t0", LoraConfig(rank=4, seed=0))
     bank = engine.pool.get("t0").bank
     before = {k: bank.flat(0, k).clone() for k in ("w", "m", "v")}
@@ -94,7 +95,7 @@ def test_growth_keeps_weights_and_moments(engine, monkeypatch, parks):
     bank.flat(0, "m").copy_(before["m"]), bank.flat(0, "v").copy_(before["v"])
     for i in range(1, 9):  # past the first capacity of 4, then 8
         engine.add_adapter(f"t{i}", LoraConfig(rank=4, seed=i))
-    assert bank.capacity == (12 if parks else 16)  # a big bank grows by a quarter (min 4)
+    assert bank.capacity == (12 if big else 16)  # a big bank grows by a quarter (min 4)
     for k, v in before.items():
         assert torch.equal(bank.flat(0, k), v), k
     key = next(iter(bank.shapes))

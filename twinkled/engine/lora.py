@@ -84,20 +84,21 @@ class Bank:
 
     def _grow(self, capacity: int) -> None:
         old = self.capacity
-        # A big bank on a GPU moves its rows through host memory, so growing never holds
-        # the old and new buffers on the card at once (1.5x the bank: GiBs for a 32B model).
-        if self.parks(old):
+        # Every view into the old buffers goes first, so that each kind's old buffer is
+        # freed as soon as its rows are copied: growing then holds one old kind beside the
+        # grown bank, not the whole old bank.
+        self._views.clear()
+        for kind in (*self.KINDS, "w16"):
+            for store in self._stores(kind):
+                store.clear()
+        if self.parks(old, capacity):  # not even that fits: through host memory
             self._flat = {k: v.cpu() for k, v in self._flat.items()}
-            self._views.clear()
-            for kind in (*self.KINDS, "w16"):  # every view into the old buffers
-                for store in self._stores(kind):
-                    store.clear()
         for kind in self.KINDS:
             flat = torch.zeros((capacity, self.slot_numel), dtype=torch.float32,
                                device=self.device)
             if kind in self._flat:
                 flat[:old].copy_(self._flat[kind])
-            self._flat[kind] = flat
+            self._flat[kind] = flat  # the old rows of this kind are freed here
             stores = self._stores(kind)
             for part, key, shape, at in self._layout:
                 view = flat[:, at:at + math.prod(shape)].view(capacity, *shape)
@@ -110,18 +111,32 @@ class Bank:
                 self.B16[key] = self.B[key].to(self.dtype)
         self.free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
-        self._views.clear()  # they pointed into the old tensors
 
-    def parks(self, slots: int) -> bool:
-        """Whether growing from `slots` moves the rows through host memory first."""
+    def big(self, slots: int) -> bool:
+        """A bank on a GPU over BIG_BANK_BYTES: it grows by a quarter, not by doubling."""
         return (torch.device(self.device).type == "cuda"
                 and len(self.KINDS) * slots * self.slot_numel * 4 > BIG_BANK_BYTES)
+
+    def parks(self, old: int, capacity: int) -> bool:
+        """Whether growing from `old` to `capacity` slots moves the rows through host
+        memory first: a big bank whose card has no room for the grown bank beside one
+        kind of its old rows. On an 8B model a growth took 36-188 ms on the card and 7-21 s
+        through host memory (`bench/bench_bank.py`), in a step every tenant waits for."""
+        if not self.big(old):
+            return False
+        device = torch.device(self.device)
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        row = self.slot_numel * 4
+        grown = len(self.KINDS) * (capacity - old) * row + (capacity - old) * row // 2
+        # the old compute-dtype copy is already freed; a margin for fragmentation
+        return free < grown + old * row + BIG_BANK_BYTES // 2
 
     def allocate(self) -> int:
         if not self.free:
             # Doubling keeps growth rare; a big bank (GiBs a slot on a 32B model) grows by a
             # quarter instead, so a ninth adapter does not reserve room for sixteen.
-            big = self.parks(self.capacity)
+            big = self.big(self.capacity)
             self._grow(self.capacity + max(4, self.capacity // 4) if big
                        else max(4, 2 * self.capacity))
         return self.free.pop()
