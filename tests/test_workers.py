@@ -151,6 +151,9 @@ def test_killed_worker_fails_one_step_and_restores_every_adapter(slow_pair, tiny
     os.kill(old[1], signal.SIGKILL)
     with pytest.raises(tinker.RequestFailedError, match="restarted"):
         fut.result(timeout=T)
+    # Answered at once: the group (a model load, seconds here, a minute on a big model)
+    # is still coming back when the client hears its step failed.
+    assert slow_pair.health()["status"] == "restarting"
     slow_pair.wait_workers(2, old=set(old))
 
     # Both tenants' adapters are back exactly, optimizer state included (the checkpoints

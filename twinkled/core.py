@@ -189,6 +189,7 @@ class EngineCore:
 
     async def step(self) -> bool:
         """Plan, execute and complete one step; False if nothing could run."""
+        await self.executor.ready()  # a restart after a failed step: plan once it is done
         planning = time.time()
         step = self.planner.next_step(samples=not self.samples.backlog,  # 1. plan
                                       train=not self.samples.in_turn())

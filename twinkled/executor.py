@@ -121,6 +121,9 @@ class Executor:
         self._lock = asyncio.Lock()  # one step (or one recovery) at a time
         self._stopping = False
         self.recovering = False  # the group is being restarted (healthz says "restarting")
+        # The restart after a failed step, run behind the step's answer: whatever would use
+        # the group waits for it first (`ready`).
+        self._recovery: asyncio.Task | None = None
         self._adapters: LiveAdapters | None = None
         self._on_restart: Callable[[], None] = lambda: None
         # Told why, each time the group restarts: whoever keeps work that lived in the
@@ -149,13 +152,32 @@ class Executor:
     async def stop(self) -> None:
         self._stopping = True
         async with self._lock:
+            await self.ready()
             await self.group.stop()
+
+    async def ready(self) -> None:
+        """Wait for a restart under way after a failed step (at once when there is none).
+        The loop calls it before it plans, so that it plans knowing which adapters came
+        back; each use of the group calls it under the lock."""
+        task = self._recovery
+        if task is None:
+            return
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug in restoring: said once; the next step finds the group
+            log.exception("restoring the adapters after a worker group restart failed")
+        finally:
+            if task.done() and self._recovery is task:
+                self._recovery = None
 
     async def watch(self) -> None:
         """Restart the group when a worker dies between steps, before a request notices."""
         while not self._stopping:
             await asyncio.wait(self.group.exits, return_when=asyncio.FIRST_COMPLETED)
             async with self._lock:
+                await self.ready()
                 if self.group.dead() and not self._stopping:
                     why = self.group.dead()
                     log.error("worker group lost between steps: %s; restarting it", why)
@@ -163,8 +185,10 @@ class Executor:
 
     async def run_ops(self, kind: str, ops: list) -> list[Outcome]:
         """Run one planned step. A worker fault fails the whole step (category "server"),
-        then the group is restarted and every live adapter restored before this returns."""
+        answered at once; the group restarts behind the answer, every live adapter
+        restored, before anything uses it again."""
         async with self._lock:
+            await self.ready()
             return await self._run_ops(kind, ops)
 
     async def _run_ops(self, kind: str, ops: list) -> list[Outcome]:
@@ -179,7 +203,7 @@ class Executor:
             message = RESTART_MESSAGE.format(why=e)
             for op in ops:
                 self.journal.drop(op.future.id)
-            await self.recover(str(e))
+            self._recover_behind(str(e))
             return [(None, message, "server")] * len(ops)
         for op, outcome in zip(ops, merged, strict=True):
             if isinstance(op.frame, UnloadF):  # a model closed for good: nothing to replay
@@ -191,11 +215,12 @@ class Executor:
         """A sampling step (pending_samples.py says what it holds): the ranks' replies, or
         why the group failed (it is restarted; the samples it ran are gone)."""
         async with self._lock:
+            await self.ready()
             try:
                 return await self.group.run(step)
             except WorkerLost as e:
                 log.error("worker group lost: %s; restarting it", e)
-                await self.recover(str(e))
+                self._recover_behind(str(e))
                 return str(e)
 
     async def _run_frames(self, kind: str, frames: list[OpF]) -> list[Outcome]:
@@ -266,10 +291,22 @@ class Executor:
 
     async def recover(self, why: str = "a worker was lost") -> None:
         """Restart the group until it comes up, then restore the live adapters."""
-        delay = 1.0
+        self._lose_group(why)
+        await self._restart()
+
+    def _recover_behind(self, why: str) -> None:
+        """Start `recover` without waiting for it: the failed step's clients hear of it
+        now, not after the group has loaded the model again (a minute on a big model)."""
+        self._lose_group(why)
+        self._recovery = asyncio.get_running_loop().create_task(self._restart())
+
+    def _lose_group(self, why: str) -> None:
         self.recovering = True
         for hook in self._restart_hooks:  # what the dead group held is gone already
             hook(why)
+
+    async def _restart(self) -> None:
+        delay = 1.0
         try:
             while True:
                 try:
@@ -337,6 +374,7 @@ class Executor:
     async def unload_idle(self, model: str) -> None:
         """Persist an idle adapter and free its memory; `restore` brings it back."""
         async with self._lock:
+            await self.ready()
             replies = await self.group.run(
                 StepF(0, "barrier", [IdleUnloadF(model)]))
             self._note_persisted(replies)
@@ -344,6 +382,7 @@ class Executor:
     async def restore_one(self, model: str, config: LoraConfig) -> str | None:
         """Bring one adapter back between steps; the reason if it could not be."""
         async with self._lock:
+            await self.ready()
             return (await self.restore({model: config})).get(model)
 
     def take_rollback(self, model: str) -> str | None:
@@ -355,6 +394,7 @@ class Executor:
         frames = [PersistF(m) for m in self._live()]
         if frames:
             async with self._lock:
+                await self.ready()
                 self._note_persisted(await self.group.run(StepF(0, "barrier", frames)))
 
     def status(self) -> dict:
