@@ -315,6 +315,8 @@ class Executor:
                     self._lost(await self.restore(self._live()))
                     return
                 except WorkerLost as e:
+                    if self._stopping:  # a shutdown waits for this: stop retrying
+                        return
                     log.error("worker group restart failed: %s; retrying in %.0f s", e, delay)
                     await asyncio.sleep(delay)
                     delay = min(30.0, 2 * delay)
