@@ -10,7 +10,7 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field, fields
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 
 from .engine.checks import Limits as RequestLimits
@@ -192,6 +192,7 @@ class Config:
         return [devices[i:i + n] for i in range(0, len(devices), n)]
 
 
+@cache  # a subprocess importing torch: once per process, whoever asks
 def _cuda_count() -> int:
     import subprocess
     import sys

@@ -15,9 +15,10 @@ The frames are the same either way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -151,9 +152,15 @@ class Executor:
 
     async def stop(self) -> None:
         self._stopping = True
+        async with self._turn():
+            await self.group.stop()
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        """The group to oneself: the lock, and any restart under way finished first."""
         async with self._lock:
             await self.ready()
-            await self.group.stop()
+            yield
 
     async def ready(self) -> None:
         """Wait for a restart under way after a failed step (at once when there is none).
@@ -176,8 +183,7 @@ class Executor:
         """Restart the group when a worker dies between steps, before a request notices."""
         while not self._stopping:
             await asyncio.wait(self.group.exits, return_when=asyncio.FIRST_COMPLETED)
-            async with self._lock:
-                await self.ready()
+            async with self._turn():
                 if self.group.dead() and not self._stopping:
                     why = self.group.dead()
                     log.error("worker group lost between steps: %s; restarting it", why)
@@ -187,8 +193,7 @@ class Executor:
         """Run one planned step. A worker fault fails the whole step (category "server"),
         answered at once; the group restarts behind the answer, every live adapter
         restored, before anything uses it again."""
-        async with self._lock:
-            await self.ready()
+        async with self._turn():
             return await self._run_ops(kind, ops)
 
     async def _run_ops(self, kind: str, ops: list) -> list[Outcome]:
@@ -214,8 +219,7 @@ class Executor:
     async def run_samples(self, step: StepF) -> list[ReplyF] | str:
         """A sampling step (pending_samples.py says what it holds): the ranks' replies, or
         why the group failed (it is restarted; the samples it ran are gone)."""
-        async with self._lock:
-            await self.ready()
+        async with self._turn():
             try:
                 return await self.group.run(step)
             except WorkerLost as e:
@@ -375,16 +379,14 @@ class Executor:
 
     async def unload_idle(self, model: str) -> None:
         """Persist an idle adapter and free its memory; `restore` brings it back."""
-        async with self._lock:
-            await self.ready()
+        async with self._turn():
             replies = await self.group.run(
                 StepF(0, "barrier", [IdleUnloadF(model)]))
             self._note_persisted(replies)
 
     async def restore_one(self, model: str, config: LoraConfig) -> str | None:
         """Bring one adapter back between steps; the reason if it could not be."""
-        async with self._lock:
-            await self.ready()
+        async with self._turn():
             return (await self.restore({model: config})).get(model)
 
     def take_rollback(self, model: str) -> str | None:
@@ -395,8 +397,7 @@ class Executor:
         """Every live adapter's weights and optimizer state on disk (for a hot restart)."""
         frames = [PersistF(m) for m in self._live()]
         if frames:
-            async with self._lock:
-                await self.ready()
+            async with self._turn():
                 self._note_persisted(await self.group.run(StepF(0, "barrier", frames)))
 
     def status(self) -> dict:
