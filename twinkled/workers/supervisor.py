@@ -169,10 +169,15 @@ class WorkerGroup:
         self._procs, self._exits = [], []
         for w in self.workers[:len(self.devices)]:
             args = {**options, "rank": w.rank, "device": w.device, "endpoint": self._endpoint,
-                    "dist_url": f"tcp://{local}:{dist_port}"}
+                    "dist_url": f"tcp://{local}:{dist_port}", "parent": os.getpid()}
+            # A session of its own: a Ctrl+C in the terminal, `timeout` or a container
+            # runtime signals the daemon's process group, and a rank that got the signal
+            # too would die mid-drain, before shutdown persists its adapters. The daemon
+            # stops its ranks itself (stop / kill), and a rank dies with the daemon anyway
+            # (PR_SET_PDEATHSIG and a parent check, worker.py).
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "twinkled.workers.worker", json.dumps(args),
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
             w.pid, w.started = proc.pid, time.time()
             self._procs.append(proc)
             self._exits.append(asyncio.ensure_future(proc.wait()))

@@ -35,8 +35,12 @@ def _die_with_parent() -> None:
 
 def main(args: dict) -> None:
     rank = args["rank"]
-    parent = os.getppid()
+    # The daemon's pid, as it said (a remote host's agent says none): a daemon that died
+    # before the prctl below took effect is caught here, not at the first idle check.
+    parent = args.get("parent") or os.getppid()
     _die_with_parent()
+    if os.getppid() != parent:
+        sys.exit(0)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s twinkled.worker[{rank}] %(message)s")
     sock = zmq.Context.instance().socket(zmq.DEALER)
