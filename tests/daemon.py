@@ -20,8 +20,8 @@ def free_port() -> int:
 
 def make_key(data_dir: Path, tenant: str) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data_dir), "keys", "create",
-         "--tenant", tenant], check=True, capture_output=True, text=True)
+        [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data_dir), "--create", "keys",
+         "create", "--tenant", tenant], check=True, capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1]
 
 

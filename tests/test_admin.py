@@ -163,7 +163,7 @@ def test_log_lines_are_json_with_the_request_fields(ops_daemon):
 
 
 def test_ctl_without_a_daemon_uses_the_data_dir(tmp_path):
-    made = ctl_json(tmp_path, "keys", "create", "--tenant", "sam")
+    made = ctl_json(tmp_path, "--create", "keys", "create", "--tenant", "sam")
     assert ctl_json(tmp_path, "keys", "list")[0]["tenant"] == "sam" and made["key"]
     down = ctl(tmp_path, "status", check=False)
     assert down.returncode != 0 and "needs the running daemon" in down.stderr

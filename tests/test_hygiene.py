@@ -147,7 +147,7 @@ def test_ctl_tenants_list_shows_storage_through_the_daemon(hygiene_daemon, train
 
 def test_ctl_creates_a_private_data_dir(tmp_path):
     data = tmp_path / "new" / "data"
-    ctl(data, "keys", "create", "--tenant", "sam")
+    ctl(data, "--create", "keys", "create", "--tenant", "sam")
     assert mode(data) == 0o700
     assert (data / "twinkle.db").is_file()
     assert loose(data) == []
@@ -160,7 +160,7 @@ def test_ctl_tightens_its_own_loose_data_dir_and_leaves_other_files(tmp_path):
     notes = data / "notes.txt"  # not the daemon's: left as it is
     notes.write_text("x")
     notes.chmod(0o644)
-    ctl(data, "keys", "create", "--tenant", "sam")
+    ctl(data, "--create", "keys", "create", "--tenant", "sam")
     assert mode(data) == 0o700 and mode(data / "twinkle.db") == 0o600
     assert mode(notes) == 0o644
 
@@ -170,8 +170,8 @@ def test_ctl_in_process_restores_the_umask(tmp_path):
 
     before = os.umask(0o022)
     try:
-        result = CliRunner().invoke(main, ["ctl", "--data-dir", str(tmp_path / "d"), "keys",
-                                           "create", "--tenant", "sam"])
+        result = CliRunner().invoke(main, ["ctl", "--data-dir", str(tmp_path / "d"), "--create",
+                                           "keys", "create", "--tenant", "sam"])
         assert result.exit_code == 0, result.output
         assert os.umask(0o022) == 0o022  # what ctl set was undone when it finished
         assert mode(tmp_path / "d" / "twinkle.db") == 0o600  # but ctl itself wrote 0600

@@ -18,7 +18,9 @@ from .layout import (
 )
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})  # sub-commands too
+@click.version_option(package_name="twinkle", prog_name="twinkled",
+                      message="%(prog)s %(version)s")
 def main() -> None:
     """twinkled: multi-tenant LoRA training as a service, speaking the Tinker API."""
 
@@ -70,6 +72,7 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
     problems = layout_problems(cfg, memory)
     if problems:
         raise click.UsageError("; ".join(problems))
+    _refuse_busy_port(cfg.host, cfg.port)
     from .admin import admin_key_path, ensure_admin_key
     from .logs import setup_logging
 
@@ -92,6 +95,29 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
                 auto_decompress=False)
     logging.getLogger("twinkled").info("stopped")
     _exit_within(10.0)
+
+
+def _refuse_busy_port(host: str, port: int) -> None:
+    """A port another process listens on: one line and exit 2, before the model loads
+    (aiohttp would find out only after start-up, with a long traceback)."""
+    import socket
+    import sys
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except OSError as e:
+        click.echo(f"Error: cannot listen on {host}:{port}: {e.strerror or e}", err=True)
+        sys.exit(2)
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+            try:
+                s.bind(addr)
+            except OSError as e:
+                click.echo(f"Error: cannot listen on {host}:{port}: {e.strerror or e} "
+                           f"(another twinkled? pick another --port)", err=True)
+                sys.exit(2)
 
 
 def _exit_within(seconds: float) -> None:
