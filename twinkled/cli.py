@@ -79,7 +79,9 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
     setup_logging(cfg.log_format)
     logging.getLogger("twinkled").info("workers: %s", layout_summary(cfg))
     private_dir(cfg.data_dir)
-    admin_key = ensure_admin_key(admin_key_path(cfg.data_dir, cfg.admin_key_file or None))
+    key_path = admin_key_path(cfg.data_dir, cfg.admin_key_file or None)
+    admin_key = ensure_admin_key(key_path)
+    _log_start(cfg, key_path)
     store = Store(cfg.data_dir / "twinkle.db")
     try:
         import uvloop
@@ -90,11 +92,30 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
     # auto_decompress off: forward_backward bodies may be zstd (Content-Encoding: zstd),
     # which the Tinker codec decodes itself, with a size limit.
     service = Service(cfg, store, adapter_budget=adapters_budget(cfg, memory))
+    # print=None: aiohttp's banner is plain text; _log_start said where we listen.
     web.run_app(make_app(service, store, admin_key), host=cfg.host, port=cfg.port,
-                print=lambda s: click.echo(s, err=True),
-                auto_decompress=False)
+                print=None, auto_decompress=False)
     logging.getLogger("twinkled").info("stopped")
     _exit_within(10.0)
+
+
+def _log_start(cfg: Config, key_path: Path) -> None:
+    """Where things are, once at start-up: what an operator looks for first."""
+    import socket
+
+    log = logging.getLogger("twinkled")
+    host = cfg.host
+    if host in ("0.0.0.0", "::", "", "*"):  # every interface: clients use a name
+        host = socket.gethostname()
+    host = f"[{host}]" if ":" in host else host
+    url = f"http://{host}:{cfg.port}"
+    log.info("data dir %s; admin key in %s (`twinkled ctl --data-dir %s ...` finds both)",
+             cfg.data_dir, key_path, cfg.data_dir,
+             extra={"data_dir": str(cfg.data_dir), "admin_key_file": str(key_path)})
+    log.info("listening on %s:%d: Tinker base_url %s, OpenAI base_url %s/oai/api/v1; "
+             "Ctrl+C or SIGTERM stops gracefully (drain, persist adapters)", cfg.host,
+             cfg.port, url, url, extra={"tinker_base_url": url,
+                                        "openai_base_url": f"{url}/oai/api/v1"})
 
 
 def _refuse_busy_port(host: str, port: int) -> None:

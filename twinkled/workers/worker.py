@@ -41,8 +41,10 @@ def main(args: dict) -> None:
     _die_with_parent()
     if os.getppid() != parent:
         sys.exit(0)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s twinkled.worker[{rank}] %(message)s")
+    from twinkled.logs import setup_logging
+
+    setup_logging(args.get("log_format", "text"),
+                  f"%(asctime)s twinkled.worker[{rank}] %(message)s", rank=rank)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"{args['group']}:{rank}".encode())
     sock.setsockopt(zmq.LINGER, 0)
@@ -93,6 +95,9 @@ def _start(args: dict):
     import torch.distributed as dist
 
     from twinkled.engine import Engine
+    from twinkled.logs import route_transformers
+
+    route_transformers()  # its warnings in our format (JSON too)
 
     from .persist import Persister
     from .runner import StepRunner
