@@ -58,10 +58,10 @@ def test_ctl_tables_have_headers(tmp_path):
     assert _ctl("--data-dir", data, "--create", "tenants", "set", "sam", "--weight",
                 "3").exit_code == 0
     _ctl("--data-dir", data, "keys", "create", "--tenant", "sam")
-    for args, header in ((["keys", "list"], ["KEY", "TENANT", "CREATED", "STATE"]),
-                         (["tenants", "list"], ["TENANT", "WEIGHT", "STORAGE USED", "QUOTAS"]),
-                         (["runs", "list"], ["RUN", "TENANT", "RANK", "LOADED", "LAST REQUEST"]),
-                         (["checkpoints", "list"], ["CHECKPOINT", "STATUS", "SIZE", "CREATED"])):
+    for args, header in ((["keys", "list"], ["key", "tenant", "created", "state"]),
+                         (["tenants", "list"], ["tenant", "weight", "storage used", "quotas"]),
+                         (["runs", "list"], ["run", "tenant", "rank", "loaded", "last request"]),
+                         (["checkpoints", "list"], ["checkpoint", "status", "size", "created"])):
         r = _ctl("--data-dir", data, *args)
         assert r.exit_code == 0, r.output
         first = r.output.splitlines()[0]

@@ -154,7 +154,7 @@ def keys_create(target: Target, tenant: str, as_json: bool) -> None:
 def keys_list(target: Target, tenant: str | None, as_json: bool) -> None:
     """Keys by hash prefix (never the keys), tenant, creation and revocation time."""
     def render(rows):
-        click.echo(f"{'KEY':<{PREFIX}}  {'TENANT':<16} {'CREATED':<20}  STATE")
+        click.echo(f"{'key':<{PREFIX}}  {'tenant':<16} {'created':<20}  state")
         for r in rows:
             state = f"revoked {_when(r['revoked_at'])}" if r["revoked_at"] else "active"
             click.echo(f"{r['key_prefix']:<{PREFIX}}  {r['tenant']:<16} {_when(r['created'])}  "
@@ -201,7 +201,7 @@ def tenants_set(target: Target, name: str, weight, as_json: bool, **limits) -> N
 def tenants_list(target: Target, as_json: bool) -> None:
     """Tenants with their weights, quotas and storage used (checkpoints + metadata)."""
     def render(rows):
-        click.echo(f"{'TENANT':<20} {'WEIGHT':<6} {'STORAGE USED':<32} QUOTAS")
+        click.echo(f"{'tenant':<20} {'weight':<6} {'storage used':<32} quotas")
         for r in rows:
             quotas = ", ".join(f"{k}={r.get(k)}" for k in QUOTAS if r.get(k))
             used, quota = r.get("storage_used_bytes"), r.get("storage_quota_bytes")
@@ -224,8 +224,8 @@ def runs() -> None:
 def runs_list(target: Target, tenant: str | None, as_json: bool) -> None:
     """Runs, newest first: id, tenant, rank, loaded or not, last request."""
     def render(rows):
-        width = max([len("RUN")] + [len(r["id"]) for r in rows])
-        click.echo(f"{'RUN':<{width}}  {'TENANT':<16} {'RANK':<4} {'LOADED':<7}LAST REQUEST")
+        width = max([len("run")] + [len(r["id"]) for r in rows])
+        click.echo(f"{'run':<{width}}  {'tenant':<16} {'rank':<4} {'loaded':<7}last request")
         for r in rows:
             live = "loaded" if r.get("live") else "-"
             click.echo(f"{r['id']:<{width}}  {r['tenant']:<16} {r['lora_rank']:<4} {live:<7}"
@@ -272,8 +272,8 @@ def checkpoints() -> None:
 def checkpoints_list(target: Target, run_id, tenant, status, as_json: bool) -> None:
     """Checkpoints, newest first, with status, size, creation time and, if corrupt, why."""
     def render(rows):
-        width = max([len("CHECKPOINT")] + [len(r["tinker_path"]) for r in rows])
-        click.echo(f"{'CHECKPOINT':<{width}}  {'STATUS':<7} {'SIZE':>10}  CREATED")
+        width = max([len("checkpoint")] + [len(r["tinker_path"]) for r in rows])
+        click.echo(f"{'checkpoint':<{width}}  {'status':<7} {'size':>10}  created")
         for r in rows:
             line = (f"{r['tinker_path']:<{width}}  {r['status']:<7} "
                     f"{_size(r['size_bytes']):>10}  {_when(r['created'])}")
@@ -327,12 +327,16 @@ def status(target: Target, as_json: bool) -> None:
                        f" (peak {_size(w.get('peak_memory_bytes', 0))})")
         for d in s.get("damaged_checkpoints", []):
             click.echo(f"  damaged checkpoint {d['tinker_path']}: {d['reason']}")
+        # share: of all training time; contended: of the steps that left work waiting,
+        # the split the weights decide (docs/operator.md).
         click.echo(f"{'tenant':<16}{'weight':>7}{'queued':>8}{'tokens':>9}{'paused':>8}"
-                   f"{'served':>12}{'share':>8}")
+                   f"{'served':>12}{'share':>8}{'contended':>11}")
         for name, t in s["tenants"].items():
+            contended = t.get("contended_share")
             click.echo(f"{name:<16}{t['weight']:>7g}{t['queued_requests']:>8}"
                        f"{t['queued_tokens']:>9}{t['paused']:>8}{t['served_tokens']:>12}"
-                       f"{t['share']:>8.1%}")
+                       f"{t['share']:>8.1%}"
+                       f"{'-' if contended is None else format(contended, '.1%'):>11}")
     _out(target.call("status"), as_json, render)
 
 

@@ -174,13 +174,16 @@ class Lanes:
         for lane in self.all:
             for name, t in lane.planner.status().items():
                 m = merged.setdefault(name, {**t, "queued_requests": 0, "queued_tokens": 0,
-                                             "paused": 0, "served_tokens": 0, "served_s": 0.0})
+                                             "paused": 0, "served_tokens": 0, "served_s": 0.0,
+                                             "contended_s": 0.0})
                 for key in ("queued_requests", "queued_tokens", "paused", "served_tokens",
-                            "served_s"):
+                            "served_s", "contended_s"):
                     m[key] += t[key]
         total = sum(t["served_s"] for t in merged.values()) or 1.0
+        contended = sum(t["contended_s"] for t in merged.values())
         for t in merged.values():
             t["share"] = t["served_s"] / total
+            t["contended_share"] = t["contended_s"] / contended if contended else None
         return merged
 
     def status(self) -> dict:
