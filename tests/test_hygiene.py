@@ -382,7 +382,7 @@ def test_config_storage_quota_default(tmp_path):
 
 def test_ctl_tenants_list_shows_storage_without_a_daemon(tmp_path):
     data = tmp_path / "data"
-    ctl(data, "keys", "create", "--tenant", "alice")
+    ctl(data, "--create", "keys", "create", "--tenant", "alice")
     s = Store(data / "twinkle.db")
     run = run_of(s, "alice")
     s.checkpoints.finish(s.checkpoints.begin(run, "alice", "weights", "a", "/d/a"), 3 * 1024**2,
@@ -391,7 +391,7 @@ def test_ctl_tenants_list_shows_storage_without_a_daemon(tmp_path):
     alice = ctl_json(data, "tenants", "list")[0]
     assert alice["storage_used_bytes"] == 3 * 1024**2
     assert alice["storage_quota_bytes"] == 50 * GIB
-    assert "storage 3.0 MiB of 50.0 GiB" in ctl(data, "tenants", "list").stdout
+    assert "3.0 MiB of 50.0 GiB" in ctl(data, "tenants", "list").stdout
     ctl(data, "tenants", "set", "alice", "--max-storage-bytes", "-1")
     assert ctl_json(data, "tenants", "list")[0]["storage_quota_bytes"] is None
-    assert "storage 3.0 MiB of unlimited" in ctl(data, "tenants", "list").stdout
+    assert "3.0 MiB of unlimited" in ctl(data, "tenants", "list").stdout

@@ -68,11 +68,11 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
     problems = cfg.range_problems()
     if problems:
         raise click.UsageError("; ".join(problems))
+    _refuse_busy_port(cfg.host, cfg.port)
     memory = gpu_memory(cfg)
     problems = layout_problems(cfg, memory)
     if problems:
         raise click.UsageError("; ".join(problems))
-    _refuse_busy_port(cfg.host, cfg.port)
     from .admin import admin_key_path, ensure_admin_key
     from .logs import setup_logging
 
