@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from daemon import Daemon, make_key
@@ -32,16 +33,26 @@ def test_a_signal_to_the_process_group_stops_cleanly(tiny_dir, tmp_path, sig):
     for _ in range(2):
         tc.forward_backward(data, "cross_entropy").result(timeout=T)
         tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result(timeout=T)
-    want = _logprobs(tc, data)
-    assert len(d.workers()) == 1
+    want = _logprobs(tc, data)  # a forward_backward changes no weights: still wanted after
+    workers = d.workers()
+    assert len(workers) == 1
+    queued = tc.forward_backward(data, "cross_entropy")  # the daemon has it when signalled
+    deadline = time.time() + T
+    while d.log_path.read_text().count("POST /api/v1/forward_backward 200") < 3:
+        assert time.time() < deadline
+        time.sleep(0.05)
     os.killpg(d.proc.pid, sig)  # the daemon leads its group: every process in it
     assert d.proc.wait(timeout=60) == 0
     d.stop()
+    for pid in workers:  # stopped by the daemon, not left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     log = d.log_path.read_text()
     assert "persisted 1 live adapter(s)" in log
     assert "WorkerLost" not in log and "Traceback" not in log and "KeyboardInterrupt" not in log
     d2 = Daemon(tiny_dir, tmp_path, tmp_path / "log2", port=d.port)
     try:  # the same client, on the same run: at the step it was told is done
+        assert queued.result(timeout=T).metrics["loss:sum"] > 0  # drained, not failed
         assert _logprobs(tc, data) == pytest.approx(want, rel=1e-5, abs=1e-6)
         tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result(timeout=T)
     finally:
