@@ -69,6 +69,10 @@ class Lanes:
         whose core says so to its requests."""
         return self._home.get(model, self.all[0]) if model is not None else self.all[0]
 
+    def is_open(self, model: str) -> bool:
+        """Whether `model` takes operations on its lane now (created, restored, reloaded)."""
+        return self.of(model).residency.is_open(model)
+
     def choose(self, config: LoraConfig) -> Lane:
         """A lane for a new adapter of `config`: the one with the fewest models among
         those with room for it (lowest index first). No room anywhere: the refusal of the
