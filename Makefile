@@ -14,4 +14,4 @@ test: install
 	$(PY) -m pytest -q tests
 
 lint:
-	ruff check .
+	$(PY) -m ruff check .

@@ -134,7 +134,7 @@ def start_daemon(model_dir: Path, work: Path, device: str, config: str):
     keys = {}
     for tenant in ("small", "flood"):
         out = subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data),
-                              "keys", "create", "--tenant", tenant],
+                              "--create", "keys", "create", "--tenant", tenant],
                              check=True, capture_output=True, text=True).stdout
         keys[tenant] = out.strip().splitlines()[-1]
     port = free_port()

@@ -120,7 +120,7 @@ def make_keys(data: Path, n: int) -> list[str]:
     keys = []
     for i in range(n):
         out = subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data),
-                              "keys", "create", "--tenant", f"t{i}"],
+                              "--create", "keys", "create", "--tenant", f"t{i}"],
                              check=True, capture_output=True, text=True).stdout
         keys.append(out.strip().splitlines()[-1])
     return keys

@@ -34,6 +34,9 @@ class Tenant:
     vtime: float = 0.0  # seconds served / weight
     served_tokens: int = 0
     served_s: float = 0.0  # predicted seconds of training steps charged to it
+    # The part of served_s from steps that left some tenant's work waiting: only there do
+    # weights divide the time (when every tenant's work fits, each gets all it asks).
+    contended_s: float = 0.0
     queued_requests: int = 0
     queued_tokens: int = 0
     rr: int = 0  # round-robin pointer over the tenant's models

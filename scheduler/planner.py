@@ -332,7 +332,10 @@ class Planner:
         total = sum(charged.values())
         for name, added in charged.items():
             share = added / total if total > 0 else 1 / len(charged)
-            self.fair.tenant(name).charge(self.cost.fixed_cost * share)
+            t = self.fair.tenant(name)
+            t.charge(self.cost.fixed_cost * share)
+            if runs:  # work is left over: the tenants contended for this step
+                t.contended_s += added + self.cost.fixed_cost * share
         # Barriers right behind this step's ops run at its end (after all its rows).
         for model in dict.fromkeys(w.model for w in taken if w.final):
             q = self.models[model]
@@ -382,11 +385,17 @@ class Planner:
     # -- reporting ----------------------------------------------------------------------
 
     def status(self) -> dict[str, dict]:
-        """Per tenant; `share` is its share of training time (what fairness divides)."""
+        """Per tenant; `share` is its share of all training time, `contended_share` its
+        share of the time of steps that left work waiting (None before there was one): the
+        split the weights decide. With every tenant's work fitting each step, `share`
+        follows what tenants ask, whatever their weights."""
         total = sum(t.served_s for t in self.fair.tenants.values()) or 1.0
+        contended = sum(t.contended_s for t in self.fair.tenants.values())
         return {name: {"queued_requests": t.queued_requests, "queued_tokens": t.queued_tokens,
                        "paused": len(self.held.get(name, ())), "served_tokens": t.served_tokens,
                        "served_s": round(t.served_s, 3), "share": t.served_s / total,
+                       "contended_s": round(t.contended_s, 3),
+                       "contended_share": t.contended_s / contended if contended else None,
                        "weight": t.weight}
                 for name, t in sorted(self.fair.tenants.items())}
 

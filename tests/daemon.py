@@ -20,8 +20,8 @@ def free_port() -> int:
 
 def make_key(data_dir: Path, tenant: str) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data_dir), "keys", "create",
-         "--tenant", tenant], check=True, capture_output=True, text=True)
+        [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data_dir), "--create", "keys",
+         "create", "--tenant", tenant], check=True, capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1]
 
 
@@ -40,7 +40,8 @@ class Daemon:
     """`twinkled serve` on a free port; waits for the model to be loaded."""
 
     def __init__(self, model_dir: Path, data_dir: Path, log_path: Path, *extra: str,
-                 wait: bool = True, port: int | None = None, env: dict | None = None):
+                 wait: bool = True, port: int | None = None, env: dict | None = None,
+                 session: bool = False):
         self.data_dir = data_dir
         self.port = port or free_port()  # the same port again: clients keep their base_url
         self.url = f"http://127.0.0.1:{self.port}"
@@ -50,7 +51,8 @@ class Daemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "twinkled", "serve", "--model", str(model_dir),
              "--data-dir", str(data_dir), "--port", str(self.port), "--device", "cpu",
-             "--dtype", "float32", *extra], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+             "--dtype", "float32", *extra], stdout=self.log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=session)  # session: its own process group, as in a terminal
         if wait:
             try:
                 self.wait_ready()

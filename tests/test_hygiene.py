@@ -147,7 +147,7 @@ def test_ctl_tenants_list_shows_storage_through_the_daemon(hygiene_daemon, train
 
 def test_ctl_creates_a_private_data_dir(tmp_path):
     data = tmp_path / "new" / "data"
-    ctl(data, "keys", "create", "--tenant", "sam")
+    ctl(data, "--create", "keys", "create", "--tenant", "sam")
     assert mode(data) == 0o700
     assert (data / "twinkle.db").is_file()
     assert loose(data) == []
@@ -160,7 +160,7 @@ def test_ctl_tightens_its_own_loose_data_dir_and_leaves_other_files(tmp_path):
     notes = data / "notes.txt"  # not the daemon's: left as it is
     notes.write_text("x")
     notes.chmod(0o644)
-    ctl(data, "keys", "create", "--tenant", "sam")
+    ctl(data, "--create", "keys", "create", "--tenant", "sam")
     assert mode(data) == 0o700 and mode(data / "twinkle.db") == 0o600
     assert mode(notes) == 0o644
 
@@ -170,8 +170,8 @@ def test_ctl_in_process_restores_the_umask(tmp_path):
 
     before = os.umask(0o022)
     try:
-        result = CliRunner().invoke(main, ["ctl", "--data-dir", str(tmp_path / "d"), "keys",
-                                           "create", "--tenant", "sam"])
+        result = CliRunner().invoke(main, ["ctl", "--data-dir", str(tmp_path / "d"), "--create",
+                                           "keys", "create", "--tenant", "sam"])
         assert result.exit_code == 0, result.output
         assert os.umask(0o022) == 0o022  # what ctl set was undone when it finished
         assert mode(tmp_path / "d" / "twinkle.db") == 0o600  # but ctl itself wrote 0600
@@ -382,7 +382,7 @@ def test_config_storage_quota_default(tmp_path):
 
 def test_ctl_tenants_list_shows_storage_without_a_daemon(tmp_path):
     data = tmp_path / "data"
-    ctl(data, "keys", "create", "--tenant", "alice")
+    ctl(data, "--create", "keys", "create", "--tenant", "alice")
     s = Store(data / "twinkle.db")
     run = run_of(s, "alice")
     s.checkpoints.finish(s.checkpoints.begin(run, "alice", "weights", "a", "/d/a"), 3 * 1024**2,
@@ -391,7 +391,7 @@ def test_ctl_tenants_list_shows_storage_without_a_daemon(tmp_path):
     alice = ctl_json(data, "tenants", "list")[0]
     assert alice["storage_used_bytes"] == 3 * 1024**2
     assert alice["storage_quota_bytes"] == 50 * GIB
-    assert "storage 3.0 MiB of 50.0 GiB" in ctl(data, "tenants", "list").stdout
+    assert "3.0 MiB of 50.0 GiB" in ctl(data, "tenants", "list").stdout
     ctl(data, "tenants", "set", "alice", "--max-storage-bytes", "-1")
     assert ctl_json(data, "tenants", "list")[0]["storage_quota_bytes"] is None
-    assert "storage 3.0 MiB of unlimited" in ctl(data, "tenants", "list").stdout
+    assert "3.0 MiB of unlimited" in ctl(data, "tenants", "list").stdout

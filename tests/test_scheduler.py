@@ -341,3 +341,29 @@ def test_pieces_cover_every_datum_in_order_and_barrier_waits():
                 covered += list(range(w.lo, w.hi if w.hi is not None else 7))
         p.complete(s)
     assert covered == list(range(7))
+
+
+def test_weights_3_to_1_share_what_contended_steps_split():
+    """Issue 30: a weight of 3 showed 53% / 47%. Weights divide a step only when work is
+    left waiting; tenants whose requests all fit each step (a tinker client waits for each
+    answer) get what they ask, whatever their weights. `share` counts all training time,
+    `contended_share` only the steps that left work waiting: 75/25 once both flood."""
+    p = Planner(token_budget=2048)
+    p.set_tenant("a", weight=3)
+    p.set_tenant("b", weight=1)
+    p.open_model("a:0", "a")
+    p.open_model("b:0", "b")
+    for seq in range(1, 41):  # one request at a time each, as a waiting client sends
+        p.submit(work("a", TRAIN, 512, "a:0", seq))
+        p.submit(work("b", TRAIN, 512, "b:0", seq))
+        p.complete(p.next_step())
+    st = p.status()
+    assert abs(st["a"]["share"] - 0.5) < 0.05  # what the operator saw: no contention
+    assert st["a"]["contended_share"] is None and st["b"]["contended_share"] is None
+    flood(p, "a", "a:1", 400)
+    flood(p, "b", "b:1", 400)
+    shares_while_both_busy(p, "a", "b", None)
+    st = p.status()
+    assert abs(st["a"]["contended_share"] - 0.75) <= 0.05, st
+    assert abs(st["b"]["contended_share"] - 0.25) <= 0.05, st
+    assert st["a"]["share"] < st["a"]["contended_share"]  # diluted by the early steps

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 import uuid
@@ -10,6 +12,7 @@ from aiohttp import web
 
 from .admin import same_key
 from .service import Draining, NotFound, RateLimited, Service, UserError
+from .summary import log_summaries
 
 log = logging.getLogger("twinkled.http")
 
@@ -41,7 +44,7 @@ async def auth_and_errors(request: web.Request, handler):
     """
     started = time.perf_counter()
     request["request_id"] = uuid.uuid4().hex[:12]
-    status = 500
+    status, reason = 500, ""
     try:
         if request.path.startswith("/admin/"):
             given = request.headers.get("X-Admin-Key", "")
@@ -63,31 +66,59 @@ async def auth_and_errors(request: web.Request, handler):
             request["tenant"] = tenant
         response = await handler(request)
         status = response.status
+        if status >= 400:
+            reason = _reason(getattr(response, "body", None))
         return response
     except web.HTTPException as e:
-        status = e.status
+        status, reason = e.status, _reason(e.text) or e.reason
         raise
     except RateLimited as e:  # the Tinker client backs off and resubmits
-        status = 429
+        status, reason = 429, str(e)
         return web.json_response({"detail": str(e)}, status=429, headers={"Retry-After": "1"})
     except Draining as e:  # a hot restart: the client retries 503s, and we are back soon
-        status = 503
+        status, reason = 503, str(e)
         return web.json_response({"detail": str(e)}, status=503, headers={"Retry-After": "2"})
     except NotFound as e:
-        status = 404
+        status, reason = 404, str(e)
         return web.json_response({"detail": str(e)}, status=404)
     except UserError as e:
-        status = 400
+        status, reason = 400, str(e)
         return web.json_response({"detail": str(e)}, status=400)
     finally:
         ms = round(1000 * (time.perf_counter() - started), 1)
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "(unmatched)"
         request.app["service"].metrics.requests.labels(route, str(status)).inc()
-        log.info("%s %s %s %s %s %.1fms", request["request_id"], request.get("tenant", "-"),
-                 request.method, request.path, status, ms,
-                 extra={"request_id": request["request_id"], "tenant": request.get("tenant"),
-                        "method": request.method, "route": route, "status": status, "ms": ms})
+        # Health checks and scrapes come every few seconds: logged only at debug level.
+        level = logging.DEBUG if request.path in PUBLIC and status < 400 else logging.INFO
+        reason = reason[:REASON_CHARS]
+        log.log(level, "%s %s %s %s %s %.1fms%s", request["request_id"],
+                request.get("tenant", "-"), request.method, request.path, status, ms,
+                f": {reason}" if reason else "",
+                extra={"request_id": request["request_id"], "tenant": request.get("tenant"),
+                       "method": request.method, "route": route, "status": status, "ms": ms,
+                       **({"reason": reason} if reason else {})})
+
+
+REASON_CHARS = 300  # of an error's message in its request's log line
+
+
+def _reason(body) -> str:
+    """What an error response says (Tinker's `detail`, OpenAI's `error.message`)."""
+    if isinstance(body, (bytes, bytearray)):
+        body = bytes(body[:4096]).decode(errors="replace")
+    if not isinstance(body, str) or not body:
+        return ""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.strip()
+    if isinstance(data, dict):
+        err = data.get("error")
+        found = data.get("detail") or (err.get("message") if isinstance(err, dict) else err)
+        if found:
+            return found if isinstance(found, str) else json.dumps(found)
+    return body.strip()
 
 
 def make_app(service: Service, store, admin_key: str = "") -> web.Application:
@@ -114,8 +145,16 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
 
     async def on_startup(app):
         await service.start()
+        if service.config.log_summary_s > 0:
+            app["summary"] = asyncio.create_task(
+                log_summaries(service.status, service.config.log_summary_s))
 
     async def on_shutdown(app):  # SIGTERM / SIGINT: drain, persist, stop the workers
+        if "summary" in app:
+            app["summary"].cancel()
+        logging.getLogger("twinkled").info(
+            "stopping: no new work; queued work drains (up to %g s)",
+            service.config.drain_timeout_s)
         await service.shutdown()
 
     async def on_cleanup(app):

@@ -18,7 +18,9 @@ from .layout import (
 )
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})  # sub-commands too
+@click.version_option(package_name="twinkle", prog_name="twinkled",
+                      message="%(prog)s %(version)s")
 def main() -> None:
     """twinkled: multi-tenant LoRA training as a service, speaking the Tinker API."""
 
@@ -66,6 +68,7 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
     problems = cfg.range_problems()
     if problems:
         raise click.UsageError("; ".join(problems))
+    _refuse_busy_port(cfg.host, cfg.port)
     memory = gpu_memory(cfg)
     problems = layout_problems(cfg, memory)
     if problems:
@@ -76,7 +79,9 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
     setup_logging(cfg.log_format)
     logging.getLogger("twinkled").info("workers: %s", layout_summary(cfg))
     private_dir(cfg.data_dir)
-    admin_key = ensure_admin_key(admin_key_path(cfg.data_dir, cfg.admin_key_file or None))
+    key_path = admin_key_path(cfg.data_dir, cfg.admin_key_file or None)
+    admin_key = ensure_admin_key(key_path)
+    _log_start(cfg, key_path)
     store = Store(cfg.data_dir / "twinkle.db")
     try:
         import uvloop
@@ -87,11 +92,53 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
     # auto_decompress off: forward_backward bodies may be zstd (Content-Encoding: zstd),
     # which the Tinker codec decodes itself, with a size limit.
     service = Service(cfg, store, adapter_budget=adapters_budget(cfg, memory))
+    # print=None: aiohttp's banner is plain text; _log_start said where we listen.
     web.run_app(make_app(service, store, admin_key), host=cfg.host, port=cfg.port,
-                print=lambda s: click.echo(s, err=True),
-                auto_decompress=False)
+                print=None, auto_decompress=False)
     logging.getLogger("twinkled").info("stopped")
     _exit_within(10.0)
+
+
+def _log_start(cfg: Config, key_path: Path) -> None:
+    """Where things are, once at start-up: what an operator looks for first."""
+    import socket
+
+    log = logging.getLogger("twinkled")
+    host = cfg.host
+    if host in ("0.0.0.0", "::", "", "*"):  # every interface: clients use a name
+        host = socket.gethostname()
+    host = f"[{host}]" if ":" in host else host
+    url = f"http://{host}:{cfg.port}"
+    log.info("data dir %s; admin key in %s (`twinkled ctl --data-dir %s ...` finds both)",
+             cfg.data_dir, key_path, cfg.data_dir,
+             extra={"data_dir": str(cfg.data_dir), "admin_key_file": str(key_path)})
+    log.info("listening on %s:%d: Tinker base_url %s, OpenAI base_url %s/oai/api/v1; "
+             "Ctrl+C or SIGTERM stops gracefully (drain, persist adapters)", cfg.host,
+             cfg.port, url, url, extra={"tinker_base_url": url,
+                                        "openai_base_url": f"{url}/oai/api/v1"})
+
+
+def _refuse_busy_port(host: str, port: int) -> None:
+    """A port another process listens on: one line and exit 2, before the model loads
+    (aiohttp would find out only after start-up, with a long traceback)."""
+    import socket
+    import sys
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except OSError as e:
+        click.echo(f"Error: cannot listen on {host}:{port}: {e.strerror or e}", err=True)
+        sys.exit(2)
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+            try:
+                s.bind(addr)
+            except OSError as e:
+                click.echo(f"Error: cannot listen on {host}:{port}: {e.strerror or e} "
+                           f"(another twinkled? pick another --port)", err=True)
+                sys.exit(2)
 
 
 def _exit_within(seconds: float) -> None:

@@ -93,6 +93,7 @@ class Config:
     stability_bytes: int = 256 * 2**20  # all tenants together
     stability_tenant_bytes: int = 64 * 2**20  # one tenant
     log_format: str = "text"  # text | json: one log line per request (json for log shippers)
+    log_summary_s: float = 60.0  # a summary line (tok/s, steps, queued) this often; 0: none
     admin_key_file: str = ""  # "": <data_dir>/admin.key, made at the first start (mode 0600)
     # Worker ranks on other hosts (`twinkled worker --join`): where they join ("": none).
     join_listen: str = ""  # tcp://ADDRESS:PORT, e.g. tcp://0.0.0.0:7070
@@ -237,6 +238,7 @@ _RANGES = {
     "target_step_ms": (lambda v: v == "auto" or (not isinstance(v, str) and v >= 0),
                        'must be "auto" or a number of ms >= 0 (0: no time bound)'),
     "log_format": (lambda v: v in ("text", "json"), "must be text or json"),
+    "log_summary_s": _NON_NEGATIVE,
     "join_listen": (lambda v: v == "" or _ENDPOINT.fullmatch(v),
                     'must be "" or tcp://ADDRESS:PORT (e.g. tcp://0.0.0.0:7070)'),
     "remote_ranks": _NON_NEGATIVE, "join_timeout_s": _NON_NEGATIVE,

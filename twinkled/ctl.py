@@ -23,8 +23,11 @@ QUOTAS = ("max_queued_requests", "max_queued_tokens", "max_adapters", "max_rank"
 class Target:
     """Where ctl's commands go: the daemon's admin endpoint, else the data dir."""
 
-    def __init__(self, data_dir: Path, url: str | None, admin_key: str | None):
+    def __init__(self, data_dir: Path, url: str | None, admin_key: str | None,
+                 create: bool = False):
         self.data_dir = data_dir
+        self.create = create
+        self.answered = ""  # where the last command ran: the daemon's URL, or the data dir
         info = data_dir / "daemon.json"
         if url is None and info.is_file():
             url = json.loads(info.read_text()).get("url")
@@ -35,12 +38,22 @@ class Target:
         args = {k: v for k, v in args.items() if v is not None}
         if self.url:
             try:
-                return self._http(command, args)
+                result = self._http(command, args)
+                self.answered = f"the daemon at {self.url}"
+                return result
             except urllib.error.URLError as e:
                 if not isinstance(getattr(e, "reason", None), ConnectionRefusedError):
                     raise click.ClickException(f"daemon at {self.url}: {e.reason}") from None
         from .store import Store  # no daemon answers: the data dir itself
 
+        if not (self.data_dir / "twinkle.db").is_file() and not self.create:
+            # A mistyped --data-dir (or none) would make a fresh database, and a key made
+            # there is one no daemon accepts.
+            raise click.ClickException(
+                f"no twinkled data dir at {self.data_dir} (no twinkle.db), and no daemon "
+                f"answers: pass the daemon's --data-dir (or --url), or `twinkled ctl "
+                f"--data-dir {self.data_dir} --create ...` to start a new one")
+        self.answered = f"data dir {self.data_dir}"
         private_dir(self.data_dir)
         store = Store(self.data_dir / "twinkle.db")
         try:
@@ -96,6 +109,7 @@ def _size(n: int | None) -> str:
     return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
+PREFIX = 12  # characters of a key's hash shown in `keys list`
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
@@ -105,12 +119,15 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 @click.option("--url", envvar="TWINKLE_URL", help="The daemon (default: from the data dir).")
 @click.option("--admin-key", envvar="TWINKLE_ADMIN_KEY",
               help="Admin key (default: <data-dir>/admin.key).")
+@click.option("--create", is_flag=True,
+              help="Start a new data dir if there is none (without it, ctl refuses one "
+              "that holds no twinkle.db).")
 @click.pass_context
-def ctl(ctx, data_dir: Path, url: str | None, admin_key: str | None) -> None:
+def ctl(ctx, data_dir: Path, url: str | None, admin_key: str | None, create: bool) -> None:
     """Administer a daemon: through its admin endpoint, or its data dir when it is down."""
     old = private_umask()  # what ctl writes in the data dir is private too (0600 / 0700)
     ctx.call_on_close(lambda: os.umask(old))  # ctl called in-process leaves no trace
-    ctx.obj = Target(data_dir, url, admin_key)
+    ctx.obj = Target(data_dir, url, admin_key, create)
 
 
 @ctl.group()
@@ -126,7 +143,8 @@ def keys_create(target: Target, tenant: str, as_json: bool) -> None:
     """Create a key; it is printed once, alone on the last line (only a hash is stored)."""
     r = target.call("keys_create", tenant=tenant)
     _out(r, as_json, lambda r: click.echo(
-        f"created a key for tenant {tenant!r}; keep it, it is not shown again:\n{r['key']}"))
+        f"created a key for tenant {tenant!r} in {target.answered}; keep it, it is not shown "
+        f"again:\n{r['key']}"))
 
 
 @keys.command("list")
@@ -136,9 +154,11 @@ def keys_create(target: Target, tenant: str, as_json: bool) -> None:
 def keys_list(target: Target, tenant: str | None, as_json: bool) -> None:
     """Keys by hash prefix (never the keys), tenant, creation and revocation time."""
     def render(rows):
+        click.echo(f"{'key':<{PREFIX}}  {'tenant':<16} {'created':<20}  state")
         for r in rows:
             state = f"revoked {_when(r['revoked_at'])}" if r["revoked_at"] else "active"
-            click.echo(f"{r['key_prefix']}  {r['tenant']:<16} {_when(r['created'])}  {state}")
+            click.echo(f"{r['key_prefix']:<{PREFIX}}  {r['tenant']:<16} {_when(r['created'])}  "
+                       f"{state}")
     _out(target.call("keys_list", tenant=tenant), as_json, render)
 
 
@@ -181,12 +201,13 @@ def tenants_set(target: Target, name: str, weight, as_json: bool, **limits) -> N
 def tenants_list(target: Target, as_json: bool) -> None:
     """Tenants with their weights, quotas and storage used (checkpoints + metadata)."""
     def render(rows):
+        click.echo(f"{'tenant':<20} {'weight':<6} {'storage used':<32} quotas")
         for r in rows:
             quotas = ", ".join(f"{k}={r.get(k)}" for k in QUOTAS if r.get(k))
             used, quota = r.get("storage_used_bytes"), r.get("storage_quota_bytes")
-            storage = ("" if used is None else  # an older daemon does not count it
-                       f"storage {_size(used)} of {_size(quota) if quota else 'unlimited'}")
-            click.echo(f"{r['name']:<20} weight {r['weight']:<6g} {storage:<32} "
+            storage = ("-" if used is None else  # an older daemon does not count it
+                       f"{_size(used)} of {_size(quota) if quota else 'unlimited'}")
+            click.echo(f"{r['name']:<20} {r['weight']:<6g} {storage:<32} "
                        f"{quotas or 'no quotas'}")
     _out(target.call("tenants_list"), as_json, render)
 
@@ -203,10 +224,12 @@ def runs() -> None:
 def runs_list(target: Target, tenant: str | None, as_json: bool) -> None:
     """Runs, newest first: id, tenant, rank, loaded or not, last request."""
     def render(rows):
+        width = max([len("run")] + [len(r["id"]) for r in rows])
+        click.echo(f"{'run':<{width}}  {'tenant':<16} {'rank':<4} {'loaded':<7}last request")
         for r in rows:
             live = "loaded" if r.get("live") else "-"
-            click.echo(f"{r['id']}  {r['tenant']:<16} rank {r['lora_rank']:<4} {live:<7}"
-                       f"last request {_when(r['last_request_time'])}")
+            click.echo(f"{r['id']:<{width}}  {r['tenant']:<16} {r['lora_rank']:<4} {live:<7}"
+                       f"{_when(r['last_request_time'])}")
     _out(target.call("runs_list", tenant=tenant), as_json, render)
 
 
@@ -249,9 +272,11 @@ def checkpoints() -> None:
 def checkpoints_list(target: Target, run_id, tenant, status, as_json: bool) -> None:
     """Checkpoints, newest first, with status, size, creation time and, if corrupt, why."""
     def render(rows):
+        width = max([len("checkpoint")] + [len(r["tinker_path"]) for r in rows])
+        click.echo(f"{'checkpoint':<{width}}  {'status':<7} {'size':>10}  created")
         for r in rows:
-            line = (f"{r['tinker_path']}  {r['status']:<7} {_size(r['size_bytes']):>10}  "
-                    f"{_when(r['created'])}")
+            line = (f"{r['tinker_path']:<{width}}  {r['status']:<7} "
+                    f"{_size(r['size_bytes']):>10}  {_when(r['created'])}")
             if r["status"] != "ready" and r["error"]:
                 line += f"  {r['error']}"
             click.echo(line)
@@ -302,12 +327,16 @@ def status(target: Target, as_json: bool) -> None:
                        f" (peak {_size(w.get('peak_memory_bytes', 0))})")
         for d in s.get("damaged_checkpoints", []):
             click.echo(f"  damaged checkpoint {d['tinker_path']}: {d['reason']}")
+        # share: of all training time; contended: of the steps that left work waiting,
+        # the split the weights decide (docs/operator.md).
         click.echo(f"{'tenant':<16}{'weight':>7}{'queued':>8}{'tokens':>9}{'paused':>8}"
-                   f"{'served':>12}{'share':>8}")
+                   f"{'served':>12}{'share':>8}{'contended':>11}")
         for name, t in s["tenants"].items():
+            contended = t.get("contended_share")
             click.echo(f"{name:<16}{t['weight']:>7g}{t['queued_requests']:>8}"
                        f"{t['queued_tokens']:>9}{t['paused']:>8}{t['served_tokens']:>12}"
-                       f"{t['share']:>8.1%}")
+                       f"{t['share']:>8.1%}"
+                       f"{'-' if contended is None else format(contended, '.1%'):>11}")
     _out(target.call("status"), as_json, render)
 
 

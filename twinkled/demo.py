@@ -55,7 +55,7 @@ def main() -> None:
     keys = {}
     for name, *_ in TENANTS:
         out = subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data),
-                              "keys", "create", "--tenant", name],
+                              "--create", "keys", "create", "--tenant", name],
                              check=True, capture_output=True, text=True)
         keys[name] = out.stdout.strip().splitlines()[-1]
     port = _port()

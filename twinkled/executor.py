@@ -105,7 +105,7 @@ def zmq_executor(config: Config, devices: list[str]) -> Executor:
                "packing": config.packing, "tp": config.tp, "ep": config.ep,
                "activation_checkpointing": config.activation_checkpointing,
                "live_dir": str(live_dir), "persist_every": config.persist_every,
-               "threads": threads}
+               "threads": threads, "log_format": config.log_format}
     group = WorkerGroup(devices, options, step_timeout=config.step_timeout_s,
                         join=join_settings(config))
     return Executor(group, live_dir, config.persist_every)

@@ -69,6 +69,10 @@ class Lanes:
         whose core says so to its requests."""
         return self._home.get(model, self.all[0]) if model is not None else self.all[0]
 
+    def is_open(self, model: str) -> bool:
+        """Whether `model` takes operations on its lane now (created, restored, reloaded)."""
+        return self.of(model).residency.is_open(model)
+
     def choose(self, config: LoraConfig) -> Lane:
         """A lane for a new adapter of `config`: the one with the fewest models among
         those with room for it (lowest index first). No room anywhere: the refusal of the
@@ -174,13 +178,16 @@ class Lanes:
         for lane in self.all:
             for name, t in lane.planner.status().items():
                 m = merged.setdefault(name, {**t, "queued_requests": 0, "queued_tokens": 0,
-                                             "paused": 0, "served_tokens": 0, "served_s": 0.0})
+                                             "paused": 0, "served_tokens": 0, "served_s": 0.0,
+                                             "contended_s": 0.0})
                 for key in ("queued_requests", "queued_tokens", "paused", "served_tokens",
-                            "served_s"):
+                            "served_s", "contended_s"):
                     m[key] += t[key]
         total = sum(t["served_s"] for t in merged.values()) or 1.0
+        contended = sum(t["contended_s"] for t in merged.values())
         for t in merged.values():
             t["share"] = t["served_s"] / total
+            t["contended_share"] = t["contended_s"] / contended if contended else None
         return merged
 
     def status(self) -> dict:

@@ -228,6 +228,13 @@ class Service:
         if self.state == "draining" or self.intake_paused:
             self.futures.drop(op.future, "the daemon is draining")
             raise Draining("the daemon is draining for maintenance or a restart; retry shortly")
+        if self.state == "loading" and op.model_id is not None and \
+                not self.lanes.is_open(op.model_id):
+            # A hot restart: the run comes back once the model is loaded, so its client's
+            # requests meanwhile get a 503 they retry, not the 400 of a run not here.
+            self.futures.drop(op.future, "the daemon is starting")
+            raise Draining("the daemon is starting (loading the model, restoring adapters); "
+                           "retry shortly")
         return (lane or self.lanes.of(op.model_id)).core.add(op)
 
     def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:

@@ -4,6 +4,8 @@ The files themselves live under the data dir; a row records where (``dir``)."""
 
 from __future__ import annotations
 
+import logging
+
 from .db import Db
 from .futures import UserError
 from .schema import CHECKPOINT_TYPES, Conflict, Row, checkpoint_path, now, to_json
@@ -12,6 +14,7 @@ from .store_tenants import Tenants
 # Tables whose rows carry a tenant's user_metadata (JSON text): it counts toward the
 # tenant's storage quota with its checkpoints' files.
 METADATA_TABLES = ("sessions", "runs", "checkpoints")
+log = logging.getLogger("twinkled.checkpoints")
 
 
 class QuotaExceeded(UserError):
@@ -106,9 +109,14 @@ class Checkpoints:
 
     def finish(self, path: str, size_bytes: int, sha256: str) -> bool:
         """The files are on disk (fsynced and renamed): the checkpoint becomes "ready"."""
-        return self._db.write("UPDATE checkpoints SET status = 'ready', size_bytes = ?, "
+        done = self._db.write("UPDATE checkpoints SET status = 'ready', size_bytes = ?, "
                               "sha256 = ?, error = NULL WHERE tinker_path = ?",
                               (size_bytes, sha256, path)) > 0
+        if done:
+            log.info("checkpoint %s saved (%s)", path, human_size(size_bytes),
+                     extra={"event": "checkpoint_saved", "checkpoint": path,
+                            "size_bytes": size_bytes})
+        return done
 
     def mark_corrupt(self, path: str, reason: str) -> bool:
         """Failed write or checksum mismatch: keep the row (for admins), hide it."""
@@ -150,6 +158,9 @@ class Checkpoints:
             row = self.get(path)
             if row:
                 self._db.write("DELETE FROM checkpoints WHERE tinker_path = ?", (path,))
+        if row:
+            log.info("checkpoint %s deleted", path,
+                     extra={"event": "checkpoint_deleted", "checkpoint": path})
         return row
 
     def set_public(self, path: str, public: bool) -> bool:

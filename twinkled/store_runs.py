@@ -3,6 +3,7 @@ creates, numbered by the session's counters (``<session_id>:train:<n>``, ``:samp
 
 from __future__ import annotations
 
+import logging
 import math
 
 from .db import Db
@@ -10,6 +11,7 @@ from .schema import Row, now, to_json
 from .store_sessions import Sessions
 
 TOUCH_EVERY_S = 1.0
+log = logging.getLogger("twinkled.runs")
 
 
 class Runs:
@@ -34,6 +36,9 @@ class Runs:
                                  "last_request_time": t,
                                  "user_metadata": to_json(user_metadata),
                                  "corrupted": 0, "deleted": 0})
+        log.info("run %s created by tenant %s (%s, rank %d)", run_id, tenant, base_model,
+                 lora_rank, extra={"event": "run_created", "run_id": run_id,
+                                   "tenant": tenant, "lora_rank": lora_rank})
         return run_id
 
     def get(self, run_id: str, include_deleted: bool = False) -> Row | None:
@@ -84,8 +89,11 @@ class Runs:
 
     def delete(self, run_id: str) -> bool:
         """Soft delete: the id stays taken so a later run never reuses it."""
-        return self._db.write("UPDATE runs SET deleted = 1 WHERE id = ? AND NOT deleted",
-                              (run_id,)) > 0
+        deleted = self._db.write("UPDATE runs SET deleted = 1 WHERE id = ? AND NOT deleted",
+                                 (run_id,)) > 0
+        if deleted:
+            log.info("run %s deleted", run_id, extra={"event": "run_deleted", "run_id": run_id})
+        return deleted
 
 
 class Samplers:

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from .. import trace
+from ..logs import relay
 from .frames import HelloF, ReplyF, StepF, encoder, reply_decoder
 from .hosts import HostRegistry, JoinSettings, RemoteHost
 
@@ -78,6 +79,7 @@ class WorkerGroup:
         self.model_info: dict = {}
         self.restarts = 0
         self._procs: list[asyncio.subprocess.Process] = []
+        self._relays: list[asyncio.Future] = []  # copying the ranks' output (JSON logs)
         self._exits: list[asyncio.Future] = []  # local exits and remote losses
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
@@ -167,12 +169,27 @@ class WorkerGroup:
         options = {**self.options, "world": self.world, "group": self._group,
                    "spans_hosts": bool(hosts)}
         self._procs, self._exits = [], []
+        self._relays = [t for t in self._relays if not t.done()]
         for w in self.workers[:len(self.devices)]:
             args = {**options, "rank": w.rank, "device": w.device, "endpoint": self._endpoint,
-                    "dist_url": f"tcp://{local}:{dist_port}"}
+                    "dist_url": f"tcp://{local}:{dist_port}", "parent": os.getpid()}
+            # A session of its own: a Ctrl+C in the terminal, `timeout` or a container
+            # runtime signals the daemon's process group, and a rank that got the signal
+            # too would die mid-drain, before shutdown persists its adapters. The daemon
+            # stops its ranks itself (stop / kill), and a rank dies with the daemon anyway
+            # (PR_SET_PDEATHSIG and a parent check, worker.py).
+            # In JSON mode a rank's output comes through the daemon (logs.relay), which
+            # makes JSON of any line that is not. Progress bars are off: a log is no tty.
+            piped = self.options.get("log_format") == "json"
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "twinkled.workers.worker", json.dumps(args),
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"},
+                start_new_session=True, limit=1 << 20,
+                stdout=asyncio.subprocess.PIPE if piped else None,
+                stderr=asyncio.subprocess.STDOUT if piped else None)
+            if piped:
+                self._relays.append(asyncio.ensure_future(
+                    relay(proc.stdout, "twinkled.worker", rank=w.rank)))
             w.pid, w.started = proc.pid, time.time()
             self._procs.append(proc)
             self._exits.append(asyncio.ensure_future(proc.wait()))

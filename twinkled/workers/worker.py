@@ -35,10 +35,16 @@ def _die_with_parent() -> None:
 
 def main(args: dict) -> None:
     rank = args["rank"]
-    parent = os.getppid()
+    # The daemon's pid, as it said (a remote host's agent says none): a daemon that died
+    # before the prctl below took effect is caught here, not at the first idle check.
+    parent = args.get("parent") or os.getppid()
     _die_with_parent()
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s twinkled.worker[{rank}] %(message)s")
+    if os.getppid() != parent:
+        sys.exit(0)
+    from twinkled.logs import setup_logging
+
+    setup_logging(args.get("log_format", "text"),
+                  f"%(asctime)s twinkled.worker[{rank}] %(message)s", rank=rank)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"{args['group']}:{rank}".encode())
     sock.setsockopt(zmq.LINGER, 0)
@@ -89,6 +95,9 @@ def _start(args: dict):
     import torch.distributed as dist
 
     from twinkled.engine import Engine
+    from twinkled.logs import route_transformers
+
+    route_transformers()  # its warnings in our format (JSON too)
 
     from .persist import Persister
     from .runner import StepRunner
