@@ -17,6 +17,9 @@
 #   INSTALL_EXTRAS=                      extras to add: "test,cookbook" by default, empty
 #                                        for none ("cookbook" also installs tinker-cookbook)
 #   INSTALL_EDITABLE=0                   a plain (non-editable) install
+#   INSTALL_ONLY_DEPS=1                  torch and the dependencies pyproject.toml lists
+#                                        (with the extras'), not the project: an image's
+#                                        layer that a source change does not rebuild
 # pip prints its progress (a first install downloads for minutes); PIP_QUIET=1 hushes it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +37,21 @@ elif ! command -v nvidia-smi >/dev/null 2>&1; then
     say "no NVIDIA GPU seen (no nvidia-smi). Unless torch 2.13.0 is already installed, the" \
         "default index may give its CUDA build (several GB); for the CPU build set" \
         "PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index (see this script's header)"
+fi
+if [ "${INSTALL_ONLY_DEPS:-0}" = 1 ]; then
+    # The requirement strings (markers kept) of [project] and of the chosen extras.
+    mapfile -t deps < <(INSTALL_EXTRAS="$INSTALL_EXTRAS" "$PYTHON" -c '
+import os, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = [e for e in os.environ["INSTALL_EXTRAS"].split(",") if e]
+deps = list(project["dependencies"])
+for extra in extras:
+    deps += project["optional-dependencies"][extra]
+print("\n".join(d for d in deps if d.split(">")[0].split("=")[0].strip() != "torch"))')
+    say "torch==2.13.0 and the dependencies of twinkle${INSTALL_EXTRAS:+ [$INSTALL_EXTRAS]}" \
+        "into $PYTHON (not twinkle itself)"
+    "$PYTHON" -m pip install --disable-pip-version-check "torch==2.13.0" "${deps[@]}"
+    exit 0
 fi
 say "[1/2] torch==2.13.0 and twinkle $spec into $PYTHON"
 "$PYTHON" -m pip install --disable-pip-version-check "torch==2.13.0" \
