@@ -98,13 +98,17 @@ class Newcomer:
     def run(self, lines: list[str], timeout: float = 900) -> str:
         """The lines as one bash script in the clone; whatever it left running (a daemon
         started with `&`) is stopped afterwards, as `kill %1` would."""
-        proc = subprocess.Popen(["bash", "-c", "set -euo pipefail\n" + self.script(lines)],
-                                cwd=self.clone, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        finally:
-            self._stop_group(proc.pid)
+        # Output to a file, not a pipe: a daemon left running holds its end open.
+        log = self.tmp / f"block-{len(list(self.tmp.glob('block-*')))}.log"
+        with open(log, "w") as sink:
+            proc = subprocess.Popen(["bash", "-c", "set -euo pipefail\n" + self.script(lines)],
+                                    cwd=self.clone, env=self.env, stdout=sink,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                proc.wait(timeout=timeout)
+            finally:
+                self._stop_group(proc.pid)
+        out = log.read_text()
         assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-6000:]}"
         return out
 
