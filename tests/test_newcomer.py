@@ -41,9 +41,10 @@ def bash_blocks() -> list[str]:
     return re.findall(r"```bash\n(.*?)```", README, flags=re.S)
 
 
-def block_with(marker: str) -> str:
-    found = [b for b in bash_blocks() if marker in b]
-    assert len(found) == 1, f"one README block with {marker!r}, found {len(found)}"
+def block_with(first: str) -> str:
+    """The one block with a line that starts with `first`."""
+    found = [b for b in bash_blocks() if any(ln.startswith(first) for ln in b.splitlines())]
+    assert len(found) == 1, f"one README block with a line {first!r}..., found {len(found)}"
     return found[0]
 
 
@@ -156,7 +157,7 @@ def test_the_readme_runs_as_written_in_a_fresh_clone(tmp_path):
     assert (tmp_path / "home" / ".local" / "state" / "twinkle-demo" / "twinkle.db").is_file()
 
     # Your model on your GPU: five commands, on a tiny model saved where the README's is.
-    gpu = commands(block_with("make install"))
+    gpu = commands(block_with("make install "))
     assert len(gpu) == 4  # + the activation line: five
     from twinkled.engine.tiny import build_tiny_model
 
