@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     service_client = init_tinker_compat_client(args.base_url, args.api_key)
     # Seeded, as its sampling is: a run is reproducible (the daemon draws a seed otherwise).
     training_client = service_client.create_lora_training_client(
-        base_model=served_name(model_id), rank=8, seed=0)
+        base_model=served_name(model_id), rank=8, seed=0).result()
     advantage_fn = GRPOAdvantage()
     mean_rewards = []
     for step in tqdm(range(args.steps), disable=not sys.stderr.isatty()):
-        sampler = training_client.save_weights_and_get_sampling_client()
+        sampler = training_client.save_weights_and_get_sampling_client().result()
         params = types.SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=step)
         futures = [sampler.sample(types.ModelInput.from_ints(p), NUM_GENERATIONS, params)
                    for p in prompts]

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     service_client = init_tinker_compat_client(args.base_url, args.api_key)
     training_client = service_client.create_lora_training_client(
-        base_model=served_name(model_id), rank=16)
+        base_model=served_name(model_id), rank=16).result()
     losses = []
     for epoch in range(args.epochs):
         for batch in tqdm(dataloader, desc=f"epoch {epoch}", disable=not sys.stderr.isatty()):

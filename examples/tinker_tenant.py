@@ -66,7 +66,7 @@ def main() -> None:
     print(f"[{args.name}] rank {args.rank}, loss {args.loss}; log p(answer) by step  {marks}  "
           f"{args.steps - 1}:{curve[-1]:.2f}")
 
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = training.save_weights_and_get_sampling_client().result()
     result = sampler.sample(types.ModelInput.from_ints(question), num_samples=1,
                             sampling_params=types.SamplingParams(max_tokens=24,
                                                                  temperature=0.0)).result()

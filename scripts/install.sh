@@ -1,6 +1,15 @@
 #!/usr/bin/env bash
-# One install path for the README, CI and the container image: torch is pinned in the same
-# pip command as everything else, so nothing resolves a CUDA build on a CPU machine.
+# One install path for the README, CI and the container image. torch is pinned in the same
+# pip command as everything else, so nothing else picks a different torch.
+#
+# Which torch build that is depends on the index pip uses, not on the machine: on Linux
+# x86_64, PyPI's torch 2.13.0 is the CUDA 13 build, which pulls about 17 nvidia-* wheels
+# (several GB) even on a machine with no GPU, and whose CUDA runtime needs an NVIDIA driver
+# of the 580 series or newer. For the CPU build (about 750 MB), point pip at PyTorch's CPU
+# wheel index with pip's own variable, e.g.
+#   PIP_EXTRA_INDEX_URL=<PyTorch's CPU wheel index URL> make demo
+# (pip then prefers torch 2.13.0+cpu; everything else still comes from the default index).
+# An environment that already holds torch 2.13.0 keeps it.
 #
 # With no environment set (README, `make`, CI) it installs this checkout editable with the
 # test extras into whatever `python3` is. For a service or an image:
@@ -8,6 +17,10 @@
 #   INSTALL_EXTRAS=                      extras to add: "test,cookbook" by default, empty
 #                                        for none ("cookbook" also installs tinker-cookbook)
 #   INSTALL_EDITABLE=0                   a plain (non-editable) install
+#   INSTALL_ONLY_DEPS=1                  torch and the dependencies pyproject.toml lists
+#                                        (with the extras'), not the project: an image's
+#                                        layer that a source change does not rebuild
+# pip prints its progress (a first install downloads for minutes); PIP_QUIET=1 hushes it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -16,11 +29,38 @@ spec="."
 if [ -n "$INSTALL_EXTRAS" ]; then spec=".[$INSTALL_EXTRAS]"; fi
 editable=(-e)
 if [ "${INSTALL_EDITABLE:-1}" = 0 ]; then editable=(); fi
-"$PYTHON" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" \
+say() { echo "install.sh: $*"; }
+
+if [ -n "${PIP_INDEX_URL:-}${PIP_EXTRA_INDEX_URL:-}" ]; then
+    say "pip uses the index(es) set in PIP_INDEX_URL / PIP_EXTRA_INDEX_URL"
+elif ! command -v nvidia-smi >/dev/null 2>&1; then
+    say "no NVIDIA GPU seen (no nvidia-smi). Unless torch 2.13.0 is already installed, the" \
+        "default index may give its CUDA build (several GB); for the CPU build set" \
+        "PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index (see this script's header)"
+fi
+if [ "${INSTALL_ONLY_DEPS:-0}" = 1 ]; then
+    # The requirement strings (markers kept) of [project] and of the chosen extras.
+    mapfile -t deps < <(INSTALL_EXTRAS="$INSTALL_EXTRAS" "$PYTHON" -c '
+import os, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = [e for e in os.environ["INSTALL_EXTRAS"].split(",") if e]
+deps = list(project["dependencies"])
+for extra in extras:
+    deps += project["optional-dependencies"][extra]
+print("\n".join(d for d in deps if d.split(">")[0].split("=")[0].strip() != "torch"))')
+    say "torch==2.13.0 and the dependencies of twinkle${INSTALL_EXTRAS:+ [$INSTALL_EXTRAS]}" \
+        "into $PYTHON (not twinkle itself)"
+    "$PYTHON" -m pip install --disable-pip-version-check "torch==2.13.0" "${deps[@]}"
+    exit 0
+fi
+say "[1/2] torch==2.13.0 and twinkle $spec into $PYTHON"
+"$PYTHON" -m pip install --disable-pip-version-check "torch==2.13.0" \
     "${editable[@]}" "$spec"
 # tinker-cookbook without its dependencies (the `cookbook` extra has the ones its RL loop
 # imports; its pins would replace the torch above).
 if [[ ",$INSTALL_EXTRAS," == *",cookbook,"* ]]; then
-    "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps \
+    say "[2/2] tinker-cookbook 0.6.1 (without its dependencies)"
+    "$PYTHON" -m pip install --disable-pip-version-check --no-deps \
         "tinker-cookbook==0.6.1"
 fi
+say "done"

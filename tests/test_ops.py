@@ -188,13 +188,17 @@ def fake_python(tmp_path):
     bin_dir, log = tmp_path / "bin", tmp_path / "python3.log"
     bin_dir.mkdir()
     fake = bin_dir / "python3"
-    fake.write_text('#!/bin/sh\n{ printf "%s" "$PWD"; for a in "$@"; do printf "\\t%s" "$a"; '
+    # install.sh reads pyproject.toml's dependency list with python -c (tomllib): that one
+    # runs for real, so the pip call that follows shows what it would install.
+    fake.write_text('#!/bin/sh\ncase "$2" in *tomllib*) exec "$REAL_PYTHON" "$@";; esac\n'
+                    '{ printf "%s" "$PWD"; for a in "$@"; do printf "\\t%s" "$a"; '
                     'done; printf "\\n"; } >> "$FAKE_PYTHON_LOG"\n')
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHON", "INSTALL_EXTRAS", "INSTALL_EDITABLE", "MAKEFLAGS", "MFLAGS",
                         "MAKELEVEL")}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", FAKE_PYTHON_LOG=str(log))
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", FAKE_PYTHON_LOG=str(log),
+               REAL_PYTHON=sys.executable)
     assert shutil.which("python3", path=env["PATH"]) == str(fake)  # never the real one
 
     def run(command: list[str] | str, **kw) -> list[list[str]]:
@@ -281,12 +285,39 @@ def _dockerfile() -> list[tuple[str, str]]:
 def test_the_image_installs_with_the_same_script(fake_python):
     steps = _dockerfile()
     runs = [rest for word, rest in steps if word == "RUN" and "scripts/install.sh" in rest]
-    assert len(runs) == 1, runs
-    # Every file the script needs is copied in before it runs.
-    before = steps[:[rest for _, rest in steps].index(runs[0])]
-    assert ("COPY", ". .") in before
-    args = _pip_install(fake_python(runs[0]))
-    assert "torch==2.13.0" in args and args[-1] == "." and "-e" not in args  # no test extras
+    assert len(runs) == 2, runs  # the dependencies' layer, then the project's
+    where = [rest for _, rest in steps]
+    deps_at, project_at, copy_all_at = (where.index(runs[0]), where.index(runs[1]),
+                                        steps.index(("COPY", ". .")))
+    # torch and the dependencies install before the source is copied in (a source change
+    # keeps that layer), from only what the script reads.
+    assert deps_at < copy_all_at < project_at
+    copied = [rest.split()[0] for word, rest in steps[:deps_at] if word == "COPY"]
+    assert sorted(copied) == ["pyproject.toml", "scripts/install.sh"]
+    deps = _pip_install(fake_python(runs[0]))
+    assert deps[deps.index("torch==2.13.0") + 1:][0].startswith("transformers")
+    assert not any(a in (".", "-e") or a.startswith(".[") for a in deps), deps
+    assert any(a.startswith("megatron-core") for a in deps), "--tp > 1 needs megatron-core"
+    args = _pip_install(fake_python(runs[1]))
+    assert "torch==2.13.0" in args and args[-1] == ".[megatron]" and "-e" not in args
+    # No configuration is baked in: it comes from a mount (or flags).
+    assert not any("twinkled.toml" in rest for word, rest in steps if word in ("RUN", "COPY"))
+
+
+def test_compose_file_has_a_data_volume_a_gpu_reservation_and_the_image():
+    yaml = pytest.importorskip("yaml")
+    compose = yaml.safe_load((ROOT / "ops" / "compose.yaml").read_text())
+    service = compose["services"]["twinkled"]
+    assert (ROOT / "ops" / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
+    mounts = [v.removesuffix(":ro").rsplit(":", 1) for v in service["volumes"]]
+    volumes = {inside: source for source, inside in mounts}
+    assert volumes["/var/lib/twinkle"] in compose["volumes"], "the data in a named volume"
+    assert "/etc/twinkle/twinkled.toml" in volumes, "the configuration mounted"
+    gpus = service["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in gpus)
+    assert service["ports"] == ["8000:8000"]
+    # Time to drain and persist, as the systemd unit gives.
+    assert int(service["stop_grace_period"].rstrip("s")) >= int(_unit()["TimeoutStopSec"])
 
 
 def test_image_entrypoint_healthcheck_and_volume():

@@ -274,8 +274,12 @@ def test_dmel_chunk_refused() -> None:
 
 
 def test_text_loss_config_refused() -> None:
-    body, _ = client_post([sft_datum([1, 2, 3])], "custom", {"loss_id": "abc", "beta": 0.1})
+    body, _ = client_post([sft_datum([1, 2, 3])], "cross_entropy", {"loss_id": "abc"})
     with pytest.raises(CodecError, match="loss_id"):
+        decode_forward_backward(body)
+    # A server-side custom loss is told where custom losses run.
+    body, _ = client_post([sft_datum([1, 2, 3])], "custom", {"loss_id": "abc", "beta": 0.1})
+    with pytest.raises(CodecError, match="run on the client.*forward_backward_custom"):
         decode_forward_backward(body)
 
 

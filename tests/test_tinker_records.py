@@ -9,6 +9,7 @@ import os
 import urllib.request
 import uuid
 import warnings
+from pathlib import Path
 
 import httpx
 import pytest
@@ -73,20 +74,39 @@ def test_a_base_model_other_than_the_served_one_is_refused(daemon, tiny_dir):
     sc.close("success").result(timeout=T)
 
 
-def test_samplers_resolve_their_tokenizer_to_the_model_directory(daemon, tiny_dir):
+def test_tenants_see_the_served_name_never_the_servers_path(daemon, tiny_dir, monkeypatch):
+    # Issue 30 item 9: get_info, get_base_model and GET /samplers gave the daemon's model
+    # directory (with a trailing '/') where the run was made under its served name.
     sc = _service(daemon)
     tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=2).result(timeout=T)
+    info = tc.get_info()
+    assert info.model_data.model_name == tiny_dir.name
+    # The training client's tokenizer still loads: tokenizer_id is what resolves.
+    assert os.path.samefile(info.model_data.tokenizer_id, tiny_dir)
     want = tc.get_tokenizer()("the sun and the sea are big.").input_ids
     path = tc.save_weights_for_sampler("tok").result(timeout=T).path
     samplers = [sc.create_sampling_client(model_path=path).result(timeout=T),
-                tc.save_weights_and_get_sampling_client().result(timeout=T)]
-    # A client that names the base model itself keeps its name (the SDK asks nothing), so
-    # it names it by what the daemon reports: the model directory, a name it resolves.
-    reported = samplers[0].get_base_model()
-    samplers.append(sc.create_sampling_client(base_model=reported).result(timeout=T))
-    for sampler in samplers:
-        assert os.path.samefile(sampler.get_base_model(), tiny_dir)
-        assert sampler.get_tokenizer()("the sun and the sea are big.").input_ids == want
+                tc.save_weights_and_get_sampling_client().result(timeout=T),
+                sc.create_sampling_client(base_model=tiny_dir.name).result(timeout=T)]
+    assert [s.get_base_model() for s in samplers] == [tiny_dir.name] * 3
+    for s in samplers:  # GET /samplers itself (the SDK gives its sampler id no public name)
+        got = httpx.get(f"{daemon.url}/api/v1/samplers/{s._sampling_session_id}",
+                        headers={"X-API-Key": daemon.keys["alice"]}, timeout=30).json()
+        assert got["base_model"] == tiny_dir.name, got
+    # A sampler resolves its tokenizer from that name (hence --model-name <hub id>); here
+    # the name resolves as a directory relative to the client's working directory.
+    monkeypatch.chdir(tiny_dir.parent)
+    assert samplers[0].get_tokenizer()("the sun and the sea are big.").input_ids == want
+    sc.close("success").result(timeout=T)
+
+
+def test_a_server_side_custom_loss_says_custom_losses_run_on_the_client(daemon, tiny_dir):
+    sc = _service(daemon)
+    tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=2).result(timeout=T)
+    with pytest.raises(tinker.BadRequestError, match="forward_backward_custom") as err:
+        tc.forward_backward([_datum([5, 6, 7, 8])], "custom",
+                            {"loss_id": "my-loss"}).result(timeout=T)
+    assert "only numeric values" not in str(err.value)
     sc.close("success").result(timeout=T)
 
 
@@ -111,6 +131,8 @@ def test_tokenizer_name_is_the_hub_id_when_served_under_one(tiny_dir, tmp_path):
     assert tokenizer_name(Config(model=tiny_dir, model_name="Qwen/Qwen3-8B")) == "Qwen/Qwen3-8B"
     assert tokenizer_name(Config(model=tiny_dir)) == str(tiny_dir.resolve())
     assert tokenizer_name(Config(model=tiny_dir, model_name="mine")) == str(tiny_dir.resolve())
+    # A two-level directory is given as it is (tokenizer_id skips the SDK's name heuristics).
+    assert tokenizer_name(Config(model=Path("/srv/model"))) == "/srv/model"
 
 
 def test_search_finds_only_the_callers_sessions_that_match(daemon, tiny_dir):

@@ -203,7 +203,16 @@ def _decompress(body: bytes, content_encoding: str | None, limit: int) -> bytes:
     return b"".join(parts)
 
 
+CUSTOM_LOSS_REFUSAL = (
+    "loss_fn 'custom' (a server-side custom loss) is not served here: custom losses run on "
+    "the client, with TrainingClient.forward_backward_custom(data, loss_fn)")
+
+
 def _decode_config(msg: Any) -> dict[str, float] | None:
+    # A server-side custom loss (loss_fn "custom", its loss_id a text value) would otherwise
+    # be refused for its text config, which tells the client nothing about what to do.
+    if msg.loss_fn == "custom":
+        raise CodecError(CUSTOM_LOSS_REFUSAL)
     # The SDK writes numbers to both maps and strings only to _v2, so _v2 wins when present.
     if msg.loss_fn_config_v2:
         config: dict[str, float] = {}

@@ -133,21 +133,17 @@ def check_base_model(request, name: str | None) -> None:
 
 
 def tokenizer_name(config: Config) -> str:
-    """The model's name where the SDK turns a name into a tokenizer (a sampler's
-    `base_model`, `get_info`'s `model_data.model_name` and `tokenizer_id`):
-    SamplingClient.get_tokenizer calls `AutoTokenizer.from_pretrained` on it, so it must be
-    a Hub id or a directory.
+    """What `get_info`'s `model_data.tokenizer_id` carries: TrainingClient.get_tokenizer
+    calls `AutoTokenizer.from_pretrained` on it, so it must be a Hub id or a directory.
 
     A served name of the Hub's form (org/model, as `--model-name Qwen/Qwen3-8B` gives) is
     given as it is; otherwise (the default, the directory's bare name) the model directory's
-    absolute path, which resolves on a client that sees the same path."""
+    absolute path, which resolves on a client that sees the same path. Everything else a
+    tenant sees names the model by its served name."""
     served = config.served_name
     if served.count("/") == 1 or config.model is None:
         return served
-    path = str(Path(config.model).resolve())
-    # The SDK reads a name with exactly two '/' as org/model/variant and loads org/model
-    # ("/srv/model" would become "/srv"); a trailing '/' names the same directory.
-    return path + "/" if path.count("/") == 2 else path
+    return str(Path(config.model).resolve())
 
 
 def future_response(f, model_id=None, **extra):

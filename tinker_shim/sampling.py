@@ -22,7 +22,6 @@ from .common import (
     own_session,
     sampler_adapter,
     service,
-    tokenizer_name,
 )
 from .messages import Asample, CreateSamplingSession, ModelInputIn, TensorJsonIn
 from .sample_codec import sample_encoder, target_ids
@@ -55,12 +54,10 @@ def _own_sampler(request, sampler_id: str) -> dict:
 
 async def get_sampler(request):
     s = _own_sampler(request, request.match_info["sampler_id"])
-    svc = service(request)
-    # SamplingClient.get_tokenizer loads its tokenizer by this name (common.tokenizer_name).
-    base = s["base_model"]
-    if base == svc.config.served_name:
-        base = tokenizer_name(svc.config)
-    body = {"sampler_id": s["id"], "base_model": base}
+    # The served name the sampler was made under, never the server's model directory.
+    # SamplingClient.get_tokenizer loads its tokenizer by this name, so a daemon whose
+    # clients need that serves under the hub id (--model-name; docs/reference.md).
+    body = {"sampler_id": s["id"], "base_model": s["base_model"]}
     if s.get("model_path"):
         body["model_path"] = s["model_path"]
     return web.json_response(body)

@@ -111,13 +111,14 @@ async def get_info(request):
     run = own_run(request, body.model_id)
     svc = service(request)
     name = svc.config.served_name
-    # The SDK loads the tokenizer by tokenizer_id, and a sampler made by
-    # save_weights_and_get_sampling_client by model_data.model_name: both must resolve.
-    loadable = tokenizer_name(svc.config)
+    # Names, never the server's paths, for what a tenant sees (a sampler made by
+    # save_weights_and_get_sampling_client takes model_data.model_name as its base model).
+    # TrainingClient.get_tokenizer loads by tokenizer_id: that one must resolve on the
+    # client, so it is the hub id or the model directory (common.tokenizer_name).
     return web.json_response({
         "type": "get_info", "model_id": run["id"],
         "model_data": {"arch": svc.model_info.get("arch"),
-                       "model_name": loadable, "tokenizer_id": loadable},
+                       "model_name": name, "tokenizer_id": tokenizer_name(svc.config)},
         "is_lora": True, "lora_rank": run["lora_rank"], "model_name": name,
         "optimizer_config": _optimizer_config(run)})
 

@@ -79,6 +79,7 @@ class RemoteBackend:
         self.tc = None
         self.sampler = None
         self.name: str | None = None
+        self.metadata: dict[str, str] = {}
 
     @property
     def tokenizer(self):
@@ -86,9 +87,12 @@ class RemoteBackend:
 
     def create(self, name: str, rank: int, alpha: float, targets: dict[str, bool],
                seed: int) -> None:
+        # tinker 0.38 hands back a future of the client; using it as the client is deprecated
+        # (a FutureWarning per call site), so wait for the client itself.
+        self.metadata = {"twinkle.lora_alpha": str(alpha), "twinkle.adapter": name}
         self.tc = self.client.service.create_lora_training_client(
             base_model=self.base_model, rank=rank, seed=seed, **targets,
-            user_metadata={"twinkle.lora_alpha": str(alpha), "twinkle.adapter": name})
+            user_metadata=self.metadata).result(timeout=T)
         self.name = name
 
     def forward_backward(self, rows: list[Row], loss_fn: str | Callable, config: dict,
@@ -120,12 +124,18 @@ class RemoteBackend:
         return self.tc.save_weights_for_sampler(name).result(timeout=T).path
 
     def load(self, path: str, optimizer: bool) -> None:
-        load = self.tc.load_state_with_optimizer if optimizer else self.tc.load_state
-        load(path).result(timeout=T)
+        """Continue from a checkpoint. TrainingClient.load_state* is deprecated in tinker 0.38
+        (its replacement makes a new training client from the checkpoint), so this model
+        trains a new run from here on, with the same adapter settings."""
+        service = self.client.service
+        create = (service.create_training_client_from_state_with_optimizer if optimizer
+                  else service.create_training_client_from_state)
+        self.tc = create(path, user_metadata=self.metadata or None).result(timeout=T)
+        self.sampler = None
 
     def sync_sampler(self) -> None:
         """The trained weights to a sampler on the same daemon (no bytes leave it)."""
-        self.sampler = self.tc.save_weights_and_get_sampling_client()
+        self.sampler = self.tc.save_weights_and_get_sampling_client().result(timeout=T)
 
     def sample(self, prompts: list[list[int]], params: dict, num_samples: int,
                use_adapter: bool = True) -> list[list[tuple[list[int], list[float], str]]]:

@@ -46,12 +46,12 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
 
 
 def main() -> None:
-    from twinkled.engine.tiny import build_tiny_model
+    from twinkled.demo_next import model_dir as demo_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="twinkle-demo-"))
-    model = build_tiny_model(work / "tiny-qwen3")
+    model = demo_model_dir()  # kept (not in `work`): `make serve` serves it next
     data = work / "data"
-    print(f"built a tiny random-weight Qwen3 model in {model}")
+    print(f"a tiny random-weight Qwen3 model in {model}")
     keys = {}
     for name, *_ in TENANTS:
         out = subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data),
@@ -92,6 +92,9 @@ def main() -> None:
         daemon.terminate()
         daemon.wait(timeout=60)
         log.close()
+    from twinkled.demo_next import next_steps
+
+    print(next_steps())
 
 
 if __name__ == "__main__":
