@@ -129,12 +129,6 @@ class Newcomer:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _ctl_knows_create(env: dict, clone: Path) -> bool:
-    out = subprocess.run(["twinkled", "ctl", "--help"], cwd=clone, env=env,
-                         capture_output=True, text=True, timeout=120)
-    return "--create" in out.stdout
-
-
 def test_the_readme_runs_as_written_in_a_fresh_clone(tmp_path):
     me = Newcomer(tmp_path)
     top = commands(bash_blocks()[0])
@@ -162,8 +156,6 @@ def test_the_readme_runs_as_written_in_a_fresh_clone(tmp_path):
     from twinkled.engine.tiny import build_tiny_model
 
     build_tiny_model(tmp_path / "models" / "Qwen3-8B")
-    if not _ctl_knows_create(me.env, me.clone):  # until `ctl --create` (issue 30 item 6)
-        gpu = [ln.replace(" --create", "") for ln in gpu]
     mine = me.run(gpu)
     assert "[tenant] asked 'who are you?'" in mine
     status = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=me.clone,
