@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,31 @@ def _byte_level_table() -> dict[str, int]:
 
 
 _BYTE_LEVEL = _byte_level_table()
+# A normalizer (Qwen's NFC) may join characters: at most 4 code points make one (the
+# longest canonical decomposition), so a token covers at most 4x its own characters.
+_JOIN = 4
+# Texts tokenize at most this many at a time: a tokenizer holds a few hundred bytes of
+# state per character it reads, so a burst of long prompts is paid one after another,
+# not all at once.
+_TOKENIZING = 2
+
+
+def _longest_token(tokenizer: Any) -> int | None:
+    """How many characters of a text one token can stand for, at most; None where no
+    bound holds (an added token that swallows the whitespace beside it).
+
+    Byte-level vocabularies write each byte as one character, so a piece's length bounds
+    the characters it covers (a character is at least one byte); SentencePiece pieces
+    (`▁` for a space, `<0xE3>` for a byte) are never shorter than their text either."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow tokenizer: its vocabulary and added tokens as strings
+        vocab = tokenizer.get_vocab()
+        return max(map(len, vocab)) * _JOIN
+    added = backend.get_added_tokens_decoder().values()
+    if any(a.lstrip or a.rstrip for a in added):
+        return None
+    longest = max(map(len, backend.get_vocab(with_added_tokens=True)))
+    return longest * (_JOIN if backend.normalizer is not None else 1)
 
 
 class TextSide:
@@ -48,6 +74,20 @@ class TextSide:
         self.eos_texts = [t for t in (tokenizer.decode([i]) for i in sorted(self.eos_ids)) if t]
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self.chars_per_token = _longest_token(tokenizer)
+        self._pool = ThreadPoolExecutor(_TOKENIZING, thread_name_prefix="tokenize")
+
+    def max_chars(self, max_seq_len: int) -> int | None:
+        """The longest text that may still be a prompt of this context: a longer one has
+        at least `max_seq_len` tokens (no token stands for more than `chars_per_token`
+        characters), so it is refused before it is tokenized (what a 30 MiB prompt cost
+        was the tokenizer's memory, not the model's)."""
+        return None if self.chars_per_token is None else max_seq_len * self.chars_per_token
+
+    async def off_loop(self, fn: Callable, arg: Any) -> Any:
+        """Tokenizing a long text takes a while: not on the event loop, and at most
+        `_TOKENIZING` texts at once."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)
 
     @classmethod
     def load(cls, model_dir: Path | str, model_config: dict) -> TextSide:
