@@ -9,16 +9,18 @@ tenants' keys or delete their runs. `drain` is checked by hand (test_fuzz.py).
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import httpx
 from hostile import Answer
 
 ADMIN_TENANT = "fz-admin"
-
-
-def _answer(r: httpx.Response) -> Answer:
-    return Answer(r.status_code, r.text[:2000], b"", r.headers.get("content-type", ""))
+# A completion whose mutation lost its max_tokens may run to the end of the context (a
+# minute on a busy CPU): the fuzz reads an answer this long, then hangs up (the daemon
+# withdraws the samples of a client that went away).
+SLOW_S = 5.0
+SLOW = "slow"  # Answer.error of a sampling answer cut at SLOW_S
 
 
 class Faces:
@@ -37,9 +39,24 @@ class Faces:
         self.admin.close()
 
     def send(self, face: str, path: str, content: bytes, headers: dict) -> Answer:
+        """The answer (its first 2000 bytes); for a sampling answer still coming after
+        SLOW_S, its status (or None) with error SLOW."""
         client = self.oai if face == "oai" else self.admin
+        deadline, got = time.monotonic() + SLOW_S, b""
+        timeout = httpx.Timeout(client.timeout.read, read=SLOW_S) if face == "oai" else None
+        status = None
         try:
-            return _answer(client.post(path, content=content, headers=headers))
+            with client.stream("POST", path, content=content, headers=headers,
+                               timeout=timeout or client.timeout) as r:
+                status = r.status_code
+                for chunk in r.iter_bytes():
+                    got += chunk[:2000 - len(got)]
+                    if face == "oai" and time.monotonic() > deadline:
+                        return Answer(status, got.decode(errors="replace"), error=SLOW)
+                return Answer(status, got.decode(errors="replace"), b"",
+                              r.headers.get("content-type", ""))
+        except httpx.ReadTimeout as e:
+            return Answer(status, error=SLOW if face == "oai" else f"ReadTimeout: {e}")
         except httpx.HTTPError as e:
             return Answer(None, error=f"{type(e).__name__}: {e}"[:300])
 

@@ -718,13 +718,13 @@ def test_fuzz_no_5xx_no_restart_no_memory_growth(box, tiny_dir):
 # -- issue 28: the OpenAI face and the admin API ------------------------------------------------
 
 N_FACE_MUTATIONS = 400
-FACE_CAP_S = 25
+FACE_CAP_S = 12
 
 
 def test_fuzz_openai_face_and_admin_api(box, tiny_dir):
     """The same properties for the other two faces: no 5xx, no request unanswered, no
     worker restart, the daemon's RSS bounded."""
-    from fuzz_faces import Faces
+    from fuzz_faces import SLOW, SLOW_S, Faces
 
     box.ensure_up()
     rng, checks = random.Random(1), Checks()
@@ -734,7 +734,7 @@ def test_fuzz_openai_face_and_admin_api(box, tiny_dir):
         assert a.status is not None and a.status < 500, f"valid {face} {path}: {a.describe()}"
     generation, rss0, restarts0 = box.generation, rss_mb(box.pid), box.restarts()
     offenders: dict[tuple, list] = {}
-    sent, started = 0, time.monotonic()
+    sent, slow, started = 0, 0, time.monotonic()
     while sent < N_FACE_MUTATIONS and time.monotonic() - started < FACE_CAP_S:
         face, path, body = faces.valid(rng)
         headers = {"Content-Type": "application/json"}
@@ -746,6 +746,9 @@ def test_fuzz_openai_face_and_admin_api(box, tiny_dir):
             done = [what]
         a = faces.send(face, path, data, headers)
         sent += 1
+        if a.error == SLOW and box.d.health() is not None:  # a long valid completion
+            slow += 1
+            continue
         if a.status is None or a.status >= 500:
             entry = offenders.setdefault((face, path, a.status), [0, ""])
             entry[0] += 1
@@ -765,9 +768,9 @@ def test_fuzz_openai_face_and_admin_api(box, tiny_dir):
             checks.add(f"the daemon's RSS grew {rss_mb(box.pid) - rss0:.0f} MB")
     else:
         checks.add("the daemon died during the fuzz")
-    if sent < N_FACE_MUTATIONS:
-        warnings.warn(f"only {sent} of {N_FACE_MUTATIONS} face mutations were sent",
-                      stacklevel=1)
+    if sent < N_FACE_MUTATIONS or slow:
+        warnings.warn(f"{sent} of {N_FACE_MUTATIONS} face mutations were sent; {slow} "
+                      f"completions still ran after {SLOW_S} s (cut)", stacklevel=1)
     checks.done()
 
 
