@@ -93,10 +93,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if len(given) * body.n > limits(request).max_num_samples:
         raise bad_param("prompt", f"{len(given)} prompts x n={body.n} is more than "
                         f"{limits(request).max_num_samples} completions in one request")
-    for p in given:
-        if isinstance(p, str):
-            _fits(request, side, "prompt", len(p))
-    ids = [p if isinstance(p, list) else await side.off_loop(side.encode, p) for p in given]
+    ids = [p if isinstance(p, list) else await _tokens(request, side, "prompt", p, side.encode)
+           for p in given]
     job = Job(body, False, target, side, stops, ids,
               _budgets(request, ids, body.max_tokens, "max_tokens", "prompt",
                        COMPLETION_MAX_TOKENS),
@@ -109,7 +107,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = chat_messages(body)
     _fits(request, side, "messages", sum(len(m["content"]) + len(m.get("name") or "")
                                          for m in messages))
-    ids = [await side.off_loop(side.chat, messages)]
+    text = await side.off_loop(side.chat_text, messages)
+    ids = [await _tokens(request, side, "messages", text, side.encode_templated)]
     asked, param = body.max_completion_tokens, "max_completion_tokens"
     if asked is None:
         asked, param = body.max_tokens, "max_tokens"
@@ -117,6 +116,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
               _budgets(request, ids, asked, param, "messages", CHAT_MAX_TOKENS),
               body.top_logprobs or 0, body.logprobs)
     return await _answer(request, job)
+
+
+async def _tokens(request, side: TextSide, param: str, text: str, encode) -> list[int]:
+    """`text`'s ids, unless it cannot fit the context: refused by its length, or as soon
+    as counting it in pieces reaches the context (tokenizing 30 MiB at once took
+    gigabytes; a piece costs little)."""
+    _fits(request, side, param, len(text))
+    ctx = limits(request).max_seq_len
+    if await side.off_loop(side.reaches, text, ctx):
+        raise bad_param(param, f"the prompt is more than {ctx} tokens, this model's context")
+    return await side.off_loop(encode, text)
 
 
 def _fits(request, side: TextSide, param: str, length: int) -> None:
