@@ -55,7 +55,8 @@ class Admin:
 
     def run(self, command: str, args: dict | bytes) -> Any:
         """`args` checked at the door (admin_args.py), then the command's method."""
-        return getattr(self, command)(**parse(command, args))
+        kwargs = parse(command, args)  # first: an unknown command is refused by name
+        return getattr(self, command)(**kwargs)
 
     # -- keys ---------------------------------------------------------------------------
 
