@@ -62,9 +62,9 @@ class Faces:
 
     def valid(self, rng: random.Random) -> tuple[str, str, dict]:
         """(face, path, body) of one valid request, of a random kind."""
-        return rng.choice(self._oai() + self._admin())
+        return rng.choice(self.oai_requests() + self.admin_requests())
 
-    def _oai(self) -> list[tuple[str, str, dict]]:
+    def oai_requests(self) -> list[tuple[str, str, dict]]:
         m = self.model
         return [
             ("oai", "/completions", {"model": m, "prompt": "the sun", "max_tokens": 3,
@@ -82,7 +82,7 @@ class Faces:
                                           "messages": [{"role": "user", "content": "hello"}]}),
         ]
 
-    def _admin(self) -> list[tuple[str, str, dict]]:
+    def admin_requests(self) -> list[tuple[str, str, dict]]:
         t = ADMIN_TENANT
         return [
             ("admin", "/keys_create", {"tenant": t}),

@@ -729,7 +729,7 @@ def test_fuzz_openai_face_and_admin_api(box, tiny_dir):
     box.ensure_up()
     rng, checks = random.Random(1), Checks()
     faces = Faces(box.url, box.keys["fuzz"], box.data_dir, tiny_dir.name, REQUEST_TIMEOUT)
-    for face, path, body in faces._oai() + faces._admin():  # warm every path first
+    for face, path, body in faces.oai_requests() + faces.admin_requests():  # warm every path first
         a = faces.send(face, path, dumps(body).encode(), {"Content-Type": "application/json"})
         assert a.status is not None and a.status < 500, f"valid {face} {path}: {a.describe()}"
     generation, rss0, restarts0 = box.generation, rss_mb(box.pid), box.restarts()
@@ -816,7 +816,7 @@ def test_a_30_mib_prompt_under_a_memory_cap_is_a_400_and_others_are_served(box, 
     in the tokenizer) and aborted the daemon. Under an address-space cap like a
     container's (its size now + 1.5 GiB), the prompt and a chat of the same size are
     400s naming the parameter, the daemon lives, and another tenant's completions are
-    served during and after."""
+    served during and after. Token ids of the same size are refused too."""
     import resource
     import threading
 
@@ -845,7 +845,9 @@ def test_a_30_mib_prompt_under_a_memory_cap_is_a_400_and_others_are_served(box, 
             for path, body, param in [
                     ("/completions", {"model": tiny_dir.name, "prompt": huge}, "prompt"),
                     ("/chat/completions", {"model": tiny_dir.name, "messages": [
-                        {"role": "user", "content": huge}]}, "messages")]:
+                        {"role": "user", "content": huge}]}, "messages"),
+                    ("/completions", {"model": tiny_dir.name,  # 30 MiB of token ids
+                                      "prompt": [1000] * (6 * 2**20)}, "prompt")]:
                 try:
                     r = c.post(path, json=body)
                 except httpx.HTTPError as e:
