@@ -10,7 +10,6 @@ as server-sent events (streaming.py).
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -94,7 +93,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if len(given) * body.n > limits(request).max_num_samples:
         raise bad_param("prompt", f"{len(given)} prompts x n={body.n} is more than "
                         f"{limits(request).max_num_samples} completions in one request")
-    ids = [p if isinstance(p, list) else await _off_loop(side.encode, p) for p in given]
+    ids = [p if isinstance(p, list) else await _tokens(request, side, "prompt", p, side.encode)
+           for p in given]
     job = Job(body, False, target, side, stops, ids,
               _budgets(request, ids, body.max_tokens, "max_tokens", "prompt",
                        COMPLETION_MAX_TOKENS),
@@ -104,7 +104,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, stops, target, side = await _door(request, ChatRequest, check_chat)
-    ids = [await _off_loop(side.chat, chat_messages(body))]
+    messages = chat_messages(body)
+    _fits(request, side, "messages", sum(len(m["content"]) + len(m.get("name") or "")
+                                         for m in messages))
+    text = await side.off_loop(side.chat_text, messages)
+    ids = [await _tokens(request, side, "messages", text, side.encode_templated)]
     asked, param = body.max_completion_tokens, "max_completion_tokens"
     if asked is None:
         asked, param = body.max_tokens, "max_tokens"
@@ -114,9 +118,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _answer(request, job)
 
 
-async def _off_loop(fn, arg):
-    """Tokenizing a long text takes a while: not on the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(None, fn, arg)
+async def _tokens(request, side: TextSide, param: str, text: str, encode) -> list[int]:
+    """`text`'s ids, unless it cannot fit the context: refused by its length, or as soon
+    as counting it in pieces reaches the context (tokenizing 30 MiB at once took
+    gigabytes; a piece costs little)."""
+    _fits(request, side, param, len(text))
+    ctx = limits(request).max_seq_len
+    if await side.off_loop(side.reaches, text, ctx):
+        raise bad_param(param, f"the prompt is more than {ctx} tokens, this model's context")
+    return await side.off_loop(encode, text)
+
+
+def _fits(request, side: TextSide, param: str, length: int) -> None:
+    """A prompt (characters of text, or token ids) that cannot fit the context is refused
+    before it is tokenized or scored: tokenizing 30 MiB of text took gigabytes."""
+    ctx = limits(request).max_seq_len
+    most = side.max_chars(ctx)
+    if most is not None and length > most:
+        raise bad_param(param, f"the prompt is {length} characters: more than {ctx} tokens "
+                        f"(this model's context) however it tokenizes (a token covers at "
+                        f"most {side.chars_per_token} characters)")
 
 
 def _budgets(request, ids: list[list[int]], asked: int | None, param: str, prompt_param: str,
@@ -126,15 +147,15 @@ def _budgets(request, ids: list[list[int]], asked: int | None, param: str, promp
     lim = limits(request)
     ctx, out = lim.max_seq_len, []
     for p in ids:
+        if len(p) >= ctx:
+            raise bad_param(prompt_param, f"the prompt is {len(p)} tokens; this model's "
+                            f"context is {ctx} tokens")
         try:
             check_token_ids(prompt_param, p, lim.vocab_size)
         except EngineInputError as e:
             raise bad_param(prompt_param, str(e)) from None
         if not p:
             raise bad_param(prompt_param, "the prompt is empty")
-        if len(p) >= ctx:
-            raise bad_param(prompt_param, f"the prompt is {len(p)} tokens; this model's "
-                            f"context is {ctx} tokens")
         if asked is None:
             out.append(min(default, ctx - len(p)))
         elif len(p) + asked > ctx:

@@ -10,7 +10,9 @@ process stays torch-free. A model without a `tokenizer.json` falls back to `Auto
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,37 @@ def _byte_level_table() -> dict[str, int]:
 
 
 _BYTE_LEVEL = _byte_level_table()
+# A normalizer (Qwen's NFC) may join characters: at most 4 code points make one (the
+# longest canonical decomposition), so a token covers at most 4x its own characters.
+_JOIN = 4
+# Texts tokenize at most this many at a time: a tokenizer holds a few hundred bytes of
+# state per character it reads, so a burst of long prompts is paid one after another,
+# not all at once.
+_TOKENIZING = 2
+# A text longer than this is counted piece by piece before it is tokenized whole (a piece
+# ends before a space that follows a non-space: every byte-level BPE pre-tokenizer splits
+# there, so the pieces' tokens are the text's), and refused once it reaches the context:
+# a long text costs a piece's memory, not the whole text's.
+_PIECE_CHARS = 1 << 16
+_CUT = re.compile(r"\S(?= )")
+
+
+def _longest_token(tokenizer: Any) -> int | None:
+    """How many characters of a text one token can stand for, at most; None where no
+    bound holds (an added token that swallows the whitespace beside it).
+
+    Byte-level vocabularies write each byte as one character, so a piece's length bounds
+    the characters it covers (a character is at least one byte); SentencePiece pieces
+    (`▁` for a space, `<0xE3>` for a byte) are never shorter than their text either."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow tokenizer: its vocabulary and added tokens as strings
+        vocab = tokenizer.get_vocab()
+        return max(map(len, vocab)) * _JOIN
+    added = backend.get_added_tokens_decoder().values()
+    if any(a.lstrip or a.rstrip for a in added):
+        return None
+    longest = max(map(len, backend.get_vocab(with_added_tokens=True)))
+    return longest * (_JOIN if backend.normalizer is not None else 1)
 
 
 class TextSide:
@@ -48,6 +81,41 @@ class TextSide:
         self.eos_texts = [t for t in (tokenizer.decode([i]) for i in sorted(self.eos_ids)) if t]
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self.chars_per_token = _longest_token(tokenizer)
+        self._pool = ThreadPoolExecutor(_TOKENIZING, thread_name_prefix="tokenize")
+
+    def max_chars(self, max_seq_len: int) -> int | None:
+        """The longest text that may still be a prompt of this context: a longer one has
+        at least `max_seq_len` tokens (no token stands for more than `chars_per_token`
+        characters), so it is refused before it is tokenized (what a 30 MiB prompt cost
+        was the tokenizer's memory, not the model's)."""
+        return None if self.chars_per_token is None else max_seq_len * self.chars_per_token
+
+    async def off_loop(self, fn: Callable, *args: Any) -> Any:
+        """Tokenizing a long text takes a while: not on the event loop, and at most
+        `_TOKENIZING` texts at once."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def reaches(self, text: str, tokens: int) -> bool:
+        """Whether `text` has at least `tokens` tokens, counted in pieces of at most
+        `_PIECE_CHARS`; False for a text that short (it is tokenized whole at once) or one
+        that cannot be cut (no space after a non-space in a piece's length)."""
+        if len(text) <= _PIECE_CHARS:
+            return False
+        count, start = 0, 0
+        while start < len(text):
+            end: int | None = len(text)
+            if end - start > _PIECE_CHARS:
+                end = None
+                for m in _CUT.finditer(text, start + 1, start + _PIECE_CHARS):
+                    end = m.end()
+                if end is None:
+                    return False
+            count += len(self.tok.encode(text[start:end], add_special_tokens=False))
+            if count >= tokens:
+                return True
+            start = end
+        return False
 
     @classmethod
     def load(cls, model_dir: Path | str, model_config: dict) -> TextSide:
@@ -66,16 +134,22 @@ class TextSide:
 
     def chat(self, messages: list[dict]) -> list[int]:
         """The conversation through the model's chat template, ready for the reply."""
+        return self.encode_templated(self.chat_text(messages))
+
+    def encode_templated(self, text: str) -> list[int]:
+        """A templated text's ids (the template writes the special tokens itself)."""
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def chat_text(self, messages: list[dict]) -> str:
+        """The conversation through the model's chat template, as text."""
         if not getattr(self.tok, "chat_template", None):
             raise bad_param("messages", "this model's tokenizer has no chat template: use "
                             "/completions with a prompt")
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True,
+            return self.tok.apply_chat_template(messages, add_generation_prompt=True,
                                                 tokenize=False)
         except Exception as e:  # a template that rejects the conversation (roles, order)
             raise bad_param("messages", f"the chat template rejected the messages: {e}") from None
-        # The template writes the special tokens itself.
-        return self.tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True,

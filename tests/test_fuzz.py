@@ -713,3 +713,154 @@ def test_fuzz_no_5xx_no_restart_no_memory_growth(box, tiny_dir):
         warnings.warn(f"only {sent} of {N_MUTATIONS} mutations were sent in {elapsed:.0f} s",
                       stacklevel=1)
     checks.done()
+
+
+# -- issue 28: the OpenAI face and the admin API ------------------------------------------------
+
+N_FACE_MUTATIONS = 400
+FACE_CAP_S = 12
+
+
+def test_fuzz_openai_face_and_admin_api(box, tiny_dir):
+    """The same properties for the other two faces: no 5xx, no request unanswered, no
+    worker restart, the daemon's RSS bounded."""
+    from fuzz_faces import SLOW, SLOW_S, Faces
+
+    box.ensure_up()
+    rng, checks = random.Random(1), Checks()
+    faces = Faces(box.url, box.keys["fuzz"], box.data_dir, tiny_dir.name, REQUEST_TIMEOUT)
+    for face, path, body in faces.oai_requests() + faces.admin_requests():  # warm every path first
+        a = faces.send(face, path, dumps(body).encode(), {"Content-Type": "application/json"})
+        assert a.status is not None and a.status < 500, f"valid {face} {path}: {a.describe()}"
+    generation, rss0, restarts0 = box.generation, rss_mb(box.pid), box.restarts()
+    offenders: dict[tuple, list] = {}
+    sent, slow, started = 0, 0, time.monotonic()
+    while sent < N_FACE_MUTATIONS and time.monotonic() - started < FACE_CAP_S:
+        face, path, body = faces.valid(rng)
+        headers = {"Content-Type": "application/json"}
+        if rng.random() < 0.8:
+            mutated, done = mutate_json(body, rng)
+            data = dumps(mutated).encode("utf-8", "surrogatepass")
+        else:
+            data, headers, what = mutate_bytes(dumps(body).encode(), headers, rng)
+            done = [what]
+        a = faces.send(face, path, data, headers)
+        sent += 1
+        if a.error == SLOW and box.d.health() is not None:  # a long valid completion
+            slow += 1
+            continue
+        if a.status is None or a.status >= 500:
+            entry = offenders.setdefault((face, path, a.status), [0, ""])
+            entry[0] += 1
+            entry[1] = entry[1] or f"{'; '.join(done)[:200]} -> {a.describe(200)}"
+            if a.status is None and _revive(box):
+                checks.add(f"the daemon was dead or stuck after {face} {path}: restarted")
+                break
+    faces.close()
+    checks.add(*[f"x{n} {face} {path} {status or 'no answer'}: {example}"
+                 for (face, path, status), (n, example) in offenders.items()])
+    checks.add(*box.take_trips())
+    _settle(box, cap=20)
+    if box.generation == generation:
+        if box.restarts() != restarts0:
+            checks.add(f"twinkle_worker_restarts_total moved: {restarts0} -> {box.restarts()}")
+        if rss_mb(box.pid) - rss0 >= MAX_RSS_GROWTH_MB:
+            checks.add(f"the daemon's RSS grew {rss_mb(box.pid) - rss0:.0f} MB")
+    else:
+        checks.add("the daemon died during the fuzz")
+    if sent < N_FACE_MUTATIONS or slow:
+        warnings.warn(f"{sent} of {N_FACE_MUTATIONS} face mutations were sent; {slow} "
+                      f"completions still ran after {SLOW_S} s (cut)", stacklevel=1)
+    checks.done()
+
+
+def test_admin_arguments_are_typed_at_the_door(box, tiny_dir):
+    """Issue 28 item 9: wrong types and unknown arguments were 500s, and a `max_rank` of
+    "x" was stored and broke every create_model of the tenant."""
+    import httpx
+
+    box.ensure_up()
+    key = (box.data_dir / "admin.key").read_text().strip()
+    with httpx.Client(base_url=f"{box.url}/admin/v1", headers={"X-Admin-Key": key},
+                      timeout=REQUEST_TIMEOUT) as admin:
+        for command, body, named in [
+                ("tenants_set", {"name": "good", "weight": "x"}, "weight"),
+                ("tenants_set", {"name": "good", "max_rank": "x"}, "max_rank"),
+                ("tenants_set", {"name": "good", "max_rank": 2**70}, "max_rank"),
+                ("tenants_set", {"name": "good", "weight": -1}, "weight"),
+                ("keys_create", {"tenant": 123}, "tenant"),
+                ("drain", {"bogus": 1}, "bogus"),
+                ("drain", {"timeout": "soon"}, "timeout"),
+                ("runs_list", {"limit": "all"}, "limit")]:
+            r = admin.post(f"/{command}", json=body)
+            assert r.status_code == 400 and named in r.json()["detail"], (command, body, r.text)
+        r = admin.post("/drain", content=b"\xff\xfe")
+        assert r.status_code == 400 and "JSON object" in r.json()["detail"]
+        assert admin.post("/drain", json={"undo": True}).status_code == 200
+    # Nothing was stored: the tenant still creates models.
+    sc = tinker.ServiceClient(base_url=box.url, api_key=box.keys["good"])
+    sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=T)
+
+
+def _vm_bytes(pid: int) -> int:
+    from pathlib import Path
+
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmSize for {pid}")
+
+
+def test_a_30_mib_prompt_under_a_memory_cap_is_a_400_and_others_are_served(box, tiny_dir):
+    """Issue 28 item 1: a 30 MiB prompt was tokenized before any length check (gigabytes
+    in the tokenizer) and aborted the daemon. Under an address-space cap like a
+    container's (its size now + 1.5 GiB), the prompt and a chat of the same size are
+    400s naming the parameter, the daemon lives, and another tenant's completions are
+    served during and after. Token ids of the same size are refused too."""
+    import resource
+    import threading
+
+    import httpx
+
+    box.ensure_up()
+    pid, generation = box.pid, box.generation
+    old = resource.prlimit(pid, resource.RLIMIT_AS)
+    resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + (3 << 29), old[1]))
+    huge = "the sun and the sea " * (30 * 2**20 // 20)
+    served, stop = [], threading.Event()
+
+    def other_tenant():  # completions of the good tenant, all along
+        with httpx.Client(base_url=f"{box.url}/oai/api/v1", timeout=T,
+                          headers={"Authorization": f"Bearer {box.keys['good']}"}) as c:
+            while not stop.is_set() or len(served) < 2:
+                r = c.post("/completions", json={"model": tiny_dir.name, "prompt": "the sun",
+                                                 "max_tokens": 2})
+                served.append(r.status_code)
+
+    thread = threading.Thread(target=other_tenant)
+    try:
+        thread.start()
+        with httpx.Client(base_url=f"{box.url}/oai/api/v1", timeout=120,
+                          headers={"Authorization": f"Bearer {box.keys['fuzz']}"}) as c:
+            for path, body, param in [
+                    ("/completions", {"model": tiny_dir.name, "prompt": huge}, "prompt"),
+                    ("/chat/completions", {"model": tiny_dir.name, "messages": [
+                        {"role": "user", "content": huge}]}, "messages"),
+                    ("/completions", {"model": tiny_dir.name,  # 30 MiB of token ids
+                                      "prompt": [1000] * (6 * 2**20)}, "prompt")]:
+                try:
+                    r = c.post(path, json=body)
+                except httpx.HTTPError as e:
+                    raise AssertionError(f"{path}: no answer ({e}); the daemon "
+                                         f"{'lives' if box.alive() else 'died'}") from None
+                assert r.status_code == 400, (path, r.status_code, r.text[:300])
+                assert r.json()["error"]["param"] == param, r.text[:300]
+        stop.set()
+        thread.join(timeout=2 * T)
+        assert box.alive() and box.generation == generation
+        assert served and set(served) == {200}, served
+    finally:
+        stop.set()
+        thread.join(timeout=2 * T)
+        if box.alive():
+            resource.prlimit(pid, resource.RLIMIT_AS, old)

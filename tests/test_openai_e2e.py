@@ -268,3 +268,22 @@ def test_detokenizing_keeps_characters_split_across_tokens_whole(tok):
     cut = ChoiceText(tok, ["日本"])
     out = cut.feed(Piece(0, ids, [0.0] * len(ids), finish="length"))
     assert "".join(d.text for d in out) == "héllo → " and cut.finish == "stop"
+
+
+def test_a_long_text_is_counted_in_pieces_that_tokenize_as_the_whole(tok):
+    """Issue 28 item 1: a text past the vocabulary's bound is counted piece by piece (each
+    cut where the pre-tokenizer splits) before it is tokenized whole; the pieces' tokens
+    are the text's, so the count refuses no prompt that fits."""
+    import random
+
+    from openai_shim import tokens
+
+    rng = random.Random(0)
+    words = ["the", "sun", " ", "sea!", "é✓", "\n", "12345", "<|im_end|>", "x" * 50, "'s"]
+    text = "".join(rng.choice(words) + rng.choice([" ", "", "  ", "\n "])
+                   for _ in range(3 * tokens._PIECE_CHARS // 4))
+    n = len(tok.tok.encode(text, add_special_tokens=False))
+    assert len(text) > 2 * tokens._PIECE_CHARS
+    assert tok.reaches(text, n) and not tok.reaches(text, n + 1)
+    assert tok.reaches("the sun and the sea " * (30 * 2**20 // 20), 2048)
+    assert tok.max_chars(2048) == 2048 * tok.chars_per_token

@@ -152,13 +152,19 @@ def test_signed_urls_refuse_tampering_and_expiry(daemon, export):
         key_file = daemon.data / "download.key"
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
         store = Store(daemon.data / "twinkle.db")
-        sha = store.checkpoints.get(export["external"])["sha256"]
+        row = store.checkpoints.get(export["external"])
         store.close()
         past = int(time.time()) - 3600
-        sig = sign(download_key(daemon.data), file_subject(export["external"],
-                                                           "adapter_config.json", sha), past)
+        sig = sign(download_key(daemon.data), file_subject(row, "adapter_config.json"), past)
         r = anyone.get(f"{config.split('?')[0]}?expires={past}&sig={sig}")
         assert r.status_code == 403 and "expired" in r.json()["detail"]
+        # `expires` is digits only: what int() also reads ("+", "_", spaces) is refused,
+        # though the signature matches the number it stands for.
+        base, query = config.split("?")
+        expires, sig = (kv.split("=")[1] for kv in query.split("&"))
+        for odd in (f"+{expires}", f"{expires[:3]}_{expires[3:]}", f"%20{expires}%20"):
+            r = anyone.get(f"{base}?expires={odd}&sig={sig}")
+            assert r.status_code == 403 and "not valid" in r.json()["detail"], odd
 
 
 def test_an_export_saved_again_or_deleted_kills_its_old_links(daemon, export):
@@ -180,6 +186,20 @@ def test_an_export_saved_again_or_deleted_kills_its_old_links(daemon, export):
     assert "external_weights/again" not in ids
     with pytest.raises(tinker.NotFoundError):
         rest.get_external_weights_urls(path).result(timeout=T)
+
+
+def test_identical_weights_saved_again_kill_the_old_links(daemon, export):
+    """Revocation by version, not content: the same weights saved again under the name
+    (same sha256) still end the links given for the save before."""
+    tc, rest = export["tc"], _rest(daemon, "alice")
+    path = tc.save_weights_external("same").result(timeout=T).path
+    old = rest.get_external_weights_urls(path).result(timeout=T).urls["adapter_config.json"]
+    with _http(daemon, None) as anyone:
+        assert anyone.get(old).status_code == 200
+        assert tc.save_weights_external("same").result(timeout=T).path == path
+        assert anyone.get(old).status_code == 403
+        new = rest.get_external_weights_urls(path).result(timeout=T).urls
+        assert anyone.get(new["adapter_config.json"]).status_code == 200
 
 
 def test_external_checkpoints_take_ttl_publish_and_refusals_like_the_others(daemon, export):

@@ -5,7 +5,8 @@ download`) answers one URL per file of an external weights checkpoint; a session
 export answers one URL for its trace. Those clients fetch the URLs with plain urllib and no
 API key, so the URL itself is the credential: it names what it gives, until when, and an
 HMAC-SHA256 of both under a secret of this daemon (`<data_dir>/download.key`, 0600). A URL
-whose signature does not match (tampered, or its checkpoint was deleted or saved again) or
+whose signature does not match (tampered, or its checkpoint was deleted or saved again,
+identical weights or not) or
 whose time has passed is refused with a 403 that says which, and nothing about what exists.
 """
 
@@ -15,6 +16,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -33,6 +35,7 @@ from .ids import ALL_KINDS, valid_name
 V1 = "/api/v1"
 PREFIX = f"{V1}/download/"  # no API key on these routes: the signature is checked instead
 URL_TTL_S = 3600  # how long a signed URL works; the tinker CLI asks again before it ends
+_EXPIRES = re.compile(r"[0-9]{1,12}")  # unix seconds, digits only (int() takes "+1_0 ")
 
 
 @cache
@@ -78,10 +81,8 @@ def signed_url(request: web.Request, route: str, what: str) -> tuple[str, int]:
 
 def check_signature(request: web.Request, what: str) -> None:
     """403 unless the URL's signature is this daemon's for `what` and has not expired."""
-    try:
-        expires = int(request.query.get("expires", ""))
-    except ValueError:
-        expires = -1
+    raw = request.query.get("expires", "")
+    expires = int(raw) if _EXPIRES.fullmatch(raw) else -1
     given = request.query.get("sig", "")
     if (expires < 0 or not given.isascii()
             or not hmac.compare_digest(given, _signature(request, what, expires))):
@@ -128,15 +129,16 @@ async def external_weights_urls(request: web.Request, checkpoint: Callable) -> w
     urls, expires = {}, 0
     for name in files:
         route = "/".join(_q(p) for p in ("checkpoints", c["run_id"], c["kind"], c["name"], name))
-        urls[name], expires = signed_url(request, route,
-                                         file_subject(c["tinker_path"], name, c["sha256"]))
+        urls[name], expires = signed_url(request, route, file_subject(c, name))
     return web.json_response({"urls": urls, "expires": _iso(expires)})
 
 
-def file_subject(tinker_path: str, file: str, sha256: str) -> str:
-    """What a file's URL gives. The checkpoint's sha256 is in it: once the checkpoint is
-    saved again or deleted, its old links stop working."""
-    return f"file\n{tinker_path}\n{file}\n{sha256}"
+def file_subject(checkpoint: dict, file: str) -> str:
+    """What a file's URL gives: that file of this version of the checkpoint. The version
+    is its sha256 and the time it was saved: once the checkpoint is saved again (even with
+    identical weights) or deleted, its old links stop working."""
+    return (f"file\n{checkpoint['tinker_path']}\n{file}\n{checkpoint['sha256']}\n"
+            f"{checkpoint['created']!r}")
 
 
 async def download_file(request: web.Request) -> web.StreamResponse:
@@ -149,8 +151,9 @@ async def download_file(request: web.Request) -> web.StreamResponse:
         except ValueError:  # not a path this daemon could have signed
             c = None
     if c is None or c["status"] != "ready":
-        c = {"tinker_path": f"{run_id}/{kind}/{name}", "sha256": "", "dir": ""}
-    check_signature(request, file_subject(c["tinker_path"], file, c["sha256"]))
+        c = {"tinker_path": f"{run_id}/{kind}/{name}", "sha256": "", "created": None,
+             "dir": ""}
+    check_signature(request, file_subject(c, file))
     path = Path(c["dir"]) / file
     if not path.is_file():  # signed, but the file is gone (cannot happen short of a hand)
         raise web.HTTPNotFound(text='{"detail": "file not found"}',

@@ -33,7 +33,7 @@ class Body(Struct, kw_only=True):
 class CreateSession(Body):
     user_metadata: Metadata | None = None
     tags: list[str] | None = None
-    sdk_version: str | None = None
+    sdk_version: Annotated[str, Meta(max_length=64)] | None = None  # stored: "0.38.0"
     display_name: Annotated[str, Meta(max_length=256)] | None = None  # shown and searched
 
 

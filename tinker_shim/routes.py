@@ -18,6 +18,7 @@ from .common import body_of, metadata, own_session, service
 from .messages import CreateSession, FinishSession, RetrieveFuture, SessionRef, decode
 from .rest import add_rest_routes
 from .sampling import asample, create_sampling_session, get_sampler
+from .sessions import new_session
 from .training import (
     create_model,
     forward_backward,
@@ -57,9 +58,7 @@ async def healthz(request):
 
 async def create_session(request):
     body = await body_of(request, CreateSession)
-    sid = request.app["store"].sessions.create(
-        request["tenant"], metadata(request, body.user_metadata), body.sdk_version,
-        body.display_name)
+    sid = new_session(request, body, metadata(request, body.user_metadata))
     return web.json_response({"type": "create_session", "session_id": sid})
 
 

@@ -10,14 +10,43 @@ import time
 from aiohttp import web
 
 from twinkled.service import UserError
+from twinkled.store import QuotaExceeded, human_size
 
-from .common import body_of, iso_time, own_session
+from .common import body_of, iso_time, own_session, service
 from .downloads import trace_url
-from .messages import SessionSearch, StatusQuery
+from .messages import CreateSession, SessionSearch, StatusQuery, encoded_size
 
 ACTIVE_WITHIN_S = 60.0  # clients heartbeat every 10 s: quiet for a minute, not known to run
 FINISH_REASONS = ("success", "errored", "interrupted")  # the SDK's ClientSessionFinishReason
 GB = 10**9  # the storage usage's billing unit: size_gigabytes is decimal gigabytes
+# A session counts against tenant_max_sessions until it finishes or its client has been
+# quiet this long (the tinker client heartbeats every 10 s): a client that died without
+# finishing frees its place by itself; the row stays (search, trace).
+OPEN_WITHIN_S = 600.0
+
+
+def new_session(request, body: CreateSession, user_metadata: dict) -> str:
+    """A new session of the caller, within its open-session cap and its storage quota
+    (what the session stores counts in it). Both refusals are 400s: the tinker client
+    does not retry them."""
+    tenant, store, config = request["tenant"], request.app["store"], service(request).config
+    cap = config.tenant_max_sessions
+    if cap and store.sessions.open_count(tenant, time.time() - OPEN_WITHIN_S) >= cap:
+        raise UserError(f"tenant {tenant!r} has {cap} open sessions, the most it may have "
+                        "(tenant_max_sessions): finish some (ServiceClient, or let their "
+                        f"clients exit; a session quiet for {OPEN_WITHIN_S:.0f} s no "
+                        "longer counts)")
+    # sdk_version and display_name are small (bounded at the door) and counted, but refused
+    # for no quota: a tenant over it still opens the session it deletes checkpoints with.
+    size = len(encoded_size(user_metadata)) if user_metadata else 0
+    quota = store.checkpoints.storage_quota(tenant, config.storage_quota_default(tenant))
+    used = store.checkpoints.storage_used(tenant) if quota and size else 0
+    if quota and size and used + size > quota:
+        raise QuotaExceeded(f"tenant {tenant!r} uses {human_size(used)} of its "
+                            f"{human_size(quota)} storage quota, and this session would "
+                            f"store {human_size(size)} more (user_metadata): delete "
+                            "checkpoints or ask the operator to raise it")
+    return store.sessions.create(tenant, user_metadata, body.sdk_version, body.display_name)
 
 
 def session_status(s: dict, at: float) -> dict | None:

@@ -77,6 +77,8 @@ class Config:
     tenant_max_rank: int | None = None
     # Checkpoint files + stored user_metadata per tenant (50 GiB); 0 or less: unlimited.
     tenant_max_storage_bytes: int = 50 * 1024**3
+    # Open sessions per tenant (not finished, heartbeated in the last 10 minutes); 0: no cap.
+    tenant_max_sessions: int = 256
     # Per-tenant settings: {"alice": {"weight": 2, "max_queued_requests": 64}, ...}
     tenants: dict = field(default_factory=dict)
     # Limits on one request, checked at the door before it is queued (docs/reference.md).
@@ -246,6 +248,7 @@ _RANGES = {
     "weight": (lambda v: v > 0, "must be a positive number"),
     **{f"tenant_{k}": _QUOTA for k in TENANT_KEYS[1:]}, **{k: _QUOTA for k in TENANT_KEYS[1:]},
     "tenant_max_storage_bytes": (lambda v: True, ""),  # 0 or less: unlimited
+    "tenant_max_sessions": _NON_NEGATIVE,
     "max_storage_bytes": (lambda v: v != 0, "must be a number of bytes, or -1 for no limit "
                           "(leave the key out for tenant_max_storage_bytes)"),
 }

@@ -82,10 +82,15 @@ class Checkpoints:
     def storage_used(self, tenant: str) -> int:
         """Bytes the tenant stores: the recorded sizes of its checkpoints (every row still
         in the table: ready, corrupt or being written; a deleted checkpoint has no row) plus
-        the UTF-8 bytes of its user_metadata JSON on sessions, runs and checkpoints."""
+        the UTF-8 bytes of its user_metadata JSON on sessions, runs and checkpoints, and of
+        its sessions' sdk_version and display_name."""
         parts = ["SELECT coalesce(sum(size_bytes), 0) FROM checkpoints WHERE tenant = ?"]
         parts += [f"SELECT coalesce(sum(length(CAST(user_metadata AS BLOB))), 0) FROM {t} "
                   "WHERE tenant = ?" for t in METADATA_TABLES]
+        # A session's other stored strings count too (bounded at the door, but many).
+        parts += ["SELECT coalesce(sum(coalesce(length(CAST(sdk_version AS BLOB)), 0) + "
+                  "coalesce(length(CAST(display_name AS BLOB)), 0)), 0) FROM sessions "
+                  "WHERE tenant = ?"]
         sql = "SELECT " + " + ".join(f"({p})" for p in parts) + " AS n"
         return int(self._db.one(sql, [tenant] * len(parts))["n"])  # type: ignore[index]
 

@@ -24,6 +24,13 @@ class Sessions:
                                      "sdk_version": sdk_version, "display_name": display_name})
         return sid
 
+    def open_count(self, tenant: str, since: float) -> int:
+        """The tenant's sessions not finished and heard from (created or heartbeat) since
+        `since`: what counts against tenant_max_sessions."""
+        row = self._db.one("SELECT count(*) AS n FROM sessions WHERE tenant = ? AND "
+                           "finished_at IS NULL AND last_heartbeat >= ?", [tenant, since])
+        return int(row["n"]) if row else 0
+
     def next_model_seq(self, session_id: str, claim: int | None = None) -> int:
         """0, 1, 2 ... per session: the ``<n>`` of ``<session_id>:train:<n>``."""
         return self._next_seq("model_seq", session_id, claim)

@@ -41,7 +41,15 @@ from .join import (
 
 log = logging.getLogger("twinkled")
 _DEVICE_NAMES = ("cpu", "cuda")
-_PENDING_MAX = 64  # unanswered challenges kept; a flood of hellos cannot grow memory
+# Unanswered challenges kept, in all and per peer address: a flood of hellos is refused
+# (try again later), never grows memory and never evicts a real host's challenge.
+_PENDING_MAX = 64
+_PENDING_PER_PEER = 4
+_PENDING_S = 30.0  # a challenge not answered in this long is forgotten
+# Every message a host sends here is small (hello, proof, beats): a bigger frame is cut
+# off by ZeroMQ as it arrives (the peer is disconnected), before it is buffered, before
+# the sender has proved it holds the token.
+_FRAME_MAX = 1 << 16
 _BAN_S = (30.0, 3600.0)  # first and longest time a host whose ranks failed is kept out
 
 
@@ -58,6 +66,14 @@ class JoinSettings:
     @property
     def bind_host(self) -> str:
         return self.listen[len("tcp://"):].rpartition(":")[0]
+
+
+def _peer(frame: zmq.Frame) -> str:
+    """The address a frame came from (ZeroMQ's Peer-Address), "" where it has none."""
+    try:
+        return frame.get("Peer-Address") or ""
+    except zmq.ZMQError:
+        return ""
 
 
 def join_settings(config) -> JoinSettings | None:
@@ -91,7 +107,8 @@ class HostRegistry:
         self.on_join: Callable[[RemoteHost], None] = lambda host: None
         self._ctx = ctx
         self._sock: zmq.asyncio.Socket | None = None
-        self._pending: dict[bytes, tuple[bytes, JoinHelloF, float]] = {}
+        # ident -> (nonce, hello, when, peer address)
+        self._pending: dict[bytes, tuple[bytes, JoinHelloF, float, str]] = {}
         self._banned: dict[str, tuple[float, float, str]] = {}  # name -> (until, length, why)
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -105,6 +122,7 @@ class HostRegistry:
             return
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, _FRAME_MAX)
         self._sock.bind(self.settings.listen)
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._beat())]
         log.info("remote hosts may join at %s (token in %s)", self.settings.listen,
@@ -180,21 +198,21 @@ class HostRegistry:
 
     async def _receive(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart()
+            frames = await self._sock.recv_multipart(copy=False)
             if len(frames) != 2:
                 continue
-            ident, data = frames
+            ident, data = frames[0].bytes, frames[1].bytes
             try:
                 msg = decoder.decode(data)
             except msgspec.DecodeError:
                 log.warning("ignored an unreadable frame on the join socket")
                 continue
             try:
-                await self._handle(ident, msg)
+                await self._handle(ident, msg, _peer(frames[1]))
             except Exception:  # one agent's odd message must not end the registry
                 log.exception("join socket: handling %s failed", type(msg).__name__)
 
-    async def _handle(self, ident: bytes, msg) -> None:
+    async def _handle(self, ident: bytes, msg, peer: str) -> None:
         host = self.hosts.get(ident)
         if host is not None:
             host.seen = time.monotonic()
@@ -208,11 +226,11 @@ class HostRegistry:
                     self._drop(host, f"host {host.name} left: {why}")
             return
         if isinstance(msg, JoinHelloF):
-            await self._challenge(ident, msg)
+            await self._challenge(ident, msg, peer)
         elif isinstance(msg, ProofF):
             await self._admit(ident, msg)
 
-    async def _challenge(self, ident: bytes, hello: JoinHelloF) -> None:
+    async def _challenge(self, ident: bytes, hello: JoinHelloF, peer: str) -> None:
         bad = [d for d in hello.devices if d.partition(":")[0] not in _DEVICE_NAMES]
         if not hello.devices or bad:
             await self._send(ident, RefusedF(f"devices must be cpu or cuda:N, got "
@@ -222,17 +240,21 @@ class HostRegistry:
         if until > time.time():
             await self._send(ident, RefusedF(f"left out for now: {why}", until - time.time()))
             return
-        while len(self._pending) >= _PENDING_MAX:
-            self._pending.pop(next(iter(self._pending)))
+        if ident not in self._pending:
+            mine = sum(1 for p in self._pending.values() if p[3] == peer)
+            if mine >= _PENDING_PER_PEER or len(self._pending) >= _PENDING_MAX:
+                await self._send(ident, RefusedF("too many joins wait for their proof; trying "
+                                                 "again", retry_s=5.0))
+                return
         nonce = secrets.token_bytes(32)
-        self._pending[ident] = (nonce, hello, time.monotonic())
+        self._pending[ident] = (nonce, hello, time.monotonic(), peer)
         await self._send(ident, ChallengeF(nonce))
 
     async def _admit(self, ident: bytes, msg: ProofF) -> None:
         pending = self._pending.pop(ident, None)
         if pending is None:
             return
-        nonce, hello, _ = pending
+        nonce, hello, _, _ = pending
         if not check_proof(self.token, nonce, msg.mac):
             log.warning("refused host %r (pid %d): wrong join token", hello.host, hello.pid)
             await self._send(ident, RefusedF("wrong join token"))
@@ -255,8 +277,8 @@ class HostRegistry:
                                      f"{self.settings.heartbeat_s:.0f} s")
                 else:
                     await self._send(host.ident, BeatF(host.group))
-            for ident, (_, _, at) in list(self._pending.items()):
-                if now - at > 30:
+            for ident, (_, _, at, _) in list(self._pending.items()):
+                if now - at > _PENDING_S:
                     self._pending.pop(ident, None)
 
     def _lose(self, host: RemoteHost, why: str) -> None:
