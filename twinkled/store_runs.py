@@ -27,7 +27,7 @@ class Runs:
         ``model_seq_id`` (pass it as model_seq); the native API lets the store pick one.
         Raises KeyError for an unknown session, Conflict if the run exists."""
         seq = self._sessions.next_model_seq(session_id, model_seq)
-        run_id, t = f"{session_id}:train:{seq}", now()
+        run_id, t = self.id_of(session_id, seq), now()
         self._db.insert("runs", {"id": run_id, "tenant": tenant, "session_id": session_id,
                                  "base_model": base_model, "lora_rank": lora_rank,
                                  "lora_config": to_json(lora_config), "created": t,
@@ -35,6 +35,11 @@ class Runs:
                                  "user_metadata": to_json(user_metadata),
                                  "corrupted": 0, "deleted": 0})
         return run_id
+
+    @staticmethod
+    def id_of(session_id: str, model_seq: int) -> str:
+        """The id of a session's run number `model_seq`."""
+        return f"{session_id}:train:{model_seq}"
 
     def get(self, run_id: str, include_deleted: bool = False) -> Row | None:
         extra = "" if include_deleted else " AND NOT deleted"
