@@ -150,6 +150,20 @@ def test_identical_create_model_retries_get_the_original_future(http, tiny_dir):
     assert other.status_code == 400 and "already exists" in other.json()["detail"]
 
 
+def test_a_retried_create_sampling_session_gets_the_sampler_it_made(http, tiny_dir):
+    model = new_model(http, tiny_dir)
+    path = poll(http, save(http, "save_weights_for_sampler", model, 1, "x"))["path"]
+    sid = model.split(":train:")[0]
+    body = {"session_id": sid, "sampling_session_seq_id": 3, "model_path": path}
+    first = http.post("/create_sampling_session", json=body)
+    again = http.post("/create_sampling_session", json=body)  # before: 400 "already used"
+    assert again.status_code == 200, again.text
+    assert again.json()["sampling_session_id"] == first.json()["sampling_session_id"]
+    other = http.post("/create_sampling_session", json={
+        "session_id": sid, "sampling_session_seq_id": 3, "base_model": tiny_dir.name})
+    assert other.status_code == 400 and "already used" in other.json()["detail"]
+
+
 def test_names_with_dot_dot_are_refused_at_the_door(http, tiny_dir):
     """Before: they passed the door, then making the path failed: a 500 the client retries
     forever, and no seq_id taken, so its next request waited for good."""

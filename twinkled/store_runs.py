@@ -105,11 +105,16 @@ class Samplers:
         """Create ``<session_id>:sample:<n>`` (n from the client's sampling_session_seq_id
         when given). Raises KeyError for an unknown session, Conflict if it exists."""
         seq = self._sessions.next_sampler_seq(session_id, sampler_seq)
-        sampler_id = f"{session_id}:sample:{seq}"
+        sampler_id = self.id_of(session_id, seq)
         self._db.insert("samplers", {"id": sampler_id, "tenant": tenant,
                                      "session_id": session_id, "base_model": base_model,
                                      "model_path": model_path, "created": now()})
         return sampler_id
+
+    @staticmethod
+    def id_of(session_id: str, sampler_seq: int) -> str:
+        """The id of a session's sampler number `sampler_seq`."""
+        return f"{session_id}:sample:{sampler_seq}"
 
     def get(self, sampler_id: str) -> Row | None:
         return self._db.one("SELECT * FROM samplers WHERE id = ?", [sampler_id])
