@@ -255,14 +255,22 @@ class Service:
         self._check_intake()
         return self.lanes.of(model).core.admit(tenant, model, seq_id)
 
-    def _created(self, tenant: str, model: str | None, lora: dict) -> Future | None:
-        """The original future of a create the client retries (it lost the answer): the
-        run `model` of this tenant, made with the same config, whose create is still known.
-        None otherwise (a new model, or a different request for a taken id: refused)."""
-        run = None if model is None else self.store.runs.get(model, include_deleted=True)
+    def _created(self, tenant: str, session_id: str, model_seq: int | None,
+                 lora: dict) -> tuple[str, Future] | None:
+        """Before a create records its run: the run and original future of a create the
+        client retries (it lost the answer): run `model_seq` of the session, this tenant's,
+        made with the same config, whose create is still known. None otherwise (a new
+        model, or a different request for a taken id: refused). Raises if the daemon takes
+        no work now (a 503's retry must find no run)."""
+        self._check_intake()
+        if model_seq is None:  # the store numbers it: a new model
+            return None
+        model = Runs.id_of(session_id, model_seq)
+        run = self.store.runs.get(model, include_deleted=True)
         if run is None or run["tenant"] != tenant or not _same_lora(run["lora_config"], lora):
             return None
-        return self.lanes.of(model).core.original(tenant, model, 0)
+        original = self.lanes.of(model).core.original(tenant, model, 0)
+        return None if original is None else (model, original)
 
     def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
         self.lanes.of(model_id).core.refuse(tenant, model_id, seq_id, why)
@@ -285,10 +293,8 @@ class Service:
         lora = {"rank": config.rank, "alpha": config.alpha, "train_attn": config.train_attn,
                 "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
                 "seed": config.seed, "optimizer": config.optimizer}  # a restore re-creates it
-        self._check_intake()  # before the run is written: a 503's retry must find no run
-        model = None if model_seq is None else Runs.id_of(session_id, model_seq)
-        if (original := self._created(tenant, model, lora)) is not None:
-            return model, original
+        if (retried := self._created(tenant, session_id, model_seq, lora)) is not None:
+            return retried
         self.tenants.check_new_adapter(tenant, config.rank)
         lane = self.lanes.choose(config)
         lane.residency.room.check(config)
@@ -386,10 +392,8 @@ class Service:
         """A new training run whose adapter is loaded from a checkpoint (op 0)."""
         src = self.store.runs.get(checkpoint["run_id"], include_deleted=True)
         lora = {**(src["lora_config"] or {}), "optimizer": family}
-        self._check_intake()  # before the run is written: a 503's retry must find no run
-        model = None if model_seq is None else Runs.id_of(session_id, model_seq)
-        if (original := self._created(tenant, model, lora)) is not None:
-            return model, original
+        if (retried := self._created(tenant, session_id, model_seq, lora)) is not None:
+            return retried
         stored = stored_config({"lora_config": lora})
         lane = self.lanes.choose(stored)
         lane.residency.room.check(stored)
