@@ -246,6 +246,15 @@ def test_a_run_restored_after_a_crash_resumes_after_an_idle_unload(tiny_dir, tmp
         log = tmp_path / "log2"
         while "unloaded after" not in log.read_text():  # the client is away past idle_unload_s
             threading.Event().wait(0.2)
+        # While the daemon is drained, a request for the unloaded run is refused (503, no
+        # seq_id taken) without reloading its adapter for nothing.
+        ctl(tmp_path, "drain", "--timeout", "30")
+        with httpx.Client(base_url=f"{d2.url}/api/v1", headers={"X-API-Key": key}) as http:
+            r = http.post("/optim_step", json={"model_id": tc.model_id,
+                                               "seq_id": tc._request_id_counter + 1,
+                                               "adam_params": {"learning_rate": 1e-2}})
+        assert r.status_code == 503 and "reloaded" not in log.read_text()
+        ctl(tmp_path, "drain", "--undo")
         out = tc.forward_backward(data, "cross_entropy").result(timeout=T)  # before: hung
         assert out.metrics["loss:sum"] > 0
         tc.optim_step(adam).result(timeout=T)

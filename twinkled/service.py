@@ -282,7 +282,10 @@ class Service:
         return self.lanes.find(lambda lane: lane.planner.is_paused(future_id))
 
     async def ensure_loaded(self, run: dict) -> None:
-        """Bring back a run's adapter if it was unloaded while idle."""
+        """Bring back a run's adapter if it was unloaded while idle (not while the daemon
+        takes no work: its request would be refused after the reload)."""
+        if not self.lanes.of(run["id"]).residency.is_open(run["id"]):
+            self._check_intake()
         await self.lanes.ensure_loaded(run)
 
     def create_model(self, tenant: str, session_id: str, model_seq: int | None,
