@@ -12,6 +12,7 @@ import pytest
 
 from twinkled.schema import MIN_FUTURE_TTL_S, hash_key, now, to_datetime
 from twinkled.store import Conflict, Store, checkpoint_path
+from twinkled.store_checkpoints import Version
 
 
 @pytest.fixture()
@@ -296,16 +297,26 @@ def test_resave_same_name_and_abandoned_writes(store, db_path):
     store.checkpoints.set_public(p, True)
     with pytest.raises(Conflict):  # ready: replaced only when asked to
         store.checkpoints.begin(run, "alice", "weights", "w", "/d/2")
+    # A new version replaces a ready one only once written: until then the old one is
+    # served as it was, and a failed save leaves it so.
     assert store.checkpoints.begin(run, "alice", "weights", "w", "/d/2", overwrite=True) == p
-    assert store.checkpoints.get(p)["status"] == "writing"
-    assert store.checkpoints.get(p)["dir"] == "/d/2"
-    assert store.checkpoints.get(p)["public"] is False
+    old = store.checkpoints.get(p)
+    assert (old["status"], old["dir"], old["public"]) == ("ready", "/d/1", True)
+    assert store.checkpoints.abandon(p, "the save failed") is False
+    assert store.checkpoints.get(p)["status"] == "ready"
+    version = Version(run, "alice", "weights", "w", "/d/2", {"v": 2})
+    assert store.checkpoints.finish(p, 2, "11", version=version)
+    new = store.checkpoints.get(p)
+    assert (new["status"], new["dir"], new["sha256"], new["public"], new["user_metadata"]) == (
+        "ready", "/d/2", "11", False, {"v": 2})
+    store.checkpoints.begin(run, "alice", "weights", "w", "/d/3", overwrite=True)
     q = store.checkpoints.begin(run, "alice", "weights", "other", "/d/3")
 
     store = reopen(store, db_path)  # crash while writing
     abandoned = store.checkpoints.abandon_writing("daemon restarted during write")
-    assert {r["tinker_path"] for r in abandoned} == {p, q}
+    assert {r["tinker_path"] for r in abandoned} == {q}  # the pending new version of p: none
     assert store.checkpoints.get(q)["status"] == "corrupt"
+    assert store.checkpoints.get(p)["status"] == "ready"
     assert store.checkpoints.abandon_writing("again") == []
     store.close()
 

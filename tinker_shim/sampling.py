@@ -36,12 +36,15 @@ async def create_sampling_session(request):
         own_checkpoint(request, path)
     else:
         check_base_model(request, body.base_model)
+    seq = body.sampling_session_seq_id
     try:
         sampler_id = store.samplers.create(s["id"], request["tenant"],
-                                           service(request).config.served_name, path,
-                                           body.sampling_session_seq_id)
+                                           service(request).config.served_name, path, seq)
     except Conflict:
-        raise UserError("that sampling_session_seq_id is already used") from None
+        # A client that lost the answer sends the same request again: the sampler it made.
+        sampler_id = store.samplers.id_of(s["id"], seq)
+        if (store.samplers.get(sampler_id) or {}).get("model_path") != path:
+            raise UserError("that sampling_session_seq_id is already used") from None
     return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
 
 

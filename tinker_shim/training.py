@@ -320,7 +320,8 @@ def _loaded_optimizer(body: LoadWeights, src: dict) -> str:
 async def weights_info(request):
     body = await body_of(request, CheckpointRef)
     c = own_checkpoint(request, body.tinker_path, ALL_KINDS)
-    run = request.app["store"].runs.get(c["run_id"])
+    # A deleted run (`ctl runs delete` keeps its checkpoints) still describes them.
+    run = request.app["store"].runs.get(c["run_id"], include_deleted=True)
     lc = run["lora_config"]
     return web.json_response({"base_model": run["base_model"], "is_lora": True,
                               "lora_rank": run["lora_rank"], "train_unembed": lc["train_unembed"],

@@ -113,29 +113,46 @@ class EngineCore:
                 raise RateLimited(f"tenant {tenant!r} is over its queue quota; retry shortly")
         else:
             model = op.model_id
-            if not self.residency.is_open(model):
-                self.futures.drop(op.future, "model not loaded")
-                raise UserError(f"model {model} is not loaded in this daemon (it was "
-                                "created before a restart): create a training client from "
-                                "its last checkpoint")
+            try:
+                original = self.admit(tenant, model, op.seq_id)
+            except UserError as e:
+                self.futures.drop(op.future, str(e))
+                raise
+            if original is not None:  # a retry of a request already taken
+                self.futures.drop(op.future, "superseded by the original request")
+                return original
             lost = self.executor.take_rollback(model)
             if lost is not None:  # said once, in place of this request, which takes its seq_id
-                op = Op(model, op.seq_id, Skip(lost), op.future)
-            key = (model, op.seq_id)
-            if key in self._seq_index:  # a retry of a request already taken
-                self.futures.drop(op.future, "superseded by the original request")
-                original = self._seq_index[key]
-                return self.futures.find(original) or self.futures.get(tenant, original)
-            message = self._out_of_order(model, op.seq_id)
-            if message is not None:
-                self.futures.drop(op.future, message)
-                raise UserError(message)
-            self._seq_index[key] = op.future.id
+                op = Op(model, op.seq_id, Skip(lost), op.future, after=op.after)
+            self._seq_index[(model, op.seq_id)] = op.future.id
             self.gather.arrived(model, op.kind)
         self.planner.submit(Work(op.future.id, tenant, op.kind, op.tokens, op.model_id,
                                  op.seq_id, op, parts=op.parts))
         self.wake.set()
         return op.future
+
+    def admit(self, tenant: str, model: str, seq_id: int) -> Future | None:
+        """Whether an op of `model` at `seq_id` would be queued, asked before anything is
+        recorded for it: the original future if that seq_id was taken (a client's retry:
+        the original request, nothing is done again), None if it would be queued; raises
+        UserError if it would be refused."""
+        if not self.residency.is_open(model):
+            raise UserError(f"model {model} is not loaded in this daemon (it was created "
+                            "before a restart): create a training client from its last "
+                            "checkpoint")
+        original = self.original(tenant, model, seq_id)
+        if original is not None:
+            return original
+        message = self._out_of_order(model, seq_id)
+        if message is not None:
+            raise UserError(message)
+        return None
+
+    def original(self, tenant: str, model: str, seq_id: int) -> Future | None:
+        """The future of the request that took `seq_id` of `model`, if it is still known."""
+        future_id = self._seq_index.get((model, seq_id))
+        return None if future_id is None else (self.futures.find(future_id)
+                                               or self.futures.get(tenant, future_id))
 
     def _out_of_order(self, model: str, seq: int) -> str | None:
         next_seq = self.planner.next_seq(model)
@@ -250,6 +267,8 @@ class EngineCore:
                 continue
             if isinstance(op.frame, Skip):
                 self.futures.fail(op.future, op.frame.why, "user")
+                if op.after is not None:  # a save in its place: its row is not written
+                    op.after(None, op.frame.why)
                 continue
             if op.seq_id is not None:
                 # A retry of a recent request still finds its future; older ones are let go.

@@ -129,6 +129,7 @@ class Residency:
                 next_seq = self._planner.next_seq(model)
                 if next_seq is None or self._planner.busy(model):
                     continue
+                resume = self._resumes_at(model)
                 self._planner.forget_model(model)
                 try:
                     await self._executor.unload_idle(model)
@@ -138,7 +139,7 @@ class Residency:
                     continue
                 self._live.pop(model, None)
                 self.room.release(model)
-                self._store.runs.set_live(model, False, next_seq=next_seq, idle_unloaded=True)
+                self._store.runs.set_live(model, False, next_seq=resume, idle_unloaded=True)
                 log.info("adapter %s unloaded after %.0f s idle", model, idle_s)
 
     async def ensure_loaded(self, run: dict) -> None:
@@ -167,6 +168,14 @@ class Residency:
         """Every live adapter on disk, and where each model's seq_ids go on (a hot restart
         continues them exactly). Returns how many adapters were live."""
         await self._executor.persist_all()
-        for model, next_seq in self._planner.model_seqs().items():
-            self._store.runs.set_live(model, True, next_seq=next_seq)
+        for model in self._planner.model_seqs():
+            self._store.runs.set_live(model, True, next_seq=self._resumes_at(model))
         return len(self._live)
+
+    def _resumes_at(self, model: str) -> int | None:
+        """Where a model's seq_ids go on when it comes back: the one it waits for, or None
+        if it still resumes at whatever its client sends first (restored after a crash and
+        not asked since: its client counted on past the state it was restored to). Kept
+        across an idle unload and a hot restart, or its client's next request would wait
+        forever for a seq_id the client has long used."""
+        return None if self._planner.resyncing(model) else self._planner.next_seq(model)

@@ -84,12 +84,26 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def path_part_problem(part: str) -> str | None:
+    """Why `part` cannot be a component of a checkpoint's path (and directory), or None.
+    The one rule: `checkpoint_path` applies it, and the door's name check
+    (`engine.checks.check_name`) refuses what it refuses, so no name passes the door and
+    then fails here."""
+    if not part:
+        return "is empty"
+    if "/" in part:
+        return "contains '/'"
+    if ".." in part:
+        return "contains '..'"
+    return None
+
+
 def checkpoint_path(run_id: str, kind: str, name: str) -> str:
     """``tinker://<run_id>/<kind>/<name>``; the SDK's parser needs exactly three parts."""
     if kind not in CHECKPOINT_TYPES:
         raise ValueError(f"unknown checkpoint kind {kind!r}")
     for part in (run_id, name):
-        if not part or "/" in part or ".." in part:
+        if path_part_problem(part) is not None:
             raise ValueError(f"invalid checkpoint path component {part!r}")
     return f"tinker://{run_id}/{kind}/{name}"
 

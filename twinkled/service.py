@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import astuple
 from typing import Any
 
 from scheduler import Planner
@@ -31,6 +32,8 @@ from .metrics import Metrics
 from .residency import stored_config
 from .stability import StabilityRecords
 from .store import Conflict, checkpoint_path
+from .store_checkpoints import Version
+from .store_runs import Runs
 from .streams import SampleStream
 from .tenants import Tenants
 from .verify import verify_checkpoints
@@ -42,6 +45,13 @@ log = logging.getLogger("twinkled")
 # How a command that makes something answers, given the id of what it made (a model, a
 # checkpoint path, a sampler): the protocol layer's choice, like an Encoder.
 Answer = Callable[[str], tuple[bytes, str]]
+
+
+def _same_lora(stored: dict | None, asked: dict) -> bool:
+    """A retried create asks for the run's config (its seed may be drawn anew each time)."""
+    def plain(c: dict | None) -> dict:
+        return {k: v for k, v in (c or {}).items() if k != "seed"}
+    return plain(stored) == plain(asked)
 
 
 class Draining(Exception):
@@ -223,19 +233,54 @@ class Service:
     def submit(self, op: Op, lane: Lane | None = None) -> Future:
         """Queue `op` on its lane's core (see EngineCore.add), if the daemon takes work now.
         `lane`: where a sample goes (`Lanes.for_sample`); a model's ops go to its lane."""
+        try:
+            self._check_intake()
+            self._check_loaded(op.model_id)
+        except (UserError, Draining) as e:
+            self.futures.drop(op.future, str(e))
+            raise
+        return (lane or self.lanes.of(op.model_id)).core.add(op)
+
+    def _check_intake(self) -> None:
+        """Raise if the daemon takes no work now: a command asks this before it records
+        anything, so that a refusal (a 503 the client retries) leaves nothing behind."""
         if self.state == "failed":
             raise UserError(f"the model failed to load: {self.load_error}")
         if self.state == "draining" or self.intake_paused:
-            self.futures.drop(op.future, "the daemon is draining")
             raise Draining("the daemon is draining for maintenance or a restart; retry shortly")
-        if self.state == "loading" and op.model_id is not None and \
-                not self.lanes.is_open(op.model_id):
-            # A hot restart: the run comes back once the model is loaded, so its client's
-            # requests meanwhile get a 503 they retry, not the 400 of a run not here.
-            self.futures.drop(op.future, "the daemon is starting")
+
+    def _check_loaded(self, model_id: str | None) -> None:
+        """A hot restart: the run comes back once the model is loaded, so its client's
+        requests meanwhile get a 503 they retry, not the 400 of a run not here."""
+        if self.state == "loading" and model_id is not None and \
+                not self.lanes.is_open(model_id):
             raise Draining("the daemon is starting (loading the model, restoring adapters); "
                            "retry shortly")
-        return (lane or self.lanes.of(op.model_id)).core.add(op)
+
+    def _admit(self, tenant: str, model: str, seq_id: int) -> Future | None:
+        """Before a command records anything for op `seq_id` of `model`: the original
+        future if the client retries a request already taken (nothing is done again), None
+        if the op would be queued; raises what the op would be refused with."""
+        self._check_intake()
+        self._check_loaded(model)
+        return self.lanes.of(model).core.admit(tenant, model, seq_id)
+
+    def _created(self, tenant: str, session_id: str, model_seq: int | None,
+                 lora: dict) -> tuple[str, Future] | None:
+        """Before a create records its run: the run and original future of a create the
+        client retries (it lost the answer): run `model_seq` of the session, this tenant's,
+        made with the same config, whose create is still known. None otherwise (a new
+        model, or a different request for a taken id: refused). Raises if the daemon takes
+        no work now (a 503's retry must find no run)."""
+        self._check_intake()
+        if model_seq is None:  # the store numbers it: a new model
+            return None
+        model = Runs.id_of(session_id, model_seq)
+        run = self.store.runs.get(model, include_deleted=True)
+        if run is None or run["tenant"] != tenant or not _same_lora(run["lora_config"], lora):
+            return None
+        original = self.lanes.of(model).core.original(tenant, model, 0)
+        return None if original is None else (model, original)
 
     def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
         self.lanes.of(model_id).core.refuse(tenant, model_id, seq_id, why)
@@ -247,19 +292,25 @@ class Service:
         return self.lanes.find(lambda lane: lane.planner.is_paused(future_id))
 
     async def ensure_loaded(self, run: dict) -> None:
-        """Bring back a run's adapter if it was unloaded while idle."""
+        """Bring back a run's adapter if it was unloaded while idle (not while the daemon
+        takes no work: its request would be refused after the reload)."""
+        if not self.lanes.of(run["id"]).residency.is_open(run["id"]):
+            self._check_intake()
         await self.lanes.ensure_loaded(run)
 
     def create_model(self, tenant: str, session_id: str, model_seq: int | None,
                      config: LoraConfig, user_metadata: dict,
                      answer: Answer) -> tuple[str, Future]:
-        """A new training run and its adapter (op 0 of the model): its id and future."""
-        self.tenants.check_new_adapter(tenant, config.rank)
-        lane = self.lanes.choose(config)
-        lane.residency.room.check(config)
+        """A new training run and its adapter (op 0 of the model): its id and future. A
+        retried create (same model_seq, same config) answers the original future."""
         lora = {"rank": config.rank, "alpha": config.alpha, "train_attn": config.train_attn,
                 "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
                 "seed": config.seed, "optimizer": config.optimizer}  # a restore re-creates it
+        if (retried := self._created(tenant, session_id, model_seq, lora)) is not None:
+            return retried
+        self.tenants.check_new_adapter(tenant, config.rank)
+        lane = self.lanes.choose(config)
+        lane.residency.room.check(config)
         try:
             model = self.store.runs.create(session_id, tenant, self.config.served_name,
                                            config.rank, lora, user_metadata, model_seq)
@@ -289,25 +340,32 @@ class Service:
     def save(self, tenant: str, run: dict, seq_id: int, kind: str, name: str, *,
              optimizer: bool, user_metadata: dict, ttl_s: float | None, overwrite: bool,
              answer: Answer) -> Future:
-        """Record checkpoint `tinker://<run>/<kind>/<name>` as being written, then save it
-        in the run's order; the store learns its size and digest (or why it failed)."""
+        """Save checkpoint `tinker://<run>/<kind>/<name>` in the run's order; the store
+        learns its size and digest (or why it failed).
+
+        A retried seq_id is the original request: its future, and nothing recorded again.
+        A new name is recorded as being written at once; a new version of a ready one
+        replaces it only once written (the old one is served until then, and stays if the
+        save fails or never runs)."""
+        if (original := self._admit(tenant, run["id"], seq_id)) is not None:
+            return original
         path = checkpoint_path(run["id"], kind, name)
         directory = self.config.data_dir / "checkpoints" / run["id"] / kind / name
         quota = self.store.checkpoints.storage_quota(tenant,
                                                      self.config.storage_quota_default(tenant))
+        version = Version(run["id"], tenant, kind, name, str(directory), user_metadata or None,
+                          expires_at=time.time() + ttl_s if ttl_s else None)
         try:
-            self.store.checkpoints.begin(run["id"], tenant, kind, name, str(directory),
-                                         user_metadata or None,
-                                         expires_at=time.time() + ttl_s if ttl_s else None,
-                                         overwrite=overwrite, quota_bytes=quota)
+            self.store.checkpoints.begin(*astuple(version), overwrite=overwrite,
+                                         quota_bytes=quota)
         except Conflict as e:
             raise UserError(str(e)) from None
 
         def after(result: Any, message: str | None) -> None:
             if message is None:
-                self.store.checkpoints.finish(path, *result)
+                self.store.checkpoints.finish(path, *result, version=version)
             else:
-                self.store.checkpoints.mark_corrupt(path, message)
+                self.store.checkpoints.abandon(path, message)
 
         f = self.futures.new(tenant, "save", lambda _: answer(path))
         # Sampler weights are sampled next: the workers keep a device copy for that.
@@ -319,6 +377,8 @@ class Service:
                          answer: Answer) -> Future:
         """A snapshot of the adapter (kept an hour unless `ttl_s` says otherwise) and a
         sampling session on it."""
+        if (original := self._admit(tenant, run["id"], seq_id)) is not None:
+            return original  # a retry: its sampler is the one the original made
         path = checkpoint_path(run["id"], "sampler_weights", f"ephemeral-{seq_id}")
         try:
             sampler = self.store.samplers.create(run["session_id"], tenant,
@@ -333,6 +393,8 @@ class Service:
     def load(self, tenant: str, run: dict, seq_id: int, checkpoint: dict, optimizer: bool,
              answer: Answer) -> Future:
         """A checkpoint's weights (and optimizer state) into an existing model."""
+        if (original := self._admit(tenant, run["id"], seq_id)) is not None:
+            return original
         f = self.futures.new(tenant, "load_weights", lambda _: answer(run["id"]))
         frame = LoadF(run["id"], checkpoint["dir"], optimizer, None)
         return self.submit(Op(run["id"], seq_id, frame, f))
@@ -343,6 +405,8 @@ class Service:
         """A new training run whose adapter is loaded from a checkpoint (op 0)."""
         src = self.store.runs.get(checkpoint["run_id"], include_deleted=True)
         lora = {**(src["lora_config"] or {}), "optimizer": family}
+        if (retried := self._created(tenant, session_id, model_seq, lora)) is not None:
+            return retried
         stored = stored_config({"lora_config": lora})
         lane = self.lanes.choose(stored)
         lane.residency.room.check(stored)
@@ -395,8 +459,10 @@ class Service:
 
     def finish_session(self, tenant: str, session_id: str, reason: str | None) -> None:
         """A client ended its session: its adapters go once their queued work has run."""
-        self.store.sessions.finish(session_id, reason)
         runs, _ = self.store.sessions.children(session_id)
+        if any(self.lanes.of(model).residency.is_open(model) for model in runs):
+            self._check_intake()  # the unloads would be refused: record nothing either
+        self.store.sessions.finish(session_id, reason)
         self.unload_models(tenant, runs)
 
     def unload_models(self, tenant: str, model_ids: list[str]) -> None:

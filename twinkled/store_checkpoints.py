@@ -5,6 +5,7 @@ The files themselves live under the data dir; a row records where (``dir``)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from .db import Db
 from .futures import UserError
@@ -15,6 +16,32 @@ from .store_tenants import Tenants
 # tenant's storage quota with its checkpoints' files.
 METADATA_TABLES = ("sessions", "runs", "checkpoints")
 log = logging.getLogger("twinkled.checkpoints")
+
+
+@dataclass(frozen=True)
+class Version:
+    """What a save writes: the row its checkpoint gets once the files are written (the
+    first arguments of `Checkpoints.begin`, in its order)."""
+
+    run_id: str
+    tenant: str
+    kind: str
+    name: str
+    dir: str
+    user_metadata: dict | None = None
+    expires_at: float | None = None
+
+
+# A checkpoint's row written whole (a new one, or a new version of one: not public).
+_PUT = ("INSERT OR REPLACE INTO checkpoints (tinker_path, run_id, tenant, kind, name, "
+        "checkpoint_type, dir, size_bytes, sha256, status, error, public, created, expires_at, "
+        "user_metadata) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, ?, ?)")
+
+
+def _put(path: str, v: Version, status: str, size_bytes: int | None = None,
+         sha256: str | None = None) -> tuple:
+    return (path, v.run_id, v.tenant, v.kind, v.name, CHECKPOINT_TYPES[v.kind], v.dir,
+            size_bytes, sha256, status, now(), v.expires_at, to_json(v.user_metadata))
 
 
 class QuotaExceeded(UserError):
@@ -46,7 +73,9 @@ class Checkpoints:
         Check and insert are one transaction (BEGIN IMMEDIATE), so of concurrent saves to
         one name exactly one gets through. Raises ``Conflict`` if that path is being written
         now (whatever ``overwrite`` says) or is ready and ``overwrite`` is False; a corrupt
-        row, or a ready one with ``overwrite``, is replaced (its size no longer counts).
+        row is replaced (its size no longer counts). A ready one with ``overwrite`` is left
+        as it is: it is served until the new version is written (``finish`` with its
+        ``Version`` replaces it), and stays if the save fails or never runs.
         Raises ``QuotaExceeded`` if ``quota_bytes`` is a positive number and the tenant's
         ``storage_used`` (without the row being replaced) is already at or over it; None or
         a number <= 0 means no limit. See ``storage_quota`` for the number to pass."""
@@ -70,13 +99,10 @@ class Checkpoints:
                         f"{human_size(quota_bytes)} storage quota; delete checkpoints "
                         "(twinkled ctl checkpoints delete / RestClient.delete_checkpoint) "
                         "or ask the operator to raise it")
-            conn.execute(
-                "INSERT OR REPLACE INTO checkpoints (tinker_path, run_id, tenant, kind, name, "
-                "checkpoint_type, dir, size_bytes, sha256, status, error, public, created, "
-                "expires_at, user_metadata) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, NULL, "
-                "'writing', NULL, 0, ?, ?, ?)",
-                [path, run_id, tenant, kind, name, CHECKPOINT_TYPES[kind], str(dir), now(),
-                 expires_at, to_json(user_metadata)])
+            if old is not None and old[0] == "ready":
+                return path
+            conn.execute(_PUT, _put(path, Version(run_id, tenant, kind, name, str(dir),
+                                                  user_metadata, expires_at), "writing"))
         return path
 
     def storage_used(self, tenant: str) -> int:
@@ -112,11 +138,18 @@ class Checkpoints:
                            "checkpoints WHERE tenant = ? AND status = 'ready'", [tenant])
         return row["n"], row["bytes"]  # type: ignore[index]
 
-    def finish(self, path: str, size_bytes: int, sha256: str) -> bool:
-        """The files are on disk (fsynced and renamed): the checkpoint becomes "ready"."""
-        done = self._db.write("UPDATE checkpoints SET status = 'ready', size_bytes = ?, "
-                              "sha256 = ?, error = NULL WHERE tinker_path = ?",
-                              (size_bytes, sha256, path)) > 0
+    def finish(self, path: str, size_bytes: int, sha256: str,
+               version: Version | None = None) -> bool:
+        """The files are on disk (fsynced and renamed): the checkpoint becomes "ready".
+        With the save's ``version``, its row is written whole (a new version of a ready
+        checkpoint replaces the old row only now; one deleted meanwhile comes back, as the
+        save that wrote it came after the delete)."""
+        if version is not None:
+            done = self._db.write(_PUT, _put(path, version, "ready", size_bytes, sha256)) > 0
+        else:
+            done = self._db.write("UPDATE checkpoints SET status = 'ready', size_bytes = ?, "
+                                  "sha256 = ?, error = NULL WHERE tinker_path = ?",
+                                  (size_bytes, sha256, path)) > 0
         if done:
             log.info("checkpoint %s saved (%s)", path, human_size(size_bytes),
                      extra={"event": "checkpoint_saved", "checkpoint": path,
@@ -127,6 +160,13 @@ class Checkpoints:
         """Failed write or checksum mismatch: keep the row (for admins), hide it."""
         return self._db.write("UPDATE checkpoints SET status = 'corrupt', error = ? "
                               "WHERE tinker_path = ?", (reason, path)) > 0
+
+    def abandon(self, path: str, reason: str) -> bool:
+        """A save failed (or never ran): a row being written becomes corrupt; a ready one
+        (an older version the save would have replaced) stays as it is."""
+        return self._db.write("UPDATE checkpoints SET status = 'corrupt', error = ? "
+                              "WHERE tinker_path = ? AND status = 'writing'",
+                              (reason, path)) > 0
 
     def abandon_writing(self, reason: str) -> list[Row]:
         """At start-up: writes cut short by a crash become corrupt; returns those rows so

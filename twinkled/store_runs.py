@@ -29,7 +29,7 @@ class Runs:
         ``model_seq_id`` (pass it as model_seq); the native API lets the store pick one.
         Raises KeyError for an unknown session, Conflict if the run exists."""
         seq = self._sessions.next_model_seq(session_id, model_seq)
-        run_id, t = f"{session_id}:train:{seq}", now()
+        run_id, t = self.id_of(session_id, seq), now()
         self._db.insert("runs", {"id": run_id, "tenant": tenant, "session_id": session_id,
                                  "base_model": base_model, "lora_rank": lora_rank,
                                  "lora_config": to_json(lora_config), "created": t,
@@ -40,6 +40,11 @@ class Runs:
                  lora_rank, extra={"event": "run_created", "run_id": run_id,
                                    "tenant": tenant, "lora_rank": lora_rank})
         return run_id
+
+    @staticmethod
+    def id_of(session_id: str, model_seq: int) -> str:
+        """The id of a session's run number `model_seq`."""
+        return f"{session_id}:train:{model_seq}"
 
     def get(self, run_id: str, include_deleted: bool = False) -> Row | None:
         extra = "" if include_deleted else " AND NOT deleted"
@@ -108,11 +113,16 @@ class Samplers:
         """Create ``<session_id>:sample:<n>`` (n from the client's sampling_session_seq_id
         when given). Raises KeyError for an unknown session, Conflict if it exists."""
         seq = self._sessions.next_sampler_seq(session_id, sampler_seq)
-        sampler_id = f"{session_id}:sample:{seq}"
+        sampler_id = self.id_of(session_id, seq)
         self._db.insert("samplers", {"id": sampler_id, "tenant": tenant,
                                      "session_id": session_id, "base_model": base_model,
                                      "model_path": model_path, "created": now()})
         return sampler_id
+
+    @staticmethod
+    def id_of(session_id: str, sampler_seq: int) -> str:
+        """The id of a session's sampler number `sampler_seq`."""
+        return f"{session_id}:sample:{sampler_seq}"
 
     def get(self, sampler_id: str) -> Row | None:
         return self._db.one("SELECT * FROM samplers WHERE id = ?", [sampler_id])

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..schema import path_part_problem  # the path's rule: a name must pass it too
 from .types import OPTIMIZERS, AdamParams, DimuonParams, EngineInputError
 
 # Loss name -> (required inputs, optional inputs, config keys, required config keys).
@@ -343,9 +344,9 @@ def check_name(field: str, name: str, limits: Limits) -> None:
         raise fail(field, "must be a non-empty string")
     if len(name) > limits.max_name_chars:
         raise fail(field, f"is {len(name)} characters long; at most {limits.max_name_chars}")
-    if name[0] in ".-" or not set(name) <= _NAME_CHARS:
+    if name[0] in ".-" or not set(name) <= _NAME_CHARS or path_part_problem(name):
         raise fail(field, f"{name!r} is not a valid name: use letters, digits and . _ - : + = "
-                   "@ , (not starting with '.' or '-'; no '/')")
+                   "@ , (not starting with '.' or '-'; no '/' and no '..')")
 
 
 def check_ttl(field: str, ttl: int | None, limits: Limits) -> None:
