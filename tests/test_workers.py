@@ -122,16 +122,19 @@ def _client(d, tenant, tiny_dir, seed):
 
 
 def test_healthz_answers_fast_during_a_long_step(slow_pair, tiny_dir):
+    """healthz is answered while a step is held in the workers: one worker is stopped
+    (SIGSTOP), so the step cannot end before it is let go, whatever the box's speed."""
     tc = _client(slow_pair, "alice", tiny_dir, 1)
     data = _data(tc.get_tokenizer())
-    fut = tc.forward_backward(data, "cross_entropy")
-    time.sleep(0.4)  # the step is now running in the workers
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        assert slow_pair.health()["status"] == "ok"
-        times.append(time.perf_counter() - t0)
-    assert max(times) < 0.05, times
+    held = slow_pair.workers()[1]
+    os.kill(held, signal.SIGSTOP)
+    try:
+        fut = tc.forward_backward(data, "cross_entropy")
+        for _ in range(10):
+            assert slow_pair.health()["status"] == "ok"
+        assert not fut.future().done()  # the step was still held through all of them
+    finally:
+        os.kill(held, signal.SIGCONT)
     assert fut.result(timeout=T).metrics["loss:sum"] > 0
 
 
