@@ -162,7 +162,7 @@ def test_a_hung_step_restarts_the_group_keeping_loads_and_saying_what_was_lost(
         _optim(tc, 5e-2)
         tc.load_state(paths[name]).result(timeout=T)  # ... and back (acknowledged)
     want = _logprobs(ann, data)
-    sc["ben"].create_rest_client().delete_checkpoint_from_tinker_path(
+    tinker.RestClient(base_url=d.url, api_key=d.keys["ben"]).delete_checkpoint_from_tinker_path(
         paths["ben"]).result(timeout=T)
     restarts = _restarts(d)
 
