@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import time
 
 import pytest
 
@@ -227,11 +228,15 @@ def test_errors_in_openai_shape(daemon, tiny_dir):
 
 
 def test_a_client_gone_mid_stream_leaves_the_daemon_serving(daemon, tiny_dir):
-    for body in ({"prompt": PROMPT, "max_tokens": 60, "n": 2, "stream": True},
-                 {"prompt": PROMPT, "max_tokens": 60, "n": 2}):
+    """A client that goes away (mid-stream, or before its answer) has its samples cancelled
+    (counted per tenant in /metrics), and the daemon goes on serving. 1500 greedy tokens
+    (the tiny model repeats itself, no EOS) take seconds: still running when it goes."""
+    cancelled = daemon.metric("twinkle_samples_cancelled_total", tenant="bob")
+    for body in ({"prompt": PROMPT, "max_tokens": 1500, "n": 2, "stream": True},
+                 {"prompt": PROMPT, "max_tokens": 1500, "n": 2}):
         conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=T)
         conn.request("POST", "/oai/api/v1/completions",
-                     json.dumps({"model": tiny_dir.name, "temperature": 1, **body}),
+                     json.dumps({"model": tiny_dir.name, "temperature": 0, **body}),
                      {"Authorization": f"Bearer {daemon.keys['bob']}",
                       "Content-Type": "application/json"})
         if body.get("stream"):
@@ -240,6 +245,10 @@ def test_a_client_gone_mid_stream_leaves_the_daemon_serving(daemon, tiny_dir):
             r.fp.readline()  # the first bytes of the stream, then gone
         conn.sock.close()
         conn.close()
+    deadline = time.monotonic() + T  # a bound on waiting, not on speed
+    while daemon.metric("twinkle_samples_cancelled_total", tenant="bob") < cancelled + 2:
+        assert time.monotonic() < deadline, "the gone clients' samples were not cancelled"
+        time.sleep(0.2)
     r = client(daemon, "bob").completions.create(model=tiny_dir.name, prompt="hi", max_tokens=3,
                                                   temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
