@@ -140,14 +140,18 @@ def test_stop_strings_cut_the_text(daemon, tiny_dir):
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
     text, finish, _ = streamed(c.completions.create(**kw, stop=stop, stream=True))
     assert text == {0: cut} and finish == {0: "stop"}
-    chat = c.chat.completions.create(model=tiny_dir.name, max_tokens=16, temperature=0,
-                                     messages=[{"role": "user", "content": PROMPT}])
-    reply = chat.choices[0].message.content
-    if len(reply) > 4:
-        again = c.chat.completions.create(model=tiny_dir.name, max_tokens=16, temperature=0,
-                                          messages=[{"role": "user", "content": PROMPT}],
-                                          stop=reply[2:4])
-        assert again.choices[0].message.content == reply[:reply.index(reply[2:4])]
+    # Chat: the tiny model's chat reply is newlines only, so a stop found in it cuts at 0,
+    # which a chat path answering "" to any stop would pass too. So also: a stop that is
+    # not in the reply leaves it whole (finish "length"), one that is cuts it ("stop").
+    chat_kw = dict(model=tiny_dir.name, max_tokens=16, temperature=0,
+                   messages=[{"role": "user", "content": PROMPT}])
+    reply = c.chat.completions.create(**chat_kw).choices[0].message.content
+    assert reply
+    absent = c.chat.completions.create(**chat_kw, stop=["never appears"]).choices[0]
+    assert absent.message.content == reply and absent.finish_reason == "length"
+    cut = c.chat.completions.create(**chat_kw, stop=reply[2:4]).choices[0]
+    assert cut.message.content == reply[:reply.index(reply[2:4])]
+    assert cut.finish_reason == "stop"
 
 
 def test_a_trained_adapter_answers_as_tinker_samples_it(daemon, tiny_dir):

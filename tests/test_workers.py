@@ -177,15 +177,19 @@ def test_killed_worker_fails_one_step_and_restores_every_adapter(slow_pair, tiny
 def test_ten_worker_kills_in_a_row_leave_it_serving(slow_pair, tiny_dir):
     tc = _client(slow_pair, "bob", tiny_dir, 4)
     data = _data(tc.get_tokenizer())[:1]
+    counted = slow_pair.metric("twinkle_worker_restarts_total")
     for i in range(10):
         old = slow_pair.workers()
         os.kill(old[i % 2], signal.SIGKILL)
         slow_pair.wait_workers(2, old=set(old))
     assert _step(tc, data).metrics["loss:sum"] > 0
+    # Each kill was one restart, counted in /metrics and in the status (which also counts
+    # this module's earlier kills).
+    assert slow_pair.metric("twinkle_worker_restarts_total") == counted + 10
     status = subprocess.run(
         [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(slow_pair.data_dir),
          "status", "--json"], capture_output=True, text=True, check=True)
-    assert '"restarts"' in status.stdout
+    assert json.loads(status.stdout)["restarts"] == counted + 10
 
 
 def test_sigterm_is_a_hot_restart(tiny_dir, tmp_path):
