@@ -51,6 +51,14 @@ def test_quota_pauses_training_and_refuses_samples(daemon, tiny_dir):
             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
             "sampling_params": {"max_tokens": 2}})
         assert r.status_code == 429 and "quota" in r.json()["detail"]
+        # The OpenAI face says the same in its own shape: 429, rate_limit_exceeded.
+        r = httpx.post(f"{daemon.url}/oai/api/v1/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {key}"},
+                       json={"model": tiny_dir.name, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 429 and r.headers["Retry-After"]
+        err = r.json()["error"]
+        assert (err["type"], err["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+        assert "quota" in err["message"]
     time.sleep(2.5)
     status = json.loads(ctl(daemon.data, "status", "--json"))
     carol = status["tenants"]["carol"]

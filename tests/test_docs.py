@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import click
+import pytest
 
 from twinkled.cli import main
 from twinkled.config import Config
@@ -54,6 +55,19 @@ def test_every_command_and_option_is_documented():
         for p in options:
             assert any(re.search(rf"{re.escape(o)}(?![\w-])", text) for o in p.opts), \
                 f"{path} {p.opts} is not documented in its own section or row"
+
+
+@pytest.mark.parametrize("client", ["ServiceClient", "TrainingClient", "SamplingClient",
+                                    "RestClient", "AdminClient"])
+def test_every_sdk_call_is_listed(client):
+    """README: every public method of the 0.38 SDK's clients is in the reference, under its
+    client (an `X_async` twin through `X`)."""
+    tinker = pytest.importorskip("tinker")
+    section = REFERENCE.split(f"### {client}\n", 1)[1].split("\n### ", 1)[0]
+    listed = set(re.findall(r"`([A-Za-z_]\w*)`", section))
+    public = {n.removesuffix("_async") for n in dir(getattr(tinker, client))
+              if not n.startswith("_")}
+    assert public - listed == set(), f"{client} calls missing from docs/reference.md"
 
 
 def test_every_config_key_is_documented():
