@@ -98,6 +98,18 @@ class Daemon:
             time.sleep(0.2)
         raise TimeoutError(f"workers did not come back: {self.workers()}")
 
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of /metrics samples called `name` whose labels include `labels`."""
+        import re
+
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
+        total = 0.0
+        for m in re.finditer(rf"^{re.escape(name)}(?:\{{(.*?)\}})?\s+(\S+)$", text, re.M):
+            have = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(1) or ""))
+            if all(have.get(k) == v for k, v in labels.items()):
+                total += float(m.group(2))
+        return total
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         stop_process(self.proc, sig)
         self.log.close()

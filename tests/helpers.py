@@ -31,6 +31,17 @@ def rl_datum(gen: torch.Generator, n: int, vocab: int) -> Datum:
                         advantages=torch.randn(n, generator=gen))
 
 
+def centre_on_model(engine, adapter_id: str, data: list[Datum], gen: torch.Generator,
+                    spread: float = 0.5) -> None:
+    """Put each RL datum's sampler logprobs near the model's own (lp + N(0, spread)), so the
+    ratios exp(lp - q) land on both sides of 1 and of a clip range like [0.8, 1.2]:
+    rl_datum's q in [-3, 0] sits far above a tiny model's lp (about -7), all ratios << 0.8."""
+    fwd = engine.forward([ForwardBackwardRequest(adapter_id, data)])[0]
+    for d, out in zip(data, fwd.outputs, strict=True):
+        lp = out["logprobs"].cpu()
+        d.loss_inputs["logprobs"] = lp + torch.randn(lp.shape, generator=gen) * spread
+
+
 def ce_request(adapter, gen, vocab, lengths, **kw) -> ForwardBackwardRequest:
     return ForwardBackwardRequest(adapter, [random_datum(gen, n, vocab) for n in lengths], **kw)
 

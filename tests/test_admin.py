@@ -145,6 +145,12 @@ def test_drain_refuses_new_work_then_undo(ops_daemon, tiny_dir):
                                           "base_model": tiny_dir.name,
                                           "lora_config": {"rank": 4}})
         assert r.status_code == 503 and "draining" in r.json()["detail"]
+        # The OpenAI face: a 503 in its own shape, which OpenAI clients retry.
+        r = h.post(f"{ops_daemon.url}/oai/api/v1/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {key}"},
+                   json={"model": tiny_dir.name, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["Retry-After"]
+        assert r.json()["error"]["code"] == "draining"
     ctl(data, "drain", "--undo")
     assert ops_daemon.health()["status"] == "ok"
     _train(ops_daemon.url, key, tiny_dir)

@@ -51,6 +51,14 @@ def test_quota_pauses_training_and_refuses_samples(daemon, tiny_dir):
             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
             "sampling_params": {"max_tokens": 2}})
         assert r.status_code == 429 and "quota" in r.json()["detail"]
+        # The OpenAI face says the same in its own shape: 429, rate_limit_exceeded.
+        r = httpx.post(f"{daemon.url}/oai/api/v1/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {key}"},
+                       json={"model": tiny_dir.name, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 429 and r.headers["Retry-After"]
+        err = r.json()["error"]
+        assert (err["type"], err["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+        assert "quota" in err["message"]
     time.sleep(2.5)
     status = json.loads(ctl(daemon.data, "status", "--json"))
     carol = status["tenants"]["carol"]
@@ -75,10 +83,18 @@ def test_status_shows_shares_after_training(daemon, tiny_dir):
     tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=60)
     d = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5, 6, 7, 8]),
                            loss_fn_inputs={"target_tokens": [6, 7, 8, 9]})
+    before = json.loads(ctl(daemon.data, "status", "--json"))["tenants"].get("bob", {})
     tc.forward_backward([d], "cross_entropy").result(timeout=60)
     time.sleep(2.5)
-    bob = json.loads(ctl(daemon.data, "status", "--json"))["tenants"]["bob"]
-    assert bob["served_tokens"] >= 4 and 0 < bob["share"] <= 1
+    tenants = json.loads(ctl(daemon.data, "status", "--json"))["tenants"]
+    bob = tenants["bob"]
+    # Exactly this datum's 4 tokens more; more training time; and the shares are each
+    # tenant's part of all training time (the session daemon has served others too).
+    assert bob["served_tokens"] - before.get("served_tokens", 0) == 4
+    assert bob["served_s"] > before.get("served_s", 0.0)
+    total = sum(t["served_s"] for t in tenants.values())
+    assert sum(t["share"] for t in tenants.values()) == pytest.approx(1.0)
+    assert bob["share"] == pytest.approx(bob["served_s"] / total)
 
 
 def test_finishing_a_session_unloads_its_adapters(daemon, tiny_dir):

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import click
+import pytest
 
 from twinkled.cli import main
 from twinkled.config import Config
@@ -23,13 +24,50 @@ def _commands(group: click.Group, prefix: str):
             yield from _commands(cmd, path)
 
 
+def _command_text(path: str) -> str:
+    """What docs/reference.md says about one command: the prose of the `### ` section whose
+    heading names it (or its group, for `twinkled ctl ...`), and, for a command listed in
+    that section's table, its own rows. Another command's options do not count."""
+    sections = re.split(r"^(?=##+ )", REFERENCE, flags=re.M)
+    heads = {}  # the command a heading names (its words before any option) -> section
+    for sec in sections:
+        m = re.match(r"#+ `([^`]*)`", sec)
+        if m:
+            heads[" ".join(w for w in m.group(1).split() if w.isalpha() and w.islower())] = sec
+    words = path.split()
+    group = next(" ".join(words[:n]) for n in range(len(words), 0, -1)
+                 if " ".join(words[:n]) in heads)
+    lines = heads[group].splitlines()
+    text = [ln for ln in lines if not ln.startswith("|")]  # the section's prose
+    if group == path:
+        text += [ln for ln in lines if ln.startswith("| `-")]  # its own option table
+    else:
+        text += [ln for ln in lines if ln.startswith(f"| `{path}")]  # its own row
+    return "\n".join(text)
+
+
 def test_every_command_and_option_is_documented():
     for path, cmd in _commands(main, "twinkled"):
         assert path in REFERENCE, f"{path} is not in docs/reference.md"
         assert cmd.help, f"{path} has no help text"
-        for p in cmd.params:
-            if isinstance(p, click.Option):
-                assert any(o in REFERENCE for o in p.opts), f"{path} {p.opts} undocumented"
+        options = [p for p in cmd.params if isinstance(p, click.Option)]
+        text = _command_text(path) if options else ""
+        for p in options:
+            assert any(re.search(rf"{re.escape(o)}(?![\w-])", text) for o in p.opts), \
+                f"{path} {p.opts} is not documented in its own section or row"
+
+
+@pytest.mark.parametrize("client", ["ServiceClient", "TrainingClient", "SamplingClient",
+                                    "RestClient", "AdminClient"])
+def test_every_sdk_call_is_listed(client):
+    """README: every public method of the 0.38 SDK's clients is in the reference, under its
+    client (an `X_async` twin through `X`)."""
+    tinker = pytest.importorskip("tinker")
+    section = REFERENCE.split(f"### {client}\n", 1)[1].split("\n### ", 1)[0]
+    listed = set(re.findall(r"`([A-Za-z_]\w*)`", section))
+    public = {n.removesuffix("_async") for n in dir(getattr(tinker, client))
+              if not n.startswith("_")}
+    assert public - listed == set(), f"{client} calls missing from docs/reference.md"
 
 
 def test_every_config_key_is_documented():

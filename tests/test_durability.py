@@ -4,6 +4,7 @@ journal's ops after it are replayed, twinkled/journal.py), pending gradients inc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -50,17 +51,34 @@ def _history(tc, data, lr):
     _fb(tc, data)
 
 
+def _lagging(tiny_dir, tmp_path, extra: str = "", tenants=("ann", "ben", "cat", "dan"),
+             env: dict | None = None):
+    cfg = tmp_path / "twinkled.toml"
+    cfg.write_text("persist_every = 1000\n" + extra)
+    keys = {t: make_key(tmp_path, t) for t in tenants}
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--config", str(cfg), env=env)
+    d.keys, d.cfg = keys, cfg
+    return d
+
+
 @pytest.fixture()
 def lagging(tiny_dir, tmp_path):
     """A daemon whose write-behind persistence runs only every 1000th step: after the first
     version (at create), everything a restore gets back comes from the journal."""
-    cfg = tmp_path / "twinkled.toml"
-    cfg.write_text("persist_every = 1000\n")
-    keys = {t: make_key(tmp_path, t) for t in ("ann", "ben", "cat", "dan")}
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--config", str(cfg))
-    d.keys, d.cfg = keys, cfg
+    d = _lagging(tiny_dir, tmp_path)
     yield d
     d.stop()
+
+
+@pytest.fixture()
+def lagging_hangs(tiny_dir, tmp_path):
+    """`lagging`, and more: a step not answered within 20 s restarts the worker group, and
+    no version is ever written (the writer waits 10 min first), so even a load, which
+    asks for one at once, is covered by the journal alone."""
+    d = _lagging(tiny_dir, tmp_path, "step_timeout_s = 20\n", tenants=("ann", "ben"),
+                 env={"TWINKLED_TEST_PERSIST_DELAY": "600"})
+    yield d
+    d.stop(signal.SIGKILL)  # a clean stop would wait for the writer
 
 
 def _clients(d, tiny_dir):
@@ -120,6 +138,50 @@ def test_daemon_sigkill_keeps_every_acknowledged_step(lagging, tiny_dir, tmp_pat
         assert "replayed" in (tmp_path / "log2").read_text()
     finally:
         d2.stop()
+
+
+def test_a_hung_step_restarts_the_group_keeping_loads_and_saying_what_was_lost(
+        lagging_hangs, tiny_dir):
+    """A worker that stops answering (SIGSTOP) fails its step once `step_timeout_s` has
+    passed and the group restarts. ann's acknowledged load_state survives it (the journal
+    replays the load). ben's cannot: the checkpoint he loaded was deleted since, so its
+    replay fails; his next request fails once, saying how many acknowledged operations
+    were lost, and the one after runs."""
+    d = lagging_hangs
+    sc = {t: tinker.ServiceClient(base_url=d.url, api_key=d.keys[t]) for t in ("ann", "ben")}
+    ann, ben = (sc[t].create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                  seed=5 + i).result(timeout=T)
+                for i, t in enumerate(("ann", "ben")))
+    data = _data(ann.get_tokenizer())
+    paths = {}
+    for name, tc in (("ann", ann), ("ben", ben)):
+        _fb(tc, data)
+        _optim(tc, 5e-2)
+        paths[name] = tc.save_state(f"{name}-1").result(timeout=T).path
+        _fb(tc, data)  # moves it away from the checkpoint ...
+        _optim(tc, 5e-2)
+        tc.load_state(paths[name]).result(timeout=T)  # ... and back (acknowledged)
+    want = _logprobs(ann, data)
+    tinker.RestClient(base_url=d.url, api_key=d.keys["ben"]).delete_checkpoint_from_tinker_path(
+        paths["ben"]).result(timeout=T)
+    restarts = _restarts(d)
+
+    old = d.workers()
+    os.kill(old[0], signal.SIGSTOP)  # hung: alive, silent
+    try:
+        with pytest.raises(tinker.RequestFailedError, match="did not answer within 20 s"):
+            _fb(ann, data)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the restart has killed it, or will
+            os.kill(old[0], signal.SIGCONT)
+    d.wait_workers(1, old=set(old))
+    assert _restarts(d) > restarts
+    assert _logprobs(ann, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
+    with pytest.raises(tinker.RequestFailedError,
+                       match=r"1 acknowledged operation\(s\) could not be replayed"):
+        _fb(ben, data)
+    assert _fb(ben, data).metrics["loss:sum"] > 0  # told once; then it goes on
+    assert "could not be replayed" in d.log_path.read_text()
 
 
 def _restarts(d) -> float:

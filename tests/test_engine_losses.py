@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import adapter_snapshot, all_close, grads, make_engine, max_diff, randomize_b, rl_datum
+from helpers import (
+    adapter_snapshot,
+    all_close,
+    centre_on_model,
+    grads,
+    make_engine,
+    max_diff,
+    randomize_b,
+    rl_datum,
+)
 
 from twinkled.engine.losses import target_logprobs
 from twinkled.engine.types import Datum, ForwardBackwardRequest, LoraConfig
@@ -31,7 +40,7 @@ def _reference(name, lp, d, cfg):
     if name == "ppo":
         return -torch.min(r * adv, r.clamp(lo, hi) * adv)
     if name == "cispo":
-        return -r.clamp(lo, hi) * lp * adv
+        return -r.detach().clamp(lo, hi) * lp * adv  # CISPO: no gradient through the weight
     if name == "dro":  # Tinker's DRO page: beta 0.05 unless the config says otherwise
         return -(lp * adv - 0.5 * cfg.get("beta", 0.05) * (lp - q) ** 2)
     raise AssertionError(name)
@@ -53,12 +62,15 @@ def test_loss_values_and_outputs(eng, name, cfg):
     gen = torch.Generator().manual_seed(3)
     vocab = eng.model.vocab_size
     data = [rl_datum(gen, n, vocab) for n in (7, 12)]
+    centre_on_model(eng, "a", data, gen)
     if name == "cross_entropy":  # real-valued weights, negative ones too
         for d in data:
             n = len(d.tokens)
             d.loss_inputs = {"target_tokens": d.loss_inputs["target_tokens"],
                              "weights": torch.linspace(-0.5, 1.5, n)}
     base = eng.forward([ForwardBackwardRequest("a", data)])[0]
+    if name in ("ppo", "cispo"):  # both clips reached, or the test could not see one go
+        _assert_ratios_cross(data, base.outputs, cfg)
     res = eng.forward_backward([ForwardBackwardRequest("a", data, name, cfg)])[0]
     total = 0.0
     for d, out, fwd in zip(data, res.outputs, base.outputs, strict=True):
@@ -72,11 +84,22 @@ def test_loss_values_and_outputs(eng, name, cfg):
     assert eng.pool.get("a").pending == 2
 
 
-def test_rl_gradients_follow_the_formula(eng, tiny_dir):
-    """PPO's gradient through our path equals autograd of the formula on the logprobs."""
+def _assert_ratios_cross(data, outputs, cfg):
+    lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
+    r = torch.cat([torch.exp(o["logprobs"].cpu() - d.loss_inputs["logprobs"])
+                   for d, o in zip(data, outputs, strict=True)])
+    assert (r < lo).any() and (r > hi).any() and ((r > lo) & (r < hi)).any()
+
+
+@pytest.mark.parametrize("name", ["ppo", "cispo"])
+def test_rl_gradients_follow_the_formula(eng, tiny_dir, name):
+    """PPO's and CISPO's gradients through our path equal autograd of the formula on the
+    logprobs, with ratios below, inside and above the clip range."""
     gen = torch.Generator().manual_seed(4)
-    d = rl_datum(gen, 10, eng.model.vocab_size)
-    eng.forward_backward([ForwardBackwardRequest("a", [d], "ppo")])
+    d = rl_datum(gen, 24, eng.model.vocab_size)
+    centre_on_model(eng, "a", [d], gen)
+    _assert_ratios_cross([d], eng.forward([ForwardBackwardRequest("a", [d])])[0].outputs, {})
+    eng.forward_backward([ForwardBackwardRequest("a", [d], name)])
     ppo_grads = grads(eng, "a")
 
     # Same gradient from a custom loss that spells the formula out on the logprobs.
@@ -85,7 +108,7 @@ def test_rl_gradients_follow_the_formula(eng, tiny_dir):
     randomize_b(other, "a", seed=2)
 
     def spelled_out(data, lps):
-        per_token = _reference("ppo", lps[0], data[0], {})
+        per_token = _reference(name, lps[0], data[0], {})
         return per_token.sum(), {"custom:sum": 1.0}
 
     res = other.forward_backward([ForwardBackwardRequest("a", [d], spelled_out)])[0]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -12,14 +10,20 @@ from twinkled.engine.tiny import build_tiny_model
 from twinkled.engine.types import EngineInputError
 
 
-def test_tiny_builder_is_offline_and_fast(tmp_path):
-    t0 = time.perf_counter()
+def test_tiny_builder_is_offline_and_fast(tmp_path, monkeypatch):
+    import socket
+
+    def no_network(*a, **kw):
+        raise AssertionError("the tiny model builder opened a network connection")
+
+    # Offline: any attempt to connect anywhere fails the build (no time bound: its speed
+    # is the suite's own business, not an assertion).
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
     out = build_tiny_model(tmp_path / "m")
-    elapsed = time.perf_counter() - t0
+    monkeypatch.undo()
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
-    # Imports are warm after the session fixtures; the build itself is about a second.
-    assert elapsed < 10
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out)

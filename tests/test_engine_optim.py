@@ -75,6 +75,10 @@ def test_clipping_bounds_the_update(eng):
     eng.forward_backward([ce_request("a", gen, eng.model.vocab_size, [10])])
     res = eng.optim_step("a", AdamParams(grad_clip_norm=1e-3))
     assert res.metrics["grad_norm:mean"] > 1e-3  # reported before clipping
+    # A fresh adapter's first moment after one step is (1 - beta1) * the gradient it used:
+    # that gradient's norm is the clip norm, not the reported one.
+    m = torch.cat([t.reshape(-1) for k, t in adapter_snapshot(eng, "a").items() if k[0] == "m"])
+    assert (m.norm() / (1 - AdamParams().beta1)).item() == pytest.approx(1e-3, rel=1e-2)
 
 
 def test_step_without_gradients_is_a_no_op_that_says_so(eng):

@@ -243,3 +243,26 @@ def test_a_shared_prefill_samples_what_prefilling_every_row_samples(eng):
                                                           abs=1e-5)
     # The copies really are different samples (temperature 1), not one sample repeated.
     assert len({tuple(x.tokens) for x in shared[0].sequences}) > 1
+
+
+@pytest.mark.parametrize("top_p", [0.6, 0.8, 0.9])  # none on a boundary of the masses
+def test_a_middle_top_p_keeps_the_smallest_prefix_reaching_it(top_p):
+    """On known logits, the drawn tokens are exactly the reference nucleus (the most likely
+    tokens until their mass reaches top_p), in proportion to their renormalised probs."""
+    from twinkled.engine.choose import RowChoice
+
+    probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    order = probs.argsort(descending=True)
+    mass_before = probs[order].cumsum(0) - probs[order]
+    nucleus = order[mass_before < top_p]  # the reference filter, written out
+    want = torch.zeros_like(probs)
+    want[nucleus] = probs[nucleus] / probs[nucleus].sum()
+
+    rows = 4000
+    params = [SamplingParams(max_tokens=1, temperature=1.0, top_p=top_p)] * rows
+    gen = torch.Generator().manual_seed(0)
+    choice = RowChoice.of(params, [(list(range(rows)), gen)], torch.device("cpu"))
+    tokens, _, _ = choice.choose(probs.log().repeat(rows, 1))
+    freq = torch.bincount(tokens, minlength=len(probs)).float() / rows
+    assert set(tokens.tolist()) == set(nucleus.tolist())
+    assert (freq - want).abs().max() < 0.03  # 4000 draws: sd of each frequency <= 0.008

@@ -149,6 +149,67 @@ def test_save_replaces_atomically(tiny_dir, tmp_path):
     assert eng.load("b", tmp_path / "ck").steps == 1
 
 
+def _save_and_die(eng, path, at: int, exchange: bool) -> int:
+    """Save in a forked child that dies (os._exit, no clean-up) just before its `at`-th
+    file-system change; returns the child's exit code (0: it finished before that)."""
+    import os
+    import shutil
+
+    from safetensors import torch as st_torch
+
+    from twinkled.engine import state
+
+    pid = os.fork()
+    if pid:
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    try:
+        calls = [0]
+
+        def dies(fn):
+            def wrapped(*a, **kw):
+                if calls[0] == at:
+                    os._exit(17)
+                calls[0] += 1
+                return fn(*a, **kw)
+            return wrapped
+
+        def no_exchange(a, b):
+            raise OSError(22, "not supported here")
+
+        state.save_file = dies(st_torch.save_file)
+        state._exchange = dies(state._exchange if exchange else no_exchange)
+        os.replace = dies(os.replace)
+        shutil.rmtree = dies(shutil.rmtree)
+        eng.save("a", path)
+    finally:
+        os._exit(0)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename-aside"])
+def test_a_crash_at_any_point_of_a_save_leaves_the_old_or_the_new(tiny_dir, tmp_path, exchange):
+    """Whatever step of replacing a checkpoint the process dies before, the name holds a
+    whole checkpoint, the old or the new one; and the next save still works."""
+    eng = make_engine(tiny_dir)
+    eng.add_adapter("a", LoraConfig(rank=4, seed=1))
+    seen = set()
+    for at in range(20):
+        path = tmp_path / f"ck{at}"
+        eng.save("a", path)  # the old one: steps = its count now
+        old = eng.pool.get("a").steps
+        _train(eng, "a", 1, seed=at)
+        code = _save_and_die(eng, path, at, exchange)
+        steps = eng.load("check", path).steps
+        eng.remove_adapter("check")
+        assert steps in (old, old + 1), (at, steps)
+        seen.add(steps - old)
+        eng.save("a", path)
+        assert eng.load("check", path).steps == old + 1
+        eng.remove_adapter("check")
+        if code == 0:
+            break
+    assert code == 0 and seen == {0, 1}  # crashes fell both before and after the switch
+
+
 def test_live_state_resumes_exactly_and_persister_keeps_the_newest(tiny_dir, tmp_path):
     """The workers' write-behind state: a restore continues training bit for bit."""
     from twinkled.workers.persist import Persister, latest_version

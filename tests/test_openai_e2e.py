@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import time
 
 import pytest
 
@@ -139,14 +140,18 @@ def test_stop_strings_cut_the_text(daemon, tiny_dir):
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
     text, finish, _ = streamed(c.completions.create(**kw, stop=stop, stream=True))
     assert text == {0: cut} and finish == {0: "stop"}
-    chat = c.chat.completions.create(model=tiny_dir.name, max_tokens=16, temperature=0,
-                                     messages=[{"role": "user", "content": PROMPT}])
-    reply = chat.choices[0].message.content
-    if len(reply) > 4:
-        again = c.chat.completions.create(model=tiny_dir.name, max_tokens=16, temperature=0,
-                                          messages=[{"role": "user", "content": PROMPT}],
-                                          stop=reply[2:4])
-        assert again.choices[0].message.content == reply[:reply.index(reply[2:4])]
+    # Chat: the tiny model's chat reply is newlines only, so a stop found in it cuts at 0,
+    # which a chat path answering "" to any stop would pass too. So also: a stop that is
+    # not in the reply leaves it whole (finish "length"), one that is cuts it ("stop").
+    chat_kw = dict(model=tiny_dir.name, max_tokens=16, temperature=0,
+                   messages=[{"role": "user", "content": PROMPT}])
+    reply = c.chat.completions.create(**chat_kw).choices[0].message.content
+    assert reply
+    absent = c.chat.completions.create(**chat_kw, stop=["never appears"]).choices[0]
+    assert absent.message.content == reply and absent.finish_reason == "length"
+    cut = c.chat.completions.create(**chat_kw, stop=reply[2:4]).choices[0]
+    assert cut.message.content == reply[:reply.index(reply[2:4])]
+    assert cut.finish_reason == "stop"
 
 
 def test_a_trained_adapter_answers_as_tinker_samples_it(daemon, tiny_dir):
@@ -227,11 +232,15 @@ def test_errors_in_openai_shape(daemon, tiny_dir):
 
 
 def test_a_client_gone_mid_stream_leaves_the_daemon_serving(daemon, tiny_dir):
-    for body in ({"prompt": PROMPT, "max_tokens": 60, "n": 2, "stream": True},
-                 {"prompt": PROMPT, "max_tokens": 60, "n": 2}):
+    """A client that goes away (mid-stream, or before its answer) has its samples cancelled
+    (counted per tenant in /metrics), and the daemon goes on serving. 1500 greedy tokens
+    (the tiny model repeats itself, no EOS) take seconds: still running when it goes."""
+    cancelled = daemon.metric("twinkle_samples_cancelled_total", tenant="bob")
+    for body in ({"prompt": PROMPT, "max_tokens": 1500, "n": 2, "stream": True},
+                 {"prompt": PROMPT, "max_tokens": 1500, "n": 2}):
         conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=T)
         conn.request("POST", "/oai/api/v1/completions",
-                     json.dumps({"model": tiny_dir.name, "temperature": 1, **body}),
+                     json.dumps({"model": tiny_dir.name, "temperature": 0, **body}),
                      {"Authorization": f"Bearer {daemon.keys['bob']}",
                       "Content-Type": "application/json"})
         if body.get("stream"):
@@ -240,6 +249,10 @@ def test_a_client_gone_mid_stream_leaves_the_daemon_serving(daemon, tiny_dir):
             r.fp.readline()  # the first bytes of the stream, then gone
         conn.sock.close()
         conn.close()
+    deadline = time.monotonic() + T  # a bound on waiting, not on speed
+    while daemon.metric("twinkle_samples_cancelled_total", tenant="bob") < cancelled + 2:
+        assert time.monotonic() < deadline, "the gone clients' samples were not cancelled"
+        time.sleep(0.2)
     r = client(daemon, "bob").completions.create(model=tiny_dir.name, prompt="hi", max_tokens=3,
                                                   temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")

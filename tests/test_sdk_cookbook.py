@@ -4,7 +4,6 @@ native client and with the tinker client, and data parallel under torchrun."""
 from __future__ import annotations
 
 import importlib
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -155,4 +154,6 @@ def test_two_gloo_ranks_train_what_one_process_does(tiny_dir, tmp_path):
     assert runs[1].keys() == runs[2].keys()
     for k in runs[1]:
         assert (runs[1][k] - runs[2][k]).abs().max() < 1e-5, k
-    assert json.dumps(sorted(runs[1]))  # non-empty adapter
+    # A non-empty adapter that training moved (lora_B starts at zero): else the loop above
+    # compares nothing, or two untouched adapters.
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in runs[1].items())

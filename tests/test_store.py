@@ -443,3 +443,32 @@ def test_to_datetime():
     assert to_datetime(None) is None
     dt = to_datetime(0.0)
     assert dt.tzinfo == UTC and dt.year == 1970
+
+
+def test_housekeeping_deletes_expired_checkpoints_and_their_files(store, tmp_path):
+    """A checkpoint past its ttl is deleted, record and files, at the minute tick; one
+    not yet expired, or without a ttl, stays."""
+    from twinkled.config import Config
+    from twinkled.futures import Futures
+    from twinkled.housekeeping import Housekeeping
+
+    sid = store.sessions.create("alice", None, None)
+    run = store.runs.create(sid, "alice", "m", 8)
+    paths = {}
+    for name, expires in (("old", now() - 1), ("later", now() + 3600), ("kept", None)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "adapter_model.safetensors").write_bytes(b"x")
+        paths[name] = store.checkpoints.begin(run, "alice", "weights", name, str(d),
+                                              expires_at=expires)
+        store.checkpoints.finish(paths[name], 1, "ab" * 32)
+    house = Housekeeping(Config(model=tmp_path, data_dir=tmp_path), store, Futures(store),
+                         adapters=None, status=dict, refresh_tenants=lambda: None,
+                         may_unload=lambda: False)
+    house.tick(minute=False)  # the few-seconds tick does not collect
+    assert store.checkpoints.get(paths["old"]) is not None
+    house.tick(minute=True)
+    assert store.checkpoints.get(paths["old"]) is None and not (tmp_path / "old").exists()
+    for name in ("later", "kept"):
+        assert store.checkpoints.get(paths[name])["status"] == "ready"
+        assert (tmp_path / name / "adapter_model.safetensors").is_file()

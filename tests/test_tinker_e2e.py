@@ -71,8 +71,11 @@ def test_forward_matches_forward_backward_and_changes_nothing(daemon, tiny_dir):
     sc = service(daemon)
     tc, tok, data, _ = trained_client(sc, tiny_dir, steps=1)
     f1 = tc.forward(data, "cross_entropy").result(timeout=T)
-    fb = tc.forward_backward(data, "cross_entropy").result(timeout=T)
+    # An optim_step after a forward has no gradients to apply: the forward left none.
+    res = tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result(timeout=T)
+    assert res.metrics.get("skipped:sum") == 1.0
     f2 = tc.forward(data, "cross_entropy").result(timeout=T)
+    fb = tc.forward_backward(data, "cross_entropy").result(timeout=T)
     for a, b in zip(f1.loss_fn_outputs, fb.loss_fn_outputs, strict=True):
         assert a["logprobs"].tolist() == pytest.approx(b["logprobs"].tolist(), abs=1e-5)
     assert f1.metrics["loss:sum"] == pytest.approx(f2.metrics["loss:sum"], abs=1e-5)
@@ -87,7 +90,10 @@ def test_chunked_call_accumulates_like_separate_calls(daemon, tiny_dir):
     two = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4, seed=3).result(timeout=T)
     tok = one.get_tokenizer()
     data = [datum(tok, t) for t in texts]
+    route = {"route": "/api/v1/forward_backward", "status": "200"}
+    calls = daemon.metric("twinkle_requests_total", **route)
     whole = one.forward_backward(data, "cross_entropy").result(timeout=T).metrics["loss:sum"]
+    assert daemon.metric("twinkle_requests_total", **route) - calls == 3  # 2 + 2 + 1 datums
     parts = sum(two.forward_backward([d], "cross_entropy").result(timeout=T).metrics["loss:sum"]
                 for d in data)
     assert whole == pytest.approx(parts, rel=1e-5)
@@ -99,20 +105,45 @@ def test_chunked_call_accumulates_like_separate_calls(daemon, tiny_dir):
     assert after1 == pytest.approx(after2, rel=1e-4)  # same accumulated gradients
 
 
+def _rl_loss(loss, config, lp, q, adv):
+    """Tinker's per-token formulas (docs, "Loss functions"), summed: written out here, not
+    taken from the engine."""
+    config = config or {}
+    lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    total = 0.0
+    for t_lp, t_q, a in zip(lp, q, adv, strict=True):
+        r = math.exp(t_lp - t_q)
+        total += {"importance_sampling": -r * a,
+                  "ppo": -min(r * a, min(max(r, lo), hi) * a),
+                  "cispo": -min(max(r, lo), hi) * t_lp * a,
+                  "dro": -(t_lp * a - 0.5 * config.get("beta", 0.05) * (t_lp - t_q) ** 2)}[loss]
+    return total
+
+
 @pytest.mark.parametrize(("loss", "config"), [
     ("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}),
     ("cispo", None), ("dro", {"beta": 0.1}),
 ])
 def test_rl_losses_run(daemon, tiny_dir, loss, config):
+    """Each RL loss through the client: loss:sum is the documented formula's, on sampler
+    logprobs put around the model's own so the ratios fall below, inside and above the
+    clip range, and the loss's config reaches the engine."""
     sc = service(daemon, "bob")
-    tc, tok, _, _ = trained_client(sc, tiny_dir, rank=4)
-    data = [datum(tok, s, logprobs=lambda n: [-1.0] * n, advantages=lambda n: [0.5] * n)
-            for s in SENTENCES]
-    data = [tinker.types.Datum(model_input=d.model_input, loss_fn_inputs={
-        k: v for k, v in d.loss_fn_inputs.items() if k != "weights"}) for d in data]
+    tc, tok, plain, _ = trained_client(sc, tiny_dir, rank=4)
+    lps = [o["logprobs"].tolist() for o in
+           tc.forward(plain, "cross_entropy").result(timeout=T).loss_fn_outputs]
+    shifts = [-0.6, -0.1, 0.5, 0.05]  # ratios e^0.6, e^0.1, e^-0.5, e^-0.05 in turn
+    data, want = [], 0.0
+    for d, lp in zip(plain, lps, strict=True):
+        q = [x + shifts[i % 4] for i, x in enumerate(lp)]
+        adv = [(-1.0) ** i * (0.5 + i / 10) for i in range(len(lp))]
+        data.append(tinker.types.Datum(model_input=d.model_input, loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": q,
+            "advantages": adv}))
+        want += _rl_loss(loss, config, lp, q, adv)
     out = tc.forward_backward(data, loss, config).result(timeout=T)
-    assert math.isfinite(out.metrics["loss:sum"])
-    assert tc.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result(timeout=T)
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4, abs=1e-4)
+    assert tc.optim_step(tinker.types.AdamParams(learning_rate=1e-3)).result(timeout=T).metrics
 
 
 def test_unknown_loss_is_a_clear_user_error(daemon, tiny_dir):
@@ -195,7 +226,8 @@ def test_four_clients_of_two_tenants_train_at_once(daemon, tiny_dir):
     def run(tenant, rank, loss_fn):
         try:
             sc = service(daemon, tenant)
-            tc, tok, data, losses = trained_client(sc, tiny_dir, rank=rank, steps=6, lr=1e-2)
+            tc, tok, data, losses = trained_client(sc, tiny_dir, rank=rank, steps=6, lr=1e-2,
+                                                   seed=rank)
             results[(tenant, rank)] = losses
         except Exception as e:  # surfaced below
             errors.append(e)
@@ -209,6 +241,11 @@ def test_four_clients_of_two_tenants_train_at_once(daemon, tiny_dir):
     assert not errors, errors
     assert len(results) == 4
     assert all(v[-1] < v[0] for v in results.values())
+    # Exact, not only lower: one of them trained again alone (same seed, same data) has
+    # the same losses step by step, so nothing leaked between the co-batched tenants.
+    _, _, _, alone = trained_client(service(daemon, "bob"), tiny_dir, rank=16, steps=6,
+                                    lr=1e-2, seed=16)
+    assert results[("bob", 16)] == pytest.approx(alone, rel=1e-4, abs=1e-5)
 
 
 def test_sampler_checkpoint_saved_again_serves_the_new_weights(daemon, tiny_dir):

@@ -44,7 +44,10 @@ def alices(daemon, tiny_dir):
             "sampler_path": sampler_path, "sampler": sampler, "future": fut}
 
 
-def test_another_tenant_finds_nothing_of_alices(daemon, alices, tiny_dir):
+@pytest.fixture(scope="module")
+def bobs_tries(daemon, alices, tiny_dir) -> list[tuple[str, str, int, str]]:
+    """Bob's attempts on every route that takes one of alice's ids: (method, path, status,
+    body). A fixture, so alice's objects are checked after them whatever tests run."""
     a = alices
     run, ck = a["run"], "weights/alice-w"
     calls = [
@@ -80,27 +83,64 @@ def test_another_tenant_finds_nothing_of_alices(daemon, alices, tiny_dir):
     ]
     with httpx.Client(base_url=f"{daemon.url}/api/v1", timeout=60,
                       headers={"X-API-Key": daemon.keys["bob"]}) as bob:
-        for method, path, body in calls:
-            r = bob.request(method, path, json=body)
-            assert r.status_code in (403, 404), (method, path, r.status_code, r.text)
+        tries = [(method, path, *_answer(bob.request(method, path, json=body)))
+                 for method, path, body in calls]
         r = bob.post("/forward_backward", content=fwdbwd_body(run, 9, [5, 6, 7]),
                      headers={"Content-Type": "application/x-protobuf"})
-        assert r.status_code in (403, 404)
+        tries.append(("POST", "/forward_backward", *_answer(r)))
+    return tries
+
+
+def _answer(r: httpx.Response) -> tuple[int, str]:
+    return r.status_code, r.text
+
+
+def test_another_tenant_finds_nothing_of_alices(daemon, alices, bobs_tries):
+    a, run = alices, alices["run"]
+    for method, path, status, text in bobs_tries:
+        assert status in (403, 404), (method, path, status, text)
+    with httpx.Client(base_url=f"{daemon.url}/api/v1", timeout=60,
+                      headers={"X-API-Key": daemon.keys["bob"]}) as bob:
         # Bob's listings do not show Alice's objects.
         assert run not in bob.get("/training_runs").text
         assert "alice-w" not in bob.get("/checkpoints").text
         assert a["session"] not in bob.get("/sessions").text
 
 
-def test_alices_objects_are_intact_and_hers(daemon, alices):
+def test_alices_objects_are_intact_and_hers(daemon, alices, bobs_tries):
     with httpx.Client(base_url=f"{daemon.url}/api/v1", timeout=60,
                       headers={"X-API-Key": daemon.keys["alice"]}) as http:
-        ids = {c["checkpoint_id"] for c in
-               http.get(f"/training_runs/{alices['run']}/checkpoints").json()["checkpoints"]}
-        assert ids == {"weights/alice-w", "sampler_weights/alice-s"}
+        listed = http.get(f"/training_runs/{alices['run']}/checkpoints").json()["checkpoints"]
+        assert {c["checkpoint_id"] for c in listed} == {"weights/alice-w", "sampler_weights/alice-s"}
+        # Bob's delete, publish and ttl attempts changed nothing.
+        assert all(not c["public"] and c.get("expires_at") is None for c in listed), listed
         assert http.get(f"/sessions/{alices['session']}").status_code == 200
         # The body bob sent is well-formed: for its owner it is accepted.
         r = http.post("/forward_backward", content=fwdbwd_body(alices["run"], 20, [5, 6, 7]),
                       headers={"Content-Type": "application/x-protobuf"})
         assert r.status_code == 200 and r.json()["request_id"]
         assert alices["session"] in http.get("/sessions").text
+
+
+def test_a_published_checkpoint_is_loadable_by_another_tenant(daemon, alices, tiny_dir):
+    """Published, alice's checkpoints can be trained from and sampled by bob; unpublished,
+    they are not found again."""
+    rest = tinker.RestClient(base_url=daemon.url, api_key=daemon.keys["alice"])
+    bob = tinker.ServiceClient(base_url=daemon.url, api_key=daemon.keys["bob"])
+    paths = (alices["weights"], alices["sampler_path"])
+    prompt = tinker.types.ModelInput.from_ints([5, 6, 7, 8])
+    for p in paths:
+        rest.publish_checkpoint_from_tinker_path(p).result(timeout=60)
+    try:
+        tc = bob.create_training_client_from_state(alices["weights"]).result(timeout=60)
+        d = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5, 6, 7]),
+                               loss_fn_inputs={"target_tokens": [6, 7, 8]})
+        assert tc.forward([d], "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
+        lps = bob.create_sampling_client(model_path=alices["sampler_path"]).compute_logprobs(
+            prompt).result(timeout=60)
+        assert len(lps) == 4
+    finally:
+        for p in paths:
+            rest.unpublish_checkpoint_from_tinker_path(p).result(timeout=60)
+    with pytest.raises((tinker.NotFoundError, tinker.RequestFailedError)):
+        bob.create_training_client_from_state(alices["weights"]).result(timeout=60)

@@ -182,6 +182,7 @@ class EngineCore:
                                    or self.samples.cancel(f)):
             return False
         self.futures.fail(f, why, "user")
+        self.metrics.samples_cancelled.labels(f.tenant).inc()
         return True
 
     def idle(self) -> bool:

@@ -56,6 +56,11 @@ class Gather:
             self._paired.discard(model)  # accumulating gradients: no optim_step behind
         self._latest[model] = (kind, time.monotonic())
 
+    def is_paired(self, model: str) -> bool:
+        """Whether `model`'s client is taken to send an optim_step right behind each
+        forward_backward (so a gather after its rows waits for it)."""
+        return model in self._paired
+
     def stepped(self, step: Step, seconds: float | None = None) -> None:
         """A step ran (in `seconds`, if whole): its clients are the next gather's to wait for."""
         for w in step.work:

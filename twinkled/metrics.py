@@ -35,6 +35,10 @@ class Metrics:
         self.gather_wait = Histogram("twinkle_gather_wait_seconds", "Time the loop waited "
                                      "after a step for its clients' next requests (gather_ms)",
                                      buckets=_WAIT_BUCKETS, registry=r)
+        self.samples_cancelled = Counter("twinkle_samples_cancelled", "Samples taken out of "
+                                         "the queue or the running batches because their "
+                                         "client went away, per tenant", ["tenant"],
+                                         registry=r)
         self.worker_restarts = Counter("twinkle_worker_restarts", "Worker group restarts "
                                        "after a fault", registry=r)
         r.register(_Live(service))

@@ -319,7 +319,7 @@ def check_stop(stop: Any, limits: Limits) -> None:
     if not isinstance(stop, list):
         raise fail(field, "must be a list of strings or of token ids")
     if len(stop) > limits.max_stop:
-        raise fail(field, f"has {len(stop)} entries; at most {limits.max_stop}")
+        raise fail(field, f"has {len(stop)} entries; at most {limits.max_stop} (max_stop)")
     if not stop:
         return
     kinds = {type(s) for s in stop}
@@ -351,13 +351,14 @@ def check_name(field: str, name: str, limits: Limits) -> None:
 
 def check_ttl(field: str, ttl: int | None, limits: Limits) -> None:
     if ttl is not None and not 1 <= ttl <= limits.max_ttl_s:
-        raise fail(field, f"must be in 1..{limits.max_ttl_s} seconds (or null), got {ttl}")
+        raise fail(field, f"must be in 1..{limits.max_ttl_s} seconds (max_ttl_s) or null, "
+                   f"got {ttl}")
 
 
 def check_metadata_size(field: str, encoded: bytes, limits: Limits) -> None:
     if len(encoded) > limits.max_metadata_bytes:
         raise fail(field, f"is {len(encoded)} bytes as JSON; at most "
-                   f"{limits.max_metadata_bytes}")
+                   f"{limits.max_metadata_bytes} (max_metadata_bytes)")
 
 
 def check_rank(rank: int, limits: Limits) -> None:

@@ -5,12 +5,15 @@ A checkpoint is a directory:
   optimizer.safetensors                            AdamW moments (exp_avg, exp_avg_sq) or
                                                    Dimuon momentum (momentum_buffer), the
                                                    step count and the family (metadata)
-Files are written into a temporary sibling directory, fsynced, then renamed into place, so
-a crash never leaves a half-written checkpoint under the final name.
+Files are written into a temporary sibling directory and fsynced; that directory then
+takes the final name in one atomic exchange (`_put_in_place`), so a crash at any point leaves
+the old checkpoint or the new one under that name, never none and never half of one.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import math
 import os
@@ -150,14 +153,69 @@ def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
             save_file(files[OPTIMIZER], tmp / OPTIMIZER, metadata=meta)
         for f in tmp.iterdir():
             _fsync(f)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        _fsync(path.parent)
+        _fsync(tmp)
+        _put_in_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return sum(f.stat().st_size for f in path.iterdir())
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_libc = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); OSError where the
+    system or file system cannot."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a))
+
+
+def _aside(path: Path) -> Path:
+    return path.parent / f".{path.name}.old"
+
+
+def recover(path: str | Path) -> None:
+    """Where a crash of the fallback below left the old checkpoint aside and none under its
+    name, put the old one back (a save that had not finished never happened)."""
+    path = Path(path)
+    if not path.exists() and _aside(path).is_dir():
+        os.replace(_aside(path), path)
+        _fsync(path.parent)
+
+
+def _put_in_place(tmp: Path, path: Path) -> None:
+    """Give the finished directory `tmp` the name `path`, replacing any checkpoint there.
+
+    A directory cannot be renamed over a non-empty one, and deleting the old one first
+    would leave no checkpoint if the process died in between. So the two are exchanged
+    atomically, and the old one (now under the temporary name) deleted after. Where the
+    exchange is not supported, the old one is renamed aside first, the new one renamed in,
+    then the old deleted; `recover` (run by every read and write) puts it back if a crash
+    fell between the two renames."""
+    recover(path)
+    if not path.exists():
+        os.replace(tmp, path)
+    else:
+        try:
+            _exchange(tmp, path)
+        except OSError as e:
+            if e.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EXDEV):
+                raise
+            shutil.rmtree(_aside(path), ignore_errors=True)
+            os.replace(path, _aside(path))
+            _fsync(path.parent)
+            os.replace(tmp, path)
+            tmp = _aside(path)
+        _fsync(path.parent)
+        shutil.rmtree(tmp, ignore_errors=True)  # the old checkpoint, out of the way
+    _fsync(path.parent)
 
 
 def _peft_targets(snap: Snapshot) -> dict:
@@ -187,6 +245,7 @@ def read_adapter(path: str | Path, targets: dict[str, tuple[int, int]], max_rank
     Returns (config, weights by key, moments by key or None, steps).
     """
     path = Path(path)
+    recover(path)
     if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
         raise EngineInputError("path", f"{path} holds no PEFT adapter ({CONFIG} + {WEIGHTS})")
     pc = json.loads((path / CONFIG).read_text())

@@ -13,6 +13,7 @@ crash loses nothing acknowledged (`twinkled/journal.py`).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -25,6 +26,9 @@ from twinkled.engine.state import Snapshot, snapshot
 from .rank_io import anywhere
 
 log = logging.getLogger("twinkled.worker")
+# Fault tests only: the writer waits this long before each write, so a crash falls between
+# an acknowledged op and the version holding it (what only the journal then covers).
+_TEST_DELAY = float(os.environ.get("TWINKLED_TEST_PERSIST_DELAY", "0"))
 
 
 def latest_version(live_dir: Path, adapter_id: str) -> Path | None:
@@ -137,6 +141,7 @@ class Persister:
                 adapter_id, snap, mark = self._queue.pop(0)
                 self._busy = True
             try:
+                time.sleep(_TEST_DELAY)
                 self._write(adapter_id, snap, mark)
             except Exception:  # a full disk must not kill the worker; the next step retries
                 log.exception("persisting adapter %s failed", adapter_id)
