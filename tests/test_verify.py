@@ -215,6 +215,8 @@ def test_ctl_list_and_verify(store, data_dir):
     assert {r["tinker_path"] for r in ready} == {good, bob}
 
     table = ctl(data_dir, "checkpoints", "list").stdout.splitlines()
+    assert table[0].split()[:2] == ["checkpoint", "status"]  # the header, then one per row
+    table = table[1:]
     assert len(table) == 3
     bad_line = next(line for line in table if line.startswith(bad + " "))
     assert "corrupt" in bad_line and "sha256 mismatch" in bad_line
