@@ -9,6 +9,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread per process: the suite runs several test processes (pytest-xdist), each
+# with daemons and workers, on a box of few cores, and torch's spinning thread pools starve
+# each other when they oversubscribe the cores (measured: a cookbook script 2 min 12 s with
+# its default threads beside other jobs, 38 s with one). Workers take it too (executor.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -117,3 +118,13 @@ def test_the_start_up_line_names_the_grouping_and_suggests_lanes_where_they_appl
     assert "--lanes" not in layout_summary(replace(cfg, devices=["cuda:0"]))
     hosts = layout_summary(replace(cfg, remote_ranks=2, join_listen="tcp://0.0.0.0:7070"))
     assert "2 remote rank(s)" in hosts and "--lanes" not in hosts
+
+
+def test_cpu_workers_take_omp_num_threads_when_it_is_set(monkeypatch):
+    from twinkled.executor import GPU_WORKER_THREADS, default_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads(["cpu", "cpu"]) == 3
+    assert default_threads(["cuda:0"]) == GPU_WORKER_THREADS  # a GPU worker's host threads
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert default_threads(["cpu", "cpu"]) == max(1, (os.cpu_count() or 1) // 2)

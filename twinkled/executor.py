@@ -88,9 +88,13 @@ GPU_WORKER_THREADS = 2
 
 def default_threads(devices: list[str], groups: int = 1) -> int:
     """torch threads per worker of `groups` groups of `devices` each: CPU workers share
-    the cores; GPU workers need few."""
+    the cores (or take OMP_NUM_THREADS, the usual knob of a shared CPU box, when it is
+    set); GPU workers need few."""
     if all(d.startswith("cuda") for d in devices):
         return GPU_WORKER_THREADS
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
     return max(1, (os.cpu_count() or 1) // (len(devices) * groups))
 
 
