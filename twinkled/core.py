@@ -34,11 +34,12 @@ from . import trace
 from .executor import Executor, Outcome
 from .futures import Future, Futures, UserError, empty_json
 from .gather import Gather
+from .lost_gradients import LostGradients
 from .metrics import Metrics
 from .pending_samples import LOST, PendingSamples, Sliced
 from .pieces import Pieces
 from .residency import Residency
-from .workers.frames import OpF, SampleF, TrainF, kind_of
+from .workers.frames import OpF, OptimF, SampleF, TrainF, changes_adapter, kind_of
 
 log = logging.getLogger("twinkled")
 
@@ -96,6 +97,7 @@ class EngineCore:
         self.stepping = False
         self._seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
         self._pieces = Pieces()
+        self._lost = LostGradients()  # optim_steps queued behind a failed forward_backward
         self.samples = PendingSamples(slice_s)  # the samples the workers decode across steps
         executor.on_restart(self._samples_lost)
 
@@ -251,6 +253,10 @@ class EngineCore:
             if isinstance(op.frame, Skip):
                 self.futures.fail(op.future, op.frame.why, "user")
                 continue
+            if isinstance(op.frame, OptimF) and (
+                    lost := self._lost.check(op.model_id, op.seq_id)) is not None:
+                self.futures.fail(op.future, *lost)
+                continue
             if op.seq_id is not None:
                 # A retry of a recent request still finds its future; older ones are let go.
                 self._seq_index.pop((op.model_id, op.seq_id - 1000), None)
@@ -312,6 +318,7 @@ class EngineCore:
     def _settle_one(self, op: Op, outcome: Outcome) -> None:
         self.residency.note(op.frame, outcome)
         self._count_tokens(op, outcome)
+        self._note_gradients(op, outcome)
         if op.piece is not None:
             outcome = self._pieces.add(op, outcome)
             if outcome is None:
@@ -326,10 +333,22 @@ class EngineCore:
         if op.after is not None:
             op.after(result, message)
 
+    def _note_gradients(self, op: Op, outcome: Outcome) -> None:
+        """A training forward_backward (or a piece of one) that failed takes the optim_step
+        queued behind it down too (lost_gradients.py)."""
+        if op.seq_id is None:
+            return
+        if isinstance(op.frame, OptimF):
+            self._lost.settled(op.model_id, op.seq_id)
+        elif isinstance(op.frame, TrainF) and changes_adapter(op.frame) and outcome[1]:
+            last = self.planner.seq_after_queued(op.model_id) - 1
+            self._lost.failed(op.model_id, op.seq_id, last, outcome[1], outcome[2] or "server")
+
     def _after(self, step: Step, seconds: float | None) -> None:
         for w in step.work:
             if w.kind == "unload":
                 self.residency.close(w.model)
+                self._lost.forget(w.model)
         self.gather.stepped(step, seconds)
 
     def _count_tokens(self, op: Op, outcome: Outcome) -> None:
