@@ -185,14 +185,16 @@ def main() -> None:
     for n, r in enumerate(rows, 1):
         if not r["every"]:
             continue
+        state = f"fsync {r['label']}" if args.fsync else "on"
         for when, name in (("peak", f"peak while training ({r['samples']} samples)"),
                            ("running", "after the steps"), ("stopped", "after shutdown")):
             s = r[when]
-            text += (f"| {n} | on | {name} | {mib(s['bytes'])} | {s['journals']} | "
+            text += (f"| {n} | {state} | {name} | {mib(s['bytes'])} | {s['journals']} | "
                      f"{s['records']} | {s['journal_bytes']:,} |\n")
     o = max(r["peak"]["journals"] for r in off)
-    text += (f"\nWith persistence off, at most {o} journal(s) were seen under live/ (its peak: "
-             f"{mib(max(r['peak']['bytes'] for r in off))} MiB). Each tenant "
+    text += "\n" if args.fsync else (f"\nWith persistence off, at most {o} journal(s) were seen under live/ (its peak: "
+             f"{mib(max(r['peak']['bytes'] for r in off))} MiB). ")
+    text += ("Each tenant "
              f"ran 2 warm-up and "
              f"{steps} timed steps (forward_backward + optim_step each).\n")
     print(text)
