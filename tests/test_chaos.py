@@ -15,7 +15,7 @@ At the end: every call was answered within its timeout; every run is at its ackn
 step (its logprobs are those of a twin trained, without crashes, on exactly the steps its
 client was told are done); every checkpoint a client was told is ready loads and samples.
 
-TWINKLE_CHAOS_S (default 25) is how long the kills go on; TWINKLE_CHAOS_SEED picks the
+TWINKLE_CHAOS_S (default 20) is how long the kills go on; TWINKLE_CHAOS_SEED picks the
 schedule. The default run is short enough for the suite (about a minute and a half on a
 2-core box); set TWINKLE_CHAOS_S=300 for a soak.
 """
@@ -34,7 +34,7 @@ from daemon import Daemon, make_key
 
 tinker = pytest.importorskip("tinker")
 
-CHAOS_S = float(os.environ.get("TWINKLE_CHAOS_S", "25"))
+CHAOS_S = float(os.environ.get("TWINKLE_CHAOS_S", "20"))
 SEED = int(os.environ.get("TWINKLE_CHAOS_SEED", "28"))
 T = 180  # no call may wait longer than this for its answer (a restart takes ~15 s here)
 IDLE_S = 2.0  # idle_unload_s: two tenants stay away longer than this now and then
@@ -88,29 +88,40 @@ def _train(url: str, base: str, tenant: Tenant, stop: threading.Event, away: boo
     adam = tinker.types.AdamParams(learning_rate=_lr(tenant.index))
     rng = random.Random(SEED * 100 + tenant.index)
     while not stop.is_set():
-        step = tenant.acked
-        fb = tc.forward_backward(_batch(tok, tenant.index, step), "cross_entropy")
-        opt = tc.optim_step(adam)
-        fb_error, opt_error = _failed(fb), _failed(opt)
-        while fb_error is not None or opt_error is not None:
-            for e in (fb_error, opt_error):
-                if e is not None and str(e.category) != "server":
-                    tenant.problems.append(f"step {step}: failed as {e.category}: {e}")
-                    return
-            if fb_error is not None and opt_error is None:
-                tenant.problems.append(f"step {step}: optim_step answered done behind a "
-                                       f"failed forward_backward ({fb_error})")
-                return
-            tenant.redone += 1
-            if fb_error is not None:  # both again
-                fb = tc.forward_backward(_batch(tok, tenant.index, step), "cross_entropy")
-                fb_error = _failed(fb)
-            opt_error = _failed(tc.optim_step(adam))
-        tenant.acked += 1
-        if step % 3 == 2:
-            _save_and_sample(tc, tenant, step)
+        if not _step(tc, tok, tenant, adam):
+            return
         if away and rng.random() < 0.3:
             time.sleep(IDLE_S * 1.5)  # longer than idle_unload_s: the run is unloaded
+    if away:  # once more after the kills: back after the run was unloaded while idle
+        time.sleep(IDLE_S * 2)
+        _step(tc, tok, tenant, adam)
+
+
+def _step(tc, tok, tenant: Tenant, adam) -> bool:
+    """One training step, redone as the client is told until both halves are done; False
+    on a problem (recorded)."""
+    step = tenant.acked
+    fb = tc.forward_backward(_batch(tok, tenant.index, step), "cross_entropy")
+    opt = tc.optim_step(adam)
+    fb_error, opt_error = _failed(fb), _failed(opt)
+    while fb_error is not None or opt_error is not None:
+        for e in (fb_error, opt_error):
+            if e is not None and str(e.category) != "server":
+                tenant.problems.append(f"step {step}: failed as {e.category}: {e}")
+                return False
+        if fb_error is not None and opt_error is None:
+            tenant.problems.append(f"step {step}: optim_step answered done behind a "
+                                   f"failed forward_backward ({fb_error})")
+            return False
+        tenant.redone += 1
+        if fb_error is not None:  # both again
+            fb = tc.forward_backward(_batch(tok, tenant.index, step), "cross_entropy")
+            fb_error = _failed(fb)
+        opt_error = _failed(tc.optim_step(adam))
+    tenant.acked += 1
+    if step % 2 == 1:
+        _save_and_sample(tc, tenant, step)
+    return True
 
 
 def _save_and_sample(tc, tenant: Tenant, step: int) -> None:
@@ -153,13 +164,15 @@ class Chaos:
         self.errors: list[str] = []
 
     def run(self, seconds: float) -> None:
+        """Kills every 2-6 s for `seconds`: a worker first, the daemon at least once."""
         end = time.monotonic() + seconds
-        while (left := end - time.monotonic()) > 0:
-            time.sleep(min(left, self.rng.uniform(2.0, 6.0)))
-            if time.monotonic() >= end:
-                break
+        while True:
+            time.sleep(self.rng.uniform(2.0, 6.0))
+            last = time.monotonic() >= end
+            if last and self.kills["daemon"]:
+                return
             try:
-                if self.rng.random() < 0.35:
+                if last or (self.kills["worker"] and self.rng.random() < 0.35):
                     self._kill_daemon()
                 else:
                     self._kill_worker()
@@ -202,6 +215,9 @@ def test_random_kills_lose_no_acknowledged_step_and_leave_no_request_unanswered(
     try:
         for t in threads:
             t.start()
+        deadline = time.monotonic() + T
+        while not all(t.acked or t.problems for t in tenants) and time.monotonic() < deadline:
+            time.sleep(0.2)  # every tenant trains before the first kill
         chaos.run(CHAOS_S)
         stop.set()
         for t in threads:

@@ -228,6 +228,10 @@ class Service:
         if self.state == "draining" or self.intake_paused:
             self.futures.drop(op.future, "the daemon is draining")
             raise Draining("the daemon is draining for maintenance or a restart; retry shortly")
+        if self.state == "loading":  # its runs are not back yet: "not loaded" would be final
+            self.futures.drop(op.future, "the daemon is starting")
+            raise Draining("the daemon is starting (loading the model, restoring its runs); "
+                           "retry shortly")
         return (lane or self.lanes.of(op.model_id)).core.add(op)
 
     def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
