@@ -205,8 +205,14 @@ def test_random_kills_lose_no_acknowledged_step_and_leave_no_request_unanswered(
     logs = iter(range(1000))
 
     def make(port=None):
-        return Daemon(tiny_dir, tmp_path, tmp_path / f"log{next(logs)}", "--config", str(cfg),
-                      port=port)
+        d = Daemon(tiny_dir, tmp_path, tmp_path / f"log{next(logs)}", "--config", str(cfg),
+                   port=port, wait=False)
+        try:  # a restart restores every live run, replaying its journal: slow on a busy box
+            d.wait_ready(timeout=3 * T)
+        except BaseException:
+            d.stop()
+            raise
+        return d
 
     chaos = Chaos(make(), make, random.Random(SEED))
     tenants = [Tenant(i, k) for i, k in enumerate(keys)]
