@@ -148,6 +148,13 @@ class EngineCore:
                     f"{next_seq} (at most {SEQ_WINDOW} ahead)")
         return None
 
+    def cut_short(self, model: str, seq: int) -> None:
+        """Forward_backward `seq` of `model` was cut short by a crash of the daemon: the
+        optim_step its client sent right behind it (seq + 1), resent to this daemon, must
+        not run without its gradients (lost_gradients.py)."""
+        self._lost.failed(model, seq, seq + 1, "the daemon restarted before it finished",
+                          "server")
+
     def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
         """A request refused at the door still takes its seq_id: the client counts on past
         it, and its later requests must not wait for it forever. (A retried seq_id, one
