@@ -134,6 +134,8 @@ class EngineCore:
                 raise UserError(message)
             self._seq_index[key] = op.future.id
             self.gather.arrived(model, op.kind)
+            self._lost.arrived(model, op.seq_id, isinstance(op.frame, OptimF),
+                               isinstance(op.frame, TrainF) and changes_adapter(op.frame))
         self.planner.submit(Work(op.future.id, tenant, op.kind, op.tokens, op.model_id,
                                  op.seq_id, op, parts=op.parts))
         self.wake.set()
@@ -148,12 +150,11 @@ class EngineCore:
                     f"{next_seq} (at most {SEQ_WINDOW} ahead)")
         return None
 
-    def cut_short(self, model: str, seq: int) -> None:
-        """Forward_backward `seq` of `model` was cut short by a crash of the daemon: the
-        optim_step its client sent right behind it (seq + 1), resent to this daemon, must
-        not run without its gradients (lost_gradients.py)."""
-        self._lost.failed(model, seq, seq + 1, "the daemon restarted before it finished",
-                          "server")
+    def cut_short(self, model: str) -> None:
+        """A forward_backward of `model` was cut short by a crash of the daemon: the
+        optim_step its client sent right behind it, resent to this daemon, must not run
+        without its gradients (lost_gradients.py)."""
+        self._lost.crashed(model, "the daemon restarted before it finished")
 
     def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
         """A request refused at the door still takes its seq_id: the client counts on past

@@ -29,6 +29,21 @@ class _Failed:
 class LostGradients:
     def __init__(self) -> None:
         self._failed: dict[str, _Failed] = {}  # model -> its latest failed forward_backward
+        self._crashed: dict[str, str] = {}  # model -> why its forward_backward was cut short
+
+    def crashed(self, model: str, why: str) -> None:
+        """A forward_backward of `model` was cut short by a crash of the daemon (its seq_id
+        is not known). If the first training op of `model` to arrive now is an optim_step,
+        it is the one its client sent right behind it (resent to this daemon): it fails."""
+        self._crashed[model] = why
+
+    def arrived(self, model: str, seq: int, optim: bool, trains: bool) -> None:
+        """An op of `model` arrived (an optim_step, or a forward_backward that trains)."""
+        if model not in self._crashed or not (optim or trains):
+            return
+        why = self._crashed.pop(model)
+        if optim:
+            self.failed(model, seq - 1, seq, why, "server")
 
     def failed(self, model: str, seq: int, last_queued: int, why: str, category: str) -> None:
         """Training forward_backward `seq` of `model` failed after it was queued; the model

@@ -88,9 +88,9 @@ class Service:
 
         Work cut short by the last stop is settled first: its futures fail with a clear
         error when polled, and half-written checkpoints are marked and never served."""
-        for model, seq in self.store.futures.pending("forward_backward"):
+        for model in self.store.futures.pending("forward_backward"):
             for lane in self.lanes.all:  # the optim_step right behind it fails too (core.py)
-                lane.core.cut_short(model, seq)
+                lane.core.cut_short(model)
         failed = self.store.futures.fail_pending(
             "the daemon restarted before this request finished; submit it again")
         for c in self.store.checkpoints.abandon_writing("the daemon stopped while writing it"):

@@ -63,13 +63,12 @@ class FutureRows:
                            [model_id, seq_id])
         return row["id"] if row else None
 
-    def pending(self, kind: str) -> list[tuple[str, int]]:
-        """(model id, seq_id) of the pending futures of `kind` (at start-up: what a crash
-        cut short, before `fail_pending`)."""
-        rows = self._db.all("SELECT model_id, seq_id FROM futures WHERE status = 'pending' "
-                            "AND kind = ? AND model_id IS NOT NULL AND seq_id IS NOT NULL",
-                            (kind,))
-        return [(r["model_id"], r["seq_id"]) for r in rows]
+    def pending(self, kind: str) -> set[str]:
+        """The runs with a pending future of `kind` (at start-up: what a crash cut short,
+        before `fail_pending`); futures not yet tagged with their run are not known."""
+        rows = self._db.all("SELECT DISTINCT model_id FROM futures WHERE status = 'pending' "
+                            "AND kind = ? AND model_id IS NOT NULL", (kind,))
+        return {r["model_id"] for r in rows}
 
     def fail_pending(self, message: str) -> int:
         """At start-up: futures a crash left pending fail with a server error (the client
