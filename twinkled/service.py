@@ -276,7 +276,7 @@ class Service:
     def forward_backward(self, tenant: str, model: str, seq_id: int, frame: TrainF,
                          encode: Encoder) -> Future:
         parts = [d.tokens.shape[0] for d in frame.data]  # where the planner may cut it
-        f = self.futures.new(tenant, "forward_backward", encode)
+        f = self.futures.new(tenant, "forward_backward", encode, run=model)
         f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts))
         self.store.runs.touch(model)
         return f
