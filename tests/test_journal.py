@@ -79,3 +79,16 @@ def test_journal_fsync_is_a_config_key_on_by_default(tmp_path):
     assert Config.load(cfg).journal_fsync is False
     cfg.write_text('journal_fsync = "no"\n')
     assert any("journal_fsync" in p for p in check_config(cfg))
+
+
+def test_ops_of_futures_a_crash_cut_short_are_not_replayed(tmp_path):
+    """A crash between journaling a step and acknowledging it: the restarted daemon tells
+    those clients to submit again, so replaying the ops too would apply them twice."""
+    journal = Journal(tmp_path)
+    journal.record("a", 1, b"acknowledged", "req-1")
+    journal.record("a", 2, b"cut short", "req-2")
+    asyncio.run(journal.flush())
+    fresh = Journal(tmp_path)
+    fresh.void({"req-2"})
+    fresh.load("a")
+    assert [e.frame for e in fresh.since("a", 0)] == [b"acknowledged"]

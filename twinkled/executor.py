@@ -282,7 +282,7 @@ class Executor:
         model = frame.adapter_id
         data = encoder.encode(frame)
         if piece is None:
-            self.journal.record(model, frame.mark, data)
+            self.journal.record(model, frame.mark, data, op.future.id)
             return
         self.journal.hold(op.future.id, model, frame.mark, data)
         if piece[1]:

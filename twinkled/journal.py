@@ -39,6 +39,7 @@ _LEN = struct.Struct("<I")
 class Entry(msgspec.Struct, array_like=True):
     mark: int
     frame: bytes  # an encoded workers.frames.OpF
+    key: str = ""  # the id of the future that acknowledges it
 
 
 class Journal:
@@ -49,6 +50,7 @@ class Journal:
         self._entries: dict[str, list[Entry]] = {}
         self._next: dict[str, int] = {}
         self._held: dict[str, list[tuple[str, Entry]]] = {}  # pieces of an unfinished op
+        self._void: set[str] = set()  # futures a crash cut short: their ops are not replayed
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Entry)
 
@@ -67,11 +69,11 @@ class Journal:
 
     # -- records --------------------------------------------------------------------------
 
-    def record(self, model: str, mark: int, frame: bytes) -> None:
-        """An op of `model` ran and is about to be acknowledged."""
+    def record(self, model: str, mark: int, frame: bytes, key: str = "") -> None:
+        """An op of `model` ran and is about to be acknowledged (by future `key`)."""
         if not self.enabled:
             return
-        entry = Entry(mark, frame)
+        entry = Entry(mark, frame, key)
         self._entries.setdefault(model, []).append(entry)
         self.disk.append(self._path(model), self._record(entry))
 
@@ -83,18 +85,25 @@ class Journal:
     def hold(self, key: str, model: str, mark: int, frame: bytes) -> None:
         """A piece of an op cut between steps: recorded only once its last piece ran."""
         if self.enabled:
-            self._held.setdefault(key, []).append((model, Entry(mark, frame)))
+            self._held.setdefault(key, []).append((model, Entry(mark, frame, key)))
 
     def commit(self, key: str) -> None:
         for model, e in self._held.pop(key, []):
-            self.record(model, e.mark, e.frame)
+            self.record(model, e.mark, e.frame, key)
+
+    def void(self, keys: set[str]) -> None:
+        """At start-up: these futures were pending when the daemon died, and their clients
+        are told to submit them again, so their ops (recorded, never acknowledged) must
+        not be replayed too."""
+        self._void |= keys
 
     def drop(self, key: str) -> None:
         self._held.pop(key, None)
 
     def since(self, model: str, mark: int) -> list[Entry]:
         """The ops of `model` after position `mark`, in order."""
-        return [e for e in self._entries.get(model, []) if e.mark > mark]
+        return [e for e in self._entries.get(model, []) if e.mark > mark
+                and not (e.key and e.key in self._void)]
 
     def persisted(self, model: str, mark: int) -> None:
         """The workers wrote a version of `model` holding everything up to `mark`."""

@@ -88,6 +88,9 @@ class Service:
 
         Work cut short by the last stop is settled first: its futures fail with a clear
         error when polled, and half-written checkpoints are marked and never served."""
+        cut = self.store.futures.pending_ids()
+        for lane in self.lanes.all:  # their clients submit them again: never replayed too
+            lane.executor.journal.void(cut)
         for model in self.store.futures.pending("forward_backward"):
             for lane in self.lanes.all:  # the optim_step right behind it fails too (core.py)
                 lane.core.cut_short(model)

@@ -70,6 +70,10 @@ class FutureRows:
                             "AND kind = ? AND model_id IS NOT NULL", (kind,))
         return {r["model_id"] for r in rows}
 
+    def pending_ids(self) -> set[str]:
+        """The ids of the pending futures (at start-up: what a crash cut short)."""
+        return {r["id"] for r in self._db.all("SELECT id FROM futures WHERE status = 'pending'")}
+
     def fail_pending(self, message: str) -> int:
         """At start-up: futures a crash left pending fail with a server error (the client
         would otherwise poll them forever). Returns how many."""
