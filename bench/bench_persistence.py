@@ -13,6 +13,7 @@ Target: on / off >= 0.90 in tokens/s.
 
     python bench/bench_persistence.py --shape qwen2.5-0.5b              # GPU
     python bench/bench_persistence.py --shape tiny --devices cpu        # CPU, seconds
+    python bench/bench_persistence.py --fsync     # persistence on, the journal's fsync off/on
 """
 
 from __future__ import annotations
@@ -73,10 +74,11 @@ class Sampler(threading.Thread):
 
 
 def one_run(label: str, every: int, i: int, work: Path, model_dir: Path, vocab: int,
-            device: str, tenants: int, seq: int, steps: int) -> dict:
+            device: str, tenants: int, seq: int, steps: int, fsync: bool | None = None) -> dict:
     data = work / f"data_{label}{i}"
-    config = work / f"persist_every_{every}.toml"
-    config.write_text(f"persist_every = {every}\n")
+    config = work / f"persist_every_{every}_{fsync}.toml"
+    config.write_text(f"persist_every = {every}\n" + (
+        "" if fsync is None else f"journal_fsync = {str(fsync).lower()}\n"))
     keys = make_keys(data, tenants)
     daemon, url, log = start_daemon(model_dir, data, work, device, "--config", str(config))
     sampler = Sampler(data)
@@ -116,6 +118,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps (20 GPU, 6 CPU)")
     ap.add_argument("--repeats", type=int, default=2, help="off/on pairs, interleaved")
     ap.add_argument("--write", default=section_path("persistence"), help="append the section here ('' to skip)")
+    ap.add_argument("--fsync", action="store_true",
+                    help="persistence on in every run; compare the journal's fsync off/on")
     args = ap.parse_args()
 
     import torch
@@ -135,8 +139,9 @@ def main() -> None:
     try:
         for i in range(args.repeats):
             for label, every in (("off", 0), ("on", 1)):
-                rows.append(one_run(label, every, i, work, model_dir, vocab, device,
-                                    args.tenants, seq, steps))
+                fsync = (label == "on") if args.fsync else None
+                rows.append(one_run(label, every or int(args.fsync), i, work, model_dir, vocab,
+                                    device, args.tenants, seq, steps, fsync))
     except BaseException:
         logf = work / "twinkled.log"
         if logf.exists():
@@ -150,16 +155,20 @@ def main() -> None:
     ratio = mean(r["tps"] for r in on) / mean(r["tps"] for r in off)
     pairs = [b["tps"] / a["tps"] for a, b in zip(off, on, strict=True)]
 
-    text = header("cuda" if gpu else "cpu").replace("Engine vs peft", "Durability cost: persistence on vs off")
+    what = "the journal's fsync" if args.fsync else "persistence"
+    text = header("cuda" if gpu else "cpu").replace("Engine vs peft", f"Durability cost: {what} on vs off")
     text += (f"\n### {args.shape} ({device}, {str(dtype).split('.')[-1]}, LoRA r=32 on all linear "
              f"layers, {args.tenants} tenants at 1 x S each, S={seq}, {steps} timed steps per "
              f"tenant, unmodified tinker 0.38 clients; a fresh daemon and data dir per run, in "
              f"this order)\n\n"
-             "| run | persistence | tokens/s | step p50 (s) | step p99 (s) |\n"
+             f"| run | {what} | tokens/s | step p50 (s) | step p99 (s) |\n"
              "|---:|---|---:|---:|---:|\n")
     for n, r in enumerate(rows, 1):
-        what = "on (`persist_every = 1`)" if r["every"] else "off (`persist_every = 0`)"
-        text += f"| {n} | {what} | {r['tps']:,.0f} | {r['p50']:.3f} | {r['p99']:.3f} |\n"
+        if args.fsync:
+            how = f"{r['label']} (`journal_fsync = {str(r['label'] == 'on').lower()}`)"
+        else:
+            how = "on (`persist_every = 1`)" if r["every"] else "off (`persist_every = 0`)"
+        text += f"| {n} | {how} | {r['tps']:,.0f} | {r['p50']:.3f} | {r['p99']:.3f} |\n"
     text += (f"| mean | off | {mean(r['tps'] for r in off):,.0f} | "
              f"{mean(r['p50'] for r in off):.3f} | {mean(r['p99'] for r in off):.3f} |\n"
              f"| mean | on | {mean(r['tps'] for r in on):,.0f} | "
@@ -176,14 +185,16 @@ def main() -> None:
     for n, r in enumerate(rows, 1):
         if not r["every"]:
             continue
+        state = f"fsync {r['label']}" if args.fsync else "on"
         for when, name in (("peak", f"peak while training ({r['samples']} samples)"),
                            ("running", "after the steps"), ("stopped", "after shutdown")):
             s = r[when]
-            text += (f"| {n} | on | {name} | {mib(s['bytes'])} | {s['journals']} | "
+            text += (f"| {n} | {state} | {name} | {mib(s['bytes'])} | {s['journals']} | "
                      f"{s['records']} | {s['journal_bytes']:,} |\n")
     o = max(r["peak"]["journals"] for r in off)
-    text += (f"\nWith persistence off, at most {o} journal(s) were seen under live/ (its peak: "
-             f"{mib(max(r['peak']['bytes'] for r in off))} MiB). Each tenant "
+    text += "\n" if args.fsync else (f"\nWith persistence off, at most {o} journal(s) were seen under live/ (its peak: "
+             f"{mib(max(r['peak']['bytes'] for r in off))} MiB). ")
+    text += ("Each tenant "
              f"ran 2 warm-up and "
              f"{steps} timed steps (forward_backward + optim_step each).\n")
     print(text)

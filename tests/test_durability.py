@@ -306,3 +306,79 @@ def test_with_persistence_off_a_worker_kill_brings_an_adapter_back_as_created(ti
         assert _logprobs(restored, data) == pytest.approx(one_step, rel=1e-4, abs=1e-5)
     finally:
         d.stop()
+
+
+def test_an_optim_step_queued_behind_a_lost_forward_backward_fails_with_it(tiny_dir, tmp_path):
+    """A pipelining client's optim_step waits behind its forward_backward when the worker
+    running that forward_backward is killed. The gradients died with the worker, so the
+    optim_step must fail too (category server: redo both), not be answered as done having
+    applied nothing; redone, the run lands exactly where a twin's one step did."""
+    key = make_key(tmp_path, "ann")
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", env={"TWINKLED_TEST_STEP_DELAY": "0.6"})
+    try:
+        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+        tc, twin = (sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                   seed=5).result(timeout=T) for _ in range(2))
+        data = _data(tc.get_tokenizer())
+        _fb(twin, data)
+        _optim(twin, 5e-2)
+        want = _logprobs(twin, data)
+
+        fut_fb = tc.forward_backward(data, "cross_entropy")
+        time.sleep(0.25)  # its step is in the worker (held by the injected delay) ...
+        fut_opt = tc.optim_step(tinker.types.AdamParams(learning_rate=5e-2))  # ... this waits
+        time.sleep(0.2)
+        old = d.workers()
+        os.kill(old[0], signal.SIGKILL)
+        with pytest.raises(tinker.RequestFailedError, match="restarted") as lost:
+            fut_fb.result(timeout=T)
+        assert str(lost.value.category) == "server"
+        with pytest.raises(tinker.RequestFailedError, match="did not run") as skipped:
+            fut_opt.result(timeout=T)
+        assert str(skipped.value.category) == "server"
+        d.wait_workers(1, old=set(old))
+        _fb(tc, data)  # the client redoes both
+        _optim(tc, 5e-2)
+        assert _logprobs(tc, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
+    finally:
+        d.stop()
+
+
+def test_a_step_another_data_parallel_rank_died_on_is_never_restored(tiny_dir, tmp_path):
+    """Two data-parallel ranks; a step holds a forward_backward and its optim_step, and
+    rank 1 dies after it without answering (injected), while rank 0 answered and persists
+    the state after it. The step failed (server), so that state was never acknowledged:
+    the restarted group must restore the state before it. Redone, the run lands exactly
+    where a twin's two steps did (restored from rank 0's version, the optim_step would
+    count twice)."""
+    key = make_key(tmp_path, "ann")
+    trigger = tmp_path / "die-after-optim"
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--workers", "2", env={
+        "TWINKLED_TEST_DIE_AFTER_OPTIM": str(trigger), "TWINKLED_TEST_STEP_DELAY": "0.3"})
+    try:
+        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+        tc, twin = (sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                   seed=9).result(timeout=T) for _ in range(2))
+        data = _data(tc.get_tokenizer())
+        for c in (twin, twin, tc):
+            _fb(c, data)
+            _optim(c, 5e-2)
+        want = _logprobs(twin, data)
+
+        old = d.workers()
+        trigger.touch()
+        slow = _hold_workers(tc, data)
+        fut_fb = tc.forward_backward(data, "cross_entropy")  # these two share the next step
+        fut_opt = tc.optim_step(tinker.types.AdamParams(learning_rate=5e-2))
+        slow.result(timeout=T)
+        with pytest.raises(tinker.RequestFailedError, match="restarted"):
+            fut_fb.result(timeout=T)
+        with pytest.raises(tinker.RequestFailedError):
+            fut_opt.result(timeout=T)
+        assert not trigger.exists()  # rank 1 did die after that step
+        d.wait_workers(2, old=set(old))
+        _fb(tc, data)  # the client redoes both
+        _optim(tc, 5e-2)
+        assert _logprobs(tc, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
+    finally:
+        d.stop()

@@ -51,6 +51,9 @@ class Config:
     activation_checkpointing: str = "auto"
     worker_threads: int = 0  # torch threads per worker (0: CPU cores / workers; 2 per GPU)
     persist_every: int = 1  # persist live adapters after every N-th optimizer step
+    # fsync the journal (one group commit per step) before acknowledging: acknowledged
+    # steps survive a power loss, not only a crash (twinkled/journal.py)
+    journal_fsync: bool = True
     idle_unload_s: float = 1800.0  # unload an adapter idle this long (0: never); it comes back on its next request
     step_timeout_s: float = 900.0  # a step not answered by then restarts the worker group
     drain_timeout_s: float = 60.0  # SIGTERM: time for queued work before it is failed

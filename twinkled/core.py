@@ -34,11 +34,12 @@ from . import trace
 from .executor import Executor, Outcome
 from .futures import Future, Futures, UserError, empty_json
 from .gather import Gather
+from .lost_gradients import LostGradients
 from .metrics import Metrics
 from .pending_samples import LOST, PendingSamples, Sliced
 from .pieces import Pieces
 from .residency import Residency
-from .workers.frames import OpF, SampleF, TrainF, kind_of
+from .workers.frames import OpF, OptimF, SampleF, TrainF, changes_adapter, kind_of
 
 log = logging.getLogger("twinkled")
 
@@ -96,6 +97,7 @@ class EngineCore:
         self.stepping = False
         self._seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
         self._pieces = Pieces()
+        self._lost = LostGradients()  # optim_steps queued behind a failed forward_backward
         self.samples = PendingSamples(slice_s)  # the samples the workers decode across steps
         executor.on_restart(self._samples_lost)
 
@@ -126,6 +128,8 @@ class EngineCore:
                 op = Op(model, op.seq_id, Skip(lost), op.future, after=op.after)
             self._seq_index[(model, op.seq_id)] = op.future.id
             self.gather.arrived(model, op.kind)
+            self._lost.arrived(model, op.seq_id, isinstance(op.frame, OptimF),
+                               isinstance(op.frame, TrainF) and changes_adapter(op.frame))
         self.planner.submit(Work(op.future.id, tenant, op.kind, op.tokens, op.model_id,
                                  op.seq_id, op, parts=op.parts))
         self.wake.set()
@@ -162,6 +166,12 @@ class EngineCore:
             return (f"seq_id {seq} of {model} is too far ahead: the model waits for seq_id "
                     f"{next_seq} (at most {SEQ_WINDOW} ahead)")
         return None
+
+    def cut_short(self, model: str) -> None:
+        """A forward_backward of `model` was cut short by a crash of the daemon: the
+        optim_step its client sent right behind it, resent to this daemon, must not run
+        without its gradients (lost_gradients.py)."""
+        self._lost.crashed(model, "the daemon restarted before it finished")
 
     def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
         """A request refused at the door still takes its seq_id: the client counts on past
@@ -271,6 +281,10 @@ class EngineCore:
                 if op.after is not None:  # a save in its place: its row is not written
                     op.after(None, op.frame.why)
                 continue
+            if isinstance(op.frame, OptimF) and (
+                    lost := self._lost.check(op.model_id, op.seq_id)) is not None:
+                self.futures.fail(op.future, *lost)
+                continue
             if op.seq_id is not None:
                 # A retry of a recent request still finds its future; older ones are let go.
                 self._seq_index.pop((op.model_id, op.seq_id - 1000), None)
@@ -332,6 +346,7 @@ class EngineCore:
     def _settle_one(self, op: Op, outcome: Outcome) -> None:
         self.residency.note(op.frame, outcome)
         self._count_tokens(op, outcome)
+        self._note_gradients(op, outcome)
         if op.piece is not None:
             outcome = self._pieces.add(op, outcome)
             if outcome is None:
@@ -346,10 +361,22 @@ class EngineCore:
         if op.after is not None:
             op.after(result, message)
 
+    def _note_gradients(self, op: Op, outcome: Outcome) -> None:
+        """A training forward_backward (or a piece of one) that failed takes the optim_step
+        queued behind it down too (lost_gradients.py)."""
+        if op.seq_id is None:
+            return
+        if isinstance(op.frame, OptimF):
+            self._lost.settled(op.model_id, op.seq_id)
+        elif isinstance(op.frame, TrainF) and changes_adapter(op.frame) and outcome[1]:
+            last = self.planner.seq_after_queued(op.model_id) - 1
+            self._lost.failed(op.model_id, op.seq_id, last, outcome[1], outcome[2] or "server")
+
     def _after(self, step: Step, seconds: float | None) -> None:
         for w in step.work:
             if w.kind == "unload":
                 self.residency.close(w.model)
+                self._lost.forget(w.model)
         self.gather.stepped(step, seconds)
 
     def _count_tokens(self, op: Op, outcome: Outcome) -> None:

@@ -112,27 +112,26 @@ def zmq_executor(config: Config, devices: list[str]) -> Executor:
                "threads": threads, "log_format": config.log_format}
     group = WorkerGroup(devices, options, step_timeout=config.step_timeout_s,
                         join=join_settings(config))
-    return Executor(group, live_dir, config.persist_every)
+    return Executor(group, live_dir, config.persist_every, config.journal_fsync)
 
 
 class Executor:
-    def __init__(self, group: Transport, live_dir: Path, persist_every: int = 1):
+    def __init__(self, group: Transport, live_dir: Path, persist_every: int = 1,
+                 journal_fsync: bool = True):
         self.group = group
         self.live_dir = live_dir
         # persist_every = 0 is "persistence off": no write-behind, so no journal either.
-        self.journal = Journal(live_dir, enabled=persist_every > 0)
+        self.journal = Journal(live_dir, enabled=persist_every > 0, fsync=journal_fsync)
         # model -> what its client is told on its next request: its run was rolled back
         self.rollbacks: dict[str, str] = {}
         self._lock = asyncio.Lock()  # one step (or one recovery) at a time
         self._stopping = False
         self.recovering = False  # the group is being restarted (healthz says "restarting")
-        # The restart after a failed step, run behind the step's answer: whatever would use
-        # the group waits for it first (`ready`).
+        # The restart after a failed step, run behind its answer; users of the group wait (`ready`)
         self._recovery: asyncio.Task | None = None
         self._adapters: LiveAdapters | None = None
         self._on_restart: Callable[[], None] = lambda: None
-        # Told why, each time the group restarts: whoever keeps work that lived in the
-        # workers between steps (the samples they decode across steps: pending_samples.py).
+        # Told why the group restarted: who keeps work the workers held across steps (samples)
         self._restart_hooks: list[Callable[[str], None]] = []
 
     def serve(self, adapters: LiveAdapters, on_restart: Callable[[], None]) -> None:
@@ -218,6 +217,7 @@ class Executor:
             if isinstance(op.frame, UnloadF):  # a model closed for good: nothing to replay
                 self.journal.forget(op.frame.adapter_id)
             self._journal(op, outcome)
+        await self.journal.flush()  # on disk before any of them is acknowledged
         return merged
 
     async def run_samples(self, step: StepF) -> list[ReplyF] | str:
@@ -286,7 +286,7 @@ class Executor:
         model = frame.adapter_id
         data = encoder.encode(frame)
         if piece is None:
-            self.journal.record(model, frame.mark, data)
+            self.journal.record(model, frame.mark, data, op.future.id)
             return
         self.journal.hold(op.future.id, model, frame.mark, data)
         if piece[1]:
@@ -450,4 +450,4 @@ def in_process_executor(config: Config) -> Executor:
     group = InProcessGroup(config.model, device=device, dtype=dtype, max_rank=config.max_rank,
                            token_budget=config.token_budget, packing=config.packing,
                            sample_kv_mb=config.sample_kv_mb, live_dir=live_dir, persist_every=config.persist_every)
-    return Executor(group, live_dir, config.persist_every)
+    return Executor(group, live_dir, config.persist_every, config.journal_fsync)

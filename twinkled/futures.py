@@ -57,10 +57,12 @@ class Futures:
         self._store = store
         self._live: dict[str, Future] = {}
 
-    def new(self, tenant: str, kind: str, encode: Encoder) -> Future:
+    def new(self, tenant: str, kind: str, encode: Encoder, run: str | None = None) -> Future:
+        """`run`: the training run it is for, recorded at once (a restart after a crash
+        must know which runs had a forward_backward cut short: core.py, `cut_short`)."""
         f = Future(f"req-{uuid.uuid4().hex}", tenant, kind, encode)
         self._live[f.id] = f
-        self._store.futures.create(f.id, tenant, kind)
+        self._store.futures.create(f.id, tenant, kind, model_id=run)
         return f
 
     @contextlib.contextmanager

@@ -98,6 +98,12 @@ class Service:
 
         Work cut short by the last stop is settled first: its futures fail with a clear
         error when polled, and half-written checkpoints are marked and never served."""
+        cut = self.store.futures.pending_ids()
+        for lane in self.lanes.all:  # their clients submit them again: never replayed too
+            lane.executor.journal.void(cut)
+        for model in self.store.futures.pending("forward_backward"):
+            for lane in self.lanes.all:  # the optim_step right behind it fails too (core.py)
+                lane.core.cut_short(model)
         failed = self.store.futures.fail_pending(
             "the daemon restarted before this request finished; submit it again")
         for c in self.store.checkpoints.abandon_writing("the daemon stopped while writing it"):
@@ -327,7 +333,7 @@ class Service:
     def forward_backward(self, tenant: str, model: str, seq_id: int, frame: TrainF,
                          encode: Encoder) -> Future:
         parts = [d.tokens.shape[0] for d in frame.data]  # where the planner may cut it
-        f = self.futures.new(tenant, "forward_backward", encode)
+        f = self.futures.new(tenant, "forward_backward", encode, run=model)
         f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts))
         self.store.runs.touch(model)
         return f

@@ -63,6 +63,17 @@ class FutureRows:
                            [model_id, seq_id])
         return row["id"] if row else None
 
+    def pending(self, kind: str) -> set[str]:
+        """The runs with a pending future of `kind` (at start-up: what a crash cut short,
+        before `fail_pending`); futures not yet tagged with their run are not known."""
+        rows = self._db.all("SELECT DISTINCT model_id FROM futures WHERE status = 'pending' "
+                            "AND kind = ? AND model_id IS NOT NULL", (kind,))
+        return {r["model_id"] for r in rows}
+
+    def pending_ids(self) -> set[str]:
+        """The ids of the pending futures (at start-up: what a crash cut short)."""
+        return {r["id"] for r in self._db.all("SELECT id FROM futures WHERE status = 'pending'")}
+
     def fail_pending(self, message: str) -> int:
         """At start-up: futures a crash left pending fail with a server error (the client
         would otherwise poll them forever). Returns how many."""

@@ -48,8 +48,18 @@ def write_live(snap: Snapshot, path: str | Path, mark: int = 0) -> int:
         index = {"config": asdict(snap.config), "steps": snap.steps, "mark": mark,
                  "dtype": "float32",
                  "tensors": [[file, name, list(shape)] for file, name, shape in snap.names]}
-        (tmp / INDEX).write_text(json.dumps(index))
+        with open(tmp / INDEX, "w") as f:
+            f.write(json.dumps(index))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        # The daemon drops its journal's records up to `mark` once told this is written:
+        # the rename itself must survive a power loss first.
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

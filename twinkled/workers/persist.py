@@ -8,6 +8,15 @@ so the newest complete one (written to a temp name, then renamed) is what a rest
 older versions are removed once a newer one is in place. Each version records the journal
 position of the last operation it holds; the daemon replays its journal from there, so a
 crash loses nothing acknowledged (`twinkled/journal.py`).
+
+A version written between steps may hold a step the daemon never acknowledged: another rank
+died on it (data parallelism), or the daemon died before journaling it. So it is written
+under a hidden name (`.t<stamp>`, which a restore does not see) and takes its real name
+only when the next step arrives (`confirm`): the daemon sends a step only after it has
+journaled (or failed) every op of the one before. Until then the older version stays, and
+the daemon's journal keeps the ops after it (it hears of a version only once confirmed).
+A version written inside a step that changes nothing (an idle unload, a hot restart's
+persist) holds only acknowledged steps and is written under its real name at once.
 """
 
 from __future__ import annotations
@@ -29,6 +38,17 @@ log = logging.getLogger("twinkled.worker")
 # Fault tests only: the writer waits this long before each write, so a crash falls between
 # an acknowledged op and the version holding it (what only the journal then covers).
 _TEST_DELAY = float(os.environ.get("TWINKLED_TEST_PERSIST_DELAY", "0"))
+
+
+HIDDEN = ".t"  # the name prefix of a version not yet confirmed (see the module's docstring)
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def latest_version(live_dir: Path, adapter_id: str) -> Path | None:
@@ -55,8 +75,11 @@ class Persister:
         # Snapshots taken when the adapter changed (`hold`: tensor-parallel adapters, whose
         # gathering is a collective), with their journal marks; written instead of a new one.
         self.ready: dict[str, tuple[Snapshot, int]] = {}
-        # (adapter, snapshot or None to forget it, journal mark of the snapshot)
-        self._queue: list[tuple[str, Snapshot | None, int]] = []
+        # (adapter, snapshot or None to forget it, journal mark of the snapshot, final?);
+        # ("", None, 0, True): confirm the hidden versions written so far
+        self._queue: list[tuple[str, Snapshot | None, int, bool]] = []
+        self._hidden: dict[str, tuple[Path, int]] = {}  # adapter -> unconfirmed version, mark
+        self._unconfirmed = 0  # hidden versions queued since the last `confirm`
         self._written: dict[str, int] = {}  # adapter -> mark, since `take_written`
         self._cond = threading.Condition()
         self._busy = False
@@ -84,7 +107,17 @@ class Persister:
         self.dirty.pop(adapter_id, None)
         self.ready.pop(adapter_id, None)
         with self._cond:
-            self._queue.append((adapter_id, None, 0))
+            self._queue.append((adapter_id, None, 0, True))
+            self._cond.notify()
+
+    def confirm(self) -> None:
+        """A new step arrived: every step before it was acknowledged (or failed, with the
+        ops journaled or not), so the versions written so far may take their real names."""
+        if not self._unconfirmed:
+            return
+        self._unconfirmed = 0
+        with self._cond:
+            self._queue.append(("", None, 0, True))
             self._cond.notify()
 
     def idle(self) -> bool:
@@ -98,7 +131,7 @@ class Persister:
         return written
 
     def pump(self, adapters: dict[str, Adapter], marks: dict[str, int],
-             limit: int | None = 1) -> None:
+             limit: int | None = 1, final: bool = False) -> None:
         """Hand up to `limit` changed adapters to the writer, if it is free. One at a time
         between steps keeps the snapshot's host time off the next step's start. `marks`:
         each adapter's journal position as of its state without pending gradients."""
@@ -108,9 +141,11 @@ class Persister:
         for a in chosen:
             del self.dirty[a]
         snaps = [self.ready.pop(a, None) for a in chosen]
-        snaps = [(a, *held) if held is not None else
-                 (a, snapshot(adapters[a], optimizer=True), marks.get(a, 0))
+        snaps = [(a, *held, final) if held is not None else
+                 (a, snapshot(adapters[a], optimizer=True), marks.get(a, 0), final)
                  for a, held in zip(chosen, snaps, strict=True) if held is not None or a in adapters]
+        if not final:
+            self._unconfirmed += len(snaps)
         with self._cond:
             self._queue.extend(snaps)
             self._cond.notify()
@@ -119,9 +154,10 @@ class Persister:
               timeout: float = 300.0) -> bool:
         """Everything changed is on disk when this returns True."""
         deadline = time.monotonic() + timeout
+        self.confirm()  # asked inside a step (see above): the steps before were answered
         if not self._wait_idle(deadline):
             return False
-        self.pump(adapters, marks, limit=None)
+        self.pump(adapters, marks, limit=None, final=True)
         return self._wait_idle(deadline)
 
     def _wait_idle(self, deadline: float) -> bool:
@@ -138,11 +174,14 @@ class Persister:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
-                adapter_id, snap, mark = self._queue.pop(0)
+                adapter_id, snap, mark, final = self._queue.pop(0)
                 self._busy = True
             try:
-                time.sleep(_TEST_DELAY)
-                self._write(adapter_id, snap, mark)
+                if adapter_id:
+                    time.sleep(_TEST_DELAY)
+                    self._write(adapter_id, snap, mark, final)
+                else:
+                    self._confirm()
             except Exception:  # a full disk must not kill the worker; the next step retries
                 log.exception("persisting adapter %s failed", adapter_id)
             finally:
@@ -150,18 +189,45 @@ class Persister:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _write(self, adapter_id: str, snap: Snapshot | None, mark: int) -> None:
+    def _write(self, adapter_id: str, snap: Snapshot | None, mark: int, final: bool) -> None:
         root = self.live_dir / adapter_id
         if snap is None:
+            self._hidden.pop(adapter_id, None)
             shutil.rmtree(root, ignore_errors=True)
             return
-        version = root / f"{time.time_ns():020d}"
+        stamp = f"{time.time_ns():020d}"
+        version = root / (stamp if final else HIDDEN + stamp)
         write_live(snap, version, mark)
         self.written += 1
+        if final:
+            self._hidden.pop(adapter_id, None)
+            self._landed(adapter_id, version, mark)
+            return
+        old = self._hidden.get(adapter_id)
+        if old is not None:  # never confirmed, and newer state is here
+            shutil.rmtree(old[0], ignore_errors=True)
+        self._hidden[adapter_id] = (version, mark)
+
+    def _confirm(self) -> None:
+        hidden, self._hidden = self._hidden, {}
+        for adapter_id, (path, mark) in hidden.items():
+            version = path.with_name(path.name.removeprefix(HIDDEN))
+            try:
+                path.rename(version)
+                _sync_dir(version.parent)
+            except OSError:  # removed meanwhile: the older version stands
+                log.exception("confirming the persisted state of %s failed", adapter_id)
+                continue
+            self._landed(adapter_id, version, mark)
+
+    def _landed(self, adapter_id: str, version: Path, mark: int) -> None:
+        """`version` is the adapter's newest acknowledged state: the daemon hears of it,
+        older versions go."""
         with self._cond:
             self._written[adapter_id] = mark
-        for old in root.iterdir():
-            if old != version and not old.name.startswith("."):
+        for old in version.parent.iterdir():
+            if old != version and old.is_dir() and (not old.name.startswith(".")
+                                                    or old.name.startswith(HIDDEN)):
                 shutil.rmtree(old, ignore_errors=True)
 
 

@@ -87,6 +87,8 @@ class StepRunner:
 
     def run(self, step: StepF) -> list[OutcomeF]:
         """Every op gets an outcome; an exception leaves only if the rank cannot go on."""
+        if self.persister is not None:  # the steps before this one were all answered
+            self.persister.confirm()
         if step.kind in ("sample", "slice"):
             return self.sampling.run(step)
         rows = [i for i, op in enumerate(step.ops) if isinstance(op, TrainF)]

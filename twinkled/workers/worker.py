@@ -81,6 +81,7 @@ def main(args: dict) -> None:
             # at its acknowledged step (persisted state + journal).
             log.error("step %d failed: %s", step.id, traceback.format_exc())
             sys.exit(f"step failed: {type(e).__name__}: {e}")
+        _test_die(rank, step)
         busy = time.perf_counter() - started
         sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, *_memory(runner),
                                         runner.persisted(), busy, began,
@@ -168,6 +169,21 @@ class _AllocRetries:
             log.warning("the CUDA allocator retried %d time(s) after freeing its cache: "
                         "memory is fragmented near full (PYTORCH_CUDA_ALLOC_CONF="
                         "expandable_segments:True may help)", n)
+
+
+def _test_die(rank: int, step) -> None:
+    """Fault tests only: a rank other than 0 dies after a step that held an optim_step,
+    without answering, when the file TWINKLED_TEST_DIE_AFTER_OPTIM names exists (removed:
+    once). Rank 0 has answered by then and persists the step behind it."""
+    path = os.environ.get("TWINKLED_TEST_DIE_AFTER_OPTIM")
+    if not path or rank == 0 or not any(type(op).__name__ == "OptimF" for op in step.ops):
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    time.sleep(1.0)
+    os._exit(1)
 
 
 def _memory(runner) -> tuple[int, int]:

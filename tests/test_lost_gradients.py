@@ -1,0 +1,48 @@
+"""Which optim_step fails with a forward_backward that failed after it was queued
+(twinkled/lost_gradients.py): the first one its client sent before it could hear of the
+failure, once; not one sent after, nor one already answered in the same step."""
+
+from __future__ import annotations
+
+from twinkled.lost_gradients import LostGradients
+
+
+def test_the_optim_step_queued_behind_fails_once_with_the_same_category():
+    lost = LostGradients()
+    lost.failed("m", 5, last_queued=6, why="worker lost", category="server")
+    message, category = lost.check("m", 6)
+    assert category == "server" and "seq_id 5" in message and "worker lost" in message
+    assert lost.check("m", 6) is None  # once
+    assert lost.check("other", 6) is None
+
+
+def test_an_optim_step_sent_after_the_failure_was_answered_runs():
+    lost = LostGradients()
+    lost.failed("m", 5, last_queued=5, why="x", category="server")  # nothing queued behind
+    assert lost.check("m", 7) is None  # the client redid the forward_backward (6) first
+
+
+def test_an_optim_step_answered_in_the_same_step_settles_the_failure():
+    lost = LostGradients()
+    lost.failed("m", 5, last_queued=9, why="x", category="server")
+    lost.settled("m", 6)  # failed with the forward_backward, in its step
+    assert lost.check("m", 8) is None  # a later pair sent blind trains on what it sent
+
+
+def test_a_second_failure_sent_blind_keeps_the_first():
+    lost = LostGradients()
+    lost.failed("m", 5, last_queued=7, why="first", category="user")
+    lost.failed("m", 6, last_queued=8, why="second", category="server")
+    message, category = lost.check("m", 8)
+    assert "seq_id 5" in message and category == "user"
+
+
+def test_after_a_crash_the_optim_step_resent_first_fails_a_forward_backward_first_clears():
+    lost = LostGradients()
+    lost.crashed("m", "the daemon restarted")
+    lost.arrived("m", 7, optim=True, trains=False)  # resent right behind the lost one
+    assert lost.check("m", 7)[1] == "server"
+    lost.crashed("n", "the daemon restarted")
+    lost.arrived("n", 7, optim=False, trains=True)  # the client redid the forward_backward
+    lost.arrived("n", 8, optim=True, trains=False)
+    assert lost.check("n", 8) is None

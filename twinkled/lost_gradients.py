@@ -1,0 +1,77 @@
+"""An optimizer step never applies gradients that are missing a failed forward_backward.
+
+A pipelining client (tinker's) sends its optim_step right behind its forward_backward,
+before it hears how the forward_backward went. When that forward_backward fails after it was
+queued (its worker was killed, or its pass failed in the engine), its gradients are gone:
+the adapter is back at its acknowledged state. The optim_step queued behind it would run on
+what is left (nothing, most often) and be answered as done, and the client, told only that
+its forward_backward failed, would redo that alone: a step of its run silently lost.
+
+So the first optim_step of that model that was already queued when the forward_backward
+failed fails with it (same category: "server" when a worker was lost, so the client redoes
+both). An optim_step sent after the failure was answered is the client's own choice and runs.
+Torch-free; the core (core.py) asks it of each planned optim_step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _Failed:
+    seq: int  # the forward_backward that failed
+    last_queued: int  # the model's last seq_id queued when it failed
+    why: str
+    category: str
+
+
+class LostGradients:
+    def __init__(self) -> None:
+        self._failed: dict[str, _Failed] = {}  # model -> its latest failed forward_backward
+        self._crashed: dict[str, str] = {}  # model -> why its forward_backward was cut short
+
+    def crashed(self, model: str, why: str) -> None:
+        """A forward_backward of `model` was cut short by a crash of the daemon (its seq_id
+        is not known). If the first training op of `model` to arrive now is an optim_step,
+        it is the one its client sent right behind it (resent to this daemon): it fails."""
+        self._crashed[model] = why
+
+    def arrived(self, model: str, seq: int, optim: bool, trains: bool) -> None:
+        """An op of `model` arrived (an optim_step, or a forward_backward that trains)."""
+        if model not in self._crashed or not (optim or trains):
+            return
+        why = self._crashed.pop(model)
+        if optim:
+            self.failed(model, seq - 1, seq, why, "server")
+
+    def failed(self, model: str, seq: int, last_queued: int, why: str, category: str) -> None:
+        """Training forward_backward `seq` of `model` failed after it was queued; the model
+        had queued up to `last_queued` then (what its client sent before it heard)."""
+        known = self._failed.get(model)
+        if known is not None and known.seq < seq <= known.last_queued:
+            # a later one of the same batch sent blind: the pending optim_step still fails
+            known.last_queued = max(known.last_queued, last_queued)
+            return
+        self._failed[model] = _Failed(seq, last_queued, why, category)
+
+    def check(self, model: str, seq: int) -> tuple[str, str] | None:
+        """(message, category) if optim_step `seq` of `model` must fail: it was queued
+        behind a forward_backward that failed (once per failure)."""
+        known = self._failed.get(model)
+        if known is None or not known.seq < seq <= known.last_queued:
+            return None
+        del self._failed[model]
+        return (f"optim_step seq_id {seq} of {model} did not run: forward_backward seq_id "
+                f"{known.seq} ahead of it failed ({known.why}), so its gradients are not "
+                "there; send that forward_backward again, then optim_step", known.category)
+
+    def settled(self, model: str, seq: int) -> None:
+        """Optim_step `seq` of `model` was answered (it failed in the same step as the
+        forward_backward, say): the failure ahead of it is accounted for."""
+        known = self._failed.get(model)
+        if known is not None and known.seq < seq:
+            del self._failed[model]
+
+    def forget(self, model: str) -> None:
+        self._failed.pop(model, None)
