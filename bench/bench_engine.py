@@ -39,8 +39,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-
 from output import section_path  # bench/ is the script's directory
+
 from twinkled.engine.engine import Engine
 from twinkled.engine.types import (
     AdamParams,

@@ -26,9 +26,8 @@ sys.path.insert(0, str(HERE))
 
 from bench_multitenant import make_keys, pct, run_tenants, start_daemon  # noqa: E402
 from bench_workers import path_report, planner_report  # noqa: E402
-from peft_baseline import peft_run  # noqa: E402
-
 from output import section_path  # noqa: E402
+from peft_baseline import peft_run  # noqa: E402
 
 
 def build(out: Path, layers: int, tiny: bool, dtype, device: str) -> int:

@@ -27,7 +27,6 @@ import warnings
 from pathlib import Path
 
 import torch
-
 from output import section_path  # bench/ is the script's directory
 
 sys.path.insert(0, str(Path(__file__).parent))

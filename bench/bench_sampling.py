@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 from bench_engine import build_model, header
-
 from output import emit, section_path
+
 from twinkled.engine.engine import Engine
 from twinkled.engine.running import RunningBatch
 from twinkled.engine.sampler import generate_padded

@@ -29,7 +29,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_multitenant import make_keys, pct, run_tenants, start_daemon  # noqa: E402
-
 from output import section_path  # noqa: E402
 
 

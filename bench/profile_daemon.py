@@ -21,7 +21,6 @@ from pathlib import Path
 
 from bench_engine import build_model
 from bench_multitenant import make_keys, run_tenants, start_daemon
-
 from output import emit, section_path
 
 
