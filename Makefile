@@ -10,14 +10,14 @@ install:
 	PYTHON=$(PY) bash scripts/install.sh
 
 demo: install
-	@echo "make: running the demo (python -m twinkled.demo)"
-	$(PY) -m twinkled.demo
+	@echo "make: running the demo (python -m twinkled.server.demo)"
+	$(PY) -m twinkled.server.demo
 
-# The demo's tiny model on a persistent data dir, in the foreground (twinkled/demo_next.py:
+# The demo's tiny model on a persistent data dir, in the foreground (twinkled/server/demo_next.py:
 # TWINKLE_PORT, TWINKLE_DEMO_DATA).
 serve: install
-	@echo "make: serving the demo's tiny model (python -m twinkled.demo_next)"
-	$(PY) -m twinkled.demo_next
+	@echo "make: serving the demo's tiny model (python -m twinkled.server.demo_next)"
+	$(PY) -m twinkled.server.demo_next
 
 test: install
 	@echo "make: running the test suite (pytest tests)"

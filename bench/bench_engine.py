@@ -42,7 +42,7 @@ import torch
 from output import section_path  # bench/ is the script's directory
 
 from twinkled.engine.engine import Engine
-from twinkled.engine.types import (
+from twinkled.protocol.types import (
     AdamParams,
     Datum,
     ForwardBackwardRequest,

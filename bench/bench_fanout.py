@@ -20,7 +20,7 @@ from output import emit, section_path
 
 from twinkled.engine.engine import Engine
 from twinkled.engine.sampler import generate
-from twinkled.engine.types import LoraConfig, SampleRequest, SamplingParams
+from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ def main() -> None:
     from bench_engine import header
     from bench_workers import prepare
 
-    from twinkled.layout import expand_devices
+    from twinkled.server.layout import expand_devices
 
     devices = expand_devices(args.devices)
     gpu, dtype, seq, steps, work, model_dir, vocab = prepare(args, devices, "bench_lanes_")

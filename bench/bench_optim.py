@@ -36,7 +36,7 @@ def measure(adapters: int, layers: int, repeats: int) -> dict[str, float]:
     from twinkled.engine.lora import LoraPool
     from twinkled.engine.optim import optimizer_steps
     from twinkled.engine.parallel import reduce_gradients
-    from twinkled.engine.types import AdamParams, LoraConfig
+    from twinkled.protocol.types import AdamParams, LoraConfig
 
     targets = {f"model.layers.{i}.mlp.{m}": (8, 8) for i in range(layers) for m in MODULES}
     pool = LoraPool(targets, 4, "cpu")

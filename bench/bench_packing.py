@@ -45,7 +45,7 @@ from bench_engine import (  # noqa: E402
 
 from twinkled.engine import step  # noqa: E402
 from twinkled.engine.engine import Engine  # noqa: E402
-from twinkled.engine.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig  # noqa: E402
+from twinkled.protocol.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig  # noqa: E402
 
 K, ROWS = 8, 4  # adapters, rows each (mixed)
 PACK_ABOVE = step.PACK_ABOVE

@@ -1,7 +1,7 @@
 """What durability costs: 8 tenants through the daemon, persistence on against off.
 
 With persistence on (`persist_every = 1`, the default) every optimizer step appends the ops
-that change an adapter to its journal (`twinkled/journal.py`) before it is acknowledged, and
+that change an adapter to its journal (`twinkled/core/journal.py`) before it is acknowledged, and
 the workers write adapter state behind the training loop (`twinkled/workers/persist.py`).
 With `persist_every = 0` neither happens. The same tinker tenants as bench_multitenant.py
 (1 x S random tokens per step each) run against a fresh daemon and data dir per run, in the
@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_multitenant import make_keys, pct, run_tenants, start_daemon  # noqa: E402
 
-JOURNAL = ".journal"  # twinkled.journal.FILE
+JOURNAL = ".journal"  # twinkled.core.journal.FILE
 _LEN = struct.Struct("<I")  # each record: a little-endian u32 length, then msgpack
 
 

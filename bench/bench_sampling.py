@@ -30,7 +30,7 @@ from output import emit, section_path
 from twinkled.engine.engine import Engine
 from twinkled.engine.running import RunningBatch
 from twinkled.engine.sampler import generate_padded
-from twinkled.engine.types import LoraConfig, SampleRequest, SamplingParams
+from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
 
 ADAPTERS = 8
 RANK = 32

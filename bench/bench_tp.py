@@ -89,8 +89,8 @@ def worker(args: dict) -> None:
     import torch.distributed as dist
 
     from twinkled.engine.engine import Engine
-    from twinkled.engine.sizing import weight_bytes
-    from twinkled.engine.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig
+    from twinkled.protocol.sizing import weight_bytes
+    from twinkled.protocol.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig
 
     rank, world, tp = args["rank"], args["world"], args["tp"]
     cuda = args["device"] == "cuda"
@@ -178,7 +178,7 @@ def run_daemon(model: Path, tp: int, a) -> dict | None:
     from bench_workers import path_report, planner_report
     from transformers import AutoConfig
 
-    from twinkled.engine.sizing import weight_bytes
+    from twinkled.protocol.sizing import weight_bytes
 
     cfg = AutoConfig.from_pretrained(model)
     work = Path(tempfile.mkdtemp(prefix=f"bench_tp{tp}_"))
@@ -299,7 +299,7 @@ def run_peft(model: Path, gpus: int, a) -> dict | None:
     from peft_baseline import DENSE, peft_run
     from transformers import AutoConfig
 
-    from twinkled.engine.sizing import weight_bytes
+    from twinkled.protocol.sizing import weight_bytes
 
     try:
         tps, peaks = peft_run(model, a.adapters, a.seq, a.steps, a.lora_rank, DENSE,

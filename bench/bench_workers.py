@@ -114,7 +114,7 @@ def main() -> None:
 
     from bench_engine import header
 
-    from twinkled.layout import expand_devices
+    from twinkled.server.layout import expand_devices
 
     devices = expand_devices(args.devices)
     sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else [1, len(devices)]

@@ -24,7 +24,7 @@ from bench_engine import build_model
 from profile_engine import tenant_rows
 
 from twinkled.engine.engine import Engine
-from twinkled.engine.types import AdamParams
+from twinkled.protocol.types import AdamParams
 
 
 def main() -> None:

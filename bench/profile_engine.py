@@ -19,12 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import build_model  # noqa: E402
 
 from twinkled.engine.engine import Engine  # noqa: E402
-from twinkled.engine.types import (  # noqa: E402
-    AdamParams,
-    Datum,
-    ForwardBackwardRequest,
-    LoraConfig,
-)
+from twinkled.protocol.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig
 
 
 def tenant_rows(eng: Engine, adapters: int, seq: int

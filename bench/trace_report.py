@@ -1,4 +1,4 @@
-"""Where the daemon's steps spend their time, from a TWINKLED_TRACE file (twinkled/trace.py).
+"""Where the daemon's steps spend their time, from a TWINKLED_TRACE file (twinkled/protocol/trace.py).
 
     python bench/trace_report.py trace.jsonl [--last 40]
 

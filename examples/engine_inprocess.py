@@ -17,7 +17,7 @@ from pathlib import Path
 
 from twinkled.engine.engine import Engine
 from twinkled.engine.tiny import build_tiny_model
-from twinkled.engine.types import (
+from twinkled.protocol.types import (
     AdamParams,
     Datum,
     ForwardBackwardRequest,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from twinkled.streams import Piece
+from twinkled.core.streams import Piece
 
 from .tokens import Detokenizer, TextSide
 

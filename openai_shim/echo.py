@@ -4,7 +4,7 @@ logprobs (what eval harnesses score a continuation by: echo, logprobs, max_token
 
 from __future__ import annotations
 
-from twinkled.streams import PromptScores
+from twinkled.core.streams import PromptScores
 
 from .choices import Delta, TokenOut
 from .tokens import Detokenizer, TextSide

@@ -11,8 +11,9 @@ import logging
 
 from aiohttp import web
 
-from twinkled.service import Draining, NotFound, RateLimited, UserError
-from twinkled.streams import SampleFailed
+from twinkled.core.service import Draining, RateLimited
+from twinkled.core.streams import SampleFailed
+from twinkled.protocol.errors import NotFound, UserError
 
 log = logging.getLogger("twinkled.oai")
 

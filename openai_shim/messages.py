@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from msgspec import Meta, Struct
 
 from tinker_shim.messages import decode as decode_body
-from twinkled.engine.checks import Limits
-from twinkled.futures import UserError
+from twinkled.protocol.checks import Limits
+from twinkled.protocol.errors import UserError
 
 from .errors import bad_param
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from tinker_shim.common import own_checkpoint, sampler_adapter, service, tokenizer_name
-from twinkled.service import NotFound, UserError
+from twinkled.protocol.errors import NotFound, UserError
 
 from .errors import bad_param, model_not_found
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from tinker_shim.common import limits, service
-from twinkled.engine.checks import check_prompt_scores, check_token_ids
-from twinkled.engine.types import EngineInputError
-from twinkled.service import UserError
-from twinkled.streams import Piece, SampleFailed, SampleStream
-from twinkled.workers.frames import SampleF, SamplingF, buf
+from twinkled.core.streams import Piece, SampleFailed, SampleStream
+from twinkled.protocol.checks import check_prompt_scores, check_token_ids
+from twinkled.protocol.errors import UserError
+from twinkled.protocol.frames import SampleF, SamplingF, buf
+from twinkled.protocol.types import EngineInputError
 
 from .choices import ChoiceText, Delta, TokenOut, chat_logprobs, completion_logprobs
 from .echo import echoed
@@ -328,7 +328,7 @@ class _Format:
 
 
 def add_routes(app: web.Application) -> None:
-    """Mount the OpenAI face (where the Tinker face is mounted: twinkled/app.py)."""
+    """Mount the OpenAI face (where the Tinker face is mounted: twinkled/server/app.py)."""
     cfg = app["service"].config if app["service"] is not None else None
     app["oai_text"] = TextSideSlot(cfg and cfg.model, cfg.model_config if cfg else {})
     r = app.router

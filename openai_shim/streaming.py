@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from twinkled.streams import Piece, SampleStream
+from twinkled.core.streams import Piece, SampleStream
 
 from .errors import OpenAIError, as_openai
 

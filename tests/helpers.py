@@ -7,7 +7,7 @@ import os
 import torch
 
 from twinkled.engine.engine import Engine
-from twinkled.engine.types import Datum, ForwardBackwardRequest
+from twinkled.protocol.types import Datum, ForwardBackwardRequest
 
 # The engine tests run on the CPU in CI; TWINKLE_TEST_DEVICE=cuda runs them on a GPU.
 DEVICE = os.environ.get("TWINKLE_TEST_DEVICE", "cpu")

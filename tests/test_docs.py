@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 import pytest
 
-from twinkled.cli import main
-from twinkled.config import Config
+from twinkled.protocol.config import Config
+from twinkled.server.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = (ROOT / "docs" / "reference.md").read_text()
@@ -77,7 +77,7 @@ def test_every_config_key_is_documented():
 
 def test_every_route_is_documented():
 
-    from twinkled.app import make_app
+    from twinkled.server.app import make_app
 
     app = make_app(service=None, store=None)
     documented = set(re.findall(r"\| (GET|POST|PUT|DELETE) \| `([^`]+)` \|", REFERENCE))

@@ -29,7 +29,7 @@ def _rank(rank: int, port: int, out: dict) -> None:
 
     from twinkled.engine.lora import LoraPool
     from twinkled.engine.parallel import reduce_gradients
-    from twinkled.engine.types import LoraConfig
+    from twinkled.protocol.types import LoraConfig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)

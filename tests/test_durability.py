@@ -1,6 +1,6 @@
 """Acknowledged means durable: after a worker kill or a daemon SIGKILL, every adapter is at
 the step its client was told is done, even when persisted state lags far behind (the
-journal's ops after it are replayed, twinkled/journal.py), pending gradients included."""
+journal's ops after it are replayed, twinkled/core/journal.py), pending gradients included."""
 
 from __future__ import annotations
 

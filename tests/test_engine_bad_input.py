@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import adapter_snapshot, ce_request, randomize_b, rl_datum
 
-from twinkled.engine.types import (
+from twinkled.protocol.types import (
     Datum,
     EngineInputError,
     ForwardBackwardRequest,

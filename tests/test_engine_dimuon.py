@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import adapter_snapshot, all_close, ce_request, make_engine, randomize_b, weights
 
-from twinkled.engine.types import AdamParams, DimuonParams, EngineInputError, LoraConfig
+from twinkled.protocol.types import AdamParams, DimuonParams, EngineInputError, LoraConfig
 
 DIMUON = LoraConfig(rank=4, seed=0, optimizer="dimuon")
 

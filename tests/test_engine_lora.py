@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import ce_request, grads, make_engine, max_diff, randomize_b
 
-from twinkled.engine.types import EngineInputError, ForwardBackwardRequest, LoraConfig
+from twinkled.protocol.types import EngineInputError, ForwardBackwardRequest, LoraConfig
 
 
 def test_add_and_remove_adapters(engine):

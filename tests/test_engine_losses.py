@@ -16,7 +16,7 @@ from helpers import (
 )
 
 from twinkled.engine.losses import target_logprobs
-from twinkled.engine.types import Datum, ForwardBackwardRequest, LoraConfig
+from twinkled.protocol.types import Datum, ForwardBackwardRequest, LoraConfig
 
 
 @pytest.fixture()

@@ -7,7 +7,7 @@ import torch
 
 from twinkled.engine.model import BaseModel
 from twinkled.engine.tiny import build_tiny_model
-from twinkled.engine.types import EngineInputError
+from twinkled.protocol.types import EngineInputError
 
 
 def test_tiny_builder_is_offline_and_fast(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from helpers import all_close, ce_request, grads, make_engine, randomize_b, weig
 
 from twinkled.engine.lora import LoraBatch
 from twinkled.engine.moe_peft import from_peft, peft_module
-from twinkled.engine.types import (
+from twinkled.protocol.types import (
     AdamParams,
     DimuonParams,
     EngineInputError,

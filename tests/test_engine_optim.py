@@ -14,7 +14,7 @@ from helpers import (
     weights,
 )
 
-from twinkled.engine.types import AdamParams, EngineInputError, ForwardBackwardRequest, LoraConfig
+from twinkled.protocol.types import AdamParams, EngineInputError, ForwardBackwardRequest, LoraConfig
 
 
 @pytest.fixture()

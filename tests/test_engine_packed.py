@@ -8,7 +8,7 @@ import torch
 from helpers import DEVICE, all_close, grads, make_engine, random_datum, randomize_b, rl_datum
 
 from twinkled.engine.packed import grouped_mm, grouped_weight_grad
-from twinkled.engine.types import Datum, ForwardBackwardRequest, LoraConfig
+from twinkled.protocol.types import Datum, ForwardBackwardRequest, LoraConfig
 
 ADAPTERS = {"a": LoraConfig(rank=4, seed=1), "b": LoraConfig(rank=4, seed=2),
             "c": LoraConfig(rank=8, seed=3, train_attn=False)}  # another bank

@@ -9,7 +9,7 @@ from helpers import make_engine, randomize_b
 
 from twinkled.engine.running import RunningBatch
 from twinkled.engine.sampler import generate, generate_padded
-from twinkled.engine.types import LoraConfig, SampleRequest, SamplingParams
+from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")

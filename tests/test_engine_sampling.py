@@ -7,7 +7,7 @@ import torch
 from helpers import make_engine, randomize_b
 
 from twinkled.engine.lora import LoraBatch
-from twinkled.engine.types import (
+from twinkled.protocol.types import (
     Datum,
     ForwardBackwardRequest,
     LoraConfig,

@@ -8,12 +8,7 @@ import pytest
 import torch
 from helpers import ce_request, make_engine, randomize_b, weights
 
-from twinkled.engine.types import (
-    AdamParams,
-    EngineInputError,
-    ForwardBackwardRequest,
-    LoraConfig,
-)
+from twinkled.protocol.types import AdamParams, EngineInputError, ForwardBackwardRequest, LoraConfig
 
 PARAMS = AdamParams(learning_rate=1e-2, weight_decay=0.01)
 

@@ -20,7 +20,7 @@ from tp_scenario import run
 from twinkled.engine.engine import Engine
 from twinkled.engine.lora import LoraBatch
 from twinkled.engine.tiny import build_tiny_model
-from twinkled.engine.types import LoraConfig
+from twinkled.protocol.types import LoraConfig
 
 pytest.importorskip("megatron.core")
 HERE = Path(__file__).parent

@@ -261,7 +261,7 @@ def test_a_lost_host_costs_a_step_never_the_daemon(two_hosts, tiny_dir):
     ('join_listen = "tcp://*:7070"\njoin_heartbeat_s = 0.5', "join_heartbeat_s: must be"),
 ])
 def test_join_keys_are_checked(tmp_path, text, says):
-    from twinkled.config import check_config
+    from twinkled.protocol.config import check_config
 
     path = tmp_path / "t.toml"
     path.write_text(text + "\n")
@@ -269,7 +269,7 @@ def test_join_keys_are_checked(tmp_path, text, says):
 
 
 def test_join_keys_that_are_fine(tmp_path):
-    from twinkled.config import check_config
+    from twinkled.protocol.config import check_config
 
     path = tmp_path / "t.toml"
     path.write_text('join_listen = "tcp://10.0.0.1:7070"\nremote_ranks = 2\n'

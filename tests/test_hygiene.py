@@ -16,11 +16,12 @@ import pytest
 from click.testing import CliRunner
 from daemon import Daemon, make_key
 
-from twinkled.admin import Admin, AdminError
-from twinkled.config import Config, check_config
-from twinkled.futures import UserError
-from twinkled.perms import private_dir
-from twinkled.store import Conflict, QuotaExceeded, Store, checkpoint_path
+from twinkled.protocol.checkpoints import checkpoint_path
+from twinkled.protocol.config import Config, check_config
+from twinkled.protocol.errors import Conflict, QuotaExceeded, UserError
+from twinkled.server.admin import Admin, AdminError
+from twinkled.server.perms import private_dir
+from twinkled.store import Store
 
 T = 120
 GIB = 1024**3
@@ -166,7 +167,7 @@ def test_ctl_tightens_its_own_loose_data_dir_and_leaves_other_files(tmp_path):
 
 
 def test_ctl_in_process_restores_the_umask(tmp_path):
-    from twinkled.cli import main
+    from twinkled.server.cli import main
 
     before = os.umask(0o022)
     try:

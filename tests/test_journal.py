@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from twinkled.config import Config, check_config
-from twinkled.journal import Journal
+from twinkled.core.journal import Journal
+from twinkled.protocol.config import Config, check_config
 
 
 @pytest.fixture()

@@ -1,4 +1,4 @@
-"""Lanes (twinkled/lanes.py): the devices split into independent worker groups, a model on
+"""Lanes (twinkled/core/lanes.py): the devices split into independent worker groups, a model on
 one of them. In-process lanes here (two engines in this process); a daemon with two lanes
 of worker processes, one of them killed, in test_workers.py."""
 
@@ -8,9 +8,9 @@ import asyncio
 
 from test_service import Box, done, logprobs, result, run, service
 
-from twinkled.config import Config
-from twinkled.layout import layout_problems
-from twinkled.workers.frames import SampleF, SamplingF, buf
+from twinkled.protocol.config import Config
+from twinkled.protocol.frames import SampleF, SamplingF, buf
+from twinkled.server.layout import layout_problems
 
 
 def lane_of(box: Box, model: str) -> int:

@@ -1,4 +1,4 @@
-"""Worker layouts refused at start-up, before any worker loads anything (twinkled/layout.py)."""
+"""Worker layouts refused at start-up, before any worker loads anything (twinkled/server/layout.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from twinkled.config import Config
-from twinkled.layout import expand_devices, layout_problems
+from twinkled.protocol.config import Config
+from twinkled.server.layout import expand_devices, layout_problems
 
 QWEN3_32B = {"model_type": "qwen3", "hidden_size": 5120, "num_attention_heads": 64,
              "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 25600,
@@ -86,8 +86,8 @@ def test_adapter_budget_follows_the_card_and_the_split(tmp_path):
     """What adapters may take per rank: the card less the weights, a recomputed micro-batch
     and the sampler pool; more with a bigger split; no limit without GPUs. A rank-32
     adapter of the 32B shape takes ~2.9 GiB a rank at tp 2 (18 bytes a parameter)."""
-    from twinkled.engine.sizing import GiB, adapter_bytes
-    from twinkled.layout import adapters_budget
+    from twinkled.protocol.sizing import GiB, adapter_bytes
+    from twinkled.server.layout import adapters_budget
 
     cfg = _config(tmp_path, QWEN3_32B, devices=["cuda:0", "cuda:1"], tp=2, token_budget=4096)
     two = adapters_budget(cfg, [H100, H100])
@@ -106,7 +106,7 @@ def test_the_start_up_line_names_the_grouping_and_suggests_lanes_where_they_appl
     """Four local GPUs as one data-parallel group: the log says so and names --lanes 4
     (the grouping that scales for many small tenants); not once lanes are set, not with a
     single device, and not with other hosts (lanes take none)."""
-    from twinkled.layout import layout_summary
+    from twinkled.server.layout import layout_summary
 
     cfg = _config(tmp_path, QWEN3_32B, devices=["cuda:0", "cuda:1", "cuda:2", "cuda:3"])
     line = layout_summary(cfg)
@@ -121,7 +121,7 @@ def test_the_start_up_line_names_the_grouping_and_suggests_lanes_where_they_appl
 
 
 def test_cpu_workers_take_omp_num_threads_when_it_is_set(monkeypatch):
-    from twinkled.executor import GPU_WORKER_THREADS, default_threads
+    from twinkled.core.executor import GPU_WORKER_THREADS, default_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert default_threads(["cpu", "cpu"]) == 3

@@ -1,10 +1,10 @@
 """Which optim_step fails with a forward_backward that failed after it was queued
-(twinkled/lost_gradients.py): the first one its client sent before it could hear of the
+(twinkled/core/lost_gradients.py): the first one its client sent before it could hear of the
 failure, once; not one sent after, nor one already answered in the same step."""
 
 from __future__ import annotations
 
-from twinkled.lost_gradients import LostGradients
+from twinkled.core.lost_gradients import LostGradients
 
 
 def test_the_optim_step_queued_behind_fails_once_with_the_same_category():

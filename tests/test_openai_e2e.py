@@ -261,7 +261,7 @@ def test_a_client_gone_mid_stream_leaves_the_daemon_serving(daemon, tiny_dir):
 
 def test_detokenizing_keeps_characters_split_across_tokens_whole(tok):
     from openai_shim.choices import ChoiceText
-    from twinkled.streams import Piece
+    from twinkled.core.streams import Piece
 
     text = "héllo → 日本 the sun"
     ids = tok.encode(text)

@@ -10,7 +10,7 @@ import sys
 
 from click.testing import CliRunner
 
-from twinkled.cli import main
+from twinkled.server.cli import main
 
 
 def _ctl(*args: str):

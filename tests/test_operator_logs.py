@@ -62,7 +62,7 @@ def test_json_mode_emits_only_json_lines(tiny_dir, tmp_path):
 def test_relay_makes_json_of_a_ranks_other_output(capsys):
     """What a rank writes outside logging (a C++ library, a crash, a progress bar's
     redraws) comes through the daemon as JSON lines; its JSON lines pass as they are."""
-    from twinkled.logs import relay, setup_logging
+    from twinkled.protocol.logs import relay, setup_logging
 
     setup_logging("json")
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from twinkled.config import Config, check_config
+from twinkled.protocol.config import Config, check_config
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "ops" / "twinkled.toml"
@@ -344,7 +344,7 @@ def test_dockerignore_keeps_what_the_build_needs():
                    for p in prefixes for pat in patterns)
 
     needed = ["pyproject.toml", "README.md", "scripts/install.sh", "ops/twinkled.toml",
-              "twinkled/cli.py", "scheduler/planner.py", "tinker_shim/routes.py",
+              "twinkled/server/cli.py", "scheduler/planner.py", "tinker_shim/routes.py",
               "twinkle_sdk/model.py"]
     assert [p for p in needed if ignored(p)] == []
     assert ignored("twinkle.egg-info/PKG-INFO") and ignored(".whl/torch.whl")
@@ -368,7 +368,7 @@ def test_guide_covers_every_ctl_command_and_the_metrics():
         assert f"tctl {command}" in GUIDE, f"docs/operator.md does not show ctl {command}"
     import click
 
-    from twinkled.cli import main
+    from twinkled.server.cli import main
 
     def walk(group, prefix=""):
         for name, cmd in group.commands.items():
@@ -390,7 +390,7 @@ def test_guide_covers_every_ctl_command_and_the_metrics():
 
 
 def test_the_default_data_dir_is_state_never_the_working_directory(tmp_path, monkeypatch):
-    from twinkled.config import Config, default_data_dir
+    from twinkled.protocol.config import Config, default_data_dir
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))

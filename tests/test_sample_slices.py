@@ -1,4 +1,4 @@
-"""Sliced sampling (twinkled/pending_samples.py): a long generation decodes in slices
+"""Sliced sampling (twinkled/core/pending_samples.py): a long generation decodes in slices
 between other steps, so it never holds back another tenant's short sample or training
 step; streams get tokens per slice; a stream whose reader goes away leaves the running
 batch; a worker that dies fails the samples it was decoding instead of hanging them."""
@@ -17,9 +17,9 @@ from daemon import Daemon, make_key
 from helpers import make_engine
 from test_service import done, run, service
 
-from twinkled.engine.types import SampleRequest, SamplingParams
-from twinkled.service import UserError
-from twinkled.workers.frames import SampleF, SamplingF, buf
+from twinkled.protocol.errors import UserError
+from twinkled.protocol.frames import SampleF, SamplingF, buf
+from twinkled.protocol.types import SampleRequest, SamplingParams
 
 tinker = pytest.importorskip("tinker")
 T = 120
@@ -178,9 +178,9 @@ def test_a_sampler_with_running_samples_is_not_evicted(tiny_dir, tmp_path, monke
     """A rank's SampleRunner: samplers kept loaded are bounded (SAMPLER_ADAPTERS, least
     recently used first), but one whose sample still decodes stays until it finishes; a
     cancelled sample leaves the running batch."""
-    from twinkled.engine.types import LoraConfig
+    from twinkled.protocol.frames import StepF
+    from twinkled.protocol.types import LoraConfig
     from twinkled.workers import sampling
-    from twinkled.workers.frames import StepF
 
     monkeypatch.setattr(sampling, "SAMPLER_ADAPTERS", 1)
     engine = make_engine(tiny_dir)

@@ -1,4 +1,4 @@
-"""Service.sample_stream (twinkled/streams.py), in-process: pieces of the queued sample op,
+"""Service.sample_stream (twinkled/core/streams.py), in-process: pieces of the queued sample op,
 and a stream cancelled before its sample runs is taken out of the queue."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from test_service import done, run, service
 
-from twinkled.service import UserError
-from twinkled.workers.frames import SampleF, SamplingF, buf
+from twinkled.protocol.errors import UserError
+from twinkled.protocol.frames import SampleF, SamplingF, buf
 
 
 def frame(prompt: list[int], max_tokens: int, n: int, seed: int) -> SampleF:

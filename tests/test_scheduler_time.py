@@ -300,7 +300,7 @@ def test_on_a_host_bound_card_the_token_budget_binds_as_before():
 
 
 def test_target_step_ms_in_the_config(tmp_path):
-    from twinkled.config import Config, check_config
+    from twinkled.protocol.config import Config, check_config
 
     assert Config().target_step_s is None  # "auto": the planner derives it
     assert Config(target_step_ms=0).target_step_s == 0  # off: token_budget only

@@ -13,12 +13,13 @@ import random
 
 import pytest
 
-from twinkled.config import Config
-from twinkled.engine.types import AdamParams, LoraConfig
-from twinkled.executor import in_process_executor
-from twinkled.service import Service, UserError
+from twinkled.core.executor import in_process_executor
+from twinkled.core.service import Service
+from twinkled.protocol.config import Config
+from twinkled.protocol.errors import UserError
+from twinkled.protocol.frames import DatumF, OptimF, TrainF, buf
+from twinkled.protocol.types import AdamParams, LoraConfig
 from twinkled.store import Store
-from twinkled.workers.frames import DatumF, OptimF, TrainF, buf
 
 WAIT = 120.0  # seconds a step may take on a busy CPU
 
@@ -78,7 +79,7 @@ async def done(*futures, timeout: float = WAIT) -> None:
 async def service(tiny_dir, tmp_path, **overrides):
     cfg = Config(model=tiny_dir, data_dir=tmp_path, device="cpu", dtype="float32",
                  **{"gather_ms": 0, "worker_threads": 1, **overrides})
-    store = Store(tmp_path / "twinkled.db")
+    store = Store(tmp_path / "twinkled.store.db")
     svc = Service(cfg, store, executor=[in_process_executor(cfg) for _ in range(cfg.lanes)])
     await svc.start(housekeeping=False)
     await asyncio.wait_for(svc.ready(), WAIT)
@@ -267,8 +268,8 @@ def test_sampler_weights_are_sampled_from_a_device_copy(tiny_dir, tmp_path):
     import shutil
 
     from twinkled.engine import Engine
-    from twinkled.engine.types import SampleRequest, SamplingParams
-    from twinkled.workers.frames import SampleF, SamplingF
+    from twinkled.protocol.frames import SampleF, SamplingF
+    from twinkled.protocol.types import SampleRequest, SamplingParams
 
     async def go():
         async with service(tiny_dir, tmp_path) as box:
@@ -432,9 +433,9 @@ def test_an_adapter_that_would_not_fit_is_refused_and_others_keep_training(tiny_
     """With room for two rank-4 adapters, a third create_model is refused at once with the
     numbers (nothing is queued, no worker runs out of memory); the two train on, and once
     one is unloaded the third fits."""
-    from twinkled.adapter_room import NoRoom
-    from twinkled.config import Config as C
-    from twinkled.engine.sizing import adapter_bytes
+    from twinkled.core.adapter_room import NoRoom
+    from twinkled.protocol.config import Config as C
+    from twinkled.protocol.sizing import adapter_bytes
 
     model_cfg = C(model=tiny_dir).model_config
     gb = 2.5 * adapter_bytes(model_cfg, 4) / 2**30

@@ -1,4 +1,4 @@
-"""The daemon's records of sampled sequences for stable_reinforce (twinkled/stability.py):
+"""The daemon's records of sampled sequences for stable_reinforce (twinkled/core/stability.py):
 every provenance claim is checked, records are private to a tenant's session, a day without
 use forgets one, and memory stays within its budgets."""
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import pytest
 
 from tinker_shim.codec import SpanIn
-from twinkled.engine.types import EngineInputError, SampledSequence
-from twinkled.stability import StabilityRecords
+from twinkled.core.stability import StabilityRecords
+from twinkled.protocol.types import EngineInputError, SampledSequence
 
 PROMPT = [11, 12, 13]
 SAMPLED = SampledSequence([21, 22, 23, 24], [-0.5, -1.25, -2.0, -0.125], "stop")

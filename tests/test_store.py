@@ -10,9 +10,11 @@ from datetime import UTC
 
 import pytest
 
-from twinkled.schema import MIN_FUTURE_TTL_S, hash_key, now, to_datetime
-from twinkled.store import Conflict, Store, checkpoint_path
-from twinkled.store_checkpoints import Version
+from twinkled.protocol.checkpoints import checkpoint_path
+from twinkled.protocol.errors import Conflict
+from twinkled.store import Store
+from twinkled.store.checkpoints import Version
+from twinkled.store.schema import MIN_FUTURE_TTL_S, hash_key, now, to_datetime
 
 
 @pytest.fixture()
@@ -104,7 +106,7 @@ def test_keys_hashed_and_revocable(store, db_path):
 def test_known_keys_are_remembered_briefly(store, db_path, monkeypatch):
     """A key revoked by another process (ctl on the data directory) is refused once the
     cache entry expires; one revoked through this store at once."""
-    import twinkled.store_tenants as st
+    import twinkled.store.tenants as st
 
     key = store.tenants.create_key("alice")
     assert store.tenants.for_key(key) == "alice"
@@ -122,7 +124,7 @@ def test_known_keys_are_remembered_briefly(store, db_path, monkeypatch):
 
 
 def test_touch_writes_at_most_once_a_second(store, monkeypatch):
-    import twinkled.store_runs as sr
+    import twinkled.store.runs as sr
 
     sid = store.sessions.create("alice", None, None)
     run = store.runs.create(sid, "alice", "m", 8)
@@ -448,9 +450,9 @@ def test_to_datetime():
 def test_housekeeping_deletes_expired_checkpoints_and_their_files(store, tmp_path):
     """A checkpoint past its ttl is deleted, record and files, at the minute tick; one
     not yet expired, or without a ttl, stays."""
-    from twinkled.config import Config
-    from twinkled.futures import Futures
-    from twinkled.housekeeping import Housekeeping
+    from twinkled.core.futures import Futures
+    from twinkled.core.housekeeping import Housekeeping
+    from twinkled.protocol.config import Config
 
     sid = store.sessions.create("alice", None, None)
     run = store.runs.create(sid, "alice", "m", 8)

@@ -459,7 +459,7 @@ def test_future_encoders_for_engine_results() -> None:
     assert out.loss_fn_outputs[1]["elementwise_loss"].shape == [1, 2]
     assert out.metrics == {"loss:sum": 2.5}
 
-    from twinkled.engine.types import SampledSequence, SampleResult
+    from twinkled.protocol.types import SampledSequence, SampleResult
 
     sample = SampleResult([SampledSequence([3, 4], [-0.25, -0.5], "length")], [None, -1.0])
     payload, content_type = sample_encoder(sample)

@@ -126,7 +126,7 @@ def test_a_sampler_rebuilt_from_its_handle_samples(daemon, tiny_dir, monkeypatch
 
 def test_tokenizer_name_is_the_hub_id_when_served_under_one(tiny_dir, tmp_path):
     from tinker_shim.common import tokenizer_name
-    from twinkled.config import Config
+    from twinkled.protocol.config import Config
 
     assert tokenizer_name(Config(model=tiny_dir, model_name="Qwen/Qwen3-8B")) == "Qwen/Qwen3-8B"
     assert tokenizer_name(Config(model=tiny_dir)) == str(tiny_dir.resolve())

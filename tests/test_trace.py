@@ -1,4 +1,4 @@
-"""The step trace (TWINKLED_TRACE, twinkled/trace.py) that the host-path profile is read from:
+"""The step trace (TWINKLED_TRACE, twinkled/protocol/trace.py) that the host-path profile is read from:
 a daemon with two worker ranks, driven by the real tinker client, writes per step the loop's
 phases and each rank's timings, and bench/trace_report.py tabulates them."""
 

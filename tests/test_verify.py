@@ -1,4 +1,4 @@
-"""Tests of twinkled.verify: checkpoint integrity checks and `twinkled ctl checkpoints`."""
+"""Tests of twinkled.store.verify: checkpoint integrity checks and `twinkled ctl checkpoints`."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from twinkled import verify
-from twinkled.cli import main
+from twinkled.protocol import checkpoints
+from twinkled.protocol.checkpoints import checkpoint_digest
+from twinkled.server.cli import main
 from twinkled.store import Store
-from twinkled.verify import checkpoint_digest, verify_checkpoints
+from twinkled.store.verify import verify_checkpoints
 
 FILES = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": bytes(range(256)) * 40,
          "optimizer.safetensors": b"\x01\x02" * 3000}
@@ -61,7 +62,7 @@ def quarantined(data_dir: Path) -> list[Path]:
 
 
 def test_verify_does_not_import_torch():
-    code = "import sys, twinkled.verify; assert 'torch' not in sys.modules"
+    code = "import sys, twinkled.store.verify; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -69,7 +70,7 @@ def test_digest_format_and_chunking(tmp_path, monkeypatch):
     for name, data in FILES.items():
         (tmp_path / name).write_bytes(data)
     assert checkpoint_digest(tmp_path) == expected_digest(FILES)
-    monkeypatch.setattr(verify, "CHUNK_BYTES", 7)  # many chunks per file: same digest
+    monkeypatch.setattr(checkpoints, "CHUNK_BYTES", 7)  # many chunks per file: same digest
     assert checkpoint_digest(tmp_path) == expected_digest(FILES)
 
 

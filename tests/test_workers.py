@@ -63,8 +63,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_http_process_never_imports_torch(daemon):
-    code = ("import sys, twinkled.cli, twinkled.app, twinkled.service, tinker_shim.routes, "
-            "twinkled.executor, twinkled.core, twinkled.workers.supervisor, scheduler; "
+    code = ("import sys, twinkled.server.cli, twinkled.server.app, twinkled.service, tinker_shim.routes, "
+            "twinkled.core.executor, twinkled.core.engine_core, twinkled.workers.supervisor, scheduler; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -299,7 +299,7 @@ def test_frames_from_outside_the_worker_group_are_ignored(slow_pair, tiny_dir):
     import msgspec
     import zmq
 
-    from twinkled.workers.frames import OutcomeF, ReplyF
+    from twinkled.protocol.frames import OutcomeF, ReplyF
 
     args = _json.loads(open(f"/proc/{slow_pair.workers()[0]}/cmdline").read()
                        .split("\0")[3])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from twinkled.engine.types import (
+from twinkled.protocol.types import (
     AdamParams,
     Datum,
     DimuonParams,

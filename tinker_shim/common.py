@@ -14,10 +14,11 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from twinkled.config import Config
-from twinkled.engine.checks import Limits, check_metadata_size
-from twinkled.engine.types import EngineInputError
-from twinkled.service import NotFound, RateLimited, Service, UserError
+from twinkled.core.service import RateLimited, Service
+from twinkled.protocol.checks import Limits, check_metadata_size
+from twinkled.protocol.config import Config
+from twinkled.protocol.errors import NotFound, UserError
+from twinkled.protocol.types import EngineInputError
 
 from .ids import KINDS, parse_checkpoint_path
 from .messages import decode, encoded_size, seq_ref

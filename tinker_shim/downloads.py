@@ -27,8 +27,8 @@ from urllib.parse import quote
 
 from aiohttp import web
 
-from twinkled.service import UserError
-from twinkled.store import checkpoint_path
+from twinkled.protocol.checkpoints import checkpoint_path
+from twinkled.protocol.errors import UserError
 
 from .ids import ALL_KINDS, valid_name
 

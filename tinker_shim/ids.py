@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from twinkled.schema import CHECKPOINT_TYPES
+from twinkled.protocol.checkpoints import CHECKPOINT_TYPES
 
 # Every checkpoint kind: listed, deleted, published and given a TTL alike (REST routes).
 ALL_KINDS = CHECKPOINT_TYPES

@@ -3,7 +3,7 @@
 A body that does not fit its message is a 400 naming the field (`$.lora_config.seed`), never
 a 500 from a `.get()` on the wrong type. Bounds that do not depend on the model or the
 daemon's settings live here (ints in int64, seq ids in a sane range); those that do are
-`twinkled.engine.checks`. Unknown fields are ignored: newer clients may send more.
+`twinkled.protocol.checks`. Unknown fields are ignored: newer clients may send more.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
-from twinkled.futures import UserError
+from twinkled.protocol.errors import UserError
 
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
@@ -181,7 +181,7 @@ class Asample(Body):
     prompt_alt_tokens_k: Count = 0
     target_prompt_logprobs: TensorJsonIn | None = None
     prompt_logprobs_last_n: Count | None = None
-    # Keep each sampled sequence for stable_reinforce (twinkled/stability.py).
+    # Keep each sampled sequence for stable_reinforce (twinkled/core/stability.py).
     record_stability_info: bool | None = None
 
 

@@ -1,6 +1,6 @@
 """Provenance spans of a Datum (SDK 0.38's `Datum.with_provenance`) as the codec reads them:
 runs that tile the model input or the targets, each naming a sampled sequence. Only their
-shape is checked here; `twinkled/stability.py` checks what they claim."""
+shape is checked here; `twinkled/core/stability.py` checks what they claim."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ MAX_SPAN_VALUE = 1 << 22
 
 
 class SpanIn(msgspec.Struct, frozen=True):
-    """A provenance run (`twinkled.stability.Span`): kind "prompt" or "sampled"."""
+    """A provenance run (`twinkled.core.stability.Span`): kind "prompt" or "sampled"."""
 
     kind: str
     sequence_id: str

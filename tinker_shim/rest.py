@@ -11,10 +11,10 @@ import time
 
 from aiohttp import web
 
-from twinkled.engine.checks import check_ttl
-from twinkled.engine.types import EngineInputError
-from twinkled.service import NotFound, UserError
-from twinkled.store import checkpoint_path
+from twinkled.protocol.checkpoints import checkpoint_path
+from twinkled.protocol.checks import check_ttl
+from twinkled.protocol.errors import NotFound, UserError
+from twinkled.protocol.types import EngineInputError
 
 from .common import iso_time
 from .downloads import add_download_routes

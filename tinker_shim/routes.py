@@ -12,7 +12,7 @@ import json
 
 from aiohttp import web
 
-from twinkled.service import UserError
+from twinkled.protocol.errors import UserError
 
 from .common import body_of, metadata, own_session, service
 from .messages import CreateSession, FinishSession, RetrieveFuture, SessionRef, decode

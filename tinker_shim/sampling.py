@@ -6,10 +6,9 @@ import secrets
 
 from aiohttp import web
 
-from twinkled.engine.checks import check_knobs, check_prompt_scores, check_sample
-from twinkled.service import NotFound, UserError
-from twinkled.store import Conflict
-from twinkled.workers.frames import SampleF, SamplingF, buf
+from twinkled.protocol.checks import check_knobs, check_prompt_scores, check_sample
+from twinkled.protocol.errors import Conflict, NotFound, UserError
+from twinkled.protocol.frames import SampleF, SamplingF, buf
 
 from .codec import CodecError
 from .common import (

@@ -9,8 +9,8 @@ import time
 
 from aiohttp import web
 
-from twinkled.service import UserError
-from twinkled.store import QuotaExceeded, human_size
+from twinkled.protocol.errors import QuotaExceeded, UserError
+from twinkled.protocol.sizing import human_size
 
 from .common import body_of, iso_time, own_session, service
 from .downloads import trace_url

@@ -7,7 +7,7 @@ import secrets
 
 from aiohttp import web
 
-from twinkled.engine.checks import (
+from twinkled.protocol.checks import (
     RECORDED_INPUTS,
     check_datum,
     check_loss,
@@ -17,9 +17,9 @@ from twinkled.engine.checks import (
     check_rank,
     check_ttl,
 )
-from twinkled.engine.types import AdamParams, DimuonParams, LoraConfig
-from twinkled.service import UserError
-from twinkled.workers.frames import DatumF, OptimF, TrainF, buf
+from twinkled.protocol.errors import UserError
+from twinkled.protocol.frames import DatumF, OptimF, TrainF, buf
+from twinkled.protocol.types import AdamParams, DimuonParams, LoraConfig
 
 from . import codec
 from .common import (
@@ -159,7 +159,7 @@ async def forward_backward(request):
 
 def _recorded_inputs(request, run: dict, j: int, d: codec.DatumIn) -> dict:
     """stable_reinforce's inputs from what the sampler recorded, found through the datum's
-    provenance (every claim checked: `twinkled/stability.py`)."""
+    provenance (every claim checked: `twinkled/core/stability.py`)."""
     for name in RECORDED_INPUTS:
         if name in d.loss_fn_inputs:
             raise UserError(f"data[{j}].loss_fn_inputs.{name}: filled in by the server from the "

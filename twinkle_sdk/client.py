@@ -100,7 +100,7 @@ class RemoteBackend:
         import tinker
 
         if not isinstance(loss_fn, str):
-            from .model import BUILTIN_LOSSES
+            from twinkle_sdk.losses import BUILTIN_LOSSES
 
             raise ValueError("a Python loss function runs only in local mode; a daemon runs "
                              f"the built-in losses: {', '.join(BUILTIN_LOSSES)}")

@@ -44,14 +44,14 @@ class LocalBackend:
 
     def create(self, name: str, rank: int, alpha: float, targets: dict[str, bool],
                seed: int) -> None:
-        from twinkled.engine.types import LoraConfig
+        from twinkled.protocol.types import LoraConfig
 
         self.engine.add_adapter(name, LoraConfig(rank=rank, alpha=alpha, seed=seed, **targets))
         self.name = name
 
     def forward_backward(self, rows: list[Row], loss_fn: str | Callable, config: dict,
                          forward_only: bool) -> tuple[list[Output], dict[str, float]]:
-        from twinkled.engine.types import Datum, ForwardBackwardRequest
+        from twinkled.protocol.types import Datum, ForwardBackwardRequest
 
         data = [Datum(r["tokens"], {k: v for k, v in r.items() if k != "tokens"}) for r in rows]
         req = ForwardBackwardRequest(self.name, data, loss_fn, config, forward_only)
@@ -60,7 +60,7 @@ class LocalBackend:
         return outputs, result.metrics
 
     def optim_step(self, params: dict) -> dict[str, float]:
-        from twinkled.engine.types import AdamParams
+        from twinkled.protocol.types import AdamParams
 
         result = self.engine.optim_step(self.name, AdamParams(**params))
         return {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
@@ -76,7 +76,7 @@ class LocalBackend:
 
     def sample(self, prompts: list[list[int]], params: dict, num_samples: int,
                use_adapter: bool = True) -> list[list[tuple[list[int], list[float], str]]]:
-        from twinkled.engine.types import SampleRequest, SamplingParams
+        from twinkled.protocol.types import SampleRequest, SamplingParams
 
         adapter = self.name if use_adapter else None
         seed = params.get("seed")

@@ -16,15 +16,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from .losses import BUILTIN_LOSSES
 from .runtime import rank_and_world, runtime
 from .schedules import make_schedule
 
-BUILTIN_LOSSES = {
-    "CrossEntropyLoss": "cross_entropy", "cross_entropy": "cross_entropy",
-    "GRPOLoss": "ppo", "PPOLoss": "ppo", "ppo": "ppo",
-    "ImportanceSamplingLoss": "importance_sampling", "importance_sampling": "importance_sampling",
-    "CISPOLoss": "cispo", "cispo": "cispo", "DROLoss": "dro", "dro": "dro",
-}
 _TARGETS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
             "mlp": ("gate_proj", "up_proj", "down_proj"), "unembed": ("lm_head",)}
 

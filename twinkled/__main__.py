@@ -1,5 +1,5 @@
 """`python -m twinkled` is the `twinkled` command."""
 
-from .cli import main
+from twinkled.server.cli import main
 
 main()

@@ -1,12 +1,12 @@
 """The multi-LoRA engine: one base model, many adapters, shared forward/backward passes.
 
-`Engine` is imported lazily: the plain types (`twinkled.engine.types`) are torch-free and
+`Engine` is imported lazily: the plain types (`twinkled.protocol.types`) are torch-free and
 used by the daemon's HTTP process, which must not import torch.
 """
 
 from typing import TYPE_CHECKING
 
-from .types import (
+from twinkled.protocol.types import (
     AdamParams,
     AdapterInfo,
     Datum,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .types import SamplingParams
+from twinkled.protocol.types import SamplingParams
 
 
 @dataclass

@@ -52,8 +52,9 @@ from __future__ import annotations
 
 import torch
 
+from twinkled.protocol.types import DimuonParams
+
 from .lora import Adapter
-from .types import DimuonParams
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5

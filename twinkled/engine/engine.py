@@ -11,15 +11,8 @@ from pathlib import Path
 
 import torch
 
-from . import live, sampler, state, step
-from .checks import check_optim_params, check_optimizer
-from .lora import Adapter, LoraPool
-from .model import BaseModel
-from .moe_parallel import ExpertSplit, reduce_split_gradients
-from .optim import optimizer_steps
-from .parallel import reduce_gradients
-from .running import Finished, RunningBatch
-from .types import (
+from twinkled.protocol.checks import check_optim_params, check_optimizer
+from twinkled.protocol.types import (
     AdamParams,
     AdapterInfo,
     DimuonParams,
@@ -32,6 +25,14 @@ from .types import (
     SampleRequest,
     SampleResult,
 )
+
+from . import live, sampler, state, step
+from .lora import Adapter, LoraPool
+from .model import BaseModel
+from .moe_parallel import ExpertSplit, reduce_split_gradients
+from .optim import optimizer_steps
+from .parallel import reduce_gradients
+from .running import Finished, RunningBatch
 from .validate import check_forward_backward, check_sample
 
 

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from twinkled.protocol.types import EngineInputError, LoraConfig
+
 from .moe_peft import from_peft, is_expert, key_of_module
 from .state import PEFT_PREFIX, WEIGHTS, Snapshot
-from .types import EngineInputError, LoraConfig
 
 INDEX = "state.json"
 DATA = "state.bin"
@@ -35,7 +36,7 @@ def write_live(snap: Snapshot, path: str | Path, mark: int = 0) -> int:
     """Write `snap` to directory `path` atomically (temp dir, fsync, rename); returns bytes.
 
     `mark`: the journal position of the last operation the snapshot holds (the daemon
-    replays its journal from there, `twinkled/journal.py`)."""
+    replays its journal from there, `twinkled/core/journal.py`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checks import check_optimizer
-from .types import EXPERT_MODULES, EngineInputError, LoraConfig
+from twinkled.protocol.checks import check_optimizer
+from twinkled.protocol.types import EXPERT_MODULES, EngineInputError, LoraConfig
 
 BIG_BANK_BYTES = 2 * 2**30
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import LOSS_SIGNATURES
-from .types import EngineInputError
+from twinkled.protocol.checks import LOSS_SIGNATURES
+from twinkled.protocol.types import EngineInputError
 
 # dro's beta when loss_fn_config has none. Tinker's DRO page shows beta=0.05 (its only value;
 # the page names no other), and public guides to the Tinker API give 0.05 as the default.

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from twinkled.protocol.types import ATTN_MODULES, MLP_MODULES, EngineInputError
+
 from .lora import LoraBatch
 from .losses import target_logprobs
 from .moe import MOE_ARCHS, bank_tokens, moe_blocks, shard_experts
@@ -23,7 +25,6 @@ from .moe_parallel import ExpertSplit
 from .packed import PackedLora, Packing
 from .recompute import Recompute
 from .tp import NoSplit
-from .types import ATTN_MODULES, MLP_MODULES, EngineInputError
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from twinkled.protocol.types import EXPERT_MODULES, EngineInputError
+
 from .lora import Bank, LoraBatch
 from .moe_parallel import ExpertSplit, copy_to_experts, reduce_from_experts
 from .packed import PackedLora, grouped_mm, grouped_weight_grad
-from .types import EXPERT_MODULES, EngineInputError
 
 # torch._grouped_mm's CUDA kernel refuses 1024 groups or more ("Can't process more than
 # 1024 groups"); an (expert, adapter) grouping stays under it.

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from twinkled.protocol.types import EngineInputError
+
 from .lora import Adapter
 from .moe_peft import is_expert
 from .parallel import sum_in_place
-from .types import EngineInputError
 
 
 @dataclass(frozen=True)

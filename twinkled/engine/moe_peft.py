@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .types import EXPERT_MODULES, EngineInputError
+from twinkled.protocol.types import EXPERT_MODULES, EngineInputError
 
 _INNER = f".experts.{EXPERT_MODULES[0]}"  # gate_up_proj: wrapped first, saved as base_layer
 _OUTER = f".experts.{EXPERT_MODULES[1]}"

@@ -14,10 +14,11 @@ import torch
 from msgspec.structs import astuple
 from torch.optim.adamw import adamw
 
-from .checks import check_adam_params  # noqa: F401 - re-exported for the engine
+from twinkled.protocol.checks import check_adam_params  # noqa: F401 - re-exported for the engine
+from twinkled.protocol.types import AdamParams, DimuonParams, OptimResult
+
 from .dimuon import dimuon_update
 from .lora import Adapter
-from .types import AdamParams, DimuonParams, OptimResult
 
 
 def _counters(adapter: Adapter) -> list[torch.Tensor]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from twinkled.protocol.types import SampleRequest, SampleResult
+
 from .lora import LoraBatch
-from .types import SampleRequest, SampleResult
 
 ROWS_PER_SLICE = 512  # prompt positions whose logits exist at once
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .sizing import activation_bytes
-from .types import EngineInputError
+from twinkled.protocol.sizing import activation_bytes
+from twinkled.protocol.types import EngineInputError
 
 MODES = ("auto", "on", "off")
 # The share of free memory a micro-batch's activations may take: allocator fragmentation

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
+from twinkled.protocol.types import EngineInputError, SampledSequence, SampleRequest, SampleResult
+
 from .choose import RowChoice, request_generator, stop_reason, top_rows
 from .decode_step import DecodeStep
 from .kv_pages import PagePool
 from .lora import Adapter
 from .lora_rows import AdapterStack, RowLora
 from .prompt_scores import score_prompt, wants_scores
-from .types import EngineInputError, SampledSequence, SampleRequest, SampleResult
 
 PAGE_SIZE = 16  # tokens per KV page
 KV_BYTES = {"cuda": 4 << 30, "cpu": 64 << 20}  # default page pool size per device type

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from twinkled.protocol.types import SampledSequence, SampleRequest, SampleResult
+
 from .choose import RowChoice, request_generator, stop_reason, top_rows
 from .lora import Adapter, LoraBatch
 from .model import BaseModel
 from .prompt_scores import score_prompt, wants_scores
 from .running import Finished, RunningBatch
-from .types import SampledSequence, SampleRequest, SampleResult
 
 
 @torch.no_grad()

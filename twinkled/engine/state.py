@@ -25,9 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .lora import Adapter
-from .moe_peft import from_peft, is_expert, key_of_module, peft_module, peft_parameters, to_peft
-from .types import (
+from twinkled.protocol.types import (
     ATTN_MODULES,
     EXPERT_MODULES,
     MLP_MODULES,
@@ -35,6 +33,9 @@ from .types import (
     EngineInputError,
     LoraConfig,
 )
+
+from .lora import Adapter
+from .moe_peft import from_peft, is_expert, key_of_module, peft_module, peft_parameters, to_peft
 
 PEFT_PREFIX = "base_model.model."
 WEIGHTS = "adapter_model.safetensors"

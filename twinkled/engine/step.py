@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from twinkled.protocol.types import ForwardBackwardRequest, ForwardBackwardResult
+
 from .lora import Adapter, LoraBatch
 from .losses import loss_spec
 from .model import BaseModel
 from .packed import PackedLora, Packing
-from .types import ForwardBackwardRequest, ForwardBackwardResult
 
 
 @dataclass
@@ -39,7 +40,7 @@ class _Row:
 class HostTime:
     """Host seconds spent issuing forward and backward passes and waiting for the device
     to finish them, summed until taken: the worker reports them for a step trace
-    (twinkled/trace.py). Issuing near the waiting time means the pass is bound by kernel
+    (twinkled/protocol/trace.py). Issuing near the waiting time means the pass is bound by kernel
     launches; waiting much longer than issuing means it is bound by the device."""
 
     def __init__(self) -> None:

@@ -39,10 +39,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from twinkled.protocol.sizing import split_problem
+from twinkled.protocol.types import EngineInputError
+
 from .losses import logprob_grad
 from .moe_peft import is_expert
-from .sizing import split_problem
-from .types import EngineInputError
 
 COLUMN = ("q_proj", "gate_proj", "up_proj")
 KV = ("k_proj", "v_proj")

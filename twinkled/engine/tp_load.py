@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
+from twinkled.protocol.types import EngineInputError
+
 from .tp import ShardPlan
-from .types import EngineInputError
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:

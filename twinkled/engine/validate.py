@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import checks
+from twinkled.protocol import checks
+from twinkled.protocol.types import EngineInputError, ForwardBackwardRequest, SampleRequest
+
 from .lora import LoraPool
 from .model import BaseModel
-from .types import EngineInputError, ForwardBackwardRequest, SampleRequest
 
 
 def limits_of(model: BaseModel, pool: LoraPool) -> checks.Limits:

@@ -1,7 +1,7 @@
 """A worker group of one rank in this process: the engine runs in a thread.
 
 It speaks the same frames as the ZeroMQ group (supervisor.py), encoded and decoded the same
-way, and runs them with the same StepRunner, so the executor (twinkled/executor.py) cannot
+way, and runs them with the same StepRunner, so the executor (twinkled/core/executor.py) cannot
 tell the two apart. The service's tests drive the whole daemon core with it, without
 subprocesses; the event loop stays free while a step runs (one engine thread, so steps and
 the write-behind persistence between them never overlap).
@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .frames import ReplyF, StepF, encoder, reply_decoder, step_decoder
+from twinkled.protocol.frames import ReplyF, StepF, encoder, reply_decoder, step_decoder
 
 # transformers builds a model under process-wide state (the default device and dtype, meta
 # tensors): two groups of this process (lanes) must not load at the same time.

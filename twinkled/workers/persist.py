@@ -7,7 +7,7 @@ brought to host memory on a side stream) and the thread writes them to
 so the newest complete one (written to a temp name, then renamed) is what a restart loads;
 older versions are removed once a newer one is in place. Each version records the journal
 position of the last operation it holds; the daemon replays its journal from there, so a
-crash loses nothing acknowledged (`twinkled/journal.py`).
+crash loses nothing acknowledged (`twinkled/core/journal.py`).
 
 A version written between steps may hold a step the daemon never acknowledged: another rank
 died on it (data parallelism), or the daemon died before journaling it. So it is written

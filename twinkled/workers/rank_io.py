@@ -7,8 +7,7 @@ import torch
 import torch.distributed as dist
 
 from twinkled.engine import EngineInputError
-
-from .frames import Buf
+from twinkled.protocol.frames import Buf
 
 _DTYPES = {"int64": torch.long, "float32": torch.float32}
 

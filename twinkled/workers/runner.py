@@ -20,10 +20,8 @@ from pathlib import Path
 from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.live import read_mark
 from twinkled.engine.parallel import split_rows
-from twinkled.engine.types import Datum, ForwardBackwardRequest
-from twinkled.verify import checkpoint_digest
-
-from .frames import (
+from twinkled.protocol.checkpoints import checkpoint_digest
+from twinkled.protocol.frames import (
     RETRY,
     CreateF,
     DatumF,
@@ -41,6 +39,8 @@ from .frames import (
     TrainF,
     UnloadF,
 )
+from twinkled.protocol.types import Datum, ForwardBackwardRequest
+
 from .persist import Persister, SplitPersistence, latest_version
 from .rank_io import anywhere, category, fatal, release, to_buf, to_tensor
 from .sampling import SampleRunner
@@ -82,7 +82,7 @@ class StepRunner:
         self.sampling = SampleRunner(engine, rank, self.replica, self.replicas, self.reports,
                                      spans_hosts, seed)
         # Per adapter: the journal position of the last op after which it had no pending
-        # gradients (what a snapshot of it holds; twinkled/journal.py).
+        # gradients (what a snapshot of it holds; twinkled/core/journal.py).
         self.marks: dict[str, int] = {}
 
     def run(self, step: StepF) -> list[OutcomeF]:

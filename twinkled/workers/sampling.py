@@ -8,9 +8,9 @@ from collections import OrderedDict
 
 from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.parallel import split_rows
-from twinkled.engine.types import SampleRequest, SamplingParams
+from twinkled.protocol.frames import OpF, OutcomeF, SampleF, SlicedF, StepF
+from twinkled.protocol.types import SampleRequest, SamplingParams
 
-from .frames import OpF, OutcomeF, SampleF, SlicedF, StepF
 from .rank_io import category, fatal, release, to_tensor
 from .share import rank0_dir
 

@@ -28,9 +28,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from .. import trace
-from ..logs import relay
-from .frames import HelloF, ReplyF, StepF, encoder, reply_decoder
+from twinkled.protocol import trace
+from twinkled.protocol.frames import HelloF, ReplyF, StepF, encoder, reply_decoder
+from twinkled.protocol.logs import relay
+
 from .hosts import HostRegistry, JoinSettings, RemoteHost
 
 log = logging.getLogger("twinkled")

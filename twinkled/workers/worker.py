@@ -20,7 +20,7 @@ from pathlib import Path
 
 import zmq
 
-from .frames import HelloF, ReplyF, encoder, step_decoder
+from twinkled.protocol.frames import HelloF, ReplyF, encoder, step_decoder
 
 log = logging.getLogger("twinkled.worker")
 
@@ -41,7 +41,7 @@ def main(args: dict) -> None:
     _die_with_parent()
     if os.getppid() != parent:
         sys.exit(0)
-    from twinkled.logs import setup_logging
+    from twinkled.protocol.logs import setup_logging
 
     setup_logging(args.get("log_format", "text"),
                   f"%(asctime)s twinkled.worker[{rank}] %(message)s", rank=rank)
@@ -96,7 +96,7 @@ def _start(args: dict):
     import torch.distributed as dist
 
     from twinkled.engine import Engine
-    from twinkled.logs import route_transformers
+    from twinkled.protocol.logs import route_transformers
 
     route_transformers()  # its warnings in our format (JSON too)
 

@@ -1,0 +1,453 @@
+"""Planned steps in, outcomes out: the core's only way to the engine.
+
+`Executor` turns a step's ops into frames, runs them on every rank of a worker group, and
+merges the ranks' answers into one outcome per op: (result, error message or None,
+category). It journals what changed an adapter, so that after a worker dies it can restart
+the group and bring every live adapter back at its acknowledged step. Which adapters are
+live it asks of Residency (twinkled/core/residency.py), their one owner. Torch-free.
+
+Where the ranks run is the `Transport`: `WorkerGroup` (workers/supervisor.py: one process
+per device, ZeroMQ frames) in the daemon, or `InProcessGroup` (workers/inprocess.py: the
+same StepRunner on an engine in this process, in a thread) for tests and single-process use.
+The frames are the same either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+
+from twinkled.core.journal import Journal
+from twinkled.core.ops import Outcome
+from twinkled.protocol.config import Config
+from twinkled.protocol.frames import (
+    RETRY,
+    CreateF,
+    IdleUnloadF,
+    OpF,
+    OutcomeF,
+    PersistF,
+    ReplyF,
+    RestoreF,
+    StepF,
+    TrainF,
+    UnloadF,
+    as_result,
+    changes_adapter,
+    encoder,
+    op_decoder,
+)
+from twinkled.protocol.types import ForwardBackwardResult, LoraConfig
+from twinkled.workers.hosts import join_settings
+from twinkled.workers.supervisor import WorkerGroup, WorkerLost
+
+log = logging.getLogger("twinkled")
+
+RESTART_MESSAGE = ("the worker group failed ({why}) and was restarted; this request did not "
+                   "run (its model is at its last acknowledged step): submit it again")
+
+
+class Transport(Protocol):
+    """Where the ranks run: every rank gets the same step, their replies come back in rank
+    order; WorkerLost when a rank dies (then `restart`)."""
+
+    devices: list[str]
+    model_info: dict
+    restarts: int
+
+    @property
+    def exits(self) -> list[asyncio.Future]: ...
+    def dead(self) -> str: ...
+    async def start(self) -> None: ...
+    async def run(self, step: StepF) -> list[ReplyF]: ...
+    async def restart(self) -> None: ...
+    async def stop(self) -> None: ...
+    def status(self) -> list[dict]: ...
+
+
+class LiveAdapters(Protocol):
+    """Who knows which training adapters the workers hold (Residency)."""
+
+    def live_configs(self) -> dict[str, LoraConfig]: ...
+    def lost(self, model: str, why: str) -> None: ...
+
+
+# A GPU worker's host work is launching kernels and moving small arrays: one thread does it.
+# torch's default, a thread per core in every worker, gives N workers N x cores threads
+# on one box's cores. Measured on 2 x H100 (bench_workers, 2 vs 32 threads per worker):
+# no difference beyond the run-to-run spread, so this is hygiene, not a speed-up.
+GPU_WORKER_THREADS = 2
+
+
+def default_threads(devices: list[str], groups: int = 1) -> int:
+    """torch threads per worker of `groups` groups of `devices` each: CPU workers share
+    the cores (or take OMP_NUM_THREADS, the usual knob of a shared CPU box, when it is
+    set); GPU workers need few."""
+    if all(d.startswith("cuda") for d in devices):
+        return GPU_WORKER_THREADS
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    return max(1, (os.cpu_count() or 1) // (len(devices) * groups))
+
+
+def zmq_executor(config: Config, devices: list[str]) -> Executor:
+    """The daemon's executor for one lane (`Config.lane_devices`): a worker process per
+    device of `devices`, driven over ZeroMQ."""
+    threads = config.worker_threads or default_threads(devices, config.lanes)
+    live_dir = Path(config.data_dir) / "live"
+    options = {"model": str(config.model), "dtype": config.dtype,
+               "max_rank": config.max_rank, "token_budget": config.token_budget,
+               "sample_kv_mb": config.sample_kv_mb,
+               "packing": config.packing, "tp": config.tp, "ep": config.ep,
+               "activation_checkpointing": config.activation_checkpointing,
+               "live_dir": str(live_dir), "persist_every": config.persist_every,
+               "threads": threads, "log_format": config.log_format}
+    group = WorkerGroup(devices, options, step_timeout=config.step_timeout_s,
+                        join=join_settings(config))
+    return Executor(group, live_dir, config.persist_every, config.journal_fsync)
+
+
+class Executor:
+    def __init__(self, group: Transport, live_dir: Path, persist_every: int = 1,
+                 journal_fsync: bool = True):
+        self.group = group
+        self.live_dir = live_dir
+        # persist_every = 0 is "persistence off": no write-behind, so no journal either.
+        self.journal = Journal(live_dir, enabled=persist_every > 0, fsync=journal_fsync)
+        # model -> what its client is told on its next request: its run was rolled back
+        self.rollbacks: dict[str, str] = {}
+        self._lock = asyncio.Lock()  # one step (or one recovery) at a time
+        self._stopping = False
+        self.recovering = False  # the group is being restarted (healthz says "restarting")
+        # The restart after a failed step, run behind its answer; users of the group wait (`ready`)
+        self._recovery: asyncio.Task | None = None
+        self._adapters: LiveAdapters | None = None
+        self._on_restart: Callable[[], None] = lambda: None
+        # Told why the group restarted: who keeps work the workers held across steps (samples)
+        self._restart_hooks: list[Callable[[str], None]] = []
+
+    def serve(self, adapters: LiveAdapters, on_restart: Callable[[], None]) -> None:
+        """Who to ask which adapters a restarted group must get back, and who counts
+        restarts (the metrics)."""
+        self._adapters, self._on_restart = adapters, on_restart
+
+    def on_restart(self, hook: Callable[[str], None]) -> None:
+        """Call `hook(why)` whenever the worker group is restarted."""
+        self._restart_hooks.append(hook)
+
+    def _live(self) -> dict[str, LoraConfig]:
+        return self._adapters.live_configs() if self._adapters is not None else {}
+
+    @property
+    def model_info(self) -> dict:
+        return self.group.model_info
+
+    async def start(self) -> None:
+        await self.group.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        async with self._turn():
+            await self.group.stop()
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        """The group to oneself: the lock, and any restart under way finished first."""
+        async with self._lock:
+            await self.ready()
+            yield
+
+    async def ready(self) -> None:
+        """Wait for a restart under way after a failed step (at once when there is none).
+        The loop calls it before it plans, so that it plans knowing which adapters came
+        back; each use of the group calls it under the lock."""
+        task = self._recovery
+        if task is None:
+            return
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug in restoring: said once; the next step finds the group
+            log.exception("restoring the adapters after a worker group restart failed")
+        finally:
+            if task.done() and self._recovery is task:
+                self._recovery = None
+
+    async def watch(self) -> None:
+        """Restart the group when a worker dies between steps, before a request notices."""
+        while not self._stopping:
+            await asyncio.wait(self.group.exits, return_when=asyncio.FIRST_COMPLETED)
+            async with self._turn():
+                if self.group.dead() and not self._stopping:
+                    why = self.group.dead()
+                    log.error("worker group lost between steps: %s; restarting it", why)
+                    await self.recover(why)
+
+    async def run_ops(self, kind: str, ops: list) -> list[Outcome]:
+        """Run one planned step. A worker fault fails the whole step (category "server"),
+        answered at once; the group restarts behind the answer, every live adapter
+        restored, before anything uses it again."""
+        async with self._turn():
+            return await self._run_ops(kind, ops)
+
+    async def _run_ops(self, kind: str, ops: list) -> list[Outcome]:
+        frames = [op.frame for op in ops]
+        for frame in frames:
+            if changes_adapter(frame):
+                frame.mark = self.journal.reserve(frame.adapter_id)
+        try:
+            merged = await self._run_frames(kind, frames)
+        except WorkerLost as e:
+            log.error("worker group lost: %s; restarting it", e)
+            message = RESTART_MESSAGE.format(why=e)
+            for op in ops:
+                self.journal.drop(op.future.id)
+            self._recover_behind(str(e))
+            return [(None, message, "server")] * len(ops)
+        for op, outcome in zip(ops, merged, strict=True):
+            if isinstance(op.frame, UnloadF):  # a model closed for good: nothing to replay
+                self.journal.forget(op.frame.adapter_id)
+            self._journal(op, outcome)
+        await self.journal.flush()  # on disk before any of them is acknowledged
+        return merged
+
+    async def run_samples(self, step: StepF) -> list[ReplyF] | str:
+        """A sampling step (pending_samples.py says what it holds): the ranks' replies, or
+        why the group failed (it is restarted; the samples it ran are gone)."""
+        async with self._turn():
+            try:
+                return await self.group.run(step)
+            except WorkerLost as e:
+                log.error("worker group lost: %s; restarting it", e)
+                self._recover_behind(str(e))
+                return str(e)
+
+    async def _run_frames(self, kind: str, frames: list[OpF]) -> list[Outcome]:
+        replies = await self.group.run(StepF(0, kind, frames))
+        self._note_persisted(replies)
+        merged = _merge(frames, replies)
+        retry = [i for i, m in enumerate(merged) if m[2] == RETRY]
+        if retry:
+            await self._isolate(frames, merged, retry)
+        return merged
+
+    async def _isolate(self, frames: list[OpF], merged: list[Outcome], retry: list[int]) -> None:
+        """A shared pass failed (an out-of-memory error, say): its adapters may hold part of
+        its gradients. Bring them back to their acknowledged state, then run the pass's ops
+        one at a time: an op that fails alone fails alone (its adapter restored again)."""
+        trained = {frames[i].adapter_id for i in retry if isinstance(frames[i], TrainF)}
+        log.warning("a shared step failed (%s); running its %d ops one at a time",
+                    merged[retry[0]][1], len(retry))
+        await self._reset(trained - {None})
+        for i in retry:
+            frame = frames[i]
+            outcome = await self._run_one(frame)
+            if outcome[2] == RETRY:
+                await self._reset({frame.adapter_id} - {None})
+                outcome = (None, f"this request failed in the engine: {outcome[1]}", "user")
+            merged[i] = outcome
+
+    async def _run_one(self, frame: OpF) -> Outcome:
+        kind = "train" if isinstance(frame, TrainF) else "barrier"
+        replies = await self.group.run(StepF(0, kind, [frame]))
+        self._note_persisted(replies)
+        return _merge([frame], replies)[0]
+
+    async def _reset(self, models: set[str]) -> None:
+        live = self._live()
+        failed = await self._restore_frames({m: live[m] for m in models if m in live})
+        self._lost(failed)
+
+    def _lost(self, failed: dict[str, str]) -> None:
+        for model, why in failed.items():
+            log.error("adapter %s could not be restored: %s", model, why)
+            if self._adapters is not None:
+                self._adapters.lost(model, why)
+
+    def _journal(self, op, outcome: Outcome) -> None:
+        """Record an op that changed its adapter, before its client hears it is done. The
+        pieces of a cut forward_backward are recorded together, once the last one ran."""
+        frame, piece = op.frame, op.piece
+        if outcome[1] is not None:
+            if piece is not None:
+                self.journal.drop(op.future.id)
+            return
+        if not changes_adapter(frame) or not frame.mark or isinstance(frame, CreateF):
+            return  # nothing to replay (a restore re-creates a new adapter from its seed)
+        model = frame.adapter_id
+        data = encoder.encode(frame)
+        if piece is None:
+            self.journal.record(model, frame.mark, data, op.future.id)
+            return
+        self.journal.hold(op.future.id, model, frame.mark, data)
+        if piece[1]:
+            self.journal.commit(op.future.id)
+
+    def _note_persisted(self, replies: list[ReplyF]) -> None:
+        for reply in replies:
+            for model, mark in reply.persisted.items():
+                self.journal.persisted(model, mark)
+
+    async def recover(self, why: str = "a worker was lost") -> None:
+        """Restart the group until it comes up, then restore the live adapters."""
+        self._lose_group(why)
+        await self._restart()
+
+    def _recover_behind(self, why: str) -> None:
+        """Start `recover` without waiting for it: the failed step's clients hear of it
+        now, not after the group has loaded the model again (a minute on a big model)."""
+        self._lose_group(why)
+        self._recovery = asyncio.get_running_loop().create_task(self._restart())
+
+    def _lose_group(self, why: str) -> None:
+        self.recovering = True
+        for hook in self._restart_hooks:  # what the dead group held is gone already
+            hook(why)
+
+    async def _restart(self) -> None:
+        delay = 1.0
+        try:
+            while True:
+                try:
+                    await self.group.restart()
+                    self._on_restart()
+                    self._lost(await self.restore(self._live()))
+                    return
+                except WorkerLost as e:
+                    if self._stopping:  # a shutdown waits for this: stop retrying
+                        return
+                    log.error("worker group restart failed: %s; retrying in %.0f s", e, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(30.0, 2 * delay)
+        finally:
+            self.recovering = False
+
+    async def restore(self, adapters: dict[str, LoraConfig]) -> dict[str, str]:
+        """Bring adapters back at their acknowledged step: the persisted state, then the
+        journal's ops after it (fresh if they have neither). Returns {model id: why} for
+        those that could not be restored at all (the caller decides what they become)."""
+        for model in adapters:
+            if not self.journal.loaded(model):
+                self.journal.load(model)
+        return await self._restore_frames(adapters)
+
+    async def _restore_frames(self, adapters: dict[str, LoraConfig]) -> dict[str, str]:
+        if not adapters:
+            return {}
+        frames = [RestoreF(m, c, str(self.live_dir)) for m, c in adapters.items()]
+        replies = await self.group.run(StepF(0, "barrier", frames))
+        marks = {frames[o.index].adapter_id: o.mark or 0 for o in replies[0].outcomes}
+        failed = {}
+        for frame, outcome in zip(frames, _merge(frames, replies), strict=True):
+            if outcome[1] is not None:
+                failed[frame.adapter_id] = outcome[1]
+        for model, mark in marks.items():
+            if model not in failed:
+                await self._replay(model, mark)
+        return failed
+
+    async def _replay(self, model: str, mark: int) -> None:
+        """Run again the journaled ops of `model` after position `mark`, in order. If one
+        fails, the run stays where it got to, and its client is told on its next request."""
+        entries = self.journal.since(model, mark)
+        done = 0
+        for entry in entries:
+            try:
+                frame = op_decoder.decode(entry.frame)
+            except msgspec.DecodeError as e:  # written by another version of the daemon
+                error = f"a journaled operation could not be read: {e}"
+            else:
+                _, error, _ = await self._run_one(frame)
+            if error is not None:
+                self.rollbacks[model] = (
+                    f"model {model} was restored after a failure, but {len(entries) - done} "
+                    f"acknowledged operation(s) could not be replayed ({error}); it is at the "
+                    f"state after {done} of them: check its last checkpoint before going on")
+                log.error("%s", self.rollbacks[model])
+                self.journal.discard_after(model, mark)  # never replayed onto later state
+                break
+            done += 1
+            mark = entry.mark
+        self.journal.resume(model, mark)
+        if done:
+            log.info("adapter %s: replayed %d journaled op(s)", model, done)
+
+    async def unload_idle(self, model: str) -> None:
+        """Persist an idle adapter and free its memory; `restore` brings it back."""
+        async with self._turn():
+            replies = await self.group.run(
+                StepF(0, "barrier", [IdleUnloadF(model)]))
+            self._note_persisted(replies)
+
+    async def restore_one(self, model: str, config: LoraConfig) -> str | None:
+        """Bring one adapter back between steps; the reason if it could not be."""
+        async with self._turn():
+            return (await self.restore({model: config})).get(model)
+
+    def take_rollback(self, model: str) -> str | None:
+        """What a model's client must be told once: its run lost acknowledged steps."""
+        return self.rollbacks.pop(model, None)
+
+    async def persist_all(self) -> None:
+        """Every live adapter's weights and optimizer state on disk (for a hot restart)."""
+        frames = [PersistF(m) for m in self._live()]
+        if frames:
+            async with self._turn():
+                self._note_persisted(await self.group.run(StepF(0, "barrier", frames)))
+
+    def status(self) -> dict:
+        return {"workers": self.group.status(), "restarts": self.group.restarts}
+
+
+def _merge(frames: list[OpF], replies: list[ReplyF]) -> list[Outcome]:
+    """One outcome per op from the ranks' answers (see workers/runner.py for who runs what)."""
+    per_op: list[list[OutcomeF]] = [[] for _ in frames]
+    for reply in replies:  # rank order
+        for o in reply.outcomes:
+            per_op[o.index].append(o)
+    merged = []
+    for frame, got in zip(frames, per_op, strict=True):
+        if not got:
+            merged.append((None, "no worker answered for this request", "server"))
+            continue
+        failed = next((o for o in got if o.error is not None), None)
+        if failed is not None:
+            merged.append((None, failed.error, failed.category or "server"))
+        elif isinstance(frame, TrainF):
+            merged.append((_join_rows(got), None, None))
+        else:  # a sample ran on one rank; a barrier ran on all, rank 0's answer stands
+            merged.append((as_result(got[0]), None, None))
+    return merged
+
+
+def _join_rows(parts: list[OutcomeF]) -> ForwardBackwardResult:
+    rows = sorted((j, out) for p in parts for j, out in zip(p.fwdbwd.rows, p.fwdbwd.outputs,
+                                                             strict=True))
+    metrics: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.fwdbwd.metrics.items():
+            metrics[k] = metrics.get(k, 0.0) + v if k.endswith(":sum") else metrics.get(k, v)
+    return ForwardBackwardResult(outputs=[out for _, out in rows], metrics=metrics)
+
+
+def in_process_executor(config: Config) -> Executor:
+    """The engine in this process (one rank, no ZeroMQ): tests, and a box without workers."""
+    from twinkled.workers.inprocess import InProcessGroup
+
+    live_dir = Path(config.data_dir) / "live"
+    device = config.worker_devices()[0]
+    # bf16 matmuls on a CPU are slow and gain nothing here (as a worker process decides)
+    dtype = "float32" if device == "cpu" and config.dtype == "bfloat16" else config.dtype
+    group = InProcessGroup(config.model, device=device, dtype=dtype, max_rank=config.max_rank,
+                           token_budget=config.token_budget, packing=config.packing,
+                           sample_kv_mb=config.sample_kv_mb, live_dir=live_dir, persist_every=config.persist_every)
+    return Executor(group, live_dir, config.persist_every, config.journal_fsync)

@@ -1,0 +1,232 @@
+"""Lanes: the daemon's devices split into independent worker groups, each with its own loop.
+
+A lane is one worker group (its devices: one GPU, or several for data or tensor
+parallelism inside it) and what feeds it: its planner, executor, residency and engine core.
+A model (a training adapter) lives on one lane, placed when it is created or loaded; all
+its ops go there. Lanes do not wait for each other: each gathers, plans and steps on its
+own tenants, and a worker that dies restarts its lane only. For many small tenants that is
+what scales over GPUs: a data-parallel group holds every adapter on every GPU and steps in
+lock step (docs/internals.md, "Scaling over GPUs").
+
+Futures, the store and the metrics are the daemon's, one for all lanes. With one lane (the
+default) this is the single worker group the daemon always had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler import Planner
+from twinkled.core.adapter_room import AdapterRoom
+from twinkled.core.engine_core import EngineCore
+from twinkled.core.executor import Executor
+from twinkled.core.futures import Future, Futures
+from twinkled.core.metrics import Metrics
+from twinkled.core.residency import Residency, stored_config
+from twinkled.protocol import trace
+from twinkled.protocol.types import LoraConfig
+
+# Sampler adapters whose lane is remembered (those of runs not placed here: a restarted
+# daemon's, say); past this the oldest are forgotten (they load again where they next go).
+SAMPLERS_KEPT = 4096
+
+
+@dataclass
+class Lane:
+    index: int
+    planner: Planner
+    executor: Executor
+    residency: Residency
+    core: EngineCore
+
+
+def make_lane(index: int, planner: Planner, executor: Executor, store: Any,
+              room: AdapterRoom, futures: Futures, metrics: Metrics, gather_s: float,
+              slice_s: float) -> Lane:
+    residency = Residency(store, planner, executor, room)
+    executor.serve(residency, on_restart=metrics.worker_restarts.inc)
+    core = EngineCore(planner, executor, futures, residency, metrics, gather_s, slice_s)
+    return Lane(index, planner, executor, residency, core)
+
+
+class Lanes:
+    def __init__(self, lanes: list[Lane], store: Any):
+        self.all = lanes
+        self._store = store
+        self._home: dict[str, Lane] = {}  # model -> the lane it was placed on
+        self._samplers: dict[str, Lane] = {}  # sampler adapter -> the lane that holds it
+        self._turn = 0  # round robin for base-model samples
+        self._reloading: dict[str, asyncio.Lock] = {}  # model -> one reload at a time
+
+    # -- where things go ----------------------------------------------------------------
+
+    def of(self, model: str | None) -> Lane:
+        """The lane `model` was placed on. A model never placed is loaded nowhere: lane 0,
+        whose core says so to its requests."""
+        return self._home.get(model, self.all[0]) if model is not None else self.all[0]
+
+    def is_open(self, model: str) -> bool:
+        """Whether `model` takes operations on its lane now (created, restored, reloaded)."""
+        return self.of(model).residency.is_open(model)
+
+    def choose(self, config: LoraConfig) -> Lane:
+        """A lane for a new adapter of `config`: the one with the fewest models among
+        those with room for it (lowest index first). No room anywhere: the refusal of the
+        lane with the most room left, which says why."""
+        if len(self.all) == 1:
+            return self.all[0]
+        fits = [lane for lane in self.all if lane.residency.room.fits(config)]
+        if fits:
+            return min(fits, key=lambda lane: (lane.planner.model_count(), lane.index))
+        return min(self.all, key=lambda lane: (lane.residency.room.used(), lane.index))
+
+    def place(self, model: str, lane: Lane) -> None:
+        self._home[model] = lane
+
+    def for_sample(self, adapter: str | None) -> Lane:
+        """Where a sample runs: with a sampler checkpoint's adapter, on the lane of the run
+        that saved it (its workers keep a device copy of sampler weights), else on one
+        lane kept for that adapter (its workers load it once); the base model's samples
+        take turns."""
+        if len(self.all) == 1:
+            return self.all[0]
+        if adapter is None:
+            self._turn = (self._turn + 1) % len(self.all)
+            return self.all[self._turn]
+        run = _run_of(adapter)
+        if run in self._home:
+            return self._home[run]
+        if adapter not in self._samplers:
+            if len(self._samplers) >= SAMPLERS_KEPT:  # forget the oldest half
+                for key in list(self._samplers)[:SAMPLERS_KEPT // 2]:
+                    del self._samplers[key]
+            self._turn = (self._turn + 1) % len(self.all)
+            self._samplers[adapter] = self.all[self._turn]
+        return self._samplers[adapter]
+
+    def find(self, test: Callable[[Lane], bool]) -> bool:
+        """Whether `test` holds on some lane (tried in order, stopping at the first)."""
+        return any(test(lane) for lane in self.all)
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every lane's worker group (each loads the model), then bring back the
+        adapters live at the last stop, spread over the lanes."""
+        await asyncio.gather(*(lane.executor.start() for lane in self.all))
+        runs = self._store.runs.live()
+        shares: dict[int, list[dict]] = {lane.index: [] for lane in self.all}
+        for run in runs:  # what was live comes back, room or not: spread evenly
+            lane = min(self.all, key=lambda lane: (len(shares[lane.index]), lane.index))
+            self.place(run["id"], lane)
+            shares[lane.index].append(run)
+        for lane in self.all:
+            await lane.residency.restore_at_start(shares[lane.index])
+
+    def watchers(self) -> list:
+        return [lane.executor.watch() for lane in self.all]
+
+    async def run(self) -> None:
+        """Every lane's loop, side by side (each in its own task)."""
+        async def loop(lane: Lane) -> None:
+            trace.in_lane(lane.index)
+            await lane.core.run()
+
+        await asyncio.gather(*(loop(lane) for lane in self.all))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(lane.executor.stop() for lane in self.all))
+
+    def idle(self) -> bool:
+        return all(lane.core.idle() for lane in self.all)
+
+    @property
+    def recovering(self) -> bool:
+        return any(lane.executor.recovering for lane in self.all)
+
+    # -- what spans the lanes -----------------------------------------------------------
+
+    async def ensure_loaded(self, run: dict) -> None:
+        """Bring back an adapter unloaded while idle, on the lane with room for it. Two
+        requests for it at once: the second finds it loaded (never a copy on two lanes)."""
+        model = run["id"]
+        async with self._reloading.setdefault(model, asyncio.Lock()):
+            if self.of(model).residency.is_open(model):
+                return
+            lane = self.choose(stored_config(run))
+            self.place(model, lane)
+            await lane.residency.ensure_loaded(run)
+
+    async def unload_idle(self, idle_s: float) -> None:
+        for lane in self.all:
+            await lane.residency.unload_idle(idle_s)
+
+    async def persist_all(self) -> int:
+        return sum([await lane.residency.persist_all() for lane in self.all])
+
+    def withdraw(self, f: Future, why: str) -> bool:
+        return self.find(lambda lane: lane.core.withdraw(f, why))
+
+    def tenant_status(self) -> dict[str, dict]:
+        """Each tenant's queue and service, summed over the lanes; its share of all
+        lanes' training time."""
+        merged: dict[str, dict] = {}
+        for lane in self.all:
+            for name, t in lane.planner.status().items():
+                m = merged.setdefault(name, {**t, "queued_requests": 0, "queued_tokens": 0,
+                                             "paused": 0, "served_tokens": 0, "served_s": 0.0,
+                                             "contended_s": 0.0})
+                for key in ("queued_requests", "queued_tokens", "paused", "served_tokens",
+                            "served_s", "contended_s"):
+                    m[key] += t[key]
+        total = sum(t["served_s"] for t in merged.values()) or 1.0
+        contended = sum(t["contended_s"] for t in merged.values())
+        for t in merged.values():
+            t["share"] = t["served_s"] / total
+            t["contended_share"] = t["contended_s"] / contended if contended else None
+        return merged
+
+    def status(self) -> dict:
+        """The workers' side of the daemon's status, summed over the lanes (the step target
+        and cost are lane 0's); with several lanes, each lane's own under "lanes"."""
+        first = self.all[0]
+        restarts = [lane.executor.status()["restarts"] for lane in self.all]
+        status = {"devices": [d for lane in self.all for d in lane.executor.group.devices],
+                  "steps": sum(lane.planner.steps for lane in self.all),
+                  "adapters": self.model_count(), "tenants": self.tenant_status(),
+                  "step_target_ms": _ms(first.planner.step_target()),  # None: no time bound
+                  "step_cost": first.planner.cost.describe(), "workers": self.workers(),
+                  "restarts": sum(restarts),
+                  "live_adapters": sum(lane.residency.count() for lane in self.all),
+                  # decoding across steps
+                  "samples_running": sum(len(lane.core.samples) for lane in self.all)}
+        if len(self.all) > 1:
+            status["lanes"] = [
+                {"lane": lane.index, "devices": lane.executor.group.devices,
+                 "steps": lane.planner.steps, "adapters": lane.planner.model_count(),
+                 "step_target_ms": _ms(lane.planner.step_target()),
+                 "restarts": restarts[lane.index]} for lane in self.all]
+        return status
+
+    def model_count(self) -> int:
+        return sum(lane.planner.model_count() for lane in self.all)
+
+    def workers(self) -> list[dict]:
+        """Every lane's worker ranks, each with its lane."""
+        return [{**w, "lane": lane.index} for lane in self.all
+                for w in lane.executor.status()["workers"]]
+
+
+def _ms(seconds: float) -> float | None:
+    return round(seconds * 1e3, 1) if seconds < float("inf") else None
+
+
+def _run_of(adapter: str) -> str | None:
+    """The run a sampler adapter's checkpoint belongs to ("sampler:tinker://RUN/...")."""
+    path = adapter.removeprefix("sampler:")
+    if not path.startswith("tinker://"):
+        return None
+    return path.removeprefix("tinker://").split("/", 1)[0]

@@ -1,0 +1,148 @@
+"""The sample ops the workers are decoding, between the step that brought them and the one
+in which they finish.
+
+With sliced sampling (`sample_slice_ms` > 0) a sampling step does not run its samples to
+completion: they join the workers' running batches, which decode for one slice (until
+sampling's turn is over, or a sample finished), and the step's answer holds only the
+samples that finished, of this step or of earlier ones. The core then runs other work (a
+training step, say) and comes back with "slice" steps that only go on decoding. So a
+tenant's long generation never holds the GPU for its whole length: a short sample
+submitted meanwhile joins at the next slice and comes back when it finishes, and training
+steps run between the turns (`PendingSamples.in_turn`, asked by core.py).
+
+`PendingSamples` keeps those ops by key (their future's id, which the workers' outcomes
+name), feeds a streamed op's reader the new tokens each slice made, hands back the ops
+that finished, and drops the ones whose clients went away (the next step tells the
+workers, which free their pages). A sample can never be left pending: one that no worker
+reports any more, or that a worker-group restart took, fails with a clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from twinkled.core.futures import Future
+from twinkled.protocol.frames import ReplyF, StepF, as_result
+
+if TYPE_CHECKING:
+    from twinkled.core.ops import Op, Outcome
+    from twinkled.protocol.types import SampledSequence
+
+GONE = ("server error: no worker holds this sample any more (its worker may have been "
+        "restarted): submit it again")
+LOST = ("the worker group failed ({why}) and was restarted; this sample was cut short: "
+        "submit it again")
+
+
+@dataclass
+class Sliced:
+    """What a sampling step's replies say of the samples the workers run, by key."""
+
+    finished: dict[str, Outcome] = field(default_factory=dict)
+    running: set[str] = field(default_factory=set)  # still decoding, on some rank
+    waiting: int = 0  # requests the ranks hold that wait for room in their running batches
+    pieces: dict[str, list[SampledSequence]] = field(default_factory=dict)  # streamed ones
+    lost: str | None = None  # the group failed: every sample it ran is gone, and why
+
+    @classmethod
+    def of(cls, replies: list[ReplyF] | str) -> Sliced:
+        """From the ranks' replies (a sample runs on one rank, which alone reports it), or
+        from why the group failed."""
+        if isinstance(replies, str):
+            return cls(lost=LOST.format(why=replies))
+        out = cls()
+        for reply in replies:
+            for o in reply.outcomes:
+                out.finished[o.key] = (None, o.error, o.category or "server") \
+                    if o.error is not None else (as_result(o), None, None)
+            if reply.sampling is not None:
+                out.running.update(reply.sampling.running)
+                out.waiting += reply.sampling.waiting
+                out.pieces.update(reply.sampling.pieces)
+        return out
+
+
+class PendingSamples:
+    """The pending ops, and sampling's turns: samples decode for `slice_s` of sampling
+    steps, each of which may end early (a sample finished), while training waits; then
+    one other step, and the next turn."""
+
+    def __init__(self, slice_s: float):
+        self.slice_s = slice_s  # a turn (0: a sampling step runs its samples to the end)
+        self._ops: dict[str, Op] = {}  # key (future id) -> the op
+        self._cancel: list[str] = []  # keys to drop at the next sampling step
+        self._waiting = 0  # the workers' requests waiting for room, at the last step
+        self._turn: float | None = None  # seconds of this turn used (None: it ended)
+
+    @property
+    def busy(self) -> bool:
+        """Something for the workers: samples to go on with, or to drop."""
+        return bool(self._ops or self._cancel)
+
+    @property
+    def backlog(self) -> bool:
+        """The workers hold samples they have no room to start yet: new ones had better
+        wait in the planner's queues (fair share, quotas, withdrawal) than in theirs."""
+        return self._waiting > 0 and bool(self._ops)
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def in_turn(self) -> bool:
+        """Samples run, and their turn has come (the turn ended before: `end_turn`) or
+        is not over yet: training waits."""
+        return self.busy and (self._turn is None or self._turn < self.slice_s)
+
+    def end_turn(self) -> None:
+        """Another step (training) ran: the samples' next turn comes."""
+        self._turn = None
+
+    def spent(self, seconds: float) -> None:
+        """A sampling step took `seconds` of the turn."""
+        self._turn = (self._turn or 0.0) + seconds
+
+    def step(self, ops: list[Op]) -> StepF:
+        """The next sampling step: `ops` keyed (pending from now; none: a "slice" step),
+        the samples to drop, the samplers still in use, and what is left of the turn
+        (a new one if the last is over)."""
+        if self._turn is None or self._turn >= self.slice_s:
+            self._turn = 0.0
+        frames = []
+        for op in ops:
+            op.frame.key = op.future.id
+            op.frame.stream = op.stream is not None
+            self._ops[op.future.id] = op
+            frames.append(op.frame)
+        holds = sorted({op.frame.adapter_id for op in self._ops.values()
+                        if op.frame.adapter_id is not None})
+        cancel, self._cancel = self._cancel, []
+        return StepF(0, "sample" if ops else "slice", frames, self.slice_s - self._turn,
+                     cancel, holds)
+
+    def cancel(self, f: Future) -> bool:
+        """Stop a pending sample (its client went away); False if it is not pending."""
+        if self._ops.pop(f.id, None) is None:
+            return False
+        self._cancel.append(f.id)
+        return True
+
+    def settle(self, sliced: Sliced) -> list[tuple[Op, Outcome]]:
+        """What a sampling step's answer settles: streamed tokens go to their readers, and
+        the ops that finished (or that no worker holds any more) leave, with outcomes."""
+        if sliced.lost is not None:
+            return self.lose(sliced.lost)
+        self._waiting = sliced.waiting
+        for key, partials in sliced.pieces.items():
+            op = self._ops.get(key)
+            if op is not None and op.stream is not None:
+                op.stream(partials)
+        done = [(self._ops.pop(key), outcome) for key, outcome in sliced.finished.items()
+                if key in self._ops]
+        gone = [key for key in self._ops if key not in sliced.running]
+        return done + [(self._ops.pop(key), (None, GONE, "server")) for key in gone]
+
+    def lose(self, why: str) -> list[tuple[Op, Outcome]]:
+        """Every pending op, failed with `why` (the worker group that ran them is gone)."""
+        ops, self._ops, self._cancel, self._waiting = self._ops, {}, [], 0
+        return [(op, (None, why, "server")) for op in ops.values()]

@@ -1,0 +1,489 @@
+"""The service: what the daemon does, as commands, independent of the wire protocol.
+
+The Tinker routes (tinker_shim/) decode a request, call one command here, and encode its
+answer. A command checks what can be known at once, records what the store must keep, and
+queues an op on the engine core (core.py), returning the future the client polls. The
+service also owns the daemon's life cycle: start (load the model, restore adapters),
+housekeeping, drain, shutdown. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import astuple
+from typing import Any
+
+from scheduler import Planner
+from twinkled.core.adapter_room import adapter_room
+from twinkled.core.engine_core import RateLimited  # noqa: F401  (re-exported)
+from twinkled.core.executor import Executor, zmq_executor
+from twinkled.core.futures import Encoder, Future, Futures, empty_json
+from twinkled.core.housekeeping import Housekeeping
+from twinkled.core.lanes import Lane, Lanes, make_lane
+from twinkled.core.metrics import Metrics
+from twinkled.core.ops import After, Op
+from twinkled.core.residency import stored_config
+from twinkled.core.stability import StabilityRecords
+from twinkled.core.streams import SampleStream
+from twinkled.core.tenants import Tenants
+from twinkled.protocol.checkpoints import checkpoint_path
+from twinkled.protocol.checks import Limits as RequestLimits
+from twinkled.protocol.config import Config
+from twinkled.protocol.errors import Conflict, NotFound, UserError  # noqa: F401
+from twinkled.protocol.frames import CreateF, LoadF, OptimF, SampleF, SaveF, TrainF, UnloadF
+from twinkled.protocol.types import LoraConfig
+from twinkled.store.checkpoints import Version
+from twinkled.store.runs import Runs
+from twinkled.store.verify import verify_checkpoints
+
+log = logging.getLogger("twinkled")
+
+
+# How a command that makes something answers, given the id of what it made (a model, a
+# checkpoint path, a sampler): the protocol layer's choice, like an Encoder.
+Answer = Callable[[str], tuple[bytes, str]]
+
+
+def _same_lora(stored: dict | None, asked: dict) -> bool:
+    """A retried create asks for the run's config (its seed may be drawn anew each time)."""
+    def plain(c: dict | None) -> dict:
+        return {k: v for k, v in (c or {}).items() if k != "seed"}
+    return plain(stored) == plain(asked)
+
+
+class Draining(Exception):
+    """The daemon is stopping (hot restart): come back shortly (HTTP 503, retried)."""
+
+
+class Service:
+    def __init__(self, config: Config, store, executor: Executor | list[Executor] | None = None,
+                 adapter_budget: int | None = None):
+        """`executor`: where steps run, one per lane (`config.lanes`); by default a worker
+        group over ZeroMQ per lane (tests pass in-process ones, `workers/inprocess.py`).
+        `adapter_budget`: bytes per rank for adapters (`layout.adapters_budget`; None: no
+        limit), unless the config sets one."""
+        self.config = config
+        self.store = store
+        self.state = "loading"
+        self.load_error: str | None = None
+        self.stopping = asyncio.Event()  # set at shutdown: long polls return at once
+        self.intake_paused = False  # `twinkled ctl drain`: new work gets a 503
+        self.damaged: list[dict] = []  # checkpoints found damaged at start-up
+        # What samplers produced, for stable_reinforce (filled by `sample`, read by the
+        # forward_backward that names it).
+        self.stability = StabilityRecords(config.stability_bytes, config.stability_tenant_bytes)
+        self.metrics = Metrics(self)
+        self.futures = Futures(store)
+        if executor is None:
+            executor = [zmq_executor(config, devices) for devices in config.lane_devices()]
+        executors = executor if isinstance(executor, list) else [executor]
+        self.lanes = Lanes([
+            make_lane(i, Planner(config.token_budget, config.sample_budget,
+                                 config.target_step_s),
+                      ex, store, adapter_room(config, adapter_budget), self.futures,
+                      self.metrics, config.gather_ms / 1000, config.sample_slice_ms / 1000)
+            for i, ex in enumerate(executors)], store)
+        self.tenants = Tenants(config, store, [lane.planner for lane in self.lanes.all])
+        self._limits: RequestLimits | None = None
+        self._limits_from: dict | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def start(self, housekeeping: bool = True) -> None:
+        """Start the workers (they load the model); the HTTP server answers meanwhile.
+
+        Work cut short by the last stop is settled first: its futures fail with a clear
+        error when polled, and half-written checkpoints are marked and never served."""
+        cut = self.store.futures.pending_ids()
+        for lane in self.lanes.all:  # their clients submit them again: never replayed too
+            lane.executor.journal.void(cut)
+        for model in self.store.futures.pending("forward_backward"):
+            for lane in self.lanes.all:  # the optim_step right behind it fails too (core.py)
+                lane.core.cut_short(model)
+        failed = self.store.futures.fail_pending(
+            "the daemon restarted before this request finished; submit it again")
+        for c in self.store.checkpoints.abandon_writing("the daemon stopped while writing it"):
+            log.warning("checkpoint %s was cut short by a stop; marked corrupt", c["tinker_path"])
+        if failed:
+            log.warning("%d requests were cut short by the last stop", failed)
+        self._advertise()
+        loop = asyncio.get_running_loop()
+        # Hashing can take a while on a big data dir: in a thread, while the workers load
+        # the model and the HTTP server answers; no step runs before it is done.
+        self._verified = loop.run_in_executor(None, verify_checkpoints, self.store,
+                                              self.config.data_dir)
+        self._tasks.append(loop.create_task(self._run()))
+        if housekeeping:
+            chores = Housekeeping(self.config, self.store, self.futures, self.lanes,
+                                  status=self.status, refresh_tenants=self.refresh_tenants,
+                                  may_unload=lambda: self.state == "ready"
+                                  and not self.intake_paused)
+            self._tasks.append(loop.create_task(chores.run()))
+
+    async def ready(self) -> None:
+        """Wait until the model is loaded (or failed to load)."""
+        while self.state == "loading":
+            await asyncio.sleep(0.01)
+
+    def _advertise(self) -> None:
+        """<data_dir>/daemon.json tells `twinkled ctl` where this daemon answers."""
+        import os
+
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        info = {"url": f"http://{host}:{self.config.port}", "pid": os.getpid()}
+        (self.config.data_dir / "daemon.json").write_text(json.dumps(info))
+
+    async def _run(self) -> None:
+        await self._load()
+        try:
+            self.damaged = await self._verified
+        except Exception:  # a verification bug must not stop the daemon from serving
+            log.exception("verifying checkpoints failed")
+        await self.lanes.run()
+
+    async def _load(self) -> None:
+        """Start the worker groups (they load the model) and bring back the live adapters."""
+        try:
+            await self.lanes.start()
+            loop = asyncio.get_running_loop()
+            self._tasks += [loop.create_task(w) for w in self.lanes.watchers()]
+            self.state = "ready"
+            log.info("model %s loaded", self.config.served_name)
+        except Exception as e:  # the daemon keeps answering healthz with the reason
+            self.state, self.load_error = "failed", f"{type(e).__name__}: {e}"
+            log.exception("model load failed")
+
+    def status(self) -> dict:
+        return {"model": self.config.served_name, "state": self.state, **self.lanes.status(),
+                "damaged_checkpoints": self.damaged, "time": time.time()}
+
+    def gauges(self) -> dict:
+        """What /metrics reads at scrape time."""
+        queued = {t: s["queued_requests"] for t, s in self.lanes.tenant_status().items()}
+        return {"queued": queued, "adapters": self.lanes.model_count(),
+                "workers": self.lanes.workers(), "up": self.health == "ok"}
+
+    @property
+    def health(self) -> str:
+        """healthz's status: "ok" when requests run now ("restarting" while workers do)."""
+        if self.state == "ready" and self.lanes.recovering:
+            return "restarting"
+        if self.state == "ready" and self.intake_paused:
+            return "draining"
+        return "ok" if self.state == "ready" else self.state
+
+    @property
+    def model_info(self) -> dict:
+        return self.lanes.all[0].executor.model_info
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask (`engine/checks.py`), checked at the door: the config's
+        limits and the model's numbers (the workers' once loaded, config.json's until then)."""
+        info = self.model_info or self.config.model_config
+        if self._limits is None or self._limits_from is not info:
+            self._limits, self._limits_from = self.config.request_limits(info), info
+        return self._limits
+
+    async def _until_idle(self, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.lanes.idle() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.lanes.idle()
+
+    async def shutdown(self) -> None:
+        """SIGTERM: stop taking work, let queued work run (up to `drain_timeout_s`), fail
+        the rest, persist every live adapter with its optimizer state, stop the workers."""
+        self.state = "draining"
+        await self._until_idle(self.config.drain_timeout_s)
+        self._cancel_tasks()
+        self.futures.fail_unfinished("the daemon was stopped (restarted) before this "
+                                     "request ran; submit it again", "server")
+        self.stopping.set()
+        if self.load_error is None and self.model_info:
+            try:
+                live = await self.lanes.persist_all()
+                log.info("persisted %d live adapter(s)", live)
+            except Exception:
+                log.exception("persisting live adapters at shutdown failed")
+        await self.lanes.stop()
+        (self.config.data_dir / "daemon.json").unlink(missing_ok=True)
+        log.info("workers stopped; closing connections")
+
+    async def drain(self, timeout: float = 600.0, undo: bool = False) -> dict:
+        """Stop taking new work and wait (up to `timeout`) until nothing queued can run."""
+        self.intake_paused = not undo
+        if undo:
+            return {"drained": False, "queued": 0}
+        drained = await self._until_idle(timeout)
+        queued = sum(t["queued_requests"] for t in self.lanes.tenant_status().values())
+        return {"drained": drained, "queued": queued}
+
+    def _cancel_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def close(self) -> None:
+        self._cancel_tasks()
+        if self.state != "draining":
+            await self.lanes.stop()
+
+    # -- commands ---------------------------------------------------------------------
+
+    def submit(self, op: Op, lane: Lane | None = None) -> Future:
+        """Queue `op` on its lane's core (see EngineCore.add), if the daemon takes work now.
+        `lane`: where a sample goes (`Lanes.for_sample`); a model's ops go to its lane."""
+        try:
+            self._check_intake()
+            self._check_loaded(op.model_id)
+        except (UserError, Draining) as e:
+            self.futures.drop(op.future, str(e))
+            raise
+        return (lane or self.lanes.of(op.model_id)).core.add(op)
+
+    def _check_intake(self) -> None:
+        """Raise if the daemon takes no work now: a command asks this before it records
+        anything, so that a refusal (a 503 the client retries) leaves nothing behind."""
+        if self.state == "failed":
+            raise UserError(f"the model failed to load: {self.load_error}")
+        if self.state == "draining" or self.intake_paused:
+            raise Draining("the daemon is draining for maintenance or a restart; retry shortly")
+
+    def _check_loaded(self, model_id: str | None) -> None:
+        """A hot restart: the run comes back once the model is loaded, so its client's
+        requests meanwhile get a 503 they retry, not the 400 of a run not here."""
+        if self.state == "loading" and model_id is not None and \
+                not self.lanes.is_open(model_id):
+            raise Draining("the daemon is starting (loading the model, restoring adapters); "
+                           "retry shortly")
+
+    def _admit(self, tenant: str, model: str, seq_id: int) -> Future | None:
+        """Before a command records anything for op `seq_id` of `model`: the original
+        future if the client retries a request already taken (nothing is done again), None
+        if the op would be queued; raises what the op would be refused with."""
+        self._check_intake()
+        self._check_loaded(model)
+        return self.lanes.of(model).core.admit(tenant, model, seq_id)
+
+    def _created(self, tenant: str, session_id: str, model_seq: int | None,
+                 lora: dict) -> tuple[str, Future] | None:
+        """Before a create records its run: the run and original future of a create the
+        client retries (it lost the answer): run `model_seq` of the session, this tenant's,
+        made with the same config, whose create is still known. None otherwise (a new
+        model, or a different request for a taken id: refused). Raises if the daemon takes
+        no work now (a 503's retry must find no run)."""
+        self._check_intake()
+        if model_seq is None:  # the store numbers it: a new model
+            return None
+        model = Runs.id_of(session_id, model_seq)
+        run = self.store.runs.get(model, include_deleted=True)
+        if run is None or run["tenant"] != tenant or not _same_lora(run["lora_config"], lora):
+            return None
+        original = self.lanes.of(model).core.original(tenant, model, 0)
+        return None if original is None else (model, original)
+
+    def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
+        self.lanes.of(model_id).core.refuse(tenant, model_id, seq_id, why)
+
+    def get_future(self, tenant: str, future_id: str) -> Future:
+        return self.futures.get(tenant, future_id)
+
+    def is_paused(self, future_id: str) -> bool:
+        return self.lanes.find(lambda lane: lane.planner.is_paused(future_id))
+
+    async def ensure_loaded(self, run: dict) -> None:
+        """Bring back a run's adapter if it was unloaded while idle (not while the daemon
+        takes no work: its request would be refused after the reload)."""
+        if not self.lanes.of(run["id"]).residency.is_open(run["id"]):
+            self._check_intake()
+        await self.lanes.ensure_loaded(run)
+
+    def create_model(self, tenant: str, session_id: str, model_seq: int | None,
+                     config: LoraConfig, user_metadata: dict,
+                     answer: Answer) -> tuple[str, Future]:
+        """A new training run and its adapter (op 0 of the model): its id and future. A
+        retried create (same model_seq, same config) answers the original future."""
+        lora = {"rank": config.rank, "alpha": config.alpha, "train_attn": config.train_attn,
+                "train_mlp": config.train_mlp, "train_unembed": config.train_unembed,
+                "seed": config.seed, "optimizer": config.optimizer}  # a restore re-creates it
+        if (retried := self._created(tenant, session_id, model_seq, lora)) is not None:
+            return retried
+        self.tenants.check_new_adapter(tenant, config.rank)
+        lane = self.lanes.choose(config)
+        lane.residency.room.check(config)
+        try:
+            model = self.store.runs.create(session_id, tenant, self.config.served_name,
+                                           config.rank, lora, user_metadata, model_seq)
+        except Conflict:
+            raise UserError(f"model {session_id}:train:{model_seq} already exists") from None
+        f = self.futures.new(tenant, "create_model", lambda _: answer(model))
+        self._open(lane, model, tenant, config)
+        return model, self.submit(Op(model, 0, CreateF(model, config), f))
+
+    def tag_future(self, future_id: str, owner: str) -> None:
+        """Record the run or sampler a request's future belongs to (a session's trace)."""
+        self.futures.tag(future_id, owner)
+
+    def forward_backward(self, tenant: str, model: str, seq_id: int, frame: TrainF,
+                         encode: Encoder) -> Future:
+        parts = [d.tokens.shape[0] for d in frame.data]  # where the planner may cut it
+        f = self.futures.new(tenant, "forward_backward", encode, run=model)
+        f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts))
+        self.store.runs.touch(model)
+        return f
+
+    def optim_step(self, tenant: str, model: str, seq_id: int, frame: OptimF,
+                   encode: Encoder) -> Future:
+        f = self.futures.new(tenant, "optim_step", encode)
+        return self.submit(Op(model, seq_id, frame, f))
+
+    def save(self, tenant: str, run: dict, seq_id: int, kind: str, name: str, *,
+             optimizer: bool, user_metadata: dict, ttl_s: float | None, overwrite: bool,
+             answer: Answer) -> Future:
+        """Save checkpoint `tinker://<run>/<kind>/<name>` in the run's order; the store
+        learns its size and digest (or why it failed).
+
+        A retried seq_id is the original request: its future, and nothing recorded again.
+        A new name is recorded as being written at once; a new version of a ready one
+        replaces it only once written (the old one is served until then, and stays if the
+        save fails or never runs)."""
+        if (original := self._admit(tenant, run["id"], seq_id)) is not None:
+            return original
+        path = checkpoint_path(run["id"], kind, name)
+        directory = self.config.data_dir / "checkpoints" / run["id"] / kind / name
+        quota = self.store.checkpoints.storage_quota(tenant,
+                                                     self.config.storage_quota_default(tenant))
+        version = Version(run["id"], tenant, kind, name, str(directory), user_metadata or None,
+                          expires_at=time.time() + ttl_s if ttl_s else None)
+        try:
+            self.store.checkpoints.begin(*astuple(version), overwrite=overwrite,
+                                         quota_bytes=quota)
+        except Conflict as e:
+            raise UserError(str(e)) from None
+
+        def after(result: Any, message: str | None) -> None:
+            if message is None:
+                self.store.checkpoints.finish(path, *result, version=version)
+            else:
+                self.store.checkpoints.abandon(path, message)
+
+        f = self.futures.new(tenant, "save", lambda _: answer(path))
+        # Sampler weights are sampled next: the workers keep a device copy for that.
+        frame = SaveF(run["id"], str(directory), optimizer, sampler=kind == "sampler_weights")
+        return self.submit(Op(run["id"], seq_id, frame, f, after=after))
+
+    def save_for_sampler(self, tenant: str, run: dict, seq_id: int, sampler_seq: int | None,
+                         *, user_metadata: dict, ttl_s: float | None,
+                         answer: Answer) -> Future:
+        """A snapshot of the adapter (kept an hour unless `ttl_s` says otherwise) and a
+        sampling session on it."""
+        if (original := self._admit(tenant, run["id"], seq_id)) is not None:
+            return original  # a retry: its sampler is the one the original made
+        path = checkpoint_path(run["id"], "sampler_weights", f"ephemeral-{seq_id}")
+        try:
+            sampler = self.store.samplers.create(run["session_id"], tenant,
+                                                 self.config.served_name, path, sampler_seq)
+        except Conflict:
+            raise UserError("that sampling_session_seq_id is already used") from None
+        return self.save(tenant, run, seq_id, "sampler_weights", f"ephemeral-{seq_id}",
+                         optimizer=False, user_metadata=user_metadata,
+                         ttl_s=3600 if ttl_s is None else ttl_s, overwrite=True,
+                         answer=lambda _: answer(sampler))
+
+    def load(self, tenant: str, run: dict, seq_id: int, checkpoint: dict, optimizer: bool,
+             answer: Answer) -> Future:
+        """A checkpoint's weights (and optimizer state) into an existing model."""
+        if (original := self._admit(tenant, run["id"], seq_id)) is not None:
+            return original
+        f = self.futures.new(tenant, "load_weights", lambda _: answer(run["id"]))
+        frame = LoadF(run["id"], checkpoint["dir"], optimizer, None)
+        return self.submit(Op(run["id"], seq_id, frame, f))
+
+    def create_from_checkpoint(self, tenant: str, session_id: str, model_seq: int | None,
+                               checkpoint: dict, optimizer: bool, family: str,
+                               user_metadata: dict, answer: Answer) -> tuple[str, Future]:
+        """A new training run whose adapter is loaded from a checkpoint (op 0)."""
+        src = self.store.runs.get(checkpoint["run_id"], include_deleted=True)
+        lora = {**(src["lora_config"] or {}), "optimizer": family}
+        if (retried := self._created(tenant, session_id, model_seq, lora)) is not None:
+            return retried
+        stored = stored_config({"lora_config": lora})
+        lane = self.lanes.choose(stored)
+        lane.residency.room.check(stored)
+        try:
+            model = self.store.runs.create(session_id, tenant, self.config.served_name,
+                                           src["lora_rank"], lora, user_metadata, model_seq)
+        except Conflict:
+            raise UserError("that model_seq_id is already used in this session") from None
+        self._open(lane, model, tenant, stored)
+        f = self.futures.new(tenant, "load_weights", lambda _: answer(model))
+        return model, self.submit(Op(model, 0, LoadF(model, checkpoint["dir"], optimizer,
+                                                     family), f))
+
+    def _open(self, lane: Lane, model: str, tenant: str, config: LoraConfig) -> None:
+        """A new model on `lane`: it holds its adapter's room and takes ops from op 0."""
+        self.lanes.place(model, lane)
+        lane.residency.room.hold(model, config)
+        lane.residency.open(model, tenant, 0)
+
+    def sample(self, tenant: str, sampler: dict, frame: SampleF, encode: Encoder,
+               record: tuple[list[str], list[int]] | None = None,
+               stream: Callable[[list], None] | None = None) -> Future:
+        """Sample from a sampler's weights. `record`: (sequence ids, prompt) to keep the
+        sampled sequences under, for stable_reinforce; `stream`: fed the new tokens."""
+        f = self.futures.new(tenant, "sample", encode)
+        after: After | None = None
+        if record is not None:
+            ids, prompt = record
+
+            def after(result: Any, message: str | None) -> None:
+                if message is None:
+                    self.stability.put(tenant, sampler["session_id"], ids, prompt,
+                                       result.sequences)
+
+        cost = frame.prompt.shape[0] + frame.params.max_tokens * frame.num_samples
+        f = self.submit(Op(None, None, frame, f, cost, after=after, stream=stream),
+                        self.lanes.for_sample(frame.adapter_id))
+        self.futures.tag(f.id, sampler["id"])  # a session's trace shows it
+        return f
+
+    def sample_stream(self, tenant: str, owner: str, frame: SampleF) -> SampleStream:
+        """`sample`, read as pieces of tokens (streams.py); `owner` (a sampler path, or the
+        base model's name) is recorded on its future."""
+        stream = SampleStream(self.lanes.withdraw)
+        # Tokens as they come, unless the reader wants the prompt's scores before them
+        # (they come with the result).
+        live = None if frame.prompt_logprobs or frame.topk_prompt else stream.feed
+        stream.future = self.sample(tenant, {"id": owner}, frame, stream.encode, stream=live)
+        return stream
+
+    def finish_session(self, tenant: str, session_id: str, reason: str | None) -> None:
+        """A client ended its session: its adapters go once their queued work has run."""
+        runs, _ = self.store.sessions.children(session_id)
+        if any(self.lanes.of(model).residency.is_open(model) for model in runs):
+            self._check_intake()  # the unloads would be refused: record nothing either
+        self.store.sessions.finish(session_id, reason)
+        self.unload_models(tenant, runs)
+
+    def unload_models(self, tenant: str, model_ids: list[str]) -> None:
+        """Free the adapters of a finished session, after whatever they still have queued.
+
+        Their runs and checkpoints stay; a training client can be made again from a
+        checkpoint. A request that still names such a model gets a clear 400."""
+        for model in model_ids:
+            lane = self.lanes.of(model)
+            if not lane.residency.is_open(model):
+                continue
+            f = self.futures.new(tenant, "unload", empty_json)
+            self.submit(Op(model, lane.planner.seq_after_queued(model), UnloadF(model), f))
+
+    def refresh_tenants(self) -> None:
+        """Weights and quotas as the store and config say now (`twinkled ctl tenants set`)."""
+        self.tenants.refresh()

@@ -1,0 +1,38 @@
+"""Tenants' weights and quotas, as the planner enforces them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler import Limits, Planner
+from twinkled.protocol.config import Config
+from twinkled.protocol.errors import UserError
+
+
+class Tenants:
+    def __init__(self, config: Config, store: Any, planners: list[Planner]):
+        """`planners`: one per lane; each enforces a tenant's weight and queue quotas on
+        its own lane, and the adapter quota counts the tenant's models on all of them."""
+        self._config, self._store, self._planners = config, store, planners
+
+    def refresh(self) -> None:
+        """Weights and quotas: the store's (`twinkled ctl tenants set`) over the config's."""
+        cfg = self._config
+        for row in self._store.tenants.list():
+            base = dict(cfg.tenants.get(row["name"], {}))
+            weight = row["weight"] if row["weight"] != 1.0 else base.pop("weight", 1.0)
+            base.pop("weight", None)
+            limits = {k: row.get(k) or base.get(k) or getattr(cfg, f"tenant_{k}")
+                      for k in self._store.tenants.LIMITS}
+            for planner in self._planners:
+                planner.set_tenant(row["name"], float(weight), Limits(**limits))
+
+    def check_new_adapter(self, tenant: str, rank: int) -> None:
+        """Quotas on adapters and rank: a clear refusal, not a wait."""
+        lim = self._planners[0].tenant(tenant).limits
+        if lim.max_rank is not None and rank > lim.max_rank:
+            raise UserError(f"rank {rank} is over tenant {tenant!r}'s cap of {lim.max_rank}")
+        if lim.max_adapters is not None:
+            mine = sum(planner.model_count(tenant) for planner in self._planners)
+            if mine >= lim.max_adapters:
+                raise UserError(f"tenant {tenant!r} already has {mine} adapters, its quota")

@@ -1,0 +1,19 @@
+"""The errors every layer raises and the door turns into answers (standard library only)."""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """The client's fault: answered as a 4xx at submit, or as category "user" later."""
+
+
+class NotFound(UserError):
+    pass
+
+
+class Conflict(ValueError):
+    """A row with this id already exists (for example a repeated create_model)."""
+
+
+class QuotaExceeded(UserError):
+    """The tenant's storage (checkpoint files + stored user_metadata) is at its quota."""

@@ -1,0 +1,121 @@
+"""What a base model needs on each rank: whether it splits over a tensor-parallel group,
+and how many bytes its weights, adapters and a training step's activations take.
+
+Plain arithmetic on the model's config.json (a dict), no torch: the daemon checks a
+layout with it before any worker starts (twinkled/server/layout.py), and the engine uses it to
+decide per micro-batch whether to recompute activations (model.py).
+
+The activation figure is per token per decoder layer: about 14 hidden-widths (norms in
+fp32, q/k/v, rotary temporaries, attention out) and 4 MLP-widths (gate, up, act, product)
+in the compute dtype, calibrated on Qwen3-8B at 4096 tokens (57.5 GiB measured peak,
+BENCHMARKS.md); under tensor parallelism the attention and MLP parts are split, the
+norms are not. The log-softmax over the vocabulary adds two fp32 logit tensors. The
+embedding and lm_head are split over the vocabulary when tp divides it (tp.py), and so are
+the logits.
+"""
+
+from __future__ import annotations
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _dims(cfg: dict) -> tuple[int, int, int, int, int, int, int]:
+    h = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    d = int(cfg.get("head_dim") or h // heads)
+    return (h, heads, kv, d, int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"]),
+            int(cfg["vocab_size"]))
+
+
+def _vocab(vocab: int, tp: int) -> int:
+    """The vocabulary rows one rank holds (tp.py splits them when tp divides them)."""
+    return vocab // tp if vocab % tp == 0 else vocab
+
+
+def split_problem(cfg: dict, tp: int) -> str | None:
+    """Why the model cannot be split over `tp` ranks (None: it can)."""
+    _, heads, kv, _, inter, _, _ = _dims(cfg)
+    if heads % tp:
+        return f"tp {tp} does not divide the model's {heads} attention heads"
+    if kv % tp and tp % kv:
+        return f"tp {tp} and the model's {kv} KV heads: one must divide the other"
+    if inter % tp:
+        return f"tp {tp} does not divide the model's MLP width {inter}"
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts % tp:
+        return f"tp {tp} does not divide the model's {experts} experts"
+    return None
+
+
+def weight_bytes(cfg: dict, dtype_bytes: int, tp: int = 1) -> int:
+    """The base weights one rank holds."""
+    h, heads, kv, d, inter, layers, vocab = _dims(cfg)
+    kv_local = max(1, kv // tp)
+    attn = h * d * (2 * heads // tp + 2 * kv_local)
+    mlp = 3 * h * inter // tp
+    embed = _vocab(vocab, tp) * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    return dtype_bytes * (layers * (attn + mlp + 2 * h) + embed + h)
+
+
+def lora_bytes(cfg: dict, rank: int, adapters: int, tp: int = 1) -> int:
+    """Adapters of `rank` on every module: fp32 weights, gradients and two AdamW moments."""
+    h, heads, kv, d, inter, layers, vocab = _dims(cfg)
+    per_layer = (h + heads * d // tp) * 2 + (h + kv * d // tp) * 2 + (h + inter // tp) * 3
+    return 16 * rank * adapters * (layers * per_layer + h + _vocab(vocab, tp))
+
+
+def activation_bytes(cfg: dict, dtype_bytes: int, tokens: int, tp: int = 1,
+                     recompute: bool = False) -> int:
+    """A training micro-batch of `tokens`: what its backward keeps, plus the logits."""
+    h, _, _, _, inter, layers, vocab = _dims(cfg)
+    layer = dtype_bytes * tokens * (8 * h + (6 * h + 4 * inter) // tp)
+    kept = layers * dtype_bytes * tokens * h + layer if recompute else layers * layer
+    return kept + 2 * 4 * tokens * _vocab(vocab, tp)
+
+
+def step_bytes(cfg: dict, dtype_bytes: int, tokens: int, tp: int = 1,
+               recompute: bool = False, rank: int = 32, adapters: int = 8) -> int:
+    """Weights + adapters + one micro-batch's activations on one rank."""
+    return (weight_bytes(cfg, dtype_bytes, tp) + lora_bytes(cfg, rank, adapters, tp)
+            + activation_bytes(cfg, dtype_bytes, tokens, tp, recompute))
+
+
+def adapter_bytes(cfg: dict, rank: int, attn: bool = True, mlp: bool = True,
+                  unembed: bool = True, tp: int = 1) -> int:
+    """One adapter on one rank: fp32 weights, gradients and two AdamW moments, and the
+    compute-dtype copy the passes read (18 bytes a parameter), for the modules it trains.
+    An MoE model's MLP adapter covers every expert (experts replace the dense MLP)."""
+    h, heads, kv, d, inter, layers, vocab = _dims(cfg)
+    per_layer = 0
+    if attn:
+        per_layer += (h + heads * d // tp) * 2 + (h + kv * d // tp) * 2
+    if mlp:
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        if experts:
+            moe_inter = int(cfg.get("moe_intermediate_size") or inter)
+            per_layer += experts * (2 * h + 3 * moe_inter)
+        else:
+            per_layer += (h + inter // tp) * 3
+    return 18 * rank * (layers * per_layer + ((h + _vocab(vocab, tp)) if unembed else 0))
+
+
+def adapter_budget(cfg: dict, card: int, dtype_bytes: int, tokens: int, tp: int = 1,
+                   sampler_bytes: int = 0, headroom: float = 0.92) -> int:
+    """What one rank of `card` bytes has for adapters once the base weights, a training
+    micro-batch of `tokens` (recomputed: the least a step takes) and the sampler's KV pool
+    are counted, with `headroom` of the card usable."""
+    taken = (weight_bytes(cfg, dtype_bytes, tp)
+             + activation_bytes(cfg, dtype_bytes, tokens, tp, recompute=True) + sampler_bytes)
+    return max(0, int(headroom * card) - taken)
+
+
+def human_size(n: int | float) -> str:
+    """Bytes for a person: 512 B, 1.5 KiB, 50.0 GiB."""
+    value, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{int(n)} B" if unit == "B" else f"{value:.1f} {unit}"

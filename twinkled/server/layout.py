@@ -1,0 +1,158 @@
+"""The worker layout, checked before any worker starts: devices x tensor parallelism, and
+whether the model fits on the cards it is given.
+
+Torch-free: the devices' memory comes from a child process (as `Config.worker_devices`
+asks whether CUDA is there), and the model's needs from its config.json
+(`twinkled.protocol.sizing`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from twinkled.protocol.config import Config
+from twinkled.protocol.sizing import (
+    DTYPE_BYTES,
+    GiB,
+    adapter_budget,
+    split_problem,
+    step_bytes,
+    weight_bytes,
+)
+
+_RANGE = re.compile(r"cuda:(\d+)-(\d+)")
+# What may stay free of the estimate: CUDA context, allocator slack, the estimate's error.
+HEADROOM = 0.92
+
+
+def expand_devices(text: str) -> list[str]:
+    """"cuda:0-3,cpu" -> ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cpu"]."""
+    out: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        m = _RANGE.fullmatch(part)
+        if m and int(m[1]) <= int(m[2]):
+            out += [f"cuda:{i}" for i in range(int(m[1]), int(m[2]) + 1)]
+        elif part:
+            out.append(part)
+    return out
+
+
+def _gpu_memory() -> list[int]:
+    """Total memory of each CUDA device here ([] when there is none)."""
+    probe = ("import json, torch; print(json.dumps([torch.cuda.get_device_properties(i)"
+             ".total_memory for i in range(torch.cuda.device_count())] "
+             "if torch.cuda.is_available() else []))")
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=120, check=True)
+        return [int(x) for x in json.loads(out.stdout.strip() or "[]")]
+    except (subprocess.SubprocessError, ValueError):
+        return []
+
+
+def _gpus(devices: list[str]) -> list[int]:
+    """The CUDA card indices among worker devices ("cuda" is card 0)."""
+    return sorted({int(d.partition(":")[2] or 0) for d in devices if d.startswith("cuda")})
+
+
+def gpu_memory(cfg: Config) -> list[int]:
+    """The sizes of this box's CUDA cards ([] when the workers use none)."""
+    return _gpu_memory() if _gpus(cfg.worker_devices()) else []
+
+
+def adapters_budget(cfg: Config, memory: list[int]) -> int | None:
+    """Bytes per rank that loaded adapters may take (`AdapterRoom`): what the sizing
+    estimate leaves of the smallest card in use; None (no limit) without GPUs."""
+    gpus, model = _gpus(cfg.worker_devices()), cfg.model_config
+    if not gpus or not model or any(g >= len(memory) for g in gpus):
+        return None
+    kv = (cfg.sample_kv_mb or 4096) * 2**20
+    return adapter_budget(model, min(memory[g] for g in gpus), DTYPE_BYTES.get(cfg.dtype, 2),
+                          cfg.token_budget, cfg.tp, kv, HEADROOM)
+
+
+def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[str]:
+    """What is wrong with serving `cfg.model` on `cfg`'s devices at `cfg.tp` (one line
+    each; [] when nothing is). `gpu_memory`: the cards' sizes (default: probed)."""
+    tp = cfg.tp
+    devices = cfg.worker_devices()
+    ranks = len(devices) + cfg.remote_ranks
+    problems = []
+    if tp > 1 and cfg.remote_ranks and (len(devices) % tp or cfg.remote_ranks % tp):
+        # Each host brings whole tensor-parallel groups: NCCL inside a host, data
+        # parallelism between hosts (a group split over the network would crawl).
+        problems.append(f"tp: each host's ranks must make whole groups of {tp}: this host "
+                        f"has {len(devices)}, remote_ranks is {cfg.remote_ranks}")
+    if ranks % tp:
+        problems.append(f"tp: {tp} does not divide the {ranks} worker devices {devices}")
+    if cfg.lanes > 1 and len(devices) % cfg.lanes:
+        problems.append(f"lanes: {cfg.lanes} does not divide the {len(devices)} worker "
+                        f"devices {devices}")
+    elif cfg.lanes > 1 and (len(devices) // cfg.lanes) % tp:
+        problems.append(f"lanes: each lane's {len(devices) // cfg.lanes} device(s) must make "
+                        f"whole tensor-parallel groups of {tp}")
+    if cfg.lanes > 1 and (cfg.remote_ranks or cfg.join_listen):
+        problems.append("lanes: a daemon with lanes takes no other hosts (remote_ranks, "
+                        "join_listen)")
+    if cfg.ep > 1 and tp > 1:
+        problems.append("ep: under --tp the experts are already split over each tensor-"
+                        "parallel group; use --tp alone (or --ep without --tp)")
+    elif cfg.ep < 1 or ranks % cfg.ep:
+        problems.append(f"ep: --ep {cfg.ep} must divide the {ranks} worker ranks (--devices / "
+                        "--workers)")
+    elif cfg.lanes > 1 and (len(devices) // cfg.lanes) % cfg.ep:
+        problems.append(f"ep: --ep {cfg.ep} must divide each lane's "
+                        f"{len(devices) // cfg.lanes} worker ranks")
+    model = cfg.model_config
+    if tp > 1 and model and (why := split_problem(model, tp)) is not None:
+        problems.append(f"tp: {why}")
+    gpus = _gpus(devices)
+    if not gpus:
+        return problems
+    memory = _gpu_memory() if gpu_memory is None else gpu_memory
+    missing = [g for g in gpus if g >= len(memory)]
+    if missing:
+        problems.append(f"devices: cuda:{missing[0]} is not here ({len(memory)} CUDA "
+                        f"device(s) present)")
+        return problems
+    if model and not problems:
+        problems += _fit_problems(cfg, model, min(memory[g] for g in gpus), len(devices))
+    return problems
+
+
+def _fit_problems(cfg: Config, model: dict, card: int, n_devices: int) -> list[str]:
+    """The model's weights, one adapter and one micro-batch with recomputed activations
+    (the least a step can take) must fit one card at this tp."""
+    dtype_bytes = DTYPE_BYTES.get(cfg.dtype, 2)
+    need = step_bytes(model, dtype_bytes, cfg.token_budget, cfg.tp, recompute=True,
+                      rank=min(cfg.max_rank, 32), adapters=1)
+    if need <= HEADROOM * card:
+        return []
+    fits = [t for t in range(cfg.tp + 1, n_devices + 1)
+            if n_devices % t == 0 and split_problem(model, t) is None
+            and step_bytes(model, dtype_bytes, cfg.token_budget, t, recompute=True,
+                           rank=min(cfg.max_rank, 32), adapters=1) <= HEADROOM * card]
+    hint = (f"; --tp {fits[0]} would fit" if fits else
+            "; more cards (a larger --tp) or a smaller token_budget are needed")
+    return [f"model: {cfg.served_name} needs about {need / GiB:.1f} GiB per GPU at tp "
+            f"{cfg.tp} (weights {weight_bytes(model, dtype_bytes, cfg.tp) / GiB:.1f} GiB), "
+            f"more than the {card / GiB:.1f} GiB cards hold{hint}"]
+
+
+def layout_summary(cfg: Config) -> str:
+    """One line for the start-up log: how the devices are grouped, and, where several
+    local GPUs make one data-parallel group, that lanes serve many small tenants better
+    (4 x H100, 0.5B: 3.84x one GPU on 4 lanes against 1.50x as one group; BENCHMARKS.md)."""
+    devices = cfg.worker_devices()
+    per_lane = len(devices) // cfg.lanes
+    line = (f"{cfg.lanes} lane(s) of {per_lane} worker rank(s) on {', '.join(devices)}"
+            f" (tp {cfg.tp}, ep {cfg.ep}"
+            + (f", {cfg.remote_ranks} remote rank(s)" if cfg.remote_ranks else "") + ")")
+    replicas = len(devices) // max(cfg.tp, cfg.ep)
+    if cfg.lanes == 1 and replicas > 1 and not (cfg.remote_ranks or cfg.join_listen):
+        line += (f"; for many small tenants, --lanes {replicas} puts each run on its own "
+                 "worker group and scales better (docs/operator.md, section 5c)")
+    return line
