@@ -1,15 +1,12 @@
 """Planned steps in, outcomes out: the core's only way to the engine.
 
-`Executor` turns a step's ops into frames, runs them on every rank of a worker group, and
-merges the ranks' answers into one outcome per op: (result, error message or None,
-category). It journals what changed an adapter, so that after a worker dies it can restart
-the group and bring every live adapter back at its acknowledged step. Which adapters are
-live it asks of Residency (twinkled/core/residency.py), their one owner. Torch-free.
-
-Where the ranks run is the `Transport`: `WorkerGroup` (workers/supervisor.py: one process
-per device, ZeroMQ frames) in the daemon, or `InProcessGroup` (workers/inprocess.py: the
-same StepRunner on an engine in this process, in a thread) for tests and single-process use.
-The frames are the same either way.
+`Executor` turns a step's ops into frames, runs them on every rank of a worker group (the
+`Transport`, transport.py), and merges the ranks' answers into one outcome per op (result,
+error message or None, category: replies.py). It journals what changed an adapter before
+its client hears of it, and when a worker dies it restarts the group behind the failed
+step's answer; bringing the live adapters back at their acknowledged step (persisted state,
+then the journal replayed) is the `Restorer`'s (recovery.py). Which adapters are live it
+asks of Residency (twinkled/core/residency.py), their one owner. Torch-free.
 """
 
 from __future__ import annotations
@@ -22,29 +19,26 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Protocol
 
-import msgspec
-
 from twinkled.core.journal import Journal
 from twinkled.core.ops import Outcome
+from twinkled.core.recovery import Restorer
+from twinkled.core.replies import merge_replies
+from twinkled.core.transport import Transport
 from twinkled.protocol.config import Config
 from twinkled.protocol.frames import (
     RETRY,
     CreateF,
     IdleUnloadF,
     OpF,
-    OutcomeF,
     PersistF,
     ReplyF,
-    RestoreF,
     StepF,
     TrainF,
     UnloadF,
-    as_result,
     changes_adapter,
     encoder,
-    op_decoder,
 )
-from twinkled.protocol.types import ForwardBackwardResult, LoraConfig
+from twinkled.protocol.types import LoraConfig
 from twinkled.workers.hosts import join_settings
 from twinkled.workers.supervisor import WorkerGroup, WorkerLost
 
@@ -52,24 +46,6 @@ log = logging.getLogger("twinkled")
 
 RESTART_MESSAGE = ("the worker group failed ({why}) and was restarted; this request did not "
                    "run (its model is at its last acknowledged step): submit it again")
-
-
-class Transport(Protocol):
-    """Where the ranks run: every rank gets the same step, their replies come back in rank
-    order; WorkerLost when a rank dies (then `restart`)."""
-
-    devices: list[str]
-    model_info: dict
-    restarts: int
-
-    @property
-    def exits(self) -> list[asyncio.Future]: ...
-    def dead(self) -> str: ...
-    async def start(self) -> None: ...
-    async def run(self, step: StepF) -> list[ReplyF]: ...
-    async def restart(self) -> None: ...
-    async def stop(self) -> None: ...
-    def status(self) -> list[dict]: ...
 
 
 class LiveAdapters(Protocol):
@@ -122,8 +98,8 @@ class Executor:
         self.live_dir = live_dir
         # persist_every = 0 is "persistence off": no write-behind, so no journal either.
         self.journal = Journal(live_dir, enabled=persist_every > 0, fsync=journal_fsync)
-        # model -> what its client is told on its next request: its run was rolled back
-        self.rollbacks: dict[str, str] = {}
+        # brings adapters back at their acknowledged step (recovery.py)
+        self.restorer = Restorer(group, self.journal, live_dir)
         self._lock = asyncio.Lock()  # one step (or one recovery) at a time
         self._stopping = False
         self.recovering = False  # the group is being restarted (healthz says "restarting")
@@ -233,8 +209,8 @@ class Executor:
 
     async def _run_frames(self, kind: str, frames: list[OpF]) -> list[Outcome]:
         replies = await self.group.run(StepF(0, kind, frames))
-        self._note_persisted(replies)
-        merged = _merge(frames, replies)
+        self.restorer.note_persisted(replies)
+        merged = merge_replies(frames, replies)
         retry = [i for i, m in enumerate(merged) if m[2] == RETRY]
         if retry:
             await self._isolate(frames, merged, retry)
@@ -250,21 +226,15 @@ class Executor:
         await self._reset(trained - {None})
         for i in retry:
             frame = frames[i]
-            outcome = await self._run_one(frame)
+            outcome = await self.restorer.run_one(frame)
             if outcome[2] == RETRY:
                 await self._reset({frame.adapter_id} - {None})
                 outcome = (None, f"this request failed in the engine: {outcome[1]}", "user")
             merged[i] = outcome
 
-    async def _run_one(self, frame: OpF) -> Outcome:
-        kind = "train" if isinstance(frame, TrainF) else "barrier"
-        replies = await self.group.run(StepF(0, kind, [frame]))
-        self._note_persisted(replies)
-        return _merge([frame], replies)[0]
-
     async def _reset(self, models: set[str]) -> None:
         live = self._live()
-        failed = await self._restore_frames({m: live[m] for m in models if m in live})
+        failed = await self.restorer.restore_frames({m: live[m] for m in models if m in live})
         self._lost(failed)
 
     def _lost(self, failed: dict[str, str]) -> None:
@@ -292,11 +262,6 @@ class Executor:
         if piece[1]:
             self.journal.commit(op.future.id)
 
-    def _note_persisted(self, replies: list[ReplyF]) -> None:
-        for reply in replies:
-            for model, mark in reply.persisted.items():
-                self.journal.persisted(model, mark)
-
     async def recover(self, why: str = "a worker was lost") -> None:
         """Restart the group until it comes up, then restore the live adapters."""
         self._lose_group(why)
@@ -320,7 +285,7 @@ class Executor:
                 try:
                     await self.group.restart()
                     self._on_restart()
-                    self._lost(await self.restore(self._live()))
+                    self._lost(await self.restorer.restore(self._live()))
                     return
                 except WorkerLost as e:
                     if self._stopping:  # a shutdown waits for this: stop retrying
@@ -332,111 +297,35 @@ class Executor:
             self.recovering = False
 
     async def restore(self, adapters: dict[str, LoraConfig]) -> dict[str, str]:
-        """Bring adapters back at their acknowledged step: the persisted state, then the
-        journal's ops after it (fresh if they have neither). Returns {model id: why} for
-        those that could not be restored at all (the caller decides what they become)."""
-        for model in adapters:
-            if not self.journal.loaded(model):
-                self.journal.load(model)
-        return await self._restore_frames(adapters)
-
-    async def _restore_frames(self, adapters: dict[str, LoraConfig]) -> dict[str, str]:
-        if not adapters:
-            return {}
-        frames = [RestoreF(m, c, str(self.live_dir)) for m, c in adapters.items()]
-        replies = await self.group.run(StepF(0, "barrier", frames))
-        marks = {frames[o.index].adapter_id: o.mark or 0 for o in replies[0].outcomes}
-        failed = {}
-        for frame, outcome in zip(frames, _merge(frames, replies), strict=True):
-            if outcome[1] is not None:
-                failed[frame.adapter_id] = outcome[1]
-        for model, mark in marks.items():
-            if model not in failed:
-                await self._replay(model, mark)
-        return failed
-
-    async def _replay(self, model: str, mark: int) -> None:
-        """Run again the journaled ops of `model` after position `mark`, in order. If one
-        fails, the run stays where it got to, and its client is told on its next request."""
-        entries = self.journal.since(model, mark)
-        done = 0
-        for entry in entries:
-            try:
-                frame = op_decoder.decode(entry.frame)
-            except msgspec.DecodeError as e:  # written by another version of the daemon
-                error = f"a journaled operation could not be read: {e}"
-            else:
-                _, error, _ = await self._run_one(frame)
-            if error is not None:
-                self.rollbacks[model] = (
-                    f"model {model} was restored after a failure, but {len(entries) - done} "
-                    f"acknowledged operation(s) could not be replayed ({error}); it is at the "
-                    f"state after {done} of them: check its last checkpoint before going on")
-                log.error("%s", self.rollbacks[model])
-                self.journal.discard_after(model, mark)  # never replayed onto later state
-                break
-            done += 1
-            mark = entry.mark
-        self.journal.resume(model, mark)
-        if done:
-            log.info("adapter %s: replayed %d journaled op(s)", model, done)
+        """Bring adapters back at their acknowledged step (`Restorer.restore`); {model id:
+        why} for those that could not be."""
+        return await self.restorer.restore(adapters)
 
     async def unload_idle(self, model: str) -> None:
         """Persist an idle adapter and free its memory; `restore` brings it back."""
         async with self._turn():
             replies = await self.group.run(
                 StepF(0, "barrier", [IdleUnloadF(model)]))
-            self._note_persisted(replies)
+            self.restorer.note_persisted(replies)
 
     async def restore_one(self, model: str, config: LoraConfig) -> str | None:
         """Bring one adapter back between steps; the reason if it could not be."""
         async with self._turn():
-            return (await self.restore({model: config})).get(model)
+            return (await self.restorer.restore({model: config})).get(model)
 
     def take_rollback(self, model: str) -> str | None:
         """What a model's client must be told once: its run lost acknowledged steps."""
-        return self.rollbacks.pop(model, None)
+        return self.restorer.take_rollback(model)
 
     async def persist_all(self) -> None:
         """Every live adapter's weights and optimizer state on disk (for a hot restart)."""
         frames = [PersistF(m) for m in self._live()]
         if frames:
             async with self._turn():
-                self._note_persisted(await self.group.run(StepF(0, "barrier", frames)))
+                self.restorer.note_persisted(await self.group.run(StepF(0, "barrier", frames)))
 
     def status(self) -> dict:
         return {"workers": self.group.status(), "restarts": self.group.restarts}
-
-
-def _merge(frames: list[OpF], replies: list[ReplyF]) -> list[Outcome]:
-    """One outcome per op from the ranks' answers (see workers/runner.py for who runs what)."""
-    per_op: list[list[OutcomeF]] = [[] for _ in frames]
-    for reply in replies:  # rank order
-        for o in reply.outcomes:
-            per_op[o.index].append(o)
-    merged = []
-    for frame, got in zip(frames, per_op, strict=True):
-        if not got:
-            merged.append((None, "no worker answered for this request", "server"))
-            continue
-        failed = next((o for o in got if o.error is not None), None)
-        if failed is not None:
-            merged.append((None, failed.error, failed.category or "server"))
-        elif isinstance(frame, TrainF):
-            merged.append((_join_rows(got), None, None))
-        else:  # a sample ran on one rank; a barrier ran on all, rank 0's answer stands
-            merged.append((as_result(got[0]), None, None))
-    return merged
-
-
-def _join_rows(parts: list[OutcomeF]) -> ForwardBackwardResult:
-    rows = sorted((j, out) for p in parts for j, out in zip(p.fwdbwd.rows, p.fwdbwd.outputs,
-                                                             strict=True))
-    metrics: dict[str, float] = {}
-    for p in parts:
-        for k, v in p.fwdbwd.metrics.items():
-            metrics[k] = metrics.get(k, 0.0) + v if k.endswith(":sum") else metrics.get(k, v)
-    return ForwardBackwardResult(outputs=[out for _, out in rows], metrics=metrics)
 
 
 def in_process_executor(config: Config) -> Executor:

@@ -1,0 +1,29 @@
+"""Where the ranks run, as the core sees it: `WorkerGroup` (workers/supervisor.py: one
+process per device, ZeroMQ frames) in the daemon, or `InProcessGroup` (workers/inprocess.py:
+the same StepRunner on an engine in this process, in a thread) for tests and single-process
+use. The frames are the same either way."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from twinkled.protocol.frames import ReplyF, StepF
+
+
+class Transport(Protocol):
+    """Where the ranks run: every rank gets the same step, their replies come back in rank
+    order; WorkerLost when a rank dies (then `restart`)."""
+
+    devices: list[str]
+    model_info: dict
+    restarts: int
+
+    @property
+    def exits(self) -> list[asyncio.Future]: ...
+    def dead(self) -> str: ...
+    async def start(self) -> None: ...
+    async def run(self, step: StepF) -> list[ReplyF]: ...
+    async def restart(self) -> None: ...
+    async def stop(self) -> None: ...
+    def status(self) -> list[dict]: ...
