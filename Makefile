@@ -1,7 +1,7 @@
 # The README's commands. Each installs what it needs first (idempotent), into the active
 # virtual environment or the project's .venv (scripts/python.sh says which), and says what
 # it is doing.
-.PHONY: demo test install serve lint
+.PHONY: demo test test-fast install serve lint
 
 PY = $(shell bash scripts/python.sh)
 
@@ -19,9 +19,25 @@ serve: install
 	@echo "make: serving the demo's tiny model (python -m twinkled.server.demo_next)"
 	$(PY) -m twinkled.server.demo_next
 
+# The suite in 3 processes (pytest-xdist; a file's tests stay together, so the daemons a
+# module shares start once): most of a test's time is waiting on daemons and workers, so 3
+# processes keep 2 cores busy. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 3
 test: install
-	@echo "make: running the test suite (pytest tests)"
-	$(PY) -m pytest -q tests
+	@echo "make: running the test suite (pytest tests, $(TEST_WORKERS) processes)"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+
+# The edit loop's tier: the tests that start no daemon (engine, scheduler, store, codecs,
+# layers), in about a minute.
+FAST_TESTS = tests/test_scheduler.py tests/test_scheduler_time.py tests/test_layers.py \
+	tests/test_store.py tests/test_journal.py tests/test_lost_gradients.py \
+	tests/test_tinker_codec.py tests/test_stability.py tests/test_sdk_data.py \
+	tests/test_layout.py tests/test_engine_bad_input.py tests/test_engine_lora.py \
+	tests/test_engine_losses.py tests/test_engine_optim.py tests/test_engine_sampling.py \
+	tests/test_engine_state.py tests/test_engine_model.py tests/test_engine_packed.py
+test-fast: install
+	@echo "make: running the fast tests (no daemon)"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(FAST_TESTS)
 
 lint:
 	$(PY) -m ruff check .
