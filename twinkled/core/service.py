@@ -5,6 +5,11 @@ answer. A command checks what can be known at once, records what the store must 
 queues an op on the engine core (core.py), returning the future the client polls. The
 service also owns the daemon's life cycle: start (load the model, restore adapters),
 housekeeping, drain, shutdown. Nothing here imports torch.
+
+Why one file of ~490 lines: it is the daemon's list of commands (a short method each, read
+top to bottom to see what a request does), with the intake checks they share (`submit`,
+`_check_intake`, `_admit`, `_created`: a refusal records nothing). The next split, when a
+command is added: the life cycle (start, drain, shutdown, status) into an object of its own.
 """
 
 from __future__ import annotations
