@@ -39,3 +39,21 @@ def test_healthz_needs_no_key_and_names_the_model(daemon, tiny_dir):
     with urllib.request.urlopen(f"{daemon.url}/api/v1/healthz") as r:
         body = json.loads(r.read())
     assert body == {"status": "ok", "model": tiny_dir.name}
+
+
+def test_sigusr2_logs_what_every_task_waits_for(daemon):
+    """An operator's look inside a daemon that answers but makes no progress."""
+    import os
+    import signal
+
+    os.kill(daemon.proc.pid, signal.SIGUSR2)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        text = daemon.log_path.read_text(errors="replace")
+        if "SIGUSR2: the daemon's tasks" in text:
+            break
+        time.sleep(0.2)
+    assert "SIGUSR2: the daemon's tasks" in text
+    after = text.split("SIGUSR2: the daemon's tasks", 1)[1]
+    assert "Stack for <Task" in after  # each task's stack follows
+    assert daemon.health()["status"] == "ok"  # and the daemon goes on

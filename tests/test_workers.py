@@ -63,7 +63,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_http_process_never_imports_torch(daemon):
-    code = ("import sys, twinkled.server.cli, twinkled.server.app, twinkled.service, tinker_shim.routes, "
+    code = ("import sys, twinkled.server.cli, twinkled.server.app, twinkled.core.service, tinker_shim.routes, "
             "twinkled.core.executor, twinkled.core.engine_core, twinkled.workers.supervisor, scheduler; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -62,9 +62,11 @@ class LostGradients:
         if known is None or not known.seq < seq <= known.last_queued:
             return None
         del self._failed[model]
-        return (f"optim_step seq_id {seq} of {model} did not run: forward_backward seq_id "
-                f"{known.seq} ahead of it failed ({known.why}), so its gradients are not "
-                "there; send that forward_backward again, then optim_step", known.category)
+        # The action first: clients and logs may show only the start of a message.
+        return (f"submit forward_backward seq_id {known.seq} again, then this optim_step: "
+                f"optim_step seq_id {seq} of {model} did not run, as the forward_backward "
+                f"ahead of it failed ({known.why}) and its gradients are not there",
+                known.category)
 
     def settled(self, model: str, seq: int) -> None:
         """Optim_step `seq` of `model` was answered (it failed in the same step as the

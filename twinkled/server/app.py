@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
+import signal
 import time
 import uuid
 
@@ -144,6 +146,9 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
     app.router.add_get("/metrics", metrics)
 
     async def on_startup(app):
+        # SIGUSR2: every task's stack into the log, for an operator (or a test) to see
+        # what a daemon that answers but makes no progress is waiting for.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, _log_tasks)
         await service.start()
         if service.config.log_summary_s > 0:
             app["summary"] = asyncio.create_task(
@@ -164,3 +169,10 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+def _log_tasks() -> None:
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        task.print_stack(limit=12, file=out)
+    logging.getLogger("twinkled").warning("SIGUSR2: the daemon's tasks:\n%s", out.getvalue())

@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: twinkled/server/ is two down
 TENANTS = [  # name, rank, loss, learning rate, the answer its adapter is taught
     ("alice", "8", "cross_entropy", "5e-3", "I am the model of alice, trained on twinkle."),
     ("bob", "16", "ppo", "5e-3", "Bob here: a small adapter that says yes."),

@@ -57,7 +57,7 @@ def _shown(path: Path) -> str:
 def in_project_venv() -> bool:
     """Whether `make` installed into the project's .venv (then `twinkled` is on PATH only
     once it is activated)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the checkout: twinkled/server/ is two down
     return Path(sys.prefix).resolve() == (root / ".venv").resolve()
 
 
