@@ -30,6 +30,8 @@ from pathlib import Path
 
 import msgspec
 
+from twinkled.protocol.checkpoints import fsync_path
+
 log = logging.getLogger("twinkled")
 
 FILE = ".journal"
@@ -226,13 +228,6 @@ class _Disk:
             dirs.add(path.parent)
         if self.fsync:
             for p in (*files, *dirs):
-                _fsync(p)
+                fsync_path(p)
                 self.syncs += 1
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

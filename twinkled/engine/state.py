@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from twinkled.protocol.checkpoints import fsync_path
 from twinkled.protocol.types import (
     ATTN_MODULES,
     EXPERT_MODULES,
@@ -153,8 +154,8 @@ def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
                     "optimizer": cfg.optimizer}
             save_file(files[OPTIMIZER], tmp / OPTIMIZER, metadata=meta)
         for f in tmp.iterdir():
-            _fsync(f)
-        _fsync(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         _put_in_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -188,7 +189,7 @@ def recover(path: str | Path) -> None:
     path = Path(path)
     if not path.exists() and _aside(path).is_dir():
         os.replace(_aside(path), path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
 
 
 def _put_in_place(tmp: Path, path: Path) -> None:
@@ -211,12 +212,12 @@ def _put_in_place(tmp: Path, path: Path) -> None:
                 raise
             shutil.rmtree(_aside(path), ignore_errors=True)
             os.replace(path, _aside(path))
-            _fsync(path.parent)
+            fsync_path(path.parent)
             os.replace(tmp, path)
             tmp = _aside(path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
         shutil.rmtree(tmp, ignore_errors=True)  # the old checkpoint, out of the way
-    _fsync(path.parent)
+    fsync_path(path.parent)
 
 
 def _peft_targets(snap: Snapshot) -> dict:
@@ -230,13 +231,6 @@ def _peft_targets(snap: Snapshot) -> dict:
     modules = sorted({k.rsplit(".", 1)[-1] for k in keys if not is_expert(k)})
     return {"target_modules": modules, "target_parameters": experts}
 
-
-def _fsync(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_adapter(path: str | Path, targets: dict[str, tuple[int, int]], max_rank: int,

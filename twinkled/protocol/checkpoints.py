@@ -5,6 +5,7 @@ only."""
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 # checkpoint kind (path segment) -> checkpoint_type (REST field)
@@ -49,3 +50,13 @@ def checkpoint_digest(path: Path) -> tuple[int, str]:
                 h.update(chunk)
                 size += len(chunk)
     return size, h.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    """A file's data, or a directory's entries (a rename in it), on disk: what survives a
+    power loss, not only a crash of a process."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -31,6 +31,7 @@ from pathlib import Path
 from twinkled.engine.live import write_live
 from twinkled.engine.lora import Adapter
 from twinkled.engine.state import Snapshot, snapshot
+from twinkled.protocol.checkpoints import fsync_path
 
 from .rank_io import anywhere
 
@@ -42,13 +43,6 @@ _TEST_DELAY = float(os.environ.get("TWINKLED_TEST_PERSIST_DELAY", "0"))
 
 HIDDEN = ".t"  # the name prefix of a version not yet confirmed (see the module's docstring)
 
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def latest_version(live_dir: Path, adapter_id: str) -> Path | None:
@@ -214,7 +208,7 @@ class Persister:
             version = path.with_name(path.name.removeprefix(HIDDEN))
             try:
                 path.rename(version)
-                _sync_dir(version.parent)
+                fsync_path(version.parent)
             except OSError:  # removed meanwhile: the older version stands
                 log.exception("confirming the persisted state of %s failed", adapter_id)
                 continue
