@@ -14,6 +14,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # each other when they oversubscribe the cores (measured: a cookbook script 2 min 12 s with
 # its default threads beside other jobs, 38 s with one). Workers take it too (executor.py).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton's interpreter, so the kernel tests run the GPU kernels' code on CPU (it must be set
+# before triton is first imported). Nothing takes a kernel path on CPU unless asked.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """Triton kernels for the GPU hot paths, each beside the reference (torch) path it replaces.
 
-On CUDA they run compiled; on CPU only in Triton's interpreter (TRITON_INTERPRET=1, set
-before this package is imported), which is how the tests check each kernel against its
-reference path. `available(device)` says whether a kernel path can run on a device.
+On CUDA they run compiled and are on by default (`available`). On CPU they run only in
+Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported; tests/conftest.py
+sets it), and only where a caller asks for them explicitly: that is how the tests check
+each kernel against its reference path, and why a CPU daemon never takes them.
 """
 
 from __future__ import annotations
@@ -12,10 +13,21 @@ import os
 import torch
 
 
-def available(device: torch.device) -> bool:
-    """Triton importable, and the device is CUDA (or the interpreter is on, for tests)."""
+def importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return True
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel paths are the default on `device`: CUDA with triton importable."""
+    return device.type == "cuda" and importable()
+
+
+def runnable(device: torch.device) -> bool:
+    """Whether a caller may ask for the kernel paths on `device` (CPU: interpreter only)."""
+    if device.type == "cuda":
+        return importable()
+    return os.environ.get("TRITON_INTERPRET") == "1" and importable()
