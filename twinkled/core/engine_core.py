@@ -83,7 +83,7 @@ class EngineCore:
         else:
             model = op.model_id
             try:
-                original = self.admit(tenant, model, op.seq_id)
+                original = self.admit(tenant, model, op.seq_id, op.future.kind)
             except UserError as e:
                 self.futures.drop(op.future, str(e))
                 raise
@@ -94,6 +94,7 @@ class EngineCore:
             if lost is not None:  # said once, in place of this request, which takes its seq_id
                 op = Op(model, op.seq_id, Skip(lost), op.future, after=op.after)
             self._seq_index[(model, op.seq_id)] = op.future.id
+            self.futures.bind(op.future, model, op.seq_id)
             self.gather.arrived(model, op.kind)
             self._lost.arrived(model, op.seq_id, isinstance(op.frame, OptimF),
                                isinstance(op.frame, TrainF) and changes_adapter(op.frame))
@@ -102,7 +103,7 @@ class EngineCore:
         self.wake.set()
         return op.future
 
-    def admit(self, tenant: str, model: str, seq_id: int) -> Future | None:
+    def admit(self, tenant: str, model: str, seq_id: int, kind: str) -> Future | None:
         """Whether an op of `model` at `seq_id` would be queued, asked before anything is
         recorded for it: the original future if that seq_id was taken (a client's retry:
         the original request, nothing is done again), None if it would be queued; raises
@@ -111,7 +112,7 @@ class EngineCore:
             raise UserError(f"model {model} is not loaded in this daemon (it was created "
                             "before a restart): create a training client from its last "
                             "checkpoint")
-        original = self.original(tenant, model, seq_id)
+        original = self.original(tenant, model, seq_id, kind)
         if original is not None:
             return original
         message = self._out_of_order(model, seq_id)
@@ -119,11 +120,18 @@ class EngineCore:
             raise UserError(message)
         return None
 
-    def original(self, tenant: str, model: str, seq_id: int) -> Future | None:
-        """The future of the request that took `seq_id` of `model`, if it is still known."""
+    def original(self, tenant: str, model: str, seq_id: int, kind: str) -> Future | None:
+        """The future of the request that took `seq_id` of `model`, if it is still known
+        (`kind`: the future kind a retry of it has)."""
         future_id = self._seq_index.get((model, seq_id))
-        return None if future_id is None else (self.futures.find(future_id)
-                                               or self.futures.get(tenant, future_id))
+        if future_id is not None:
+            return self.futures.find(future_id) or self.futures.get(tenant, future_id)
+        next_seq = self.planner.next_seq(model)
+        if next_seq is None or self.planner.resyncing(model) or seq_id < next_seq:
+            # Restored after a crash (or an old seq_id): the index is gone, the store has
+            # it. A retry of an op that ran before the crash must not run it twice.
+            return self.futures.taken(tenant, model, seq_id, kind)
+        return None
 
     def _out_of_order(self, model: str, seq: int) -> str | None:
         next_seq = self.planner.next_seq(model)

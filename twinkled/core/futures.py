@@ -59,6 +59,23 @@ class Futures:
         self._store.futures.create(f.id, tenant, kind, model_id=run)
         return f
 
+    def bind(self, f: Future, model: str, seq_id: int) -> None:
+        """`f` took op `seq_id` of `model` (recorded, so that a retry after a crash of the
+        daemon gets `f`, not a second run of the op)."""
+        self._store.futures.bind(f.id, model, seq_id)
+
+    def taken(self, tenant: str, model: str, seq_id: int, kind: str) -> Future | None:
+        """The future of a `kind` request recorded for op `seq_id` of `model`, if any (from
+        before a restart too); None if none, or if it is still pending in the store (cut
+        short by a crash and not yet settled: start-up fails those first)."""
+        future_id = self._store.futures.find(model, seq_id, kind)
+        if future_id is None:
+            return None
+        try:
+            return self.get(tenant, future_id)
+        except NotFound:
+            return None
+
     @contextlib.contextmanager
     def settling(self):
         """Settle a step's futures in one store transaction: one commit per step, not one

@@ -269,13 +269,13 @@ class Service:
             raise Draining("the daemon is starting (loading the model, restoring adapters); "
                            "retry shortly")
 
-    def _admit(self, tenant: str, model: str, seq_id: int) -> Future | None:
+    def _admit(self, tenant: str, model: str, seq_id: int, kind: str) -> Future | None:
         """Before a command records anything for op `seq_id` of `model`: the original
         future if the client retries a request already taken (nothing is done again), None
         if the op would be queued; raises what the op would be refused with."""
         self._check_intake()
         self._check_loaded(model)
-        return self.lanes.of(model).core.admit(tenant, model, seq_id)
+        return self.lanes.of(model).core.admit(tenant, model, seq_id, kind)
 
     def _created(self, tenant: str, session_id: str, model_seq: int | None,
                  lora: dict) -> tuple[str, Future] | None:
@@ -291,7 +291,7 @@ class Service:
         run = self.store.runs.get(model, include_deleted=True)
         if run is None or run["tenant"] != tenant or not _same_lora(run["lora_config"], lora):
             return None
-        original = self.lanes.of(model).core.original(tenant, model, 0)
+        original = self.lanes.of(model).core.original(tenant, model, 0, "create_model")
         return None if original is None else (model, original)
 
     def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
@@ -359,7 +359,7 @@ class Service:
         A new name is recorded as being written at once; a new version of a ready one
         replaces it only once written (the old one is served until then, and stays if the
         save fails or never runs)."""
-        if (original := self._admit(tenant, run["id"], seq_id)) is not None:
+        if (original := self._admit(tenant, run["id"], seq_id, "save")) is not None:
             return original
         path = checkpoint_path(run["id"], kind, name)
         directory = self.config.data_dir / "checkpoints" / run["id"] / kind / name
@@ -389,7 +389,7 @@ class Service:
                          answer: Answer) -> Future:
         """A snapshot of the adapter (kept an hour unless `ttl_s` says otherwise) and a
         sampling session on it."""
-        if (original := self._admit(tenant, run["id"], seq_id)) is not None:
+        if (original := self._admit(tenant, run["id"], seq_id, "save")) is not None:
             return original  # a retry: its sampler is the one the original made
         path = checkpoint_path(run["id"], "sampler_weights", f"ephemeral-{seq_id}")
         try:
@@ -405,7 +405,7 @@ class Service:
     def load(self, tenant: str, run: dict, seq_id: int, checkpoint: dict, optimizer: bool,
              answer: Answer) -> Future:
         """A checkpoint's weights (and optimizer state) into an existing model."""
-        if (original := self._admit(tenant, run["id"], seq_id)) is not None:
+        if (original := self._admit(tenant, run["id"], seq_id, "load_weights")) is not None:
             return original
         f = self.futures.new(tenant, "load_weights", lambda _: answer(run["id"]))
         frame = LoadF(run["id"], checkpoint["dir"], optimizer, None)

@@ -54,14 +54,25 @@ class FutureRows:
         return self._db.write("UPDATE futures SET model_id = ? WHERE id = ? AND model_id IS NULL",
                               (owner_id, future_id)) > 0
 
+    def bind(self, future_id: str, model_id: str, seq_id: int) -> None:
+        """Record that the future took op `seq_id` of `model_id`: a client's retry of it,
+        even after a crash of the daemon, finds the original (`find`)."""
+        with self._db.transaction() as conn:
+            # A future of another kind cut short by a crash may hold it: a new request
+            # (a retry is of the same kind, and gets that future: `find`).
+            conn.execute("UPDATE futures SET seq_id = NULL WHERE model_id = ? AND seq_id = ? "
+                         "AND id != ?", (model_id, seq_id, future_id))
+            conn.execute("UPDATE futures SET model_id = ?, seq_id = ? WHERE id = ?",
+                         (model_id, seq_id, future_id))
+
     def get(self, future_id: str) -> Row | None:
         return self._db.one("SELECT * FROM futures WHERE id = ?", [future_id])
 
-    def find(self, model_id: str, seq_id: int) -> str | None:
-        """The future already submitted for (model_id, seq_id), if any."""
-        row = self._db.one("SELECT id FROM futures WHERE model_id = ? AND seq_id = ?",
+    def find(self, model_id: str, seq_id: int, kind: str | None = None) -> str | None:
+        """The future already submitted for (model_id, seq_id) (of `kind`), if any."""
+        row = self._db.one("SELECT id, kind FROM futures WHERE model_id = ? AND seq_id = ?",
                            [model_id, seq_id])
-        return row["id"] if row else None
+        return row["id"] if row and kind in (None, row["kind"]) else None
 
     def pending(self, kind: str) -> set[str]:
         """The runs with a pending future of `kind` (at start-up: what a crash cut short,
