@@ -67,6 +67,7 @@ class Tenant:
     redone: int = 0  # requests answered as failed (server) and sent again
     ready: list[str] = field(default_factory=list)  # checkpoints the client was told exist
     problems: list[str] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # each acknowledged step's loss
     tc: object = None  # its training client (resumed across daemon restarts)
 
 
@@ -118,6 +119,7 @@ def _step(tc, tok, tenant: Tenant, adam) -> bool:
             fb = tc.forward_backward(_batch(tok, tenant.index, step), "cross_entropy")
             fb_error = _failed(fb)
         opt_error = _failed(tc.optim_step(adam))
+    tenant.losses.append(fb.result(timeout=T).metrics["loss:sum"])
     tenant.acked += 1
     if step % 2 == 1:
         _save_and_sample(tc, tenant, step)
@@ -270,14 +272,20 @@ def _check_runs(daemon: Daemon, tiny_dir, tenants: list[Tenant]) -> None:
         adam = tinker.types.AdamParams(learning_rate=_lr(t.index))
         got = _logprobs(t.tc, tok, t.index)  # the run itself, through its own client
         seen = {}  # the twin's logprobs after each step: which one (if any) the run matches
+        losses = []  # the twin's loss at each step: where the run's first differed
         for step in range(t.acked + 2):
             seen[step] = _logprobs(twin, tok, t.index)
-            twin.forward_backward(_batch(tok, t.index, step), "cross_entropy").result(timeout=T)
+            fb = twin.forward_backward(_batch(tok, t.index, step), "cross_entropy")
+            losses.append(fb.result(timeout=T).metrics["loss:sum"])
             twin.optim_step(adam).result(timeout=T)
         seen[t.acked + 2] = _logprobs(twin, tok, t.index)
         near = [s for s, lp in seen.items() if got == pytest.approx(lp, rel=1e-4, abs=1e-5)]
+        first = next((i for i, (a, b) in enumerate(zip(t.losses, losses, strict=False)) if
+                      a != pytest.approx(b, rel=1e-4, abs=1e-5)), None)
         assert t.acked in near, (
             f"tenant {t.index}: its run is not at its {t.acked} acknowledged step(s); it "
-            f"matches the twin after {near or 'no'} step(s) (of 0..{t.acked + 2})")
+            f"matches the twin after {near or 'no'} step(s) (of 0..{t.acked + 2}); its "
+            f"losses first differ at step {first}: "
+            f"{None if first is None else (t.losses[first], losses[first])}")
         for path in t.ready:
             _sample(sc, path)  # every checkpoint its client was told is ready loads

@@ -260,3 +260,54 @@ def test_a_run_restored_after_a_crash_resumes_after_an_idle_unload(tiny_dir, tmp
         tc.optim_step(adam).result(timeout=T)
     finally:
         d2.stop()
+
+
+def test_after_a_crash_a_retried_step_is_answered_from_before_and_not_run_again(
+        tiny_dir, tmp_path):
+    """The client lost the answer of an optim_step that ran before a SIGKILL and resends it
+    (same seq_id) while the restarted daemon is still starting: the original answer comes
+    back and the run's weights do not move. The run was unloaded while idle before the
+    crash, so the request reloads it while the daemon restores what was live. Before: the
+    run was restored twice and requests queued on the first copy were never answered, or,
+    answered, the retried step ran a second time."""
+    key = make_key(tmp_path, "erin")
+    cfg = tmp_path / "twinkled.toml"
+    cfg.write_text("idle_unload_s = 1.0\n")
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--config", str(cfg))
+    try:
+        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+        tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=T)
+        data, adam = _data(tc), tinker.types.AdamParams(learning_rate=1e-2)
+        tc.forward_backward(data, "cross_entropy").result(timeout=T)
+        tc.optim_step(adam).result(timeout=T)
+        seq = tc._request_id_counter  # the seq_id the client gave that optim_step
+        before = tc.forward(data, "cross_entropy").result(timeout=T).loss_fn_outputs
+        while "unloaded after" not in (tmp_path / "log1").read_text():
+            threading.Event().wait(0.2)
+    except BaseException:
+        d.stop()
+        raise
+    d.stop(signal.SIGKILL)
+
+    d2 = Daemon(tiny_dir, tmp_path, tmp_path / "log2", "--config", str(cfg), port=d.port,
+                wait=False)
+    try:
+        while d2.health() is None:  # answering HTTP, the workers still loading the model
+            threading.Event().wait(0.05)
+        with httpx.Client(base_url=f"{d2.url}/api/v1", timeout=60,
+                          headers={"X-API-Key": key}) as http:
+            while True:  # a 503 while the daemon starts, retried as the SDK does
+                r = http.post("/optim_step", json={"model_id": tc.model_id, "seq_id": seq,
+                                                   "adam_params": {"learning_rate": 1e-2}})
+                if r.status_code != 503:
+                    break
+                threading.Event().wait(0.2)
+            assert r.status_code == 200, r.text
+            assert poll(http, r.json()["request_id"]).get("type") != "RequestFailedResponse"
+        after = tc.forward(data, "cross_entropy").result(timeout=T).loss_fn_outputs
+        assert [o["logprobs"].tolist() for o in after] == \
+            [o["logprobs"].tolist() for o in before]  # nothing ran twice
+        tc.forward_backward(data, "cross_entropy").result(timeout=T)  # and it goes on
+        tc.optim_step(adam).result(timeout=T)
+    finally:
+        d2.stop()

@@ -116,8 +116,8 @@ class Lanes:
     async def start(self) -> None:
         """Start every lane's worker group (each loads the model), then bring back the
         adapters live at the last stop, spread over the lanes."""
+        runs = self._store.runs.live()  # live at the last stop (read before anything reloads)
         await asyncio.gather(*(lane.executor.start() for lane in self.all))
-        runs = self._store.runs.live()
         shares: dict[int, list[dict]] = {lane.index: [] for lane in self.all}
         for run in runs:  # what was live comes back, room or not: spread evenly
             lane = min(self.all, key=lambda lane: (len(shares[lane.index]), lane.index))

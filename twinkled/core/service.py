@@ -308,6 +308,9 @@ class Service:
         takes no work: its request would be refused after the reload)."""
         if not self.lanes.of(run["id"]).residency.is_open(run["id"]):
             self._check_intake()
+            # Starting: the runs live at the last stop are being restored, and one reloaded
+            # here meanwhile would be restored again over its queued requests (they hung).
+            self._check_loaded(run["id"])
         await self.lanes.ensure_loaded(run)
 
     def create_model(self, tenant: str, session_id: str, model_seq: int | None,
