@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from .kv_pages import PagePool
-from .lora_rows import RowLora
+from .lora import Adapter
+from .lora_rows import AdapterStack, RowLora
 
 WeightsKey = tuple  # (adapter id, weights version), (None, 0) for the base model
 
@@ -57,11 +58,18 @@ class CacheStats:
     evicted_pages: int = 0
 
 
-class PrefixCache:
-    """Full prompt pages of `pool`, at most `budget` of them (0: the cache is off)."""
+def weights_key(stack: AdapterStack, adapter: Adapter | None) -> WeightsKey:
+    """What a row's keys and values depend on besides its tokens: the weights the running
+    batch computes `adapter`'s rows with (it holds them in `stack`)."""
+    return (None, 0) if adapter is None else (adapter.id, stack.weights_version(adapter))
 
-    def __init__(self, pool: PagePool, budget: int):
-        self.pool, self.budget = pool, budget
+
+class PrefixCache:
+    """Full prompt pages of `pool`, at most `share` of its pages (0: the cache is off)."""
+
+    def __init__(self, pool: PagePool, share: float):
+        self.pool, self.share = pool, share
+        self.budget = int(share * pool.usable)  # pages
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by hash, LRU first
         self.stats = CacheStats()
 
@@ -83,6 +91,18 @@ class PrefixCache:
         pages = [e.page for e in found]
         self.pool.share(pages, 1)
         return pages
+
+    def prompt_pages(self, prompts: list[tuple[WeightsKey | None, list[int]]], need: int
+                     ) -> tuple[list[list[int]], list[int]]:
+        """Pages for each (weights, prompt) about to prefill: its longest cached run first
+        (no lookup where weights is None), then new ones; and where each prefill starts.
+        `need`: every page the caller allocates now, these included (room is made for it)."""
+        hits = [[] if w is None else self.lookup(w, p) for w, p in prompts]
+        self.make_room(need - sum(map(len, hits)))
+        starts = [len(h) * self.pool.page_size for h in hits]
+        self.count(sum(starts), sum(len(p) for _, p in prompts) - sum(starts))
+        return [h + self.pool.allocate(self.pool.pages_for(len(p)) - len(h))
+                for (_, p), h in zip(prompts, hits, strict=True)], starts
 
     def insert(self, weights: WeightsKey, prompt: list[int], pages: list[int]) -> None:
         """Cache `pages`, the prefilled full pages of `prompt` (the caller holds them)."""

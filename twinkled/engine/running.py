@@ -10,8 +10,7 @@ Admission takes a request whole: all its samples start together and hold, from t
 the pages their longest possible continuation needs (prompt + max_tokens), so a running
 row never waits for memory and nothing is ever preempted. A request's samples, and
 identical (adapter, prompt) pairs admitted together, prefill once and share the prompt's
-full pages (kv_pages.py); a prompt's full pages stay cached for later requests after it
-finishes (prefix_cache.py), and a prompt that starts with cached pages prefills the rest.
+full pages (kv_pages.py); they stay cached for later prompts that start alike (prefix_cache.py).
 
 Rows of many adapters (and the base model) run in one step, each through its own LoRA
 (lora_rows.py), with its own temperature, top-k, top-p, seed and stop rule (choose.py).
@@ -35,7 +34,7 @@ from .decode_step import DecodeStep
 from .kv_pages import PagePool
 from .lora import Adapter
 from .lora_rows import AdapterStack, RowLora
-from .prefix_cache import PrefixCache, prefill
+from .prefix_cache import PrefixCache, prefill, weights_key
 from .prompt_scores import score_prompt, wants_scores
 
 PAGE_SIZE = 16  # tokens per KV page
@@ -55,7 +54,6 @@ class _Request:
     def __init__(self, ticket: int, req: SampleRequest, adapter: Adapter | None, dev):
         self.ticket, self.req, self.adapter = ticket, req, adapter
         self.result = SampleResult(sequences=[])
-        self.scores = wants_scores(req)  # its prompt's scores: a prefill of the whole prompt
         self.gen = request_generator(req.params, dev)
         self.seqs: list[_Seq] = []
         self.running = 0
@@ -88,13 +86,11 @@ class _Seq:
 class RunningBatch:
     """Up to `rows` sequences decoding together over a pool of `pages` KV pages (default:
     as many as `kv_bytes` hold, else `KV_BYTES` of the device type). `decode`: how a decode step runs (decode_step.py;
-    default "graphs" on CUDA devices, else "eager"). `prefix_cache`: the fraction of the
-    pages that prompts' pages may stay cached in for later requests (0: none)."""
+    default "graphs" on CUDA devices, else "eager"). `prefix_cache`: share of the pages cached prompts may hold."""
 
     def __init__(self, model, rows: int = 256, pages: int | None = None,
                  page_size: int = PAGE_SIZE, prefill_tokens: int | None = None,
-                 decode: str | None = None, kv_bytes: int | None = None,
-                 prefix_cache: float = 0.0):
+                 decode: str | None = None, kv_bytes: int | None = None, prefix_cache: float = 0.0):
         dev = model.device
         if pages is None:
             per_token = 2 * len(model.layers) * model.n_kv * model.head_dim * model.dtype.itemsize
@@ -104,8 +100,7 @@ class RunningBatch:
         self.pool = PagePool(len(model.layers), model.n_kv, model.head_dim, pages, page_size,
                              model.dtype, dev)
         self.stack = AdapterStack(model.dtype, dev)
-        self.prefix_cache = prefix_cache
-        self.cache = PrefixCache(self.pool, int(prefix_cache * self.pool.usable))
+        self.cache = PrefixCache(self.pool, prefix_cache)
         max_pages = min(self.pool.usable, self.pool.pages_for(model.max_seq_len))
         self.decode = DecodeStep(model, self.pool, self.stack, rows, max_pages,
                                  decode or ("graphs" if dev.type == "cuda" else "eager"))
@@ -221,7 +216,7 @@ class RunningBatch:
         rows = max([self.rows, *(r.num_samples for r in requests)])
         pages = max([self.pool.pages, *(self._pages(r) + 1 for r in requests)])
         return RunningBatch(self.model, rows, pages, self.pool.page_size, self.prefill_tokens,
-                            self.decode.mode, prefix_cache=self.prefix_cache)
+                            self.decode.mode, prefix_cache=self.cache.share)
 
     # -- admission and prefill ----------------------------------------------------------
 
@@ -276,7 +271,7 @@ class RunningBatch:
         at = {u.key: i for i, u in enumerate(uniq)}
         for r in take:
             r.result.cached_tokens = starts[at[r.key]]
-            if r.scores:  # (its prefill started at 0)
+            if wants_scores(r.req):  # (its prefill started at 0)
                 u, n = at[r.key], len(r.req.prompt)
                 ids = torch.tensor(r.req.prompt, device=model.device)
                 score_prompt(model, r.req, r.adapter, hidden[u, :n], ids, r.result)
@@ -309,7 +304,7 @@ class RunningBatch:
         for i, u in enumerate(uniq):  # the shared pages' holders are the samples
             full = len(u.req.prompt) // pool.page_size
             pool.share(prompt_pages[i][:full], holders[u.key] - 1)
-            self.cache.insert(self._weights(u), u.req.prompt, prompt_pages[i][:full])
+            self.cache.insert(weights_key(self.stack, u.adapter), u.req.prompt, prompt_pages[i][:full])
 
         rows = [at[s.request.key] for s in seqs]
         choice = self._choice_of(seqs, list(range(len(seqs))))
@@ -335,25 +330,13 @@ class RunningBatch:
 
     def _prompt_pages(self, take: list[_Request], uniq: list[_Request]
                       ) -> tuple[list[list[int]], list[int]]:
-        """Each distinct prompt's pages, those found in the prefix cache first, and where
-        its prefill starts (after them); makes room in the pool for every page `take` needs.
-        A prompt whose scores are asked prefills whole (they read every position)."""
-        pool = self.pool
-        scored = {r.key for r in take if r.scores}
-        hits = [[] if u.key in scored else self.cache.lookup(self._weights(u), u.req.prompt)
-                for u in uniq]
+        """Each distinct prompt's pages (cached ones first) and where its prefill starts;
+        a prompt whose scores are asked prefills whole (they read every position)."""
+        scored = {r.key for r in take if wants_scores(r.req)}
         firsts = {id(u) for u in uniq}
         need = sum(self._pages(r.req, id(r) not in firsts) for r in take)
-        self.cache.make_room(need - sum(map(len, hits)))
-        starts = [len(h) * pool.page_size for h in hits]
-        self.cache.count(sum(starts), sum(len(u.req.prompt) for u in uniq) - sum(starts))
-        return [h + pool.allocate(pool.pages_for(len(u.req.prompt)) - len(h))
-                for u, h in zip(uniq, hits, strict=True)], starts
-
-    def _weights(self, r: _Request) -> tuple:
-        """What `r`'s keys and values depend on besides its tokens (prefix_cache.py)."""
-        a = r.adapter
-        return (None, 0) if a is None else (a.id, self.stack.weights_version(a))
+        return self.cache.prompt_pages([(None if u.key in scored else weights_key(
+            self.stack, u.adapter), u.req.prompt) for u in uniq], need)
 
     # -- decoding -----------------------------------------------------------------------
 
