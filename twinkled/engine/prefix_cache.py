@@ -82,7 +82,8 @@ class PrefixCache:
         """The pages of the longest cached run of `prompt`'s full pages (all but its last
         token at most), each with one more holder: the caller's, released with its pages."""
         found: list[_Entry] = []
-        for h, toks in self._chain(weights, prompt, (len(prompt) - 1) // self.pool.page_size):
+        n = (len(prompt) - 1) // self.pool.page_size if self._entries else 0
+        for h, toks in self._chain(weights, prompt, n):
             e = self._entries.get(h)
             if e is None or not self._matches(e, weights, toks, found[-1] if found else None):
                 break
