@@ -154,3 +154,21 @@ def test_the_engine_reports_cached_tokens(tiny_dir):
     first, second = (e.sample([_req(None, p)])[0] for _ in range(2))
     assert (first.cached_tokens, second.cached_tokens) == (0, 32)
     _same([second], [first])
+
+
+def test_a_hash_is_never_trusted_alone(monkeypatch):
+    """Every page hashing alike (a collision on each lookup): only the stored tokens, weights
+    and parent decide, so another prompt, or other weights, find nothing."""
+    from twinkled.engine import prefix_cache
+    from twinkled.engine.kv_pages import PagePool
+
+    monkeypatch.setattr(prefix_cache, "hash", lambda _: 7, raising=False)
+    pool = PagePool(1, 1, 2, 9, P, torch.float32, torch.device("cpu"))
+    cache = prefix_cache.PrefixCache(pool, 1.0)
+    a, b = list(range(10, 19)), list(range(30, 39))  # 2 full pages and a token each
+    pages = pool.allocate(2)
+    cache.insert(("x", 1), a, pages)
+    assert cache.pages == 1  # the second page collides with the first: not cached
+    assert cache.lookup(("x", 1), b) == [] and cache.lookup(("x", 2), a) == []
+    assert cache.lookup(("x", 1), a) == pages[:1]
+    assert pool.holders(pages[0]) == 3  # the allocation's, the cache's, the lookup's
