@@ -138,11 +138,6 @@ class PrefixCache:
         if short > 0:
             self._evict(short)
 
-    def clear(self) -> None:
-        """Drop every entry (pages still held by running rows stay theirs)."""
-        self.pool.release([e.page for e in self._entries.values()])
-        self._entries.clear()
-
     def count(self, cached: int, prefilled: int) -> None:
         self.stats.cached_tokens += cached
         self.stats.prefilled_tokens += prefilled
