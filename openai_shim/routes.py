@@ -245,7 +245,7 @@ async def _answer(request, job: Job) -> web.StreamResponse:
     return web.json_response({
         **fmt.head(), "choices": [fmt.whole(c, ch.finish, texts[c], tokens[c])
                                   for c, ch in enumerate(deltas.choices)],
-        "usage": _usage(job, deltas.choices)})
+        "usage": _usage(job, deltas)})
 
 
 async def _stream(request, job: Job, fmt: _Format, streams: list[SampleStream],
@@ -270,16 +270,18 @@ async def _stream(request, job: Job, fmt: _Format, streams: list[SampleStream],
                 return await out.close()
         if usage:
             await out.send({**fmt.head(True), "choices": [],
-                            "usage": _usage(job, deltas.choices)})
+                            "usage": _usage(job, deltas)})
         return await out.close()
     except ConnectionError:  # the client went away mid-stream: its samples were freed
         return out.response
 
 
-def _usage(job: Job, choices: list[ChoiceText]) -> dict:
+def _usage(job: Job, deltas: _Deltas) -> dict:
     prompt = sum(len(p) for p in job.prompts)
-    made = sum(c.count for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+    made = sum(c.count for c in deltas.choices)
+    cached = sum(s.cached_tokens for s in deltas.streams)  # the sampler's prefix cache
+    return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class _Format:

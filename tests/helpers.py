@@ -81,6 +81,7 @@ def randomize_b(engine, adapter_id: str, seed: int, std: float = 0.05) -> None:
     for k in a.bank.shapes:
         b = a.bank.B[k][a.slot]
         b.copy_(torch.randn(b.shape, generator=gen).to(b.device) * std)
+    a.bank.changed(a.slot)  # (its sampling copies and cached KV follow)
 
 
 def all_close(x: dict, y: dict, rtol: float = 1e-5, atol: float = 1e-5) -> bool:

@@ -130,6 +130,27 @@ def test_echo_gives_the_prompt_and_its_logprobs_as_tinker_scores_them(daemon, ti
     assert text == {0: one.choices[0].text}
 
 
+def test_a_repeated_prompt_reports_cached_tokens(daemon, tiny_dir):
+    """The sampler's prefix cache (on by default) serves a prompt's full pages the second
+    time: OpenAI's usage.prompt_tokens_details, Tinker's prompt_cache_hit_tokens and
+    /metrics say so, and the answer is the same."""
+    c = client(daemon, "bob")
+    ids = list(range(40, 40 + 37))  # 2 full pages of 16, and a part
+    kw = dict(model=tiny_dir.name, prompt=ids, max_tokens=3, temperature=0)
+    cached = daemon.metric("twinkle_prompt_tokens_total", tenant="bob", source="cached")
+    first, second = (c.completions.create(**kw) for _ in range(2))
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    assert second.choices[0].text == first.choices[0].text
+    assert daemon.metric("twinkle_prompt_tokens_total", tenant="bob",
+                         source="cached") - cached >= 32
+    assert daemon.metric("twinkle_prompt_tokens_total", tenant="bob", source="prefilled") > 0
+    sc = tinker.ServiceClient(base_url=daemon.url, api_key=daemon.keys["bob"])
+    sampler = sc.create_sampling_client(base_model=tiny_dir.name).result(timeout=T)
+    got = sampler.sample(tinker.types.ModelInput.from_ints(ids), 1,
+                         tinker.types.SamplingParams(max_tokens=2, temperature=0.0)).result(timeout=T)
+    assert got.prompt_cache_hit_tokens == 32
+
+
 def test_stop_strings_cut_the_text(daemon, tiny_dir):
     c = client(daemon)
     kw = dict(model=tiny_dir.name, prompt=PROMPT, max_tokens=16, temperature=0)

@@ -94,7 +94,7 @@ def sample_encoder(result: Any, target_layout: Layout | None = None) -> tuple[by
     return encode_sample_response(
         seqs, result.prompt_logprobs, topk_prompt=result.topk_prompt,
         target_prompt=result.target_prompt, target_layout=target_layout,
-        alt_tokens=result.alt_tokens), PROTOBUF
+        alt_tokens=result.alt_tokens, prompt_cache_hit_tokens=result.cached_tokens), PROTOBUF
 
 
 def _fill_topk(msg: Any, topk: TopK) -> None:

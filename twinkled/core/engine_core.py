@@ -365,3 +365,7 @@ class EngineCore:
         elif isinstance(op.frame, SampleF):
             made = sum(len(s.tokens) for s in result.sequences)
             self.metrics.tokens_sampled.labels(tenant).inc(made)
+            cached = result.cached_tokens
+            self.metrics.prompt_tokens.labels(tenant, "cached").inc(cached)
+            self.metrics.prompt_tokens.labels(tenant, "prefilled").inc(
+                op.frame.prompt.shape[0] - cached)

@@ -24,6 +24,10 @@ class Metrics:
                                       "rows run, per tenant", ["tenant"], registry=r)
         self.tokens_sampled = Counter("twinkle_tokens_sampled", "Tokens generated, per tenant",
                                       ["tenant"], registry=r)
+        self.prompt_tokens = Counter("twinkle_prompt_tokens", "Prompt tokens of sampling "
+                                     "requests, per tenant, by source: cached (the prefix "
+                                     "cache had their keys and values) or prefilled",
+                                     ["tenant", "source"], registry=r)
         self.requests = Counter("twinkle_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
         self.step_seconds = Histogram("twinkle_step_seconds", "Time of one engine step on the "

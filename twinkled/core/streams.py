@@ -64,6 +64,7 @@ class SampleStream:
         self.future: Future | None = None  # set by Service.sample_stream
         self.cancelled = False
         self.prompt: PromptScores | None = None
+        self.cached_tokens = 0  # prompt tokens the prefix cache served, with the result
         self._sent: dict[int, int] = {}  # choice -> tokens pushed so far
 
     def feed(self, partials: Sequence[Any]) -> None:
@@ -78,6 +79,7 @@ class SampleStream:
         stores only a summary (the reader has the tokens; nobody polls this future)."""
         if result.prompt_logprobs is not None or result.topk_prompt is not None:
             self.prompt = PromptScores(result.prompt_logprobs, result.topk_prompt)
+        self.cached_tokens = result.cached_tokens
         for i, seq in enumerate(result.sequences):
             n = self._sent.get(i, 0)  # what `feed` already pushed
             top = None if seq.topk is None else (seq.topk[0][n:], seq.topk[1][n:])

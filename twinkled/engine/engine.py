@@ -48,7 +48,7 @@ class Engine:
                  device: str | torch.device = "cpu", max_rank: int = 128,
                  token_budget: int = 16384, packed: bool = True, dp_group=None, tp=None,
                  recompute: str = "auto", kv_bytes: int | None = None,
-                 experts: ExpertSplit | None = None):
+                 experts: ExpertSplit | None = None, prefix_cache: float = 0.0):
         # `tp` (tp.py: TensorParallel): this rank holds a slice of the base model and of
         # every adapter; `dp_group` is then the group across the replicas. `experts`
         # (moe_parallel.py): this rank's share of an MoE model's experts.
@@ -67,6 +67,7 @@ class Engine:
         # first sample call and kept for the next ones.
         self._running: RunningBatch | None = None
         self.kv_bytes = kv_bytes  # its page pool's size (None: running.KV_BYTES)
+        self.prefix_cache = prefix_cache  # the pool's share prompts stay cached in (0: off)
         # The running batch's stacked LoRA (lora_rows.py) follows neither a tensor-parallel
         # split nor experts: those models sample with the padded sampler, over a LoraBatch.
         self.padded_sampling = self.shard is not None or bool(self.model.moe)
@@ -104,7 +105,7 @@ class Engine:
         except BaseException:
             self.pool.remove(dst)
             raise
-        b.bank.stale.add(b.slot)  # its compute-dtype copy follows at the next use
+        b.bank.changed(b.slot)  # its compute-dtype copy follows at the next use
         b.steps = a.steps
         return self.adapter_info(dst)
 
@@ -271,7 +272,8 @@ class Engine:
         if self.padded_sampling:
             raise EngineInputError("sample", "queued sampling (the running batch) does not run "
                                    "under tensor parallelism or for MoE models yet")
-        batch = self._running or RunningBatch(self.model, kv_bytes=self.kv_bytes)
+        batch = self._running or RunningBatch(self.model, kv_bytes=self.kv_bytes,
+                                              prefix_cache=self.prefix_cache)
         if batch.idle:  # (a batch in use cannot grow; admit refuses what it cannot hold)
             batch = batch.sized_for(requests)
         self._running = batch

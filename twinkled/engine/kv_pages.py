@@ -71,6 +71,10 @@ class PagePool:
         for p in pages:
             self._refs[p] += times
 
+    def holders(self, page: int) -> int:
+        """How many hold `page` (the prefix cache may take a page only it holds)."""
+        return self._refs[page]
+
     def release(self, pages: list[int]) -> None:
         for p in pages:
             self._refs[p] -= 1

@@ -13,6 +13,7 @@ would cost a gradient kernel per adapter per module, which dominates small steps
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -22,6 +23,10 @@ from twinkled.protocol.checks import check_optimizer
 from twinkled.protocol.types import EXPERT_MODULES, EngineInputError, LoraConfig
 
 BIG_BANK_BYTES = 2 * 2**30
+# Weight versions, unique across every bank and slot of the process: a slot's version
+# changes with every write to its weights (`Bank.changed`), so a version names one set of
+# weights for good (the sampler's prefix cache keys KV pages on it).
+_VERSIONS = itertools.count(1)
 
 
 class Bank:
@@ -54,6 +59,7 @@ class Bank:
         self.A16: dict[str, torch.Tensor] = {}
         self.B16: dict[str, torch.Tensor] = {}
         self.stale: set[int] = set()
+        self.versions: dict[int, int] = {}  # slot -> its weights' version (`changed`)
         self.capacity = 0
         self.free: list[int] = []
         # Where each module's A and B sit in a slot's row: A of every key, then B of every
@@ -143,8 +149,14 @@ class Bank:
 
     def release(self, slot: int) -> None:
         self.zero_slot(slot, weights=True)
-        self.stale.add(slot)
+        self.changed(slot)
         self.free.append(slot)
+
+    def changed(self, slot: int) -> None:
+        """The slot's weights were written: its compute-dtype copy follows at the next use,
+        and it gets a new version (KV computed with the old weights is never served)."""
+        self.stale.add(slot)
+        self.versions[slot] = next(_VERSIONS)
 
     def refresh(self) -> None:
         """Bring the compute-dtype copy of changed slots up to date with the masters."""
@@ -187,6 +199,11 @@ class Adapter:
     @property
     def scale(self) -> float:
         return self.config.scale
+
+    @property
+    def version(self) -> int:
+        """Its weights' version: changes at every write (optimizer step, load, copy)."""
+        return self.bank.versions[self.slot]
 
 
 class LoraPool:
@@ -243,7 +260,7 @@ class LoraPool:
                 a = self.shard.local_lora(key, "A", a)
             bank.A[key][slot].copy_(a)
             bank.B[key][slot].zero_()
-        bank.stale.add(slot)
+        bank.changed(slot)
 
     def get(self, adapter_id: str) -> Adapter:
         try:

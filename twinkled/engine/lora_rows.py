@@ -30,6 +30,7 @@ class AdapterStack:
         self.B: dict[str, torch.Tensor] = {}  # target key -> [out, width]
         self._owner: list[str | None] = [None] * width  # adapter id per column
         self._held: dict[str, tuple[Adapter, int, int]] = {}  # id -> (adapter, start, users)
+        self._loaded: dict[str, int] = {}  # id -> the weights version its columns hold
         self.version = 0  # changes when the buffers are reallocated or gain a target
 
     def acquire(self, adapter: Adapter) -> None:
@@ -44,12 +45,18 @@ class AdapterStack:
         self._load(adapter, start)
         self._held[adapter.id] = (adapter, start, 1)
 
+    def weights_version(self, adapter: Adapter) -> int:
+        """The version (`Adapter.version`) of the weights a held adapter's columns hold:
+        they were copied at its first running row, so an optimizer step since is not in them."""
+        return self._loaded[adapter.id]
+
     def release(self, adapter: Adapter) -> None:
         a, start, users = self._held[adapter.id]
         if users > 1:
             self._held[adapter.id] = (a, start, users - 1)
             return
         del self._held[adapter.id]
+        del self._loaded[adapter.id]
         for c in range(start, start + a.config.rank):
             self._owner[c] = None
 
@@ -86,6 +93,7 @@ class AdapterStack:
     def _load(self, adapter: Adapter, start: int) -> None:
         bank, r = adapter.bank, adapter.config.rank
         bank.refresh()  # the compute-dtype copy follows the fp32 masters
+        self._loaded[adapter.id] = adapter.version
         for c in range(start, start + r):
             self._owner[c] = adapter.id
         for key in bank.shapes:

@@ -96,6 +96,6 @@ def optimizer_steps(items: list[tuple[Adapter, AdamParams | DimuonParams]],
         dimuon_update(dimuon, shard)
     for _, adapter, _ in live:
         adapter.pending = 0
-        adapter.bank.stale.add(adapter.slot)
+        adapter.bank.changed(adapter.slot)
     torch._foreach_zero_(grads)
     return results

@@ -10,7 +10,7 @@ Admission takes a request whole: all its samples start together and hold, from t
 the pages their longest possible continuation needs (prompt + max_tokens), so a running
 row never waits for memory and nothing is ever preempted. A request's samples, and
 identical (adapter, prompt) pairs admitted together, prefill once and share the prompt's
-full pages (kv_pages.py).
+full pages (kv_pages.py); they stay cached for later prompts that start alike (prefix_cache.py).
 
 Rows of many adapters (and the base model) run in one step, each through its own LoRA
 (lora_rows.py), with its own temperature, top-k, top-p, seed and stop rule (choose.py).
@@ -34,6 +34,7 @@ from .decode_step import DecodeStep
 from .kv_pages import PagePool
 from .lora import Adapter
 from .lora_rows import AdapterStack, RowLora
+from .prefix_cache import PrefixCache, prefill, weights_key
 from .prompt_scores import score_prompt, wants_scores
 
 PAGE_SIZE = 16  # tokens per KV page
@@ -85,11 +86,11 @@ class _Seq:
 class RunningBatch:
     """Up to `rows` sequences decoding together over a pool of `pages` KV pages (default:
     as many as `kv_bytes` hold, else `KV_BYTES` of the device type). `decode`: how a decode step runs (decode_step.py;
-    default "graphs" on CUDA devices, else "eager")."""
+    default "graphs" on CUDA devices, else "eager"). `prefix_cache`: share of the pages cached prompts may hold."""
 
     def __init__(self, model, rows: int = 256, pages: int | None = None,
                  page_size: int = PAGE_SIZE, prefill_tokens: int | None = None,
-                 decode: str | None = None, kv_bytes: int | None = None):
+                 decode: str | None = None, kv_bytes: int | None = None, prefix_cache: float = 0.0):
         dev = model.device
         if pages is None:
             per_token = 2 * len(model.layers) * model.n_kv * model.head_dim * model.dtype.itemsize
@@ -99,6 +100,7 @@ class RunningBatch:
         self.pool = PagePool(len(model.layers), model.n_kv, model.head_dim, pages, page_size,
                              model.dtype, dev)
         self.stack = AdapterStack(model.dtype, dev)
+        self.cache = PrefixCache(self.pool, prefix_cache)
         max_pages = min(self.pool.usable, self.pool.pages_for(model.max_seq_len))
         self.decode = DecodeStep(model, self.pool, self.stack, rows, max_pages,
                                  decode or ("graphs" if dev.type == "cuda" else "eager"))
@@ -214,7 +216,7 @@ class RunningBatch:
         rows = max([self.rows, *(r.num_samples for r in requests)])
         pages = max([self.pool.pages, *(self._pages(r) + 1 for r in requests)])
         return RunningBatch(self.model, rows, pages, self.pool.page_size, self.prefill_tokens,
-                            self.decode.mode)
+                            self.decode.mode, prefix_cache=self.cache.share)
 
     # -- admission and prefill ----------------------------------------------------------
 
@@ -230,10 +232,13 @@ class RunningBatch:
         take: list[_Request] = []
         keys: dict[tuple, int] = {}  # key -> its prompt length
         pages, rows = self.pool.free, self.rows - len(self.live)
+        reclaimed = False
         while self.waiting:
             r = self.waiting[0]
             shared = r.key in keys
             cost = self._pages(r.req, shared)
+            if cost > pages and not reclaimed:  # pages only the prefix cache holds count too
+                pages, reclaimed = pages + self.cache.reclaimable(), True
             longest = max([len(r.req.prompt), *keys.values()])
             padded = longest * (len(keys) + (not shared))
             if (cost > pages or r.req.num_samples > rows
@@ -259,11 +264,14 @@ class RunningBatch:
             for _ in range(r.req.num_samples):
                 if r.adapter is not None:
                     self.stack.acquire(r.adapter)
-        prompt_pages = [pool.allocate(pool.pages_for(len(u.req.prompt))) for u in uniq]
-        hidden, logits = self._prefill(uniq, prompt_pages)
+        prompt_pages, starts = self._prompt_pages(take, uniq)
+        masks = torch.stack([self.stack.mask_row(u.adapter) for u in uniq]).to(model.device)
+        hidden, logits = prefill(model, pool, RowLora(self.stack, masks),
+                                 [u.req.prompt for u in uniq], starts, prompt_pages)
         at = {u.key: i for i, u in enumerate(uniq)}
         for r in take:
-            if wants_scores(r.req):
+            r.result.cached_tokens = starts[at[r.key]]
+            if wants_scores(r.req):  # (its prefill started at 0)
                 u, n = at[r.key], len(r.req.prompt)
                 ids = torch.tensor(r.req.prompt, device=model.device)
                 score_prompt(model, r.req, r.adapter, hidden[u, :n], ids, r.result)
@@ -296,6 +304,7 @@ class RunningBatch:
         for i, u in enumerate(uniq):  # the shared pages' holders are the samples
             full = len(u.req.prompt) // pool.page_size
             pool.share(prompt_pages[i][:full], holders[u.key] - 1)
+            self.cache.insert(weights_key(self.stack, u.adapter), u.req.prompt, prompt_pages[i][:full])
 
         rows = [at[s.request.key] for s in seqs]
         choice = self._choice_of(seqs, list(range(len(seqs))))
@@ -319,29 +328,15 @@ class RunningBatch:
         self.live += seated
         self._choice = None
 
-    def _prefill(self, uniq: list[_Request], pages: list[list[int]]):
-        """One forward of the distinct prompts (right-padded), writing their keys and values
-        into `pages`; returns the hidden states [U, S, H] and last-position logits [U, V]."""
-        model, pool, dev = self.model, self.pool, self.model.device
-        lens = torch.tensor([len(u.req.prompt) for u in uniq], device=dev)
-        S = int(lens.max())
-        ids = torch.zeros((len(uniq), S), dtype=torch.long)
-        table = torch.zeros((len(uniq), pool.pages_for(S)), dtype=torch.long)
-        for i, u in enumerate(uniq):
-            ids[i, :len(u.req.prompt)] = torch.tensor(u.req.prompt)
-            table[i, :len(pages[i])] = torch.tensor(pages[i])
-        ids, table = ids.to(dev), table.to(dev)
-        cols = torch.arange(S, device=dev)
-        write = pool.slots(table)[:, :S] * (cols[None, :] < lens[:, None])  # padding: page 0
-        keys = torch.arange(table.shape[1] * pool.page_size, device=dev)
-        causal = keys[None, :] <= cols[:, None]  # [S, L]
-        mask = (causal[None] & (keys[None, :] < lens[:, None])[:, None, :])[:, None]
-        masks = torch.stack([self.stack.mask_row(u.adapter) for u in uniq]).to(dev)
-        lora = RowLora(self.stack, masks)
-        positions = cols[None, :].expand(len(uniq), S)
-        hidden = model.forward(ids, positions, lora, pool.view(write.reshape(-1), table), mask)
-        last = hidden[torch.arange(len(uniq), device=dev), lens - 1]
-        return hidden, model.logits(last[:, None], lora)[:, 0]
+    def _prompt_pages(self, take: list[_Request], uniq: list[_Request]
+                      ) -> tuple[list[list[int]], list[int]]:
+        """Each distinct prompt's pages (cached ones first) and where its prefill starts;
+        a prompt whose scores are asked prefills whole (they read every position)."""
+        scored = {r.key for r in take if wants_scores(r.req)}
+        firsts = {id(u) for u in uniq}
+        need = sum(self._pages(r.req, id(r) not in firsts) for r in take)
+        return self.cache.prompt_pages([(None if u.key in scored else weights_key(
+            self.stack, u.adapter), u.req.prompt) for u in uniq], need)
 
     # -- decoding -----------------------------------------------------------------------
 

@@ -321,7 +321,7 @@ def write_into(adapter: Adapter, weights: dict, moments: dict | None, steps: int
                     if f"{key}.{part}.{suffix}" in moments:
                         store[key][slot].copy_(mine(key, part[-1],
                                                     moments[f"{key}.{part}.{suffix}"]))
-    bank.stale.add(slot)
+    bank.changed(slot)
     adapter.steps = steps
     adapter.pending = 0
     adapter.counters = []

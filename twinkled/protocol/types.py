@@ -174,6 +174,9 @@ class SampleResult:
     topk_prompt: TopK | None = None  # one row per prompt token (row 0 empty)
     target_prompt: list[list[float]] | None = None  # as target_prompt; 0.0 where -1
     alt_tokens: tuple[list[list[int]], list[list[float]]] | None = None  # [n - 1, k] each
+    # Prompt tokens whose keys and values came from the sampler's prefix cache (not prefilled
+    # for this request); counted once per request, whatever its num_samples.
+    cached_tokens: int = 0
 
 
 @dataclass

@@ -25,13 +25,15 @@ _LOADING = threading.Lock()
 class InProcessGroup:
     def __init__(self, model: str | Path, *, device: str = "cpu", dtype: str = "float32",
                  max_rank: int = 64, token_budget: int = 16384, packing: bool = True,
-                 sample_kv_mb: int = 0, live_dir: Path | None = None, persist_every: int = 1):
+                 sample_kv_mb: int = 0, live_dir: Path | None = None, persist_every: int = 1,
+                 sample_prefix_cache: float = 0.0):
         self.devices = [device]
         self.model_info: dict = {}
         self.restarts = 0
         self._engine_args = {"dtype": dtype, "device": device, "max_rank": max_rank,
                              "token_budget": token_budget, "packed": packing,
-                             "kv_bytes": sample_kv_mb << 20 or None}
+                             "kv_bytes": sample_kv_mb << 20 or None,
+                             "prefix_cache": sample_prefix_cache}
         self._model = str(model)
         self._live_dir, self._persist_every = live_dir, persist_every
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
