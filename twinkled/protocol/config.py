@@ -87,7 +87,8 @@ class Config:
     # Limits on one request, checked at the door before it is queued (docs/reference.md).
     max_datums: int = 4096  # datums in one forward_backward request
     max_num_samples: int = 256  # num_samples of one sampling request
-    max_stop: int = 32  # entries in a sampling stop list
+    max_stop: int = 32  # stop strings in a sampling stop list
+    max_stop_ids: int = 1024  # stop token ids in a sampling stop list
     max_topk: int = 64  # k of top-k logprobs and of prompt_alt_tokens_k
     max_prompt_cells: int = 1 << 21  # prompt positions x ids scored (top-k, targets, draws)
     max_name_chars: int = 128  # checkpoint names
@@ -132,6 +133,7 @@ class Config:
                             or 0),
             max_rank=self.max_rank, max_datums=self.max_datums,
             max_num_samples=self.max_num_samples, max_stop=self.max_stop,
+            max_stop_ids=self.max_stop_ids,
             max_topk=self.max_topk, max_prompt_cells=self.max_prompt_cells,
             max_name_chars=self.max_name_chars, max_ttl_s=self.max_ttl_s,
             max_metadata_bytes=self.max_metadata_bytes)

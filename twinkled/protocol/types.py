@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -137,6 +138,13 @@ class SamplingParams:
     seed: int | None = None
     # None: stop at EOS only. []: never stop early, EOS included (Tinker semantics).
     stop: list[str] | list[int] | None = None
+
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """The stop token ids as a set (empty for strings or EOS): a row checks its every
+        new token against it, in O(1) however many ids (up to max_stop_ids) it holds."""
+        stop = self.stop or []
+        return frozenset(stop) if stop and isinstance(stop[0], int) else frozenset()
 
 
 @dataclass
