@@ -74,6 +74,24 @@ def test_sampled_logprobs_match_the_trainer(eng):
     assert torch.allclose(torch.tensor(res.prompt_logprobs[1:]), lps[: len(prompt) - 1], atol=1e-4)
 
 
+def test_the_logprob_gap_of_a_sample_is_zero_in_fp32_and_shows_a_perturbation(eng):
+    """Engine.logprob_gap: the sampler's logprobs against the trainer's forward of the same
+    tokens (the running figure of /metrics), sampled and greedy, adapter and base model."""
+    prompt = _prompt(eng, 6, 7)
+    for adapter, temp in (("a", 1.0), (None, 0.0)):
+        params = SamplingParams(max_tokens=10, temperature=temp, seed=5, stop=[])
+        seq = eng.sample([SampleRequest(adapter, prompt, params)])[0].sequences[0]
+        gap = eng.logprob_gap(adapter, prompt, seq.tokens, seq.logprobs)
+        assert gap.tokens == 10 and 0 <= gap.mean <= gap.max < 1e-4
+        shifted = list(seq.logprobs)
+        shifted[3] -= 0.5  # one token off by half a nat: max 0.5, mean 0.05
+        off = eng.logprob_gap(adapter, prompt, seq.tokens, shifted)
+        assert off.max == pytest.approx(0.5, abs=1e-4)
+        assert off.mean == pytest.approx(0.05, abs=1e-4)
+    # Scored under another adapter, the same tokens are far off: the adapter is applied.
+    assert eng.logprob_gap("b", prompt, seq.tokens, seq.logprobs).mean > 1e-2
+
+
 def test_seed_gives_the_same_output(eng):
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, stop=[])
     req = SampleRequest("a", _prompt(eng, 4, 6), params, num_samples=3)

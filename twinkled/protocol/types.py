@@ -185,6 +185,16 @@ class SampleResult:
 
 
 @dataclass
+class LogprobGap:
+    """A sampled sequence's logprobs from the sampler against the trainer's forward of
+    the same tokens: mean and max |difference| per generated token (nats), over `tokens`."""
+
+    mean: float
+    max: float
+    tokens: int
+
+
+@dataclass
 class AdapterInfo:
     adapter_id: str
     rank: int
