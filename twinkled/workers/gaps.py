@@ -74,6 +74,10 @@ class GapChecks:
 
     def run(self) -> None:
         """Score the picked samples (between steps)."""
+        if not self.pending:
+            return
+        from twinkled.engine.step import HOST_TIME  # (torch: the worker's side only)
+
         while self.pending:
             (aid, prompt, steps), seq = self.pending.popleft()
             if not seq.tokens or (aid is not None and (
@@ -87,6 +91,7 @@ class GapChecks:
                 continue
             if math.isfinite(gap.mean):
                 self.done.append(gap)
+        HOST_TIME.take()  # the checks' passes are no part of the next step's trace
 
     def take(self) -> list[LogprobGap]:
         """The gaps measured since the last call (for the next reply)."""
