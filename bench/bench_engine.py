@@ -147,6 +147,18 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str) -> int:
     return cfg.vocab_size
 
 
+def random_adapters(eng: Engine, n: int, rank: int) -> list[str]:
+    """Adapters a0..a{n-1} of `rank` on attention and MLP, their B drawn (it starts at
+    zero) so that each changes the model's output as a trained one would."""
+    names = [f"a{i}" for i in range(n)]
+    for i, name in enumerate(names):
+        eng.add_adapter(name, LoraConfig(rank=rank, alpha=rank, seed=i, train_unembed=False))
+        a = eng.pool.get(name)
+        for key in a.bank.shapes:
+            torch.nn.init.normal_(a.bank.B[key][a.slot], std=0.01)
+    return names
+
+
 def bench_ours(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
                train: list[torch.Tensor], prompts: list[list[int]] | None) -> list[Row]:
     eng = Engine(model_dir, dtype=dtype, device=device, max_rank=RANK)

@@ -14,6 +14,7 @@
 #                                                  #   peft, engine alone); 8B engine tp 1, 2
 #   bash bench/gpu_pass.sh tp70                    # issue 15: a 70B shape at tp 4 via the daemon
 #   bash bench/gpu_pass.sh sampling slices         # issue 16 (one GPU: $SAMPLING_GPU, default 0)
+#   bash bench/gpu_pass.sh gap                     # issue 31: sampler vs trainer logprob gap
 #
 # `prewrite` starts writing the 32B and 70B random checkpoints in the background (its own
 # process session, on GPU 3), so the tp32 and tp70 steps, which wait for them, need not.
@@ -79,6 +80,9 @@ for what in "$@"; do
                       --shape qwen2.5-0.5b --write "$out/sampling.md" ;;
         slices) CUDA_VISIBLE_DEVICES="${SAMPLING_GPU:-0}" "$py" bench_slices.py \
                     --shape qwen2.5-0.5b --write "$out/slices.md" ;;
+        # issue 31 item 4: sampler vs trainer logprobs, bf16, both paths, both shapes
+        gap) for s in qwen2.5-0.5b qwen3-8b; do CUDA_VISIBLE_DEVICES="${SAMPLING_GPU:-0}" "$py" \
+                 bench_gap.py --device cuda --shape "$s" --padded --write "$out/gap-$s.md"; done ;;
         tp) "$py" bench_tp.py --shape qwen3-8b --tp 1,2 | tee -a "$out/tp.md" ;;
         # the daemon with its trace, the engine alone and plain peft, on the same two cards
         tp32) wait_for "$ckpt/qwen3-32b" && "$py" bench_tp.py --shape qwen3-32b --tp 2 --daemon \

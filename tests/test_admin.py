@@ -134,6 +134,26 @@ def test_metrics_move_with_training(ops_daemon, tiny_dir):
     assert after[ok] > before.get(ok, 0.0)
 
 
+def test_the_logprob_gap_shows_in_metrics_and_status(ops_daemon, tiny_dir):
+    """Sampled through a trained adapter's sampler, 1 in logprob_gap_every (16) requests is
+    scored again by the training forward, the first one included, and the figure comes
+    back with the worker's next reply: 18 requests show at least one, about 0 in fp32."""
+    data = ops_daemon.data_dir
+    key = ctl_json(data, "keys", "create", "--tenant", "sven")["key"]
+    tc, _ = _train(ops_daemon.url, key, tiny_dir)
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=T)
+    params = tinker.types.SamplingParams(max_tokens=6, temperature=1.0, stop=[])
+    for i in range(18):
+        sampler.sample(prompt=tinker.types.ModelInput.from_ints([5, 6, 7 + i]), num_samples=1,
+                       sampling_params=params).result(timeout=T)
+    m = scrape(ops_daemon.url)
+    assert m["twinkle_logprob_gap_checks_total"] >= 1 and m["twinkle_logprob_gap_window"] >= 1
+    assert 0 <= m["twinkle_logprob_gap_mean_nats"] <= m["twinkle_logprob_gap_max_nats"] < 1e-4
+    gap = ctl_json(data, "status")["logprob_gap"]
+    assert gap["checked"] >= 1 and 0 <= gap["mean"] <= gap["max"] < 1e-4
+    assert "logprob gap, sampler vs trainer: mean" in ctl(data, "status").stdout
+
+
 def test_drain_refuses_new_work_then_undo(ops_daemon, tiny_dir):
     data = ops_daemon.data_dir
     key = ctl_json(data, "keys", "create", "--tenant", "rosa")["key"]

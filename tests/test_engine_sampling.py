@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_engine, randomize_b
+from helpers import ce_request, make_engine, randomize_b
 
 from twinkled.engine.lora import LoraBatch
 from twinkled.protocol.types import (
@@ -72,6 +72,53 @@ def test_sampled_logprobs_match_the_trainer(eng):
     assert torch.allclose(torch.tensor(seq.logprobs), lps[len(prompt) - 1:], atol=1e-4)
     assert res.prompt_logprobs[0] is None
     assert torch.allclose(torch.tensor(res.prompt_logprobs[1:]), lps[: len(prompt) - 1], atol=1e-4)
+
+
+def test_the_logprob_gap_of_a_sample_is_zero_in_fp32_and_shows_a_perturbation(eng):
+    """Engine.logprob_gap: the sampler's logprobs against the trainer's forward of the same
+    tokens (the running figure of /metrics), sampled and greedy, adapter and base model."""
+    prompt = _prompt(eng, 6, 7)
+    for adapter, temp in (("a", 1.0), (None, 0.0)):
+        params = SamplingParams(max_tokens=10, temperature=temp, seed=5, stop=[])
+        seq = eng.sample([SampleRequest(adapter, prompt, params)])[0].sequences[0]
+        gap = eng.logprob_gap(adapter, prompt, seq.tokens, seq.logprobs)
+        assert gap.tokens == 10 and 0 <= gap.mean <= gap.max < 1e-4
+        shifted = list(seq.logprobs)
+        shifted[3] -= 0.5  # one token off by half a nat: max 0.5, mean 0.05
+        off = eng.logprob_gap(adapter, prompt, seq.tokens, shifted)
+        assert off.max == pytest.approx(0.5, abs=1e-4)
+        assert off.mean == pytest.approx(0.05, abs=1e-4)
+    # Scored under another adapter, the same tokens are far off: the adapter is applied.
+    assert eng.logprob_gap("b", prompt, seq.tokens, seq.logprobs).mean > 1e-2
+
+
+def test_the_worker_checks_one_in_n_comparable_samples_while_their_weights_hold(eng):
+    """GapChecks (the worker's side of the running figure): the 1st, then every n-th, of
+    the requests sampled at temperature 1 or greedy; none at another temperature; none
+    whose adapter stepped since it sampled."""
+    from twinkled.protocol.types import AdamParams
+    from twinkled.workers.gaps import GapChecks
+
+    eng.add_adapter("g", LoraConfig(rank=4, alpha=16, seed=7))
+    try:
+        checks = GapChecks(eng, every=2)
+        hot = SampleRequest("g", _prompt(eng, 5, 8), SamplingParams(max_tokens=4, temperature=0.7))
+        warm = SampleRequest("g", _prompt(eng, 5, 9), SamplingParams(max_tokens=4, seed=1))
+        for req in (hot, warm, warm, warm, hot):  # comparable: the 1st and 3rd `warm` picked
+            checks.sampled(req, eng.sample([req])[0].sequences)
+        checks.run()
+        gaps = checks.take()
+        assert len(gaps) == 2 and all(g.tokens == 4 and g.max < 1e-4 for g in gaps)
+        assert checks.take() == []
+        checks.sampled(warm, eng.sample([warm])[0].sequences)  # 4th: not picked
+        checks.sampled(warm, eng.sample([warm])[0].sequences)  # 5th: picked, then trained
+        eng.forward_backward([ce_request("g", torch.Generator().manual_seed(0),
+                                         eng.model.vocab_size, [6])])
+        eng.optim_step("g", AdamParams(learning_rate=1e-2))
+        checks.run()
+        assert checks.take() == []  # its weights are gone: not compared with the new ones
+    finally:
+        eng.remove_adapter("g")
 
 
 def test_seed_gives_the_same_output(eng):

@@ -34,10 +34,36 @@ def test_more_than_max_datums_is_refused(raw):
     _refused(a, "4097", "4096", "max_datums")
 
 
-def test_more_than_max_stop_entries_is_refused(raw):
+def test_more_than_max_stop_strings_is_refused(raw):
     sampler = raw.sampler()
     a = raw.post("/asample", raw.sample_body(sampler, stop=[f"s{i}" for i in range(33)]))
-    _refused(a, "stop", "33", "32", "max_stop")
+    _refused(a, "stop", "33 stop strings", "32", "max_stop")
+
+
+def test_more_than_max_stop_ids_is_refused(raw):
+    """Token ids have their own, larger limit (a set lookup per token): 1,025 is refused."""
+    sampler = raw.sampler()
+    a = raw.post("/asample", raw.sample_body(sampler, stop=list(range(1024)) + [0]))
+    _refused(a, "stop", "1025 stop token ids", "1024", "max_stop_ids")
+
+
+def test_a_thousand_stop_token_ids_sample_through_the_tinker_client(daemon, tiny_dir):
+    """An RL environment stops on a class of tokens: 1,000 ids (max_stop was 32 for all)
+    sample, and every sequence ends at its first token of the class."""
+    import tinker
+
+    sc = tinker.ServiceClient(base_url=daemon.url, api_key=daemon.keys["bob"])
+    sampler = sc.create_sampling_client(base_model=tiny_dir.name).result(timeout=60)
+    stop = list(range(1, 1001))  # nearly the whole tiny vocabulary: the rows stop early
+    out = sampler.sample(prompt=tinker.types.ModelInput.from_ints([5, 6, 7]), num_samples=4,
+                         sampling_params=tinker.types.SamplingParams(
+                             max_tokens=32, temperature=1.0, seed=11, stop=stop)
+                         ).result(timeout=120)
+    stops = set(stop)
+    assert len(out.sequences) == 4
+    for seq in out.sequences:
+        assert seq.stop_reason == "stop", seq.tokens
+        assert seq.tokens[-1] in stops and not stops & set(seq.tokens[:-1]), seq.tokens
 
 
 def test_a_ttl_over_max_ttl_s_is_refused(raw):

@@ -39,6 +39,7 @@ from twinkled.protocol.frames import (
     encoder,
 )
 from twinkled.protocol.types import LoraConfig
+from twinkled.workers.gaps import GapWindow
 from twinkled.workers.hosts import join_settings
 from twinkled.workers.supervisor import WorkerGroup, WorkerLost
 
@@ -86,6 +87,7 @@ def zmq_executor(config: Config, devices: list[str]) -> Executor:
                "packing": config.packing, "tp": config.tp, "ep": config.ep,
                "activation_checkpointing": config.activation_checkpointing,
                "live_dir": str(live_dir), "persist_every": config.persist_every,
+               "logprob_gap_every": config.logprob_gap_every,
                "threads": threads, "log_format": config.log_format}
     group = WorkerGroup(devices, options, step_timeout=config.step_timeout_s,
                         join=join_settings(config))
@@ -328,6 +330,11 @@ class Executor:
     def status(self) -> dict:
         return {"workers": self.group.status(), "restarts": self.group.restarts}
 
+    @property
+    def gaps(self) -> GapWindow:
+        """The sampler vs trainer logprob gaps the group's workers measured."""
+        return self.group.gaps
+
 
 def in_process_executor(config: Config) -> Executor:
     """The engine in this process (one rank, no ZeroMQ): tests, and a box without workers."""
@@ -340,5 +347,6 @@ def in_process_executor(config: Config) -> Executor:
     group = InProcessGroup(config.model, device=device, dtype=dtype, max_rank=config.max_rank,
                            token_budget=config.token_budget, packing=config.packing,
                            sample_kv_mb=config.sample_kv_mb, live_dir=live_dir, persist_every=config.persist_every,
-                           sample_prefix_cache=config.sample_prefix_cache)
+                           sample_prefix_cache=config.sample_prefix_cache,
+                           logprob_gap_every=config.logprob_gap_every)
     return Executor(group, live_dir, config.persist_every, config.journal_fsync)

@@ -28,6 +28,7 @@ from twinkled.core.metrics import Metrics
 from twinkled.core.residency import Residency, stored_config
 from twinkled.protocol import trace
 from twinkled.protocol.types import LoraConfig
+from twinkled.workers.gaps import GapWindow
 
 # Sampler adapters whose lane is remembered (those of runs not placed here: a restarted
 # daemon's, say); past this the oldest are forgotten (they load again where they next go).
@@ -202,7 +203,8 @@ class Lanes:
                   "restarts": sum(restarts),
                   "live_adapters": sum(lane.residency.count() for lane in self.all),
                   # decoding across steps
-                  "samples_running": sum(len(lane.core.samples) for lane in self.all)}
+                  "samples_running": sum(len(lane.core.samples) for lane in self.all),
+                  "logprob_gap": self.logprob_gap()}
         if len(self.all) > 1:
             status["lanes"] = [
                 {"lane": lane.index, "devices": lane.executor.group.devices,
@@ -210,6 +212,11 @@ class Lanes:
                  "step_target_ms": _ms(lane.planner.step_target()),
                  "restarts": restarts[lane.index]} for lane in self.all]
         return status
+
+    def logprob_gap(self) -> dict:
+        """Sampler vs trainer logprobs of recently checked samples, over every lane
+        (workers/gaps.py: GapWindow.summary)."""
+        return GapWindow.summary(lane.executor.gaps for lane in self.all)
 
     def model_count(self) -> int:
         return sum(lane.planner.model_count() for lane in self.all)

@@ -84,3 +84,22 @@ class _Live:
         yield busy
         yield GaugeMetricFamily("twinkle_up", "1 when the daemon serves requests now",
                                 value=1.0 if g["up"] else 0.0)
+        yield from _gap_metrics(g["logprob_gap"])
+
+
+def _gap_metrics(gap: dict):
+    """The sampler's logprobs against the trainer's for the same tokens (workers/gaps.py):
+    no sample of the window, no value (not a 0 that would read as a perfect match)."""
+    for key, what in (("mean", "Mean |sampler - trainer| logprob per generated token, "
+                               "nats, over the recently checked samples"),
+                      ("max", "Largest |sampler - trainer| logprob of one generated token, "
+                              "nats, over the recently checked samples")):
+        family = GaugeMetricFamily(f"twinkle_logprob_gap_{key}_nats", what)
+        if gap[key] is not None:
+            family.add_metric([], gap[key])
+        yield family
+    yield GaugeMetricFamily("twinkle_logprob_gap_window", "Checked samples the logprob gap "
+                            "figures are over", value=gap["window"])
+    yield CounterMetricFamily("twinkle_logprob_gap_checks", "Samples scored again by the "
+                              "training forward (1 in logprob_gap_every)",
+                              value=gap["checked"])

@@ -172,7 +172,8 @@ class Service:
         """What /metrics reads at scrape time."""
         queued = {t: s["queued_requests"] for t, s in self.lanes.tenant_status().items()}
         return {"queued": queued, "adapters": self.lanes.model_count(),
-                "workers": self.lanes.workers(), "up": self.health == "ok"}
+                "workers": self.lanes.workers(), "up": self.health == "ok",
+                "logprob_gap": self.lanes.logprob_gap()}
 
     @property
     def health(self) -> str:

@@ -9,6 +9,7 @@ import asyncio
 from typing import Protocol
 
 from twinkled.protocol.frames import ReplyF, StepF
+from twinkled.workers.gaps import GapWindow
 
 
 class Transport(Protocol):
@@ -18,6 +19,7 @@ class Transport(Protocol):
     devices: list[str]
     model_info: dict
     restarts: int
+    gaps: GapWindow  # sampler vs trainer logprob gaps the replies reported (workers/gaps.py)
 
     @property
     def exits(self) -> list[asyncio.Future]: ...

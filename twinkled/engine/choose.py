@@ -92,7 +92,7 @@ def stop_reason(model, params: SamplingParams, tokens: list[int]) -> str | None:
         if tok in model.eos_token_ids:
             return "stop"
     elif stop and isinstance(stop[0], int):
-        if tok in stop:
+        if tok in params.stop_ids:  # a set: a class of ~1,000 ids costs one lookup
             return "stop"
     elif stop:  # strings: look at the decoded tail of what was generated
         text = model.tokenizer.decode(tokens[-64:])

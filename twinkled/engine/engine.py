@@ -15,10 +15,12 @@ from twinkled.protocol.checks import check_optim_params, check_optimizer
 from twinkled.protocol.types import (
     AdamParams,
     AdapterInfo,
+    Datum,
     DimuonParams,
     EngineInputError,
     ForwardBackwardRequest,
     ForwardBackwardResult,
+    LogprobGap,
     LoraConfig,
     OptimResult,
     SampledSequence,
@@ -152,6 +154,20 @@ class Engine:
     def forward(self, requests: list[ForwardBackwardRequest]) -> list[ForwardBackwardResult]:
         """Logprobs (and loss values) only; changes nothing."""
         return self.forward_backward([replace(r, forward_only=True) for r in requests])
+
+    def logprob_gap(self, adapter_id: str | None, prompt: list[int], tokens: list[int],
+                    logprobs: list[float]) -> LogprobGap:
+        """How far a finished sample's logprobs (`tokens` generated after `prompt`, as
+        `sample` returned them) are from the trainer's: the same tokens through the
+        forward that forward_backward runs (no gradients), scored at temperature 1. Only a
+        sample drawn at temperature 1 (or greedy) is comparable: others' logprobs are of
+        the scaled distribution."""
+        seq = [*prompt, *tokens]
+        datum = Datum(seq[:-1], {"target_tokens": seq[1:]})
+        out = self.forward([ForwardBackwardRequest(adapter_id, [datum])])[0]
+        trainer = out.outputs[0]["logprobs"][len(prompt) - 1:].double()
+        gap = (trainer - torch.tensor(logprobs, dtype=torch.float64)).abs()
+        return LogprobGap(float(gap.mean()), float(gap.max()), len(tokens))
 
     def optim_step(self, adapter_id: str,
                    params: AdamParams | DimuonParams | None = None) -> OptimResult:

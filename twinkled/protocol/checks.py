@@ -57,7 +57,8 @@ class Limits:
     max_rank: int = 128
     max_datums: int = 4096  # datums in one forward_backward call
     max_num_samples: int = 256  # num_samples of one sampling request
-    max_stop: int = 32  # entries in a stop list
+    max_stop: int = 32  # stop strings in a stop list
+    max_stop_ids: int = 1024  # stop token ids in a stop list (a set lookup per token)
     max_stop_chars: int = 256  # length of one stop string
     max_topk: int = 64  # k of top-k logprobs and of prompt alternative draws
     max_prompt_cells: int = 1 << 21  # prompt positions x ids scored by one request
@@ -314,25 +315,32 @@ def check_knobs(temperature: float, top_p: float, top_k: int) -> None:
 
 
 def check_stop(stop: Any, limits: Limits) -> None:
-    """None (EOS), [] (never stop early), all strings, or all token ids."""
+    """None (EOS), [] (never stop early), all strings, or all token ids.
+
+    Token ids are checked with a set lookup per generated token (choose.stop_reason), so a
+    request may stop on a whole class of tokens (max_stop_ids); strings are matched against
+    the decoded tail at every token, so their count stays tighter (max_stop)."""
     if stop is None:
         return
     field = "sampling_params.stop"
     if not isinstance(stop, list):
         raise fail(field, "must be a list of strings or of token ids")
-    if len(stop) > limits.max_stop:
-        raise fail(field, f"has {len(stop)} entries; at most {limits.max_stop} (max_stop)")
     if not stop:
         return
-    kinds = {type(s) for s in stop}
-    if kinds == {str}:
+    kind = type(stop[0])
+    if kind not in (str, int):
+        raise fail(field, "must be all strings or all token ids (integers)")
+    limit, key, what = ((limits.max_stop, "max_stop", "stop strings") if kind is str else
+                        (limits.max_stop_ids, "max_stop_ids", "stop token ids"))
+    if len(stop) > limit:  # before anything walks the list
+        raise fail(field, f"has {len(stop)} {what}; at most {limit} ({key})")
+    if any(type(s) is not kind for s in stop):
+        raise fail(field, "must be all strings or all token ids (integers)")
+    if kind is str:
         if any(not s or len(s) > limits.max_stop_chars for s in stop):
             raise fail(field, f"stop strings must have 1..{limits.max_stop_chars} characters")
         return
-    if kinds == {int}:
-        check_token_ids(field, stop, limits.vocab_size)
-        return
-    raise fail(field, "must be all strings or all token ids (integers)")
+    check_token_ids(field, stop, limits.vocab_size)
 
 
 # -- names and records --------------------------------------------------------------------

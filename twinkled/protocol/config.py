@@ -64,6 +64,9 @@ class Config:
     # The share of that pool prompts' KV pages may stay cached in for later requests with
     # the same prefix and weights (engine/prefix_cache.py); 0: no prefix cache.
     sample_prefix_cache: float = 0.5
+    # 1 in N finished sampling requests is scored again by the training forward: the gap
+    # between the two logprobs is in /metrics and `ctl status` (workers/gaps.py); 0: off.
+    logprob_gap_every: int = 16
     # GPU memory per rank for loaded adapters; 0: what the sizing estimate leaves of the
     # smallest card (on GPUs; no limit on CPUs). An adapter that would not fit is refused.
     adapter_memory_gb: float = 0.0
@@ -90,7 +93,8 @@ class Config:
     # Limits on one request, checked at the door before it is queued (docs/reference.md).
     max_datums: int = 4096  # datums in one forward_backward request
     max_num_samples: int = 256  # num_samples of one sampling request
-    max_stop: int = 32  # entries in a sampling stop list
+    max_stop: int = 32  # stop strings in a sampling stop list
+    max_stop_ids: int = 1024  # stop token ids in a sampling stop list
     max_topk: int = 64  # k of top-k logprobs and of prompt_alt_tokens_k
     max_prompt_cells: int = 1 << 21  # prompt positions x ids scored (top-k, targets, draws)
     max_name_chars: int = 128  # checkpoint names
@@ -135,6 +139,7 @@ class Config:
                             or 0),
             max_rank=self.max_rank, max_datums=self.max_datums,
             max_num_samples=self.max_num_samples, max_stop=self.max_stop,
+            max_stop_ids=self.max_stop_ids,
             max_topk=self.max_topk, max_prompt_cells=self.max_prompt_cells,
             max_name_chars=self.max_name_chars, max_ttl_s=self.max_ttl_s,
             max_metadata_bytes=self.max_metadata_bytes)
@@ -238,7 +243,7 @@ _RANGES = {
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
                                  "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
-    "token_budget": _POSITIVE, "sample_kv_mb": _NON_NEGATIVE, "sample_prefix_cache": (lambda v: 0 <= v <= 1, "must be from 0 to 1"), "adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
+    "token_budget": _POSITIVE, "sample_kv_mb": _NON_NEGATIVE, "sample_prefix_cache": (lambda v: 0 <= v <= 1, "must be from 0 to 1"), "logprob_gap_every": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
     "poll_seconds": (lambda v: 0 <= v < 45,
                      "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
     "gather_ms": _NON_NEGATIVE, "stability_bytes": _NON_NEGATIVE,

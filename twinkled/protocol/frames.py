@@ -17,6 +17,7 @@ from twinkled.protocol.types import (
     AdamParams,
     AdapterInfo,
     DimuonParams,
+    LogprobGap,
     LoraConfig,
     OptimResult,
     SampledSequence,
@@ -221,6 +222,8 @@ class ReplyF(msgspec.Struct, tag="reply"):
     began: float = 0.0  # wall-clock time the rank started the step (for twinkled/protocol/trace.py)
     phases: dict[str, float] = {}  # host seconds by phase inside the step (engine.step.HostTime)
     sampling: SlicedF | None = None  # after a "sample" or "slice" step
+    # Sampler vs trainer logprobs of the samples checked since the last reply (workers/gaps.py)
+    gaps: list[LogprobGap] = []
 
 
 class HelloF(msgspec.Struct, tag="hello"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -138,6 +139,13 @@ class SamplingParams:
     # None: stop at EOS only. []: never stop early, EOS included (Tinker semantics).
     stop: list[str] | list[int] | None = None
 
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """The stop token ids as a set (empty for strings or EOS): a row checks its every
+        new token against it, in O(1) however many ids (up to max_stop_ids) it holds."""
+        stop = self.stop or []
+        return frozenset(stop) if stop and isinstance(stop[0], int) else frozenset()
+
 
 @dataclass
 class SampleRequest:
@@ -177,6 +185,16 @@ class SampleResult:
     # Prompt tokens whose keys and values came from the sampler's prefix cache (not prefilled
     # for this request); counted once per request, whatever its num_samples.
     cached_tokens: int = 0
+
+
+@dataclass
+class LogprobGap:
+    """A sampled sequence's logprobs from the sampler against the trainer's forward of
+    the same tokens: mean and max |difference| per generated token (nats), over `tokens`."""
+
+    mean: float
+    max: float
+    tokens: int
 
 
 @dataclass

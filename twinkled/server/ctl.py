@@ -325,6 +325,11 @@ def status(target: Target, as_json: bool) -> None:
             click.echo(f"  {lane}rank {w['rank']} {w['device']:<8}{where} pid {w['pid']}  "
                        f"{'alive' if w['alive'] else 'DOWN'}  memory {_size(w['memory_bytes'])}"
                        f" (peak {_size(w.get('peak_memory_bytes', 0))})")
+        gap = s.get("logprob_gap") or {}
+        if gap.get("mean") is not None:
+            click.echo(f"logprob gap, sampler vs trainer: mean {gap['mean']:.2g}, max "
+                       f"{gap['max']:.2g} nats/token over the last {gap['window']} checked "
+                       f"samples ({gap['checked']} in all)")
         for d in s.get("damaged_checkpoints", []):
             click.echo(f"  damaged checkpoint {d['tinker_path']}: {d['reason']}")
         # share: of all training time; contended: of the steps that left work waiting,

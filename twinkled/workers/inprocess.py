@@ -17,6 +17,8 @@ from pathlib import Path
 
 from twinkled.protocol.frames import ReplyF, StepF, encoder, reply_decoder, step_decoder
 
+from .gaps import GapWindow
+
 # transformers builds a model under process-wide state (the default device and dtype, meta
 # tensors): two groups of this process (lanes) must not load at the same time.
 _LOADING = threading.Lock()
@@ -26,16 +28,18 @@ class InProcessGroup:
     def __init__(self, model: str | Path, *, device: str = "cpu", dtype: str = "float32",
                  max_rank: int = 64, token_budget: int = 16384, packing: bool = True,
                  sample_kv_mb: int = 0, live_dir: Path | None = None, persist_every: int = 1,
-                 sample_prefix_cache: float = 0.0):
+                 sample_prefix_cache: float = 0.0, logprob_gap_every: int = 0):
         self.devices = [device]
         self.model_info: dict = {}
         self.restarts = 0
+        self.gaps = GapWindow()  # sampler vs trainer logprobs, as the replies report them
         self._engine_args = {"dtype": dtype, "device": device, "max_rank": max_rank,
                              "token_budget": token_budget, "packed": packing,
                              "kv_bytes": sample_kv_mb << 20 or None,
                              "prefix_cache": sample_prefix_cache}
         self._model = str(model)
         self._live_dir, self._persist_every = live_dir, persist_every
+        self._gap_every = logprob_gap_every
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._runner = None
         self._stopped: asyncio.Future | None = None
@@ -70,7 +74,7 @@ class InProcessGroup:
         info = {"arch": cfg.model_type, "max_seq_len": engine.model.max_seq_len,
                 "vocab_size": cfg.vocab_size,
                 "dtype": str(engine.model.dtype).replace("torch.", "")}
-        return StepRunner(engine, 0, 1, persister), info
+        return StepRunner(engine, 0, 1, persister, gap_every=self._gap_every), info
 
     async def run(self, step: StepF) -> list[ReplyF]:
         """Run `step` on the engine thread; the frames cross the same codec as over ZeroMQ."""
@@ -82,13 +86,16 @@ class InProcessGroup:
         self._busy_s += reply.busy_s
         if self._pump is None or self._pump.done():
             self._pump = loop.create_task(self._between_steps())
-        return [reply_decoder.decode(encoder.encode(reply))]
+        replies = [reply_decoder.decode(encoder.encode(reply))]
+        self.gaps.add(replies)
+        return replies
 
     def _run(self, step: StepF) -> ReplyF:
         started = time.perf_counter()
         outcomes = self._runner.run(step)
         return ReplyF(step.id, 0, outcomes, 0, 0, self._runner.persisted(),
-                      time.perf_counter() - started, sampling=self._runner.sampling_news(step))
+                      time.perf_counter() - started, sampling=self._runner.sampling_news(step),
+                      gaps=self._runner.gaps())
 
     async def _between_steps(self) -> None:
         """What a worker does while idle: hand changed adapters to the writer."""

@@ -39,7 +39,7 @@ from twinkled.protocol.frames import (
     TrainF,
     UnloadF,
 )
-from twinkled.protocol.types import Datum, ForwardBackwardRequest
+from twinkled.protocol.types import Datum, ForwardBackwardRequest, LogprobGap
 
 from .persist import Persister, SplitPersistence, latest_version
 from .rank_io import anywhere, category, fatal, release, to_buf, to_tensor
@@ -59,7 +59,7 @@ def _datum(d: DatumF) -> Datum:
 class StepRunner:
     def __init__(self, engine: Engine, rank: int, world: int, persister: Persister | None,
                  spans_hosts: bool = False, ep: int = 1, seed: int | None = None,
-                 persist_every: int = 1):
+                 persist_every: int = 1, gap_every: int = 0):
         self.engine = engine
         self.rank, self.world = rank, world
         # Rows and samples are split over the data-parallel replicas; every rank of a
@@ -80,7 +80,7 @@ class StepRunner:
             engine, persister, persist_every, self.replica)
         self.spans_hosts = spans_hosts  # rank 0's files are shared to the others (share.py)
         self.sampling = SampleRunner(engine, rank, self.replica, self.replicas, self.reports,
-                                     spans_hosts, seed)
+                                     spans_hosts, seed, gap_every)
         # Per adapter: the journal position of the last op after which it had no pending
         # gradients (what a snapshot of it holds; twinkled/core/journal.py).
         self.marks: dict[str, int] = {}
@@ -113,6 +113,10 @@ class StepRunner:
     def sampling_news(self, step: StepF) -> SlicedF | None:
         """After a sampling step: the samples still running here, and streamed tokens."""
         return self.sampling.news() if step.kind in ("sample", "slice") else None
+
+    def gaps(self) -> list[LogprobGap]:
+        """Sampler vs trainer logprob gaps measured since the last reply."""
+        return self.sampling.gaps.take()
 
     def persisted(self) -> dict[str, int]:
         """{adapter: journal mark} of the states written since the last reply."""
@@ -200,7 +204,9 @@ class StepRunner:
                                                              self.marks)
 
     def between_steps(self) -> bool:
-        """Persist what changed, if the writer is free; True while something waits."""
+        """Check the samples picked for the logprob gap (gaps.py), and persist what
+        changed, if the writer is free; True while something waits."""
+        self.sampling.gaps.run()
         if self.persister is None:
             return False
         self.persister.pump(self.engine.pool.adapters, self.marks)

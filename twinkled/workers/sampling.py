@@ -11,6 +11,7 @@ from twinkled.engine.parallel import split_rows
 from twinkled.protocol.frames import OpF, OutcomeF, SampleF, SlicedF, StepF
 from twinkled.protocol.types import SampleRequest, SamplingParams
 
+from .gaps import GapChecks
 from .rank_io import category, fatal, release, to_tensor
 from .share import rank0_dir
 
@@ -21,8 +22,9 @@ EARLY_RETURN_S = 0.02  # a finished sample ends its slice once this much of it h
 
 class SampleRunner:
     def __init__(self, engine: Engine, rank: int, replica: int, replicas: int, reports: bool,
-                 spans_hosts: bool, seed: int | None):
+                 spans_hosts: bool, seed: int | None, gap_every: int = 0):
         self.engine = engine
+        self.gaps = GapChecks(engine, gap_every)  # sampler vs trainer logprobs (gaps.py)
         self.rank = rank
         # Samples are split over the data-parallel replicas; one rank of each reports.
         self.replica, self.replicas, self.reports = replica, replicas, reports
@@ -155,6 +157,7 @@ class SampleRunner:
                                          category=category(e), key=meta[1]))
                 continue
             self.queued[ticket] = meta
+            self.gaps.admitted(ticket, req)
         return outcomes
 
     def _slice(self, seconds: float) -> list[OutcomeF]:
@@ -175,10 +178,13 @@ class SampleRunner:
             why = f"sampling failed beside other samples: {type(e).__name__}: {e}"
             out = [OutcomeF(-1, error=why, category="server", key=q[1])
                    for q in self.queued.values()]
+            for ticket in self.queued:
+                self.gaps.finished(ticket, None)
             self.queued.clear()
             return out
         out = []
         for f in finished:
+            self.gaps.finished(f.ticket, f.result.sequences)
             queued = self.queued.pop(f.ticket, None)
             if queued is not None:  # (None: cancelled after it finished)
                 out.append(OutcomeF(-1, sample=f.result, key=queued[1]))
@@ -188,6 +194,7 @@ class SampleRunner:
         for ticket, q in list(self.queued.items()):
             if q[1] == key:
                 self.engine.sample_cancel(ticket)
+                self.gaps.finished(ticket, None)
                 del self.queued[ticket]
         self.deferred = [d for d in self.deferred if d[1][1] != key]
 
@@ -206,6 +213,8 @@ class SampleRunner:
         (sampling changes no adapter)."""
         try:
             results = self.engine.sample([req for _, req in good], checked=True)
+            for (_, req), r in zip(good, results, strict=True):
+                self.gaps.sampled(req, r.sequences)
             return [OutcomeF(i, sample=r) for (i, _), r in zip(good, results, strict=True)]
         except Exception as e:
             if fatal(e, self.split):

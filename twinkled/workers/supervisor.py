@@ -32,6 +32,7 @@ from twinkled.protocol import trace
 from twinkled.protocol.frames import HelloF, ReplyF, StepF, encoder, reply_decoder
 from twinkled.protocol.logs import relay
 
+from .gaps import GapWindow
 from .hosts import HostRegistry, JoinSettings, RemoteHost
 
 log = logging.getLogger("twinkled")
@@ -79,6 +80,7 @@ class WorkerGroup:
         self.workers = [WorkerInfo(r, d) for r, d in enumerate(devices)]  # the current group
         self.model_info: dict = {}
         self.restarts = 0
+        self.gaps = GapWindow()  # sampler vs trainer logprobs, as the replies report them
         self._procs: list[asyncio.subprocess.Process] = []
         self._relays: list[asyncio.Future] = []  # copying the ranks' output (JSON logs)
         self._exits: list[asyncio.Future] = []  # local exits and remote losses
@@ -264,6 +266,7 @@ class WorkerGroup:
             w.memory = r.memory
             w.peak_memory = r.peak_memory
             w.busy_s += r.busy_s
+        self.gaps.add(replies)
         if trace.enabled():
             trace.record("group", step=step.id, kind=step.kind, sent=sent, bytes=len(data),
                          ranks=[{"began": r.began, "busy": r.busy_s, "arrived": arrived[i],

@@ -86,7 +86,7 @@ def main(args: dict) -> None:
         sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, *_memory(runner),
                                         runner.persisted(), busy, began,
                                         {"decode": started - received, **HOST_TIME.take()},
-                                        runner.sampling_news(step))))
+                                        runner.sampling_news(step), runner.gaps())))
         waiting = runner.between_steps()  # after the reply: off the step's path
         retries.check(runner)
 
@@ -146,7 +146,8 @@ def _start(args: dict):
         seed = int(t.item())
     runner = StepRunner(engine, args["rank"], args["world"], persister,
                         spans_hosts=args.get("spans_hosts", False), ep=ep, seed=seed,
-                        persist_every=args.get("persist_every", 1))
+                        persist_every=args.get("persist_every", 1),
+                        gap_every=args.get("logprob_gap_every", 0))
     return runner, hello
 
 
