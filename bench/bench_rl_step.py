@@ -71,6 +71,11 @@ def datums(tinker, prompt: list[int], seqs, rewards: list[float]) -> list:
     return out
 
 
+def progress(args, what: str) -> None:
+    """A line for the person watching a long step (stderr: the parent passes it through)."""
+    print(f"[tenant {args.seed - 1000}] {what}", file=sys.stderr, flush=True)
+
+
 def rl_step(tinker, tc, adam, rng: random.Random, args) -> dict:
     """One cookbook RL step; returns its timings and token counts."""
     prompts = [[rng.randrange(args.vocab) for _ in range(args.prompt_len)]
@@ -81,12 +86,19 @@ def rl_step(tinker, tc, adam, rng: random.Random, args) -> dict:
     t1 = time.perf_counter()
     futures = [sampler.sample(tinker.types.ModelInput.from_ints(p), args.group, params)
                for p in prompts]
-    results = [f.result(timeout=T) for f in futures]
+    results = []
+    for f in futures:
+        results.append(f.result(timeout=T))
+        if len(results) % max(1, len(futures) // 4) == 0 and time.perf_counter() - t1 > 10:
+            progress(args, f"sampling: {len(results)}/{len(futures)} prompts done, "
+                           f"{time.perf_counter() - t1:.0f} s")
     t2 = time.perf_counter()
     data = []
     for p, res in zip(prompts, results, strict=True):
         data += datums(tinker, p, res.sequences, [rng.random() for _ in res.sequences])
     t3 = time.perf_counter()
+    if t3 - t0 > 10:
+        progress(args, f"training on {len(data):,} datums ...")
     fb = tc.forward_backward(data, "importance_sampling")
     opt = tc.optim_step(adam)  # sent before the result, as the cookbook does
     fb.result(timeout=T)
@@ -199,8 +211,12 @@ def run_tenants(args, url: str, keys: list[str], model: str, vocab: int, work: P
             time.sleep(0.2)
         print(f"all {len(procs)} tenant(s) warmed up; timed steps start", flush=True)
         (work / "go").write_text("")
+        while any(p.poll() is None for p in procs):
+            if daemon.poll() is not None:
+                raise SystemExit(f"twinkled exited ({daemon.returncode}) during the steps")
+            time.sleep(0.5)
         for i, p in enumerate(procs):
-            if p.wait(timeout=24 * T) != 0:
+            if p.returncode != 0:
                 raise SystemExit(f"tenant {i} failed (exit {p.returncode})")
     finally:
         for p in procs:
@@ -221,19 +237,36 @@ def healthy(url: str) -> bool:
         return False
 
 
-def versions() -> str:
+def commit(tree: Path) -> str:
+    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip() or "?"
+
+
+def versions(daemon_src: str | None) -> str:
     from importlib.metadata import version
 
-    commit = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip() or "?"
-    return f"tinker {version('tinker')}, twinkle commit {commit}"
+    src = (f"twinkled from {daemon_src} (commit {commit(Path(daemon_src))}), bench at commit "
+           if daemon_src else "twinkle commit ")
+    return f"tinker {version('tinker')}, {src}{commit(HERE)}"
+
+
+def use_daemon_src(src: str | None) -> None:
+    """Run twinkled (and its ctl) from another source tree, e.g. an older commit's: `python
+    -m` looks in the working directory first, then PYTHONPATH, so both point there."""
+    if not src:
+        return
+    root = Path(src).resolve()
+    if not (root / "twinkled" / "__main__.py").exists():
+        raise SystemExit(f"--daemon-src {src}: no twinkled package there")
+    os.environ["PYTHONPATH"] = str(root)
+    os.chdir(root)
 
 
 def report(args, steps: list[list[dict]], device: str, config: Path) -> str:
     from bench_engine import header
 
     text = header(device).replace("Engine vs peft", "RL step (tinker-cookbook rl_loop shape)")
-    text += f"- {versions()}\n"
+    text += f"- {versions(args.daemon_src)}\n"
     conf = " ".join(line.strip() for line in config.read_text().splitlines() if line.strip())
     text += (f"\n### {args.shape} ({device}), {args.tenants} tenant(s), each: {args.prompts} "
              f"prompts x {args.group} samples, {args.prompt_len} + {args.new_tokens} tokens, "
@@ -260,8 +293,8 @@ def report(args, steps: list[list[dict]], device: str, config: Path) -> str:
                  f"{mean('cached'):,.0f} |\n")
         start = min(r["t_end"] - r["total_s"] for r in timed)
         wall = max(r["t_end"] for r in timed) - start
-        text += (f"\nAll tenants' timed steps: {wall:.1f} s wall, "
-                 f"{sum(r['new_tokens'] for r in timed) / wall:,.0f} new tok/s and "
+        text += (f"\nAll tenants' timed steps, sampling and training together: {wall:.1f} s "
+                 f"wall, {sum(r['new_tokens'] for r in timed) / wall:,.0f} new and "
                  f"{sum(r['train_tokens'] for r in timed) / wall:,.0f} trained tok/s over it; "
                  f"samples ran to {mean('new_tokens') / mean('samples'):.1f} new tokens on "
                  "average.\n")
@@ -290,9 +323,11 @@ def main() -> None:
     ap.add_argument("--config", help="a twinkled TOML config file for the daemon")
     ap.add_argument("--sample-kv-mb", type=int, default=None,
                     help="the daemon's sample_kv_mb (sampler KV pool per worker, MiB)")
-    ap.add_argument("--model-dir", help="use the checkpoint here, or write the random one "
+    ap.add_argument("--model-dir", type=lambda p: str(Path(p).resolve()), help="use the checkpoint here, or write the random one "
                     "here to reuse next time (default: a temporary directory)")
-    ap.add_argument("--write", default=section_path("rl_step"),
+    ap.add_argument("--daemon-src", help="run twinkled from this source tree (e.g. a checkout "
+                    "of an older commit, for a before/after on the same card)")
+    ap.add_argument("--write", default=section_path("rl_step"), type=lambda p: p and str(Path(p).resolve()),
                     help="write the section to PATH ('' to skip)")
     args = ap.parse_args()
     if args.loop:
@@ -307,6 +342,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_rl_"))
     config = daemon_config(args, work)
     model_dir, vocab = model_dir_for(args, work, device)
+    use_daemon_src(args.daemon_src)
     keys = make_keys(work / "data", args.tenants)
     print(f"starting twinkled on {device} (log: {work}/twinkled.log) ...", flush=True)
     t0 = time.time()
