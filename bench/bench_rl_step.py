@@ -20,8 +20,10 @@ tokens/s, and the prompt tokens the sampler reports as cached (`prompt_cache_hit
 `--warmup` steps run first (CUDA graphs, compilation), then `--steps` timed ones, every
 tenant's timed steps starting together.
 
-    python bench/bench_rl_step.py                       # CPU, the tiny model, small numbers
-    python bench/bench_rl_step.py --shape qwen3-8b --config rl.toml --warmup 0 --steps 1
+    python bench/bench_rl_step.py --prompts 4 --group 4 --prompt-len 32 --new-tokens 16
+                                               # CPU, the tiny model: about a minute
+    python bench/bench_rl_step.py --shape qwen3-8b --sample-kv-mb 12288 --model-dir /tmp/q8b \
+        --warmup 0 --steps 1                   # GPU: the cookbook default, 128 x 16, 512 + 256
 """
 
 from __future__ import annotations
@@ -178,12 +180,12 @@ def tenant_cmd(args, i: int, url: str, key: str, model: str, vocab: int, work: P
 
 
 def run_tenants(args, url: str, keys: list[str], model: str, vocab: int, work: Path,
-                daemon) -> list[list[dict]]:
-    """Start the tenants, print each step as it ends, start the timed steps together;
-    returns each tenant's step records."""
+                daemon, steps: list[list[dict]], on_step) -> None:
+    """Start the tenants, print each step as it ends (into `steps[tenant]`, then
+    `on_step()`), start the timed steps together."""
     procs = [subprocess.Popen(tenant_cmd(args, i, url, k, model, vocab, work),
                               stdout=subprocess.PIPE, text=True) for i, k in enumerate(keys)]
-    steps: list[list[dict]] = [[] for _ in procs]
+    lock = threading.Lock()
 
     def read(i: int, p) -> None:
         for line in p.stdout:
@@ -191,7 +193,9 @@ def run_tenants(args, url: str, keys: list[str], model: str, vocab: int, work: P
                 print(f"[tenant {i}] {line.rstrip()}", flush=True)
                 continue
             r = json.loads(line[len(TAG):])
-            steps[i].append(r)
+            with lock:
+                steps[i].append(r)
+                on_step()
             print(f"[tenant {i}] {'warm-up' if r['warm'] else 'timed'} step {r['step']}: "
                   f"sample {r['sample_s']:.1f} s, train {r['train_s']:.1f} s, other "
                   f"{r['other_s']:.1f} s ({r['new_tokens']:,} new, {r['train_tokens']:,} "
@@ -224,7 +228,6 @@ def run_tenants(args, url: str, keys: list[str], model: str, vocab: int, work: P
                 p.kill()
     for t in readers:
         t.join(timeout=10)
-    return steps
 
 
 def healthy(url: str) -> bool:
@@ -327,11 +330,15 @@ def main() -> None:
                     "here to reuse next time (default: a temporary directory)")
     ap.add_argument("--daemon-src", help="run twinkled from this source tree (e.g. a checkout "
                     "of an older commit, for a before/after on the same card)")
-    ap.add_argument("--write", default=section_path("rl_step"), type=lambda p: p and str(Path(p).resolve()),
+    ap.add_argument("--write", default=section_path("rl_step"),  # rewritten after each step type=lambda p: p and str(Path(p).resolve()),
                     help="write the section to PATH ('' to skip)")
     args = ap.parse_args()
     if args.loop:
         return loop(args)
+    if min(args.prompts, args.group, args.prompt_len, args.new_tokens, args.steps,
+           args.tenants, args.rank) < 1 or args.warmup < 0:
+        raise SystemExit("--prompts, --group, --prompt-len, --new-tokens, --steps, --tenants "
+                         "and --rank must be >= 1, --warmup >= 0")
 
     import torch
 
@@ -352,7 +359,13 @@ def main() -> None:
         if not healthy(url):
             raise SystemExit(f"twinkled is not ready (exit code {daemon.poll()})")
         print(f"  ready in {time.time() - t0:.0f} s at {url}", flush=True)
-        steps = run_tenants(args, url, keys, model_dir.name, vocab, work, daemon)
+        steps: list[list[dict]] = [[] for _ in keys]
+
+        def save() -> None:  # after every step: a run cut short keeps what it measured
+            if args.write:
+                Path(args.write).write_text(report(args, steps, device, config))
+
+        run_tenants(args, url, keys, model_dir.name, vocab, work, daemon, steps, save)
     except BaseException:
         tail = (work / "twinkled.log").read_text(errors="replace").splitlines()[-40:]
         print("twinkled.log, last lines:\n" + "\n".join(tail), file=sys.stderr)
