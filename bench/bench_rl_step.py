@@ -11,8 +11,9 @@ own process running the unmodified tinker 0.38 client through the cookbook 0.6.1
    temperature 1 (no stop: every sample runs to its length);
 3. a Datum per sample (prompt + completion, `target_tokens`, the sampler's `logprobs`, a
    random reward centred within its group as the `advantages`), then, as the cookbook
-   does, one `forward_backward` of all P x G datums with the `importance_sampling` loss and
-   one `optim_step` (AdamW, lr 4e-5, betas 0.9 / 0.95), sent back to back.
+   does, one `forward_backward` of all P x G datums with the `importance_sampling` loss (one
+   of the cookbook's choices; its default, `stable_reinforce`, also records the sampled
+   sequences) and one `optim_step` (AdamW, lr 4e-5, betas 0.9 / 0.95), sent back to back.
 
 Reported per step: sampling seconds (2), training seconds (3's forward_backward +
 optim_step), other (1, and building the datums), new tokens/s of sampling, trained
@@ -75,7 +76,7 @@ def datums(tinker, prompt: list[int], seqs, rewards: list[float]) -> list:
 
 def progress(args, what: str) -> None:
     """A line for the person watching a long step (stderr: the parent passes it through)."""
-    print(f"[tenant {args.seed - 1000}] {what}", file=sys.stderr, flush=True)
+    print(f"[tenant {args.index}] {what}", file=sys.stderr, flush=True)
 
 
 def rl_step(tinker, tc, adam, rng: random.Random, args) -> dict:
@@ -172,7 +173,7 @@ def model_dir_for(args, work: Path, device: str) -> tuple[Path, int]:
 
 def tenant_cmd(args, i: int, url: str, key: str, model: str, vocab: int, work: Path) -> list:
     return [sys.executable, __file__, "--loop", "--url", url, "--key", key, "--base-model",
-            model, "--vocab", str(vocab), "--seed", str(1000 + i), "--prompts",
+            model, "--vocab", str(vocab), "--index", str(i), "--seed", str(1000 + i), "--prompts",
             str(args.prompts), "--group", str(args.group), "--prompt-len", str(args.prompt_len),
             "--new-tokens", str(args.new_tokens), "--steps", str(args.steps), "--warmup",
             str(args.warmup), "--rank", str(args.rank), "--ready", str(work / f"ready{i}"),
@@ -311,6 +312,7 @@ def main() -> None:
         ap.add_argument(opt, help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b"))
     ap.add_argument("--prompts", type=int, default=128, help="prompts per step (P)")
     ap.add_argument("--group", type=int, default=16, help="samples per prompt (G)")
