@@ -116,11 +116,12 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_plan(rows: int, kv_heads: int, tokens: int, device: torch.device) -> tuple[int, int]:
+def split_plan(rows: int, kv_heads: int, tokens: int, device: torch.device,
+               block_n: int = BLOCK_N) -> tuple[int, int]:
     """(splits, tiles per split) of each row's `tokens`: enough programs to fill the card
     about twice, tiles per split a power of two (it is compiled in: few variants). A
     function of the bucket's shape only, so a CUDA graph replays it."""
-    tiles = triton.cdiv(tokens, BLOCK_N)
+    tiles = triton.cdiv(tokens, block_n)
     want = max(1, min(triton.cdiv(2 * _sms(device), rows * kv_heads), tiles, MAX_SPLITS))
     per = triton.next_power_of_2(triton.cdiv(tiles, want))
     return triton.cdiv(tiles, per), per
@@ -128,19 +129,19 @@ def split_plan(rows: int, kv_heads: int, tokens: int, device: torch.device) -> t
 
 def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  table: torch.Tensor, lengths: torch.Tensor, page_size: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, block_n: int = BLOCK_N) -> torch.Tensor:
     """Attention of one new token per row over its pages.
 
     q [B, Hq, D] (any strides with a unit last one); keys/values: a layer's pool
     [pages * page_size, Hkv, D]; table [B, P] the pages of each row in order (P pages are
     attended at most); lengths [B] each row's tokens (>= 1; its new token included, already
-    written). Returns [B, Hq, D] in q's dtype."""
+    written). Returns [B, Hq, D] in q's dtype. `block_n`: tokens per tile (a tuning knob)."""
     B, Hq, D = q.shape
     Hkv = keys.shape[1]
     if q.stride(2) != 1 or keys.stride(2) != 1 or values.stride(2) != 1:
         raise ValueError("paged_decode needs a unit stride on the head dimension")
     G = Hq // Hkv
-    splits, per = split_plan(B, Hkv, table.shape[1] * page_size, q.device)
+    splits, per = split_plan(B, Hkv, table.shape[1] * page_size, q.device, block_n)
     dev, f32 = q.device, torch.float32
     m = torch.empty((B, Hq, splits), dtype=f32, device=dev)
     l_ = torch.empty((B, Hq, splits), dtype=f32, device=dev)
@@ -151,7 +152,7 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0),
         values.stride(1), table.stride(0), scale * 1.4426950408889634,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, PAGE=page_size, TILES=per, IEEE=q.dtype == torch.float32,
+        BLOCK_N=block_n, PAGE=page_size, TILES=per, IEEE=q.dtype == torch.float32,
         num_warps=4)
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=dev)
     _combine_kernel[(B, Hq)](m, l_, o, out, out.stride(0), out.stride(1), splits,
