@@ -119,12 +119,23 @@ def _sms(device: torch.device) -> int:
 def split_plan(rows: int, kv_heads: int, tokens: int, device: torch.device,
                block_n: int = BLOCK_N) -> tuple[int, int]:
     """(splits, tiles per split) of each row's `tokens`: enough programs to fill the card
-    about twice, tiles per split a power of two (it is compiled in: few variants). A
+    about twice, tiles per split coarsely rounded (it is compiled in: few variants). A
     function of the bucket's shape only, so a CUDA graph replays it."""
     tiles = triton.cdiv(tokens, block_n)
     want = max(1, min(triton.cdiv(2 * _sms(device), rows * kv_heads), tiles, MAX_SPLITS))
-    per = triton.next_power_of_2(triton.cdiv(tiles, want))
+    per = _coarse(triton.cdiv(tiles, want))
     return triton.cdiv(tiles, per), per
+
+
+def _coarse(n: int) -> int:
+    """n rounded up to a power of two or 1.5 times one, as the decode buckets' pages are:
+    few compiled variants, and a bucket's tiles fill its splits."""
+    b = 1
+    while b < n:
+        if b >= 2 and b * 3 // 2 >= n:
+            return b * 3 // 2
+        b *= 2
+    return b
 
 
 def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
