@@ -82,6 +82,23 @@ def kv_bytes(eng: Engine, reqs: list[SampleRequest], args) -> int:
     return pages * args.page_size * per_token
 
 
+def profile_steps(batch: RunningBatch, reqs, adapters, tickets_of: int, steps: int = 4) -> str:
+    """The kernels of `steps` decode steps (after prefill), heaviest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch.admit(reqs, adapters)
+    done = len(batch.step())
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            done += len(batch.step())
+    while done < tickets_of:
+        done += len(batch.step())
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60)
+
+
 def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, kernels: bool
                  ) -> dict[str, float]:
     adapters = [eng.pool.get(r.adapter_id) for r in reqs]
@@ -105,7 +122,8 @@ def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, kernels: bo
         calls.append(t2 - t0)
         decode.append(t2 - t1)
     call, dec = statistics.median(calls[1:]), statistics.median(decode[1:])
-    out = {"call tok/s": new / call, "decode tok/s": rows * (args.new - 2) / dec,
+    top = profile_steps(batch, reqs, adapters, tickets_of=len(reqs)) if args.profile else ""
+    out = {"profile": top,"call tok/s": new / call, "decode tok/s": rows * (args.new - 2) / dec,
            "graphs": batch.decode.count_graphs(), "step ms": 1e3 * dec / (args.new - 2)}
     mean_len = args.prompt + args.new / 2
     used = min(args.adapters, len(reqs))
@@ -143,6 +161,8 @@ def main() -> None:
     ap.add_argument("--paths", default=None,
                     help="decode attentions to run, comma-separated: old (gather + SDPA), new "
                     "(paged Triton kernel) (old,new; CPU old)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the heaviest kernels of a few decode steps of each run")
     ap.add_argument("--adapters", type=int, default=8, help="adapters the requests cycle over")
     ap.add_argument("--page-size", type=int, default=PAGE_SIZE, help="tokens per KV page")
     ap.add_argument("--kv-gb", type=float, default=None,
@@ -187,6 +207,9 @@ def main() -> None:
                  f"{r['step ms']:.1f} | {r['bound tok/s']:,.0f} | {r['of bound']:.1%} | "
                  f"{r['GB/step']:.2f} | {r['graphs']:.0f} | {ratio} | "
                  + ("-" if padded is None else f"{padded:,.0f}") + " |\n")
+    for (name, path), r in results.items():
+        if r["profile"]:
+            text += f"\n{name}, {path}: 4 decode steps\n```\n{r['profile']}```\n"
     emit(text, args.write)
 
 

@@ -1,6 +1,6 @@
 """The paged decode kernel on a GPU: compiled, against the gather + SDPA reference (fp32 and
 bf16, eagerly and replayed in a CUDA graph after its inputs changed), then one layer's decode
-attention timed both ways, with the kernel's tile size and the KV page size varied.
+attention timed both ways, with the kernel's tile size, warps and pipeline stages varied.
 
     python bench/check_paged_decode.py                 # Qwen3-8B and Qwen2.5-0.5B head layouts
 """
@@ -50,11 +50,11 @@ def old(pool, table, lengths, q, k, v, scale):
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def new(pool, table, lengths, q, k, v, scale, block_n=32):
+def new(pool, table, lengths, q, k, v, scale, block_n=64, warps=4, stages=3):
     view = pool.view(write_slots(pool, table, lengths), table, lengths)
     view.store(0, k, v)
     return paged_decode(q[:, :, 0], pool.k[0], pool.v[0], table, lengths, pool.page_size,
-                        scale, block_n)[:, :, None]
+                        scale, block_n, warps, stages)[:, :, None]
 
 
 def check(shape: str) -> None:
@@ -106,30 +106,35 @@ def timed(fn, reps=50) -> float:
 
 
 def bench(shape: str, rows: int, tokens: int) -> None:
+    """One layer's decode attention, old path against the kernel under each tuning."""
     heads, kv, dim = SHAPES[shape]
-    dtype = torch.bfloat16
-    for page in (16, 32, 64):
-        case = make(rows, tokens, heads, kv, dim, page, dtype)
-        lengths = case[2]
-        moved = lengths.sum().item() * kv * dim * 2 * dtype.itemsize / 1e9  # GB a layer reads
-        line = f"{shape} rows {rows} tokens {tokens} page {page}:"
-        if page == 16:
-            ms = timed(lambda c=case: old(*c, 0.1))
-            line += f" old {ms:.3f} ms ({moved / ms * 1e3:.0f} GB/s)"
-        for block_n in (16, 32, 64):
-            ms = timed(lambda b=block_n, c=case: new(*c, 0.1, b))
-            line += f" | new tile {block_n}: {ms:.3f} ms ({moved / ms * 1e3:.0f} GB/s)"
+    case = make(rows, tokens, heads, kv, dim, 16, torch.bfloat16)
+    moved = case[2].sum().item() * kv * dim * 2 * 2 / 1e9  # GB of KV a layer reads
+
+    def rate(ms: float) -> str:
+        return f"{ms:.3f} ms ({moved / ms * 1e3:.0f} GB/s)"
+
+    print(f"{shape} rows {rows} tokens {tokens} (mean {case[2].float().mean():.0f}): old "
+          + rate(timed(lambda: old(*case, 0.1))), flush=True)
+    for block_n in (32, 64, 128):
+        line = f"  tile {block_n}:"
+        for warps in (4, 8):
+            for stages in (1, 3):
+                ms = timed(lambda b=block_n, w=warps, st=stages: new(*case, 0.1, b, w, st))
+                line += f" | warps {warps} stages {stages}: {rate(ms)}"
         print(line, flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", action="append", choices=sorted(SHAPES))
+    ap.add_argument("--time", action="append", choices=sorted(SHAPES),
+                    help="shapes to time (default: those checked)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name())
     for shape in args.shape or sorted(SHAPES):
         check(shape)
-    for shape in args.shape or sorted(SHAPES):
+    for shape in args.time or args.shape or sorted(SHAPES):
         bench(shape, 256, 768)
         bench(shape, 32, 4096)
 

@@ -63,20 +63,20 @@ def test_paged_decode_matches_gather_and_sdpa(name):
     pool, q, k, v, table, lens = _case(heads, kv, dim, page, tables, lengths)
     want = _reference(pool, 1, q, k, v, table, lens, 0.3)
     # the reference wrote the new keys/values; the kernel reads them from the pool
-    got = paged_decode(q[:, :, 0], pool.k[1], pool.v[1], table, lens, page, 0.3)
+    got = paged_decode(q[:, :, 0], pool.k[1], pool.v[1], table, lens, page, 0.3, block_n=16)
     assert got.shape == (len(tables), heads, dim)
     torch.testing.assert_close(got, want[:, :, 0], atol=1e-4, rtol=0)
-    assert split_plan(len(tables), kv, table.shape[1] * page, q.device)[0] > 1
+    assert split_plan(len(tables), kv, table.shape[1] * page, q.device, 16)[0] > 1
 
 
 def test_paged_decode_tiles_span_pages_and_splits_hold_many_tiles():
-    """Pages of 4 tokens under 32-token tiles, many rows: a split walks several tiles, and
-    a split past a short row's length contributes nothing."""
+    """Pages of 4 tokens under 64-token tiles (the default), many rows: a split walks
+    several tiles, and a split past a short row's length contributes nothing."""
     rows = 40
-    tables = [[1 + (i * 3 + j) % 50 for j in range(12)] for i in range(rows)]
-    lengths = [1 + (i * 7) % 48 for i in range(rows)]
+    tables = [[1 + (i * 3 + j) % 50 for j in range(48)] for i in range(rows)]
+    lengths = [1 + (i * 29) % 192 for i in range(rows)]
     pool, q, k, v, table, lens = _case(4, 2, 16, 4, tables, lengths, pages=51, seed=1)
-    splits, per = split_plan(rows, 2, 48, q.device)
+    splits, per = split_plan(rows, 2, 192, q.device)
     assert splits > 1 and per > 0
     want = _reference(pool, 0, q, k, v, table, lens, 0.25)
     got = paged_decode(q[:, :, 0], pool.k[0], pool.v[0], table, lens, 4, 0.25)
@@ -88,9 +88,9 @@ def test_split_plan_depends_on_the_shape_only():
     tokens); the splits cover every tile, and one split per row wastes no tile."""
     for rows, kv, tokens in ((1, 8, 16), (256, 8, 12288), (3, 2, 200), (64, 1, 4096)):
         splits, per = split_plan(rows, kv, tokens, torch.device("cpu"))
-        assert splits * per * 32 >= tokens
-        assert (splits - 1) * per * 32 < tokens  # no split lies wholly past the bucket
-    assert split_plan(256, 8, 48 * 16, torch.device("cpu")) == (1, 24)
+        assert splits * per * 64 >= tokens
+        assert (splits - 1) * per * 64 < tokens  # no split lies wholly past the bucket
+    assert split_plan(256, 8, 48 * 16, torch.device("cpu")) == (1, 12)
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,13 @@ layout. FlashInfer needs JIT builds carried to the GPU machines.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 32  # tokens per tile (any power of two >= 16; independent of the page size)
+BLOCK_N = 64  # tokens per tile (any power of two >= 16; independent of the page size)
 MAX_SPLITS = 64
 
 
@@ -42,7 +43,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, o_ptr,
                   sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, st_b, scale_log2,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TILES: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, TO_LENGTH: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -57,9 +58,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, o_ptr,
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    # A fixed trip count (the bucket's): tiles past the row's length load nothing (masked)
-    # and add nothing, so the launch does not follow the lengths while the memory traffic does.
-    for i in range(0, TILES):
+    # The launch is the bucket's; the loop stops at the row's length (TO_LENGTH, compiled).
+    # Triton's interpreter cannot take a loop bound loaded from memory (numpy >= 2.4), so
+    # there it runs the bucket's tiles: those past the length load nothing and add nothing.
+    trips = tl.minimum(TILES, tl.cdiv(length - s * TILES * BLOCK_N, BLOCK_N))
+    for i in range(0, trips if TO_LENGTH else TILES):
         tok = (s * TILES + i) * BLOCK_N + n
         live = tok < length
         page = tl.load(table_ptr + b * st_b + tok // PAGE, mask=live, other=0)
@@ -140,13 +143,15 @@ def _coarse(n: int) -> int:
 
 def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  table: torch.Tensor, lengths: torch.Tensor, page_size: int,
-                 scale: float, block_n: int = BLOCK_N) -> torch.Tensor:
+                 scale: float, block_n: int = BLOCK_N, warps: int = 4, stages: int = 3
+                 ) -> torch.Tensor:
     """Attention of one new token per row over its pages.
 
     q [B, Hq, D] (any strides with a unit last one); keys/values: a layer's pool
     [pages * page_size, Hkv, D]; table [B, P] the pages of each row in order (P pages are
     attended at most); lengths [B] each row's tokens (>= 1; its new token included, already
-    written). Returns [B, Hq, D] in q's dtype. `block_n`: tokens per tile (a tuning knob)."""
+    written). Returns [B, Hq, D] in q's dtype. `block_n`, `warps`, `stages`: tuning knobs
+    (tokens per tile, warps and pipeline stages of the split kernel)."""
     B, Hq, D = q.shape
     Hkv = keys.shape[1]
     if q.stride(2) != 1 or keys.stride(2) != 1 or values.stride(2) != 1:
@@ -164,7 +169,7 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         values.stride(1), table.stride(0), scale * 1.4426950408889634,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d,
         BLOCK_N=block_n, PAGE=page_size, TILES=per, IEEE=q.dtype == torch.float32,
-        num_warps=4)
+        TO_LENGTH=os.environ.get("TRITON_INTERPRET") != "1", num_warps=warps, num_stages=stages)
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=dev)
     _combine_kernel[(B, Hq)](m, l_, o, out, out.stride(0), out.stride(1), splits,
                              S_PAD=triton.next_power_of_2(splits), D=D, BLOCK_D=block_d)
