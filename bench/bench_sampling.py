@@ -189,8 +189,12 @@ def main() -> None:
             a = eng.pool.get(f"a{i}")
             for key in a.bank.shapes:  # B starts at zero; give the deltas some size
                 torch.nn.init.normal_(a.bank.B[key][a.slot], std=0.01)
-        results = {(name, path): run_workload(eng, reqs, args, sync, PATHS[path])
-                   for name, reqs in workloads(args, vocab).items() for path in paths}
+        results = {}
+        for name, reqs in workloads(args, vocab).items():
+            for path in paths:
+                r = results[name, path] = run_workload(eng, reqs, args, sync, PATHS[path])
+                print(f"{name}, {path}: {r['call tok/s']:,.0f} tok/s a call, "
+                      f"{r['step ms']:.1f} ms a decode step", flush=True)
     text = header(args.device).replace("Engine vs peft", "Sampling throughput")
     text += (f"\n### {args.shape} ({args.device}, {str(dtype).split('.')[-1]}), "
              f"{args.adapters} adapters r={RANK}, prompts of {args.prompt} tokens, {args.new} "
