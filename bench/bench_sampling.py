@@ -7,9 +7,11 @@ to its `--new` tokens:
            temperature 1 (an RL rollout);
   wide:    `--prompts-wide` prompts of `--prompt` tokens x 1 sample, greedy.
 Each prints new tokens per second of a whole `sample` call (prefill included), of its
-decode steps alone, and the decode steps' share of a bandwidth bound: the bytes a decode
-step must read (base weights, the adapters in use, every row's KV so far) over
-`--bandwidth-gbs`. Timings are medians after a warm-up call (which captures the CUDA graphs).
+decode steps alone (those that admit no prompt: a wide workload's prompts are prefilled
+over its first steps, `prefill_tokens` at a time), and the decode steps' share of a
+bandwidth bound: the bytes a decode step must read (base weights, the adapters in use,
+every row's KV so far) over `--bandwidth-gbs`. Calls are timed after a warm-up call (which
+captures the CUDA graphs): the median call, and the decode steps of all timed calls.
 `--paths old,new` runs both decode attentions on the same weights, one after the other: old
 is the gather + SDPA reference (kernels off), new the paged Triton kernel
 (kernels/paged_decode.py; on CPU only under TRITON_INTERPRET=1), and prints new/old.
@@ -106,25 +108,26 @@ def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, kernels: bo
     new = rows * args.new
     batch = RunningBatch(eng.model, rows=max(256, rows), page_size=args.page_size,
                          kv_bytes=kv_bytes(eng, reqs, args), kernels=kernels)
-    calls, decode = [], []
-    for _ in range(args.repeats + 1):  # the first call captures the graphs
+    calls, pure = [], []  # pure: (seconds, rows) of decode steps that admitted nothing
+    for i in range(args.repeats + 1):  # the first call captures the graphs
         tickets = batch.admit(reqs, adapters)
         sync()
         t0 = time.perf_counter()
-        first = batch.step()  # admission (prefill) and the first decode step
-        sync()
-        t1 = time.perf_counter()
-        done = len(first)
+        done = 0
         while done < len(tickets):
+            admitting, live = batch.waiting_requests > 0, len(batch.live)
+            s0 = time.perf_counter()
             done += len(batch.step())
-        sync()
-        t2 = time.perf_counter()
-        calls.append(t2 - t0)
-        decode.append(t2 - t1)
-    call, dec = statistics.median(calls[1:]), statistics.median(decode[1:])
+            sync()
+            if i > 0 and live and not admitting:
+                pure.append((time.perf_counter() - s0, live))
+        calls.append(time.perf_counter() - t0)
+    call = statistics.median(calls[1:])
+    step = sum(t for t, _ in pure) / len(pure)
     top = profile_steps(batch, reqs, adapters, tickets_of=len(reqs)) if args.profile else ""
-    out = {"profile": top,"call tok/s": new / call, "decode tok/s": rows * (args.new - 2) / dec,
-           "graphs": batch.decode.count_graphs(), "step ms": 1e3 * dec / (args.new - 2)}
+    out = {"profile": top, "call tok/s": new / call,
+           "decode tok/s": sum(n for _, n in pure) / sum(t for t, _ in pure),
+           "graphs": batch.decode.count_graphs(), "step ms": 1e3 * step}
     mean_len = args.prompt + args.new / 2
     used = min(args.adapters, len(reqs))
     bound = rows * args.bandwidth_gbs * 1e9 / step_bytes(eng, rows, mean_len, used)
