@@ -16,6 +16,14 @@ shape of a decode bucket, never on the lengths, so a captured CUDA graph stays v
 program whose split lies past its row's length loads nothing and writes an empty partial.
 Nothing syncs with the host.
 
+Tuning (bench/check_paged_decode.py, one H200, bf16, the Qwen3-8B layout of 32 query and 8
+kv heads of 128): one layer's decode attention for 256 rows of up to 768 tokens takes
+0.127 ms (3.2 TB/s of KV) against 0.59 ms for the gather + SDPA; 32 rows of up to 4096
+tokens, split 6 ways, 0.099 ms against 0.40. Tiles of 64 tokens beat 32 (0.148 vs 0.156 ms
+at 1 stage, 0.127 vs 0.133 at 3) and equal 128; 4 warps beat 8; 3 pipeline stages beat 1.
+The KV page size made no difference (16, 32 or 64 tokens within 3%: a tile spans pages),
+so pages stay at 16 tokens (running.PAGE_SIZE), where a short prompt wastes least.
+
 Why not torch's flex_attention with paged block masks (torch.nn.attention.experimental.
 _paged_attention): its physical block mask must use the page size as its KV block size and be
 rebuilt from the block tables every step; it is compiled by inductor per bucket shape (many
