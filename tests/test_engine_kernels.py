@@ -129,5 +129,9 @@ def test_running_batch_with_the_kernel_samples_what_the_reference_samples(eng):
             assert y.logprobs == pytest.approx(x.logprobs, abs=1e-4)
 
 
-def test_cpu_takes_the_kernels_only_when_asked(eng):
+def test_cpu_takes_the_kernels_only_when_asked(eng, monkeypatch):
+    """Default off on CPU; asked for where Triton's interpreter is off, a clear error."""
     assert RunningBatch(eng.model, rows=2, pages=8, page_size=4).decode.kernels is False
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        RunningBatch(eng.model, rows=2, pages=8, page_size=4, kernels=True)
