@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from helpers import make_engine, randomize_b
 
+from twinkled.engine.kernels import paged_decode as paged_decode_module
 from twinkled.engine.kernels import runnable
 from twinkled.engine.kernels.paged_decode import paged_decode, split_plan
 from twinkled.engine.kv_pages import PagePool
@@ -69,17 +70,17 @@ def test_paged_decode_matches_gather_and_sdpa(name):
     assert split_plan(len(tables), kv, table.shape[1] * page, q.device, 16)[0] > 1
 
 
-def test_paged_decode_tiles_span_pages_and_splits_hold_many_tiles():
-    """Pages of 4 tokens under 64-token tiles (the default), many rows: a split walks
-    several tiles, and a split past a short row's length contributes nothing."""
-    rows = 40
-    tables = [[1 + (i * 3 + j) % 50 for j in range(48)] for i in range(rows)]
-    lengths = [1 + (i * 29) % 192 for i in range(rows)]
+def test_paged_decode_tiles_span_pages_and_splits_hold_many_tiles(monkeypatch):
+    """Pages of 4 tokens under 16-token tiles: a tile reads 4 pages; on a card of 8 SMs
+    (few programs wanted) a split walks 6 tiles; the short rows' second split lies past
+    their length and contributes nothing."""
+    monkeypatch.setattr(paged_decode_module, "_sms", lambda device: 8)
+    tables = [[1 + (i * 3 + j) % 50 for j in range(48)] for i in range(6)]
+    lengths = [192, 150, 97, 96, 40, 1]
     pool, q, k, v, table, lens = _case(4, 2, 16, 4, tables, lengths, pages=51, seed=1)
-    splits, per = split_plan(rows, 2, 192, q.device)
-    assert splits > 1 and per > 0
+    assert split_plan(6, 2, 192, q.device, 16) == (2, 6)
     want = _reference(pool, 0, q, k, v, table, lens, 0.25)
-    got = paged_decode(q[:, :, 0], pool.k[0], pool.v[0], table, lens, 4, 0.25)
+    got = paged_decode(q[:, :, 0], pool.k[0], pool.v[0], table, lens, 4, 0.25, block_n=16)
     torch.testing.assert_close(got, want[:, :, 0], atol=1e-4, rtol=0)
 
 
