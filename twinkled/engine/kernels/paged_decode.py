@@ -30,7 +30,7 @@ rebuilt from the block tables every step; it is compiled by inductor per bucket 
 decode buckets, each a compile inside our own CUDA-graph capture), and on CPU the tests would
 check inductor's C++ code rather than the kernel the GPU runs. This kernel is one Triton
 source that Triton's interpreter runs on CPU (the tests) and that compiles once per head
-layout. FlashInfer needs JIT builds carried to the GPU machines.
+layout and tiles-per-split step (a handful over a process's life, each in a graph's warm-up). FlashInfer needs JIT builds carried to the GPU machines.
 """
 
 from __future__ import annotations
