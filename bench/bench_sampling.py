@@ -1,18 +1,24 @@
 """Sampling throughput of the engine: continuous batching over a paged KV cache (what
 `Engine.sample` runs) against the padded sampler it replaced, on the same card and weights.
 
-Two workloads, 8 adapters (LoRA r=32 on attention and MLP), every sample runs to its
-`--new` tokens:
+Two workloads, `--adapters` adapters (8; LoRA r=32 on attention and MLP), every sample runs
+to its `--new` tokens:
   fan-out: `--prompts-fanout` prompts of `--prompt` tokens x `--samples` samples each,
            temperature 1 (an RL rollout);
   wide:    `--prompts-wide` prompts of `--prompt` tokens x 1 sample, greedy.
 Each prints new tokens per second of a whole `sample` call (prefill included), of its
-decode steps alone, and the decode steps' share of a bandwidth bound: the bytes a decode
-step must read (base weights, the adapters in use, every row's KV so far) over
-`--bandwidth-gbs`. Timings are medians after a warm-up call (which captures the CUDA graphs).
+decode steps alone (those that admit no prompt: a wide workload's prompts are prefilled
+over its first steps, `prefill_tokens` at a time), and the decode steps' share of a
+bandwidth bound: the bytes a decode step must read (base weights, the adapters in use,
+every row's KV so far) over `--bandwidth-gbs`. Calls are timed after a warm-up call (which
+captures the CUDA graphs): the median call, and the decode steps of all timed calls.
+`--paths old,new` runs both decode attentions on the same weights, one after the other: old
+is the gather + SDPA reference (kernels off), new the paged Triton kernel
+(kernels/paged_decode.py; on CPU only under TRITON_INTERPRET=1), and prints new/old.
 
     python bench/bench_sampling.py                      # CPU, the tiny model
     python bench/bench_sampling.py --device cuda --shape qwen2.5-0.5b
+    python bench/bench_sampling.py --device cuda --shape qwen3-8b --paths old,new --adapters 64
 """
 
 from __future__ import annotations
@@ -28,12 +34,12 @@ from bench_engine import build_model, header
 from output import emit, section_path
 
 from twinkled.engine.engine import Engine
-from twinkled.engine.running import RunningBatch
+from twinkled.engine.running import PAGE_SIZE, RunningBatch
 from twinkled.engine.sampler import generate_padded
 from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
 
-ADAPTERS = 8
 RANK = 32
+PATHS = {"old": False, "new": True}  # path -> RunningBatch(kernels=)
 
 
 def workloads(args, vocab: int) -> dict[str, list[SampleRequest]]:
@@ -46,54 +52,90 @@ def workloads(args, vocab: int) -> dict[str, list[SampleRequest]]:
     greedy = SamplingParams(max_tokens=args.new, temperature=0.0, stop=[])
     return {
         f"fan-out: {args.prompts_fanout} prompts x {args.samples} samples, temperature 1": [
-            SampleRequest(f"a{i % ADAPTERS}", p, hot, num_samples=args.samples)
+            SampleRequest(f"a{i % args.adapters}", p, hot, num_samples=args.samples)
             for i, p in enumerate(prompts(args.prompts_fanout))],
         f"wide: {args.prompts_wide} prompts x 1 sample, greedy": [
-            SampleRequest(f"a{i % ADAPTERS}", p, greedy) for i, p in enumerate(prompts(args.prompts_wide))],
+            SampleRequest(f"a{i % args.adapters}", p, greedy)
+            for i, p in enumerate(prompts(args.prompts_wide))],
     }
 
 
-def step_bytes(eng: Engine, rows: int, mean_len: float) -> float:
+def step_bytes(eng: Engine, rows: int, mean_len: float, adapters: int) -> float:
     """What one decode step must read: every linear weight once (the embedding only for
-    its rows), the adapters in use, and each row's keys and values."""
+    its rows), the `adapters` in use, and each row's keys and values."""
     m = eng.model
     size = m.dtype.itemsize
     weights = sum(fin * fout for fin, fout in m.targets.values()) * size
-    lora = ADAPTERS * RANK * sum(fin + fout for key, (fin, fout) in m.targets.items()
+    lora = adapters * RANK * sum(fin + fout for key, (fin, fout) in m.targets.items()
                                  if key != "lm_head") * size
     kv = 2 * len(m.layers) * m.n_kv * m.head_dim * size
     return weights + lora + rows * mean_len * kv
 
 
-def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync) -> dict[str, float]:
+def kv_bytes(eng: Engine, reqs: list[SampleRequest], args) -> int:
+    """A page pool that holds the whole workload at once (every row decoding together),
+    unless `--kv-gb` says otherwise."""
+    if args.kv_gb:
+        return int(args.kv_gb * 1e9)
+    m = eng.model
+    per_token = 2 * len(m.layers) * m.n_kv * m.head_dim * m.dtype.itemsize
+    pages = sum(1 + args.prompt // args.page_size + r.num_samples * (
+        2 + args.new // args.page_size) for r in reqs)
+    return pages * args.page_size * per_token
+
+
+def profile_steps(batch: RunningBatch, reqs, adapters, tickets_of: int, steps: int = 4) -> str:
+    """The kernels of `steps` decode steps (after prefill), heaviest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch.admit(reqs, adapters)
+    done = len(batch.step())
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            done += len(batch.step())
+    while done < tickets_of:
+        done += len(batch.step())
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60)
+
+
+def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, kernels: bool
+                 ) -> dict[str, float]:
     adapters = [eng.pool.get(r.adapter_id) for r in reqs]
     rows = sum(r.num_samples for r in reqs)
     new = rows * args.new
-    batch = RunningBatch(eng.model, rows=max(256, rows))
-    calls, decode = [], []
-    for _ in range(args.repeats + 1):  # the first call captures the graphs
+    batch = RunningBatch(eng.model, rows=max(256, rows), page_size=args.page_size,
+                         kv_bytes=kv_bytes(eng, reqs, args), kernels=kernels)
+    calls, pure = [], []  # pure: (seconds, rows) of decode steps that admitted nothing
+    for i in range(args.repeats + 1):  # the first call captures the graphs
         tickets = batch.admit(reqs, adapters)
         sync()
         t0 = time.perf_counter()
-        first = batch.step()  # admission (prefill) and the first decode step
-        sync()
-        t1 = time.perf_counter()
-        done = len(first)
+        done = 0
         while done < len(tickets):
+            admitting, live = batch.waiting_requests > 0, len(batch.live)
+            s0 = time.perf_counter()
             done += len(batch.step())
-        sync()
-        t2 = time.perf_counter()
-        calls.append(t2 - t0)
-        decode.append(t2 - t1)
-    call, dec = statistics.median(calls[1:]), statistics.median(decode[1:])
-    out = {"call tok/s": new / call, "decode tok/s": rows * (args.new - 2) / dec,
-           "graphs": batch.decode.count_graphs()}
+            sync()
+            if i > 0 and live and not admitting:
+                pure.append((time.perf_counter() - s0, live))
+        calls.append(time.perf_counter() - t0)
+    call = statistics.median(calls[1:])
+    step = sum(t for t, _ in pure) / len(pure)
+    top = profile_steps(batch, reqs, adapters, tickets_of=len(reqs)) if args.profile else ""
+    out = {"profile": top, "call tok/s": new / call,
+           "decode tok/s": sum(n for _, n in pure) / sum(t for t, _ in pure),
+           "graphs": batch.decode.count_graphs(), "step ms": 1e3 * step}
     mean_len = args.prompt + args.new / 2
-    bound = rows * args.bandwidth_gbs * 1e9 / step_bytes(eng, rows, mean_len)
+    used = min(args.adapters, len(reqs))
+    bound = rows * args.bandwidth_gbs * 1e9 / step_bytes(eng, rows, mean_len, used)
     out["bound tok/s"] = bound
     out["of bound"] = out["decode tok/s"] / bound
-    out["GB/step"] = step_bytes(eng, rows, mean_len) / 1e9
-    if args.baseline:
+    out["GB/step"] = step_bytes(eng, rows, mean_len, used) / 1e9
+    del batch
+    if args.baseline and not kernels:  # once: it does not depend on the decode attention
         times = []
         for _ in range(max(1, args.repeats - 1) + 1):
             sync()
@@ -119,9 +161,21 @@ def main() -> None:
                     help="the card's memory bandwidth, GB/s (H100 SXM: 3350; H200: 4800)")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false",
                     help="skip the padded sampler")
+    ap.add_argument("--paths", default=None,
+                    help="decode attentions to run, comma-separated: old (gather + SDPA), new "
+                    "(paged Triton kernel) (old,new; CPU old)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the heaviest kernels of a few decode steps of each run")
+    ap.add_argument("--adapters", type=int, default=8, help="adapters the requests cycle over")
+    ap.add_argument("--page-size", type=int, default=PAGE_SIZE, help="tokens per KV page")
+    ap.add_argument("--kv-gb", type=float, default=None,
+                    help="KV page pool, GB (default: the whole workload at once)")
     ap.add_argument("--write", default=section_path("sampling"))
     args = ap.parse_args()
     gpu = args.device == "cuda"
+    paths = (args.paths or ("old,new" if gpu else "old")).split(",")
+    if any(p not in PATHS for p in paths):
+        ap.error(f"--paths takes {', '.join(PATHS)}")
     for name, g, c in (("prompt", 512, 32), ("new", 256, 16), ("prompts_fanout", 32, 4),
                        ("prompts_wide", 256, 16)):
         if getattr(args, name) is None:
@@ -132,28 +186,37 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         vocab = build_model(args.shape, Path(tmp) / "model", dtype, args.device)
         eng = Engine(Path(tmp) / "model", dtype=dtype, device=dev)
-        for i in range(ADAPTERS):
+        for i in range(args.adapters):
             eng.add_adapter(f"a{i}", LoraConfig(rank=RANK, alpha=RANK, seed=i,
                                                 train_unembed=False))
             a = eng.pool.get(f"a{i}")
             for key in a.bank.shapes:  # B starts at zero; give the deltas some size
                 torch.nn.init.normal_(a.bank.B[key][a.slot], std=0.01)
-        results = {name: run_workload(eng, reqs, args, sync)
-                   for name, reqs in workloads(args, vocab).items()}
+        results = {}
+        for name, reqs in workloads(args, vocab).items():
+            for path in paths:
+                r = results[name, path] = run_workload(eng, reqs, args, sync, PATHS[path])
+                print(f"{name}, {path}: {r['call tok/s']:,.0f} tok/s a call, "
+                      f"{r['step ms']:.1f} ms a decode step", flush=True)
     text = header(args.device).replace("Engine vs peft", "Sampling throughput")
-    text += (f"\n### {args.shape} ({args.device}, {str(dtype).split('.')[-1]}), {ADAPTERS} "
-             f"adapters r={RANK}, prompts of {args.prompt} tokens, {args.new} new tokens a "
-             f"sample, bandwidth bound at {args.bandwidth_gbs:g} GB/s, median of "
-             f"{args.repeats}\n\n| workload | call tok/s | decode tok/s | bound tok/s | "
-             f"of bound | GB/step | graphs | padded tok/s | call vs padded |\n"
-             f"|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
-    for name, r in results.items():
+    text += (f"\n### {args.shape} ({args.device}, {str(dtype).split('.')[-1]}), "
+             f"{args.adapters} adapters r={RANK}, prompts of {args.prompt} tokens, {args.new} "
+             f"new tokens a sample, pages of {args.page_size}, bandwidth bound at "
+             f"{args.bandwidth_gbs:g} GB/s, median of {args.repeats}; old: gather + SDPA, new: "
+             f"paged kernel\n\n| workload | path | call tok/s | decode tok/s | step ms | "
+             f"bound tok/s | of bound | GB/step | graphs | call new/old | padded tok/s |\n"
+             f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    for (name, path), r in results.items():
+        old = results.get((name, "old"))
+        ratio = "-" if path == "old" or old is None else f"{r['call tok/s'] / old['call tok/s']:.2f}x"
         padded = r.get("padded tok/s")
-        text += (f"| {name} | {r['call tok/s']:,.0f} | {r['decode tok/s']:,.0f} | "
-                 f"{r['bound tok/s']:,.0f} | {r['of bound']:.1%} | {r['GB/step']:.2f} | "
-                 f"{r['graphs']:.0f} | "
-                 + ("- | - |" if padded is None else
-                    f"{padded:,.0f} | {r['call tok/s'] / padded:.2f}x |") + "\n")
+        text += (f"| {name} | {path} | {r['call tok/s']:,.0f} | {r['decode tok/s']:,.0f} | "
+                 f"{r['step ms']:.1f} | {r['bound tok/s']:,.0f} | {r['of bound']:.1%} | "
+                 f"{r['GB/step']:.2f} | {r['graphs']:.0f} | {ratio} | "
+                 + ("-" if padded is None else f"{padded:,.0f}") + " |\n")
+    for (name, path), r in results.items():
+        if r["profile"]:
+            text += f"\n{name}, {path}: 4 decode steps\n```\n{r['profile']}```\n"
     emit(text, args.write)
 
 

@@ -39,7 +39,7 @@ class DecodeStep:
     MODES = ("eager", "buckets", "graphs")
 
     def __init__(self, model, pool: PagePool, stack: AdapterStack, rows: int, max_pages: int,
-                 mode: str):
+                 mode: str, kernels: bool = False):
         if mode not in self.MODES:
             raise ValueError(f"decode mode must be one of {self.MODES}, got {mode!r}")
         dev = model.device
@@ -50,6 +50,7 @@ class DecodeStep:
         self.table = torch.zeros((rows, max_pages), dtype=torch.long, device=dev)
         self.mask = torch.zeros((rows, stack.width), dtype=model.dtype, device=dev)
         self.mode = mode
+        self.kernels = kernels  # attention by the paged kernel (kv_pages.PagedView.attend)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._version = stack.version
         self._mempool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
@@ -117,8 +118,8 @@ class DecodeStep:
         keys = torch.arange(pages * size, device=pos.device)
         mask = (keys[None, :] <= pos[:, None])[:, None, None, :]
         lora = RowLora(self.stack, self.mask[:rows])
-        hidden = self.model.forward(self.tok[:rows, None], pos[:, None], lora,
-                                    self.pool.view(write, table), mask)
+        view = self.pool.view(write, table, pos + 1 if self.kernels else None)
+        hidden = self.model.forward(self.tok[:rows, None], pos[:, None], lora, view, mask)
         return self.model.logits(hidden, lora)[:, 0]
 
     def _capture(self, rows: int, pages: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

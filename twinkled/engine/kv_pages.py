@@ -19,9 +19,10 @@ view, which the model's ordinary `scaled_dot_product_attention` reads with a mas
 the gather over flex_attention's paged block masks because it runs unchanged on CPU (the
 tests) and inside a CUDA graph, needs no compilation, and leaves model.py's attention (the
 training path) untouched. The price is memory traffic: the keys a step reads are read,
-written and read again (about 3x what a fused paged kernel moves). bench/bench_sampling.py
-reports a decode step against the card's bandwidth bound; that is where a fused kernel
-(flex_attention decoding, compiled) would be the next step if the KV share dominates.
+written and read again (about 3x what a fused paged kernel moves). So a decode step (one
+new token a row) on CUDA takes the fused path instead: a view given the rows' `lengths`
+stores the new keys and values and runs kernels/paged_decode.py, which reads each row's pages
+in place; the gather stays for prefill and as the reference path (`kernels=False`).
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ class PagePool:
         """Block tables [B, n] -> the token slots they cover [B, n * page_size]."""
         return (table[:, :, None] * self.page_size + self._within).reshape(table.shape[0], -1)
 
-    def view(self, write: torch.Tensor, table: torch.Tensor) -> PagedView:
-        return PagedView(self, write, table)
+    def view(self, write: torch.Tensor, table: torch.Tensor,
+             lengths: torch.Tensor | None = None) -> PagedView:
+        return PagedView(self, write, table, lengths)
 
 
 class PagedView:
@@ -101,21 +103,45 @@ class PagedView:
 
     The gather copies whole pages (page_size x kv_heads x dim contiguous elements each), not
     single positions: on an H100, gathering 256-byte positions ran at a third of the card's
-    bandwidth and took 40% of a 256-row decode step."""
+    bandwidth and took 40% of a 256-row decode step.
 
-    def __init__(self, pool: PagePool, write: torch.Tensor, table: torch.Tensor):
+    With `lengths` [B] (each row's tokens, the new one included) the view is `fused`: a
+    one-token step attends through `attend`, the Triton kernel reading the pages in place
+    (kernels/paged_decode.py), and nothing is gathered."""
+
+    def __init__(self, pool: PagePool, write: torch.Tensor, table: torch.Tensor,
+                 lengths: torch.Tensor | None = None):
         self.pool = pool
         self.write_slots = write
-        self.pages = table.reshape(-1)
+        self.table, self.lengths = table, lengths
         self.batch, self.length = table.shape[0], table.shape[1] * pool.page_size
+
+    @property
+    def fused(self) -> bool:
+        return self.lengths is not None
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The new keys/values [B, kv, S, dim] into their slots."""
+        B, H, S, D = k.shape
+        for pool, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
+            pool.index_copy_(0, self.write_slots, new.transpose(1, 2).reshape(B * S, H, D))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Store the new token's keys/values and attend: q [B, heads, 1, dim] -> the same."""
+        from .kernels.paged_decode import paged_decode
+
+        self.store(layer, k, v)
+        out = paged_decode(q[:, :, 0], self.pool.k[layer], self.pool.v[layer], self.table,
+                           self.lengths, self.pool.page_size, scale)
+        return out[:, :, None]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store the new keys/values [B, kv, S, dim]; return each row's [B, kv, L, dim]."""
-        B, H, S, D = k.shape
-        keys, values = self.pool.k[layer], self.pool.v[layer]
-        keys.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(B * S, H, D))
-        values.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(B * S, H, D))
+        self.store(layer, k, v)
+        H, D = k.shape[1], k.shape[3]
+        keys, values, pages = self.pool.k[layer], self.pool.v[layer], self.table.reshape(-1)
         paged = (-1, self.pool.page_size, H, D)
         shape = (self.batch, self.length, H, D)
-        return (keys.view(paged).index_select(0, self.pages).view(shape).transpose(1, 2),
-                values.view(paged).index_select(0, self.pages).view(shape).transpose(1, 2))
+        return (keys.view(paged).index_select(0, pages).view(shape).transpose(1, 2),
+                values.view(paged).index_select(0, pages).view(shape).transpose(1, 2))

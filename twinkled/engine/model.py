@@ -220,6 +220,9 @@ class BaseModel:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if S == 1 and getattr(cache, "fused", False):  # decode straight from the KV pages
+            out = cache.attend(i, q, k, v, self.scaling).transpose(1, 2).reshape(B, S, -1)
+            return self._linear(attn.o_proj, keys["o_proj"], out, lora)
         if cache is not None:
             k, v = cache.write(i, k, v)
         if packing is not None:

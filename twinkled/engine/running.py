@@ -31,6 +31,7 @@ from twinkled.protocol.types import EngineInputError, SampledSequence, SampleReq
 
 from .choose import RowChoice, request_generator, stop_reason, top_rows
 from .decode_step import DecodeStep
+from .kernels import available, runnable
 from .kv_pages import PagePool
 from .lora import Adapter
 from .lora_rows import AdapterStack, RowLora
@@ -86,12 +87,20 @@ class _Seq:
 class RunningBatch:
     """Up to `rows` sequences decoding together over a pool of `pages` KV pages (default:
     as many as `kv_bytes` hold, else `KV_BYTES` of the device type). `decode`: how a decode step runs (decode_step.py;
-    default "graphs" on CUDA devices, else "eager"). `prefix_cache`: share of the pages cached prompts may hold."""
+    default "graphs" on CUDA devices, else "eager"). `prefix_cache`: share of the pages cached
+    prompts may hold. `kernels`: decode attention by the paged Triton kernel (default: on
+    CUDA; on CPU only if asked and Triton's interpreter is on); False keeps the gather + SDPA
+    reference path."""
 
     def __init__(self, model, rows: int = 256, pages: int | None = None,
                  page_size: int = PAGE_SIZE, prefill_tokens: int | None = None,
-                 decode: str | None = None, kv_bytes: int | None = None, prefix_cache: float = 0.0):
+                 decode: str | None = None, kv_bytes: int | None = None,
+                 prefix_cache: float = 0.0, kernels: bool | None = None):
         dev = model.device
+        if kernels is None:
+            kernels = available(dev)
+        elif kernels and not runnable(dev):
+            raise ValueError(f"the Triton kernels cannot run on {dev} (CPU: set TRITON_INTERPRET=1)")
         if pages is None:
             per_token = 2 * len(model.layers) * model.n_kv * model.head_dim * model.dtype.itemsize
             kv_bytes = kv_bytes or KV_BYTES.get(dev.type, KV_BYTES["cuda"])
@@ -103,7 +112,7 @@ class RunningBatch:
         self.cache = PrefixCache(self.pool, prefix_cache)
         max_pages = min(self.pool.usable, self.pool.pages_for(model.max_seq_len))
         self.decode = DecodeStep(model, self.pool, self.stack, rows, max_pages,
-                                 decode or ("graphs" if dev.type == "cuda" else "eager"))
+                                 decode or ("graphs" if dev.type == "cuda" else "eager"), kernels)
         self.prefill_tokens = prefill_tokens or PREFILL_TOKENS.get(dev.type, 16384)
         self.waiting: deque[_Request] = deque()
         self.live: list[_Seq] = []  # slot order
@@ -216,7 +225,8 @@ class RunningBatch:
         rows = max([self.rows, *(r.num_samples for r in requests)])
         pages = max([self.pool.pages, *(self._pages(r) + 1 for r in requests)])
         return RunningBatch(self.model, rows, pages, self.pool.page_size, self.prefill_tokens,
-                            self.decode.mode, prefix_cache=self.cache.share)
+                            self.decode.mode, prefix_cache=self.cache.share,
+                            kernels=self.decode.kernels)
 
     # -- admission and prefill ----------------------------------------------------------
 
