@@ -82,7 +82,8 @@ def zmq_executor(config: Config, devices: list[str]) -> Executor:
     options = {"model": str(config.model), "dtype": config.dtype,
                "max_rank": config.max_rank, "token_budget": config.token_budget,
                "sample_kv_mb": config.sample_kv_mb,
-               "packing": config.packing, "tp": config.tp, "ep": config.ep,
+               "packing": config.packing, "shared_prefix": config.shared_prefix,
+               "tp": config.tp, "ep": config.ep,
                "activation_checkpointing": config.activation_checkpointing,
                "live_dir": str(live_dir), "persist_every": config.persist_every,
                "threads": threads, "log_format": config.log_format}
@@ -338,5 +339,6 @@ def in_process_executor(config: Config) -> Executor:
     dtype = "float32" if device == "cpu" and config.dtype == "bfloat16" else config.dtype
     group = InProcessGroup(config.model, device=device, dtype=dtype, max_rank=config.max_rank,
                            token_budget=config.token_budget, packing=config.packing,
+                           shared_prefix=config.shared_prefix,
                            sample_kv_mb=config.sample_kv_mb, live_dir=live_dir, persist_every=config.persist_every)
     return Executor(group, live_dir, config.persist_every, config.journal_fsync)

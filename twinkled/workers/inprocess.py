@@ -25,12 +25,14 @@ _LOADING = threading.Lock()
 class InProcessGroup:
     def __init__(self, model: str | Path, *, device: str = "cpu", dtype: str = "float32",
                  max_rank: int = 64, token_budget: int = 16384, packing: bool = True,
+                 shared_prefix: int = 32,
                  sample_kv_mb: int = 0, live_dir: Path | None = None, persist_every: int = 1):
         self.devices = [device]
         self.model_info: dict = {}
         self.restarts = 0
         self._engine_args = {"dtype": dtype, "device": device, "max_rank": max_rank,
                              "token_budget": token_budget, "packed": packing,
+                             "shared_prefix": shared_prefix,
                              "kv_bytes": sample_kv_mb << 20 or None}
         self._model = str(model)
         self._live_dir, self._persist_every = live_dir, persist_every

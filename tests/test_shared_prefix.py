@@ -1,0 +1,207 @@
+"""Shared prefixes (engine/shared_prefix.py): rows of one adapter that begin alike compute
+their common start once, and every loss, logprob and gradient equals the unshared path's
+(fp32, 1e-5), while the positions computed drop by what the groups share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DEVICE, all_close, centre_on_model, grads, make_engine, randomize_b
+
+from twinkled.engine.losses import LOSSES
+from twinkled.engine.shared_prefix import TOKENS, Group, SharedPacking, group_rows, split_group
+from twinkled.protocol.types import Datum, ForwardBackwardRequest, LoraConfig
+
+ADAPTERS = {"a": LoraConfig(rank=4, seed=1), "b": LoraConfig(rank=4, seed=2),
+            "c": LoraConfig(rank=8, seed=3, train_attn=False)}  # another bank
+TOL = 1e-5 if DEVICE == "cpu" else 1e-4
+
+
+def _engine(tiny_dir, shared: int, budget: int = 16384):
+    eng = make_engine(tiny_dir, shared_prefix=shared, token_budget=budget)
+    for i, (name, cfg) in enumerate(ADAPTERS.items()):
+        eng.add_adapter(name, cfg)
+        randomize_b(eng, name, seed=10 + i, std=0.2)
+    return eng
+
+
+class Families:
+    """Sequences whose first token is unique to their family, so only the rows built to
+    share a start share one (and the expected saving is known)."""
+
+    def __init__(self, vocab: int, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab, self.next = vocab, 1
+
+    def tokens(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (n,), generator=self.gen)
+
+    def prompt(self, n: int) -> torch.Tensor:
+        p = self.tokens(n)
+        p[0], self.next = self.next, self.next + 1
+        return p
+
+    def rollouts(self, prompt: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+        """prompt + a completion each; completions start with distinct tokens."""
+        firsts = torch.randperm(self.vocab, generator=self.gen)[:len(lengths)]
+        out = []
+        for f, n in zip(firsts, lengths, strict=True):
+            c = self.tokens(n)
+            c[0] = f
+            out.append(torch.cat([prompt, c]))
+        return out
+
+
+def _datum(seq: torch.Tensor, **inputs) -> Datum:
+    return Datum(seq[:-1], {"target_tokens": seq[1:], **inputs})
+
+
+def _rl(loss: str, seq: torch.Tensor, gen: torch.Generator) -> Datum:
+    n = len(seq) - 1
+    sampled = (torch.arange(n) >= n // 3).float()
+    # Advantages on every position, the shared ones too: each row's count there.
+    inputs = {"logprobs": -torch.rand(n, generator=gen) * 3,
+              "advantages": torch.randn(n, generator=gen)}
+    if loss == "cross_entropy":
+        inputs = {"weights": torch.rand(n, generator=gen)}
+    elif loss == "gspo":
+        inputs["sequence_ratio_mask"] = sampled
+    elif loss == "stable_reinforce":
+        inputs.update(sampler_logprobs=inputs["logprobs"] * sampled, sampled_mask=sampled,
+                      advantages=inputs["advantages"] * sampled)
+    return _datum(seq, **inputs)
+
+
+def _batch(loss: str, vocab: int) -> tuple[list[ForwardBackwardRequest], int]:
+    """Three adapters over two banks and the base model: groups sharing starts of several
+    lengths (19, 11, 1 positions), whole identical rows, a row that is another's start,
+    top-K targets that agree for a while, rows sharing nothing, and the same prompt under
+    two adapters (never shared across them). Returns the requests and the positions that
+    sharing saves (with the minimum at 1)."""
+    f, gen = Families(vocab, 0), torch.Generator().manual_seed(1)
+    p20 = f.prompt(20)
+    a = f.rollouts(p20, [3, 5, 7, 9])  # 3 x 19 saved
+    a += f.rollouts(f.prompt(2), [4, 6, 2])  # 2 x 1
+    a += [f.prompt(12)]  # alone
+    twin = f.prompt(9)
+    a += [twin, twin.clone()]  # 8
+    a += f.rollouts(f.prompt(1), [5, 6])  # a 1-token prompt: its next tokens differ: 0
+    b = [_datum(s, weights=torch.rand(len(s) - 1, generator=gen))
+         for s in f.rollouts(f.prompt(12), [6, 3, 8])]  # 2 x 11
+    p10 = f.prompt(10)
+    b += [_datum(s, weights=torch.rand(len(s) - 1, generator=gen))
+          for s in (p10, *f.rollouts(p10, [5]))]  # the first is the second's start: 9
+    top = f.prompt(11)
+    for _ in range(2):  # top-K targets agreeing on 6 positions: 6
+        targets = torch.randint(0, vocab, (10, 3), generator=torch.Generator().manual_seed(7))
+        targets[6:] = torch.randint(0, vocab, (4, 3), generator=gen)
+        b.append(Datum(top[:-1], {"target_tokens": targets, "weights": torch.rand(10, 3)}))
+    b.append(_datum(top))  # same tokens, one target per position: not with the top-K rows
+    c = f.rollouts(p20, [4, 2])  # a's prompt under another adapter: 19 within c only
+    base = f.rollouts(f.prompt(5), [3, 3])  # 4
+    reqs = [ForwardBackwardRequest("a", [_rl(loss, s, gen) for s in a], loss),
+            ForwardBackwardRequest("b", b),
+            ForwardBackwardRequest("c", [_rl(loss, s, gen) for s in c], loss),
+            ForwardBackwardRequest(None, [_datum(s) for s in base], forward_only=True)]
+    return reqs, 3 * 19 + 2 + 8 + 2 * 11 + 9 + 6 + 19 + 4
+
+
+def _assert_same(want, got, engines) -> None:
+    for w, g in zip(want, got, strict=True):
+        assert g.metrics["loss:sum"] == pytest.approx(w.metrics["loss:sum"], rel=TOL, abs=TOL)
+        for wo, go in zip(w.outputs, g.outputs, strict=True):
+            for key in ("logprobs", "elementwise_loss"):
+                assert wo[key].shape == go[key].shape, key
+                assert torch.allclose(wo[key], go[key], rtol=TOL, atol=TOL), key
+    for name in ADAPTERS:
+        assert all_close(grads(engines[0], name), grads(engines[1], name), TOL, TOL), name
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_every_loss_equals_the_unshared_path(tiny_dir, loss):
+    plain, shared = _engine(tiny_dir, 0), _engine(tiny_dir, 1)
+    reqs, saved = _batch(loss, plain.model.vocab_size)
+    for r in reqs[0], reqs[2]:  # ratios on both sides of 1 and of the clip range
+        if loss != "cross_entropy":
+            centre_on_model(plain, r.adapter_id, r.data, torch.Generator().manual_seed(3))
+    TOKENS.take()
+    want = plain.forward_backward(reqs)
+    rows, computed = TOKENS.take()
+    assert computed == rows
+    got = shared.forward_backward(reqs)
+    assert TOKENS.take() == (rows, rows - saved)
+    _assert_same(want, got, (plain, shared))
+
+
+@pytest.mark.parametrize("budget", [16384, 60])  # one micro-batch; groups cut between rows
+def test_default_minimum_and_a_small_budget(tiny_dir, budget):
+    """At the default minimum (32) only the long prompt's group shares; under a budget
+    that holds two of its rows the group is cut, each part computing the prompt again."""
+    plain, shared = _engine(tiny_dir, 0, budget), _engine(tiny_dir, 32, budget)
+    vocab = plain.model.vocab_size
+    f, gen = Families(vocab, 5), torch.Generator().manual_seed(6)
+    long = f.rollouts(f.prompt(41), [6, 9, 4, 7, 5])  # 40 shared positions
+    short = f.rollouts(f.prompt(20), [5, 5])  # under the minimum
+    reqs = [ForwardBackwardRequest("a", [_rl("ppo", s, gen) for s in long + short], "ppo"),
+            ForwardBackwardRequest("b", [_datum(s) for s in long])]
+    centre_on_model(plain, "a", reqs[0].data, gen)
+    want = plain.forward_backward(reqs)
+    TOKENS.take()
+    got = shared.forward_backward(reqs)
+    rows, computed = TOKENS.take()
+    saved = rows - computed  # each adapter's 5 rows in one group: 4 x 40; cut: less
+    assert saved == 2 * 4 * 40 if budget > 1000 else 0 < saved < 2 * 4 * 40 and saved % 40 == 0
+    _assert_same(want, got, (plain, shared))
+
+
+def test_custom_loss_sees_each_row(tiny_dir):
+    """A custom loss gets each datum's logprobs as if unshared, its gradient summed."""
+    plain, shared = _engine(tiny_dir, 0), _engine(tiny_dir, 1)
+    f = Families(plain.model.vocab_size, 9)
+    data = [_datum(s) for s in f.rollouts(f.prompt(15), [4, 6, 3])]
+
+    def loss(_data, lps):
+        total = sum((i + 1) * lp.sum() for i, lp in enumerate(lps))
+        return total, {"n": float(len(lps))}
+
+    want = plain.forward_backward([ForwardBackwardRequest("a", data, loss)])
+    got = shared.forward_backward([ForwardBackwardRequest("a", data, loss)])
+    _assert_same(want, got, (plain, shared))
+
+
+class _R:
+    def __init__(self, tokens, adapter=None):
+        self.tokens = torch.tensor(tokens)
+        self.targets = torch.tensor(tokens[1:] + [0])
+        self.adapter = adapter
+
+
+def test_grouping_and_cutting():
+    rows = [_R([1, 2, 3, 4, 5]), _R([9, 9]), _R([1, 2, 3, 7]), _R([1, 2, 3, 4, 6])]
+    groups = group_rows(rows, 2)
+    assert [(len(g.rows), g.shared) for g in groups] == [(3, 2), (1, 0)]
+    assert group_rows(rows, 0)[0].rows[0] is rows[0]  # off: order kept, nothing shared
+    g = groups[0]
+    assert g.cost == 2 + 3 + 2 + 3
+    head, rest = split_group(g, 8, 100)  # shared 2 + 3 + 3 fits; the third row does not
+    assert (len(head.rows), head.shared, len(rest.rows), rest.shared) == (2, 2, 1, 0)
+    head, rest = split_group(g, 3, 100)  # not even one row: the next micro-batch
+    assert head.rows == [] and rest is g
+    head, rest = split_group(Group([rows[0]]), 3, 3)  # too long for any: alone
+    assert head.rows == [rows[0]] and rest is None
+
+
+def test_continuations_attend_to_the_shared_keys():
+    """A continuation's attention equals its whole row's causal attention (last rows)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=gen) for _ in range(3))
+    # packed: shared start 0..3, then two continuations of 3 and 2 positions
+    packing = SharedPacking.of([(0, 4, 0), (4, 3, 4), (7, 2, 4)], [None, (0, 4), (0, 4)], "cpu")
+    out = packing.attend(q, k, v, 0.5, False)
+    for rest in (slice(4, 7), slice(7, 9)):
+        idx = torch.cat([torch.arange(4), torch.arange(rest.start, rest.stop)])
+        whole = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, idx], k[:, :, idx], v[:, :, idx], is_causal=True, scale=0.5)
+        assert torch.allclose(out[:, :, rest], whole[:, :, 4:], atol=1e-6)
+        assert torch.allclose(out[:, :, :4], whole[:, :, :4], atol=1e-6)
+    assert packing.positions.tolist() == [[0, 1, 2, 3, 4, 5, 6, 4, 5]]

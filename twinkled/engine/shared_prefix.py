@@ -1,0 +1,259 @@
+"""Shared prefixes: rows of one adapter that begin alike compute their common start once.
+
+An RL batch holds G rollouts of each prompt; run as G separate rows, every rollout pays for
+its prompt again (80% of an 8B RL step's training tokens, measured). Here such rows become a
+*group*: its shared positions are packed once, each row's own rest after them, so a group
+costs prompt + G x completion. Forward and backward both: autograd sums the rows' gradients
+into the shared positions.
+
+What may be shared is exact, not approximate. Position t's hidden state depends on tokens
+0..t, its logprob also on the target at t (by convention token t+1, but the client gives
+targets explicitly). So a group shares the positions where every member has the same token
+AND the same target(s): for rows that share a prompt of P tokens that is P - 1 positions
+(position P - 1 predicts each row's own first new token), and each row's rest starts there.
+Losses are then taken per row from logprobs gathered back into the row layout, with each
+row's own weights, advantages and sampler logprobs, as on the unshared path.
+
+Attention: a shared segment is causal within itself, like any packed row; a member's rest
+attends to the whole shared segment and then causally to itself (positions continue from
+the shared length, so RoPE sees each row's true positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .lora import Adapter
+from .packed import Packing, varlen_attend
+
+# Rows sharing fewer leading positions than this run apart. Each group costs host work
+# (sorting, index building) and one more attention segment, and a GPU kernel works in
+# tiles of 64-128 positions: under ~32 shared positions the saving is lost in those.
+MIN_SHARED = 32
+
+
+class RowLike(Protocol):
+    adapter: Adapter | None
+    tokens: torch.Tensor  # [N]
+    targets: torch.Tensor  # [N] or [N, K]
+
+
+@dataclass
+class Group:
+    """Rows of one adapter packed as one shared segment and each member's rest; `shared`
+    is 0 for a row alone (or rows that share nothing)."""
+
+    rows: list
+    shared: int = 0
+
+    @property
+    def cost(self) -> int:
+        """Positions the model computes for this group."""
+        return self.shared + sum(len(r.tokens) - self.shared for r in self.rows)
+
+
+class TokenCount:
+    """Row tokens and the tokens actually computed for them, summed until taken (a test
+    and the bench read how much sharing saved)."""
+
+    def __init__(self) -> None:
+        self.rows = self.computed = 0
+
+    def add(self, rows: int, computed: int) -> None:
+        self.rows += rows
+        self.computed += computed
+
+    def take(self) -> tuple[int, int]:
+        out = (self.rows, self.computed)
+        self.rows = self.computed = 0
+        return out
+
+
+TOKENS = TokenCount()
+
+
+def common_length(a: RowLike, b: RowLike) -> int:
+    """Leading positions where a and b have the same token and the same target(s)."""
+    n = min(len(a.tokens), len(b.tokens))
+    ta, tb = a.targets[:n].reshape(n, -1), b.targets[:n].reshape(n, -1)
+    if ta.shape != tb.shape or a.targets.dim() != b.targets.dim():
+        return 0
+    same = (a.tokens[:n] == b.tokens[:n]) & (ta == tb).all(1)
+    return n if bool(same.all()) else int((~same).int().argmax())
+
+
+def group_rows(rows: Sequence[RowLike], min_shared: int) -> list[Group]:
+    """Cut `rows` (each adapter's rows together, as a micro-batch orders them) into groups.
+
+    Within an adapter, rows sorted by their tokens put rows with long common starts next to
+    each other; a row joins the group before it while the group's common start stays at
+    least `min_shared`. `min_shared` 0: every row alone, in the given order."""
+    if min_shared <= 0:
+        return [Group([r]) for r in rows]
+    groups: list[Group] = []
+    i = 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and rows[j].adapter is rows[i].adapter:
+            j += 1
+        # Rows with one target per position first, then by their tokens.
+        run = sorted(rows[i:j], key=lambda r: (tuple(r.targets.shape[1:]), r.tokens.tolist()))
+        group, shared = [run[0]], len(run[0].tokens)
+        for r in run[1:]:
+            common = min(shared, common_length(group[-1], r))
+            if common >= min_shared:
+                group.append(r)
+                shared = common
+            else:
+                groups.append(Group(group, shared if len(group) > 1 else 0))
+                group, shared = [r], len(r.tokens)
+        groups.append(Group(group, shared if len(group) > 1 else 0))
+        i = j
+    return groups
+
+
+def split_group(group: Group, space: int, budget: int) -> tuple[Group, Group | None]:
+    """The most members of `group` whose cost fits `space` (at least one if `space` is a
+    whole `budget`: a row longer than the budget runs alone), and the rest (or None)."""
+    if group.cost <= space:
+        return group, None
+    taken = 0
+    cost = group.shared
+    while taken < len(group.rows) and cost + len(group.rows[taken].tokens) - group.shared <= space:
+        cost += len(group.rows[taken].tokens) - group.shared
+        taken += 1
+    if taken == 0 and space < budget:
+        return Group([]), group
+    taken = max(taken, 1)
+    head, rest = group.rows[:taken], group.rows[taken:]
+
+    def part(members: list) -> Group:
+        return Group(members, group.shared if len(members) > 1 else 0)
+
+    return part(head), part(rest) if rest else None
+
+
+@dataclass
+class Layout:
+    """A micro-batch's groups as one packed sequence, and the way back to the row layout."""
+
+    ids: torch.Tensor  # [T] tokens in packed order
+    targets: torch.Tensor  # [T, K]
+    segments: list[tuple[Adapter | None, int]]  # (adapter, positions) in packed order
+    packing: Packing | SharedPacking
+    rows: int
+    longest: int  # the longest row (S of the row layout)
+    source: torch.Tensor  # [sum N] packed index of each row position
+    row: torch.Tensor  # [sum N] which row
+    pos: torch.Tensor  # [sum N] which position of it
+
+    @staticmethod
+    def of(groups: list[Group], device) -> Layout:
+        rows = [r for g in groups for r in g.rows]
+        K = max(r.targets.shape[1] if r.targets.dim() == 2 else 1 for r in rows)
+        ids, tgts, segments, spans, prefix_of = [], [], [], [], []
+        source, row_of, pos_of = [], [], []
+        at = k = 0
+
+        def put(r: RowLike, lo: int, hi: int, prefix: tuple[int, int] | None) -> int:
+            nonlocal at
+            start, n = at, hi - lo
+            if n:
+                ids.append(r.tokens[lo:hi])
+                tgt = torch.zeros((n, K), dtype=torch.long)
+                tgt[:, :r.targets.shape[1] if r.targets.dim() == 2 else 1] = (
+                    r.targets[lo:hi].view(n, -1))
+                tgts.append(tgt)
+                segments.append((r.adapter, n))
+                spans.append((start, n, lo))
+                prefix_of.append(prefix)
+                at += n
+            return start
+
+        for g in groups:
+            first = put(g.rows[0], 0, g.shared, None) if g.shared else 0
+            for r in g.rows:
+                n = len(r.tokens)
+                start = put(r, g.shared, n, (first, g.shared) if g.shared else None)
+                source.append(torch.cat([torch.arange(first, first + g.shared),
+                                         torch.arange(start, start + n - g.shared)]))
+                row_of.append(torch.full((n,), k))
+                pos_of.append(torch.arange(n))
+                k += 1
+        if any(p is not None for p in prefix_of):
+            packing = SharedPacking.of(spans, prefix_of, device)
+        else:
+            packing = Packing.of([n for _, n, _ in spans], device)
+        return Layout(torch.cat(ids), torch.cat(tgts), segments, packing, len(rows),
+                      max(len(r.tokens) for r in rows), *(
+                          torch.cat(x).to(device) for x in (source, row_of, pos_of)))
+
+    def unpack(self, lp: torch.Tensor) -> torch.Tensor:
+        """Packed logprobs [T, K] -> the row layout [rows, S, K] the losses read (zero past
+        each row's end); a shared position's logprob goes to every member (its gradient is
+        their sum)."""
+        return lp.new_zeros((self.rows, self.longest, lp.shape[-1])).index_put(
+            (self.row, self.pos), lp[self.source])
+
+
+@dataclass
+class SharedPacking:
+    """Attention over packed segments, some of which continue a shared segment: a
+    continuation attends to its shared segment's keys in full, then causally to its own.
+    Same interface as Packing (`positions`, `attend`)."""
+
+    spans: list[tuple[int, int]]  # (start, length) of each segment
+    prefixes: list[tuple[int, int] | None]  # (start, length) of the segment it continues
+    positions: torch.Tensor  # [1, T]
+    cu_q: torch.Tensor  # [segments + 1] int32
+    cu_k: torch.Tensor  # [segments + 1] int32: each segment's keys (shared ones first)
+    keys: torch.Tensor  # [sum of key lengths] packed index of each segment's keys
+    longest_q: int
+    longest_k: int
+
+    @staticmethod
+    def of(spans: list[tuple[int, int, int]], prefixes: list[tuple[int, int] | None],
+           device) -> SharedPacking:
+        """`spans`: (start, length, first position) of each segment in packed order."""
+        keys, cu_q, cu_k = [], [0], [0]
+        for (start, n, _), p in zip(spans, prefixes, strict=True):
+            own = torch.arange(start, start + n)
+            keys.append(own if p is None else torch.cat([torch.arange(p[0], p[0] + p[1]), own]))
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + len(keys[-1]))
+        positions = torch.cat([torch.arange(lo, lo + n) for _, n, lo in spans])
+        return SharedPacking(
+            [(s, n) for s, n, _ in spans], prefixes, positions.to(device)[None],
+            *(torch.tensor(c, dtype=torch.int32, device=device) for c in (cu_q, cu_k)),
+            torch.cat(keys).to(device), max(n for _, n, _ in spans), max(map(len, keys)))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               gqa: bool) -> torch.Tensor:
+        """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]."""
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            # Each segment's keys gathered end to end (a shared segment's once per member);
+            # flash attention's causal mask is aligned to the end of the keys, so a
+            # continuation's queries see all shared keys and their own causally.
+            kk, vv = (t.index_select(2, self.keys) for t in (k, v))
+            return varlen_attend(q, kk, vv, self.cu_q, self.cu_k, self.longest_q,
+                                 self.longest_k, scale, gqa)
+        outs = []
+        for (start, n), p in zip(self.spans, self.prefixes, strict=True):
+            s = slice(start, start + n)
+            if p is None:
+                outs.append(F.scaled_dot_product_attention(
+                    q[:, :, s], k[:, :, s], v[:, :, s], is_causal=True, scale=scale,
+                    enable_gqa=gqa))
+                continue
+            shared = slice(p[0], p[0] + p[1])
+            kk, vv = (torch.cat([t[:, :, shared], t[:, :, s]], dim=2) for t in (k, v))
+            # Causal aligned to the keys' end: query i sees shared keys and own keys <= i.
+            mask = torch.ones((n, p[1] + n), dtype=torch.bool, device=q.device).tril(p[1])
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, s], kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa))
+        return torch.cat(outs, dim=2)
