@@ -205,3 +205,60 @@ def test_continuations_attend_to_the_shared_keys():
         assert torch.allclose(out[:, :, rest], whole[:, :, 4:], atol=1e-6)
         assert torch.allclose(out[:, :, :4], whole[:, :, :4], atol=1e-6)
     assert packing.positions.tolist() == [[0, 1, 2, 3, 4, 5, 6, 4, 5]]
+
+
+def _flash_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, gqa):
+    """Flash attention's varlen semantics: segment i's queries against its keys, causal
+    aligned to the keys' end (query j sees keys up to j + keys - queries)."""
+    outs = []
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    bounds = zip(cq[:-1], cq[1:], ck[:-1], ck[1:], strict=True)
+    seen_q = seen_k = 0
+    for q0, q1, k0, k1 in bounds:
+        nq, nk = q1 - q0, k1 - k0
+        seen_q, seen_k = max(seen_q, nq), max(seen_k, nk)
+        mask = torch.ones((nq, nk), dtype=torch.bool).tril(nk - nq)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], attn_mask=mask, scale=scale,
+            enable_gqa=gqa))
+    assert (seen_q, seen_k) == (max_q, max_k)
+    return torch.cat(outs, dim=2)
+
+
+def test_the_gpu_kernels_inputs_describe_the_same_attention():
+    """What the GPU path hands flash attention (gathered keys, their cumulative lengths,
+    the longest segments) gives the CPU path's attention, under GQA too."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 14, 8, generator=gen)
+    k, v = (torch.randn(1, 2, 14, 8, generator=gen) for _ in range(2))
+    # a row alone (0..2), a shared start (3..7) and three continuations (one of one
+    # position), then another row alone
+    spans = [(0, 3, 0), (3, 5, 0), (8, 2, 5), (10, 1, 5), (11, 1, 5), (12, 2, 0)]
+    packing = SharedPacking.of(spans, [None, None, (3, 5), (3, 5), (3, 5), None], "cpu")
+    want = packing.attend(q, k, v, 0.3, True)
+    got = packing.attend_varlen(q, k, v, 0.3, True, kernel=_flash_reference)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the GPU's kernels: flash varlen, bf16 grouped mm")
+@pytest.mark.parametrize("loss", ["cross_entropy", "ppo"])
+def test_shared_equals_unshared_in_bf16_on_a_gpu(tiny_dir, loss):
+    """Where sharing runs for real (flash varlen in bf16), both paths agree to bf16's noise."""
+    engines = []
+    for shared in (0, 1):
+        eng = make_engine(tiny_dir, shared_prefix=shared, dtype="bfloat16")
+        for i, (name, cfg) in enumerate(ADAPTERS.items()):
+            eng.add_adapter(name, cfg)
+            randomize_b(eng, name, seed=10 + i, std=0.2)
+        engines.append(eng)
+    reqs, _ = _batch(loss, engines[0].model.vocab_size)
+    want, got = (e.forward_backward(reqs) for e in engines)
+    for w, g in zip(want, got, strict=True):
+        assert w.metrics["loss:sum"] == pytest.approx(g.metrics["loss:sum"], rel=2e-2)
+        for wo, go in zip(w.outputs, g.outputs, strict=True):
+            assert (wo["logprobs"].float() - go["logprobs"].float()).abs().mean() < 0.05
+    for name in ADAPTERS:
+        for key, (ga, gb) in grads(engines[0], name).items():
+            pa, pb = grads(engines[1], name)[key]
+            for x, y in ((ga, pa), (gb, pb)):
+                assert (x - y).norm() <= 0.05 * x.norm() + 1e-6, (name, key)

@@ -236,12 +236,7 @@ class SharedPacking:
                gqa: bool) -> torch.Tensor:
         """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]."""
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-            # Each segment's keys gathered end to end (a shared segment's once per member);
-            # flash attention's causal mask is aligned to the end of the keys, so a
-            # continuation's queries see all shared keys and their own causally.
-            kk, vv = (t.index_select(2, self.keys) for t in (k, v))
-            return varlen_attend(q, kk, vv, self.cu_q, self.cu_k, self.longest_q,
-                                 self.longest_k, scale, gqa)
+            return self.attend_varlen(q, k, v, scale, gqa)
         outs = []
         for (start, n), p in zip(self.spans, self.prefixes, strict=True):
             s = slice(start, start + n)
@@ -257,3 +252,14 @@ class SharedPacking:
             outs.append(F.scaled_dot_product_attention(
                 q[:, :, s], kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa))
         return torch.cat(outs, dim=2)
+
+    def attend_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      gqa: bool, kernel=varlen_attend) -> torch.Tensor:
+        """Through a variable-length kernel (`kernel`: flash attention's; a test passes a
+        reference of its semantics). Each segment's keys are gathered end to end (a shared
+        segment's once per continuation); the kernel's causal mask is aligned to the end of
+        a segment's keys, so a continuation's queries see every shared key and their own
+        causally."""
+        kk, vv = (t.index_select(2, self.keys) for t in (k, v))
+        return kernel(q, kk, vv, self.cu_q, self.cu_k, self.longest_q, self.longest_k, scale,
+                      gqa)
