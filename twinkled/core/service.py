@@ -32,6 +32,7 @@ from twinkled.core.lanes import Lane, Lanes, make_lane
 from twinkled.core.metrics import Metrics
 from twinkled.core.ops import After, Op
 from twinkled.core.residency import stored_config
+from twinkled.core.shared_cost import datum_costs
 from twinkled.core.stability import StabilityRecords
 from twinkled.core.streams import SampleStream
 from twinkled.core.tenants import Tenants
@@ -338,7 +339,9 @@ class Service:
 
     def forward_backward(self, tenant: str, model: str, seq_id: int, frame: TrainF,
                          encode: Encoder) -> Future:
-        parts = [d.tokens.shape[0] for d in frame.data]  # where the planner may cut it
+        # Where the planner may cut it, and what each datum costs a step (a shared prefix
+        # is computed once: shared_cost.py)
+        parts = datum_costs(frame, self.config.shared_prefix if self.config.packing else 0)
         f = self.futures.new(tenant, "forward_backward", encode, run=model)
         f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts))
         self.store.runs.touch(model)
