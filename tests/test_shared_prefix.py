@@ -279,3 +279,15 @@ def test_the_planner_counts_a_shared_prefix_once():
     assert datum_costs(frame, 32) == [43, 3, 1, 50, 11]
     assert datum_costs(frame, 41) == [43, 42, 1, 50, 11]  # 39 < 41; identical: 42 >= 41
     assert datum_costs(frame, 0) == [43, 42, 42, 50, 11]
+
+
+def test_mixture_of_experts(moe_dir):
+    """Sparse MLPs (moe.py routes each bank's tokens of the packed sequence) share alike."""
+    plain, shared = _engine(moe_dir, 0), _engine(moe_dir, 1)
+    reqs, saved = _batch("importance_sampling", plain.model.vocab_size)
+    want = plain.forward_backward(reqs)
+    TOKENS.take()
+    got = shared.forward_backward(reqs)
+    rows, computed = TOKENS.take()
+    assert rows - computed == saved
+    _assert_same(want, got, (plain, shared))
