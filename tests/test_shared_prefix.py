@@ -265,15 +265,15 @@ def test_shared_equals_unshared_in_bf16_on_a_gpu(tiny_dir, loss):
 
 
 def test_the_planner_counts_a_shared_prefix_once():
-    """The daemon's planner fills steps by what datums cost with sharing (core/shared_cost):
+    """The daemon's planner fills steps by what datums cost with sharing (protocol/prefixes):
     a rollout after another of its prompt costs its own part only."""
-    from twinkled.core.shared_cost import common_tokens, datum_costs
     from twinkled.protocol.frames import DatumF, TrainF, buf
+    from twinkled.protocol.prefixes import common_units, datum_costs
 
     prompt = list(range(100, 140))  # 40 tokens
     seqs = [prompt + [1, 2, 3], prompt + [4, 5], prompt + [4, 5], [7] * 50, prompt[:10] + [9]]
     frame = TrainF("a", [DatumF(buf(s), {}) for s in seqs], "cross_entropy")
-    assert common_tokens(buf(seqs[0]).data, buf(seqs[1]).data) == 40
+    assert common_units(buf(seqs[0]).data, buf(seqs[1]).data) == 40
     # 39 positions shared after the first; a whole identical row shares all but one; the
     # last shares 10 tokens with a row it does not follow: counted whole
     assert datum_costs(frame, 32) == [43, 3, 1, 50, 11]

@@ -32,7 +32,6 @@ from twinkled.core.lanes import Lane, Lanes, make_lane
 from twinkled.core.metrics import Metrics
 from twinkled.core.ops import After, Op
 from twinkled.core.residency import stored_config
-from twinkled.core.shared_cost import datum_costs
 from twinkled.core.stability import StabilityRecords
 from twinkled.core.streams import SampleStream
 from twinkled.core.tenants import Tenants
@@ -41,6 +40,7 @@ from twinkled.protocol.checks import Limits as RequestLimits
 from twinkled.protocol.config import Config
 from twinkled.protocol.errors import Conflict, NotFound, UserError  # noqa: F401
 from twinkled.protocol.frames import CreateF, LoadF, OptimF, SampleF, SaveF, TrainF, UnloadF
+from twinkled.protocol.prefixes import datum_costs
 from twinkled.protocol.types import LoraConfig
 from twinkled.store.checkpoints import Version
 from twinkled.store.runs import Runs
@@ -340,7 +340,7 @@ class Service:
     def forward_backward(self, tenant: str, model: str, seq_id: int, frame: TrainF,
                          encode: Encoder) -> Future:
         # Where the planner may cut it, and what each datum costs a step (a shared prefix
-        # is computed once: shared_cost.py)
+        # is computed once: protocol/prefixes.py)
         parts = datum_costs(frame, self.config.shared_prefix if self.config.packing else 0)
         f = self.futures.new(tenant, "forward_backward", encode, run=model)
         f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts))

@@ -28,6 +28,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from twinkled.protocol.prefixes import common_units
+
 from .lora import Adapter
 from .packed import Packing, varlen_attend
 
@@ -77,14 +79,19 @@ class TokenCount:
 TOKENS = TokenCount()
 
 
-def common_length(a: RowLike, b: RowLike) -> int:
-    """Leading positions where a and b have the same token and the same target(s)."""
-    n = min(len(a.tokens), len(b.tokens))
-    ta, tb = a.targets[:n].reshape(n, -1), b.targets[:n].reshape(n, -1)
-    if ta.shape != tb.shape or a.targets.dim() != b.targets.dim():
+def _bytes(r: RowLike) -> tuple[bytes, bytes, int]:
+    """A row's tokens and targets as bytes (compared in C, not a tensor op per pair), and
+    its targets per position."""
+    targets = r.targets.reshape(len(r.tokens), -1)
+    return (r.tokens.numpy().tobytes(), targets.numpy().tobytes(),
+            targets.shape[1] if r.targets.dim() == 2 else 0)
+
+
+def common_length(a: tuple[bytes, bytes, int], b: tuple[bytes, bytes, int]) -> int:
+    """Leading positions where two rows (as `_bytes`) have the same token and target(s)."""
+    if a[2] != b[2]:  # one target per position against several
         return 0
-    same = (a.tokens[:n] == b.tokens[:n]) & (ta == tb).all(1)
-    return n if bool(same.all()) else int((~same).int().argmax())
+    return min(common_units(a[0], b[0]), common_units(a[1], b[1], 8 * max(1, a[2])))
 
 
 def group_rows(rows: Sequence[RowLike], min_shared: int) -> list[Group]:
@@ -101,17 +108,20 @@ def group_rows(rows: Sequence[RowLike], min_shared: int) -> list[Group]:
         j = i
         while j < len(rows) and rows[j].adapter is rows[i].adapter:
             j += 1
-        # Rows with one target per position first, then by their tokens.
-        run = sorted(rows[i:j], key=lambda r: (tuple(r.targets.shape[1:]), r.tokens.tolist()))
-        group, shared = [run[0]], len(run[0].tokens)
-        for r in run[1:]:
-            common = min(shared, common_length(group[-1], r))
+        # Sorted by (targets per position, token bytes): whole tokens are 8 bytes each, so
+        # rows with a common start of tokens sit together, as in any lexicographic order.
+        run = sorted(((_bytes(r), r) for r in rows[i:j]), key=lambda x: (x[0][2], x[0][0]))
+        (key, first), shared = run[0], len(run[0][1].tokens)
+        group, last = [first], key
+        for key, r in run[1:]:
+            common = min(shared, common_length(last, key))
             if common >= min_shared:
                 group.append(r)
                 shared = common
             else:
                 groups.append(Group(group, shared if len(group) > 1 else 0))
                 group, shared = [r], len(r.tokens)
+            last = key
         groups.append(Group(group, shared if len(group) > 1 else 0))
         i = j
     return groups

@@ -1,10 +1,11 @@
-"""What a forward_backward's datums cost a step when shared prefixes are computed once
-(twinkled/engine/shared_prefix.py), for the planner: it fills steps by tokens and predicts
-their time from them, and an RL group's rollouts of one prompt cost prompt + G x completion,
-not G x (prompt + completion). Counting the rows' full lengths would fill a step with a
-quarter of the work it can hold (512-token prompts, 128-token completions).
+"""Common starts of token sequences, compared as bytes (in C, no torch: the daemon's core
+uses it too), and what a forward_backward's datums cost a step when shared prefixes are
+computed once (twinkled/engine/shared_prefix.py).
 
-No torch here (the daemon's core): tokens are compared as the wire's bytes.
+The planner fills steps by tokens and predicts their time from them; an RL group's
+rollouts of one prompt cost prompt + G x completion, not G x (prompt + completion).
+Counting the rows' full lengths would fill a step with a quarter of the work it can hold
+(512-token prompts, 128-token completions).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from twinkled.protocol.frames import TrainF
 TOKEN_BYTES = 8  # int64 on the wire
 
 
-def common_tokens(a: bytes, b: bytes) -> int:
-    """Leading tokens two int64 token buffers share (a binary search of byte prefixes)."""
-    lo, hi = 0, min(len(a), len(b)) // TOKEN_BYTES
+def common_units(a: bytes, b: bytes, unit: int = TOKEN_BYTES) -> int:
+    """Leading units of `unit` bytes (int64 tokens by default) that a and b share: a binary
+    search of byte prefixes, each compared in C."""
+    lo, hi = 0, min(len(a), len(b)) // unit
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid * TOKEN_BYTES] == b[:mid * TOKEN_BYTES]:
+        if a[:mid * unit] == b[:mid * unit]:
             lo = mid
         else:
             hi = mid - 1
@@ -36,7 +38,7 @@ def datum_costs(frame: TrainF, min_shared: int) -> list[int]:
         n = d.tokens.shape[0]
         shared = 0
         if min_shared > 0 and before is not None and d.tokens.dtype == before.dtype == "int64":
-            shared = common_tokens(d.tokens.data, before.data)
+            shared = common_units(d.tokens.data, before.data)
             shared = shared if shared == n else shared - 1  # the last one predicts anew
             shared = shared if shared >= min_shared else 0
         costs.append(max(1, n - shared))
