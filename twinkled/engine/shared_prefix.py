@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -164,44 +165,49 @@ class Layout:
 
     @staticmethod
     def of(groups: list[Group], device) -> Layout:
+        # Host work per row (numpy: a tensor op per row would cost more than the
+        # arithmetic for a step of hundreds of short rows).
         rows = [r for g in groups for r in g.rows]
         K = max(r.targets.shape[1] if r.targets.dim() == 2 else 1 for r in rows)
-        ids, tgts, segments, spans, prefix_of = [], [], [], [], []
-        source, row_of, pos_of = [], [], []
-        at = k = 0
-
-        def put(r: RowLike, lo: int, hi: int, prefix: tuple[int, int] | None) -> int:
-            nonlocal at
-            start, n = at, hi - lo
-            if n:
-                ids.append(r.tokens[lo:hi])
-                tgt = torch.zeros((n, K), dtype=torch.long)
-                tgt[:, :r.targets.shape[1] if r.targets.dim() == 2 else 1] = (
-                    r.targets[lo:hi].view(n, -1))
-                tgts.append(tgt)
-                segments.append((r.adapter, n))
-                spans.append((start, n, lo))
-                prefix_of.append(prefix)
-                at += n
-            return start
-
+        segs: list[tuple[RowLike, int, int, tuple[int, int] | None]] = []  # row, lo, hi
+        source = []
+        at = 0
         for g in groups:
-            first = put(g.rows[0], 0, g.shared, None) if g.shared else 0
+            first = at
+            if g.shared:
+                segs.append((g.rows[0], 0, g.shared, None))
+                at += g.shared
             for r in g.rows:
                 n = len(r.tokens)
-                start = put(r, g.shared, n, (first, g.shared) if g.shared else None)
-                source.append(torch.cat([torch.arange(first, first + g.shared),
-                                         torch.arange(start, start + n - g.shared)]))
-                row_of.append(torch.full((n,), k))
-                pos_of.append(torch.arange(n))
-                k += 1
-        if any(p is not None for p in prefix_of):
-            packing = SharedPacking.of(spans, prefix_of, device)
+                source += [np.arange(first, first + g.shared), np.arange(at, at + n - g.shared)]
+                if n > g.shared:
+                    segs.append((r, g.shared, n, (first, g.shared) if g.shared else None))
+                    at += n - g.shared
+        ids = np.concatenate([r.tokens.numpy()[lo:hi] for r, lo, hi, _ in segs])
+        if K == 1 and all(r.targets.dim() == 1 for r in rows):
+            targets = np.concatenate([r.targets.numpy()[lo:hi] for r, lo, hi, _ in segs])[:, None]
+        else:
+            targets, t = np.zeros((at, K), dtype=np.int64), 0
+            for r, lo, hi, _ in segs:
+                part = r.targets.numpy()[lo:hi].reshape(hi - lo, -1)
+                targets[t:hi - lo + t, :part.shape[1]] = part
+                t += hi - lo
+        spans, t = [], 0
+        for _, lo, hi, _ in segs:
+            spans.append((t, hi - lo, lo))
+            t += hi - lo
+        prefixes = [p for *_, p in segs]
+        if any(p is not None for p in prefixes):
+            packing = SharedPacking.of(spans, prefixes, device)
         else:
             packing = Packing.of([n for _, n, _ in spans], device)
-        return Layout(torch.cat(ids), torch.cat(tgts), segments, packing, len(rows),
-                      max(len(r.tokens) for r in rows), *(
-                          torch.cat(x).to(device) for x in (source, row_of, pos_of)))
+        lengths = np.array([len(r.tokens) for r in rows])
+        row = np.repeat(np.arange(len(rows)), lengths)
+        pos = np.arange(len(row)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        return Layout(torch.from_numpy(ids), torch.from_numpy(targets),
+                      [(r.adapter, hi - lo) for r, lo, hi, _ in segs], packing, len(rows),
+                      int(lengths.max()),
+                      *(torch.from_numpy(x).to(device) for x in (np.concatenate(source), row, pos)))
 
     def unpack(self, lp: torch.Tensor) -> torch.Tensor:
         """Packed logprobs [T, K] -> the row layout [rows, S, K] the losses read (zero past
@@ -232,15 +238,18 @@ class SharedPacking:
         """`spans`: (start, length, first position) of each segment in packed order."""
         keys, cu_q, cu_k = [], [0], [0]
         for (start, n, _), p in zip(spans, prefixes, strict=True):
-            own = torch.arange(start, start + n)
-            keys.append(own if p is None else torch.cat([torch.arange(p[0], p[0] + p[1]), own]))
+            if p is not None:
+                keys.append(np.arange(p[0], p[0] + p[1]))
+            keys.append(np.arange(start, start + n))
             cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + len(keys[-1]))
-        positions = torch.cat([torch.arange(lo, lo + n) for _, n, lo in spans])
+            cu_k.append(cu_k[-1] + n + (p[1] if p is not None else 0))
+        positions = np.concatenate([np.arange(lo, lo + n) for _, n, lo in spans])
+        counts = np.diff(cu_k)
         return SharedPacking(
-            [(s, n) for s, n, _ in spans], prefixes, positions.to(device)[None],
+            [(s, n) for s, n, _ in spans], prefixes, torch.from_numpy(positions).to(device)[None],
             *(torch.tensor(c, dtype=torch.int32, device=device) for c in (cu_q, cu_k)),
-            torch.cat(keys).to(device), max(n for _, n, _ in spans), max(map(len, keys)))
+            torch.from_numpy(np.concatenate(keys)).to(device), max(n for _, n, _ in spans),
+            int(counts.max()))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                gqa: bool) -> torch.Tensor:
