@@ -1,9 +1,10 @@
 """One co-batched forward/backward: many requests, many adapters, one pass per micro-batch.
 
-Read top to bottom: rows are laid out so each bank's rows sit together, cut into
-micro-batches under a token budget, run through the base model with every row's LoRA
-(packed end to end without padding, packed.py, or as right-padded rows), scored with each
-request's loss, and back-propagated once. Gradients land in the adapters'
+Read top to bottom: rows are laid out so each bank's rows sit together, rows of one
+adapter that begin alike grouped to compute their common start once (shared_prefix.py),
+cut into micro-batches under a token budget, run through the base model with every row's
+LoRA (packed end to end without padding, packed.py, or as right-padded rows), scored with
+each request's loss, and back-propagated once. Gradients land in the adapters'
 bank buffers and wait there for each adapter's own optimizer step.
 """
 
