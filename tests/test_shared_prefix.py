@@ -291,3 +291,14 @@ def test_mixture_of_experts(moe_dir):
     rows, computed = TOKENS.take()
     assert rows - computed == saved
     _assert_same(want, got, (plain, shared))
+
+
+def test_data_parallel_ranks_keep_a_prompts_rollouts_together():
+    """Rows split over replicas by cost; a rollout that follows another of its prompt goes
+    to the same replica (its prompt computed once there), runs placed by summed cost."""
+    from twinkled.engine.parallel import split_rows
+
+    costs = [30, 10, 10, 10, 40, 45, 5]
+    follows = [False, True, True, True, False, False, True]
+    assert split_rows(costs, 2, follows) == [0, 0, 0, 0, 1, 1, 1]
+    assert split_rows(costs, 2) == [1, 0, 0, 0, 1, 0, 1]  # rows alone: the group spread
