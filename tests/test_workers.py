@@ -17,6 +17,9 @@ tinker = pytest.importorskip("tinker")
 T = 120
 TEXTS = ["the sun and the sea are big.", "a cat.", "one two three four five six seven",
          "blue green"]
+# Rollouts of one long prompt (over shared_prefix's 32 tokens): one replica takes them all.
+PROMPT = "the quick brown fox jumps over the lazy dog near the river bank at dawn, " * 3
+ROLLOUTS = [PROMPT + end for end in ("and sleeps.", "then runs far away.", "and eats.")]
 
 
 def _data(tok, texts=TEXTS):
@@ -87,7 +90,7 @@ def test_two_workers_compute_what_one_does(tiny_dir, tmp_path):
             assert len(d.workers()) == n
             tc = tinker.ServiceClient(base_url=d.url, api_key=key).create_lora_training_client(
                 base_model=tiny_dir.name, rank=4, seed=7).result(timeout=T)
-            data = _data(tc.get_tokenizer())
+            data = _data(tc.get_tokenizer()) + _data(tc.get_tokenizer(), ROLLOUTS)
             losses = [_step(tc, data).metrics["loss:sum"] for _ in range(3)]
             path = tc.save_state("after3").result(timeout=T).path
             results[n] = (losses, _logprobs(tc, data), _checkpoint(data_dir, path))

@@ -54,7 +54,12 @@ def _requests(vocab: int) -> list[ForwardBackwardRequest]:
         seq = torch.randint(0, vocab, (n + 1,), generator=gen)
         return Datum(seq[:-1], {"target_tokens": seq[1:]})
 
-    return [ForwardBackwardRequest("a", [datum(9), datum(5)]),
+    # Two rollouts of one 40-token prompt: their first 39 positions are computed once
+    # (engine/shared_prefix.py), on each rank's slice alike.
+    prompt = torch.randint(0, vocab, (40,), generator=gen)
+    rollouts = [torch.cat([prompt, torch.randint(0, vocab, (n,), generator=gen)]) for n in (4, 6)]
+    shared = [Datum(s[:-1], {"target_tokens": s[1:]}) for s in rollouts]
+    return [ForwardBackwardRequest("a", [datum(9), datum(5), *shared]),
             ForwardBackwardRequest("b", [datum(7)]),
             ForwardBackwardRequest(None, [datum(4)], forward_only=True)]
 

@@ -84,7 +84,8 @@ def zmq_executor(config: Config, devices: list[str]) -> Executor:
                "max_rank": config.max_rank, "token_budget": config.token_budget,
                "sample_kv_mb": config.sample_kv_mb,
                "sample_prefix_cache": config.sample_prefix_cache,
-               "packing": config.packing, "tp": config.tp, "ep": config.ep,
+               "packing": config.packing, "shared_prefix": config.shared_prefix,
+               "tp": config.tp, "ep": config.ep,
                "activation_checkpointing": config.activation_checkpointing,
                "live_dir": str(live_dir), "persist_every": config.persist_every,
                "logprob_gap_every": config.logprob_gap_every,
@@ -346,6 +347,7 @@ def in_process_executor(config: Config) -> Executor:
     dtype = "float32" if device == "cpu" and config.dtype == "bfloat16" else config.dtype
     group = InProcessGroup(config.model, device=device, dtype=dtype, max_rank=config.max_rank,
                            token_budget=config.token_budget, packing=config.packing,
+                           shared_prefix=config.shared_prefix,
                            sample_kv_mb=config.sample_kv_mb, live_dir=live_dir, persist_every=config.persist_every,
                            sample_prefix_cache=config.sample_prefix_cache,
                            logprob_gap_every=config.logprob_gap_every)

@@ -40,6 +40,7 @@ from twinkled.protocol.checks import Limits as RequestLimits
 from twinkled.protocol.config import Config
 from twinkled.protocol.errors import Conflict, NotFound, UserError  # noqa: F401
 from twinkled.protocol.frames import CreateF, LoadF, OptimF, SampleF, SaveF, TrainF, UnloadF
+from twinkled.protocol.prefixes import datum_costs
 from twinkled.protocol.types import LoraConfig
 from twinkled.store.checkpoints import Version
 from twinkled.store.runs import Runs
@@ -342,7 +343,9 @@ class Service:
 
     def forward_backward(self, tenant: str, model: str, seq_id: int, frame: TrainF,
                          encode: Encoder) -> Future:
-        parts = [d.tokens.shape[0] for d in frame.data]  # where the planner may cut it
+        # Where the planner may cut it, and what each datum costs a step (a shared prefix
+        # is computed once: protocol/prefixes.py)
+        parts = datum_costs(frame, self.config.shared_prefix if self.config.packing else 0)
         f = self.futures.new(tenant, "forward_backward", encode, run=model)
         f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts))
         self.store.runs.touch(model)

@@ -35,6 +35,7 @@ from .moe_parallel import ExpertSplit, reduce_split_gradients
 from .optim import optimizer_steps
 from .parallel import reduce_gradients
 from .running import Finished, RunningBatch
+from .shared_prefix import MIN_SHARED
 from .validate import check_forward_backward, check_sample
 
 
@@ -50,7 +51,8 @@ class Engine:
                  device: str | torch.device = "cpu", max_rank: int = 128,
                  token_budget: int = 16384, packed: bool = True, dp_group=None, tp=None,
                  recompute: str = "auto", kv_bytes: int | None = None,
-                 experts: ExpertSplit | None = None, prefix_cache: float = 0.0):
+                 experts: ExpertSplit | None = None, prefix_cache: float = 0.0,
+                 shared_prefix: int = MIN_SHARED):
         # `tp` (tp.py: TensorParallel): this rank holds a slice of the base model and of
         # every adapter; `dp_group` is then the group across the replicas. `experts`
         # (moe_parallel.py): this rank's share of an MoE model's experts.
@@ -61,6 +63,9 @@ class Engine:
                              shard=self.shard)
         self.token_budget = token_budget
         self.packed = packed  # rows end to end in a micro-batch, not padded (packed.py)
+        # Packed rows of one adapter whose first this many positions agree compute them
+        # once (shared_prefix.py); 0: never.
+        self.shared_prefix = shared_prefix
         # Set in a data-parallel worker group: gradients are summed over it before a step.
         # With expert parallelism (`experts`), expert gradients are summed over the world
         # and dp_group is the data-parallel group, or None if there is none.
@@ -147,9 +152,9 @@ class Engine:
         if all(r.forward_only for r in requests):
             with torch.no_grad():
                 return step.forward_backward(self.model, requests, adapters, self.token_budget,
-                                             self.packed)
+                                             self.packed, self.shared_prefix)
         return step.forward_backward(self.model, requests, adapters, self.token_budget,
-                                     self.packed)
+                                     self.packed, self.shared_prefix)
 
     def forward(self, requests: list[ForwardBackwardRequest]) -> list[ForwardBackwardResult]:
         """Logprobs (and loss values) only; changes nothing."""

@@ -51,19 +51,8 @@ class Packing:
                gqa: bool) -> torch.Tensor:
         """Block-diagonal causal attention. q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]."""
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-            from torch.nn.attention.varlen import varlen_attn
-
-            # Causal: `window_size` in newer builds, `is_causal` in older ones.
-            kw = ({"window_size": (-1, 0)} if _varlen_has("window_size")
-                  else {"is_causal": True})
-            if gqa and _varlen_has("enable_gqa"):
-                kw["enable_gqa"] = True
-            elif gqa:  # a build whose kernel wants as many kv heads as query heads
-                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
             longest = max(self.lengths)
-            out = varlen_attn(*(t[0].transpose(0, 1).contiguous() for t in (q, k, v)),
-                              self.cu, self.cu, longest, longest, scale=scale, **kw)
-            return out.transpose(0, 1)[None]
+            return varlen_attend(q, k, v, self.cu, self.cu, longest, longest, scale, gqa)
         outs, start = [], 0
         for n in self.lengths:
             s = slice(start, start + n)
@@ -72,6 +61,26 @@ class Packing:
                 enable_gqa=gqa))
             start += n
         return torch.cat(outs, dim=2)
+
+
+def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                  cu_k: torch.Tensor, max_q: int, max_k: int, scale: float,
+                  gqa: bool) -> torch.Tensor:
+    """Flash attention's variable-length kernel, causal (aligned to the end of each
+    segment's keys where a segment has more keys than queries). q [1, H, Tq, D],
+    k/v [1, Hkv, Tk, D] -> [1, H, Tq, D]."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    # Causal: `window_size` in newer builds, `is_causal` in older ones.
+    kw = ({"window_size": (-1, 0)} if _varlen_has("window_size")
+          else {"is_causal": True})
+    if gqa and _varlen_has("enable_gqa"):
+        kw["enable_gqa"] = True
+    elif gqa:  # a build whose kernel wants as many kv heads as query heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    out = varlen_attn(*(t[0].transpose(0, 1).contiguous() for t in (q, k, v)),
+                      cu_q, cu_k, max_q, max_k, scale=scale, **kw)
+    return out.transpose(0, 1)[None]
 
 
 @cache

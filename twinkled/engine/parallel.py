@@ -62,14 +62,25 @@ def _broadcast_in_place(tensors: list[torch.Tensor], src: int, group) -> None:
             torch._foreach_copy_(tensors, flat.split([t.numel() for t in tensors]))
 
 
-def split_rows(costs: list[int], world: int) -> list[int]:
+def split_rows(costs: list[int], world: int, follows: list[bool] | None = None) -> list[int]:
     """Assign rows to ranks, largest first to the least-loaded rank; returns each row's rank.
 
-    Deterministic, so every rank computes the same assignment from the same step."""
+    `follows[k]`: row k goes where row k - 1 goes (a rollout after another of its prompt:
+    on one rank their shared prefix is computed once, engine/shared_prefix.py); such runs
+    are placed whole, by their summed cost. Deterministic, so every rank computes the same
+    assignment from the same step."""
+    units: list[list[int]] = []
+    for k in range(len(costs)):
+        if follows and follows[k] and units:
+            units[-1].append(k)
+        else:
+            units.append([k])
+    cost = [sum(costs[k] for k in u) for u in units]
     load = [0] * world
     owner = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+    for i in sorted(range(len(units)), key=lambda i: (-cost[i], i)):
         r = min(range(world), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += costs[i]
+        for k in units[i]:
+            owner[k] = r
+        load[r] += cost[i]
     return owner

@@ -1,9 +1,10 @@
 """One co-batched forward/backward: many requests, many adapters, one pass per micro-batch.
 
-Read top to bottom: rows are laid out so each bank's rows sit together, cut into
-micro-batches under a token budget, run through the base model with every row's LoRA
-(packed end to end without padding, packed.py, or as right-padded rows), scored with each
-request's loss, and back-propagated once. Gradients land in the adapters'
+Read top to bottom: rows are laid out so each bank's rows sit together, rows of one
+adapter that begin alike grouped to compute their common start once (shared_prefix.py),
+cut into micro-batches under a token budget, run through the base model with every row's
+LoRA (packed end to end without padding, packed.py, or as right-padded rows), scored with
+each request's loss, and back-propagated once. Gradients land in the adapters'
 bank buffers and wait there for each adapter's own optimizer step.
 """
 
@@ -19,7 +20,8 @@ from twinkled.protocol.types import ForwardBackwardRequest, ForwardBackwardResul
 from .lora import Adapter, LoraBatch
 from .losses import loss_spec
 from .model import BaseModel
-from .packed import PackedLora, Packing
+from .packed import PackedLora
+from .shared_prefix import MIN_SHARED, TOKENS, Group, Layout, group_rows, split_group
 
 
 @dataclass
@@ -61,12 +63,15 @@ HOST_TIME = HostTime()
 
 def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
                      adapters: list[Adapter | None], token_budget: int,
-                     packed: bool = True) -> list[ForwardBackwardResult]:
+                     packed: bool = True, shared_prefix: int = MIN_SHARED
+                     ) -> list[ForwardBackwardResult]:
     """Run every request's data through the model; back-propagate the training ones.
 
     `adapters[i]` is request i's adapter (None: the base model). Inputs are validated
     before this is called: nothing here may fail half-way on bad input. `packed`: rows
     laid end to end (a micro-batch costs its tokens) rather than padded to the longest.
+    `shared_prefix`: packed rows of one adapter whose first this many positions (tokens and
+    targets) agree compute their common start once (shared_prefix.py); 0: never.
     """
     rows = [
         _Row(i, j, adapters[i], torch.as_tensor(d.tokens, dtype=torch.long),
@@ -77,12 +82,16 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
     outputs = [[None] * len(r.data) for r in requests]
     custom_metrics: dict[int, dict[str, float]] = {}
 
-    for batch in _micro_batches(rows, requests, token_budget, packed):
+    for groups in _micro_batches(rows, requests, token_budget, packed, shared_prefix):
         began = time.perf_counter()
+        batch = [r for g in groups for r in g.rows]
         train = any(r.train for r in batch)
         with torch.set_grad_enabled(train):
-            pack = packed and _padding(batch) > PACK_ABOVE
-            lp = _packed_logprobs(model, batch) if pack else _logprobs(model, batch)
+            # A shared start exists only in the packed layout.
+            pack = packed and (any(g.shared for g in groups) or _padding(batch) > PACK_ABOVE)
+            lp = _packed_logprobs(model, groups) if pack else _logprobs(model, batch)
+            real = sum(len(r.tokens) for r in batch)
+            TOKENS.add(real, sum(g.cost for g in groups) if pack else real)
             elementwise = torch.zeros_like(lp, requires_grad=False)
             total = None
             for k, r in enumerate(batch):
@@ -95,7 +104,9 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
                     total = loss.sum() if total is None else total + loss.sum()
             for i in sorted({r.req for r in batch if callable(requests[r.req].loss_fn)}):
                 # A custom loss sees its whole request (kept in one micro-batch) at once.
-                ks = [k for k, r in enumerate(batch) if r.req == i]
+                # In datum order (a micro-batch may hold rows in another: shared_prefix.py)
+                ks = sorted((k for k, r in enumerate(batch) if r.req == i),
+                            key=lambda k: batch[k].datum)
                 lps = [batch[k].view(lp, k) for k in ks]
                 loss, custom_metrics[i] = _custom_loss(requests[i], lps)
                 # No per-token breakdown: the whole loss is reported on the first token.
@@ -133,10 +144,12 @@ def _padding(batch: list[_Row]) -> float:
     return 1 - sum(lengths) / (max(lengths) * len(lengths))
 
 
-def _micro_batches(rows: list[_Row], requests, token_budget: int,
-                   packed: bool) -> list[list[_Row]]:
-    """Bank-contiguous order (base rows first), cut so the tokens a micro-batch holds
-    (packed: its tokens; padded: rows x the longest) stay under budget.
+def _micro_batches(rows: list[_Row], requests, token_budget: int, packed: bool,
+                   min_shared: int) -> list[list[Group]]:
+    """Bank-contiguous order (base rows first), grouped where rows share a start (packed
+    only), cut so the tokens a micro-batch computes (packed: its tokens, a shared start
+    once; padded: rows x the longest) stay under budget. A group that does not fit is cut
+    between its rows, each part computing the shared start again.
 
     A custom-loss request is kept whole in one micro-batch: its loss may couple datums.
     """
@@ -145,22 +158,30 @@ def _micro_batches(rows: list[_Row], requests, token_budget: int,
         return (0, (), 0) if a is None else (1, a.bank.order, a.slot)
 
     rows = sorted(rows, key=order)
+    min_shared = min_shared if packed else 0
     custom = {i for i, q in enumerate(requests) if callable(q.loss_fn)}
-    batches: list[list[_Row]] = []
-    current: list[_Row] = []
+    batches: list[list[Group]] = []
+    current: list[Group] = []
     longest = held = 0
-    for r in (r for r in rows if r.req not in custom):
-        n = len(r.tokens)
-        size = held + n if packed else max(longest, n) * (len(current) + 1)
-        if current and size > token_budget:
-            batches.append(current)
-            current, longest, held = [], 0, 0
-        current.append(r)
-        longest, held = max(longest, n), held + n
+    for rest in group_rows([r for r in rows if r.req not in custom], min_shared):
+        while rest is not None:
+            if packed:
+                part, rest = split_group(rest, token_budget - held, token_budget)
+            else:  # one row per group here
+                n = len(rest.rows[0].tokens)
+                fits = not current or max(longest, n) * (len(current) + 1) <= token_budget
+                part, rest = (rest, None) if fits else (Group([]), rest)
+            if not part.rows:  # nothing more fits: the next micro-batch
+                batches.append(current)
+                current, longest, held = [], 0, 0
+                continue
+            current.append(part)
+            longest = max(longest, *(len(r.tokens) for r in part.rows))
+            held += part.cost
     if current:
         batches.append(current)
     for i in sorted(custom):
-        batches.append([r for r in rows if r.req == i])
+        batches.append(group_rows([r for r in rows if r.req == i], min_shared))
     return batches
 
 
@@ -182,27 +203,17 @@ def _logprobs(model: BaseModel, batch: list[_Row]) -> torch.Tensor:
     return model.target_logprobs(hidden, tgt, lora)
 
 
-def _packed_logprobs(model: BaseModel, batch: list[_Row]) -> torch.Tensor:
-    """The micro-batch as one sequence of all its tokens (packed.py); returns the target
-    logprobs in the row layout [B, S, K] the losses read (zero past each row's end)."""
+def _packed_logprobs(model: BaseModel, groups: list[Group]) -> torch.Tensor:
+    """The micro-batch as one sequence of all its tokens (packed.py), a group's shared
+    start once (shared_prefix.py); returns the target logprobs in the row layout [B, S, K]
+    the losses read (zero past each row's end)."""
     dev = model.device
-    lengths = [len(r.tokens) for r in batch]
-    S = max(lengths)
-    K = max(r.targets.shape[1] if r.targets.dim() == 2 else 1 for r in batch)
-    ids = torch.cat([r.tokens for r in batch])[None].to(dev, non_blocking=True)
-    tgt = torch.zeros((sum(lengths), K), dtype=torch.long)
-    start = 0
-    for r, n in zip(batch, lengths, strict=True):
-        tgt[start:start + n, :r.targets.shape[1] if r.targets.dim() == 2 else 1] = (
-            r.targets.view(n, -1))
-        start += n
-    packing = Packing.of(lengths, dev)
-    lora = PackedLora([(r.adapter, n) for r, n in zip(batch, lengths, strict=True)],
-                      model.dtype, dev)
-    hidden = model.forward(ids, packing.positions, lora, packing=packing)
-    lp = model.target_logprobs(hidden, tgt.to(dev, non_blocking=True)[None], lora)[0]
-    row = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(lengths)).to(dev)
-    return lp.new_zeros((len(batch), S, K)).index_put((row, packing.positions[0]), lp)
+    layout = Layout.of(groups, dev)
+    ids = layout.ids[None].to(dev, non_blocking=True)
+    lora = PackedLora(layout.segments, model.dtype, dev)
+    hidden = model.forward(ids, layout.packing.positions, lora, packing=layout.packing)
+    lp = model.target_logprobs(hidden, layout.targets.to(dev, non_blocking=True)[None], lora)[0]
+    return layout.unpack(lp)
 
 
 def _datum_loss(req: ForwardBackwardRequest, datum, lp: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,9 @@ class Config:
     max_rank: int = 128
     token_budget: int = 16384  # tokens per micro-batch (activation memory)
     packing: bool = True  # rows of mixed lengths run end to end, not padded (engine/packed.py)
+    # Packed rows of one adapter sharing at least this many leading positions (an RL
+    # group's prompt) compute them once (engine/shared_prefix.py); 0: off.
+    shared_prefix: int = 32
     sample_kv_mb: int = 0  # the sampler's KV page pool per worker (0: 4096 on a GPU, 64 on a CPU)
     # The share of that pool prompts' KV pages may stay cached in for later requests with
     # the same prefix and weights (engine/prefix_cache.py); 0: no prefix cache.
@@ -243,7 +246,7 @@ _RANGES = {
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
                                  "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
-    "token_budget": _POSITIVE, "sample_kv_mb": _NON_NEGATIVE, "sample_prefix_cache": (lambda v: 0 <= v <= 1, "must be from 0 to 1"), "logprob_gap_every": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
+    "token_budget": _POSITIVE, "shared_prefix": _NON_NEGATIVE, "sample_kv_mb": _NON_NEGATIVE, "sample_prefix_cache": (lambda v: 0 <= v <= 1, "must be from 0 to 1"), "logprob_gap_every": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
     "poll_seconds": (lambda v: 0 <= v < 45,
                      "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
     "gather_ms": _NON_NEGATIVE, "stability_bytes": _NON_NEGATIVE,

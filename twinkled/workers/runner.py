@@ -39,6 +39,7 @@ from twinkled.protocol.frames import (
     TrainF,
     UnloadF,
 )
+from twinkled.protocol.prefixes import datum_costs
 from twinkled.protocol.types import Datum, ForwardBackwardRequest, LogprobGap
 
 from .persist import Persister, SplitPersistence, latest_version
@@ -135,7 +136,15 @@ class StepRunner:
             good.append((i, ForwardBackwardRequest(f.adapter_id, [_datum(d) for d in f.data],
                                                    f.loss_fn, f.loss_config, f.forward_only)))
         rows = [(i, req, j) for i, req in good for j in range(len(req.data))]
-        owner = split_rows([len(req.data[j].tokens) for _, req, j in rows], self.replicas)
+        # A prompt's rollouts stay on one replica, so their prompt is computed once.
+        minimum = self.engine.shared_prefix if self.engine.packed else 0
+        costs, follows = [], []
+        for i, _ in good:
+            parts = datum_costs(ops[i], minimum)  # less than its length: shares with the last
+            costs += parts
+            follows += [j > 0 and c < d.tokens.shape[0]
+                        for j, (c, d) in enumerate(zip(parts, ops[i].data, strict=True))]
+        owner = split_rows(costs, self.replicas, follows)
         mine: dict[int, list[int]] = {i: [] for i, _ in good}
         for (i, _, j), r in zip(rows, owner, strict=True):
             if r == self.replica:

@@ -96,6 +96,7 @@ def _start(args: dict):
     import torch.distributed as dist
 
     from twinkled.engine import Engine
+    from twinkled.engine.shared_prefix import MIN_SHARED
     from twinkled.protocol.logs import route_transformers
 
     route_transformers()  # its warnings in our format (JSON too)
@@ -128,6 +129,7 @@ def _start(args: dict):
         experts, dp_group = expert_groups(args["rank"], args["world"], ep)
     engine = Engine(args["model"], dtype=dtype, device=device, max_rank=args["max_rank"],
                     token_budget=args["token_budget"], packed=args.get("packing", True),
+                    shared_prefix=args.get("shared_prefix", MIN_SHARED),
                     kv_bytes=(args.get("sample_kv_mb") or 0) << 20 or None,
                     prefix_cache=float(args.get("sample_prefix_cache", 0.0)),
                     dp_group=dp_group, tp=tp, experts=experts,

@@ -1,0 +1,149 @@
+"""An RL step's training half with shared prefixes on and off (engine/shared_prefix.py).
+
+Why: an RL batch holds G rollouts of each prompt. Run as separate rows, every rollout
+computes its prompt again (80% of the tokens of a 512 + 128 step); shared, a group costs
+prompt + G x completion. In one run, on one engine (one tenant, LoRA r=32 on q,k,v,o,gate,
+up,down, importance_sampling with advantages on the completions), the same batch of P
+prompts x G rollouts is trained with `shared_prefix` 0 (off) and on (the default minimum):
+
+  rows, tokens computed, seconds per round (forward_backward + one AdamW step), row tok/s.
+
+It also checks the two agree: the loss sum and the gradient, relative difference (fp32 on a
+CPU: ~1e-6; bf16 on a GPU: rounding noise, ~1e-2). On a CPU shared with other jobs, one
+torch thread gives steadier times (measured on a 2-core box: 8.3 s a round with 2 threads
+fighting other processes, 1.4 s with one).
+
+    OMP_NUM_THREADS=1 python bench/bench_shared_prefix.py --shape tiny --device cpu
+    python bench/bench_shared_prefix.py --shape qwen3-8b      # GPU: 8 x 16, 512 + 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from output import emit, section_path  # bench/ is the script's directory
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_engine import ALPHA, RANK, SHAPES, Row, build_model, free, header, measure, seed_all  # noqa: E402
+
+from twinkled.engine.engine import Engine  # noqa: E402
+from twinkled.engine.shared_prefix import MIN_SHARED, TOKENS  # noqa: E402
+from twinkled.protocol.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig  # noqa: E402
+
+# (prompts, rollouts each, prompt tokens, completion tokens, timed rounds)
+CPU_SIZES = (8, 8, 256, 64, 3)
+GPU_SIZES = (8, 16, 512, 128, 3)
+
+
+def rl_batch(vocab: int, prompts: int, rollouts: int, prompt_len: int, new: int,
+             seed: int = 0) -> list[Datum]:
+    """P prompts x G rollouts of random tokens; advantages (one per rollout) on the
+    completion only, sampler logprobs about where a random model puts them."""
+    gen = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(prompts):
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
+        for _ in range(rollouts):
+            seq = torch.cat([prompt, torch.randint(0, vocab, (new,), generator=gen)])
+            n = len(seq) - 1
+            adv = torch.zeros(n)
+            adv[prompt_len - 1:] = float(torch.randn((), generator=gen))
+            data.append(Datum(seq[:-1], {"target_tokens": seq[1:], "advantages": adv,
+                                         "logprobs": torch.full((n,), -12.0)}))
+    return data
+
+
+def agreement(eng: Engine, req: ForwardBackwardRequest, minimum: int) -> tuple[float, float]:
+    """Relative difference of the loss sum and of the gradient, shared vs not."""
+    a = eng.pool.get("rl")
+    out = []
+    for m in (0, minimum):
+        eng.shared_prefix = m
+        eng.zero_grad("rl")
+        loss = eng.forward_backward([req])[0].metrics["loss:sum"]
+        out.append((loss, a.bank.flat(a.slot, "g").detach().float().clone()))
+    eng.zero_grad("rl")
+    (l0, g0), (l1, g1) = out
+    return abs(l1 - l0) / max(abs(l0), 1e-12), float((g1 - g0).norm() / g0.norm().clamp_min(1e-30))
+
+
+def run_shape(shape: str, device: str, sizes: tuple, budget: int) -> str:
+    prompts, rollouts, prompt_len, new, rounds = sizes
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with tempfile.TemporaryDirectory(prefix="bench_shared_") as tmp:
+        vocab = build_model(shape, Path(tmp), dtype, device)
+        seed_all(1)
+        eng = Engine(tmp, dtype=dtype, device=device, max_rank=RANK, token_budget=budget)
+        eng.add_adapter("rl", LoraConfig(rank=RANK, alpha=ALPHA, seed=0, train_unembed=False))
+        req = ForwardBackwardRequest("rl", rl_batch(vocab, prompts, rollouts, prompt_len, new),
+                                     "importance_sampling")
+        adam = AdamParams(learning_rate=1e-5)
+        # lora_B starts at zero, so A would have no gradient to compare: one step first.
+        eng.forward_backward([req])
+        eng.optim_steps([("rl", AdamParams(learning_rate=1e-3))])
+        loss_diff, grad_diff = agreement(eng, req, MIN_SHARED)
+        rows: list[tuple[Row, int]] = []
+        for label, minimum in (("unshared (shared_prefix = 0)", 0),
+                               (f"shared (shared_prefix = {MIN_SHARED})", MIN_SHARED)):
+            eng.shared_prefix = minimum
+
+            def round_() -> None:
+                eng.forward_backward([req])
+                eng.optim_steps([("rl", adam)])
+
+            real = sum(len(d.tokens) for d in req.data)
+            TOKENS.take()
+            row = measure(label, real, round_, 1, rounds, device)
+            seen, computed = TOKENS.take()
+            rows.append((row, computed * real // seen))  # per round
+    free(device)
+    base = rows[0][0].seconds
+    lines = [f"### {shape} ({device}, {str(dtype).removeprefix('torch.')}, one adapter r={RANK}, "
+             f"importance_sampling; {prompts} prompts x {rollouts} rollouts, {prompt_len} + "
+             f"{new} tokens; token_budget {budget})", "",
+             "| test | row tokens/round | tokens computed | time per round (s) | row tok/s "
+             "| speed-up | peak mem (GiB) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for row, computed in rows:
+        mem = "-" if row.peak_gib is None else f"{row.peak_gib:.2f}"
+        lines.append(f"| {row.test} | {row.tokens} | {computed} | {row.seconds:.4f} | "
+                     f"{row.throughput:,.0f} | {base / row.seconds:.2f}x | {mem} |")
+    lines += ["", f"Shared vs unshared, one forward_backward: loss sum differs by {loss_diff:.2e} "
+              f"(relative), the gradient by {grad_diff:.2e} (relative norm)."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", action="append", choices=SHAPES)
+    ap.add_argument("--device", choices=("cpu", "cuda"),
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prompts", type=int)
+    ap.add_argument("--rollouts", type=int)
+    ap.add_argument("--prompt-len", type=int)
+    ap.add_argument("--new", type=int, help="completion tokens")
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--token-budget", type=int, default=16384)
+    ap.add_argument("--out", default=None, help="the section's file ('' : print only)")
+    args = ap.parse_args()
+    sizes = list(GPU_SIZES if args.device == "cuda" else CPU_SIZES)
+    for i, v in enumerate((args.prompts, args.rollouts, args.prompt_len, args.new, args.rounds)):
+        if v is not None:
+            sizes[i] = v
+    shapes = args.shape or (["qwen2.5-0.5b"] if args.device == "cuda" else ["tiny"])
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    text = header(args.device).replace("Engine vs peft", "Shared prefixes in training")
+    for shape in shapes:
+        text += "\n" + run_shape(shape, args.device, tuple(sizes), args.token_budget)
+    emit(text, section_path("shared_prefix") if args.out is None else args.out)
+
+
+if __name__ == "__main__":
+    main()
