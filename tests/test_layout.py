@@ -128,3 +128,21 @@ def test_cpu_workers_take_omp_num_threads_when_it_is_set(monkeypatch):
     assert default_threads(["cuda:0"]) == GPU_WORKER_THREADS  # a GPU worker's host threads
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert default_threads(["cpu", "cpu"]) == max(1, (os.cpu_count() or 1) // 2)
+
+
+def test_the_sampler_kv_pool_is_sized_from_the_card_unless_set(tmp_path):
+    """`sample_kv_mb = 0` on GPUs: a share of what the card has after the weights and a
+    micro-batch (a 4 GiB pool decodes only a few dozen long rows of a big model at once),
+    never under 4 GiB, and counted before the adapters' budget; a set value is kept; CPUs
+    keep the worker's own default (0)."""
+    from twinkled.server.layout import KV_FLOOR_MB, adapters_budget, kv_pool_mb
+
+    cfg = _config(tmp_path, QWEN3_32B, devices=["cuda:0", "cuda:1"], tp=2, token_budget=4096)
+    auto = kv_pool_mb(cfg, [H100, H100])
+    assert 4 * KV_FLOOR_MB > auto > KV_FLOOR_MB  # ~10 GiB of the ~40 left on each H100
+    assert kv_pool_mb(cfg, [2 * H100, 2 * H100]) > 2 * auto  # a bigger card, a bigger pool
+    assert kv_pool_mb(replace(cfg, devices=["cuda:0"], tp=1), [H100]) == KV_FLOOR_MB
+    assert kv_pool_mb(replace(cfg, sample_kv_mb=1234), [H100, H100]) == 1234
+    assert kv_pool_mb(replace(cfg, devices=["cpu", "cpu"]), []) == 0
+    sized = replace(cfg, sample_kv_mb=auto)
+    assert adapters_budget(sized, [H100, H100]) < adapters_budget(cfg, [H100, H100])

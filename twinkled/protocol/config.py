@@ -63,7 +63,7 @@ class Config:
     # Packed rows of one adapter sharing at least this many leading positions (an RL
     # group's prompt) compute them once (engine/shared_prefix.py); 0: off.
     shared_prefix: int = 32
-    sample_kv_mb: int = 0  # the sampler's KV page pool per worker (0: 4096 on a GPU, 64 on a CPU)
+    sample_kv_mb: int = 0  # the sampler's KV page pool per worker (0: sized from the card, 64 on a CPU)
     # The share of that pool prompts' KV pages may stay cached in for later requests with
     # the same prefix and weights (engine/prefix_cache.py); 0: no prefix cache.
     sample_prefix_cache: float = 0.5

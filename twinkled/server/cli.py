@@ -13,6 +13,7 @@ from twinkled.server.layout import (
     adapters_budget,
     expand_devices,
     gpu_memory,
+    kv_pool_mb,
     layout_problems,
     layout_summary,
 )
@@ -70,6 +71,7 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
         raise click.UsageError("; ".join(problems))
     _refuse_busy_port(cfg.host, cfg.port)
     memory = gpu_memory(cfg)
+    cfg.sample_kv_mb = kv_pool_mb(cfg, memory)  # 0: sized from the cards (layout.py)
     problems = layout_problems(cfg, memory)
     if problems:
         raise click.UsageError("; ".join(problems))
@@ -78,6 +80,9 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
 
     setup_logging(cfg.log_format)
     logging.getLogger("twinkled").info("workers: %s", layout_summary(cfg))
+    if cfg.sample_kv_mb:
+        logging.getLogger("twinkled").info("sampler KV pool: %d MiB per worker",
+                                           cfg.sample_kv_mb)
     private_dir(cfg.data_dir)
     key_path = admin_key_path(cfg.data_dir, cfg.admin_key_file or None)
     admin_key = ensure_admin_key(key_path)

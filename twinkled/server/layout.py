@@ -63,6 +63,25 @@ def gpu_memory(cfg: Config) -> list[int]:
     return _gpu_memory() if _gpus(cfg.worker_devices()) else []
 
 
+KV_SHARE = 0.3  # of what a card has after the weights and a micro-batch, when not set
+KV_FLOOR_MB = 4096
+
+
+def kv_pool_mb(cfg: Config, memory: list[int]) -> int:
+    """The sampler's KV pool per worker, in MiB: `sample_kv_mb` if set; else (0) on GPUs
+    `KV_SHARE` of what the smallest card has left after the base weights and a recomputed
+    `token_budget` micro-batch (at least `KV_FLOOR_MB`), the rest going to adapters. A pool
+    that holds few rows caps decode at a few dozen sequences at once on an 8B (4 GiB: ~37
+    rows of 768 tokens), however many the card could run; 0 on CPUs (the worker's own
+    default)."""
+    gpus, model = _gpus(cfg.worker_devices()), cfg.model_config
+    if cfg.sample_kv_mb or not gpus or not model or any(g >= len(memory) for g in gpus):
+        return cfg.sample_kv_mb
+    free = adapter_budget(model, min(memory[g] for g in gpus), DTYPE_BYTES.get(cfg.dtype, 2),
+                          cfg.token_budget, cfg.tp, 0, HEADROOM)
+    return max(KV_FLOOR_MB, int(KV_SHARE * free) >> 20)
+
+
 def adapters_budget(cfg: Config, memory: list[int]) -> int | None:
     """Bytes per rank that loaded adapters may take (`AdapterRoom`): what the sizing
     estimate leaves of the smallest card in use; None (no limit) without GPUs."""
