@@ -29,11 +29,12 @@ import torch
 
 from twinkled.protocol.types import EngineInputError, SampledSequence, SampleRequest, SampleResult
 
+from . import kernels as kern
 from .choose import RowChoice, request_generator, stop_reason, top_rows
 from .decode_step import DecodeStep
 from .kv_pages import PagePool
 from .lora import Adapter
-from .lora_rows import AdapterStack, RowLora
+from .lora_rows import AdapterStack, row_lora
 from .prompt_scores import score_prompt, wants_scores
 
 PAGE_SIZE = 16  # tokens per KV page
@@ -85,12 +86,20 @@ class _Seq:
 class RunningBatch:
     """Up to `rows` sequences decoding together over a pool of `pages` KV pages (default:
     as many as `kv_bytes` hold, else `KV_BYTES` of the device type). `decode`: how a decode step runs (decode_step.py;
-    default "graphs" on CUDA devices, else "eager")."""
+    default "graphs" on CUDA devices, else "eager"). `kernels`: the Triton paths (LoRA rows:
+    kernels/lora_decode.py); None: where `kernels.available` (CUDA); True on CPU needs the
+    interpreter (`kernels.runnable`)."""
 
     def __init__(self, model, rows: int = 256, pages: int | None = None,
                  page_size: int = PAGE_SIZE, prefill_tokens: int | None = None,
-                 decode: str | None = None, kv_bytes: int | None = None):
+                 decode: str | None = None, kv_bytes: int | None = None,
+                 kernels: bool | None = None):
         dev = model.device
+        if kernels is None:
+            kernels = kern.available(dev)
+        elif kernels and not kern.runnable(dev):
+            raise ValueError(f"the Triton kernels cannot run on {dev} (CPU: TRITON_INTERPRET=1)")
+        self.kernels = kernels
         if pages is None:
             per_token = 2 * len(model.layers) * model.n_kv * model.head_dim * model.dtype.itemsize
             kv_bytes = kv_bytes or KV_BYTES.get(dev.type, KV_BYTES["cuda"])
@@ -101,7 +110,7 @@ class RunningBatch:
         self.stack = AdapterStack(model.dtype, dev)
         max_pages = min(self.pool.usable, self.pool.pages_for(model.max_seq_len))
         self.decode = DecodeStep(model, self.pool, self.stack, rows, max_pages,
-                                 decode or ("graphs" if dev.type == "cuda" else "eager"))
+                                 decode or ("graphs" if dev.type == "cuda" else "eager"), kernels)
         self.prefill_tokens = prefill_tokens or PREFILL_TOKENS.get(dev.type, 16384)
         self.waiting: deque[_Request] = deque()
         self.live: list[_Seq] = []  # slot order
@@ -214,7 +223,7 @@ class RunningBatch:
         rows = max([self.rows, *(r.num_samples for r in requests)])
         pages = max([self.pool.pages, *(self._pages(r) + 1 for r in requests)])
         return RunningBatch(self.model, rows, pages, self.pool.page_size, self.prefill_tokens,
-                            self.decode.mode)
+                            self.decode.mode, kernels=self.kernels)
 
     # -- admission and prefill ----------------------------------------------------------
 
@@ -308,14 +317,9 @@ class RunningBatch:
                 self._finish(s, done)
             else:
                 seated.append(s)
-        masks = {}  # one mask row per adapter
-        for s in seated:
-            ad = s.request.adapter
-            if id(ad) not in masks:
-                masks[id(ad)] = self.stack.mask_row(ad)
         self.decode.set_slots(len(self.live), [s.tokens[-1] for s in seated],
                               [s.length for s in seated], [s.pages for s in seated],
-                              [masks[id(s.request.adapter)] for s in seated])
+                              [s.request.adapter for s in seated])
         self.live += seated
         self._choice = None
 
@@ -336,8 +340,7 @@ class RunningBatch:
         keys = torch.arange(table.shape[1] * pool.page_size, device=dev)
         causal = keys[None, :] <= cols[:, None]  # [S, L]
         mask = (causal[None] & (keys[None, :] < lens[:, None])[:, None, :])[:, None]
-        masks = torch.stack([self.stack.mask_row(u.adapter) for u in uniq]).to(dev)
-        lora = RowLora(self.stack, masks)
+        lora = row_lora(self.stack, [u.adapter for u in uniq], self.kernels)
         positions = cols[None, :].expand(len(uniq), S)
         hidden = model.forward(ids, positions, lora, pool.view(write.reshape(-1), table), mask)
         last = hidden[torch.arange(len(uniq), device=dev), lens - 1]
