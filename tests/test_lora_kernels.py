@@ -36,11 +36,12 @@ def _masked(start, rank, scale, width: int) -> torch.Tensor:
     return mask
 
 
-@pytest.mark.parametrize("split", [None, 3])
-def test_row_kernels_match_the_masked_reference(split):
+@pytest.mark.parametrize("chunk", [None, 64, 32])
+def test_row_kernels_match_the_masked_reference(chunk):
     """37 rows (two full windows of 16 and a partial one): four adapters of ranks 8, 20,
     64 and 3 mixed with base-model rows; reduction and output sizes that no tile divides;
-    the shrink's reduction in one piece and split over 3 programs."""
+    the shrink's reduction (200) in one chunk, in 4 (summed by the expand) and in 7 (summed
+    before it)."""
     gen = torch.Generator().manual_seed(0)
     n, k, out, width = 37, 200, 150, 128
     x = torch.randn((n, k), generator=gen)
@@ -50,7 +51,7 @@ def test_row_kernels_match_the_masked_reference(split):
     start, rank, scale = _rows(n, gen)
     assert (rank == 0).any() and len(set(rank.tolist())) == 5  # every kind of row is there
     want = y + (x @ A.T * _masked(start, rank, scale, width)) @ B.T
-    got = lora_decode.apply(lora_decode.plan(start, rank, scale), x, A, B, y.clone(), 64, split)
+    got = lora_decode.apply(lora_decode.plan(start, rank, scale), x, A, B, y.clone(), 64, chunk)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     base = rank == 0
     assert torch.equal(got[base], y[base])  # the base model's rows are left as they were

@@ -18,13 +18,15 @@ Every shape is fixed by the number of rows, and the plan is computed on the devi
 the per-row buffers (no host sync), so a decode step with these kernels can be captured
 in a CUDA graph. x and y stay in the model's dtype; products accumulate in fp32; h is
 rounded to the model's dtype before the expand, as the masked reference's h is.
-The shrink splits the reduction (in) over `split` programs (the few windows of a decode
-step would leave most of the card idle); the expand sums the partial h's in fp32, in a
-fixed order (no atomics: the same inputs give the same bits).
+The shrink splits the reduction (in) into chunks, one program each (the few windows of a
+decode step would leave most of the card idle), and reads a chunk in one load per adapter;
+the partial h's are summed in fp32 in a fixed order (no atomics: the same inputs give the
+same bits), by the expand where they are few, else by one sum first.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +34,12 @@ import triton
 import triton.language as tl
 
 BM = 16  # rows per window (tl.dot needs >= 16)
-BK = 64  # reduction tile of the shrink
 BN = 128  # output columns per expand program
-K_PER_SPLIT = 1024  # the shrink's reduction length per program, before the cap
-MAX_SPLIT = 8
+CHUNK = {2: 256, 4: 128}  # the shrink's reduction length per program, by element size
+SUM_AFTER = 4  # more partial h's than this: one sum, rather than each expand program's
+# The loop over a window's adapters: a `for` on the GPU (its loads pipeline); Triton's
+# interpreter takes no loop bounds read from tensors, so there a `while`.
+DYN_FOR = os.environ.get("TRITON_INTERPRET") != "1"
 _NONE = 1 << 40  # the sort key of rows without an adapter: after every adapter's
 
 
@@ -67,30 +71,29 @@ def rank_block(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))
 
 
-def _split(k: int) -> int:
-    return max(1, min(MAX_SPLIT, triton.cdiv(k, K_PER_SPLIT)))
-
-
 def apply(p: RowPlan, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, y: torch.Tensor,
-          rb: int, split: int | None = None) -> torch.Tensor:
+          rb: int, chunk: int | None = None) -> torch.Tensor:
     """y[b] += scale_b * (x[b] @ A[cols_b].T) @ B[:, cols_b].T for the rows of `p`; x: [N, in],
     A: [width, in], B: [out, width], y: [N, out] (written in place); every adapter's rank
-    <= `rb` (a power of two >= 16)."""
+    <= `rb` (a power of two >= 16). `chunk`: the shrink's reduction per program (a power
+    of two; default by dtype)."""
     n, k = x.shape
     out = y.shape[1]
     if x.stride(1) != 1:
         x = x.contiguous()
-    split = split or _split(k)
-    chunk = triton.cdiv(triton.cdiv(k, split), BK) * BK
+    chunk = chunk or CHUNK.get(x.element_size(), 128)
     split = triton.cdiv(k, chunk)
     h = torch.empty((split, n, rb), dtype=torch.float32, device=x.device)
     windows = triton.cdiv(n, BM)
     exact = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit inputs
     _shrink[(windows, split)](x, A, h, p.order, p.seg, p.start, p.rank, p.scale, n, k,
-                              x.stride(0), A.stride(0), CHUNK=chunk, BM=BM, BK=BK, RB=rb, PRECISION=exact)
+                              x.stride(0), A.stride(0), CHUNK=chunk, BM=BM, RB=rb,
+                              PRECISION=exact, DYN_FOR=DYN_FOR)
+    if split > SUM_AFTER:
+        h, split = h.sum(0, keepdim=True), 1
     _expand[(windows, triton.cdiv(out, BN))](h, B, y, p.order, p.seg, p.start, p.rank, n, out,
-                                             B.stride(0), y.stride(0), SPLIT=split, BM=BM, BN=BN,
-                                             RB=rb, PRECISION=exact)
+                                             B.stride(0), y.stride(0), SPLIT=split, BM=BM,
+                                             BN=BN, RB=rb, PRECISION=exact, DYN_FOR=DYN_FOR)
     return y
 
 
@@ -110,39 +113,66 @@ def _window(seg_ptr, order_ptr, start_ptr, rank_ptr, n, BM: tl.constexpr):
 
 
 @triton.jit
+def _columns(s, seg, start, rank):
+    """Segment s's rows in the window, and its adapter's first column and rank."""
+    mine = seg == s
+    return mine, tl.max(tl.where(mine, start, 0), axis=0), tl.max(tl.where(mine, rank, 0), axis=0)
+
+
+@triton.jit
+def _shrink_one(acc, s, seg, start, rank, row, x_ptr, a_ptr, stride_x, stride_a, kk, km,
+                RB: tl.constexpr, PRECISION: tl.constexpr):
+    mine, st, rk = _columns(s, seg, start, rank)
+    r = tl.arange(0, RB)
+    xt = tl.load(x_ptr + row[:, None] * stride_x + kk[None, :], mask=mine[:, None] & km[None, :],
+                 other=0.0)
+    at = tl.load(a_ptr + (st + r)[None, :] * stride_a + kk[:, None],
+                 mask=(r < rk)[None, :] & km[:, None], other=0.0)  # A^T chunk [CHUNK, RB]
+    return acc + tl.dot(xt, at, input_precision=PRECISION)
+
+
+@triton.jit
 def _shrink(x_ptr, a_ptr, h_ptr, order_ptr, seg_ptr, start_ptr, rank_ptr, scale_ptr, n, k,
-            stride_x, stride_a, CHUNK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
-            PRECISION: tl.constexpr):
+            stride_x, stride_a, CHUNK: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr,
+            PRECISION: tl.constexpr, DYN_FOR: tl.constexpr):
     pos, valid, seg, row, start, rank, lo, hi = _window(seg_ptr, order_ptr, start_ptr,
                                                         rank_ptr, n, BM)
     scale = tl.load(scale_ptr + pos, mask=valid, other=0.0)
     sp = tl.program_id(1)
-    k0 = sp * CHUNK
-    k1 = tl.minimum(k0 + CHUNK, k)
-    r = tl.arange(0, RB)
+    kk = sp * CHUNK + tl.arange(0, CHUNK)
+    km = kk < k
     acc = tl.zeros((BM, RB), dtype=tl.float32)
-    s = lo
-    while s <= hi:  # the adapters in this window, each over its own rows
-        mine = seg == s
-        st = tl.max(tl.where(mine, start, 0), axis=0)
-        rk = tl.max(tl.where(mine, rank, 0), axis=0)
-        for kb in range(0, CHUNK, BK):  # constexpr bounds: the interpreter needs them
-            kk = k0 + kb + tl.arange(0, BK)
-            km = kk < k1
-            xt = tl.load(x_ptr + row[:, None] * stride_x + kk[None, :],
-                         mask=mine[:, None] & km[None, :], other=0.0)
-            at = tl.load(a_ptr + (st + r)[None, :] * stride_a + kk[:, None],
-                         mask=(r < rk)[None, :] & km[:, None], other=0.0)  # A^T tile [BK, RB]
-            acc += tl.dot(xt, at, input_precision=PRECISION)
-        s += 1
+    if DYN_FOR:  # the adapters in this window, each over its own rows
+        for s in range(lo, hi + 1):
+            acc = _shrink_one(acc, s, seg, start, rank, row, x_ptr, a_ptr, stride_x, stride_a,
+                              kk, km, RB, PRECISION)
+    else:
+        s = lo
+        while s <= hi:
+            acc = _shrink_one(acc, s, seg, start, rank, row, x_ptr, a_ptr, stride_x, stride_a,
+                              kk, km, RB, PRECISION)
+            s += 1
     acc = acc * scale[:, None]
+    r = tl.arange(0, RB)
     tl.store(h_ptr + sp * n * RB + pos[:, None] * RB + r[None, :], acc, mask=valid[:, None])
 
 
 @triton.jit
+def _expand_one(acc, s, seg, start, rank, h, b_ptr, stride_b, cols, cm, RB: tl.constexpr,
+                PRECISION: tl.constexpr):
+    mine, st, rk = _columns(s, seg, start, rank)
+    r = tl.arange(0, RB)
+    bt = tl.load(b_ptr + cols[None, :] * stride_b + (st + r)[:, None],
+                 mask=(r < rk)[:, None] & cm[None, :], other=0.0)  # B^T tile [RB, BN]
+    # h in the model's dtype, as the reference rounds it
+    hs = tl.where(mine[:, None], h, 0.0).to(b_ptr.dtype.element_ty)
+    return acc + tl.dot(hs, bt, input_precision=PRECISION)
+
+
+@triton.jit
 def _expand(h_ptr, b_ptr, y_ptr, order_ptr, seg_ptr, start_ptr, rank_ptr, n, out,
-            stride_b, stride_y, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
-            PRECISION: tl.constexpr):
+            stride_b, stride_y, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            RB: tl.constexpr, PRECISION: tl.constexpr, DYN_FOR: tl.constexpr):
     pos, valid, seg, row, start, rank, lo, hi = _window(seg_ptr, order_ptr, start_ptr,
                                                         rank_ptr, n, BM)
     if hi >= lo:  # a window of base-model rows (or padding) adds nothing
@@ -154,17 +184,16 @@ def _expand(h_ptr, b_ptr, y_ptr, order_ptr, seg_ptr, start_ptr, rank_ptr, n, out
             h += tl.load(h_ptr + sp * n * RB + pos[:, None] * RB + r[None, :],
                          mask=valid[:, None], other=0.0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        s = lo
-        while s <= hi:
-            mine = seg == s
-            st = tl.max(tl.where(mine, start, 0), axis=0)
-            rk = tl.max(tl.where(mine, rank, 0), axis=0)
-            bt = tl.load(b_ptr + cols[None, :] * stride_b + (st + r)[:, None],
-                         mask=(r < rk)[:, None] & cm[None, :], other=0.0)  # B^T tile [RB, BN]
-            # h in the model's dtype, as the reference rounds it
-            hs = tl.where(mine[:, None], h, 0.0).to(b_ptr.dtype.element_ty)
-            acc += tl.dot(hs, bt, input_precision=PRECISION)
-            s += 1
+        if DYN_FOR:
+            for s in range(lo, hi + 1):
+                acc = _expand_one(acc, s, seg, start, rank, h, b_ptr, stride_b, cols, cm, RB,
+                                  PRECISION)
+        else:
+            s = lo
+            while s <= hi:
+                acc = _expand_one(acc, s, seg, start, rank, h, b_ptr, stride_b, cols, cm, RB,
+                                  PRECISION)
+                s += 1
         live = seg >= 0
         ptrs = y_ptr + row[:, None] * stride_y + cols[None, :]
         m = live[:, None] & cm[None, :]
