@@ -68,10 +68,34 @@ def graph_time(fn, reps: int = 20) -> float:
     return statistics.median(times[3:])
 
 
+# Knobs of kernels/lora_decode.py the timing tries (name -> module attributes); the first
+# is the module's default.
+VARIANTS = {"default": {}, "while": {"DYN_FOR": False}, "chunk512": {"CHUNK": {2: 512, 4: 256}},
+            "chunk128": {"CHUNK": {2: 128, 4: 64}}, "bn64": {"BN": 64}, "bn256": {"BN": 256},
+            "no-sum": {"SUM_AFTER": 1000}}
+
+
+def variant(name: str) -> dict:
+    """Set a variant's knobs; returns the previous values."""
+    old = {k: getattr(lora_decode, k) for k in VARIANTS[name]}
+    for k, v in VARIANTS[name].items():
+        setattr(lora_decode, k, v)
+    return old
+
+
 def check_kernels(dev) -> dict:
     gen = torch.Generator(device=dev).manual_seed(0)
-    return {str(dtype): _check_dtype(dtype, tol, dev, gen)
-            for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2))}
+    out = {}
+    for name in ("default", "while", "no-sum"):
+        old = variant(name)
+        try:
+            out[name] = {str(dtype): _check_dtype(dtype, tol, dev, gen)
+                         for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2))}
+        except Exception as e:  # noqa: BLE001 - report it, and go on to the next
+            out[name] = repr(e)[:400]
+        for k, v in old.items():
+            setattr(lora_decode, k, v)
+    return out
 
 
 def _check_dtype(dtype, tol: float, dev, gen) -> dict:
@@ -181,11 +205,11 @@ def _masked_step(stacks, mods, x, y, mask) -> None:
         y[o].addmm_(h, B.t())
 
 
-def _kernel_step(stacks, mods, x, y, rows, rb, split) -> None:
+def _kernel_step(stacks, mods, x, y, rows, rb) -> None:
     p = lora_decode.plan(*rows)
     for i, (A, B) in enumerate(stacks):
         k, o = mods[i % len(mods)]
-        lora_decode.apply(p, x[k], A, B, y[o], rb, split)
+        lora_decode.apply(p, x[k], A, B, y[o], rb)
 
 
 def _time_paths(adapters: int, args, mods, x, y, dev) -> list[dict]:
@@ -198,14 +222,39 @@ def _time_paths(adapters: int, args, mods, x, y, dev) -> list[dict]:
     mask = masked(*rows, width, dtype)
     rb = lora_decode.rank_block(rank)
     gb = sum(A.numel() + B.numel() for A, B in stacks) * 2 / 1e9
+    ms = graph_time(lambda: _masked_step(stacks, mods, x, y, mask))
+    out = [{"path": "masked", "adapters": adapters, "ms": round(ms, 3), "adapter_GB": round(gb, 2),
+            "GB/s": round(gb / ms * 1e3, 1)}]
+    print(out[-1], flush=True)
+    for name in VARIANTS:
+        old = variant(name)
+        try:
+            ms = graph_time(lambda: _kernel_step(stacks, mods, x, y, rows, rb))
+            out.append({"path": f"kernels {name}", "adapters": adapters, "ms": round(ms, 3),
+                        "GB/s": round(gb / ms * 1e3, 1)})
+        except Exception as e:  # noqa: BLE001 - report it, and go on to the next
+            out.append({"path": f"kernels {name}", "adapters": adapters, "error": repr(e)[:400]})
+        for k, v in old.items():
+            setattr(lora_decode, k, v)
+        print(out[-1], flush=True)
+    if adapters == max(args.adapters):
+        out += _time_prefill(stacks[:4 * len(mods)], mods, adapters, rank, width, dev)
+    return out
+
+
+def _time_prefill(stacks, mods, adapters: int, rank: int, width: int, dev) -> list[dict]:
+    """A prefill's LoRA work (4 layers): 16 prompts of 256 tokens, each of its own adapter."""
+    dtype, n = torch.bfloat16, 16 * 256
+    rows = [t.repeat_interleave(256) for t in rows_of(16, min(adapters, 16), rank, dev)]
+    mask = masked(*rows, width, dtype)
+    x = {k: torch.randn((n, k), device=dev, dtype=dtype) for k in {k for k, _ in mods}}
+    y = {o: torch.zeros((n, o), device=dev, dtype=dtype) for o in {o for _, o in mods}}
+    rb = lora_decode.rank_block(rank)
     out = []
     for name, fn in (("masked", lambda: _masked_step(stacks, mods, x, y, mask)),
-                     ("kernels", lambda: _kernel_step(stacks, mods, x, y, rows, rb, None)),
-                     ("kernels split=1", lambda: _kernel_step(stacks, mods, x, y, rows, rb, 1)),
-                     ("kernels split=16", lambda: _kernel_step(stacks, mods, x, y, rows, rb, 16))):
-        ms = graph_time(fn)
-        out.append({"path": name, "adapters": adapters, "ms": round(ms, 3),
-                    "adapter_GB": round(gb, 2), "GB/s": round(gb / ms * 1e3, 1)})
+                     ("kernels", lambda: _kernel_step(stacks, mods, x, y, rows, rb))):
+        out.append({"path": f"prefill 4096 tokens, 4 layers, {name}", "adapters": adapters,
+                    "ms": round(graph_time(fn), 3)})
         print(out[-1], flush=True)
     return out
 
