@@ -71,8 +71,7 @@ def graph_time(fn, reps: int = 20) -> float:
 # Knobs of kernels/lora_decode.py the timing tries (name -> module attributes); the first
 # is the module's default.
 VARIANTS = {"default": {}, "while": {"DYN_FOR": False}, "chunk512": {"CHUNK": {2: 512, 4: 256}},
-            "chunk128": {"CHUNK": {2: 128, 4: 64}}, "bn64": {"BN": 64}, "bn256": {"BN": 256},
-            "no-sum": {"SUM_AFTER": 1000}}
+            "chunk128": {"CHUNK": {2: 128, 4: 64}}, "bn64": {"BN": 64}, "bn256": {"BN": 256}}
 
 
 def variant(name: str) -> dict:
@@ -86,7 +85,7 @@ def variant(name: str) -> dict:
 def check_kernels(dev) -> dict:
     gen = torch.Generator(device=dev).manual_seed(0)
     out = {}
-    for name in ("default", "while", "no-sum"):
+    for name in ("default", "while"):
         old = variant(name)
         try:
             out[name] = {str(dtype): _check_dtype(dtype, tol, dev, gen)

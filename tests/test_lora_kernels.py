@@ -40,8 +40,7 @@ def _masked(start, rank, scale, width: int) -> torch.Tensor:
 def test_row_kernels_match_the_masked_reference(chunk):
     """37 rows (two full windows of 16 and a partial one): four adapters of ranks 8, 20,
     64 and 3 mixed with base-model rows; reduction and output sizes that no tile divides;
-    the shrink's reduction (200) in one chunk, in 4 (summed by the expand) and in 7 (summed
-    before it)."""
+    the shrink's reduction (200) in one chunk, in 4 and in 7 partial sums."""
     gen = torch.Generator().manual_seed(0)
     n, k, out, width = 37, 200, 150, 128
     x = torch.randn((n, k), generator=gen)
