@@ -56,9 +56,12 @@ def test_row_kernels_match_the_masked_reference(chunk):
     assert torch.equal(got[base], y[base])  # the base model's rows are left as they were
 
 
-def test_rows_of_many_tokens_use_their_rows_adapter():
-    """KernelRowLora on [rows, tokens, in] (a prefill) equals RowLora with the same stack,
-    and a key the stack does not hold leaves y alone."""
+def test_rows_of_many_tokens_use_their_rows_adapter(monkeypatch):
+    """KernelRowLora on [rows, tokens, in] (a prefill; its partial sums summed before the
+    expand, as for more than SUM_ROWS tokens) equals RowLora with the same stack, and a
+    key the stack does not hold leaves y alone."""
+    monkeypatch.setattr(lora_decode, "SUM_ROWS", 8)
+    monkeypatch.setattr(lora_decode, "CHUNK", {4: 16})  # 3 partial sums of in = 48
     gen = torch.Generator().manual_seed(1)
     stack = AdapterStack(torch.float32, torch.device("cpu"), width=128)
     stack.rank_block = 64
@@ -96,10 +99,10 @@ def test_a_running_batch_samples_the_same_with_the_kernels(eng):
     def params(n, **kw):
         return SamplingParams(max_tokens=n, stop=[], **kw)
 
-    reqs = [SampleRequest("a", prompt(7), params(6, seed=5), num_samples=2),
-            SampleRequest("b", prompt(5), params(8, temperature=0.8, seed=6, top_p=0.9)),
-            SampleRequest(None, prompt(4), params(5, seed=7)),
-            SampleRequest("c", prompt(9), params(7, temperature=0.0))]
+    reqs = [SampleRequest("a", prompt(7), params(4, seed=5), num_samples=2),
+            SampleRequest("b", prompt(5), params(5, temperature=0.8, seed=6, top_p=0.9)),
+            SampleRequest(None, prompt(4), params(3, seed=7)),
+            SampleRequest("c", prompt(9), params(5, temperature=0.0))]
     ads = [None if r.adapter_id is None else eng.pool.get(r.adapter_id) for r in reqs]
     out = {}
     for kernels in (False, True):
