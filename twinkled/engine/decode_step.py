@@ -2,7 +2,8 @@
 
 Running row i sits in slot i (slots 0..n-1 are the live rows, compacted). Its inputs live
 in fixed device buffers: the token to feed, its position (= the KV length before it), its
-block table and its LoRA mask row. Everything else (slots to write, slots to read, the
+block table and its LoRA inputs (lora_rows.RowBuffers: a mask row, or with `kernels` its
+adapter's columns and scale). Everything else (slots to write, slots to read, the
 attention mask) is computed from them inside the step, so the step is a pure function of
 the buffers and can be captured as a CUDA graph.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .kv_pages import PagePool
-from .lora_rows import AdapterStack, RowLora
+from .lora_rows import AdapterStack, RowBuffers
 
 
 def bucket(n: int, cap: int, fine: bool = False) -> int:
@@ -48,7 +49,7 @@ class DecodeStep:
         self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
         self.table = torch.zeros((rows, max_pages), dtype=torch.long, device=dev)
-        self.mask = torch.zeros((rows, stack.width), dtype=model.dtype, device=dev)
+        self.lora = RowBuffers(stack, rows, kernels)
         self.mode = mode
         self.kernels = kernels  # attention by the paged kernel (kv_pages.PagedView.attend)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -58,7 +59,7 @@ class DecodeStep:
     # -- the slots ------------------------------------------------------------------------
 
     def set_slots(self, first: int, tokens: list[int], pos: list[int], tables: list[list[int]],
-                  masks: list[torch.Tensor]) -> None:
+                  adapters: list) -> None:
         """Seat rows in slots first, first + 1, ...: built on the host, one copy per buffer
         (a row at a time, seating 256 rows cost thousands of tiny copies)."""
         self._follow_stack()
@@ -72,17 +73,19 @@ class DecodeStep:
         self.tok[first:end] = torch.tensor(tokens).to(self.tok.device)
         self.pos[first:end] = torch.tensor(pos).to(self.pos.device)
         self.table[first:end] = table.to(self.table.device)
-        self.mask[first:end] = torch.stack(masks).to(self.mask.device)
+        self.lora.set(first, adapters)
 
     def move_slot(self, src: int, dst: int) -> None:
         """Slot `src`'s inputs into `dst`, and `src` made inert."""
-        for buf in (self.tok, self.pos, self.table, self.mask):
+        for buf in (self.tok, self.pos, self.table):
             buf[dst] = buf[src]
             buf[src] = 0
+        self.lora.move(src, dst)
 
     def clear_slot(self, i: int) -> None:
-        for buf in (self.tok, self.pos, self.table, self.mask):
+        for buf in (self.tok, self.pos, self.table):
             buf[i] = 0
+        self.lora.clear(i)
 
     def advance(self, n: int, tokens: torch.Tensor) -> None:
         """Live slots 0..n-1 feed `tokens` next, one position further on."""
@@ -117,7 +120,7 @@ class DecodeStep:
         write = table.gather(1, (pos // size)[:, None])[:, 0] * size + pos % size
         keys = torch.arange(pages * size, device=pos.device)
         mask = (keys[None, :] <= pos[:, None])[:, None, None, :]
-        lora = RowLora(self.stack, self.mask[:rows])
+        lora = self.lora.lora(rows)
         view = self.pool.view(write, table, pos + 1 if self.kernels else None)
         hidden = self.model.forward(self.tok[:rows, None], pos[:, None], lora, view, mask)
         return self.model.logits(hidden, lora)[:, 0]
@@ -136,13 +139,10 @@ class DecodeStep:
         return graph, out
 
     def _follow_stack(self) -> None:
-        """The adapter stack grew: widen the mask (columns keep their places); the graphs
-        read the old buffers, so they go."""
+        """The adapter stack grew (or its rank block did): the LoRA buffers follow; the
+        graphs read the old buffers, so they go."""
         if self._version == self.stack.version:
             return
-        mask = torch.zeros((self.rows, self.stack.width), dtype=self.mask.dtype,
-                           device=self.mask.device)
-        mask[:, :self.mask.shape[1]] = self.mask
-        self.mask = mask
+        self.lora.follow()
         self._graphs.clear()
         self._version = self.stack.version

@@ -8,7 +8,10 @@ stack per target module (A: [width, in], B: [out, width]); a row picks its adapt
 columns with a mask row that carries the adapter's scale (zero elsewhere). A mixed batch's
 delta is then two dense matmuls that read each adapter once per step, with shapes that do
 not depend on which row uses which adapter, so one captured CUDA graph serves every mix.
-The other adapters' columns cost flops, which decode has to spare.
+The other adapters' columns cost flops, which decode has to spare at a few adapters; at
+many (64 of rank 32: 2048 columns on every row) they do not, and where the kernels run
+(`kernels.lora_decode`) a row instead carries its adapter's (start, rank, scale) and reads
+only its own columns (`KernelRowLora`); the masked `RowLora` stays as their reference.
 
 Weights are copied in when an adapter gets its first running row (so training between
 two sampling calls is seen), and its columns are freed when its last row finishes.
@@ -32,6 +35,7 @@ class AdapterStack:
         self._held: dict[str, tuple[Adapter, int, int]] = {}  # id -> (adapter, start, users)
         self._loaded: dict[str, int] = {}  # id -> the weights version its columns hold
         self.version = 0  # changes when the buffers are reallocated or gain a target
+        self.rank_block = 16  # a power of two >= every rank held (the kernels' column tile)
 
     def acquire(self, adapter: Adapter) -> None:
         """One more running row of `adapter` (its weights are copied in for the first)."""
@@ -41,7 +45,11 @@ class AdapterStack:
             return
         if held is not None:  # a removed adapter's id reused: never while rows run
             raise RuntimeError(f"adapter {adapter.id!r} changed while rows sample it")
-        start = self._columns(adapter.config.rank)
+        rank = adapter.config.rank
+        if rank > self.rank_block:  # the kernels tile by it: captured graphs must go
+            self.rank_block = 1 << (rank - 1).bit_length()
+            self.version += 1
+        start = self._columns(rank)
         self._load(adapter, start)
         self._held[adapter.id] = (adapter, start, 1)
 
@@ -67,6 +75,13 @@ class AdapterStack:
             _, start, _ = self._held[adapter.id]
             row[start:start + adapter.config.rank] = adapter.scale
         return row
+
+    def row(self, adapter: Adapter | None) -> tuple[int, int, float]:
+        """`adapter`'s (first column, rank, scale); (0, 0, 0.0): the base model."""
+        if adapter is None:
+            return 0, 0, 0.0
+        _, start, _ = self._held[adapter.id]
+        return start, adapter.config.rank, adapter.scale
 
     def _columns(self, rank: int) -> int:
         run = 0
@@ -126,3 +141,97 @@ class RowLora:
         h = F.linear(x, a) * self.mask[:, None, :]
         y.view(-1, y.shape[-1]).addmm_(h.view(-1, h.shape[-1]), self.stack.B[key].t())
         return y
+
+
+class KernelRowLora:
+    """`RowLora` through the kernels: row b reads only the columns start[b] to start[b] +
+    rank[b] (rank 0: the base model), scaled by scale[b]. Rows of several tokens (prefill)
+    use their row's adapter for every token."""
+
+    def __init__(self, stack: AdapterStack, start: torch.Tensor, rank: torch.Tensor,
+                 scale: torch.Tensor):
+        self.stack, self.rows = stack, (start, rank, scale)
+        self._plans: dict[int, object] = {}  # tokens per row -> the rows sorted by adapter
+
+    def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a = self.stack.A.get(key)
+        if a is None:
+            return y
+        from .kernels import lora_decode  # triton: only where the kernels run
+
+        S = x.shape[1]
+        plan = self._plans.get(S)
+        if plan is None:  # once per forward (every module shares it), inside the graph
+            plan = self._plans[S] = lora_decode.plan(*(t.repeat_interleave(S) for t in self.rows))
+        lora_decode.apply(plan, x.reshape(-1, x.shape[-1]), a, self.stack.B[key],
+                          y.view(-1, y.shape[-1]), self.stack.rank_block)
+        return y
+
+
+def row_lora(stack: AdapterStack, adapters: list[Adapter | None],
+             kernels: bool) -> RowLora | KernelRowLora:
+    """The LoRA of rows that use `adapters` (None: the base model), built on the host."""
+    if not kernels:
+        masks = torch.stack([stack.mask_row(a) for a in adapters]).to(stack.device)
+        return RowLora(stack, masks)
+    start, rank, scale = zip(*(stack.row(a) for a in adapters), strict=True)
+    dev = stack.device
+    return KernelRowLora(stack, torch.tensor(start, dtype=torch.int32, device=dev),
+                         torch.tensor(rank, dtype=torch.int32, device=dev),
+                         torch.tensor(scale, dtype=torch.float32, device=dev))
+
+
+class RowBuffers:
+    """The LoRA inputs of a decode step's slots, in fixed device buffers: a mask row per
+    slot (masked path) or a slot's (start, rank, scale) (kernels). Slots with nothing
+    seated are the base model."""
+
+    def __init__(self, stack: AdapterStack, rows: int, kernels: bool):
+        self.stack, self.kernels = stack, kernels
+        dev = stack.device
+        if kernels:
+            self.bufs = [torch.zeros(rows, dtype=torch.int32, device=dev),
+                         torch.zeros(rows, dtype=torch.int32, device=dev),
+                         torch.zeros(rows, dtype=torch.float32, device=dev)]
+        else:
+            self.bufs = [torch.zeros((rows, stack.width), dtype=stack.dtype, device=dev)]
+        self._width = stack.width
+
+    def set(self, first: int, adapters: list[Adapter | None]) -> None:
+        """Slots first, first + 1, ... take `adapters`' rows: one copy per buffer."""
+        if not adapters:
+            return
+        end = first + len(adapters)
+        if not self.kernels:
+            masks = {id(a): self.stack.mask_row(a) for a in adapters}  # one per adapter
+            self.bufs[0][first:end] = torch.stack([masks[id(a)] for a in adapters]).to(
+                self.stack.device)
+            return
+        start, rank, scale = zip(*(self.stack.row(a) for a in adapters), strict=True)
+        for buf, vals in zip(self.bufs, (start, rank, scale), strict=True):
+            buf[first:end] = torch.tensor(vals, dtype=buf.dtype).to(buf.device)
+
+    def move(self, src: int, dst: int) -> None:
+        for buf in self.bufs:
+            buf[dst] = buf[src]
+            buf[src] = 0
+
+    def clear(self, i: int) -> None:
+        for buf in self.bufs:
+            buf[i] = 0
+
+    def follow(self) -> None:
+        """The stack grew: widen the masks (columns keep their places, and so do the
+        kernels' starts)."""
+        if self.kernels or self._width == self.stack.width:
+            return
+        old = self.bufs[0]
+        mask = torch.zeros((old.shape[0], self.stack.width), dtype=old.dtype, device=old.device)
+        mask[:, :old.shape[1]] = old
+        self.bufs[0], self._width = mask, self.stack.width
+
+    def lora(self, rows: int) -> RowLora | KernelRowLora:
+        """The LoRA of slots 0..rows-1."""
+        if self.kernels:
+            return KernelRowLora(self.stack, *(b[:rows] for b in self.bufs))
+        return RowLora(self.stack, self.bufs[0][:rows])

@@ -34,7 +34,7 @@ import torch
 
 from .kv_pages import PagePool
 from .lora import Adapter
-from .lora_rows import AdapterStack, RowLora
+from .lora_rows import AdapterStack
 
 WeightsKey = tuple  # (adapter id, weights version), (None, 0) for the base model
 
@@ -177,7 +177,7 @@ class PrefixCache:
         return gone
 
 
-def prefill(model, pool: PagePool, lora: RowLora, prompts: list[list[int]],
+def prefill(model, pool: PagePool, lora, prompts: list[list[int]],  # lora: row_lora(...)
             starts: list[int], pages: list[list[int]]):
     """One forward of `prompts` (right-padded) from positions `starts` (page-aligned: the
     keys and values before them are already in the prompts' first `pages`), writing the

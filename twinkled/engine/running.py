@@ -29,12 +29,12 @@ import torch
 
 from twinkled.protocol.types import EngineInputError, SampledSequence, SampleRequest, SampleResult
 
+from . import kernels as kern
 from .choose import RowChoice, request_generator, stop_reason, top_rows
 from .decode_step import DecodeStep
-from .kernels import available, runnable
 from .kv_pages import PagePool
 from .lora import Adapter
-from .lora_rows import AdapterStack, RowLora
+from .lora_rows import AdapterStack, row_lora
 from .prefix_cache import PrefixCache, prefill, weights_key
 from .prompt_scores import score_prompt, wants_scores
 
@@ -88,9 +88,10 @@ class RunningBatch:
     """Up to `rows` sequences decoding together over a pool of `pages` KV pages (default:
     as many as `kv_bytes` hold, else `KV_BYTES` of the device type). `decode`: how a decode step runs (decode_step.py;
     default "graphs" on CUDA devices, else "eager"). `prefix_cache`: share of the pages cached
-    prompts may hold. `kernels`: decode attention by the paged Triton kernel (default: on
-    CUDA; on CPU only if asked and Triton's interpreter is on); False keeps the gather + SDPA
-    reference path."""
+    prompts may hold. `kernels`: the Triton paths (decode attention straight from the pages,
+    kernels/paged_decode.py; LoRA rows, kernels/lora_decode.py); None: where
+    `kernels.available` (CUDA); True on CPU needs the interpreter (`kernels.runnable`);
+    False keeps the reference paths (gather + SDPA, masked LoRA stack)."""
 
     def __init__(self, model, rows: int = 256, pages: int | None = None,
                  page_size: int = PAGE_SIZE, prefill_tokens: int | None = None,
@@ -98,9 +99,10 @@ class RunningBatch:
                  prefix_cache: float = 0.0, kernels: bool | None = None):
         dev = model.device
         if kernels is None:
-            kernels = available(dev)
-        elif kernels and not runnable(dev):
-            raise ValueError(f"the Triton kernels cannot run on {dev} (CPU: set TRITON_INTERPRET=1)")
+            kernels = kern.available(dev)
+        elif kernels and not kern.runnable(dev):
+            raise ValueError(f"the Triton kernels cannot run on {dev} (CPU: TRITON_INTERPRET=1)")
+        self.kernels = kernels
         if pages is None:
             per_token = 2 * len(model.layers) * model.n_kv * model.head_dim * model.dtype.itemsize
             kv_bytes = kv_bytes or KV_BYTES.get(dev.type, KV_BYTES["cuda"])
@@ -226,7 +228,7 @@ class RunningBatch:
         pages = max([self.pool.pages, *(self._pages(r) + 1 for r in requests)])
         return RunningBatch(self.model, rows, pages, self.pool.page_size, self.prefill_tokens,
                             self.decode.mode, prefix_cache=self.cache.share,
-                            kernels=self.decode.kernels)
+                            kernels=self.kernels)
 
     # -- admission and prefill ----------------------------------------------------------
 
@@ -275,8 +277,8 @@ class RunningBatch:
                 if r.adapter is not None:
                     self.stack.acquire(r.adapter)
         prompt_pages, starts = self._prompt_pages(take, uniq)
-        masks = torch.stack([self.stack.mask_row(u.adapter) for u in uniq]).to(model.device)
-        hidden, logits = prefill(model, pool, RowLora(self.stack, masks),
+        lora = row_lora(self.stack, [u.adapter for u in uniq], self.kernels)
+        hidden, logits = prefill(model, pool, lora,
                                  [u.req.prompt for u in uniq], starts, prompt_pages)
         at = {u.key: i for i, u in enumerate(uniq)}
         for r in take:
@@ -327,14 +329,9 @@ class RunningBatch:
                 self._finish(s, done)
             else:
                 seated.append(s)
-        masks = {}  # one mask row per adapter
-        for s in seated:
-            ad = s.request.adapter
-            if id(ad) not in masks:
-                masks[id(ad)] = self.stack.mask_row(ad)
         self.decode.set_slots(len(self.live), [s.tokens[-1] for s in seated],
                               [s.length for s in seated], [s.pages for s in seated],
-                              [masks[id(s.request.adapter)] for s in seated])
+                              [s.request.adapter for s in seated])
         self.live += seated
         self._choice = None
 

@@ -1,0 +1,127 @@
+"""The multi-LoRA row kernels (engine/kernels/lora_decode.py) against the masked reference
+(lora_rows.RowLora), in Triton's interpreter (conftest sets TRITON_INTERPRET=1): the same
+deltas for rows of mixed adapters and ranks, base-model rows and padding, and the same
+samples from a running batch with the kernels on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_engine, randomize_b
+
+from twinkled.engine.kernels import lora_decode
+from twinkled.engine.lora_rows import AdapterStack, KernelRowLora, RowLora, row_lora
+from twinkled.engine.running import RunningBatch
+from twinkled.engine.sampler import generate
+from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
+
+# (first column, rank, scale) of the adapters in a stack of width 128; ranks not powers of
+# two, and one of 64 (the widest tile the brief asks for)
+ADAPTERS = [(0, 8, 0.5), (8, 20, 2.0), (40, 64, 1.5), (104, 3, -0.75)]
+
+
+def _rows(n: int, gen: torch.Generator):
+    """n rows, each of a random adapter or (index 4) the base model."""
+    pick = torch.randint(0, len(ADAPTERS) + 1, (n,), generator=gen).tolist()
+    start, rank, scale = zip(*(ADAPTERS[i] if i < len(ADAPTERS) else (0, 0, 0.0) for i in pick),
+                             strict=True)
+    return (torch.tensor(start, dtype=torch.int32), torch.tensor(rank, dtype=torch.int32),
+            torch.tensor(scale, dtype=torch.float32))
+
+
+def _masked(start, rank, scale, width: int) -> torch.Tensor:
+    mask = torch.zeros((len(start), width))
+    for b, (s, r, c) in enumerate(zip(start.tolist(), rank.tolist(), scale.tolist(), strict=True)):
+        mask[b, s:s + r] = c
+    return mask
+
+
+@pytest.mark.parametrize("chunk", [None, 64, 32])
+def test_row_kernels_match_the_masked_reference(chunk):
+    """37 rows (two full windows of 16 and a partial one): four adapters of ranks 8, 20,
+    64 and 3 mixed with base-model rows; reduction and output sizes that no tile divides;
+    the shrink's reduction (200) in one chunk, in 4 and in 7 partial sums."""
+    gen = torch.Generator().manual_seed(0)
+    n, k, out, width = 37, 200, 150, 128
+    x = torch.randn((n, k), generator=gen)
+    A = torch.randn((width, k), generator=gen) / k ** 0.5
+    B = torch.randn((out, width), generator=gen) / 8
+    y = torch.randn((n, out), generator=gen)
+    start, rank, scale = _rows(n, gen)
+    assert (rank == 0).any() and len(set(rank.tolist())) == 5  # every kind of row is there
+    want = y + (x @ A.T * _masked(start, rank, scale, width)) @ B.T
+    got = lora_decode.apply(lora_decode.plan(start, rank, scale), x, A, B, y.clone(), 64, chunk)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    base = rank == 0
+    assert torch.equal(got[base], y[base])  # the base model's rows are left as they were
+
+
+def test_rows_of_many_tokens_use_their_rows_adapter(monkeypatch):
+    """KernelRowLora on [rows, tokens, in] (a prefill; its partial sums summed before the
+    expand, as for more than SUM_ROWS tokens) equals RowLora with the same stack, and a
+    key the stack does not hold leaves y alone."""
+    monkeypatch.setattr(lora_decode, "SUM_ROWS", 8)
+    monkeypatch.setattr(lora_decode, "CHUNK", {4: 16})  # 3 partial sums of in = 48
+    gen = torch.Generator().manual_seed(1)
+    stack = AdapterStack(torch.float32, torch.device("cpu"), width=128)
+    stack.rank_block = 64
+    stack.A["q"] = torch.randn((128, 48), generator=gen) / 7
+    stack.B["q"] = torch.randn((40, 128), generator=gen) / 8
+    start, rank, scale = _rows(6, gen)
+    x = torch.randn((6, 5, 48), generator=gen)
+    y = torch.randn((6, 5, 40), generator=gen)
+    want = RowLora(stack, _masked(start, rank, scale, 128)).apply("q", x, y.clone())
+    lora = KernelRowLora(stack, start, rank, scale)
+    torch.testing.assert_close(lora.apply("q", x, y.clone()), want, rtol=1e-5, atol=1e-5)
+    assert lora.apply("k", x, y) is y
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_dir):
+    e = make_engine(tiny_dir)
+    e.add_adapter("a", LoraConfig(rank=4, alpha=16, seed=0))
+    e.add_adapter("b", LoraConfig(rank=2, alpha=8, seed=1, train_unembed=False))
+    e.add_adapter("c", LoraConfig(rank=20, alpha=10, seed=2, train_mlp=False))
+    for i, name in enumerate("abc"):
+        randomize_b(e, name, seed=30 + i, std=0.3)
+    return e
+
+
+def test_a_running_batch_samples_the_same_with_the_kernels(eng):
+    """Adapters of ranks 4, 2 and 20 (it widens the kernels' column tile mid-batch) and the
+    base model, seeded and greedy, at the CUDA graphs' padded sizes: the kernels give the
+    masked path's tokens and logprobs."""
+    gen = torch.Generator().manual_seed(2)
+
+    def prompt(n):
+        return torch.randint(5, eng.model.vocab_size, (n,), generator=gen).tolist()
+
+    def params(n, **kw):
+        return SamplingParams(max_tokens=n, stop=[], **kw)
+
+    reqs = [SampleRequest("a", prompt(7), params(4, seed=5), num_samples=2),
+            SampleRequest("b", prompt(5), params(5, temperature=0.8, seed=6, top_p=0.9)),
+            SampleRequest(None, prompt(4), params(3, seed=7)),
+            SampleRequest("c", prompt(9), params(5, temperature=0.0))]
+    ads = [None if r.adapter_id is None else eng.pool.get(r.adapter_id) for r in reqs]
+    out = {}
+    for kernels in (False, True):
+        batch = RunningBatch(eng.model, rows=8, pages=48, page_size=4, decode="buckets",
+                             kernels=kernels)
+        out[kernels] = generate(eng.model, reqs[:2], ads[:2], batch=batch)
+        out[kernels] += generate(eng.model, reqs[2:], ads[2:], batch=batch)  # rank 20 joins
+    assert batch.stack.rank_block == 32
+    for g, w in zip(out[True], out[False], strict=True):
+        assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
+        for x, y in zip(g.sequences, w.sequences, strict=True):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+    assert len({tuple(s.tokens) for r in out[True] for s in r.sequences}) > 3  # not all alike
+
+
+def test_kernels_on_a_cpu_without_the_interpreter_are_refused(eng, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="cannot run on cpu"):
+        RunningBatch(eng.model, rows=2, pages=8, page_size=4, kernels=True)
+    assert not RunningBatch(eng.model, rows=2, pages=8, page_size=4).kernels  # CPU default
+    assert isinstance(row_lora(AdapterStack(torch.float32, torch.device("cpu")), [None], False),
+                      RowLora)

@@ -1,0 +1,212 @@
+"""Multi-LoRA matmuls for rows that each use one adapter's columns of a stack (lora_rows.py).
+
+The masked reference (`RowLora`) multiplies every row by every adapter's columns: its cost
+grows with rows x adapters. Here (the punica SGMV/BGMV idea) a row reads only its own
+adapter's columns, given per row by `start` (first column), `rank` (its columns; 0: the
+base model, no delta) and `scale`:
+
+    shrink  h[b, :rank_b] = scale_b * x[b] @ A[start_b : start_b + rank_b].T
+    expand  y[b] += h[b, :rank_b] @ B[:, start_b : start_b + rank_b].T
+
+`plan` sorts the rows by adapter once per forward (every module of every layer shares it),
+so the rows of one adapter sit side by side: a kernel program takes a window of BM sorted
+rows and, for each adapter in the window, reads that adapter's tile of A or B once for
+all its rows there. A step then reads each adapter in the batch about once, whatever the
+number of rows, and the work (flops) grows with rows x rank, not rows x all columns.
+
+Every shape is fixed by the number of rows, and the plan is computed on the device from
+the per-row buffers (no host sync), so a decode step with these kernels can be captured
+in a CUDA graph. x and y stay in the model's dtype; products accumulate in fp32; h is
+rounded to the model's dtype before the expand, as the masked reference's h is.
+The shrink splits the reduction (in) into chunks, one program each (the few windows of a
+decode step would leave most of the card idle), and reads a chunk in one load per adapter;
+the partial h's are summed in fp32 in a fixed order (no atomics: the same inputs give the
+same bits): by each expand program for a decode step's few rows (on an H200 that beat one
+sum kernel first: 7.05 against 7.56 ms below), by one sum first for a prefill's many
+tokens (each expand program reading all the partials would read them out/BN times).
+
+Measured (bench/bench_lora_decode.py, H200, bf16, the 8B's 7 target modules x 36 layers,
+256 rows, rank 32, one CUDA graph): 1 adapter 3.14 ms (masked 3.22), 8 adapters 3.45 ms
+(masked 3.75), 64 adapters 7.05 ms (masked 6.83); a prefill of 16 prompts x 256 tokens of
+16 adapters (4 layers, a stack of 64) 3.48 ms (masked: 7.21). At 256 rows a
+decode step is bound by reading each adapter in the batch once (64 x r32 on the 8B: 11.2 GB),
+which both paths do; the masked path's extra flops (rows x all columns) tell at more
+tokens: prefill, or more rows. Below ~8 adapters both are bound by launches (two kernels a
+module here, three there).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BM = 16  # rows per window (tl.dot needs >= 16)
+BN = 128  # output columns per expand program
+CHUNK = {2: 256, 4: 128}  # the shrink's reduction length per program, by element size
+# The loop over a window's adapters: a `for` on the GPU (its loads pipeline); Triton's
+# interpreter takes no loop bounds read from tensors, so there a `while`.
+SUM_ROWS = 256  # more rows than this: the partial h's are summed once, before the expand
+DYN_FOR = os.environ.get("TRITON_INTERPRET") != "1"
+_NONE = 1 << 40  # the sort key of rows without an adapter: after every adapter's
+
+
+@dataclass
+class RowPlan:
+    """Rows sorted by adapter, per sorted position: the row, its segment (-1: no adapter),
+    its adapter's first column and rank, and its scale."""
+
+    order: torch.Tensor  # int32 [N]
+    seg: torch.Tensor  # int32 [N]
+    start: torch.Tensor  # int32 [N]
+    rank: torch.Tensor  # int32 [N]
+    scale: torch.Tensor  # fp32 [N]
+
+
+def plan(start: torch.Tensor, rank: torch.Tensor, scale: torch.Tensor) -> RowPlan:
+    """The sorted plan of rows with per-row `start`, `rank` (0: none) and `scale`."""
+    key = torch.where(rank > 0, start.long(), _NONE)
+    skey, order = torch.sort(key, stable=True)
+    new = torch.ones_like(skey, dtype=torch.int32)
+    new[1:] = (skey[1:] != skey[:-1]).int()
+    seg = torch.where(skey == _NONE, -1, new.cumsum(0, dtype=torch.int32) - 1).int()
+    return RowPlan(order.int(), seg, start.index_select(0, order).int(),
+                   rank.index_select(0, order).int(), scale.index_select(0, order).float())
+
+
+def rank_block(rank: int) -> int:
+    """The power of two >= max(rank, 16) that the kernels tile an adapter's columns by."""
+    return max(16, triton.next_power_of_2(rank))
+
+
+def apply(p: RowPlan, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, y: torch.Tensor,
+          rb: int, chunk: int | None = None) -> torch.Tensor:
+    """y[b] += scale_b * (x[b] @ A[cols_b].T) @ B[:, cols_b].T for the rows of `p`; x: [N, in],
+    A: [width, in], B: [out, width], y: [N, out] (written in place); every adapter's rank
+    <= `rb` (a power of two >= 16). `chunk`: the shrink's reduction per program (a power
+    of two; default by dtype)."""
+    n, k = x.shape
+    out = y.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    chunk = chunk or CHUNK.get(x.element_size(), 128)
+    split = triton.cdiv(k, chunk)
+    h = torch.empty((split, n, rb), dtype=torch.float32, device=x.device)
+    windows = triton.cdiv(n, BM)
+    exact = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit inputs
+    _shrink[(windows, split)](x, A, h, p.order, p.seg, p.start, p.rank, p.scale, n, k,
+                              x.stride(0), A.stride(0), CHUNK=chunk, BM=BM, RB=rb,
+                              PRECISION=exact, DYN_FOR=DYN_FOR)
+    if split > 1 and n > SUM_ROWS:
+        h, split = h.sum(0, keepdim=True), 1
+    _expand[(windows, triton.cdiv(out, BN))](h, B, y, p.order, p.seg, p.start, p.rank, n, out,
+                                             B.stride(0), y.stride(0), SPLIT=split, BM=BM,
+                                             BN=BN, RB=rb, PRECISION=exact, DYN_FOR=DYN_FOR)
+    return y
+
+
+@triton.jit
+def _window(seg_ptr, order_ptr, start_ptr, rank_ptr, n, BM: tl.constexpr):
+    """A window's sorted rows: positions, validity, row ids, segments and their range."""
+    pos = tl.program_id(0) * BM + tl.arange(0, BM)
+    valid = pos < n
+    seg = tl.load(seg_ptr + pos, mask=valid, other=-1)
+    row = tl.load(order_ptr + pos, mask=valid, other=0)
+    start = tl.load(start_ptr + pos, mask=valid, other=0)
+    rank = tl.load(rank_ptr + pos, mask=valid, other=0)
+    live = seg >= 0
+    lo = tl.min(tl.where(live, seg, 1 << 30), axis=0)
+    hi = tl.max(tl.where(live, seg, -1), axis=0)
+    return pos, valid, seg, row, start, rank, lo, hi
+
+
+@triton.jit
+def _columns(s, seg, start, rank):
+    """Segment s's rows in the window, and its adapter's first column and rank."""
+    mine = seg == s
+    return mine, tl.max(tl.where(mine, start, 0), axis=0), tl.max(tl.where(mine, rank, 0), axis=0)
+
+
+@triton.jit
+def _shrink_one(acc, s, seg, start, rank, row, x_ptr, a_ptr, stride_x, stride_a, kk, km,
+                RB: tl.constexpr, PRECISION: tl.constexpr):
+    mine, st, rk = _columns(s, seg, start, rank)
+    r = tl.arange(0, RB)
+    xt = tl.load(x_ptr + row[:, None] * stride_x + kk[None, :], mask=mine[:, None] & km[None, :],
+                 other=0.0)
+    at = tl.load(a_ptr + (st + r)[None, :] * stride_a + kk[:, None],
+                 mask=(r < rk)[None, :] & km[:, None], other=0.0)  # A^T chunk [CHUNK, RB]
+    return acc + tl.dot(xt, at, input_precision=PRECISION)
+
+
+@triton.jit
+def _shrink(x_ptr, a_ptr, h_ptr, order_ptr, seg_ptr, start_ptr, rank_ptr, scale_ptr, n, k,
+            stride_x, stride_a, CHUNK: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr,
+            PRECISION: tl.constexpr, DYN_FOR: tl.constexpr):
+    pos, valid, seg, row, start, rank, lo, hi = _window(seg_ptr, order_ptr, start_ptr,
+                                                        rank_ptr, n, BM)
+    scale = tl.load(scale_ptr + pos, mask=valid, other=0.0)
+    sp = tl.program_id(1)
+    kk = sp * CHUNK + tl.arange(0, CHUNK)
+    km = kk < k
+    acc = tl.zeros((BM, RB), dtype=tl.float32)
+    if DYN_FOR:  # the adapters in this window, each over its own rows
+        for s in range(lo, hi + 1):
+            acc = _shrink_one(acc, s, seg, start, rank, row, x_ptr, a_ptr, stride_x, stride_a,
+                              kk, km, RB, PRECISION)
+    else:
+        s = lo
+        while s <= hi:
+            acc = _shrink_one(acc, s, seg, start, rank, row, x_ptr, a_ptr, stride_x, stride_a,
+                              kk, km, RB, PRECISION)
+            s += 1
+    acc = acc * scale[:, None]
+    r = tl.arange(0, RB)
+    tl.store(h_ptr + sp * n * RB + pos[:, None] * RB + r[None, :], acc, mask=valid[:, None])
+
+
+@triton.jit
+def _expand_one(acc, s, seg, start, rank, h, b_ptr, stride_b, cols, cm, RB: tl.constexpr,
+                PRECISION: tl.constexpr):
+    mine, st, rk = _columns(s, seg, start, rank)
+    r = tl.arange(0, RB)
+    bt = tl.load(b_ptr + cols[None, :] * stride_b + (st + r)[:, None],
+                 mask=(r < rk)[:, None] & cm[None, :], other=0.0)  # B^T tile [RB, BN]
+    # h in the model's dtype, as the reference rounds it
+    hs = tl.where(mine[:, None], h, 0.0).to(b_ptr.dtype.element_ty)
+    return acc + tl.dot(hs, bt, input_precision=PRECISION)
+
+
+@triton.jit
+def _expand(h_ptr, b_ptr, y_ptr, order_ptr, seg_ptr, start_ptr, rank_ptr, n, out,
+            stride_b, stride_y, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            RB: tl.constexpr, PRECISION: tl.constexpr, DYN_FOR: tl.constexpr):
+    pos, valid, seg, row, start, rank, lo, hi = _window(seg_ptr, order_ptr, start_ptr,
+                                                        rank_ptr, n, BM)
+    if hi >= lo:  # a window of base-model rows (or padding) adds nothing
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cm = cols < out
+        r = tl.arange(0, RB)
+        h = tl.zeros((BM, RB), dtype=tl.float32)
+        for sp in range(0, SPLIT):  # the shrink's partial sums, in a fixed order
+            h += tl.load(h_ptr + sp * n * RB + pos[:, None] * RB + r[None, :],
+                         mask=valid[:, None], other=0.0)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if DYN_FOR:
+            for s in range(lo, hi + 1):
+                acc = _expand_one(acc, s, seg, start, rank, h, b_ptr, stride_b, cols, cm, RB,
+                                  PRECISION)
+        else:
+            s = lo
+            while s <= hi:
+                acc = _expand_one(acc, s, seg, start, rank, h, b_ptr, stride_b, cols, cm, RB,
+                                  PRECISION)
+                s += 1
+        live = seg >= 0
+        ptrs = y_ptr + row[:, None] * stride_y + cols[None, :]
+        m = live[:, None] & cm[None, :]
+        y = tl.load(ptrs, mask=m, other=0.0)
+        tl.store(ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
