@@ -290,6 +290,29 @@ class _Group:
     bank: Bank
     slots: torch.Tensor  # [n] slot of each row
     scale: torch.Tensor  # [n, 1, 1]
+    adapters: list[Adapter]  # each row's, on the host
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of tokens [start, end) of a flattened batch that use one adapter's LoRA on one
+    module: its weights in the compute dtype, views of its fp32 gradient buffers (a
+    backward adds to them) and its scale. What the chunked head (chunked_logprobs.py) needs
+    to add the lm_head delta a chunk of tokens at a time."""
+
+    start: int
+    end: int
+    A: torch.Tensor  # [r, in]
+    B: torch.Tensor  # [out, r]
+    gA: torch.Tensor  # [r, in] fp32, in the bank
+    gB: torch.Tensor  # [out, r] fp32, in the bank
+    scale: float
+
+
+def segment(bank: Bank, slot: int, scale: float, key: str, start: int, end: int,
+            dtype: torch.dtype) -> Segment:
+    return Segment(start, end, bank.A16[key][slot].to(dtype), bank.B16[key][slot].to(dtype),
+                   bank.gA[key][slot], bank.gB[key][slot], scale)
 
 
 class LoraBatch:
@@ -317,7 +340,7 @@ class LoraBatch:
                 rows = row_adapters[i:j]
                 slots = torch.tensor([a.slot for a in rows], device=device)
                 scale = torch.tensor([a.scale for a in rows], dtype=dtype, device=device)
-                self.groups.append(_Group(i, j, ad.bank, slots, scale.view(-1, 1, 1)))
+                self.groups.append(_Group(i, j, ad.bank, slots, scale.view(-1, 1, 1), rows))
             i = j
         seen = [id(g.bank) for g in self.groups]
         if len(seen) != len(set(seen)):
@@ -351,6 +374,24 @@ class LoraBatch:
             else:
                 y[g.start:g.end] += d  # y is the base linear's fresh output, not a view
         return y
+
+
+    def segments(self, key: str, seq: int) -> list[Segment]:
+        """Module `key`'s adapters over the flattened batch [rows x `seq` tokens]: one
+        segment per run of rows of one adapter."""
+        out: list[Segment] = []
+        for g in self.groups:
+            if key not in g.bank.shapes:
+                continue
+            i = g.start
+            while i < g.end:
+                j = i + 1
+                while j < g.end and g.adapters[j - g.start] is g.adapters[i - g.start]:
+                    j += 1
+                a = g.adapters[i - g.start]
+                out.append(segment(g.bank, a.slot, a.scale, key, i * seq, j * seq, self.dtype))
+                i = j
+        return out
 
 
 def same_bank(a: Adapter | None, b: Adapter | None) -> bool:

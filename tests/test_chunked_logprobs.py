@@ -1,0 +1,163 @@
+"""The chunked head (chunked_logprobs.py) against the whole-logits reference path: every
+loss, a mixed batch of adapters with and without LoRA on lm_head, padded and packed
+layouts, chunk boundaries inside rows and a chunk larger than the batch: logprobs,
+elementwise losses, loss sums and every adapter's gradients agree to fp32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import all_close, centre_on_model, grads, make_engine, random_datum, randomize_b
+
+from twinkled.engine import chunked_logprobs
+from twinkled.engine.chunked_logprobs import chunked_target_logprobs
+from twinkled.engine.lora import Segment
+from twinkled.engine.losses import LOSSES
+from twinkled.protocol.types import Datum, ForwardBackwardRequest, LoraConfig
+
+# name -> (rank, train_attn, train_mlp, train_unembed); a and b share a bank, c adapts
+# only lm_head, d everything but lm_head
+ADAPTERS = {"a": (4, True, True, True), "b": (4, True, True, True),
+            "c": (8, False, False, True), "d": (4, True, True, False)}
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_dir):
+    e = make_engine(tiny_dir)
+    for seed, (name, (rank, attn, mlp, unembed)) in enumerate(ADAPTERS.items()):
+        e.add_adapter(name, LoraConfig(rank=rank, alpha=2 * rank, seed=seed, train_attn=attn,
+                                       train_mlp=mlp, train_unembed=unembed))
+        randomize_b(e, name, seed=seed + 10)
+    return e
+
+
+def _data(eng, gen, loss: str, name: str, lengths: list[int]) -> list[Datum]:
+    vocab = eng.model.vocab_size
+    data = [random_datum(gen, n, vocab) for n in lengths]
+    for d in data:
+        n = len(d.tokens)
+        sampled = (torch.arange(n) >= 2).float()
+        inp = d.loss_inputs
+        if loss == "cross_entropy":
+            inp["weights"] = torch.rand(n, generator=gen)
+            continue
+        inp["advantages"] = torch.randn(n, generator=gen) * sampled  # none on the prompt
+        inp["logprobs"] = torch.zeros(n)
+        if loss == "gspo":
+            inp["sequence_ratio_mask"] = sampled
+        if loss == "stable_reinforce":
+            inp["sampled_mask"] = sampled
+    if loss != "cross_entropy":  # ratios near 1: both sides of the clip ranges
+        centre_on_model(eng, name, data, gen, spread=0.3)
+        for d in data:
+            d.loss_inputs["sampler_logprobs"] = d.loss_inputs["logprobs"]
+            if loss != "stable_reinforce":
+                del d.loss_inputs["sampler_logprobs"]
+    if loss == "cross_entropy" and name == "a":  # top-K distillation: K ids per position
+        n = lengths[0]
+        data.append(Datum(data[0].tokens, {
+            "target_tokens": torch.randint(0, vocab, (n, 3), generator=gen),
+            "weights": torch.rand(n, 3, generator=gen)}))
+    return data
+
+
+def _run(eng, requests, chunked: bool):
+    eng.model.chunked_head = chunked
+    for name in ADAPTERS:
+        eng.zero_grad(name)
+    results = eng.forward_backward(requests)
+    return results, {name: grads(eng, name) for name in ADAPTERS}
+
+
+@pytest.mark.parametrize("chunk_tokens", [5, None])  # 5: boundaries inside rows
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_chunked_head_equals_whole_logits(eng, monkeypatch, loss, layout, chunk_tokens):
+    if chunk_tokens is not None:
+        monkeypatch.setattr(chunked_logprobs, "CHUNK_BYTES", 4 * eng.model.vocab_size * chunk_tokens)
+    gen = torch.Generator().manual_seed(hash((loss, layout)) % 2**31)
+    lengths = {"padded": [[9, 9], [9], [9, 9], [9]],  # one length: rows run padded
+               "packed": [[6, 13], [4], [11, 3], [8]]}[layout]
+    requests = [ForwardBackwardRequest(name, _data(eng, gen, loss, name, n), loss)
+                for name, n in zip(ADAPTERS, lengths, strict=True)]
+    ref, ref_grads = _run(eng, requests, chunked=False)
+
+    def whole_logits(*a, **k):
+        raise AssertionError("the chunked path computed the whole logits")
+
+    monkeypatch.setattr(eng.model, "logits", whole_logits)
+    ours, our_grads = _run(eng, requests, chunked=True)
+    for r, o in zip(ref, ours, strict=True):
+        assert o.metrics["loss:sum"] == pytest.approx(r.metrics["loss:sum"], rel=1e-5, abs=1e-5)
+        for want, got in zip(r.outputs, o.outputs, strict=True):
+            for field in ("logprobs", "elementwise_loss"):
+                assert got[field].shape == want[field].shape
+                assert torch.allclose(got[field], want[field], atol=1e-5, rtol=1e-5), field
+    for name in ADAPTERS:
+        # non-trivial gradients in every module, lm_head included
+        assert all(b.abs().sum() > 0 for a, b in ref_grads[name].values())
+        assert all_close(our_grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), name
+
+
+def test_head_only_adapter_trains_alone(eng):
+    """An adapter with LoRA only on lm_head: the hidden states need no gradient, and the
+    LoRA batch's anchor still puts the chunked head on the graph."""
+    gen = torch.Generator().manual_seed(3)
+    req = [ForwardBackwardRequest("c", _data(eng, gen, "cross_entropy", "c", [7, 7]))]
+    ref, ref_grads = _run(eng, req, chunked=False)
+    ours, our_grads = _run(eng, req, chunked=True)
+    assert ref_grads["c"]["lm_head"][1].abs().sum() > 0
+    assert all_close(our_grads["c"], ref_grads["c"], rtol=1e-4, atol=1e-7)
+    assert torch.allclose(ours[0].outputs[0]["logprobs"], ref[0].outputs[0]["logprobs"],
+                          atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 64])
+@pytest.mark.parametrize("k", [None, 3])
+def test_chunked_head_against_autograd(chunk_tokens, k):
+    """The function alone, with a bias, K targets and segments that start and end inside
+    chunks, against autograd through log_softmax of the whole logits."""
+    gen = torch.Generator().manual_seed(chunk_tokens * 7 + (k or 0))
+    B, S, H, V, r = 3, 10, 16, 50, 4
+    hidden = torch.randn(B, S, H, generator=gen, requires_grad=True)
+    weight, bias = torch.randn(V, H, generator=gen), torch.randn(V, generator=gen)
+    targets = torch.randint(0, V, (B, S) if k is None else (B, S, k), generator=gen)
+    g = torch.randn(targets.shape, generator=gen)
+    spans = [(3, 11, 0.5), (11, 12, 2.0), (17, 30, 1.0)]  # tokens 0-2 and 12-16: base only
+    A = [torch.randn(r, H, generator=gen, requires_grad=True) for _ in spans]
+    Bw = [torch.randn(V, r, generator=gen, requires_grad=True) for _ in spans]
+    segs = [Segment(s, e, a.detach(), b.detach(), torch.zeros(r, H), torch.zeros(V, r), sc)
+            for (s, e, sc), a, b in zip(spans, A, Bw, strict=True)]
+
+    lp = chunked_target_logprobs(hidden, targets, weight, bias, segs,
+                                 chunk_bytes=4 * V * chunk_tokens)
+    (lp * g).sum().backward()
+    ours = hidden.grad.clone()
+    hidden.grad = None
+
+    flat = hidden.reshape(-1, H)
+    logits = [flat @ weight.t() + bias]
+    for (s, e, sc), a, b in zip(spans, A, Bw, strict=True):
+        delta = torch.zeros(B * S, V)
+        delta[s:e] = (flat[s:e] @ a.t()) * sc @ b.t()
+        logits.append(delta)
+    ref_logits = sum(logits).view(B, S, V)
+    tgt = targets if k is not None else targets[..., None]
+    ref = torch.log_softmax(ref_logits, -1).gather(2, tgt).view(targets.shape)
+    (ref * g).sum().backward()
+    assert torch.allclose(lp, ref, atol=1e-5)
+    assert torch.allclose(ours, hidden.grad, atol=1e-5)
+    for seg, a, b in zip(segs, A, Bw, strict=True):
+        assert torch.allclose(seg.gA, a.grad, atol=1e-4, rtol=1e-5)
+        assert torch.allclose(seg.gB, b.grad, atol=1e-4, rtol=1e-5)
+
+
+def test_forward_only_equals_log_softmax():
+    gen = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(2, 5, 8, generator=gen), torch.randn(30, 8, generator=gen)
+    tgt = torch.randint(0, 30, (2, 5), generator=gen)
+    with torch.no_grad():
+        lp = chunked_target_logprobs(hidden, tgt, weight, None, [], chunk_bytes=4 * 30 * 3)
+    ref = torch.log_softmax(hidden @ weight.t(), -1).gather(2, tgt[..., None])[..., 0]
+    assert not lp.requires_grad
+    assert torch.allclose(lp, ref, atol=1e-6)
