@@ -89,3 +89,15 @@ def all_close(x: dict, y: dict, rtol: float = 1e-5, atol: float = 1e-5) -> bool:
     assert x.keys() == y.keys()
     return all((a - b).abs().max() <= atol + rtol * b.abs().max()
                for k in x for a, b in zip(x[k], y[k], strict=True))
+
+
+def assert_same_results(want: list, got: list, tol: float = 1e-5) -> None:
+    """Two runs' ForwardBackwardResults: loss sums, logprobs and elementwise losses agree."""
+    import pytest
+
+    for w, g in zip(want, got, strict=True):
+        assert g.metrics["loss:sum"] == pytest.approx(w.metrics["loss:sum"], rel=tol, abs=tol)
+        for wo, go in zip(w.outputs, g.outputs, strict=True):
+            for key in ("logprobs", "elementwise_loss"):
+                assert wo[key].shape == go[key].shape
+                assert torch.allclose(wo[key], go[key], rtol=tol, atol=tol), key

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import all_close, centre_on_model, grads, make_engine, random_datum, randomize_b
+from helpers import (
+    all_close,
+    assert_same_results,
+    centre_on_model,
+    grads,
+    make_engine,
+    random_datum,
+    randomize_b,
+)
 
 from twinkled.engine import chunked_logprobs
 from twinkled.engine.chunked_logprobs import chunked_target_logprobs
@@ -87,12 +95,7 @@ def test_chunked_head_equals_whole_logits(eng, monkeypatch, loss, layout, chunk_
 
     monkeypatch.setattr(eng.model, "logits", whole_logits)
     ours, our_grads = _run(eng, requests, chunked=True)
-    for r, o in zip(ref, ours, strict=True):
-        assert o.metrics["loss:sum"] == pytest.approx(r.metrics["loss:sum"], rel=1e-5, abs=1e-5)
-        for want, got in zip(r.outputs, o.outputs, strict=True):
-            for field in ("logprobs", "elementwise_loss"):
-                assert got[field].shape == want[field].shape
-                assert torch.allclose(got[field], want[field], atol=1e-5, rtol=1e-5), field
+    assert_same_results(ref, ours)
     for name in ADAPTERS:
         # non-trivial gradients in every module, lm_head included
         assert all(b.abs().sum() > 0 for a, b in ref_grads[name].values())
