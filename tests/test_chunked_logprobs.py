@@ -5,6 +5,8 @@ elementwise losses, loss sums and every adapter's gradients agree to fp32 roundi
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from helpers import (
@@ -77,13 +79,22 @@ def _run(eng, requests, chunked: bool):
     return results, {name: grads(eng, name) for name in ADAPTERS}
 
 
-@pytest.mark.parametrize("chunk_tokens", [5, None])  # 5: boundaries inside rows
+# (tokens a chunk, chunks whose softmax is kept): 5 puts boundaries inside rows; None is
+# one chunk larger than the batch. Kept 2: the other chunks with lm_head adapters
+# recompute their logits in the backward.
+CHUNKINGS = [(5, 2), (None, None), (None, 0)]
+
+
+@pytest.mark.parametrize(("chunk_tokens", "kept"), CHUNKINGS)
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("loss", list(LOSSES))
-def test_chunked_head_equals_whole_logits(eng, monkeypatch, loss, layout, chunk_tokens):
+def test_chunked_head_equals_whole_logits(eng, monkeypatch, loss, layout, chunk_tokens, kept):
+    vocab = eng.model.vocab_size
     if chunk_tokens is not None:
-        monkeypatch.setattr(chunked_logprobs, "CHUNK_BYTES", 4 * eng.model.vocab_size * chunk_tokens)
-    gen = torch.Generator().manual_seed(hash((loss, layout)) % 2**31)
+        monkeypatch.setattr(chunked_logprobs, "CHUNK_BYTES", 4 * vocab * chunk_tokens)
+    if kept is not None:
+        monkeypatch.setattr(chunked_logprobs, "KEEP_BYTES", 4 * vocab * (chunk_tokens or 0) * kept)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{loss} {layout}".encode()))
     lengths = {"padded": [[9, 9], [9], [9, 9], [9]],  # one length: rows run padded
                "packed": [[6, 13], [4], [11, 3], [8]]}[layout]
     requests = [ForwardBackwardRequest(name, _data(eng, gen, loss, name, n), loss)
@@ -98,7 +109,8 @@ def test_chunked_head_equals_whole_logits(eng, monkeypatch, loss, layout, chunk_
     assert_same_results(ref, ours)
     for name in ADAPTERS:
         # non-trivial gradients in every module, lm_head included
-        assert all(b.abs().sum() > 0 for a, b in ref_grads[name].values())
+        zero = [k for k, (a, b) in ref_grads[name].items() if not b.abs().sum() > 0]
+        assert not zero, (name, zero)
         assert all_close(our_grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), name
 
 
@@ -115,11 +127,15 @@ def test_head_only_adapter_trains_alone(eng):
                           atol=1e-5)
 
 
+@pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("chunk_tokens", [1, 4, 64])
 @pytest.mark.parametrize("k", [None, 3])
-def test_chunked_head_against_autograd(chunk_tokens, k):
+def test_chunked_head_against_autograd(monkeypatch, chunk_tokens, k, keep):
     """The function alone, with a bias, K targets and segments that start and end inside
-    chunks, against autograd through log_softmax of the whole logits."""
+    chunks, against autograd through log_softmax of the whole logits; chunks with
+    adapters keep their softmax or compute it again in the backward."""
+    if not keep:
+        monkeypatch.setattr(chunked_logprobs, "KEEP_BYTES", 0)
     gen = torch.Generator().manual_seed(chunk_tokens * 7 + (k or 0))
     B, S, H, V, r = 3, 10, 16, 50, 4
     hidden = torch.randn(B, S, H, generator=gen, requires_grad=True)

@@ -5,8 +5,9 @@ gradient. Computing the logits whole keeps [tokens, vocab] in the compute dtype 
 backward and a gradient of the same size (2.5 GB for 8 x 512 tokens of a 152k vocabulary
 in bf16; 20 GB for one 32k-token row). Here the head runs a chunk of tokens at a time:
 per chunk the logits (base lm_head plus each token's own adapter's lm_head delta), their
-logsumexp, the target logits, and then the chunk is freed. Only one fp32 number per
-token (the logsumexp) and one hidden-width vector per token are kept.
+logsumexp, the target logits, and then the chunk is freed. One fp32 number per token
+(the logsumexp) and one hidden-width vector per token are kept, and the softmax of
+chunks with lm_head adapters within a bound (below).
 
 The gradient of lp_k = logits[t_k] - lse wrt the logits is onehot(t_k) - softmax, so
 with g_k the gradient arriving at lp_k and total = sum_k g_k:
@@ -15,8 +16,8 @@ with g_k the gradient arriving at lp_k and total = sum_k g_k:
 it in the forward, while its softmax is at hand, and its backward is a gather of W's rows
 (the lm_head costs what the unchunked path costs: one matmul forward, one for the
 gradient). A chunk with lm_head adapters needs softmax^T (total * u) for B's gradient,
-which needs g: it recomputes its logits in the backward (one more matmul for those
-tokens).
+which needs g: it keeps its softmax in the compute dtype, up to KEEP_BYTES for the pass,
+and beyond that recomputes its logits in the backward (one more matmul for those tokens).
 
 Why our own torch code rather than a library: liger-kernel's fused linear cross-entropy
 returns only a (reduced) loss, while the RL losses need each token's logprob (and clients
@@ -33,6 +34,10 @@ from .lora import Segment
 # fp32 bytes of one chunk of logits: bounds the transient memory of the head; big enough
 # that each chunk's matmul runs at the card's rate (440 tokens of a 152k vocabulary).
 CHUNK_BYTES = 256 * 2**20
+# Softmax (compute dtype) of the chunks with lm_head adapters that a pass keeps for its
+# backward; past it, chunks recompute their logits there. 8 x 512 tokens of a 152k
+# vocabulary keep 1.2 GB in bf16; a 32k-token row recomputes most of its chunks.
+KEEP_BYTES = 2 * 2**30
 
 
 def chunked_target_logprobs(hidden: torch.Tensor, targets: torch.Tensor,
@@ -60,17 +65,25 @@ class _ChunkedHead(torch.autograd.Function):
         lp = torch.empty(tgt.shape, dtype=torch.float32, device=flat.device)
         # softmax @ W of the chunks without head adapters (see the module docstring)
         pw = torch.empty_like(flat) if train else None
+        kept: dict[int, torch.Tensor] = {}  # start -> softmax of a chunk with head adapters
+        room = KEEP_BYTES
         for s, e, segs in _chunks(n, chunk, segments):
             logits = _logits(flat, weight, bias, segs, s, e).float()
             lse[s:e] = torch.logsumexp(logits, dim=-1)
             lp[s:e] = logits.gather(1, tgt[s:e]) - lse[s:e, None]
-            if train and not segs:
+            if not train:
+                continue
+            size = (e - s) * weight.shape[0] * weight.element_size()
+            if not segs or size <= room:
                 probs = logits.sub_(lse[s:e, None]).exp_().to(weight.dtype)
+            if not segs:
                 pw[s:e] = probs @ weight
-            del logits
+            elif size <= room:  # else its backward computes it again
+                kept[s] = probs
+                room -= size
         if train:
             ctx.save_for_backward(flat, tgt, weight, bias, lse, pw)
-            ctx.segments, ctx.chunk, ctx.shape = segments, chunk, hidden.shape
+            ctx.segments, ctx.chunk, ctx.shape, ctx.kept = segments, chunk, hidden.shape, kept
         return lp.view(targets.shape)
 
     @staticmethod
@@ -83,16 +96,18 @@ class _ChunkedHead(torch.autograd.Function):
         need = ctx.needs_input_grad[0]  # False when only the head has adapters
         for s, e, segs in _chunks(n, ctx.chunk, ctx.segments):
             if not segs:  # sum_k g_k W[t_k] - total * (softmax @ W)
-                if not need:
-                    continue
-                rows = weight[tgt[s:e]].float()  # [c, K, H]
-                picked = (g[s:e, :, None] * rows).sum(1)
-                grad[s:e] = (picked - total[s:e] * pw[s:e].float()).to(grad.dtype)
+                if need:
+                    picked = (g[s:e, :, None] * weight[tgt[s:e]].float()).sum(1)
+                    grad[s:e] = (picked - total[s:e] * pw[s:e].float()).to(grad.dtype)
                 continue
-            # recompute: d logits = onehot * g - softmax * total, then through the head
-            logits = _logits(flat, weight, bias, segs, s, e).float()
-            d = logits.sub_(lse[s:e, None]).exp_().mul_(-total[s:e])
+            # d logits = onehot * g - softmax * total, then back through the head
+            probs = ctx.kept.pop(s, None)
+            if probs is None:
+                probs = _logits(flat, weight, bias, segs, s, e).float()
+                probs = probs.sub_(lse[s:e, None]).exp_()
+            d = probs.float().mul_(-total[s:e])
             d = d.scatter_add_(1, tgt[s:e], g[s:e]).to(weight.dtype)
+            del probs
             if need:
                 grad[s:e] = d @ weight
             for seg in segs:
