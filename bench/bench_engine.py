@@ -20,8 +20,9 @@ medians after warm-up rounds, with the GPU synchronised around each timed region
     python bench/bench_engine.py --shape tiny --device cpu
     python bench/bench_engine.py --shape qwen2.5-0.5b --shape qwen3-8b
 
-`--head full` trains through the whole-vocabulary logits (the reference path) instead of
-the chunked head (chunked_logprobs.py); `--head both` times the two on one engine.
+`--head full` trains through the whole-vocabulary logits (the reference path), `--head
+chunked` through the chunked head (chunked_logprobs.py), `--head auto` (the default) as the
+engine chooses; `--head both` times full and chunked on one engine.
 `--unembed` puts the adapters on lm_head too (as Tinker's default does); `--unembed both`
 times a set of adapters without and one with. `--skip-peft` times the engine alone,
 `--layers N` cuts the shape's depth (a small CPU run of a real width and vocabulary).
@@ -182,7 +183,7 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str,
 
 def bench_ours(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
                train: list[torch.Tensor], prompts: list[list[int]] | None,
-               heads: tuple[str, ...] = ("chunked",), unembeds: tuple[bool, ...] = (False,)
+               heads: tuple[str, ...] = ("auto",), unembeds: tuple[bool, ...] = (False,)
                ) -> list[Row]:
     eng = Engine(model_dir, dtype=dtype, device=device, max_rank=RANK)
     n_params = weight_bytes(eng.model.config.to_dict(), 1, 1)  # bytes at 1 B each = N
@@ -202,7 +203,7 @@ def bench_ours(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
             eng.optim_steps([(name, adam) for name in names])
 
         for head in heads:
-            eng.model.chunked_head = head == "chunked"
+            eng.model.head = head
             label = (f"(a) ours: 8 adapters co-batched, head {head}"
                      + (", LoRA on lm_head" if unembed else ""))
             used = eng.model.recompute.used
@@ -301,7 +302,7 @@ def bench_peft(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
 
 
 def run_shape(shape: str, device: str, sample: bool, peft: bool = True,
-              heads: tuple[str, ...] = ("chunked",), unembeds: tuple[bool, ...] = (False,),
+              heads: tuple[str, ...] = ("auto",), unembeds: tuple[bool, ...] = (False,),
               layers: int | None = None) -> str:
     """Benchmark one shape; return its markdown section."""
     sz = GPU_SIZES if device == "cuda" else CPU_SIZES
@@ -369,9 +370,10 @@ def main() -> None:
                     default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-sampling", action="store_true")
     ap.add_argument("--skip-peft", action="store_true", help="time the engine alone")
-    ap.add_argument("--head", choices=("chunked", "full", "both"), default="chunked",
-                    help="training's logprobs: chunked from the hidden states, or through "
-                         "the whole logits (the reference path); both: each on one engine")
+    ap.add_argument("--head", choices=("auto", "chunked", "full", "both"), default="auto",
+                    help="training's logprobs: chunked from the hidden states, through the "
+                         "whole logits (the reference path), auto (the engine's default: "
+                         "chunked where the logits are big); both: full, chunked on one engine")
     ap.add_argument("--unembed", choices=("no", "yes", "both"), default="no",
                     help="adapters on lm_head too (both: a set without, then one with)")
     ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")

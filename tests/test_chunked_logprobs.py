@@ -72,7 +72,7 @@ def _data(eng, gen, loss: str, name: str, lengths: list[int]) -> list[Datum]:
 
 
 def _run(eng, requests, chunked: bool):
-    eng.model.chunked_head = chunked
+    eng.model.head = "chunked" if chunked else "full"
     for name in ADAPTERS:
         eng.zero_grad(name)
     results = eng.forward_backward(requests)
@@ -180,3 +180,20 @@ def test_forward_only_equals_log_softmax():
     ref = torch.log_softmax(hidden @ weight.t(), -1).gather(2, tgt[..., None])[..., 0]
     assert not lp.requires_grad
     assert torch.allclose(lp, ref, atol=1e-6)
+
+
+def test_auto_takes_the_chunked_head_only_for_big_logits(eng, monkeypatch):
+    """"auto" (the engine's default) runs the whole logits while they are small (faster
+    there) and the chunked head above FULL_LOGITS_MAX."""
+    eng.model.head = "auto"
+    calls = []
+    whole = eng.model.logits
+    monkeypatch.setattr(eng.model, "logits", lambda *a, **k: calls.append(1) or whole(*a, **k))
+    gen = torch.Generator().manual_seed(5)
+    req = [ForwardBackwardRequest("a", [random_datum(gen, 6, eng.model.vocab_size)])]
+    eng.forward_backward(req)
+    assert calls  # 6 tokens of the tiny vocabulary: the whole logits
+    calls.clear()
+    monkeypatch.setattr(chunked_logprobs, "FULL_LOGITS_MAX", 6 * eng.model.vocab_size * 4 - 1)
+    eng.forward_backward(req)
+    assert not calls

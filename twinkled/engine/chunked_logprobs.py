@@ -19,6 +19,9 @@ gradient). A chunk with lm_head adapters needs softmax^T (total * u) for B's gra
 which needs g: it keeps its softmax in the compute dtype, up to KEEP_BYTES for the pass,
 and beyond that recomputes its logits in the backward (one more matmul for those tokens).
 
+Below FULL_LOGITS_MAX of logits the engine keeps the whole-logits path (losses.py): it is
+as fast or faster there, and the memory saved is small (see FULL_LOGITS_MAX).
+
 Why our own torch code rather than a library: liger-kernel's fused linear cross-entropy
 returns only a (reduced) loss, while the RL losses need each token's logprob (and clients
 get them back), and it has no per-token LoRA delta on the head; the tensor-parallel
@@ -38,6 +41,22 @@ CHUNK_BYTES = 256 * 2**20
 # backward; past it, chunks recompute their logits there. 8 x 512 tokens of a 152k
 # vocabulary keep 1.2 GB in bf16; a 32k-token row recomputes most of its chunks.
 KEEP_BYTES = 2 * 2**30
+# "auto" (the default) takes the whole logits while they stay under this size in the
+# compute dtype, the chunked head above it. Measured on an H200 (bench_engine.py --head
+# both, 8 adapters x 1 x 512, r=32): the chunked head was level on the 8B shape (10,537 vs
+# 10,473 tok/s) but 14% slower on the 0.5B (23,200 vs 27,129: its lm_head is a quarter of
+# the model, and a chunk's softmax @ W, 440 x 152k by 152k x 896, runs far below the card's
+# rate), while the memory it saves grows with the tokens: 2.3 GiB at 4096 tokens on the
+# 8B, 11 GiB at one row of 16k, 21 GiB at 32k (the peak halved), for 2.7% of throughput.
+FULL_LOGITS_MAX = 2 * 2**30
+HEADS = ("auto", "chunked", "full")
+
+
+def wanted(head: str, tokens: int, vocab: int, dtype: torch.dtype) -> bool:
+    """Whether a pass of `tokens` runs the chunked head (`head`: one of HEADS)."""
+    if head == "auto":
+        return tokens * vocab * torch.empty((), dtype=dtype).element_size() > FULL_LOGITS_MAX
+    return head == "chunked"
 
 
 def chunked_target_logprobs(hidden: torch.Tensor, targets: torch.Tensor,

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from twinkled.protocol.types import ATTN_MODULES, MLP_MODULES, EngineInputError
 
-from .chunked_logprobs import chunked_target_logprobs
+from . import chunked_logprobs
 from .lora import LoraBatch
 from .losses import target_logprobs
 from .moe import MOE_ARCHS, bank_tokens, moe_blocks, shard_experts
@@ -134,9 +134,10 @@ class BaseModel:
         self.vocab_size = self.lm_head.out_features  # whole, when this rank holds a slice
         self.max_seq_len = int(config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(config, self.tokenizer)
-        # Training's logprobs a chunk of tokens at a time, from the hidden states
-        # (chunked_logprobs.py); False: through the whole logits (the reference path).
-        self.chunked_head = True
+        # Training's logprobs: "chunked" a chunk of tokens at a time from the hidden
+        # states, "full" through the whole logits (the reference path), "auto": chunked
+        # where the whole logits would be big (chunked_logprobs.py).
+        self.head = "auto"
         self.recompute = Recompute(config.to_dict(), self.dtype, self.device, self.tp.size,
                                    self.tp.group)
 
@@ -211,12 +212,13 @@ class BaseModel:
         """Each target's logprob [B, S(, K)] in fp32, differentiable. Under a vocabulary
         split each rank computes only its share of the logits."""
         if self.shard is None or not self.shard.vocab_split:
-            if not self.chunked_head:
+            if not chunked_logprobs.wanted(self.head, hidden.shape[:-1].numel(),
+                                           self.lm_head.out_features, self.dtype):
                 return target_logprobs(self.logits(hidden, lora), targets)
             segments = [] if lora is None else lora.segments("lm_head", hidden.shape[1])
-            return chunked_target_logprobs(hidden, targets, self.lm_head.weight,
-                                           self.lm_head.bias, segments,
-                                           None if lora is None else lora.anchor)
+            return chunked_logprobs.chunked_target_logprobs(
+                hidden, targets, self.lm_head.weight, self.lm_head.bias, segments,
+                None if lora is None else lora.anchor)
         local = self._linear(self.lm_head, "lm_head", self.tp.enter(hidden), lora)
         return self.shard.target_logprobs(local, targets)
 
