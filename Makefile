@@ -35,7 +35,7 @@ FAST_TESTS = tests/test_scheduler.py tests/test_scheduler_time.py tests/test_lay
 	tests/test_layout.py tests/test_engine_bad_input.py tests/test_engine_lora.py \
 	tests/test_engine_losses.py tests/test_engine_optim.py tests/test_engine_sampling.py \
 	tests/test_engine_state.py tests/test_engine_model.py tests/test_engine_packed.py \
-	tests/test_chunked_logprobs.py
+	tests/test_chunked_logprobs.py tests/test_fused_lora.py
 test-fast: install
 	@echo "make: running the fast tests (no daemon)"
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(FAST_TESTS)

@@ -12,18 +12,17 @@ import torch
 from helpers import (
     all_close,
     assert_same_results,
-    centre_on_model,
     grads,
-    make_engine,
+    loss_data,
+    mixed_engine,
     random_datum,
-    randomize_b,
 )
 
 from twinkled.engine import chunked_logprobs
 from twinkled.engine.chunked_logprobs import chunked_target_logprobs
 from twinkled.engine.lora import Segment
 from twinkled.engine.losses import LOSSES
-from twinkled.protocol.types import Datum, ForwardBackwardRequest, LoraConfig
+from twinkled.protocol.types import ForwardBackwardRequest
 
 # name -> (rank, train_attn, train_mlp, train_unembed); a and b share a bank, c adapts
 # only lm_head, d everything but lm_head
@@ -33,42 +32,7 @@ ADAPTERS = {"a": (4, True, True, True), "b": (4, True, True, True),
 
 @pytest.fixture(scope="module")
 def eng(tiny_dir):
-    e = make_engine(tiny_dir)
-    for seed, (name, (rank, attn, mlp, unembed)) in enumerate(ADAPTERS.items()):
-        e.add_adapter(name, LoraConfig(rank=rank, alpha=2 * rank, seed=seed, train_attn=attn,
-                                       train_mlp=mlp, train_unembed=unembed))
-        randomize_b(e, name, seed=seed + 10)
-    return e
-
-
-def _data(eng, gen, loss: str, name: str, lengths: list[int]) -> list[Datum]:
-    vocab = eng.model.vocab_size
-    data = [random_datum(gen, n, vocab) for n in lengths]
-    for d in data:
-        n = len(d.tokens)
-        sampled = (torch.arange(n) >= 2).float()
-        inp = d.loss_inputs
-        if loss == "cross_entropy":
-            inp["weights"] = torch.rand(n, generator=gen)
-            continue
-        inp["advantages"] = torch.randn(n, generator=gen) * sampled  # none on the prompt
-        inp["logprobs"] = torch.zeros(n)
-        if loss == "gspo":
-            inp["sequence_ratio_mask"] = sampled
-        if loss == "stable_reinforce":
-            inp["sampled_mask"] = sampled
-    if loss != "cross_entropy":  # ratios near 1: both sides of the clip ranges
-        centre_on_model(eng, name, data, gen, spread=0.3)
-        for d in data:
-            d.loss_inputs["sampler_logprobs"] = d.loss_inputs["logprobs"]
-            if loss != "stable_reinforce":
-                del d.loss_inputs["sampler_logprobs"]
-    if loss == "cross_entropy" and name == "a":  # top-K distillation: K ids per position
-        n = lengths[0]
-        data.append(Datum(data[0].tokens, {
-            "target_tokens": torch.randint(0, vocab, (n, 3), generator=gen),
-            "weights": torch.rand(n, 3, generator=gen)}))
-    return data
+    return mixed_engine(tiny_dir, ADAPTERS)
 
 
 def _run(eng, requests, chunked: bool):
@@ -97,7 +61,7 @@ def test_chunked_head_equals_whole_logits(eng, monkeypatch, loss, layout, chunk_
     gen = torch.Generator().manual_seed(zlib.crc32(f"{loss} {layout}".encode()))
     lengths = {"padded": [[9, 9], [9], [9, 9], [9]],  # one length: rows run padded
                "packed": [[6, 13], [4], [11, 3], [8]]}[layout]
-    requests = [ForwardBackwardRequest(name, _data(eng, gen, loss, name, n), loss)
+    requests = [ForwardBackwardRequest(name, loss_data(eng, gen, loss, name, n), loss)
                 for name, n in zip(ADAPTERS, lengths, strict=True)]
     ref, ref_grads = _run(eng, requests, chunked=False)
 
@@ -118,7 +82,7 @@ def test_head_only_adapter_trains_alone(eng):
     """An adapter with LoRA only on lm_head: the hidden states need no gradient, and the
     LoRA batch's anchor still puts the chunked head on the graph."""
     gen = torch.Generator().manual_seed(3)
-    req = [ForwardBackwardRequest("c", _data(eng, gen, "cross_entropy", "c", [7, 7]))]
+    req = [ForwardBackwardRequest("c", loss_data(eng, gen, "cross_entropy", "c", [7, 7]))]
     ref, ref_grads = _run(eng, req, chunked=False)
     ours, our_grads = _run(eng, req, chunked=True)
     assert ref_grads["c"]["lm_head"][1].abs().sum() > 0

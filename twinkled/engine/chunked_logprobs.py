@@ -30,9 +30,9 @@ vocabulary split (tp.py) keeps its own path.
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from .lora import Segment
+import torch
 
 # fp32 bytes of one chunk of logits: bounds the transient memory of the head; big enough
 # that each chunk's matmul runs at the card's rate (440 tokens of a 152k vocabulary).
@@ -57,6 +57,28 @@ def wanted(head: str, tokens: int, vocab: int, dtype: torch.dtype) -> bool:
     if head == "auto":
         return tokens * vocab * torch.empty((), dtype=dtype).element_size() > FULL_LOGITS_MAX
     return head == "chunked"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of tokens [start, end) of a flattened batch that use one adapter's LoRA on one
+    module: its weights in the compute dtype, views of its fp32 gradient buffers (a
+    backward adds to them) and its scale: what the chunked head needs to add the lm_head
+    delta a chunk of tokens at a time. LoraBatch and PackedLora make them (`segments`)."""
+
+    start: int
+    end: int
+    A: torch.Tensor  # [r, in]
+    B: torch.Tensor  # [out, r]
+    gA: torch.Tensor  # [r, in] fp32, in the bank
+    gB: torch.Tensor  # [out, r] fp32, in the bank
+    scale: float
+
+
+def segment(bank, slot: int, scale: float, key: str, start: int, end: int,
+            dtype: torch.dtype) -> Segment:
+    return Segment(start, end, bank.A16[key][slot].to(dtype), bank.B16[key][slot].to(dtype),
+                   bank.gA[key][slot], bank.gB[key][slot], scale)
 
 
 def chunked_target_logprobs(hidden: torch.Tensor, targets: torch.Tensor,

@@ -21,6 +21,9 @@ import torch
 from twinkled.protocol.checks import check_optimizer
 from twinkled.protocol.types import EXPERT_MODULES, EngineInputError, LoraConfig
 
+from .chunked_logprobs import Segment, segment
+from .lora_fused import SharedDelta, shared_delta
+
 BIG_BANK_BYTES = 2 * 2**30
 
 
@@ -293,28 +296,6 @@ class _Group:
     adapters: list[Adapter]  # each row's, on the host
 
 
-@dataclass(frozen=True)
-class Segment:
-    """A run of tokens [start, end) of a flattened batch that use one adapter's LoRA on one
-    module: its weights in the compute dtype, views of its fp32 gradient buffers (a
-    backward adds to them) and its scale. What the chunked head (chunked_logprobs.py) needs
-    to add the lm_head delta a chunk of tokens at a time."""
-
-    start: int
-    end: int
-    A: torch.Tensor  # [r, in]
-    B: torch.Tensor  # [out, r]
-    gA: torch.Tensor  # [r, in] fp32, in the bank
-    gB: torch.Tensor  # [out, r] fp32, in the bank
-    scale: float
-
-
-def segment(bank: Bank, slot: int, scale: float, key: str, start: int, end: int,
-            dtype: torch.dtype) -> Segment:
-    return Segment(start, end, bank.A16[key][slot].to(dtype), bank.B16[key][slot].to(dtype),
-                   bank.gA[key][slot], bank.gB[key][slot], scale)
-
-
 class LoraBatch:
     """Which adapter each row of a batch uses. Rows of one bank must be contiguous.
 
@@ -357,24 +338,52 @@ class LoraBatch:
             self.cache[(key, g.start)] = w
         return w
 
+    def _stacked(self, keys: list[str], g: _Group) -> torch.Tensor:
+        """The A's of `keys` side by side: [rows, len(keys) * r, in]."""
+        if self.cache is not None and (tuple(keys), g.start) in self.cache:
+            return self.cache[(tuple(keys), g.start)]
+        A = torch.cat([self._weights(k, g)[0] for k in keys], 1)
+        if self.cache is not None:
+            self.cache[(tuple(keys), g.start)] = A
+        return A
+
     def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.apply_shared((key,), x, [y])[0]
+
+    def apply_shared(self, keys: tuple[str, ...], x: torch.Tensor,
+                     ys: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`apply` for modules that read the same x (q/k/v; gate/up), each key's delta
+        added to its y: a bank's A's of the group run as one matmul (lora_fused.py)."""
+        ys = list(ys)
         for g in self.groups:
-            if key not in g.bank.shapes:
+            mine = [i for i, k in enumerate(keys) if k in g.bank.shapes]
+            if not mine:
                 continue
-            A_rows, B_rows = self._weights(key, g)
             whole = g.start == 0 and g.end == self.n_rows
             xs = x if whole else x[g.start:g.end]
-            if torch.is_grad_enabled():
-                d = _LoraDelta.apply(xs, self.anchor, A_rows, B_rows, g.bank.gA[key],
-                                     g.bank.gB[key], g.slots, g.scale)
-            else:  # sampling and forward-only: the same math without autograd's overhead
-                d = torch.bmm(torch.bmm(xs, A_rows.transpose(1, 2)) * g.scale, B_rows.transpose(1, 2))
-            if whole:
-                y = y + d
+            if len(mine) == 1:
+                key = keys[mine[0]]
+                A_rows, B_rows = self._weights(key, g)
+                if torch.is_grad_enabled():
+                    ds = [_LoraDelta.apply(xs, self.anchor, A_rows, B_rows, g.bank.gA[key],
+                                           g.bank.gB[key], g.slots, g.scale)]
+                else:  # sampling and forward-only: the same math without autograd's overhead
+                    ds = [torch.bmm(torch.bmm(xs, A_rows.transpose(1, 2)) * g.scale,
+                                    B_rows.transpose(1, 2))]
             else:
-                y[g.start:g.end] += d  # y is the base linear's fresh output, not a view
-        return y
-
+                A = self._stacked([keys[i] for i in mine], g)
+                Bs = [self._weights(keys[i], g)[1] for i in mine]
+                if torch.is_grad_enabled():
+                    grads = [(g.bank.gA[keys[i]], g.bank.gB[keys[i]]) for i in mine]
+                    ds = SharedDelta.apply(xs, self.anchor, A, g.slots, g.scale, grads, *Bs)
+                else:
+                    ds = shared_delta(xs, A, g.scale, Bs)
+            for i, d in zip(mine, ds, strict=True):
+                if whole:
+                    ys[i] = ys[i] + d
+                else:
+                    ys[i][g.start:g.end] += d  # y is the base linear's fresh output, not a view
+        return ys
 
     def segments(self, key: str, seq: int) -> list[Segment]:
         """Module `key`'s adapters over the flattened batch [rows x `seq` tokens]: one

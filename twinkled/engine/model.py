@@ -138,6 +138,9 @@ class BaseModel:
         # states, "full" through the whole logits (the reference path), "auto": chunked
         # where the whole logits would be big (chunked_logprobs.py).
         self.head = "auto"
+        # q/k/v and gate/up adapters' A matmuls one per group (lora_fused.py); False: one
+        # per module (the reference path).
+        self.fuse_lora = True
         self.recompute = Recompute(config.to_dict(), self.dtype, self.device, self.tp.size,
                                    self.tp.group)
 
@@ -194,8 +197,8 @@ class BaseModel:
             return h + self.moe[i](layer.post_attention_layernorm(h), banks)
         x = self.tp.enter(layer.post_attention_layernorm(h))
         mlp = layer.mlp
-        gate = self._linear(mlp.gate_proj, keys["gate_proj"], x, lora)
-        up = self._linear(mlp.up_proj, keys["up_proj"], x, lora)
+        gate, up = self._linears((mlp.gate_proj, mlp.up_proj),
+                                 (keys["gate_proj"], keys["up_proj"]), x, lora)
         return h + self.tp.leave(self._linear(mlp.down_proj, keys["down_proj"],
                                               mlp.act_fn(gate) * up, lora))
 
@@ -224,9 +227,9 @@ class BaseModel:
 
     def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing):
         B, S, _ = x.shape
-        q = self._linear(attn.q_proj, keys["q_proj"], x, lora).view(B, S, -1, self.head_dim)
-        k = self._linear(attn.k_proj, keys["k_proj"], x, lora).view(B, S, -1, self.head_dim)
-        v = self._linear(attn.v_proj, keys["v_proj"], x, lora).view(B, S, -1, self.head_dim)
+        q, k, v = (t.view(B, S, -1, self.head_dim) for t in self._linears(
+            (attn.q_proj, attn.k_proj, attn.v_proj),
+            (keys["q_proj"], keys["k_proj"], keys["v_proj"]), x, lora))
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -246,6 +249,16 @@ class BaseModel:
     def _linear(module, key, x, lora):
         y = F.linear(x, module.weight, module.bias)
         return y if lora is None else lora.apply(key, x, y)
+
+    def _linears(self, modules, keys, x, lora) -> list[torch.Tensor]:
+        """Linears that read the same x (q/k/v; gate/up). A LoRA batch that can (LoraBatch:
+        `apply_shared`) runs the group's A matmuls as one (lora_fused.py)."""
+        ys = [F.linear(x, m.weight, m.bias) for m in modules]
+        if lora is None:
+            return ys
+        if self.fuse_lora and hasattr(lora, "apply_shared"):
+            return lora.apply_shared(keys, x, ys)
+        return [lora.apply(key, x, y) for key, y in zip(keys, ys, strict=True)]
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(len(self.layers), batch, self.n_kv, max_len, self.head_dim,

@@ -21,7 +21,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from .lora import Adapter, Bank, Segment, same_bank, segment
+from .chunked_logprobs import Segment, segment
+from .lora import Adapter, Bank, same_bank
 
 log = logging.getLogger(__name__)
 
