@@ -25,7 +25,9 @@ chunked` through the chunked head (chunked_logprobs.py), `--head auto` (the defa
 engine chooses; `--head both` times full and chunked on one engine.
 `--unembed` puts the adapters on lm_head too (as Tinker's default does); `--unembed both`
 times a set of adapters without and one with. `--skip-peft` times the engine alone,
-`--layers N` cuts the shape's depth (a small CPU run of a real width and vocabulary).
+`--fuse no|both` times the adapters' q/k/v and gate/up A matmuls one per module (the
+reference path) instead of one per group (lora_fused.py). `--layers N` cuts the shape's
+depth (a small CPU run of a real width and vocabulary).
 On a GPU the rows give the MFU (4N FLOPs a trained token against the card's dense bf16
 peak); on a CPU the process's peak resident memory (one run per head for a comparison).
 """
@@ -183,8 +185,8 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str,
 
 def bench_ours(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
                train: list[torch.Tensor], prompts: list[list[int]] | None,
-               heads: tuple[str, ...] = ("auto",), unembeds: tuple[bool, ...] = (False,)
-               ) -> list[Row]:
+               heads: tuple[str, ...] = ("auto",), unembeds: tuple[bool, ...] = (False,),
+               fuses: tuple[bool, ...] = (True,)) -> list[Row]:
     eng = Engine(model_dir, dtype=dtype, device=device, max_rank=RANK)
     n_params = weight_bytes(eng.model.config.to_dict(), 1, 1)  # bytes at 1 B each = N
     rows = []
@@ -202,9 +204,10 @@ def bench_ours(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
             eng.forward_backward(reqs)
             eng.optim_steps([(name, adam) for name in names])
 
-        for head in heads:
-            eng.model.head = head
+        for head, fuse in ((h, f) for f in fuses for h in heads):
+            eng.model.head, eng.model.fuse_lora = head, fuse
             label = (f"(a) ours: 8 adapters co-batched, head {head}"
+                     + ("" if fuse else ", LoRA unfused")
                      + (", LoRA on lm_head" if unembed else ""))
             used = eng.model.recompute.used
             row = measure(label, K * sz.seq, train_round, 2, sz.rounds, device)
@@ -303,7 +306,7 @@ def bench_peft(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
 
 def run_shape(shape: str, device: str, sample: bool, peft: bool = True,
               heads: tuple[str, ...] = ("auto",), unembeds: tuple[bool, ...] = (False,),
-              layers: int | None = None) -> str:
+              layers: int | None = None, fuses: tuple[bool, ...] = (True,)) -> str:
     """Benchmark one shape; return its markdown section."""
     sz = GPU_SIZES if device == "cuda" else CPU_SIZES
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -314,7 +317,7 @@ def run_shape(shape: str, device: str, sample: bool, peft: bool = True,
         train = [torch.randint(0, vocab, (sz.seq + 1,)) for _ in range(K)]
         prompts = ([torch.randint(0, vocab, (sz.prompt_len,)).tolist()
                     for _ in range(K * sz.prompts)] if sample else None)
-        rows = bench_ours(model_dir, dtype, device, sz, train, prompts, heads, unembeds)
+        rows = bench_ours(model_dir, dtype, device, sz, train, prompts, heads, unembeds, fuses)
         free(device)
         if peft:
             rows += bench_peft(model_dir, dtype, device, sz, train, prompts)
@@ -376,6 +379,9 @@ def main() -> None:
                          "chunked where the logits are big); both: full, chunked on one engine")
     ap.add_argument("--unembed", choices=("no", "yes", "both"), default="no",
                     help="adapters on lm_head too (both: a set without, then one with)")
+    ap.add_argument("--fuse", choices=("yes", "no", "both"), default="yes",
+                    help="q/k/v and gate/up LoRA A matmuls one per group (lora_fused.py), "
+                         "or one per module (the reference path); both: unfused, fused")
     ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
     ap.add_argument("--write", default=section_path("engine"), metavar="PATH",
                     help="append the results to PATH ('' to skip)")
@@ -393,7 +399,8 @@ def main() -> None:
         unembeds = {"no": (False,), "yes": (True,), "both": (False, True)}[args.unembed]
         section = run_shape(shape, args.device,
                             not args.skip_sampling and shape in SAMPLING_SHAPES,
-                            not args.skip_peft, heads, unembeds, args.layers)
+                            not args.skip_peft, heads, unembeds, args.layers,
+                            {"yes": (True,), "no": (False,), "both": (False, True)}[args.fuse])
         print(section, flush=True)
         text += "\n" + section
     if args.write:
