@@ -19,6 +19,17 @@ medians after warm-up rounds, with the GPU synchronised around each timed region
 
     python bench/bench_engine.py --shape tiny --device cpu
     python bench/bench_engine.py --shape qwen2.5-0.5b --shape qwen3-8b
+
+`--head full` trains through the whole-vocabulary logits (the reference path), `--head
+chunked` through the chunked head (chunked_logprobs.py), `--head auto` (the default) as the
+engine chooses; `--head both` times full and chunked on one engine.
+`--unembed` puts the adapters on lm_head too (as Tinker's default does); `--unembed both`
+times a set of adapters without and one with. `--skip-peft` times the engine alone,
+`--fuse no|both` times the adapters' q/k/v and gate/up A matmuls one per module (the
+reference path) instead of one per group (lora_fused.py). `--layers N` cuts the shape's
+depth (a small CPU run of a real width and vocabulary).
+On a GPU the rows give the MFU (4N FLOPs a trained token against the card's dense bf16
+peak); on a CPU the process's peak resident memory (one run per head for a comparison).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import gc
 import os
 import platform
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -42,6 +54,7 @@ import torch
 from output import section_path  # bench/ is the script's directory
 
 from twinkled.engine.engine import Engine
+from twinkled.protocol.sizing import weight_bytes
 from twinkled.protocol.types import (
     AdamParams,
     Datum,
@@ -78,6 +91,7 @@ class Row:
     tokens: int  # tokens per unit (one training round, one sampling round)
     seconds: float  # median time per unit
     peak_gib: float | None
+    mfu: float | None = None
 
     @property
     def throughput(self) -> float:
@@ -114,11 +128,24 @@ def measure(test: str, tokens: int, fn: Callable[[], None], warmup: int, reps: i
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    peak = (torch.cuda.max_memory_allocated() if device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
     return Row(test, tokens, statistics.median(times), peak)
 
 
-def build_model(shape: str, out: Path, dtype: torch.dtype, device: str) -> int:
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def mfu(row: Row, n_params: int, device: str) -> float | None:
+    """Share of the card's dense bf16 peak that 4N FLOPs a trained token make."""
+    if device != "cuda":
+        return None
+    peak = next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)
+    return None if peak is None else row.throughput * 4 * n_params / peak
+
+
+def build_model(shape: str, out: Path, dtype: torch.dtype, device: str,
+                layers: int | None = None) -> int:
     """Write a random-weight checkpoint of `shape` (plus a small tokenizer); return its vocab."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
@@ -128,15 +155,24 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str) -> int:
     if shape == "tiny":
         build_tiny_model(out)
         return Qwen3Config.from_pretrained(out).vocab_size
+    if shape == "qwen3-8b" and layers is None:  # layer by layer: ~30 s, not minutes
+        from bench_tp import write_random_checkpoint
+
+        write_random_checkpoint(shape, out)
+        return Qwen3Config.from_pretrained(out).vocab_size
     common = dict(vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6)
+    if layers is not None:
+        common["num_hidden_layers"] = layers
     if shape == "qwen2.5-0.5b":
-        cfg = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        cfg = Qwen2Config(hidden_size=896, intermediate_size=4864,
                           num_attention_heads=14, num_key_value_heads=2,
-                          tie_word_embeddings=True, max_position_embeddings=32768, **common)
+                          tie_word_embeddings=True, max_position_embeddings=32768,
+                          **{"num_hidden_layers": 24, **common})
     else:
-        cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288,
                           num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                          tie_word_embeddings=False, max_position_embeddings=40960, **common)
+                          tie_word_embeddings=False, max_position_embeddings=40960,
+                          **{"num_hidden_layers": 36, **common})
     with torch.device(device):  # random init on the card is much faster for 8B
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.to(device)
@@ -160,23 +196,41 @@ def random_adapters(eng: Engine, n: int, rank: int) -> list[str]:
 
 
 def bench_ours(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
-               train: list[torch.Tensor], prompts: list[list[int]] | None) -> list[Row]:
+               train: list[torch.Tensor], prompts: list[list[int]] | None,
+               heads: tuple[str, ...] = ("auto",), unembeds: tuple[bool, ...] = (False,),
+               fuses: tuple[bool, ...] = (True,)) -> list[Row]:
     eng = Engine(model_dir, dtype=dtype, device=device, max_rank=RANK)
-    names = [f"a{i}" for i in range(K)]
-    for i, name in enumerate(names):
-        eng.add_adapter(name, LoraConfig(rank=RANK, alpha=ALPHA, seed=i, train_attn=True,
-                                         train_mlp=True, train_unembed=False))
-    reqs = [ForwardBackwardRequest(name, [Datum(tokens=x[:-1], loss_inputs={
-        "target_tokens": x[1:], "weights": torch.ones(sz.seq)})], loss_fn="cross_entropy")
-        for name, x in zip(names, train, strict=True)]
+    n_params = weight_bytes(eng.model.config.to_dict(), 1, 1)  # bytes at 1 B each = N
+    rows = []
     adam = AdamParams(learning_rate=1e-4)
+    for unembed in unembeds:
+        names = [f"a{i}" + ("-head" if unembed else "") for i in range(K)]
+        for i, name in enumerate(names):
+            eng.add_adapter(name, LoraConfig(rank=RANK, alpha=ALPHA, seed=i, train_attn=True,
+                                             train_mlp=True, train_unembed=unembed))
+        reqs = [ForwardBackwardRequest(name, [Datum(tokens=x[:-1], loss_inputs={
+            "target_tokens": x[1:], "weights": torch.ones(sz.seq)})], loss_fn="cross_entropy")
+            for name, x in zip(names, train, strict=True)]
 
-    def train_round() -> None:
-        eng.forward_backward(reqs)
-        eng.optim_steps([(name, adam) for name in names])
+        def train_round(reqs=reqs, names=names) -> None:
+            eng.forward_backward(reqs)
+            eng.optim_steps([(name, adam) for name in names])
 
-    rows = [measure("(a) ours: 8 adapters co-batched", K * sz.seq, train_round, 2, sz.rounds,
-                    device)]
+        for head, fuse in ((h, f) for f in fuses for h in heads):
+            eng.model.head, eng.model.fuse_lora = head, fuse
+            label = (f"(a) ours: 8 adapters co-batched, head {head}"
+                     + ("" if fuse else ", LoRA unfused")
+                     + (", LoRA on lm_head" if unembed else ""))
+            used = eng.model.recompute.used
+            row = measure(label, K * sz.seq, train_round, 2, sz.rounds, device)
+            row.mfu = mfu(row, n_params, device)
+            if eng.model.recompute.used > used:
+                row.test += " (recomputed activations)"
+            rows.append(row)
+        if prompts is None or unembed != unembeds[-1]:
+            for name in names:
+                eng.remove_adapter(name)
+            free(device)
     if prompts is not None:
         params = SamplingParams(max_tokens=sz.new_tokens, temperature=0.0, stop=[])
         sreqs = [SampleRequest(names[j // sz.prompts], p, params, num_samples=1)
@@ -262,40 +316,51 @@ def bench_peft(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
     return rows  # the caller frees the model
 
 
-def run_shape(shape: str, device: str, sample: bool) -> str:
+def run_shape(shape: str, device: str, sample: bool, peft: bool = True,
+              heads: tuple[str, ...] = ("auto",), unembeds: tuple[bool, ...] = (False,),
+              layers: int | None = None, fuses: tuple[bool, ...] = (True,)) -> str:
     """Benchmark one shape; return its markdown section."""
     sz = GPU_SIZES if device == "cuda" else CPU_SIZES
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         model_dir = Path(tmp)
-        vocab = build_model(shape, model_dir, dtype, device)
+        vocab = build_model(shape, model_dir, dtype, device, layers)
         seed_all(2)
         train = [torch.randint(0, vocab, (sz.seq + 1,)) for _ in range(K)]
         prompts = ([torch.randint(0, vocab, (sz.prompt_len,)).tolist()
                     for _ in range(K * sz.prompts)] if sample else None)
-        rows = bench_ours(model_dir, dtype, device, sz, train, prompts)
+        rows = bench_ours(model_dir, dtype, device, sz, train, prompts, heads, unembeds, fuses)
         free(device)
-        rows += bench_peft(model_dir, dtype, device, sz, train, prompts)
+        if peft:
+            rows += bench_peft(model_dir, dtype, device, sz, train, prompts)
         free(device)
     rows.sort(key=lambda r: r.test.startswith("sampling"))  # training (a, b, c) first
-    by = {r.test[:3]: r.throughput for r in rows}
-    ratios = [("(a) / (c): ours vs packed upper bound (target >= 0.90)", by["(a)"] / by["(c)"]),
-              ("(a) / (b): ours vs peft one at a time", by["(a)"] / by["(b)"]),
-              ("(c) / (b): packed vs one at a time", by["(c)"] / by["(b)"])]
-    if sample:
-        ratios.append(("sampling: ours / peft", rows[3].throughput / rows[4].throughput))
-    lines = [f"### {shape} ({device}, {str(dtype).removeprefix('torch.')}, {K} adapters, "
+    by = {r.test[:3]: r.throughput for r in rows}  # (a): the last head timed
+    by.update({r.test[:14]: r.throughput for r in rows if r.test.startswith("sampling")})
+    ratios = []
+    if peft:
+        ratios += [("(a) / (c): ours vs packed upper bound (target >= 0.90)", by["(a)"] / by["(c)"]),
+                   ("(a) / (b): ours vs peft one at a time", by["(a)"] / by["(b)"]),
+                   ("(c) / (b): packed vs one at a time", by["(c)"] / by["(b)"])]
+    if sample and peft:
+        ratios.append(("sampling: ours / peft", by["sampling, ours"] / by["sampling, peft"]))
+    depth = "" if layers is None else f", {layers} layers"
+    lines = [f"### {shape}{depth} ({device}, {str(dtype).removeprefix('torch.')}, {K} adapters, "
              f"LoRA r={RANK} alpha={ALPHA} on {','.join(t.split('_')[0] for t in TARGETS)}, "
              f"S={sz.seq}"
              + (f"; sampling {K}x{sz.prompts} prompts of {sz.prompt_len} tokens, "
                 f"{sz.new_tokens} new, greedy" if sample else "") + ")", "",
-             "| test | tokens/unit | time per unit (s) | throughput (tok/s) | peak mem (GiB) |",
-             "|---|---:|---:|---:|---:|"]
+             "| test | tokens/unit | time per unit (s) | throughput (tok/s) | MFU (4N) | "
+             f"peak mem (GiB{'' if device == 'cuda' else ', process RSS'}) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         mem = "-" if r.peak_gib is None else f"{r.peak_gib:.2f}"
-        lines.append(f"| {r.test} | {r.tokens} | {r.seconds:.4f} | {r.throughput:,.0f} | {mem} |")
-    lines += ["", "| ratio (throughput) | value |", "|---|---:|"]
-    lines += [f"| {name} | {value:.2f} |" for name, value in ratios]
+        util = "-" if r.mfu is None else f"{r.mfu:.1%}"
+        lines.append(f"| {r.test} | {r.tokens} | {r.seconds:.4f} | {r.throughput:,.0f} | "
+                     f"{util} | {mem} |")
+    if ratios:
+        lines += ["", "| ratio (throughput) | value |", "|---|---:|"]
+        lines += [f"| {name} | {value:.2f} |" for name, value in ratios]
     return "\n".join(lines) + "\n"
 
 
@@ -319,6 +384,17 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"),
                     default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-sampling", action="store_true")
+    ap.add_argument("--skip-peft", action="store_true", help="time the engine alone")
+    ap.add_argument("--head", choices=("auto", "chunked", "full", "both"), default="auto",
+                    help="training's logprobs: chunked from the hidden states, through the "
+                         "whole logits (the reference path), auto (the engine's default: "
+                         "chunked where the logits are big); both: full, chunked on one engine")
+    ap.add_argument("--unembed", choices=("no", "yes", "both"), default="no",
+                    help="adapters on lm_head too (both: a set without, then one with)")
+    ap.add_argument("--fuse", choices=("yes", "no", "both"), default="yes",
+                    help="q/k/v and gate/up LoRA A matmuls one per group (lora_fused.py), "
+                         "or one per module (the reference path); both: unfused, fused")
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
     ap.add_argument("--write", default=section_path("engine"), metavar="PATH",
                     help="append the results to PATH ('' to skip)")
     args = ap.parse_args()
@@ -331,8 +407,12 @@ def main() -> None:
     text = header(args.device)
     print(text)
     for shape in shapes:
+        heads = ("full", "chunked") if args.head == "both" else (args.head,)
+        unembeds = {"no": (False,), "yes": (True,), "both": (False, True)}[args.unembed]
         section = run_shape(shape, args.device,
-                            not args.skip_sampling and shape in SAMPLING_SHAPES)
+                            not args.skip_sampling and shape in SAMPLING_SHAPES,
+                            not args.skip_peft, heads, unembeds, args.layers,
+                            {"yes": (True,), "no": (False,), "both": (False, True)}[args.fuse])
         print(section, flush=True)
         text += "\n" + section
     if args.write:

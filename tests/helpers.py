@@ -7,7 +7,7 @@ import os
 import torch
 
 from twinkled.engine.engine import Engine
-from twinkled.protocol.types import Datum, ForwardBackwardRequest
+from twinkled.protocol.types import Datum, ForwardBackwardRequest, LoraConfig
 
 # The engine tests run on the CPU in CI; TWINKLE_TEST_DEVICE=cuda runs them on a GPU.
 DEVICE = os.environ.get("TWINKLE_TEST_DEVICE", "cpu")
@@ -90,3 +90,59 @@ def all_close(x: dict, y: dict, rtol: float = 1e-5, atol: float = 1e-5) -> bool:
     assert x.keys() == y.keys()
     return all((a - b).abs().max() <= atol + rtol * b.abs().max()
                for k in x for a, b in zip(x[k], y[k], strict=True))
+
+
+def assert_same_results(want: list, got: list, tol: float = 1e-5) -> None:
+    """Two runs' ForwardBackwardResults: loss sums, logprobs and elementwise losses agree."""
+    import pytest
+
+    for w, g in zip(want, got, strict=True):
+        assert g.metrics["loss:sum"] == pytest.approx(w.metrics["loss:sum"], rel=tol, abs=tol)
+        for wo, go in zip(w.outputs, g.outputs, strict=True):
+            for key in ("logprobs", "elementwise_loss"):
+                assert wo[key].shape == go[key].shape
+                assert torch.allclose(wo[key], go[key], rtol=tol, atol=tol), key
+
+
+def loss_data(eng, gen, loss: str, name: str, lengths: list[int]) -> list[Datum]:
+    """Data of `lengths` tokens with every input `loss` takes (random, the sampler's
+    logprobs near the model's so ratios fall on both sides of the clip ranges); adapter
+    "a"'s cross_entropy data end with a top-K datum (K = 3 ids a position)."""
+    vocab = eng.model.vocab_size
+    data = [random_datum(gen, n, vocab) for n in lengths]
+    for d in data:
+        n = len(d.tokens)
+        sampled = (torch.arange(n) >= 2).float()
+        inp = d.loss_inputs
+        if loss == "cross_entropy":
+            inp["weights"] = torch.rand(n, generator=gen)
+            continue
+        inp["advantages"] = torch.randn(n, generator=gen) * sampled  # none on the prompt
+        inp["logprobs"] = torch.zeros(n)
+        if loss == "gspo":
+            inp["sequence_ratio_mask"] = sampled
+        if loss == "stable_reinforce":
+            inp["sampled_mask"] = sampled
+    if loss != "cross_entropy":  # ratios near 1: both sides of the clip ranges
+        centre_on_model(eng, name, data, gen, spread=0.3)
+        for d in data:
+            d.loss_inputs["sampler_logprobs"] = d.loss_inputs["logprobs"]
+            if loss != "stable_reinforce":
+                del d.loss_inputs["sampler_logprobs"]
+    if loss == "cross_entropy" and name == "a":  # top-K distillation: K ids per position
+        n = lengths[0]
+        data.append(Datum(data[0].tokens, {
+            "target_tokens": torch.randint(0, vocab, (n, 3), generator=gen),
+            "weights": torch.rand(n, 3, generator=gen)}))
+    return data
+
+
+def mixed_engine(model_dir, adapters: dict[str, tuple[int, bool, bool, bool]]) -> Engine:
+    """An engine with `adapters`: name -> (rank, train_attn, train_mlp, train_unembed),
+    alpha 2 x rank, B random (so every A has a gradient)."""
+    e = make_engine(model_dir)
+    for seed, (name, (rank, attn, mlp, unembed)) in enumerate(adapters.items()):
+        e.add_adapter(name, LoraConfig(rank=rank, alpha=2 * rank, seed=seed, train_attn=attn,
+                                       train_mlp=mlp, train_unembed=unembed))
+        randomize_b(e, name, seed=seed + 10)
+    return e

@@ -99,7 +99,8 @@ def test_export_loads_in_peft_with_the_same_logits_and_gradients(moe_dir, tmp_pa
     logits = pm(input_ids=ids).logits
     ours = _logits(eng, "a", ids)
     assert (ours - _logits(eng, None, ids)).abs().max() > 1e-2  # the adapter matters
-    assert (ours - logits.detach()).abs().max() <= 1e-5
+    # fp32, relative: the fused q/k/v LoRA (lora_fused.py) sums in another order than peft
+    assert (ours - logits.detach()).abs().max() <= 1e-5 * max(1.0, logits.abs().max().item())
 
     lp = torch.log_softmax(logits[0].float(), -1).gather(
         1, torch.as_tensor(req.data[0].loss_inputs["target_tokens"])[:, None])

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, all_close, grads, make_engine, random_datum, randomize_b, rl_datum
+from helpers import (
+    DEVICE,
+    all_close,
+    assert_same_results,
+    grads,
+    make_engine,
+    random_datum,
+    randomize_b,
+    rl_datum,
+)
 
 from twinkled.engine.packed import grouped_mm, grouped_weight_grad
 from twinkled.protocol.types import Datum, ForwardBackwardRequest, LoraConfig
@@ -44,12 +53,7 @@ def test_packed_equals_padded(tiny_dir, budget):
     padded, packed = _engine(tiny_dir, False, budget), _engine(tiny_dir, True, budget)
     reqs = _requests(padded.model.vocab_size)
     want, got = padded.forward_backward(reqs), packed.forward_backward(reqs)
-    for w, g in zip(want, got, strict=True):
-        assert w.metrics["loss:sum"] == pytest.approx(g.metrics["loss:sum"], rel=1e-5, abs=1e-5)
-        for wo, go in zip(w.outputs, g.outputs, strict=True):
-            for key in ("logprobs", "elementwise_loss"):
-                assert wo[key].shape == go[key].shape
-                assert torch.allclose(wo[key], go[key], rtol=1e-5, atol=1e-5), key
+    assert_same_results(want, got)
     # fp32 on a CPU (CI): 1e-5. A GPU's fp32 kernels sum in other orders per layout.
     tol = 1e-5 if DEVICE == "cpu" else 1e-4
     for name in ADAPTERS:

@@ -22,6 +22,9 @@ import torch
 from twinkled.protocol.checks import check_optimizer
 from twinkled.protocol.types import EXPERT_MODULES, EngineInputError, LoraConfig
 
+from .chunked_logprobs import Segment, segment
+from .lora_fused import SharedDelta, shared_delta
+
 BIG_BANK_BYTES = 2 * 2**30
 # Weight versions, unique across every bank and slot of the process: a slot's version
 # changes with every write to its weights (`Bank.changed`), so a version names one set of
@@ -307,6 +310,7 @@ class _Group:
     bank: Bank
     slots: torch.Tensor  # [n] slot of each row
     scale: torch.Tensor  # [n, 1, 1]
+    adapters: list[Adapter]  # each row's, on the host
 
 
 class LoraBatch:
@@ -334,7 +338,7 @@ class LoraBatch:
                 rows = row_adapters[i:j]
                 slots = torch.tensor([a.slot for a in rows], device=device)
                 scale = torch.tensor([a.scale for a in rows], dtype=dtype, device=device)
-                self.groups.append(_Group(i, j, ad.bank, slots, scale.view(-1, 1, 1)))
+                self.groups.append(_Group(i, j, ad.bank, slots, scale.view(-1, 1, 1), rows))
             i = j
         seen = [id(g.bank) for g in self.groups]
         if len(seen) != len(set(seen)):
@@ -351,23 +355,69 @@ class LoraBatch:
             self.cache[(key, g.start)] = w
         return w
 
+    def _stacked(self, keys: list[str], g: _Group) -> torch.Tensor:
+        """The A's of `keys` side by side: [rows, len(keys) * r, in]."""
+        if self.cache is not None and (tuple(keys), g.start) in self.cache:
+            return self.cache[(tuple(keys), g.start)]
+        A = torch.cat([self._weights(k, g)[0] for k in keys], 1)
+        if self.cache is not None:
+            self.cache[(tuple(keys), g.start)] = A
+        return A
+
     def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.apply_shared((key,), x, [y])[0]
+
+    def apply_shared(self, keys: tuple[str, ...], x: torch.Tensor,
+                     ys: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`apply` for modules that read the same x (q/k/v; gate/up), each key's delta
+        added to its y: a bank's A's of the group run as one matmul (lora_fused.py)."""
+        ys = list(ys)
+        for g in self.groups:
+            mine = [i for i, k in enumerate(keys) if k in g.bank.shapes]
+            if not mine:
+                continue
+            whole = g.start == 0 and g.end == self.n_rows
+            xs = x if whole else x[g.start:g.end]
+            if len(mine) == 1:
+                key = keys[mine[0]]
+                A_rows, B_rows = self._weights(key, g)
+                if torch.is_grad_enabled():
+                    ds = [_LoraDelta.apply(xs, self.anchor, A_rows, B_rows, g.bank.gA[key],
+                                           g.bank.gB[key], g.slots, g.scale)]
+                else:  # sampling and forward-only: the same math without autograd's overhead
+                    ds = [torch.bmm(torch.bmm(xs, A_rows.transpose(1, 2)) * g.scale,
+                                    B_rows.transpose(1, 2))]
+            else:
+                A = self._stacked([keys[i] for i in mine], g)
+                Bs = [self._weights(keys[i], g)[1] for i in mine]
+                if torch.is_grad_enabled():
+                    grads = [(g.bank.gA[keys[i]], g.bank.gB[keys[i]]) for i in mine]
+                    ds = SharedDelta.apply(xs, self.anchor, A, g.slots, g.scale, grads, *Bs)
+                else:
+                    ds = shared_delta(xs, A, g.scale, Bs)
+            for i, d in zip(mine, ds, strict=True):
+                if whole:
+                    ys[i] = ys[i] + d
+                else:
+                    ys[i][g.start:g.end] += d  # y is the base linear's fresh output, not a view
+        return ys
+
+    def segments(self, key: str, seq: int) -> list[Segment]:
+        """Module `key`'s adapters over the flattened batch [rows x `seq` tokens]: one
+        segment per run of rows of one adapter."""
+        out: list[Segment] = []
         for g in self.groups:
             if key not in g.bank.shapes:
                 continue
-            A_rows, B_rows = self._weights(key, g)
-            whole = g.start == 0 and g.end == self.n_rows
-            xs = x if whole else x[g.start:g.end]
-            if torch.is_grad_enabled():
-                d = _LoraDelta.apply(xs, self.anchor, A_rows, B_rows, g.bank.gA[key],
-                                     g.bank.gB[key], g.slots, g.scale)
-            else:  # sampling and forward-only: the same math without autograd's overhead
-                d = torch.bmm(torch.bmm(xs, A_rows.transpose(1, 2)) * g.scale, B_rows.transpose(1, 2))
-            if whole:
-                y = y + d
-            else:
-                y[g.start:g.end] += d  # y is the base linear's fresh output, not a view
-        return y
+            i = g.start
+            while i < g.end:
+                j = i + 1
+                while j < g.end and g.adapters[j - g.start] is g.adapters[i - g.start]:
+                    j += 1
+                a = g.adapters[i - g.start]
+                out.append(segment(g.bank, a.slot, a.scale, key, i * seq, j * seq, self.dtype))
+                i = j
+        return out
 
 
 def same_bank(a: Adapter | None, b: Adapter | None) -> bool:

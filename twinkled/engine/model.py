@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from twinkled.protocol.types import ATTN_MODULES, MLP_MODULES, EngineInputError
 
+from . import chunked_logprobs
 from .lora import LoraBatch
 from .losses import target_logprobs
 from .moe import MOE_ARCHS, bank_tokens, moe_blocks, shard_experts
@@ -133,6 +134,13 @@ class BaseModel:
         self.vocab_size = self.lm_head.out_features  # whole, when this rank holds a slice
         self.max_seq_len = int(config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(config, self.tokenizer)
+        # Training's logprobs: "chunked" a chunk of tokens at a time from the hidden
+        # states, "full" through the whole logits (the reference path), "auto": chunked
+        # where the whole logits would be big (chunked_logprobs.py).
+        self.head = "auto"
+        # q/k/v and gate/up adapters' A matmuls one per group (lora_fused.py); False: one
+        # per module (the reference path).
+        self.fuse_lora = True
         self.recompute = Recompute(config.to_dict(), self.dtype, self.device, self.tp.size,
                                    self.tp.group)
 
@@ -189,8 +197,8 @@ class BaseModel:
             return h + self.moe[i](layer.post_attention_layernorm(h), banks)
         x = self.tp.enter(layer.post_attention_layernorm(h))
         mlp = layer.mlp
-        gate = self._linear(mlp.gate_proj, keys["gate_proj"], x, lora)
-        up = self._linear(mlp.up_proj, keys["up_proj"], x, lora)
+        gate, up = self._linears((mlp.gate_proj, mlp.up_proj),
+                                 (keys["gate_proj"], keys["up_proj"]), x, lora)
         return h + self.tp.leave(self._linear(mlp.down_proj, keys["down_proj"],
                                               mlp.act_fn(gate) * up, lora))
 
@@ -207,15 +215,21 @@ class BaseModel:
         """Each target's logprob [B, S(, K)] in fp32, differentiable. Under a vocabulary
         split each rank computes only its share of the logits."""
         if self.shard is None or not self.shard.vocab_split:
-            return target_logprobs(self.logits(hidden, lora), targets)
+            if not chunked_logprobs.wanted(self.head, hidden.shape[:-1].numel(),
+                                           self.lm_head.out_features, self.dtype):
+                return target_logprobs(self.logits(hidden, lora), targets)
+            segments = [] if lora is None else lora.segments("lm_head", hidden.shape[1])
+            return chunked_logprobs.chunked_target_logprobs(
+                hidden, targets, self.lm_head.weight, self.lm_head.bias, segments,
+                None if lora is None else lora.anchor)
         local = self._linear(self.lm_head, "lm_head", self.tp.enter(hidden), lora)
         return self.shard.target_logprobs(local, targets)
 
     def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing):
         B, S, _ = x.shape
-        q = self._linear(attn.q_proj, keys["q_proj"], x, lora).view(B, S, -1, self.head_dim)
-        k = self._linear(attn.k_proj, keys["k_proj"], x, lora).view(B, S, -1, self.head_dim)
-        v = self._linear(attn.v_proj, keys["v_proj"], x, lora).view(B, S, -1, self.head_dim)
+        q, k, v = (t.view(B, S, -1, self.head_dim) for t in self._linears(
+            (attn.q_proj, attn.k_proj, attn.v_proj),
+            (keys["q_proj"], keys["k_proj"], keys["v_proj"]), x, lora))
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -238,6 +252,16 @@ class BaseModel:
     def _linear(module, key, x, lora):
         y = F.linear(x, module.weight, module.bias)
         return y if lora is None else lora.apply(key, x, y)
+
+    def _linears(self, modules, keys, x, lora) -> list[torch.Tensor]:
+        """Linears that read the same x (q/k/v; gate/up). A LoRA batch that can (LoraBatch:
+        `apply_shared`) runs the group's A matmuls as one (lora_fused.py)."""
+        ys = [F.linear(x, m.weight, m.bias) for m in modules]
+        if lora is None:
+            return ys
+        if self.fuse_lora and hasattr(lora, "apply_shared"):
+            return lora.apply_shared(keys, x, ys)
+        return [lora.apply(key, x, y) for key, y in zip(keys, ys, strict=True)]
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(len(self.layers), batch, self.n_kv, max_len, self.head_dim,

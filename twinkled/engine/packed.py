@@ -21,6 +21,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from .chunked_logprobs import Segment, segment
 from .lora import Adapter, Bank, same_bank
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,22 @@ class PackedLora:
             else:
                 y[0, s.start:s.end] += d  # y is the base linear's fresh output, not a view
         return y
+
+    def segments(self, key: str, seq: int | None = None) -> list[Segment]:
+        """Module `key`'s adapters over the packed tokens, one segment per adapter (the
+        chunked head's view; `seq` is the row layout's and unused here). Reads the spans'
+        device tensors back: one wait for the device, only where lm_head has adapters."""
+        out: list[Segment] = []
+        for s in self.spans:
+            if key not in s.bank.shapes:
+                continue
+            start = s.start
+            ends = s.offs.tolist()
+            scales = s.scale[[0, *ends[:-1]], 0].tolist()
+            for slot, end, scale in zip(s.slots.tolist(), ends, scales, strict=True):
+                out.append(segment(s.bank, slot, scale, key, start, s.start + end, self.dtype))
+                start = s.start + end
+        return out
 
 
 class _PackedDelta(torch.autograd.Function):
