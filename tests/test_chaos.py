@@ -204,14 +204,6 @@ class Chaos:
         self.daemon = self.make(self.daemon.port)
 
 
-# Opt-in until issue 28 closes: on the merged code (2026-11-27) every seed tried leaves
-# tenant 0's run off its acknowledged step after a worker and a daemon kill (seeds 28 and 7,
-# the default 12 s), and one run in three a restarted daemon that never finished restoring
-# (worker idle, the daemon waiting in restore_at_start; SIGUSR2 now logs where). Run it with
-# TWINKLE_CHAOS_S set (12 for the short run).
-@pytest.mark.skipif("TWINKLE_CHAOS_S" not in os.environ,
-                    reason="issue 28 open: the chaos test fails on the merged code; set "
-                           "TWINKLE_CHAOS_S to run it")
 def test_random_kills_lose_no_acknowledged_step_and_leave_no_request_unanswered(
         tiny_dir, tmp_path):
     cfg = tmp_path / "twinkled.toml"

@@ -113,8 +113,9 @@ def _assert_same(want, got, engines) -> None:
             for key in ("logprobs", "elementwise_loss"):
                 assert wo[key].shape == go[key].shape, key
                 assert torch.allclose(wo[key], go[key], rtol=TOL, atol=TOL), key
-    for name in ADAPTERS:
-        assert all_close(grads(engines[0], name), grads(engines[1], name), TOL, TOL), name
+    for name in ADAPTERS:  # the rows run apart may take the padded layout, whose fused LoRA
+        # (lora_fused.py) sums in another order: ~1e-6 of gradients of size 10-70
+        assert all_close(grads(engines[0], name), grads(engines[1], name), 10 * TOL, TOL), name
 
 
 @pytest.mark.parametrize("loss", sorted(LOSSES))
