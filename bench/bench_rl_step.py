@@ -328,11 +328,13 @@ def main() -> None:
     ap.add_argument("--config", help="a twinkled TOML config file for the daemon")
     ap.add_argument("--sample-kv-mb", type=int, default=None,
                     help="the daemon's sample_kv_mb (sampler KV pool per worker, MiB)")
-    ap.add_argument("--model-dir", type=lambda p: str(Path(p).resolve()), help="use the checkpoint here, or write the random one "
-                    "here to reuse next time (default: a temporary directory)")
+    ap.add_argument("--model-dir", type=lambda p: str(Path(p).resolve()),
+                    help="use the checkpoint here, or write the random one here to reuse "
+                    "next time (default: a temporary directory)")
     ap.add_argument("--daemon-src", help="run twinkled from this source tree (e.g. a checkout "
                     "of an older commit, for a before/after on the same card)")
-    ap.add_argument("--write", default=section_path("rl_step"),  # rewritten after each step type=lambda p: p and str(Path(p).resolve()),
+    ap.add_argument("--write", default=section_path("rl_step"),  # rewritten after each step
+                    type=lambda p: p and str(Path(p).resolve()),
                     help="write the section to PATH ('' to skip)")
     args = ap.parse_args()
     if args.loop:
