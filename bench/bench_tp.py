@@ -66,6 +66,7 @@ def write_random_checkpoint(shape: str, out: Path) -> None:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(dev).manual_seed(0)
+    out.mkdir(parents=True, exist_ok=True)
     parts: dict[str, list] = {}  # file -> [(name, shape)]: a layer per file, then the rest
     for name, p in model.named_parameters():
         part = name.split(".")[2] if name.startswith("model.layers.") else "rest"
