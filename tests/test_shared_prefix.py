@@ -226,6 +226,17 @@ def _flash_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, gqa):
     return torch.cat(outs, dim=2)
 
 
+def test_the_recompute_decision_counts_the_keys_each_continuation_gathers():
+    """The flash path copies a group's shared keys once per continuation, kept per layer
+    unless layers are recomputed: the memory a pass is judged by counts them (an 8B RL
+    group ran out of GPU memory when only the packed tokens were counted)."""
+    from twinkled.engine.packed import Packing
+
+    shared = SharedPacking.of([(0, 4, 0), (4, 3, 4), (7, 2, 4)], [None, (0, 4), (0, 4)], "cpu")
+    assert shared.memory_tokens() == 9 + (4 + 3) + (4 + 2) + 4  # tokens + gathered keys
+    assert Packing.of([4, 3, 2], "cpu").memory_tokens() == 9
+
+
 def test_the_gpu_kernels_inputs_describe_the_same_attention():
     """What the GPU path hands flash attention (gathered keys, their cumulative lengths,
     the longest segments) gives the CPU path's attention, under GQA too."""

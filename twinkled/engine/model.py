@@ -181,7 +181,8 @@ class BaseModel:
         cos, sin = self.decoder.rotary_emb(h, positions)
         # Recompute per layer (checkpointing): the backward keeps only each layer's input
         # and runs the layer again; recompute.py says when (a step that would not fit).
-        again = torch.is_grad_enabled() and self.recompute.wanted(input_ids.numel())
+        tokens = input_ids.numel() if packing is None else packing.memory_tokens()
+        again = torch.is_grad_enabled() and self.recompute.wanted(tokens)
         banks = bank_tokens(lora, h.shape[1]) if self.moe else []
         for i, layer in enumerate(self.layers):
             args = (i, layer, h, cos, sin, lora, cache, mask, packing, banks)

@@ -48,6 +48,10 @@ class Packing:
     def total(self) -> int:
         return sum(self.lengths)
 
+    def memory_tokens(self) -> int:
+        """Tokens a pass keeps for its backward (the recompute decision): its tokens."""
+        return self.total
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                gqa: bool) -> torch.Tensor:
         """Block-diagonal causal attention. q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]."""

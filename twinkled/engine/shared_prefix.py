@@ -251,6 +251,16 @@ class SharedPacking:
             torch.from_numpy(np.concatenate(keys)).to(device), max(n for _, n, _ in spans),
             int(counts.max()))
 
+    def memory_tokens(self) -> int:
+        """Tokens a pass keeps for its backward, for the recompute decision: the packed
+        tokens, and each shared key once more per continuation that reads it (the flash
+        path gathers a copy of the shared keys and values per continuation, kept per layer
+        when layers are not recomputed: +24 GB on an 8B group of 8 x 16 rollouts, which
+        ran an H200 out of memory beside the sampler's pool). A key counts as a whole
+        token: an overestimate (a key and value are a fraction of a token's activations)
+        that errs towards recomputing."""
+        return int(self.positions.shape[1]) + int(self.keys.shape[0])
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                gqa: bool) -> torch.Tensor:
         """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]."""
