@@ -61,10 +61,8 @@ class Config:
     token_budget: int = 16384  # tokens per micro-batch (activation memory)
     packing: bool = True  # rows of mixed lengths run end to end, not padded (engine/packed.py)
     # Packed rows of one adapter sharing at least this many leading positions (an RL
-    # group's prompt) compute them once (engine/shared_prefix.py); 0: off. Off by default
-    # until a shared step's GPU memory is bounded like an unshared one's (an 8B RL step ran
-    # out of memory on an H200 beside the sampler's default pool).
-    shared_prefix: int = 0
+    # group's prompt) compute them once (engine/shared_prefix.py); 0: off.
+    shared_prefix: int = 32
     sample_kv_mb: int = 0  # the sampler's KV page pool per worker (0: sized from the card, 64 on a CPU)
     # The share of that pool prompts' KV pages may stay cached in for later requests with
     # the same prefix and weights (engine/prefix_cache.py); 0: no prefix cache.
