@@ -157,8 +157,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--prompts-wide", type=int, default=None, help="(256; CPU 16)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--bandwidth-gbs", type=float, default=3350.0,
-                    help="the card's memory bandwidth, GB/s (H100 SXM: 3350; H200: 4800)")
+    ap.add_argument("--bandwidth-gbs", type=float, default=None,
+                    help="the card's memory bandwidth, GB/s (default: by its name, H200 4800, "
+                    "else the H100 SXM's 3350)")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false",
                     help="skip the padded sampler")
     ap.add_argument("--paths", default=None,
@@ -172,6 +173,9 @@ def main() -> None:
                     help="KV page pool, GB (default: the whole workload at once)")
     ap.add_argument("--write", default=section_path("sampling"))
     args = ap.parse_args()
+    if args.bandwidth_gbs is None:  # the datasheet figure of the card this runs on
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+        args.bandwidth_gbs = 4800.0 if "H200" in name else 3350.0
     gpu = args.device == "cuda"
     paths = (args.paths or ("old,new" if gpu else "old")).split(",")
     if any(p not in PATHS for p in paths):
