@@ -129,6 +129,25 @@ class Planner:
             return False
         return not q.pending[max(q.pending)].is_barrier
 
+    def optim_may_ride(self, model: str) -> bool:
+        """Whether an optim_step the model's client sends next could still ride at the end
+        of the next training step: all its queued ops are forward/backwards that fit in one
+        step (by the target and the token budget). A model with more queued than a step
+        takes (a flooder's backlog, the rest of a cut op) runs its rows over several steps
+        anyway: waiting for its optim_step would idle every rank and gain nothing."""
+        q = self.models.get(model)
+        if q is None:
+            return False
+        run = q.run_of_train()
+        if not run or len(run) != len(q.pending):
+            return False
+        shape = StepShape()
+        for w in run:
+            shape.add(w.parts[w.taken:] if w.parts else [w.tokens], w is run[0])
+            if shape.tokens > self.token_budget:
+                return False
+        return self.cost.predict(shape) <= self.step_target()
+
     def models_with_work(self) -> int:
         """How many models have ops queued."""
         return sum(1 for q in self.models.values() if q.pending)
