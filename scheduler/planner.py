@@ -15,7 +15,7 @@ The rule, in order:
    step) and by `token_budget` tokens (memory). A tenant whose whole work fits shortens
    the step to about its own step x (waiting tenants' weights / its weight), as processor
    sharing would: a small tenant next to a flooder gets its step back in about twice its
-   time alone. An op that does not fit is cut between datums. A model whose next op is a
+   time alone (not in less than half the target: MIN_SHARED_STEP). An op that does not fit is cut between datums. A model whose next op is a
    barrier (typically the optim_step a client sends right behind its forward_backward)
    gets it appended to the step, to run after the step's rows: a whole training round of
    every tenant is then one step, not two.
