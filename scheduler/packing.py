@@ -4,6 +4,7 @@ planner (planner.py) decides whose op comes next."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 from .cost import CostModel, StepShape
@@ -32,9 +33,27 @@ def is_probe(runs: dict[str, list[list[Work]]], target: float, budget: int, cost
     waiting = StepShape()
     for model_runs in runs.values():
         for run in model_runs:
-            for w in run:
-                waiting.add(w.parts[w.taken:] if w.parts else [w.tokens], w is run[0])
+            add_run(waiting, run)
     return waiting.tokens > budget or cost.predict(waiting) > target
+
+
+def add_run(shape: StepShape, run: list[Work]) -> StepShape:
+    """`shape` with the rows still to plan of `run` (one model's consecutive train ops)
+    added, as one more adapter."""
+    for w in run:
+        shape.add(w.parts[w.taken:] if w.parts else [w.tokens], w is run[0])
+    return shape
+
+
+def fills_step(runs: Iterable[list[Work]], target: float, budget: int, cost: CostModel) -> bool:
+    """Whether these runs of queued train ops hold at least a step's worth (by `target`
+    seconds or `budget` tokens). Stops at the first run that fills it."""
+    shape = StepShape()
+    for run in runs:
+        add_run(shape, run)
+        if shape.tokens >= budget or cost.predict(shape) >= target:
+            return True
+    return False
 
 
 def fit_work(w: Work, shape: StepShape, new_model: bool, target: float, budget: int,

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from .cost import CostModel, StepShape
 from .fairness import Fairness, Limits, Tenant
-from .packing import fit_work, is_probe
+from .packing import fills_step, fit_work, is_probe
 from .queues import OPTIM, SAMPLE, TRAIN, ModelQueue, Work
 
 # A step shortened for a tenant whose whole work fits (processor sharing, see _train_step)
@@ -73,6 +73,7 @@ class Planner:
         self.paused: set[str] = set()  # ids of held work
         self.steps = 0
         self._train_steps = 0
+        self._served: set[str] = set()  # the tenants with rows in the last training step
         self._sample_turn = False
 
     # -- configuration ------------------------------------------------------------------
@@ -150,12 +151,14 @@ class Planner:
         run = q.run_of_train()
         if not run or len(run) != len(q.pending):
             return False
-        shape = StepShape()
-        for w in run:
-            shape.add(w.parts[w.taken:] if w.parts else [w.tokens], w is run[0])
-            if shape.tokens > self.token_budget:
-                return False
-        return self.cost.predict(shape) <= self.step_target()
+        return not fills_step([run], self.step_target(), self.token_budget + 1, self.cost)
+
+    def backlog_fills_step(self) -> bool:
+        """The forward/backwards that could run now hold at least a whole step: a step
+        planned now is full whoever else sends work meanwhile (the gather need not wait)."""
+        runs = (q.run_of_train() for q in self.models.values())
+        return fills_step((r for r in runs if r), self.step_target(), self.token_budget,
+                          self.cost)
 
     def models_with_work(self) -> int:
         """How many models have ops queued."""
@@ -316,6 +319,11 @@ class Planner:
         charged: dict[str, float] = {}  # tenant -> seconds its rows add to the step
         target, budget = self.step_target(), self.token_budget
         floor = target * MIN_SHARED_STEP  # how short a step may get for a tenant's turn
+        if any(not self.fair.tenant(n).queued_requests for n in self._served):
+            # A tenant the last step served has nothing queued: its client is sending its
+            # next request now (a small tenant's training loop). It should find a short
+            # step in flight, not a whole target's worth of a flooder's rows.
+            target = min(target, floor)
         weights = sum(self.fair.tenant(n).weight for n in runs)  # of the tenants waiting
         self._train_steps += 1
         if is_probe(runs, target, budget, self.cost,
@@ -359,6 +367,7 @@ class Planner:
                     target = min(target, max(floor, own * weights / t.weight))
         if not taken:
             return None
+        self._served = set(charged)
         # The step's fixed cost is shared in proportion to what each tenant's rows add.
         total = sum(charged.values())
         for name, added in charged.items():
