@@ -153,13 +153,6 @@ class Planner:
             return False
         return not fills_step([run], self.step_target(), self.token_budget + 1, self.cost)
 
-    def backlog_fills_step(self) -> bool:
-        """The forward/backwards that could run now hold at least a whole step: a step
-        planned now is full whoever else sends work meanwhile (the gather need not wait)."""
-        runs = (q.run_of_train() for q in self.models.values())
-        return fills_step((r for r in runs if r), self.step_target(), self.token_budget,
-                          self.cost)
-
     def models_with_work(self) -> int:
         """How many models have ops queued."""
         return sum(1 for q in self.models.values() if q.pending)

@@ -84,19 +84,19 @@ def test_a_small_tenants_work_is_in_the_next_step_next_to_a_queued_flood():
 
 
 def test_the_gather_does_not_hold_a_step_for_a_flooders_optim_step():
-    """After a step that ran a flood piece and the small tenant's pair, the next step is
-    planned at once: the flooder's backlog fills it whoever answers. The flood model counts
-    as pipelining (an optim_step came in behind its rows once) and its last queued op is a
-    forward_backward, but its backlog is more than a step, so its optim_step could not ride
-    anyway; and the small tenant's client finds a short step in flight instead of an idle
-    worker. The old gather waited for both the whole window (here an hour; the CPU bench's
-    default of 20 ms idled the worker before every step)."""
+    """After a step that ran a flood piece and the small tenant's pair, the gather waits
+    for the small tenant's next pair and for nothing else: the flood model counts as
+    pipelining (an optim_step came in behind its rows once) and its last queued op is a
+    forward_backward, but its backlog is more than a step, so its optim_step could not
+    ride anyway. The old gather waited for it the whole window (here an hour; the CPU
+    bench's default of 20 ms idled the worker before every step)."""
     p = flooded_planner()
     p.submit(fwdbwd("small", "small", 1, 1))
     p.submit(optim("small", "small", 2))
 
     async def scenario() -> None:
-        gather = Gather(p, Open(), Metrics(None), 3600.0, asyncio.Event())
+        wake = asyncio.Event()
+        gather = Gather(p, Open(), Metrics(None), 3600.0, wake)
         # flood:0's optim_step came in while its rows were queued: a pipelining client.
         gather.arrived("flood:0", TRAIN)
         gather.arrived("flood:0", OPTIM)
@@ -107,8 +107,13 @@ def test_the_gather_does_not_hold_a_step_for_a_flooders_optim_step():
         assert {w.tenant for w in step.work} == {"flood", "small"}
         p.complete(step, step.predicted_s)
         gather.stepped(step, step.predicted_s)
-        assert p.backlog_fills_step()
-        await asyncio.wait_for(gather.wait(), 30)  # on the old code: an hour
+        waiting = asyncio.create_task(gather.wait())
+        await asyncio.sleep(0)
+        assert not waiting.done()  # the small tenant's client has not sent its next pair
+        p.submit(fwdbwd("small", "small", 3, 1))
+        p.submit(optim("small", "small", 4))
+        wake.set()
+        await asyncio.wait_for(waiting, 30)  # on the old code: an hour
 
     asyncio.run(scenario())
     assert isinstance(p.next_step(), Step)

@@ -82,11 +82,6 @@ class Gather:
         window = self.window_s
         halves = {m for m in self._paired if self._half_pair(m)}
         recent = self._recent | halves  # halves: also models a step left out (stragglers)
-        if self.planner.backlog_fills_step():
-            # The next step is full whoever answers: waiting for the last step's clients
-            # would idle every rank for their sake alone (a small tenant next to a
-            # flooder); they find a short step in flight instead (Planner._train_step).
-            recent = halves
         if not recent or window <= 0:
             return
         began = time.monotonic()
