@@ -15,6 +15,10 @@ tenant runs. Reported: small p50/p90/p99 alone and together, the ratios, flooder
 alone, and (new policy) flooder alone against the old policy's flooder alone.
 
     python bench/bench_flood.py                                   # CPU, tiny model
+    python bench/bench_flood.py --policies auto --flood-rows 48 --small-steps 120 \
+        --flood-seconds 10 --rounds 3 --trees /tmp/old    # issue 32's CPU shape: 3 clients
+        # x 4 requests of 48 x 64 in flight; /tmp/old: an older commit (`git archive`),
+        # whose daemon runs interleaved with this checkout's, for a before/after in one run
     python bench/bench_flood.py --shape qwen3-8b --seq 512 --flood-clients 1 \\
         --flood-rows 10 --flood-inflight 1 --flood-optim-every 1    # GPU: the 10x flooder
 """
