@@ -150,7 +150,8 @@ def start_daemon(model_dir: Path, work: Path, device: str, config: str, tree: st
         [sys.executable, "-m", "twinkled", "serve", "--model", str(model_dir), "--data-dir",
          str(data), "--port", str(port), "--device", device, "--config", str(cfg),
          "--dtype", "bfloat16" if device.startswith("cuda") else "float32"],
-        stdout=log, stderr=subprocess.STDOUT, env=daemon_env(tree))
+        stdout=log, stderr=subprocess.STDOUT, env=daemon_env(tree),
+        cwd=Path(tree).resolve() if tree else None)  # `-m` imports from the cwd first
     for _ in range(1200):
         try:
             with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2) as r:
