@@ -213,7 +213,7 @@ def run_policy(model_dir: Path, vocab: int, device: str, target: str, args, work
                                  "--optim-every", str(args.flood_optim_every),
                                  "--ready", str(ready), "--stop", str(stop)],
                               stdout=subprocess.PIPE, text=True)
-        while not ready.exists():
+        while not (ready.exists() and ready.read_text()):  # (written, not just made)
             if fl.poll() is not None:
                 raise SystemExit("the flooder failed")
             time.sleep(0.2)
