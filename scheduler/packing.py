@@ -11,6 +11,14 @@ from .cost import CostModel, StepShape
 from .queues import Work
 
 PROBE_EVERY = 8  # every 8th training step is a half-size probe (is_probe)
+# A step shortened for a tenant whose whole work fits (processor sharing, Planner._train_step)
+# keeps at least this share of the step target. Each step pays the fixed cost again: a
+# small tenant that sends its next step as soon as it has the last one back (no think time)
+# would otherwise have every step cut to about twice its own, and the fixed cost paid
+# that often. Measured on the CPU tiny model next to a flooder (bench_flood, 3 clients x 4
+# requests of 48 x 64 in flight; fixed cost ~10 ms, target 60-100 ms): steps of twice the
+# small tenant's own left the flooder 0.33-0.5x of its throughput alone, 0.6-0.66x so.
+MIN_SHARED_STEP = 0.5
 
 
 def is_probe(runs: dict[str, list[list[Work]]], target: float, budget: int, cost: CostModel,

@@ -34,17 +34,8 @@ from dataclasses import dataclass, field
 
 from .cost import CostModel, StepShape
 from .fairness import Fairness, Limits, Tenant
-from .packing import fills_step, fit_work, is_probe
+from .packing import MIN_SHARED_STEP, fills_step, fit_work, is_probe
 from .queues import OPTIM, SAMPLE, TRAIN, ModelQueue, Work
-
-# A step shortened for a tenant whose whole work fits (processor sharing, see _train_step)
-# keeps at least this share of the step target. Each step pays the fixed cost again: a
-# small tenant that sends its next step as soon as it has the last one back (no think time)
-# would otherwise have every step cut to about twice its own, and the fixed cost paid
-# that often. Measured on the CPU tiny model next to a flooder (bench_flood, 3 clients x 4
-# requests of 48 x 64 in flight; fixed cost ~12 ms, target ~110 ms): steps of twice the
-# small tenant's own left the flooder 0.4-0.5x of its throughput alone.
-MIN_SHARED_STEP = 0.5
 
 
 @dataclass
@@ -140,11 +131,9 @@ class Planner:
         return not q.pending[max(q.pending)].is_barrier
 
     def optim_may_ride(self, model: str) -> bool:
-        """Whether an optim_step the model's client sends next could still ride at the end
-        of the next training step: all its queued ops are forward/backwards that fit in one
-        step (by the target and the token budget). A model with more queued than a step
-        takes (a flooder's backlog, the rest of a cut op) runs its rows over several steps
-        anyway: waiting for its optim_step would idle every rank and gain nothing."""
+        """Whether an optim_step the model's client sends next could still ride behind its
+        rows: all its queued ops are forward/backwards that fit in one step. (A flooder's
+        backlog runs over several steps: waiting for its optim_step gains nothing.)"""
         q = self.models.get(model)
         if q is None:
             return False
