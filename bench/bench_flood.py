@@ -15,6 +15,10 @@ tenant runs. Reported: small p50/p90/p99 alone and together, the ratios, flooder
 alone, and (new policy) flooder alone against the old policy's flooder alone.
 
     python bench/bench_flood.py                                   # CPU, tiny model
+    python bench/bench_flood.py --policies auto --flood-rows 48 --small-steps 120 \
+        --flood-seconds 10 --rounds 3 --trees /tmp/old    # issue 32's CPU shape: 3 clients
+        # x 4 requests of 48 x 64 in flight; /tmp/old: an older commit (`git archive`),
+        # whose daemon runs interleaved with this checkout's, for a before/after in one run
     python bench/bench_flood.py --shape qwen3-8b --seq 512 --flood-clients 1 \\
         --flood-rows 10 --flood-inflight 1 --flood-optim-every 1    # GPU: the 10x flooder
 """
@@ -124,7 +128,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_daemon(model_dir: Path, work: Path, device: str, config: str):
+def start_daemon(model_dir: Path, work: Path, device: str, config: str, tree: str = ""):
+    """`tree`: the checkout whose twinkled serves (its root goes first on PYTHONPATH; ''
+    the one on the path already)."""
     import urllib.request
 
     data = work / "data"
@@ -144,7 +150,8 @@ def start_daemon(model_dir: Path, work: Path, device: str, config: str):
         [sys.executable, "-m", "twinkled", "serve", "--model", str(model_dir), "--data-dir",
          str(data), "--port", str(port), "--device", device, "--config", str(cfg),
          "--dtype", "bfloat16" if device.startswith("cuda") else "float32"],
-        stdout=log, stderr=subprocess.STDOUT)
+        stdout=log, stderr=subprocess.STDOUT, env=daemon_env(tree),
+        cwd=Path(tree).resolve() if tree else None)  # `-m` imports from the cwd first
     for _ in range(1200):
         try:
             with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2) as r:
@@ -156,6 +163,14 @@ def start_daemon(model_dir: Path, work: Path, device: str, config: str):
             raise SystemExit(f"twinkled exited ({daemon.returncode}); see {work}/twinkled.log")
         time.sleep(0.5)
     raise SystemExit("twinkled did not become ready")
+
+
+def daemon_env(tree: str) -> dict:
+    env = dict(os.environ)
+    if tree:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(tree).resolve()), *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 def daemon_status(data: Path) -> dict:
@@ -181,12 +196,13 @@ def run_small(url, key, model, vocab, args) -> list[tuple[float, float]]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run_policy(model_dir: Path, vocab: int, device: str, target: str, args, work: Path) -> dict:
+def run_policy(model_dir: Path, vocab: int, device: str, target: str, args, work: Path,
+               tree: str = "") -> dict:
     """One daemon: small alone, flooder alone, both. Returns the measurements."""
     config = f"target_step_ms = {target}\n" + (
         f"worker_threads = {args.worker_threads}\n" if device == "cpu" else "") + (
         f"token_budget = {args.token_budget}\n" if args.token_budget else "")
-    daemon, url, log, keys, data = start_daemon(model_dir, work, device, config)
+    daemon, url, log, keys, data = start_daemon(model_dir, work, device, config, tree)
     name = model_dir.name
     try:
         alone = [lat for _, lat in run_small(url, keys["small"], name, vocab, args)]
@@ -197,7 +213,7 @@ def run_policy(model_dir: Path, vocab: int, device: str, target: str, args, work
                                  "--optim-every", str(args.flood_optim_every),
                                  "--ready", str(ready), "--stop", str(stop)],
                               stdout=subprocess.PIPE, text=True)
-        while not ready.exists():
+        while not (ready.exists() and ready.read_text()):  # (written, not just made)
             if fl.poll() is not None:
                 raise SystemExit("the flooder failed")
             time.sleep(0.2)
@@ -219,7 +235,8 @@ def run_policy(model_dir: Path, vocab: int, device: str, target: str, args, work
     t0, t1 = together[0][0], together[-1][0] + together[-1][1]
     served = {t: status["tenants"][t]["served_s"] - before["tenants"].get(t, {}).get("served_s", 0)
               for t in ("small", "flood")}
-    return {"small_share": served["small"] / (sum(served.values()) or 1),"target": target, "alone": alone, "together": [lat for _, lat in together],
+    return {"small_share": served["small"] / (sum(served.values()) or 1), "target": target,
+            "alone": alone, "together": [lat for _, lat in together],
             "flood_alone": rate(t_alone, t_alone + args.flood_seconds),
             "flood_together": rate(t0, t1),
             "step_target_ms": status.get("step_target_ms"), "cost": status.get("step_cost")}
@@ -240,24 +257,26 @@ def report(results: list[dict], args, device: str) -> str:
              f"flight, optim_step every {args.flood_optim_every}; flooder alone over "
              f"{args.flood_seconds} s" + (f"; CPU worker with {args.worker_threads} torch "
                                            "thread(s)" if device == "cpu" else "") + "\n",
-             "| run | policy | step target | small alone p50 / p90 / p99 (s) | next to the flooder "
+             "| run | daemon | policy | step target | small alone p50 / p90 / p99 (s) | next to the flooder "
              "p50 / p90 / p99 (s) | ratio p50 / p90 / p99 | flooder alone (tok/s) | "
-             "flooder together (tok/s) | small's share of step time together |",
-             "|---:|---|---:|---|---|---|---:|---:|---:|"]
+             "flooder together (tok/s) | together / alone | small's share of step time "
+             "together |",
+             "|---:|---|---|---:|---|---|---|---:|---:|---:|"]
     for i, r in enumerate(results):
         a = [pct(r["alone"], q) for q in (0.5, 0.9, 0.99)]
         t = [pct(r["together"], q) for q in (0.5, 0.9, 0.99)]
         label = "token-only (`target_step_ms = 0`)" if r["target"] == "0" else \
             f"time-bounded (`target_step_ms = {r['target']}`)"
         tgt = "–" if r["target"] == "0" else f"{r['step_target_ms']} ms"
-        lines.append(f"| {i + 1} | {label} | {tgt} | {' / '.join(f'{x:.3f}' for x in a)} | "
+        lines.append(f"| {i + 1} | {r['tree'] or 'this checkout'} | {label} | {tgt} | {' / '.join(f'{x:.3f}' for x in a)} | "
                      f"{' / '.join(f'{x:.3f}' for x in t)} | "
                      f"{' / '.join(f'{y / x:.2f}' for x, y in zip(a, t, strict=True))} | "
                      f"{r['flood_alone']:,.0f} | {r['flood_together']:,.0f} | "
+                     f"{r['flood_together'] / r['flood_alone']:.2f} | "
                      f"{r['small_share']:.0%} |")
-    old = [r for r in results if r["target"] == "0"]
+    old = [r for r in results if r["target"] == "0" and not r["tree"]]
     for i, r in enumerate(results):
-        if r["target"] != "0" and old:
+        if r["target"] != "0" and old and not r["tree"]:
             base = max((o for o in old if results.index(o) < i), default=old[0],
                        key=results.index)  # the token-only run just before
             lines.append(f"\nRun {i + 1}: flooder alone, {r['target']} / token-only (run "
@@ -290,6 +309,10 @@ def main() -> None:
     ap.add_argument("--flood-seconds", type=float, default=20.0)
     ap.add_argument("--policies", default="0,auto",
                     help="target_step_ms values, in order (0: token-only; auto; a number)")
+    ap.add_argument("--trees", default="",
+                    help="checkouts whose daemon to run too, comma-separated (e.g. an older "
+                    "commit, exported): each policy runs on this checkout and on each of "
+                    "them, interleaved, so a before/after lands in one run on one machine")
     ap.add_argument("--rounds", type=int, default=1, help="run the policies this many times, "
                     "interleaved (the machine's load drifts)")
     ap.add_argument("--worker-threads", type=int, default=1,
@@ -314,10 +337,12 @@ def main() -> None:
     vocab = build_model(args.shape, model_dir, torch.bfloat16 if device == "cuda"
                         else torch.float32, device)
     results = []
-    for i, target in enumerate(args.policies.split(",") * args.rounds):
+    trees = ["", *filter(None, args.trees.split(","))]
+    runs = [(t, tree) for t in args.policies.split(",") for tree in trees] * args.rounds
+    for i, (target, tree) in enumerate(runs):
         toml = '"auto"' if target == "auto" else str(float(target))
-        r = run_policy(model_dir, vocab, device, toml, args, work / f"run{i}")
-        r["target"] = target
+        r = run_policy(model_dir, vocab, device, toml, args, work / f"run{i}", tree)
+        r["target"], r["tree"] = target, tree
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("alone", "together")}),
               flush=True)

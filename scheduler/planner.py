@@ -15,7 +15,7 @@ The rule, in order:
    step) and by `token_budget` tokens (memory). A tenant whose whole work fits shortens
    the step to about its own step x (waiting tenants' weights / its weight), as processor
    sharing would: a small tenant next to a flooder gets its step back in about twice its
-   time alone. An op that does not fit is cut between datums. A model whose next op is a
+   time alone (not in less than half the target: MIN_SHARED_STEP). An op that does not fit is cut between datums. A model whose next op is a
    barrier (typically the optim_step a client sends right behind its forward_backward)
    gets it appended to the step, to run after the step's rows: a whole training round of
    every tenant is then one step, not two.
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from .cost import CostModel, StepShape
 from .fairness import Fairness, Limits, Tenant
-from .packing import fit_work, is_probe
+from .packing import MIN_SHARED_STEP, fills_step, fit_work, is_probe
 from .queues import OPTIM, SAMPLE, TRAIN, ModelQueue, Work
 
 
@@ -64,6 +64,7 @@ class Planner:
         self.paused: set[str] = set()  # ids of held work
         self.steps = 0
         self._train_steps = 0
+        self._served: set[str] = set()  # the tenants with rows in the last training step
         self._sample_turn = False
 
     # -- configuration ------------------------------------------------------------------
@@ -128,6 +129,18 @@ class Planner:
         if q is None or not q.pending:
             return False
         return not q.pending[max(q.pending)].is_barrier
+
+    def optim_may_ride(self, model: str) -> bool:
+        """Whether an optim_step the model's client sends next could still ride behind its
+        rows: all its queued ops are forward/backwards that fit in one step. (A flooder's
+        backlog runs over several steps: waiting for its optim_step gains nothing.)"""
+        q = self.models.get(model)
+        if q is None:
+            return False
+        run = q.run_of_train()
+        if not run or len(run) != len(q.pending):
+            return False
+        return not fills_step([run], self.step_target(), self.token_budget + 1, self.cost)
 
     def models_with_work(self) -> int:
         """How many models have ops queued."""
@@ -287,6 +300,12 @@ class Planner:
         models: set[str] = set()
         charged: dict[str, float] = {}  # tenant -> seconds its rows add to the step
         target, budget = self.step_target(), self.token_budget
+        floor = target * MIN_SHARED_STEP  # how short a step may get for a tenant's turn
+        if any(not self.fair.tenant(n).queued_requests for n in self._served):
+            # A tenant the last step served has nothing queued: its client is sending its
+            # next request now (a small tenant's training loop). It should find a short
+            # step in flight, not a whole target's worth of a flooder's rows.
+            target = min(target, floor)
         weights = sum(self.fair.tenant(n).weight for n in runs)  # of the tenants waiting
         self._train_steps += 1
         if is_probe(runs, target, budget, self.cost,
@@ -324,10 +343,13 @@ class Planner:
                     # should have it back after its own step's time x (weights waiting /
                     # its weight), not after a whole target's worth of others' rows: a small
                     # tenant next to a flooder rides a step about twice its own, not T.
+                    # Not below MIN_SHARED_STEP of the target, though: every step pays the
+                    # fixed cost again (see MIN_SHARED_STEP).
                     own = self.cost.fixed_cost + charged[t.name]
-                    target = min(target, own * weights / t.weight)
+                    target = min(target, max(floor, own * weights / t.weight))
         if not taken:
             return None
+        self._served = set(charged)
         # The step's fixed cost is shared in proportion to what each tenant's rows add.
         total = sum(charged.values())
         for name, added in charged.items():

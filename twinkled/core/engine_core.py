@@ -100,6 +100,8 @@ class EngineCore:
                                isinstance(op.frame, TrainF) and changes_adapter(op.frame))
         self.planner.submit(Work(op.future.id, tenant, op.kind, op.tokens, op.model_id,
                                  op.seq_id, op, parts=op.parts))
+        if trace.enabled():
+            trace.record("arrive", tenant=tenant, kind=op.kind, tokens=op.tokens, at=time.time())
         self.wake.set()
         return op.future
 
@@ -221,6 +223,7 @@ class EngineCore:
                 if trace.enabled():
                     trace.record("loop", kind=step.kind, ops=len(ops), planned=planning,
                                  work=sorted({op.kind for op in ops}),
+                                 tenants=_tenant_kinds(ops),
                                  executing=executing, completing=completing, done=time.time(),
                                  queued=max(started - op.submitted for op in ops))
                 if len(ops) == len(planned) and all(c != "server" for _, _, c in outcomes):
@@ -369,3 +372,11 @@ class EngineCore:
             self.metrics.prompt_tokens.labels(tenant, "cached").inc(cached)
             self.metrics.prompt_tokens.labels(tenant, "prefilled").inc(
                 op.frame.prompt.shape[0] - cached)
+
+
+def _tenant_kinds(ops: list[Op]) -> dict[str, list]:
+    """{tenant: [kind, tokens]...} of a step's ops (for the trace)."""
+    out: dict[str, list] = {}
+    for op in ops:
+        out.setdefault(op.future.tenant, []).append([op.kind, op.tokens])
+    return out

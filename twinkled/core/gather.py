@@ -80,7 +80,7 @@ class Gather:
     async def wait(self) -> None:
         """The gather itself (see the module's docstring)."""
         window = self.window_s
-        halves = {m for m in self._paired if self.planner.awaits_barrier(m)}
+        halves = {m for m in self._paired if self._half_pair(m)}
         recent = self._recent | halves  # halves: also models a step left out (stragglers)
         if not recent or window <= 0:
             return
@@ -128,4 +128,13 @@ class Gather:
         optim_step it sends right behind its forward_backward)."""
         return {m for m in recent if self.residency.is_open(m)
                 and (not self.planner.has_pending(m)
-                     or (m in self._paired and self.planner.awaits_barrier(m)))}
+                     or (m in self._paired and self._half_pair(m)))}
+
+    def _half_pair(self, model: str) -> bool:
+        """A paired model whose forward_backward is in and whose optim_step is not yet, and
+        could still ride behind its rows in the next step (Planner.optim_may_ride). With
+        more rows queued than a step takes (a flooder keeping several large requests in
+        flight) it could not: measured on the CPU, waiting for it anyway idled the worker a
+        whole window before every step (a third of the flooder's throughput) and made a
+        small tenant's request, already in, wait out the rest of the window."""
+        return self.planner.awaits_barrier(model) and self.planner.optim_may_ride(model)
