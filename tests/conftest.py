@@ -50,8 +50,11 @@ def daemon(tiny_dir, tmp_path_factory):
     data = tmp_path_factory.mktemp("data")
     cfg = data / "twinkled.toml"
     # A 5-datum call arrives in 3 chunks; a poll is held 2 s before try_again; steps hold
-    # 24 tokens, so the scheduler cuts multi-datum requests into pieces.
-    cfg.write_text("fwdbwd_max_chunk_len = 2\npoll_seconds = 2.0\ntoken_budget = 24\n")
+    # 24 tokens, so the scheduler cuts multi-datum requests into pieces. At the end, work
+    # tests left queued (a paused tenant's) is failed after 1 s, not drained for 60 (the
+    # stop's 30 s grace ran out at the end of every test process that used this daemon).
+    cfg.write_text("fwdbwd_max_chunk_len = 2\npoll_seconds = 2.0\ntoken_budget = 24\n"
+                   "drain_timeout_s = 1\n")
     d = Daemon(tiny_dir, data, data / "twinkled.log", "--config", str(cfg))
     d.keys = {t: make_key(data, t) for t in ("alice", "bob")}
     d.data = data
