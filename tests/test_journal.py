@@ -92,3 +92,30 @@ def test_ops_of_futures_a_crash_cut_short_are_not_replayed(tmp_path):
     fresh.void({"req-2"})
     fresh.load("a")
     assert [e.frame for e in fresh.since("a", 0)] == [b"acknowledged"]
+
+
+def test_a_journal_removed_with_its_model_folder_meanwhile_is_no_error(tmp_path, monkeypatch):
+    """A model unloaded for good: the worker's persister removes its whole live folder while
+    the daemon's journal removes the journal in it. Whichever comes first, the step goes on
+    (before: FileNotFoundError failed the demo's last step, the client's acknowledged
+    optim_step with it)."""
+    import pathlib
+    import shutil
+
+    journal = Journal(tmp_path)
+    _step(journal, [("a", 1), ("b", 1)])
+    real = pathlib.Path.unlink
+
+    def worker_first(self, missing_ok=False):  # the worker's rmtree lands just before
+        if self.name == ".journal":
+            shutil.rmtree(self.parent, ignore_errors=True)
+        return real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", worker_first)
+    journal.forget("a")
+    journal.record("b", 2, b"op 2")
+    asyncio.run(journal.flush())
+    assert not (tmp_path / "a").exists()
+    fresh = Journal(tmp_path)
+    fresh.load("b")
+    assert [e.mark for e in fresh.since("b", 0)] == [1, 2]

@@ -202,9 +202,11 @@ class _Disk:
         dirs: set[Path] = set()
         for path, data, append in ops:
             if data is None:
-                if path.exists():
-                    path.unlink()
-                    dirs.add(path.parent)
+                # missing_ok: a model unloaded for good has its whole live folder removed by
+                # the worker's persister too, at the same time (seen: the demo's last step
+                # failed on this unlink).
+                path.unlink(missing_ok=True)
+                dirs.add(path.parent)
                 files.discard(path)
                 continue
             if not path.parent.is_dir():
@@ -228,6 +230,9 @@ class _Disk:
             dirs.add(path.parent)
         if self.fsync:
             for p in (*files, *dirs):
-                fsync_path(p)
+                try:
+                    fsync_path(p)
+                except FileNotFoundError:  # removed with its model's folder: nothing to keep
+                    continue
                 self.syncs += 1
 
