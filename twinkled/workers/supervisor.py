@@ -291,7 +291,13 @@ class WorkerGroup:
                     raise WorkerLost(f"{self._lost()} during {what}")
                 raise WorkerLost(f"the worker group did not answer within {timeout:.0f} s "
                                  f"during {what}")
-            ident, frame = recv.result()
+            parts = recv.result()
+            if len(parts) != 2:  # not a rank's [identity, frame]: any local process can
+                # connect to this port (seen: a stray HTTP client's bytes, which ZMQ's
+                # unversioned framing read as a message of several parts, ended the start)
+                log.warning("ignored a message of %d part(s) on the worker socket", len(parts))
+                continue
+            ident, frame = parts
             group, _, rank = ident.decode(errors="replace").partition(":")
             try:
                 msg = reply_decoder.decode(frame)
