@@ -15,8 +15,8 @@ At the end: every call was answered within its timeout; every run is at its ackn
 step (its logprobs are those of a twin trained, without crashes, on exactly the steps its
 client was told are done); every checkpoint a client was told is ready loads and samples.
 
-TWINKLE_CHAOS_S (default 12) is how long the kills go on; TWINKLE_CHAOS_SEED picks the
-schedule. The default run is short enough for the suite (about a minute and a half on a
+TWINKLE_CHAOS_S (default 8) is how long the kills go on; TWINKLE_CHAOS_SEED picks the
+schedule. The default run is short enough for the suite (about a minute on a
 2-core box); set TWINKLE_CHAOS_S=300 for a soak.
 """
 
@@ -34,7 +34,7 @@ from daemon import Daemon, make_key
 
 tinker = pytest.importorskip("tinker")
 
-CHAOS_S = float(os.environ.get("TWINKLE_CHAOS_S", "12"))
+CHAOS_S = float(os.environ.get("TWINKLE_CHAOS_S", "8"))
 SEED = int(os.environ.get("TWINKLE_CHAOS_SEED", "28"))
 T = 180  # no call may wait longer than this for its answer (a restart takes ~15 s here)
 IDLE_S = 2.0  # idle_unload_s: two tenants stay away longer than this now and then
