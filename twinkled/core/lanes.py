@@ -15,6 +15,7 @@ default) this is the single worker group the daemon always had.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from twinkled.core.residency import Residency, stored_config
 from twinkled.protocol import trace
 from twinkled.protocol.types import LoraConfig
 from twinkled.workers.gaps import GapWindow
+
+log = logging.getLogger("twinkled")
 
 # Sampler adapters whose lane is remembered (those of runs not placed here: a restarted
 # daemon's, say); past this the oldest are forgotten (they load again where they next go).
@@ -149,6 +152,25 @@ class Lanes:
         return any(lane.executor.recovering for lane in self.all)
 
     # -- what spans the lanes -----------------------------------------------------------
+
+    def settle_last_stop(self) -> None:
+        """Work the last stop cut short, before anything runs: its futures fail with a
+        clear error when polled (their clients submit them again, so their journaled ops
+        are never replayed too), an optim_step behind a cut forward_backward fails with
+        it, and half-written checkpoints are marked and never served."""
+        store = self._store
+        cut = store.futures.pending_ids()
+        for lane in self.all:
+            lane.executor.journal.void(cut)
+        for model in store.futures.pending("forward_backward"):
+            for lane in self.all:
+                lane.core.cut_short(model)
+        failed = store.futures.fail_pending(
+            "the daemon restarted before this request finished; submit it again")
+        for c in store.checkpoints.abandon_writing("the daemon stopped while writing it"):
+            log.warning("checkpoint %s was cut short by a stop; marked corrupt", c["tinker_path"])
+        if failed:
+            log.warning("%d requests were cut short by the last stop", failed)
 
     async def ensure_loaded(self, run: dict) -> None:
         """Bring back an adapter unloaded while idle, on the lane with room for it. Two

@@ -105,18 +105,7 @@ class Service:
 
         Work cut short by the last stop is settled first: its futures fail with a clear
         error when polled, and half-written checkpoints are marked and never served."""
-        cut = self.store.futures.pending_ids()
-        for lane in self.lanes.all:  # their clients submit them again: never replayed too
-            lane.executor.journal.void(cut)
-        for model in self.store.futures.pending("forward_backward"):
-            for lane in self.lanes.all:  # the optim_step right behind it fails too (core.py)
-                lane.core.cut_short(model)
-        failed = self.store.futures.fail_pending(
-            "the daemon restarted before this request finished; submit it again")
-        for c in self.store.checkpoints.abandon_writing("the daemon stopped while writing it"):
-            log.warning("checkpoint %s was cut short by a stop; marked corrupt", c["tinker_path"])
-        if failed:
-            log.warning("%d requests were cut short by the last stop", failed)
+        self.lanes.settle_last_stop()
         self._advertise()
         loop = asyncio.get_running_loop()
         # Hashing can take a while on a big data dir: in a thread, while the workers load
