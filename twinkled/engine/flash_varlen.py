@@ -54,6 +54,7 @@ class Plan:
     own: Pass
     prefix: Pass | None = None  # continuations against their shared segments
     covered: torch.Tensor | None = None  # [T] bool: tokens that read a prefix
+    shared: torch.Tensor | None = None  # [T] bool: tokens that are some prefix
 
     @staticmethod
     def of(spans: list[tuple[int, int]], prefixes: list[tuple[int, int] | None] | None,
@@ -83,12 +84,12 @@ class Plan:
             cu_k += [k0, k1]
             q_at, k_at = q1, k1
         qn, kn = np.diff(cu_q), np.diff(cu_k)
-        covered = np.zeros(int(starts[-1]), dtype=bool)
-        for q0, q1, *_ in runs:
-            covered[q0:q1] = True
+        covered, shared = (np.zeros(int(starts[-1]), dtype=bool) for _ in range(2))
+        for q0, q1, k0, k1 in runs:
+            covered[q0:q1] = shared[k0:k1] = True
         prefix = Pass(*(torch.tensor(c, dtype=torch.int32, device=device) for c in (cu_q, cu_k)),
                       int(qn.max()), int(kn.max()), False)
-        return Plan(own, prefix, torch.from_numpy(covered).to(device))
+        return Plan(own, prefix, *(torch.from_numpy(m).to(device) for m in (covered, shared)))
 
 
 def available(q: torch.Tensor) -> bool:
@@ -214,7 +215,11 @@ class _Cascade(torch.autograd.Function):
             lse_p = torch.where(cov[None, :], lse, float("inf")).contiguous()
             dq2, dk2, dv2 = kernels.backward(d_p, q, k, v, out, lse_p, plan.prefix,
                                              ctx.aux[1], scale)
-            dq, dk, dv = dq + dq2, dk + dk2, dv + dv2
+            # Only covered queries and prefix keys are this call's: the kernel need not
+            # write the rest (a filler without keys, keys after the last prefix).
+            dq = dq + torch.where(cov[:, None, None], dq2, 0)
+            dk, dv = (d + torch.where(plan.shared[:, None, None], d2, 0)
+                      for d, d2 in ((dk, dk2), (dv, dv2)))
         return dq, dk, dv, None, None, None
 
 
