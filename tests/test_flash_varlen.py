@@ -85,5 +85,6 @@ def test_flash_kernels_equal_the_reference_on_a_gpu(first_alone):
     q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in _qkv(T))
     want = _grads(lambda *a: fv.attend(*a, plan, 0.3, fv.REFERENCE), q, k, v)
     got = _grads(lambda *a: fv.attend(*a, plan, 0.3, fv.FLASH), q, k, v)
-    for w, g in zip(want, got, strict=True):
-        assert torch.isfinite(g).all() and (g.float() - w.float()).abs().max() < 3e-2
+    for w, g, name in zip(want, got, ("out", "dq", "dk", "dv"), strict=True):
+        err = (g.float() - w.float()).abs().max()
+        assert torch.isfinite(g).all() and err < 3e-2, (name, float(err))

@@ -16,7 +16,9 @@ fewer kv heads than query heads as they are) over the packed q, k, v, with no co
   prefix: every run of continuations of one shared segment against that segment's keys, in
           full (no mask: a continuation sees its whole prefix). Varlen calls partition q and
           k into consecutive segments, so the stretch between two runs (the next shared
-          segment, rows alone) is a filler segment whose result is discarded.
+          segment, rows alone) is a filler segment whose result is discarded, and so are
+          the results of the queries before the first run (they join its segment: a
+          segment without keys gave wrong gradients on the GPU).
 The two partial results merge by their log-sum-exps (a continuation's softmax over prefix and
 own keys together). The backward runs flash's backward once per call with the merged output
 and log-sum-exp, as attention split over keys allows (each call's dq, dk, dv are that part's
@@ -80,8 +82,11 @@ class Plan:
         for q0, q1, k0, k1 in runs:  # a filler before each run, then the run
             if q0 < q_at or k0 < k_at or k1 > q0:
                 raise ValueError("shared segments must precede their continuations in order")
-            cu_q += [q0, q1]
-            cu_k += [k0, k1]
+            if k0 > k_at:  # a filler has keys: a keyless segment fails flash's backward
+                cu_q.append(q0)
+                cu_k.append(k0)
+            cu_q.append(q1)  # (else the run's segment takes the queries before it too)
+            cu_k.append(k1)
             q_at, k_at = q1, k1
         qn, kn = np.diff(cu_q), np.diff(cu_k)
         covered, shared = (np.zeros(int(starts[-1]), dtype=bool) for _ in range(2))
