@@ -27,6 +27,7 @@ log-sum-exp infinite in the prefix call).
 
 `FLASH` is the GPU's pair of kernels; the tests run the same merge and backward on CPU with
 `REFERENCE`, explicit math with flash's semantics, against SDPA with masks and autograd.
+`SHARED = False` (the default for now) runs shared prefixes the way before;
 `ENABLED = False` keeps the path before (varlen_attn, repeated heads, gathered keys).
 """
 
@@ -38,6 +39,10 @@ import numpy as np
 import torch
 
 ENABLED = True
+# Shared prefixes through the prefix call: off until its GPU check passes (on the H200 it
+# disagreed with the reference where a packing starts with a shared segment); they take the
+# gathered-keys path meanwhile.
+SHARED = False
 
 
 @dataclass(frozen=True)

@@ -264,14 +264,14 @@ class SharedPacking:
         that errs towards recomputing. Through flash's own calls (flash_varlen.py, a GPU in
         half precision) the keys are read in place: the packed tokens only."""
         tokens = int(self.positions.shape[1])
-        if flash_varlen.ENABLED and self.positions.is_cuda:
+        if flash_varlen.SHARED and flash_varlen.ENABLED and self.positions.is_cuda:
             return tokens
         return tokens + int(self.keys.shape[0])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                gqa: bool) -> torch.Tensor:
         """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]."""
-        if flash_varlen.available(q):  # the shared keys read in place
+        if flash_varlen.SHARED and flash_varlen.available(q):  # shared keys read in place
             return flash_varlen.attend(q, k, v, self.plan, scale)
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             return self.attend_varlen(q, k, v, scale, gqa)
