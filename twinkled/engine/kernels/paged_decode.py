@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -47,9 +48,9 @@ MAX_SPLITS = 64
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, o_ptr,
-                  sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, st_b, scale_log2,
-                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, start_ptr, m_ptr, l_ptr, o_ptr,
+                  sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, st_b, scale_log2, PARTS,
+                  START: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TILES: tl.constexpr,
                   IEEE: tl.constexpr, TO_LENGTH: tl.constexpr):
     b = tl.program_id(0)
@@ -63,15 +64,17 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, o_ptr,
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :],
                 mask=gm[:, None] & dm[None, :], other=0.0)
     length = tl.load(len_ptr + b)
+    # START: the row's first tokens (its group's shared prefix) are _prefix_kernel's
+    start = tl.load(start_ptr + b) if START else 0
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
     # The launch is the bucket's; the loop stops at the row's length (TO_LENGTH, compiled).
     # Triton's interpreter cannot take a loop bound loaded from memory (numpy >= 2.4), so
     # there it runs the bucket's tiles: those past the length load nothing and add nothing.
-    trips = tl.minimum(TILES, tl.cdiv(length - s * TILES * BLOCK_N, BLOCK_N))
+    trips = tl.minimum(TILES, tl.cdiv(length - start - s * TILES * BLOCK_N, BLOCK_N))
     for i in range(0, trips if TO_LENGTH else TILES):
-        tok = (s * TILES + i) * BLOCK_N + n
+        tok = start + (s * TILES + i) * BLOCK_N + n
         live = tok < length
         page = tl.load(table_ptr + b * st_b + tok // PAGE, mask=live, other=0)
         slot = page * PAGE + tok % PAGE
@@ -95,11 +98,82 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, o_ptr,
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    # partials [B, Hq, SPLITS(, D)], contiguous
-    row = (b * (tl.num_programs(1) * G) + heads) * tl.num_programs(2) + s
-    tl.store(m_ptr + row, m_i, mask=gm)
-    tl.store(l_ptr + row, l_i, mask=gm)
-    tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None] & dm[None, :])
+    # partials [B, Hq, PARTS(, D)], contiguous: this row's splits, then its prefix's
+    row = (b * (tl.num_programs(1) * G) + heads) * PARTS + s
+    _store_partial(m_ptr, l_ptr, o_ptr, row, gm, m_i, l_i, acc, d, dm, D)
+
+
+@triton.jit
+def _store_partial(m_ptr, l_ptr, o_ptr, row, rm, m_i, l_i, acc, d, dm, D: tl.constexpr):
+    """A partial (max, sum, output) of rows `row` where `rm`; an empty one (nothing
+    attended: max -inf) stores its max alone, which is all the combine reads of it."""
+    tl.store(m_ptr + row, m_i, mask=rm)
+    full = rm & (m_i > float("-inf"))
+    tl.store(l_ptr + row, l_i, mask=full)
+    tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=full[:, None] & dm[None, :])
+
+
+@triton.jit
+def _prefix_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pre_ptr, order_ptr, count_ptr,
+                   m_ptr, l_ptr, o_ptr, sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, st_b, scale_log2,
+                   PARTS, FIRST, G: tl.constexpr, G_PAD: tl.constexpr,
+                   ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TILES: tl.constexpr,
+                   IEEE: tl.constexpr, TO_LENGTH: tl.constexpr):
+    """One program per (chunk start j in `order`, kv head, prefix split): the chunk's
+    `count[j]` rows (order[j], order[j + 1], ...: samples of one request) x the G query
+    heads of the kv head are the rows of one tile, so each tile of the shared prefix
+    (pre[order[j]] tokens, the leader's pages) is loaded once for all of them. Split `ps`
+    of PS takes tiles ps, ps + PS, ...: balanced whatever the prefix's length. A position
+    j that starts no chunk (count 0) reads and writes nothing."""
+    j = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ps = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    member, gh = r // G_PAD, r % G_PAD
+    count = tl.load(count_ptr + j)
+    rm = (member < count) & (gh < G)
+    dm = d < D
+    slot = tl.load(order_ptr + j + member, mask=member < count, other=0)
+    lead = tl.load(order_ptr + j)
+    prefix = tl.where(count > 0, tl.load(pre_ptr + lead), 0)
+    heads = kvh * G + gh
+    q = tl.load(q_ptr + slot[:, None] * sq_b + heads[:, None] * sq_h + d[None, :],
+                mask=rm[:, None] & dm[None, :], other=0.0)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    trips = (tl.cdiv(prefix, BLOCK_N) - ps + n_split - 1) // n_split
+    for i in range(0, trips if TO_LENGTH else TILES):
+        tok = (i * n_split + ps) * BLOCK_N + n
+        live = tok < prefix
+        page = tl.load(table_ptr + lead * st_b + tok // PAGE, mask=live, other=0)
+        kv_slot = page * PAGE + tok % PAGE
+        kv_mask = live[:, None] & dm[None, :]
+        k = tl.load(k_ptr + kv_slot[:, None] * sk_t + kvh * sk_h + d[None, :], mask=kv_mask,
+                    other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(live[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(scores - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_slot[:, None] * sv_t + kvh * sv_h + d[None, :], mask=kv_mask,
+                    other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    row = (slot * (tl.num_programs(1) * G) + heads) * PARTS + FIRST + ps
+    _store_partial(m_ptr, l_ptr, o_ptr, row, rm, m_i, l_i, acc, d, dm, D)
 
 
 @triton.jit
@@ -112,9 +186,10 @@ def _combine_kernel(m_ptr, l_ptr, o_ptr, out_ptr, so_b, so_h, SPLITS,
     sm, dm = s < SPLITS, d < D
     row = (b * tl.num_programs(1) + h) * SPLITS + s
     m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
+    sm = sm & (m > float("-inf"))  # an empty partial stored its max alone
     l_s = tl.load(l_ptr + row, mask=sm, other=0.0)
     o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-    top = tl.max(m, 0)  # split 0 always holds the row's first token: finite
+    top = tl.max(m, 0)  # some partial holds the row's new token: finite
     w = tl.where(sm, tl.exp2(m - top), 0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(l_s * w, 0)
     tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=dm)
@@ -149,36 +224,98 @@ def _coarse(n: int) -> int:
     return b
 
 
+def members(heads: int, kv_heads: int) -> int:
+    """Rows of a group one prefix program takes (a bigger group is split into chunks):
+    up to 8, fewer where the query heads per kv head would make its tile over 64 rows."""
+    return max(1, min(8, 64 // triton.next_power_of_2(heads // kv_heads)))
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """Which rows share a prefix, as `prefix_kernel` reads it: `start` [B] each row's
+    shared prefix tokens (0: none; then its own kernel reads it all), `order` [B] the rows
+    sorted so a group's rows are adjacent, `count` [B] at each position that starts a chunk
+    of a group (at most `chunk` rows), its rows; 0 elsewhere."""
+
+    start: torch.Tensor
+    order: torch.Tensor
+    count: torch.Tensor
+    chunk: int
+
+
+def prefix_groups(group: torch.Tensor, shared: torch.Tensor, chunk: int) -> Prefix:
+    """The chunks of rows that share a prefix, on the device, without a host sync (so a
+    CUDA graph captures it): rows with the same `group` id and `shared` > 0 tokens share
+    their first `shared` tokens' pages; a row with `shared` 0 is a chunk of its own, which
+    reads no prefix. `chunk`: the most rows a chunk takes (`members`)."""
+    rows = group.shape[0]
+    idx = torch.arange(rows, device=group.device)
+    key = torch.where(shared > 0, group, -1 - idx)  # ids >= 0: a lone row never joins one
+    skey, order = torch.sort(key, stable=True)
+    first = torch.searchsorted(skey, skey)
+    end = torch.searchsorted(skey, skey, right=True)
+    count = torch.where((idx - first) % chunk == 0, torch.clamp(end - idx, max=chunk), 0)
+    return Prefix(shared, order, count, chunk)
+
+
+def prefix_plan(rows: int, kv_heads: int, tokens: int, device: torch.device, chunk: int,
+                block_n: int = BLOCK_N) -> tuple[int, int]:
+    """(splits, tiles per split) of a shared prefix of up to `tokens`: enough programs to
+    fill the card about twice if every `chunk` rows were a chunk. Shape only, as split_plan."""
+    tiles = triton.cdiv(tokens, block_n)
+    want = triton.cdiv(2 * _sms(device), triton.cdiv(rows, chunk) * kv_heads)
+    splits = _coarse(max(1, min(want, tiles, MAX_SPLITS)))
+    return splits, triton.cdiv(tiles, splits)
+
+
 def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  table: torch.Tensor, lengths: torch.Tensor, page_size: int,
-                 scale: float, block_n: int = BLOCK_N, warps: int = 4, stages: int = 3
-                 ) -> torch.Tensor:
+                 scale: float, block_n: int = BLOCK_N, warps: int = 4, stages: int = 3,
+                 prefix: Prefix | None = None) -> torch.Tensor:
     """Attention of one new token per row over its pages.
 
     q [B, Hq, D] (any strides with a unit last one); keys/values: a layer's pool
     [pages * page_size, Hkv, D]; table [B, P] the pages of each row in order (P pages are
     attended at most); lengths [B] each row's tokens (>= 1; its new token included, already
     written). Returns [B, Hq, D] in q's dtype. `block_n`, `warps`, `stages`: tuning knobs
-    (tokens per tile, warps and pipeline stages of the split kernel)."""
+    (tokens per tile, warps and pipeline stages of the split kernel). `prefix`
+    (prefix_groups): rows whose first tokens are shared, read once per chunk of rows
+    (cascade); each row's own kernel then reads from its `start` on."""
     B, Hq, D = q.shape
     Hkv = keys.shape[1]
     if q.stride(2) != 1 or keys.stride(2) != 1 or values.stride(2) != 1:
         raise ValueError("paged_decode needs a unit stride on the head dimension")
     G = Hq // Hkv
-    splits, per = split_plan(B, Hkv, table.shape[1] * page_size, q.device, block_n)
+    tokens = table.shape[1] * page_size
+    splits, per = split_plan(B, Hkv, tokens, q.device, block_n)
+    chunk = 1 if prefix is None else prefix.chunk
+    pre_splits, pre_per = (0, 0) if prefix is None else prefix_plan(
+        B, Hkv, tokens, q.device, chunk, block_n)
+    parts = splits + pre_splits
     dev, f32 = q.device, torch.float32
-    m = torch.empty((B, Hq, splits), dtype=f32, device=dev)
-    l_ = torch.empty((B, Hq, splits), dtype=f32, device=dev)
-    o = torch.empty((B, Hq, splits, D), dtype=f32, device=dev)
+    m = torch.empty((B, Hq, parts), dtype=f32, device=dev)
+    l_ = torch.empty((B, Hq, parts), dtype=f32, device=dev)
+    o = torch.empty((B, Hq, parts, D), dtype=f32, device=dev)
     block_d = triton.next_power_of_2(D)
+    g_pad = triton.next_power_of_2(G)
+    to_length = os.environ.get("TRITON_INTERPRET") != "1"
+    strides = (q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0),
+               values.stride(1), table.stride(0), scale * 1.4426950408889634)
     _split_kernel[(B, Hkv, splits)](
-        q, keys, values, table, lengths, m, l_, o,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0),
-        values.stride(1), table.stride(0), scale * 1.4426950408889634,
-        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d,
+        q, keys, values, table, lengths, lengths if prefix is None else prefix.start,
+        m, l_, o, *strides, parts, START=prefix is not None,
+        G=G, G_PAD=max(16, g_pad), D=D, BLOCK_D=block_d,
         BLOCK_N=block_n, PAGE=page_size, TILES=per, IEEE=q.dtype == torch.float32,
-        TO_LENGTH=os.environ.get("TRITON_INTERPRET") != "1", num_warps=warps, num_stages=stages)
+        TO_LENGTH=to_length, num_warps=warps, num_stages=stages)
+    if prefix is not None:
+        _prefix_kernel[(B, Hkv, pre_splits)](
+            q, keys, values, table, prefix.start, prefix.order, prefix.count, m, l_, o,
+            *strides, parts, splits, G=G, G_PAD=g_pad, ROWS=max(16, chunk * g_pad), D=D,
+            BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page_size,
+            TILES=1 if to_length else pre_per,  # the interpreter's loop bound (unused compiled)
+            IEEE=q.dtype == torch.float32, TO_LENGTH=to_length, num_warps=warps,
+            num_stages=stages)
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=dev)
-    _combine_kernel[(B, Hq)](m, l_, o, out, out.stride(0), out.stride(1), splits,
-                             S_PAD=triton.next_power_of_2(splits), D=D, BLOCK_D=block_d)
+    _combine_kernel[(B, Hq)](m, l_, o, out, out.stride(0), out.stride(1), parts,
+                             S_PAD=triton.next_power_of_2(parts), D=D, BLOCK_D=block_d)
     return out
