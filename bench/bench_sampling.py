@@ -170,6 +170,9 @@ def main() -> None:
                     help="decode attentions to run, comma-separated: old (gather + SDPA), new "
                     "(paged Triton kernel, cascade), flat (paged kernel, no cascade) (old,new; "
                     "CPU old)")
+    ap.add_argument("--cascade-tune", default=None,
+                    help="JSON of the cascade's launch knobs (kernels/paged_decode.TUNE; "
+                    "check_paged_decode.py --cascade --sweep writes one)")
     ap.add_argument("--workloads", default="fanout,wide",
                     help="workloads to run, comma-separated: fanout, wide")
     ap.add_argument("--profile", action="store_true",
@@ -180,6 +183,13 @@ def main() -> None:
                     help="KV page pool, GB (default: the whole workload at once)")
     ap.add_argument("--write", default=section_path("sampling"))
     args = ap.parse_args()
+    if args.cascade_tune:
+        import json
+
+        from twinkled.engine.kernels import paged_decode
+
+        paged_decode.TUNE.update(json.loads(args.cascade_tune))
+        print(f"cascade tuning {paged_decode.TUNE}")
     if args.bandwidth_gbs is None:  # the datasheet figure of the card this runs on
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
         args.bandwidth_gbs = 4800.0 if "H200" in name else 3350.0

@@ -11,10 +11,12 @@ per group, paged_decode.prefix_groups) against the flat kernel and the reference
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 import torch.nn.functional as F
 
+from twinkled.engine.kernels import paged_decode as pd
 from twinkled.engine.kernels.paged_decode import members, paged_decode, prefix_groups, split_plan
 from twinkled.engine.kv_pages import PagePool
 
@@ -200,16 +202,47 @@ def bench(shape: str, rows: int, tokens: int) -> None:
         print(line, flush=True)
 
 
+SWEEP = {"suffix_stages": (1, 2, 3), "prefix_stages": (1, 2, 3), "prefix_fill": (1, 2, 4, 8),
+         "prefix_block_n": (32, 64, 128), "prefix_warps": (4, 8)}
+
+
+def sweep(shape: str, rows: int = 256, group: int = 8) -> dict:
+    """The cascade's launch knobs (paged_decode.TUNE), one at a time from the defaults,
+    each kept at its fastest on a fan-out layer; returns the tuning it settles on."""
+    heads, kv, dim = SHAPES[shape]
+    case, (gid, pre) = fanout(rows, group, 512, 256, heads, kv, dim, torch.bfloat16)
+    prefix = prefix_groups(gid, pre, members(heads, kv))
+    for key, values in SWEEP.items():
+        times = {}
+        for value in values:
+            pd.TUNE[key] = value
+            try:
+                times[value] = timed(lambda: new(*case, 0.1, prefix=prefix))
+            except Exception as e:  # e.g. out of shared memory: not a candidate
+                print(f"  {key}={value}: {type(e).__name__}", flush=True)
+        pd.TUNE[key] = min(times, key=times.get)
+        print(f"sweep {shape} {key}: " + ", ".join(f"{v}: {t:.3f} ms" for v, t in times.items())
+              + f" -> {pd.TUNE[key]}", flush=True)
+    return dict(pd.TUNE)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", action="append", choices=sorted(SHAPES))
     ap.add_argument("--time", action="append", choices=sorted(SHAPES),
                     help="shapes to time (default: those checked)")
     ap.add_argument("--cascade", action="store_true", help="check and time the cascade only")
+    ap.add_argument("--sweep", default=None,
+                    help="with --cascade: sweep its launch knobs first, write the best (JSON) here")
     args = ap.parse_args()
     print(torch.cuda.get_device_name())
     if args.cascade:
         for shape in args.shape or sorted(SHAPES):
+            if args.sweep:
+                best = sweep(shape)
+                print(f"best {json.dumps(best)}")
+                with open(args.sweep, "w") as f:
+                    json.dump(best, f)
             check_cascade(shape)
             for rows, group in ((256, 8), (256, 1), (64, 8), (32, 8)):
                 bench_cascade(shape, rows, group)

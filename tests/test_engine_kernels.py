@@ -158,23 +158,24 @@ def test_cascade_matches_gather_and_sdpa(chunk):
     want = _reference(pool, 1, q, k, v, table, lens, 0.3)
     prefix = prefix_groups(torch.tensor(_GROUPS), torch.tensor(_SHARED), chunk)
     counts = prefix.count.tolist()
-    assert sorted(c for c in counts if c) == ([1, 1, 1, 2, 3, 8] if chunk == 8
-                                               else [1, 1, 1, 2, 2, 3, 3, 3])
+    assert sorted(c for c in counts if c) == ([2, 3, 8] if chunk == 8 else [2, 2, 3, 3, 3])
+    assert prefix.chunks.item() == (3 if chunk == 8 else 5)
     got = paged_decode(q[:, :, 0], pool.k[1], pool.v[1], table, lens, 4, 0.3, block_n=16,
                        prefix=prefix)
     torch.testing.assert_close(got, want[:, :, 0], atol=1e-5, rtol=0)
 
 
 def test_prefix_groups_chunks_each_group():
-    """Every row is in exactly one chunk; a chunk's rows are one group's; lone rows and rows
-    sharing nothing are chunks of one."""
+    """Every row that shares a prefix is in exactly one chunk, listed in `starts`; a chunk's
+    rows are one group's; rows sharing nothing are in none."""
     prefix = prefix_groups(torch.tensor(_GROUPS), torch.tensor(_SHARED), 3)
     order, count = prefix.order.tolist(), prefix.count.tolist()
-    chunks = [order[j:j + c] for j, c in enumerate(count) if c]
-    assert sorted(r for c in chunks for r in c) == list(range(len(_GROUPS)))
+    starts = prefix.starts.tolist()[:prefix.chunks.item()]
+    chunks = [order[j:j + count[j]] for j in starts]
+    assert all(count[j] == 0 for j in range(len(order)) if j not in starts)
+    assert sorted(r for c in chunks for r in c) == [r for r, t in enumerate(_SHARED) if t]
     for c in chunks:
         assert len({(_GROUPS[r], _SHARED[r]) for r in c}) == 1
-        assert len(c) == 1 or _SHARED[c[0]] > 0
     assert [12, 14] in chunks
 
 

@@ -45,6 +45,11 @@ import triton.language as tl
 
 BLOCK_N = 64  # tokens per tile (any power of two >= 16; independent of the page size)
 MAX_SPLITS = 64
+# The cascade's launch (bench/check_paged_decode.py --cascade): pipeline stages of the rows'
+# own kernel (short loops then), the prefix kernel's stages, warps, tile and how many times
+# its programs fill the card.
+TUNE = {"suffix_stages": 3, "prefix_stages": 3, "prefix_warps": 4, "prefix_block_n": 64,
+        "prefix_fill": 2}
 
 
 @triton.jit
@@ -114,76 +119,85 @@ def _store_partial(m_ptr, l_ptr, o_ptr, row, rm, m_i, l_i, acc, d, dm, D: tl.con
 
 
 @triton.jit
-def _prefix_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pre_ptr, order_ptr, count_ptr,
-                   m_ptr, l_ptr, o_ptr, sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, st_b, scale_log2,
-                   PARTS, FIRST, G: tl.constexpr, G_PAD: tl.constexpr,
+def _prefix_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pre_ptr, order_ptr, count_ptr, starts_ptr,
+                   chunks_ptr, m_ptr, l_ptr, o_ptr, sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, st_b,
+                   scale_log2, PARTS, FIRST, G: tl.constexpr, G_PAD: tl.constexpr,
                    ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TILES: tl.constexpr,
-                   IEEE: tl.constexpr, TO_LENGTH: tl.constexpr):
-    """One program per (chunk start j in `order`, kv head, prefix split): the chunk's
-    `count[j]` rows (order[j], order[j + 1], ...: samples of one request) x the G query
-    heads of the kv head are the rows of one tile, so each tile of the shared prefix
-    (pre[order[j]] tokens, the leader's pages) is loaded once for all of them. Split `ps`
-    of PS takes tiles ps, ps + PS, ...: balanced whatever the prefix's length. A position
-    j that starts no chunk (count 0) reads and writes nothing."""
-    j = tl.program_id(0)
+                   CHUNK_TRIPS: tl.constexpr, IEEE: tl.constexpr, TO_LENGTH: tl.constexpr):
+    """One program per (chunk slot, kv head, prefix split). Chunk c (prefix_groups: the
+    chunks' first positions in `order`, `chunks` of them) is rows order[j], order[j + 1],
+    ... (count[j] samples of one request); those rows x the G query heads of the kv head
+    are the rows of one tile, so each tile of the shared prefix (pre[order[j]] tokens, the
+    first row's pages) is loaded once for all of them. A program takes chunks c, c + C, ...
+    (C programs: a bucket's rows over the chunk size, so a fan-out's chunks take one each);
+    split `ps` of PS takes tiles ps, ps + PS, ...: balanced whatever the prefix's length."""
+    c0 = tl.program_id(0)
     kvh = tl.program_id(1)
     ps = tl.program_id(2)
-    n_split = tl.num_programs(2)
+    n_prog, n_split = tl.num_programs(0), tl.num_programs(2)
     r = tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     member, gh = r // G_PAD, r % G_PAD
-    count = tl.load(count_ptr + j)
-    rm = (member < count) & (gh < G)
     dm = d < D
-    slot = tl.load(order_ptr + j + member, mask=member < count, other=0)
-    lead = tl.load(order_ptr + j)
-    prefix = tl.where(count > 0, tl.load(pre_ptr + lead), 0)
     heads = kvh * G + gh
-    q = tl.load(q_ptr + slot[:, None] * sq_b + heads[:, None] * sq_h + d[None, :],
-                mask=rm[:, None] & dm[None, :], other=0.0)
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    trips = (tl.cdiv(prefix, BLOCK_N) - ps + n_split - 1) // n_split
-    for i in range(0, trips if TO_LENGTH else TILES):
-        tok = (i * n_split + ps) * BLOCK_N + n
-        live = tok < prefix
-        page = tl.load(table_ptr + lead * st_b + tok // PAGE, mask=live, other=0)
-        kv_slot = page * PAGE + tok % PAGE
-        kv_mask = live[:, None] & dm[None, :]
-        k = tl.load(k_ptr + kv_slot[:, None] * sk_t + kvh * sk_h + d[None, :], mask=kv_mask,
-                    other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(live[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(scores - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_slot[:, None] * sv_t + kvh * sv_h + d[None, :], mask=kv_mask,
-                    other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    row = (slot * (tl.num_programs(1) * G) + heads) * PARTS + FIRST + ps
-    _store_partial(m_ptr, l_ptr, o_ptr, row, rm, m_i, l_i, acc, d, dm, D)
+    chunks = tl.load(chunks_ptr)
+    mine = (chunks - c0 + n_prog - 1) // n_prog
+    for ci in range(0, mine if TO_LENGTH else CHUNK_TRIPS):
+        c = c0 + ci * n_prog
+        j = tl.load(starts_ptr + c, mask=c < chunks, other=0)
+        count = tl.where(c < chunks, tl.load(count_ptr + j), 0)
+        rm = (member < count) & (gh < G)
+        slot = tl.load(order_ptr + j + member, mask=member < count, other=0)
+        lead = tl.load(order_ptr + j)
+        prefix = tl.where(count > 0, tl.load(pre_ptr + lead), 0)
+        q = tl.load(q_ptr + slot[:, None] * sq_b + heads[:, None] * sq_h + d[None, :],
+                    mask=rm[:, None] & dm[None, :], other=0.0)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        trips = (tl.cdiv(prefix, BLOCK_N) - ps + n_split - 1) // n_split
+        for i in range(0, trips if TO_LENGTH else TILES):
+            tok = (i * n_split + ps) * BLOCK_N + n
+            live = tok < prefix
+            page = tl.load(table_ptr + lead * st_b + tok // PAGE, mask=live, other=0)
+            kv_slot = page * PAGE + tok % PAGE
+            kv_mask = live[:, None] & dm[None, :]
+            k = tl.load(k_ptr + kv_slot[:, None] * sk_t + kvh * sk_h + d[None, :],
+                        mask=kv_mask, other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(live[None, :], scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(scores - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_slot[:, None] * sv_t + kvh * sv_h + d[None, :],
+                        mask=kv_mask, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        row = (slot * (tl.num_programs(1) * G) + heads) * PARTS + FIRST + ps
+        _store_partial(m_ptr, l_ptr, o_ptr, row, rm, m_i, l_i, acc, d, dm, D)
 
 
 @triton.jit
-def _combine_kernel(m_ptr, l_ptr, o_ptr, out_ptr, so_b, so_h, SPLITS,
-                    S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(m_ptr, l_ptr, o_ptr, out_ptr, start_ptr, so_b, so_h, SPLITS, FIRST,
+                    S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    START: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, BLOCK_D)
     sm, dm = s < SPLITS, d < D
+    if START:  # partials FIRST.. are the prefix's, written only for rows that share one
+        sm = sm & ((s < FIRST) | (tl.load(start_ptr + b) > 0))
     row = (b * tl.num_programs(1) + h) * SPLITS + s
     m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
     sm = sm & (m > float("-inf"))  # an empty partial stored its max alone
@@ -232,40 +246,48 @@ def members(heads: int, kv_heads: int) -> int:
 
 @dataclass(frozen=True)
 class Prefix:
-    """Which rows share a prefix, as `prefix_kernel` reads it: `start` [B] each row's
-    shared prefix tokens (0: none; then its own kernel reads it all), `order` [B] the rows
-    sorted so a group's rows are adjacent, `count` [B] at each position that starts a chunk
-    of a group (at most `chunk` rows), its rows; 0 elsewhere."""
+    """Which rows share a prefix, as `_prefix_kernel` reads it: `start` [B] each row's
+    shared prefix tokens (0: none; its own kernel reads it all), `order` [B] the rows
+    sorted so a group's rows are adjacent (rows sharing nothing last), `count` [B] at each
+    position of `order` that starts a chunk of a group (at most `chunk` rows), its rows;
+    `starts` [B] those positions first, in order; `chunks` (a 0-d tensor) how many."""
 
     start: torch.Tensor
     order: torch.Tensor
     count: torch.Tensor
+    starts: torch.Tensor
+    chunks: torch.Tensor
     chunk: int
 
 
 def prefix_groups(group: torch.Tensor, shared: torch.Tensor, chunk: int) -> Prefix:
     """The chunks of rows that share a prefix, on the device, without a host sync (so a
     CUDA graph captures it): rows with the same `group` id and `shared` > 0 tokens share
-    their first `shared` tokens' pages; a row with `shared` 0 is a chunk of its own, which
-    reads no prefix. `chunk`: the most rows a chunk takes (`members`)."""
+    their first `shared` tokens' pages (a group of one row too: its prefix kernel reads
+    what its own would have). `chunk`: the most rows a chunk takes (`members`)."""
     rows = group.shape[0]
     idx = torch.arange(rows, device=group.device)
-    key = torch.where(shared > 0, group, -1 - idx)  # ids >= 0: a lone row never joins one
+    sharing = shared > 0
+    key = torch.where(sharing, group, torch.iinfo(torch.long).max)  # group ids: >= 0
     skey, order = torch.sort(key, stable=True)
     first = torch.searchsorted(skey, skey)
     end = torch.searchsorted(skey, skey, right=True)
-    count = torch.where((idx - first) % chunk == 0, torch.clamp(end - idx, max=chunk), 0)
-    return Prefix(shared, order, count, chunk)
+    head = ((idx - first) % chunk == 0) & sharing[order]
+    count = torch.where(head, torch.clamp(end - idx, max=chunk), 0)
+    starts = torch.sort(torch.where(head, idx, rows + idx)).values
+    return Prefix(shared, order, count, starts, head.sum(), chunk)
 
 
 def prefix_plan(rows: int, kv_heads: int, tokens: int, device: torch.device, chunk: int,
-                block_n: int = BLOCK_N) -> tuple[int, int]:
-    """(splits, tiles per split) of a shared prefix of up to `tokens`: enough programs to
-    fill the card about twice if every `chunk` rows were a chunk. Shape only, as split_plan."""
+                block_n: int = BLOCK_N) -> tuple[int, int, int]:
+    """(chunk programs, splits, tiles per split) of a shared prefix of up to `tokens`:
+    a program per `chunk` rows of the bucket, splits enough to fill the card
+    `TUNE["prefix_fill"]` times. Shape only, as split_plan."""
+    programs = triton.cdiv(rows, chunk)
     tiles = triton.cdiv(tokens, block_n)
-    want = triton.cdiv(2 * _sms(device), triton.cdiv(rows, chunk) * kv_heads)
+    want = triton.cdiv(TUNE["prefix_fill"] * _sms(device), programs * kv_heads)
     splits = _coarse(max(1, min(want, tiles, MAX_SPLITS)))
-    return splits, triton.cdiv(tiles, splits)
+    return programs, splits, triton.cdiv(tiles, splits)
 
 
 def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -289,8 +311,9 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     tokens = table.shape[1] * page_size
     splits, per = split_plan(B, Hkv, tokens, q.device, block_n)
     chunk = 1 if prefix is None else prefix.chunk
-    pre_splits, pre_per = (0, 0) if prefix is None else prefix_plan(
-        B, Hkv, tokens, q.device, chunk, block_n)
+    pre_n = TUNE["prefix_block_n"]
+    programs, pre_splits, pre_per = (0, 0, 0) if prefix is None else prefix_plan(
+        B, Hkv, tokens, q.device, chunk, pre_n)
     parts = splits + pre_splits
     dev, f32 = q.device, torch.float32
     m = torch.empty((B, Hq, parts), dtype=f32, device=dev)
@@ -301,21 +324,25 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     to_length = os.environ.get("TRITON_INTERPRET") != "1"
     strides = (q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0),
                values.stride(1), table.stride(0), scale * 1.4426950408889634)
+    start = lengths if prefix is None else prefix.start
     _split_kernel[(B, Hkv, splits)](
-        q, keys, values, table, lengths, lengths if prefix is None else prefix.start,
-        m, l_, o, *strides, parts, START=prefix is not None,
-        G=G, G_PAD=max(16, g_pad), D=D, BLOCK_D=block_d,
+        q, keys, values, table, lengths, start, m, l_, o, *strides, parts,
+        START=prefix is not None, G=G, G_PAD=max(16, g_pad), D=D, BLOCK_D=block_d,
         BLOCK_N=block_n, PAGE=page_size, TILES=per, IEEE=q.dtype == torch.float32,
-        TO_LENGTH=to_length, num_warps=warps, num_stages=stages)
+        TO_LENGTH=to_length, num_warps=warps,
+        num_stages=stages if prefix is None else TUNE["suffix_stages"])
     if prefix is not None:
-        _prefix_kernel[(B, Hkv, pre_splits)](
-            q, keys, values, table, prefix.start, prefix.order, prefix.count, m, l_, o,
-            *strides, parts, splits, G=G, G_PAD=g_pad, ROWS=max(16, chunk * g_pad), D=D,
-            BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page_size,
-            TILES=1 if to_length else pre_per,  # the interpreter's loop bound (unused compiled)
-            IEEE=q.dtype == torch.float32, TO_LENGTH=to_length, num_warps=warps,
-            num_stages=stages)
+        _prefix_kernel[(programs, Hkv, pre_splits)](
+            q, keys, values, table, prefix.start, prefix.order, prefix.count, prefix.starts,
+            prefix.chunks, m, l_, o, *strides, parts, splits, G=G, G_PAD=g_pad,
+            ROWS=max(16, chunk * g_pad), D=D, BLOCK_D=block_d, BLOCK_N=pre_n, PAGE=page_size,
+            # the interpreter's loop bounds (unused compiled: no variant per value)
+            TILES=1 if to_length else pre_per,
+            CHUNK_TRIPS=1 if to_length else triton.cdiv(B, programs),
+            IEEE=q.dtype == torch.float32, TO_LENGTH=to_length,
+            num_warps=TUNE["prefix_warps"], num_stages=TUNE["prefix_stages"])
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=dev)
-    _combine_kernel[(B, Hq)](m, l_, o, out, out.stride(0), out.stride(1), parts,
-                             S_PAD=triton.next_power_of_2(parts), D=D, BLOCK_D=block_d)
+    _combine_kernel[(B, Hq)](m, l_, o, out, start, out.stride(0), out.stride(1), parts,
+                             splits, S_PAD=triton.next_power_of_2(parts), D=D,
+                             BLOCK_D=block_d, START=prefix is not None)
     return out
