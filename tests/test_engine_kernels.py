@@ -149,11 +149,14 @@ _SHARED = [12] * 8 + [8] * 3 + [0, 8, 0, 8, 0]
 
 
 @pytest.mark.parametrize("chunk", [8, 3])
-def test_cascade_matches_gather_and_sdpa(chunk):
+def test_cascade_matches_gather_and_sdpa(chunk, monkeypatch):
     """fp32, to 1e-5: groups of 8, 3 and 1, a group whose rows are no longer adjacent
     (rows left, compaction moved another in), an inert slot; a chunk of 3 splits the groups
-    of 8 and 3 over several programs. The shared prefix is read by the prefix kernel, each
-    row's own tokens by the split kernel, merged by the combine."""
+    of 8 and 3 over several programs, and prefix tiles of 16 tokens give the prefix several
+    tiles and splits. The shared prefix is read by the prefix kernel, each row's own tokens
+    by the split kernel, merged by the combine."""
+    if chunk == 3:
+        monkeypatch.setitem(paged_decode_module.TUNE, "prefix_block_n", 16)
     pool, q, k, v, table, lens = _case(4, 2, 16, 4, _GROUPED, _LENGTHS, pages=36, seed=2)
     want = _reference(pool, 1, q, k, v, table, lens, 0.3)
     prefix = prefix_groups(torch.tensor(_GROUPS), torch.tensor(_SHARED), chunk)

@@ -26,7 +26,9 @@ slot buffers; every step derives the groups' chunks from them on the device
 chunk's prefix once per kv head (paged_decode._prefix_kernel). Rows leaving a group need
 nothing: a group is whatever rows still carry its id. While no seated row shares a prefix
 (a wide workload) the step runs the graphs without the prefix kernel, keyed apart
-(the host keeps a count of such rows; it never reads the device).
+(the host keeps which slots share; it never reads the device). One H200, the 8B, that
+fan-out: 23.0 -> 20.8 ms a decode step (kernels/paged_decode.py has the details); the wide
+workload (256 x 1) never takes the cascade graphs (24.1 ms a step either way).
 """
 
 from __future__ import annotations

@@ -24,6 +24,28 @@ at 1 stage, 0.127 vs 0.133 at 3) and equal 128; 4 warps beat 8; 3 pipeline stage
 The KV page size made no difference (16, 32 or 64 tokens within 3%: a tile spans pages),
 so pages stay at 16 tokens (running.PAGE_SIZE), where a short prompt wastes least.
 
+Cascade (`prefix`, paged_decode.prefix_groups). The samples of one request share their
+prompt's full pages (running.py), and a flat kernel reads them once per row: a fan-out of
+32 prompts x 8 samples of 512 + 256 tokens reads ~24 GB of KV a step on the 8B where ~7 GB
+hold it. With a `prefix`, `_prefix_kernel` reads each group's shared pages once per kv head:
+its tile's rows are up to `members` rows of the group x their G query heads (32 on the 8B),
+so one K/V tile feeds every member's `tl.dot`; it writes a partial per (row, head) beside
+the rows' own splits, which `_split_kernel` now runs from each row's `start` (its shared
+tokens) on, and the combine merges them all (skipping the prefix partials of rows that share
+nothing). The groups are device data, chunked each step on the device (no host sync, a
+CUDA graph replays it); the grid depends on the bucket alone: cdiv(rows, members) chunk
+programs x kv heads x prefix splits, each program looping over the chunks it is dealt
+(one each in a fan-out; a bucket of many small groups deals a program several).
+Measured on one H200 (bench/check_paged_decode.py --cascade, bf16, 8B heads, 256 rows in
+groups of 8, 512 shared + up to 256 own tokens): one layer's attention 0.168 ms flat, 0.106
+ms cascade (+0.095 ms once a step for prefix_groups); TUNE swept there: one prefix split
+(fill 1: 0.109 vs 0.129 ms at 2), 128-token prefix tiles (0.106 vs 0.107 at 64, 0.115 at
+32), 4 warps (8: 0.119), 3 stages (1: 0.136); the rows' own kernel 2 stages (1: 0.131).
+bench/bench_sampling.py --shape qwen3-8b --paths flat,new, fan-out: 23.0 -> 20.8 ms a decode
+step, 10,033 -> 10,989 new tok/s a call (11,125 -> 12,309 in decode steps). The flat kernel
+already gets much of a group's rereads from L2 (3.99 TB/s of rows' KV for groups of 8
+against 3.22 for rows sharing nothing), so the win is ~1.6x a layer, not the 3.4x of bytes.
+
 Why not torch's flex_attention with paged block masks (torch.nn.attention.experimental.
 _paged_attention): its physical block mask must use the page size as its KV block size and be
 rebuilt from the block tables every step; it is compiled by inductor per bucket shape (many
@@ -45,11 +67,11 @@ import triton.language as tl
 
 BLOCK_N = 64  # tokens per tile (any power of two >= 16; independent of the page size)
 MAX_SPLITS = 64
-# The cascade's launch (bench/check_paged_decode.py --cascade): pipeline stages of the rows'
-# own kernel (short loops then), the prefix kernel's stages, warps, tile and how many times
-# its programs fill the card.
-TUNE = {"suffix_stages": 3, "prefix_stages": 3, "prefix_warps": 4, "prefix_block_n": 64,
-        "prefix_fill": 2}
+# The cascade's launch: pipeline stages of the rows' own kernel (short loops then), the
+# prefix kernel's stages, warps, tile and how many times its programs fill the card. Swept
+# by bench/check_paged_decode.py --cascade --sweep on one H200 (the module's doc).
+TUNE = {"suffix_stages": 2, "prefix_stages": 3, "prefix_warps": 4, "prefix_block_n": 128,
+        "prefix_fill": 1}
 
 
 @triton.jit
