@@ -14,7 +14,9 @@ every row's KV so far) over `--bandwidth-gbs`. Calls are timed after a warm-up c
 captures the CUDA graphs): the median call, and the decode steps of all timed calls.
 `--paths old,new` runs both decode attentions on the same weights, one after the other: old
 is the gather + SDPA reference (kernels off), new the paged Triton kernel
-(kernels/paged_decode.py; on CPU only under TRITON_INTERPRET=1), and prints new/old.
+(kernels/paged_decode.py; on CPU only under TRITON_INTERPRET=1), and prints new/old; flat
+is new without the cascade (each sample reads its shared prompt pages itself).
+`--workloads fanout` (or wide) runs one workload alone.
 
     python bench/bench_sampling.py                      # CPU, the tiny model
     python bench/bench_sampling.py --device cuda --shape qwen2.5-0.5b
@@ -39,7 +41,8 @@ from twinkled.engine.sampler import generate_padded
 from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
 
 RANK = 32
-PATHS = {"old": False, "new": True}  # path -> RunningBatch(kernels=)
+# path -> RunningBatch(kernels=, cascade=)
+PATHS = {"old": (False, False), "flat": (True, False), "new": (True, True)}
 
 
 def workloads(args, vocab: int) -> dict[str, list[SampleRequest]]:
@@ -101,13 +104,14 @@ def profile_steps(batch: RunningBatch, reqs, adapters, tickets_of: int, steps: i
     return prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60)
 
 
-def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, kernels: bool
+def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, path: str
                  ) -> dict[str, float]:
+    kernels, cascade = PATHS[path]
     adapters = [eng.pool.get(r.adapter_id) for r in reqs]
     rows = sum(r.num_samples for r in reqs)
     new = rows * args.new
     batch = RunningBatch(eng.model, rows=max(256, rows), page_size=args.page_size,
-                         kv_bytes=kv_bytes(eng, reqs, args), kernels=kernels)
+                         kv_bytes=kv_bytes(eng, reqs, args), kernels=kernels, cascade=cascade)
     calls, pure = [], []  # pure: (seconds, rows) of decode steps that admitted nothing
     for i in range(args.repeats + 1):  # the first call captures the graphs
         tickets = batch.admit(reqs, adapters)
@@ -164,7 +168,13 @@ def main() -> None:
                     help="skip the padded sampler")
     ap.add_argument("--paths", default=None,
                     help="decode attentions to run, comma-separated: old (gather + SDPA), new "
-                    "(paged Triton kernel) (old,new; CPU old)")
+                    "(paged Triton kernel, cascade), flat (paged kernel, no cascade) (old,new; "
+                    "CPU old)")
+    ap.add_argument("--cascade-tune", default=None,
+                    help="JSON of the cascade's launch knobs (kernels/paged_decode.TUNE; "
+                    "check_paged_decode.py --cascade --sweep writes one)")
+    ap.add_argument("--workloads", default="fanout,wide",
+                    help="workloads to run, comma-separated: fanout, wide")
     ap.add_argument("--profile", action="store_true",
                     help="print the heaviest kernels of a few decode steps of each run")
     ap.add_argument("--adapters", type=int, default=8, help="adapters the requests cycle over")
@@ -173,6 +183,13 @@ def main() -> None:
                     help="KV page pool, GB (default: the whole workload at once)")
     ap.add_argument("--write", default=section_path("sampling"))
     args = ap.parse_args()
+    if args.cascade_tune:
+        import json
+
+        from twinkled.engine.kernels import paged_decode
+
+        paged_decode.TUNE.update(json.loads(args.cascade_tune))
+        print(f"cascade tuning {paged_decode.TUNE}")
     if args.bandwidth_gbs is None:  # the datasheet figure of the card this runs on
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
         args.bandwidth_gbs = 4800.0 if "H200" in name else 3350.0
@@ -198,8 +215,10 @@ def main() -> None:
                 torch.nn.init.normal_(a.bank.B[key][a.slot], std=0.01)
         results = {}
         for name, reqs in workloads(args, vocab).items():
+            if name.split(":")[0].replace("-", "") not in args.workloads.split(","):
+                continue
             for path in paths:
-                r = results[name, path] = run_workload(eng, reqs, args, sync, PATHS[path])
+                r = results[name, path] = run_workload(eng, reqs, args, sync, path)
                 print(f"{name}, {path}: {r['call tok/s']:,.0f} tok/s a call, "
                       f"{r['step ms']:.1f} ms a decode step", flush=True)
     text = header(args.device).replace("Engine vs peft", "Sampling throughput")
@@ -207,7 +226,7 @@ def main() -> None:
              f"{args.adapters} adapters r={RANK}, prompts of {args.prompt} tokens, {args.new} "
              f"new tokens a sample, pages of {args.page_size}, bandwidth bound at "
              f"{args.bandwidth_gbs:g} GB/s, median of {args.repeats}; old: gather + SDPA, new: "
-             f"paged kernel\n\n| workload | path | call tok/s | decode tok/s | step ms | "
+             f"paged kernel with cascade, flat: without\n\n| workload | path | call tok/s | decode tok/s | step ms | "
              f"bound tok/s | of bound | GB/step | graphs | call new/old | padded tok/s |\n"
              f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     for (name, path), r in results.items():

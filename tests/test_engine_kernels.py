@@ -11,7 +11,7 @@ from helpers import make_engine, randomize_b
 
 from twinkled.engine.kernels import paged_decode as paged_decode_module
 from twinkled.engine.kernels import runnable
-from twinkled.engine.kernels.paged_decode import paged_decode, split_plan
+from twinkled.engine.kernels.paged_decode import paged_decode, prefix_groups, split_plan
 from twinkled.engine.kv_pages import PagePool
 from twinkled.engine.running import RunningBatch
 from twinkled.engine.sampler import generate
@@ -136,3 +136,80 @@ def test_cpu_takes_the_kernels_only_when_asked(eng, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         RunningBatch(eng.model, rows=2, pages=8, page_size=4, kernels=True)
+
+
+# Cascade: rows 0-7 a group of 8 sharing pages 1-3 (12 tokens), rows 8-10 a group of 3
+# sharing pages 20-21, row 11 alone, rows 12 and 14 what is left of a group (its other
+# members gone; row 13 moved in between), row 15 an inert slot.
+_GROUPED = ([[1, 2, 3, 4 + i, 12 + i] for i in range(8)] + [[20, 21, 22 + i] for i in range(3)]
+            + [[25, 26, 27]] + [[28, 29, 30], [31, 32], [28, 29, 33]] + [[0]])
+_LENGTHS = [13, 14, 16, 17, 18, 19, 20, 13, 9, 10, 12, 11, 10, 6, 12, 1]
+_GROUPS = [5] * 8 + [2] * 3 + [9, 4, 8, 4, 0]
+_SHARED = [12] * 8 + [8] * 3 + [0, 8, 0, 8, 0]
+
+
+@pytest.mark.parametrize("chunk", [8, 3])
+def test_cascade_matches_gather_and_sdpa(chunk, monkeypatch):
+    """fp32, to 1e-5: groups of 8, 3 and 1, a group whose rows are no longer adjacent
+    (rows left, compaction moved another in), an inert slot; a chunk of 3 splits the groups
+    of 8 and 3 over several programs, and prefix tiles of 16 tokens give the prefix several
+    tiles and splits. The shared prefix is read by the prefix kernel, each row's own tokens
+    by the split kernel, merged by the combine."""
+    if chunk == 3:
+        monkeypatch.setitem(paged_decode_module.TUNE, "prefix_block_n", 16)
+    pool, q, k, v, table, lens = _case(4, 2, 16, 4, _GROUPED, _LENGTHS, pages=36, seed=2)
+    want = _reference(pool, 1, q, k, v, table, lens, 0.3)
+    prefix = prefix_groups(torch.tensor(_GROUPS), torch.tensor(_SHARED), chunk)
+    counts = prefix.count.tolist()
+    assert sorted(c for c in counts if c) == ([2, 3, 8] if chunk == 8 else [2, 2, 3, 3, 3])
+    assert prefix.chunks.item() == (3 if chunk == 8 else 5)
+    got = paged_decode(q[:, :, 0], pool.k[1], pool.v[1], table, lens, 4, 0.3, block_n=16,
+                       prefix=prefix)
+    torch.testing.assert_close(got, want[:, :, 0], atol=1e-5, rtol=0)
+
+
+def test_prefix_groups_chunks_each_group():
+    """Every row that shares a prefix is in exactly one chunk, listed in `starts`; a chunk's
+    rows are one group's; rows sharing nothing are in none."""
+    prefix = prefix_groups(torch.tensor(_GROUPS), torch.tensor(_SHARED), 3)
+    order, count = prefix.order.tolist(), prefix.count.tolist()
+    starts = prefix.starts.tolist()[:prefix.chunks.item()]
+    chunks = [order[j:j + count[j]] for j in starts]
+    assert all(count[j] == 0 for j in range(len(order)) if j not in starts)
+    assert sorted(r for c in chunks for r in c) == [r for r, t in enumerate(_SHARED) if t]
+    for c in chunks:
+        assert len({(_GROUPS[r], _SHARED[r]) for r in c}) == 1
+    assert [12, 14] in chunks
+
+
+def test_cascade_samples_what_the_flat_kernel_samples(eng, monkeypatch):
+    """RunningBatch with cascade on and off (kernels on, fp32, graphs' bucket sizes): the
+    same tokens for seeded sampling, logprobs within 1e-5, while another request's rows
+    leave and the group's rows move slots; the prefix path ran. A batch of lone samples
+    never takes it."""
+    calls = []
+    real = paged_decode_module.prefix_groups
+    monkeypatch.setattr(paged_decode_module, "prefix_groups",
+                        lambda *a: calls.append(a) or real(*a))
+    gen = torch.Generator().manual_seed(1)
+    p, q = (torch.randint(5, eng.model.vocab_size, (n,), generator=gen).tolist() for n in (3, 11))
+    reqs = [SampleRequest("a", p, SamplingParams(max_tokens=2, stop=[], seed=4), num_samples=2),
+            SampleRequest("a", q, SamplingParams(max_tokens=4, stop=[], seed=7), num_samples=4)]
+    ads = [eng.pool.get("a")] * 2
+    out = {}
+    for cascade in (False, True):
+        batch = RunningBatch(eng.model, rows=8, pages=40, page_size=4, decode="buckets",
+                             kernels=True, cascade=cascade)
+        out[cascade] = generate(eng.model, reqs, ads, batch=batch)
+    assert calls  # the cascade ran (and only it: the flat batch never chunks)
+    for ref, got in zip(out[False], out[True], strict=True):
+        for x, y in zip(ref.sequences, got.sequences, strict=True):
+            assert x.tokens == y.tokens
+            assert y.logprobs == pytest.approx(x.logprobs, abs=1e-5)
+    calls.clear()
+    lone = RunningBatch(eng.model, rows=4, pages=40, page_size=4, decode="buckets",
+                        kernels=True)
+    assert lone.decode.cascade
+    generate(eng.model, [SampleRequest("a", q, SamplingParams(max_tokens=2, stop=[]))],
+             ads[:1], batch=lone)
+    assert not calls

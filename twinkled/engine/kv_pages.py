@@ -27,7 +27,12 @@ in place; the gather stays for prefill and as the reference path (`kernels=False
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .kernels.paged_decode import Prefix
 
 
 class PagePool:
@@ -93,8 +98,8 @@ class PagePool:
         return (table[:, :, None] * self.page_size + self._within).reshape(table.shape[0], -1)
 
     def view(self, write: torch.Tensor, table: torch.Tensor,
-             lengths: torch.Tensor | None = None) -> PagedView:
-        return PagedView(self, write, table, lengths)
+             lengths: torch.Tensor | None = None, prefix: Prefix | None = None) -> PagedView:
+        return PagedView(self, write, table, lengths, prefix)
 
 
 class PagedView:
@@ -107,13 +112,14 @@ class PagedView:
 
     With `lengths` [B] (each row's tokens, the new one included) the view is `fused`: a
     one-token step attends through `attend`, the Triton kernel reading the pages in place
-    (kernels/paged_decode.py), and nothing is gathered."""
+    (kernels/paged_decode.py), and nothing is gathered. With `prefix` too
+    (paged_decode.prefix_groups) the rows' shared prompt pages are read once per group."""
 
     def __init__(self, pool: PagePool, write: torch.Tensor, table: torch.Tensor,
-                 lengths: torch.Tensor | None = None):
+                 lengths: torch.Tensor | None = None, prefix: Prefix | None = None):
         self.pool = pool
         self.write_slots = write
-        self.table, self.lengths = table, lengths
+        self.table, self.lengths, self.prefix = table, lengths, prefix
         self.batch, self.length = table.shape[0], table.shape[1] * pool.page_size
 
     @property
@@ -133,7 +139,7 @@ class PagedView:
 
         self.store(layer, k, v)
         out = paged_decode(q[:, :, 0], self.pool.k[layer], self.pool.v[layer], self.table,
-                           self.lengths, self.pool.page_size, scale)
+                           self.lengths, self.pool.page_size, scale, prefix=self.prefix)
         return out[:, :, None]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):

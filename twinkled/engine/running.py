@@ -91,12 +91,14 @@ class RunningBatch:
     prompts may hold. `kernels`: the Triton paths (decode attention straight from the pages,
     kernels/paged_decode.py; LoRA rows, kernels/lora_decode.py); None: where
     `kernels.available` (CUDA); True on CPU needs the interpreter (`kernels.runnable`);
-    False keeps the reference paths (gather + SDPA, masked LoRA stack)."""
+    False keeps the reference paths (gather + SDPA, masked LoRA stack). `cascade` (None: as
+    `kernels`): samples read their shared prompt pages once a step (decode_step.py)."""
 
     def __init__(self, model, rows: int = 256, pages: int | None = None,
                  page_size: int = PAGE_SIZE, prefill_tokens: int | None = None,
                  decode: str | None = None, kv_bytes: int | None = None,
-                 prefix_cache: float = 0.0, kernels: bool | None = None):
+                 prefix_cache: float = 0.0, kernels: bool | None = None,
+                 cascade: bool | None = None):
         dev = model.device
         if kernels is None:
             kernels = kern.available(dev)
@@ -114,7 +116,8 @@ class RunningBatch:
         self.cache = PrefixCache(self.pool, prefix_cache)
         max_pages = min(self.pool.usable, self.pool.pages_for(model.max_seq_len))
         self.decode = DecodeStep(model, self.pool, self.stack, rows, max_pages,
-                                 decode or ("graphs" if dev.type == "cuda" else "eager"), kernels)
+                                 decode or ("graphs" if dev.type == "cuda" else "eager"), kernels,
+                                 kernels if cascade is None else cascade)
         self.prefill_tokens = prefill_tokens or PREFILL_TOKENS.get(dev.type, 16384)
         self.waiting: deque[_Request] = deque()
         self.live: list[_Seq] = []  # slot order
@@ -228,7 +231,7 @@ class RunningBatch:
         pages = max([self.pool.pages, *(self._pages(r) + 1 for r in requests)])
         return RunningBatch(self.model, rows, pages, self.pool.page_size, self.prefill_tokens,
                             self.decode.mode, prefix_cache=self.cache.share,
-                            kernels=self.kernels)
+                            kernels=self.kernels, cascade=self.decode.cascade)
 
     # -- admission and prefill ----------------------------------------------------------
 
@@ -329,9 +332,13 @@ class RunningBatch:
                 self._finish(s, done)
             else:
                 seated.append(s)
+        P, shares = pool.page_size, [(len(s.request.req.prompt), s.request.req.num_samples)
+                                     for s in seated]  # shared: the prompt's full pages
         self.decode.set_slots(len(self.live), [s.tokens[-1] for s in seated],
                               [s.length for s in seated], [s.pages for s in seated],
-                              [s.request.adapter for s in seated])
+                              [s.request.adapter for s in seated],
+                              [s.request.ticket for s in seated],  # its samples: a group
+                              [n // P * P if m > 1 else 0 for n, m in shares])
         self.live += seated
         self._choice = None
 

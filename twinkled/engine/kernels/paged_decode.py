@@ -24,6 +24,28 @@ at 1 stage, 0.127 vs 0.133 at 3) and equal 128; 4 warps beat 8; 3 pipeline stage
 The KV page size made no difference (16, 32 or 64 tokens within 3%: a tile spans pages),
 so pages stay at 16 tokens (running.PAGE_SIZE), where a short prompt wastes least.
 
+Cascade (`prefix`, paged_decode.prefix_groups). The samples of one request share their
+prompt's full pages (running.py), and a flat kernel reads them once per row: a fan-out of
+32 prompts x 8 samples of 512 + 256 tokens reads ~24 GB of KV a step on the 8B where ~7 GB
+hold it. With a `prefix`, `_prefix_kernel` reads each group's shared pages once per kv head:
+its tile's rows are up to `members` rows of the group x their G query heads (32 on the 8B),
+so one K/V tile feeds every member's `tl.dot`; it writes a partial per (row, head) beside
+the rows' own splits, which `_split_kernel` now runs from each row's `start` (its shared
+tokens) on, and the combine merges them all (skipping the prefix partials of rows that share
+nothing). The groups are device data, chunked each step on the device (no host sync, a
+CUDA graph replays it); the grid depends on the bucket alone: cdiv(rows, members) chunk
+programs x kv heads x prefix splits, each program looping over the chunks it is dealt
+(one each in a fan-out; a bucket of many small groups deals a program several).
+Measured on one H200 (bench/check_paged_decode.py --cascade, bf16, 8B heads, 256 rows in
+groups of 8, 512 shared + up to 256 own tokens): one layer's attention 0.168 ms flat, 0.106
+ms cascade (+0.095 ms once a step for prefix_groups); TUNE swept there: one prefix split
+(fill 1: 0.109 vs 0.129 ms at 2), 128-token prefix tiles (0.106 vs 0.107 at 64, 0.115 at
+32), 4 warps (8: 0.119), 3 stages (1: 0.136); the rows' own kernel 2 stages (1: 0.131).
+bench/bench_sampling.py --shape qwen3-8b --paths flat,new, fan-out: 23.0 -> 20.8 ms a decode
+step, 10,033 -> 10,989 new tok/s a call (11,125 -> 12,309 in decode steps). The flat kernel
+already gets much of a group's rereads from L2 (3.99 TB/s of rows' KV for groups of 8
+against 3.22 for rows sharing nothing), so the win is ~1.6x a layer, not the 3.4x of bytes.
+
 Why not torch's flex_attention with paged block masks (torch.nn.attention.experimental.
 _paged_attention): its physical block mask must use the page size as its KV block size and be
 rebuilt from the block tables every step; it is compiled by inductor per bucket shape (many
@@ -37,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -44,12 +67,17 @@ import triton.language as tl
 
 BLOCK_N = 64  # tokens per tile (any power of two >= 16; independent of the page size)
 MAX_SPLITS = 64
+# The cascade's launch: pipeline stages of the rows' own kernel (short loops then), the
+# prefix kernel's stages, warps, tile and how many times its programs fill the card. Swept
+# by bench/check_paged_decode.py --cascade --sweep on one H200 (the module's doc).
+TUNE = {"suffix_stages": 2, "prefix_stages": 3, "prefix_warps": 4, "prefix_block_n": 128,
+        "prefix_fill": 1}
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, o_ptr,
-                  sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, st_b, scale_log2,
-                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, start_ptr, m_ptr, l_ptr, o_ptr,
+                  sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, st_b, scale_log2, PARTS,
+                  START: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TILES: tl.constexpr,
                   IEEE: tl.constexpr, TO_LENGTH: tl.constexpr):
     b = tl.program_id(0)
@@ -63,15 +91,17 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, o_ptr,
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :],
                 mask=gm[:, None] & dm[None, :], other=0.0)
     length = tl.load(len_ptr + b)
+    # START: the row's first tokens (its group's shared prefix) are _prefix_kernel's
+    start = tl.load(start_ptr + b) if START else 0
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
     # The launch is the bucket's; the loop stops at the row's length (TO_LENGTH, compiled).
     # Triton's interpreter cannot take a loop bound loaded from memory (numpy >= 2.4), so
     # there it runs the bucket's tiles: those past the length load nothing and add nothing.
-    trips = tl.minimum(TILES, tl.cdiv(length - s * TILES * BLOCK_N, BLOCK_N))
+    trips = tl.minimum(TILES, tl.cdiv(length - start - s * TILES * BLOCK_N, BLOCK_N))
     for i in range(0, trips if TO_LENGTH else TILES):
-        tok = (s * TILES + i) * BLOCK_N + n
+        tok = start + (s * TILES + i) * BLOCK_N + n
         live = tok < length
         page = tl.load(table_ptr + b * st_b + tok // PAGE, mask=live, other=0)
         slot = page * PAGE + tok % PAGE
@@ -95,26 +125,107 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, o_ptr,
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    # partials [B, Hq, SPLITS(, D)], contiguous
-    row = (b * (tl.num_programs(1) * G) + heads) * tl.num_programs(2) + s
-    tl.store(m_ptr + row, m_i, mask=gm)
-    tl.store(l_ptr + row, l_i, mask=gm)
-    tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None] & dm[None, :])
+    # partials [B, Hq, PARTS(, D)], contiguous: this row's splits, then its prefix's
+    row = (b * (tl.num_programs(1) * G) + heads) * PARTS + s
+    _store_partial(m_ptr, l_ptr, o_ptr, row, gm, m_i, l_i, acc, d, dm, D)
 
 
 @triton.jit
-def _combine_kernel(m_ptr, l_ptr, o_ptr, out_ptr, so_b, so_h, SPLITS,
-                    S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_partial(m_ptr, l_ptr, o_ptr, row, rm, m_i, l_i, acc, d, dm, D: tl.constexpr):
+    """A partial (max, sum, output) of rows `row` where `rm`; an empty one (nothing
+    attended: max -inf) stores its max alone, which is all the combine reads of it."""
+    tl.store(m_ptr + row, m_i, mask=rm)
+    full = rm & (m_i > float("-inf"))
+    tl.store(l_ptr + row, l_i, mask=full)
+    tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=full[:, None] & dm[None, :])
+
+
+@triton.jit
+def _prefix_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pre_ptr, order_ptr, count_ptr, starts_ptr,
+                   chunks_ptr, m_ptr, l_ptr, o_ptr, sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, st_b,
+                   scale_log2, PARTS, FIRST, G: tl.constexpr, G_PAD: tl.constexpr,
+                   ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TILES: tl.constexpr,
+                   CHUNK_TRIPS: tl.constexpr, IEEE: tl.constexpr, TO_LENGTH: tl.constexpr):
+    """One program per (chunk slot, kv head, prefix split). Chunk c (prefix_groups: the
+    chunks' first positions in `order`, `chunks` of them) is rows order[j], order[j + 1],
+    ... (count[j] samples of one request); those rows x the G query heads of the kv head
+    are the rows of one tile, so each tile of the shared prefix (pre[order[j]] tokens, the
+    first row's pages) is loaded once for all of them. A program takes chunks c, c + C, ...
+    (C programs: a bucket's rows over the chunk size, so a fan-out's chunks take one each);
+    split `ps` of PS takes tiles ps, ps + PS, ...: balanced whatever the prefix's length."""
+    c0 = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ps = tl.program_id(2)
+    n_prog, n_split = tl.num_programs(0), tl.num_programs(2)
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    member, gh = r // G_PAD, r % G_PAD
+    dm = d < D
+    heads = kvh * G + gh
+    chunks = tl.load(chunks_ptr)
+    mine = (chunks - c0 + n_prog - 1) // n_prog
+    for ci in range(0, mine if TO_LENGTH else CHUNK_TRIPS):
+        c = c0 + ci * n_prog
+        j = tl.load(starts_ptr + c, mask=c < chunks, other=0)
+        count = tl.where(c < chunks, tl.load(count_ptr + j), 0)
+        rm = (member < count) & (gh < G)
+        slot = tl.load(order_ptr + j + member, mask=member < count, other=0)
+        lead = tl.load(order_ptr + j)
+        prefix = tl.where(count > 0, tl.load(pre_ptr + lead), 0)
+        q = tl.load(q_ptr + slot[:, None] * sq_b + heads[:, None] * sq_h + d[None, :],
+                    mask=rm[:, None] & dm[None, :], other=0.0)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        trips = (tl.cdiv(prefix, BLOCK_N) - ps + n_split - 1) // n_split
+        for i in range(0, trips if TO_LENGTH else TILES):
+            tok = (i * n_split + ps) * BLOCK_N + n
+            live = tok < prefix
+            page = tl.load(table_ptr + lead * st_b + tok // PAGE, mask=live, other=0)
+            kv_slot = page * PAGE + tok % PAGE
+            kv_mask = live[:, None] & dm[None, :]
+            k = tl.load(k_ptr + kv_slot[:, None] * sk_t + kvh * sk_h + d[None, :],
+                        mask=kv_mask, other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(live[None, :], scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(scores - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_slot[:, None] * sv_t + kvh * sv_h + d[None, :],
+                        mask=kv_mask, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        row = (slot * (tl.num_programs(1) * G) + heads) * PARTS + FIRST + ps
+        _store_partial(m_ptr, l_ptr, o_ptr, row, rm, m_i, l_i, acc, d, dm, D)
+
+
+@triton.jit
+def _combine_kernel(m_ptr, l_ptr, o_ptr, out_ptr, start_ptr, so_b, so_h, SPLITS, FIRST,
+                    S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    START: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, BLOCK_D)
     sm, dm = s < SPLITS, d < D
+    if START:  # partials FIRST.. are the prefix's, written only for rows that share one
+        sm = sm & ((s < FIRST) | (tl.load(start_ptr + b) > 0))
     row = (b * tl.num_programs(1) + h) * SPLITS + s
     m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
+    sm = sm & (m > float("-inf"))  # an empty partial stored its max alone
     l_s = tl.load(l_ptr + row, mask=sm, other=0.0)
     o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-    top = tl.max(m, 0)  # split 0 always holds the row's first token: finite
+    top = tl.max(m, 0)  # some partial holds the row's new token: finite
     w = tl.where(sm, tl.exp2(m - top), 0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(l_s * w, 0)
     tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=dm)
@@ -149,36 +260,111 @@ def _coarse(n: int) -> int:
     return b
 
 
+def members(heads: int, kv_heads: int) -> int:
+    """Rows of a group one prefix program takes (a bigger group is split into chunks):
+    up to 8, fewer where the query heads per kv head would make its tile over 64 rows."""
+    return max(1, min(8, 64 // triton.next_power_of_2(heads // kv_heads)))
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """Which rows share a prefix, as `_prefix_kernel` reads it: `start` [B] each row's
+    shared prefix tokens (0: none; its own kernel reads it all), `order` [B] the rows
+    sorted so a group's rows are adjacent (rows sharing nothing last), `count` [B] at each
+    position of `order` that starts a chunk of a group (at most `chunk` rows), its rows;
+    `starts` [B] those positions first, in order; `chunks` (a 0-d tensor) how many."""
+
+    start: torch.Tensor
+    order: torch.Tensor
+    count: torch.Tensor
+    starts: torch.Tensor
+    chunks: torch.Tensor
+    chunk: int
+
+
+def prefix_groups(group: torch.Tensor, shared: torch.Tensor, chunk: int) -> Prefix:
+    """The chunks of rows that share a prefix, on the device, without a host sync (so a
+    CUDA graph captures it): rows with the same `group` id and `shared` > 0 tokens share
+    their first `shared` tokens' pages (a group of one row too: its prefix kernel reads
+    what its own would have). `chunk`: the most rows a chunk takes (`members`)."""
+    rows = group.shape[0]
+    idx = torch.arange(rows, device=group.device)
+    sharing = shared > 0
+    key = torch.where(sharing, group, torch.iinfo(torch.long).max)  # group ids: >= 0
+    skey, order = torch.sort(key, stable=True)
+    first = torch.searchsorted(skey, skey)
+    end = torch.searchsorted(skey, skey, right=True)
+    head = ((idx - first) % chunk == 0) & sharing[order]
+    count = torch.where(head, torch.clamp(end - idx, max=chunk), 0)
+    starts = torch.sort(torch.where(head, idx, rows + idx)).values
+    return Prefix(shared, order, count, starts, head.sum(), chunk)
+
+
+def prefix_plan(rows: int, kv_heads: int, tokens: int, device: torch.device, chunk: int,
+                block_n: int = BLOCK_N) -> tuple[int, int, int]:
+    """(chunk programs, splits, tiles per split) of a shared prefix of up to `tokens`:
+    a program per `chunk` rows of the bucket, splits enough to fill the card
+    `TUNE["prefix_fill"]` times. Shape only, as split_plan."""
+    programs = triton.cdiv(rows, chunk)
+    tiles = triton.cdiv(tokens, block_n)
+    want = triton.cdiv(TUNE["prefix_fill"] * _sms(device), programs * kv_heads)
+    splits = _coarse(max(1, min(want, tiles, MAX_SPLITS)))
+    return programs, splits, triton.cdiv(tiles, splits)
+
+
 def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  table: torch.Tensor, lengths: torch.Tensor, page_size: int,
-                 scale: float, block_n: int = BLOCK_N, warps: int = 4, stages: int = 3
-                 ) -> torch.Tensor:
+                 scale: float, block_n: int = BLOCK_N, warps: int = 4, stages: int = 3,
+                 prefix: Prefix | None = None) -> torch.Tensor:
     """Attention of one new token per row over its pages.
 
     q [B, Hq, D] (any strides with a unit last one); keys/values: a layer's pool
     [pages * page_size, Hkv, D]; table [B, P] the pages of each row in order (P pages are
     attended at most); lengths [B] each row's tokens (>= 1; its new token included, already
     written). Returns [B, Hq, D] in q's dtype. `block_n`, `warps`, `stages`: tuning knobs
-    (tokens per tile, warps and pipeline stages of the split kernel)."""
+    (tokens per tile, warps and pipeline stages of the split kernel). `prefix`
+    (prefix_groups): rows whose first tokens are shared, read once per chunk of rows
+    (cascade); each row's own kernel then reads from its `start` on."""
     B, Hq, D = q.shape
     Hkv = keys.shape[1]
     if q.stride(2) != 1 or keys.stride(2) != 1 or values.stride(2) != 1:
         raise ValueError("paged_decode needs a unit stride on the head dimension")
     G = Hq // Hkv
-    splits, per = split_plan(B, Hkv, table.shape[1] * page_size, q.device, block_n)
+    tokens = table.shape[1] * page_size
+    splits, per = split_plan(B, Hkv, tokens, q.device, block_n)
+    chunk = 1 if prefix is None else prefix.chunk
+    pre_n = TUNE["prefix_block_n"]
+    programs, pre_splits, pre_per = (0, 0, 0) if prefix is None else prefix_plan(
+        B, Hkv, tokens, q.device, chunk, pre_n)
+    parts = splits + pre_splits
     dev, f32 = q.device, torch.float32
-    m = torch.empty((B, Hq, splits), dtype=f32, device=dev)
-    l_ = torch.empty((B, Hq, splits), dtype=f32, device=dev)
-    o = torch.empty((B, Hq, splits, D), dtype=f32, device=dev)
+    m = torch.empty((B, Hq, parts), dtype=f32, device=dev)
+    l_ = torch.empty((B, Hq, parts), dtype=f32, device=dev)
+    o = torch.empty((B, Hq, parts, D), dtype=f32, device=dev)
     block_d = triton.next_power_of_2(D)
+    g_pad = triton.next_power_of_2(G)
+    to_length = os.environ.get("TRITON_INTERPRET") != "1"
+    strides = (q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0),
+               values.stride(1), table.stride(0), scale * 1.4426950408889634)
+    start = lengths if prefix is None else prefix.start
     _split_kernel[(B, Hkv, splits)](
-        q, keys, values, table, lengths, m, l_, o,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0),
-        values.stride(1), table.stride(0), scale * 1.4426950408889634,
-        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d,
+        q, keys, values, table, lengths, start, m, l_, o, *strides, parts,
+        START=prefix is not None, G=G, G_PAD=max(16, g_pad), D=D, BLOCK_D=block_d,
         BLOCK_N=block_n, PAGE=page_size, TILES=per, IEEE=q.dtype == torch.float32,
-        TO_LENGTH=os.environ.get("TRITON_INTERPRET") != "1", num_warps=warps, num_stages=stages)
+        TO_LENGTH=to_length, num_warps=warps,
+        num_stages=stages if prefix is None else TUNE["suffix_stages"])
+    if prefix is not None:
+        _prefix_kernel[(programs, Hkv, pre_splits)](
+            q, keys, values, table, prefix.start, prefix.order, prefix.count, prefix.starts,
+            prefix.chunks, m, l_, o, *strides, parts, splits, G=G, G_PAD=g_pad,
+            ROWS=max(16, chunk * g_pad), D=D, BLOCK_D=block_d, BLOCK_N=pre_n, PAGE=page_size,
+            # the interpreter's loop bounds (unused compiled: no variant per value)
+            TILES=1 if to_length else pre_per,
+            CHUNK_TRIPS=1 if to_length else triton.cdiv(B, programs),
+            IEEE=q.dtype == torch.float32, TO_LENGTH=to_length,
+            num_warps=TUNE["prefix_warps"], num_stages=TUNE["prefix_stages"])
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=dev)
-    _combine_kernel[(B, Hq)](m, l_, o, out, out.stride(0), out.stride(1), splits,
-                             S_PAD=triton.next_power_of_2(splits), D=D, BLOCK_D=block_d)
+    _combine_kernel[(B, Hq)](m, l_, o, out, start, out.stride(0), out.stride(1), parts,
+                             splits, S_PAD=triton.next_power_of_2(parts), D=D,
+                             BLOCK_D=block_d, START=prefix is not None)
     return out
