@@ -93,7 +93,7 @@ def run_shape(shape: str, device: str, sizes: tuple, budget: int, modes: list[st
         for mode, label, minimum in [(m, *x) for m in modes for x in (
                 ("unshared (shared_prefix = 0)", 0),
                 (f"shared (shared_prefix = {MIN_SHARED})", MIN_SHARED))]:
-            flash_varlen.ENABLED = mode == "flash"
+            flash_varlen.ENABLED = flash_varlen.SHARED = mode == "flash"
             if mode not in agree:
                 agree[mode] = agreement(eng, req, MIN_SHARED)
             label = f"{label}, {mode}" if len(modes) > 1 else label

@@ -7,9 +7,9 @@ adapter, so every adapter owns one contiguous span of tokens, and a LoRA module'
 for the whole sequence is two grouped matmuls over those spans (`torch._grouped_mm`),
 whatever the number of adapters.
 
-Attention: flash attention's variable-length kernel on a GPU in half precision (its aten
-ops, flash_varlen.py: fewer kv heads than query heads as they are; `torch.nn.attention.varlen`
-where those are off); otherwise (CPU, fp32) one SDPA call per segment, the same math.
+Attention: flash attention's variable-length kernel (`torch.nn.attention.varlen`, or its aten
+ops through flash_varlen.py where that is switched on) on a GPU in half precision; otherwise
+(CPU, fp32) one SDPA call per segment, the same math.
 """
 
 from __future__ import annotations
