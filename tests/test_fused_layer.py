@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 import torch
-from helpers import DEVICE, all_close, assert_same_results, grads, loss_data, mixed_engine
+from helpers import all_close, assert_same_results, grads, loss_data, mixed_engine
 
 from twinkled.engine import fused_ops
 from twinkled.engine.fused_ops import Fused
