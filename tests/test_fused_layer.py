@@ -2,18 +2,21 @@
 one GEMM for q/k/v and for gate/up) against the reference path (BaseModel.fused =
 Fused.off(): HF's modules op by op): every loss, a mixed batch of adapters, packed and
 padded, with and without recompute, give the same logprobs, losses and gradients of every
-adapter (fp32); seeded sampling gives the same tokens. On CPU the kernels' math is eager
-torch (liger-kernel's Triton kernels do not run in the interpreter), so these check the
-fused structure; TWINKLE_TEST_DEVICE=cuda runs the same tests through liger's kernels, and
-the op tests check each kernel against the reference there, forward and backward."""
+adapter (fp32); seeded sampling gives the same tokens. The kernels are liger-kernel's
+wherever it is installed: on CPU in Triton's interpreter (liger_interpret.py), on a GPU
+with TWINKLE_TEST_DEVICE=cuda; without it, the levers' eager math (the fused structure:
+split GEMM outputs, the add + norm order). The op tests check each kernel against the
+reference math, values and gradients, fp32 and (on a GPU) bf16."""
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import pytest
 import torch
-from helpers import all_close, assert_same_results, grads, loss_data, mixed_engine
+from helpers import DEVICE, all_close, assert_same_results, grads, loss_data, mixed_engine
+from liger_interpret import kernels_here
 
 from twinkled.engine import fused_ops
 from twinkled.engine.fused_ops import Fused
@@ -23,14 +26,30 @@ from twinkled.protocol.types import ForwardBackwardRequest, SampleRequest, Sampl
 # name -> (rank, train_attn, train_mlp, train_unembed); a and b share a bank
 ADAPTERS = {"a": (4, True, True, True), "b": (4, True, True, True),
             "m": (8, False, True, False), "t": (2, True, False, True)}
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or not fused_ops.liger_usable(
-    torch.device("cuda")), reason="liger-kernel's kernels need CUDA")
+KERNELS = kernels_here(DEVICE)
+kernels = pytest.mark.skipif(not KERNELS, reason="liger-kernel is not installed")
+cuda = pytest.mark.skipif(DEVICE != "cuda" or not KERNELS, reason="bf16 kernels: a GPU's")
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
-def eng(request, arch_dirs):
-    """qwen3: q/k norms; qwen2: q/k/v biases; llama: neither."""
-    return mixed_engine(arch_dirs[request.param], ADAPTERS)
+ARCHS = ("qwen3", "qwen2", "llama")  # qwen3: q/k norms; qwen2: q/k/v biases; llama: neither
+
+
+@pytest.fixture(scope="module")
+def engines(arch_dirs):
+    made = {}
+
+    def get(arch: str, kernels: bool):
+        if arch not in made:
+            made[arch] = mixed_engine(arch_dirs[arch], ADAPTERS)
+        made[arch].model.kernels = kernels
+        return made[arch]
+    return get
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def eng(request, engines):
+    """The levers' eager math: cheap, so every loss and layout on every architecture."""
+    return engines(request.param, False)
 
 
 def _run(eng, requests, fused: Fused, forward_only: bool = False):
@@ -60,22 +79,45 @@ def _assert_same(eng, requests, levers: Fused, tol: float = 1e-4):
         assert all_close(our_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6), name
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-@pytest.mark.parametrize("loss", list(LOSSES))
-def test_fused_layer_equals_the_reference(eng, loss, packed):
+@contextlib.contextmanager
+def _packed(eng, packed: bool):
     eng.packed = packed
     try:
-        _assert_same(eng, _requests(eng, loss), Fused())
+        yield
     finally:
         eng.packed = True
 
 
-@pytest.mark.parametrize("lever", ["norm", "rope", "silu", "gemm"])
-def test_each_lever_alone_equals_the_reference(eng, lever):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_fused_layer_equals_the_reference(eng, loss, packed):
+    with _packed(eng, packed):
+        _assert_same(eng, _requests(eng, loss), Fused())
+
+
+# liger's kernels: in the CPU interpreter a pass takes seconds, so a few cases of each kind
+@kernels
+@pytest.mark.parametrize("arch,loss,packed", [
+    ("qwen3", "cross_entropy", True), ("qwen3", "ppo", False), ("qwen2", "importance_sampling", True),
+    ("llama", "cross_entropy", False)])
+def test_liger_layer_equals_the_reference(engines, arch, loss, packed):
+    eng = engines(arch, True)
+    with _packed(eng, packed):
+        _assert_same(eng, _requests(eng, loss), Fused())
+
+
+@kernels
+@pytest.mark.parametrize("lever", ["norm", "rope", "silu", "gemm", "silu,gemm"])
+def test_each_lever_alone_equals_the_reference(engines, lever):
+    """silu,gemm: the SiLU kernel reading gate/up in place from the joint GEMM's output."""
+    eng = engines("qwen3", True)
     _assert_same(eng, _requests(eng, "cross_entropy"), Fused.parse(lever))
 
 
-def test_fused_layer_under_recompute_and_forward_only(eng):
+@pytest.mark.parametrize("liger", [False, pytest.param(True, marks=kernels)],
+                         ids=["eager", "liger"])
+def test_fused_layer_under_recompute_and_forward_only(engines, liger):
+    eng = engines("qwen3", liger)
     requests = _requests(eng, "importance_sampling")
     eng.model.recompute.set_mode("on")
     used = eng.model.recompute.used
@@ -89,7 +131,11 @@ def test_fused_layer_under_recompute_and_forward_only(eng):
     assert_same_results(ref, ours, tol=1e-4)
 
 
-def test_seeded_samples_are_the_same_tokens(eng):
+@pytest.mark.parametrize("liger", [False, pytest.param(True, marks=kernels)],
+                         ids=["eager", "liger"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_seeded_samples_are_the_same_tokens(engines, arch, liger):
+    eng = engines(arch, liger)
     gen = torch.Generator().manual_seed(3)
     reqs = [SampleRequest(name, torch.randint(5, eng.model.vocab_size, (n,), generator=gen)
                           .tolist(), SamplingParams(max_tokens=12, temperature=1.0, seed=7 + n,
@@ -148,11 +194,13 @@ def _grads_of(fn, inputs, seed):
                                                   if t.grad is not None]
 
 
-@cuda
+@kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_liger_kernels_equal_the_reference_ops(dtype):
     """Each kernel against the eager math it replaces, values and gradients."""
-    dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("bf16 kernels: a GPU's")
+    dev, gen = torch.device(DEVICE), torch.Generator(device=DEVICE).manual_seed(0)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
 
     def r(*shape):

@@ -113,7 +113,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, kernel: bool,
     if joint is not None and _halves_of(joint, gate, up):
         from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
 
-        return LigerFusedGateUpSiLUMulFunction.apply(joint)
+        # 2-D in and out: its backward returns the gradient flattened to [rows, 2F]
+        flat = LigerFusedGateUpSiLUMulFunction.apply(joint.view(-1, joint.shape[-1]))
+        return flat.view(*gate.shape)
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
     return LigerSiLUMulFunction.apply(gate, up)
