@@ -11,19 +11,22 @@ can be switched (and measured) alone; all off is the reference path.
 - gemm: one GEMM for q/k/v and one for gate/up, on weights concatenated at load
   (`concat_linears`: the modules' weights become views of the one tensor, no extra memory).
 
-The kernels are liger-kernel's (Triton, forward and backward), used on CUDA only: its
-kernels do not run in Triton's CPU interpreter (libdevice calls, float scalars). Elsewhere the
-same functions run eager torch with HF's math, so the fused layer's structure (the split GEMM
-outputs, the add+norm order) runs and is tested on CPU; tests/test_fused_layer.py checks
-liger itself against the reference where CUDA is.
+The kernels are liger-kernel's (Triton, forward and backward), used on CUDA. Elsewhere (and
+where liger is not installed) the same functions run eager torch with HF's math, so the
+fused layer's structure (the split GEMM outputs, the add + norm order) still runs.
+tests/test_fused_layer.py checks both against the reference; on CPU liger's kernels run in
+Triton's interpreter there (tests/liger_interpret.py fills the interpreter's gaps).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,6 +59,8 @@ def liger_usable(device: torch.device) -> bool:
     try:
         import liger_kernel.ops.rms_norm  # noqa: F401
     except ImportError:
+        log.warning("liger-kernel is not installed (the `gpu` extra): the decoder layer's "
+                    "norms, rotary and SiLU run op by op")
         return False
     return True
 
