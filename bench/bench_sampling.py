@@ -36,6 +36,7 @@ from bench_engine import build_model, header
 from output import emit, section_path
 
 from twinkled.engine.engine import Engine
+from twinkled.engine.fused_ops import Fused
 from twinkled.engine.running import PAGE_SIZE, RunningBatch
 from twinkled.engine.sampler import generate_padded
 from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
@@ -181,6 +182,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=PAGE_SIZE, help="tokens per KV page")
     ap.add_argument("--kv-gb", type=float, default=None,
                     help="KV page pool, GB (default: the whole workload at once)")
+    ap.add_argument("--fused", default="all",
+                    help="the layer's fused kernels (engine/fused_ops.py): all, none, or levers "
+                    "comma-separated of norm, rope, silu, gemm")
     ap.add_argument("--write", default=section_path("sampling"))
     args = ap.parse_args()
     if args.cascade_tune:
@@ -207,6 +211,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         vocab = build_model(args.shape, Path(tmp) / "model", dtype, args.device)
         eng = Engine(Path(tmp) / "model", dtype=dtype, device=dev)
+        eng.model.fused = Fused.parse(args.fused)
         for i in range(args.adapters):
             eng.add_adapter(f"a{i}", LoraConfig(rank=RANK, alpha=RANK, seed=i,
                                                 train_unembed=False))
@@ -225,8 +230,9 @@ def main() -> None:
     text += (f"\n### {args.shape} ({args.device}, {str(dtype).split('.')[-1]}), "
              f"{args.adapters} adapters r={RANK}, prompts of {args.prompt} tokens, {args.new} "
              f"new tokens a sample, pages of {args.page_size}, bandwidth bound at "
-             f"{args.bandwidth_gbs:g} GB/s, median of {args.repeats}; old: gather + SDPA, new: "
-             f"paged kernel with cascade, flat: without\n\n| workload | path | call tok/s | decode tok/s | step ms | "
+             f"{args.bandwidth_gbs:g} GB/s, fused {args.fused}, median of {args.repeats}; old: "
+             f"gather + SDPA, new: paged kernel with cascade, flat: without\n\n| workload | path | "
+             f"call tok/s | decode tok/s | step ms | "
              f"bound tok/s | of bound | GB/step | graphs | call new/old | padded tok/s |\n"
              f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     for (name, path), r in results.items():

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import build_model  # noqa: E402
 
 from twinkled.engine.engine import Engine  # noqa: E402
+from twinkled.engine.fused_ops import Fused  # noqa: E402
 from twinkled.protocol.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig
 
 
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--fused", default="all", help="all, none, or levers: norm,rope,silu,gemm")
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -50,6 +52,7 @@ def main() -> None:
         model_dir = Path(tmp) / "model"
         build_model(args.shape, model_dir, dtype, dev.type)
         eng = Engine(model_dir, dtype=dtype, device=dev)
+        eng.model.fused = Fused.parse(args.fused)
         names, reqs = tenant_rows(eng, args.adapters, args.seq)
 
         def fb():

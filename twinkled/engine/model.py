@@ -18,7 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 from twinkled.protocol.types import ATTN_MODULES, MLP_MODULES, EngineInputError
 
-from . import chunked_logprobs
+from . import chunked_logprobs, fused_ops
+from .fused_ops import Fused, Joint
 from .lora import LoraBatch
 from .losses import target_logprobs
 from .moe import MOE_ARCHS, bank_tokens, moe_blocks, shard_experts
@@ -141,6 +142,12 @@ class BaseModel:
         # q/k/v and gate/up adapters' A matmuls one per group (lora_fused.py); False: one
         # per module (the reference path).
         self.fuse_lora = True
+        # Fused kernels of the layer (fused_ops.py), one lever each; Fused.off(): the
+        # reference path, HF's modules op by op. The kernels are liger-kernel's (CUDA only);
+        # elsewhere the levers keep the fused structure with eager math.
+        self.fused = Fused()
+        self.kernels = fused_ops.liger_usable(self.device)
+        self.joints = self._concat_linears()
         self.recompute = Recompute(config.to_dict(), self.dtype, self.device, self.tp.size,
                                    self.tp.group)
 
@@ -187,21 +194,39 @@ class BaseModel:
         for i, layer in enumerate(self.layers):
             args = (i, layer, h, cos, sin, lora, cache, mask, packing, banks)
             h = checkpoint(self._layer, *args, use_reentrant=False) if again else self._layer(*args)
-        return self.decoder.norm(h)
+        return self._norm(self.decoder.norm, h)
 
     def _layer(self, i, layer, h, cos, sin, lora, cache, mask, packing, banks) -> torch.Tensor:
         keys = self.layer_keys[i]
-        x = self.tp.enter(layer.input_layernorm(h))
-        h = h + self.tp.leave(self._attention(i, layer.self_attn, x, cos, sin, keys, lora,
-                                              cache, mask, packing))
+        x = self.tp.enter(self._norm(layer.input_layernorm, h))
+        a = self.tp.leave(self._attention(i, layer.self_attn, x, cos, sin, keys, lora,
+                                          cache, mask, packing))
+        x, h = self._add_norm(layer.post_attention_layernorm, a, h)
         if i in self.moe:  # split experts bring their own pair of collectives (moe.py)
-            return h + self.moe[i](layer.post_attention_layernorm(h), banks)
-        x = self.tp.enter(layer.post_attention_layernorm(h))
+            return h + self.moe[i](x, banks)
+        x = self.tp.enter(x)
         mlp = layer.mlp
-        gate, up = self._linears((mlp.gate_proj, mlp.up_proj),
-                                 (keys["gate_proj"], keys["up_proj"]), x, lora)
-        return h + self.tp.leave(self._linear(mlp.down_proj, keys["down_proj"],
-                                              mlp.act_fn(gate) * up, lora))
+        (gate, up), joint = self._linears((mlp.gate_proj, mlp.up_proj),
+                                          (keys["gate_proj"], keys["up_proj"]), x, lora,
+                                          self.joints[i].get("mlp"))
+        if self.fused.silu:
+            act = fused_ops.silu_mul(gate, up, self.kernels, joint)
+        else:
+            act = mlp.act_fn(gate) * up
+        return h + self.tp.leave(self._linear(mlp.down_proj, keys["down_proj"], act, lora))
+
+    def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        if not self.fused.norm:
+            return module(x)
+        return fused_ops.rms_norm(x, module.weight, module.variance_epsilon, self.kernels)
+
+    def _add_norm(self, module, x: torch.Tensor, residual: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add and the norm after it."""
+        if not self.fused.norm:
+            h = residual + x
+            return module(h), h
+        return fused_ops.add_rms_norm(x, residual, module.weight, module.variance_epsilon, self.kernels)
 
     def logits(self, hidden: torch.Tensor, lora: LoraBatch | PackedLora | None = None
                ) -> torch.Tensor:
@@ -228,13 +253,14 @@ class BaseModel:
 
     def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing):
         B, S, _ = x.shape
-        q, k, v = (t.view(B, S, -1, self.head_dim) for t in self._linears(
-            (attn.q_proj, attn.k_proj, attn.v_proj),
-            (keys["q_proj"], keys["k_proj"], keys["v_proj"]), x, lora))
+        qkv, _ = self._linears((attn.q_proj, attn.k_proj, attn.v_proj),
+                               (keys["q_proj"], keys["k_proj"], keys["v_proj"]), x, lora,
+                               self.joints[i].get("attn"))
+        q, k, v = (t.view(B, S, -1, self.head_dim) for t in qkv)
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = fused_ops.rope(q, k, cos, sin, self.kernels and self.fused.rope)
         if S == 1 and getattr(cache, "fused", False):  # decode straight from the KV pages
             out = cache.attend(i, q, k, v, self.scaling).transpose(1, 2).reshape(B, S, -1)
             return self._linear(attn.o_proj, keys["o_proj"], out, lora)
@@ -254,27 +280,44 @@ class BaseModel:
         y = F.linear(x, module.weight, module.bias)
         return y if lora is None else lora.apply(key, x, y)
 
-    def _linears(self, modules, keys, x, lora) -> list[torch.Tensor]:
-        """Linears that read the same x (q/k/v; gate/up). A LoRA batch that can (LoraBatch:
-        `apply_shared`) runs the group's A matmuls as one (lora_fused.py)."""
-        ys = [F.linear(x, m.weight, m.bias) for m in modules]
+    def _linears(self, modules, keys, x, lora, joint: Joint | None = None
+                 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Linears that read the same x (q/k/v; gate/up), and the one output they are views
+        of where the `gemm` lever ran them as one GEMM (`joint`, fused_ops.py). A LoRA batch
+        that can (LoraBatch: `apply_shared`) runs the group's A matmuls as one
+        (lora_fused.py)."""
+        y = None
+        # Not where a LoRA trains: its deltas go into row slices of the outputs in place
+        # (one slice per adapter), and on views of one joint output each such add makes the
+        # backward copy the whole joint gradient (autograd's CopySlices): 8 x 512 tokens on
+        # the 8B took 413 ms a round against 384 ms with the modules' own GEMMs (2 rounds).
+        if joint is not None and self.fused.gemm and (lora is None
+                                                      or not torch.is_grad_enabled()):
+            y, ys = joint(x)
+        else:
+            ys = [F.linear(x, m.weight, m.bias) for m in modules]
         if lora is None:
-            return ys
+            return ys, y
         if self.fuse_lora and hasattr(lora, "apply_shared"):
-            return lora.apply_shared(keys, x, ys)
-        return [lora.apply(key, x, y) for key, y in zip(keys, ys, strict=True)]
+            return lora.apply_shared(keys, x, ys), y
+        return [lora.apply(key, x, y) for key, y in zip(keys, ys, strict=True)], y
+
+    def _concat_linears(self) -> list[dict[str, Joint]]:
+        """Each layer's q/k/v and (dense) gate/up weights as one tensor, the modules' weights
+        views of it (fused_ops.concat_linears): after loading, sharding and the move to the
+        device, so every rank concatenates its own shards."""
+        joints = []
+        for i, layer in enumerate(self.layers):
+            a, group = layer.self_attn, {}
+            group["attn"] = fused_ops.concat_linears([a.q_proj, a.k_proj, a.v_proj])
+            if i not in self.moe:
+                group["mlp"] = fused_ops.concat_linears([layer.mlp.gate_proj, layer.mlp.up_proj])
+            joints.append({k: v for k, v in group.items() if v is not None})
+        return joints
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(len(self.layers), batch, self.n_kv, max_len, self.head_dim,
                        self.dtype, self.device)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding, half-split layout (as the HF Llama family stores it)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def _eos_ids(config, tokenizer) -> set[int]:
