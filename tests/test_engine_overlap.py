@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_engine, randomize_b
+from helpers import DEVICE, make_engine, randomize_b
 
 from twinkled.engine.running import RunningBatch
 from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
@@ -73,7 +73,8 @@ def _drive(eng, overlap: bool, decode: str) -> tuple[list[int], dict]:
     return tickets, results
 
 
-@pytest.mark.parametrize("decode", ["eager", "buckets"])
+@pytest.mark.parametrize("decode", ["eager", "buckets"] + (
+    ["graphs"] if DEVICE == "cuda" else []))
 def test_overlapped_and_synchronous_loops_sample_the_same(eng, decode):
     t_sync, sync = _drive(eng, False, decode)
     t_over, over = _drive(eng, True, decode)

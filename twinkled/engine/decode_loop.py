@@ -31,6 +31,7 @@ in flight outlives `RunningBatch.step` and slices: the next call lands it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -93,6 +94,7 @@ class DecodeLoop:
         self._flight: Flight | None = None
         self._choice: tuple[RowChoice, int, list[torch.Generator]] | None = None
         self._top: int | None = None  # the furthest live row's position on the device
+        self.waited = 0.0  # seconds the host waited for steps' results (bench_sampling.py)
 
     @property
     def in_flight(self) -> bool:
@@ -152,7 +154,9 @@ class DecodeLoop:
     def _land(self, f: Flight, g: Flight | None, live: list, done: list) -> Flight | None:
         """Record `f`'s tokens; retire the rows that stopped; `g` (launched after `f`, for
         the rows then live) follows the rows left: returned as they will land it."""
+        t0 = time.perf_counter()
         tokens, lps, top = f.read()
+        self.waited += time.perf_counter() - t0
         stopped = []
         for b, s in enumerate(f.layout):
             if s.done is None:  # (done: cancelled since the launch)
