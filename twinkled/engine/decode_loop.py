@@ -104,25 +104,24 @@ class DecodeLoop:
         """Rows joined or left the batch other than by stopping (admission, cancel)."""
         self._choice, self._top = None, None
 
-    def step(self, live: list, done: list) -> None:
+    def step(self, live: list, done: list, land: bool = True) -> None:
         """Land one decode step (recording each live row's token), having launched the
-        next one first when overlapped."""
+        next one first when overlapped; `land=False` (after `settle`): only launch it."""
         if not self.overlap:
             self._land(self._launch(live), None, live, done)
-            return
-        f = self._flight or self._launch(live)
-        self._flight = None
-        self._flight = self._land(f, self._launch(live), live, done)
+        elif not land:
+            self._flight = self._launch(live)
+        else:
+            f = self._flight or self._launch(live)
+            self._flight = None
+            self._flight = self._land(f, self._launch(live), live, done)
 
-    def settle(self, live: list, done: list) -> None:
-        """Land the step in flight, if any, launching none."""
+    def settle(self, live: list, done: list) -> bool:
+        """Land the step in flight (launching none); whether there was one."""
         f, self._flight = self._flight, None
         if f is not None:
             self._land(f, None, live, done)
-
-    def launch(self, live: list) -> None:
-        """Launch a step to land at the next `step` (overlapped, after `settle`)."""
-        self._flight = self._launch(live)
+        return f is not None
 
     # -- one step -------------------------------------------------------------------------
 

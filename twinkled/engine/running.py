@@ -16,6 +16,7 @@ Rows of many adapters (and the base model) run in one step, each through its own
 (lora_rows.py), with its own temperature, top-k, top-p, seed and stop rule (choose.py).
 Seeded rows draw from their request's generator as the padded sampler does, so the same
 seed gives the same tokens on both paths (while a request's rows run to the same length).
+On CUDA a decode step is launched before the host records the last one (decode_loop.py).
 """
 
 from __future__ import annotations
@@ -223,15 +224,12 @@ class RunningBatch:
     def step(self) -> list[Finished]:
         """Admit what fits, then one decode step; returns the requests that finished."""
         done: list[Finished] = []
-        if self.loop.in_flight and self._admission():  # rows join a settled batch
-            self.loop.settle(self.live, done)  # (this call's step)
-            self._admit_waiting(done)
-            if self.live:
-                self.loop.launch(self.live)
-            return done
+        # Rows join a settled batch: landing the step in flight is this call's step.
+        settled = self.loop.in_flight and bool(self._admission()) and self.loop.settle(
+            self.live, done)
         self._admit_waiting(done)
         if self.live:
-            self.loop.step(self.live, done)
+            self.loop.step(self.live, done, land=not settled)
         return done
 
     def sized_for(self, requests: list[SampleRequest]) -> RunningBatch:
