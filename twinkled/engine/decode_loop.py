@@ -26,7 +26,9 @@ the rows that stop at t; the results stay exactly those of the synchronous loop:
 Admission lands the step in flight first (`settle`), so rows join a settled batch and the
 adapter stack may grow (a graph in flight never loses its buffers); cancel needs no
 settling (the cancelled rows are marked done and skipped when their step lands). A step
-in flight outlives `RunningBatch.step` and slices: the next call lands it.
+in flight outlives `RunningBatch.step` and slices: the next call lands it (an optimizer
+step between slices changes nothing it reads: the running rows' adapter weights are
+copies, lora_rows.AdapterStack).
 """
 
 from __future__ import annotations
