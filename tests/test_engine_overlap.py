@@ -100,3 +100,22 @@ def test_overlapped_and_synchronous_loops_sample_the_same(eng, decode):
             split += 1  # a sample stopped on a token while its siblings went on
     # The case the redo is for happened: seeded siblings that stopped at different steps.
     assert split >= 2
+
+
+def test_requests_that_can_join_next_step_find_no_step_launched_ahead(eng):
+    """Prompts admitted a few at a time (the prefill budget): while the next ones can join,
+    no step runs ahead, so every step's batch is the synchronous loop's."""
+    reqs = [SampleRequest(None, _prompt(eng, 6, 20 + i), SamplingParams(
+        max_tokens=5 + i, stop=[], seed=i)) for i in range(5)]
+    got = {}
+    for overlap in (False, True):
+        batch = RunningBatch(eng.model, rows=8, pages=40, page_size=4, prefill_tokens=12,
+                             overlap=overlap)
+        tickets, out, ahead = batch.admit(reqs, [None] * 5), {}, []
+        while not batch.idle:
+            out.update((f.ticket, f.result) for f in batch.step())
+            ahead.append(batch.loop.in_flight)
+        got[overlap] = [[s.tokens for s in out[t].sequences] for t in tickets]
+        if overlap:  # two prompts a step join over the first steps; then it runs ahead
+            assert ahead[:2] == [False, False] and ahead[2] is True
+    assert got[True] == got[False]

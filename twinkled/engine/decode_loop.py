@@ -23,8 +23,11 @@ the rows that stop at t; the results stay exactly those of the synchronous loop:
   synchronous loop would have drawn them. Greedy and unseeded rows keep their tokens.
 - The rows left move down into the freed slots (`RunningBatch._vacate`); step t + 1's
   results follow them (one gather) before they land.
-Admission lands the step in flight first (`settle`), so rows join a settled batch and the
-adapter stack may grow (a graph in flight never loses its buffers); cancel needs no
+No step is launched ahead while waiting requests can join at the next step, so they join
+a settled batch beside the rows the synchronous loop has (the same batches: on a GPU a
+batch's make-up can round bf16 logits differently). Rows that could not join until a
+stop freed room land the step in flight first (`settle`): they join a settled batch, and
+the adapter stack may grow (a graph in flight never loses its buffers); cancel needs no
 settling (the cancelled rows are marked done and skipped when their step lands). A step
 in flight outlives `RunningBatch.step` and slices: the next call lands it (an optimizer
 step between slices changes nothing it reads: the running rows' adapter weights are
@@ -106,9 +109,10 @@ class DecodeLoop:
         """Rows joined or left the batch other than by stopping (admission, cancel)."""
         self._choice, self._top = None, None
 
-    def step(self, live: list, done: list, land: bool = True) -> None:
+    def step(self, live: list, done: list, land: bool = True, ahead: bool = True) -> None:
         """Land one decode step (recording each live row's token), having launched the
-        next one first when overlapped; `land=False` (after `settle`): only launch it."""
+        next one first when overlapped and `ahead`; `land=False` (after `settle`): only
+        launch it."""
         if not self.overlap:
             self._land(self._launch(live), None, live, done)
         elif not land:
@@ -116,7 +120,7 @@ class DecodeLoop:
         else:
             f = self._flight or self._launch(live)
             self._flight = None
-            self._flight = self._land(f, self._launch(live), live, done)
+            self._flight = self._land(f, self._launch(live) if ahead else None, live, done)
 
     def settle(self, live: list, done: list) -> bool:
         """Land the step in flight (launching none); whether there was one."""

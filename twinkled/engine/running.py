@@ -228,8 +228,8 @@ class RunningBatch:
         settled = self.loop.in_flight and bool(self._admission()) and self.loop.settle(
             self.live, done)
         self._admit_waiting(done)
-        if self.live:
-            self.loop.step(self.live, done, land=not settled)
+        if self.live:  # none ahead while rows wait to join next: they join as they would
+            self.loop.step(self.live, done, land=not settled, ahead=not self._admission())
         return done
 
     def sized_for(self, requests: list[SampleRequest]) -> RunningBatch:
