@@ -40,3 +40,43 @@ def test_consecutive_and_scattered_rows_choose_alike(dev):
     a = together.choose(logits)[0][1:4]
     b = apart.choose(logits[order])[0][torch.tensor([1, 3, 5], device=dev)]
     assert torch.equal(a, b)
+
+
+def _reference(params, groups, logits):
+    """choose.py's choice as it was before it skipped passes (the division by every row's
+    temperature, the greedy argmax, ones for rows outside a group) and drew into slices."""
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev)
+    greedy = temp == 0
+    logp = torch.log_softmax(logits.float() / torch.where(greedy, 1.0, temp)[:, None], dim=-1)
+    choice = RowChoice.of(params, [], dev)
+    probs = (choice._filter(logp) if choice.filtered else logp).exp()
+    noise = torch.ones_like(probs)
+    for idx, gen in groups:
+        noise[torch.tensor(idx, device=dev)] = torch.empty(
+            (len(idx), probs.shape[1]), device=dev).exponential_(generator=gen)
+    tokens = torch.where(greedy, logp.argmax(-1), (probs / noise).argmax(-1))
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", ["all hot", "mixed", "filtered", "ungrouped"])
+def test_choose_picks_what_the_unabridged_choice_picks(dev, case):
+    """Skipping the passes that change nothing (temperature 1, no greedy row, every row
+    drawn) leaves every token and logprob as they were, bit for bit."""
+    hot, cold = SamplingParams(seed=1), SamplingParams(temperature=0.0)
+    params, groups = {
+        "all hot": ([hot] * 5, [[0, 1, 2], [3, 4]]),
+        "mixed": ([hot, cold, SamplingParams(temperature=0.7, seed=2), hot, hot],
+                  [[0, 3], [2], [4]]),
+        "filtered": ([SamplingParams(seed=1, top_k=20)] * 2 + [SamplingParams(top_p=0.5)] * 3,
+                     [[0, 1], [2, 3, 4]]),
+        "ungrouped": ([hot] * 5, [[0, 1], [3]]),  # rows 2, 4: noise 1, the argmax of probs
+    }[case]
+    logits = torch.randn(5, 3000, device=dev, generator=torch.Generator(dev).manual_seed(0)) * 3
+    got, want = [], []
+    for out, fn in ((got, lambda gs: RowChoice.of(params, gs, torch.device(dev)).choose(
+            logits)[:2]), (want, lambda gs: _reference(params, gs, logits))):
+        gens = [torch.Generator(device=dev).manual_seed(10 + i) for i in range(len(groups))]
+        out.extend(fn(list(zip(groups, gens, strict=True))))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -26,6 +26,11 @@ class RowChoice:
     # (rows, generator) per request with temperature > 0 (None: the global stream); rows
     # a slice where they are consecutive slots in sample order (one kernel draws them).
     groups: list[tuple[torch.Tensor | slice, torch.Generator | None]]
+    # What lets `choose` skip a pass over [rows, vocab] (same results): every temperature
+    # 0 or 1 (no division), none 0 (no greedy argmax), every row in a group (no ones).
+    unit_temp: bool = False
+    no_greedy: bool = False
+    covered: bool = False
 
     @classmethod
     def of(cls, params: list[SamplingParams], groups: list[tuple[list[int], torch.Generator | None]],
@@ -36,15 +41,19 @@ class RowChoice:
             top_p=torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
             all_greedy=all(p.temperature == 0 for p in params),
             filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-            groups=[(_rows(idx, dev), gen) for idx, gen in groups if idx])
+            groups=[(_rows(idx, dev), gen) for idx, gen in groups if idx],
+            unit_temp=all(p.temperature in (0, 1) for p in params),
+            no_greedy=bool(params) and all(p.temperature > 0 for p in params),
+            covered=sum(len(idx) for idx, _ in groups) == len(params))
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's token, its logprob, and the (temperature-scaled) distribution."""
         logits = logits.float()
         greedy = self.temp == 0
-        temp = torch.where(greedy, torch.ones_like(self.temp), self.temp)
-        logp = torch.log_softmax(logits / temp[:, None], dim=-1)
-        tokens = logp.argmax(dim=-1)
+        if not self.unit_temp:  # (x / 1 is x: the division only where it changes something)
+            logits = logits / torch.where(greedy, torch.ones_like(self.temp), self.temp)[:, None]
+        logp = torch.log_softmax(logits, dim=-1)
+        tokens = None if self.no_greedy else logp.argmax(dim=-1)
         if not self.all_greedy:
             probs_src = self._filter(logp) if self.filtered else logp
             probs = probs_src.exp()
@@ -54,15 +63,15 @@ class RowChoice:
             # Drawing into a contiguous slice draws what a fresh tensor of its shape gets
             # (the values follow the generator's offset and the element count only): one
             # kernel a request instead of three (host time: a 256-row step had 96).
-            noise = torch.ones_like(probs)
+            noise = torch.empty_like(probs) if self.covered else torch.ones_like(probs)
             for idx, gen in self.groups:
                 if isinstance(idx, slice):
                     noise[idx].exponential_(generator=gen)
                 else:
                     noise[idx] = torch.empty((idx.shape[0], probs.shape[1]), device=probs.device,
                                              dtype=probs.dtype).exponential_(generator=gen)
-            drawn = (probs / noise).argmax(dim=-1)
-            tokens = torch.where(greedy, tokens, drawn)
+            drawn = probs.div_(noise).argmax(dim=-1)
+            tokens = drawn if tokens is None else torch.where(greedy, tokens, drawn)
         return tokens, logp.gather(1, tokens[:, None]).squeeze(1), logp
 
     def _filter(self, logp: torch.Tensor) -> torch.Tensor:

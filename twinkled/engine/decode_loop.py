@@ -22,7 +22,8 @@ So the 0.5B's steps are GPU-bound, not host-bound: the host waits 4.5 of each 6.
 the step's results even overlapped (its own work, launch and landing, is ~1.7 ms); the
 ~0.5 ms the overlap saves a step is what the GPU sat idle while the host landed a step.
 What is left to gain is GPU work (the graph's ~1,000 small kernels a step, the sampling's
-passes over [rows, vocab] fp32). Both loops sampled the same tokens in 256 of 256 fan-out
+passes over [rows, vocab] fp32: choose.py skips, since, the ones that change nothing at
+temperature 1, ~4 of ~17 on the fan-out, not measured on a card). Both loops sampled the same tokens in 256 of 256 fan-out
 samples on each shape (the wide workload's differed in 49 of 256 greedy samples, from the
 batches' make-up while prompts joined: fixed since, see below, not re-measured).
 
