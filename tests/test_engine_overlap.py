@@ -119,3 +119,14 @@ def test_requests_that_can_join_next_step_find_no_step_launched_ahead(eng):
         if overlap:  # two prompts a step join over the first steps; then it runs ahead
             assert ahead[:2] == [False, False] and ahead[2] is True
     assert got[True] == got[False]
+
+
+def test_cancelling_the_last_rows_leaves_nothing_in_flight(eng):
+    req = SampleRequest(None, _prompt(eng, 5, 30), SamplingParams(max_tokens=20, stop=[]))
+    batch = RunningBatch(eng.model, rows=4, pages=16, page_size=4, overlap=True)
+    (ticket,) = batch.admit([req], [None])
+    batch.step()
+    batch.step()
+    assert batch.loop.in_flight
+    assert batch.cancel(ticket)
+    assert batch.idle and not batch.loop.in_flight and batch.free_pages == 15

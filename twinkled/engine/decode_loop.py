@@ -123,9 +123,12 @@ class DecodeLoop:
     def in_flight(self) -> bool:
         return self._flight is not None
 
-    def changed(self) -> None:
-        """Rows joined or left the batch other than by stopping (admission, cancel)."""
+    def changed(self, live: list) -> None:
+        """Rows joined or left the batch other than by stopping (admission, cancel); an
+        empty batch keeps no step in flight (landing it records nothing: rows cancelled)."""
         self._choice, self._top = None, None
+        if not live:
+            self.settle(live, [])
 
     def step(self, live: list, done: list, land: bool = True, ahead: bool = True) -> None:
         """Land one decode step (recording each live row's token), having launched the

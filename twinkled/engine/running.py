@@ -217,7 +217,7 @@ class RunningBatch:
             if r.adapter is not None:
                 self.stack.release(r.adapter)
             self._vacate(b)
-        self.loop.changed()
+        self.loop.changed(self.live)
         return True
 
     @torch.no_grad()
@@ -350,7 +350,7 @@ class RunningBatch:
                               [s.length for s in seated], [s.pages for s in seated],
                               [s.request.adapter for s in seated])
         self.live += seated
-        self.loop.changed()
+        self.loop.changed(self.live)
 
     def _prompt_pages(self, take: list[_Request], uniq: list[_Request]
                       ) -> tuple[list[list[int]], list[int]]:
