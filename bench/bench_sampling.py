@@ -16,7 +16,10 @@ captures the CUDA graphs): the median call, and the decode steps of all timed ca
 is the gather + SDPA reference (kernels off), new the paged Triton kernel
 (kernels/paged_decode.py; on CPU only under TRITON_INTERPRET=1), and prints new/old; flat
 is new without the cascade (each sample reads its shared prompt pages itself).
-`--workloads fanout` (or wide) runs one workload alone.
+`--overlap on,off` runs each with the decode loop overlapped (the next step launched before
+the host records the last: engine/decode_loop.py) and synchronous; "waits" is how long the
+host waited for a step's results (near 0: the host is the bottleneck). `--workloads fanout`
+(or wide) runs one workload alone.
 
     python bench/bench_sampling.py                      # CPU, the tiny model
     python bench/bench_sampling.py --device cuda --shape qwen2.5-0.5b
@@ -105,34 +108,40 @@ def profile_steps(batch: RunningBatch, reqs, adapters, tickets_of: int, steps: i
     return prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60)
 
 
-def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, path: str
-                 ) -> dict[str, float]:
+def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, path: str,
+                 overlap: bool) -> dict[str, float]:
     kernels, cascade = PATHS[path]
     adapters = [eng.pool.get(r.adapter_id) for r in reqs]
     rows = sum(r.num_samples for r in reqs)
     new = rows * args.new
     batch = RunningBatch(eng.model, rows=max(256, rows), page_size=args.page_size,
-                         kv_bytes=kv_bytes(eng, reqs, args), kernels=kernels, cascade=cascade)
+                         kv_bytes=kv_bytes(eng, reqs, args), kernels=kernels, cascade=cascade,
+                         overlap=overlap)
     calls, pure = [], []  # pure: (seconds, rows) of decode steps that admitted nothing
     for i in range(args.repeats + 1):  # the first call captures the graphs
         tickets = batch.admit(reqs, adapters)
         sync()
         t0 = time.perf_counter()
-        done = 0
-        while done < len(tickets):
+        finished = {}
+        if i == 1:
+            batch.loop.waited = 0.0
+        while len(finished) < len(tickets):  # (no sync a step: a step may be in flight)
             admitting, live = batch.waiting_requests > 0, len(batch.live)
             s0 = time.perf_counter()
-            done += len(batch.step())
-            sync()
+            finished.update((f.ticket, f.result) for f in batch.step())
             if i > 0 and live and not admitting:
                 pure.append((time.perf_counter() - s0, live))
+        sync()
         calls.append(time.perf_counter() - t0)
+    waited = batch.loop.waited
     call = statistics.median(calls[1:])
     step = sum(t for t, _ in pure) / len(pure)
     top = profile_steps(batch, reqs, adapters, tickets_of=len(reqs)) if args.profile else ""
     out = {"profile": top, "call tok/s": new / call,
            "decode tok/s": sum(n for _, n in pure) / sum(t for t, _ in pure),
-           "graphs": batch.decode.count_graphs(), "step ms": 1e3 * step}
+           "graphs": batch.decode.count_graphs(), "step ms": 1e3 * step,
+           "wait ms": 1e3 * waited / max(1, len(pure)),
+           "tokens": [s.tokens for t in tickets for s in finished[t].sequences]}
     mean_len = args.prompt + args.new / 2
     used = min(args.adapters, len(reqs))
     bound = rows * args.bandwidth_gbs * 1e9 / step_bytes(eng, rows, mean_len, used)
@@ -140,7 +149,7 @@ def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, path: str
     out["of bound"] = out["decode tok/s"] / bound
     out["GB/step"] = step_bytes(eng, rows, mean_len, used) / 1e9
     del batch
-    if args.baseline and not kernels:  # once: it does not depend on the decode attention
+    if args.baseline and not kernels and overlap:  # once: it does not depend on the decode attention
         times = []
         for _ in range(max(1, args.repeats - 1) + 1):
             sync()
@@ -174,6 +183,9 @@ def main() -> None:
     ap.add_argument("--cascade-tune", default=None,
                     help="JSON of the cascade's launch knobs (kernels/paged_decode.TUNE; "
                     "check_paged_decode.py --cascade --sweep writes one)")
+    ap.add_argument("--overlap", default="on",
+                    help="decode loops to run, comma-separated: on (overlapped), off "
+                    "(synchronous) (on)")
     ap.add_argument("--workloads", default="fanout,wide",
                     help="workloads to run, comma-separated: fanout, wide")
     ap.add_argument("--profile", action="store_true",
@@ -223,29 +235,40 @@ def main() -> None:
             if name.split(":")[0].replace("-", "") not in args.workloads.split(","):
                 continue
             for path in paths:
-                r = results[name, path] = run_workload(eng, reqs, args, sync, path)
-                print(f"{name}, {path}: {r['call tok/s']:,.0f} tok/s a call, "
-                      f"{r['step ms']:.1f} ms a decode step", flush=True)
+                for ov in args.overlap.split(","):
+                    r = results[name, path, ov] = run_workload(eng, reqs, args, sync, path,
+                                                               ov == "on")
+                    print(f"{name}, {path}, overlap {ov}: {r['call tok/s']:,.0f} tok/s a "
+                          f"call, {r['step ms']:.2f} ms a decode step, host waited "
+                          f"{r['wait ms']:.2f} ms a step", flush=True)
+    for (name, path, ov), r in results.items():  # the loops must sample alike
+        other = results.get((name, path, "off"))
+        if ov == "on" and other is not None:
+            same = sum(a == b for a, b in zip(r["tokens"], other["tokens"], strict=True))
+            print(f"{name}, {path}: overlap on/off sampled the same tokens in {same} of "
+                  f"{len(r['tokens'])} samples", flush=True)
     text = header(args.device).replace("Engine vs peft", "Sampling throughput")
     text += (f"\n### {args.shape} ({args.device}, {str(dtype).split('.')[-1]}), "
              f"{args.adapters} adapters r={RANK}, prompts of {args.prompt} tokens, {args.new} "
              f"new tokens a sample, pages of {args.page_size}, bandwidth bound at "
              f"{args.bandwidth_gbs:g} GB/s, fused {args.fused}, median of {args.repeats}; old: "
-             f"gather + SDPA, new: paged kernel with cascade, flat: without\n\n| workload | path | "
-             f"call tok/s | decode tok/s | step ms | "
+             f"gather + SDPA, new: paged kernel with cascade, flat: without; waits: ms a step "
+             f"the host waited for results\n\n"
+             f"| workload | path | overlap | call tok/s | decode tok/s | step ms | waits | "
              f"bound tok/s | of bound | GB/step | graphs | call new/old | padded tok/s |\n"
-             f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
-    for (name, path), r in results.items():
-        old = results.get((name, "old"))
+             f"|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    for (name, path, ov), r in results.items():
+        old = results.get((name, "old", ov))
         ratio = "-" if path == "old" or old is None else f"{r['call tok/s'] / old['call tok/s']:.2f}x"
         padded = r.get("padded tok/s")
-        text += (f"| {name} | {path} | {r['call tok/s']:,.0f} | {r['decode tok/s']:,.0f} | "
-                 f"{r['step ms']:.1f} | {r['bound tok/s']:,.0f} | {r['of bound']:.1%} | "
+        text += (f"| {name} | {path} | {ov} | {r['call tok/s']:,.0f} | "
+                 f"{r['decode tok/s']:,.0f} | {r['step ms']:.2f} | {r['wait ms']:.2f} | "
+                 f"{r['bound tok/s']:,.0f} | {r['of bound']:.1%} | "
                  f"{r['GB/step']:.2f} | {r['graphs']:.0f} | {ratio} | "
                  + ("-" if padded is None else f"{padded:,.0f}") + " |\n")
-    for (name, path), r in results.items():
+    for (name, path, ov), r in results.items():
         if r["profile"]:
-            text += f"\n{name}, {path}: 4 decode steps\n```\n{r['profile']}```\n"
+            text += f"\n{name}, {path}, overlap {ov}: 4 decode steps\n```\n{r['profile']}```\n"
     emit(text, args.write)
 
 

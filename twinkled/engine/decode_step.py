@@ -130,6 +130,11 @@ class DecodeStep:
         self.tok[:n] = tokens
         self.pos[:n] += 1
 
+    def feed(self, n: int, tokens: torch.Tensor) -> None:
+        """Live slots 0..n-1 feed `tokens` next instead, at the same positions (a step
+        launched ahead redrew some rows' tokens: decode_loop.py)."""
+        self.tok[:n] = tokens
+
     def count_graphs(self) -> int:
         return len(self._graphs)
 

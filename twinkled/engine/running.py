@@ -16,6 +16,7 @@ Rows of many adapters (and the base model) run in one step, each through its own
 (lora_rows.py), with its own temperature, top-k, top-p, seed and stop rule (choose.py).
 Seeded rows draw from their request's generator as the padded sampler does, so the same
 seed gives the same tokens on both paths (while a request's rows run to the same length).
+On CUDA a decode step is launched before the host records the last one (decode_loop.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -31,6 +33,7 @@ from twinkled.protocol.types import EngineInputError, SampledSequence, SampleReq
 
 from . import kernels as kern
 from .choose import RowChoice, request_generator, stop_reason, top_rows
+from .decode_loop import DecodeLoop
 from .decode_step import DecodeStep
 from .kv_pages import PagePool
 from .lora import Adapter
@@ -52,10 +55,11 @@ class Finished:
 
 
 class _Request:
-    def __init__(self, ticket: int, req: SampleRequest, adapter: Adapter | None, dev):
+    def __init__(self, ticket: int, req: SampleRequest, adapter: Adapter | None, model):
         self.ticket, self.req, self.adapter = ticket, req, adapter
         self.result = SampleResult(sequences=[])
-        self.gen = request_generator(req.params, dev)
+        self.gen = request_generator(req.params, model.device)
+        self.stop = partial(stop_reason, model, req.params)  # tokens -> why it stops, or None
         self.seqs: list[_Seq] = []
         self.running = 0
         # What a shared prefill must agree on.
@@ -67,21 +71,21 @@ class _Seq:
 
     def __init__(self, request: _Request, pages: list[int], length: int):
         self.request, self.pages = request, pages
-        self.length = length  # positions in the KV cache
+        self.length = length  # positions in the KV cache (written, or by a step in flight)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.sent = 0  # tokens already handed out by `RunningBatch.pieces`
         self.top: tuple[list, list] | None = ([], []) if request.req.topk_sample else None
         self.done: str | None = None
 
-    def record(self, model, token: int, logprob: float, top: tuple[list, list], b: int) -> None:
+    def record(self, token: int, logprob: float, top: tuple[list, list], b: int) -> None:
         self.tokens.append(token)
         self.logprobs.append(logprob)
         if self.top is not None:
             k = self.request.req.topk_sample
             self.top[0].append(top[0][b][:k])
             self.top[1].append(top[1][b][:k])
-        self.done = stop_reason(model, self.request.req.params, self.tokens)
+        self.done = self.request.stop(self.tokens)
 
 
 class RunningBatch:
@@ -92,13 +96,15 @@ class RunningBatch:
     kernels/paged_decode.py; LoRA rows, kernels/lora_decode.py); None: where
     `kernels.available` (CUDA); True on CPU needs the interpreter (`kernels.runnable`);
     False keeps the reference paths (gather + SDPA, masked LoRA stack). `cascade` (None: as
-    `kernels`): samples read their shared prompt pages once a step (decode_step.py)."""
+    `kernels`): samples read their shared prompt pages once a step (decode_step.py).
+    `overlap`: launch each decode step before the host records the previous one
+    (decode_loop.py; default on CUDA devices); False: the synchronous loop, the reference."""
 
     def __init__(self, model, rows: int = 256, pages: int | None = None,
                  page_size: int = PAGE_SIZE, prefill_tokens: int | None = None,
                  decode: str | None = None, kv_bytes: int | None = None,
                  prefix_cache: float = 0.0, kernels: bool | None = None,
-                 cascade: bool | None = None):
+                 cascade: bool | None = None, overlap: bool | None = None):
         dev = model.device
         if kernels is None:
             kernels = kern.available(dev)
@@ -123,7 +129,8 @@ class RunningBatch:
         self.live: list[_Seq] = []  # slot order
         self._started: dict[int, _Request] = {}  # admitted and not finished, by ticket
         self._tickets = itertools.count()
-        self._choice: RowChoice | None = None  # of the live rows; None: rebuild
+        self.overlap = dev.type == "cuda" if overlap is None else overlap
+        self.loop = DecodeLoop(self.decode, self.overlap, self._choice_of, self._retire)
 
     # -- public -----------------------------------------------------------------------
 
@@ -150,8 +157,8 @@ class RunningBatch:
                     "num_samples/max_tokens", f"{r.num_samples} samples of {len(r.prompt)} + "
                     f"{r.params.max_tokens} tokens do not fit the sampler's KV pool "
                     f"({self.pool.usable} pages of {self.pool.page_size}, {self.rows} rows)")
-        dev = self.model.device
-        new = [_Request(next(self._tickets), r, a, dev) for r, a in zip(requests, adapters, strict=True)]
+        new = [_Request(next(self._tickets), r, a, self.model)
+               for r, a in zip(requests, adapters, strict=True)]
         self.waiting.extend(new)
         return [r.ticket for r in new]
 
@@ -207,20 +214,24 @@ class RunningBatch:
             return False
         for b in reversed([b for b, s in enumerate(self.live) if s.request is r]):
             s = self.live[b]
+            s.done = "cancelled"  # (a step in flight skips it when it lands)
             self.pool.release(s.pages)
             if r.adapter is not None:
                 self.stack.release(r.adapter)
             self._vacate(b)
-        self._choice = None
+        self.loop.changed(self.live)
         return True
 
     @torch.no_grad()
     def step(self) -> list[Finished]:
         """Admit what fits, then one decode step; returns the requests that finished."""
         done: list[Finished] = []
+        # Rows join a settled batch: landing the step in flight is this call's step.
+        settled = self.loop.in_flight and bool(self._admission()) and self.loop.settle(
+            self.live, done)
         self._admit_waiting(done)
-        if self.live:
-            self._decode(done)
+        if self.live:  # none ahead while rows wait to join next: they join as they would
+            self.loop.step(self.live, done, land=not settled, ahead=not self._admission())
         return done
 
     def sized_for(self, requests: list[SampleRequest]) -> RunningBatch:
@@ -231,7 +242,8 @@ class RunningBatch:
         pages = max([self.pool.pages, *(self._pages(r) + 1 for r in requests)])
         return RunningBatch(self.model, rows, pages, self.pool.page_size, self.prefill_tokens,
                             self.decode.mode, prefix_cache=self.cache.share,
-                            kernels=self.kernels, cascade=self.decode.cascade)
+                            kernels=self.kernels, cascade=self.decode.cascade,
+                            overlap=self.overlap)
 
     # -- admission and prefill ----------------------------------------------------------
 
@@ -244,12 +256,19 @@ class RunningBatch:
         return (0 if shared else full) + req.num_samples * own
 
     def _admit_waiting(self, done: list[Finished]) -> None:
+        take = self._admission()
+        for _ in take:
+            self.waiting.popleft()
+        if take:
+            self._start(take, done)
+
+    def _admission(self) -> list[_Request]:
+        """The waiting requests that join now (first come, first served, while they fit)."""
         take: list[_Request] = []
         keys: dict[tuple, int] = {}  # key -> its prompt length
         pages, rows = self.pool.free, self.rows - len(self.live)
         reclaimed = False
-        while self.waiting:
-            r = self.waiting[0]
+        for r in self.waiting:
             shared = r.key in keys
             cost = self._pages(r.req, shared)
             if cost > pages and not reclaimed:  # pages only the prefix cache holds count too
@@ -259,13 +278,11 @@ class RunningBatch:
             if (cost > pages or r.req.num_samples > rows
                     or (keys and padded > self.prefill_tokens)):
                 break
-            self.waiting.popleft()
             take.append(r)
             keys[r.key] = len(r.req.prompt)
             pages -= cost
             rows -= r.req.num_samples
-        if take:
-            self._start(take, done)
+        return take
 
     def _start(self, take: list[_Request], done: list[Finished]) -> None:
         """Prefill `take`'s distinct prompts into pages, give every sample its pages and its
@@ -322,12 +339,12 @@ class RunningBatch:
             self.cache.insert(weights_key(self.stack, u.adapter), u.req.prompt, prompt_pages[i][:full])
 
         rows = [at[s.request.key] for s in seqs]
-        choice = self._choice_of(seqs, list(range(len(seqs))))
+        choice = self._choice_of(seqs)
         tokens, lps, logp = choice.choose(logits.index_select(0, torch.tensor(rows, device=logits.device)))
         top = top_rows(logp, max(r.req.topk_sample for r in take))
         seated: list[_Seq] = []
         for b, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), lps.tolist(), strict=True)):
-            s.record(model, tok, lp, top, b)
+            s.record(tok, lp, top, b)
             if s.done is not None:
                 self._finish(s, done)
             else:
@@ -340,7 +357,7 @@ class RunningBatch:
                               [s.request.ticket for s in seated],  # its samples: a group
                               [n // P * P if m > 1 else 0 for n, m in shares])
         self.live += seated
-        self._choice = None
+        self.loop.changed(self.live)
 
     def _prompt_pages(self, take: list[_Request], uniq: list[_Request]
                       ) -> tuple[list[list[int]], list[int]]:
@@ -354,28 +371,10 @@ class RunningBatch:
 
     # -- decoding -----------------------------------------------------------------------
 
-    def _decode(self, done: list[Finished]) -> None:
-        live = self.live
-        n = len(live)
-        pages = max(self.pool.pages_for(s.length + 1) for s in live)
-        logits = self.decode(n, pages)
-        if self._choice is None:
-            self._choice = self._choice_of(live, list(range(n)))
-        tokens, lps, logp = self._choice.choose(logits)
-        top = top_rows(logp, max(s.request.req.topk_sample for s in live))
-        self.decode.advance(n, tokens)
-        stopped = []
-        for b, (tok, lp) in enumerate(zip(tokens.tolist(), lps.tolist(), strict=True)):
-            s = live[b]
-            s.length += 1
-            s.record(self.model, tok, lp, top, b)
-            if s.done is not None:
-                stopped.append(b)
-        for b in reversed(stopped):  # highest slot first: the row moved in has not stopped
-            self._finish(live[b], done)
-            self._vacate(b)
-        if stopped:
-            self._choice = None
+    def _retire(self, b: int, done: list[Finished]) -> None:
+        """The row of slot `b` stopped: it finishes and its slot is freed."""
+        self._finish(self.live[b], done)
+        self._vacate(b)
 
     def _vacate(self, b: int) -> None:
         """Free slot `b`: the last row moves into it (so free the highest slots first)."""
@@ -387,11 +386,11 @@ class RunningBatch:
             self.decode.clear_slot(b)
         live.pop()
 
-    def _choice_of(self, seqs: list[_Seq], slots: list[int]) -> RowChoice:
-        """Sampling parameters of `seqs` (in `slots`); a request's rows draw together, in
-        sample order."""
+    def _choice_of(self, seqs: list[_Seq]) -> RowChoice:
+        """Sampling parameters of `seqs` (in slots 0, 1, ...); a request's rows draw
+        together, in sample order."""
         by_req: dict[int, tuple[_Request, list[tuple[int, int]]]] = {}
-        for s, slot in zip(seqs, slots, strict=True):
+        for slot, s in enumerate(seqs):
             if s.request.req.params.temperature > 0:
                 r = s.request
                 by_req.setdefault(r.ticket, (r, []))[1].append((r.seqs.index(s), slot))
