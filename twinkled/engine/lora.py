@@ -23,13 +23,17 @@ from twinkled.protocol.checks import check_optimizer
 from twinkled.protocol.types import EXPERT_MODULES, EngineInputError, LoraConfig
 
 from .chunked_logprobs import Segment, segment
-from .lora_fused import SharedDelta, shared_delta
+from .lora_fused import SharedDelta, lone_deltas, shared_delta
 
 BIG_BANK_BYTES = 2 * 2**30
 # Weight versions, unique across every bank and slot of the process: a slot's version
 # changes with every write to its weights (`Bank.changed`), so a version names one set of
 # weights for good (the sampler's prefix cache keys KV pages on it).
 _VERSIONS = itertools.count(1)
+# Rows (or packed tokens) that all use one adapter take plain matmuls on its slot's views
+# (lora_fused.lone_deltas) rather than the gathered, batched path every mixture takes.
+# False: the gathered path for every group (the reference; tests compare the two).
+LONE = True
 
 
 class Bank:
@@ -84,7 +88,7 @@ class Bank:
         self.mB: dict[str, torch.Tensor] = {}
         self.vA: dict[str, torch.Tensor] = {}  # AdamW second moments
         self.vB: dict[str, torch.Tensor] = {}
-        self._views: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self._views: dict[tuple, list[torch.Tensor]] = {}
         self._grow(capacity)
 
     def _stores(self, kind: str) -> tuple[dict, dict]:
@@ -100,6 +104,7 @@ class Bank:
         for kind in (*self.KINDS, "w16"):
             for store in self._stores(kind):
                 store.clear()
+        self._flat.pop("w16", None)  # made again from the masters below
         if self.parks(old, capacity):  # not even that fits: through host memory
             self._flat = {k: v.cpu() for k, v in self._flat.items()}
         for kind in self.KINDS:
@@ -112,12 +117,16 @@ class Bank:
             for part, key, shape, at in self._layout:
                 view = flat[:, at:at + math.prod(shape)].view(capacity, *shape)
                 stores[0 if part == "A" else 1][key] = view
-        for key in self.shapes:
-            if self.dtype == torch.float32:
-                self.A16[key], self.B16[key] = self.A[key], self.B[key]
-            else:
-                self.A16[key] = self.A[key].to(self.dtype)
-                self.B16[key] = self.B[key].to(self.dtype)
+        # The compute-dtype copy is one buffer too, in the same layout: a step refreshes
+        # an adapter's copy in one kernel, and modules that read one x (q/k/v) find their
+        # A's side by side in it (`stacked`).
+        if self.dtype == torch.float32:
+            self._flat["w16"] = self._flat["w"]
+        else:
+            self._flat["w16"] = self._flat["w"].to(self.dtype)
+        for part, key, shape, at in self._layout:
+            view = self._flat["w16"][:, at:at + math.prod(shape)].view(capacity, *shape)
+            (self.A16 if part == "A" else self.B16)[key] = view
         self.free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
 
@@ -165,7 +174,7 @@ class Bank:
         """Bring the compute-dtype copy of changed slots up to date with the masters."""
         if self.dtype != torch.float32:
             for slot in self.stale:
-                torch._foreach_copy_(self.tensors(slot, "w16"), self.tensors(slot, "w"))
+                self._flat["w16"][slot].copy_(self._flat["w"][slot])
         self.stale.clear()
 
     def zero_slot(self, slot: int, weights: bool = False) -> None:
@@ -176,6 +185,33 @@ class Bank:
     def flat(self, slot: int, kind: str) -> torch.Tensor:
         """The slot's whole state of one kind ("w", "g", "m", "v") as one 1-D tensor."""
         return self._flat[kind][slot]
+
+    def stacked(self, kind: str, keys: tuple[str, ...]) -> torch.Tensor | None:
+        """The A's of `keys` side by side, [capacity, len(keys) * r, in], as a view of the
+        kind's buffer ("w16", "g"), or None where they do not sit end to end in the slot
+        layout with one input width (q/k/v and gate/up do: `targets` lists them in
+        order). Cached until the bank grows."""
+        views = self._views.get(("stack", kind, keys))
+        if views is None:
+            at = {key: (shape, start) for part, key, shape, start in self._layout
+                  if part == "A"}
+            if not all(k in at and len(at[k][0]) == 2 for k in keys):
+                return None
+            (r, fin), first = at[keys[0]]
+            if any(at[k] != ((r, fin), first + i * r * fin) for i, k in enumerate(keys)):
+                return None
+            flat = self._flat[kind]
+            views = [flat[:, first:first + len(keys) * r * fin].view(self.capacity,
+                                                                     len(keys) * r, fin)]
+            self._views[("stack", kind, keys)] = views
+        return views[0]
+
+    def cached(self, key: tuple, make):
+        """`make()` once until the bank grows: views into its buffers (the LoRA layers'
+        per-slot views, built once rather than at every module call of every step)."""
+        if key not in self._views:
+            self._views[key] = [make()]
+        return self._views[key][0]
 
     def tensors(self, slot: int, kind: str) -> list[torch.Tensor]:
         """Views of one slot, in a fixed order: weights "w", grads "g" or moments "m", "v".
@@ -311,6 +347,7 @@ class _Group:
     slots: torch.Tensor  # [n] slot of each row
     scale: torch.Tensor  # [n, 1, 1]
     adapters: list[Adapter]  # each row's, on the host
+    lone: Adapter | None = None  # every row's, where they all use one (and LONE)
 
 
 class LoraBatch:
@@ -320,11 +357,16 @@ class LoraBatch:
     With `cache=True` (sampling) the gathered weights are kept across decode steps.
     """
 
-    def __init__(self, row_adapters: list[Adapter | None], dtype, device, cache: bool = False):
+    def __init__(self, row_adapters: list[Adapter | None], dtype, device, cache: bool = False,
+                 lone: bool | None = None):
+        lone = LONE if lone is None else lone
         self.groups: list[_Group] = []
         self.n_rows = len(row_adapters)
-        self.dtype = dtype
-        self.cache: dict | None = {} if cache else None
+        self.dtype = dtype  # the banks' compute dtype (Bank.dtype): no casts
+        # Gathered weights: for one module call (q/k/v read each B twice), or with `cache`
+        # for every decode step of a sampling batch (the LoraBatch lives as long as it).
+        self.caching = cache
+        self._memo: dict = {}
         # Autograd records an op only if an input requires grad; the bank tensors do not, so
         # this anchor makes every delta part of the graph even where x has no grad yet.
         self.anchor = torch.zeros((), device=device, requires_grad=True)
@@ -338,7 +380,9 @@ class LoraBatch:
                 rows = row_adapters[i:j]
                 slots = torch.tensor([a.slot for a in rows], device=device)
                 scale = torch.tensor([a.scale for a in rows], dtype=dtype, device=device)
-                self.groups.append(_Group(i, j, ad.bank, slots, scale.view(-1, 1, 1), rows))
+                one = lone and all(a is ad for a in rows)
+                self.groups.append(_Group(i, j, ad.bank, slots, scale.view(-1, 1, 1), rows,
+                                          ad if one else None))
             i = j
         seen = [id(g.bank) for g in self.groups]
         if len(seen) != len(set(seen)):
@@ -346,23 +390,29 @@ class LoraBatch:
         for g in self.groups:
             g.bank.refresh()
 
-    def _weights(self, key: str, g: _Group):
-        if self.cache is not None and (key, g.start) in self.cache:
-            return self.cache[(key, g.start)]
-        w = (g.bank.A16[key].index_select(0, g.slots).to(self.dtype),
-             g.bank.B16[key].index_select(0, g.slots).to(self.dtype))
-        if self.cache is not None:
-            self.cache[(key, g.start)] = w
+    def _gathered(self, what: tuple, g: _Group, make) -> torch.Tensor:
+        """Each row's copy of some weights, gathered once per batch (and kept across
+        decode steps with `cache`)."""
+        key = (what, g.start)
+        w = self._memo.get(key)
+        if w is None:
+            w = self._memo[key] = make()
         return w
 
+    def _weights(self, key: str, g: _Group):
+        return (self._gathered(("A", key), g, lambda: g.bank.A16[key].index_select(0, g.slots)),
+                self._gathered(("B", key), g, lambda: g.bank.B16[key].index_select(0, g.slots)))
+
     def _stacked(self, keys: list[str], g: _Group) -> torch.Tensor:
-        """The A's of `keys` side by side: [rows, len(keys) * r, in]."""
-        if self.cache is not None and (tuple(keys), g.start) in self.cache:
-            return self.cache[(tuple(keys), g.start)]
-        A = torch.cat([self._weights(k, g)[0] for k in keys], 1)
-        if self.cache is not None:
-            self.cache[(tuple(keys), g.start)] = A
-        return A
+        """The A's of `keys` side by side: [rows, len(keys) * r, in]; one gather where
+        they sit side by side in the bank (Bank.stacked)."""
+        def make():
+            stack = g.bank.stacked("w16", tuple(keys))
+            if stack is not None:
+                return stack.index_select(0, g.slots)
+            return torch.cat([self._weights(k, g)[0] for k in keys], 1)
+
+        return self._gathered(("A", tuple(keys)), g, make)
 
     def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.apply_shared((key,), x, [y])[0]
@@ -371,6 +421,8 @@ class LoraBatch:
                      ys: list[torch.Tensor]) -> list[torch.Tensor]:
         """`apply` for modules that read the same x (q/k/v; gate/up), each key's delta
         added to its y: a bank's A's of the group run as one matmul (lora_fused.py)."""
+        if not self.caching:  # a forward without grad keeps no layer's gathers
+            self._memo = {}
         ys = list(ys)
         for g in self.groups:
             mine = [i for i, k in enumerate(keys) if k in g.bank.shapes]
@@ -378,7 +430,18 @@ class LoraBatch:
                 continue
             whole = g.start == 0 and g.end == self.n_rows
             xs = x if whole else x[g.start:g.end]
-            if len(mine) == 1:
+            if g.lone is not None:  # one adapter on every row: plain matmuls, no gathers
+                a = g.lone
+                flat = xs.reshape(-1, xs.shape[-1])
+                base = [ys[i].view(-1, ys[i].shape[-1]) for i in mine] if whole else None
+                ds = [d.view(*xs.shape[:-1], -1) for d in lone_deltas(
+                    a.bank, a.slot, a.scale, tuple(keys[i] for i in mine), flat, base,
+                    self.anchor)]
+                if whole:
+                    for i, d in zip(mine, ds, strict=True):
+                        ys[i] = d
+                    continue
+            elif len(mine) == 1:
                 key = keys[mine[0]]
                 A_rows, B_rows = self._weights(key, g)
                 if torch.is_grad_enabled():

@@ -1,0 +1,103 @@
+"""The lone-adapter fast path (lora_fused.lone_deltas: rows or packed tokens that all use
+one adapter take plain matmuls on its slot's views, no gathers, no index_add) against the
+gathered path every mixture takes (lora.LONE = False): every loss, in the padded layout
+(LoraBatch: a mixed batch whose banks hold one adapter or several, beside base-model
+rows, and one adapter alone) and the packed one (PackedLora, shared prefixes too):
+logprobs, elementwise losses, loss sums and every adapter's gradients agree to fp32
+rounding; forward-only passes too."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from helpers import all_close, assert_same_results, grads, loss_data, mixed_engine
+
+from twinkled.engine import lora
+from twinkled.engine.lora_fused import LoneDelta
+from twinkled.engine.losses import LOSSES
+from twinkled.protocol.types import Datum, ForwardBackwardRequest
+
+# name -> (rank, train_attn, train_mlp, train_unembed); a and b share a bank, m and t
+# are alone in theirs
+ADAPTERS = {"a": (4, True, True, True), "b": (4, True, True, True),
+            "m": (8, False, True, False), "t": (2, True, False, True)}
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_dir):
+    return mixed_engine(tiny_dir, ADAPTERS)
+
+
+def _run(eng, monkeypatch, requests, lone: bool, forward_only: bool = False):
+    monkeypatch.setattr(lora, "LONE", lone)
+    for name in ADAPTERS:
+        eng.zero_grad(name)
+    results = (eng.forward if forward_only else eng.forward_backward)(requests)
+    return results, {name: grads(eng, name) for name in ADAPTERS}
+
+
+def _compare(eng, monkeypatch, requests, trained: list[str]) -> None:
+    calls = []
+    original = LoneDelta.forward
+    monkeypatch.setattr(LoneDelta, "forward", staticmethod(
+        lambda *a: calls.append(1) or original(*a)))
+    ref, ref_grads = _run(eng, monkeypatch, requests, lone=False)
+    assert not calls
+    ours, our_grads = _run(eng, monkeypatch, requests, lone=True)
+    assert calls  # the fast path ran
+    assert_same_results(ref, ours, tol=1e-4)
+    for name in ADAPTERS:
+        if name in trained:
+            zero = [k for k, (a, b) in ref_grads[name].items() if not a.abs().sum() > 0]
+            assert not zero, (name, zero)
+        assert all_close(our_grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), name
+    fwd_ref, _ = _run(eng, monkeypatch, requests, lone=False, forward_only=True)
+    fwd_ours, _ = _run(eng, monkeypatch, requests, lone=True, forward_only=True)
+    assert_same_results(fwd_ref, fwd_ours, tol=1e-4)
+
+
+def _requests(eng, loss: str, lengths: dict[str, list[int]], base: list[int] = ()):
+    gen = torch.Generator().manual_seed(zlib.crc32(loss.encode()))
+    reqs = [ForwardBackwardRequest(name, loss_data(eng, gen, loss, name, n), loss)
+            for name, n in lengths.items()]
+    if base:  # base-model rows (forward only): the adapters' groups are then not whole
+        reqs.append(ForwardBackwardRequest(None, loss_data(eng, gen, "cross_entropy", "a",
+                                                           list(base)), forward_only=True))
+    return reqs
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_lone_path_equals_the_gathered_path_in_a_mixed_batch(eng, monkeypatch, loss):
+    """Padded rows (one length): a bank of two adapters (gathered either way), two banks
+    of one adapter each (lone), base rows before them."""
+    lengths = {"a": [8, 8], "b": [8], "m": [8, 8], "t": [8]}
+    _compare(eng, monkeypatch, _requests(eng, loss, lengths, base=[8]), list(lengths))
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "ppo"])
+@pytest.mark.parametrize("lengths", [[8, 8], [5, 12, 9]], ids=["padded", "packed"])
+def test_lone_path_equals_the_gathered_path_for_one_adapter(eng, monkeypatch, loss, lengths):
+    """A lone tenant: the whole batch is one adapter's (its q/k/v and gate/up A's stacked,
+    every base output taking its delta inside the B matmul); rows of several lengths run
+    packed, with lm_head adapted too."""
+    _compare(eng, monkeypatch, _requests(eng, loss, {"a": lengths}), ["a"])
+    _compare(eng, monkeypatch, _requests(eng, loss, {"m": lengths, "t": [7]}), ["m", "t"])
+
+
+def test_lone_path_with_shared_prefixes(eng, monkeypatch):
+    """Packed rows of one adapter that share a 40-token start (shared_prefix.py) beside a
+    mixed bank: the shared segment and each row's rest are one adapter's span."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = eng.model.vocab_size
+    prompt = torch.randint(1, vocab, (40,), generator=gen)
+    data = []
+    for n in (9, 14, 6):
+        seq = torch.cat([prompt, torch.randint(1, vocab, (n,), generator=gen)])
+        data.append(Datum(seq[:-1], {"target_tokens": seq[1:],
+                                     "weights": torch.rand(len(seq) - 1, generator=gen)}))
+    reqs = [ForwardBackwardRequest("m", data),
+            ForwardBackwardRequest("a", loss_data(eng, gen, "cross_entropy", "a", [20])),
+            ForwardBackwardRequest("b", loss_data(eng, gen, "cross_entropy", "b", [11]))]
+    _compare(eng, monkeypatch, reqs, ["m", "a", "b"])
