@@ -1,6 +1,6 @@
 """The lone-adapter fast path (lora_fused.lone_deltas: rows or packed tokens that all use
 one adapter take plain matmuls on its slot's views, no gathers, no index_add) against the
-gathered path every mixture takes (lora.LONE = False): every loss, in the padded layout
+gathered path every mixture takes (lora.DIRECT = False): every loss, in the padded layout
 (LoraBatch: a mixed batch whose banks hold one adapter or several, beside base-model
 rows, and one adapter alone) and the packed one (PackedLora, shared prefixes too):
 logprobs, elementwise losses, loss sums and every adapter's gradients agree to fp32
@@ -14,15 +14,16 @@ import pytest
 import torch
 from helpers import all_close, assert_same_results, grads, loss_data, mixed_engine
 
-from twinkled.engine import lora
+from twinkled.engine import lora, lora_fused
 from twinkled.engine.lora_fused import LoneDelta
 from twinkled.engine.losses import LOSSES
 from twinkled.protocol.types import Datum, ForwardBackwardRequest
 
-# name -> (rank, train_attn, train_mlp, train_unembed); a and b share a bank, m and t
-# are alone in theirs
+# name -> (rank, train_attn, train_mlp, train_unembed); a, b and c share a bank (slots
+# 0, 1, 2), m and t are alone in theirs
 ADAPTERS = {"a": (4, True, True, True), "b": (4, True, True, True),
-            "m": (8, False, True, False), "t": (2, True, False, True)}
+            "c": (4, True, True, True), "m": (8, False, True, False),
+            "t": (2, True, False, True)}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def eng(tiny_dir):
 
 
 def _run(eng, monkeypatch, requests, lone: bool, forward_only: bool = False):
-    monkeypatch.setattr(lora, "LONE", lone)
+    monkeypatch.setattr(lora, "DIRECT", lone)
     for name in ADAPTERS:
         eng.zero_grad(name)
     results = (eng.forward if forward_only else eng.forward_backward)(requests)
@@ -69,11 +70,27 @@ def _requests(eng, loss: str, lengths: dict[str, list[int]], base: list[int] = (
 
 
 @pytest.mark.parametrize("loss", list(LOSSES))
-def test_lone_path_equals_the_gathered_path_in_a_mixed_batch(eng, monkeypatch, loss):
-    """Padded rows (one length): a bank of two adapters (gathered either way), two banks
-    of one adapter each (lone), base rows before them."""
-    lengths = {"a": [8, 8], "b": [8], "m": [8, 8], "t": [8]}
+@pytest.mark.parametrize("shared", ["gathered", "slice"])
+def test_direct_paths_equal_the_gathered_path_in_a_mixed_batch(eng, monkeypatch, loss,
+                                                                shared):
+    """Padded rows (one length), base rows first, then a bank of two adapters, then two
+    banks of one adapter each (lone). The shared bank's rows are a, a, b (gathered either
+    way) or b, c: distinct consecutive slots, read and accumulated as a slice. (a's
+    cross-entropy data hold a top-K datum besides.)"""
+    lengths = {"a": [8, 8], "b": [8]} if shared == "gathered" else {"b": [8], "c": [8]}
+    lengths.update(m=[8, 8], t=[8])
+    rows = []
+    original = lora_fused.accumulate
+
+    def spy(buf, at, src):
+        rows.append(at)
+        return original(buf, at, src)
+
+    monkeypatch.setattr(lora_fused, "accumulate", spy)
+    monkeypatch.setattr(lora, "accumulate", spy)
     _compare(eng, monkeypatch, _requests(eng, loss, lengths, base=[8]), list(lengths))
+    sliced = {isinstance(at, slice) for at in rows}
+    assert sliced == ({False} if shared == "gathered" else {False, True})
 
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "ppo"])

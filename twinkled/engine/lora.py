@@ -23,17 +23,19 @@ from twinkled.protocol.checks import check_optimizer
 from twinkled.protocol.types import EXPERT_MODULES, EngineInputError, LoraConfig
 
 from .chunked_logprobs import Segment, segment
-from .lora_fused import SharedDelta, lone_deltas, shared_delta
+from .lora_fused import SharedDelta, accumulate, lone_deltas, shared_delta
 
 BIG_BANK_BYTES = 2 * 2**30
 # Weight versions, unique across every bank and slot of the process: a slot's version
 # changes with every write to its weights (`Bank.changed`), so a version names one set of
 # weights for good (the sampler's prefix cache keys KV pages on it).
 _VERSIONS = itertools.count(1)
-# Rows (or packed tokens) that all use one adapter take plain matmuls on its slot's views
-# (lora_fused.lone_deltas) rather than the gathered, batched path every mixture takes.
-# False: the gathered path for every group (the reference; tests compare the two).
-LONE = True
+# Direct paths, on views of the bank instead of each row's gathered copy: rows (or packed
+# tokens) that all use one adapter take plain matmuls on its slot (lora_fused.lone_deltas);
+# rows of distinct adapters in consecutive slots (8 tenants x 1 row) read a slice of the
+# bank and add their gradients to it, without gathers or index_add. False: the gathered
+# path for every group (the reference; tests compare the two).
+DIRECT = True
 
 
 class Bank:
@@ -318,25 +320,29 @@ class LoraPool:
 
 
 class _LoraDelta(torch.autograd.Function):
-    """delta = scale * (x @ A[slot]^T) @ B[slot]^T per row; backward fills the bank grads."""
+    """delta = scale * (x @ A[slot]^T) @ B[slot]^T per row (added to y inside the B
+    matmul if given); backward fills the bank grads at `rows` (lora_fused.accumulate)."""
 
     @staticmethod
-    def forward(ctx, x, anchor, A_rows, B_rows, gA, gB, slots, scale):
+    def forward(ctx, x, anchor, A_rows, B_rows, gA, gB, rows, scale, *ys):
         h = torch.bmm(x, A_rows.transpose(1, 2)) * scale  # [n, S, r]
-        ctx.save_for_backward(x, A_rows, B_rows, h, slots, scale)
-        ctx.grads = (gA, gB)
+        ctx.save_for_backward(x, A_rows, B_rows, h, scale)
+        ctx.grads, ctx.rows, ctx.add = (gA, gB), rows, bool(ys)
+        if ys:
+            return torch.baddbmm(ys[0], h, B_rows.transpose(1, 2))
         return torch.bmm(h, B_rows.transpose(1, 2))  # [n, S, out]
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, A_rows, B_rows, h, slots, scale = ctx.saved_tensors
+        x, A_rows, B_rows, h, scale = ctx.saved_tensors
         gA, gB = ctx.grads
-        grad_out = grad_out.to(h.dtype)
-        grad_h = torch.bmm(grad_out, B_rows) * scale  # [n, S, r]
-        gB.index_add_(0, slots, torch.bmm(grad_out.transpose(1, 2), h).float())
-        gA.index_add_(0, slots, torch.bmm(grad_h.transpose(1, 2), x).float())
+        go = grad_out.to(h.dtype)
+        grad_h = torch.bmm(go, B_rows) * scale  # [n, S, r]
+        accumulate(gB, ctx.rows, torch.bmm(go.transpose(1, 2), h))
+        accumulate(gA, ctx.rows, torch.bmm(grad_h.transpose(1, 2), x))
         grad_x = torch.bmm(grad_h, A_rows) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None, None, None, None, None
+        return (grad_x, None, None, None, None, None, None, None,
+                *((grad_out,) if ctx.add else ()))
 
 
 @dataclass
@@ -347,7 +353,8 @@ class _Group:
     slots: torch.Tensor  # [n] slot of each row
     scale: torch.Tensor  # [n, 1, 1]
     adapters: list[Adapter]  # each row's, on the host
-    lone: Adapter | None = None  # every row's, where they all use one (and LONE)
+    lone: Adapter | None = None  # every row's, where they all use one (and DIRECT)
+    run: slice | None = None  # the slots, where distinct and consecutive (and DIRECT)
 
 
 class LoraBatch:
@@ -358,8 +365,8 @@ class LoraBatch:
     """
 
     def __init__(self, row_adapters: list[Adapter | None], dtype, device, cache: bool = False,
-                 lone: bool | None = None):
-        lone = LONE if lone is None else lone
+                 direct: bool | None = None):
+        direct = DIRECT if direct is None else direct
         self.groups: list[_Group] = []
         self.n_rows = len(row_adapters)
         self.dtype = dtype  # the banks' compute dtype (Bank.dtype): no casts
@@ -380,9 +387,12 @@ class LoraBatch:
                 rows = row_adapters[i:j]
                 slots = torch.tensor([a.slot for a in rows], device=device)
                 scale = torch.tensor([a.scale for a in rows], dtype=dtype, device=device)
-                one = lone and all(a is ad for a in rows)
+                one = direct and all(a is ad for a in rows)
+                first = rows[0].slot
+                run = direct and [a.slot for a in rows] == list(range(first, first + len(rows)))
                 self.groups.append(_Group(i, j, ad.bank, slots, scale.view(-1, 1, 1), rows,
-                                          ad if one else None))
+                                          ad if one else None,
+                                          slice(first, first + len(rows)) if run else None))
             i = j
         seen = [id(g.bank) for g in self.groups]
         if len(seen) != len(set(seen)):
@@ -400,6 +410,8 @@ class LoraBatch:
         return w
 
     def _weights(self, key: str, g: _Group):
+        if g.run is not None:  # the rows' own slots, in order: views
+            return g.bank.A16[key][g.run], g.bank.B16[key][g.run]
         return (self._gathered(("A", key), g, lambda: g.bank.A16[key].index_select(0, g.slots)),
                 self._gathered(("B", key), g, lambda: g.bank.B16[key].index_select(0, g.slots)))
 
@@ -409,7 +421,7 @@ class LoraBatch:
         def make():
             stack = g.bank.stacked("w16", tuple(keys))
             if stack is not None:
-                return stack.index_select(0, g.slots)
+                return stack[g.run] if g.run is not None else stack.index_select(0, g.slots)
             return torch.cat([self._weights(k, g)[0] for k in keys], 1)
 
         return self._gathered(("A", tuple(keys)), g, make)
@@ -430,40 +442,52 @@ class LoraBatch:
                 continue
             whole = g.start == 0 and g.end == self.n_rows
             xs = x if whole else x[g.start:g.end]
+            base = [ys[i] for i in mine] if whole else None
+            mine_keys = [keys[i] for i in mine]
             if g.lone is not None:  # one adapter on every row: plain matmuls, no gathers
-                a = g.lone
-                flat = xs.reshape(-1, xs.shape[-1])
-                base = [ys[i].view(-1, ys[i].shape[-1]) for i in mine] if whole else None
-                ds = [d.view(*xs.shape[:-1], -1) for d in lone_deltas(
-                    a.bank, a.slot, a.scale, tuple(keys[i] for i in mine), flat, base,
-                    self.anchor)]
-                if whole:
-                    for i, d in zip(mine, ds, strict=True):
-                        ys[i] = d
-                    continue
-            elif len(mine) == 1:
-                key = keys[mine[0]]
-                A_rows, B_rows = self._weights(key, g)
-                if torch.is_grad_enabled():
-                    ds = [_LoraDelta.apply(xs, self.anchor, A_rows, B_rows, g.bank.gA[key],
-                                           g.bank.gB[key], g.slots, g.scale)]
-                else:  # sampling and forward-only: the same math without autograd's overhead
-                    ds = [torch.bmm(torch.bmm(xs, A_rows.transpose(1, 2)) * g.scale,
-                                    B_rows.transpose(1, 2))]
+                ds = self._lone_deltas(g.lone, mine_keys, xs, base)
             else:
-                A = self._stacked([keys[i] for i in mine], g)
-                Bs = [self._weights(keys[i], g)[1] for i in mine]
-                if torch.is_grad_enabled():
-                    grads = [(g.bank.gA[keys[i]], g.bank.gB[keys[i]]) for i in mine]
-                    ds = SharedDelta.apply(xs, self.anchor, A, g.slots, g.scale, grads, *Bs)
-                else:
-                    ds = shared_delta(xs, A, g.scale, Bs)
+                ds = self._gathered_deltas(g, mine_keys, xs, base)
             for i, d in zip(mine, ds, strict=True):
                 if whole:
-                    ys[i] = ys[i] + d
+                    ys[i] = d  # the base output and its delta
                 else:
                     ys[i][g.start:g.end] += d  # y is the base linear's fresh output, not a view
         return ys
+
+    def _lone_deltas(self, a: Adapter, keys: list[str], x: torch.Tensor,
+                     ys: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The deltas of rows that all use adapter `a` (lora_fused.lone_deltas) on the
+        rows' tokens as one matrix: added to `ys` if given."""
+        flat = x.reshape(-1, x.shape[-1])
+        base = None if ys is None else [y.view(-1, y.shape[-1]) for y in ys]
+        return [d.view(*x.shape[:-1], -1) for d in lone_deltas(
+            a.bank, a.slot, a.scale, tuple(keys), flat, base, self.anchor)]
+
+    def _gathered_deltas(self, g: _Group, keys: list[str], x: torch.Tensor,
+                         ys: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The deltas of a group of several adapters, from each row's weights (gathered,
+        or views where its slots run in order): added to `ys` if given."""
+        rows = g.run if g.run is not None else g.slots
+        if len(keys) == 1:
+            key = keys[0]
+            A_rows, B_rows = self._weights(key, g)
+            if torch.is_grad_enabled():
+                return [_LoraDelta.apply(x, self.anchor, A_rows, B_rows, g.bank.gA[key],
+                                         g.bank.gB[key], rows, g.scale, *(ys or ()))]
+            # sampling and forward-only: the same math without autograd's overhead
+            d = torch.bmm(torch.bmm(x, A_rows.transpose(1, 2)) * g.scale,
+                          B_rows.transpose(1, 2))
+            return [d if ys is None else ys[0] + d]
+        A = self._stacked(keys, g)
+        Bs = [self._weights(k, g)[1] for k in keys]
+        if torch.is_grad_enabled():
+            grads = (g.bank.stacked("g", tuple(keys)),
+                     [(g.bank.gA[k], g.bank.gB[k]) for k in keys])
+            return list(SharedDelta.apply(x, self.anchor, A, rows, g.scale, grads, tuple(Bs),
+                                          *(ys or ())))
+        ds = shared_delta(x, A, g.scale, Bs)
+        return ds if ys is None else [y + d for y, d in zip(ys, ds, strict=True)]
 
     def segments(self, key: str, seq: int) -> list[Segment]:
         """Module `key`'s adapters over the flattened batch [rows x `seq` tokens]: one

@@ -24,31 +24,51 @@ def shared_delta(x: torch.Tensor, A: torch.Tensor, scale: torch.Tensor,
 
 class SharedDelta(torch.autograd.Function):
     """shared_delta with a backward that adds each module's gradients to its bank buffers
-    (`grads`: (gA, gB) per module, indexed by `slots` as lora._LoraDelta does)."""
+    (`grads`: the A's gradients side by side [slots, m r, in] if they sit so in the bank
+    (Bank.stacked), else None; and (gA, gB) per module), at `rows`: each row's slot, or the
+    slice of their consecutive slots (`accumulate`). With `ys`, each delta is added to its
+    base output inside the B matmul (baddbmm)."""
 
     @staticmethod
-    def forward(ctx, x, anchor, A, slots, scale, grads, *Bs):
+    def forward(ctx, x, anchor, A, rows, scale, grads, Bs, *ys):
         h = torch.bmm(x, A.transpose(1, 2)) * scale  # [n, S, m r]
-        ctx.save_for_backward(x, A, h, slots, scale, *Bs)
-        ctx.grads = grads
-        return tuple(torch.bmm(part, B.transpose(1, 2))
-                     for part, B in zip(_parts(h, len(Bs)), Bs, strict=True))
+        ctx.save_for_backward(x, A, h, scale, *Bs)
+        ctx.rows, ctx.grads, ctx.add = rows, grads, bool(ys)
+        parts = _parts(h, len(Bs))
+        if ys:
+            return tuple(torch.baddbmm(y, p, B.transpose(1, 2))
+                         for y, p, B in zip(ys, parts, Bs, strict=True))
+        return tuple(torch.bmm(p, B.transpose(1, 2)) for p, B in zip(parts, Bs, strict=True))
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x, A, h, slots, scale, *Bs = ctx.saved_tensors
+        x, A, h, scale, *Bs = ctx.saved_tensors
+        stack, pairs = ctx.grads
         grad_h = []
-        for part, B, go, (_, gB) in zip(_parts(h, len(Bs)), Bs, grad_outs, ctx.grads,
-                                        strict=True):
+        for part, B, go, (_, gB) in zip(_parts(h, len(Bs)), Bs, grad_outs, pairs, strict=True):
             go = go.to(h.dtype)
-            gB.index_add_(0, slots, torch.bmm(go.transpose(1, 2), part).float())
+            accumulate(gB, ctx.rows, torch.bmm(go.transpose(1, 2), part))
             grad_h.append(torch.bmm(go, B))
-        grad_h = torch.cat(grad_h, -1) * scale  # [n, S, m r]
-        gA = torch.bmm(grad_h.transpose(1, 2), x).float()  # every module's at once
-        for part, (ga, _) in zip(_parts(gA, len(Bs), dim=1), ctx.grads, strict=True):
-            ga.index_add_(0, slots, part)
+        grad_h = (torch.cat(grad_h, -1) if len(grad_h) > 1 else grad_h[0]) * scale
+        gA = torch.bmm(grad_h.transpose(1, 2), x)  # every module's at once
+        if stack is not None:
+            accumulate(stack, ctx.rows, gA)
+        else:
+            for part, (ga, _) in zip(_parts(gA, len(Bs), dim=1), pairs, strict=True):
+                accumulate(ga, ctx.rows, part)
         grad_x = torch.bmm(grad_h, A) if ctx.needs_input_grad[0] else None
-        return (grad_x, None, None, None, None, None, *([None] * len(Bs)))
+        return (grad_x, None, None, None, None, None, None,
+                *(grad_outs if ctx.add else ()))
+
+
+def accumulate(buf: torch.Tensor, rows: torch.Tensor | slice, src: torch.Tensor) -> None:
+    """Add each row's gradient src [n, ...] (compute dtype) to its slot of the fp32 `buf`:
+    a slice of consecutive distinct slots in one add (which casts as it reads), else an
+    index_add (which wants fp32: a cast first)."""
+    if isinstance(rows, slice):
+        buf[rows].add_(src)
+    else:
+        buf.index_add_(0, rows, src.float())
 
 
 def _parts(t: torch.Tensor, m: int, dim: int = -1) -> tuple[torch.Tensor, ...]:

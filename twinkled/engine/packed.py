@@ -106,7 +106,7 @@ class _Span:
     offs: torch.Tensor  # [G] int32 end of each adapter's tokens, relative to `start`
     scale: torch.Tensor  # [end - start, 1] each token's adapter scale
     adapters: list[tuple[Adapter, int]]  # (adapter, tokens) of each, in order (host)
-    lone: Adapter | None = None  # the span's one adapter, where it has one (and LONE)
+    lone: Adapter | None = None  # the span's one adapter, where it has one (and DIRECT)
 
 
 class PackedLora:
@@ -118,8 +118,8 @@ class PackedLora:
     def __init__(self, rows: list[tuple[Adapter | None, int]], dtype, device,
                  lone: bool | None = None):
         """`rows`: (adapter, tokens) in packed order; rows of one bank must be contiguous.
-        `lone`: a span of one adapter takes plain matmuls (lora.LONE by default)."""
-        lone = lora.LONE if lone is None else lone
+        `lone`: a span of one adapter takes plain matmuls (lora.DIRECT by default)."""
+        lone = lora.DIRECT if lone is None else lone
         self.dtype = dtype
         self.spans: list[_Span] = []
         self.anchor = torch.zeros((), device=device, requires_grad=True)  # see LoraBatch
