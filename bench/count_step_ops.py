@@ -25,6 +25,15 @@ from twinkled.engine.engine import Engine  # noqa: E402
 from twinkled.engine.tiny import build_tiny_model  # noqa: E402
 from twinkled.protocol.types import AdamParams  # noqa: E402
 
+# Ops that make a view or read a number: host work, but no kernel on a GPU.
+VIEWS = {"view", "_unsafe_view", "t", "transpose", "slice", "select", "detach", "expand",
+         "unsqueeze", "squeeze", "split", "chunk", "as_strided", "alias", "permute",
+         "lift_fresh", "_local_scalar_dense"}
+
+
+def kernels(ops: Counter) -> int:
+    return sum(v for k, v in ops.items() if k not in VIEWS)
+
 
 class Count(TorchDispatchMode):
     def __init__(self) -> None:
@@ -68,8 +77,10 @@ def main() -> None:
             fb4, _ = count(4, n, args.seq, Path(tmp), dtype)
             layer = Counter({k: (fb4[k] - fb2[k]) // 2 for k in fb4 if fb4[k] != fb2[k]})
             rest = sum(fb2.values()) - 2 * sum(layer.values())
-            print(f"{n} adapter(s) x {args.seq}: {sum(layer.values())} ops a layer (fwd+bwd), "
-                  f"{rest} outside the layers, optimizer {sum(op.values())}")
+            rest_k = kernels(fb2) - 2 * kernels(layer)
+            print(f"{n} adapter(s) x {args.seq}: {sum(layer.values())} ops a layer (fwd+bwd; "
+                  f"{kernels(layer)} not views), {rest} outside the layers ({rest_k}), "
+                  f"optimizer {sum(op.values())} ({kernels(op)})")
             print("  a layer:", ", ".join(f"{k} {v}" for k, v in layer.most_common(args.top)))
             print("  optimizer:", ", ".join(f"{k} {v}" for k, v in op.most_common(args.top)))
 

@@ -411,17 +411,46 @@ class LoraBatch:
 
     def _weights(self, key: str, g: _Group):
         if g.run is not None:  # the rows' own slots, in order: views
-            return g.bank.A16[key][g.run], g.bank.B16[key][g.run]
+            return self._run_views(g, key)[:2]
         return (self._gathered(("A", key), g, lambda: g.bank.A16[key].index_select(0, g.slots)),
                 self._gathered(("B", key), g, lambda: g.bank.B16[key].index_select(0, g.slots)))
+
+    @staticmethod
+    def _run_views(g: _Group, key: str | tuple[str, ...]):
+        """A, B, gA, gB of `key` at the group's run of slots (a tuple of keys: their
+        stacked A's and A gradients, or None), as views made once (Bank.cached)."""
+        run, bank = g.run, g.bank
+
+        def make():
+            if isinstance(key, tuple):
+                A, gA = bank.stacked("w16", key), bank.stacked("g", key)
+                return None if A is None else (A[run], None, gA[run], None)
+            return bank.A16[key][run], bank.B16[key][run], bank.gA[key][run], bank.gB[key][run]
+
+        return bank.cached(("run", run.start, run.stop, key), make)
+
+    def _grads(self, g: _Group, keys: list[str]):
+        """Where a group's backward adds its gradients (lora_fused.accumulate): (rows,
+        the A's stacked or None, (gA, gB) of each key); rows None where the buffers are
+        already the rows' own slices."""
+        if g.run is None:
+            return (g.slots, g.bank.stacked("g", tuple(keys)),
+                    [(g.bank.gA[k], g.bank.gB[k]) for k in keys])
+        stack = self._run_views(g, tuple(keys)) if len(keys) > 1 else None
+        return (None, None if stack is None else stack[2],
+                [self._run_views(g, k)[2:] for k in keys])
 
     def _stacked(self, keys: list[str], g: _Group) -> torch.Tensor:
         """The A's of `keys` side by side: [rows, len(keys) * r, in]; one gather where
         they sit side by side in the bank (Bank.stacked)."""
         def make():
+            if g.run is not None:
+                stack = self._run_views(g, tuple(keys))
+                if stack is not None:
+                    return stack[0]
             stack = g.bank.stacked("w16", tuple(keys))
             if stack is not None:
-                return stack[g.run] if g.run is not None else stack.index_select(0, g.slots)
+                return stack.index_select(0, g.slots)
             return torch.cat([self._weights(k, g)[0] for k in keys], 1)
 
         return self._gathered(("A", tuple(keys)), g, make)
@@ -457,24 +486,21 @@ class LoraBatch:
 
     def _lone_deltas(self, a: Adapter, keys: list[str], x: torch.Tensor,
                      ys: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """The deltas of rows that all use adapter `a` (lora_fused.lone_deltas) on the
-        rows' tokens as one matrix: added to `ys` if given."""
-        flat = x.reshape(-1, x.shape[-1])
-        base = None if ys is None else [y.view(-1, y.shape[-1]) for y in ys]
-        return [d.view(*x.shape[:-1], -1) for d in lone_deltas(
-            a.bank, a.slot, a.scale, tuple(keys), flat, base, self.anchor)]
+        """The deltas of rows that all use adapter `a` (lora_fused.lone_deltas): added to
+        `ys` if given."""
+        return lone_deltas(a.bank, a.slot, a.scale, tuple(keys), x, ys, self.anchor)
 
     def _gathered_deltas(self, g: _Group, keys: list[str], x: torch.Tensor,
                          ys: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """The deltas of a group of several adapters, from each row's weights (gathered,
         or views where its slots run in order): added to `ys` if given."""
-        rows = g.run if g.run is not None else g.slots
         if len(keys) == 1:
             key = keys[0]
             A_rows, B_rows = self._weights(key, g)
             if torch.is_grad_enabled():
-                return [_LoraDelta.apply(x, self.anchor, A_rows, B_rows, g.bank.gA[key],
-                                         g.bank.gB[key], rows, g.scale, *(ys or ()))]
+                rows, _, [(gA, gB)] = self._grads(g, keys)
+                return [_LoraDelta.apply(x, self.anchor, A_rows, B_rows, gA, gB, rows,
+                                         g.scale, *(ys or ()))]
             # sampling and forward-only: the same math without autograd's overhead
             d = torch.bmm(torch.bmm(x, A_rows.transpose(1, 2)) * g.scale,
                           B_rows.transpose(1, 2))
@@ -482,10 +508,9 @@ class LoraBatch:
         A = self._stacked(keys, g)
         Bs = [self._weights(k, g)[1] for k in keys]
         if torch.is_grad_enabled():
-            grads = (g.bank.stacked("g", tuple(keys)),
-                     [(g.bank.gA[k], g.bank.gB[k]) for k in keys])
-            return list(SharedDelta.apply(x, self.anchor, A, rows, g.scale, grads, tuple(Bs),
-                                          *(ys or ())))
+            rows, *grads = self._grads(g, keys)
+            return list(SharedDelta.apply(x, self.anchor, A, rows, g.scale, tuple(grads),
+                                          tuple(Bs), *(ys or ())))
         ds = shared_delta(x, A, g.scale, Bs)
         return ds if ys is None else [y + d for y, d in zip(ys, ds, strict=True)]
 

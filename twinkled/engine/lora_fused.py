@@ -25,8 +25,7 @@ def shared_delta(x: torch.Tensor, A: torch.Tensor, scale: torch.Tensor,
 class SharedDelta(torch.autograd.Function):
     """shared_delta with a backward that adds each module's gradients to its bank buffers
     (`grads`: the A's gradients side by side [slots, m r, in] if they sit so in the bank
-    (Bank.stacked), else None; and (gA, gB) per module), at `rows`: each row's slot, or the
-    slice of their consecutive slots (`accumulate`). With `ys`, each delta is added to its
+    (Bank.stacked), else None; and (gA, gB) per module), at `rows` (`accumulate`). With `ys`, each delta is added to its
     base output inside the B matmul (baddbmm)."""
 
     @staticmethod
@@ -61,12 +60,13 @@ class SharedDelta(torch.autograd.Function):
                 *(grad_outs if ctx.add else ()))
 
 
-def accumulate(buf: torch.Tensor, rows: torch.Tensor | slice, src: torch.Tensor) -> None:
-    """Add each row's gradient src [n, ...] (compute dtype) to its slot of the fp32 `buf`:
-    a slice of consecutive distinct slots in one add (which casts as it reads), else an
-    index_add (which wants fp32: a cast first)."""
-    if isinstance(rows, slice):
-        buf[rows].add_(src)
+def accumulate(buf: torch.Tensor, rows: torch.Tensor | None, src: torch.Tensor) -> None:
+    """Add each row's gradient src [n, ...] (compute dtype) to its slot of the fp32 `buf`
+    (`rows`: each row's slot), or to `buf` itself, the rows' own consecutive slots
+    (`rows` None): one add, which casts as it reads, in place of a cast and an index_add
+    (which wants fp32)."""
+    if rows is None:
+        buf.add_(src)
     else:
         buf.index_add_(0, rows, src.float())
 
@@ -119,25 +119,33 @@ def lone_views(bank, slot: int, keys: tuple[str, ...]) -> LoneViews | None:
 
 def lone_deltas(bank, slot: int, scale: float, keys: tuple[str, ...], x: torch.Tensor,
                 ys: list[torch.Tensor] | None, anchor: torch.Tensor) -> list[torch.Tensor]:
-    """One adapter's deltas of modules `keys` over x [t, in]: each added to its base output
-    ys[i] [t, out_i] if `ys` is given, else returned alone. Differentiable (gradients go to
-    the bank's buffers) where grad is enabled."""
+    """One adapter's deltas of modules `keys` over x [..., in]: each added to its base
+    output ys[i] [..., out_i] if `ys` is given, else returned alone. Differentiable
+    (gradients go to the bank's buffers) where grad is enabled. x and y are flattened to
+    matrices inside (outside, every view would be an autograd node too)."""
     w = lone_views(bank, slot, keys)
     if w is None:  # A's not side by side: one module at a time
         return [lone_deltas(bank, slot, scale, (k,), x, None if ys is None else [ys[i]],
                             anchor)[0] for i, k in enumerate(keys)]
     if torch.is_grad_enabled():
         return list(LoneDelta.apply(x, anchor, w, scale, *(ys or ())))
-    return _lone_forward_h(torch.mm(x, w.At), scale, w.Bt, ys)
+    return _lone_forward_h(x, torch.mm(_matrix(x), w.At), scale, w.Bt, ys)
 
 
-def _lone_forward_h(h, scale, Bts, ys):
-    """From h = x A^T (unscaled): y_i + s h_i B_i^T in one addmm each, or the deltas."""
+def _matrix(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _lone_forward_h(x, h, scale, Bts, ys):
+    """From h = x A^T (unscaled, [t, m r]): y_i + s h_i B_i^T in one addmm each, or the
+    deltas, shaped as x is ([..., out_i])."""
     parts = _parts(h, len(Bts))
     if ys:
-        return [torch.addmm(y, p, Bt, alpha=scale) for y, p, Bt in zip(ys, parts, Bts,
-                                                                       strict=True)]
-    return [torch.mm(p, Bt).mul_(scale) for p, Bt in zip(parts, Bts, strict=True)]
+        out = [torch.addmm(_matrix(y), p, Bt, alpha=scale)
+               for y, p, Bt in zip(ys, parts, Bts, strict=True)]
+    else:
+        out = [torch.mm(p, Bt).mul_(scale) for p, Bt in zip(parts, Bts, strict=True)]
+    return [d if x.dim() == 2 else d.view(*x.shape[:-1], -1) for d in out]
 
 
 class LoneDelta(torch.autograd.Function):
@@ -146,10 +154,11 @@ class LoneDelta(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, anchor, w: LoneViews, scale, *ys):
-        h = torch.mm(x, w.At)
-        ctx.save_for_backward(x, h)
-        ctx.w, ctx.scale, ctx.add = w, scale, bool(ys)
-        return tuple(_lone_forward_h(h, scale, w.Bt, ys))
+        x2 = _matrix(x)
+        h = torch.mm(x2, w.At)
+        ctx.save_for_backward(x2, h)
+        ctx.w, ctx.scale, ctx.add, ctx.shape = w, scale, bool(ys), x.shape
+        return tuple(_lone_forward_h(x, h, scale, w.Bt, ys))
 
     @staticmethod
     def backward(ctx, *grad_outs):
@@ -157,10 +166,10 @@ class LoneDelta(torch.autograd.Function):
         w, s = ctx.w, ctx.scale
         grad_h = []
         for part, B, go, gBt in zip(_parts(h, len(w.B)), w.B, grad_outs, w.gBt, strict=True):
-            go = go.to(h.dtype)
+            go = _matrix(go.to(h.dtype))
             gBt.add_(torch.mm(part.t(), go), alpha=s)  # fp32 buffer += compute-dtype product
             grad_h.append(torch.mm(go, B))
         grad_h = (torch.cat(grad_h, 1) if len(grad_h) > 1 else grad_h[0]).mul_(s)
         w.gA.add_(torch.mm(grad_h.t(), x))
-        grad_x = torch.mm(grad_h, w.A) if ctx.needs_input_grad[0] else None
+        grad_x = torch.mm(grad_h, w.A).view(ctx.shape) if ctx.needs_input_grad[0] else None
         return (grad_x, None, None, None, *(grad_outs if ctx.add else ()))

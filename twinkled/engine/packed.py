@@ -172,11 +172,11 @@ class PackedLora:
                 continue
             a, whole = s.lone, s.start == 0 and s.end == x.shape[1]
             ds = lone_deltas(a.bank, a.slot, a.scale, tuple(keys[i] for i in mine),
-                             x[0, s.start:s.end], [ys[i][0] for i in mine] if whole else None,
-                             self.anchor)
+                             x if whole else x[0, s.start:s.end],
+                             [ys[i] for i in mine] if whole else None, self.anchor)
             for i, d in zip(mine, ds, strict=True):
                 if whole:
-                    ys[i] = d[None]
+                    ys[i] = d
                 else:
                     ys[i][0, s.start:s.end] += d  # y is the base linear's fresh output
         return ys
