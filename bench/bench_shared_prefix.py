@@ -15,6 +15,7 @@ fighting other processes, 1.4 s with one).
 
     OMP_NUM_THREADS=1 python bench/bench_shared_prefix.py --shape tiny --device cpu
     python bench/bench_shared_prefix.py --shape qwen3-8b      # GPU: 8 x 16, 512 + 128
+    python bench/bench_shared_prefix.py --shape qwen3-8b --attention flash,gather
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from output import emit, section_path  # bench/ is the script's directory
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import ALPHA, RANK, SHAPES, Row, build_model, free, header, measure, seed_all  # noqa: E402
 
+from twinkled.engine import flash_varlen  # noqa: E402
 from twinkled.engine.engine import Engine  # noqa: E402
 from twinkled.engine.shared_prefix import MIN_SHARED, TOKENS  # noqa: E402
 from twinkled.protocol.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig  # noqa: E402
@@ -72,7 +74,7 @@ def agreement(eng: Engine, req: ForwardBackwardRequest, minimum: int) -> tuple[f
     return abs(l1 - l0) / max(abs(l0), 1e-12), float((g1 - g0).norm() / g0.norm().clamp_min(1e-30))
 
 
-def run_shape(shape: str, device: str, sizes: tuple, budget: int) -> str:
+def run_shape(shape: str, device: str, sizes: tuple, budget: int, modes: list[str]) -> str:
     prompts, rollouts, prompt_len, new, rounds = sizes
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with tempfile.TemporaryDirectory(prefix="bench_shared_") as tmp:
@@ -86,10 +88,15 @@ def run_shape(shape: str, device: str, sizes: tuple, budget: int) -> str:
         # lora_B starts at zero, so A would have no gradient to compare: one step first.
         eng.forward_backward([req])
         eng.optim_steps([("rl", AdamParams(learning_rate=1e-3))])
-        loss_diff, grad_diff = agreement(eng, req, MIN_SHARED)
+        agree = {}
         rows: list[tuple[Row, int]] = []
-        for label, minimum in (("unshared (shared_prefix = 0)", 0),
-                               (f"shared (shared_prefix = {MIN_SHARED})", MIN_SHARED)):
+        for mode, label, minimum in [(m, *x) for m in modes for x in (
+                ("unshared (shared_prefix = 0)", 0),
+                (f"shared (shared_prefix = {MIN_SHARED})", MIN_SHARED))]:
+            flash_varlen.ENABLED = mode == "flash"
+            if mode not in agree:
+                agree[mode] = agreement(eng, req, MIN_SHARED)
+            label = f"{label}, {mode}" if len(modes) > 1 else label
             eng.shared_prefix = minimum
 
             def round_() -> None:
@@ -112,8 +119,10 @@ def run_shape(shape: str, device: str, sizes: tuple, budget: int) -> str:
         mem = "-" if row.peak_gib is None else f"{row.peak_gib:.2f}"
         lines.append(f"| {row.test} | {row.tokens} | {computed} | {row.seconds:.4f} | "
                      f"{row.throughput:,.0f} | {base / row.seconds:.2f}x | {mem} |")
-    lines += ["", f"Shared vs unshared, one forward_backward: loss sum differs by {loss_diff:.2e} "
-              f"(relative), the gradient by {grad_diff:.2e} (relative norm)."]
+    for mode, (loss_diff, grad_diff) in agree.items():
+        lines += ["", f"Shared vs unshared ({mode} attention), one forward_backward: loss sum "
+                  f"differs by {loss_diff:.2e} (relative), the gradient by {grad_diff:.2e} "
+                  "(relative norm)."]
     return "\n".join(lines) + "\n"
 
 
@@ -128,6 +137,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, help="completion tokens")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--token-budget", type=int, default=16384)
+    ap.add_argument("--attention", default="flash",
+                    help="comma-separated: flash (flash's own varlen ops: kv heads as they are, "
+                    "shared keys read in place, engine/flash_varlen.py), gather (varlen_attn "
+                    "over repeated heads and gathered keys, the path before)")
     ap.add_argument("--out", default=None, help="the section's file ('' : print only)")
     args = ap.parse_args()
     sizes = list(GPU_SIZES if args.device == "cuda" else CPU_SIZES)
@@ -141,7 +154,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     text = header(args.device).replace("Engine vs peft", "Shared prefixes in training")
     for shape in shapes:
-        text += "\n" + run_shape(shape, args.device, tuple(sizes), args.token_budget)
+        text += "\n" + run_shape(shape, args.device, tuple(sizes), args.token_budget,
+                          args.attention.split(","))
     emit(text, section_path("shared_prefix") if args.out is None else args.out)
 
 

@@ -7,8 +7,9 @@ adapter, so every adapter owns one contiguous span of tokens, and a LoRA module'
 for the whole sequence is two grouped matmuls over those spans (`torch._grouped_mm`),
 whatever the number of adapters.
 
-Attention: flash attention's variable-length kernel (`torch.nn.attention.varlen`) on a
-GPU in half precision; otherwise (CPU, fp32) one SDPA call per segment, the same math.
+Attention: flash attention's variable-length kernel on a GPU in half precision (its aten
+ops, flash_varlen.py: fewer kv heads than query heads as they are; `torch.nn.attention.varlen`
+where those are off); otherwise (CPU, fp32) one SDPA call per segment, the same math.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from . import lora
+from . import flash_varlen, lora
 from .chunked_logprobs import Segment, segment
 from .lora import Adapter, Bank, same_bank
 from .lora_fused import lone_deltas
@@ -59,6 +60,9 @@ class Packing:
         """Block-diagonal causal attention. q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]."""
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             longest = max(self.lengths)
+            if flash_varlen.available(q):  # kv heads as they are (flash_varlen.py)
+                own = flash_varlen.Pass(self.cu, self.cu, longest, longest, True)
+                return flash_varlen.attend(q, k, v, flash_varlen.Plan(own), scale)
             return varlen_attend(q, k, v, self.cu, self.cu, longest, longest, scale, gqa)
         outs, start = [], 0
         for n in self.lengths:

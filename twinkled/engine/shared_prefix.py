@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from twinkled.protocol.prefixes import common_units
 
+from . import flash_varlen
 from .lora import Adapter
 from .packed import Packing, varlen_attend
 
@@ -231,6 +232,7 @@ class SharedPacking:
     keys: torch.Tensor  # [sum of key lengths] packed index of each segment's keys
     longest_q: int
     longest_k: int
+    plan: flash_varlen.Plan  # the same attention as flash's calls (flash_varlen.py)
 
     @staticmethod
     def of(spans: list[tuple[int, int, int]], prefixes: list[tuple[int, int] | None],
@@ -249,7 +251,8 @@ class SharedPacking:
             [(s, n) for s, n, _ in spans], prefixes, torch.from_numpy(positions).to(device)[None],
             *(torch.tensor(c, dtype=torch.int32, device=device) for c in (cu_q, cu_k)),
             torch.from_numpy(np.concatenate(keys)).to(device), max(n for _, n, _ in spans),
-            int(counts.max()))
+            int(counts.max()), flash_varlen.Plan.of([(s, n) for s, n, _ in spans], prefixes,
+                                                     device))
 
     def memory_tokens(self) -> int:
         """Tokens a pass keeps for its backward, for the recompute decision: the packed
@@ -258,12 +261,18 @@ class SharedPacking:
         when layers are not recomputed: +24 GB on an 8B group of 8 x 16 rollouts, which
         ran an H200 out of memory beside the sampler's pool). A key counts as a whole
         token: an overestimate (a key and value are a fraction of a token's activations)
-        that errs towards recomputing."""
-        return int(self.positions.shape[1]) + int(self.keys.shape[0])
+        that errs towards recomputing. Through flash's own calls (flash_varlen.py, a GPU in
+        half precision) the keys are read in place: the packed tokens only."""
+        tokens = int(self.positions.shape[1])
+        if flash_varlen.ENABLED and self.positions.is_cuda:
+            return tokens
+        return tokens + int(self.keys.shape[0])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                gqa: bool) -> torch.Tensor:
         """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, H, T, D]."""
+        if flash_varlen.available(q):  # the shared keys read in place
+            return flash_varlen.attend(q, k, v, self.plan, scale)
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             return self.attend_varlen(q, k, v, scale, gqa)
         outs = []
