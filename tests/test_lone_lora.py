@@ -87,7 +87,6 @@ def test_direct_paths_equal_the_gathered_path_in_a_mixed_batch(eng, monkeypatch,
         return original(buf, at, src)
 
     monkeypatch.setattr(lora_fused, "accumulate", spy)
-    monkeypatch.setattr(lora, "accumulate", spy)
     _compare(eng, monkeypatch, _requests(eng, loss, lengths, base=[8]), list(lengths))
     sliced = {at is None for at in rows}
     assert sliced == ({False} if shared == "gathered" else {False, True})

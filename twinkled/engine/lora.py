@@ -9,6 +9,12 @@ number of adapters; rows with no adapter get none.
 Gradients are written straight into the bank's buffers by the layer's backward (one
 index_add per weight), rather than through autograd leaves: a leaf per adapter per module
 would cost a gradient kernel per adapter per module, which dominates small steps.
+
+Direct paths (`DIRECT`) skip the gathers where the bank already holds the rows' weights in
+order: a group of one adapter (a lone tenant) runs plain matmuls on its slot, a group of
+distinct adapters in consecutive slots reads and accumulates into a slice of the bank
+(lora_fused.py). A small step is bound by the host's kernel launches: these paths issue
+about half the LoRA ops of the gathered one.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from twinkled.protocol.checks import check_optimizer
 from twinkled.protocol.types import EXPERT_MODULES, EngineInputError, LoraConfig
 
 from .chunked_logprobs import Segment, segment
-from .lora_fused import SharedDelta, accumulate, lone_deltas, shared_delta
+from .lora_fused import SharedDelta, _LoraDelta, lone_deltas, shared_delta
 
 BIG_BANK_BYTES = 2 * 2**30
 # Weight versions, unique across every bank and slot of the process: a slot's version
@@ -317,32 +323,6 @@ class LoraPool:
         # A bank with no adapters left frees its memory.
         if len(adapter.bank.free) == adapter.bank.capacity:
             self.banks = {k: b for k, b in self.banks.items() if b is not adapter.bank}
-
-
-class _LoraDelta(torch.autograd.Function):
-    """delta = scale * (x @ A[slot]^T) @ B[slot]^T per row (added to y inside the B
-    matmul if given); backward fills the bank grads at `rows` (lora_fused.accumulate)."""
-
-    @staticmethod
-    def forward(ctx, x, anchor, A_rows, B_rows, gA, gB, rows, scale, *ys):
-        h = torch.bmm(x, A_rows.transpose(1, 2)) * scale  # [n, S, r]
-        ctx.save_for_backward(x, A_rows, B_rows, h, scale)
-        ctx.grads, ctx.rows, ctx.add = (gA, gB), rows, bool(ys)
-        if ys:
-            return torch.baddbmm(ys[0], h, B_rows.transpose(1, 2))
-        return torch.bmm(h, B_rows.transpose(1, 2))  # [n, S, out]
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, A_rows, B_rows, h, scale = ctx.saved_tensors
-        gA, gB = ctx.grads
-        go = grad_out.to(h.dtype)
-        grad_h = torch.bmm(go, B_rows) * scale  # [n, S, r]
-        accumulate(gB, ctx.rows, torch.bmm(go.transpose(1, 2), h))
-        accumulate(gA, ctx.rows, torch.bmm(grad_h.transpose(1, 2), x))
-        grad_x = torch.bmm(grad_h, A_rows) if ctx.needs_input_grad[0] else None
-        return (grad_x, None, None, None, None, None, None, None,
-                *((grad_out,) if ctx.add else ()))
 
 
 @dataclass
