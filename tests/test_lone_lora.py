@@ -31,8 +31,8 @@ def eng(tiny_dir):
     return mixed_engine(tiny_dir, ADAPTERS)
 
 
-def _run(eng, monkeypatch, requests, lone: bool, forward_only: bool = False):
-    monkeypatch.setattr(lora, "DIRECT", lone)
+def _run(eng, monkeypatch, requests, direct: bool, forward_only: bool = False):
+    monkeypatch.setattr(lora, "DIRECT", direct)
     for name in ADAPTERS:
         eng.zero_grad(name)
     results = (eng.forward if forward_only else eng.forward_backward)(requests)
@@ -44,9 +44,9 @@ def _compare(eng, monkeypatch, requests, trained: list[str]) -> None:
     original = LoneDelta.forward
     monkeypatch.setattr(LoneDelta, "forward", staticmethod(
         lambda *a: calls.append(1) or original(*a)))
-    ref, ref_grads = _run(eng, monkeypatch, requests, lone=False)
+    ref, ref_grads = _run(eng, monkeypatch, requests, direct=False)
     assert not calls
-    ours, our_grads = _run(eng, monkeypatch, requests, lone=True)
+    ours, our_grads = _run(eng, monkeypatch, requests, direct=True)
     assert calls  # the fast path ran
     assert_same_results(ref, ours, tol=1e-4)
     for name in ADAPTERS:
@@ -54,8 +54,8 @@ def _compare(eng, monkeypatch, requests, trained: list[str]) -> None:
             zero = [k for k, (a, b) in ref_grads[name].items() if not a.abs().sum() > 0]
             assert not zero, (name, zero)
         assert all_close(our_grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), name
-    fwd_ref, _ = _run(eng, monkeypatch, requests, lone=False, forward_only=True)
-    fwd_ours, _ = _run(eng, monkeypatch, requests, lone=True, forward_only=True)
+    fwd_ref, _ = _run(eng, monkeypatch, requests, direct=False, forward_only=True)
+    fwd_ours, _ = _run(eng, monkeypatch, requests, direct=True, forward_only=True)
     assert_same_results(fwd_ref, fwd_ours, tol=1e-4)
 
 
@@ -117,3 +117,22 @@ def test_lone_path_with_shared_prefixes(eng, monkeypatch):
             ForwardBackwardRequest("a", loss_data(eng, gen, "cross_entropy", "a", [20])),
             ForwardBackwardRequest("b", loss_data(eng, gen, "cross_entropy", "b", [11]))]
     _compare(eng, monkeypatch, reqs, ["m", "a", "b"])
+
+
+def test_direct_paths_in_bfloat16(tiny_dir, monkeypatch):
+    """As the GPU runs them: bf16 activations and weights, fp32 gradient buffers (the
+    direct paths add bf16 products into them without a cast). A lone adapter and a slice
+    of two, padded and packed, against the gathered path, to bf16 rounding (the direct
+    path rounds once where the gathered one rounds the delta, then the sum)."""
+    eng = mixed_engine(tiny_dir, ADAPTERS, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    for lengths in ({"m": [8, 8]}, {"b": [8], "c": [8]}, {"m": [5, 12, 9]},
+                    {"b": [5], "c": [12]}):
+        reqs = [ForwardBackwardRequest(name, loss_data(eng, gen, "cross_entropy", name, n))
+                for name, n in lengths.items()]
+        ref, ref_grads = _run(eng, monkeypatch, reqs, direct=False)
+        ours, our_grads = _run(eng, monkeypatch, reqs, direct=True)
+        assert_same_results(ref, ours, tol=2e-2)
+        for name in lengths:
+            assert ref_grads[name]["model.layers.0.mlp.up_proj"][0].abs().sum() > 0
+            assert all_close(our_grads[name], ref_grads[name], rtol=2e-2, atol=1e-6), name
