@@ -136,3 +136,21 @@ def test_direct_paths_in_bfloat16(tiny_dir, monkeypatch):
         for name in lengths:
             assert ref_grads[name]["model.layers.0.mlp.up_proj"][0].abs().sum() > 0
             assert all_close(our_grads[name], ref_grads[name], rtol=2e-2, atol=1e-6), name
+
+
+def test_scratch_gradients_reach_the_fp32_buffer_before_any_read():
+    """A bf16 bank's lone-path backward leaves gradients in its compute-dtype scratch;
+    whatever reads the fp32 gradients (optimizer, norms, all-reduce) sees them added, once,
+    and zeroing the slot's gradients drops what waits there."""
+    bank = lora.Bank(2, {"q": (4, 6)}, "cpu", torch.bfloat16)
+    slot = bank.allocate()
+    gs = bank.part(bank.scratch(), "A", "q")[slot]
+    bank.mark(slot)
+    gs.fill_(0.5)
+    assert torch.equal(bank.flat(slot, "g")[:8], torch.full((8,), 0.5))
+    assert not gs.any() and not bank.dirty  # flushed once
+    assert torch.equal(bank.tensors(slot, "g")[0], torch.full((2, 4), 0.5))
+    bank.mark(slot)
+    gs.fill_(1.0)
+    bank.zero_slot(slot)
+    assert not bank.flat(slot, "g").any() and not gs.any()

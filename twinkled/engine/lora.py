@@ -74,6 +74,7 @@ class Bank:
         self.A16: dict[str, torch.Tensor] = {}
         self.B16: dict[str, torch.Tensor] = {}
         self.stale: set[int] = set()
+        self.dirty: set[int] = set()  # slots whose gradients wait in the scratch (`flush`)
         self.versions: dict[int, int] = {}  # slot -> its weights' version (`changed`)
         self.capacity = 0
         self.free: list[int] = []
@@ -108,11 +109,14 @@ class Bank:
         # Every view into the old buffers goes first, so that each kind's old buffer is
         # freed as soon as its rows are copied: growing then holds one old kind beside the
         # grown bank, not the whole old bank.
+        if old:
+            self.flush()
         self._views.clear()
         for kind in (*self.KINDS, "w16"):
             for store in self._stores(kind):
                 store.clear()
         self._flat.pop("w16", None)  # made again from the masters below
+        self._flat.pop("gs", None)  # made again at its next use (`scratch`)
         if self.parks(old, capacity):  # not even that fits: through host memory
             self._flat = {k: v.cpu() for k, v in self._flat.items()}
         for kind in self.KINDS:
@@ -187,11 +191,47 @@ class Bank:
 
     def zero_slot(self, slot: int, weights: bool = False) -> None:
         """Clear the slot's gradients (and with `weights`, everything)."""
+        if slot in self.dirty:
+            self._flat["gs"][slot].zero_()
+            self.dirty.discard(slot)
         for kind in self.KINDS if weights else ("g",):
             self._flat[kind][slot].zero_()
 
+    def scratch(self) -> str:
+        """The kind of buffer a backward of the lone path adds gradients to (`mark` the
+        slot): "g" itself in fp32; else "gs", one in the compute dtype, zero between steps,
+        which `flush` adds to "g". A gradient matmul then writes its product with the sum
+        in one kernel (addmm_), as it cannot into a buffer of another dtype: one launch per
+        weight, not two."""
+        if self.dtype == torch.float32:
+            return "g"
+        if "gs" not in self._flat:
+            self._flat["gs"] = torch.zeros_like(self._flat["w16"])
+        return "gs"
+
+    def mark(self, slot: int) -> None:
+        """A backward will leave `slot`'s gradients in the scratch (`flush` them)."""
+        if self.dtype != torch.float32:
+            self.dirty.add(slot)
+
+    def flush(self) -> None:
+        """Add the gradients waiting in the scratch (`scratch`) to the fp32 ones."""
+        for slot in self.dirty:
+            self._flat["g"][slot].add_(self._flat["gs"][slot])
+            self._flat["gs"][slot].zero_()
+        self.dirty.clear()
+
+    def part(self, kind: str, part: str, key: str) -> torch.Tensor:
+        """Module `key`'s A or B (`part` "A" or "B") of every slot in a kind's buffer."""
+        for p, k, shape, at in self._layout:
+            if (p, k) == (part, key):
+                return self._flat[kind][:, at:at + math.prod(shape)].view(self.capacity, *shape)
+        raise KeyError(key)
+
     def flat(self, slot: int, kind: str) -> torch.Tensor:
         """The slot's whole state of one kind ("w", "g", "m", "v") as one 1-D tensor."""
+        if kind == "g" and self.dirty:
+            self.flush()
         return self._flat[kind][slot]
 
     def stacked(self, kind: str, keys: tuple[str, ...]) -> torch.Tensor | None:
@@ -225,6 +265,8 @@ class Bank:
         """Views of one slot, in a fixed order: weights "w", grads "g" or moments "m", "v".
 
         Cached: building hundreds of views costs more host time than the optimizer step."""
+        if kind == "g" and self.dirty:
+            self.flush()
         views = self._views.get((slot, kind))
         if views is None:
             a, b = self._stores(kind)

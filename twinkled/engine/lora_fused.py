@@ -118,8 +118,9 @@ def _parts(t: torch.Tensor, m: int, dim: int = -1) -> tuple[torch.Tensor, ...]:
 
 class LoneViews(NamedTuple):
     """One adapter's weights of modules that read one x, as views of its bank slot: the
-    A's side by side [m r, in] (compute dtype) and transposed, their fp32 gradients; each
-    module's B [out, r] and B^T, and its fp32 gradient transposed [r, out]."""
+    A's side by side [m r, in] (compute dtype) and transposed, their gradients; each
+    module's B [out, r] and B^T, and its gradient transposed [r, out]. The gradients are
+    in the bank's scratch (`Bank.scratch`: in the compute dtype, flushed to fp32)."""
 
     A: torch.Tensor
     At: torch.Tensor
@@ -134,16 +135,17 @@ def lone_views(bank, slot: int, keys: tuple[str, ...]) -> LoneViews | None:
     bank (then they run one by one). Cached on the bank (`Bank.cached`): the same every
     step, and each view made is a host op."""
     def make():
+        grads = bank.scratch()
         if len(keys) == 1:
-            A, gA = bank.A16[keys[0]][slot], bank.gA[keys[0]][slot]
+            A, gA = bank.A16[keys[0]][slot], bank.part(grads, "A", keys[0])[slot]
         else:
-            A, gA = bank.stacked("w16", keys), bank.stacked("g", keys)
+            A, gA = bank.stacked("w16", keys), bank.stacked(grads, keys)
             if A is None:
                 return None
             A, gA = A[slot], gA[slot]
         B = tuple(bank.B16[k][slot] for k in keys)
         return LoneViews(A, A.t(), gA, B, tuple(b.t() for b in B),
-                         tuple(bank.gB[k][slot].t() for k in keys))
+                         tuple(bank.part(grads, "B", k)[slot].t() for k in keys))
 
     return bank.cached(("lone", slot, keys), make)
 
@@ -159,6 +161,7 @@ def lone_deltas(bank, slot: int, scale: float, keys: tuple[str, ...], x: torch.T
         return [lone_deltas(bank, slot, scale, (k,), x, None if ys is None else [ys[i]],
                             anchor)[0] for i, k in enumerate(keys)]
     if torch.is_grad_enabled():
+        bank.mark(slot)
         return list(LoneDelta.apply(x, anchor, w, scale, *(ys or ())))
     return _lone_forward_h(x, torch.mm(_matrix(x), w.At), scale, w.Bt, ys)
 
@@ -198,9 +201,9 @@ class LoneDelta(torch.autograd.Function):
         grad_h = []
         for part, B, go, gBt in zip(_parts(h, len(w.B)), w.B, grad_outs, w.gBt, strict=True):
             go = _matrix(go.to(h.dtype))
-            gBt.add_(torch.mm(part.t(), go), alpha=s)  # fp32 buffer += compute-dtype product
+            gBt.addmm_(part.t(), go, alpha=s)
             grad_h.append(torch.mm(go, B))
         grad_h = (torch.cat(grad_h, 1) if len(grad_h) > 1 else grad_h[0]).mul_(s)
-        w.gA.add_(torch.mm(grad_h.t(), x))
+        w.gA.addmm_(grad_h.t(), x)
         grad_x = torch.mm(grad_h, w.A).view(ctx.shape) if ctx.needs_input_grad[0] else None
         return (grad_x, None, None, None, *(grad_outs if ctx.add else ()))

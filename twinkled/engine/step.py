@@ -117,6 +117,8 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
         forwarded = time.perf_counter()
         if total is not None and total.requires_grad:
             total.backward()
+            for bank in {id(r.adapter.bank): r.adapter.bank for r in batch if r.train}.values():
+                bank.flush()  # the gradients the backward left in its scratch
         backwarded = time.perf_counter()
         lp_host, el_host = lp.detach().cpu(), elementwise.cpu()  # one copy per micro-batch
         HOST_TIME.add(forwarded - began, backwarded - forwarded, time.perf_counter() - backwarded)
