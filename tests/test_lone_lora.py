@@ -82,9 +82,9 @@ def test_direct_paths_equal_the_gathered_path_in_a_mixed_batch(eng, monkeypatch,
     rows = []
     original = lora_fused.accumulate
 
-    def spy(buf, at, src):
+    def spy(buf, at, a, b):
         rows.append(at)
-        return original(buf, at, src)
+        return original(buf, at, a, b)
 
     monkeypatch.setattr(lora_fused, "accumulate", spy)
     _compare(eng, monkeypatch, _requests(eng, loss, lengths, base=[8]), list(lengths))

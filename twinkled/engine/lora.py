@@ -444,10 +444,12 @@ class LoraBatch:
         run, bank = g.run, g.bank
 
         def make():
+            grads = bank.scratch()  # the backward adds in one kernel there (accumulate)
             if isinstance(key, tuple):
-                A, gA = bank.stacked("w16", key), bank.stacked("g", key)
+                A, gA = bank.stacked("w16", key), bank.stacked(grads, key)
                 return None if A is None else (A[run], None, gA[run], None)
-            return bank.A16[key][run], bank.B16[key][run], bank.gA[key][run], bank.gB[key][run]
+            return (bank.A16[key][run], bank.B16[key][run], bank.part(grads, "A", key)[run],
+                    bank.part(grads, "B", key)[run])
 
         return bank.cached(("run", run.start, run.stop, key), make)
 
@@ -458,6 +460,8 @@ class LoraBatch:
         if g.run is None:
             return (g.slots, g.bank.stacked("g", tuple(keys)),
                     [(g.bank.gA[k], g.bank.gB[k]) for k in keys])
+        for slot in range(g.run.start, g.run.stop):
+            g.bank.mark(slot)
         stack = self._run_views(g, tuple(keys)) if len(keys) > 1 else None
         return (None, None if stack is None else stack[2],
                 [self._run_views(g, k)[2:] for k in keys])

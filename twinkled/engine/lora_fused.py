@@ -46,8 +46,8 @@ class _LoraDelta(torch.autograd.Function):
         gA, gB = ctx.grads
         go = grad_out.to(h.dtype)
         grad_h = torch.bmm(go, B_rows) * scale  # [n, S, r]
-        accumulate(gB, ctx.rows, torch.bmm(go.transpose(1, 2), h))
-        accumulate(gA, ctx.rows, torch.bmm(grad_h.transpose(1, 2), x))
+        accumulate(gB, ctx.rows, go.transpose(1, 2), h)
+        accumulate(gA, ctx.rows, grad_h.transpose(1, 2), x)
         grad_x = torch.bmm(grad_h, A_rows) if ctx.needs_input_grad[0] else None
         return (grad_x, None, None, None, None, None, None, None,
                 *((grad_out,) if ctx.add else ()))
@@ -56,8 +56,8 @@ class _LoraDelta(torch.autograd.Function):
 class SharedDelta(torch.autograd.Function):
     """shared_delta with a backward that adds each module's gradients to its bank buffers
     (`grads`: the A's gradients side by side [slots, m r, in] if they sit so in the bank
-    (Bank.stacked), else None; and (gA, gB) per module), at `rows` (`accumulate`). With `ys`, each delta is added to its
-    base output inside the B matmul (baddbmm)."""
+    (Bank.stacked), else None; and (gA, gB) per module), at `rows` (`accumulate`). With
+    `ys`, each delta is added to its base output inside the B matmul (baddbmm)."""
 
     @staticmethod
     def forward(ctx, x, anchor, A, rows, scale, grads, Bs, *ys):
@@ -77,29 +77,29 @@ class SharedDelta(torch.autograd.Function):
         grad_h = []
         for part, B, go, (_, gB) in zip(_parts(h, len(Bs)), Bs, grad_outs, pairs, strict=True):
             go = go.to(h.dtype)
-            accumulate(gB, ctx.rows, torch.bmm(go.transpose(1, 2), part))
+            accumulate(gB, ctx.rows, go.transpose(1, 2), part)
             grad_h.append(torch.bmm(go, B))
         grad_h = (torch.cat(grad_h, -1) if len(grad_h) > 1 else grad_h[0]) * scale
-        gA = torch.bmm(grad_h.transpose(1, 2), x)  # every module's at once
-        if stack is not None:
-            accumulate(stack, ctx.rows, gA)
+        if stack is not None:  # every module's A gradients in one matmul
+            accumulate(stack, ctx.rows, grad_h.transpose(1, 2), x)
         else:
-            for part, (ga, _) in zip(_parts(gA, len(Bs), dim=1), pairs, strict=True):
-                accumulate(ga, ctx.rows, part)
+            for part, (ga, _) in zip(_parts(grad_h, len(Bs)), pairs, strict=True):
+                accumulate(ga, ctx.rows, part.transpose(1, 2), x)
         grad_x = torch.bmm(grad_h, A) if ctx.needs_input_grad[0] else None
         return (grad_x, None, None, None, None, None, None,
                 *(grad_outs if ctx.add else ()))
 
 
-def accumulate(buf: torch.Tensor, rows: torch.Tensor | None, src: torch.Tensor) -> None:
-    """Add each row's gradient src [n, ...] (compute dtype) to its slot of the fp32 `buf`
-    (`rows`: each row's slot), or to `buf` itself, the rows' own consecutive slots
-    (`rows` None): one add, which casts as it reads, in place of a cast and an index_add
-    (which wants fp32)."""
+def accumulate(buf: torch.Tensor, rows: torch.Tensor | None, a: torch.Tensor,
+               b: torch.Tensor) -> None:
+    """Add each row's gradient a[i] @ b[i] to its slot of the fp32 `buf` (`rows`: each
+    row's slot; an index_add, which wants fp32: a cast first), or with `rows` None to
+    `buf` itself, the rows' own consecutive slots in the bank's scratch (Bank.scratch):
+    the product and its sum in one kernel (baddbmm_)."""
     if rows is None:
-        buf.add_(src)
+        buf.baddbmm_(a, b)
     else:
-        buf.index_add_(0, rows, src.float())
+        buf.index_add_(0, rows, torch.bmm(a, b).float())
 
 
 def _parts(t: torch.Tensor, m: int, dim: int = -1) -> tuple[torch.Tensor, ...]:
