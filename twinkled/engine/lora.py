@@ -215,10 +215,17 @@ class Bank:
             self.dirty.add(slot)
 
     def flush(self) -> None:
-        """Add the gradients waiting in the scratch (`scratch`) to the fp32 ones."""
-        for slot in self.dirty:
-            self._flat["g"][slot].add_(self._flat["gs"][slot])
-            self._flat["gs"][slot].zero_()
+        """Add the gradients waiting in the scratch (`scratch`) to the fp32 ones: two
+        kernels a run of consecutive slots."""
+        slots = sorted(self.dirty)
+        while slots:
+            end = 1
+            while end < len(slots) and slots[end] == slots[0] + end:
+                end += 1
+            rows = slice(slots[0], slots[0] + end)
+            self._flat["g"][rows].add_(self._flat["gs"][rows])
+            self._flat["gs"][rows].zero_()
+            slots = slots[end:]
         self.dirty.clear()
 
     def part(self, kind: str, part: str, key: str) -> torch.Tensor:
