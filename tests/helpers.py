@@ -137,10 +137,11 @@ def loss_data(eng, gen, loss: str, name: str, lengths: list[int]) -> list[Datum]
     return data
 
 
-def mixed_engine(model_dir, adapters: dict[str, tuple[int, bool, bool, bool]]) -> Engine:
+def mixed_engine(model_dir, adapters: dict[str, tuple[int, bool, bool, bool]],
+                 **kw) -> Engine:
     """An engine with `adapters`: name -> (rank, train_attn, train_mlp, train_unembed),
-    alpha 2 x rank, B random (so every A has a gradient)."""
-    e = make_engine(model_dir)
+    alpha 2 x rank, B random (so every A has a gradient); `kw` for the Engine."""
+    e = make_engine(model_dir, **kw)
     for seed, (name, (rank, attn, mlp, unembed)) in enumerate(adapters.items()):
         e.add_adapter(name, LoraConfig(rank=rank, alpha=2 * rank, seed=seed, train_attn=attn,
                                        train_mlp=mlp, train_unembed=unembed))

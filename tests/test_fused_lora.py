@@ -71,7 +71,7 @@ def test_shared_delta_equals_a_delta_per_module():
     gy = [torch.randn(n, S, o, generator=gen) for o in outs]
     banks = [[(torch.zeros(3, r, fin), torch.zeros(3, o, r)) for o in outs] for _ in range(2)]
     anchor = torch.zeros((), requires_grad=True)
-    ys = SharedDelta.apply(x, anchor, torch.cat(A, 1), slots, scale, banks[0], *B)
+    ys = SharedDelta.apply(x, anchor, torch.cat(A, 1), slots, scale, (None, banks[0]), tuple(B))
     sum((y * g).sum() for y, g in zip(ys, gy, strict=True)).backward()
     fused_x, x.grad = x.grad, None
     refs = [_LoraDelta.apply(x, anchor, a, b, ga, gb, slots, scale)

@@ -9,6 +9,12 @@ number of adapters; rows with no adapter get none.
 Gradients are written straight into the bank's buffers by the layer's backward (one
 index_add per weight), rather than through autograd leaves: a leaf per adapter per module
 would cost a gradient kernel per adapter per module, which dominates small steps.
+
+Direct paths (`DIRECT`) skip the gathers where the bank already holds the rows' weights in
+order: a group of one adapter (a lone tenant) runs plain matmuls on its slot, a group of
+distinct adapters in consecutive slots reads and accumulates into a slice of the bank
+(lora_fused.py). A small step is bound by the host's kernel launches: these paths issue
+about half the LoRA ops of the gathered one.
 """
 
 from __future__ import annotations
@@ -23,13 +29,19 @@ from twinkled.protocol.checks import check_optimizer
 from twinkled.protocol.types import EXPERT_MODULES, EngineInputError, LoraConfig
 
 from .chunked_logprobs import Segment, segment
-from .lora_fused import SharedDelta, shared_delta
+from .lora_fused import SharedDelta, _LoraDelta, lone_deltas, shared_delta
 
 BIG_BANK_BYTES = 2 * 2**30
 # Weight versions, unique across every bank and slot of the process: a slot's version
 # changes with every write to its weights (`Bank.changed`), so a version names one set of
 # weights for good (the sampler's prefix cache keys KV pages on it).
 _VERSIONS = itertools.count(1)
+# Direct paths, on views of the bank instead of each row's gathered copy: rows (or packed
+# tokens) that all use one adapter take plain matmuls on its slot (lora_fused.lone_deltas);
+# rows of distinct adapters in consecutive slots (8 tenants x 1 row) read a slice of the
+# bank and add their gradients to it, without gathers or index_add. False: the gathered
+# path for every group (the reference; tests compare the two).
+DIRECT = True
 
 
 class Bank:
@@ -62,6 +74,7 @@ class Bank:
         self.A16: dict[str, torch.Tensor] = {}
         self.B16: dict[str, torch.Tensor] = {}
         self.stale: set[int] = set()
+        self.dirty: set[int] = set()  # slots whose gradients wait in the scratch (`flush`)
         self.versions: dict[int, int] = {}  # slot -> its weights' version (`changed`)
         self.capacity = 0
         self.free: list[int] = []
@@ -84,7 +97,7 @@ class Bank:
         self.mB: dict[str, torch.Tensor] = {}
         self.vA: dict[str, torch.Tensor] = {}  # AdamW second moments
         self.vB: dict[str, torch.Tensor] = {}
-        self._views: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self._views: dict[tuple, list[torch.Tensor]] = {}
         self._grow(capacity)
 
     def _stores(self, kind: str) -> tuple[dict, dict]:
@@ -96,10 +109,14 @@ class Bank:
         # Every view into the old buffers goes first, so that each kind's old buffer is
         # freed as soon as its rows are copied: growing then holds one old kind beside the
         # grown bank, not the whole old bank.
+        if old:
+            self.flush()
         self._views.clear()
         for kind in (*self.KINDS, "w16"):
             for store in self._stores(kind):
                 store.clear()
+        self._flat.pop("w16", None)  # made again from the masters below
+        self._flat.pop("gs", None)  # made again at its next use (`scratch`)
         if self.parks(old, capacity):  # not even that fits: through host memory
             self._flat = {k: v.cpu() for k, v in self._flat.items()}
         for kind in self.KINDS:
@@ -112,12 +129,16 @@ class Bank:
             for part, key, shape, at in self._layout:
                 view = flat[:, at:at + math.prod(shape)].view(capacity, *shape)
                 stores[0 if part == "A" else 1][key] = view
-        for key in self.shapes:
-            if self.dtype == torch.float32:
-                self.A16[key], self.B16[key] = self.A[key], self.B[key]
-            else:
-                self.A16[key] = self.A[key].to(self.dtype)
-                self.B16[key] = self.B[key].to(self.dtype)
+        # The compute-dtype copy is one buffer too, in the same layout: a step refreshes
+        # an adapter's copy in one kernel, and modules that read one x (q/k/v) find their
+        # A's side by side in it (`stacked`).
+        if self.dtype == torch.float32:
+            self._flat["w16"] = self._flat["w"]
+        else:
+            self._flat["w16"] = self._flat["w"].to(self.dtype)
+        for part, key, shape, at in self._layout:
+            view = self._flat["w16"][:, at:at + math.prod(shape)].view(capacity, *shape)
+            (self.A16 if part == "A" else self.B16)[key] = view
         self.free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
 
@@ -165,22 +186,94 @@ class Bank:
         """Bring the compute-dtype copy of changed slots up to date with the masters."""
         if self.dtype != torch.float32:
             for slot in self.stale:
-                torch._foreach_copy_(self.tensors(slot, "w16"), self.tensors(slot, "w"))
+                self._flat["w16"][slot].copy_(self._flat["w"][slot])
         self.stale.clear()
 
     def zero_slot(self, slot: int, weights: bool = False) -> None:
         """Clear the slot's gradients (and with `weights`, everything)."""
+        if slot in self.dirty:
+            self._flat["gs"][slot].zero_()
+            self.dirty.discard(slot)
         for kind in self.KINDS if weights else ("g",):
             self._flat[kind][slot].zero_()
 
+    def scratch(self) -> str:
+        """The kind of buffer a backward of the lone path adds gradients to (`mark` the
+        slot): "g" itself in fp32; else "gs", one in the compute dtype, zero between steps,
+        which `flush` adds to "g". A gradient matmul then writes its product with the sum
+        in one kernel (addmm_), as it cannot into a buffer of another dtype: one launch per
+        weight, not two."""
+        if self.dtype == torch.float32:
+            return "g"
+        if "gs" not in self._flat:
+            self._flat["gs"] = torch.zeros_like(self._flat["w16"])
+        return "gs"
+
+    def mark(self, slot: int) -> None:
+        """A backward will leave `slot`'s gradients in the scratch (`flush` them)."""
+        if self.dtype != torch.float32:
+            self.dirty.add(slot)
+
+    def flush(self) -> None:
+        """Add the gradients waiting in the scratch (`scratch`) to the fp32 ones: two
+        kernels a run of consecutive slots."""
+        slots = sorted(self.dirty)
+        while slots:
+            end = 1
+            while end < len(slots) and slots[end] == slots[0] + end:
+                end += 1
+            rows = slice(slots[0], slots[0] + end)
+            self._flat["g"][rows].add_(self._flat["gs"][rows])
+            self._flat["gs"][rows].zero_()
+            slots = slots[end:]
+        self.dirty.clear()
+
+    def part(self, kind: str, part: str, key: str) -> torch.Tensor:
+        """Module `key`'s A or B (`part` "A" or "B") of every slot in a kind's buffer."""
+        for p, k, shape, at in self._layout:
+            if (p, k) == (part, key):
+                return self._flat[kind][:, at:at + math.prod(shape)].view(self.capacity, *shape)
+        raise KeyError(key)
+
     def flat(self, slot: int, kind: str) -> torch.Tensor:
         """The slot's whole state of one kind ("w", "g", "m", "v") as one 1-D tensor."""
+        if kind == "g" and self.dirty:
+            self.flush()
         return self._flat[kind][slot]
+
+    def stacked(self, kind: str, keys: tuple[str, ...]) -> torch.Tensor | None:
+        """The A's of `keys` side by side, [capacity, len(keys) * r, in], as a view of the
+        kind's buffer ("w16", "g"), or None where they do not sit end to end in the slot
+        layout with one input width (q/k/v and gate/up do: `targets` lists them in
+        order). Cached until the bank grows."""
+        views = self._views.get(("stack", kind, keys))
+        if views is None:
+            at = {key: (shape, start) for part, key, shape, start in self._layout
+                  if part == "A"}
+            if not all(k in at and len(at[k][0]) == 2 for k in keys):
+                return None
+            (r, fin), first = at[keys[0]]
+            if any(at[k] != ((r, fin), first + i * r * fin) for i, k in enumerate(keys)):
+                return None
+            flat = self._flat[kind]
+            views = [flat[:, first:first + len(keys) * r * fin].view(self.capacity,
+                                                                     len(keys) * r, fin)]
+            self._views[("stack", kind, keys)] = views
+        return views[0]
+
+    def cached(self, key: tuple, make):
+        """`make()` once until the bank grows: views into its buffers (the LoRA layers'
+        per-slot views, built once rather than at every module call of every step)."""
+        if key not in self._views:
+            self._views[key] = [make()]
+        return self._views[key][0]
 
     def tensors(self, slot: int, kind: str) -> list[torch.Tensor]:
         """Views of one slot, in a fixed order: weights "w", grads "g" or moments "m", "v".
 
         Cached: building hundreds of views costs more host time than the optimizer step."""
+        if kind == "g" and self.dirty:
+            self.flush()
         views = self._views.get((slot, kind))
         if views is None:
             a, b = self._stores(kind)
@@ -281,28 +374,6 @@ class LoraPool:
             self.banks = {k: b for k, b in self.banks.items() if b is not adapter.bank}
 
 
-class _LoraDelta(torch.autograd.Function):
-    """delta = scale * (x @ A[slot]^T) @ B[slot]^T per row; backward fills the bank grads."""
-
-    @staticmethod
-    def forward(ctx, x, anchor, A_rows, B_rows, gA, gB, slots, scale):
-        h = torch.bmm(x, A_rows.transpose(1, 2)) * scale  # [n, S, r]
-        ctx.save_for_backward(x, A_rows, B_rows, h, slots, scale)
-        ctx.grads = (gA, gB)
-        return torch.bmm(h, B_rows.transpose(1, 2))  # [n, S, out]
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, A_rows, B_rows, h, slots, scale = ctx.saved_tensors
-        gA, gB = ctx.grads
-        grad_out = grad_out.to(h.dtype)
-        grad_h = torch.bmm(grad_out, B_rows) * scale  # [n, S, r]
-        gB.index_add_(0, slots, torch.bmm(grad_out.transpose(1, 2), h).float())
-        gA.index_add_(0, slots, torch.bmm(grad_h.transpose(1, 2), x).float())
-        grad_x = torch.bmm(grad_h, A_rows) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None, None, None, None, None
-
-
 @dataclass
 class _Group:
     start: int
@@ -311,6 +382,8 @@ class _Group:
     slots: torch.Tensor  # [n] slot of each row
     scale: torch.Tensor  # [n, 1, 1]
     adapters: list[Adapter]  # each row's, on the host
+    lone: Adapter | None = None  # every row's, where they all use one (and DIRECT)
+    run: slice | None = None  # the slots, where distinct and consecutive (and DIRECT)
 
 
 class LoraBatch:
@@ -320,11 +393,16 @@ class LoraBatch:
     With `cache=True` (sampling) the gathered weights are kept across decode steps.
     """
 
-    def __init__(self, row_adapters: list[Adapter | None], dtype, device, cache: bool = False):
+    def __init__(self, row_adapters: list[Adapter | None], dtype, device, cache: bool = False,
+                 direct: bool | None = None):
+        direct = DIRECT if direct is None else direct
         self.groups: list[_Group] = []
         self.n_rows = len(row_adapters)
-        self.dtype = dtype
-        self.cache: dict | None = {} if cache else None
+        self.dtype = dtype  # the banks' compute dtype (Bank.dtype): no casts
+        # Gathered weights: for one module call (q/k/v read each B twice), or with `cache`
+        # for every decode step of a sampling batch (the LoraBatch lives as long as it).
+        self.caching = cache
+        self._memo: dict = {}
         # Autograd records an op only if an input requires grad; the bank tensors do not, so
         # this anchor makes every delta part of the graph even where x has no grad yet.
         self.anchor = torch.zeros((), device=device, requires_grad=True)
@@ -338,7 +416,12 @@ class LoraBatch:
                 rows = row_adapters[i:j]
                 slots = torch.tensor([a.slot for a in rows], device=device)
                 scale = torch.tensor([a.scale for a in rows], dtype=dtype, device=device)
-                self.groups.append(_Group(i, j, ad.bank, slots, scale.view(-1, 1, 1), rows))
+                one = direct and all(a is ad for a in rows)
+                first = rows[0].slot
+                run = direct and [a.slot for a in rows] == list(range(first, first + len(rows)))
+                self.groups.append(_Group(i, j, ad.bank, slots, scale.view(-1, 1, 1), rows,
+                                          ad if one else None,
+                                          slice(first, first + len(rows)) if run else None))
             i = j
         seen = [id(g.bank) for g in self.groups]
         if len(seen) != len(set(seen)):
@@ -346,23 +429,64 @@ class LoraBatch:
         for g in self.groups:
             g.bank.refresh()
 
-    def _weights(self, key: str, g: _Group):
-        if self.cache is not None and (key, g.start) in self.cache:
-            return self.cache[(key, g.start)]
-        w = (g.bank.A16[key].index_select(0, g.slots).to(self.dtype),
-             g.bank.B16[key].index_select(0, g.slots).to(self.dtype))
-        if self.cache is not None:
-            self.cache[(key, g.start)] = w
+    def _gathered(self, what: tuple, g: _Group, make) -> torch.Tensor:
+        """Each row's copy of some weights, gathered once per batch (and kept across
+        decode steps with `cache`)."""
+        key = (what, g.start)
+        w = self._memo.get(key)
+        if w is None:
+            w = self._memo[key] = make()
         return w
 
+    def _weights(self, key: str, g: _Group):
+        if g.run is not None:  # the rows' own slots, in order: views
+            return self._run_views(g, key)[:2]
+        return (self._gathered(("A", key), g, lambda: g.bank.A16[key].index_select(0, g.slots)),
+                self._gathered(("B", key), g, lambda: g.bank.B16[key].index_select(0, g.slots)))
+
+    @staticmethod
+    def _run_views(g: _Group, key: str | tuple[str, ...]):
+        """A, B, gA, gB of `key` at the group's run of slots (a tuple of keys: their
+        stacked A's and A gradients, or None), as views made once (Bank.cached)."""
+        run, bank = g.run, g.bank
+
+        def make():
+            grads = bank.scratch()  # the backward adds in one kernel there (accumulate)
+            if isinstance(key, tuple):
+                A, gA = bank.stacked("w16", key), bank.stacked(grads, key)
+                return None if A is None else (A[run], None, gA[run], None)
+            return (bank.A16[key][run], bank.B16[key][run], bank.part(grads, "A", key)[run],
+                    bank.part(grads, "B", key)[run])
+
+        return bank.cached(("run", run.start, run.stop, key), make)
+
+    def _grads(self, g: _Group, keys: list[str]):
+        """Where a group's backward adds its gradients (lora_fused.accumulate): (rows,
+        the A's stacked or None, (gA, gB) of each key); rows None where the buffers are
+        already the rows' own slices."""
+        if g.run is None:
+            return (g.slots, g.bank.stacked("g", tuple(keys)),
+                    [(g.bank.gA[k], g.bank.gB[k]) for k in keys])
+        for slot in range(g.run.start, g.run.stop):
+            g.bank.mark(slot)
+        stack = self._run_views(g, tuple(keys)) if len(keys) > 1 else None
+        return (None, None if stack is None else stack[2],
+                [self._run_views(g, k)[2:] for k in keys])
+
     def _stacked(self, keys: list[str], g: _Group) -> torch.Tensor:
-        """The A's of `keys` side by side: [rows, len(keys) * r, in]."""
-        if self.cache is not None and (tuple(keys), g.start) in self.cache:
-            return self.cache[(tuple(keys), g.start)]
-        A = torch.cat([self._weights(k, g)[0] for k in keys], 1)
-        if self.cache is not None:
-            self.cache[(tuple(keys), g.start)] = A
-        return A
+        """The A's of `keys` side by side: [rows, len(keys) * r, in]; one gather where
+        they sit side by side in the bank (Bank.stacked)."""
+        def make():
+            if g.run is not None:
+                stack = self._run_views(g, tuple(keys))
+                if stack is not None:
+                    return stack[0]
+            stack = g.bank.stacked("w16", tuple(keys))
+            if stack is not None:
+                return stack.index_select(0, g.slots)
+            return torch.cat([self._weights(k, g)[0] for k in keys], 1)
+
+        return self._gathered(("A", tuple(keys)), g, make)
 
     def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.apply_shared((key,), x, [y])[0]
@@ -371,6 +495,8 @@ class LoraBatch:
                      ys: list[torch.Tensor]) -> list[torch.Tensor]:
         """`apply` for modules that read the same x (q/k/v; gate/up), each key's delta
         added to its y: a bank's A's of the group run as one matmul (lora_fused.py)."""
+        if not self.caching:  # a forward without grad keeps no layer's gathers
+            self._memo = {}
         ys = list(ys)
         for g in self.groups:
             mine = [i for i, k in enumerate(keys) if k in g.bank.shapes]
@@ -378,29 +504,48 @@ class LoraBatch:
                 continue
             whole = g.start == 0 and g.end == self.n_rows
             xs = x if whole else x[g.start:g.end]
-            if len(mine) == 1:
-                key = keys[mine[0]]
-                A_rows, B_rows = self._weights(key, g)
-                if torch.is_grad_enabled():
-                    ds = [_LoraDelta.apply(xs, self.anchor, A_rows, B_rows, g.bank.gA[key],
-                                           g.bank.gB[key], g.slots, g.scale)]
-                else:  # sampling and forward-only: the same math without autograd's overhead
-                    ds = [torch.bmm(torch.bmm(xs, A_rows.transpose(1, 2)) * g.scale,
-                                    B_rows.transpose(1, 2))]
+            base = [ys[i] for i in mine] if whole else None
+            mine_keys = [keys[i] for i in mine]
+            if g.lone is not None:  # one adapter on every row: plain matmuls, no gathers
+                ds = self._lone_deltas(g.lone, mine_keys, xs, base)
             else:
-                A = self._stacked([keys[i] for i in mine], g)
-                Bs = [self._weights(keys[i], g)[1] for i in mine]
-                if torch.is_grad_enabled():
-                    grads = [(g.bank.gA[keys[i]], g.bank.gB[keys[i]]) for i in mine]
-                    ds = SharedDelta.apply(xs, self.anchor, A, g.slots, g.scale, grads, *Bs)
-                else:
-                    ds = shared_delta(xs, A, g.scale, Bs)
+                ds = self._gathered_deltas(g, mine_keys, xs, base)
             for i, d in zip(mine, ds, strict=True):
                 if whole:
-                    ys[i] = ys[i] + d
+                    ys[i] = d  # the base output and its delta
                 else:
                     ys[i][g.start:g.end] += d  # y is the base linear's fresh output, not a view
         return ys
+
+    def _lone_deltas(self, a: Adapter, keys: list[str], x: torch.Tensor,
+                     ys: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The deltas of rows that all use adapter `a` (lora_fused.lone_deltas): added to
+        `ys` if given."""
+        return lone_deltas(a.bank, a.slot, a.scale, tuple(keys), x, ys, self.anchor)
+
+    def _gathered_deltas(self, g: _Group, keys: list[str], x: torch.Tensor,
+                         ys: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The deltas of a group of several adapters, from each row's weights (gathered,
+        or views where its slots run in order): added to `ys` if given."""
+        if len(keys) == 1:
+            key = keys[0]
+            A_rows, B_rows = self._weights(key, g)
+            if torch.is_grad_enabled():
+                rows, _, [(gA, gB)] = self._grads(g, keys)
+                return [_LoraDelta.apply(x, self.anchor, A_rows, B_rows, gA, gB, rows,
+                                         g.scale, *(ys or ()))]
+            # sampling and forward-only: the same math without autograd's overhead
+            d = torch.bmm(torch.bmm(x, A_rows.transpose(1, 2)) * g.scale,
+                          B_rows.transpose(1, 2))
+            return [d if ys is None else ys[0] + d]
+        A = self._stacked(keys, g)
+        Bs = [self._weights(k, g)[1] for k in keys]
+        if torch.is_grad_enabled():
+            rows, *grads = self._grads(g, keys)
+            return list(SharedDelta.apply(x, self.anchor, A, rows, g.scale, tuple(grads),
+                                          tuple(Bs), *(ys or ())))
+        ds = shared_delta(x, A, g.scale, Bs)
+        return ds if ys is None else [y + d for y, d in zip(ys, ds, strict=True)]
 
     def segments(self, key: str, seq: int) -> list[Segment]:
         """Module `key`'s adapters over the flattened batch [rows x `seq` tokens]: one

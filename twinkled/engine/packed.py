@@ -22,9 +22,10 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from . import flash_varlen
+from . import flash_varlen, lora
 from .chunked_logprobs import Segment, segment
 from .lora import Adapter, Bank, same_bank
+from .lora_fused import lone_deltas
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class _Span:
     slots: torch.Tensor  # [G] slot of each adapter of the span, in order
     offs: torch.Tensor  # [G] int32 end of each adapter's tokens, relative to `start`
     scale: torch.Tensor  # [end - start, 1] each token's adapter scale
+    adapters: list[tuple[Adapter, int]]  # (adapter, tokens) of each, in order (host)
+    lone: Adapter | None = None  # the span's one adapter, where it has one (and DIRECT)
 
 
 class PackedLora:
@@ -116,8 +119,11 @@ class PackedLora:
     `apply(key, x, y)` adds the adapters' deltas of module `key` to its base output y [1, T, out].
     """
 
-    def __init__(self, rows: list[tuple[Adapter | None, int]], dtype, device):
-        """`rows`: (adapter, tokens) in packed order; rows of one bank must be contiguous."""
+    def __init__(self, rows: list[tuple[Adapter | None, int]], dtype, device,
+                 lone: bool | None = None):
+        """`rows`: (adapter, tokens) in packed order; rows of one bank must be contiguous.
+        `lone`: a span of one adapter takes plain matmuls (lora.DIRECT by default)."""
+        lone = lora.DIRECT if lone is None else lone
         self.dtype = dtype
         self.spans: list[_Span] = []
         self.anchor = torch.zeros((), device=device, requires_grad=True)  # see LoraBatch
@@ -143,7 +149,8 @@ class PackedLora:
                     adapter.bank, start, t,
                     torch.tensor([a.slot for a, _ in groups], device=device),
                     torch.tensor(ends, dtype=torch.int32, device=device),
-                    torch.cat(scales).to(device=device, dtype=dtype)[:, None]))
+                    torch.cat(scales).to(device=device, dtype=dtype)[:, None], groups,
+                    groups[0][0] if lone and len(groups) == 1 else None))
             i = j
         if len({id(s.bank) for s in self.spans}) != len(self.spans):
             raise ValueError("rows of one bank must be contiguous")
@@ -151,9 +158,36 @@ class PackedLora:
             s.bank.refresh()
 
     def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.apply_shared((key,), x, [y])[0]
+
+    def apply_shared(self, keys: tuple[str, ...], x: torch.Tensor,
+                     ys: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`apply` for modules that read one x (q/k/v; gate/up): a span of one adapter
+        runs their A's as one matmul (lora_fused.lone_deltas); a mixed span one module at
+        a time."""
+        ys = list(ys)
         for s in self.spans:
-            if key not in s.bank.shapes:
+            mine = [i for i, k in enumerate(keys) if k in s.bank.shapes]
+            if s.lone is None:
+                for i in mine:
+                    ys[i] = self._mixed(s, keys[i], x, ys[i])
                 continue
+            if not mine:
+                continue
+            a, whole = s.lone, s.start == 0 and s.end == x.shape[1]
+            ds = lone_deltas(a.bank, a.slot, a.scale, tuple(keys[i] for i in mine),
+                             x if whole else x[0, s.start:s.end],
+                             [ys[i] for i in mine] if whole else None, self.anchor)
+            for i, d in zip(mine, ds, strict=True):
+                if whole:
+                    ys[i] = d
+                else:
+                    ys[i][0, s.start:s.end] += d  # y is the base linear's fresh output
+        return ys
+
+    def _mixed(self, s: _Span, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Module `key`'s deltas over a span of several adapters (grouped matmuls)."""
+        if key in s.bank.shapes:
             A = s.bank.A16[key].index_select(0, s.slots).to(self.dtype)  # [G, r, in]
             B = s.bank.B16[key].index_select(0, s.slots).to(self.dtype)  # [G, out, r]
             xs = x[0, s.start:s.end]
@@ -171,18 +205,16 @@ class PackedLora:
 
     def segments(self, key: str, seq: int | None = None) -> list[Segment]:
         """Module `key`'s adapters over the packed tokens, one segment per adapter (the
-        chunked head's view; `seq` is the row layout's and unused here). Reads the spans'
-        device tensors back: one wait for the device, only where lm_head has adapters."""
+        chunked head's view; `seq` is the row layout's and unused here), from the spans'
+        host copy of the spans (no wait for the device)."""
         out: list[Segment] = []
         for s in self.spans:
             if key not in s.bank.shapes:
                 continue
             start = s.start
-            ends = s.offs.tolist()
-            scales = s.scale[[0, *ends[:-1]], 0].tolist()
-            for slot, end, scale in zip(s.slots.tolist(), ends, scales, strict=True):
-                out.append(segment(s.bank, slot, scale, key, start, s.start + end, self.dtype))
-                start = s.start + end
+            for a, n in s.adapters:
+                out.append(segment(s.bank, a.slot, a.scale, key, start, start + n, self.dtype))
+                start += n
         return out
 
 

@@ -86,6 +86,7 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
         began = time.perf_counter()
         batch = [r for g in groups for r in g.rows]
         train = any(r.train for r in batch)
+        inputs = _loss_inputs(requests, batch, model.device)
         with torch.set_grad_enabled(train):
             # A shared start exists only in the packed layout.
             pack = packed and (any(g.shared for g in groups) or _padding(batch) > PACK_ABOVE)
@@ -98,7 +99,7 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
                 req = requests[r.req]
                 if callable(req.loss_fn):
                     continue
-                loss = _datum_loss(req, req.data[r.datum], r.view(lp, k))
+                loss = _datum_loss(req, inputs[k], r.view(lp, k))
                 r.view(elementwise, k)[:] = loss.detach()
                 if r.train:
                     total = loss.sum() if total is None else total + loss.sum()
@@ -116,6 +117,8 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
         forwarded = time.perf_counter()
         if total is not None and total.requires_grad:
             total.backward()
+            for bank in {id(r.adapter.bank): r.adapter.bank for r in batch if r.train}.values():
+                bank.flush()  # the gradients the backward left in its scratch
         backwarded = time.perf_counter()
         lp_host, el_host = lp.detach().cpu(), elementwise.cpu()  # one copy per micro-batch
         HOST_TIME.add(forwarded - began, backwarded - forwarded, time.perf_counter() - backwarded)
@@ -216,13 +219,35 @@ def _packed_logprobs(model: BaseModel, groups: list[Group]) -> torch.Tensor:
     return layout.unpack(lp)
 
 
-def _datum_loss(req: ForwardBackwardRequest, datum, lp: torch.Tensor) -> torch.Tensor:
-    """One datum's built-in elementwise loss [N].
+def _loss_inputs(requests: list[ForwardBackwardRequest], batch: list[_Row], device
+                 ) -> list[dict[str, torch.Tensor]]:
+    """Each row's loss inputs but its targets (weights, advantages, sampler logprobs...)
+    in fp32 on the device, in one copy for the micro-batch, made before its forward is
+    queued: a copy from pageable host memory waits for the device's queue, so one per
+    input per row after the forward stalled the host until the forward had run."""
+    parts: list[torch.Tensor] = []
+    where: list[dict[str, tuple[int, torch.Size]]] = []
+    for r in batch:
+        req, names = requests[r.req], {}
+        if not callable(req.loss_fn):
+            for k, v in req.data[r.datum].loss_inputs.items():
+                if k != "target_tokens":
+                    t = torch.as_tensor(v, dtype=torch.float32)
+                    names[k] = (len(parts), t.shape)
+                    parts.append(t.reshape(-1))
+        where.append(names)
+    if not parts:
+        return where  # (all empty)
+    pieces = torch.cat(parts).to(device, non_blocking=True).split([len(p) for p in parts])
+    return [{k: pieces[i].view(shape) for k, (i, shape) in w.items()} for w in where]
+
+
+def _datum_loss(req: ForwardBackwardRequest, inputs: dict[str, torch.Tensor],
+                lp: torch.Tensor) -> torch.Tensor:
+    """One datum's built-in elementwise loss [N], from its loss inputs on the device.
 
     A loss function sees one datum (one sampled sequence) at a time, whether its micro-batch
     ran padded or packed: a sequence-level loss (gspo's ratio) is taken over exactly it."""
-    inputs = {k: torch.as_tensor(v, dtype=torch.float32).to(lp.device, non_blocking=True)
-              for k, v in datum.loss_inputs.items() if k != "target_tokens"}
     return loss_spec(req.loss_fn).fn(lp, inputs, req.loss_config)
 
 
