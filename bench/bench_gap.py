@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import gap_paths
+import torch
 from bench_engine import build_model, header, random_adapters
 from output import emit, section_path
 

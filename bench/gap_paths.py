@@ -9,8 +9,8 @@ path the two sides take, one difference at a time:
   token and reading keys and values back from the bf16 pages changes;
 - the same prefill with the kernels off (masked LoRA stack, gathered pages + SDPA);
 - the trainer, one sequence a pass (what the daemon's check runs), a request's samples in
-  one pass (as an RL step packs them: the trainer against itself), padded rows, and the
-  chunked head;
+  one pass (as an RL step packs them: the trainer against itself), with gradients (the
+  pass whose logprobs an RL loss reads), padded rows, and the chunked head;
 - with `--reference`, an fp32 copy of the model and adapters (the same bf16-rounded
   weights): how far each path is from exact arithmetic.
 
@@ -42,16 +42,21 @@ def sequences(reqs: list[SampleRequest], results) -> list[list[Seq]]:
             for req, res in zip(reqs, results, strict=True)]
 
 
-def trainer(eng: Engine, groups: list[list[Seq]], together: bool) -> torch.Tensor:
+def trainer(eng: Engine, groups: list[list[Seq]], together: bool, grad: bool = False
+            ) -> torch.Tensor:
     """The training forward's logprobs of every completion token: one sequence a pass, or
-    (`together`) each request's sequences in one pass."""
+    (`together`) each request's sequences in one pass; `grad`: through forward_backward
+    (what an RL step's loss reads; the gradients are dropped)."""
     out = []
     for group in groups:
         parts = [group] if together else [[s] for s in group]
         for part in parts:
             data = [Datum([*p, *t][:-1], {"target_tokens": [*p, *t][1:]})
                     for _, p, t, _ in part]
-            res = eng.forward([ForwardBackwardRequest(part[0][0], data)])[0]
+            req = ForwardBackwardRequest(part[0][0], data)
+            res = (eng.forward_backward if grad else eng.forward)([req])[0]
+            if grad and req.adapter_id is not None:
+                eng.zero_grad(req.adapter_id)
             out += [o["logprobs"][len(p) - 1:].double().cpu()
                     for o, (_, p, _, _) in zip(res.outputs, part, strict=True)]
     return torch.cat(out)
@@ -108,6 +113,7 @@ def paths(eng: Engine, groups: list[list[Seq]], ref: Engine | None = None
         found["sampler: prefill, kernels off"] = sampler_prefill(eng, groups, False)
     found[CHECK] = trainer(eng, groups, False)
     found["trainer: a request's samples in one pass"] = trainer(eng, groups, True)
+    found["trainer: with gradients (forward_backward)"] = trainer(eng, groups, False, True)
     packed, head = eng.packed, eng.model.head
     try:
         eng.packed = False
