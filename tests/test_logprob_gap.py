@@ -61,3 +61,27 @@ def test_the_bf16_gap_between_sampler_and_trainer_is_small(bf16):
     mean = sum(g.mean * g.tokens for g in gaps) / tokens
     assert tokens == 16 * 24
     assert mean < 0.0045, mean
+
+
+def test_the_lora_row_kernel_rounds_the_delta_before_adding_it():
+    """The Triton expand (what the sampler runs on CUDA) adds the delta rounded to y's
+    dtype, as RowLora and the trainer do: fp16 in the interpreter (its bf16 dot is not
+    exact), against that rounding done by hand. Adding the fp32 sum differed by an ulp."""
+    from twinkled.engine.kernels import lora_decode
+
+    gen = torch.Generator().manual_seed(3)
+    n, fin, fout, width = 8, 256, 256, 64
+    x = torch.randn((n, fin), generator=gen).half()
+    a = (torch.randn((width, fin), generator=gen) * 0.05).half()
+    b = (torch.randn((fout, width), generator=gen) * 0.05).half()
+    y0 = torch.randn((n, fout), generator=gen).half()
+    start = torch.tensor([0, 16, 32, 48] * 2, dtype=torch.int32)
+    rank = torch.full((n,), 16, dtype=torch.int32)
+    y = y0.clone()
+    lora_decode.apply(lora_decode.plan(start, rank, torch.ones(n)), x, a, b, y, 16)
+    mask = torch.zeros((n, width))
+    for i in range(n):
+        mask[i, start[i]:start[i] + 16] = 1
+    h = (x.float() @ a.float().t()).half().float() * mask
+    delta = (h @ b.float().t()).half()
+    assert torch.equal(y, (y0.float() + delta.float()).half())
