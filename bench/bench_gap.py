@@ -82,7 +82,7 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, g if gpu else c)
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
-    rows = paths = ""
+    rows = where = ""
     with tempfile.TemporaryDirectory() as tmp:
         vocab = build_model(args.shape, Path(tmp) / "model", dtype, args.device, args.layers)
         eng = Engine(Path(tmp) / "model", dtype=dtype, device=args.device)
@@ -100,7 +100,7 @@ def main() -> None:
             if args.paths and name.startswith("running"):
                 ref = (gap_paths.reference_engine(eng, Path(tmp) / "model", names)
                        if args.reference else None)
-                paths = gap_paths.table(gap_paths.paths(
+                where = gap_paths.table(gap_paths.paths(
                     eng, gap_paths.sequences(reqs, results), ref))
     shape = args.shape + (f" ({args.layers} layers)" if args.layers else "")
     title = (f"{shape} ({args.device}, {str(dtype).split('.')[-1]}), {ADAPTERS} adapters "
@@ -112,9 +112,9 @@ def main() -> None:
     text = "\n".join([header(args.device).replace("Engine vs peft", "Sampler vs trainer "
                                                    "logprobs"), f"### {title}", "", *table])
     text += "\n" + rows
-    if paths:
+    if where:
         text += ("\nThe same samples scored again through each path (teacher-forced); Δ in "
-                 "nats per token:\n\n" + paths)
+                 "nats per token:\n\n" + where)
     emit(text, args.write)
 
 
