@@ -11,8 +11,13 @@ mean of each sequence's largest and the largest of all; for the running batch
 Random weights: the distributions are flatter than a trained model's, and a real model's
 figure may differ; the comparison of paths and dtypes holds.
 
+`--paths` also scores the running batch's samples again through each path of the two
+sides, one difference at a time (gap_paths.py): where the two part. `--reference` adds an
+fp32 copy of the model (a small shape: it holds the model twice).
+
     python bench/bench_gap.py                                  # CPU, the tiny model, fp32
     python bench/bench_gap.py --device cuda --shape qwen3-8b   # bf16
+    python bench/bench_gap.py --device cuda --shape qwen3-8b --paths
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import gap_paths
 import torch
 from bench_engine import build_model, header, random_adapters
 from output import emit, section_path
@@ -66,6 +72,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None, help="(8; CPU 4)")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--padded", action="store_true", help="also the padded reference sampler")
+    ap.add_argument("--paths", action="store_true", help="where the two part (gap_paths.py)")
+    ap.add_argument("--reference", action="store_true", help="with --paths: an fp32 copy too")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers (not tiny)")
     ap.add_argument("--write", default=section_path("gap"))
     args = ap.parse_args()
     gpu = args.device == "cuda"
@@ -73,11 +82,11 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, g if gpu else c)
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
-    rows = ""
+    rows = where = ""
     with tempfile.TemporaryDirectory() as tmp:
-        vocab = build_model(args.shape, Path(tmp) / "model", dtype, args.device)
+        vocab = build_model(args.shape, Path(tmp) / "model", dtype, args.device, args.layers)
         eng = Engine(Path(tmp) / "model", dtype=dtype, device=args.device)
-        random_adapters(eng, ADAPTERS, RANK)
+        names = random_adapters(eng, ADAPTERS, RANK)
         reqs = requests(args, vocab)
         paths = {"running batch (Engine.sample)": lambda: eng.sample(reqs)}
         if args.padded:
@@ -88,7 +97,13 @@ def main() -> None:
             t0 = time.perf_counter()
             found = gaps(eng, reqs, results)
             rows += summary(name, found, time.perf_counter() - t0)
-    title = (f"{args.shape} ({args.device}, {str(dtype).split('.')[-1]}), {ADAPTERS} adapters "
+            if args.paths and name.startswith("running"):
+                ref = (gap_paths.reference_engine(eng, Path(tmp) / "model", names)
+                       if args.reference else None)
+                where = gap_paths.table(gap_paths.paths(
+                    eng, gap_paths.sequences(reqs, results), ref))
+    shape = args.shape + (f" ({args.layers} layers)" if args.layers else "")
+    title = (f"{shape} ({args.device}, {str(dtype).split('.')[-1]}), {ADAPTERS} adapters "
              f"r={RANK}, {args.prompts} prompts of {args.prompt} tokens x {args.samples} "
              f"samples of {args.new} new tokens, temperature 1; |gap| in nats per token "
              "(target: mean <= 0.01 on bf16)")
@@ -97,6 +112,9 @@ def main() -> None:
     text = "\n".join([header(args.device).replace("Engine vs peft", "Sampler vs trainer "
                                                    "logprobs"), f"### {title}", "", *table])
     text += "\n" + rows
+    if where:
+        text += ("\nThe same samples scored again through each path (teacher-forced); Δ in "
+                 "nats per token:\n\n" + where)
     emit(text, args.write)
 
 
