@@ -131,11 +131,11 @@ class RowLora:
     Sampling only (no autograd): the delta is added into `y`, the base linear's fresh
     output.
 
-    The delta is rounded to the model's dtype before it is added, as the trainer's
-    LoraBatch and PackedLora add theirs: a fused matmul-add (`addmm_`) rounds once, and
-    that one rounding differing in bf16 was the whole of the sampler/trainer logprob gap
-    on CPU (0.011 nats a token on a 4-layer model; every later rounding then falls apart,
-    docs/reference.md "Sampler vs trainer logprobs")."""
+    The delta is added by one fused matmul-add (`addmm_`, one rounding of the sum), as the
+    trainer's LoraBatch adds an adapter's rows (lora_fused.py): where the two sides round
+    differently in bf16, every later rounding falls apart, and that one difference was the
+    whole of the sampler/trainer logprob gap on CPU (0.011 nats a token on a 4-layer
+    model; docs/reference.md "Sampler vs trainer logprobs")."""
 
     def __init__(self, stack: AdapterStack, mask: torch.Tensor):
         self.stack, self.mask = stack, mask
@@ -145,7 +145,8 @@ class RowLora:
         if a is None:
             return y
         h = F.linear(x, a) * self.mask[:, None, :]
-        return y.add_(F.linear(h, self.stack.B[key]))
+        y.view(-1, y.shape[-1]).addmm_(h.view(-1, h.shape[-1]), self.stack.B[key].t())
+        return y
 
 
 class KernelRowLora:

@@ -17,8 +17,8 @@ number of rows, and the work (flops) grows with rows x rank, not rows x all colu
 Every shape is fixed by the number of rows, and the plan is computed on the device from
 the per-row buffers (no host sync), so a decode step with these kernels can be captured
 in a CUDA graph. x and y stay in the model's dtype; products accumulate in fp32; h is
-rounded to the model's dtype before the expand, and the delta before it is added to y, as
-the masked reference rounds them (and the trainer's LoraBatch and PackedLora).
+rounded to the model's dtype before the expand, and y + delta is rounded once, as the
+masked reference (RowLora) and the trainer's fused matmul-add (lora_fused.py) round it.
 The shrink splits the reduction (in) into chunks, one program each (the few windows of a
 decode step would leave most of the card idle), and reads a chunk in one load per adapter;
 the partial h's are summed in fp32 in a fixed order (no atomics: the same inputs give the
@@ -210,8 +210,6 @@ def _expand(h_ptr, b_ptr, y_ptr, order_ptr, seg_ptr, start_ptr, rank_ptr, n, out
         ptrs = y_ptr + row[:, None] * stride_y + cols[None, :]
         m = live[:, None] & cm[None, :]
         y = tl.load(ptrs, mask=m, other=0.0)
-        # the delta rounded to y's dtype before the add, as the trainer adds its own (and
-        # RowLora): one rounding of the sum instead of two parts the two sides' logprobs
-        # (docs/reference.md "Sampler vs trainer logprobs")
-        d = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(ptrs, (y.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=m)
+        # y + delta rounded once, as RowLora's and the trainer's matmul-adds round it (a
+        # rounding that differs parts the two sides' logprobs: docs/reference.md)
+        tl.store(ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
