@@ -182,6 +182,21 @@ def test_fused_parse_names_every_lever():
         Fused.parse("norm,bogus")
 
 
+def test_the_fused_kernels_setting_is_checked_and_reaches_the_engine(tmp_path, tiny_dir):
+    """`fused_kernels` (the operator's switch back to the reference layer) is checked at
+    the door with the others, and the engine takes it."""
+    from twinkled.engine.engine import Engine
+    from twinkled.protocol.config import check_config
+
+    for value, ok in (("none", True), ("norm,gemm", True), ("fast", False), ("", False)):
+        path = tmp_path / "c.toml"
+        path.write_text(f'fused_kernels = "{value}"\n')
+        problems = check_config(path)
+        assert (problems == []) == ok and all(p.startswith("fused_kernels:") for p in problems)
+    assert Engine(tiny_dir, fused="none").model.fused == Fused.off()
+    assert Engine(tiny_dir, fused="rope").model.fused == Fused.parse("rope")
+
+
 def _grads_of(fn, inputs, seed):
     inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     out = fn(*inputs)

@@ -85,6 +85,7 @@ def zmq_executor(config: Config, devices: list[str]) -> Executor:
                "sample_kv_mb": config.sample_kv_mb,
                "sample_prefix_cache": config.sample_prefix_cache,
                "packing": config.packing, "shared_prefix": config.shared_prefix,
+               "fused_kernels": config.fused_kernels,
                "tp": config.tp, "ep": config.ep,
                "activation_checkpointing": config.activation_checkpointing,
                "live_dir": str(live_dir), "persist_every": config.persist_every,
@@ -348,6 +349,7 @@ def in_process_executor(config: Config) -> Executor:
     group = InProcessGroup(config.model, device=device, dtype=dtype, max_rank=config.max_rank,
                            token_budget=config.token_budget, packing=config.packing,
                            shared_prefix=config.shared_prefix,
+                           fused_kernels=config.fused_kernels,
                            sample_kv_mb=config.sample_kv_mb, live_dir=live_dir, persist_every=config.persist_every,
                            sample_prefix_cache=config.sample_prefix_cache,
                            logprob_gap_every=config.logprob_gap_every)

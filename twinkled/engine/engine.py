@@ -29,6 +29,7 @@ from twinkled.protocol.types import (
 )
 
 from . import live, sampler, state, step
+from .fused_ops import Fused
 from .lora import Adapter, LoraPool
 from .model import BaseModel
 from .moe_parallel import ExpertSplit, reduce_split_gradients
@@ -52,13 +53,14 @@ class Engine:
                  token_budget: int = 16384, packed: bool = True, dp_group=None, tp=None,
                  recompute: str = "auto", kv_bytes: int | None = None,
                  experts: ExpertSplit | None = None, prefix_cache: float = 0.0,
-                 shared_prefix: int = MIN_SHARED):
+                 shared_prefix: int = MIN_SHARED, fused: str = "all"):
         # `tp` (tp.py: TensorParallel): this rank holds a slice of the base model and of
         # every adapter; `dp_group` is then the group across the replicas. `experts`
         # (moe_parallel.py): this rank's share of an MoE model's experts.
         self.model = BaseModel(model_dir, dtype=dtype, device=device, tp=tp, experts=experts)
         self.shard = self.model.shard  # None unless split
         self.model.recompute.set_mode(recompute)  # activation checkpointing (recompute.py)
+        self.model.fused = Fused.parse(fused)  # the layer's fused kernels (fused_ops.py)
         self.pool = LoraPool(self.model.targets, max_rank, self.model.device, self.model.dtype,
                              shard=self.shard)
         self.token_budget = token_budget

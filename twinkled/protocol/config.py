@@ -63,6 +63,10 @@ class Config:
     # Packed rows of one adapter sharing at least this many leading positions (an RL
     # group's prompt) compute them once (engine/shared_prefix.py); 0: off.
     shared_prefix: int = 32
+    # The decoder layer's fused kernels (engine/fused_ops.py: liger-kernel's RMSNorm, rotary,
+    # SiLU-mul on GPUs; joint q/k/v and gate/up GEMMs): "all", "none" (HF's modules op by
+    # op, the reference path) or levers comma-separated of norm, rope, silu, gemm.
+    fused_kernels: str = "all"
     sample_kv_mb: int = 0  # the sampler's KV page pool per worker (0: sized from the card, 64 on a CPU)
     # The share of that pool prompts' KV pages may stay cached in for later requests with
     # the same prefix and weights (engine/prefix_cache.py); 0: no prefix cache.
@@ -230,6 +234,12 @@ TENANT_KEYS = ("weight", "max_queued_requests", "max_queued_tokens", "max_adapte
                "max_rank", "max_storage_bytes")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _ENDPOINT = re.compile(r"tcp://(\*|[\w.-]+):(\d{1,5})")
+def _fused_spec(v) -> bool:
+    levers = {"norm", "rope", "silu", "gemm"}
+    return isinstance(v, str) and (v in ("all", "none") or (
+        bool(v) and set(v.split(",")) <= levers))
+
+
 _POSITIVE = (lambda v: v > 0, "must be positive")
 _NON_NEGATIVE = (lambda v: v >= 0, "must be 0 or more")
 _NOT_EMPTY = (lambda v: v != "", "must not be empty")
@@ -246,7 +256,7 @@ _RANGES = {
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
                                  "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
-    "token_budget": _POSITIVE, "shared_prefix": _NON_NEGATIVE, "sample_kv_mb": _NON_NEGATIVE, "sample_prefix_cache": (lambda v: 0 <= v <= 1, "must be from 0 to 1"), "logprob_gap_every": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
+    "token_budget": _POSITIVE, "shared_prefix": _NON_NEGATIVE, "fused_kernels": (_fused_spec, "must be all, none or levers comma-separated of norm, rope, silu, gemm"), "sample_kv_mb": _NON_NEGATIVE, "sample_prefix_cache": (lambda v: 0 <= v <= 1, "must be from 0 to 1"), "logprob_gap_every": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
     "poll_seconds": (lambda v: 0 <= v < 45,
                      "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
     "gather_ms": _NON_NEGATIVE, "stability_bytes": _NON_NEGATIVE,

@@ -130,6 +130,7 @@ def _start(args: dict):
     engine = Engine(args["model"], dtype=dtype, device=device, max_rank=args["max_rank"],
                     token_budget=args["token_budget"], packed=args.get("packing", True),
                     shared_prefix=args.get("shared_prefix", MIN_SHARED),
+                    fused=args.get("fused_kernels", "all"),
                     kv_bytes=(args.get("sample_kv_mb") or 0) << 20 or None,
                     prefix_cache=float(args.get("sample_prefix_cache", 0.0)),
                     dp_group=dp_group, tp=tp, experts=experts,
