@@ -108,7 +108,9 @@ LONGEST_FIRST = [
     "test_engine_dimuon.py",  # 29
     "test_workers.py::test_idle_adapters_are_unloaded_and_come_back_on_their_next_request",
 ]
-SPREAD = {"test_workers.py", "test_hosts.py", "test_durability.py"}
+SPREAD = {"test_workers.py", "test_hosts.py", "test_durability.py", "test_admin.py",
+          "test_tinker_dimuon.py", "test_tinker_retries.py", "test_tinker_restart.py",
+          "test_operator_stop.py", "test_daemon_health.py"}
 _SHARED_SCOPES = {"module", "class", "package"}
 
 
