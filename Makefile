@@ -21,11 +21,13 @@ serve: install
 
 # The suite in 3 processes (pytest-xdist; a file's tests stay together, so the daemons a
 # module shares start once): most of a test's time is waiting on daemons and workers, so 3
-# processes keep 2 cores busy. TEST_WORKERS=0 runs it in one process.
+# processes keep 2 cores busy. The longest files start first, in the order
+# tests/conftest.py gives (LONGEST_FIRST; xdist's own would start them last). TEST_WORKERS=0
+# runs it in one process.
 TEST_WORKERS ?= 3
 test: install
 	@echo "make: running the test suite (pytest tests, $(TEST_WORKERS) processes)"
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
 # The edit loop's tier: the tests that start no daemon (engine, scheduler, store, codecs,
 # layers), in about a minute.

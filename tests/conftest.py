@@ -68,3 +68,95 @@ def moe_dir(tmp_path_factory):
     from twinkled.engine.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe", arch="qwen3_moe")
+
+
+# -- how `make test` spreads the suite over its processes ---------------------------------
+# pytest-xdist, `--dist loadgroup --no-loadscope-reorder`: a file's tests go to one process
+# together (the daemons a module shares start once), and the units are handed out in the
+# order below, longest first. xdist's own order (most tests first) started the longest
+# files last (test_newcomer.py, test_chaos.py: one test each), and the suite ended with one
+# process running them while the others sat idle. In the files of SPREAD, a test that
+# shares no module fixture is a unit of its own, so no one file is the suite's long pole.
+# Seconds: each file alone in one process on a busy 2-core box (2026-11-27), less the ~8 s
+# a process takes to start and collect; a unit not named here (all under ~15 s) runs
+# after these, in collection order.
+LONGEST_FIRST = [
+    "test_newcomer.py",  # 97
+    "test_workers.py",  # 96 without the ones below
+    "test_isolation.py",  # 90
+    "test_chaos.py",  # 86
+    "test_hosts.py",  # 85 without the one below
+    "test_sdk_cookbook.py",  # 85 without the one below
+    "test_hosts.py::test_tensor_parallel_groups_on_two_hosts_train_like_one_group",  # 79
+    "test_engine_tp.py",  # 63
+    "test_tinker_tp.py",
+    "test_engine_kernels.py",  # 50
+    "test_daemon_scheduling.py",  # 50
+    "test_workers.py::test_a_killed_lane_costs_only_its_own_tenants",  # 50
+    "test_fuzz.py",  # 48
+    "test_hygiene.py",  # 45 without the one below
+    "test_openai_e2e.py",  # 40
+    "test_tinker_moe.py",  # 40
+    "test_cookbook_rl.py",  # 38
+    "test_durability.py::test_a_step_another_data_parallel_rank_died_on_is_never_restored",
+    "test_sdk_cookbook.py::test_two_gloo_ranks_train_what_one_process_does",  # 35
+    "test_durability.py::test_worker_kill_keeps_every_acknowledged_step",  # 33
+    "test_durability.py::test_an_optim_step_queued_behind_a_lost_forward_backward_fails_with_it",
+    "test_lora_kernels.py",  # 30
+    "test_admin.py",  # 30 without the ones below
+    "test_durability.py::test_a_pass_that_fails_on_one_data_parallel_rank_fails_alone",  # 28
+    "test_durability.py::test_a_failed_shared_pass_fails_only_the_request_at_fault",  # 27
+    "test_durability.py::test_with_persistence_off_a_worker_kill_brings_an_adapter_back_as_created",
+    "test_engine_state.py",  # 26
+    "test_tinker_dimuon.py::test_a_daemon_sigkill_restores_dimuon_state",  # 25
+    "test_limits.py",  # 25
+    "test_service.py",  # 25
+    "test_daemon_health.py::test_a_model_that_fails_to_load_is_reported_not_fatal",  # 24
+    "test_dp_reduce.py",  # 23
+    "test_tinker_dimuon.py::test_a_hot_restart_keeps_dimuon_momentum",  # 22
+    "test_durability.py::test_a_hung_step_restarts_the_group_keeping_loads_and_saying_what_was_lost",
+    "test_admin.py::test_status_of_a_stopped_daemon_is_its_last_one",  # 21
+    "test_durability.py::test_daemon_sigkill_keeps_every_acknowledged_step",  # 20
+    "test_sample_slices.py",  # 20
+    "test_tinker_exports.py",  # 20
+    "test_operator_stop.py::test_a_signal_to_the_process_group_stops_cleanly[sigterm]",  # 19
+    "test_workers.py::test_two_workers_compute_what_one_does",  # 19
+    "test_hygiene.py::test_ctl_tenants_list_shows_storage_without_a_daemon",  # 19
+    "test_workers.py::test_sigkill_rolls_back_to_persisted_state_and_quarantines_damage",
+    "test_operator_stop.py::test_a_signal_to_the_process_group_stops_cleanly[sigint]",  # 17
+    "test_tinker_dimuon.py::test_a_worker_kill_restores_dimuon_state",  # 17
+    "test_tinker_records.py",  # 17
+    "test_tinker_restart.py::test_restart_keeps_runs_and_checkpoints[sigterm]",  # 16
+    "test_tinker_restart.py::test_restart_keeps_runs_and_checkpoints[sigkill]",  # 16
+    "test_workers.py::test_sigterm_is_a_hot_restart",  # 15
+    "test_tinker_dimuon.py::test_a_model_recreated_after_a_worker_kill_keeps_its_optimizer",
+    "test_operator_logs.py",  # 15
+    "test_workers.py::test_idle_adapters_are_unloaded_and_come_back_on_their_next_request",
+]
+SPREAD = {"test_workers.py", "test_hosts.py", "test_durability.py", "test_admin.py",
+          "test_tinker_dimuon.py", "test_tinker_retries.py", "test_tinker_restart.py",
+          "test_operator_stop.py", "test_daemon_health.py", "test_sdk_cookbook.py",
+          "test_hygiene.py"}
+_SHARED_SCOPES = {"module", "class", "package"}
+
+
+def _unit(item: pytest.Item) -> str:
+    """The name of the unit `item` runs in: its file, or in SPREAD its own name when it
+    shares no module fixture (nor the session's daemon) with its file's other tests."""
+    name = item.path.name
+    if name in SPREAD:
+        defs = getattr(item, "_fixtureinfo", None)
+        scopes = {d[-1].scope for d in defs.name2fixturedefs.values()} if defs else {"module"}
+        if not scopes & _SHARED_SCOPES and "daemon" not in item.fixturenames:
+            return f"{name}::{item.name}"
+    return name
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    units = {item: _unit(item) for item in items}
+    for item, unit in units.items():
+        if unit == item.path.name:  # a test of its own is a unit of its own unmarked
+            item.add_marker(pytest.mark.xdist_group(unit))
+    items.sort(key=lambda item: rank.get(units[item], len(rank)))  # stable: files stay in order

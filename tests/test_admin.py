@@ -202,7 +202,15 @@ def test_status_of_a_stopped_daemon_is_its_last_one(tiny_dir, tmp_path):
     assert ctl_json(tmp_path, "status")["running"] is True
     import time
 
-    time.sleep(2.5)  # the status row is written every 2 s
+    from twinkled.store import Store
+
+    # The status row the daemon writes (at its start, then every 2 s): once there is one,
+    # not a 2.5 s wait for the next.
+    store = Store(tmp_path / "twinkle.db")
+    deadline = time.monotonic() + 30
+    while store.status.get() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    store.close()
     d.stop()
     last = ctl_json(tmp_path, "status")
     assert last["running"] is False and last["model"] == tiny_dir.name and last["age_seconds"] >= 0

@@ -19,13 +19,25 @@ def ctl(data_dir, *args) -> str:
                            *args], check=True, capture_output=True, text=True).stdout
 
 
+def status_when(data_dir, ready, timeout: float = 30) -> dict:
+    """The running daemon's status (`ctl status --json`, live, not the row it writes every
+    2 s) once `ready` holds for it, or at the deadline (the caller's asserts say what is
+    wrong)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = json.loads(ctl(data_dir, "status", "--json"))
+        if ready(status) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.2)
+
+
 def test_quota_pauses_training_and_refuses_samples(daemon, tiny_dir):
     key = make_key(daemon.data, "carol")
     ctl(daemon.data, "tenants", "set", "carol", "--max-queued-requests", "1", "--weight", "2")
     listed = json.loads(ctl(daemon.data, "tenants", "list", "--json"))
     assert {"name": "carol", "weight": 2.0} .items() <= next(
         t for t in listed if t["name"] == "carol").items()
-    time.sleep(3)  # the daemon picks settings up within seconds
+    # No wait: through the running daemon's admin API, a setting is in force when ctl returns.
     with httpx.Client(base_url=f"{daemon.url}/api/v1", headers={"X-API-Key": key},
                       timeout=60) as http:
         sid = http.post("/create_session", json={}).json()["session_id"]
@@ -59,8 +71,7 @@ def test_quota_pauses_training_and_refuses_samples(daemon, tiny_dir):
         err = r.json()["error"]
         assert (err["type"], err["code"]) == ("rate_limit_error", "rate_limit_exceeded")
         assert "quota" in err["message"]
-    time.sleep(2.5)
-    status = json.loads(ctl(daemon.data, "status", "--json"))
+    status = status_when(daemon.data, lambda s: s["tenants"].get("carol", {}).get("paused") == 1)
     carol = status["tenants"]["carol"]
     assert carol["queued_requests"] == 1 and carol["paused"] == 1 and carol["weight"] == 2.0
     assert status["state"] == "ready"
@@ -70,8 +81,7 @@ def test_quota_pauses_training_and_refuses_samples(daemon, tiny_dir):
 
 def test_rank_cap_is_a_clear_refusal(daemon, tiny_dir):
     key = make_key(daemon.data, "dave")
-    ctl(daemon.data, "tenants", "set", "dave", "--max-rank", "8")
-    time.sleep(3)
+    ctl(daemon.data, "tenants", "set", "dave", "--max-rank", "8")  # in force at once
     sc = tinker.ServiceClient(base_url=daemon.url, api_key=key)
     with pytest.raises(tinker.BadRequestError, match="over tenant 'dave'.s cap of 8"):
         sc.create_lora_training_client(base_model=tiny_dir.name, rank=16).result(timeout=60)
@@ -85,8 +95,8 @@ def test_status_shows_shares_after_training(daemon, tiny_dir):
                            loss_fn_inputs={"target_tokens": [6, 7, 8, 9]})
     before = json.loads(ctl(daemon.data, "status", "--json"))["tenants"].get("bob", {})
     tc.forward_backward([d], "cross_entropy").result(timeout=60)
-    time.sleep(2.5)
-    tenants = json.loads(ctl(daemon.data, "status", "--json"))["tenants"]
+    tenants = status_when(daemon.data, lambda s: s["tenants"].get("bob", {}).get(
+        "served_tokens", 0) > before.get("served_tokens", 0))["tenants"]
     bob = tenants["bob"]
     # Exactly this datum's 4 tokens more; more training time; and the shares are each
     # tenant's part of all training time (the session daemon has served others too).
@@ -99,8 +109,7 @@ def test_status_shows_shares_after_training(daemon, tiny_dir):
 
 def test_finishing_a_session_unloads_its_adapters(daemon, tiny_dir):
     key = make_key(daemon.data, "erin")
-    ctl(daemon.data, "tenants", "set", "erin", "--max-adapters", "1")
-    time.sleep(3)
+    ctl(daemon.data, "tenants", "set", "erin", "--max-adapters", "1")  # in force at once
     sc = tinker.ServiceClient(base_url=daemon.url, api_key=key)
     tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=60)
     d = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5, 6, 7]),

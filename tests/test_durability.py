@@ -72,10 +72,10 @@ def lagging(tiny_dir, tmp_path):
 
 @pytest.fixture()
 def lagging_hangs(tiny_dir, tmp_path):
-    """`lagging`, and more: a step not answered within 20 s restarts the worker group, and
+    """`lagging`, and more: a step not answered within 10 s restarts the worker group, and
     no version is ever written (the writer waits 10 min first), so even a load, which
     asks for one at once, is covered by the journal alone."""
-    d = _lagging(tiny_dir, tmp_path, "step_timeout_s = 20\n", tenants=("ann", "ben"),
+    d = _lagging(tiny_dir, tmp_path, "step_timeout_s = 10\n", tenants=("ann", "ben"),
                  env={"TWINKLED_TEST_PERSIST_DELAY": "600"})
     yield d
     d.stop(signal.SIGKILL)  # a clean stop would wait for the writer
@@ -169,7 +169,7 @@ def test_a_hung_step_restarts_the_group_keeping_loads_and_saying_what_was_lost(
     old = d.workers()
     os.kill(old[0], signal.SIGSTOP)  # hung: alive, silent
     try:
-        with pytest.raises(tinker.RequestFailedError, match="did not answer within 20 s"):
+        with pytest.raises(tinker.RequestFailedError, match="did not answer within 10 s"):
             _fb(ann, data)
     finally:
         with contextlib.suppress(ProcessLookupError):  # the restart has killed it, or will

@@ -4,7 +4,6 @@ mid-training costs a step, never the daemon; a joiner without the token is turne
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon import Daemon, free_port, make_key, stop_process
+from daemon import Daemon, ctl_status, free_port, make_key, stop_process
 from test_workers import T, _checkpoint, _data, _logprobs, _step
 
 tinker = pytest.importorskip("tinker")
@@ -38,17 +37,13 @@ class Agent:
         self.log.close()
 
 
-def _ctl_status(data_dir: Path) -> dict:
-    out = subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data_dir),
-                          "status", "--json"], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
 
 
 def _wait_ranks(data_dir: Path, hosts: list[str], timeout: float = 90) -> list[dict]:
     """Until `twinkled ctl status` shows live ranks on exactly these hosts, in rank order."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        workers = _ctl_status(data_dir)["workers"]
+        workers = ctl_status(data_dir)["workers"]
         if [w["host"] for w in workers] == hosts and all(w["alive"] for w in workers):
             return workers
         time.sleep(0.3)
@@ -167,7 +162,7 @@ def test_a_joiner_without_the_token_is_refused(two_hosts, tmp_path):
         intruder.stop()
     assert "wrong join token" in (tmp_path / "intruder.log").read_text()
     # The group is as it was: nothing restarted, both ranks up.
-    status = _ctl_status(two_hosts.data_dir)
+    status = ctl_status(two_hosts.data_dir)
     assert status["restarts"] == 0
     assert [w["host"] for w in status["workers"]] == [two_hosts.here, "hostb"]
 
@@ -213,7 +208,7 @@ def test_loads_and_samplers_reach_the_other_host(two_hosts, tiny_dir):
     shared = (d.data_dir / "agent.log").read_text()
     assert re.search(r"file\(s\) of \S+/checkpoints/\S+/sampler_weights/s0 from rank 0",
                      shared)
-    assert _ctl_status(d.data_dir)["restarts"] == 0
+    assert ctl_status(d.data_dir)["restarts"] == 0
 
 
 def test_a_lost_host_costs_a_step_never_the_daemon(two_hosts, tiny_dir):

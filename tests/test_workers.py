@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from daemon import Daemon, make_key
+from daemon import Daemon, ctl_status, make_key
 
 tinker = pytest.importorskip("tinker")
 T = 120
@@ -278,9 +278,7 @@ def test_idle_adapters_are_unloaded_and_come_back_on_their_next_request(tiny_dir
         deadline = time.time() + 30
         status = {}
         while time.time() < deadline:
-            status = json.loads(subprocess.run(
-                [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(tmp_path), "status",
-                 "--json"], capture_output=True, text=True, check=True).stdout)
+            status = ctl_status(tmp_path)  # polled: in this process
             if status["adapters"] == 0:
                 break
             time.sleep(0.5)
