@@ -94,6 +94,7 @@ LONGEST_FIRST = [
     "test_daemon_scheduling.py",  # 50
     "test_workers.py::test_a_killed_lane_costs_only_its_own_tenants",  # 50
     "test_fuzz.py",  # 48
+    "test_fused_layer.py",  # 36 (liger's kernels in Triton's interpreter)
     "test_hygiene.py",  # 45 without the one below
     "test_openai_e2e.py",  # 40
     "test_tinker_moe.py",  # 40
