@@ -15,6 +15,9 @@
 #   bash bench/gpu_pass.sh tp70                    # issue 15: a 70B shape at tp 4 via the daemon
 #   bash bench/gpu_pass.sh sampling slices         # issue 16 (one GPU: $SAMPLING_GPU, default 0)
 #   bash bench/gpu_pass.sh gap                     # issue 31: sampler vs trainer logprob gap
+#   bash bench/gpu_pass.sh gpucheck                # the GPU-only tests of the fast paths (fused
+#                                                  #   layer, overlapped decode, direct LoRA,
+#                                                  #   cascade, flash varlen): run before timing them
 #
 # `prewrite` starts writing the 32B and 70B random checkpoints in the background (its own
 # process session, on GPU 3), so the tp32 and tp70 steps, which wait for them, need not.
@@ -80,6 +83,20 @@ for what in "$@"; do
                       --shape qwen2.5-0.5b --write "$out/sampling.md" ;;
         slices) CUDA_VISIBLE_DEVICES="${SAMPLING_GPU:-0}" "$py" bench_slices.py \
                     --shape qwen2.5-0.5b --write "$out/slices.md" ;;
+        # every fast path's GPU-only checks against its reference (compiled Triton, not the
+        # interpreter the CPU suite runs; flash varlen's shared-prefix call, off by default)
+        gpucheck) (cd .. && TRITON_INTERPRET=0 TWINKLE_TEST_DEVICE=cuda "$py" -m pytest -q \
+                      -p no:cacheprovider tests/test_fused_layer.py tests/test_engine_overlap.py \
+                      tests/test_lone_lora.py tests/test_engine_kernels.py \
+                      tests/test_flash_varlen.py tests/test_shared_prefix.py \
+                      tests/test_engine_packed.py tests/test_logprob_gap.py) \
+                      2>&1 | tail -40 | tee "$out/gpucheck.txt"
+                  (cd .. && TRITON_INTERPRET=0 TWINKLE_TEST_DEVICE=cuda "$py" -c "
+import sys, pytest, twinkled.engine.flash_varlen as f
+f.ENABLED = f.SHARED = True
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.py',
+                      'tests/test_engine_packed.py', '-k', 'gpu']))") 2>&1 | tail -15 \
+                      | tee -a "$out/gpucheck.txt" ;;
         # issue 31 item 4: sampler vs trainer logprobs, bf16, both paths, both shapes
         gap) for s in qwen2.5-0.5b qwen3-8b; do CUDA_VISIBLE_DEVICES="${SAMPLING_GPU:-0}" "$py" \
                  bench_gap.py --device cuda --shape "$s" --padded --write "$out/gap-$s.md"; done ;;
@@ -95,7 +112,7 @@ for what in "$@"; do
                   --trace --peft --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
                   | tee -a "$out/tp.md" ;;
         moe) "$py" bench_moe.py --devices cuda:0,cuda:1 --layers 12 --write "$out/moe.md" ;;
-        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, tp, tp32, tp70, moe)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe)"; exit 2 ;;
     esac
 done
 echo "== done $(date +%T)"

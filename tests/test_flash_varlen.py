@@ -86,5 +86,7 @@ def test_flash_kernels_equal_the_reference_on_a_gpu(first_alone):
     want = _grads(lambda *a: fv.attend(*a, plan, 0.3, fv.REFERENCE), q, k, v)
     got = _grads(lambda *a: fv.attend(*a, plan, 0.3, fv.FLASH), q, k, v)
     for w, g, name in zip(want, got, ("out", "dq", "dk", "dv"), strict=True):
-        err = (g.float() - w.float()).abs().max()
-        assert torch.isfinite(g).all() and err < 3e-2, (name, float(err))
+        # bf16 inputs, fp32 sums on both sides, bf16 results: a few ulps of the largest
+        err, scale = (g.float() - w.float()).abs().max(), w.float().abs().max()
+        assert torch.isfinite(g).all() and err <= 2e-2 * scale + 1e-3, (name, float(err),
+                                                                         float(scale))
