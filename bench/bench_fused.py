@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import build_model  # noqa: E402
+from bench_engine import build_model, header  # noqa: E402
 from bench_sampling import RANK, run_workload, workloads  # noqa: E402
+from output import emit, section_path  # noqa: E402
 from profile_engine import tenant_rows  # noqa: E402
 
 from twinkled.engine.engine import Engine  # noqa: E402
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--new", type=int, default=128, help="new tokens a sample (fan-out)")
     ap.add_argument("--skip-sampling", action="store_true")
+    ap.add_argument("--write", default=section_path("fused"))
     args = ap.parse_args()
     args.prompt, args.prompts_fanout, args.samples, args.prompts_wide = 512, 32, 8, 0
     args.repeats, args.page_size, args.kv_gb, args.profile = 1, PAGE_SIZE, None, False
@@ -72,8 +74,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         vocab = build_model(args.shape, Path(tmp) / "model", torch.bfloat16, "cuda")
         eng = Engine(Path(tmp) / "model", dtype=torch.bfloat16, device=torch.device("cuda"))
-        print(f"{torch.cuda.get_device_name()}, {args.shape}, liger kernels: "
-              f"{eng.model.kernels}", flush=True)
+        text = header("cuda").replace("Engine vs peft", "Fused layer kernels")
+        text += (f"\n### {args.shape}, liger kernels: {eng.model.kernels}; training rounds of "
+                 f"1 and {args.adapters} adapters x {args.seq}, fan-out 32 x 8 of 512 + "
+                 f"{args.new}\n\n")
+        print(text, flush=True)
         names, reqs = tenant_rows(eng, args.adapters, args.seq)
         lone = [r for r in reqs if r.adapter_id == names[0]]
         fanout = next(iter(workloads(args, vocab).values()))
@@ -90,10 +95,13 @@ def main() -> None:
                     f"({args.seq / one:,.0f} tok/s), {args.adapters}x{args.seq} "
                     f"{many * 1e3:.1f} ms ({args.adapters * args.seq / many:,.0f} tok/s)")
             if not args.skip_sampling:
-                r = run_workload(eng, fanout, args, torch.cuda.synchronize, True)
+                r = run_workload(eng, fanout, args, torch.cuda.synchronize, "new", True)
                 line += (f"; fan-out {r['call tok/s']:,.0f} tok/s a call, decode step "
                          f"{r['step ms']:.2f} ms")
-            print(line + f"; bf16 logits max|diff| vs none {diff:.3g}", flush=True)
+            line += f"; bf16 logits max|diff| vs none {diff:.3g}"
+            print(line, flush=True)
+            text += f"- {line.strip()}\n"
+    emit(text, args.write)
 
 
 if __name__ == "__main__":
