@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_engine, randomize_b
+from helpers import one_adapter_engine
 
 from twinkled.engine.kernels import paged_decode as paged_decode_module
 from twinkled.engine.kernels import runnable
@@ -15,7 +15,7 @@ from twinkled.engine.kernels.paged_decode import paged_decode, prefix_groups, sp
 from twinkled.engine.kv_pages import PagePool
 from twinkled.engine.running import RunningBatch
 from twinkled.engine.sampler import generate
-from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
+from twinkled.protocol.types import SampleRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(not runnable(torch.device("cpu")),
                                 reason="needs triton and TRITON_INTERPRET=1")
@@ -96,10 +96,7 @@ def test_split_plan_depends_on_the_shape_only():
 
 @pytest.fixture(scope="module")
 def eng(tiny_dir):
-    e = make_engine(tiny_dir)
-    e.add_adapter("a", LoraConfig(rank=4, alpha=16, seed=0))
-    randomize_b(e, "a", seed=3, std=0.3)
-    return e
+    return one_adapter_engine(tiny_dir)
 
 
 def test_running_batch_with_the_kernel_samples_what_the_reference_samples(eng):

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, make_engine, randomize_b
+from helpers import DEVICE, one_adapter_engine
 
 from twinkled.engine.running import RunningBatch
-from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
+from twinkled.protocol.types import SampleRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def eng(tiny_dir):
-    e = make_engine(tiny_dir)
-    e.add_adapter("a", LoraConfig(rank=4, alpha=16, seed=0))
-    randomize_b(e, "a", seed=3, std=0.3)
-    return e
+    return one_adapter_engine(tiny_dir)
 
 
 def _prompt(eng, n, seed):

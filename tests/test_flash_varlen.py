@@ -43,7 +43,7 @@ def test_shared_prefixes_read_in_place_equal_the_masked_reference(first_alone):
         prefixes = [None if p is None else (p[0] - 3, p[1]) for p in prefixes]
     T = spans[-1][0] + spans[-1][1]
     packing = SharedPacking.of(spans, prefixes, "cpu")
-    plan = fv.Plan.of([(s, n) for s, n, _ in spans], prefixes, "cpu")
+    plan = packing.plan  # made when first asked for
     assert plan.prefix is not None and int(plan.covered.sum()) == sum(
         n for (_, n, _), p in zip(spans, prefixes, strict=True) if p is not None)
     q, k, v = _qkv(T)

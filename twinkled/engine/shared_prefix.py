@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -232,7 +233,6 @@ class SharedPacking:
     keys: torch.Tensor  # [sum of key lengths] packed index of each segment's keys
     longest_q: int
     longest_k: int
-    plan: flash_varlen.Plan  # the same attention as flash's calls (flash_varlen.py)
 
     @staticmethod
     def of(spans: list[tuple[int, int, int]], prefixes: list[tuple[int, int] | None],
@@ -251,8 +251,12 @@ class SharedPacking:
             [(s, n) for s, n, _ in spans], prefixes, torch.from_numpy(positions).to(device)[None],
             *(torch.tensor(c, dtype=torch.int32, device=device) for c in (cu_q, cu_k)),
             torch.from_numpy(np.concatenate(keys)).to(device), max(n for _, n, _ in spans),
-            int(counts.max()), flash_varlen.Plan.of([(s, n) for s, n, _ in spans], prefixes,
-                                                     device))
+            int(counts.max()))
+
+    @cached_property
+    def plan(self) -> flash_varlen.Plan:
+        """The same attention as flash's calls (flash_varlen.py), made when first used."""
+        return flash_varlen.Plan.of(self.spans, self.prefixes, self.positions.device)
 
     def memory_tokens(self) -> int:
         """Tokens a pass keeps for its backward, for the recompute decision: the packed
