@@ -219,7 +219,9 @@ def _combine_kernel(m_ptr, l_ptr, o_ptr, out_ptr, start_ptr, so_b, so_h, SPLITS,
     d = tl.arange(0, BLOCK_D)
     sm, dm = s < SPLITS, d < D
     if START:  # partials FIRST.. are the prefix's, written only for rows that share one
-        sm = sm & ((s < FIRST) | (tl.load(start_ptr + b) > 0))
+        # tl.where keeps the mask boolean: Triton 3.9's interpreter widens a bool tensor
+        # or-ed with a loaded scalar's comparison to int32, which tl.load refuses
+        sm = sm & tl.where(tl.load(start_ptr + b) > 0, s >= 0, s < FIRST)
     row = (b * tl.num_programs(1) + h) * SPLITS + s
     m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
     sm = sm & (m > float("-inf"))  # an empty partial stored its max alone
