@@ -152,7 +152,7 @@ def decode_forward_backward(
     max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES,
 ) -> FwdBwdCall:
     """Parse a ``/api/v1/forward_backward`` body; raise ``CodecError`` on anything unusable."""
-    raw = _decompress(bytes(body), content_encoding, max_decompressed_bytes)
+    raw = decompress(bytes(body), content_encoding, max_decompressed_bytes)
     try:
         msg = _FwdBwdRequestPb.FromString(raw)
     except DecodeError as exc:
@@ -172,7 +172,8 @@ def decode_forward_backward(
         raise CodecError(str(e), msg.model_id or None, msg.seq_id) from None
 
 
-def _decompress(body: bytes, content_encoding: str | None, limit: int) -> bytes:
+def decompress(body: bytes, content_encoding: str | None, limit: int) -> bytes:
+    """The body as sent before its Content-Encoding (zstd or none): either wire's bodies."""
     enc = (content_encoding or "").strip().lower()
     if enc not in ("", "identity", "zstd"):
         raise CodecError(f"unsupported Content-Encoding {content_encoding!r}; only zstd")
@@ -227,7 +228,7 @@ def _decode_config(msg: Any) -> dict[str, float] | None:
     return dict(msg.loss_fn_config) or None
 
 
-_CHUNK_REFUSALS = {
+CHUNK_REFUSALS = {
     "image": "image chunks are not supported (text-only models)",
     "dmel": "dmel (audio) chunks are not supported (text-only models)",
     None: "empty or unrecognised model_input chunk (a chunk type newer than SDK 0.38?)",
@@ -239,7 +240,7 @@ def _decode_datum(i: int, datum: Any) -> DatumIn:
     for chunk in datum.model_input:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise CodecError(f"data[{i}].model_input: {_CHUNK_REFUSALS.get(kind, kind)}")
+            raise CodecError(f"data[{i}].model_input: {CHUNK_REFUSALS.get(kind, kind)}")
         tokens.extend(_unpack(chunk.encoded_text.tokens, "i", f"data[{i}] tokens"))
     inputs = {
         name: _decode_tensor(tensor, f"data[{i}].loss_fn_inputs[{name!r}]")
@@ -271,7 +272,10 @@ def _decode_tensor(tensor: Any, where: str) -> TensorIn:
     if math.prod(shape) > MAX_TENSOR_ELEMENTS:
         raise CodecError(f"{where}: shape {shape} has more than {MAX_TENSOR_ELEMENTS} elements")
     if tensor.WhichOneof("encoding") == "sparse_csr":
-        values = _expand_csr(tensor.sparse_csr, typecode, shape, where)
+        csr = tensor.sparse_csr
+        values = expand_csr(_unpack(csr.values, typecode, where).tolist(),
+                            _unpack(csr.crow_indices, "q", where).tolist(),
+                            _unpack(csr.col_indices, "q", where).tolist(), shape, where)
     else:  # dense, or nothing at all (an empty tensor)
         values = _unpack(tensor.dense, typecode, where).tolist()
         if not shape:  # TensorData(shape=None) sends no shape; the SDK infers 1-D
@@ -289,18 +293,17 @@ def csr_consistent(crow: Sequence[int], col: Sequence[int], nnz: int, rows: int,
             and all(0 <= c < cols for c in col))
 
 
-def _expand_csr(csr: Any, typecode: str, shape: list[int], where: str) -> list[int | float]:
+def expand_csr(vals: list, crow: list[int], col: list[int], shape: list[int],
+               where: str) -> list[int | float]:
+    """A sparse CSR tensor (either wire's) as dense row-major values."""
     if len(shape) != 2:
         raise CodecError(f"{where}: sparse_csr needs a 2-D shape, got {shape}")
     rows, cols = shape
-    vals = _unpack(csr.values, typecode, where).tolist()
-    crow = _unpack(csr.crow_indices, "q", where).tolist()
-    col = _unpack(csr.col_indices, "q", where).tolist()
     if not csr_consistent(crow, col, len(vals), rows, cols):
         raise CodecError(f"{where}: inconsistent sparse_csr indices for shape {shape}")
     # The pad value is not on the wire. The SDK's automatic conversion (a 2-D torch tensor in
     # Datum.loss_fn_inputs) uses TensorData.from_torch_sparse's default pad of 0.
-    out: list[int | float] = [0.0 if typecode == "f" else 0] * (rows * cols)
+    out: list[int | float] = [0] * (rows * cols)
     for r in range(rows):
         base = r * cols
         for j in range(crow[r], crow[r + 1]):

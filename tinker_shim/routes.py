@@ -14,13 +14,16 @@ from aiohttp import web
 
 from twinkled.protocol.errors import UserError
 
+from .codec import PROTOBUF
 from .common import body_of, metadata, own_session, service
+from .json_wire import JSON, json_result, wants_json
 from .messages import CreateSession, FinishSession, RetrieveFuture, SessionRef, decode
 from .rest import add_rest_routes
 from .sampling import asample, create_sampling_session, get_sampler
 from .sessions import new_session
 from .training import (
     create_model,
+    forward,
     forward_backward,
     get_info,
     load_weights,
@@ -114,6 +117,11 @@ async def retrieve_future(request):
         return web.json_response(body)
     if f.error is not None:
         return web.json_response({"error": f.error[0], "category": f.error[1]})
+    if f.content_type == PROTOBUF and wants_json(request.headers.get("Accept")):
+        # SDK <= 0.17 reads results as JSON only (json_wire.py)
+        payload = json_result(f.kind, f.payload)
+        if payload is not None:
+            return web.Response(body=payload, content_type=JSON)
     return web.Response(body=f.payload, content_type=f.content_type)
 
 
@@ -168,6 +176,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post(f"{V1}/create_model", _tags_future(create_model))
     r.add_post(f"{V1}/get_info", get_info)
     r.add_post(f"{V1}/forward_backward", _tags_future(forward_backward))
+    r.add_post(f"{V1}/forward", _tags_future(forward))
     r.add_post(f"{V1}/optim_step", _tags_future(optim_step))
     r.add_post(f"{V1}/save_weights", _tags_future(save_weights))
     r.add_post(f"{V1}/save_weights_for_sampler", _tags_future(save_weights_for_sampler))

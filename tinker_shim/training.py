@@ -21,7 +21,7 @@ from twinkled.protocol.errors import UserError
 from twinkled.protocol.frames import DatumF, OptimF, TrainF, buf
 from twinkled.protocol.types import AdamParams, DimuonParams, LoraConfig
 
-from . import codec
+from . import codec, json_wire
 from .common import (
     body_of,
     check_base_model,
@@ -124,11 +124,28 @@ async def get_info(request):
 
 
 async def forward_backward(request):
+    """The protobuf body of SDK >= 0.25, or the JSON one of older SDKs, by its Content-Type."""
+    return await _train(request, forward_only=None)
+
+
+async def forward(request):
+    """POST /api/v1/forward: SDK <= 0.24's forward pass, JSON only."""
+    return await _train(request, forward_only=True)
+
+
+def _decode_call(raw: bytes, request, forward_only: bool | None) -> codec.FwdBwdCall:
+    limit = service(request).config.max_body_bytes
+    encoding = request.headers.get("Content-Encoding")
+    if forward_only is None and request.content_type != json_wire.JSON:
+        return codec.decode_forward_backward(raw, encoding, max_decompressed_bytes=limit)
+    return json_wire.decode_json_forward(codec.decompress(raw, encoding, limit),
+                                         bool(forward_only))
+
+
+async def _train(request, forward_only: bool | None):
     svc = service(request)
     try:
-        call = codec.decode_forward_backward(await request.read(),
-                                             request.headers.get("Content-Encoding"),
-                                             max_decompressed_bytes=svc.config.max_body_bytes)
+        call = _decode_call(await request.read(), request, forward_only)
     except codec.CodecError as e:
         if e.model_id:  # the envelope was read: the refusal takes its seq_id
             run = await loaded_run(request, e.model_id)
