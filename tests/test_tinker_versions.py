@@ -42,3 +42,42 @@ def test_an_unmodified_sdk_trains_samples_saves_and_loads(version, daemon, tiny_
     assert all(lp <= 0 for lp in got["sampled_logprobs"])
     assert got["sampler_path"].endswith("/sampler_weights/rt-sampler")
     assert got["state_path"].endswith("/weights/rt-state")
+
+
+def test_the_json_wire_refuses_bad_bodies_with_a_400_and_answers_in_json(daemon, tiny_dir):
+    """Through the daemon: a bad JSON body is a 400 naming what is wrong, and takes its
+    seq_id (the next ones run, not wait for it); a poll that does not accept protobuf gets
+    the result as JSON, one that does gets protobuf."""
+    from hostile import Raw
+
+    raw = Raw(daemon.url, daemon.keys["bob"])
+    raw.base_model = tiny_dir.name
+    raw.session()
+    model = raw.model()
+    tokens, targets = [5, 17, 42], [17, 42, 99]
+
+    def body(seq_id: int, targets=targets, key="forward_backward_input") -> dict:
+        datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+                 "loss_fn_inputs": {"target_tokens": {"data": targets, "dtype": "int64"}}}
+        return {key: {"data": [datum], "loss_fn": "cross_entropy"}, "model_id": model,
+                "seq_id": seq_id}
+
+    bad = raw.post("/forward_backward", body(1, targets=[17.5, 42, 99]))
+    assert bad.status == 400 and "non-integer" in bad.json["detail"], bad.describe()
+    bad = raw.post("/forward_backward", body(2, targets=[17, 42]))
+    assert bad.status == 400 and "target_tokens" in bad.json["detail"], bad.describe()
+    fb = raw.result(raw.post("/forward_backward", body(3)), "JSON forward_backward")
+    assert fb.content_type.startswith("application/json")  # httpx asks for */*
+    out = fb.json["loss_fn_outputs"][0]["logprobs"]
+    assert out["dtype"] == "float32" and out["shape"] == [3] and len(out["data"]) == 3
+    raw.result(raw.optim(model, 4), "optim_step after the refusals")
+    fwd = raw.post("/forward", body(5, key="forward_input"))
+    assert fwd.status == 200, fwd.describe()
+    for _ in range(60):  # each poll is held up to poll_seconds; try_again is JSON
+        proto = raw.c.post("/retrieve_future", json={"request_id": fwd.json["request_id"]},
+                           headers={"Accept": "application/x-protobuf"}, timeout=60)
+        if not proto.headers["content-type"].startswith("application/json"):
+            break
+        assert proto.json()["type"] == "try_again", proto.text
+    assert proto.headers["content-type"].startswith("application/x-protobuf")
+    raw.close()

@@ -38,7 +38,7 @@ JSON = "application/json"
 class TensorDataJson(Struct):
     """TensorData's JSON form: dense (shape optional, 1-D if absent) or sparse CSR."""
 
-    data: list[Int64 | Finite]
+    data: list[int | float]  # bounds checked per dtype below, naming the input
     dtype: Literal["int64", "float32"]
     shape: list[Count] | None = None
     sparse_crow_indices: list[Int64] | None = None
@@ -111,9 +111,13 @@ def _tensor(t: TensorDataJson, where: str) -> TensorIn:
     if t.dtype == "int64":
         if any(isinstance(v, float) for v in t.data):
             raise CodecError(f"{where}: an int64 tensor holds non-integer values")
+        if any(not _INT64_MIN <= v <= _INT64_MAX for v in t.data):
+            raise CodecError(f"{where}: a value is out of the int64 range")
         values: list = t.data
     else:
         values = [float(v) for v in t.data]
+        if any(not abs(v) <= _FLOAT32_MAX for v in values):  # what protobuf could carry
+            raise CodecError(f"{where}: a value is out of the float32 range")
     shape = t.shape
     if shape is not None and math.prod(shape) > codec.MAX_TENSOR_ELEMENTS:
         raise CodecError(f"{where}: shape {shape} has more than {codec.MAX_TENSOR_ELEMENTS} "
@@ -202,6 +206,8 @@ def _topk_rows(topk: Any) -> list[list[tuple[int, float]] | None]:
     return rows
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
 _DTYPES = {1: ("float32", "f"), 2: ("int64", "q")}  # the wire enum: codec._DTYPE_OUT
 _STOP_REASONS = {0: "stop", 1: "length"}
 _RESULTS = {"forward_backward": _forward_backward_output, "sample": _sample_response}
