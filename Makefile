@@ -5,9 +5,14 @@
 
 PY = $(shell bash scripts/python.sh)
 
+# Then the tinker SDK versions tests/test_tinker_versions.py runs, each in its own directory
+# of a cache outside the checkout ($TWINKLE_TINKER_SDKS, ~/.cache/twinkle/tinker-sdks);
+# offline it says so and the test skips them.
 install:
 	@echo "make: installing into $(PY) (scripts/install.sh)"
 	PYTHON=$(PY) bash scripts/install.sh
+	@echo "make: the tinker SDKs the version test runs (tests/tinker_sdks.py install)"
+	$(PY) tests/tinker_sdks.py install
 
 demo: install
 	@echo "make: running the demo (python -m twinkled.server.demo)"

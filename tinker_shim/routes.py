@@ -135,6 +135,12 @@ UNSUPPORTED_ROUTES = {
     ("POST", "/auth/token"): "JWT authentication",
     ("GET", "/audit"): "the audit log",
     ("GET", "/billing/usage/events"): "billing usage",
+    # Routes of older SDKs (docs/reference.md, "Older tinker SDKs"):
+    ("POST", "/unload_model"): "unloading a model (SDK <= 0.25; an idle adapter is unloaded "
+                               "by the server, and ServiceClient.close() ends the session)",
+    ("GET", "/training_runs/{run_id}/checkpoints/{checkpoint_id:.+?}/archive"):
+        "checkpoint archives (SDK <= 0.33); export with save_weights_external and download "
+        "the files through get_external_weights_urls",
 }
 
 
