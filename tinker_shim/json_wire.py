@@ -88,7 +88,7 @@ def decode_json_forward(raw: bytes, forward_only: bool) -> FwdBwdCall:
         if body.loss_fn == "custom":
             raise CodecError(codec.CUSTOM_LOSS_REFUSAL)
         return FwdBwdCall(model_id=msg.model_id, seq_id=seq_id, forward_only=forward_only,
-                          loss_fn=body.loss_fn, loss_fn_config=body.loss_fn_config,
+                          loss_fn=body.loss_fn, loss_fn_config=body.loss_fn_config or None,
                           data=[_datum(i, d) for i, d in enumerate(body.data)])
     except CodecError as e:
         raise CodecError(str(e), msg.model_id or None, seq_id) from None

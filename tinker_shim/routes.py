@@ -136,11 +136,11 @@ UNSUPPORTED_ROUTES = {
     ("GET", "/audit"): "the audit log",
     ("GET", "/billing/usage/events"): "billing usage",
     # Routes of older SDKs (docs/reference.md, "Older tinker SDKs"):
-    ("POST", "/unload_model"): "unloading a model (SDK <= 0.25; an idle adapter is unloaded "
-                               "by the server, and ServiceClient.close() ends the session)",
+    ("POST", "/unload_model"): "unloading a model (SDK <= 0.25: the server unloads idle "
+                               "adapters itself)",
     ("GET", "/training_runs/{run_id}/checkpoints/{checkpoint_id:.+?}/archive"):
-        "checkpoint archives (SDK <= 0.33); export with save_weights_external and download "
-        "the files through get_external_weights_urls",
+        "downloading a checkpoint archive (SDK <= 0.33: export the adapter with "
+        "save_weights_external and download it through get_external_weights_urls instead)",
 }
 
 
