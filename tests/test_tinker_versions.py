@@ -14,6 +14,8 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,19 @@ def test_an_unmodified_sdk_trains_samples_saves_and_loads(version, daemon, tiny_
     assert all(lp <= 0 for lp in got["sampled_logprobs"])
     assert got["sampler_path"].endswith("/sampler_weights/rt-sampler")
     assert got["state_path"].endswith("/weights/rt-state")
+    if _older(version, "0.36.0"):  # RestClient.get_checkpoint_archive_url*: a tar, signed
+        assert sorted(got["archive"]) == ["adapter_config.json", "adapter_model.safetensors",
+                                          "checkpoint_complete"]
+        forged = got["archive_url"].replace("sig=", "sig=0")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(forged, timeout=30)
+        assert e.value.code == 403
+    else:
+        assert got["archive"] is None  # the method is gone from the SDK
+
+
+def _older(version: str, than: str) -> bool:
+    return tuple(map(int, version.split("."))) < tuple(map(int, than.split(".")))
 
 
 def test_the_json_wire_refuses_bad_bodies_with_a_400_and_answers_in_json(daemon, tiny_dir):

@@ -13,12 +13,15 @@ and says so; tests/test_tinker_versions.py then skips the versions that are miss
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
+import urllib.request
 from pathlib import Path
 
 # 0.16.1: the seed system's users'; 0.24.1: the last JSON forward_backward; 0.25.0: the
@@ -69,8 +72,8 @@ def install() -> int:
 
 def round_trip(url: str, key: str, model: str) -> dict:
     """What a user's script does with any of these SDKs, unmodified: train a step, sample
-    from the saved weights, save the state and train on from it. Prints nothing on the way;
-    the caller checks what it returns."""
+    from the saved weights, download them as an archive (SDK <= 0.33), save the state and
+    train on from it. Prints nothing on the way; the caller checks what it returns."""
     # The SDK's types import torch when they can (seconds of start-up each version); the
     # round trip passes lists, so it runs without.
     sys.modules.setdefault("torch", None)
@@ -97,6 +100,13 @@ def round_trip(url: str, key: str, model: str) -> dict:
     sample = sampler.sample(types.ModelInput.from_ints(tokens[:3]), 1,
                             types.SamplingParams(max_tokens=4, temperature=0.0)
                             ).result(timeout=t).sequences[0]
+    archive_url = archive = None
+    rest = sc.create_rest_client()
+    if hasattr(rest, "get_checkpoint_archive_url_from_tinker_path"):  # SDK <= 0.33
+        archive_url = rest.get_checkpoint_archive_url_from_tinker_path(sampler_path
+                                                                       ).result(timeout=t).url
+        with urllib.request.urlopen(archive_url, timeout=t) as r:  # no key: the URL is signed
+            archive = tarfile.open(fileobj=io.BytesIO(r.read())).getnames()
     state_path = tc.save_state("rt-state").result(timeout=t).path
     loaded = ready(sc.create_training_client_from_state(state_path))
     reloaded = loaded.forward([datum], "cross_entropy").result(timeout=t)
@@ -105,7 +115,8 @@ def round_trip(url: str, key: str, model: str) -> dict:
             "loss_loaded": reloaded.metrics["loss:sum"],
             "logprobs": len(fb.loss_fn_outputs[0]["logprobs"].tolist()),
             "sampled": list(sample.tokens), "sampled_logprobs": sample.logprobs,
-            "sampler_path": sampler_path, "state_path": state_path}
+            "sampler_path": sampler_path, "state_path": state_path,
+            "archive_url": archive_url, "archive": archive}
 
 
 if __name__ == "__main__":

@@ -12,15 +12,19 @@ whose time has passed is refused with a 403 that says which, and nothing about w
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import io
 import json
 import os
 import re
 import secrets
+import tarfile
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from email.utils import formatdate
 from functools import cache, partial
 from pathlib import Path
 from urllib.parse import quote
@@ -141,11 +145,12 @@ def file_subject(checkpoint: dict, file: str) -> str:
             f"{checkpoint['created']!r}")
 
 
-async def download_file(request: web.Request) -> web.StreamResponse:
+def _signed_checkpoint(request: web.Request, subject: Callable[[dict], str]) -> dict:
+    """The checkpoint a signed download URL names (403 unless signed for it, as it is)."""
     m = request.match_info
-    run_id, kind, name, file = m["run_id"], m["kind"], m["name"], m["file"]
+    run_id, kind, name, file = m["run_id"], m["kind"], m["name"], m.get("file", "")
     c = None
-    if kind in ALL_KINDS and valid_name(file):
+    if kind in ALL_KINDS and (not file or valid_name(file)):
         try:
             c = request.app["store"].checkpoints.get(checkpoint_path(run_id, kind, name))
         except ValueError:  # not a path this daemon could have signed
@@ -153,13 +158,102 @@ async def download_file(request: web.Request) -> web.StreamResponse:
     if c is None or c["status"] != "ready":
         c = {"tinker_path": f"{run_id}/{kind}/{name}", "sha256": "", "created": None,
              "dir": ""}
-    check_signature(request, file_subject(c, file))
+    check_signature(request, subject(c))
+    return c
+
+
+async def download_file(request: web.Request) -> web.StreamResponse:
+    file = request.match_info["file"]
+    c = _signed_checkpoint(request, lambda c: file_subject(c, file))
     path = Path(c["dir"]) / file
     if not path.is_file():  # signed, but the file is gone (cannot happen short of a hand)
         raise web.HTTPNotFound(text='{"detail": "file not found"}',
                                content_type="application/json")
     return web.FileResponse(path, headers={
         "Content-Disposition": f'attachment; filename="{file}"'})
+
+
+# -- checkpoint archives (SDK <= 0.33) -------------------------------------------------
+
+# The old CLI (`tinker checkpoint download`, push-hf) wants this file in the archive, beside
+# the PEFT files, as the mark of a complete checkpoint (ours are complete once "ready").
+COMPLETE_MARK = "checkpoint_complete"
+
+
+async def archive_url(request: web.Request, checkpoint: Callable) -> web.Response:
+    """GET .../checkpoints/{checkpoint_id}/archive: SDK <= 0.33's RestClient answers a 302
+    to a tar of the checkpoint (its PEFT files) with a signed URL, when it expires in
+    `Expires` (an HTTP date)."""
+    c = checkpoint(request)
+    if not _files(c["dir"]):
+        raise UserError(f"checkpoint {c['tinker_path']!r} has no files on disk")
+    route = "/".join(_q(p) for p in ("archives", c["run_id"], c["kind"], c["name"]))
+    url, expires = signed_url(request, f"{route}/checkpoint.tar", archive_subject(c))
+    raise web.HTTPFound(url, headers={"Expires": formatdate(expires, usegmt=True)})
+
+
+def archive_subject(checkpoint: dict) -> str:
+    """What an archive URL gives: this version of the checkpoint (as `file_subject`)."""
+    return file_subject(checkpoint, "checkpoint.tar")
+
+
+async def download_archive(request: web.Request) -> web.StreamResponse:
+    """The tar of a checkpoint's files at a signed URL, built as it is sent."""
+    c = _signed_checkpoint(request, archive_subject)
+    files = _files(c["dir"])
+    response = web.StreamResponse(headers={
+        "Content-Type": "application/x-tar",
+        "Content-Disposition": f'attachment; filename="{c["name"]}.tar"'})
+    await response.prepare(request)
+    out = _QueueFile(asyncio.get_running_loop())
+    writer = out.loop.run_in_executor(None, _write_tar, c["dir"], files, out)
+    sent = False
+    try:
+        while (chunk := await out.queue.get()) is not None:
+            await response.write(chunk)
+        sent = True
+    finally:
+        if not sent:  # the client went away: the writer stops at its next write
+            out.stopped = True
+            while await out.queue.get() is not None:
+                pass
+    await writer
+    await response.write_eof()
+    return response
+
+
+class _QueueFile(io.RawIOBase):
+    """A write-only file whose writes go, in order, to an asyncio queue (from a thread), a
+    few at a time: the archive is never held whole."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue(maxsize=8)
+        self.stopped = False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        if self.stopped:
+            raise OSError("the download was stopped")
+        self.put(bytes(b))
+        return len(b)
+
+    def put(self, item: bytes | None) -> None:
+        asyncio.run_coroutine_threadsafe(self.queue.put(item), self.loop).result()
+
+
+def _write_tar(directory: str, files: list[str], out: _QueueFile) -> None:
+    try:
+        with tarfile.open(fileobj=out, mode="w|") as tar:
+            for name in files:
+                tar.add(Path(directory) / name, arcname=name)
+            tar.addfile(tarfile.TarInfo(COMPLETE_MARK), io.BytesIO(b""))
+    except OSError:
+        if not out.stopped:
+            raise
+    finally:
+        out.put(None)
 
 
 # -- session traces --------------------------------------------------------------------
@@ -182,5 +276,7 @@ def add_download_routes(app: web.Application, checkpoint: Callable, build_trace:
     r.add_get(f"{ckpt_route}/external_weights_urls", partial(external_weights_urls,
                                                              checkpoint=checkpoint))
     r.add_get(PREFIX + "checkpoints/{run_id}/{kind}/{name}/{file}", download_file)
+    r.add_get(f"{ckpt_route}/archive", partial(archive_url, checkpoint=checkpoint))
+    r.add_get(PREFIX + "archives/{run_id}/{kind}/{name}/checkpoint.tar", download_archive)
     r.add_get(PREFIX + "sessions/{session_id}/trace.json", partial(download_trace,
                                                                    build=build_trace))

@@ -138,9 +138,6 @@ UNSUPPORTED_ROUTES = {
     # Routes of older SDKs (docs/reference.md, "Older tinker SDKs"):
     ("POST", "/unload_model"): "unloading a model (SDK <= 0.25: the server unloads idle "
                                "adapters itself)",
-    ("GET", "/training_runs/{run_id}/checkpoints/{checkpoint_id:.+?}/archive"):
-        "downloading a checkpoint archive (SDK <= 0.33: export the adapter with "
-        "save_weights_external and download it through get_external_weights_urls instead)",
 }
 
 
