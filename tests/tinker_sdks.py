@@ -72,7 +72,7 @@ def install() -> int:
 
 def round_trip(url: str, key: str, model: str) -> dict:
     """What a user's script does with any of these SDKs, unmodified: train a step, sample
-    from the saved weights, download them as an archive (SDK <= 0.33), save the state and
+    from the saved weights, download them as an archive (SDK <= 0.35), save the state and
     train on from it. Prints nothing on the way; the caller checks what it returns."""
     # The SDK's types import torch when they can (seconds of start-up each version); the
     # round trip passes lists, so it runs without.
@@ -102,7 +102,7 @@ def round_trip(url: str, key: str, model: str) -> dict:
                             ).result(timeout=t).sequences[0]
     archive_url = archive = None
     rest = sc.create_rest_client()
-    if hasattr(rest, "get_checkpoint_archive_url_from_tinker_path"):  # SDK <= 0.33
+    if hasattr(rest, "get_checkpoint_archive_url_from_tinker_path"):  # SDK <= 0.35
         archive_url = rest.get_checkpoint_archive_url_from_tinker_path(sampler_path
                                                                        ).result(timeout=t).url
         with urllib.request.urlopen(archive_url, timeout=t) as r:  # no key: the URL is signed

@@ -173,7 +173,7 @@ async def download_file(request: web.Request) -> web.StreamResponse:
         "Content-Disposition": f'attachment; filename="{file}"'})
 
 
-# -- checkpoint archives (SDK <= 0.33) -------------------------------------------------
+# -- checkpoint archives (SDK <= 0.35) -------------------------------------------------
 
 # The old CLI (`tinker checkpoint download`, push-hf) wants this file in the archive, beside
 # the PEFT files, as the mark of a complete checkpoint (ours are complete once "ready").
@@ -181,7 +181,7 @@ COMPLETE_MARK = "checkpoint_complete"
 
 
 async def archive_url(request: web.Request, checkpoint: Callable) -> web.Response:
-    """GET .../checkpoints/{checkpoint_id}/archive: SDK <= 0.33's RestClient answers a 302
+    """GET .../checkpoints/{checkpoint_id}/archive: SDK <= 0.35's RestClient answers a 302
     to a tar of the checkpoint (its PEFT files) with a signed URL, when it expires in
     `Expires` (an HTTP date)."""
     c = checkpoint(request)
