@@ -182,3 +182,48 @@ def test_sample_result_as_json() -> None:
 ])
 def test_a_result_is_json_only_for_a_poll_that_does_not_accept_protobuf(accept, json_wanted):
     assert wants_json(accept) is json_wanted
+
+
+ODD = [None, True, -1, 0, 2**63, 2**64, -(2**70), 1.5, -1e300, "x", "", [], [1, "a"], {},
+       {"data": []}, [[1, 2], [3]], "encoded_text", "image", 1e39, [2**31]]
+
+
+def _mutants(body: dict, rng, n: int):
+    """`n` copies of `body`, each with one value replaced by an odd one or one key dropped."""
+    def paths(node, at=()):
+        yield at
+        children = node.items() if isinstance(node, dict) else (
+            enumerate(node) if isinstance(node, list) else ())
+        for key, child in children:
+            yield from paths(child, (*at, key))
+
+    every = list(paths(body))[1:]
+    for _ in range(n):
+        copy = json.loads(json.dumps(body))
+        *parent_path, key = rng.choice(every)
+        parent = copy
+        for k in parent_path:
+            parent = parent[k]
+        if isinstance(parent, dict) and rng.random() < 0.25:
+            del parent[key]
+        else:
+            parent[key] = rng.choice(ODD)
+        yield json.dumps(copy).encode()
+
+
+def test_any_mutation_of_a_json_body_is_a_codec_error_or_a_call() -> None:
+    """What the route turns into a 400 (CodecError) or runs: never another exception (a
+    500), whatever a field holds."""
+    import random
+
+    sparse = {"data": [17, 3], "dtype": "int64", "shape": [2, 2],
+              "sparse_crow_indices": [0, 1, 2], "sparse_col_indices": [0, 1]}
+    valid = json.loads(_raw(_datum(weights={"data": [1.0, 1.0], "dtype": "float32",
+                                            "shape": [2]}, advantages=sparse),
+                            loss_fn_config={"clip_low_threshold": 0.8}))
+    rng = random.Random(0)
+    for body in _mutants(valid, rng, 600):
+        try:
+            decode_json_forward(body, forward_only=False)
+        except CodecError:
+            pass
