@@ -140,5 +140,10 @@ def test_errors_in_anthropic_shape(daemon, tiny_dir, trained):
     status, out = _post(daemon, "messages", body,
                         {"Authorization": f"Bearer {daemon.keys['alice']}"})
     assert status == 200 and out["usage"]["output_tokens"] == 1
+    # max_tokens 0 only prefills the prompt (Anthropic's cache warming): an empty reply.
+    status, out = _post(daemon, "messages", {**body, "max_tokens": 0},
+                        {"x-api-key": daemon.keys["alice"]})
+    assert status == 200 and out["content"] == [{"type": "text", "text": ""}]
+    assert out["stop_reason"] == "max_tokens" and out["usage"]["output_tokens"] == 0
     status, out = _post(daemon, "messages", body, {})
     assert status == 401 and out["error"]["type"] == "authentication_error"
