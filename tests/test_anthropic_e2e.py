@@ -89,6 +89,9 @@ def test_a_stream_sends_anthropics_events_in_order_with_the_whole_text(daemon, t
     assert events[0].message.usage.input_tokens == whole.usage.input_tokens
     assert events[-2].delta.stop_reason == whole.stop_reason
     assert events[-2].usage.output_tokens == whole.usage.output_tokens
+    # top_k 1 draws the most likely token whatever the temperature.
+    hot = c.messages.create(**{**kw, "extra_body": {"temperature": 1.0, "top_k": 1}})
+    assert hot.content[0].text == whole.content[0].text
     # The SDK's own accumulation of the stream gives the same message.
     with c.messages.stream(**kw) as s:
         got = s.get_final_message()
