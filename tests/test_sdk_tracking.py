@@ -3,6 +3,7 @@ from the event files) and a JSON-lines file when asked, and nowhere by default."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 
@@ -66,4 +67,7 @@ def test_nothing_is_logged_by_default_and_unknown_sinks_are_named(tiny_dir, tmp_
     assert TransformersModel(model_id=str(tiny_dir)).logger is None
     with pytest.raises(ValueError, match=r"report_to: unknown \['mlflow'\]"):
         MetricsLogger("mlflow", tmp_path)
-    assert not list(tmp_path.iterdir())
+    if importlib.util.find_spec("wandb") is None:  # asked for and absent: says what to install
+        with pytest.raises(ImportError, match="pip install wandb"):
+            MetricsLogger("wandb", tmp_path)
+    assert not list(tmp_path.rglob("*.*"))
