@@ -42,6 +42,7 @@ class ChoiceText:
     sent: int = 0  # how much of `text` is given out
     count: int = 0  # completion tokens
     finish: str | None = None
+    stopped_at: str | None = None  # the stop string that ended the text, if one did
     _pending: list[TokenOut] = field(default_factory=list)
     _detok: Detokenizer | None = None
 
@@ -102,9 +103,11 @@ class ChoiceText:
             return
         start = max(0, len(self.text) - self._hold)
         self.text += delta
-        cuts = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        cuts = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stops)
+                if i >= 0]
         if cuts:
-            self.text, self.finish = self.text[:min(cuts)], "stop"
+            at, self.stopped_at = min(cuts, key=lambda c: c[0])
+            self.text, self.finish = self.text[:at], "stop"
 
     def _take(self, upto: int) -> Delta:
         d = Delta(self.text[self.sent:upto], self._pending)

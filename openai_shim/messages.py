@@ -36,6 +36,7 @@ class Sampling(Struct, kw_only=True):
     max_tokens: Count | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: Count | None = None  # not OpenAI's; vLLM's servers take it too
     n: Count = 1
     stop: str | list[str] | None = None
     seed: Int64 | None = None
@@ -105,6 +106,8 @@ def check_sampling(body: Sampling, limits: Limits) -> list[str]:
         raise bad_param("temperature", f"temperature must be in [0, 2], got {body.temperature}")
     if body.top_p is not None and not 0 < body.top_p <= 1:
         raise bad_param("top_p", f"top_p must be in (0, 1], got {body.top_p}")
+    if body.top_k is not None and body.top_k < 1 and body.top_k != -1:
+        raise bad_param("top_k", f"top_k must be -1 (off) or at least 1, got {body.top_k}")
     if not 1 <= body.n <= limits.max_num_samples:
         raise bad_param("n", f"n must be in 1..{limits.max_num_samples}, got {body.n}")
     least = 0 if getattr(body, "echo", False) else 1  # echo: the prompt alone is an answer

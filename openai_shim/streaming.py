@@ -95,15 +95,19 @@ class EventStream:
     async def open(self) -> None:
         await self.response.prepare(self.request)
 
-    async def send(self, chunk: dict) -> None:
-        await self.response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    async def send(self, chunk: dict, event: str | None = None) -> None:
+        """One event: its data, and its name where the face names events (Anthropic's)."""
+        head = f"event: {event}\n".encode() if event else b""
+        await self.response.write(head + b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
     async def fail(self, e: Exception) -> None:
         """An error after the stream began: sent as an event, as OpenAI's API does."""
         err: OpenAIError = as_openai(e)
         await self.send(err.body())
 
-    async def close(self) -> web.StreamResponse:
-        await self.response.write(b"data: [DONE]\n\n")
+    async def close(self, done: bool = True) -> web.StreamResponse:
+        """The end of the stream (with OpenAI's `[DONE]` unless `done` is False)."""
+        if done:
+            await self.response.write(b"data: [DONE]\n\n")
         await self.response.write_eof()
         return self.response

@@ -1,5 +1,6 @@
-"""The OpenAI face (/oai/api/v1) and the admin API (/admin/v1) for the fuzz (test_fuzz.py):
-valid requests of each, to be mutated like the Tinker ones.
+"""The OpenAI face (/oai/api/v1), the Anthropic face (/anthropic/v1) and the admin API
+(/admin/v1) for the fuzz (test_fuzz.py): valid requests of each, to be mutated like the
+Tinker ones.
 
 The admin requests are the harmless ones (their targets are a tenant of their own and
 names that do not exist): a valid mutation must not drain the daemon, revoke the fuzz
@@ -24,26 +25,30 @@ SLOW = "slow"  # Answer.error of a sampling answer cut at SLOW_S
 
 
 class Faces:
-    """httpx clients for the two faces, and their valid requests."""
+    """httpx clients for the three faces, and their valid requests."""
 
     def __init__(self, url: str, key: str, data_dir: Path, model: str, timeout: float):
         admin_key = (data_dir / "admin.key").read_text().strip()
         self.oai = httpx.Client(base_url=f"{url}/oai/api/v1", timeout=timeout,
                                 headers={"Authorization": f"Bearer {key}"})
+        self.anthropic = httpx.Client(base_url=f"{url}/anthropic/v1", timeout=timeout,
+                                      headers={"x-api-key": key})
         self.admin = httpx.Client(base_url=f"{url}/admin/v1", timeout=timeout,
                                   headers={"X-Admin-Key": admin_key})
         self.model = model
 
     def close(self) -> None:
         self.oai.close()
+        self.anthropic.close()
         self.admin.close()
 
     def send(self, face: str, path: str, content: bytes, headers: dict) -> Answer:
         """The answer (its first 2000 bytes); for a sampling answer still coming after
         SLOW_S, its status (or None) with error SLOW."""
-        client = self.oai if face == "oai" else self.admin
+        client = {"oai": self.oai, "anthropic": self.anthropic}.get(face, self.admin)
+        sampling = face != "admin"
         deadline, got = time.monotonic() + SLOW_S, b""
-        timeout = httpx.Timeout(client.timeout.read, read=SLOW_S) if face == "oai" else None
+        timeout = httpx.Timeout(client.timeout.read, read=SLOW_S) if sampling else None
         status = None
         try:
             with client.stream("POST", path, content=content, headers=headers,
@@ -51,20 +56,21 @@ class Faces:
                 status = r.status_code
                 for chunk in r.iter_bytes():
                     got += chunk[:2000 - len(got)]
-                    if face == "oai" and time.monotonic() > deadline:
+                    if sampling and time.monotonic() > deadline:
                         return Answer(status, got.decode(errors="replace"), error=SLOW)
                 return Answer(status, got.decode(errors="replace"), b"",
                               r.headers.get("content-type", ""))
         except httpx.ReadTimeout as e:
-            return Answer(status, error=SLOW if face == "oai" else f"ReadTimeout: {e}")
+            return Answer(status, error=SLOW if sampling else f"ReadTimeout: {e}")
         except httpx.HTTPError as e:
             return Answer(None, error=f"{type(e).__name__}: {e}"[:300])
 
     def valid(self, rng: random.Random) -> tuple[str, str, dict]:
         """(face, path, body) of one valid request, of a random kind."""
-        return rng.choice(self.oai_requests() + self.admin_requests())
+        return rng.choice(self.text_requests() + self.admin_requests())
 
-    def oai_requests(self) -> list[tuple[str, str, dict]]:
+    def text_requests(self) -> list[tuple[str, str, dict]]:
+        """Valid requests of the two text faces (OpenAI's and Anthropic's)."""
         m = self.model
         return [
             ("oai", "/completions", {"model": m, "prompt": "the sun", "max_tokens": 3,
@@ -80,6 +86,18 @@ class Faces:
                              {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
             ("oai", "/chat/completions", {"model": m, "max_tokens": 2, "stream": True, "n": 2,
                                           "messages": [{"role": "user", "content": "hello"}]}),
+            # The Anthropic face: the same text path, its own door.
+            ("anthropic", "/messages", {
+                "model": m, "max_tokens": 3, "temperature": 0.5, "top_k": 4,
+                "stop_sequences": ["\n"], "metadata": {"user_id": "fz"},
+                "system": [{"type": "text", "text": "be brief"}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                             {"role": "assistant", "content": "Well"}]}),
+            ("anthropic", "/messages", {"model": m, "max_tokens": 2, "stream": True,
+                                        "messages": [{"role": "user", "content": "hello"}]}),
+            ("anthropic", "/messages/count_tokens", {
+                "model": m, "system": "be brief",
+                "messages": [{"role": "user", "content": "hello"}]}),
         ]
 
     def admin_requests(self) -> list[tuple[str, str, dict]]:

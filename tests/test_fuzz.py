@@ -729,7 +729,7 @@ def test_fuzz_openai_face_and_admin_api(box, tiny_dir):
     box.ensure_up()
     rng, checks = random.Random(1), Checks()
     faces = Faces(box.url, box.keys["fuzz"], box.data_dir, tiny_dir.name, REQUEST_TIMEOUT)
-    for face, path, body in faces.oai_requests() + faces.admin_requests():  # warm every path first
+    for face, path, body in faces.text_requests() + faces.admin_requests():  # warm every path first
         a = faces.send(face, path, dumps(body).encode(), {"Content-Type": "application/json"})
         assert a.status is not None and a.status < 500, f"valid {face} {path}: {a.describe()}"
     generation, rss0, restarts0 = box.generation, rss_mb(box.pid), box.restarts()

@@ -11,7 +11,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("twinkled", "scheduler", "tinker_shim", "openai_shim", "twinkle_sdk")
+PACKAGES = ("twinkled", "scheduler", "tinker_shim", "openai_shim", "anthropic_shim",
+            "twinkle_sdk")
 
 # layer -> the layers it may import (itself included). Longest prefix names a module's layer.
 ALLOWED: dict[str, set[str]] = {
@@ -23,9 +24,11 @@ ALLOWED: dict[str, set[str]] = {
     "twinkled.core": {"twinkled.protocol", "twinkled.store", "twinkled.workers", "scheduler"},
     "tinker_shim": {"twinkled.protocol", "twinkled.core"},
     "openai_shim": {"twinkled.protocol", "twinkled.core", "tinker_shim"},
+    # A thin translation over the OpenAI face's text path (openai_shim/sampling.py).
+    "anthropic_shim": {"twinkled.protocol", "twinkled.core", "tinker_shim", "openai_shim"},
     "twinkled.server": {"twinkled.protocol", "twinkled.engine", "twinkled.store",
                         "twinkled.workers", "twinkled.core", "scheduler", "tinker_shim",
-                        "openai_shim"},
+                        "openai_shim", "anthropic_shim"},
     "twinkled": {"twinkled.server"},  # the package itself: __main__
     "twinkle_sdk": {"twinkled.protocol", "twinkled.engine"},  # the engine in local mode
 }

@@ -214,6 +214,20 @@ def test_a_trained_adapter_answers_as_tinker_samples_it(daemon, tiny_dir):
     assert path not in [m.id for m in client(daemon, "bob").models.list().data]
 
 
+def test_top_k_one_is_greedy(daemon, tiny_dir):
+    """`top_k` (vLLM's extension, passed through extra_body): with 1, any temperature and
+    seed draw the most likely token."""
+    kw = dict(model=tiny_dir.name, prompt=PROMPT, max_tokens=8)
+    greedy = client(daemon).completions.create(**kw, temperature=0).choices[0].text
+    for seed in (1, 2):
+        got = client(daemon).completions.create(**kw, temperature=1.0, seed=seed,
+                                                extra_body={"top_k": 1})
+        assert got.choices[0].text == greedy
+    with pytest.raises(openai.BadRequestError) as e:
+        client(daemon).completions.create(**kw, extra_body={"top_k": 0})
+    assert e.value.body["param"] == "top_k"
+
+
 @pytest.mark.parametrize(("bad", "param"), [
     ({"temperature": 5}, "temperature"), ({"max_tokens": 100000}, "max_tokens"),
     ({"n": 0}, "n"), ({"top_p": "high"}, "top_p"), ({"presence_penalty": 1}, "presence_penalty"),

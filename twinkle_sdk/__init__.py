@@ -34,10 +34,11 @@ from .rl import (
 from .runtime import DeviceMesh, get_device_placement, get_logger, initialize
 from .sampler import SampledSequence, Sampler, SampleResponse, SamplingParams
 from .template import Template
+from .tracking import MetricsLogger
 
 __all__ = [
     "AlpacaProcessor", "CompletionRewardMetric", "DataLoader", "Dataset", "DatasetMeta",
-    "DeviceMesh", "GRPOAdvantage", "GSM8KAccuracyReward", "GSM8KFormatReward",
+    "DeviceMesh", "GRPOAdvantage", "MetricsLogger", "GSM8KAccuracyReward", "GSM8KFormatReward",
     "GSM8KProcessor", "MessagesProcessor", "MultiLoraTransformersModel", "Preprocessor",
     "RLOOAdvantage", "SampleResponse", "SampledSequence", "Sampler", "SamplingParams",
     "SelfCognitionProcessor", "Template", "TransformersModel", "TwinkleModel",

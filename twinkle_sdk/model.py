@@ -7,7 +7,8 @@ Everything a training loop sees is decided here, once, for both backends:
   mean token loss and accumulated micro-batches average;
 - `step()` applies AdamW only every `gradient_accumulation_steps` calls, with the learning
   rate of the scheduler (torch's and transformers' schedulers, run on a stand-in optimizer);
-- metrics: mean token loss since the last `calculate_metric`, learning rate, grad norm.
+- metrics: mean token loss since the last `calculate_metric`, learning rate, grad norm;
+  logged to TensorBoard / W&B when the user asks (`set_logger`, tracking.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from .losses import BUILTIN_LOSSES
 from .runtime import rank_and_world, runtime
 from .schedules import make_schedule
+from .tracking import MetricsLogger
 
 _TARGETS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
             "mlp": ("gate_proj", "up_proj", "down_proj"), "unembed": ("lm_head",)}
@@ -57,6 +59,7 @@ class TwinkleModel:
         self._train = _Mean()
         self._eval = _Mean()
         self._last: dict[str, float] = {}
+        self.logger: MetricsLogger | None = None  # off unless asked for
 
     # -- configuration ------------------------------------------------------------------
 
@@ -165,10 +168,16 @@ class TwinkleModel:
         """Means since the last call (training or eval), then start again."""
         acc = self._train if is_training else self._eval
         out = acc.means()
+        if self.logger is not None and out:
+            self.logger.log(out, self.steps, "train/" if is_training else "eval/")
         if is_training:
             out["steps"] = self.steps
         acc.reset()
         return out
+
+    def set_logger(self, logger: MetricsLogger | None) -> None:
+        """Where `calculate_metric`'s means go from now on (None: nowhere)."""
+        self.logger = logger
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -253,19 +262,33 @@ class _Mean:
         return {k: self.sums[k] / self.counts[k] for k in self.sums}
 
 
-def TransformersModel(model_id: str, output_dir: str | None = None, **_ignored) -> TwinkleModel:  # noqa: N802
+def _with_logger(model: TwinkleModel, report_to: str | list[str] | None,
+                 logging_dir: str) -> TwinkleModel:
+    """`report_to` ("tensorboard", "wandb", "jsonl" or a list), as transformers' Trainer
+    takes it: a MetricsLogger writing under `logging_dir`."""
+    if report_to and report_to != "none":
+        model.set_logger(MetricsLogger(report_to, logging_dir))
+    return model
+
+
+def TransformersModel(model_id: str, output_dir: str | None = None,  # noqa: N802
+                      report_to: str | list[str] | None = None, logging_dir: str = "runs",
+                      **_ignored) -> TwinkleModel:
     """The model in this process (local mode); `model_id` is a path or hf:// / ms:// id."""
     from .hub import resolve_model_dir
     from .local import LocalBackend
 
-    return TwinkleModel(LocalBackend(resolve_model_dir(model_id), output_dir))
+    model = TwinkleModel(LocalBackend(resolve_model_dir(model_id), output_dir))
+    return _with_logger(model, report_to, logging_dir)
 
 
-def MultiLoraTransformersModel(model_id: str, **_ignored) -> TwinkleModel:  # noqa: N802
+def MultiLoraTransformersModel(model_id: str, report_to: str | list[str] | None = None,  # noqa: N802
+                               logging_dir: str = "runs", **_ignored) -> TwinkleModel:
     """The model on the daemon given to `init_twinkle_client` (it shares the base model
     with other tenants' adapters)."""
     from .client import RemoteBackend
 
     if runtime.client is None:
         raise RuntimeError("call init_twinkle_client(base_url, api_key) first")
-    return TwinkleModel(RemoteBackend(runtime.client, model_id))
+    model = TwinkleModel(RemoteBackend(runtime.client, model_id))
+    return _with_logger(model, report_to, logging_dir)

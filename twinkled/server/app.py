@@ -26,6 +26,7 @@ SIGNED_PREFIX = "/api/v1/download/"
 
 
 OAI_PREFIX = "/oai/"  # the OpenAI-compatible face (openai_shim/)
+ANTHROPIC_PREFIX = "/anthropic/"  # the Anthropic-compatible face (anthropic_shim/)
 
 
 def api_key(request: web.Request) -> str:
@@ -60,9 +61,10 @@ async def auth_and_errors(request: web.Request, handler):
             key = api_key(request)
             tenant = request.app["store"].tenants.for_key(key) if key else None
             if tenant is None:
-                if request.path.startswith(OAI_PREFIX):  # in the OpenAI API's shape
-                    status = 401
-                    return web.json_response(request.app["oai_unauthorized"], status=401)
+                for prefix, body in request.app["unauthorized"].items():
+                    if request.path.startswith(prefix):  # in that face's error shape
+                        status = 401
+                        return web.json_response(body, status=401)
                 raise web.HTTPUnauthorized(
                     text='{"detail": "missing or invalid X-API-Key"}',
                     content_type="application/json")
@@ -125,6 +127,8 @@ def _reason(body) -> str:
 
 
 def make_app(service: Service, store, admin_key: str = "") -> web.Application:
+    from anthropic_shim.errors import UNAUTHORIZED as ANTHROPIC_UNAUTHORIZED
+    from anthropic_shim.routes import add_routes as add_anthropic_routes
     from openai_shim.errors import UNAUTHORIZED
     from openai_shim.routes import add_routes as add_openai_routes
     from tinker_shim.routes import add_routes
@@ -134,9 +138,10 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
     app["service"] = service
     app["store"] = store
     app["admin_key"] = admin_key
-    app["oai_unauthorized"] = UNAUTHORIZED
+    app["unauthorized"] = {OAI_PREFIX: UNAUTHORIZED, ANTHROPIC_PREFIX: ANTHROPIC_UNAUTHORIZED}
     add_routes(app)
     add_openai_routes(app)
+    add_anthropic_routes(app)
     admin.routes(app)
 
     async def metrics(request: web.Request) -> web.Response:
