@@ -28,11 +28,12 @@ serve: install
 # module shares start once): most of a test's time is waiting on daemons and workers, so 3
 # processes keep 2 cores busy. The longest files start first, in the order
 # tests/conftest.py gives (LONGEST_FIRST; xdist's own would start them last). TEST_WORKERS=0
-# runs it in one process.
+# runs it in one process; TESTS=tests/test_x.py runs one file.
 TEST_WORKERS ?= 3
+TESTS ?= tests
 test: install
-	@echo "make: running the test suite (pytest tests, $(TEST_WORKERS) processes)"
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
+	@echo "make: running the test suite (pytest $(TESTS), $(TEST_WORKERS) processes)"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(TESTS)
 
 # The edit loop's tier: the tests that start no daemon (engine, scheduler, store, codecs,
 # layers), in about a minute.

@@ -109,12 +109,11 @@ LONGEST_FIRST = [
     "test_durability.py::test_a_failed_shared_pass_fails_only_the_request_at_fault",  # 27
     "test_durability.py::test_with_persistence_off_a_worker_kill_brings_an_adapter_back_as_created",
     "test_engine_state.py",  # 26
-    "test_tinker_dimuon.py::test_a_daemon_sigkill_restores_dimuon_state",  # 25
+    "test_tinker_dimuon.py::test_dimuon_state_survives_a_worker_kill_a_daemon_sigkill_and_a_hot_restart",  # noqa: E501
     "test_limits.py",  # 25
     "test_service.py",  # 25
     "test_daemon_health.py::test_a_model_that_fails_to_load_is_reported_not_fatal",  # 24
     "test_dp_reduce.py",  # 23
-    "test_tinker_dimuon.py::test_a_hot_restart_keeps_dimuon_momentum",  # 22
     "test_durability.py::test_a_hung_step_restarts_the_group_keeping_loads_and_saying_what_was_lost",
     "test_admin.py::test_status_of_a_stopped_daemon_is_its_last_one",  # 21
     "test_durability.py::test_daemon_sigkill_keeps_every_acknowledged_step",  # 20
@@ -125,7 +124,6 @@ LONGEST_FIRST = [
     "test_hygiene.py::test_ctl_tenants_list_shows_storage_without_a_daemon",  # 19
     "test_workers.py::test_sigkill_rolls_back_to_persisted_state_and_quarantines_damage",
     "test_operator_stop.py::test_a_signal_to_the_process_group_stops_cleanly[sigint]",  # 17
-    "test_tinker_dimuon.py::test_a_worker_kill_restores_dimuon_state",  # 17
     "test_tinker_records.py",  # 17
     "test_tinker_restart.py::test_restart_keeps_runs_and_checkpoints[sigterm]",  # 16
     "test_tinker_restart.py::test_restart_keeps_runs_and_checkpoints[sigkill]",  # 16

@@ -10,8 +10,8 @@ satisfied and installs only the clone; the environment running this test is not 
 Only what a reader could not run here is changed, each named below: the port (a free one),
 the home directory (a temporary one), `/models/` (a tiny random-weight model saved there),
 `source .venv/bin/activate` (a virtual environment is already active, as the line says)
-and `make test` runs one cheap test file in one xdist process (the suite is CI's own step;
-each process collects the whole suite first, ~15 s of CPU).
+and `make test` runs one cheap test file in the test process itself (the suite is CI's own
+step; collecting it all costs ~15 s of CPU).
 
 The clone is of the committed HEAD: commit before running this test.
 """
@@ -89,7 +89,7 @@ class Newcomer:
             PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
             PIP_NO_INDEX="1", PIP_NO_BUILD_ISOLATION="0",  # offline: all is installed
             TWINKLE_PORT=str(self.port),
-            PYTEST_ADDOPTS="-k test_docs", TEST_WORKERS="1")  # `make test`: see above
+            TESTS="tests/test_docs.py", TEST_WORKERS="0")  # `make test`: see above
         (tmp / "home").mkdir()
 
     def script(self, lines: list[str]) -> str:

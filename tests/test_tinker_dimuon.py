@@ -161,7 +161,12 @@ def _after_crash(tc, data, want):
     assert tc.get_info().optimizer_config.type == "dimuon"
 
 
-def test_a_worker_kill_restores_dimuon_state(lagging, tiny_dir):
+def test_dimuon_state_survives_a_worker_kill_a_daemon_sigkill_and_a_hot_restart(
+        lagging, tiny_dir, tmp_path):
+    """One daemon lineage, three ways to lose the process that held the state (one daemon
+    start instead of three: each path is the same restore, Dimuon's momentum included).
+    A worker kill and a daemon SIGKILL restore from the journal (persist_every = 1000:
+    nothing persisted after create); SIGTERM persists every live adapter and restores it."""
     tc, data, want = _crash_pair(lagging, tiny_dir)
     old = lagging.workers()
     os.kill(old[0], signal.SIGKILL)
@@ -169,29 +174,18 @@ def test_a_worker_kill_restores_dimuon_state(lagging, tiny_dir):
     _after_crash(tc, data, want)
     assert "replayed" in lagging.log_path.read_text()
 
-
-def test_a_daemon_sigkill_restores_dimuon_state(lagging, tiny_dir, tmp_path):
     tc, data, want = _crash_pair(lagging, tiny_dir)
     lagging.stop(signal.SIGKILL)
     time.sleep(0.5)
-    d2 = Daemon(tiny_dir, tmp_path, tmp_path / "log2", "--config", str(lagging.cfg),
-                port=lagging.port)
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log2", "--config", str(lagging.cfg),
+               port=lagging.port)
+    d.key = lagging.key
     try:
         _after_crash(tc, data, want)  # the same client, on the same model id
-    finally:
-        d2.stop()
-
-
-def test_a_hot_restart_keeps_dimuon_momentum(tiny_dir, tmp_path):
-    """SIGTERM persists every live adapter (weights and momentum) and restores it."""
-    key = make_key(tmp_path, "eve")
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1")
-    d.key = key
-    try:
         tc, data, want = _crash_pair(d, tiny_dir)
         d.stop(signal.SIGTERM)
-        d = Daemon(tiny_dir, tmp_path, tmp_path / "log2", port=d.port)
-        d.key = key
+        d = Daemon(tiny_dir, tmp_path, tmp_path / "log3", "--config", str(lagging.cfg),
+                   port=d.port)
         _after_crash(tc, data, want)
     finally:
         d.stop()

@@ -45,25 +45,37 @@ def installed(version: str) -> bool:
     return (target(version) / f"tinker-{version}.dist-info").is_dir()
 
 
+def _install_one(version: str) -> bool:
+    print(f"tinker_sdks: tinker=={version} into {target(version)}", flush=True)
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    # Into a fresh directory, moved in place when complete: no half-installed version.
+    tmp = Path(tempfile.mkdtemp(prefix=f".tinker-{version}-", dir=cache_dir()))
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                           "--disable-pip-version-check", "--target", str(tmp),
+                           f"tinker=={version}"]).returncode == 0
+    if done:
+        shutil.rmtree(target(version), ignore_errors=True)
+        tmp.rename(target(version))
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return done
+
+
 def install() -> int:
-    """Install the missing versions; a failure (offline) is reported, not fatal."""
+    """Install the missing versions; a failure (offline) is reported, not fatal. The first
+    one alone: if it fails the index is out of reach and the others are not tried (each try
+    is a pip start, seconds of CPU in every `make install`); then the rest side by side,
+    since each is mostly a download."""
+    missing = [v for v in VERSIONS if not installed(v)]
     failed = []
-    for version in VERSIONS:
-        if installed(version):
-            continue
-        print(f"tinker_sdks: tinker=={version} into {target(version)}", flush=True)
-        cache_dir().mkdir(parents=True, exist_ok=True)
-        # Into a fresh directory, moved in place when complete: no half-installed version.
-        tmp = Path(tempfile.mkdtemp(prefix=f".tinker-{version}-", dir=cache_dir()))
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                               "--disable-pip-version-check", "--target", str(tmp),
-                               f"tinker=={version}"]).returncode == 0
-        if done:
-            shutil.rmtree(target(version), ignore_errors=True)
-            tmp.rename(target(version))
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-            failed.append(version)
+    if missing and not _install_one(missing[0]):
+        failed = missing
+    elif missing[1:]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(4) as pool:
+            done = list(pool.map(_install_one, missing[1:]))
+        failed = [v for v, ok in zip(missing[1:], done, strict=True) if not ok]
     if failed:
         print(f"tinker_sdks: could not install tinker {', '.join(failed)} (offline?); "
               "tests/test_tinker_versions.py skips them", flush=True)
