@@ -125,8 +125,7 @@ LONGEST_FIRST = [
     "test_workers.py::test_sigkill_rolls_back_to_persisted_state_and_quarantines_damage",
     "test_operator_stop.py::test_a_signal_to_the_process_group_stops_cleanly[sigint]",  # 17
     "test_tinker_records.py",  # 17
-    "test_tinker_restart.py::test_restart_keeps_runs_and_checkpoints[sigterm]",  # 16
-    "test_tinker_restart.py::test_restart_keeps_runs_and_checkpoints[sigkill]",  # 16
+    "test_tinker_restart.py::test_restart_keeps_runs_and_checkpoints",  # 16 + 16 s before
     "test_workers.py::test_sigterm_is_a_hot_restart",  # 15
     "test_tinker_dimuon.py::test_a_model_recreated_after_a_worker_kill_keeps_its_optimizer",
     "test_operator_logs.py",  # 15
