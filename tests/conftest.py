@@ -122,11 +122,10 @@ LONGEST_FIRST = [
     "test_operator_stop.py::test_a_signal_to_the_process_group_stops_cleanly[sigterm]",  # 19
     "test_workers.py::test_two_workers_compute_what_one_does",  # 19
     "test_hygiene.py::test_ctl_tenants_list_shows_storage_without_a_daemon",  # 19
-    "test_workers.py::test_sigkill_rolls_back_to_persisted_state_and_quarantines_damage",
     "test_operator_stop.py::test_a_signal_to_the_process_group_stops_cleanly[sigint]",  # 17
     "test_tinker_records.py",  # 17
     "test_tinker_restart.py::test_restart_keeps_runs_and_checkpoints",  # 16 + 16 s before
-    "test_workers.py::test_sigterm_is_a_hot_restart",  # 15
+    "test_workers.py::test_sigterm_is_a_hot_restart_and_sigkill_rolls_back_to_persisted_state",
     "test_tinker_dimuon.py::test_a_model_recreated_after_a_worker_kill_keeps_its_optimizer",
     "test_operator_logs.py",  # 15
     "test_workers.py::test_idle_adapters_are_unloaded_and_come_back_on_their_next_request",

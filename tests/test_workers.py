@@ -197,58 +197,50 @@ def test_worker_kills_in_a_row_leave_it_serving(slow_pair, tiny_dir):
     assert json.loads(status.stdout)["restarts"] == counted + 3
 
 
-def test_sigterm_is_a_hot_restart(tiny_dir, tmp_path):
-    """The same TrainingClient carries on, on the same model id, with the exact weights."""
+def test_sigterm_is_a_hot_restart_and_sigkill_rolls_back_to_persisted_state(tiny_dir, tmp_path):
+    """One lineage of daemons on one data dir, 2 worker ranks each. SIGTERM: the same
+    TrainingClient carries on, on the same model id, with the exact weights. Then SIGKILL:
+    the workers die with the daemon (no orphan holds a GPU), the run resumes from its
+    persisted state, and a checkpoint damaged while the daemon was down is quarantined."""
     key = make_key(tmp_path, "carol")
     d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--workers", "2")
-    tc = tinker.ServiceClient(base_url=d.url, api_key=key).create_lora_training_client(
-        base_model=tiny_dir.name, rank=4, seed=5).result(timeout=T)
+    sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                        seed=5).result(timeout=T)
     data = _data(tc.get_tokenizer())
     _step(tc, data)
     _step(tc, data)
     want = _logprobs(tc, data)
     d.stop(signal.SIGTERM)
     assert d.proc.returncode == 0
-    d2 = Daemon(tiny_dir, tmp_path, tmp_path / "log2", "--workers", "2", port=d.port)
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log2", "--workers", "2", port=d.port)
     try:
         assert _logprobs(tc, data) == want
         _step(tc, data)
         assert _logprobs(tc, data) != want
-    finally:
-        d2.stop()
 
+        ckpt = tc.save_state("c1").result(timeout=T).path
+        _step(tc, data)
+        time.sleep(1.0)  # the write-behind persistence of the last step
+        want = _logprobs(tc, data)
+        workers = d.workers()
+        d.stop(signal.SIGKILL)
+        deadline = time.time() + 10
+        while any(_alive(p) for p in workers) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in workers)  # they died with it: no orphan holds a GPU
 
-def test_sigkill_rolls_back_to_persisted_state_and_quarantines_damage(tiny_dir, tmp_path):
-    key = make_key(tmp_path, "dave")
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1")
-    sc = tinker.ServiceClient(base_url=d.url, api_key=key)
-    tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                        seed=6).result(timeout=T)
-    data = _data(tc.get_tokenizer())
-    _step(tc, data)
-    ckpt = tc.save_state("c1").result(timeout=T).path
-    _step(tc, data)
-    time.sleep(1.0)  # the write-behind persistence of the last step
-    want = _logprobs(tc, data)
-    workers = d.workers()
-    d.stop(signal.SIGKILL)
-    deadline = time.time() + 10
-    while any(_alive(p) for p in workers) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in workers)  # they died with it: no orphan holds a GPU
+        from twinkled.store import Store
 
-    from twinkled.store import Store
+        store = Store(tmp_path / "twinkle.db")
+        directory = store.checkpoints.get(ckpt)["dir"]
+        store.close()
+        weights = f"{directory}/adapter_model.safetensors"
+        raw = bytearray(open(weights, "rb").read())
+        raw[-3] ^= 0xFF
+        open(weights, "wb").write(raw)
 
-    store = Store(tmp_path / "twinkle.db")
-    directory = store.checkpoints.get(ckpt)["dir"]
-    store.close()
-    weights = f"{directory}/adapter_model.safetensors"
-    raw = bytearray(open(weights, "rb").read())
-    raw[-3] ^= 0xFF
-    open(weights, "wb").write(raw)
-
-    d2 = Daemon(tiny_dir, tmp_path, tmp_path / "log2", port=d.port)
-    try:
+        d = Daemon(tiny_dir, tmp_path, tmp_path / "log3", "--workers", "2", port=d.port)
         assert _logprobs(tc, data) == want  # same client, same model id, resumed
         _step(tc, data)
         listed = subprocess.run(
@@ -258,9 +250,9 @@ def test_sigkill_rolls_back_to_persisted_state_and_quarantines_damage(tiny_dir, 
         assert not os.path.exists(directory)  # moved aside, never served
         with pytest.raises(Exception, match="corrupt"):
             sc.create_training_client_from_state(ckpt).result(timeout=T)
-    finally:
         sc.close("success").result(timeout=T)  # while the daemon is up: later, it retries ~30 s
-        d2.stop()
+    finally:
+        d.stop()
 
 
 def test_idle_adapters_are_unloaded_and_come_back_on_their_next_request(tiny_dir, tmp_path):
