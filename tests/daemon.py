@@ -129,3 +129,21 @@ class Daemon:
     def stop(self, sig: int = signal.SIGTERM) -> None:
         stop_process(self.proc, sig)
         self.log.close()
+
+
+def run_ctl(data_dir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`twinkled ctl --data-dir DIR ARGS` run in this process through click's runner: the
+    same output and exit status as the command, without a Python start (~0.7 s of CPU) for
+    each of the suite's dozens of calls. An error inside ctl propagates as itself."""
+    from click.testing import CliRunner
+
+    from twinkled.server.cli import main
+
+    argv = ["ctl", "--data-dir", str(data_dir), *args]
+    r = CliRunner().invoke(main, argv)
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    done = subprocess.CompletedProcess(argv, r.exit_code, r.stdout, r.stderr)
+    if check:
+        done.check_returncode()
+    return done

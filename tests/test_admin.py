@@ -12,15 +12,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from daemon import Daemon
+from daemon import Daemon, run_ctl
 
 tinker = pytest.importorskip("tinker")
 T = 120
 
 
 def ctl(data_dir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data_dir),
-                           *args], capture_output=True, text=True, check=check, timeout=120)
+    return run_ctl(data_dir, *args, check=check)
 
 
 def ctl_json(data_dir: Path, *args: str):

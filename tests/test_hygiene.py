@@ -7,14 +7,13 @@ import json
 import os
 import stat
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from daemon import Daemon, make_key
+from daemon import Daemon, make_key, run_ctl
 
 from twinkled.protocol.checkpoints import checkpoint_path
 from twinkled.protocol.config import Config, check_config
@@ -28,8 +27,7 @@ GIB = 1024**3
 
 
 def ctl(data_dir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data_dir),
-                           *args], capture_output=True, text=True, check=check, timeout=120)
+    return run_ctl(data_dir, *args, check=check)
 
 
 def ctl_json(data_dir: Path, *args: str):
