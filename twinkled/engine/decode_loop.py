@@ -68,7 +68,7 @@ from .decode_step import DecodeStep
 class Flight:
     """A launched decode step whose results the host has not read."""
 
-    layout: list  # the rows (running._Seq) of slots 0..n-1 at launch
+    layout: list  # the rows (running_seqs.Seq) of slots 0..n-1 at launch
     logits: torch.Tensor  # [n, vocab]: the step's output (valid until the next launch)
     tokens: torch.Tensor  # [n] the chosen tokens, on the device
     packed: torch.Tensor  # [n, 2 + 2k] float64: token, logprob, top-k ids, top-k logprobs

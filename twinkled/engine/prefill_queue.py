@@ -33,7 +33,7 @@ from .prefix_cache import prefill
 @dataclass(eq=False)
 class Pending:
     """A distinct prompt (of one adapter) being prefilled into `pages`, and the requests
-    (running._Request) it serves."""
+    (running_seqs.Request) it serves."""
 
     prompt: list[int]
     adapter: Adapter | None

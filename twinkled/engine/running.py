@@ -1,10 +1,13 @@
 """Continuous batching for sampling: sequences join and leave the running batch at every step.
 
 `RunningBatch.admit` queues requests; each `step` first admits waiting requests while rows
-and KV pages allow (first come, first served), prefilling their prompts straight into
-pages and choosing their first tokens, then runs one decode step for every running row.
-A row that stops gives its pages and its slot back at once, so a waiting request joins at
-the next step and a short request never waits for a long one beside it.
+and KV pages allow (first come, first served), then runs one prefill pass of at most
+`prefill_tokens` prompt tokens (prefill_queue.py: the admitted prompts packed end to end,
+prefill.py, a long one cut into chunks over several steps), whose finished prompts choose
+their first tokens and join, then one decode step for every running row. A row that
+stops gives its pages and its slot back at once, so a waiting request joins at the next
+step, a short request never waits for a long one beside it, and a long prompt does not
+stall the rows decoding while it prefills.
 
 Admission takes a request whole: all its samples start together and hold, from the start,
 the pages their longest possible continuation needs (prompt + max_tokens), so a running
@@ -24,15 +27,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from twinkled.protocol.types import EngineInputError, SampledSequence, SampleRequest, SampleResult
+from twinkled.protocol.types import EngineInputError, SampledSequence, SampleRequest
 
 from . import kernels as kern
-from .choose import RowChoice, request_generator, stop_reason, top_rows
+from .choose import RowChoice, top_rows
 from .decode_loop import DecodeLoop
 from .decode_step import DecodeStep
 from .kv_pages import PagePool
@@ -41,54 +42,12 @@ from .lora_rows import AdapterStack
 from .prefill_queue import Pending, PrefillQueue, Ready
 from .prefix_cache import PrefixCache, weights_key
 from .prompt_scores import score_prompt, wants_scores
+from .running_seqs import Finished, Request, Seq
 
 PAGE_SIZE = 16  # tokens per KV page
 KV_BYTES = {"cuda": 4 << 30, "cpu": 64 << 20}  # default page pool size per device type
 PREFILL_TOKENS = {"cuda": 16384, "cpu": 2048}  # prompt tokens of one prefill pass (a step's)
 PREFILLS = ("varlen", "padded")
-
-
-@dataclass
-class Finished:
-    """A request whose samples have all stopped."""
-
-    ticket: int
-    result: SampleResult
-
-
-class _Request:
-    def __init__(self, ticket: int, req: SampleRequest, adapter: Adapter | None, model):
-        self.ticket, self.req, self.adapter = ticket, req, adapter
-        self.result = SampleResult(sequences=[])
-        self.gen = request_generator(req.params, model.device)
-        self.stop = partial(stop_reason, model, req.params)  # tokens -> why it stops, or None
-        self.seqs: list[_Seq] = []
-        self.running = 0
-        self.cancelled = False
-        # What a shared prefill must agree on.
-        self.key = (None if adapter is None else adapter.id, tuple(req.prompt))
-
-
-class _Seq:
-    """One sample: its pages (the prompt's shared ones first) and what it generated."""
-
-    def __init__(self, request: _Request, pages: list[int], length: int):
-        self.request, self.pages = request, pages
-        self.length = length  # positions in the KV cache (written, or by a step in flight)
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.sent = 0  # tokens already handed out by `RunningBatch.pieces`
-        self.top: tuple[list, list] | None = ([], []) if request.req.topk_sample else None
-        self.done: str | None = None
-
-    def record(self, token: int, logprob: float, top: tuple[list, list], b: int) -> None:
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        if self.top is not None:
-            k = self.request.req.topk_sample
-            self.top[0].append(top[0][b][:k])
-            self.top[1].append(top[1][b][:k])
-        self.done = self.request.stop(self.tokens)
 
 
 class RunningBatch:
@@ -137,9 +96,9 @@ class RunningBatch:
         self.prefilling = PrefillQueue(model, self.pool, self.stack, kernels,
                                        self.prefill_tokens, prefill == "varlen")
         self._seating = 0  # rows of the requests being prefilled (they have their pages)
-        self.waiting: deque[_Request] = deque()
-        self.live: list[_Seq] = []  # slot order
-        self._started: dict[int, _Request] = {}  # admitted and not finished, by ticket
+        self.waiting: deque[Request] = deque()
+        self.live: list[Seq] = []  # slot order
+        self._started: dict[int, Request] = {}  # admitted and not finished, by ticket
         self._tickets = itertools.count()
         self.overlap = dev.type == "cuda" if overlap is None else overlap
         self.loop = DecodeLoop(self.decode, self.overlap, self._choice_of, self._retire)
@@ -169,7 +128,7 @@ class RunningBatch:
                     "num_samples/max_tokens", f"{r.num_samples} samples of {len(r.prompt)} + "
                     f"{r.params.max_tokens} tokens do not fit the sampler's KV pool "
                     f"({self.pool.usable} pages of {self.pool.page_size}, {self.rows} rows)")
-        new = [_Request(next(self._tickets), r, a, self.model)
+        new = [Request(next(self._tickets), r, a, self.model)
                for r, a in zip(requests, adapters, strict=True)]
         self.waiting.extend(new)
         return [r.ticket for r in new]
@@ -279,9 +238,9 @@ class RunningBatch:
         if take:
             self._queue(take)
 
-    def _admission(self) -> list[_Request]:
+    def _admission(self) -> list[Request]:
         """The waiting requests that join now (first come, first served, while they fit)."""
-        take: list[_Request] = []
+        take: list[Request] = []
         keys: dict[tuple, int] = {}  # key -> its prompt length
         pages, rows = self.pool.free, self.rows - len(self.live) - self._seating
         reclaimed, padded = False, not self.prefilling.varlen
@@ -301,11 +260,11 @@ class RunningBatch:
             rows -= r.req.num_samples
         return take
 
-    def _queue(self, take: list[_Request]) -> None:
+    def _queue(self, take: list[Request]) -> None:
         """Give `take` its pages (each distinct prompt's, cached ones first, and every
         sample's own) and queue its distinct prompts for prefill."""
         pool = self.pool
-        firsts: dict[tuple, _Request] = {}
+        firsts: dict[tuple, Request] = {}
         for r in take:
             firsts.setdefault(r.key, r)
             if r.adapter is not None:
@@ -329,7 +288,7 @@ class RunningBatch:
                 partial = spare[r.key][full:]
                 spare[r.key] = spare[r.key][:full]
                 own = partial + pool.allocate(want - len(partial))
-                r.seqs.append(_Seq(r, p.pages[:full] + own, n))
+                r.seqs.append(Seq(r, p.pages[:full] + own, n))
             r.result.cached_tokens = cached[r.key]
             r.running = r.req.num_samples
             p.requests.append(r)
@@ -341,7 +300,7 @@ class RunningBatch:
         """The samples of the prompts now prefilled: their pages settled, their first
         tokens chosen; the ones that go on join the batch."""
         pool, P = self.pool, self.pool.page_size
-        seqs: list[_Seq] = []
+        seqs: list[Seq] = []
         rows: list[int] = []  # each sample's row of the prompts' logits
         for i, rd in enumerate(ready):
             p, n = rd.prompt, len(rd.prompt.prompt)
@@ -371,7 +330,7 @@ class RunningBatch:
         logits = torch.stack([rd.logits for rd in ready])
         tokens, lps, logp = choice.choose(logits.index_select(0, torch.tensor(rows, device=logits.device)))
         top = top_rows(logp, max(s.request.req.topk_sample for s in seqs))
-        seated: list[_Seq] = []
+        seated: list[Seq] = []
         for b, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), lps.tolist(), strict=True)):
             s.record(tok, lp, top, b)
             if s.done is not None:
@@ -387,7 +346,7 @@ class RunningBatch:
         self.live += seated  # (shared: the prompt's full pages)
         self.loop.changed(self.live)
 
-    def _prompt_pages(self, take: list[_Request], uniq: list[_Request]
+    def _prompt_pages(self, take: list[Request], uniq: list[Request]
                       ) -> tuple[list[list[int]], list[int]]:
         """Each distinct prompt's pages (cached ones first) and where its prefill starts;
         a prompt whose scores are asked prefills whole (they read every position)."""
@@ -414,10 +373,10 @@ class RunningBatch:
             self.decode.clear_slot(b)
         live.pop()
 
-    def _choice_of(self, seqs: list[_Seq]) -> RowChoice:
+    def _choice_of(self, seqs: list[Seq]) -> RowChoice:
         """Sampling parameters of `seqs` (in slots 0, 1, ...); a request's rows draw
         together, in sample order."""
-        by_req: dict[int, tuple[_Request, list[tuple[int, int]]]] = {}
+        by_req: dict[int, tuple[Request, list[tuple[int, int]]]] = {}
         for slot, s in enumerate(seqs):
             if s.request.req.params.temperature > 0:
                 r = s.request
@@ -425,13 +384,13 @@ class RunningBatch:
         groups = [([slot for _, slot in sorted(idx)], r.gen) for r, idx in by_req.values()]
         return RowChoice.of([s.request.req.params for s in seqs], groups, self.model.device)
 
-    def _drop(self, s: _Seq) -> None:
+    def _drop(self, s: Seq) -> None:
         """`s` gives its pages and its adapter's columns back."""
         self.pool.release(s.pages)
         if s.request.adapter is not None:
             self.stack.release(s.request.adapter)
 
-    def _finish(self, s: _Seq, done: list[Finished]) -> None:
+    def _finish(self, s: Seq, done: list[Finished]) -> None:
         self._drop(s)
         r = s.request
         r.running -= 1
