@@ -85,9 +85,10 @@ class _TokenKernelLora:
 def token_lora(stack: AdapterStack, pieces: list[Piece], kernels: bool):
     """The LoRA of a packed pass: each token uses its piece's adapter."""
     dev, counts = stack.device, torch.tensor([p.tokens for p in pieces])
-    if not kernels:
-        masks = torch.stack([stack.mask_row(p.adapter) for p in pieces])
-        return _TokenLora(stack, masks.repeat_interleave(counts, 0).to(dev))
+    if not kernels:  # (a mask row per piece copied, repeated on the device)
+        masks = torch.stack([stack.mask_row(p.adapter) for p in pieces]).to(dev)
+        return _TokenLora(stack, masks.repeat_interleave(
+            counts.to(dev), 0, output_size=int(counts.sum())))
     start, rank, scale = (torch.tensor(v).repeat_interleave(counts) for v in zip(
         *(stack.row(p.adapter) for p in pieces), strict=True))
     return _TokenKernelLora(stack, start.to(dev, torch.int32), rank.to(dev, torch.int32),
