@@ -103,17 +103,23 @@ class _PackedPages:
     def __init__(self, pool: PagePool, pieces: list[Piece], device):
         P = pool.page_size
         self.pool = pool
+        self.flash = pool.k.is_cuda and pool.k.dtype in (torch.float16, torch.bfloat16)
         self.q_lens = [p.tokens for p in pieces]
-        self.k_lens = [p.end for p in pieces]
         self.starts = [p.start for p in pieces]
-        self.reread = any(self.starts)  # some piece has keys before its start
+        # Flash: each piece's keys 0..end, read back from the pages only where some piece
+        # has keys before its start. Elsewhere every piece reads its whole pages back,
+        # masked, as the padded pass does: SDPA's CPU kernel rounds by its blocks of keys,
+        # and in bf16 a prefill over the prompt's keys alone put the sampler's logprobs
+        # 0.0054 nats from the trainer's where the padded pass's were 0.0030
+        # (tests/test_logprob_gap.py).
+        self.reread = any(self.starts) or not self.flash
+        self.k_lens = [p.end if self.flash else pool.pages_for(p.end) * P for p in pieces]
         write, read = [], []
-        for p in pieces:
+        for p, L in zip(pieces, self.k_lens, strict=True):
             table = torch.tensor(p.pages)
-            first = 0 if self.reread else p.start  # (reread: every key of the piece)
-            pos = torch.arange(first, p.end)
+            pos = torch.arange(L) if self.reread else torch.arange(p.start, p.end)
             slots = table[pos // P] * P + pos % P
-            write.append(slots[p.start - first:])
+            write.append(slots[p.start:p.end] if self.reread else slots)
             read.append(slots)
         self.write_slots = torch.cat(write).to(device)
         self.read_slots = torch.cat(read).to(device) if self.reread else None
@@ -136,18 +142,17 @@ class _PackedPages:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                gqa: bool) -> torch.Tensor:
         """q [1, H, T, D], k/v [1, Hkv, Tk, D] -> [1, H, T, D]."""
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if self.flash:
             return varlen_attend(q, k, v, self.cu_q, self.cu_k, max(self.q_lens),
                                  max(self.k_lens), scale, gqa)
         outs, qa, ka = [], 0, 0
         for n, L, s in zip(self.q_lens, self.k_lens, self.starts, strict=True):
-            mask = None
-            if L != n:  # query j sits at position s + j and sees keys 0..s + j
-                mask = (torch.arange(L, device=q.device)[None, :]
-                        <= torch.arange(s, L, device=q.device)[:, None])
+            # Query j sits at position s + j and sees keys 0..s + j.
+            mask = (torch.arange(L, device=q.device)[None, :]
+                    <= torch.arange(s, s + n, device=q.device)[:, None])
             outs.append(F.scaled_dot_product_attention(
                 q[:, :, qa:qa + n], k[:, :, ka:ka + L], v[:, :, ka:ka + L], attn_mask=mask,
-                is_causal=mask is None, scale=scale, enable_gqa=gqa))
+                scale=scale, enable_gqa=gqa))
             qa, ka = qa + n, ka + L
         return torch.cat(outs, dim=2)
 
