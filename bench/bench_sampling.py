@@ -16,6 +16,10 @@ captures the CUDA graphs): the median call, and the decode steps of all timed ca
 is the gather + SDPA reference (kernels off), new the paged Triton kernel
 (kernels/paged_decode.py; on CPU only under TRITON_INTERPRET=1), and prints new/old; flat
 is new without the cascade (each sample reads its shared prompt pages itself).
+`--prefill padded,varlen` runs each with the padded prefill pass (prompts right-padded into
+one batch, never chunked: the pass before) and the varlen one (prompts packed end to end,
+chunked to `--prefill-tokens` a step: engine/prefill_queue.py), and prints varlen/padded
+and each call's seconds in steps that prefilled ("prefill s").
 `--overlap on,off` runs each with the decode loop overlapped (the next step launched before
 the host records the last: engine/decode_loop.py) and synchronous; "waits" is how long the
 host waited for a step's results (near 0: the host is the bottleneck). `--workloads fanout`
@@ -24,11 +28,13 @@ host waited for a step's results (near 0: the host is the bottleneck). `--worklo
     python bench/bench_sampling.py                      # CPU, the tiny model
     python bench/bench_sampling.py --device cuda --shape qwen2.5-0.5b
     python bench/bench_sampling.py --device cuda --shape qwen3-8b --paths old,new --adapters 64
+    python bench/bench_sampling.py --device cuda --shape qwen3-8b --paths new --prefill padded,varlen
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import time
@@ -109,15 +115,16 @@ def profile_steps(batch: RunningBatch, reqs, adapters, tickets_of: int, steps: i
 
 
 def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, path: str,
-                 overlap: bool) -> dict[str, float]:
+                 overlap: bool, prefill: str = "varlen") -> dict[str, float]:
     kernels, cascade = PATHS[path]
     adapters = [eng.pool.get(r.adapter_id) for r in reqs]
     rows = sum(r.num_samples for r in reqs)
     new = rows * args.new
     batch = RunningBatch(eng.model, rows=max(256, rows), page_size=args.page_size,
                          kv_bytes=kv_bytes(eng, reqs, args), kernels=kernels, cascade=cascade,
-                         overlap=overlap)
+                         overlap=overlap, prefill=prefill, prefill_tokens=args.prefill_tokens)
     calls, pure = [], []  # pure: (seconds, rows) of decode steps that admitted nothing
+    prefilling = 0.0  # seconds of the timed calls' steps that admitted or prefilled
     for i in range(args.repeats + 1):  # the first call captures the graphs
         tickets = batch.admit(reqs, adapters)
         sync()
@@ -126,18 +133,21 @@ def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, path: str,
         if i == 1:
             batch.loop.waited = 0.0
         while len(finished) < len(tickets):  # (no sync a step: a step may be in flight)
-            admitting, live = batch.waiting_requests > 0, len(batch.live)
+            admitting = batch.waiting_requests > 0 or batch.prefilling.pending
+            live = len(batch.live)
             s0 = time.perf_counter()
             finished.update((f.ticket, f.result) for f in batch.step())
             if i > 0 and live and not admitting:
                 pure.append((time.perf_counter() - s0, live))
+            elif i > 0 and admitting:
+                prefilling += time.perf_counter() - s0
         sync()
         calls.append(time.perf_counter() - t0)
     waited = batch.loop.waited
     call = statistics.median(calls[1:])
     step = sum(t for t, _ in pure) / len(pure)
     top = profile_steps(batch, reqs, adapters, tickets_of=len(reqs)) if args.profile else ""
-    out = {"profile": top, "call tok/s": new / call,
+    out = {"profile": top, "call tok/s": new / call, "prefill s": prefilling / args.repeats,
            "decode tok/s": sum(n for _, n in pure) / sum(t for t, _ in pure),
            "graphs": batch.decode.count_graphs(), "step ms": 1e3 * step,
            "wait ms": 1e3 * waited / max(1, len(pure)),
@@ -149,7 +159,7 @@ def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, path: str,
     out["of bound"] = out["decode tok/s"] / bound
     out["GB/step"] = step_bytes(eng, rows, mean_len, used) / 1e9
     del batch
-    if args.baseline and not kernels and overlap:  # once: it does not depend on the decode attention
+    if args.baseline and not kernels and overlap and prefill == "varlen":  # once: it does not depend on the decode attention
         times = []
         for _ in range(max(1, args.repeats - 1) + 1):
             sync()
@@ -186,6 +196,11 @@ def main() -> None:
     ap.add_argument("--overlap", default="on",
                     help="decode loops to run, comma-separated: on (overlapped), off "
                     "(synchronous) (on)")
+    ap.add_argument("--prefill", default="varlen",
+                    help="prefill passes to run, comma-separated: varlen (packed, chunked), "
+                    "padded (the pass before) (varlen)")
+    ap.add_argument("--prefill-tokens", type=int, default=None,
+                    help="prompt tokens a step prefills (default: RunningBatch's, 16384 on CUDA)")
     ap.add_argument("--workloads", default="fanout,wide",
                     help="workloads to run, comma-separated: fanout, wide")
     ap.add_argument("--profile", action="store_true",
@@ -234,19 +249,20 @@ def main() -> None:
         for name, reqs in workloads(args, vocab).items():
             if name.split(":")[0].replace("-", "") not in args.workloads.split(","):
                 continue
-            for path in paths:
-                for ov in args.overlap.split(","):
-                    r = results[name, path, ov] = run_workload(eng, reqs, args, sync, path,
-                                                               ov == "on")
-                    print(f"{name}, {path}, overlap {ov}: {r['call tok/s']:,.0f} tok/s a "
-                          f"call, {r['step ms']:.2f} ms a decode step, host waited "
-                          f"{r['wait ms']:.2f} ms a step", flush=True)
-    for (name, path, ov), r in results.items():  # the loops must sample alike
-        other = results.get((name, path, "off"))
-        if ov == "on" and other is not None:
-            same = sum(a == b for a, b in zip(r["tokens"], other["tokens"], strict=True))
-            print(f"{name}, {path}: overlap on/off sampled the same tokens in {same} of "
-                  f"{len(r['tokens'])} samples", flush=True)
+            for path, ov, pf in itertools.product(paths, args.overlap.split(","),
+                                                  args.prefill.split(",")):
+                r = results[name, path, ov, pf] = run_workload(eng, reqs, args, sync, path,
+                                                               ov == "on", pf)
+                print(f"{name}, {path}, overlap {ov}, prefill {pf}: {r['call tok/s']:,.0f} "
+                      f"tok/s a call, {r['prefill s']:.3f} s prefilling, {r['step ms']:.2f} ms "
+                      f"a decode step, host waited {r['wait ms']:.2f} ms a step", flush=True)
+    for (name, path, ov, pf), r in results.items():  # the loops and passes must sample alike
+        for what, other in (("overlap on/off", results.get((name, path, "off", pf))),
+                            ("prefill varlen/padded", results.get((name, path, ov, "padded")))):
+            if other is not None and other is not r and (ov == "on" or pf == "varlen"):
+                same = sum(a == b for a, b in zip(r["tokens"], other["tokens"], strict=True))
+                print(f"{name}, {path}, {ov}, {pf}: {what} sampled the same tokens in {same} "
+                      f"of {len(r['tokens'])} samples", flush=True)
     text = header(args.device).replace("Engine vs peft", "Sampling throughput")
     text += (f"\n### {args.shape} ({args.device}, {str(dtype).split('.')[-1]}), "
              f"{args.adapters} adapters r={RANK}, prompts of {args.prompt} tokens, {args.new} "
@@ -254,22 +270,28 @@ def main() -> None:
              f"{args.bandwidth_gbs:g} GB/s, fused {args.fused}, median of {args.repeats}; old: "
              f"gather + SDPA, new: paged kernel with cascade, flat: without; waits: ms a step "
              f"the host waited for results\n\n"
-             f"| workload | path | overlap | call tok/s | decode tok/s | step ms | waits | "
-             f"bound tok/s | of bound | GB/step | graphs | call new/old | padded tok/s |\n"
-             f"|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
-    for (name, path, ov), r in results.items():
-        old = results.get((name, "old", ov))
-        ratio = "-" if path == "old" or old is None else f"{r['call tok/s'] / old['call tok/s']:.2f}x"
+             f"| workload | path | overlap | prefill | call tok/s | prefill s | decode tok/s | "
+             f"step ms | waits | bound tok/s | of bound | GB/step | graphs | call new/old | "
+             f"call varlen/padded | padded tok/s |\n"
+             f"|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    for (name, path, ov, pf), r in results.items():
         padded = r.get("padded tok/s")
-        text += (f"| {name} | {path} | {ov} | {r['call tok/s']:,.0f} | "
-                 f"{r['decode tok/s']:,.0f} | {r['step ms']:.2f} | {r['wait ms']:.2f} | "
-                 f"{r['bound tok/s']:,.0f} | {r['of bound']:.1%} | "
-                 f"{r['GB/step']:.2f} | {r['graphs']:.0f} | {ratio} | "
+        text += (f"| {name} | {path} | {ov} | {pf} | {r['call tok/s']:,.0f} | "
+                 f"{r['prefill s']:.3f} | {r['decode tok/s']:,.0f} | {r['step ms']:.2f} | "
+                 f"{r['wait ms']:.2f} | {r['bound tok/s']:,.0f} | {r['of bound']:.1%} | "
+                 f"{r['GB/step']:.2f} | {r['graphs']:.0f} | "
+                 f"{_ratio(r, results.get((name, 'old', ov, pf)), path == 'old')} | "
+                 f"{_ratio(r, results.get((name, path, ov, 'padded')), pf == 'padded')} | "
                  + ("-" if padded is None else f"{padded:,.0f}") + " |\n")
-    for (name, path, ov), r in results.items():
+    for (name, path, ov, pf), r in results.items():
         if r["profile"]:
-            text += f"\n{name}, {path}, overlap {ov}: 4 decode steps\n```\n{r['profile']}```\n"
+            text += f"\n{name}, {path}, overlap {ov}, prefill {pf}: 4 decode steps\n```\n{r['profile']}```\n"
     emit(text, args.write)
+
+
+def _ratio(r: dict, base: dict | None, same: bool) -> str:
+    """r's call tok/s over base's ("-" where r is the base or there is none)."""
+    return "-" if same or base is None else f"{r['call tok/s'] / base['call tok/s']:.2f}x"
 
 
 if __name__ == "__main__":

@@ -45,13 +45,14 @@ def _requests(eng) -> list[SampleRequest]:
                           num_samples=3)]
 
 
-def _drive(eng, overlap: bool, decode: str) -> tuple[list[int], dict]:
+def _drive(eng, overlap: bool, decode: str, chunk: int | None) -> tuple[list[int], dict]:
     """Three requests start; the rest join at step 2 and wait for rows (6) as others
-    finish; request 1 is cancelled at step 4. Every page comes back."""
+    finish; request 1 is cancelled at step 4. Every page comes back. `chunk`: prompt
+    tokens a step prefills (5: prompts cut into chunks, rows joining mid-flight)."""
     reqs = _requests(eng)
     ads = [None if r.adapter_id is None else eng.pool.get(r.adapter_id) for r in reqs]
     batch = RunningBatch(eng.model, rows=6, pages=48, page_size=4, decode=decode,
-                         overlap=overlap)
+                         overlap=overlap, prefill_tokens=chunk)
     assert batch.overlap is overlap
     free = batch.free_pages
     tickets = batch.admit(reqs[:3], ads[:3])
@@ -63,18 +64,18 @@ def _drive(eng, overlap: bool, decode: str) -> tuple[list[int], dict]:
             assert batch.cancel(tickets[1])
         results.update((f.ticket, f.result) for f in batch.step())
         steps += 1
-        if steps == 1:  # a step is in flight while the host returns
-            assert batch.loop.in_flight is overlap
+        if steps == 1 and chunk is None:  # a step is in flight while the host returns
+            assert batch.loop.in_flight is overlap  # (none while prompts still prefill)
     assert batch.free_pages == free  # no page leaked, none freed twice
     assert not batch.loop.in_flight
     return tickets, results
 
 
-@pytest.mark.parametrize("decode", ["eager", "buckets"] + (
-    ["graphs"] if DEVICE == "cuda" else []))
-def test_overlapped_and_synchronous_loops_sample_the_same(eng, decode):
-    t_sync, sync = _drive(eng, False, decode)
-    t_over, over = _drive(eng, True, decode)
+@pytest.mark.parametrize("decode,chunk", [("eager", None), ("buckets", None), ("eager", 5)] + (
+    [("graphs", None)] if DEVICE == "cuda" else []))
+def test_overlapped_and_synchronous_loops_sample_the_same(eng, decode, chunk):
+    t_sync, sync = _drive(eng, False, decode, chunk)
+    t_over, over = _drive(eng, True, decode, chunk)
     cancelled, unseeded = 1, 6
     assert t_sync[cancelled] not in sync and t_over[cancelled] not in over
     assert len(over[t_over[unseeded]].sequences[0].tokens) == 6

@@ -41,7 +41,8 @@ the rows that stop at t; the results stay exactly those of the synchronous loop:
   synchronous loop would have drawn them. Greedy and unseeded rows keep their tokens.
 - The rows left move down into the freed slots (`RunningBatch._vacate`); step t + 1's
   results follow them (one gather) before they land.
-No step is launched ahead while waiting requests can join at the next step, so they join
+No step is launched ahead while waiting requests can join at the next step (or queued
+prompts are still prefilling, prefill_queue.py), so they join
 a settled batch beside the rows the synchronous loop has (the same batches: on a GPU a
 batch's make-up can round bf16 logits differently). Rows that could not join until a
 stop freed room land the step in flight first (`settle`): they join a settled batch, and
@@ -68,7 +69,7 @@ from .decode_step import DecodeStep
 class Flight:
     """A launched decode step whose results the host has not read."""
 
-    layout: list  # the rows (running._Seq) of slots 0..n-1 at launch
+    layout: list  # the rows (running_seqs.Seq) of slots 0..n-1 at launch
     logits: torch.Tensor  # [n, vocab]: the step's output (valid until the next launch)
     tokens: torch.Tensor  # [n] the chosen tokens, on the device
     packed: torch.Tensor  # [n, 2 + 2k] float64: token, logprob, top-k ids, top-k logprobs

@@ -179,8 +179,9 @@ class PrefixCache:
 
 def prefill(model, pool: PagePool, lora, prompts: list[list[int]],  # lora: row_lora(...)
             starts: list[int], pages: list[list[int]]):
-    """One forward of `prompts` (right-padded) from positions `starts` (page-aligned: the
-    keys and values before them are already in the prompts' first `pages`), writing the
+    """The padded prefill pass (`RunningBatch(prefill="padded")`, the reference of
+    prefill.py's packed one): one forward of `prompts` (right-padded) from positions
+    `starts` (the keys and values before them are already in the prompts' first `pages`), writing the
     rest of their keys and values into `pages`; returns the hidden states [U, S, H] of the
     positions computed (row i's position j is prompt position starts[i] + j) and the
     last prompt position's logits [U, V]."""

@@ -1,10 +1,13 @@
 """Continuous batching for sampling: sequences join and leave the running batch at every step.
 
 `RunningBatch.admit` queues requests; each `step` first admits waiting requests while rows
-and KV pages allow (first come, first served), prefilling their prompts straight into
-pages and choosing their first tokens, then runs one decode step for every running row.
-A row that stops gives its pages and its slot back at once, so a waiting request joins at
-the next step and a short request never waits for a long one beside it.
+and KV pages allow (first come, first served), then runs one prefill pass of at most
+`prefill_tokens` prompt tokens (prefill_queue.py: the admitted prompts packed end to end,
+prefill.py, a long one cut into chunks over several steps), whose finished prompts choose
+their first tokens and join, then one decode step for every running row. A row that
+stops gives its pages and its slot back at once, so a waiting request joins at the next
+step, a short request never waits for a long one beside it, and a long prompt does not
+stall the rows decoding while it prefills.
 
 Admission takes a request whole: all its samples start together and hold, from the start,
 the pages their longest possible continuation needs (prompt + max_tokens), so a running
@@ -24,68 +27,27 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from twinkled.protocol.types import EngineInputError, SampledSequence, SampleRequest, SampleResult
+from twinkled.protocol.types import EngineInputError, SampledSequence, SampleRequest
 
 from . import kernels as kern
-from .choose import RowChoice, request_generator, stop_reason, top_rows
+from .choose import RowChoice, top_rows
 from .decode_loop import DecodeLoop
 from .decode_step import DecodeStep
 from .kv_pages import PagePool
 from .lora import Adapter
-from .lora_rows import AdapterStack, row_lora
-from .prefix_cache import PrefixCache, prefill, weights_key
+from .lora_rows import AdapterStack
+from .prefill_queue import Pending, PrefillQueue, Ready
+from .prefix_cache import PrefixCache, weights_key
 from .prompt_scores import score_prompt, wants_scores
+from .running_seqs import Finished, Request, Seq
 
 PAGE_SIZE = 16  # tokens per KV page
 KV_BYTES = {"cuda": 4 << 30, "cpu": 64 << 20}  # default page pool size per device type
-PREFILL_TOKENS = {"cuda": 16384, "cpu": 2048}  # padded prompt tokens of one prefill pass
-
-
-@dataclass
-class Finished:
-    """A request whose samples have all stopped."""
-
-    ticket: int
-    result: SampleResult
-
-
-class _Request:
-    def __init__(self, ticket: int, req: SampleRequest, adapter: Adapter | None, model):
-        self.ticket, self.req, self.adapter = ticket, req, adapter
-        self.result = SampleResult(sequences=[])
-        self.gen = request_generator(req.params, model.device)
-        self.stop = partial(stop_reason, model, req.params)  # tokens -> why it stops, or None
-        self.seqs: list[_Seq] = []
-        self.running = 0
-        # What a shared prefill must agree on.
-        self.key = (None if adapter is None else adapter.id, tuple(req.prompt))
-
-
-class _Seq:
-    """One sample: its pages (the prompt's shared ones first) and what it generated."""
-
-    def __init__(self, request: _Request, pages: list[int], length: int):
-        self.request, self.pages = request, pages
-        self.length = length  # positions in the KV cache (written, or by a step in flight)
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.sent = 0  # tokens already handed out by `RunningBatch.pieces`
-        self.top: tuple[list, list] | None = ([], []) if request.req.topk_sample else None
-        self.done: str | None = None
-
-    def record(self, token: int, logprob: float, top: tuple[list, list], b: int) -> None:
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        if self.top is not None:
-            k = self.request.req.topk_sample
-            self.top[0].append(top[0][b][:k])
-            self.top[1].append(top[1][b][:k])
-        self.done = self.request.stop(self.tokens)
+PREFILL_TOKENS = {"cuda": 16384, "cpu": 2048}  # prompt tokens of one prefill pass (a step's)
+PREFILLS = ("varlen", "padded")
 
 
 class RunningBatch:
@@ -98,14 +60,20 @@ class RunningBatch:
     False keeps the reference paths (gather + SDPA, masked LoRA stack). `cascade` (None: as
     `kernels`): samples read their shared prompt pages once a step (decode_step.py).
     `overlap`: launch each decode step before the host records the previous one
-    (decode_loop.py; default on CUDA devices); False: the synchronous loop, the reference."""
+    (decode_loop.py; default on CUDA devices); False: the synchronous loop, the reference.
+    `prefill`: "varlen" (admitted prompts packed end to end, chunked: at most
+    `prefill_tokens` prompt tokens a step, prefill_queue.py) or "padded" (the reference:
+    admitted prompts right-padded into one pass, at most `prefill_tokens` padded tokens)."""
 
     def __init__(self, model, rows: int = 256, pages: int | None = None,
                  page_size: int = PAGE_SIZE, prefill_tokens: int | None = None,
                  decode: str | None = None, kv_bytes: int | None = None,
                  prefix_cache: float = 0.0, kernels: bool | None = None,
-                 cascade: bool | None = None, overlap: bool | None = None):
+                 cascade: bool | None = None, overlap: bool | None = None,
+                 prefill: str = "varlen"):
         dev = model.device
+        if prefill not in PREFILLS:
+            raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
         if kernels is None:
             kernels = kern.available(dev)
         elif kernels and not kern.runnable(dev):
@@ -125,9 +93,12 @@ class RunningBatch:
                                  decode or ("graphs" if dev.type == "cuda" else "eager"), kernels,
                                  kernels if cascade is None else cascade)
         self.prefill_tokens = prefill_tokens or PREFILL_TOKENS.get(dev.type, 16384)
-        self.waiting: deque[_Request] = deque()
-        self.live: list[_Seq] = []  # slot order
-        self._started: dict[int, _Request] = {}  # admitted and not finished, by ticket
+        self.prefilling = PrefillQueue(model, self.pool, self.stack, kernels,
+                                       self.prefill_tokens, prefill == "varlen")
+        self._seating = 0  # rows of the requests being prefilled (they have their pages)
+        self.waiting: deque[Request] = deque()
+        self.live: list[Seq] = []  # slot order
+        self._started: dict[int, Request] = {}  # admitted and not finished, by ticket
         self._tickets = itertools.count()
         self.overlap = dev.type == "cuda" if overlap is None else overlap
         self.loop = DecodeLoop(self.decode, self.overlap, self._choice_of, self._retire)
@@ -136,7 +107,7 @@ class RunningBatch:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.live
+        return not self.waiting and not self.live and not self.prefilling.pending
 
     @property
     def free_pages(self) -> int:
@@ -157,7 +128,7 @@ class RunningBatch:
                     "num_samples/max_tokens", f"{r.num_samples} samples of {len(r.prompt)} + "
                     f"{r.params.max_tokens} tokens do not fit the sampler's KV pool "
                     f"({self.pool.usable} pages of {self.pool.page_size}, {self.rows} rows)")
-        new = [_Request(next(self._tickets), r, a, self.model)
+        new = [Request(next(self._tickets), r, a, self.model)
                for r, a in zip(requests, adapters, strict=True)]
         self.waiting.extend(new)
         return [r.ticket for r in new]
@@ -212,12 +183,11 @@ class RunningBatch:
         r = self._started.pop(ticket, None)
         if r is None:
             return False
+        r.cancelled = True  # (being prefilled: it goes when its prompt is ready)
         for b in reversed([b for b, s in enumerate(self.live) if s.request is r]):
             s = self.live[b]
             s.done = "cancelled"  # (a step in flight skips it when it lands)
-            self.pool.release(s.pages)
-            if r.adapter is not None:
-                self.stack.release(r.adapter)
+            self._drop(s)
             self._vacate(b)
         self.loop.changed(self.live)
         return True
@@ -227,11 +197,12 @@ class RunningBatch:
         """Admit what fits, then one decode step; returns the requests that finished."""
         done: list[Finished] = []
         # Rows join a settled batch: landing the step in flight is this call's step.
-        settled = self.loop.in_flight and bool(self._admission()) and self.loop.settle(
+        settled = self.loop.in_flight and self._joining() and self.loop.settle(
             self.live, done)
-        self._admit_waiting(done)
+        self._admit_waiting()
+        self._seat(self.prefilling.run(), done)  # one prefill pass (chunked)
         if self.live:  # none ahead while rows wait to join next: they join as they would
-            self.loop.step(self.live, done, land=not settled, ahead=not self._admission())
+            self.loop.step(self.live, done, land=not settled, ahead=not self._joining())
         return done
 
     def sized_for(self, requests: list[SampleRequest]) -> RunningBatch:
@@ -243,7 +214,8 @@ class RunningBatch:
         return RunningBatch(self.model, rows, pages, self.pool.page_size, self.prefill_tokens,
                             self.decode.mode, prefix_cache=self.cache.share,
                             kernels=self.kernels, cascade=self.decode.cascade,
-                            overlap=self.overlap)
+                            overlap=self.overlap,
+                            prefill="varlen" if self.prefilling.varlen else "padded")
 
     # -- admission and prefill ----------------------------------------------------------
 
@@ -255,28 +227,32 @@ class RunningBatch:
         own = self.pool.pages_for(n + req.params.max_tokens) - full
         return (0 if shared else full) + req.num_samples * own
 
-    def _admit_waiting(self, done: list[Finished]) -> None:
+    def _joining(self) -> bool:
+        """Whether rows may join at this step (requests to admit, prompts to prefill)."""
+        return self.prefilling.pending or bool(self._admission())
+
+    def _admit_waiting(self) -> None:
         take = self._admission()
         for _ in take:
             self.waiting.popleft()
         if take:
-            self._start(take, done)
+            self._queue(take)
 
-    def _admission(self) -> list[_Request]:
+    def _admission(self) -> list[Request]:
         """The waiting requests that join now (first come, first served, while they fit)."""
-        take: list[_Request] = []
+        take: list[Request] = []
         keys: dict[tuple, int] = {}  # key -> its prompt length
-        pages, rows = self.pool.free, self.rows - len(self.live)
-        reclaimed = False
+        pages, rows = self.pool.free, self.rows - len(self.live) - self._seating
+        reclaimed, padded = False, not self.prefilling.varlen
         for r in self.waiting:
             shared = r.key in keys
             cost = self._pages(r.req, shared)
             if cost > pages and not reclaimed:  # pages only the prefix cache holds count too
                 pages, reclaimed = pages + self.cache.reclaimable(), True
             longest = max([len(r.req.prompt), *keys.values()])
-            padded = longest * (len(keys) + (not shared))
+            width = longest * (len(keys) + (not shared))  # of a padded pass
             if (cost > pages or r.req.num_samples > rows
-                    or (keys and padded > self.prefill_tokens)):
+                    or (padded and keys and width > self.prefill_tokens)):
                 break
             take.append(r)
             keys[r.key] = len(r.req.prompt)
@@ -284,82 +260,93 @@ class RunningBatch:
             rows -= r.req.num_samples
         return take
 
-    def _start(self, take: list[_Request], done: list[Finished]) -> None:
-        """Prefill `take`'s distinct prompts into pages, give every sample its pages and its
-        first token, and seat the ones that go on."""
-        model, pool = self.model, self.pool
-        firsts: dict[tuple, _Request] = {}
+    def _queue(self, take: list[Request]) -> None:
+        """Give `take` its pages (each distinct prompt's, cached ones first, and every
+        sample's own) and queue its distinct prompts for prefill."""
+        pool = self.pool
+        firsts: dict[tuple, Request] = {}
         for r in take:
             firsts.setdefault(r.key, r)
-        uniq = list(firsts.values())
-        for r in take:
-            for _ in range(r.req.num_samples):
-                if r.adapter is not None:
+            if r.adapter is not None:
+                for _ in range(r.req.num_samples):
                     self.stack.acquire(r.adapter)
+        uniq = list(firsts.values())
         prompt_pages, starts = self._prompt_pages(take, uniq)
-        lora = row_lora(self.stack, [u.adapter for u in uniq], self.kernels)
-        hidden, logits = prefill(model, pool, lora,
-                                 [u.req.prompt for u in uniq], starts, prompt_pages)
-        at = {u.key: i for i, u in enumerate(uniq)}
-        for r in take:
-            r.result.cached_tokens = starts[at[r.key]]
-            if wants_scores(r.req):  # (its prefill started at 0)
-                u, n = at[r.key], len(r.req.prompt)
-                ids = torch.tensor(r.req.prompt, device=model.device)
-                score_prompt(model, r.req, r.adapter, hidden[u, :n], ids, r.result)
-        del hidden
-
+        cached = {u.key: starts[i] for i, u in enumerate(uniq)}
+        queued = {u.key: Pending(u.req.prompt, u.adapter, prompt_pages[i], starts[i],
+                                 any(wants_scores(r.req) for r in take if r.key == u.key))
+                  for i, u in enumerate(uniq)}
         # Every sample's pages: the prompt's full pages shared, its own for the rest. The
-        # first sample of a prompt takes the prompt's partial page; the others copy it.
-        holders = {u.key: sum(r.req.num_samples for r in take if r.key == u.key) for u in uniq}
-        spare = {u.key: prompt_pages[i] for i, u in enumerate(uniq)}
-        seqs: list[_Seq] = []
+        # first sample of a prompt takes the prompt's partial page; the others copy it
+        # once it is prefilled (`_seat`).
+        spare = {k: p.pages for k, p in queued.items()}
         for r in take:
-            n = len(r.req.prompt)
+            p, n = queued[r.key], len(r.req.prompt)
             full = n // pool.page_size
-            shared = prompt_pages[at[r.key]][:full]
             want = pool.pages_for(n + r.req.params.max_tokens) - full
             for _ in range(r.req.num_samples):
                 partial = spare[r.key][full:]
-                if partial:  # the prompt's own partial page, once
-                    spare[r.key] = spare[r.key][:full]
-                    own = partial + pool.allocate(want - 1)
-                else:
-                    own = pool.allocate(want)
-                    if n % pool.page_size:
-                        pool.copy_page(prompt_pages[at[r.key]][full], own[0])
-                s = _Seq(r, shared + own, n)
-                r.seqs.append(s)
-                seqs.append(s)
+                spare[r.key] = spare[r.key][:full]
+                own = partial + pool.allocate(want - len(partial))
+                r.seqs.append(Seq(r, p.pages[:full] + own, n))
+            r.result.cached_tokens = cached[r.key]
             r.running = r.req.num_samples
+            p.requests.append(r)
             self._started[r.ticket] = r
-        for i, u in enumerate(uniq):  # the shared pages' holders are the samples
-            full = len(u.req.prompt) // pool.page_size
-            pool.share(prompt_pages[i][:full], holders[u.key] - 1)
-            self.cache.insert(weights_key(self.stack, u.adapter), u.req.prompt, prompt_pages[i][:full])
+            self._seating += r.req.num_samples
+        self.prefilling.add(list(queued.values()))
 
-        rows = [at[s.request.key] for s in seqs]
+    def _seat(self, ready: list[Ready], done: list[Finished]) -> None:
+        """The samples of the prompts now prefilled: their pages settled, their first
+        tokens chosen; the ones that go on join the batch."""
+        pool, P = self.pool, self.pool.page_size
+        seqs: list[Seq] = []
+        rows: list[int] = []  # each sample's row of the prompts' logits
+        for i, rd in enumerate(ready):
+            p, n = rd.prompt, len(rd.prompt.prompt)
+            full, holders = n // P, 0
+            for r in p.requests:
+                self._seating -= r.req.num_samples
+                if wants_scores(r.req):  # (its prefill started at 0)
+                    ids = torch.tensor(p.prompt, device=self.model.device)
+                    score_prompt(self.model, r.req, r.adapter, rd.hidden, ids, r.result)
+                for s in r.seqs:
+                    if n % P and s.pages[full] != p.pages[full]:
+                        pool.copy_page(p.pages[full], s.pages[full])
+                    holders += 1
+                if r.cancelled:  # (after the copies: its first sample may hold the partial page)
+                    continue
+                seqs += r.seqs
+                rows += [i] * len(r.seqs)
+            pool.share(p.pages[:full], holders - 1)  # the shared pages' holders are the samples
+            self.cache.insert(weights_key(self.stack, p.adapter), p.prompt, p.pages[:full])
+            for r in p.requests:
+                if r.cancelled:
+                    for s in r.seqs:
+                        self._drop(s)
+        if not seqs:
+            return
         choice = self._choice_of(seqs)
+        logits = torch.stack([rd.logits for rd in ready])
         tokens, lps, logp = choice.choose(logits.index_select(0, torch.tensor(rows, device=logits.device)))
-        top = top_rows(logp, max(r.req.topk_sample for r in take))
-        seated: list[_Seq] = []
+        top = top_rows(logp, max(s.request.req.topk_sample for s in seqs))
+        seated: list[Seq] = []
         for b, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), lps.tolist(), strict=True)):
             s.record(tok, lp, top, b)
             if s.done is not None:
                 self._finish(s, done)
             else:
                 seated.append(s)
-        P, shares = pool.page_size, [(len(s.request.req.prompt), s.request.req.num_samples)
-                                     for s in seated]  # shared: the prompt's full pages
+        shares = [(len(s.request.req.prompt), s.request.req.num_samples) for s in seated]
         self.decode.set_slots(len(self.live), [s.tokens[-1] for s in seated],
                               [s.length for s in seated], [s.pages for s in seated],
                               [s.request.adapter for s in seated],
                               [s.request.ticket for s in seated],  # its samples: a group
                               [n // P * P if m > 1 else 0 for n, m in shares])
-        self.live += seated
+        self.live += seated  # (shared: the prompt's full pages)
         self.loop.changed(self.live)
 
-    def _prompt_pages(self, take: list[_Request], uniq: list[_Request]
+    def _prompt_pages(self, take: list[Request], uniq: list[Request]
                       ) -> tuple[list[list[int]], list[int]]:
         """Each distinct prompt's pages (cached ones first) and where its prefill starts;
         a prompt whose scores are asked prefills whole (they read every position)."""
@@ -386,10 +373,10 @@ class RunningBatch:
             self.decode.clear_slot(b)
         live.pop()
 
-    def _choice_of(self, seqs: list[_Seq]) -> RowChoice:
+    def _choice_of(self, seqs: list[Seq]) -> RowChoice:
         """Sampling parameters of `seqs` (in slots 0, 1, ...); a request's rows draw
         together, in sample order."""
-        by_req: dict[int, tuple[_Request, list[tuple[int, int]]]] = {}
+        by_req: dict[int, tuple[Request, list[tuple[int, int]]]] = {}
         for slot, s in enumerate(seqs):
             if s.request.req.params.temperature > 0:
                 r = s.request
@@ -397,11 +384,15 @@ class RunningBatch:
         groups = [([slot for _, slot in sorted(idx)], r.gen) for r, idx in by_req.values()]
         return RowChoice.of([s.request.req.params for s in seqs], groups, self.model.device)
 
-    def _finish(self, s: _Seq, done: list[Finished]) -> None:
+    def _drop(self, s: Seq) -> None:
+        """`s` gives its pages and its adapter's columns back."""
         self.pool.release(s.pages)
+        if s.request.adapter is not None:
+            self.stack.release(s.request.adapter)
+
+    def _finish(self, s: Seq, done: list[Finished]) -> None:
+        self._drop(s)
         r = s.request
-        if r.adapter is not None:
-            self.stack.release(r.adapter)
         r.running -= 1
         if r.running == 0:
             del self._started[r.ticket]
