@@ -63,15 +63,19 @@ class RunningBatch:
     (decode_loop.py; default on CUDA devices); False: the synchronous loop, the reference.
     `prefill`: "varlen" (admitted prompts packed end to end, chunked: at most
     `prefill_tokens` prompt tokens a step, prefill_queue.py) or "padded" (the reference:
-    admitted prompts right-padded into one pass, at most `prefill_tokens` padded tokens)."""
+    admitted prompts right-padded into one pass, at most `prefill_tokens` padded tokens).
+    None: varlen on CPUs, padded on GPUs until the varlen pass's GPU attention over keys
+    already in the pages (a cached prefix, an earlier chunk) has run on a card
+    (`bench_sampling.py --prefill padded,varlen` checks that both sample the same)."""
 
     def __init__(self, model, rows: int = 256, pages: int | None = None,
                  page_size: int = PAGE_SIZE, prefill_tokens: int | None = None,
                  decode: str | None = None, kv_bytes: int | None = None,
                  prefix_cache: float = 0.0, kernels: bool | None = None,
                  cascade: bool | None = None, overlap: bool | None = None,
-                 prefill: str = "varlen"):
+                 prefill: str | None = None):
         dev = model.device
+        prefill = prefill or ("padded" if dev.type == "cuda" else "varlen")
         if prefill not in PREFILLS:
             raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
         if kernels is None:
