@@ -45,7 +45,8 @@ FAST_TESTS = tests/test_scheduler.py tests/test_scheduler_time.py tests/test_lay
 	tests/test_engine_state.py tests/test_engine_model.py tests/test_engine_packed.py \
 	tests/test_prefix_cache.py tests/test_engine_kernels.py \
 	tests/test_shared_prefix.py tests/test_lora_kernels.py \
-	tests/test_chunked_logprobs.py tests/test_fused_lora.py
+	tests/test_chunked_logprobs.py tests/test_fused_lora.py tests/test_tinker_json_wire.py \
+	tests/test_sdk_tracking.py
 test-fast: install
 	@echo "make: running the fast tests (no daemon)"
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(FAST_TESTS)

@@ -99,6 +99,7 @@ LONGEST_FIRST = [
     "test_openai_e2e.py",  # 40
     "test_tinker_moe.py",  # 40
     "test_cookbook_rl.py",  # 38
+    "test_tinker_versions.py",  # 30: seven tinker SDKs, a process each
     "test_durability.py::test_a_step_another_data_parallel_rank_died_on_is_never_restored",
     "test_sdk_cookbook.py::test_two_gloo_ranks_train_what_one_process_does",  # 35
     "test_durability.py::test_worker_kill_keeps_every_acknowledged_step",  # 33
