@@ -49,8 +49,9 @@ class Lane:
 
 def make_lane(index: int, planner: Planner, executor: Executor, store: Any,
               room: AdapterRoom, futures: Futures, metrics: Metrics, gather_s: float,
-              slice_s: float) -> Lane:
-    residency = Residency(store, planner, executor, room)
+              slice_s: float, host: AdapterRoom | None = None) -> Lane:
+    """`room`: the GPU bank's budget; `host`: the host tier's (core/tiers.py)."""
+    residency = Residency(store, planner, executor, room, host)
     executor.serve(residency, on_restart=metrics.worker_restarts.inc)
     core = EngineCore(planner, executor, futures, residency, metrics, gather_s, slice_s)
     return Lane(index, planner, executor, residency, core)
@@ -179,7 +180,9 @@ class Lanes:
         async with self._reloading.setdefault(model, asyncio.Lock()):
             if self.of(model).residency.is_open(model):
                 return
-            lane = self.choose(stored_config(run))
+            # Parked in a lane's host memory: back on that lane; else where there is room.
+            here = self.of(model)
+            lane = here if here.residency.keeps(model) else self.choose(stored_config(run))
             self.place(model, lane)
             await lane.residency.ensure_loaded(run)
 

@@ -1,0 +1,113 @@
+"""Tiered adapter residency (core/tiers.py): with a GPU bank that holds N adapters and host
+memory for N more, 3N runs train round-robin, parked to host memory and to disk and
+brought back between their requests, to exactly the weights each reaches alone; none is
+refused; and after a restart the runs parked on disk go on at their step.
+
+Driven in-process (test_service.py's `service`: the same frames on the same StepRunner as
+a worker process), on the tiny model, as the routes do: `ensure_loaded`, then the op.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_service import done, logprobs, result, run, service
+
+from twinkled.protocol.config import Config
+from twinkled.protocol.sizing import GiB, adapter_bytes
+
+N = 2  # adapters the GPU bank holds (and host memory holds)
+RUNS = 3 * N
+
+
+async def _op(box, tenant: str, model: str, make):
+    """One request for `model`, as a route sends it: its adapter brought in first."""
+    await box.svc.ensure_loaded(box.store.runs.get(model))
+    f = make()
+    await done(f)
+    assert f.error is None, f.error
+    return f
+
+
+async def _train(box, runs: list[str], seq: int, rounds: int) -> int:
+    """`rounds` round-robin: a forward_backward of every run, then an optim_step of every
+    run in the reverse order (so each is parked with its gradients pending and comes back to
+    step them, the last ones from host memory, the first ones from disk)."""
+    for r in range(rounds):
+        for i, m in enumerate(runs):
+            await _op(box, f"t{i}", m, lambda i=i, m=m: box.fwdbwd(
+                f"t{i}", m, seq, [5, 7], seed=10 * r + i))
+        for i, m in reversed(list(enumerate(runs))):
+            await _op(box, f"t{i}", m, lambda i=i, m=m: box.optim(f"t{i}", m, seq + 1))
+        seq += 2
+    return seq
+
+
+async def _scores(box, runs: list[str], seq: int) -> list:
+    out = []
+    for i, m in enumerate(runs):
+        f = await _op(box, f"t{i}", m, lambda i=i, m=m: box.fwdbwd(
+            f"t{i}", m, seq, [6], seed=99, forward_only=True))
+        out.append(logprobs(result(f)))
+    return out
+
+
+async def _create(box, n: int) -> list[str]:
+    return [await box.create(f"t{i}", seed=100 + i) for i in range(n)]
+
+
+def test_3n_runs_train_round_robin_through_host_and_disk_to_the_weights_alone(tiny_dir,
+                                                                             tmp_path):
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+    tiers = {"adapter_memory_gb": (N + 0.5) * one / GiB,
+             "host_adapter_memory_gb": (N + 0.5) * one * 16 / 18 / GiB}
+
+    async def reference():
+        async with service(tiny_dir, tmp_path / "alone") as box:  # room for every run
+            runs = await _create(box, RUNS)
+            seq = await _train(box, runs, 1, 2)
+            first = await _scores(box, runs, seq)
+            seq = await _train(box, runs, seq + 1, 1)
+            return first, await _scores(box, runs, seq)
+
+    async def tiered():
+        async with service(tiny_dir, tmp_path / "tiers", **tiers) as box:
+            runs = await _create(box, RUNS)  # none refused
+            seq = await _train(box, runs, 1, 2)
+            first = await _scores(box, runs, seq)
+            residency = box.svc.lanes.all[0].residency
+            status = residency.tiers.status()
+            assert residency.count() <= N and status["host"] <= N
+            for move in ("to_host", "to_disk", "from_host", "from_disk"):
+                assert status["moves"].get(move, 0) > 0, status
+        # A restart: host memory is gone, every parked run comes back from disk, at its step.
+        async with service(tiny_dir, tmp_path / "tiers", **tiers) as box:
+            seq = await _train(box, runs, seq + 1, 1)
+            return first, await _scores(box, runs, seq)
+
+    alone = run(reference())
+    assert run(tiered()) == alone  # bit for bit
+
+
+def test_an_adapter_larger_than_the_whole_gpu_budget_is_refused_with_the_numbers(tiny_dir,
+                                                                                 tmp_path):
+    from twinkled.core.adapter_room import NoRoom
+
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+
+    async def go():
+        async with service(tiny_dir, tmp_path, adapter_memory_gb=0.5 * one / GiB) as box:
+            with pytest.raises(NoRoom, match="adapter_memory_gb"):
+                await box.create("alice")
+            assert box.store.runs.list("alice")[1] == 0  # no run row was left behind
+
+    run(go())
+
+
+@pytest.mark.parametrize("key", ["adapter_memory_gb", "host_adapter_memory_gb"])
+def test_a_negative_budget_is_a_clear_config_error(key, tmp_path):
+    from twinkled.protocol.config import check_config
+
+    assert Config(**{key: -1.0}).range_problems() == [f"{key}: must be 0 or more, got -1.0"]
+    path = tmp_path / "twinkled.toml"
+    path.write_text(f"{key} = -2\n")
+    assert check_config(path) == [f"{key}: must be 0 or more, got -2"]
