@@ -34,10 +34,10 @@ async def _train(box, runs: list[str], seq: int, rounds: int) -> int:
     step them, the last ones from host memory, the first ones from disk)."""
     for r in range(rounds):
         for i, m in enumerate(runs):
-            await _op(box, f"t{i}", m, lambda i=i, m=m: box.fwdbwd(
-                f"t{i}", m, seq, [5, 7], seed=10 * r + i))
+            await _op(box, f"t{i}", m, lambda i=i, m=m, s=seq, r=r: box.fwdbwd(
+                f"t{i}", m, s, [5, 7], seed=10 * r + i))
         for i, m in reversed(list(enumerate(runs))):
-            await _op(box, f"t{i}", m, lambda i=i, m=m: box.optim(f"t{i}", m, seq + 1))
+            await _op(box, f"t{i}", m, lambda i=i, m=m, s=seq: box.optim(f"t{i}", m, s + 1))
         seq += 2
     return seq
 
