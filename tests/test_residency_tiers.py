@@ -67,7 +67,9 @@ def test_3n_runs_train_round_robin_through_host_and_disk_to_the_weights_alone(ti
             seq = await _train(box, runs, 1, 2)
             first = await _scores(box, runs, seq)
             seq = await _train(box, runs, seq + 1, 1)
-            return first, await _scores(box, runs, seq)
+            second = await _scores(box, runs, seq)
+            seq = await _train(box, runs, seq + 1, 1)
+            return first, second, await _scores(box, runs, seq)
 
     async def tiered():
         async with service(tiny_dir, tmp_path / "tiers", **tiers) as box:
@@ -79,10 +81,17 @@ def test_3n_runs_train_round_robin_through_host_and_disk_to_the_weights_alone(ti
             assert residency.count() <= N and status["host"] <= N
             for move in ("to_host", "to_disk", "from_host", "from_disk"):
                 assert status["moves"].get(move, 0) > 0, status
-        # A restart: host memory is gone, every parked run comes back from disk, at its step.
+            # The worker group restarts while N runs are parked in its host memory: they
+            # come back from disk (persisted state, then the journal), at their step.
+            assert status["host"] == N
+            await box.svc.lanes.all[0].executor.recover("a worker was lost")
+            assert residency.tiers.status()["host"] == 0
+            seq = await _train(box, runs, seq + 1, 1)
+            second = await _scores(box, runs, seq)
+        # The daemon restarts: every parked run comes back from disk, at its step.
         async with service(tiny_dir, tmp_path / "tiers", **tiers) as box:
             seq = await _train(box, runs, seq + 1, 1)
-            return first, await _scores(box, runs, seq)
+            return first, second, await _scores(box, runs, seq)
 
     alone = run(reference())
     assert run(tiered()) == alone  # bit for bit
