@@ -88,8 +88,11 @@ def test_3n_runs_train_round_robin_through_host_and_disk_to_the_weights_alone(ti
             assert residency.tiers.status()["host"] == 0
             seq = await _train(box, runs, seq + 1, 1)
             second = await _scores(box, runs, seq)
-        # The daemon restarts: every parked run comes back from disk, at its step.
-        async with service(tiny_dir, tmp_path / "tiers", **tiers) as box:
+        # The daemon restarts, with room for one run: of the N live at the stop, one comes
+        # back at start-up and the other stays on disk; every run goes on at its step.
+        async with service(tiny_dir, tmp_path / "tiers",
+                           **{**tiers, "adapter_memory_gb": 1.5 * one / GiB}) as box:
+            assert box.svc.lanes.all[0].residency.count() == 1
             seq = await _train(box, runs, seq + 1, 1)
             return first, second, await _scores(box, runs, seq)
 

@@ -130,6 +130,7 @@ class Residency:
         their persisted state. After a hot restart their seq_ids continue exactly; after a
         crash the first request resumes them."""
         runs = self._store.runs.live() if runs is None else runs
+        runs = self._park_beyond_budget(runs)
         configs = {r["id"]: stored_config(r) for r in runs}
         failed = await self._executor.restore(configs)
         for r in runs:
@@ -138,11 +139,29 @@ class Residency:
                 self._store.runs.set_live(r["id"], False)
                 continue
             self._live[r["id"]] = configs[r["id"]]
-            self.room.hold(r["id"], configs[r["id"]])  # what was live comes back, room or not
+            self.room.hold(r["id"], configs[r["id"]])
             self.open(r["id"], r["tenant"], r["next_seq"] or 1, resync=r["next_seq"] is None)
             self._store.runs.set_live(r["id"], True)  # forget next_seq: a crash resyncs
         if runs:
             log.info("restored %d adapter(s)", len(runs) - len(failed))
+
+    def _park_beyond_budget(self, runs: list[dict]) -> list[dict]:
+        """The runs to restore into the GPU bank at start-up: as many as its budget holds
+        (in order); the others are parked on disk (their persisted state and journal bring
+        them back on their next request, their seq_ids where they were)."""
+        fit, used = [], self.room.used()
+        for r in runs:
+            size = self.room.size(stored_config(r))
+            if self.room.budget is None or used + size <= self.room.budget or not fit:
+                fit.append(r)
+                used += size
+            else:
+                self._store.runs.set_live(r["id"], False, next_seq=r["next_seq"],
+                                          idle_unloaded=True)
+        if len(fit) < len(runs):
+            log.info("%d adapter(s) beyond the GPU budget stay parked on disk",
+                     len(runs) - len(fit))
+        return fit
 
     async def unload_idle(self, idle_s: float) -> None:
         """Free the memory of adapters idle for `idle_s` (clients that went away without
