@@ -123,3 +123,39 @@ def test_a_negative_budget_is_a_clear_config_error(key, tmp_path):
     path = tmp_path / "twinkled.toml"
     path.write_text(f"{key} = -2\n")
     assert check_config(path) == [f"{key}: must be 0 or more, got -2"]
+
+
+def test_tinker_clients_beyond_the_gpu_budget_train_in_a_daemon(tiny_dir, tmp_path):
+    """A daemon whose GPU bank and host memory hold one adapter each: three tinker clients
+    train in turn, none refused, and each scores the same after it was parked to host memory
+    or to disk (worker processes: the moves' frames cross ZeroMQ) as right after its step."""
+    import tinker
+    from daemon import Daemon, ctl_status, make_key
+    from test_workers import T, _data, _logprobs, _step
+
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+    cfg = tmp_path / "twinkled.toml"
+    cfg.write_text(f"adapter_memory_gb = {1.5 * one / GiB}\n"
+                   f"host_adapter_memory_gb = {1.5 * one * 16 / 18 / GiB}\n")
+    key = make_key(tmp_path, "ida")
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--config", str(cfg))
+    try:
+        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+        clients = [sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                  seed=s).result(timeout=T) for s in (1, 2, 3)]
+        data = _data(clients[0].get_tokenizer())
+        want = []
+        for tc in clients:
+            _step(tc, data)
+            want.append(_logprobs(tc, data))
+        # the last one is resident, the one before in host memory, the first on disk
+        assert [_logprobs(tc, data) for tc in reversed(clients)] == want[::-1]
+        tiers = ctl_status(tmp_path)["tiers"]
+        assert tiers["gpu"] == 1 and tiers["host"] == 1
+        assert all(tiers["moves"].get(k) for k in ("to_host", "to_disk", "from_host",
+                                                   "from_disk")), tiers
+        for tc in clients:  # and they train on
+            _step(tc, data)
+        sc.close("success").result(timeout=T)
+    finally:
+        d.stop()

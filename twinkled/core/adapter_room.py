@@ -36,9 +36,10 @@ class AdapterRoom:
     def used(self) -> int:
         return sum(self._held.values())
 
-    def fits(self, config: LoraConfig) -> bool:
-        """Whether an adapter of `config` fits now."""
-        return self.budget is None or self.used() + self._size_of(config) <= self.budget
+    def fits(self, config: LoraConfig, leaving: str | None = None) -> bool:
+        """Whether an adapter of `config` fits now (once `leaving`'s bytes are free)."""
+        used = self.used() - self._held.get(leaving, 0)
+        return self.budget is None or used + self._size_of(config) <= self.budget
 
     def over(self) -> bool:
         """More is held than the budget allows (a create holds its room at once; the

@@ -226,7 +226,7 @@ class Residency:
         self.room.check(config)  # only what could never fit is refused
         async with self._admitting:
             while not self.room.fits(config):
-                if not await self._park_coldest(exclude=model):
+                if not await self._park_coldest(incoming=model):
                     await asyncio.sleep(ROOM_POLL_S)
             self.room.hold(model, config)
 
@@ -237,29 +237,30 @@ class Residency:
                 if not await self._park_coldest():
                     await asyncio.sleep(ROOM_POLL_S)
 
-    async def _park_coldest(self, exclude: str | None = None) -> bool:
-        """Park the least recently used resident adapter with nothing queued; False if
-        every one has work (or is being moved)."""
-        for model in self.tiers.coldest(self._live, exclude):
+    async def _park_coldest(self, incoming: str | None = None) -> bool:
+        """Park the least recently used resident adapter with nothing queued, to make room
+        for `incoming` (if any); False if every one has work (or is being moved)."""
+        for model in self.tiers.coldest(self._live, incoming):
             lock = self._locks.setdefault(model, asyncio.Lock())
             if lock.locked() or self._planner.busy(model) or not self.is_open(model):
                 continue
             async with lock:  # free: taken at once
-                if await self._park(model, to_host=True):
+                if await self._park(model, to_host=True, incoming=incoming):
                     return True
         return False
 
-    async def _park(self, model: str, to_host: bool) -> bool:
+    async def _park(self, model: str, to_host: bool, incoming: str | None = None) -> bool:
         """Out of the GPU bank (the caller holds the model's lock): to host memory if
-        `to_host` and it has room there (the least recently parked go on to disk), else to
-        disk. Its queue closes; its next request brings it back (`ensure_loaded`)."""
+        `to_host` and it has room there (the least recently parked go on to disk, never
+        `incoming`, which leaves host memory next), else to disk. Its queue closes; its
+        next request brings it back (`ensure_loaded`)."""
         next_seq = self._planner.next_seq(model)
         if next_seq is None or self._planner.busy(model):
             return False
         config = self._live[model]
         resume = self._resumes_at(model)
         self._planner.forget_model(model)
-        host = to_host and await self._host_room(config)
+        host = to_host and await self._host_room(config, incoming)
         _, error, _ = await self._executor.move(ParkF(model) if host else IdleUnloadF(model))
         if error is not None and host:
             log.warning("parking %s in host memory failed (%s); parking it on disk",
@@ -280,13 +281,14 @@ class Residency:
         log.debug("adapter %s parked to %s", model, "host memory" if host else "disk")
         return True
 
-    async def _host_room(self, config: LoraConfig) -> bool:
+    async def _host_room(self, config: LoraConfig, incoming: str | None) -> bool:
         """Whether an adapter of `config` can be parked in host memory, once the least
-        recently parked there have gone on to disk."""
+        recently parked there have gone on to disk (`incoming` counted as gone: it is
+        brought in next, so an exchange of the two never spills it)."""
         if not self.tiers.host.fits_ever(config):
             return False
-        while not self.tiers.host.fits(config):
-            coldest = self.tiers.on_host_models()
+        while not self.tiers.host.fits(config, leaving=incoming):
+            coldest = [m for m in self.tiers.on_host_models() if m != incoming]
             if not coldest or not await self._host_to_disk(coldest[0]):
                 return False
         return True
