@@ -261,12 +261,12 @@ class Residency:
         resume = self._resumes_at(model)
         self._planner.forget_model(model)
         host = to_host and await self._host_room(config, incoming)
-        _, error, _ = await self._executor.move(ParkF(model) if host else IdleUnloadF(model))
+        error = await self._move(ParkF(model) if host else IdleUnloadF(model))
         if error is not None and host:
             log.warning("parking %s in host memory failed (%s); parking it on disk",
                         model, error)
             host = False
-            _, error, _ = await self._executor.move(IdleUnloadF(model))
+            error = await self._move(IdleUnloadF(model))
         if error is not None:  # still in the bank: it stays open
             log.error("parking adapter %s failed: %s", model, error)
             self.open(model, self._store.runs.get(model)["tenant"], next_seq)
@@ -295,7 +295,7 @@ class Residency:
 
     async def _host_to_disk(self, model: str) -> bool:
         """A host-parked adapter on to disk (the caller holds `_admitting`)."""
-        _, error, _ = await self._executor.move(IdleUnloadF(model))
+        error = await self._move(IdleUnloadF(model))
         if error is not None:
             log.error("moving parked adapter %s to disk failed: %s", model, error)
             return False
@@ -308,7 +308,7 @@ class Residency:
         """A parked adapter into the GPU bank (its room is held): from host memory as it
         was, else from disk (persisted state, then the journal). Why not, if it failed."""
         if self.tiers.on_host(model):
-            _, error, _ = await self._executor.move(UnparkF(model))
+            error = await self._move(UnparkF(model))
             self.tiers.left_host(model)
             if error is None:
                 self.tiers.moved(model, "from_host", config)
@@ -319,6 +319,15 @@ class Residency:
         if why is None:
             self.tiers.moved(model, "from_disk", config)
         return why
+
+    async def _move(self, frame: OpF) -> str | None:
+        """One move on the workers; why it failed, if it did. A worker lost meanwhile is
+        a failure of the move (the group restarts; the caller keeps what it had)."""
+        try:
+            _, error, _ = await self._executor.move(frame)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return error
 
     def _resumes_at(self, model: str) -> int | None:
         """Where a model's seq_ids go on when it comes back: the one it waits for, or None
