@@ -159,3 +159,43 @@ def test_tinker_clients_beyond_the_gpu_budget_train_in_a_daemon(tiny_dir, tmp_pa
         sc.close("success").result(timeout=T)
     finally:
         d.stop()
+
+
+def test_an_evicted_sampler_is_parked_in_host_memory_and_samples_alike(tiny_dir, tmp_path,
+                                                                        monkeypatch):
+    """A rank's samplers beyond SAMPLER_ADAPTERS leave the bank for host memory (weights
+    only), not for nothing: the next sample from one brings it back bit for bit, without
+    its files (removed here), and draws the same greedy tokens."""
+    import shutil
+
+    from helpers import make_engine
+
+    from twinkled.protocol.frames import SampleF, SamplingF, StepF, buf
+    from twinkled.protocol.types import LoraConfig
+    from twinkled.workers import sampling
+
+    monkeypatch.setattr(sampling, "SAMPLER_ADAPTERS", 1)
+    engine = make_engine(tiny_dir)
+    for i, name in enumerate(("one", "two")):
+        engine.add_adapter(name, LoraConfig(rank=4, seed=i))
+        engine.save(name, tmp_path / name)
+    runner = sampling.SampleRunner(engine, 0, 0, 1, True, False, None)
+
+    def tokens(adapter: str, path: str) -> list[int]:
+        f = SampleF(adapter, buf([3, 1, 4], "int64"),
+                    SamplingF(8, 0.0, -1, 1.0, None, []), load_from=str(tmp_path / path))
+        f.key = adapter
+        [out] = runner.run(StepF(0, "sample", [f], 0.0))
+        return out.sample.sequences[0].tokens
+
+    first = tokens("s1", "one")
+    weights = [t.clone() for t in engine.pool.get("s1").bank.tensors(
+        engine.pool.get("s1").slot, "w")]
+    tokens("s2", "two")  # s1 is evicted: to host memory
+    assert not engine.has_adapter("s1") and "s1" in runner.parked
+    shutil.rmtree(tmp_path / "one")  # so the files cannot be what brings it back
+    assert tokens("s1", "one") == first
+    back = engine.pool.get("s1")
+    assert all(a.equal(b) for a, b in zip(weights, back.bank.tensors(back.slot, "w"),
+                                          strict=True))
+    assert "s1" not in runner.parked and "s2" in runner.parked

@@ -28,9 +28,13 @@ from twinkled.protocol.types import AdapterInfo, EngineInputError
 
 @dataclass
 class Parked:
-    snap: Snapshot  # weights and moments, as the disk tier holds them
-    grads: torch.Tensor  # the bank row of pending gradients
+    snap: Snapshot  # weights (and a training adapter's moments), as the disk tier holds them
+    grads: torch.Tensor | None  # the bank row of pending gradients (a training adapter's)
     pending: int  # datums whose gradients those are
+
+    def bytes(self) -> int:
+        g = 0 if self.grads is None else self.grads.numel()
+        return 4 * (self.snap.flat.numel() + g)
 
 
 class HostTier:
@@ -44,16 +48,26 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._parked)
 
-    def park(self, adapter_id: str) -> None:
-        """The adapter out of the bank into host memory (its slot is freed)."""
+    def bytes(self) -> int:
+        return sum(p.bytes() for p in self._parked.values())
+
+    def oldest(self) -> str | None:
+        """The adapter parked longest ago."""
+        return next(iter(self._parked), None)
+
+    def park(self, adapter_id: str, training: bool = True) -> None:
+        """The adapter out of the bank into host memory (its slot is freed); a sampler's
+        (not `training`) weights only."""
         if self.engine.shard is not None:  # a split adapter is parked on disk (one write)
             raise EngineInputError("adapter_id", "tensor-parallel adapters park on disk")
         adapter = self.engine.pool.get(adapter_id)
-        snap = self.engine.snapshot(adapter_id, optimizer=True)
-        g = adapter.bank.flat(adapter.slot, "g")
-        grads = torch.empty(g.shape, dtype=g.dtype, pin_memory=g.is_cuda)
-        # Ordered before the slot is zeroed on release (same stream); waited for on return.
-        grads.copy_(g, non_blocking=g.is_cuda)
+        snap = self.engine.snapshot(adapter_id, optimizer=training)
+        grads = None
+        if training:
+            g = adapter.bank.flat(adapter.slot, "g")
+            grads = torch.empty(g.shape, dtype=g.dtype, pin_memory=g.is_cuda)
+            # Ordered before the slot is zeroed on release (same stream).
+            grads.copy_(g, non_blocking=g.is_cuda)
         self._parked[adapter_id] = Parked(snap, grads, adapter.pending)
         self.engine.remove_adapter(adapter_id)
 
@@ -68,7 +82,8 @@ class HostTier:
         try:
             with torch.no_grad():
                 write_into(adapter, weights, moments, p.snap.steps)
-                adapter.bank.flat(adapter.slot, "g").copy_(p.grads)
+                if p.grads is not None:
+                    adapter.bank.flat(adapter.slot, "g").copy_(p.grads)
         except BaseException:
             self.engine.remove_adapter(adapter_id)
             raise
