@@ -97,7 +97,15 @@ def test_3n_runs_train_round_robin_through_host_and_disk_to_the_weights_alone(ti
             return first, second, await _scores(box, runs, seq)
 
     alone = run(reference())
-    assert run(tiered()) == alone  # bit for bit
+    tiered_ = run(tiered())
+    # Each run at the weights it reaches alone. The moves copy the state bit for bit
+    # (test_a_parked_adapter_comes_back_bit_for_bit), but a run back in another bank slot,
+    # or replayed from the journal, may round a matmul differently (seen: 4e-6 on CPU,
+    # under load): fp32 tolerance, far below what one step changes (~0.1 here).
+    for phase, got in zip(alone, tiered_, strict=True):
+        for want, have in zip(phase, got, strict=True):
+            for x, y in zip(want, have, strict=True):
+                assert y == pytest.approx(x, abs=1e-4)
 
 
 def test_an_adapter_larger_than_the_whole_gpu_budget_is_refused_with_the_numbers(tiny_dir,
@@ -199,3 +207,34 @@ def test_an_evicted_sampler_is_parked_in_host_memory_and_samples_alike(tiny_dir,
     assert all(a.equal(b) for a, b in zip(weights, back.bank.tensors(back.slot, "w"),
                                           strict=True))
     assert "s1" not in runner.parked and "s2" in runner.parked
+
+
+def test_a_parked_adapter_comes_back_bit_for_bit(tiny_dir):
+    """The worker's host tier (workers/parked.py): an adapter with optimizer steps behind it
+    and gradients pending is parked (its bank slot freed, and taken by another) and comes
+    back with the same weights, gradients, moments, step count and pending datums, bit for
+    bit."""
+    import torch
+    from helpers import adapter_snapshot, ce_request, make_engine
+
+    from twinkled.protocol.types import AdamParams, LoraConfig
+    from twinkled.workers.parked import HostTier
+
+    engine = make_engine(tiny_dir)
+    vocab, gen = engine.model.vocab_size, torch.Generator().manual_seed(0)
+    engine.add_adapter("a", LoraConfig(rank=4, seed=1))
+    for _ in range(2):
+        engine.forward_backward([ce_request("a", gen, vocab, [5, 7])])
+        engine.optim_step("a", AdamParams(learning_rate=1e-2))
+    engine.forward_backward([ce_request("a", gen, vocab, [6])])  # gradients pending
+    before = adapter_snapshot(engine, "a"), engine.adapter_info("a")
+    tier = HostTier(engine)
+    tier.park("a")
+    assert not engine.has_adapter("a") and "a" in tier
+    engine.add_adapter("b", LoraConfig(rank=4, seed=2))  # the slot a had
+    tier.unpark("a")
+    after = adapter_snapshot(engine, "a"), engine.adapter_info("a")
+    assert after[1] == before[1] and before[1].steps == 2 and before[1].pending == 1
+    assert before[0].keys() == after[0].keys()
+    assert all(before[0][k].equal(after[0][k]) for k in before[0])
+    assert "a" not in tier and engine.pool.get("a").slot != engine.pool.get("b").slot
