@@ -160,7 +160,8 @@ def main() -> None:
         daemon.wait(timeout=600)
         log.close()
     text = header(device).replace("Engine vs peft", "Runs beyond the GPU: tiers")
-    config = f", config `{Path(args.config).read_text().strip()}`" if args.config else ""
+    config = Path(args.config).read_text().strip().replace("\n", "; ") if args.config else ""
+    config = f", config `{config}`" if config else ""
     text += (f"\n### {args.shape} ({device}{config}, LoRA r={args.rank}, S={args.seq}, "
              f"{args.active} tinker clients, {args.turn_steps} steps a turn)\n\n"
              "| phase | runs | tok/s | vs resident | step p50 (s) | step p99 (s) | refusals "
