@@ -33,7 +33,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_multitenant import make_keys, pct, start_daemon  # noqa: E402
+from bench_multitenant import (  # noqa: E402
+    client_options,
+    make_keys,
+    pct,
+    random_data,
+    start_daemon,
+)
 from output import emit, section_path  # noqa: E402
 
 
@@ -46,11 +52,7 @@ def client(args: argparse.Namespace) -> None:
     runs = [sc.create_lora_training_client(base_model=args.base_model, rank=args.rank,
                                            train_unembed=False).result(timeout=3600)
             for _ in range(args.runs_per_client)]
-    data = []
-    for _ in range(args.batch):
-        ids = [rng.randrange(args.vocab) for _ in range(args.seq + 1)]
-        data.append(tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
-                                       loss_fn_inputs={"target_tokens": ids[1:]}))
+    data = random_data(args, rng)
     adam = tinker.types.AdamParams(learning_rate=1e-4)
     for tc in runs[:1]:  # warm-up: the first run's first step
         tc.forward_backward(data, "cross_entropy").result(timeout=3600)
@@ -115,11 +117,7 @@ def phase(url: str, keys: list[str], args: argparse.Namespace, vocab: int, model
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--url")
-    ap.add_argument("--key")
-    ap.add_argument("--base-model")
-    ap.add_argument("--vocab", type=int)
-    ap.add_argument("--seed", type=int, default=0)
+    client_options(ap)
     ap.add_argument("--runs-per-client", type=int, default=1)
     ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b"))
     ap.add_argument("--runs", type=int, default=1000, help="training runs in the tiers phase")
