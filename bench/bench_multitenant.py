@@ -32,6 +32,18 @@ from output import section_path  # bench/ is the script's directory
 HERE = Path(__file__).resolve().parent
 
 
+def random_data(args: argparse.Namespace, rng) -> list:
+    """`args.batch` datums of `args.seq` random tokens (tinker's types)."""
+    import tinker
+
+    data = []
+    for _ in range(args.batch):
+        ids = [rng.randrange(args.vocab) for _ in range(args.seq + 1)]
+        data.append(tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+                                       loss_fn_inputs={"target_tokens": ids[1:]}))
+    return data
+
+
 def worker(args: argparse.Namespace) -> None:
     """One tenant: a tinker training loop; prints its step latencies as JSON."""
     import random
@@ -42,11 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     sc = tinker.ServiceClient(base_url=args.url, api_key=args.key)
     tc = sc.create_lora_training_client(base_model=args.base_model, rank=args.rank,
                                         train_unembed=False).result(timeout=600)
-    data = []
-    for _ in range(args.batch):
-        ids = [rng.randrange(args.vocab) for _ in range(args.seq + 1)]
-        data.append(tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
-                                       loss_fn_inputs={"target_tokens": ids[1:]}))
+    data = random_data(args, rng)
     adam = tinker.types.AdamParams(learning_rate=1e-4)
     for _ in range(args.warmup):
         tc.forward_backward(data, "cross_entropy").result(timeout=600)
@@ -131,15 +139,20 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+def client_options(ap: argparse.ArgumentParser) -> None:
+    """What a tinker client process is told: the daemon, its key, the model, its seed."""
     ap.add_argument("--url")
     ap.add_argument("--key")
     ap.add_argument("--base-model")
     ap.add_argument("--vocab", type=int)
-    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    client_options(ap)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rank", type=int, default=32, help=argparse.SUPPRESS)
     ap.add_argument("--start-at", type=float, default=0.0)
     ap.add_argument("--warmup", type=int, default=2)

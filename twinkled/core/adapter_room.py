@@ -1,11 +1,14 @@
-"""Room for adapters in the workers' GPU memory: every loaded adapter (and one being
-created) holds its share of a per-rank budget, and an adapter that would not fit is
-refused at the door with the numbers, instead of running a worker out of memory mid-step
-(which restarts the group and costs every tenant its step in flight).
+"""Room for adapters in one tier of memory: every adapter there (and one being created or
+brought in) holds its share of a budget. The GPU bank's room is per rank; when it is full,
+the least recently used idle adapters are parked to host memory (a second room, per lane)
+and on to disk (core/tiers.py), so a worker never runs out of memory mid-step (which
+restarts the group and costs every tenant its step in flight) and no tenant is refused for
+room: only an adapter larger than the whole GPU budget is, at the door, with the numbers.
 
-The budget is `adapter_memory_gb`, or on GPUs what the sizing estimate leaves of the
+The GPU budget is `adapter_memory_gb`, or on GPUs what the sizing estimate leaves of the
 smallest card once the base weights, a recomputed training micro-batch and the sampler's
 KV pool are counted (`twinkled.server.layout.adapters_budget`); on CPUs there is no limit.
+The host budget is `host_adapter_memory_gb`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from twinkled.protocol.types import LoraConfig
 
 
 class NoRoom(UserError):
-    """The adapter would not fit the workers' memory now (a 400 that says why)."""
+    """The adapter could never fit the workers' memory (a 400 that says why)."""
 
 
 class AdapterRoom:
@@ -33,21 +36,33 @@ class AdapterRoom:
     def used(self) -> int:
         return sum(self._held.values())
 
-    def fits(self, config: LoraConfig) -> bool:
-        """Whether an adapter of `config` fits now."""
-        return self.budget is None or self.used() + self._size_of(config) <= self.budget
+    def fits(self, config: LoraConfig, leaving: str | None = None) -> bool:
+        """Whether an adapter of `config` fits now (once `leaving`'s bytes are free)."""
+        used = self.used() - self._held.get(leaving, 0)
+        return self.budget is None or used + self._size_of(config) <= self.budget
+
+    def over(self) -> bool:
+        """More is held than the budget allows (a create holds its room at once; the
+        least recently used are parked right behind it)."""
+        return self.budget is not None and self.used() > self.budget
+
+    def fits_ever(self, config: LoraConfig) -> bool:
+        """Whether an adapter of `config` fits with nothing else there."""
+        return self.budget is None or self._size_of(config) <= self.budget
+
+    def size(self, config: LoraConfig) -> int:
+        return self._size_of(config)
 
     def check(self, config: LoraConfig) -> None:
-        """Refuse, saying why, an adapter of `config` that does not fit now."""
-        if self.fits(config):
+        """Refuse, saying why, an adapter of `config` that could never fit the GPU budget
+        (one that fits once others are parked is not refused)."""
+        if self.fits_ever(config):
             return
-        need, used = self._size_of(config), self.used()
         raise NoRoom(
-            f"no GPU memory for another adapter: a rank-{config.rank} adapter needs about "
-            f"{need / GiB:.2f} GiB per GPU, and the {len(self._held)} loaded adapter(s) "
-            f"leave {max(0, self.budget - used) / GiB:.2f} of the {self.budget / GiB:.2f} GiB "
-            "this daemon gives adapters (adapter_memory_gb); finish or unload other runs, "
-            "or use a lower rank")
+            f"no GPU memory for this adapter: a rank-{config.rank} adapter needs about "
+            f"{self._size_of(config) / GiB:.2f} GiB per GPU, more than the "
+            f"{self.budget / GiB:.2f} GiB this daemon gives adapters (adapter_memory_gb) "
+            "even with every other adapter parked; use a lower rank or fewer target modules")
 
     def hold(self, model: str, config: LoraConfig) -> None:
         """`model`'s adapter is loaded (or being created): it holds its bytes."""
@@ -56,10 +71,6 @@ class AdapterRoom:
     def release(self, model: str) -> None:
         self._held.pop(model, None)
 
-    def admit(self, model: str, config: LoraConfig) -> None:
-        """check, then hold."""
-        self.check(config)
-        self.hold(model, config)
 
 
 def adapter_room(config: Config, budget: int | None) -> AdapterRoom:
@@ -72,3 +83,13 @@ def adapter_room(config: Config, budget: int | None) -> AdapterRoom:
         return AdapterRoom(None, lambda _: 0)
     return AdapterRoom(budget, lambda c: adapter_bytes(
         model, c.rank, c.train_attn, c.train_mlp, c.train_unembed, config.tp))
+
+
+def host_room(config: Config) -> AdapterRoom:
+    """The host tier's room, per lane (`host_adapter_memory_gb`): a parked adapter's fp32
+    weights, gradients and moments (16 bytes a parameter). Tensor-parallel adapters park on
+    disk (a budget of 0)."""
+    model = config.model_config or {}
+    budget = int(config.host_adapter_memory_gb * GiB) if config.tp == 1 else 0
+    return AdapterRoom(budget, lambda c: adapter_bytes(
+        model, c.rank, c.train_attn, c.train_mlp, c.train_unembed) * 16 // 18)

@@ -313,6 +313,14 @@ class Executor:
                 StepF(0, "barrier", [IdleUnloadF(model)]))
             self.restorer.note_persisted(replies)
 
+    async def move(self, frame: OpF) -> Outcome:
+        """One residency move between steps (a ParkF, UnparkF or IdleUnloadF: core/tiers.py)
+        on every rank; its outcome."""
+        async with self._turn():
+            replies = await self.group.run(StepF(0, "barrier", [frame]))
+            self.restorer.note_persisted(replies)
+            return merge_replies([frame], replies)[0]
+
     async def restore_one(self, model: str, config: LoraConfig) -> str | None:
         """Bring one adapter back between steps; the reason if it could not be."""
         async with self._turn():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +50,9 @@ class Lane:
 
 def make_lane(index: int, planner: Planner, executor: Executor, store: Any,
               room: AdapterRoom, futures: Futures, metrics: Metrics, gather_s: float,
-              slice_s: float) -> Lane:
-    residency = Residency(store, planner, executor, room)
+              slice_s: float, host: AdapterRoom | None = None) -> Lane:
+    """`room`: the GPU bank's budget; `host`: the host tier's (core/tiers.py)."""
+    residency = Residency(store, planner, executor, room, host)
     executor.serve(residency, on_restart=metrics.worker_restarts.inc)
     core = EngineCore(planner, executor, futures, residency, metrics, gather_s, slice_s)
     return Lane(index, planner, executor, residency, core)
@@ -179,7 +181,9 @@ class Lanes:
         async with self._reloading.setdefault(model, asyncio.Lock()):
             if self.of(model).residency.is_open(model):
                 return
-            lane = self.choose(stored_config(run))
+            # Parked in a lane's host memory: back on that lane; else where there is room.
+            here = self.of(model)
+            lane = here if here.residency.keeps(model) else self.choose(stored_config(run))
             self.place(model, lane)
             await lane.residency.ensure_loaded(run)
 
@@ -224,6 +228,7 @@ class Lanes:
                   "step_cost": first.planner.cost.describe(), "workers": self.workers(),
                   "restarts": sum(restarts),
                   "live_adapters": sum(lane.residency.count() for lane in self.all),
+                  "tiers": self.tiers(),
                   # decoding across steps
                   "samples_running": sum(len(lane.core.samples) for lane in self.all),
                   "logprob_gap": self.logprob_gap()}
@@ -232,8 +237,19 @@ class Lanes:
                 {"lane": lane.index, "devices": lane.executor.group.devices,
                  "steps": lane.planner.steps, "adapters": lane.planner.model_count(),
                  "step_target_ms": _ms(lane.planner.step_target()),
-                 "restarts": restarts[lane.index]} for lane in self.all]
+                 "restarts": restarts[lane.index],
+                 "tiers": lane.residency.tiers.status()} for lane in self.all]
         return status
+
+    def tiers(self) -> dict:
+        """Adapters per residency tier over every lane, and the moves so far (tiers.py)."""
+        moves: Counter[str] = Counter()
+        for lane in self.all:
+            moves.update(lane.residency.tiers.moves)
+        return {"gpu": sum(lane.residency.count() for lane in self.all),
+                "host": sum(lane.residency.tiers.status()["host"] for lane in self.all),
+                "moves": dict(moves),
+                "moved_bytes": sum(lane.residency.tiers.moved_bytes for lane in self.all)}
 
     def logprob_gap(self) -> dict:
         """Sampler vs trainer logprobs of recently checked samples, over every lane

@@ -3,8 +3,10 @@
 Which training adapters the workers hold (with the config a restore re-creates them from),
 which models accept operations (their queue in the planner), and the store's `live` flag
 that brings them back after a restart: all three change here and only here. Adapters are
-restored at start-up, unloaded when idle (persisted first), and reloaded on their next
-request. The executor asks `live_configs` when a restarted worker group must get them back.
+restored at start-up, parked out of the GPU bank when it is full (the least recently used
+idle ones, to host memory then disk: tiers.py) or when idle (persisted first), and brought
+back on their next request. The executor asks `live_configs` when a restarted worker group
+must get them back.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from scheduler import Planner
 from twinkled.core.adapter_room import AdapterRoom
 from twinkled.core.executor import Executor
 from twinkled.core.ops import Outcome
+from twinkled.core.tiers import Tiers
 from twinkled.protocol.errors import UserError
-from twinkled.protocol.frames import CreateF, LoadF, OpF, UnloadF
+from twinkled.protocol.frames import CreateF, IdleUnloadF, LoadF, OpF, ParkF, UnloadF, UnparkF
 from twinkled.protocol.types import (
     ATTN_MODULES,
     MLP_MODULES,
@@ -29,6 +32,9 @@ from twinkled.protocol.types import (
 )
 
 log = logging.getLogger("twinkled")
+# How often a request whose adapter waits for room looks again, while every resident adapter
+# has work queued (each op that completes may free one).
+ROOM_POLL_S = 0.02
 
 
 def stored_config(run: dict) -> LoraConfig:
@@ -47,13 +53,18 @@ def loaded_config(info: AdapterInfo) -> LoraConfig:
 
 class Residency:
     def __init__(self, store: Any, planner: Planner, executor: Executor,
-                 room: AdapterRoom | None = None):
+                 room: AdapterRoom | None = None, host: AdapterRoom | None = None):
         self._store = store
         self._planner = planner
         self._executor = executor
         self.room = room or AdapterRoom(None, lambda _: 0)  # GPU memory for adapters
-        self._live: dict[str, LoraConfig] = {}  # training adapters in the workers' memory
-        self._locks: dict[str, asyncio.Lock] = {}  # idle unload vs reload of one model
+        # where parked adapters are, and which to park next
+        self.tiers = Tiers(self.room, host or AdapterRoom(0, lambda _: 1))
+        self._live: dict[str, LoraConfig] = {}  # training adapters in the GPU bank
+        self._locks: dict[str, asyncio.Lock] = {}  # moves of one model, one at a time
+        self._admitting = asyncio.Lock()  # one maker of room at a time
+        self._rebalancing: asyncio.Task | None = None
+        executor.on_restart(lambda _why: self.tiers.host_lost())
 
     # -- what is live -------------------------------------------------------------------
 
@@ -70,14 +81,21 @@ class Residency:
     # -- what steps did -----------------------------------------------------------------
 
     def open(self, model: str, tenant: str, first_seq: int = 1, resync: bool = False) -> None:
-        """A model starts taking operations, from `first_seq` (its create or load is op 0)."""
+        """A model starts taking operations, from `first_seq` (its create or load is op 0).
+        A new one holds its room at once: if the bank is over its budget now, the least
+        recently used idle adapters are parked right behind it."""
         self._planner.open_model(model, tenant, first_seq, resync=resync)
+        self.tiers.touch(model)
+        if self.room.over() and (self._rebalancing is None or self._rebalancing.done()):
+            self._rebalancing = asyncio.get_running_loop().create_task(self._rebalance())
 
     def note(self, frame: OpF, outcome: Outcome) -> None:
         """What an op that ran changed: a created or loaded adapter is live (a restart
         brings it back); an unloaded one is not."""
         result, error, _ = outcome
         model = frame.adapter_id
+        if model is not None:
+            self.tiers.touch(model)
         if error is not None and isinstance(frame, CreateF | LoadF) and model not in self._live:
             self.room.release(model)  # it never came to be
         if error is None and isinstance(frame, CreateF):
@@ -92,6 +110,7 @@ class Residency:
         elif isinstance(frame, UnloadF):
             self._live.pop(model, None)
             self.room.release(model)
+            self.tiers.forget(model)
             self._store.runs.set_live(model, False)
 
     def close(self, model: str) -> None:
@@ -111,6 +130,7 @@ class Residency:
         their persisted state. After a hot restart their seq_ids continue exactly; after a
         crash the first request resumes them."""
         runs = self._store.runs.live() if runs is None else runs
+        runs = self._park_beyond_budget(runs)
         configs = {r["id"]: stored_config(r) for r in runs}
         failed = await self._executor.restore(configs)
         for r in runs:
@@ -119,37 +139,47 @@ class Residency:
                 self._store.runs.set_live(r["id"], False)
                 continue
             self._live[r["id"]] = configs[r["id"]]
-            self.room.hold(r["id"], configs[r["id"]])  # what was live comes back, room or not
+            self.room.hold(r["id"], configs[r["id"]])
             self.open(r["id"], r["tenant"], r["next_seq"] or 1, resync=r["next_seq"] is None)
             self._store.runs.set_live(r["id"], True)  # forget next_seq: a crash resyncs
         if runs:
             log.info("restored %d adapter(s)", len(runs) - len(failed))
 
+    def _park_beyond_budget(self, runs: list[dict]) -> list[dict]:
+        """The runs to restore into the GPU bank at start-up: as many as its budget holds
+        (in order); the others are parked on disk (their persisted state and journal bring
+        them back on their next request, their seq_ids where they were)."""
+        fit, used = [], self.room.used()
+        for r in runs:
+            size = self.room.size(stored_config(r))
+            if self.room.budget is None or used + size <= self.room.budget or not fit:
+                fit.append(r)
+                used += size
+            else:
+                self._store.runs.set_live(r["id"], False, next_seq=r["next_seq"],
+                                          idle_unloaded=True)
+        if len(fit) < len(runs):
+            log.info("%d adapter(s) beyond the GPU budget stay parked on disk",
+                     len(runs) - len(fit))
+        return fit
+
     async def unload_idle(self, idle_s: float) -> None:
         """Free the memory of adapters idle for `idle_s` (clients that went away without
-        finishing their session). They are persisted first and come back, at the same
-        weights and seq_ids, on their next request (`ensure_loaded`)."""
+        finishing their session): to disk, from the GPU bank or from host memory. They
+        come back, at the same weights and seq_ids, on their next request (`ensure_loaded`)."""
         for run in self._store.runs.idle(time.time() - idle_s):
             model = run["id"]
             async with self._locks.setdefault(model, asyncio.Lock()):
-                next_seq = self._planner.next_seq(model)
-                if next_seq is None or self._planner.busy(model):
-                    continue
-                resume = self._resumes_at(model)
-                self._planner.forget_model(model)
-                try:
-                    await self._executor.unload_idle(model)
-                except Exception:  # the group restarts and restores it: keep it loaded
-                    log.exception("unloading idle adapter %s failed", model)
-                    self.open(model, run["tenant"], next_seq)
-                    continue
-                self._live.pop(model, None)
-                self.room.release(model)
-                self._store.runs.set_live(model, False, next_seq=resume, idle_unloaded=True)
-                log.info("adapter %s unloaded after %.0f s idle", model, idle_s)
+                if model in self._live and await self._park(model, to_host=False):
+                    log.info("adapter %s unloaded after %.0f s idle", model, idle_s)
+        async with self._admitting:
+            for model in self.tiers.on_host_models():
+                if time.monotonic() - self.tiers.last_used(model) >= idle_s:
+                    await self._host_to_disk(model)
 
     async def ensure_loaded(self, run: dict) -> None:
-        """Bring back an adapter unloaded while idle, before a request for it is queued."""
+        """Bring back a parked adapter (or one unloaded while idle) before a request for it
+        is queued: room is made in the GPU bank first, waiting if need be (never refused)."""
         model = run["id"]
         if self.is_open(model):
             return
@@ -158,25 +188,146 @@ class Residency:
             if self.is_open(model) or not (fresh and fresh["idle_unloaded"]):
                 return  # loaded meanwhile, or never unloaded (submit says why not loaded)
             config = stored_config(fresh)
-            self.room.admit(model, config)
-            why = await self._executor.restore_one(model, config)
+            self.tiers.touch(model)
+            await self.make_room(model, config)
+            why = await self._bring_in(model, config)
             if why is not None:
                 self.room.release(model)
-                raise UserError(f"model {model} was unloaded while idle and could not be "
-                                f"reloaded: {why}")
+                raise UserError(f"model {model} was parked and could not be brought back: "
+                                f"{why}")
             self._live[model] = config
             self.open(model, fresh["tenant"], fresh["next_seq"] or 1,
                       resync=fresh["next_seq"] is None)
             self._store.runs.set_live(model, True)
-            log.info("adapter %s reloaded after being idle", model)
+
+    def keeps(self, model: str) -> bool:
+        """The model must come back on this lane: parked in its workers' host memory, or
+        a move of it under way."""
+        lock = self._locks.get(model)
+        return self.tiers.on_host(model) or (lock is not None and lock.locked())
 
     async def persist_all(self) -> int:
         """Every live adapter on disk, and where each model's seq_ids go on (a hot restart
         continues them exactly). Returns how many adapters were live."""
+        async with self._admitting:
+            for model in self.tiers.on_host_models():  # host memory does not outlive us
+                await self._host_to_disk(model)
         await self._executor.persist_all()
         for model in self._planner.model_seqs():
             self._store.runs.set_live(model, True, next_seq=self._resumes_at(model))
         return len(self._live)
+
+    # -- the tiers: making room, parking, bringing back ------------------------------------
+
+    async def make_room(self, model: str, config: LoraConfig) -> None:
+        """Room in the GPU bank for `model`'s adapter, held for it: the least recently
+        used idle adapters are parked until it fits, and while every resident one has work
+        queued, this waits for one to finish (an op completes every step)."""
+        self.room.check(config)  # only what could never fit is refused
+        async with self._admitting:
+            while not self.room.fits(config):
+                if not await self._park_coldest(incoming=model):
+                    await asyncio.sleep(ROOM_POLL_S)
+            self.room.hold(model, config)
+
+    async def _rebalance(self) -> None:
+        """Park the least recently used idle adapters until the bank is within budget."""
+        async with self._admitting:
+            while self.room.over():
+                if not await self._park_coldest():
+                    await asyncio.sleep(ROOM_POLL_S)
+
+    async def _park_coldest(self, incoming: str | None = None) -> bool:
+        """Park the least recently used resident adapter with nothing queued, to make room
+        for `incoming` (if any); False if every one has work (or is being moved)."""
+        for model in self.tiers.coldest(self._live, incoming):
+            lock = self._locks.setdefault(model, asyncio.Lock())
+            if lock.locked() or self._planner.busy(model) or not self.is_open(model):
+                continue
+            async with lock:  # free: taken at once
+                if await self._park(model, to_host=True, incoming=incoming):
+                    return True
+        return False
+
+    async def _park(self, model: str, to_host: bool, incoming: str | None = None) -> bool:
+        """Out of the GPU bank (the caller holds the model's lock): to host memory if
+        `to_host` and it has room there (the least recently parked go on to disk, never
+        `incoming`, which leaves host memory next), else to disk. Its queue closes; its
+        next request brings it back (`ensure_loaded`)."""
+        next_seq = self._planner.next_seq(model)
+        if next_seq is None or self._planner.busy(model):
+            return False
+        config = self._live[model]
+        resume = self._resumes_at(model)
+        self._planner.forget_model(model)
+        host = to_host and await self._host_room(config, incoming)
+        error = await self._move(ParkF(model) if host else IdleUnloadF(model))
+        if error is not None and host:
+            log.warning("parking %s in host memory failed (%s); parking it on disk",
+                        model, error)
+            host = False
+            error = await self._move(IdleUnloadF(model))
+        if error is not None:  # still in the bank: it stays open
+            log.error("parking adapter %s failed: %s", model, error)
+            self.open(model, self._store.runs.get(model)["tenant"], next_seq)
+            return False
+        self._live.pop(model, None)
+        self.room.release(model)
+        if host:
+            self.tiers.to_host(model, config)
+        else:
+            self.tiers.moved(model, "to_disk", config)
+        self._store.runs.set_live(model, False, next_seq=resume, idle_unloaded=True)
+        log.debug("adapter %s parked to %s", model, "host memory" if host else "disk")
+        return True
+
+    async def _host_room(self, config: LoraConfig, incoming: str | None) -> bool:
+        """Whether an adapter of `config` can be parked in host memory, once the least
+        recently parked there have gone on to disk (`incoming` counted as gone: it is
+        brought in next, so an exchange of the two never spills it)."""
+        if not self.tiers.host.fits_ever(config):
+            return False
+        while not self.tiers.host.fits(config, leaving=incoming):
+            coldest = [m for m in self.tiers.on_host_models() if m != incoming]
+            if not coldest or not await self._host_to_disk(coldest[0]):
+                return False
+        return True
+
+    async def _host_to_disk(self, model: str) -> bool:
+        """A host-parked adapter on to disk (the caller holds `_admitting`)."""
+        error = await self._move(IdleUnloadF(model))
+        if error is not None:
+            log.error("moving parked adapter %s to disk failed: %s", model, error)
+            return False
+        config = self.tiers.left_host(model)
+        if config is not None:
+            self.tiers.moved(model, "to_disk", config)
+        return True
+
+    async def _bring_in(self, model: str, config: LoraConfig) -> str | None:
+        """A parked adapter into the GPU bank (its room is held): from host memory as it
+        was, else from disk (persisted state, then the journal). Why not, if it failed."""
+        if self.tiers.on_host(model):
+            error = await self._move(UnparkF(model))
+            self.tiers.left_host(model)
+            if error is None:
+                self.tiers.moved(model, "from_host", config)
+                return None
+            log.warning("adapter %s was not in host memory (%s); restoring it from disk",
+                        model, error)
+        why = await self._executor.restore_one(model, config)
+        if why is None:
+            self.tiers.moved(model, "from_disk", config)
+        return why
+
+    async def _move(self, frame: OpF) -> str | None:
+        """One move on the workers; why it failed, if it did. A worker lost meanwhile is
+        a failure of the move (the group restarts; the caller keeps what it had)."""
+        try:
+            _, error, _ = await self._executor.move(frame)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return error
 
     def _resumes_at(self, model: str) -> int | None:
         """Where a model's seq_ids go on when it comes back: the one it waits for, or None

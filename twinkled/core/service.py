@@ -23,7 +23,7 @@ from dataclasses import astuple
 from typing import Any
 
 from scheduler import Planner
-from twinkled.core.adapter_room import adapter_room
+from twinkled.core.adapter_room import adapter_room, host_room
 from twinkled.core.engine_core import RateLimited  # noqa: F401  (re-exported)
 from twinkled.core.executor import Executor, zmq_executor
 from twinkled.core.futures import Encoder, Future, Futures, empty_json
@@ -91,7 +91,8 @@ class Service:
             make_lane(i, Planner(config.token_budget, config.sample_budget,
                                  config.target_step_s),
                       ex, store, adapter_room(config, adapter_budget), self.futures,
-                      self.metrics, config.gather_ms / 1000, config.sample_slice_ms / 1000)
+                      self.metrics, config.gather_ms / 1000, config.sample_slice_ms / 1000,
+                      host_room(config))
             for i, ex in enumerate(executors)], store)
         self.tenants = Tenants(config, store, [lane.planner for lane in self.lanes.all])
         self._limits: RequestLimits | None = None

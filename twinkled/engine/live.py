@@ -80,25 +80,33 @@ def read_live(path: str | Path) -> tuple[LoraConfig, dict, dict, int]:
     path = Path(path)
     try:
         index = json.loads((path / INDEX).read_text())
-        shapes = [tuple(s) for _, _, s in index["tensors"]]
-        total = sum(math.prod(s) for s in shapes)
+        names = [(file, name, tuple(s)) for file, name, s in index["tensors"]]
+        total = sum(math.prod(s) for _, _, s in names)
         flat = torch.from_file(str(path / DATA), size=total, dtype=torch.float32)
+        config = LoraConfig(**index["config"])
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise EngineInputError("path", f"{path}: unreadable live state: {e}") from None
+    weights, moments = unflatten(names, flat, config)
+    return config, weights, moments, int(index["steps"])
+
+
+def unflatten(names: list[tuple[str, str, tuple[int, ...]]], flat: torch.Tensor,
+              config: LoraConfig) -> tuple[dict, dict]:
+    """A snapshot's flat buffer (`Snapshot.names` says what lies where) as (weights by
+    module key as (A, B), moments by name): views of `flat`, what `state.write_into` takes.
+    The disk tier reads it from `state.bin`, the host tier (workers/parked.py) from memory."""
     weights: dict[str, list] = {}
     moments: dict[str, torch.Tensor] = {}
-    for (file, name, _), shape, part in zip(index["tensors"], shapes,
-                                           flat.split([math.prod(s) for s in shapes]),
-                                           strict=True):
+    for (file, name, shape), part in zip(names, flat.split([math.prod(s) for _, _, s in names]),
+                                         strict=True):
         t = part.view(shape)
         if file == WEIGHTS:  # base_model.model.<module>.lora_A.weight
             module, which = name[len(PEFT_PREFIX):].rsplit(".", 2)[:2]
             weights.setdefault(key_of_module(module), [None, None])[which == "lora_B"] = t
         else:
             moments[name] = t
-    config = LoraConfig(**index["config"])
     for key, (a, b) in weights.items():  # expert pairs are kept in peft's layout
         if is_expert(key):
             shape = (a.shape[1], b.shape[0], a.shape[0] // config.rank)
             weights[key] = from_peft(key, a, b, config.rank, shape)
-    return config, {k: tuple(ab) for k, ab in weights.items()}, moments, int(index["steps"])
+    return {k: tuple(ab) for k, ab in weights.items()}, moments

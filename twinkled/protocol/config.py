@@ -74,9 +74,13 @@ class Config:
     # 1 in N finished sampling requests is scored again by the training forward: the gap
     # between the two logprobs is in /metrics and `ctl status` (workers/gaps.py); 0: off.
     logprob_gap_every: int = 16
-    # GPU memory per rank for loaded adapters; 0: what the sizing estimate leaves of the
-    # smallest card (on GPUs; no limit on CPUs). An adapter that would not fit is refused.
+    # GPU memory per rank for resident adapters; 0: what the sizing estimate leaves of the
+    # smallest card (on GPUs; no limit on CPUs). When it is full the least recently used
+    # idle adapters are parked, to host memory then to disk (core/tiers.py), never refused.
     adapter_memory_gb: float = 0.0
+    # Host memory per lane for adapters parked out of the GPU bank (weights, gradients and
+    # moments, exact); beyond it the least recently parked go on to disk. 0: park on disk.
+    host_adapter_memory_gb: float = 8.0
     # How long a training step should take, in ms: "auto" derives it from the step times
     # measured on this model (scheduler/cost.py), 0 bounds steps by token_budget only.
     target_step_ms: float | str = "auto"
@@ -256,7 +260,7 @@ _RANGES = {
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
                                  "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
-    "token_budget": _POSITIVE, "shared_prefix": _NON_NEGATIVE, "fused_kernels": (_fused_spec, "must be all, none or levers comma-separated of norm, rope, silu, gemm"), "sample_kv_mb": _NON_NEGATIVE, "sample_prefix_cache": (lambda v: 0 <= v <= 1, "must be from 0 to 1"), "logprob_gap_every": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
+    "token_budget": _POSITIVE, "shared_prefix": _NON_NEGATIVE, "fused_kernels": (_fused_spec, "must be all, none or levers comma-separated of norm, rope, silu, gemm"), "sample_kv_mb": _NON_NEGATIVE, "sample_prefix_cache": (lambda v: 0 <= v <= 1, "must be from 0 to 1"), "logprob_gap_every": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE, "host_adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
     "poll_seconds": (lambda v: 0 <= v < 45,
                      "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
     "gather_ms": _NON_NEGATIVE, "stability_bytes": _NON_NEGATIVE,

@@ -143,6 +143,16 @@ class IdleUnloadF(_Op, tag="idle_unload"):
     """Persist an idle adapter, then free it; a RestoreF brings it back."""
 
 
+class ParkF(_Op, tag="park"):
+    """Move an adapter's whole state (weights, gradients, moments) out of the GPU bank into
+    the worker's host memory, exactly; an UnparkF brings it back, an IdleUnloadF moves it on
+    to disk (core/tiers.py says when)."""
+
+
+class UnparkF(_Op, tag="unpark"):
+    """An adapter parked in host memory back into the GPU bank, as it was."""
+
+
 class PersistF(_Op, tag="persist"):
     """Everything of this adapter on disk before the answer (a hot restart)."""
 
@@ -155,7 +165,7 @@ class RestoreF(_Op, tag="restore"):
 
 
 OpF = TrainF | SampleF | CreateF | OptimF | SaveF | LoadF | UnloadF | IdleUnloadF | PersistF \
-    | RestoreF
+    | RestoreF | ParkF | UnparkF
 # Ops that change their adapter take a journal position before they run.
 JOURNALED = (TrainF, CreateF, OptimF, LoadF)
 

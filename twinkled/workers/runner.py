@@ -31,6 +31,7 @@ from twinkled.protocol.frames import (
     OpF,
     OptimF,
     OutcomeF,
+    ParkF,
     PersistF,
     RestoreF,
     SaveF,
@@ -38,10 +39,12 @@ from twinkled.protocol.frames import (
     StepF,
     TrainF,
     UnloadF,
+    UnparkF,
 )
 from twinkled.protocol.prefixes import datum_costs
 from twinkled.protocol.types import Datum, ForwardBackwardRequest, LogprobGap
 
+from .parked import HostTier
 from .persist import Persister, SplitPersistence, latest_version
 from .rank_io import anywhere, category, fatal, release, to_buf, to_tensor
 from .sampling import SampleRunner
@@ -85,6 +88,7 @@ class StepRunner:
         # Per adapter: the journal position of the last op after which it had no pending
         # gradients (what a snapshot of it holds; twinkled/core/journal.py).
         self.marks: dict[str, int] = {}
+        self.parked = HostTier(engine)  # adapters parked in host memory (parked.py)
 
     def run(self, step: StepF) -> list[OutcomeF]:
         """Every op gets an outcome; an exception leaves only if the rank cannot go on."""
@@ -273,6 +277,7 @@ class StepRunner:
             case UnloadF():
                 if engine.has_adapter(aid):
                     engine.remove_adapter(aid)
+                self.parked.drop(aid)
                 self.marks.pop(aid, None)
                 if self.split is not None:
                     self.split.forget(aid)
@@ -280,12 +285,19 @@ class StepRunner:
                     self.persister.forget(aid)
                 return OutcomeF(i)
             case IdleUnloadF():  # persisted first; a RestoreF brings it back
+                if aid in self.parked:  # from host memory: its snapshot, at its mark
+                    return self._to_disk(i, aid)
                 if engine.has_adapter(aid):
                     self._persist(aid, now=True)
                     if not self._flush():
                         return OutcomeF(i, error="persisting timed out", category="server")
                     engine.remove_adapter(aid)
                 return OutcomeF(i)
+            case ParkF():  # out of the bank into host memory, exactly (parked.py)
+                self.parked.park(aid)
+                return OutcomeF(i)
+            case UnparkF():
+                return OutcomeF(i, info=self.parked.unpark(aid))
             case PersistF():  # a hot restart: everything on disk before we answer
                 if engine.has_adapter(aid):
                     self._persist(aid, now=True)
@@ -295,6 +307,17 @@ class StepRunner:
         return OutcomeF(i, error=f"{type(op).__name__} cannot run in a barrier step",
                         category="server")
 
+    def _to_disk(self, i: int, aid: str) -> OutcomeF:
+        """A host-parked adapter's state written as its newest persisted version (rank 0;
+        the other ranks just let go of theirs)."""
+        snap = self.parked.take(aid)
+        if self.persister is None:
+            return OutcomeF(i)
+        self.persister.hold(aid, snap, self.marks.get(aid, 0))
+        if not self._flush():
+            return OutcomeF(i, error="persisting timed out", category="server")
+        return OutcomeF(i)
+
     def _restore(self, aid: str, op: RestoreF):
         """An adapter from its last persisted state, or fresh if it never got one; and the
         journal position that state holds (the daemon replays what came after)."""
@@ -302,6 +325,7 @@ class StepRunner:
         with self._readable(version) as version:
             if self.engine.has_adapter(aid):
                 self.engine.remove_adapter(aid)
+            self.parked.drop(aid)  # what is restored replaces a parked copy
             if version is None:
                 info, mark = self.engine.add_adapter(aid, op.config), 0
             else:

@@ -12,11 +12,15 @@ from twinkled.protocol.frames import OpF, OutcomeF, SampleF, SlicedF, StepF
 from twinkled.protocol.types import SampleRequest, SamplingParams
 
 from .gaps import GapChecks
+from .parked import HostTier
 from .rank_io import category, fatal, release, to_tensor
 from .share import rank0_dir
 
 FRESH_SAMPLERS = 8  # device copies of just-saved sampler weights kept for their first use
 SAMPLER_ADAPTERS = 32  # sampler checkpoints kept loaded; the least recently used goes first
+# ... to host memory (weights only, exact: workers/parked.py), up to this many bytes per
+# worker; beyond, the longest parked go, and their checkpoint files bring them back.
+SAMPLER_HOST_BYTES = 4 * 2**30
 EARLY_RETURN_S = 0.02  # a finished sample ends its slice once this much of it has run
 
 
@@ -38,6 +42,7 @@ class SampleRunner:
         # this collective runs in the same order everywhere.
         self.spans_hosts = spans_hosts
         self.sampler_lru: OrderedDict[str, bool] = OrderedDict()
+        self.parked = HostTier(engine)  # samplers evicted from the bank, in host memory
         # Sampler weights just saved (SaveF.sampler): checkpoint dir -> a device copy of the
         # adapter at that save. An RL loop saves and then samples at once; the first
         # sample then copies these on the device instead of reading the files back, and
@@ -206,7 +211,16 @@ class SampleRunner:
             if old in in_use:
                 break
             self.sampler_lru.pop(old)
-            self.engine.remove_adapter(old)
+            self._park(old)
+
+    def _park(self, adapter_id: str) -> None:
+        """An evicted sampler to host memory (its files stay the disk tier)."""
+        if self.split or self.spans_hosts:  # every rank must evict alike: the files do
+            self.engine.remove_adapter(adapter_id)
+            return
+        self.parked.park(adapter_id, training=False)
+        while self.parked.bytes() > SAMPLER_HOST_BYTES:
+            self.parked.drop(self.parked.oldest())
 
     def _batch(self, good: list[tuple[int, SampleRequest]]) -> list[OutcomeF]:
         """One batch; if it fails, each request alone, so only the one at fault fails
@@ -239,7 +253,9 @@ class SampleRunner:
     def _load_sampler(self, op: SampleF) -> None:
         if not op.load_from:
             return
-        if not self.engine.has_adapter(op.adapter_id):
+        if op.adapter_id in self.parked:  # keyed by content: the same weights
+            self.parked.unpark(op.adapter_id)
+        elif not self.engine.has_adapter(op.adapter_id):
             fresh = self.fresh.pop(op.load_from, None)
             if fresh is not None:
                 self.engine.copy_adapter(fresh, op.adapter_id)

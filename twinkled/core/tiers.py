@@ -1,0 +1,85 @@
+"""Where a lane's training adapters live: the GPU bank, host memory or disk, and in what
+order they leave the bank (least recently used first). Torch-free bookkeeping; Residency
+(residency.py) makes the moves, through the executor, between steps.
+
+- **GPU bank** (per rank, `adapter_memory_gb`): adapters that can run now. A model with
+  queued or running work is never parked.
+- **Host memory** (per lane, `host_adapter_memory_gb`): an adapter parked by the worker,
+  whole and bit for bit (weights, pending gradients, moments: workers/parked.py).
+- **Disk**: its persisted state and the journal's ops after it, as for an adapter unloaded
+  while idle; brought back by the same restore (core/recovery.py).
+
+A request for a parked adapter waits at the door while it is brought in (Residency
+`ensure_loaded`), parking others if the bank is full, and waiting for one to go idle if
+every resident adapter has work queued: capacity is never a refusal. The worker's host
+memory dies with it: after a group restart what was on the host tier is on disk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable
+
+from twinkled.core.adapter_room import AdapterRoom
+from twinkled.protocol.types import LoraConfig
+
+
+class Tiers:
+    def __init__(self, gpu: AdapterRoom, host: AdapterRoom):
+        self.gpu, self.host = gpu, host
+        self._used: dict[str, float] = {}  # model -> when it last ran or was asked for
+        self._on_host: dict[str, LoraConfig] = {}
+        self.moves: Counter[str] = Counter()  # "to_host", "to_disk", "from_host", "from_disk"
+        self.moved_bytes = 0
+
+    def touch(self, model: str) -> None:
+        """The model was asked for or ran: the last to be parked."""
+        self._used[model] = time.monotonic()
+
+    def forget(self, model: str) -> None:
+        self._used.pop(model, None)
+        self.left_host(model)
+
+    def last_used(self, model: str) -> float:
+        return self._used.get(model, 0.0)
+
+    # -- the GPU bank ---------------------------------------------------------------------
+
+    def coldest(self, resident: Iterable[str], exclude: str | None = None) -> list[str]:
+        """Resident models, least recently used first: the order they are parked in."""
+        return sorted((m for m in resident if m != exclude), key=self.last_used)
+
+    # -- host memory ----------------------------------------------------------------------
+
+    def on_host(self, model: str) -> bool:
+        return model in self._on_host
+
+    def on_host_models(self) -> list[str]:
+        """Parked in host memory, least recently used first (the next to go to disk)."""
+        return sorted(self._on_host, key=self.last_used)
+
+    def to_host(self, model: str, config: LoraConfig) -> None:
+        self.host.hold(model, config)
+        self._on_host[model] = config
+        self.moved(model, "to_host", config)
+
+    def left_host(self, model: str) -> LoraConfig | None:
+        self.host.release(model)
+        return self._on_host.pop(model, None)
+
+    def host_lost(self) -> None:
+        """The worker group restarted: what was in its host memory is on disk now."""
+        for model in list(self._on_host):
+            self.left_host(model)
+
+    def moved(self, model: str, kind: str, config: LoraConfig) -> None:
+        self.moves[kind] += 1
+        self.moved_bytes += self.host.size(config)
+
+    def status(self) -> dict:
+        """Adapters and bytes per tier, and the moves so far (`ctl status`, /metrics)."""
+        return {"gpu_bytes": self.gpu.used(), "gpu_budget": self.gpu.budget,
+                "host": len(self._on_host), "host_bytes": self.host.used(),
+                "host_budget": self.host.budget, "moves": dict(self.moves),
+                "moved_bytes": self.moved_bytes}

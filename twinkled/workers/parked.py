@@ -1,0 +1,99 @@
+"""The host tier of adapter residency: adapters moved out of the GPU bank into this
+worker's host memory (pinned on CUDA), whole and exactly, so a bank that holds N adapters
+serves many more runs (core/tiers.py decides what moves when).
+
+A parked adapter keeps everything it had in the bank: the fp32 master weights and the
+optimizer moments (a `Snapshot`, the same flat buffer the disk tier writes, copied on a side
+stream on CUDA), the gradients of forward_backwards not yet stepped, and its counts. Coming
+back it gets a bank slot again with those bits, so training goes on as if it never left.
+Moving on to disk writes the snapshot as a persisted version at the adapter's journal mark
+(the last op after which it had no pending gradients): the daemon replays what came after,
+as for any persisted state (core/recovery.py).
+
+Host memory dies with the worker: after a restart the daemon treats every adapter that was
+parked here as parked on disk (its persisted state and its journal bring it back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from twinkled.engine import Engine
+from twinkled.engine.live import unflatten
+from twinkled.engine.state import Snapshot, write_into
+from twinkled.protocol.types import AdapterInfo, EngineInputError
+
+
+@dataclass
+class Parked:
+    snap: Snapshot  # weights (and a training adapter's moments), as the disk tier holds them
+    grads: torch.Tensor | None  # the bank row of pending gradients (a training adapter's)
+    pending: int  # datums whose gradients those are
+
+    def bytes(self) -> int:
+        g = 0 if self.grads is None else self.grads.numel()
+        return 4 * (self.snap.flat.numel() + g)
+
+
+class HostTier:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._parked: dict[str, Parked] = {}
+
+    def __contains__(self, adapter_id: str) -> bool:
+        return adapter_id in self._parked
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def bytes(self) -> int:
+        return sum(p.bytes() for p in self._parked.values())
+
+    def oldest(self) -> str | None:
+        """The adapter parked longest ago."""
+        return next(iter(self._parked), None)
+
+    def park(self, adapter_id: str, training: bool = True) -> None:
+        """The adapter out of the bank into host memory (its slot is freed); a sampler's
+        (not `training`) weights only."""
+        if self.engine.shard is not None:  # a split adapter is parked on disk (one write)
+            raise EngineInputError("adapter_id", "tensor-parallel adapters park on disk")
+        adapter = self.engine.pool.get(adapter_id)
+        snap = self.engine.snapshot(adapter_id, optimizer=training)
+        grads = None
+        if training:
+            g = adapter.bank.flat(adapter.slot, "g")
+            grads = torch.empty(g.shape, dtype=g.dtype, pin_memory=g.is_cuda)
+            # Ordered before the slot is zeroed on release (same stream).
+            grads.copy_(g, non_blocking=g.is_cuda)
+        self._parked[adapter_id] = Parked(snap, grads, adapter.pending)
+        self.engine.remove_adapter(adapter_id)
+
+    def unpark(self, adapter_id: str) -> AdapterInfo:
+        """The adapter back into a bank slot, bit for bit as it was parked."""
+        p = self._parked.get(adapter_id)
+        if p is None:
+            raise EngineInputError("adapter_id", f"adapter {adapter_id!r} is not parked in "
+                                   "this worker's memory")
+        weights, moments = unflatten(p.snap.names, p.snap.host(), p.snap.config)
+        adapter = self.engine.pool.add(adapter_id, p.snap.config)
+        try:
+            with torch.no_grad():
+                write_into(adapter, weights, moments, p.snap.steps)
+                if p.grads is not None:
+                    adapter.bank.flat(adapter.slot, "g").copy_(p.grads)
+        except BaseException:
+            self.engine.remove_adapter(adapter_id)
+            raise
+        adapter.pending = p.pending
+        del self._parked[adapter_id]
+        return self.engine.adapter_info(adapter_id)
+
+    def take(self, adapter_id: str) -> Snapshot:
+        """The parked adapter's snapshot, for the disk; it leaves host memory."""
+        return self._parked.pop(adapter_id).snap
+
+    def drop(self, adapter_id: str) -> None:
+        self._parked.pop(adapter_id, None)
