@@ -337,14 +337,18 @@ class Service:
         # is computed once: protocol/prefixes.py)
         parts = datum_costs(frame, self.config.shared_prefix if self.config.packing else 0)
         f = self.futures.new(tenant, "forward_backward", encode, run=model)
-        f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts))
+        kind = "forward" if frame.forward_only else "forward_backward"
+        tokens = sum(d.tokens.shape[0] for d in frame.data)
+        f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts,
+                           after=self.store.steps.recorder(model, seq_id, kind, tokens)))
         self.store.runs.touch(model)
         return f
 
     def optim_step(self, tenant: str, model: str, seq_id: int, frame: OptimF,
                    encode: Encoder) -> Future:
         f = self.futures.new(tenant, "optim_step", encode)
-        return self.submit(Op(model, seq_id, frame, f))
+        return self.submit(Op(model, seq_id, frame, f,
+                              after=self.store.steps.recorder(model, seq_id, "optim_step")))
 
     def save(self, tenant: str, run: dict, seq_id: int, kind: str, name: str, *,
              optimizer: bool, user_metadata: dict, ttl_s: float | None, overwrite: bool,

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from twinkled.core.service import Draining, RateLimited, Service
 from twinkled.protocol.errors import NotFound, UserError
+from twinkled.server import console
 from twinkled.server.admin import same_key
 from twinkled.server.summary import log_summaries
 
@@ -57,9 +58,11 @@ async def auth_and_errors(request: web.Request, handler):
                     text='{"detail": "missing or invalid X-Admin-Key"}',
                     content_type="application/json")
             request["tenant"] = "(admin)"
-        elif request.path not in PUBLIC and not request.path.startswith(SIGNED_PREFIX):
+        elif (request.path not in PUBLIC and not request.path.startswith(SIGNED_PREFIX)
+              and not console.is_page(request.path)):
             key = api_key(request)
             tenant = request.app["store"].tenants.for_key(key) if key else None
+            tenant = tenant or console.admin_tenant(request, key)
             if tenant is None:
                 for prefix, body in request.app["unauthorized"].items():
                     if request.path.startswith(prefix):  # in that face's error shape
@@ -143,6 +146,7 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
     add_openai_routes(app)
     add_anthropic_routes(app)
     admin.routes(app)
+    console.add_console_routes(app)
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=service.metrics.render(),

@@ -17,7 +17,7 @@ MIN_FUTURE_TTL_S = 300.0  # a completed future stays readable at least this long
 JSON_COLS = ("user_metadata", "lora_config")
 BOOL_COLS = ("corrupted", "deleted", "public", "live", "idle_unloaded")
 # table -> (columns, primary key, defaults). Flags are 0/1 ints, JSON columns are text.
-SCHEMA: dict[str, tuple[dict[str, type], str, dict[str, Any]]] = {
+SCHEMA: dict[str, tuple[dict[str, type], str | tuple[str, ...], dict[str, Any]]] = {
     # Quotas are NULL for "unlimited" (or the config file's default); max_storage_bytes
     # (checkpoints + user_metadata) is NULL for the config's default, negative for unlimited.
     "tenants": ({"name": str, "weight": float, "created": float, "max_queued_requests": int,
@@ -47,6 +47,9 @@ SCHEMA: dict[str, tuple[dict[str, type], str, dict[str, Any]]] = {
                      "expires_at": float, "user_metadata": str}, "tinker_path", {"public": 0}),
     "samplers": ({"id": str, "tenant": str, "session_id": str, "base_model": str,
                   "model_path": str, "created": float}, "id", {}),
+    # What each finished training op of a run reported (store/steps.py: the console's curves)
+    "steps": ({"run_id": str, "seq_id": int, "kind": str, "time": float, "tokens": int,
+               "metrics": str}, ("run_id", "seq_id"), {"tokens": 0}),
     "futures": ({"id": str, "tenant": str, "kind": str, "model_id": str, "seq_id": int,
                  "status": str, "result": bytes, "content_type": str, "created": float,
                  "completed_at": float}, "id", {}),

@@ -1,0 +1,167 @@
+"""The web console (twinkled/server/console.py): its JSON through a real daemon with two
+tenants training, and its pages in a real headless Chromium (skipped without one)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tarfile
+import urllib.error
+import urllib.request
+from urllib.parse import urljoin
+
+import pytest
+
+tinker = pytest.importorskip("tinker")
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+T = 120
+TEXTS = ["the sun and the sea are big.", "a cat sat on the mat."]
+CHROMIUM = "/usr/bin/chromium"
+
+
+def get(daemon, path: str, key: str | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(urljoin(daemon.url + "/console/", path),
+                                 headers={"X-API-Key": key} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def get_json(daemon, path: str, key: str) -> dict:
+    status, body = get(daemon, path, key)
+    assert status == 200, (path, status, body[:300])
+    return json.loads(body)
+
+
+def train(daemon, tiny_dir, tenant: str, steps: int, save: str | None = None) -> dict:
+    """`steps` rounds of forward_backward + optim_step: the run id, and what the client got."""
+    sc = tinker.ServiceClient(base_url=daemon.url, api_key=daemon.keys[tenant])
+    tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=T)
+    tok = tc.get_tokenizer()
+    data = []
+    for text in TEXTS:
+        ids = tok(text).input_ids
+        data.append(tinker.types.Datum(
+            model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)}))
+    losses, optim = [], []
+    for _ in range(steps):
+        losses.append(tc.forward_backward(data, "cross_entropy").result(timeout=T).metrics)
+        optim.append(tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2))
+                     .result(timeout=T).metrics)
+    path = tc.save_state(save).result(timeout=T).path if save else None
+    return {"run": tc.model_id, "losses": losses, "optim": optim, "path": path,
+            "tokens": sum(len(d.model_input.to_ints()) for d in data)}
+
+
+@pytest.fixture(scope="module")
+def runs(daemon, tiny_dir):
+    """alice trains 3 steps and saves; bob trains 2."""
+    return {"alice": train(daemon, tiny_dir, "alice", 3, save="console-ckpt"),
+            "bob": train(daemon, tiny_dir, "bob", 2)}
+
+
+def admin_key(daemon) -> str:
+    return (daemon.data / "admin.key").read_text().strip()
+
+
+def test_a_runs_curve_has_the_points_the_daemon_recorded(daemon, runs):
+    alice = runs["alice"]
+    body = get_json(daemon, f"api/runs/{alice['run']}", daemon.keys["alice"])
+    assert body["run"]["id"] == alice["run"] and body["run"]["tenant"] == "alice"
+    fb = [s for s in body["steps"] if s["kind"] == "forward_backward"]
+    opt = [s for s in body["steps"] if s["kind"] == "optim_step"]
+    # Every step, in order, with the very numbers the client was answered
+    assert [s["metrics"] for s in fb] == pytest.approx(alice["losses"])
+    assert [s["metrics"] for s in opt] == pytest.approx(alice["optim"])
+    assert [s["tokens"] for s in fb] == [alice["tokens"]] * 3
+    seqs = [s["seq_id"] for s in body["steps"]]
+    assert seqs == sorted(seqs) and len(seqs) == 6
+    listed = {r["id"]: r for r in get_json(daemon, "api/runs", daemon.keys["alice"])["runs"]}
+    assert listed[alice["run"]]["steps"] == 6
+
+
+def test_a_checkpoint_downloads_from_its_relative_link(daemon, runs):
+    body = get_json(daemon, f"api/runs/{runs['alice']['run']}", daemon.keys["alice"])
+    [ckpt] = [c for c in body["checkpoints"] if c["tinker_path"] == runs["alice"]["path"]]
+    assert ckpt["download"].startswith("../")  # relative: a proxy's path prefix is kept
+    status, tar = get(daemon, ckpt["download"])  # no key: the link is signed
+    assert status == 200
+    names = tarfile.open(fileobj=io.BytesIO(tar)).getnames()
+    assert "adapter_model.safetensors" in names
+
+
+def test_a_tenant_sees_only_its_own_runs(daemon, runs):
+    alice, bob = runs["alice"]["run"], runs["bob"]["run"]
+    bobs = {r["id"] for r in get_json(daemon, "api/runs", daemon.keys["bob"])["runs"]}
+    assert bob in bobs and alice not in bobs
+    status, body = get(daemon, f"api/runs/{alice}", daemon.keys["bob"])
+    assert status == 404 and alice in json.loads(body)["detail"]
+    sessions = get_json(daemon, "api/sessions", daemon.keys["bob"])["sessions"]
+    assert {s["tenant"] for s in sessions} == {"bob"}
+    assert not any(alice in s["runs"] for s in sessions)
+    op = get_json(daemon, "api/operator", daemon.keys["bob"])
+    assert set(op["tenants"]) <= {"bob"} and "workers" not in op
+    # the admin key sees both tenants' runs and the whole status
+    admin = admin_key(daemon)
+    every = {r["id"] for r in get_json(daemon, "api/runs", admin)["runs"]}
+    assert {alice, bob} <= every
+    assert get_json(daemon, f"api/runs/{bob}", admin)["run"]["tenant"] == "bob"
+    op = get_json(daemon, "api/operator", admin)
+    assert {"alice", "bob"} <= set(op["tenants"]) and op["workers"]
+
+
+def test_no_key_no_data_but_the_page_loads(daemon):
+    assert get(daemon, "api/runs")[0] == 401
+    assert get(daemon, "api/runs", "tml-not-a-key")[0] == 401
+    status, page = get(daemon, "")
+    assert status == 200 and b"console.js" in page
+    assert get(daemon, "console.js")[0] == 200
+    assert get(daemon, "../../etc/passwd")[0] in (401, 404)
+
+
+def _browser():
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    if not shutil.which(CHROMIUM):
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    return playwright
+
+
+def test_the_console_in_a_real_browser(daemon, runs, tmp_path):
+    playwright = _browser()
+    alice = runs["alice"]
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--no-first-run", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(daemon.url + "/console", timeout=T * 1000)  # redirected to /console/
+            page.fill("#key", daemon.keys["alice"])
+            page.click("#login button")
+            page.wait_for_selector('#view[data-page="runs"] table', timeout=T * 1000)
+            page.screenshot(path=str(tmp_path / "runs.png"), full_page=True)
+            link = page.get_by_role("link", name=alice["run"], exact=True)
+            assert link.count() == 1
+            assert runs["bob"]["run"] not in page.inner_text("#view")
+            link.click()
+            curve = page.locator('#view[data-page="run"] svg[data-metric="forward_backward loss:sum"]')
+            curve.wait_for(timeout=T * 1000)
+            page.screenshot(path=str(tmp_path / "run.png"), full_page=True)
+            assert curve.get_attribute("data-points") == "3"
+            assert curve.locator("circle").count() == 3
+            drawn = curve.locator("polyline").get_attribute("points").split()
+            assert len(drawn) == 3
+            for name in ("sessions", "operator"):
+                page.click(f'#nav a[href="#/{name}"]')
+                page.wait_for_selector(f'#view[data-page="{name}"] table', timeout=T * 1000)
+                page.screenshot(path=str(tmp_path / f"{name}.png"), full_page=True)
+            assert "alice" in page.inner_text("#view")
+        finally:
+            browser.close()
+    print(f"console screenshots: {tmp_path}")
