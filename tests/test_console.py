@@ -162,6 +162,15 @@ def test_the_console_in_a_real_browser(daemon, runs, tmp_path):
                 page.wait_for_selector(f'#view[data-page="{name}"] table', timeout=T * 1000)
                 page.screenshot(path=str(tmp_path / f"{name}.png"), full_page=True)
             assert "alice" in page.inner_text("#view")
+            # The operator: every tenant's share, the workers and their memory
+            page.click("#logout")
+            page.fill("#key", admin_key(daemon))
+            page.click("#login button")
+            page.wait_for_selector('#view[data-page="operator"] table', timeout=T * 1000)
+            page.wait_for_selector("text=Workers", timeout=T * 1000)
+            page.screenshot(path=str(tmp_path / "operator-admin.png"), full_page=True)
+            text = page.inner_text("#view")
+            assert "alice" in text and "bob" in text and "peak memory" in text
         finally:
             browser.close()
     print(f"console screenshots: {tmp_path}")
