@@ -3,16 +3,20 @@ tenants training, and its pages in a real headless Chromium (skipped without one
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import shutil
 import tarfile
+import threading
 import urllib.error
 import urllib.request
 from urllib.parse import urljoin
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 tinker = pytest.importorskip("tinker")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -23,8 +27,12 @@ CHROMIUM = "/usr/bin/chromium"
 
 
 def get(daemon, path: str, key: str | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(urljoin(daemon.url + "/console/", path),
-                                 headers={"X-API-Key": key} if key else {})
+    """`path` relative to the console's page, as the page resolves its URLs."""
+    return get_url(urljoin(daemon.url + "/console/", path), key)
+
+
+def get_url(url: str, key: str | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"X-API-Key": key} if key else {})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, r.read()
@@ -125,6 +133,46 @@ def test_no_key_no_data_but_the_page_loads(daemon):
     assert get(daemon, "../../etc/passwd")[0] in (401, 404)
 
 
+class PrefixProxy:
+    """A reverse proxy serving the daemon under /team/twinkle/ (what nginx's
+    `location /team/twinkle/ { proxy_pass http://daemon/; }` does), in a thread."""
+
+    PREFIX = "/team/twinkle/"
+
+    def __init__(self, target: str):
+        self.target, self.started = target, threading.Event()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self._serve, daemon=True).start()
+        assert self.started.wait(30), "the proxy did not start"
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_route("*", self.PREFIX + "{tail:.*}", self._forward)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.started.set()
+        self.loop.run_forever()
+
+    async def _forward(self, request: web.Request) -> web.Response:
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() in ("x-api-key", "authorization", "accept", "content-type")}
+        async with aiohttp.ClientSession() as http, http.request(
+                request.method, f"{self.target}/{request.match_info['tail']}",
+                params=request.query, headers=headers, data=await request.read(),
+                allow_redirects=False) as r:
+            keep = {k: v for k, v in r.headers.items()
+                    if k.lower() in ("content-type", "location", "content-disposition")}
+            return web.Response(status=r.status, body=await r.read(), headers=keep)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
 def _browser():
     playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     if not shutil.which(CHROMIUM):
@@ -133,15 +181,19 @@ def _browser():
 
 
 def test_the_console_in_a_real_browser(daemon, runs, tmp_path):
+    """Through a proxy that serves the daemon under a path prefix: every URL the page
+    uses must be relative for any of this to work."""
     playwright = _browser()
     alice = runs["alice"]
+    proxy = PrefixProxy(daemon.url)
+    console = proxy.url + PrefixProxy.PREFIX + "console"
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=[
             "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
             "--disable-component-update", "--no-first-run", "--disable-sync"])
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(daemon.url + "/console", timeout=T * 1000)  # redirected to /console/
+            page.goto(console, timeout=T * 1000)  # redirected to .../console/
             page.fill("#key", daemon.keys["alice"])
             page.click("#login button")
             page.wait_for_selector('#view[data-page="runs"] table', timeout=T * 1000)
@@ -153,10 +205,16 @@ def test_the_console_in_a_real_browser(daemon, runs, tmp_path):
             curve = page.locator('#view[data-page="run"] svg[data-metric="forward_backward loss:sum"]')
             curve.wait_for(timeout=T * 1000)
             page.screenshot(path=str(tmp_path / "run.png"), full_page=True)
+            assert page.url.startswith(console + "/#/run/")
             assert curve.get_attribute("data-points") == "3"
             assert curve.locator("circle").count() == 3
             drawn = curve.locator("polyline").get_attribute("points").split()
             assert len(drawn) == 3
+            # the checkpoint's download link, followed from the page, through the prefix
+            href = page.get_by_role("link", name="download (.tar)").get_attribute("href")
+            status, tar = get_url(urljoin(page.url, href))
+            assert status == 200 and "adapter_model.safetensors" in \
+                tarfile.open(fileobj=io.BytesIO(tar)).getnames()
             for name in ("sessions", "operator"):
                 page.click(f'#nav a[href="#/{name}"]')
                 page.wait_for_selector(f'#view[data-page="{name}"] table', timeout=T * 1000)
@@ -173,4 +231,5 @@ def test_the_console_in_a_real_browser(daemon, runs, tmp_path):
             assert "alice" in text and "bob" in text and "peak memory" in text
         finally:
             browser.close()
+            proxy.close()
     print(f"console screenshots: {tmp_path}")
