@@ -176,11 +176,12 @@ def test_sample_result_as_json() -> None:
 
 
 @pytest.mark.parametrize(("accept", "json_wanted"), [
-    (None, True), ("application/json", True),  # 0.16.1 (and 0.17)
+    ("application/json", True),  # 0.16.1 (and 0.17)
+    (None, False), ("*/*", False),  # a raw HTTP client: what today's SDK reads
     ("application/x-protobuf, application/json", False),  # 0.18 .. 0.24
     ("application/x-protobuf", False),  # 0.25 .. 0.38
 ])
-def test_a_result_is_json_only_for_a_poll_that_does_not_accept_protobuf(accept, json_wanted):
+def test_a_result_is_json_only_for_a_poll_that_asks_for_json_alone(accept, json_wanted):
     assert wants_json(accept) is json_wanted
 
 

@@ -140,8 +140,11 @@ def _tensor(t: TensorDataJson, where: str) -> TensorIn:
 
 def wants_json(accept: str | None) -> bool:
     """Does a ``retrieve_future`` poll need a JSON result? Only one that does not name
-    protobuf (SDK <= 0.17); 0.18-0.24 accept both, 0.25 on protobuf only."""
-    return "application/x-protobuf" not in (accept or "")
+    protobuf (SDK <= 0.17, which asks for `application/json`); 0.18-0.24 accept both, 0.25
+    on protobuf only. A poll that names no type, or any (`*/*`, a raw HTTP client's default),
+    gets protobuf, what today's SDK reads."""
+    accept = accept or ""
+    return "application/json" in accept and "application/x-protobuf" not in accept
 
 
 def json_result(kind: str, payload: bytes) -> bytes | None:
