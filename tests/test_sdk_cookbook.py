@@ -107,22 +107,24 @@ def test_remote_python_loss_is_refused_naming_the_builtins(tiny_dir, daemon):
         m.set_loss("Focal")
 
 
+# 16 steps: on this tiny model the mean reward goes 0.02 -> 0.58 at step 10 -> 0.99 at step 15
+# (seeded; the same curve locally and through the daemon), so the bounds below hold with room.
 def test_grpo_local_raises_the_mean_reward(rl_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    rewards = _script("grpo_digits").main(["--model", str(rl_dir), "--steps", "25"])
+    rewards = _script("grpo_digits").main(["--model", str(rl_dir), "--steps", "16"])
     assert sum(rewards[:3]) / 3 < 0.15
     assert sum(rewards[-3:]) / 3 > 0.6
 
 
 def test_grpo_native_client_on_a_daemon(rl_dir, rl_daemon):
-    rewards = _script("grpo_digits").main(["--model", str(rl_dir), "--steps", "25",
+    rewards = _script("grpo_digits").main(["--model", str(rl_dir), "--steps", "16",
                                            "--base-url", rl_daemon.url,
                                            "--api-key", rl_daemon.key])
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.4
 
 
 def test_grpo_tinker_client_on_a_daemon(rl_dir, rl_daemon):
-    rewards = _script("grpo_tinker").main(["--model", str(rl_dir), "--steps", "25",
+    rewards = _script("grpo_tinker").main(["--model", str(rl_dir), "--steps", "16",
                                            "--base-url", rl_daemon.url,
                                            "--api-key", rl_daemon.key])
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.4
