@@ -49,7 +49,7 @@ class InProcessGroup:
         self._pump: asyncio.Task | None = None
         self._step = 0
         self._busy_s = 0.0  # seconds spent running steps
-        # "join" steps sent during a training step (`join`), run between its micro-batches
+        # "join" steps sent during a training step (`send_join`), run between its micro-batches
         self._joins: queue.SimpleQueue = queue.SimpleQueue()
         self._running = False
 
@@ -109,9 +109,9 @@ class InProcessGroup:
         """Whether a "join" step may be sent now (WorkerGroup.can_join)."""
         return self._running
 
-    def join(self, step: StepF) -> asyncio.Future:
+    def send_join(self, step: StepF) -> asyncio.Future:
         """Queue `step` for the engine thread, which runs it between two micro-batches of
-        the training step in flight (WorkerGroup.join); the future's result is [its reply]."""
+        the training step in flight (WorkerGroup.send_join); the future's result is [its reply]."""
         assert self.can_join(), "join: no training step in flight"
         loop = asyncio.get_running_loop()
         reply = loop.create_future()

@@ -89,7 +89,7 @@ class WorkerGroup:
         self._endpoint = ""
         self._bind_host = _bind_host(join)
         self._step = 0
-        # "join" steps sent during the training step in flight (`join`): step id -> the
+        # "join" steps sent during the training step in flight (`send_join`): step id -> the
         # future of its reply, which that step's gather hands over (a one-rank group).
         self._joins: dict[int, asyncio.Future] = {}
         self._running = False  # a training step is in flight whose ranks may take joins
@@ -299,7 +299,7 @@ class WorkerGroup:
         """Whether a "join" step may be sent now: a training step runs on one rank."""
         return self._running and not self._lost()
 
-    def join(self, step: StepF) -> asyncio.Future:
+    def send_join(self, step: StepF) -> asyncio.Future:
         """Send `step` into the training step in flight, now: its rank runs it between two
         micro-batches (or right after the step, if it came too late) and answers it at
         once; the future's result is [its reply] (WorkerLost if the group fails first).
@@ -347,7 +347,7 @@ class WorkerGroup:
             if group != self._group or not rank.isdigit() or int(rank) >= self.world:
                 log.warning("ignored a frame from %r, not a rank of this worker group", ident)
             elif isinstance(msg, ReplyF) and msg.step in self._joins:
-                self._joins.pop(msg.step).set_result([msg])  # a joined step's (see `join`)
+                self._joins.pop(msg.step).set_result([msg])  # a joined step's (see `send_join`)
             elif msg is not None and (wanted(msg) or (isinstance(msg, HelloF) and msg.error)):
                 got[int(rank)] = msg
                 if arrived is not None:
