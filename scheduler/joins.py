@@ -14,7 +14,7 @@ What keeps it right:
   step's), and whole ops in seq_id order, each model's queue as a normal step takes them;
 - a join holds what its tenant's fair share allows: a tenant ahead of the step's tenants in
   virtual time (fairness.py), charged for what its rows cost like any step's;
-- at most `limit_s` of predicted work (about one micro-batch), so the step it runs in,
+- at most `limit_s` of predicted work (a micro-batch, or half the step), so the step it runs in,
   the flooder's, is delayed by about what a small tenant's turn costs.
 """
 
@@ -41,12 +41,14 @@ def micro_tokens(shape: StepShape, predicted_s: float, fixed_s: float, preempt_s
 
 def join_candidates(planner: Planner, running: Step, ready: Callable[[str], bool]
                     ) -> list[tuple[str, list[Work]]]:
-    """(tenant, a model's ops) that may join `running`, in fair order: models not in it,
-    nothing of theirs in flight, whose head is a forward_backward (the run of them, whole)
-    or an optim_step with no rows queued behind it; `ready(model)`: the caller's say
+    """(tenant, a model's ops) that may join `running`, in fair order: models of tenants
+    not in it (a tenant's other models wait their turn), nothing of theirs in flight, whose
+    head is a forward_backward (the run of them, whole) or an optim_step with no rows
+    queued behind it; `ready(model)`: the caller's say
     (e.g. a pipelining client's optim_step is still on its way)."""
     in_step = {w.model for w in running.work}
-    step_tenants = [planner.fair.tenant(t) for t in {w.tenant for w in running.work}]
+    names = {w.tenant for w in running.work}
+    step_tenants = [planner.fair.tenant(t) for t in names]
     ahead = min((t.vtime for t in step_tenants), default=float("inf"))
     out = []
     for model, q in planner.models.items():
@@ -54,7 +56,7 @@ def join_candidates(planner: Planner, running: Step, ready: Callable[[str], bool
         if model in in_step or head is None or head.taken or not ready(model):
             continue
         tenant = planner.fair.tenant(planner.model_tenant[model])
-        if tenant.vtime > ahead:
+        if tenant.name in names or tenant.vtime > ahead:  # (its other models wait their turn)
             continue  # past its share next to the step's tenants: it waits its turn
         if head.kind == TRAIN:
             ops = q.run_of_train()
@@ -72,8 +74,8 @@ def join_candidates(planner: Planner, running: Step, ready: Callable[[str], bool
 
 def fit_join(planner: Planner, candidates: list[tuple[str, list[Work]]], limit_s: float
              ) -> tuple[list[Work], StepShape, dict[str, float]]:
-    """The candidates' ops that fit `limit_s` of predicted time (the first ones always, if
-    they fit alone); with the join's shape and what each tenant's rows add."""
+    """The candidates' ops that fit `limit_s` of predicted time, in order (one that does
+    not fit is skipped); with the join's shape and what each tenant's rows add."""
     shape, taken, charged = StepShape(), [], {}
     for tenant, ops in candidates:
         trial = StepShape(shape.tokens, shape.rows, shape.pairs, shape.adapters)

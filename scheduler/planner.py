@@ -56,6 +56,8 @@ class Step:
 # A preemptible step's micro-batches take about this share of the step target (preempt_s
 # None): a small tenant's work waits about that long for the one in flight to end.
 PREEMPT_SHARE = 0.25
+# A join may hold up to this share of the step in flight's predicted time (join_step).
+JOIN_SHARE = 0.5
 # A tenant served in this many recent training steps may join the next ones (_may_be_joined).
 JOIN_MEMORY = 4
 
@@ -418,7 +420,7 @@ class Planner:
         """Small work that may run inside `running` (a training step in flight), between
         two of its micro-batches: whole forward_backwards (and the optim_step behind them)
         of models not in it, of tenants within their fair share, up to about one
-        micro-batch (or a PREEMPT_SHARE of the step's rows) of predicted time (joins.py);
+        micro-batch (or JOIN_SHARE of the step's) of predicted time (joins.py);
         None if there is none. `ready(model)`:
         whether the model's work may go now (a pipelining client's optim_step may still be
         on its way). Completed like any step (`complete`, without seconds: a join's time
@@ -426,8 +428,9 @@ class Planner:
         limit = self.preempt_limit()
         if limit <= 0 or running.kind != "train" or running.joined:
             return None
-        # At most a micro-batch's time, or a share of the step's (what it may delay it by)
-        limit = max(limit, PREEMPT_SHARE * (running.predicted_s - self.cost.fixed_cost))
+        # What it may delay the step in flight by: a micro-batch's time, or half the step's
+        # (the fitted costs of one small row are noisy; fair share bounds the rest)
+        limit = max(limit, JOIN_SHARE * running.predicted_s)
         self._admit_held()
         taken, shape, charged = fit_join(self, join_candidates(self, running, ready), limit)
         if not taken:

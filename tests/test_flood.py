@@ -170,6 +170,17 @@ def test_a_small_tenants_pair_joins_the_flooders_step_in_flight():
     assert p.next_seq("small") == 3
 
 
+def test_a_tenants_other_models_do_not_join_its_own_step():
+    """The flooder's third model, not in the step in flight, is no small tenant: it waits
+    for its turn (one that were small would still not join its tenant's own step)."""
+    p = preempting_planner()
+    p.open_model("flood:tiny", "flood")
+    running = p.next_step()
+    assert "flood:tiny" not in {w.model for w in running.work}
+    p.submit(fwdbwd("flood", "flood:tiny", 1, 1))
+    assert p.join_step(running) is None
+
+
 def test_a_join_respects_fair_share():
     """A tenant ahead of the step's tenants in virtual time (it was served more) waits."""
     p = preempting_planner()
