@@ -12,14 +12,16 @@ What keeps it right:
 - a join holds only models the step in flight does not (their gradients are apart: an
   optim_step in a join sees all of its model's earlier forward_backwards, none of the
   step's), and whole ops in seq_id order, each model's queue as a normal step takes them;
-- a join holds what its tenant's fair share allows: a tenant ahead of the step's tenants in
-  virtual time (fairness.py), charged for what its rows cost like any step's;
+- a join holds what its tenant's fair share allows: a tenant more than the step's time
+  ahead of the step's tenants in virtual time (fairness.py) waits; it is charged for what
+  its rows cost like any step's;
 - at most `limit_s` of predicted work (a micro-batch, or half the step), so the step it runs in,
   the flooder's, is delayed by about what a small tenant's turn costs.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -30,13 +32,15 @@ if TYPE_CHECKING:
     from .planner import Planner, Step
 
 
-def micro_tokens(shape: StepShape, predicted_s: float, fixed_s: float, preempt_s: float) -> int:
-    """Tokens of a micro-batch that takes about `preempt_s`, at the rate this step's rows
-    are predicted to run (0: the step is short enough to run as one)."""
-    rows_s = predicted_s - fixed_s
-    if preempt_s <= 0 or rows_s <= preempt_s or shape.tokens <= 0:
+def micro_tokens(shape: StepShape, predicted_s: float, preempt_s: float) -> int:
+    """Tokens of a micro-batch that takes about `preempt_s` of a step predicted to take
+    `predicted_s` (0: the step is short enough to run as one). A share of the step, not
+    tokens at a fitted rate: the step was packed by the same cost model, so its errors
+    cancel (on a loaded CPU the fitted per-row cost once made micro-batches of one row,
+    each paying a pass: the step took 2.3x as long)."""
+    if preempt_s <= 0 or predicted_s <= preempt_s or shape.tokens <= 0:
         return 0
-    return max(1, int(shape.tokens * preempt_s / rows_s))
+    return max(1, math.ceil(shape.tokens * preempt_s / predicted_s))
 
 
 def join_candidates(planner: Planner, running: Step, ready: Callable[[str], bool]
@@ -49,6 +53,9 @@ def join_candidates(planner: Planner, running: Step, ready: Callable[[str], bool
     in_step = {w.model for w in running.work}
     names = {w.tenant for w in running.work}
     step_tenants = [planner.fair.tenant(t) for t in names]
+    # The step's tenants were charged for all of it when it was planned; a tenant idle
+    # until now joins at the clock (fairness.py), and may have as much of the machine
+    # while the step runs: it may be up to the step's time ahead of them.
     ahead = min((t.vtime for t in step_tenants), default=float("inf"))
     out = []
     for model, q in planner.models.items():
@@ -56,7 +63,7 @@ def join_candidates(planner: Planner, running: Step, ready: Callable[[str], bool
         if model in in_step or head is None or head.taken or not ready(model):
             continue
         tenant = planner.fair.tenant(planner.model_tenant[model])
-        if tenant.name in names or tenant.vtime > ahead:  # (its other models wait their turn)
+        if tenant.name in names or tenant.vtime > ahead + running.predicted_s / tenant.weight:
             continue  # past its share next to the step's tenants: it waits its turn
         if head.kind == TRAIN:
             ops = q.run_of_train()

@@ -395,7 +395,7 @@ class Planner:
             self.models[w.model].take(w)
             taken.append(w)
         predicted = self.cost.predict(shape)
-        micro = micro_tokens(shape, predicted, self.cost.fixed_cost, self.preempt_limit()) \
+        micro = micro_tokens(shape, predicted, self.preempt_limit()) \
             if self._may_be_joined(set(charged)) else 0
         return Step("train", taken, shape, predicted, micro)
 

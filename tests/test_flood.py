@@ -182,11 +182,12 @@ def test_a_tenants_other_models_do_not_join_its_own_step():
 
 
 def test_a_join_respects_fair_share():
-    """A tenant ahead of the step's tenants in virtual time (it was served more) waits."""
+    """A tenant more than the step's time ahead of the step's tenants in virtual time (it
+    was served more) waits."""
     p = preempting_planner()
     running = p.next_step()
     p.submit(fwdbwd("small", "small", 1, 1))
-    p.tenant("small").vtime = p.tenant("flood").vtime + 1.0
+    p.tenant("small").vtime = p.tenant("flood").vtime + running.predicted_s + 0.01
     assert p.join_step(running) is None
 
 
