@@ -217,7 +217,7 @@ class EngineCore:
             self.samples.end_turn()
         seconds = None  # how long the step took: what the planner's cost model learns
         if ops:
-            started = time.monotonic()
+            started, joined = time.monotonic(), self.executor.joined_s
             try:
                 executing = time.time()
                 outcomes = await self._execute(step, ops)  # 2. execute
@@ -230,7 +230,8 @@ class EngineCore:
                                  executing=executing, completing=completing, done=time.time(),
                                  queued=max(started - op.submitted for op in ops))
                 if len(ops) == len(planned) and all(c != "server" for _, _, c in outcomes):
-                    seconds = time.monotonic() - started  # a step that ran whole
+                    # a step that ran whole; what joins took inside it is not its cost
+                    seconds = time.monotonic() - started - (self.executor.joined_s - joined)
             except Exception as e:  # never let the loop die: fail what the step held
                 log.exception("a %s step failed outside the engine", step.kind)
                 for op in ops:

@@ -115,6 +115,7 @@ class Executor:
         # Told why the group restarted: who keeps work the workers held across steps (samples)
         self._restart_hooks: list[Callable[[str], None]] = []
         self._unsettled: set[str] = set()  # adapters a failed joined pass may have touched
+        self.joined_s = 0.0  # seconds the ranks spent on joins (in the steps they ran in)
 
     def serve(self, adapters: LiveAdapters, on_restart: Callable[[], None]) -> None:
         """Who to ask which adapters a restarted group must get back, and who counts
@@ -230,7 +231,10 @@ class Executor:
         """The ranks' replies merged into one outcome per op, journaled and on disk before
         any is acknowledged; a lost group fails them all (and restarts behind them)."""
         try:
-            merged = await self._merged(frames, await replies, join)
+            got = await replies
+            if join:  # the step in flight's time includes it: not the step's own cost
+                self.joined_s += max(r.busy_s for r in got)
+            merged = await self._merged(frames, got, join)
         except WorkerLost as e:
             message = RESTART_MESSAGE.format(why=e)
             for op in ops:

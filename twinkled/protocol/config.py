@@ -83,7 +83,7 @@ class Config:
     # Preemptible training steps (scheduler/joins.py): a step that a recently served tenant
     # may want to join runs in micro-batches of about this many ms, and a small tenant's
     # work that arrives meanwhile runs between two of them, answered at once. "auto": a
-    # quarter of the step target; 0: off. One-rank groups only.
+    # half the step target; 0: off. One-rank groups only.
     preempt_ms: float | str = "auto"
     poll_seconds: float = 30.0  # retrieve_future long-poll (client times out at 45 s)
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client chunks)
