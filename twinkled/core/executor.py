@@ -210,7 +210,7 @@ class Executor:
         the result for their outcomes, there when they are done, not when that step is.
         Only while `can_join`."""
         frames = self._reserve(ops)
-        replies = self.group.send_join(StepF(0, "train", frames))  # sent before this returns
+        replies = self.group.send_join(StepF(0, "train", frames, join=True))  # sent now
         return self._outcomes(ops, frames, replies, join=True)
 
     def _reserve(self, ops: list) -> list[OpF]:

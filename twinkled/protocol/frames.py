@@ -187,6 +187,9 @@ class StepF(msgspec.Struct, omit_defaults=True):
     # small tenant's work, answered at once; EngineCore._joins), so it waits one
     # micro-batch, not the whole step.
     micro_tokens: int = 0
+    # A join (sent into the training step in flight): run inside it, or right after it if it
+    # came too late, but never taken as the sign that the steps before it were answered.
+    join: bool = False
 
 
 class SlicedF(msgspec.Struct, omit_defaults=True):

@@ -73,7 +73,8 @@ def main(args: dict) -> None:
             time.sleep(delay)
         try:
             _run_and_reply(sock, runner, rank, step, received, HOST_TIME,
-                           between=lambda: _joins(sock, runner, rank, HOST_TIME))
+                           between=lambda: _joins(sock, runner, rank, HOST_TIME),
+                           joined=step.join)  # (a join that came after its step ended)
         except Exception as e:
             # Only what leaves this rank unusable gets here (`rank_io.fatal`: a CUDA or
             # collective fault; a request's own failure is its outcome). The ranks may now
@@ -89,7 +90,7 @@ def _run_and_reply(sock, runner, rank: int, step, received: float, host_time,
                    between=None, joined: bool = False) -> None:
     """Run `step` and send its reply (`between`, `joined`: StepRunner.run)."""
     began, started = time.time(), time.perf_counter()
-    outcomes = runner.run(step, between, joined)
+    outcomes = runner.run(step, None if joined else between, joined)
     if not joined:
         _test_die(rank, step)
     busy = time.perf_counter() - started
