@@ -286,3 +286,48 @@ def test_a_small_tenants_pair_is_answered_before_the_flooders_step_ends(tiny_dir
                 assert max(abs(a - b) for a, b in zip(x, y, strict=True)) <= 1e-4
 
     asyncio.run(asyncio.wait_for(go(), 600))
+
+
+def test_a_worker_process_answers_a_join_before_the_step_it_joined(tiny_dir, tmp_path):
+    """The worker process over ZeroMQ: a join sent while a training step of many
+    micro-batches runs is answered before that step (its rank runs it between two of
+    them), and both steps' ops succeed. (The old group had no joins.)"""
+    import random
+
+    from twinkled.core.executor import zmq_executor
+    from twinkled.protocol.config import Config
+    from twinkled.protocol.frames import CreateF, DatumF, StepF, TrainF, buf
+    from twinkled.protocol.types import LoraConfig
+
+    def train(adapter: str, rows: int) -> TrainF:
+        gen = random.Random(rows)
+        data = []
+        for _ in range(rows):
+            toks = [gen.randrange(200) for _ in range(33)]
+            data.append(DatumF(buf(toks[:-1], "int64"), {"target_tokens": buf(toks[1:], "int64")}))
+        return TrainF(adapter, data, "cross_entropy", {}, False)
+
+    async def go():
+        cfg = Config(model=tiny_dir, data_dir=tmp_path, device="cpu", dtype="float32",
+                     worker_threads=1, persist_every=0)
+        ex = zmq_executor(cfg, ["cpu"])
+        await asyncio.wait_for(ex.start(), 300)
+        group = ex.group
+        try:
+            await group.run(StepF(0, "barrier", [CreateF(a, LoraConfig(rank=4, seed=i))
+                                                 for i, a in enumerate(("flood", "small"))]))
+            big = asyncio.ensure_future(group.run(StepF(0, "train", [train("flood", 24)],
+                                                        micro_tokens=32)))
+            while not group.can_join():
+                await asyncio.sleep(0.001)
+            joined = await asyncio.wait_for(group.send_join(
+                StepF(0, "train", [train("small", 1)], join=True)), 300)
+            assert not big.done()  # answered inside the flooder's step
+            replies = await asyncio.wait_for(big, 300)
+            for reply in (*joined, *replies):
+                assert all(o.error is None and o.fwdbwd is not None for o in reply.outcomes)
+            assert not group.can_join()  # no step in flight
+        finally:
+            await ex.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 600))
