@@ -20,6 +20,10 @@ The rule, in order:
    gets it appended to the step, to run after the step's rows: a whole training round of
    every tenant is then one step, not two.
 4. A sampling step packs samples up to `sample_budget` tokens, tenants taking turns.
+5. Preemptible steps (`preempt_s`, joins.py): while a training step runs, a small tenant's
+   work that arrives may *join* it, run between two of its micro-batches and answered at
+   once (`join_step`); a step that a recently served tenant may want to join runs in
+   micro-batches of about `preempt_s` (`Step.micro_tokens`).
 
 Quotas hold work back (it is "paused", and the client is told so) rather than failing it.
 The planner is pure: no I/O, no clocks, no torch; the daemon calls submit/next_step/complete
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 
 from .cost import CostModel, StepShape
 from .fairness import Fairness, Limits, Tenant
+from .joins import fit_join, join_candidates, micro_tokens
 from .packing import MIN_SHARED_STEP, fills_step, fit_work, is_probe
 from .queues import OPTIM, SAMPLE, TRAIN, ModelQueue, Work
 
@@ -44,14 +49,31 @@ class Step:
     work: list[Work] = field(default_factory=list)
     shape: StepShape | None = None  # a training step's rows, as the cost model sees them
     predicted_s: float = 0.0  # what the cost model predicted it takes
+    micro_tokens: int = 0  # micro-batches of at most this many tokens (0: token_budget)
+    joined: bool = False  # runs inside the training step in flight (Planner.join_step)
+
+
+# A preemptible step's micro-batches take about this share of the step target (preempt_s
+# None): a small tenant's work waits about that long for the one in flight to end. Each
+# micro-batch pays a pass's overhead: on the CPU tiny model next to a flooder, a quarter
+# (4 passes a step) left the flooder 0.42-0.71x of its throughput alone.
+PREEMPT_SHARE = 0.5
+# A join may hold up to this share of the step in flight's predicted time (join_step).
+JOIN_SHARE = 0.5
+# A tenant served in this many recent training steps may join the next ones (_may_be_joined).
+JOIN_MEMORY = 4
 
 
 class Planner:
     def __init__(self, token_budget: int = 16384, sample_budget: int = 65536,
-                 target_step_s: float | None = None, cost: CostModel | None = None):
+                 target_step_s: float | None = None, cost: CostModel | None = None,
+                 preempt_s: float | None = 0.0):
         """`target_step_s`: how long a training step should take; None derives it from the
         cost model (CostModel.auto_target), 0 turns the time bound off (steps are bounded
-        by `token_budget` only, as before the cost model)."""
+        by `token_budget` only, as before the cost model). `preempt_s`: how long a
+        micro-batch of a preemptible step takes (joins.py); None: half the step
+        target (PREEMPT_SHARE), 0: steps are not preemptible."""
+        self.preempt_s = preempt_s
         self.token_budget = token_budget
         self.sample_budget = sample_budget
         self.target_step_s = target_step_s
@@ -65,6 +87,7 @@ class Planner:
         self.steps = 0
         self._train_steps = 0
         self._served: set[str] = set()  # the tenants with rows in the last training step
+        self._last_served: dict[str, int] = {}  # tenant -> the training step that last served it
         self._sample_turn = False
 
     # -- configuration ------------------------------------------------------------------
@@ -301,7 +324,8 @@ class Planner:
         charged: dict[str, float] = {}  # tenant -> seconds its rows add to the step
         target, budget = self.step_target(), self.token_budget
         floor = target * MIN_SHARED_STEP  # how short a step may get for a tenant's turn
-        if any(not self.fair.tenant(n).queued_requests for n in self._served):
+        if not self.preempt_limit() and any(not self.fair.tenant(n).queued_requests
+                                            for n in self._served):
             # A tenant the last step served has nothing queued: its client is sending its
             # next request now (a small tenant's training loop). It should find a short
             # step in flight, not a whole target's worth of a flooder's rows.
@@ -350,6 +374,8 @@ class Planner:
         if not taken:
             return None
         self._served = set(charged)
+        for name in charged:
+            self._last_served[name] = self._train_steps
         # The step's fixed cost is shared in proportion to what each tenant's rows add.
         total = sum(charged.values())
         for name, added in charged.items():
@@ -370,7 +396,56 @@ class Planner:
         for w in tail:
             self.models[w.model].take(w)
             taken.append(w)
-        return Step("train", taken, shape, self.cost.predict(shape))
+        predicted = self.cost.predict(shape)
+        micro = micro_tokens(shape, predicted, self.preempt_limit()) \
+            if self._may_be_joined(set(charged)) else 0
+        return Step("train", taken, shape, predicted, micro)
+
+    # -- preemptible steps (joins.py) ---------------------------------------------------
+
+    def preempt_limit(self) -> float:
+        """How long a micro-batch of a preemptible step should take (0: none are)."""
+        if self.preempt_s is None:
+            target = self.step_target()
+            return target * PREEMPT_SHARE if target < math.inf else 0.0
+        return self.preempt_s
+
+    def _may_be_joined(self, in_step: set[str]) -> bool:
+        """A tenant served in the last few training steps (JOIN_MEMORY), not in this one,
+        has nothing queued: its client is sending its next request, which would join this
+        step between its micro-batches. (Else the step runs in as few passes as it can.)"""
+        return any(name not in in_step and not self.fair.tenant(name).queued_requests
+                   and self._train_steps - last <= JOIN_MEMORY
+                   for name, last in self._last_served.items())
+
+    def join_step(self, running: Step, ready=lambda model: True) -> Step | None:
+        """Small work that may run inside `running` (a training step in flight), between
+        two of its micro-batches: whole forward_backwards (and the optim_step behind them)
+        of models not in it, of tenants within their fair share, up to about one
+        micro-batch (or JOIN_SHARE of the step's) of predicted time (joins.py);
+        None if there is none. `ready(model)`:
+        whether the model's work may go now (a pipelining client's optim_step may still be
+        on its way). Completed like any step (`complete`, without seconds: a join's time
+        is not a step's)."""
+        limit = self.preempt_limit()
+        if limit <= 0 or running.kind != "train" or running.joined:
+            return None
+        # What it may delay the step in flight by: a micro-batch's time, or half the step's
+        # (the fitted costs of one small row are noisy; fair share bounds the rest)
+        limit = max(limit, JOIN_SHARE * running.predicted_s)
+        self._admit_held()
+        taken, shape, charged = fit_join(self, join_candidates(self, running, ready), limit)
+        if not taken:
+            return None
+        for w in taken:
+            self.models[w.model].take(w)
+            self._dequeued(w)
+        for name, added in charged.items():
+            self.fair.tenant(name).charge(added, sum(w.tokens for w in taken
+                                                     if w.tenant == name))
+            self._last_served[name] = self._train_steps
+        self.steps += 1
+        return Step("train", taken, shape, self.cost.predict(shape), joined=True)
 
     def _sample_step(self) -> Step | None:
         taken: list[Work] = []

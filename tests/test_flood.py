@@ -1,6 +1,8 @@
 """A small tenant next to a flooder (issue 32, item 2): the flooder's backlog neither holds
 the loop between steps (the gather) nor keeps the small tenant's work out of the next step
-(the planner). Planner and gather only, with synthetic costs: no torch, no timing
+(the planner), and the small tenant's work joins the flooder's step in flight between two
+of its micro-batches (preemptible steps, scheduler/joins.py). Planner and gather with
+synthetic costs; the engine and the in-process service on the tiny model. No timing
 assertions (a wait that would last an hour on the old code is cut by a generous timeout)."""
 
 from __future__ import annotations
@@ -137,3 +139,195 @@ def test_a_step_planned_while_a_served_tenant_is_away_is_short():
     p.complete(away, away.predicted_s)
     full = p.next_step()  # nobody the last step served is away
     assert full.predicted_s >= 0.9 * target
+
+
+# -- preemptible steps (scheduler/joins.py): a small tenant's work joins the step in flight --
+
+
+def preempting_planner() -> Planner:
+    p = flooded_planner()
+    p.preempt_s = 0.02
+    return p
+
+
+def test_a_small_tenants_pair_joins_the_flooders_step_in_flight():
+    """While the flooder's step runs, the small tenant's forward_backward and the optim_step
+    behind it may join it (nothing of the flooder's does: its models are in the step, or
+    its ops are more than a micro-batch); the old planner had no such thing."""
+    p = preempting_planner()
+    running = p.next_step()
+    assert {w.tenant for w in running.work} == {"flood"}
+    assert p.join_step(running) is None  # nothing small is queued
+    p.submit(fwdbwd("small", "small", 1, 1))
+    assert p.join_step(running, ready=lambda m: False) is None  # e.g. its optim_step is due
+    p.submit(optim("small", "small", 2))
+    j = p.join_step(running)
+    assert j is not None and j.joined
+    assert [(w.tenant, w.kind) for w in j.work] == [("small", TRAIN), ("small", OPTIM)]
+    assert p.join_step(running) is None  # the small model is in flight now
+    p.complete(j)
+    p.complete(running, running.predicted_s)
+    assert p.next_seq("small") == 3
+
+
+def test_a_tenants_other_models_do_not_join_its_own_step():
+    """The flooder's third model, not in the step in flight, is no small tenant: it waits
+    for its turn (one that were small would still not join its tenant's own step)."""
+    p = preempting_planner()
+    p.open_model("flood:tiny", "flood")
+    running = p.next_step()
+    assert "flood:tiny" not in {w.model for w in running.work}
+    p.submit(fwdbwd("flood", "flood:tiny", 1, 1))
+    assert p.join_step(running) is None
+
+
+def test_a_join_respects_fair_share():
+    """A tenant more than the step's time ahead of the step's tenants in virtual time (it
+    was served more) waits."""
+    p = preempting_planner()
+    running = p.next_step()
+    p.submit(fwdbwd("small", "small", 1, 1))
+    p.tenant("small").vtime = p.tenant("flood").vtime + running.predicted_s + 0.01
+    assert p.join_step(running) is None
+
+
+def test_a_step_runs_in_micro_batches_only_when_a_served_tenant_may_join():
+    """Micro-batches cost passes: a step is cut into them only while a tenant served in the
+    last steps is away (its client sending its next request), not for a flooder alone."""
+    p = preempting_planner()
+    alone = p.next_step()
+    assert alone.micro_tokens == 0
+    p.complete(alone, alone.predicted_s)
+    p.submit(fwdbwd("small", "small", 1, 1))
+    p.submit(optim("small", "small", 2))
+    served = p.next_step()
+    p.complete(served, served.predicted_s)
+    assert "small" in {w.tenant for w in served.work}
+    away = p.next_step()  # the small tenant's client is sending its next pair
+    assert 0 < away.micro_tokens < away.shape.tokens
+    assert away.predicted_s >= 0.9 * p.step_target()  # not shortened: the pair will join
+
+
+def test_a_join_between_micro_batches_changes_no_number(tiny_dir):
+    """The flooder's rows in micro-batches of one row, with the small adapter's
+    forward_backward and optimizer step run between two of them: the flooder's gradients,
+    the small adapter's loss and its weights after the step are those of the same work
+    run one after the other, unpreempted."""
+    import torch
+    from helpers import all_close, ce_request, grads, make_engine, randomize_b, weights
+
+    from twinkled.protocol.types import AdamParams, LoraConfig
+
+    def engine():
+        e = make_engine(tiny_dir)
+        for name, seed in (("flood", 0), ("small", 1)):
+            e.add_adapter(name, LoraConfig(rank=4, alpha=16, seed=seed))
+            randomize_b(e, name, seed=3 + seed, std=0.3)
+        return e
+
+    def work():
+        gen = torch.Generator().manual_seed(7)
+        return (ce_request("flood", gen, 256, [12, 9, 15, 7]),
+                ce_request("small", gen, 256, [10]))
+
+    adam = AdamParams(learning_rate=1e-2)
+    ref = engine()
+    flood, small = work()
+    want_flood = ref.forward_backward([flood])
+    want_small = ref.forward_backward([small])
+    ref.optim_step("small", adam)
+
+    got = engine()
+    flood, small = work()
+    joined = []
+
+    def between() -> None:
+        if not joined:  # after the flooder's first micro-batch
+            joined.append(got.forward_backward([small]))
+            got.optim_step("small", adam)
+
+    got_flood = got.forward_backward([flood], micro_tokens=16, between=between)
+    assert joined, "the step ran as one micro-batch: nothing could join it"
+    assert all_close(grads(got, "flood"), grads(ref, "flood"), rtol=1e-4)
+    assert all_close(weights(got, "small"), weights(ref, "small"), rtol=1e-4)
+    for want, have in ((want_flood, got_flood), (want_small, joined[0])):
+        assert abs(want[0].metrics["loss:sum"] - have[0].metrics["loss:sum"]) <= 1e-4 * abs(
+            want[0].metrics["loss:sum"])
+
+
+def test_a_small_tenants_pair_is_answered_before_the_flooders_step_ends(tiny_dir, tmp_path):
+    """Through the service (in-process engine): the small tenant's forward_backward and
+    optim_step, sent while the flooder's long step runs, are answered before that step
+    is; its loss is what the same data gave unpreempted, and the flooder's logprobs are
+    those of its rows run alone. The old core ran them after the flooder's step."""
+    from test_service import done, logprobs, result, service
+
+    async def go():
+        async with service(tiny_dir, tmp_path, target_step_ms=60_000, preempt_ms=1) as box:
+            core = box.svc.lanes.all[0].core
+            small, flood = await box.create("small"), await box.create("flood")
+            first = [box.fwdbwd("small", small, 1, [16], seed=1), box.optim("small", small, 2)]
+            await done(*first)
+            alone = box.fwdbwd("small", small, 3, [16], seed=2, forward_only=True)
+            await done(alone)
+            big = box.fwdbwd("flood", flood, 1, [32] * 24, seed=3)
+            while not core.stepping:
+                await asyncio.sleep(0.001)
+            pair = [box.fwdbwd("small", small, 4, [16], seed=2), box.optim("small", small, 5)]
+            await done(*pair)
+            assert not big.done.is_set()  # answered inside the flooder's step
+            await done(big)
+            assert all(f.error is None for f in (*pair, big))
+            loss = result(pair[0]).metrics["loss:sum"]
+            assert abs(loss - result(alone).metrics["loss:sum"]) <= 1e-4 * abs(loss)
+            again = box.fwdbwd("flood", flood, 2, [32] * 24, seed=3, forward_only=True)
+            await done(again)
+            for x, y in zip(logprobs(result(big)), logprobs(result(again)), strict=True):
+                assert max(abs(a - b) for a, b in zip(x, y, strict=True)) <= 1e-4
+
+    asyncio.run(asyncio.wait_for(go(), 600))
+
+
+def test_a_worker_process_answers_a_join_before_the_step_it_joined(tiny_dir, tmp_path):
+    """The worker process over ZeroMQ: a join sent while a training step of many
+    micro-batches runs is answered before that step (its rank runs it between two of
+    them), and both steps' ops succeed. (The old group had no joins.)"""
+    import random
+
+    from twinkled.core.executor import zmq_executor
+    from twinkled.protocol.config import Config
+    from twinkled.protocol.frames import CreateF, DatumF, StepF, TrainF, buf
+    from twinkled.protocol.types import LoraConfig
+
+    def train(adapter: str, rows: int) -> TrainF:
+        gen = random.Random(rows)
+        data = []
+        for _ in range(rows):
+            toks = [gen.randrange(200) for _ in range(33)]
+            data.append(DatumF(buf(toks[:-1], "int64"), {"target_tokens": buf(toks[1:], "int64")}))
+        return TrainF(adapter, data, "cross_entropy", {}, False)
+
+    async def go():
+        cfg = Config(model=tiny_dir, data_dir=tmp_path, device="cpu", dtype="float32",
+                     worker_threads=1, persist_every=0)
+        ex = zmq_executor(cfg, ["cpu"])
+        await asyncio.wait_for(ex.start(), 300)
+        group = ex.group
+        try:
+            await group.run(StepF(0, "barrier", [CreateF(a, LoraConfig(rank=4, seed=i))
+                                                 for i, a in enumerate(("flood", "small"))]))
+            big = asyncio.ensure_future(group.run(StepF(0, "train", [train("flood", 24)],
+                                                        micro_tokens=32)))
+            while not group.can_join():
+                await asyncio.sleep(0.001)
+            joined = await asyncio.wait_for(group.send_join(
+                StepF(0, "train", [train("small", 1)], join=True)), 300)
+            assert not big.done()  # answered inside the flooder's step
+            replies = await asyncio.wait_for(big, 300)
+            for reply in (*joined, *replies):
+                assert all(o.error is None and o.fwdbwd is not None for o in reply.outcomes)
+            assert not group.can_join()  # no step in flight
+        finally:
+            await ex.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 600))

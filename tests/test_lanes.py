@@ -62,7 +62,7 @@ def test_a_failing_lane_fails_only_its_own_steps(tiny_dir, tmp_path):
             broken = box.svc.lanes.of(b)
             real = broken.executor.run_ops
 
-            async def fails(kind, ops):
+            async def fails(kind, ops, micro_tokens=0):
                 raise RuntimeError("lane on fire")
 
             broken.executor.run_ops = fails

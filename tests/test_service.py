@@ -241,7 +241,7 @@ def test_futures_fail_cleanly_and_the_loop_goes_on(tiny_dir, tmp_path):
             # The executor itself failing (a bug): the step's futures fail as server errors.
             real = svc.lanes.all[0].executor.run_ops
 
-            async def broken(kind, ops):
+            async def broken(kind, ops, micro_tokens=0):
                 raise RuntimeError("boom")
 
             svc.lanes.all[0].executor.run_ops = broken

@@ -8,7 +8,9 @@ the whole life of one step, top to bottom:
                the workers' running batches for one decode slice: pending_samples.py; a
                "slice" step, between the others, goes on with them);
   2. execute   the executor runs the step's frames on the engine and merges the ranks'
-               answers into one outcome per op (executor.py);
+               answers into one outcome per op (executor.py); a small tenant's work
+               that arrives meanwhile may join a training step between two of its
+               micro-batches, answered when it is done (`_joins`, scheduler/joins.py);
   3. complete  each outcome goes to its future (the pieces of a cut op are merged first),
                residency notes what changed which adapter, and the planner learns how long
                the step took.
@@ -60,7 +62,8 @@ class EngineCore:
         self.residency = residency
         self.metrics = metrics
         self.wake = asyncio.Event()  # set when work arrives
-        self.gather = Gather(planner, residency, metrics, gather_s, self.wake)
+        self.gather = Gather(planner, residency, metrics, gather_s, self.wake,
+                             preemptible=executor.preemptible)
         self.stepping = False
         self._seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
         self._pieces = Pieces()
@@ -214,10 +217,10 @@ class EngineCore:
             self.samples.end_turn()
         seconds = None  # how long the step took: what the planner's cost model learns
         if ops:
-            started = time.monotonic()
+            started, joined = time.monotonic(), self.executor.joined_s
             try:
                 executing = time.time()
-                outcomes = await self._execute(step.kind, ops)  # 2. execute
+                outcomes = await self._execute(step, ops)  # 2. execute
                 completing = time.time()
                 self._complete(ops, outcomes)  # 3. complete
                 if trace.enabled():
@@ -227,7 +230,8 @@ class EngineCore:
                                  executing=executing, completing=completing, done=time.time(),
                                  queued=max(started - op.submitted for op in ops))
                 if len(ops) == len(planned) and all(c != "server" for _, _, c in outcomes):
-                    seconds = time.monotonic() - started  # a step that ran whole
+                    # a step that ran whole; what joins took inside it is not its cost
+                    seconds = time.monotonic() - started - (self.executor.joined_s - joined)
             except Exception as e:  # never let the loop die: fail what the step held
                 log.exception("a %s step failed outside the engine", step.kind)
                 for op in ops:
@@ -302,19 +306,66 @@ class EngineCore:
         if done:
             self._complete([op for op, _ in done], [outcome for _, outcome in done])
 
-    async def _execute(self, kind: str, ops: list[Op]) -> list[Outcome]:
+    async def _execute(self, step: Step, ops: list[Op]) -> list[Outcome]:
+        kind = step.kind
         self.stepping = True
         started = time.monotonic()
         for op in ops:
             self.metrics.queue_wait.observe(started - op.submitted)
         try:
-            return await self.executor.run_ops(kind, ops)
+            run = asyncio.ensure_future(self.executor.run_ops(kind, ops, step.micro_tokens))
+            if kind == "train" and self.planner.preempt_limit() > 0:
+                await self._joins(step, run)
+            return await run
         except Exception as e:  # a bug: fail this step, keep serving
             log.exception("step failed")
             return [(None, f"server error: {type(e).__name__}: {e}", "server")] * len(ops)
         finally:
             self.stepping = False
             self.metrics.step_seconds.labels(kind).observe(time.monotonic() - started)
+
+    async def _joins(self, step: Step, run: asyncio.Future) -> None:
+        """While training step `step` runs (`run`): each time work arrives, small work of
+        other models that may join it (Planner.join_step) is sent in, to run between two
+        of its micro-batches; each join is completed when its answer comes, not when the
+        step's does. Returns when the step and its joins are done."""
+        joins: list[asyncio.Task] = []
+        while not run.done():
+            if self.executor.can_join():
+                j = self.planner.join_step(step, self._may_join)
+                if j is not None:
+                    ops = self._runnable([self._piece_op(w) for w in j.work])
+                    sent = self.executor.join(ops) if ops else None  # (sent now)
+                    joins.append(asyncio.ensure_future(self._joined(j, ops, sent)))
+            self.wake.clear()
+            woken = asyncio.ensure_future(self.wake.wait())
+            await asyncio.wait([run, woken], return_when=asyncio.FIRST_COMPLETED)
+            woken.cancel()
+        if joins:
+            await asyncio.wait(joins)
+
+    def _may_join(self, model: str) -> bool:
+        """A pipelining client's forward_backward joins with the optim_step it sends right
+        behind it (the gather's view), not without it."""
+        return self.executor.may_join(model) and not (
+            self.gather.is_paired(model) and self.planner.awaits_barrier(model))
+
+    async def _joined(self, j: Step, ops: list[Op], sent) -> None:
+        """A join's answer: its ops completed at once (their clients hear now)."""
+        try:
+            if sent is not None:
+                outcomes = await sent
+                self._complete(ops, outcomes)
+                if trace.enabled():
+                    trace.record("join", tenants=_tenant_kinds(ops), at=time.time())
+        except Exception as e:  # a bug: fail what it held, keep serving
+            log.exception("a joined step failed")
+            for op in ops:
+                if not op.future.done.is_set():
+                    self.futures.fail(op.future, f"server error: {type(e).__name__}: {e}",
+                                      "server")
+        finally:
+            self.planner.complete(j)
 
     def _complete(self, ops: list[Op], outcomes: list[Outcome]) -> None:
         with self.futures.settling():  # one store commit for the step's results

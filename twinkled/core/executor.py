@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -114,6 +114,8 @@ class Executor:
         self._on_restart: Callable[[], None] = lambda: None
         # Told why the group restarted: who keeps work the workers held across steps (samples)
         self._restart_hooks: list[Callable[[str], None]] = []
+        self._unsettled: set[str] = set()  # adapters a failed joined pass may have touched
+        self.joined_s = 0.0  # seconds the ranks spent on joins (in the steps they ran in)
 
     def serve(self, adapters: LiveAdapters, on_restart: Callable[[], None]) -> None:
         """Who to ask which adapters a restarted group must get back, and who counts
@@ -173,26 +175,73 @@ class Executor:
                     log.error("worker group lost between steps: %s; restarting it", why)
                     await self.recover(why)
 
-    async def run_ops(self, kind: str, ops: list) -> list[Outcome]:
+    async def run_ops(self, kind: str, ops: list, micro_tokens: int = 0) -> list[Outcome]:
         """Run one planned step. A worker fault fails the whole step (category "server"),
         answered at once; the group restarts behind the answer, every live adapter
-        restored, before anything uses it again."""
+        restored, before anything uses it again. `micro_tokens`: a training step's
+        micro-batches hold at most this many tokens; `join` may run ops between them."""
         async with self._turn():
-            return await self._run_ops(kind, ops)
+            try:
+                return await self._run_ops(kind, ops, micro_tokens)
+            finally:
+                if self._unsettled and not self.recovering:  # a joined pass that failed
+                    models, self._unsettled = self._unsettled, set()
+                    await self._reset(models)
 
-    async def _run_ops(self, kind: str, ops: list) -> list[Outcome]:
+    @property
+    def preemptible(self) -> bool:
+        """Whether training steps may take joins here: a group of one rank (the ranks of
+        a bigger one would have to agree on where a join runs)."""
+        return len(self.group.devices) == 1
+
+    def can_join(self) -> bool:
+        """Whether `join` may run ops now: a training step is in flight on a one-rank
+        group (which takes them between its micro-batches)."""
+        return not self.recovering and self.group.can_join()
+
+    def may_join(self, model: str) -> bool:
+        """Whether ops of `model` may join: not while a failed joined pass left it
+        unsettled (it is brought back at its acknowledged state after the step)."""
+        return model not in self._unsettled
+
+    def join(self, ops: list) -> Awaitable[list[Outcome]]:
+        """Send `ops` (a small training step: rows and the optim_steps behind them, of
+        models not in the step in flight) into the training step in flight, now; await
+        the result for their outcomes, there when they are done, not when that step is.
+        Only while `can_join`."""
+        frames = self._reserve(ops)
+        replies = self.group.send_join(StepF(0, "train", frames, join=True))  # sent now
+        return self._outcomes(ops, frames, replies, join=True)
+
+    def _reserve(self, ops: list) -> list[OpF]:
         frames = [op.frame for op in ops]
         for frame in frames:
             if changes_adapter(frame):
                 frame.mark = self.journal.reserve(frame.adapter_id)
+        return frames
+
+    async def _run_ops(self, kind: str, ops: list, micro_tokens: int = 0) -> list[Outcome]:
+        frames = self._reserve(ops)
+        replies = self.group.run(StepF(0, kind, frames, micro_tokens=micro_tokens))
+        return await self._outcomes(ops, frames, replies)
+
+    async def _outcomes(self, ops: list, frames: list[OpF],
+                        replies: Awaitable[list[ReplyF]], join: bool = False
+                        ) -> list[Outcome]:
+        """The ranks' replies merged into one outcome per op, journaled and on disk before
+        any is acknowledged; a lost group fails them all (and restarts behind them)."""
         try:
-            merged = await self._run_frames(kind, frames)
+            got = await replies
+            if join:  # the step in flight's time includes it: not the step's own cost
+                self.joined_s += max(r.busy_s for r in got)
+            merged = await self._merged(frames, got, join)
         except WorkerLost as e:
-            log.error("worker group lost: %s; restarting it", e)
             message = RESTART_MESSAGE.format(why=e)
             for op in ops:
                 self.journal.drop(op.future.id)
-            self._recover_behind(str(e))
+            if not join:  # (a join's group is the step in flight's: it restarts it)
+                log.error("worker group lost: %s; restarting it", e)
+                self._recover_behind(str(e))
             return [(None, message, "server")] * len(ops)
         for op, outcome in zip(ops, merged, strict=True):
             if isinstance(op.frame, UnloadF):  # a model closed for good: nothing to replay
@@ -212,12 +261,21 @@ class Executor:
                 self._recover_behind(str(e))
                 return str(e)
 
-    async def _run_frames(self, kind: str, frames: list[OpF]) -> list[Outcome]:
-        replies = await self.group.run(StepF(0, kind, frames))
+    async def _merged(self, frames: list[OpF], replies: list[ReplyF],
+                      join: bool = False) -> list[Outcome]:
         self.restorer.note_persisted(replies)
         merged = merge_replies(frames, replies)
         retry = [i for i, m in enumerate(merged) if m[2] == RETRY]
-        if retry:
+        if retry and join:
+            # The joined pass failed (out of memory, say): its adapters may hold part of
+            # its gradients. They are restored once the step in flight is done (run_ops);
+            # until then none of their ops joins again.
+            self._unsettled |= {frames[i].adapter_id for i in retry
+                                if isinstance(frames[i], TrainF)} - {None}
+            for i in retry:
+                merged[i] = (None, f"this request failed in the engine ({merged[i][1]}); "
+                             "submit it again", "server")
+        elif retry:
             await self._isolate(frames, merged, retry)
         return merged
 

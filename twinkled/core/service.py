@@ -89,7 +89,7 @@ class Service:
         executors = executor if isinstance(executor, list) else [executor]
         self.lanes = Lanes([
             make_lane(i, Planner(config.token_budget, config.sample_budget,
-                                 config.target_step_s),
+                                 config.target_step_s, preempt_s=config.preempt_s),
                       ex, store, adapter_room(config, adapter_budget), self.futures,
                       self.metrics, config.gather_ms / 1000, config.sample_slice_ms / 1000,
                       host_room(config))

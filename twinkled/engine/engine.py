@@ -6,6 +6,7 @@ tenants, HTTP or SQL: adapters are named by opaque ids chosen by the caller.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -140,23 +141,28 @@ class Engine:
             check_forward_backward(request, self.model, self.pool)
 
     def forward_backward(self, requests: list[ForwardBackwardRequest],
-                         checked: bool = False) -> list[ForwardBackwardResult]:
+                         checked: bool = False, micro_tokens: int = 0,
+                         between: Callable[[], None] | None = None
+                         ) -> list[ForwardBackwardResult]:
         """Run several requests (any adapters, forward-only or not) as shared passes.
 
         Gradients accumulate per adapter until its `optim_step`. All requests are checked
         first: if one is bad, nothing runs and nothing changes. `checked`: the caller
-        already did (the daemon checks at its door).
+        already did (the daemon checks at its door). `micro_tokens`: micro-batches of at
+        most this many tokens (0: `token_budget`); `between`: called between them
+        (step.forward_backward: the step is preemptible there).
         """
         if not checked:
             for r in requests:
                 self.check(r)
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
+        budget = min(micro_tokens, self.token_budget) if micro_tokens > 0 else self.token_budget
         if all(r.forward_only for r in requests):
             with torch.no_grad():
-                return step.forward_backward(self.model, requests, adapters, self.token_budget,
-                                             self.packed, self.shared_prefix)
-        return step.forward_backward(self.model, requests, adapters, self.token_budget,
-                                     self.packed, self.shared_prefix)
+                return step.forward_backward(self.model, requests, adapters, budget,
+                                             self.packed, self.shared_prefix, between)
+        return step.forward_backward(self.model, requests, adapters, budget,
+                                     self.packed, self.shared_prefix, between)
 
     def forward(self, requests: list[ForwardBackwardRequest]) -> list[ForwardBackwardResult]:
         """Logprobs (and loss values) only; changes nothing."""

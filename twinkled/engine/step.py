@@ -11,6 +11,7 @@ bank buffers and wait there for each adapter's own optimizer step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,8 @@ HOST_TIME = HostTime()
 
 def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
                      adapters: list[Adapter | None], token_budget: int,
-                     packed: bool = True, shared_prefix: int = MIN_SHARED
+                     packed: bool = True, shared_prefix: int = MIN_SHARED,
+                     between: Callable[[], None] | None = None
                      ) -> list[ForwardBackwardResult]:
     """Run every request's data through the model; back-propagate the training ones.
 
@@ -72,6 +74,9 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
     laid end to end (a micro-batch costs its tokens) rather than padded to the longest.
     `shared_prefix`: packed rows of one adapter whose first this many positions (tokens and
     targets) agree compute their common start once (shared_prefix.py); 0: never.
+    `between`: called after each micro-batch but the last, once its backward is done (the
+    step is preemptible there: the worker runs newly arrived small work of other adapters,
+    which touches none of this step's gradients).
     """
     rows = [
         _Row(i, j, adapters[i], torch.as_tensor(d.tokens, dtype=torch.long),
@@ -82,7 +87,10 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
     outputs = [[None] * len(r.data) for r in requests]
     custom_metrics: dict[int, dict[str, float]] = {}
 
-    for groups in _micro_batches(rows, requests, token_budget, packed, shared_prefix):
+    batches = _micro_batches(rows, requests, token_budget, packed, shared_prefix)
+    for n, groups in enumerate(batches):
+        if n and between is not None:
+            between()
         began = time.perf_counter()
         batch = [r for g in groups for r in g.rows]
         train = any(r.train for r in batch)

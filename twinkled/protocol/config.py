@@ -84,6 +84,11 @@ class Config:
     # How long a training step should take, in ms: "auto" derives it from the step times
     # measured on this model (scheduler/cost.py), 0 bounds steps by token_budget only.
     target_step_ms: float | str = "auto"
+    # Preemptible training steps (scheduler/joins.py): a step that a recently served tenant
+    # may want to join runs in micro-batches of about this many ms, and a small tenant's
+    # work that arrives meanwhile runs between two of them, answered at once. "auto": a
+    # half the step target; 0: off. One-rank groups only.
+    preempt_ms: float | str = "auto"
     poll_seconds: float = 30.0  # retrieve_future long-poll (client times out at 45 s)
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client chunks)
     sample_budget: int = 65536  # prompt + new tokens per sampling step
@@ -154,6 +159,11 @@ class Config:
             max_topk=self.max_topk, max_prompt_cells=self.max_prompt_cells,
             max_name_chars=self.max_name_chars, max_ttl_s=self.max_ttl_s,
             max_metadata_bytes=self.max_metadata_bytes)
+
+    @property
+    def preempt_s(self) -> float | None:
+        """`preempt_ms` for the planner: None for "auto", 0.0 for off, else seconds."""
+        return None if self.preempt_ms == "auto" else self.preempt_ms / 1000
 
     @property
     def target_step_s(self) -> float | None:
@@ -267,6 +277,8 @@ _RANGES = {
     "stability_tenant_bytes": _NON_NEGATIVE,
     "target_step_ms": (lambda v: v == "auto" or (not isinstance(v, str) and v >= 0),
                        'must be "auto" or a number of ms >= 0 (0: no time bound)'),
+    "preempt_ms": (lambda v: v == "auto" or (not isinstance(v, str) and v >= 0),
+                   'must be "auto" or a number of ms >= 0 (0: steps are not preemptible)'),
     "log_format": (lambda v: v in ("text", "json"), "must be text or json"),
     "log_summary_s": _NON_NEGATIVE,
     "join_listen": (lambda v: v == "" or _ENDPOINT.fullmatch(v),

@@ -192,6 +192,14 @@ class StepF(msgspec.Struct, omit_defaults=True):
     slice_s: float = 0.0
     cancel: list[str] = []  # keys of samples to drop (their clients went away)
     hold: list[str] = []  # sampler adapters that samples still use: never evicted now
+    # A training step's micro-batches hold at most this many tokens (0: the engine's
+    # token_budget), and between them the rank runs any "join" step sent meanwhile (a
+    # small tenant's work, answered at once; EngineCore._joins), so it waits one
+    # micro-batch, not the whole step.
+    micro_tokens: int = 0
+    # A join (sent into the training step in flight): run inside it, or right after it if it
+    # came too late, but never taken as the sign that the steps before it were answered.
+    join: bool = False
 
 
 class SlicedF(msgspec.Struct, omit_defaults=True):

@@ -10,6 +10,7 @@ the write-behind persistence between them never overlap).
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,9 @@ class InProcessGroup:
         self._pump: asyncio.Task | None = None
         self._step = 0
         self._busy_s = 0.0  # seconds spent running steps
+        # "join" steps sent during a training step (`send_join`), run between its micro-batches
+        self._joins: queue.SimpleQueue = queue.SimpleQueue()
+        self._running = False
 
     @property
     def exits(self) -> list[asyncio.Future]:
@@ -80,11 +84,15 @@ class InProcessGroup:
 
     async def run(self, step: StepF) -> list[ReplyF]:
         """Run `step` on the engine thread; the frames cross the same codec as over ZeroMQ."""
-        self._step += 1
-        step.id = self._step
-        frame = step_decoder.decode(encoder.encode(step))
+        frame = self._frame(step)
         loop = asyncio.get_running_loop()
-        reply = await loop.run_in_executor(self._thread, self._run, frame)
+        self._running = step.kind == "train"
+        try:
+            reply = await loop.run_in_executor(self._thread, self._run, frame, self._drain)
+        finally:
+            self._running = False
+        if not self._joins.empty():  # sent too late to join: run now, as a rank would
+            await loop.run_in_executor(self._thread, self._drain)
         self._busy_s += reply.busy_s
         if self._pump is None or self._pump.done():
             self._pump = loop.create_task(self._between_steps())
@@ -92,9 +100,37 @@ class InProcessGroup:
         self.gaps.add(replies)
         return replies
 
-    def _run(self, step: StepF) -> ReplyF:
+    def _frame(self, step: StepF) -> StepF:
+        self._step += 1
+        step.id = self._step
+        return step_decoder.decode(encoder.encode(step))
+
+    def can_join(self) -> bool:
+        """Whether a "join" step may be sent now (WorkerGroup.can_join)."""
+        return self._running
+
+    def send_join(self, step: StepF) -> asyncio.Future:
+        """Queue `step` for the engine thread, which runs it between two micro-batches of
+        the training step in flight (WorkerGroup.send_join); the future's result is [its reply]."""
+        assert self.can_join(), "join: no training step in flight"
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        self._joins.put((self._frame(step), reply, loop))
+        return reply
+
+    def _drain(self) -> None:
+        """On the engine thread, between micro-batches: run the joins sent meanwhile."""
+        while not self._joins.empty():
+            frame, reply, loop = self._joins.get()
+            try:
+                out = reply_decoder.decode(encoder.encode(self._run(frame, joined=True)))
+                loop.call_soon_threadsafe(reply.set_result, [out])
+            except Exception as e:  # noqa: BLE001 - handed to the joiner's caller
+                loop.call_soon_threadsafe(reply.set_exception, e)
+
+    def _run(self, step: StepF, between=None, joined: bool = False) -> ReplyF:
         started = time.perf_counter()
-        outcomes = self._runner.run(step)
+        outcomes = self._runner.run(step, between, joined)
         return ReplyF(step.id, 0, outcomes, 0, 0, self._runner.persisted(),
                       time.perf_counter() - started, sampling=self._runner.sampling_news(step),
                       gaps=self._runner.gaps())

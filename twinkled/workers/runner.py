@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -90,15 +91,19 @@ class StepRunner:
         self.marks: dict[str, int] = {}
         self.parked = HostTier(engine)  # adapters parked in host memory (parked.py)
 
-    def run(self, step: StepF) -> list[OutcomeF]:
-        """Every op gets an outcome; an exception leaves only if the rank cannot go on."""
-        if self.persister is not None:  # the steps before this one were all answered
+    def run(self, step: StepF, between: Callable[[], None] | None = None,
+            joined: bool = False) -> list[OutcomeF]:
+        """Every op gets an outcome; an exception leaves only if the rank cannot go on.
+        `between`: called between a training step's micro-batches (the worker runs the
+        "join" steps sent meanwhile there); `joined`: this step runs inside another one
+        (whose ops are not answered yet)."""
+        if self.persister is not None and not joined:  # the steps before were all answered
             self.persister.confirm()
         if step.kind in ("sample", "slice"):
             return self.sampling.run(step)
         rows = [i for i, op in enumerate(step.ops) if isinstance(op, TrainF)]
         barriers = [i for i, op in enumerate(step.ops) if not isinstance(op, TrainF)]
-        outcomes = self._train(step.ops, rows) if rows else []
+        outcomes = self._train(step.ops, rows, step.micro_tokens, between) if rows else []
         failed = any(o.category == RETRY for o in outcomes)
         if rows and self.world > 1:
             # Rows are split, so a pass may fail on some ranks only; all must agree before
@@ -129,7 +134,8 @@ class StepRunner:
 
     # -- forward/backward ---------------------------------------------------------------
 
-    def _train(self, ops: list[OpF], indices: list[int]) -> list[OutcomeF]:
+    def _train(self, ops: list[OpF], indices: list[int], micro_tokens: int = 0,
+               between: Callable[[], None] | None = None) -> list[OutcomeF]:
         outcomes, good = [], []
         for i in indices:
             f = ops[i]
@@ -157,7 +163,8 @@ class StepRunner:
         try:  # checked at the door: the engine does not check again
             results = self.engine.forward_backward(
                 [replace(req, data=[req.data[j] for j in mine[i]]) for i, req in run],
-                checked=True)
+                checked=True, micro_tokens=micro_tokens,
+                between=between if self.world == 1 else None)
             if _FAIL_TOKENS and any(len(req.data[j].tokens) == _FAIL_TOKENS
                                     for i, req in run for j in mine[i]):
                 raise RuntimeError("injected failure (TWINKLED_TEST_FAIL_TOKENS)")

@@ -89,6 +89,10 @@ class WorkerGroup:
         self._endpoint = ""
         self._bind_host = _bind_host(join)
         self._step = 0
+        # "join" steps sent during the training step in flight (`send_join`): step id -> the
+        # future of its reply, which that step's gather hands over (a one-rank group).
+        self._joins: dict[int, asyncio.Future] = {}
+        self._running = False  # a training step is in flight whose ranks may take joins
         self.join = join
         self.hosts = HostRegistry(join, self._ctx) if join else None
         self._grow: asyncio.Future | None = None  # a host joined: restart to take it in
@@ -252,16 +256,28 @@ class WorkerGroup:
         """Send `step` to every rank; their replies, in rank order."""
         if self._lost():
             raise WorkerLost(self._lost())
-        self._step += 1
-        step.id = self._step
+        data = self._send_prepare(step)
         sent = time.time()
-        data = encoder.encode(step)
         for w in self.workers:
             await self._sock.send_multipart([f"{self._group}:{w.rank}".encode(), data])
         arrived: dict[int, float] = {}
-        replies = await self._gather(
-            self.step_timeout, lambda m: isinstance(m, ReplyF) and m.step == step.id, "step",
-            arrived=arrived)
+        self._running = step.kind == "train" and self.world == 1
+        try:
+            replies = await self._gather(
+                self.step_timeout, lambda m: isinstance(m, ReplyF) and m.step == step.id,
+                "step", arrived=arrived)
+            self._running = False
+            if self._joins:  # sent too late to join: the rank runs them next, at once
+                await self._gather(self.step_timeout, lambda m: False, "a joined step",
+                                   until=lambda: not self._joins)
+        except WorkerLost as e:
+            for f in self._joins.values():
+                if not f.done():
+                    f.set_exception(WorkerLost(str(e)))
+            self._joins.clear()
+            raise
+        finally:
+            self._running = False
         for w, r in zip(self.workers, replies, strict=True):
             w.memory = r.memory
             w.peak_memory = r.peak_memory
@@ -274,13 +290,37 @@ class WorkerGroup:
                                 for i, r in enumerate(replies)])
         return replies
 
+    def _send_prepare(self, step: StepF) -> bytes:
+        self._step += 1
+        step.id = self._step
+        return encoder.encode(step)
+
+    def can_join(self) -> bool:
+        """Whether a "join" step may be sent now: a training step runs on one rank."""
+        return self._running and not self._lost()
+
+    def send_join(self, step: StepF) -> asyncio.Future:
+        """Send `step` into the training step in flight, now: its rank runs it between two
+        micro-batches (or right after the step, if it came too late) and answers it at
+        once; the future's result is [its reply] (WorkerLost if the group fails first).
+        Only while `can_join`."""
+        assert self.can_join(), "join: no training step in flight on a one-rank group"
+        data = self._send_prepare(step)
+        reply = asyncio.get_running_loop().create_future()
+        self._joins[step.id] = reply
+        # A router socket sends without waiting (pyzmq sends at once when it can, and in
+        # order), so the join is on its way before the step in flight can be answered.
+        self._sock.send_multipart([f"{self._group}:0".encode(), data])
+        return reply
+
     async def _gather(self, timeout: float, wanted, what: str,
-                      got: dict | None = None, arrived: dict | None = None) -> list:
-        """One wanted message per rank (into `got`); WorkerLost if a rank is lost or time
-        runs out."""
+                      got: dict | None = None, arrived: dict | None = None,
+                      until=None) -> list:
+        """One wanted message per rank (into `got`), or until `until()`; WorkerLost if a
+        rank is lost or time runs out."""
         got = {} if got is None else got
         deadline = asyncio.get_running_loop().time() + timeout
-        while len(got) < self.world:
+        while len(got) < self.world and not (until is not None and until()):
             recv = asyncio.ensure_future(self._sock.recv_multipart())
             left = deadline - asyncio.get_running_loop().time()
             done, _ = await asyncio.wait([recv, *self._exits], timeout=max(0.0, left),
@@ -306,11 +346,13 @@ class WorkerGroup:
                 log.warning("ignored an unreadable frame from %r: %s", ident, e)
             if group != self._group or not rank.isdigit() or int(rank) >= self.world:
                 log.warning("ignored a frame from %r, not a rank of this worker group", ident)
+            elif isinstance(msg, ReplyF) and msg.step in self._joins:
+                self._joins.pop(msg.step).set_result([msg])  # a joined step's (see `send_join`)
             elif msg is not None and (wanted(msg) or (isinstance(msg, HelloF) and msg.error)):
                 got[int(rank)] = msg
                 if arrived is not None:
                     arrived[int(rank)] = time.time()
-        return [got[r] for r in range(self.world)]
+        return [got[r] for r in range(self.world) if r in got]
 
     async def restart(self) -> None:
         self.restarts += 1

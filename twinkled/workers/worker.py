@@ -71,9 +71,10 @@ def main(args: dict) -> None:
         step = step_decoder.decode(sock.recv())
         if delay:
             time.sleep(delay)
-        began, started = time.time(), time.perf_counter()
         try:
-            outcomes = runner.run(step)
+            _run_and_reply(sock, runner, rank, step, received, HOST_TIME,
+                           between=lambda: _joins(sock, runner, rank, HOST_TIME),
+                           joined=step.join)  # (a join that came after its step ended)
         except Exception as e:
             # Only what leaves this rank unusable gets here (`rank_io.fatal`: a CUDA or
             # collective fault; a request's own failure is its outcome). The ranks may now
@@ -81,14 +82,32 @@ def main(args: dict) -> None:
             # at its acknowledged step (persisted state + journal).
             log.error("step %d failed: %s", step.id, traceback.format_exc())
             sys.exit(f"step failed: {type(e).__name__}: {e}")
-        _test_die(rank, step)
-        busy = time.perf_counter() - started
-        sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, *_memory(runner),
-                                        runner.persisted(), busy, began,
-                                        {"decode": started - received, **HOST_TIME.take()},
-                                        runner.sampling_news(step), runner.gaps())))
         waiting = runner.between_steps()  # after the reply: off the step's path
         retries.check(runner)
+
+
+def _run_and_reply(sock, runner, rank: int, step, received: float, host_time,
+                   between=None, joined: bool = False) -> None:
+    """Run `step` and send its reply (`between`, `joined`: StepRunner.run)."""
+    began, started = time.time(), time.perf_counter()
+    outcomes = runner.run(step, None if joined else between, joined)
+    if not joined:
+        _test_die(rank, step)
+    busy = time.perf_counter() - started
+    sock.send(encoder.encode(ReplyF(step.id, rank, outcomes, *_memory(runner),
+                                    runner.persisted(), busy, began,
+                                    {"decode": started - received, **host_time.take()},
+                                    runner.sampling_news(step), runner.gaps())))
+
+
+def _joins(sock, runner, rank: int, host_time) -> None:
+    """Between two micro-batches of a training step: run the "join" steps the daemon sent
+    meanwhile (a small tenant's work; it sends them to one-rank groups only), each
+    answered at once. The step's own gradients wait in their banks untouched."""
+    while sock.poll(0):
+        received = time.perf_counter()
+        _run_and_reply(sock, runner, rank, step_decoder.decode(sock.recv()), received,
+                       host_time, joined=True)
 
 
 def _start(args: dict):
