@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from .cost import StepShape
-from .queues import OPTIM, TRAIN, Work
-
-if TYPE_CHECKING:
-    from .planner import Planner, Step
+from .cost import CostModel, StepShape
+from .fairness import Fairness
+from .queues import OPTIM, TRAIN, ModelQueue, Work
 
 
 def micro_tokens(shape: StepShape, predicted_s: float, preempt_s: float) -> int:
@@ -43,27 +40,29 @@ def micro_tokens(shape: StepShape, predicted_s: float, preempt_s: float) -> int:
     return max(1, math.ceil(shape.tokens * preempt_s / predicted_s))
 
 
-def join_candidates(planner: Planner, running: Step, ready: Callable[[str], bool]
-                    ) -> list[tuple[str, list[Work]]]:
-    """(tenant, a model's ops) that may join `running`, in fair order: models of tenants
+def join_candidates(models: dict[str, ModelQueue], model_tenant: dict[str, str],
+                    fair: Fairness, running: list[Work], predicted_s: float,
+                    ready: Callable[[str], bool]) -> list[tuple[str, list[Work]]]:
+    """(tenant, a model's ops) that may join the step running `running` (predicted to take
+    `predicted_s`), in fair order: models of tenants
     not in it (a tenant's other models wait their turn), nothing of theirs in flight, whose
     head is a forward_backward (the run of them, whole) or an optim_step with no rows
     queued behind it; `ready(model)`: the caller's say
     (e.g. a pipelining client's optim_step is still on its way)."""
-    in_step = {w.model for w in running.work}
-    names = {w.tenant for w in running.work}
-    step_tenants = [planner.fair.tenant(t) for t in names]
+    in_step = {w.model for w in running}
+    names = {w.tenant for w in running}
+    step_tenants = [fair.tenant(t) for t in names]
     # The step's tenants were charged for all of it when it was planned; a tenant idle
     # until now joins at the clock (fairness.py), and may have as much of the machine
     # while the step runs: it may be up to the step's time ahead of them.
     ahead = min((t.vtime for t in step_tenants), default=float("inf"))
     out = []
-    for model, q in planner.models.items():
+    for model, q in models.items():
         head = q.head()
         if model in in_step or head is None or head.taken or not ready(model):
             continue
-        tenant = planner.fair.tenant(planner.model_tenant[model])
-        if tenant.name in names or tenant.vtime > ahead + running.predicted_s / tenant.weight:
+        tenant = fair.tenant(model_tenant[model])
+        if tenant.name in names or tenant.vtime > ahead + predicted_s / tenant.weight:
             continue  # past its share next to the step's tenants: it waits its turn
         if head.kind == TRAIN:
             ops = q.run_of_train()
@@ -75,11 +74,11 @@ def join_candidates(planner: Planner, running: Step, ready: Callable[[str], bool
         else:
             continue
         out.append((tenant.name, ops))
-    out.sort(key=lambda c: (planner.fair.tenant(c[0]).vtime, c[0]))
+    out.sort(key=lambda c: (fair.tenant(c[0]).vtime, c[0]))
     return out
 
 
-def fit_join(planner: Planner, candidates: list[tuple[str, list[Work]]], limit_s: float
+def fit_join(cost: CostModel, candidates: list[tuple[str, list[Work]]], limit_s: float
              ) -> tuple[list[Work], StepShape, dict[str, float]]:
     """The candidates' ops that fit `limit_s` of predicted time, in order (one that does
     not fit is skipped); with the join's shape and what each tenant's rows add."""
@@ -91,10 +90,10 @@ def fit_join(planner: Planner, candidates: list[tuple[str, list[Work]]], limit_s
             if w.kind == TRAIN:
                 trial.add(w.parts or [w.tokens], first)
                 first = False
-        if planner.cost.predict(trial) - planner.cost.fixed_cost > limit_s:
+        if cost.predict(trial) - cost.fixed_cost > limit_s:
             continue
-        charged[tenant] = charged.get(tenant, 0.0) + (planner.cost.predict(trial)
-                                                      - planner.cost.predict(shape))
+        charged[tenant] = charged.get(tenant, 0.0) + (cost.predict(trial)
+                                                      - cost.predict(shape))
         shape = trial
         taken += ops
     return taken, shape, charged

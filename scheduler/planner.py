@@ -434,7 +434,9 @@ class Planner:
         # (the fitted costs of one small row are noisy; fair share bounds the rest)
         limit = max(limit, JOIN_SHARE * running.predicted_s)
         self._admit_held()
-        taken, shape, charged = fit_join(self, join_candidates(self, running, ready), limit)
+        candidates = join_candidates(self.models, self.model_tenant, self.fair, running.work,
+                                     running.predicted_s, ready)
+        taken, shape, charged = fit_join(self.cost, candidates, limit)
         if not taken:
             return None
         for w in taken:

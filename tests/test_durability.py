@@ -206,7 +206,11 @@ def test_a_failed_shared_pass_fails_only_the_request_at_fault(tiny_dir, tmp_path
     state and the pass's requests run one at a time: the other tenant's request succeeds
     with exactly the gradients it would have had alone, no worker restarts."""
     keys = {t: make_key(tmp_path, t) for t in ("good", "bad")}
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", env={
+    # No joins (preempt_ms = 0): the bad request would join the held step as a pass of its
+    # own and fail alone there (tests/test_flood.py), never sharing the pass this is about.
+    cfg = tmp_path / "twinkled.toml"
+    cfg.write_text("preempt_ms = 0\n")
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--config", str(cfg), env={
         "TWINKLED_TEST_FAIL_TOKENS": "13", "TWINKLED_TEST_STEP_DELAY": "0.5"})
     try:
         sc = {t: tinker.ServiceClient(base_url=d.url, api_key=k) for t, k in keys.items()}
