@@ -178,23 +178,20 @@ def test_killed_worker_fails_one_step_and_restores_every_adapter(slow_pair, tiny
 
 
 def test_worker_kills_in_a_row_leave_it_serving(slow_pair, tiny_dir):
-    """Three kills in a row, of each worker in turn (the chaos test, test_chaos.py, kills
+    """Two kills in a row, of each worker in turn (the chaos test, test_chaos.py, kills
     at random while tenants train): each one restart, and it still serves."""
     tc = _client(slow_pair, "bob", tiny_dir, 4)
     data = _data(tc.get_tokenizer())[:1]
     counted = slow_pair.metric("twinkle_worker_restarts_total")
-    for i in range(3):
+    for i in range(2):
         old = slow_pair.workers()
         os.kill(old[i % 2], signal.SIGKILL)
         slow_pair.wait_workers(2, old=set(old))
     assert _step(tc, data).metrics["loss:sum"] > 0
     # Each kill was one restart, counted in /metrics and in the status (which also counts
     # this module's earlier kills).
-    assert slow_pair.metric("twinkle_worker_restarts_total") == counted + 3
-    status = subprocess.run(
-        [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(slow_pair.data_dir),
-         "status", "--json"], capture_output=True, text=True, check=True)
-    assert json.loads(status.stdout)["restarts"] == counted + 3
+    assert slow_pair.metric("twinkle_worker_restarts_total") == counted + 2
+    assert ctl_status(slow_pair.data_dir)["restarts"] == counted + 2
 
 
 def test_sigterm_is_a_hot_restart_and_sigkill_rolls_back_to_persisted_state(tiny_dir, tmp_path):
