@@ -29,7 +29,7 @@ serve: install
 # processes keep 2 cores busy. The longest files start first, in the order
 # tests/conftest.py gives (LONGEST_FIRST; xdist's own would start them last). TEST_WORKERS=0
 # runs it in one process; TESTS=tests/test_x.py runs one file.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 TESTS ?= tests
 test: install
 	@echo "make: running the test suite (pytest $(TESTS), $(TEST_WORKERS) processes)"
