@@ -24,9 +24,10 @@ serve: install
 	@echo "make: serving the demo's tiny model (python -m twinkled.server.demo_next)"
 	$(PY) -m twinkled.server.demo_next
 
-# The suite in 3 processes (pytest-xdist; a file's tests stay together, so the daemons a
-# module shares start once): most of a test's time is waiting on daemons and workers, so 3
-# processes keep 2 cores busy. The longest files start first, in the order
+# The suite in 4 processes (pytest-xdist; a file's tests stay together, so the daemons a
+# module shares start once): much of a test's time is waiting on daemons and workers, so 4
+# processes keep 2 cores busy (on 2 idle cores, 3 and 4 processes took within 3% of each
+# other; the suite is CPU-bound). The longest files start first, in the order
 # tests/conftest.py gives (LONGEST_FIRST; xdist's own would start them last). TEST_WORKERS=0
 # runs it in one process; TESTS=tests/test_x.py runs one file.
 TEST_WORKERS ?= 4
