@@ -268,7 +268,8 @@ def test_idle_adapters_are_unloaded_and_come_back_on_their_next_request(tiny_dir
         status = {}
         while time.time() < deadline:
             status = ctl_status(tmp_path)  # polled: in this process
-            if status["adapters"] == 0:
+            # (the log line follows the unload that the status already counts)
+            if status["adapters"] == 0 and "unloaded after" in (tmp_path / "log").read_text():
                 break
             time.sleep(0.5)
         assert status["adapters"] == 0, "the idle adapter was not unloaded"
