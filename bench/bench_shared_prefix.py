@@ -23,14 +23,27 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from output import emit, section_path  # bench/ is the script's directory
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_engine import ALPHA, RANK, SHAPES, Row, build_model, free, header, measure, seed_all  # noqa: E402
+from bench_engine import (  # noqa: E402
+    ALPHA,
+    RANK,
+    SHAPES,
+    Row,
+    build_model,
+    free,
+    header,
+    measure,
+    seed_all,
+    sync,
+)
 
 from twinkled.engine import flash_varlen  # noqa: E402
 from twinkled.engine.engine import Engine  # noqa: E402
@@ -74,7 +87,29 @@ def agreement(eng: Engine, req: ForwardBackwardRequest, minimum: int) -> tuple[f
     return abs(l1 - l0) / max(abs(l0), 1e-12), float((g1 - g0).norm() / g0.norm().clamp_min(1e-30))
 
 
-def run_shape(shape: str, device: str, sizes: tuple, budget: int, modes: list[str]) -> str:
+def profile_round(label: str, round_: Callable[[], None], device: str, top: int = 18) -> None:
+    """One round under torch.profiler: its wall time against the device's busy time, and
+    the ops that take the most device time (where a round's seconds go)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=acts) as prof:
+        round_()
+        sync(device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    launches = sum(e.count for e in events if e.self_device_time_total > 0)
+    print(f"-- profile {label}: wall {wall:.3f} s (profiled), device busy {busy:.3f} s, "
+          f"{launches:,} device ops")
+    print(events.table(sort_by="self_device_time_total" if device == "cuda"
+                       else "self_cpu_time_total", row_limit=top, max_name_column_width=60))
+
+
+def run_shape(shape: str, device: str, sizes: tuple, budget: int, modes: list[str],
+              profile: bool = False) -> str:
     prompts, rollouts, prompt_len, new, rounds = sizes
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with tempfile.TemporaryDirectory(prefix="bench_shared_") as tmp:
@@ -107,6 +142,8 @@ def run_shape(shape: str, device: str, sizes: tuple, budget: int, modes: list[st
             TOKENS.take()
             row = measure(label, real, round_, 1, rounds, device)
             seen, computed = TOKENS.take()
+            if profile:
+                profile_round(label, round_, device)
             rows.append((row, computed * real // seen))  # per round
     free(device)
     base = rows[0][0].seconds
@@ -142,6 +179,9 @@ def main() -> None:
                     "shared keys read in place, engine/flash_varlen.py), gather (varlen_attn "
                     "over repeated heads and gathered keys, the path before)")
     ap.add_argument("--out", default=None, help="the section's file ('' : print only)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each mode's timing, profile one more round: wall against "
+                    "device busy time, the ops taking the most device time")
     args = ap.parse_args()
     sizes = list(GPU_SIZES if args.device == "cuda" else CPU_SIZES)
     for i, v in enumerate((args.prompts, args.rollouts, args.prompt_len, args.new, args.rounds)):
@@ -155,7 +195,7 @@ def main() -> None:
     text = header(args.device).replace("Engine vs peft", "Shared prefixes in training")
     for shape in shapes:
         text += "\n" + run_shape(shape, args.device, tuple(sizes), args.token_budget,
-                          args.attention.split(","))
+                          args.attention.split(","), args.profile)
     emit(text, section_path("shared_prefix") if args.out is None else args.out)
 
 
