@@ -183,6 +183,21 @@ def test_the_sampler_page_pool_is_sized_by_kv_bytes(tiny_dir):
 
 
 
+def test_config_sample_rows_bounds_the_rows_decoding_at_once(tiny_dir):
+    """Config `sample_rows` reaches the engine: with 2 rows, the second of two 2-sample
+    requests waits for the first to finish; with the default both decode at once."""
+    reqs = [SampleRequest(None, [5 + i] * 6, SamplingParams(max_tokens=3, seed=i),
+                          num_samples=2) for i in range(2)]
+    waiting = []
+    for e in (make_engine(tiny_dir, sample_rows=2), make_engine(tiny_dir)):
+        e.sample_submit(reqs)
+        e.sample_slice(max_steps=1)
+        waiting.append(e.sample_waiting)
+        while not e.sample_idle:
+            e.sample_slice()
+    assert waiting == [1, 0]
+
+
 def test_a_cancelled_request_leaves_at_once_and_gives_its_pages_back(eng):
     """RunningBatch.cancel: a running request's rows leave the batch, every page comes
     back, and the request beside it samples what it would alone; a queued one is simply

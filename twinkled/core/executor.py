@@ -82,7 +82,7 @@ def zmq_executor(config: Config, devices: list[str]) -> Executor:
     live_dir = Path(config.data_dir) / "live"
     options = {"model": str(config.model), "dtype": config.dtype,
                "max_rank": config.max_rank, "token_budget": config.token_budget,
-               "sample_kv_mb": config.sample_kv_mb,
+               "sample_kv_mb": config.sample_kv_mb, "sample_rows": config.sample_rows,
                "sample_prefix_cache": config.sample_prefix_cache,
                "packing": config.packing, "shared_prefix": config.shared_prefix,
                "fused_kernels": config.fused_kernels,
@@ -416,7 +416,8 @@ def in_process_executor(config: Config) -> Executor:
                            token_budget=config.token_budget, packing=config.packing,
                            shared_prefix=config.shared_prefix,
                            fused_kernels=config.fused_kernels,
-                           sample_kv_mb=config.sample_kv_mb, live_dir=live_dir, persist_every=config.persist_every,
+                           sample_kv_mb=config.sample_kv_mb, sample_rows=config.sample_rows,
+                           live_dir=live_dir, persist_every=config.persist_every,
                            sample_prefix_cache=config.sample_prefix_cache,
                            logprob_gap_every=config.logprob_gap_every)
     return Executor(group, live_dir, config.persist_every, config.journal_fsync)

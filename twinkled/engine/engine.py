@@ -54,7 +54,7 @@ class Engine:
                  token_budget: int = 16384, packed: bool = True, dp_group=None, tp=None,
                  recompute: str = "auto", kv_bytes: int | None = None,
                  experts: ExpertSplit | None = None, prefix_cache: float = 0.0,
-                 shared_prefix: int = MIN_SHARED, fused: str = "all"):
+                 shared_prefix: int = MIN_SHARED, fused: str = "all", sample_rows: int = 256):
         # `tp` (tp.py: TensorParallel): this rank holds a slice of the base model and of
         # every adapter; `dp_group` is then the group across the replicas. `experts`
         # (moe_parallel.py): this rank's share of an MoE model's experts.
@@ -78,6 +78,10 @@ class Engine:
         self._running: RunningBatch | None = None
         self.kv_bytes = kv_bytes  # its page pool's size (None: running.KV_BYTES)
         self.prefix_cache = prefix_cache  # the pool's share prompts stay cached in (0: off)
+        # Sequences it decodes at once. A decode step's time grows almost linearly with its
+        # rows (per-row KV, LoRA and sampling work, not the weights, bound it on an 8B), so
+        # more rows buy throughput for large RL batches at the cost of each token's latency.
+        self.sample_rows = sample_rows
         # The running batch's stacked LoRA (lora_rows.py) follows neither a tensor-parallel
         # split nor experts: those models sample with the padded sampler, over a LoraBatch.
         self.padded_sampling = self.shard is not None or bool(self.model.moe)
@@ -301,7 +305,7 @@ class Engine:
         if self.padded_sampling:
             raise EngineInputError("sample", "queued sampling (the running batch) does not run "
                                    "under tensor parallelism or for MoE models yet")
-        batch = self._running or RunningBatch(self.model, kv_bytes=self.kv_bytes,
+        batch = self._running or RunningBatch(self.model, self.sample_rows, kv_bytes=self.kv_bytes,
                                               prefix_cache=self.prefix_cache)
         if batch.idle:  # (a batch in use cannot grow; admit refuses what it cannot hold)
             batch = batch.sized_for(requests)

@@ -68,6 +68,7 @@ class Config:
     # op, the reference path) or levers comma-separated of norm, rope, silu, gemm.
     fused_kernels: str = "all"
     sample_kv_mb: int = 0  # the sampler's KV page pool per worker (0: sized from the card, 64 on a CPU)
+    sample_rows: int = 256  # sequences each worker's sampler decodes at once
     # The share of that pool prompts' KV pages may stay cached in for later requests with
     # the same prefix and weights (engine/prefix_cache.py); 0: no prefix cache.
     sample_prefix_cache: float = 0.5
@@ -270,7 +271,7 @@ _RANGES = {
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
                                  "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
-    "token_budget": _POSITIVE, "shared_prefix": _NON_NEGATIVE, "fused_kernels": (_fused_spec, "must be all, none or levers comma-separated of norm, rope, silu, gemm"), "sample_kv_mb": _NON_NEGATIVE, "sample_prefix_cache": (lambda v: 0 <= v <= 1, "must be from 0 to 1"), "logprob_gap_every": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE, "host_adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
+    "token_budget": _POSITIVE, "shared_prefix": _NON_NEGATIVE, "fused_kernels": (_fused_spec, "must be all, none or levers comma-separated of norm, rope, silu, gemm"), "sample_kv_mb": _NON_NEGATIVE, "sample_rows": _POSITIVE, "sample_prefix_cache": (lambda v: 0 <= v <= 1, "must be from 0 to 1"), "logprob_gap_every": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE, "host_adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
     "poll_seconds": (lambda v: 0 <= v < 45,
                      "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
     "gather_ms": _NON_NEGATIVE, "stability_bytes": _NON_NEGATIVE,

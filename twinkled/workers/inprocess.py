@@ -29,7 +29,7 @@ class InProcessGroup:
     def __init__(self, model: str | Path, *, device: str = "cpu", dtype: str = "float32",
                  max_rank: int = 64, token_budget: int = 16384, packing: bool = True,
                  shared_prefix: int = 32, fused_kernels: str = "all",
-                 sample_kv_mb: int = 0, live_dir: Path | None = None, persist_every: int = 1,
+                 sample_kv_mb: int = 0, sample_rows: int = 256, live_dir: Path | None = None, persist_every: int = 1,
                  sample_prefix_cache: float = 0.0, logprob_gap_every: int = 0):
         self.devices = [device]
         self.model_info: dict = {}
@@ -38,7 +38,7 @@ class InProcessGroup:
         self._engine_args = {"dtype": dtype, "device": device, "max_rank": max_rank,
                              "token_budget": token_budget, "packed": packing,
                              "shared_prefix": shared_prefix, "fused": fused_kernels,
-                             "kv_bytes": sample_kv_mb << 20 or None,
+                             "kv_bytes": sample_kv_mb << 20 or None, "sample_rows": sample_rows,
                              "prefix_cache": sample_prefix_cache}
         self._model = str(model)
         self._live_dir, self._persist_every = live_dir, persist_every

@@ -151,6 +151,7 @@ def _start(args: dict):
                     shared_prefix=args.get("shared_prefix", MIN_SHARED),
                     fused=args.get("fused_kernels", "all"),
                     kv_bytes=(args.get("sample_kv_mb") or 0) << 20 or None,
+                    sample_rows=args.get("sample_rows", 256),
                     prefix_cache=float(args.get("sample_prefix_cache", 0.0)),
                     dp_group=dp_group, tp=tp, experts=experts,
                     recompute=args.get("activation_checkpointing", "auto"))
