@@ -47,7 +47,8 @@ def get_json(daemon, path: str, key: str) -> dict:
     return json.loads(body)
 
 
-def train(daemon, tiny_dir, tenant: str, steps: int, save: str | None = None) -> dict:
+def train(daemon, tiny_dir, tenant: str, steps: int, save: str | None = None,
+          sample: bool = False) -> dict:
     """`steps` rounds of forward_backward + optim_step: the run id, and what the client got."""
     sc = tinker.ServiceClient(base_url=daemon.url, api_key=daemon.keys[tenant])
     tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=T)
@@ -64,14 +65,21 @@ def train(daemon, tiny_dir, tenant: str, steps: int, save: str | None = None) ->
         optim.append(tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2))
                      .result(timeout=T).metrics)
     path = tc.save_state(save).result(timeout=T).path if save else None
-    return {"run": tc.model_id, "losses": losses, "optim": optim, "path": path,
-            "tokens": sum(len(d.model_input.to_ints()) for d in data)}
+    out = {"run": tc.model_id, "losses": losses, "optim": optim, "path": path,
+           "tokens": sum(len(d.model_input.to_ints()) for d in data)}
+    if sample:  # two sampling calls of the trained weights (the console keeps the last ones)
+        sampler = tc.save_weights_and_get_sampling_client().result(timeout=T)
+        out["prompts"] = [tok(t).input_ids for t in TEXTS]
+        out["samples"] = [sampler.sample(tinker.types.ModelInput.from_ints(p), 2,
+                                         tinker.types.SamplingParams(max_tokens=4, seed=1))
+                          .result(timeout=T) for p in out["prompts"]]
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(daemon, tiny_dir):
     """alice trains 3 steps and saves; bob trains 2."""
-    return {"alice": train(daemon, tiny_dir, "alice", 3, save="console-ckpt"),
+    return {"alice": train(daemon, tiny_dir, "alice", 3, save="console-ckpt", sample=True),
             "bob": train(daemon, tiny_dir, "bob", 2)}
 
 
@@ -96,6 +104,31 @@ def test_a_runs_curve_has_the_points_the_daemon_recorded(daemon, runs):
     assert seqs == sorted(seqs) and len(seqs) == 6
     listed = {r["id"]: r for r in get_json(daemon, "api/runs", daemon.keys["alice"])["runs"]}
     assert listed[alice["run"]]["steps"] == 6
+
+
+def test_a_runs_last_sampling_calls_decoded(daemon, runs, tiny_dir):
+    """What alice's run sampled, newest first, as her client was answered, with the text
+    the model's tokenizer gives; not bob's to read."""
+    from transformers import AutoTokenizer
+
+    alice = runs["alice"]
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    calls = get_json(daemon, f"api/runs/{alice['run']}/samples", daemon.keys["alice"])["samples"]
+    assert len(calls) == 2
+    for call, prompt, got in zip(calls, alice["prompts"][::-1], alice["samples"][::-1],
+                                 strict=True):
+        assert call["prompt"] == prompt and call["prompt_tokens"] == len(prompt)
+        assert call["prompt_text"] == tok.decode(prompt, skip_special_tokens=True)
+        assert call["num_samples"] == 2 and call["tenant"] == "alice"
+        for s, want in zip(call["sequences"], got.sequences, strict=True):
+            assert s["tokens"] == want.tokens and s["stop_reason"] == want.stop_reason
+            assert s["logprob_sum"] == pytest.approx(sum(want.logprobs), abs=1e-4)
+            assert s["text"] == tok.decode(want.tokens, skip_special_tokens=True)
+    assert get(daemon, f"api/runs/{alice['run']}/samples", daemon.keys["bob"])[0] == 404
+    admin = get_json(daemon, f"api/runs/{alice['run']}/samples", admin_key(daemon))
+    assert admin["samples"] == calls
+    bobs = get_json(daemon, f"api/runs/{runs['bob']['run']}/samples", daemon.keys["bob"])
+    assert bobs["samples"] == []
 
 
 def test_a_checkpoint_downloads_from_its_relative_link(daemon, runs):
@@ -214,8 +247,13 @@ def test_the_console_in_a_real_browser(daemon, runs, tmp_path):
             assert curve.locator("circle").count() == 3
             drawn = curve.locator("polyline").get_attribute("points").split()
             assert len(drawn) == 3
+            # the run's last sampling calls, newest first, its completions' text
+            rows = page.locator("#samples tbody tr")
+            assert rows.count() == 2
+            assert "logprob sum" in rows.first.inner_text()
             # the checkpoint's download link, followed from the page, through the prefix
-            href = page.get_by_role("link", name="download (.tar)").get_attribute("href")
+            href = page.get_by_role("row", name=alice["path"]).get_by_role(
+                "link", name="download (.tar)").get_attribute("href")
             status, tar = get_url(urljoin(page.url, href))
             assert status == 200 and "adapter_model.safetensors" in \
                 tarfile.open(fileobj=io.BytesIO(tar)).getnames()

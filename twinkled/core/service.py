@@ -31,6 +31,7 @@ from twinkled.core.housekeeping import Housekeeping
 from twinkled.core.lanes import Lane, Lanes, make_lane
 from twinkled.core.metrics import Metrics
 from twinkled.core.ops import After, Op
+from twinkled.core.recent_samples import RecentSamples
 from twinkled.core.residency import stored_config
 from twinkled.core.stability import StabilityRecords
 from twinkled.core.streams import SampleStream
@@ -82,6 +83,7 @@ class Service:
         # What samplers produced, for stable_reinforce (filled by `sample`, read by the
         # forward_backward that names it).
         self.stability = StabilityRecords(config.stability_bytes, config.stability_tenant_bytes)
+        self.recent_samples = RecentSamples()  # the console's last sampling calls of a run
         self.metrics = Metrics(self)
         self.futures = Futures(store)
         if executor is None:
@@ -454,6 +456,8 @@ class Service:
                     self.stability.put(tenant, sampler["session_id"], ids, prompt,
                                        result.sequences)
 
+        after = self.recent_samples.recorder(  # the console's view of the run's samples
+            tenant, sampler.get("model_path") or sampler["id"], sampler["id"], frame, after)
         cost = frame.prompt.shape[0] + frame.params.max_tokens * frame.num_samples
         f = self.submit(Op(None, None, frame, f, cost, after=after, stream=stream),
                         self.lanes.for_sample(frame.adapter_id))

@@ -112,6 +112,24 @@ async def run(request: web.Request) -> web.Response:
         "checkpoints": [_checkpoint(request, c) for c in checkpoints]})
 
 
+async def samples(request: web.Request) -> web.Response:
+    """The run's last sampling calls (core/recent_samples.py), newest first, the token ids
+    decoded with the model's tokenizer (off the event loop); a tenant sees its own calls."""
+    r = _own_run(request)
+    calls = request.app["service"].recent_samples.of_run(r["id"], _viewer(request))
+    if calls:
+        side = await request.app["oai_text"].get()
+        await side.off_loop(_decode, side.decode, calls)
+    return web.json_response({"samples": calls})
+
+
+def _decode(decode, calls: list[dict]) -> None:
+    for c in calls:
+        c["prompt_text"] = decode(c["prompt"])
+        for s in c["sequences"]:
+            s["text"] = decode(s["tokens"])
+
+
 async def sessions(request: web.Request) -> web.Response:
     """Sessions (newest first), each with its runs, samplers and a link to its trace."""
     store = request.app["store"]
@@ -165,6 +183,7 @@ def add_console_routes(app: web.Application) -> None:
     r.add_get(API_PREFIX + "me", me)
     r.add_get(API_PREFIX + "runs", runs)
     r.add_get(API_PREFIX + "runs/{run_id}", run)
+    r.add_get(API_PREFIX + "runs/{run_id}/samples", samples)
     r.add_get(API_PREFIX + "sessions", sessions)
     r.add_get(API_PREFIX + "operator", operator)
     r.add_get(PAGE_PREFIX + "{name}", page)

@@ -27,11 +27,11 @@ async function api(path) {
   return body;
 }
 
-function table(columns, rows) {
+function table(columns, rows, id = "") {
   const head = columns.map((c) => `<th>${esc(c[0])}</th>`).join("");
   const body = rows.map((row) => "<tr>" + columns.map(([, f, cls]) =>
     `<td${cls ? ` class="${cls}"` : ""}>${f(row)}</td>`).join("") + "</tr>").join("");
-  return `<table><thead><tr>${head}</tr></thead><tbody>${body}</tbody></table>`;
+  return `<table${id ? ` id="${id}"` : ""}><thead><tr>${head}</tr></thead><tbody>${body}</tbody></table>`;
 }
 
 // One curve as SVG: y against step number, axes labelled with the extremes.
@@ -75,6 +75,21 @@ function curves(steps) {
   return [...series].map(([name, ys]) => curve(name, ys)).join("");
 }
 
+// A run's last sampling calls (newest first): the prompt's end, each completion.
+function sampleTable(samples) {
+  if (!samples.length) return "<p>None since the daemon started.</p>";
+  const text = (t, n, shown) => `<pre class="sample">${esc(t)}</pre>` +
+    (n > shown ? `<small>(${shown} of ${n} tokens shown)</small>` : "");
+  return table([
+    ["time", (c) => when(c.time)], ["sampler", (c) => esc(c.sampler)],
+    ["prompt", (c) => text(c.prompt_text, c.prompt_tokens, c.prompt.length)],
+    ["completions", (c) => c.sequences.map((s) => text(s.text, s.tokens_n, s.tokens.length) +
+      `<small>logprob sum ${num(s.logprob_sum)} · ${s.tokens_n} token(s) · ${
+        esc(s.stop_reason)}</small>`).join("<hr>") + (c.num_samples > c.sequences.length ?
+      `<small>(${c.sequences.length} of ${c.num_samples} shown)</small>` : "")],
+  ], samples, "samples");
+}
+
 const runLink = (id) => `<a href="#/run/${encodeURIComponent(id)}">${esc(id)}</a>`;
 
 const pages = {
@@ -89,7 +104,9 @@ const pages = {
   },
 
   async run(id) {
-    const {run, steps, checkpoints} = await api("runs/" + encodeURIComponent(id));
+    const base = "runs/" + encodeURIComponent(id);
+    const [{run, steps, checkpoints}, {samples}] = await Promise.all([
+      api(base), api(base + "/samples")]);
     const lora = run.lora_config || {};
     return `<h1 id="run-title">Run ${esc(run.id)}</h1>
       <p>tenant ${esc(run.tenant)} · ${esc(run.base_model)} · rank ${esc(run.lora_rank)}
@@ -100,7 +117,7 @@ const pages = {
         ["path", (c) => esc(c.tinker_path)], ["status", (c) => esc(c.status)],
         ["size", (c) => bytes(c.size_bytes), "num"], ["saved", (c) => when(c.created)],
         ["", (c) => (c.download ? `<a href="${esc(c.download)}">download (.tar)</a>` : "")],
-      ], checkpoints) : "<p>None.</p>");
+      ], checkpoints) : "<p>None.</p>") + `<h2>Last sampling calls</h2>` + sampleTable(samples);
   },
 
   async sessions() {
