@@ -4,6 +4,7 @@ tenants training, and its pages in a real headless Chromium (skipped without one
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import io
 import json
 import os
@@ -81,6 +82,96 @@ def runs(daemon, tiny_dir):
     """alice trains 3 steps and saves; bob trains 2."""
     return {"alice": train(daemon, tiny_dir, "alice", 3, save="console-ckpt", sample=True),
             "bob": train(daemon, tiny_dir, "bob", 2)}
+
+
+@pytest.fixture(scope="module")
+def reported(daemon, runs):
+    """alice's script reports a reward per step of its own (twinkle_sdk's sink, and the
+    tinker-cookbook logger that wraps it): step 1 twice, its names merged."""
+    from twinkle_sdk.tracking import DaemonMetrics
+
+    sink = DaemonMetrics(daemon.url, daemon.keys["alice"], runs["alice"]["run"])
+    sink.log({"reward/mean": 0.25, "kl": 0.5}, 1)
+    sink.log({"reward/mean": 0.5, "note": "not a number", "nan": float("nan")}, 2)
+    sink.log({"kl": 0.125}, 1)
+    if importlib.util.find_spec("tinker_cookbook") is not None:
+        from twinkle_sdk.cookbook_log import TwinkleMetricsLogger
+
+        cookbook = TwinkleMetricsLogger(daemon.url, daemon.keys["alice"],
+                                        lambda: runs["alice"]["run"])
+        cookbook.log_metrics({"reward/mean": 0.75, "env/text": "hi"}, step=3)
+        cookbook.log_metrics({"reward/mean": 9.0})  # no step: not a curve's point
+    else:
+        sink.log({"reward/mean": 0.75}, 3)
+    return [(1, {"reward/mean": 0.25, "kl": 0.125}), (2, {"reward/mean": 0.5}),
+            (3, {"reward/mean": 0.75})]
+
+
+def post(daemon, path: str, body, key: str | None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(daemon.url + path, data=data, method="POST",
+                                 headers={"X-API-Key": key} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_client_metrics_are_drawn_beside_the_runs_own(daemon, runs, reported):
+    body = get_json(daemon, f"api/runs/{runs['alice']['run']}", daemon.keys["alice"])
+    assert [(p["step"], p["metrics"]) for p in body["client_metrics"]] == reported
+
+
+def test_client_metrics_are_checked_at_the_door(daemon, runs, reported):
+    alice, bob = runs["alice"]["run"], runs["bob"]["run"]
+    route = f"/twinkle/v1/runs/{alice}/metrics"
+    ok = {"points": [{"step": 9, "metrics": {"reward/mean": 1.0}}]}
+    assert post(daemon, route, ok, daemon.keys["bob"]) == (
+        404, {"detail": f"no training run {alice!r}"})
+    assert post(daemon, route, ok, admin_key(daemon))[0] == 401  # the admin key only reads
+    assert post(daemon, route, ok, None)[0] == 401
+    for bad, says in [
+            ({"points": [{"step": 9, "metrics": {"reward mean": 1.0}}]}, "metrics"),
+            ({"points": [{"step": -1, "metrics": {"r": 1.0}}]}, "points[0].step"),
+            ({"points": [{"step": 9, "metrics": {"r": "high"}}]}, "points[0].metrics"),
+            ({"points": [{"step": 9, "metrics": {f"m{i}": 1 for i in range(65)}}]}, "metrics"),
+            ({"points": [{"step": 9, "metrics": {}}]}, "metrics"),
+            ({"points": []}, "points"),
+            ({"points": [{"step": 9, "metrics": {"r": 1.0}, "extra": 1}]}, "extra"),
+            (b'{"points": [{"step": 9, "metrics": {"r": 1e999}}]}', "out of range"),
+            (b'{"points": [{"step": 9, "metrics": {"r": NaN}}]}', "JSON")]:
+        status, got = post(daemon, route, bad, daemon.keys["alice"])
+        assert status == 400 and says in got["detail"], (bad, status, got)
+    # nothing of the refused reports was kept; bob's own run takes his
+    body = get_json(daemon, f"api/runs/{alice}", daemon.keys["alice"])
+    assert [(p["step"], p["metrics"]) for p in body["client_metrics"]] == reported
+    assert post(daemon, f"/twinkle/v1/runs/{bob}/metrics", ok, daemon.keys["bob"]) == (
+        200, {"run_id": bob, "points": 1})
+
+
+def test_report_to_twinkle_from_a_model_on_the_daemon(daemon, tiny_dir):
+    """twinkle_sdk's model with report_to="twinkle": calculate_metric's means on its run."""
+    import twinkle_sdk as twinkle
+    from twinkle_sdk.runtime import runtime
+
+    before = runtime.client, runtime.mode
+    try:
+        twinkle.init_twinkle_client(daemon.url, daemon.keys["bob"])
+        model = twinkle.MultiLoraTransformersModel(model_id=str(tiny_dir), report_to="twinkle")
+        model.add_adapter_to_model("default", {"r": 4, "lora_alpha": 8})
+        model.set_optimizer("AdamW", lr=1e-2)
+        model.forward_backward(inputs=[{"input_ids": [9, 40, 70, 100],
+                                        "labels": [-100, -100, 70, 100]}])
+        model.clip_grad_and_step()
+        means = model.calculate_metric(is_training=True)
+        run = model.backend.tc.model_id
+    finally:
+        runtime.client, runtime.mode = before
+    body = get_json(daemon, f"api/runs/{run}", daemon.keys["bob"])
+    [point] = body["client_metrics"]
+    assert point["step"] == 1
+    assert point["metrics"]["train/loss"] == pytest.approx(means["loss"])
 
 
 def admin_key(daemon) -> str:
@@ -217,7 +308,7 @@ def _browser():
     return playwright
 
 
-def test_the_console_in_a_real_browser(daemon, runs, tmp_path):
+def test_the_console_in_a_real_browser(daemon, runs, reported, tmp_path):
     """Through a proxy that serves the daemon under a path prefix: every URL the page
     uses must be relative for any of this to work."""
     playwright = _browser()
@@ -247,6 +338,10 @@ def test_the_console_in_a_real_browser(daemon, runs, tmp_path):
             assert curve.locator("circle").count() == 3
             drawn = curve.locator("polyline").get_attribute("points").split()
             assert len(drawn) == 3
+            # what the client reported: a reward curve against its own steps
+            reward = page.locator('#client-curves svg[data-metric="client reward/mean"]')
+            assert reward.get_attribute("data-points") == "3"
+            assert reward.locator("circle").count() == 3
             # the run's last sampling calls, newest first, its completions' text
             rows = page.locator("#samples tbody tr")
             assert rows.count() == 2

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from twinkled.core.service import Draining, RateLimited, Service
 from twinkled.protocol.errors import NotFound, UserError
-from twinkled.server import console
+from twinkled.server import client_metrics, console
 from twinkled.server.admin import same_key
 from twinkled.server.summary import log_summaries
 
@@ -147,6 +147,7 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
     add_anthropic_routes(app)
     admin.routes(app)
     console.add_console_routes(app)
+    client_metrics.add_routes(app)
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=service.metrics.render(),

@@ -100,7 +100,8 @@ def _own_run(request: web.Request) -> dict:
 
 
 async def run(request: web.Request) -> web.Response:
-    """A run, its steps (the curves' points) and its checkpoints."""
+    """A run, its steps (the curves' points), what its client reported of it
+    (client_metrics.py) and its checkpoints."""
     r = _own_run(request)
     store = request.app["store"]
     checkpoints, _ = store.checkpoints.list(run_id=r["id"], limit=MAX_ROWS, status=None)
@@ -109,6 +110,7 @@ async def run(request: web.Request) -> web.Response:
                                   "lora_config", "created", "last_request_time", "live",
                                   "corrupted", "user_metadata")},
         "steps": store.steps.of_run(r["id"]),
+        "client_metrics": store.client_metrics.of_run(r["id"]),
         "checkpoints": [_checkpoint(request, c) for c in checkpoints]})
 
 

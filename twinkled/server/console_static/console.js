@@ -34,17 +34,18 @@ function table(columns, rows, id = "") {
   return `<table${id ? ` id="${id}"` : ""}><thead><tr>${head}</tr></thead><tbody>${body}</tbody></table>`;
 }
 
-// One curve as SVG: y against step number, axes labelled with the extremes.
-function curve(title, ys) {
+// One curve as SVG: y against x (the step number unless xs says), axes labelled with
+// the extremes.
+function curve(title, ys, xs = ys.map((_, i) => i + 1)) {
   const W = 420, H = 200, L = 52, R = 10, T = 10, B = 24;
   let lo = Math.min(...ys), hi = Math.max(...ys);
   if (hi === lo) { const pad = Math.abs(hi) / 2 || 1; lo -= pad; hi += pad; }  // flat: centred
-  const span = hi - lo;
-  const x = (i) => L + (ys.length > 1 ? (i * (W - L - R)) / (ys.length - 1) : (W - L - R) / 2);
+  const span = hi - lo, x0 = xs[0], xspan = xs[xs.length - 1] - x0;
+  const x = (i) => L + (xspan > 0 ? ((xs[i] - x0) * (W - L - R)) / xspan : (W - L - R) / 2);
   const y = (v) => T + (H - T - B) * (1 - (v - lo) / span);
   const pts = ys.map((v, i) => `${x(i).toFixed(1)},${y(v).toFixed(1)}`).join(" ");
   const dots = ys.length <= 200 ? ys.map((v, i) =>
-    `<circle cx="${x(i).toFixed(1)}" cy="${y(v).toFixed(1)}" r="2"><title>step ${i + 1}: ${
+    `<circle cx="${x(i).toFixed(1)}" cy="${y(v).toFixed(1)}" r="2"><title>step ${xs[i]}: ${
       esc(v)}</title></circle>`).join("") : "";
   return `<figure><figcaption>${esc(title)}: last ${num(ys[ys.length - 1])}, ${
     ys.length} point(s)</figcaption>
@@ -54,10 +55,23 @@ function curve(title, ys) {
       <line x1="${L}" y1="${H - B}" x2="${W - R}" y2="${H - B}"/>
       <text x="${L - 4}" y="${T + 8}" text-anchor="end">${num(hi, 3)}</text>
       <text x="${L - 4}" y="${H - B}" text-anchor="end">${num(lo, 3)}</text>
-      <text x="${L}" y="${H - 8}">1</text>
-      <text x="${W - R}" y="${H - 8}" text-anchor="end">step ${ys.length}</text>
+      <text x="${L}" y="${H - 8}">${esc(x0)}</text>
+      <text x="${W - R}" y="${H - 8}" text-anchor="end">step ${esc(xs[xs.length - 1])}</text>
       <polyline points="${pts}"/>${dots}
     </svg></figure>`;
+}
+
+// What the client reported (a reward mean, ...): one curve per name, against its steps.
+function clientCurves(points) {
+  const series = new Map();
+  for (const p of points) {
+    for (const [k, v] of Object.entries(p.metrics)) {
+      if (!series.has(k)) series.set(k, {xs: [], ys: []});
+      series.get(k).xs.push(p.step);
+      series.get(k).ys.push(v);
+    }
+  }
+  return [...series].map(([name, {xs, ys}]) => curve(`client ${name}`, ys, xs)).join("");
 }
 
 // Each kind of step's metrics, one curve per metric, in the order the steps ran.
@@ -105,7 +119,7 @@ const pages = {
 
   async run(id) {
     const base = "runs/" + encodeURIComponent(id);
-    const [{run, steps, checkpoints}, {samples}] = await Promise.all([
+    const [{run, steps, client_metrics: reported, checkpoints}, {samples}] = await Promise.all([
       api(base), api(base + "/samples")]);
     const lora = run.lora_config || {};
     return `<h1 id="run-title">Run ${esc(run.id)}</h1>
@@ -113,6 +127,10 @@ const pages = {
          (alpha ${esc(lora.alpha)}, ${esc(lora.optimizer || "adam")}) · created
          ${when(run.created)} · ${steps.length} step(s) recorded</p>
       <h2>Curves</h2><div class="charts">${curves(steps) || "<p>No steps yet.</p>"}</div>
+      <h2>Reported by the client</h2><div class="charts" id="client-curves">${
+        clientCurves(reported) || `<p>Nothing yet: a client reports its own numbers (a
+        reward mean, ...) with <code>report_to=["twinkle"]</code> (twinkle_sdk) or
+        <code>TwinkleMetricsLogger</code> (tinker-cookbook).</p>`}</div>
       <h2>Checkpoints</h2>` + (checkpoints.length ? table([
         ["path", (c) => esc(c.tinker_path)], ["status", (c) => esc(c.status)],
         ["size", (c) => bytes(c.size_bytes), "num"], ["saved", (c) => when(c.created)],
