@@ -366,6 +366,15 @@ def test_the_console_in_a_real_browser(daemon, runs, reported, tmp_path):
             page.screenshot(path=str(tmp_path / "operator-admin.png"), full_page=True)
             text = page.inner_text("#view")
             assert "alice" in text and "bob" in text and "peak memory" in text
+            # the issue's list: lanes, memory and utilisation, queue depth, shares against
+            # weights, residency, and the way to the sessions' traces
+            assert page.locator("#lanes tbody tr").count() == 1  # one lane: its own row
+            assert "utilisation" in page.inner_text("#workers thead")
+            assert "%" in page.inner_text("#workers tbody")
+            assert page.inner_text("#queue").startswith("queue depth: ")
+            assert "weight's share" in page.inner_text("#tenants thead")
+            assert page.locator("#tenants .mark").count() >= 2
+            assert "Adapter residency" in text and "Sessions and their traces" in text
         finally:
             browser.close()
             proxy.close()

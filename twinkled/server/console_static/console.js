@@ -104,6 +104,13 @@ function sampleTable(samples) {
   ], samples, "samples");
 }
 
+const pct = (f) => `${(100 * (f || 0)).toFixed(1)}%`;
+// A fraction as a bar on a 100 px track, with a mark at `mark` (what the weight entitles to).
+const bar = (f, mark) => `<span class="track"><span class="bar" style="width:${
+  Math.min(100, Math.round(100 * (f || 0)))}px"></span>${mark == null ? "" :
+  `<span class="mark" style="left:${Math.min(100, Math.round(100 * mark))}px" title="weight's share ${
+    pct(mark)}"></span>`}</span> ${pct(f)}`;
+
 const runLink = (id) => `<a href="#/run/${encodeURIComponent(id)}">${esc(id)}</a>`;
 
 const pages = {
@@ -154,30 +161,49 @@ const pages = {
   async operator() {
     const st = await api("operator");
     const tenants = Object.entries(st.tenants || {}).map(([name, t]) => ({name, ...t}));
+    const sum = (key) => tenants.reduce((a, t) => a + (t[key] || 0), 0);
+    const weights = sum("weight") || 1;
     let html = `<h1>Operator</h1><p>model ${esc(st.model)} · ${esc(st.state)}` +
       (st.steps != null ? ` · ${st.steps} step(s) · ${st.adapters} adapter(s) · ${
-        st.restarts} restart(s)` : "") + `</p><h2>Tenants</h2>` + table([
+        st.restarts} restart(s) · step target ${st.step_target_ms ?? "none"} ms` : "") +
+      `</p><p id="queue">queue depth: ${sum("queued_requests")} request(s), ${
+        sum("queued_tokens")} token(s), ${sum("paused")} paused` + (st.samples_running != null ?
+        ` · ${st.samples_running} sample(s) decoding` : "") + `</p>` +
+      // Each tenant's share of the training time against what its weight entitles it to
+      // (the weight's part of all listed tenants' weights); "while contended": only the
+      // time other tenants also had work queued, where the weights decide.
+      `<h2>Tenants</h2>` + table([
       ["tenant", (t) => esc(t.name)], ["weight", (t) => num(t.weight, 3), "num"],
-      ["share", (t) => `<span class="bar" style="width:${Math.round(100 * (t.share || 0))
-        }px"></span> ${(100 * (t.share || 0)).toFixed(1)}%`],
+      ["weight's share", (t) => pct(t.weight / weights), "num"],
+      ["share", (t) => bar(t.share, t.weight / weights)],
+      ["share while contended", (t) => (t.contended_share == null ? "" :
+        pct(t.contended_share)), "num"],
       ["queued requests", (t) => t.queued_requests, "num"],
-      ["queued tokens", (t) => t.queued_tokens, "num"],
+      ["queued tokens", (t) => t.queued_tokens, "num"], ["paused", (t) => t.paused, "num"],
       ["served tokens", (t) => t.served_tokens, "num"],
-    ], tenants);
+    ], tenants, "tenants");
     if (st.workers) {
-      html += `<h2>Workers</h2>` + table([
+      // Utilisation: the part of its time up that the worker spent running steps.
+      html += `<h2>Workers (GPU memory and utilisation)</h2>` + table([
         ["lane", (w) => w.lane, "num"], ["rank", (w) => w.rank, "num"],
-        ["device", (w) => esc(w.device)], ["memory", (w) => bytes(w.memory_bytes), "num"],
+        ["device", (w) => esc(w.device)], ["host", (w) => esc(w.host)],
+        ["alive", (w) => (w.alive ? "yes" : "no")],
+        ["memory", (w) => bytes(w.memory_bytes), "num"],
         ["peak memory", (w) => bytes(w.peak_memory_bytes), "num"],
-        ["busy s", (w) => num(w.busy_s, 3), "num"],
-      ], st.workers);
-    }
-    if (st.lanes) {
+        ["busy s", (w) => num(w.busy_s, 3), "num"], ["up s", (w) => num(w.up_s, 3), "num"],
+        ["utilisation", (w) => (w.up_s ? bar(w.busy_s / w.up_s) : ""), "num"],
+      ], st.workers, "workers");
+      // One lane unless the config says more: its row from the daemon-wide figures.
+      const lanes = st.lanes || [{lane: 0, devices: st.devices, steps: st.steps,
+        adapters: st.adapters, step_target_ms: st.step_target_ms, restarts: st.restarts,
+        tiers: st.tiers}];
       html += `<h2>Lanes</h2>` + table([
         ["lane", (l) => l.lane, "num"], ["devices", (l) => esc(l.devices.join(", "))],
         ["steps", (l) => l.steps, "num"], ["adapters", (l) => l.adapters, "num"],
+        ["step target ms", (l) => l.step_target_ms ?? "none", "num"],
+        ["on GPU", (l) => l.tiers?.gpu, "num"], ["on host", (l) => l.tiers?.host, "num"],
         ["restarts", (l) => l.restarts, "num"],
-      ], st.lanes);
+      ], lanes, "lanes");
     }
     if (st.tiers) {
       html += `<h2>Adapter residency</h2>` + table([
@@ -185,6 +211,14 @@ const pages = {
         ["moves", (t) => esc(JSON.stringify(t.moves))],
         ["moved", (t) => bytes(t.moved_bytes), "num"],
       ], [st.tiers]);
+    }
+    if (st.logprob_gap?.checked) {
+      const g = st.logprob_gap;
+      html += `<p>logprob gap (sampler against trainer, nats per token): mean ${num(g.mean, 3)
+        }, max ${num(g.max, 3)} over ${g.checked} checked sample(s)</p>`;
+    }
+    if (st.workers) {
+      html += `<p>Sessions and their traces: <a href="#/sessions">Sessions</a>.</p>`;
     }
     return html;
   },
