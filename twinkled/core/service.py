@@ -23,6 +23,7 @@ from dataclasses import astuple
 from typing import Any
 
 from scheduler import Planner
+from twinkled.core import otel
 from twinkled.core.adapter_room import adapter_room, host_room
 from twinkled.core.engine_core import RateLimited  # noqa: F401  (re-exported)
 from twinkled.core.executor import Executor, zmq_executor
@@ -245,6 +246,8 @@ class Service:
         except (UserError, Draining) as e:
             self.futures.drop(op.future, str(e))
             raise
+        if otel.enabled():  # the request's spans of this op (core/otel.py)
+            otel.submitted(op)
         return (lane or self.lanes.of(op.model_id)).core.add(op)
 
     def _check_intake(self) -> None:
