@@ -23,6 +23,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
 from twinkled.core import otel  # noqa: E402
 
 T = 120
+# aiohttp advises typed app keys; the app (not this test) uses string keys
+pytestmark = pytest.mark.filterwarnings("ignore:It is recommended to use web")
 
 
 def train_one_step(url: str, key: str, base_model: str) -> None:
