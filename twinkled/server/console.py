@@ -12,6 +12,7 @@ serves the daemon under a path prefix.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -23,6 +24,7 @@ from tinker_shim.downloads import URL_TTL_S, archive_subject, download_key, sign
 from twinkled.protocol.errors import NotFound
 from twinkled.server.admin import same_key
 
+log = logging.getLogger("twinkled.console")
 PAGE_PREFIX = "/console/"  # the page and its files: no key needed to load them
 API_PREFIX = "/console/api/"  # the JSON: a tenant's key or the admin key
 ADMIN = "(admin)"  # request["tenant"] of a console request made with the admin key
@@ -120,8 +122,12 @@ async def samples(request: web.Request) -> web.Response:
     r = _own_run(request)
     calls = request.app["service"].recent_samples.of_run(r["id"], _viewer(request))
     if calls:
-        side = await request.app["oai_text"].get()
-        await side.off_loop(_decode, side.decode, calls)
+        try:
+            side = await request.app["oai_text"].get()
+        except Exception as e:  # noqa: BLE001 - a model without a usable tokenizer: ids only
+            log.warning("console: no tokenizer to decode samples with: %s", e)
+        else:
+            await side.off_loop(_decode, side.decode, calls)
     return web.json_response({"samples": calls})
 
 

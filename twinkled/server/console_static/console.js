@@ -92,12 +92,13 @@ function curves(steps) {
 // A run's last sampling calls (newest first): the prompt's end, each completion.
 function sampleTable(samples) {
   if (!samples.length) return "<p>None since the daemon started.</p>";
-  const text = (t, n, shown) => `<pre class="sample">${esc(t)}</pre>` +
+  const text = (t, ids, n, shown) => `<pre class="sample">${esc(t ?? ids.join(" "))}</pre>` +
     (n > shown ? `<small>(${shown} of ${n} tokens shown)</small>` : "");
   return table([
     ["time", (c) => when(c.time)], ["sampler", (c) => esc(c.sampler)],
-    ["prompt", (c) => text(c.prompt_text, c.prompt_tokens, c.prompt.length)],
-    ["completions", (c) => c.sequences.map((s) => text(s.text, s.tokens_n, s.tokens.length) +
+    ["prompt", (c) => text(c.prompt_text, c.prompt, c.prompt_tokens, c.prompt.length)],
+    ["completions", (c) => c.sequences.map((s) => text(s.text, s.tokens, s.tokens_n,
+      s.tokens.length) +
       `<small>logprob sum ${num(s.logprob_sum)} · ${s.tokens_n} token(s) · ${
         esc(s.stop_reason)}</small>`).join("<hr>") + (c.num_samples > c.sequences.length ?
       `<small>(${c.sequences.length} of ${c.num_samples} shown)</small>` : "")],
