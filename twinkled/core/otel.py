@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextvars
 import os
 import time
-from collections import OrderedDict
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,6 @@ _tracer: Any = None  # an opentelemetry Tracer once `setup` turned tracing on
 _provider: Any = None
 _request: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar(
     "otel_request", default=None)  # (a context holding the request's span, its start in ns)
-MAX_OPEN = 100_000  # ops traced and not settled yet (the oldest are forgotten past it)
 
 
 @dataclass
@@ -44,7 +43,9 @@ class _Traced:
     steps: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
 
 
-_open: OrderedDict[str, _Traced] = OrderedDict()  # future id -> what its spans need
+# future id -> what its spans need, while the op lives: its `after` holds the entry, so an
+# op refused at the door (never settled) takes its entry with it when it is dropped.
+_open: weakref.WeakValueDictionary[str, _Traced] = weakref.WeakValueDictionary()
 
 
 def enabled() -> bool:
@@ -120,15 +121,13 @@ def submitted(op: Op) -> None:
     parent, started = req
     now = time.time_ns()
     _tracer.start_span("door check", context=parent, start_time=started).end(end_time=now)
-    _open[op.future.id] = _Traced(parent, now)
-    while len(_open) > MAX_OPEN:
-        _open.popitem(last=False)
+    traced = _open[op.future.id] = _Traced(parent, now)
     then = op.after
 
     def after(result: Any, message: str | None) -> None:
         if then is not None:
             then(result, message)
-        _settled(op, message)
+        _settled(op, traced, message)
     op.after = after
 
 
@@ -143,9 +142,9 @@ def stepped(step_no: int, kind: str, ops: list[Op], began: float, ended: float) 
             traced.steps.append((int(began * 1e9), int(ended * 1e9), info))
 
 
-def _settled(op: Op, message: str | None) -> None:
-    traced = _open.pop(op.future.id, None)
-    if traced is None:
+def _settled(op: Op, traced: _Traced, message: str | None) -> None:
+    _open.pop(op.future.id, None)
+    if _tracer is None:  # tracing stopped (shutdown) while the op was queued
         return
     now, parent = time.time_ns(), traced.parent
     attrs = {"twinkle.op": op.future.kind, "twinkle.future": op.future.id,
