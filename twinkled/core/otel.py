@@ -117,7 +117,7 @@ def submitted(op: Op) -> None:
     other spans are made as it settles (its `after` is wrapped for that)."""
     req = _request.get()
     if req is None or op.future.id in _open:
-        return  # queued by the daemon itself (no request), or a piece seen already
+        return  # queued by the daemon itself (no request), or an op seen already
     parent, started = req
     now = time.time_ns()
     _tracer.start_span("door check", context=parent, start_time=started).end(end_time=now)
