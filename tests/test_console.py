@@ -379,3 +379,32 @@ def test_the_console_in_a_real_browser(daemon, runs, reported, tmp_path):
             browser.close()
             proxy.close()
     print(f"console screenshots: {tmp_path}")
+
+
+def test_recent_samples_are_bounded_and_kept_per_tenant():
+    """The ring's bounds (calls per run, runs, ids), and another tenant's calls on a run
+    (sampling its public checkpoint) are not the owner's to read."""
+    from types import SimpleNamespace
+
+    from twinkled.core import recent_samples as rs
+
+    ring = rs.RecentSamples(per_run=2, runs=2)
+    seq = SimpleNamespace(tokens=list(range(rs.MAX_SEQUENCE + 5)), logprobs=[-0.5, -0.25],
+                          stop_reason="length")
+    for i in range(3):
+        ring.put("r1", "alice", "s", [7] * i + list(range(rs.MAX_PROMPT + 1)),
+                 [seq] * (rs.MAX_SEQUENCES + 1))
+    ring.put("r1", "bob", "s2", [1, 2], [seq])
+    [bobs, alices] = ring.of_run("r1", None)  # two kept, newest first
+    assert ring.of_run("r1", "alice") == [alices] and ring.of_run("r1", "bob") == [bobs]
+    assert alices["prompt"] == list(range(1, rs.MAX_PROMPT + 1))  # its end
+    assert alices["prompt_tokens"] == rs.MAX_PROMPT + 3 and alices["num_samples"] == 5
+    [s0, *_] = alices["sequences"]
+    assert len(alices["sequences"]) == rs.MAX_SEQUENCES
+    assert s0["tokens"] == list(range(rs.MAX_SEQUENCE)) and s0["tokens_n"] == rs.MAX_SEQUENCE + 5
+    assert s0["logprob_sum"] == -0.75
+    ring.put("r2", "alice", "s", [1], [seq])
+    ring.put("r3", "alice", "s", [1], [seq])  # r1, sampled least recently, is forgotten
+    assert ring.of_run("r1", None) == [] and len(ring.of_run("r3", "alice")) == 1
+    assert rs.run_of_path("tinker://run-1/sampler_weights/x") == "run-1"
+    assert rs.run_of_path("tiny-qwen3") is None and rs.run_of_path(None) is None
