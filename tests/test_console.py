@@ -408,3 +408,22 @@ def test_recent_samples_are_bounded_and_kept_per_tenant():
     assert ring.of_run("r1", None) == [] and len(ring.of_run("r3", "alice")) == 1
     assert rs.run_of_path("tinker://run-1/sampler_weights/x") == "run-1"
     assert rs.run_of_path("tiny-qwen3") is None and rs.run_of_path(None) is None
+
+
+def test_client_metrics_per_run_cap_and_merge(tmp_path, monkeypatch):
+    from twinkled.protocol.errors import UserError
+    from twinkled.store import Store
+    from twinkled.store import steps as steps_module
+
+    monkeypatch.setattr(steps_module, "MAX_CLIENT_STEPS", 3)
+    store = Store(tmp_path / "db.sqlite")
+    try:
+        store.client_metrics.report("r", [(1, {"a": 1.0}), (2, {"a": 2.0}), (1, {"b": 3.0})])
+        store.client_metrics.report("r", [(3, {"a": 4.0}), (2, {"a": 5.0})])
+        with pytest.raises(UserError, match="at most 3 steps"):  # a fourth step: none kept
+            store.client_metrics.report("r", [(2, {"c": 6.0}), (4, {"a": 7.0})])
+        store.client_metrics.report("other", [(4, {"a": 7.0})])  # the cap is per run
+        got = [(p["step"], p["metrics"]) for p in store.client_metrics.of_run("r")]
+        assert got == [(1, {"a": 1.0, "b": 3.0}), (2, {"a": 5.0}), (3, {"a": 4.0})]
+    finally:
+        store.close()
