@@ -13,6 +13,7 @@ from typing import Any
 
 from .local import Output, Row
 from .runtime import runtime
+from .tracking import DaemonMetrics
 
 T = 600  # seconds to wait for one result
 
@@ -23,7 +24,7 @@ class TwinkleClient:
     def __init__(self, base_url: str, api_key: str):
         import tinker
 
-        self.base_url = base_url
+        self.base_url, self.api_key = base_url, api_key
         self.service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
         self.rest = tinker.RestClient(base_url=base_url, api_key=api_key)
 
@@ -84,6 +85,11 @@ class RemoteBackend:
     @property
     def tokenizer(self):
         return self.tc.get_tokenizer()
+
+    def daemon_metrics(self) -> DaemonMetrics:
+        """report_to="twinkle": metrics to this model's run (the latest, after a load)."""
+        return DaemonMetrics(self.client.base_url, self.client.api_key,
+                             lambda: self.tc.model_id if self.tc is not None else None)
 
     def create(self, name: str, rank: int, alpha: float, targets: dict[str, bool],
                seed: int) -> None:

@@ -264,10 +264,12 @@ class _Mean:
 
 def _with_logger(model: TwinkleModel, report_to: str | list[str] | None,
                  logging_dir: str) -> TwinkleModel:
-    """`report_to` ("tensorboard", "wandb", "jsonl" or a list), as transformers' Trainer
-    takes it: a MetricsLogger writing under `logging_dir`."""
+    """`report_to` ("tensorboard", "wandb", "jsonl", "twinkle" or a list), as transformers'
+    Trainer takes it: a MetricsLogger writing under `logging_dir` (or to the daemon)."""
     if report_to and report_to != "none":
-        model.set_logger(MetricsLogger(report_to, logging_dir))
+        daemon = getattr(model.backend, "daemon_metrics", None)
+        model.set_logger(MetricsLogger(report_to, logging_dir,
+                                       daemon=daemon() if daemon is not None else None))
     return model
 
 

@@ -12,19 +12,30 @@ The writers are optional dependencies, imported only when asked for: TensorBoard
 (no torch: what a client of a daemon wants); W&B through `wandb`, offline unless asked
 (`wandb_mode="online"` or WANDB_MODE), so a run on a box without network still logs and
 `wandb sync` uploads it later.
+
+"twinkle" posts them to the daemon the model trains on (a model made after
+`init_twinkle_client`), where the web console draws them on the run's page
+(`POST /twinkle/v1/runs/{run_id}/metrics`): what the daemon cannot see itself, such as
+an RL loop's reward mean, beside the losses it records. `DaemonMetrics` is that sink on
+its own (any script: `DaemonMetrics(base_url, api_key, run_id).log({...}, step)`), and
+`twinkle_sdk.cookbook_log.TwinkleMetricsLogger` the same for tinker-cookbook's loggers.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import time
-from collections.abc import Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-SINKS = ("tensorboard", "wandb", "jsonl")
+SINKS = ("tensorboard", "wandb", "jsonl", "twinkle")
+POST_T = 30  # seconds one report to the daemon may take
 
 
 class MetricsLogger:
@@ -34,15 +45,20 @@ class MetricsLogger:
     def __init__(self, report_to: str | Sequence[str] = "tensorboard",
                  log_dir: str | Path = "runs", run_name: str | None = None,
                  project: str = "twinkle", config: dict[str, Any] | None = None,
-                 wandb_mode: str | None = None):
+                 wandb_mode: str | None = None, daemon: DaemonMetrics | None = None):
+        """`daemon`: where "twinkle" posts (twinkle_sdk's models pass their own)."""
         names = [report_to] if isinstance(report_to, str) else list(report_to)
         unknown = [n for n in names if n not in SINKS]
         if unknown:
             raise ValueError(f"report_to: unknown {unknown}; choose from {list(SINKS)}")
+        if "twinkle" in names and daemon is None:
+            raise ValueError("report_to='twinkle' posts to a daemon: it needs a model made "
+                             "after init_twinkle_client(base_url, api_key)")
         self.run_name = run_name or time.strftime("%Y%m%d-%H%M%S")
         self.log_dir = Path(log_dir) / self.run_name
         self.records: list[tuple[int, dict[str, float]]] = []
-        self._sinks = [_open(n, self.log_dir, self.run_name, project, config or {}, wandb_mode)
+        self._sinks = [daemon if n == "twinkle" else
+                       _open(n, self.log_dir, self.run_name, project, config or {}, wandb_mode)
                        for n in names]
 
     def log(self, metrics: dict[str, float], step: int, prefix: str = "") -> None:
@@ -131,3 +147,36 @@ class _JsonLines:
 
     def close(self) -> None:
         self.file.close()
+
+
+class DaemonMetrics:
+    """Posts each record to the daemon's run (`run_id`: its id, or a function giving it
+    once the run exists), for the console's curves. A value that is not a finite number
+    is left out (the daemon keeps numbers); a refusal (4xx) raises with the daemon's
+    reason, as a mistake in the names would."""
+
+    def __init__(self, base_url: str, api_key: str, run_id: str | Callable[[], str | None]):
+        self.base_url, self._key, self._run = base_url.rstrip("/"), api_key, run_id
+
+    def log(self, record: dict[str, float], step: int) -> None:
+        run = self._run() if callable(self._run) else self._run
+        if not run:
+            raise RuntimeError("report_to='twinkle': the model has no run on the daemon yet "
+                               "(add its adapter first)")
+        numbers = {k: float(v) for k, v in record.items()
+                   if isinstance(v, (int, float)) and math.isfinite(v)}
+        if not numbers:
+            return
+        body = json.dumps({"points": [{"step": int(step), "metrics": numbers}]}).encode()
+        req = urllib.request.Request(
+            f"{self.base_url}/twinkle/v1/runs/{run}/metrics", data=body, method="POST",
+            headers={"X-API-Key": self._key, "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=POST_T):
+                pass
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            raise ValueError(f"the daemon refused the metrics ({e.code}): {detail}") from None
+
+    def close(self) -> None:
+        pass

@@ -29,6 +29,7 @@ from dataclasses import replace
 import msgspec
 
 from scheduler import Planner, Step, Work
+from twinkled.core import otel
 from twinkled.core.executor import Executor
 from twinkled.core.futures import Future, Futures, empty_json
 from twinkled.core.gather import Gather
@@ -222,6 +223,8 @@ class EngineCore:
                 executing = time.time()
                 outcomes = await self._execute(step, ops)  # 2. execute
                 completing = time.time()
+                if otel.enabled():  # the ops' step spans (core/otel.py)
+                    otel.stepped(self.planner.steps, step.kind, ops, executing, completing)
                 self._complete(ops, outcomes)  # 3. complete
                 if trace.enabled():
                     trace.record("loop", kind=step.kind, ops=len(ops), planned=planning,

@@ -23,6 +23,7 @@ from dataclasses import astuple
 from typing import Any
 
 from scheduler import Planner
+from twinkled.core import otel
 from twinkled.core.adapter_room import adapter_room, host_room
 from twinkled.core.engine_core import RateLimited  # noqa: F401  (re-exported)
 from twinkled.core.executor import Executor, zmq_executor
@@ -31,6 +32,7 @@ from twinkled.core.housekeeping import Housekeeping
 from twinkled.core.lanes import Lane, Lanes, make_lane
 from twinkled.core.metrics import Metrics
 from twinkled.core.ops import After, Op
+from twinkled.core.recent_samples import RecentSamples
 from twinkled.core.residency import stored_config
 from twinkled.core.stability import StabilityRecords
 from twinkled.core.streams import SampleStream
@@ -82,6 +84,7 @@ class Service:
         # What samplers produced, for stable_reinforce (filled by `sample`, read by the
         # forward_backward that names it).
         self.stability = StabilityRecords(config.stability_bytes, config.stability_tenant_bytes)
+        self.recent_samples = RecentSamples()  # the console's last sampling calls of a run
         self.metrics = Metrics(self)
         self.futures = Futures(store)
         if executor is None:
@@ -243,6 +246,8 @@ class Service:
         except (UserError, Draining) as e:
             self.futures.drop(op.future, str(e))
             raise
+        if otel.enabled():  # the request's spans of this op (core/otel.py)
+            otel.submitted(op)
         return (lane or self.lanes.of(op.model_id)).core.add(op)
 
     def _check_intake(self) -> None:
@@ -454,6 +459,8 @@ class Service:
                     self.stability.put(tenant, sampler["session_id"], ids, prompt,
                                        result.sequences)
 
+        after = self.recent_samples.recorder(  # the console's view of the run's samples
+            tenant, sampler.get("model_path") or sampler["id"], sampler["id"], frame, after)
         cost = frame.prompt.shape[0] + frame.params.max_tokens * frame.num_samples
         f = self.submit(Op(None, None, frame, f, cost, after=after, stream=stream),
                         self.lanes.for_sample(frame.adapter_id))

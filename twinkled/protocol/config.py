@@ -123,6 +123,9 @@ class Config:
     stability_tenant_bytes: int = 64 * 2**20  # one tenant
     log_format: str = "text"  # text | json: one log line per request (json for log shippers)
     log_summary_s: float = 60.0  # a summary line (tok/s, steps, queued) this often; 0: none
+    # OpenTelemetry traces of requests (the `otel` extra; core/otel.py); OTEL_TRACES_EXPORTER
+    # turns them on too, and the OTEL_EXPORTER_OTLP_* variables say where they go.
+    otel: bool = False
     admin_key_file: str = ""  # "": <data_dir>/admin.key, made at the first start (mode 0600)
     # Worker ranks on other hosts (`twinkled worker --join`): where they join ("": none).
     join_listen: str = ""  # tcp://ADDRESS:PORT, e.g. tcp://0.0.0.0:7070

@@ -12,9 +12,10 @@ import uuid
 
 from aiohttp import web
 
+from twinkled.core import otel
 from twinkled.core.service import Draining, RateLimited, Service
 from twinkled.protocol.errors import NotFound, UserError
-from twinkled.server import console
+from twinkled.server import client_metrics, console
 from twinkled.server.admin import same_key
 from twinkled.server.summary import log_summaries
 
@@ -136,8 +137,12 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
     from openai_shim.routes import add_routes as add_openai_routes
     from tinker_shim.routes import add_routes
     from twinkled.server import admin
+    from twinkled.server.otel import traced
 
-    app = web.Application(middlewares=[auth_and_errors], client_max_size=service.config.max_body_bytes if service else 64 * 2**20)
+    if service is not None and not otel.enabled() and otel.wanted(service.config.otel):
+        otel.setup()
+    middlewares = [traced, auth_and_errors] if otel.enabled() else [auth_and_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=service.config.max_body_bytes if service else 64 * 2**20)
     app["service"] = service
     app["store"] = store
     app["admin_key"] = admin_key
@@ -147,6 +152,7 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
     add_anthropic_routes(app)
     admin.routes(app)
     console.add_console_routes(app)
+    client_metrics.add_routes(app)
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=service.metrics.render(),
@@ -173,6 +179,7 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
 
     async def on_cleanup(app):
         await service.close()
+        otel.shutdown()  # what is buffered goes out
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)

@@ -12,6 +12,7 @@ serves the daemon under a path prefix.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -23,6 +24,7 @@ from tinker_shim.downloads import URL_TTL_S, archive_subject, download_key, sign
 from twinkled.protocol.errors import NotFound
 from twinkled.server.admin import same_key
 
+log = logging.getLogger("twinkled.console")
 PAGE_PREFIX = "/console/"  # the page and its files: no key needed to load them
 API_PREFIX = "/console/api/"  # the JSON: a tenant's key or the admin key
 ADMIN = "(admin)"  # request["tenant"] of a console request made with the admin key
@@ -100,7 +102,8 @@ def _own_run(request: web.Request) -> dict:
 
 
 async def run(request: web.Request) -> web.Response:
-    """A run, its steps (the curves' points) and its checkpoints."""
+    """A run, its steps (the curves' points), what its client reported of it
+    (client_metrics.py) and its checkpoints."""
     r = _own_run(request)
     store = request.app["store"]
     checkpoints, _ = store.checkpoints.list(run_id=r["id"], limit=MAX_ROWS, status=None)
@@ -109,7 +112,30 @@ async def run(request: web.Request) -> web.Response:
                                   "lora_config", "created", "last_request_time", "live",
                                   "corrupted", "user_metadata")},
         "steps": store.steps.of_run(r["id"]),
+        "client_metrics": store.client_metrics.of_run(r["id"]),
         "checkpoints": [_checkpoint(request, c) for c in checkpoints]})
+
+
+async def samples(request: web.Request) -> web.Response:
+    """The run's last sampling calls (core/recent_samples.py), newest first, the token ids
+    decoded with the model's tokenizer (off the event loop); a tenant sees its own calls."""
+    r = _own_run(request)
+    calls = request.app["service"].recent_samples.of_run(r["id"], _viewer(request))
+    if calls:
+        try:
+            side = await request.app["oai_text"].get()
+        except Exception as e:  # noqa: BLE001 - a model without a usable tokenizer: ids only
+            log.warning("console: no tokenizer to decode samples with: %s", e)
+        else:
+            await side.off_loop(_decode, side.decode, calls)
+    return web.json_response({"samples": calls})
+
+
+def _decode(decode, calls: list[dict]) -> None:
+    for c in calls:
+        c["prompt_text"] = decode(c["prompt"])
+        for s in c["sequences"]:
+            s["text"] = decode(s["tokens"])
 
 
 async def sessions(request: web.Request) -> web.Response:
@@ -165,6 +191,7 @@ def add_console_routes(app: web.Application) -> None:
     r.add_get(API_PREFIX + "me", me)
     r.add_get(API_PREFIX + "runs", runs)
     r.add_get(API_PREFIX + "runs/{run_id}", run)
+    r.add_get(API_PREFIX + "runs/{run_id}/samples", samples)
     r.add_get(API_PREFIX + "sessions", sessions)
     r.add_get(API_PREFIX + "operator", operator)
     r.add_get(PAGE_PREFIX + "{name}", page)

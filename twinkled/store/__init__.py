@@ -10,7 +10,8 @@ object per table group, reached as attributes so a call site names what it touch
 ``store.tenants`` (store_tenants.py), ``store.status`` (the daemon's status row),
 ``store.sessions`` (store_sessions.py), ``store.runs`` and ``store.samplers``
 (store_runs.py), ``store.checkpoints`` (store_checkpoints.py), ``store.futures``
-(store_futures.py), ``store.steps`` (each run's step metrics: steps.py).
+(store_futures.py), ``store.steps`` (each run's step metrics: steps.py) and
+``store.client_metrics`` (what clients report of their runs: steps.py).
 
 Conventions: times are unix seconds (floats; ``to_datetime`` turns them into the UTC
 datetimes REST objects need); rows come back as plain dicts with JSON columns decoded and
@@ -28,7 +29,7 @@ from twinkled.store.futures import FutureRows
 from twinkled.store.runs import Runs, Samplers
 from twinkled.store.schema import Row, to_datetime  # noqa: F401 - the store's API
 from twinkled.store.sessions import Sessions
-from twinkled.store.steps import Steps
+from twinkled.store.steps import ClientMetrics, Steps
 from twinkled.store.tenants import StatusRow, Tenants
 
 
@@ -45,6 +46,7 @@ class Store:
         self.checkpoints = Checkpoints(self.db, self.tenants)
         self.futures = FutureRows(self.db)
         self.steps = Steps(self.db)
+        self.client_metrics = ClientMetrics(self.db)
 
     def close(self) -> None:
         self.db.close()

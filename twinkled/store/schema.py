@@ -50,6 +50,9 @@ SCHEMA: dict[str, tuple[dict[str, type], str | tuple[str, ...], dict[str, Any]]]
     # What each finished training op of a run reported (store/steps.py: the console's curves)
     "steps": ({"run_id": str, "seq_id": int, "kind": str, "time": float, "tokens": int,
                "metrics": str}, ("run_id", "seq_id"), {"tokens": 0}),
+    # What a client reported of its own run, per step (a reward mean, ...): steps.py
+    "client_metrics": ({"run_id": str, "step": int, "time": float, "metrics": str},
+                       ("run_id", "step"), {}),
     "futures": ({"id": str, "tenant": str, "kind": str, "model_id": str, "seq_id": int,
                  "status": str, "result": bytes, "content_type": str, "created": float,
                  "completed_at": float}, "id", {}),
