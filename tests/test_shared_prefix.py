@@ -314,3 +314,19 @@ def test_data_parallel_ranks_keep_a_prompts_rollouts_together():
     follows = [False, True, True, True, False, False, True]
     assert split_rows(costs, 2, follows) == [0, 0, 0, 0, 1, 1, 1]
     assert split_rows(costs, 2) == [1, 0, 0, 0, 1, 0, 1]  # rows alone: the group spread
+
+
+def test_kv_heads_repeated_token_major_equal_repeat_interleave():
+    """The GQA repeat the varlen kernel takes (packed.repeat_kv_heads, one copy straight into
+    the token-major layout) is `repeat_interleave` over heads, forward and backward."""
+    from twinkled.engine.packed import repeat_kv_heads
+
+    t = torch.randn(1, 2, 7, 4, requires_grad=True)  # [1, Hkv, T, D], as the model holds k
+    token_major = t[0].transpose(0, 1)
+    got = repeat_kv_heads(token_major, 3)
+    want = t.repeat_interleave(3, dim=1)[0].transpose(0, 1)
+    assert got.is_contiguous() and torch.equal(got, want)
+    w = torch.randn_like(want)
+    (g1,) = torch.autograd.grad((got * w).sum(), t)
+    (g2,) = torch.autograd.grad((want * w).sum(), t)
+    assert torch.allclose(g1, g2)

@@ -85,13 +85,24 @@ def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch
     # Causal: `window_size` in newer builds, `is_causal` in older ones.
     kw = ({"window_size": (-1, 0)} if _varlen_has("window_size")
           else {"is_causal": True})
+    q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # token-major, as the kernel reads
     if gqa and _varlen_has("enable_gqa"):
         kw["enable_gqa"] = True
     elif gqa:  # a build whose kernel wants as many kv heads as query heads
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    out = varlen_attn(*(t[0].transpose(0, 1).contiguous() for t in (q, k, v)),
+        k, v = (repeat_kv_heads(t, q.shape[1] // t.shape[1]) for t in (k, v))
+    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(),
                       cu_q, cu_k, max_q, max_k, scale=scale, **kw)
     return out.transpose(0, 1)[None]
+
+
+def repeat_kv_heads(t: torch.Tensor, times: int) -> torch.Tensor:
+    """[T, Hkv, D] -> [T, Hkv * times, D], each kv head repeated in place (as
+    `repeat_interleave(times, dim=1)`), written token-major in one copy: repeating the
+    head-major [1, Hkv, T, D] and then making it token-major for the kernel copied every
+    key twice (an 8B RL step's shared-prefix training spent 16% of its device time in
+    such copies, bench_shared_prefix.py --profile)."""
+    n, heads, dim = t.shape
+    return t.unsqueeze(2).expand(n, heads, times, dim).reshape(n, heads * times, dim)
 
 
 @cache

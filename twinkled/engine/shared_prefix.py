@@ -302,6 +302,9 @@ class SharedPacking:
         segment's once per continuation); the kernel's causal mask is aligned to the end of
         a segment's keys, so a continuation's queries see every shared key and their own
         causally."""
-        kk, vv = (t.index_select(2, self.keys) for t in (k, v))
+        # Gathered token-major ([keys, kv heads, dim]: the kernel's layout), so that making
+        # them token-major for the kernel is no second copy of every gathered key.
+        kk, vv = (t[0].transpose(0, 1).index_select(0, self.keys).transpose(0, 1)[None]
+                  for t in (k, v))
         return kernel(q, kk, vv, self.cu_q, self.cu_k, self.longest_q, self.longest_k, scale,
                       gqa)
