@@ -30,6 +30,7 @@ from twinkled.protocol.types import (
 )
 
 from . import live, sampler, state, step
+from .full_param import FullRun, is_full_checkpoint
 from .fused_ops import Fused
 from .lora import Adapter, LoraPool
 from .model import BaseModel
@@ -83,6 +84,11 @@ class Engine:
         self.padded_sampling = self.shard is not None or bool(self.model.moe)
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
+        # A full-parameter run (rank 0, full_param.py): it trains this engine's base model
+        # itself, so it is the only training run here; `_views` are the sampler ids that
+        # read its current weights (save_weights_for_sampler of it).
+        self.full: FullRun | None = None
+        self._views: set[str] = set()
 
     @property
     def tokenizer(self):
@@ -92,6 +98,11 @@ class Engine:
 
     def add_adapter(self, adapter_id: str, config: LoraConfig | None = None) -> AdapterInfo:
         config = config or LoraConfig()
+        if config.rank == 0:
+            return self._add_full(adapter_id, config)
+        if self.full is not None:
+            raise EngineInputError("lora_config.rank", "this lane trains a full-parameter run; "
+                                   "its base model is not the one LoRA adapters train on")
         if self.shard is not None:
             config = self._split_config(config)
         self.pool.add(adapter_id, config)
@@ -103,10 +114,27 @@ class Engine:
             config = replace(config, seed=self.shard.tp.broadcast_seed())
         return config
 
+    def _add_full(self, run_id: str, config: LoraConfig) -> AdapterInfo:
+        if self.full is not None or self.pool.adapters:
+            held = self.full.id if self.full is not None else sorted(self.pool.adapters)
+            raise EngineInputError("lora_config.rank", "a full-parameter run needs its lane "
+                                   f"alone; this one holds {held}")
+        self.full = FullRun(run_id, self.model, config, self.dp_group)
+        return self.full.info()
+
+    def is_full(self, adapter_id: str | None) -> bool:
+        """Whether `adapter_id` is the full run, or a sampler view of its weights."""
+        full = self.full
+        return full is not None and (adapter_id == full.id or adapter_id in self._views)
+
     def copy_adapter(self, src: str, dst: str) -> AdapterInfo:
         """A new adapter `dst` with `src`'s configuration and current weights, but none of
         its gradients or optimizer state: a sampler of a live adapter made on the device,
-        instead of reading back the files just written (they hold the same fp32 masters)."""
+        instead of reading back the files just written (they hold the same fp32 masters).
+        Of a full run: a view of its current weights (nothing is copied)."""
+        if self.is_full(src):
+            self._views.add(dst)
+            return self.full.info()
         a = self.pool.get(src)
         b = self.pool.add(dst, a.config)
         try:
@@ -120,12 +148,20 @@ class Engine:
         return self.adapter_info(dst)
 
     def remove_adapter(self, adapter_id: str) -> None:
-        self.pool.remove(adapter_id)
+        if adapter_id in self._views:
+            self._views.discard(adapter_id)
+        elif self.full is not None and adapter_id == self.full.id:
+            self.full.end()
+            self.full, self._views, self._running = None, set(), None
+        else:
+            self.pool.remove(adapter_id)
 
     def has_adapter(self, adapter_id: str) -> bool:
-        return adapter_id in self.pool.adapters
+        return adapter_id in self.pool.adapters or self.is_full(adapter_id)
 
     def adapter_info(self, adapter_id: str) -> AdapterInfo:
+        if self.is_full(adapter_id):
+            return self.full.info()
         a = self.pool.get(adapter_id)
         c = a.config
         return AdapterInfo(adapter_id, c.rank, c.alpha, c.target_modules, a.steps, a.pending,
@@ -152,17 +188,25 @@ class Engine:
         most this many tokens (0: `token_budget`); `between`: called between them
         (step.forward_backward: the step is preemptible there).
         """
-        if not checked:
-            for r in requests:
-                self.check(r)
+        full = [self.is_full(r.adapter_id) for r in requests]
+        if any(full):  # the base model is the run's: its rows train it (full_param.py)
+            requests = [replace(r, adapter_id=None) if f else r
+                        for r, f in zip(requests, full, strict=True)]
+        if not checked:  # (a full run's rows as the base model's, which may not train)
+            for r, f in zip(requests, full, strict=True):
+                self.check(replace(r, forward_only=True) if f else r)
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
         budget = min(micro_tokens, self.token_budget) if micro_tokens > 0 else self.token_budget
         if all(r.forward_only for r in requests):
             with torch.no_grad():
                 return step.forward_backward(self.model, requests, adapters, budget,
                                              self.packed, self.shared_prefix, between)
-        return step.forward_backward(self.model, requests, adapters, budget,
-                                     self.packed, self.shared_prefix, between)
+        results = step.forward_backward(self.model, requests, adapters, budget, self.packed,
+                                        self.shared_prefix, between, base_trains=any(full))
+        for r, f in zip(requests, full, strict=True):
+            if f and not r.forward_only:
+                self.full.trained(len(r.data))
+        return results
 
     def forward(self, requests: list[ForwardBackwardRequest]) -> list[ForwardBackwardResult]:
         """Logprobs (and loss values) only; changes nothing."""
@@ -195,6 +239,13 @@ class Engine:
         ids = [i for i, _ in items]
         if len(set(ids)) != len(ids):
             raise EngineInputError("adapter_id", "an adapter may step only once per call")
+        if any(self.is_full(i) for i in ids):  # alone on its lane: one item
+            if len(items) != 1:
+                raise EngineInputError("adapter_id", "a full run steps alone")
+            result = self.full.step(items[0][1])
+            if self._running is not None and self._running.idle:
+                self._running = None  # cached prefixes were of the weights before
+            return [result]
         adapters = [self.pool.get(i) for i in ids]
         for adapter, (_, params) in zip(adapters, items, strict=True):
             check_optim_params(adapter.config.optimizer, params)
@@ -208,6 +259,9 @@ class Engine:
                                self.shard)
 
     def zero_grad(self, adapter_id: str) -> None:
+        if self.is_full(adapter_id):
+            self.full.zero_grad()
+            return
         a = self.pool.get(adapter_id)
         a.bank.zero_slot(a.slot)
         a.pending = 0
@@ -292,8 +346,10 @@ class Engine:
         """Each request's adapter (None: the base model), after checking the requests."""
         if not checked:
             for r in requests:
-                self.check(r)
-        return [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
+                self.check(replace(r, adapter_id=None) if self.is_full(r.adapter_id) else r)
+        # A full run samples from the base model, which is its current weights.
+        return [None if r.adapter_id is None or self.is_full(r.adapter_id)
+                else self.pool.get(r.adapter_id) for r in requests]
 
     def _sampling_batch(self, requests: list[SampleRequest], checked: bool
                         ) -> tuple[RunningBatch, list[Adapter | None]]:
@@ -315,7 +371,10 @@ class Engine:
         """Write a checkpoint directory (PEFT adapter, plus optimizer state); returns bytes.
 
         Under tensor parallelism every rank of the group must call it (the tensors are
-        gathered whole); only those with `write` write the files."""
+        gathered whole); only those with `write` write the files. A full run's is a Hugging
+        Face model directory (full_param.py)."""
+        if self.is_full(adapter_id):
+            return self.full.save(path, optimizer) if write else 0
         snap = self.snapshot(adapter_id, optimizer)
         return state.write_snapshot(snap, path, str(self.model.dir)) if write else 0
 
@@ -335,6 +394,8 @@ class Engine:
         """
         if optimizer_type is not None:
             check_optimizer(optimizer_type)
+        if is_full_checkpoint(path) or self.is_full(adapter_id):
+            return self._load_full(adapter_id, path, optimizer)
         if live.is_live(path):  # a worker's persisted state (see workers/persist.py)
             config, weights, moments, steps = live.read_live(path)
         else:
@@ -361,3 +422,14 @@ class Engine:
         state.write_into(self.pool.get(adapter_id), weights, moments, steps if optimizer else 0,
                          self.shard)
         return self.adapter_info(adapter_id)
+
+    def _load_full(self, adapter_id: str, path: str | Path, optimizer: bool) -> AdapterInfo:
+        """A full run's checkpoint: into the run itself, or, for another id (a sampler of
+        it), a view of the run's current weights; nothing else can hold one."""
+        if self.full is not None and adapter_id == self.full.id:
+            return self.full.load(path, optimizer)
+        if self.full is not None:
+            self._views.add(adapter_id)
+            return self.full.info()
+        raise EngineInputError("path", "a full-parameter checkpoint samples on the lane of "
+                               "its live run, and loads only into a rank-0 run")

@@ -1,0 +1,98 @@
+"""Full-parameter runs (rank 0, twinkled/engine/full_param.py) in the engine: the same
+losses and weights as plain torch AdamW on the Hugging Face model, save/load, the HF export,
+the base model back when the run ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_engine, random_datum
+from transformers import AutoModelForCausalLM
+
+from twinkled.protocol.types import AdamParams, EngineInputError, ForwardBackwardRequest, LoraConfig
+
+PARAMS = AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
+
+
+def _batch(vocab: int) -> list:
+    gen = torch.Generator().manual_seed(3)
+    return [random_datum(gen, n, vocab) for n in (7, 5, 9)]
+
+
+def _plain_losses(model_dir, data, steps: int):
+    """The reference: HF's model, summed token cross-entropy, torch.optim.AdamW."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(hf.parameters(), lr=PARAMS.learning_rate,
+                            betas=(PARAMS.beta1, PARAMS.beta2), eps=PARAMS.eps,
+                            weight_decay=PARAMS.weight_decay)
+    losses = []
+    for _ in range(steps):
+        total = 0.0
+        for d in data:
+            logits = hf(torch.as_tensor(d.tokens)[None]).logits[0].float()
+            loss = torch.nn.functional.cross_entropy(
+                logits, torch.as_tensor(d.loss_inputs["target_tokens"]), reduction="sum")
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, hf
+
+
+def _losses(eng, run, data, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        r = eng.forward_backward([ForwardBackwardRequest(run, data)])[0]
+        assert eng.optim_step(run, PARAMS).applied
+        out.append(r.metrics["loss:sum"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dir):
+    eng = make_engine(tiny_dir)
+    base = eng.forward([ForwardBackwardRequest(None, _batch(eng.model.vocab_size))])[0]
+    info = eng.add_adapter("full", LoraConfig(rank=0))
+    assert info.rank == 0
+    data = _batch(eng.model.vocab_size)
+    return eng, base, _losses(eng, "full", data, 3), data
+
+
+def test_full_run_matches_plain_torch_adamw(tiny_dir, trained):
+    eng, _, got, data = trained
+    want, hf = _plain_losses(tiny_dir, data, 3)
+    assert got[-1] < got[0]  # it learns the fixed batch
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-4)
+    theirs = dict(hf.named_parameters())
+    for name, p in eng.model.hf.named_parameters():
+        assert torch.allclose(p, theirs[name], atol=1e-5), name
+
+
+def test_export_loads_in_transformers_with_the_runs_logprobs(tiny_dir, trained, tmp_path):
+    eng, _, _, data = trained
+    eng.save("full", tmp_path / "ckpt")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    ours = eng.forward([ForwardBackwardRequest("full", data[:1])])[0].outputs[0]["logprobs"]
+    d = data[0]
+    lp = torch.log_softmax(hf(torch.as_tensor(d.tokens)[None]).logits[0].float(), -1)
+    theirs = lp.gather(1, torch.as_tensor(d.loss_inputs["target_tokens"])[:, None])[:, 0]
+    assert torch.allclose(ours, theirs, atol=1e-5)
+
+    # load_state: a second engine's run resumes where this one is (weights and moments)
+    other = make_engine(tiny_dir)
+    other.add_adapter("again", LoraConfig(rank=0))
+    assert other.load("again", tmp_path / "ckpt").steps == 3
+    assert _losses(other, "again", data, 1) == pytest.approx(_losses(eng, "full", data, 1),
+                                                              rel=1e-6)
+    with pytest.raises(EngineInputError, match="trains a full-parameter run"):
+        other.add_adapter("lora", LoraConfig(rank=4))
+
+
+def test_the_base_model_comes_back_when_the_run_ends(trained):
+    eng, base, _, _ = trained
+    eng.remove_adapter("full")
+    again = eng.forward([ForwardBackwardRequest(None, _batch(eng.model.vocab_size))])[0]
+    for x, y in zip(base.outputs, again.outputs, strict=True):
+        assert torch.equal(x["logprobs"], y["logprobs"])
+    assert not any(p.requires_grad for p in eng.model.hf.parameters())

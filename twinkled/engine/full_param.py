@@ -1,0 +1,211 @@
+"""A full-parameter run (LoRA rank 0): the lane's base model itself trains.
+
+A full run holds its lane alone (the daemon reserves it: core/lanes.py), so the weights
+the lane's passes read ARE the run's weights: no second copy in the compute dtype. The run
+keeps fp32 master weights and two fp32 AdamW moments beside them (aliasing the weights when
+the model is fp32 already) and copies the masters back into the compute weights, in place,
+after each step (in place: the q/k/v and gate/up modules' weights are views of one joint
+tensor, fused_ops.concat_linears, which sampling reads). Gradients land in the modules'
+`.grad` through the ordinary forward (step.forward_backward with `base_trains`); the
+model's joint GEMMs and the chunked head, which keep no weight gradients, are turned off
+while the run lives. When it ends, the base weights are read back from the model's files.
+
+A checkpoint of a full run is a Hugging Face model directory (config.json, tokenizer
+files, model.safetensors of the fp32 masters), which `from_pretrained` loads as it is,
+plus optimizer.safetensors (moments) and full_run.json (steps): saving is exporting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.optim.adamw import adamw
+
+from twinkled.protocol.checkpoints import fsync_path
+from twinkled.protocol.types import (
+    AdamParams,
+    AdapterInfo,
+    DimuonParams,
+    EngineInputError,
+    LoraConfig,
+    OptimResult,
+)
+
+from .model import BaseModel
+
+MARKER = "full_run.json"  # what tells a full run's checkpoint from an adapter's
+WEIGHTS = "model.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+# Files of the base model's directory a checkpoint carries along, so that it loads alone.
+_CARRIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
+            "added_tokens.json", "chat_template.jinja")
+
+
+def is_full_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+class FullRun:
+    """The trainable state of one full-parameter run over `model` (this rank's whole
+    copy; data-parallel ranks sum gradients over `dp_group` before a step)."""
+
+    def __init__(self, run_id: str, model: BaseModel, config: LoraConfig, dp_group=None):
+        if model.shard is not None or model.moe:
+            raise EngineInputError("lora_config.rank", "full-parameter runs (rank 0) are not "
+                                   "supported on tensor-parallel or MoE worker groups yet")
+        if config.optimizer != "adamw":
+            raise EngineInputError("optimizer_config.type", "a full-parameter run (rank 0) "
+                                   "trains with AdamW only")
+        self.id, self.model, self.config, self.dp_group = run_id, model, config, dp_group
+        self.steps = self.pending = 0
+        # Unique parameters by name (a tied lm_head shares the embedding: named once).
+        self.names, self.params = zip(*model.hf.named_parameters(), strict=True)
+        fp32 = model.dtype == torch.float32
+        self.master = [p.data if fp32 else p.detach().float().clone() for p in self.params]
+        self.m = [torch.zeros_like(w) for w in self.master]
+        self.v = [torch.zeros_like(w) for w in self.master]
+        self.counters = [torch.zeros((), dtype=torch.float32) for _ in self.master]
+        self._levers = (model.fused, model.head)
+        model.fused = replace(model.fused, gemm=False)  # the joint GEMM keeps no .grad
+        model.head = "full"  # the chunked head keeps no lm_head gradient
+        model.hf.requires_grad_(True)
+
+    def info(self) -> AdapterInfo:
+        return AdapterInfo(self.id, 0, 0.0, (), self.steps, self.pending, "adamw")
+
+    # -- training -----------------------------------------------------------------------
+
+    def trained(self, rows: int) -> None:
+        self.pending += rows
+
+    @torch.no_grad()
+    def step(self, params: AdamParams | DimuonParams) -> OptimResult:
+        """AdamW (decoupled weight decay, as torch.optim.AdamW) on the fp32 masters from the
+        gradients accumulated since the last step; the compute weights follow."""
+        if not isinstance(params, AdamParams):
+            raise EngineInputError("adam_params", "a full-parameter run steps with AdamW")
+        if self.pending == 0:
+            return OptimResult(False, {"skipped:sum": 1.0, "reason": "no pending gradients"})
+        grads = [torch.zeros_like(w) if p.grad is None else p.grad.float()
+                 for p, w in zip(self.params, self.master, strict=True)]
+        if self.dp_group is not None:
+            for g in grads:
+                torch.distributed.all_reduce(g, group=self.dp_group)
+        norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        self.zero_grad()
+        if not math.isfinite(norm):
+            return OptimResult(False, {"grad_norm:mean": norm, "skipped:sum": 1.0,
+                                       "reason": "non-finite gradient norm; gradients dropped"})
+        if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
+            torch._foreach_mul_(grads, params.grad_clip_norm / (norm + 1e-6))
+        adamw(self.master, grads, self.m, self.v, [], self.counters, foreach=True,
+              amsgrad=False, beta1=params.beta1, beta2=params.beta2, lr=params.learning_rate,
+              weight_decay=params.weight_decay, eps=params.eps, maximize=False)
+        self._publish()
+        self.steps += 1
+        return OptimResult(True, {"grad_norm:mean": norm, "learning_rate:mean":
+                                  params.learning_rate, "step:max": float(self.steps)})
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.pending = 0
+
+    def _publish(self) -> None:
+        """The masters into the compute weights, in place (views stay views)."""
+        if self.master[0] is not self.params[0].data:
+            torch._foreach_copy_([p.data for p in self.params], self.master)
+
+    # -- state --------------------------------------------------------------------------
+
+    def save(self, path: str | Path, optimizer: bool = True) -> int:
+        """A Hugging Face model directory of the masters (+ moments), atomically; bytes."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            for name in _CARRIED:
+                if (self.model.dir / name).is_file():
+                    shutil.copy(self.model.dir / name, tmp / name)
+            weights = {n: w.detach().contiguous().cpu() for n, w in zip(self.names, self.master,
+                                                                        strict=True)}
+            save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
+            if optimizer:
+                moments = {f"{k}.{n}": t.contiguous().cpu() for k, ts in (("m", self.m),
+                                                                          ("v", self.v))
+                           for n, t in zip(self.names, ts, strict=True)}
+                save_file(moments, tmp / OPTIMIZER, metadata={"steps": str(self.steps)})
+            (tmp / MARKER).write_text(json.dumps({"kind": "full", "steps": self.steps,
+                                                  "optimizer": "adamw"}))
+            for f in tmp.iterdir():
+                fsync_path(f)
+            if path.exists():
+                shutil.rmtree(path)
+            tmp.rename(path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return sum(f.stat().st_size for f in path.iterdir())
+
+    @torch.no_grad()
+    def load(self, path: str | Path, optimizer: bool = True) -> AdapterInfo:
+        """A full run's checkpoint into this run; everything is read and checked first."""
+        path = Path(path)
+        if not is_full_checkpoint(path):
+            raise EngineInputError("path", "not a full-parameter checkpoint (a LoRA adapter's "
+                                   "cannot load into a rank-0 run)")
+        weights = load_file(path / WEIGHTS)
+        _check_names(weights, self.names, self.master, "weights")
+        moments = None
+        steps = 0
+        if optimizer and (path / OPTIMIZER).is_file():
+            moments = load_file(path / OPTIMIZER)
+            _check_names(moments, [f"{k}.{n}" for k in "mv" for n in self.names],
+                         self.master * 2, "optimizer state")
+            steps = int(json.loads((path / MARKER).read_text()).get("steps", 0))
+        torch._foreach_copy_(self.master, [weights[n] for n in self.names])
+        if moments is not None:
+            torch._foreach_copy_(self.m, [moments[f"m.{n}"] for n in self.names])
+            torch._foreach_copy_(self.v, [moments[f"v.{n}"] for n in self.names])
+        else:
+            torch._foreach_zero_(self.m)
+            torch._foreach_zero_(self.v)
+        for c in self.counters:
+            c.fill_(float(steps))
+        self.steps = steps
+        self.zero_grad()
+        self._publish()
+        return self.info()
+
+    @torch.no_grad()
+    def end(self) -> None:
+        """Give the lane back its base model: the weights from its files, frozen again."""
+        model = self.model
+        model.hf.requires_grad_(False)
+        self.zero_grad()
+        model.fused, model.head = self._levers
+        by_name = dict(zip(self.names, self.params, strict=True))
+        for f in sorted(model.dir.glob("*.safetensors")):
+            with safe_open(f, "pt") as fh:
+                for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if name in by_name:
+                        by_name[name].data.copy_(fh.get_tensor(name))
+
+
+def _check_names(tensors: dict, names, like, what: str) -> None:
+    for n, w in zip(names, like, strict=True):
+        t = tensors.get(n)
+        if t is None or tuple(t.shape) != tuple(w.shape):
+            raise EngineInputError("path", f"the checkpoint's {what} do not fit this model "
+                                   f"({n}: {None if t is None else tuple(t.shape)} against "
+                                   f"{tuple(w.shape)})")
+
