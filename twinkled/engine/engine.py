@@ -384,8 +384,10 @@ class Engine:
         return state.snapshot(self.pool.get(adapter_id), optimizer, self.shard)
 
     def load(self, adapter_id: str, path: str | Path, optimizer: bool = True,
-             optimizer_type: str | None = None) -> AdapterInfo:
+             optimizer_type: str | None = None, new_full: bool = False) -> AdapterInfo:
         """Load a checkpoint into `adapter_id`, creating it if needed (its shape is the file's).
+        `new_full`: a training run's load, which a full run's checkpoint makes a full run
+        of where this engine holds no run (a sampler's load only reads the live one).
 
         With `optimizer`, the optimizer state and its family come from the checkpoint (as
         Tinker's full-state resume keeps Dimuon), and an existing adapter must be of that
@@ -395,7 +397,7 @@ class Engine:
         if optimizer_type is not None:
             check_optimizer(optimizer_type)
         if is_full_checkpoint(path) or self.is_full(adapter_id):
-            return self._load_full(adapter_id, path, optimizer)
+            return self._load_full(adapter_id, path, optimizer, new_full)
         if live.is_live(path):  # a worker's persisted state (see workers/persist.py)
             config, weights, moments, steps = live.read_live(path)
         else:
@@ -423,9 +425,12 @@ class Engine:
                          self.shard)
         return self.adapter_info(adapter_id)
 
-    def _load_full(self, adapter_id: str, path: str | Path, optimizer: bool) -> AdapterInfo:
+    def _load_full(self, adapter_id: str, path: str | Path, optimizer: bool,
+                   new_full: bool) -> AdapterInfo:
         """A full run's checkpoint: into the run itself, or, for another id (a sampler of
         it), a view of the run's current weights; nothing else can hold one."""
+        if new_full and self.full is None and not self.pool.adapters:  # a new run from it
+            self._add_full(adapter_id, LoraConfig(rank=0))
         if self.full is not None and adapter_id == self.full.id:
             return self.full.load(path, optimizer)
         if self.full is not None:

@@ -111,6 +111,31 @@ def adapter_budget(cfg: dict, card: int, dtype_bytes: int, tokens: int, tp: int 
     return max(0, int(headroom * card) - taken)
 
 
+def full_run_bytes(cfg: dict, dtype_bytes: int) -> int:
+    """A full-parameter run's state beyond the base weights its lane holds already (they
+    are its compute weights): fp32 masters (none apart in fp32), two fp32 AdamW moments and
+    gradients in the compute dtype: 14 bytes a parameter in bf16, 16 with the weights."""
+    params = weight_bytes(cfg, 1)
+    return params * ((0 if dtype_bytes == 4 else 4) + 8 + dtype_bytes)
+
+
+def full_run_problem(cfg: dict, dtype_bytes: int, budget: int | None) -> str | None:
+    """Why a full-parameter run of this model does not fit a rank with `budget` bytes left
+    after the base weights and a micro-batch (None: it fits, or there is no limit); the
+    message says what would."""
+    need = full_run_bytes(cfg, dtype_bytes)
+    if budget is None or need <= budget:
+        return None
+    params = weight_bytes(cfg, 1)
+    per = need / params
+    return (f"a full-parameter run of this model ({params / 1e9:.2f}B parameters) needs about "
+            f"{human_size(need)} a rank of training state beyond its weights (fp32 master "
+            f"weights, AdamW moments and gradients: {per:.0f} bytes a parameter), and a lane "
+            f"here has {human_size(budget)} left for it: a model of at most "
+            f"{budget / per / 1e9:.2f}B parameters would fit, or cards with "
+            f"{human_size(need - budget)} more memory (it is not sharded over a lane's ranks)")
+
+
 def human_size(n: int | float) -> str:
     """Bytes for a person: 512 B, 1.5 KiB, 50.0 GiB."""
     value, unit = float(n), "B"
