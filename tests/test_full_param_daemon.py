@@ -7,11 +7,14 @@ refusals (policy, no free lane, one lane) are clear 400s."""
 from __future__ import annotations
 
 import os
+import signal
 import urllib.request
 
 import pytest
 import torch
-from daemon import Daemon, make_key
+from daemon import Daemon, ctl_status, make_key
+
+from twinkled.server.ctl import Target
 
 tinker = pytest.importorskip("tinker")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -142,6 +145,23 @@ def test_full_run_trains_alone_on_its_lane_beside_a_lora_tenant(two_lanes, tiny_
     got = sampler.sample(tinker.types.ModelInput.from_ints(ids), 1, tinker.types.SamplingParams(
         max_tokens=4, temperature=0.0)).result(timeout=T).sequences[0].tokens
     assert got == greedy[:len(got)] and got
+
+    # A marked tenant (twinkled ctl tenants set) is let through the policy, to the lanes
+    Target(d.data_dir, None, None).call("tenants_set", name="bob", max_full_runs=1)
+    with pytest.raises(tinker.BadRequestError, match="no free lane"):
+        _client(d, "bob").create_lora_training_client(base_model=tiny_dir.name,
+                                                      rank=0).result(timeout=T)
+
+    # Its lane's worker SIGKILLed: the run comes back at its acknowledged step (the journal
+    # replayed over the base model), and bob's lane is untouched
+    before, bob_before = _logprobs(full, data), _logprobs(bob, data)
+    status = ctl_status(d.data_dir)
+    assert [lane["adapters"] for lane in status["lanes"]] == [1, 1]
+    pid = next(w["pid"] for w in status["workers"] if w["lane"] == 1)
+    os.kill(pid, signal.SIGKILL)
+    d.wait_workers(2, old={pid})
+    assert _logprobs(full, data) == pytest.approx(before, abs=1e-6)
+    assert _logprobs(bob, data) == bob_before
 
 
 def test_one_lane_daemon_refuses_a_full_run_saying_what_to_do(daemon, tiny_dir):
