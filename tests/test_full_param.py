@@ -96,3 +96,16 @@ def test_the_base_model_comes_back_when_the_run_ends(trained):
     for x, y in zip(base.outputs, again.outputs, strict=True):
         assert torch.equal(x["logprobs"], y["logprobs"])
     assert not any(p.requires_grad for p in eng.model.hf.parameters())
+
+
+def test_memory_estimate_refuses_an_8b_full_run_on_one_card_and_says_what_fits():
+    from twinkled.protocol.sizing import GiB, full_run_problem
+
+    qwen3_8b = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128, "intermediate_size": 12288, "num_hidden_layers": 36,
+                "vocab_size": 151936}
+    why = full_run_problem(qwen3_8b, 2, 50 * GiB)  # what an 80 GB card leaves after bf16 weights
+    assert why is not None and "8.19B parameters" in why and "14 bytes a parameter" in why
+    assert "at most 3.83B parameters would fit" in why
+    assert full_run_problem(qwen3_8b, 2, 200 * GiB) is None
+    assert full_run_problem(qwen3_8b, 2, None) is None  # no limit known (CPUs)
