@@ -109,3 +109,21 @@ def test_memory_estimate_refuses_an_8b_full_run_on_one_card_and_says_what_fits()
     assert "at most 3.83B parameters would fit" in why
     assert full_run_problem(qwen3_8b, 2, 200 * GiB) is None
     assert full_run_problem(qwen3_8b, 2, None) is None  # no limit known (CPUs)
+
+
+def test_twinkle_sdk_r0_is_a_full_parameter_run(tiny_dir):
+    import twinkle_sdk as twinkle
+
+    twinkle.initialize(mode="local")
+    m = twinkle.TransformersModel(model_id=str(tiny_dir))
+    m.add_adapter_to_model("default", {"r": 0})
+    m.set_optimizer("AdamW", lr=1e-3)
+    rows = [{"input_ids": [9 + i, 40 + i, 70 + i, 100 + i], "labels": [-100, 40 + i, 70 + i,
+                                                                       100 + i]}
+            for i in range(3)]
+    before = m.forward_only(inputs=rows)["loss"]
+    for _ in range(2):
+        m.forward_backward(inputs=rows)
+        m.clip_grad_and_step()
+    assert m.backend.engine.full is not None and m.backend.engine.full.steps == 2
+    assert m.forward_only(inputs=rows)["loss"] < before
