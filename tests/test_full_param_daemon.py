@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 import torch
 from daemon import Daemon, ctl_status, make_key
+from test_workers import _data
 
 from twinkled.server.ctl import Target
 
@@ -41,15 +42,6 @@ def two_lanes(tiny_dir, tmp_path_factory):
 
 def _client(d, tenant):
     return tinker.ServiceClient(base_url=d.url, api_key=d.keys[tenant])
-
-
-def _data(tok):
-    out = []
-    for text in TEXTS:
-        ids = tok(text).input_ids
-        out.append(tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
-                                      loss_fn_inputs={"target_tokens": ids[1:]}))
-    return out
 
 
 def _step(tc, data) -> float:
@@ -92,7 +84,7 @@ def test_full_run_trains_alone_on_its_lane_beside_a_lora_tenant(two_lanes, tiny_
     d = two_lanes
     bob = _client(d, "bob").create_lora_training_client(
         base_model=tiny_dir.name, rank=4, seed=1).result(timeout=T)
-    data = _data(bob.get_tokenizer())
+    data = _data(bob.get_tokenizer(), TEXTS)
     bob_losses = [_step(bob, data)]
     with pytest.raises(tinker.BadRequestError, match="--max-full-runs"):  # not marked
         _client(d, "bob").create_lora_training_client(base_model=tiny_dir.name,
