@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.optim.adamw import adamw
@@ -90,27 +91,44 @@ class FullRun:
     @torch.no_grad()
     def step(self, params: AdamParams | DimuonParams) -> OptimResult:
         """AdamW (decoupled weight decay, as torch.optim.AdamW) on the fp32 masters from the
-        gradients accumulated since the last step; the compute weights follow."""
+        gradients accumulated since the last step; the compute weights follow. One tensor
+        at a time: a gradient's fp32 copy lives only while its own update runs."""
         if not isinstance(params, AdamParams):
             raise EngineInputError("adam_params", "a full-parameter run steps with AdamW")
-        if self.pending == 0:
-            return OptimResult(False, {"skipped:sum": 1.0, "reason": "no pending gradients"})
-        grads = [torch.zeros_like(w) if p.grad is None else p.grad.float()
-                 for p, w in zip(self.params, self.master, strict=True)]
-        if self.dp_group is not None:
+        for p in self.params:
+            if p.grad is None:  # (untouched by the rows: zero, so every rank has one)
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params]
+        if self.dp_group is not None:  # rows were split over the ranks: sum what they ran
+            pending = torch.tensor([float(self.pending)], device=grads[0].device)
+            dist.all_reduce(pending, group=self.dp_group)
             for g in grads:
-                torch.distributed.all_reduce(g, group=self.dp_group)
-        norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
-        self.zero_grad()
+                dist.all_reduce(g, group=self.dp_group)
+            self.pending = round(float(pending))
+        if self.pending == 0:
+            self.zero_grad()
+            return OptimResult(False, {"skipped:sum": 1.0, "reason": "no pending gradients"})
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+        norm = float(torch.linalg.vector_norm(norms))
         if not math.isfinite(norm):
+            self.zero_grad()
             return OptimResult(False, {"grad_norm:mean": norm, "skipped:sum": 1.0,
                                        "reason": "non-finite gradient norm; gradients dropped"})
+        scale = 1.0
         if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
-            torch._foreach_mul_(grads, params.grad_clip_norm / (norm + 1e-6))
-        adamw(self.master, grads, self.m, self.v, [], self.counters, foreach=True,
-              amsgrad=False, beta1=params.beta1, beta2=params.beta2, lr=params.learning_rate,
-              weight_decay=params.weight_decay, eps=params.eps, maximize=False)
-        self._publish()
+            scale = params.grad_clip_norm / (norm + 1e-6)
+        for k, p in enumerate(self.params):
+            g = p.grad.float()
+            if scale != 1.0:
+                g = g * scale
+            adamw([self.master[k]], [g], [self.m[k]], [self.v[k]], [], [self.counters[k]],
+                  foreach=False, amsgrad=False, beta1=params.beta1, beta2=params.beta2,
+                  lr=params.learning_rate, weight_decay=params.weight_decay, eps=params.eps,
+                  maximize=False)
+            p.grad = None
+            if self.master[k] is not p.data:
+                p.data.copy_(self.master[k])  # in place: views stay views
+        self.pending = 0
         self.steps += 1
         return OptimResult(True, {"grad_norm:mean": norm, "learning_rate:mean":
                                   params.learning_rate, "step:max": float(self.steps)})
