@@ -127,3 +127,27 @@ def test_twinkle_sdk_r0_is_a_full_parameter_run(tiny_dir):
         m.clip_grad_and_step()
     assert m.backend.engine.full is not None and m.backend.engine.full.steps == 2
     assert m.forward_only(inputs=rows)["loss"] < before
+
+
+def test_a_full_run_takes_only_an_empty_lane_and_gives_it_back():
+    from types import SimpleNamespace as NS
+
+    from twinkled.core.exclusive import Exclusive
+    from twinkled.protocol.errors import UserError
+
+    def lane(i, models=0, parked=0):
+        return NS(index=i, planner=NS(model_count=lambda: models),
+                  residency=NS(count=lambda: models,
+                               tiers=NS(status=lambda: {"host": parked})))
+
+    ex = Exclusive()
+    lanes = [lane(0, models=2), lane(1, parked=1), lane(2)]
+    assert ex.reserve(lanes, "run-a", "alice").index == 2
+    assert ex.reserve(lanes, "run-a", "alice").index == 2  # again: the same lane
+    assert [x.index for x in ex.shared(lanes)] == [0, 1] and ex.count("alice") == 1
+    with pytest.raises(UserError, match="of 3 lanes, 1 hold full runs and 2 have LoRA runs"):
+        ex.reserve(lanes, "run-b", "bob")  # a lane with parked adapters is not empty either
+    with pytest.raises(UserError, match="--lanes 2"):
+        ex.free_lane(lanes[:1])
+    ex.release("run-a")
+    assert ex.count() == 0 and len(ex.shared(lanes)) == 3

@@ -87,7 +87,10 @@ class Lanes:
         lane with the most room left, which says why."""
         if len(self.all) == 1:
             return self.all[0]
-        shared = self.exclusive.shared(self.all) or self.all  # (all held: the engine refuses)
+        shared = self.exclusive.shared(self.all)
+        if not shared:
+            raise UserError(f"every one of the {len(self.all)} lanes holds a full-parameter "
+                            "run; LoRA runs can start when one of those ends")
         fits = [lane for lane in shared if lane.residency.room.fits(config)]
         if fits:
             return min(fits, key=lambda lane: (lane.planner.model_count(), lane.index))
