@@ -106,7 +106,8 @@ def test_memory_estimate_refuses_an_8b_full_run_on_one_card_and_says_what_fits()
                 "vocab_size": 151936}
     why = full_run_problem(qwen3_8b, 2, 50 * GiB)  # what an 80 GB card leaves after bf16 weights
     assert why is not None and "8.19B parameters" in why and "14 bytes a parameter" in why
-    assert "at most 3.83B parameters would fit" in why
+    assert "at most 3.83B parameters would fit, or a lane of 3 GPUs" in why
+    assert full_run_problem(qwen3_8b, 2, 50 * GiB, ranks=4) is None  # 5 bytes a parameter
     assert full_run_problem(qwen3_8b, 2, 200 * GiB) is None
     assert full_run_problem(qwen3_8b, 2, None) is None  # no limit known (CPUs)
 

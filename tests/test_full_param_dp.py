@@ -1,5 +1,6 @@
-"""A full-parameter run over a data-parallel lane of 2 ranks (each holds the whole state;
-rows split, gradients and pending counts summed) equals the run on one rank.
+"""A full-parameter run over a data-parallel lane of 2 ranks (rows split; gradients summed
+onto each parameter's owner, the masters and moments split between the ranks) equals the
+run on one rank, and so does its checkpoint (gathered from the owners).
 
 Two processes cost more than CI's budget on its CPUs, so this runs on 2 CUDA GPUs (nccl), or
 on CPUs (gloo) with TWINKLE_TEST_DP=1:
@@ -28,7 +29,7 @@ def _data(vocab: int) -> list:
     return [random_datum(gen, n, vocab) for n in (7, 5, 9, 6)]
 
 
-def _train(model_dir, rank: int, world: int, group) -> dict[str, torch.Tensor]:
+def _train(model_dir, rank: int, world: int, group, save_to: str) -> dict[str, torch.Tensor]:
     from twinkled.engine.engine import Engine
     from twinkled.protocol.types import AdamParams, ForwardBackwardRequest, LoraConfig
 
@@ -45,27 +46,38 @@ def _train(model_dir, rank: int, world: int, group) -> dict[str, torch.Tensor]:
         if mine:
             eng.forward_backward([ForwardBackwardRequest("full", mine)])
         assert eng.optim_step("full", AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)).applied
+    if world > 1:  # each rank holds only its share of the masters and moments
+        held = [w is not None for w in eng.full.master]
+        assert any(held) and not all(held)
+    eng.save("full", save_to, write=rank == 0)  # gathered from the ranks that own it
     return {n: p.detach().float().cpu().clone() for n, p in eng.model.hf.named_parameters()}
 
 
-def _rank(rank: int, port: int, model_dir, out) -> None:
+def _rank(rank: int, port: int, model_dir, save_to, out) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("nccl" if GPUS else "gloo", rank=rank, world_size=2,
                             init_method=f"tcp://127.0.0.1:{port}")
-    out[rank] = _train(model_dir, rank, 2, dist.group.WORLD)
+    out[rank] = _train(model_dir, rank, 2, dist.group.WORLD, save_to)
     dist.destroy_process_group()
 
 
-def test_two_ranks_train_as_one(tiny_dir):
+def test_two_ranks_train_as_one(tiny_dir, tmp_path):
+    from safetensors.torch import load_file
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_rank, args=(port, str(tiny_dir), out), nprocs=2, join=True)
+        mp.spawn(_rank, args=(port, str(tiny_dir), str(tmp_path / "two"), out), nprocs=2,
+                 join=True)
         got = dict(out)
-    want = _train(str(tiny_dir), 0, 1, None)
+    want = _train(str(tiny_dir), 0, 1, None, str(tmp_path / "one"))
     for name, w in want.items():
         for rank in (0, 1):
             assert torch.allclose(got[rank][name], w, atol=1e-5), (name, rank)
+    for f in ("model.safetensors", "optimizer.safetensors"):  # masters and moments
+        one, two = load_file(tmp_path / "one" / f), load_file(tmp_path / "two" / f)
+        assert one.keys() == two.keys()
+        assert all(torch.allclose(one[k], two[k], atol=1e-5) for k in one), f

@@ -21,6 +21,7 @@ class _Lane(Protocol):  # what of a Lane (lanes.py) this reads
     index: int
     planner: object
     residency: object
+    executor: object
 
 
 class Exclusive:
@@ -79,7 +80,8 @@ def full_run_lane(lanes, tenants, config: Config, tenant: str):
     lane = lanes.exclusive.free_lane(lanes.all)
     model = config.model_config or {}
     problem = model and full_run_problem(model, DTYPE_BYTES.get(config.dtype, 2),
-                                         lane.residency.room.budget)
+                                         lane.residency.room.budget,
+                                         len(lane.executor.group.devices))
     if problem:
         raise UserError(problem)
     return lane

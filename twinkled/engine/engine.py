@@ -374,7 +374,7 @@ class Engine:
         gathered whole); only those with `write` write the files. A full run's is a Hugging
         Face model directory (full_param.py)."""
         if self.is_full(adapter_id):
-            return self.full.save(path, optimizer) if write else 0
+            return self.full.save(path, optimizer, write)
         snap = self.snapshot(adapter_id, optimizer)
         return state.write_snapshot(snap, path, str(self.model.dir)) if write else 0
 

@@ -56,8 +56,11 @@ def is_full_checkpoint(path: str | Path) -> bool:
 
 
 class FullRun:
-    """The trainable state of one full-parameter run over `model` (this rank's whole
-    copy; data-parallel ranks sum gradients over `dp_group` before a step)."""
+    """The trainable state of one full-parameter run over `model`. On a data-parallel lane
+    (`dp_group`) every rank holds the compute weights and gradients whole, while the fp32
+    masters and AdamW moments (12 of the 16 bytes a parameter) are split over the ranks
+    by parameter (ZeRO stage 1): each parameter's gradient is summed onto its owner, which
+    steps it and broadcasts the new weights."""
 
     def __init__(self, run_id: str, model: BaseModel, config: LoraConfig, dp_group=None):
         if model.shard is not None or model.moe:
@@ -66,14 +69,18 @@ class FullRun:
         if config.optimizer != "adamw":
             raise EngineInputError("optimizer_config.type", "a full-parameter run (rank 0) "
                                    "trains with AdamW only")
-        self.id, self.model, self.config, self.dp_group = run_id, model, config, dp_group
+        self.id, self.model, self.config, self.group = run_id, model, config, dp_group
         self.steps = self.pending = 0
         # Unique parameters by name (a tied lm_head shares the embedding: named once).
         self.names, self.params = zip(*model.hf.named_parameters(), strict=True)
+        world = 1 if dp_group is None else dist.get_world_size(dp_group)
+        self.rank = 0 if dp_group is None else dist.get_rank(dp_group)
+        self.owner = owners([p.numel() for p in self.params], world)
         fp32 = model.dtype == torch.float32
-        self.master = [p.data if fp32 else p.detach().float().clone() for p in self.params]
-        self.m = [torch.zeros_like(w) for w in self.master]
-        self.v = [torch.zeros_like(w) for w in self.master]
+        self.master = [None if o != self.rank else p.data if fp32 else p.detach().float().clone()
+                       for p, o in zip(self.params, self.owner, strict=True)]
+        self.m = [None if w is None else torch.zeros_like(w) for w in self.master]
+        self.v = [None if w is None else torch.zeros_like(w) for w in self.master]
         self.counters = [torch.zeros((), dtype=torch.float32) for _ in self.master]
         self._levers = (model.fused, model.head)
         model.fused = replace(model.fused, gemm=False)  # the joint GEMM keeps no .grad
@@ -82,6 +89,10 @@ class FullRun:
 
     def info(self) -> AdapterInfo:
         return AdapterInfo(self.id, 0, 0.0, (), self.steps, self.pending, "adamw")
+
+    def _src(self, k: int) -> int:
+        """Parameter k's owner as a global rank (what collectives name)."""
+        return dist.get_global_rank(self.group, self.owner[k])
 
     # -- training -----------------------------------------------------------------------
 
@@ -99,26 +110,30 @@ class FullRun:
             if p.grad is None:  # (untouched by the rows: zero, so every rank has one)
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self.params]
-        if self.dp_group is not None:  # rows were split over the ranks: sum what they ran
+        mine = [k for k, o in enumerate(self.owner) if o == self.rank]
+        squares = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        if self.group is not None:  # rows were split over the ranks: sum onto the owners
             pending = torch.tensor([float(self.pending)], device=grads[0].device)
-            dist.all_reduce(pending, group=self.dp_group)
-            for g in grads:
-                dist.all_reduce(g, group=self.dp_group)
+            dist.all_reduce(pending, group=self.group)
             self.pending = round(float(pending))
-        if self.pending == 0:
+            for k, g in enumerate(grads):
+                dist.reduce(g, dst=self._src(k), group=self.group)
+        for k in mine:
+            squares += torch.linalg.vector_norm(grads[k], dtype=torch.float32) ** 2
+        if self.group is not None:
+            dist.all_reduce(squares, group=self.group)
+        norm = float(squares.sqrt())
+        if self.pending == 0 or not math.isfinite(norm):
             self.zero_grad()
-            return OptimResult(False, {"skipped:sum": 1.0, "reason": "no pending gradients"})
-        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
-        norm = float(torch.linalg.vector_norm(norms))
-        if not math.isfinite(norm):
-            self.zero_grad()
+            why = "no pending gradients" if self.pending == 0 else \
+                "non-finite gradient norm; gradients dropped"
             return OptimResult(False, {"grad_norm:mean": norm, "skipped:sum": 1.0,
-                                       "reason": "non-finite gradient norm; gradients dropped"})
+                                       "reason": why})
         scale = 1.0
         if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
             scale = params.grad_clip_norm / (norm + 1e-6)
-        for k, p in enumerate(self.params):
-            g = p.grad.float()
+        for k in mine:
+            p, g = self.params[k], grads[k].float()
             if scale != 1.0:
                 g = g * scale
             adamw([self.master[k]], [g], [self.m[k]], [self.v[k]], [], [self.counters[k]],
@@ -128,7 +143,10 @@ class FullRun:
             p.grad = None
             if self.master[k] is not p.data:
                 p.data.copy_(self.master[k])  # in place: views stay views
-        self.pending = 0
+        self.zero_grad()
+        if self.group is not None:  # every rank's weights from their owners
+            for k, p in enumerate(self.params):
+                dist.broadcast(p.data, src=self._src(k), group=self.group)
         self.steps += 1
         return OptimResult(True, {"grad_norm:mean": norm, "learning_rate:mean":
                                   params.learning_rate, "step:max": float(self.steps)})
@@ -138,15 +156,30 @@ class FullRun:
             p.grad = None
         self.pending = 0
 
-    def _publish(self) -> None:
-        """The masters into the compute weights, in place (views stay views)."""
-        if self.master[0] is not self.params[0].data:
-            torch._foreach_copy_([p.data for p in self.params], self.master)
-
     # -- state --------------------------------------------------------------------------
 
-    def save(self, path: str | Path, optimizer: bool = True) -> int:
-        """A Hugging Face model directory of the masters (+ moments), atomically; bytes."""
+    def _gathered(self, tensors: list, k: int, write: bool):
+        """Parameter k's fp32 state from its owner (a collective on a data-parallel
+        lane), on the host where `write`."""
+        t = tensors[k]
+        if self.group is not None:
+            if t is None:
+                p = self.params[k]
+                t = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+            dist.broadcast(t, src=self._src(k), group=self.group)
+        return t.detach().contiguous().cpu() if write else None
+
+    def save(self, path: str | Path, optimizer: bool = True, write: bool = True) -> int:
+        """A Hugging Face model directory of the masters (+ moments), atomically; bytes.
+        On a data-parallel lane every rank calls it (the state is gathered from its
+        owners); those with `write` write the files."""
+        ks = range(len(self.params))
+        weights = {self.names[k]: self._gathered(self.master, k, write) for k in ks}
+        moments = {f"{kind}.{self.names[k]}": self._gathered(ts, k, write)
+                   for kind, ts in (("m", self.m), ("v", self.v)) for k in ks} \
+            if optimizer else None
+        if not write:
+            return 0
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -154,13 +187,8 @@ class FullRun:
             for name in _CARRIED:
                 if (self.model.dir / name).is_file():
                     shutil.copy(self.model.dir / name, tmp / name)
-            weights = {n: w.detach().contiguous().cpu() for n, w in zip(self.names, self.master,
-                                                                        strict=True)}
             save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
-            if optimizer:
-                moments = {f"{k}.{n}": t.contiguous().cpu() for k, ts in (("m", self.m),
-                                                                          ("v", self.v))
-                           for n, t in zip(self.names, ts, strict=True)}
+            if moments is not None:
                 save_file(moments, tmp / OPTIMIZER, metadata={"steps": str(self.steps)})
             (tmp / MARKER).write_text(json.dumps({"kind": "full", "steps": self.steps,
                                                   "optimizer": "adamw"}))
@@ -176,32 +204,35 @@ class FullRun:
 
     @torch.no_grad()
     def load(self, path: str | Path, optimizer: bool = True) -> AdapterInfo:
-        """A full run's checkpoint into this run; everything is read and checked first."""
+        """A full run's checkpoint into this run; everything is read and checked first.
+        Every rank reads the files and keeps its own share of the state."""
         path = Path(path)
         if not is_full_checkpoint(path):
             raise EngineInputError("path", "not a full-parameter checkpoint (a LoRA adapter's "
                                    "cannot load into a rank-0 run)")
         weights = load_file(path / WEIGHTS)
-        _check_names(weights, self.names, self.master, "weights")
+        _check_names(weights, self.names, self.params, "weights")
         moments = None
         steps = 0
         if optimizer and (path / OPTIMIZER).is_file():
             moments = load_file(path / OPTIMIZER)
             _check_names(moments, [f"{k}.{n}" for k in "mv" for n in self.names],
-                         self.master * 2, "optimizer state")
+                         self.params * 2, "optimizer state")
             steps = int(json.loads((path / MARKER).read_text()).get("steps", 0))
-        torch._foreach_copy_(self.master, [weights[n] for n in self.names])
-        if moments is not None:
-            torch._foreach_copy_(self.m, [moments[f"m.{n}"] for n in self.names])
-            torch._foreach_copy_(self.v, [moments[f"v.{n}"] for n in self.names])
-        else:
-            torch._foreach_zero_(self.m)
-            torch._foreach_zero_(self.v)
+        for k, (n, p) in enumerate(zip(self.names, self.params, strict=True)):
+            p.data.copy_(weights[n])
+            if self.master[k] is None:
+                continue
+            self.master[k].copy_(weights[n])
+            for kind, ts in (("m", self.m), ("v", self.v)):
+                if moments is None:
+                    ts[k].zero_()
+                else:
+                    ts[k].copy_(moments[f"{kind}.{n}"])
         for c in self.counters:
             c.fill_(float(steps))
         self.steps = steps
         self.zero_grad()
-        self._publish()
         return self.info()
 
     @torch.no_grad()
@@ -217,6 +248,16 @@ class FullRun:
                 for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
                     if name in by_name:
                         by_name[name].data.copy_(fh.get_tensor(name))
+
+
+def owners(sizes: list[int], world: int) -> list[int]:
+    """Each parameter's owning rank: largest first onto the least loaded (even shares)."""
+    load, owner = [0] * world, [0] * len(sizes)
+    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[k] = r
+        load[r] += sizes[k]
+    return owner
 
 
 def _check_names(tensors: dict, names, like, what: str) -> None:

@@ -273,7 +273,7 @@ class StepRunner:
                             raise
                         log.warning("no device copy of %s for sampling: %s", op.dir, e)
                 if self.rank != 0:
-                    if engine.shard is not None:  # gathered whole: every rank takes part
+                    if engine.shard is not None or engine.is_full(aid):  # gathered: all take part
                         engine.save(aid, op.dir, optimizer=op.optimizer, write=False)
                     return OutcomeF(i)
                 engine.save(aid, op.dir, optimizer=op.optimizer)
