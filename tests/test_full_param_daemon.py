@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import urllib.request
 
 import pytest
@@ -154,6 +155,20 @@ def test_full_run_trains_alone_on_its_lane_beside_a_lora_tenant(two_lanes, tiny_
     d.wait_workers(2, old={pid})
     assert _logprobs(full, data) == pytest.approx(before, abs=1e-6)
     assert _logprobs(bob, data) == bob_before
+
+    # The session ends: the lane is LoRA's again, over the base model's own weights
+    alice.close("success").result(timeout=T)
+    deadline = time.monotonic() + 30
+    while ctl_status(d.data_dir)["lanes"][1]["adapters"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    lora = _client(d, "alice").create_lora_training_client(
+        base_model=tiny_dir.name, rank=4, seed=2).result(timeout=T)  # B = 0: the base's output
+    assert [lane["adapters"] for lane in ctl_status(d.data_dir)["lanes"]] == [1, 1]
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with torch.no_grad():
+        lp = base(torch.tensor([ids])).logits[0].log_softmax(-1)
+    want = lp.gather(1, torch.tensor(data[0].loss_fn_inputs["target_tokens"].tolist())[:, None])
+    assert _logprobs(lora, data[:1]) == pytest.approx(want[:, 0].tolist(), abs=1e-5)
 
 
 def test_one_lane_daemon_refuses_a_full_run_saying_what_to_do(daemon, tiny_dir):
