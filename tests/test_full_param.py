@@ -152,3 +152,24 @@ def test_a_full_run_takes_only_an_empty_lane_and_gives_it_back():
         ex.free_lane(lanes[:1])
     ex.release("run-a")
     assert ex.count() == 0 and len(ex.shared(lanes)) == 3
+
+
+def test_sampler_views_of_a_full_run_sample_its_weights_and_go_quietly(tiny_dir):
+    from twinkled.protocol.types import SampleRequest, SamplingParams
+
+    eng = make_engine(tiny_dir)
+    eng.add_adapter("run", LoraConfig(rank=0))
+    eng.copy_adapter("run", "view")  # what save_weights_for_sampler keeps on the device
+    data = _batch(eng.model.vocab_size)
+    _losses(eng, "run", data, 1)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    got = eng.sample([SampleRequest("view", [5, 6, 7], greedy)])[0].sequences[0].tokens
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():  # the run's current weights, as transformers runs them
+        want = eng.model.hf.generate(ids, max_new_tokens=3, do_sample=False)[0, 3:].tolist()
+    assert got == want[:len(got)] and got
+    eng.remove_adapter("run")
+    assert not eng.has_adapter("view")
+    eng.remove_adapter("view")  # a stale view (the sampler cache lets go later): no error
+    with pytest.raises(EngineInputError):
+        eng.remove_adapter("view")

@@ -89,6 +89,7 @@ class Engine:
         # read its current weights (save_weights_for_sampler of it).
         self.full: FullRun | None = None
         self._views: set[str] = set()
+        self._stale: set[str] = set()  # views of a run that ended: removing them is a no-op
 
     @property
     def tokenizer(self):
@@ -152,7 +153,10 @@ class Engine:
             self._views.discard(adapter_id)
         elif self.full is not None and adapter_id == self.full.id:
             self.full.end()
+            self._stale |= self._views
             self.full, self._views, self._running = None, set(), None
+        elif adapter_id in self._stale:
+            self._stale.discard(adapter_id)
         else:
             self.pool.remove(adapter_id)
 
