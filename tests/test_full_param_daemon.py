@@ -51,6 +51,12 @@ def _step(tc, data) -> float:
     return out.metrics["loss:sum"]
 
 
+def _wait_lane_empty(d, lane: int) -> None:
+    deadline = time.monotonic() + 30
+    while ctl_status(d.data_dir)["lanes"][lane]["adapters"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def _logprobs(tc, data) -> list[float]:
     out = tc.forward(data, "cross_entropy").result(timeout=T)
     return [x for o in out.loss_fn_outputs for x in o["logprobs"].tolist()]
@@ -109,7 +115,7 @@ def test_full_run_trains_alone_on_its_lane_beside_a_lora_tenant(two_lanes, tiny_
     # save_state / load_state: back to the saved weights after another step
     saved = full.save_state("s3").result(timeout=T).path
     at_save = _logprobs(full, data)
-    _step(full, data)
+    losses_after_save = _step(full, data)
     assert _logprobs(full, data) != at_save
     full.load_state_with_optimizer(saved).result(timeout=T)
     assert _logprobs(full, data) == pytest.approx(at_save, abs=1e-6)
@@ -156,11 +162,17 @@ def test_full_run_trains_alone_on_its_lane_beside_a_lora_tenant(two_lanes, tiny_
     assert _logprobs(full, data) == pytest.approx(before, abs=1e-6)
     assert _logprobs(bob, data) == bob_before
 
-    # The session ends: the lane is LoRA's again, over the base model's own weights
+    # The session ends and frees the lane; a new run from the saved state takes it
     alice.close("success").result(timeout=T)
-    deadline = time.monotonic() + 30
-    while ctl_status(d.data_dir)["lanes"][1]["adapters"] and time.monotonic() < deadline:
-        time.sleep(0.2)
+    _wait_lane_empty(d, 1)
+    again = _client(d, "alice")
+    resumed = again.create_training_client_from_state_with_optimizer(saved).result(timeout=T)
+    assert _logprobs(resumed, data) == pytest.approx(at_save, abs=1e-6)
+    assert _step(resumed, data) == pytest.approx(losses_after_save, rel=1e-5)
+
+    # ... and once that one ends too, the lane is LoRA's again, over the base's own weights
+    again.close("success").result(timeout=T)
+    _wait_lane_empty(d, 1)
     lora = _client(d, "alice").create_lora_training_client(
         base_model=tiny_dir.name, rank=4, seed=2).result(timeout=T)  # B = 0: the base's output
     assert [lane["adapters"] for lane in ctl_status(d.data_dir)["lanes"]] == [1, 1]
