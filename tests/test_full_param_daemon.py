@@ -86,6 +86,24 @@ def _plain(model_dir, data, steps):
     return losses
 
 
+def _alone(model_dir, data, steps):
+    """Bob's LoRA run (rank 4, seed 1) trained alone, in this process."""
+    from helpers import make_engine
+
+    from twinkled.protocol.types import AdamParams, Datum, ForwardBackwardRequest, LoraConfig
+
+    eng = make_engine(model_dir)
+    eng.add_adapter("bob", LoraConfig(rank=4, alpha=32, seed=1))
+    rows = [Datum(d.model_input.to_ints(), {"target_tokens": d.loss_fn_inputs["target_tokens"]
+                                            .to_torch()}) for d in data]
+    out = []
+    for _ in range(steps):
+        r = eng.forward_backward([ForwardBackwardRequest("bob", rows)])[0]
+        eng.optim_step("bob", AdamParams(**ADAM))
+        out.append(r.metrics["loss:sum"])
+    return out
+
+
 @pytest.mark.filterwarnings("ignore:DEPRECATED")  # load_state: the in-place resume
 def test_full_run_trains_alone_on_its_lane_beside_a_lora_tenant(two_lanes, tiny_dir, tmp_path):
     d = two_lanes
@@ -111,6 +129,7 @@ def test_full_run_trains_alone_on_its_lane_beside_a_lora_tenant(two_lanes, tiny_
         bob.optim_step(tinker.types.AdamParams(**ADAM)).result(timeout=T)
     assert losses == pytest.approx(_plain(tiny_dir, data, 3), rel=1e-5, abs=1e-4)
     assert losses[-1] < losses[0] and bob_losses[-1] < bob_losses[0]
+    assert bob_losses == pytest.approx(_alone(tiny_dir, data, 4), rel=1e-5)
 
     # save_state / load_state: back to the saved weights after another step
     saved = full.save_state("s3").result(timeout=T).path
