@@ -30,7 +30,7 @@ from twinkled.protocol.types import (
 )
 
 from . import live, sampler, state, step
-from .full_param import FullRun, is_full_checkpoint
+from .full_param import FullRun, FullSlot, is_full_checkpoint
 from .fused_ops import Fused
 from .lora import Adapter, LoraPool
 from .model import BaseModel
@@ -85,11 +85,12 @@ class Engine:
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
         # A full-parameter run (rank 0, full_param.py): it trains this engine's base model
-        # itself, so it is the only training run here; `_views` are the sampler ids that
-        # read its current weights (save_weights_for_sampler of it).
-        self.full: FullRun | None = None
-        self._views: set[str] = set()
-        self._stale: set[str] = set()  # views of a run that ended: removing them is a no-op
+        # itself, so it is the only training run here.
+        self._full = FullSlot(self.model, dp_group)
+
+    @property
+    def full(self) -> FullRun | None:
+        return self._full.run
 
     @property
     def tokenizer(self):
@@ -100,7 +101,7 @@ class Engine:
     def add_adapter(self, adapter_id: str, config: LoraConfig | None = None) -> AdapterInfo:
         config = config or LoraConfig()
         if config.rank == 0:
-            return self._add_full(adapter_id, config)
+            return self._full.start(adapter_id, config, self.pool.adapters)
         if self.full is not None:
             raise EngineInputError("lora_config.rank", "this lane trains a full-parameter run; "
                                    "its base model is not the one LoRA adapters train on")
@@ -115,18 +116,9 @@ class Engine:
             config = replace(config, seed=self.shard.tp.broadcast_seed())
         return config
 
-    def _add_full(self, run_id: str, config: LoraConfig) -> AdapterInfo:
-        if self.full is not None or self.pool.adapters:
-            held = self.full.id if self.full is not None else sorted(self.pool.adapters)
-            raise EngineInputError("lora_config.rank", "a full-parameter run needs its lane "
-                                   f"alone; this one holds {held}")
-        self.full = FullRun(run_id, self.model, config, self.dp_group)
-        return self.full.info()
-
     def is_full(self, adapter_id: str | None) -> bool:
         """Whether `adapter_id` is the full run, or a sampler view of its weights."""
-        full = self.full
-        return full is not None and (adapter_id == full.id or adapter_id in self._views)
+        return self._full.holds(adapter_id)
 
     def copy_adapter(self, src: str, dst: str) -> AdapterInfo:
         """A new adapter `dst` with `src`'s configuration and current weights, but none of
@@ -134,8 +126,7 @@ class Engine:
         instead of reading back the files just written (they hold the same fp32 masters).
         Of a full run: a view of its current weights (nothing is copied)."""
         if self.is_full(src):
-            self._views.add(dst)
-            return self.full.info()
+            return self._full.view(dst)
         a = self.pool.get(src)
         b = self.pool.add(dst, a.config)
         try:
@@ -149,16 +140,11 @@ class Engine:
         return self.adapter_info(dst)
 
     def remove_adapter(self, adapter_id: str) -> None:
-        if adapter_id in self._views:
-            self._views.discard(adapter_id)
-        elif self.full is not None and adapter_id == self.full.id:
-            self.full.end()
-            self._stale |= self._views
-            self.full, self._views, self._running = None, set(), None
-        elif adapter_id in self._stale:
-            self._stale.discard(adapter_id)
-        else:
+        ended = self._full.drop(adapter_id)
+        if ended is None:
             self.pool.remove(adapter_id)
+        elif ended:
+            self._running = None  # its pages and cached prefixes were of the run's weights
 
     def has_adapter(self, adapter_id: str) -> bool:
         return adapter_id in self.pool.adapters or self.is_full(adapter_id)
@@ -401,7 +387,7 @@ class Engine:
         if optimizer_type is not None:
             check_optimizer(optimizer_type)
         if is_full_checkpoint(path) or self.is_full(adapter_id):
-            return self._load_full(adapter_id, path, optimizer, new_full)
+            return self._full.load(adapter_id, path, optimizer, new_full, self.pool.adapters)
         if live.is_live(path):  # a worker's persisted state (see workers/persist.py)
             config, weights, moments, steps = live.read_live(path)
         else:
@@ -428,17 +414,3 @@ class Engine:
         state.write_into(self.pool.get(adapter_id), weights, moments, steps if optimizer else 0,
                          self.shard)
         return self.adapter_info(adapter_id)
-
-    def _load_full(self, adapter_id: str, path: str | Path, optimizer: bool,
-                   new_full: bool) -> AdapterInfo:
-        """A full run's checkpoint: into the run itself, or, for another id (a sampler of
-        it), a view of the run's current weights; nothing else can hold one."""
-        if new_full and self.full is None and not self.pool.adapters:  # a new run from it
-            self._add_full(adapter_id, LoraConfig(rank=0))
-        if self.full is not None and adapter_id == self.full.id:
-            return self.full.load(path, optimizer)
-        if self.full is not None:
-            self._views.add(adapter_id)
-            return self.full.info()
-        raise EngineInputError("path", "a full-parameter checkpoint samples on the lane of "
-                               "its live run, and loads only into a rank-0 run")

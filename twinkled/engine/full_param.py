@@ -250,6 +250,64 @@ class FullRun:
                         by_name[name].data.copy_(fh.get_tensor(name))
 
 
+class FullSlot:
+    """An engine's place for one full run (`run`), and the sampler ids that view its weights
+    (save_weights_for_sampler of it: nothing is copied). The run trains the engine's base
+    model, so it starts only where no LoRA adapter is (`lora`: the engine's adapter ids)."""
+
+    def __init__(self, model: BaseModel, dp_group=None):
+        self.model, self.dp_group = model, dp_group
+        self.run: FullRun | None = None
+        self._views: set[str] = set()
+        self._stale: set[str] = set()  # views of a run that ended: dropping them is a no-op
+
+    def holds(self, adapter_id: str | None) -> bool:
+        """Whether `adapter_id` is the run, or a view of its weights."""
+        run = self.run
+        return run is not None and (adapter_id == run.id or adapter_id in self._views)
+
+    def start(self, run_id: str, config: LoraConfig, lora) -> AdapterInfo:
+        if self.run is not None or lora:
+            held = self.run.id if self.run is not None else sorted(lora)
+            raise EngineInputError("lora_config.rank", "a full-parameter run needs its lane "
+                                   f"alone; this one holds {held}")
+        self.run = FullRun(run_id, self.model, config, self.dp_group)
+        return self.run.info()
+
+    def view(self, adapter_id: str) -> AdapterInfo:
+        self._views.add(adapter_id)
+        return self.run.info()
+
+    def drop(self, adapter_id: str) -> bool | None:
+        """Remove a view (False), or the run, giving the base model back (True); None:
+        not one of ours."""
+        if adapter_id in self._views:
+            self._views.discard(adapter_id)
+            return False
+        if self.run is not None and adapter_id == self.run.id:
+            self.run.end()
+            self.run, self._stale, self._views = None, self._stale | self._views, set()
+            return True
+        if adapter_id in self._stale:
+            self._stale.discard(adapter_id)
+            return False
+        return None
+
+    def load(self, adapter_id: str, path: str | Path, optimizer: bool, new_full: bool,
+             lora) -> AdapterInfo:
+        """A full run's checkpoint: into the run (`new_full`: a training run's load, which
+        starts one where there is none), or, for another id (a sampler of it), a view of
+        the run's current weights; nothing else can hold one."""
+        if new_full and self.run is None and not lora:
+            self.start(adapter_id, LoraConfig(rank=0), lora)
+        if self.run is not None and adapter_id == self.run.id:
+            return self.run.load(path, optimizer)
+        if self.run is not None:
+            return self.view(adapter_id)
+        raise EngineInputError("path", "a full-parameter checkpoint samples on the lane of "
+                               "its live run, and loads only into a rank-0 run")
+
+
 def owners(sizes: list[int], world: int) -> list[int]:
     """Each parameter's owning rank: largest first onto the least loaded (even shares)."""
     load, owner = [0] * world, [0] * len(sizes)
