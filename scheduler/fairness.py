@@ -24,6 +24,8 @@ class Limits:
     max_rank: int | None = None
     # Checkpoints + user_metadata bytes; the store enforces it (not the scheduler).
     max_storage_bytes: int | None = None
+    # Full-parameter runs (a lane each); the service enforces it (not the scheduler).
+    max_full_runs: int | None = None
 
 
 @dataclass

@@ -58,7 +58,8 @@ async def create_model(request):
     opt = _optimizer(body.optimizer_config)
     meta = metadata(request, body.user_metadata)
     lc = body.lora_config
-    checked(check_rank, lc.rank, limits(request))
+    if lc.rank != 0:  # 0: a full-parameter run, which the service admits or refuses
+        checked(check_rank, lc.rank, limits(request))
     # A seed always: a restore that must re-create the adapter gets the same weights.
     seed = lc.seed if lc.seed is not None else secrets.randbits(62)
     config = LoraConfig(rank=lc.rank, alpha=_alpha(meta), seed=seed,

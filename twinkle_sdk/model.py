@@ -65,11 +65,14 @@ class TwinkleModel:
 
     def add_adapter_to_model(self, name: str, config: Any = None,
                              gradient_accumulation_steps: int = 1) -> None:
-        """`config`: a peft LoraConfig (r, lora_alpha, target_modules) or a dict of those."""
+        """`config`: a peft LoraConfig (r, lora_alpha, target_modules) or a dict of those.
+        `r=0`: a full-parameter run (every weight trains; through a daemon it holds a lane
+        of its own: docs/reference.md, "Full-parameter runs")."""
         get = (config.get if isinstance(config, dict) else
                (lambda k, d=None: getattr(config, k, d)))
-        rank = int(get("r", 8) or 8)
-        alpha = float(get("lora_alpha", rank) or rank)
+        r = get("r", 8)
+        rank = 8 if r is None else int(r)
+        alpha = float(get("lora_alpha", rank) or rank or 32)  # (rank 0 has no alpha)
         self.backend.create(name, rank, alpha, lora_targets(get("target_modules", None)),
                             runtime.seed)
         self.adapter, self.accum = name, max(1, int(gradient_accumulation_steps))

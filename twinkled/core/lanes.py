@@ -24,11 +24,13 @@ from typing import Any
 from scheduler import Planner
 from twinkled.core.adapter_room import AdapterRoom
 from twinkled.core.engine_core import EngineCore
+from twinkled.core.exclusive import Exclusive
 from twinkled.core.executor import Executor
 from twinkled.core.futures import Future, Futures
 from twinkled.core.metrics import Metrics
 from twinkled.core.residency import Residency, stored_config
 from twinkled.protocol import trace
+from twinkled.protocol.errors import UserError
 from twinkled.protocol.types import LoraConfig
 from twinkled.workers.gaps import GapWindow
 
@@ -66,6 +68,7 @@ class Lanes:
         self._samplers: dict[str, Lane] = {}  # sampler adapter -> the lane that holds it
         self._turn = 0  # round robin for base-model samples
         self._reloading: dict[str, asyncio.Lock] = {}  # model -> one reload at a time
+        self.exclusive = Exclusive()  # lanes held by full-parameter runs (exclusive.py)
 
     # -- where things go ----------------------------------------------------------------
 
@@ -84,10 +87,14 @@ class Lanes:
         lane with the most room left, which says why."""
         if len(self.all) == 1:
             return self.all[0]
-        fits = [lane for lane in self.all if lane.residency.room.fits(config)]
+        shared = self.exclusive.shared(self.all)
+        if not shared:
+            raise UserError(f"every one of the {len(self.all)} lanes holds a full-parameter "
+                            "run; LoRA runs can start when one of those ends")
+        fits = [lane for lane in shared if lane.residency.room.fits(config)]
         if fits:
             return min(fits, key=lambda lane: (lane.planner.model_count(), lane.index))
-        return min(self.all, key=lambda lane: (lane.residency.room.used(), lane.index))
+        return min(shared, key=lambda lane: (lane.residency.room.used(), lane.index))
 
     def place(self, model: str, lane: Lane) -> None:
         self._home[model] = lane
@@ -99,9 +106,10 @@ class Lanes:
         take turns."""
         if len(self.all) == 1:
             return self.all[0]
-        if adapter is None:
-            self._turn = (self._turn + 1) % len(self.all)
-            return self.all[self._turn]
+        if adapter is None:  # never a lane whose base model a full run is training
+            shared = self.exclusive.shared(self.all) or self.all
+            self._turn = (self._turn + 1) % len(shared)
+            return shared[self._turn]
         run = _run_of(adapter)
         if run in self._home:
             return self._home[run]
@@ -125,8 +133,19 @@ class Lanes:
         runs = self._store.runs.live()  # live at the last stop (read before anything reloads)
         await asyncio.gather(*(lane.executor.start() for lane in self.all))
         shares: dict[int, list[dict]] = {lane.index: [] for lane in self.all}
-        for run in runs:  # what was live comes back, room or not: spread evenly
-            lane = min(self.all, key=lambda lane: (len(shares[lane.index]), lane.index))
+        for run in sorted(runs, key=lambda r: r["lora_rank"] != 0):  # full runs first
+            if run["lora_rank"] == 0:  # a lane of its own (exclusive.py)
+                try:
+                    lane = self.exclusive.reserve(self.all, run["id"], run["tenant"])
+                except UserError as e:  # (fewer lanes than at the last stop)
+                    log.error("full-parameter run %s not restored: %s", run["id"], e)
+                    continue
+                self.place(run["id"], lane)
+                shares[lane.index].append(run)
+                continue
+            # what was live comes back, room or not: spread evenly
+            shared = self.exclusive.shared(self.all) or self.all
+            lane = min(shared, key=lambda lane: (len(shares[lane.index]), lane.index))
             self.place(run["id"], lane)
             shares[lane.index].append(run)
         for lane in self.all:
@@ -183,7 +202,10 @@ class Lanes:
                 return
             # Parked in a lane's host memory: back on that lane; else where there is room.
             here = self.of(model)
-            lane = here if here.residency.keeps(model) else self.choose(stored_config(run))
+            if run["lora_rank"] == 0:  # a full run: its lane (kept while idle unloaded)
+                lane = self.exclusive.reserve(self.all, model, run["tenant"])
+            else:
+                lane = here if here.residency.keeps(model) else self.choose(stored_config(run))
             self.place(model, lane)
             await lane.residency.ensure_loaded(run)
 

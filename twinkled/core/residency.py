@@ -169,6 +169,8 @@ class Residency:
         come back, at the same weights and seq_ids, on their next request (`ensure_loaded`)."""
         for run in self._store.runs.idle(time.time() - idle_s):
             model = run["id"]
+            if run["lora_rank"] == 0:  # a full run holds its lane until its session ends
+                continue
             async with self._locks.setdefault(model, asyncio.Lock()):
                 if model in self._live and await self._park(model, to_host=False):
                     log.info("adapter %s unloaded after %.0f s idle", model, idle_s)

@@ -26,6 +26,7 @@ from scheduler import Planner
 from twinkled.core import otel
 from twinkled.core.adapter_room import adapter_room, host_room
 from twinkled.core.engine_core import RateLimited  # noqa: F401  (re-exported)
+from twinkled.core.exclusive import full_run_lane
 from twinkled.core.executor import Executor, zmq_executor
 from twinkled.core.futures import Encoder, Future, Futures, empty_json
 from twinkled.core.housekeeping import Housekeeping
@@ -321,13 +322,18 @@ class Service:
         if (retried := self._created(tenant, session_id, model_seq, lora)) is not None:
             return retried
         self.tenants.check_new_adapter(tenant, config.rank)
-        lane = self.lanes.choose(config)
+        if config.rank == 0:  # full-parameter: a lane of its own (core/exclusive.py)
+            lane = full_run_lane(self.lanes, self.tenants, self.config, tenant)
+        else:
+            lane = self.lanes.choose(config)
         lane.residency.room.check(config)
         try:
             model = self.store.runs.create(session_id, tenant, self.config.served_name,
                                            config.rank, lora, user_metadata, model_seq)
         except Conflict:
             raise UserError(f"model {session_id}:train:{model_seq} already exists") from None
+        if config.rank == 0:
+            self.lanes.exclusive.hold(lane, model, tenant)
         f = self.futures.new(tenant, "create_model", lambda _: answer(model))
         self._open(lane, model, tenant, config)
         return model, self.submit(Op(model, 0, CreateF(model, config), f))
@@ -426,13 +432,18 @@ class Service:
         if (retried := self._created(tenant, session_id, model_seq, lora)) is not None:
             return retried
         stored = stored_config({"lora_config": lora})
-        lane = self.lanes.choose(stored)
+        if stored.rank == 0:  # a full run's state: a new full run, on a lane of its own
+            lane = full_run_lane(self.lanes, self.tenants, self.config, tenant)
+        else:
+            lane = self.lanes.choose(stored)
         lane.residency.room.check(stored)
         try:
             model = self.store.runs.create(session_id, tenant, self.config.served_name,
                                            src["lora_rank"], lora, user_metadata, model_seq)
         except Conflict:
             raise UserError("that model_seq_id is already used in this session") from None
+        if stored.rank == 0:
+            self.lanes.exclusive.hold(lane, model, tenant)
         self._open(lane, model, tenant, stored)
         f = self.futures.new(tenant, "load_weights", lambda _: answer(model))
         return model, self.submit(Op(model, 0, LoadF(model, checkpoint["dir"], optimizer,
@@ -495,7 +506,9 @@ class Service:
             if not lane.residency.is_open(model):
                 continue
             f = self.futures.new(tenant, "unload", empty_json)
-            self.submit(Op(model, lane.planner.seq_after_queued(model), UnloadF(model), f))
+            # A full run's lane is free again once its base model is back (exclusive.py).
+            self.submit(Op(model, lane.planner.seq_after_queued(model), UnloadF(model), f,
+                           after=lambda _r, _m, m=model: self.lanes.exclusive.release(m)))
 
     def refresh_tenants(self) -> None:
         """Weights and quotas as the store and config say now (`twinkled ctl tenants set`)."""

@@ -27,6 +27,27 @@ class Tenants:
             for planner in self._planners:
                 planner.set_tenant(row["name"], float(weight), Limits(**limits))
 
+    def check_full_run(self, tenant: str, held: int) -> None:
+        """Who may start a full-parameter run (the config's `full_runs`), and how many at
+        once (`max_full_runs`; `held`: the tenant's now): a clear refusal, not a wait."""
+        mode = self._config.full_runs
+        if mode == "none":
+            raise UserError("full-parameter runs (rank 0) are off on this daemon (full_runs = "
+                            "\"none\"); use a LoRA rank of 1 or more")
+        if mode == "marked" and not self._marked(tenant):
+            raise UserError(f"tenant {tenant!r} may not start full-parameter runs (rank 0): "
+                            "this daemon allows them only for tenants an admin marks "
+                            f"(twinkled ctl tenants set {tenant} --max-full-runs N)")
+        cap = self._planners[0].tenant(tenant).limits.max_full_runs
+        if cap is not None and held >= cap:
+            raise UserError(f"tenant {tenant!r} already has {held} full-parameter runs, its "
+                            "quota")
+
+    def _marked(self, tenant: str) -> bool:
+        row = self._store.tenants.get(tenant) or {}
+        return bool(row.get("max_full_runs")
+                    or (self._config.tenants.get(tenant) or {}).get("max_full_runs"))
+
     def check_new_adapter(self, tenant: str, rank: int) -> None:
         """Quotas on adapters and rank: a clear refusal, not a wait."""
         lim = self._planners[0].tenant(tenant).limits

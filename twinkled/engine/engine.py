@@ -30,6 +30,7 @@ from twinkled.protocol.types import (
 )
 
 from . import live, sampler, state, step
+from .full_param import FullRun, FullSlot, is_full_checkpoint
 from .fused_ops import Fused
 from .lora import Adapter, LoraPool
 from .model import BaseModel
@@ -87,6 +88,13 @@ class Engine:
         self.padded_sampling = self.shard is not None or bool(self.model.moe)
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
+        # A full-parameter run (rank 0, full_param.py): it trains this engine's base model
+        # itself, so it is the only training run here.
+        self._full = FullSlot(self.model, dp_group)
+
+    @property
+    def full(self) -> FullRun | None:
+        return self._full.run
 
     @property
     def tokenizer(self):
@@ -96,6 +104,11 @@ class Engine:
 
     def add_adapter(self, adapter_id: str, config: LoraConfig | None = None) -> AdapterInfo:
         config = config or LoraConfig()
+        if config.rank == 0:
+            return self._full.start(adapter_id, config, self.pool.adapters)
+        if self.full is not None:
+            raise EngineInputError("lora_config.rank", "this lane trains a full-parameter run; "
+                                   "its base model is not the one LoRA adapters train on")
         if self.shard is not None:
             config = self._split_config(config)
         self.pool.add(adapter_id, config)
@@ -107,10 +120,17 @@ class Engine:
             config = replace(config, seed=self.shard.tp.broadcast_seed())
         return config
 
+    def is_full(self, adapter_id: str | None) -> bool:
+        """Whether `adapter_id` is the full run, or a sampler view of its weights."""
+        return self._full.holds(adapter_id)
+
     def copy_adapter(self, src: str, dst: str) -> AdapterInfo:
         """A new adapter `dst` with `src`'s configuration and current weights, but none of
         its gradients or optimizer state: a sampler of a live adapter made on the device,
-        instead of reading back the files just written (they hold the same fp32 masters)."""
+        instead of reading back the files just written (they hold the same fp32 masters).
+        Of a full run: a view of its current weights (nothing is copied)."""
+        if self.is_full(src):
+            return self._full.view(dst)
         a = self.pool.get(src)
         b = self.pool.add(dst, a.config)
         try:
@@ -124,12 +144,18 @@ class Engine:
         return self.adapter_info(dst)
 
     def remove_adapter(self, adapter_id: str) -> None:
-        self.pool.remove(adapter_id)
+        ended = self._full.drop(adapter_id)
+        if ended is None:
+            self.pool.remove(adapter_id)
+        elif ended:
+            self._running = None  # its pages and cached prefixes were of the run's weights
 
     def has_adapter(self, adapter_id: str) -> bool:
-        return adapter_id in self.pool.adapters
+        return adapter_id in self.pool.adapters or self.is_full(adapter_id)
 
     def adapter_info(self, adapter_id: str) -> AdapterInfo:
+        if self.is_full(adapter_id):
+            return self.full.info()
         a = self.pool.get(adapter_id)
         c = a.config
         return AdapterInfo(adapter_id, c.rank, c.alpha, c.target_modules, a.steps, a.pending,
@@ -156,17 +182,25 @@ class Engine:
         most this many tokens (0: `token_budget`); `between`: called between them
         (step.forward_backward: the step is preemptible there).
         """
-        if not checked:
-            for r in requests:
-                self.check(r)
+        full = [self.is_full(r.adapter_id) for r in requests]
+        if any(full):  # the base model is the run's: its rows train it (full_param.py)
+            requests = [replace(r, adapter_id=None) if f else r
+                        for r, f in zip(requests, full, strict=True)]
+        if not checked:  # (a full run's rows as the base model's, which may not train)
+            for r, f in zip(requests, full, strict=True):
+                self.check(replace(r, forward_only=True) if f else r)
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
         budget = min(micro_tokens, self.token_budget) if micro_tokens > 0 else self.token_budget
         if all(r.forward_only for r in requests):
             with torch.no_grad():
                 return step.forward_backward(self.model, requests, adapters, budget,
                                              self.packed, self.shared_prefix, between)
-        return step.forward_backward(self.model, requests, adapters, budget,
-                                     self.packed, self.shared_prefix, between)
+        results = step.forward_backward(self.model, requests, adapters, budget, self.packed,
+                                        self.shared_prefix, between, base_trains=any(full))
+        for r, f in zip(requests, full, strict=True):
+            if f and not r.forward_only:
+                self.full.trained(len(r.data))
+        return results
 
     def forward(self, requests: list[ForwardBackwardRequest]) -> list[ForwardBackwardResult]:
         """Logprobs (and loss values) only; changes nothing."""
@@ -199,6 +233,13 @@ class Engine:
         ids = [i for i, _ in items]
         if len(set(ids)) != len(ids):
             raise EngineInputError("adapter_id", "an adapter may step only once per call")
+        if any(self.is_full(i) for i in ids):  # alone on its lane: one item
+            if len(items) != 1:
+                raise EngineInputError("adapter_id", "a full run steps alone")
+            result = self.full.step(items[0][1])
+            if self._running is not None and self._running.idle:
+                self._running = None  # cached prefixes were of the weights before
+            return [result]
         adapters = [self.pool.get(i) for i in ids]
         for adapter, (_, params) in zip(adapters, items, strict=True):
             check_optim_params(adapter.config.optimizer, params)
@@ -212,6 +253,9 @@ class Engine:
                                self.shard)
 
     def zero_grad(self, adapter_id: str) -> None:
+        if self.is_full(adapter_id):
+            self.full.zero_grad()
+            return
         a = self.pool.get(adapter_id)
         a.bank.zero_slot(a.slot)
         a.pending = 0
@@ -296,8 +340,10 @@ class Engine:
         """Each request's adapter (None: the base model), after checking the requests."""
         if not checked:
             for r in requests:
-                self.check(r)
-        return [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
+                self.check(replace(r, adapter_id=None) if self.is_full(r.adapter_id) else r)
+        # A full run samples from the base model, which is its current weights.
+        return [None if r.adapter_id is None or self.is_full(r.adapter_id)
+                else self.pool.get(r.adapter_id) for r in requests]
 
     def _sampling_batch(self, requests: list[SampleRequest], checked: bool
                         ) -> tuple[RunningBatch, list[Adapter | None]]:
@@ -319,7 +365,10 @@ class Engine:
         """Write a checkpoint directory (PEFT adapter, plus optimizer state); returns bytes.
 
         Under tensor parallelism every rank of the group must call it (the tensors are
-        gathered whole); only those with `write` write the files."""
+        gathered whole); only those with `write` write the files. A full run's is a Hugging
+        Face model directory (full_param.py)."""
+        if self.is_full(adapter_id):
+            return self.full.save(path, optimizer, write)
         snap = self.snapshot(adapter_id, optimizer)
         return state.write_snapshot(snap, path, str(self.model.dir)) if write else 0
 
@@ -329,8 +378,10 @@ class Engine:
         return state.snapshot(self.pool.get(adapter_id), optimizer, self.shard)
 
     def load(self, adapter_id: str, path: str | Path, optimizer: bool = True,
-             optimizer_type: str | None = None) -> AdapterInfo:
+             optimizer_type: str | None = None, new_full: bool = False) -> AdapterInfo:
         """Load a checkpoint into `adapter_id`, creating it if needed (its shape is the file's).
+        `new_full`: a training run's load, which a full run's checkpoint makes a full run
+        of where this engine holds no run (a sampler's load only reads the live one).
 
         With `optimizer`, the optimizer state and its family come from the checkpoint (as
         Tinker's full-state resume keeps Dimuon), and an existing adapter must be of that
@@ -339,6 +390,8 @@ class Engine:
         """
         if optimizer_type is not None:
             check_optimizer(optimizer_type)
+        if is_full_checkpoint(path) or self.is_full(adapter_id):
+            return self._full.load(adapter_id, path, optimizer, new_full, self.pool.adapters)
         if live.is_live(path):  # a worker's persisted state (see workers/persist.py)
             config, weights, moments, steps = live.read_live(path)
         else:

@@ -65,7 +65,7 @@ HOST_TIME = HostTime()
 def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
                      adapters: list[Adapter | None], token_budget: int,
                      packed: bool = True, shared_prefix: int = MIN_SHARED,
-                     between: Callable[[], None] | None = None
+                     between: Callable[[], None] | None = None, base_trains: bool = False
                      ) -> list[ForwardBackwardResult]:
     """Run every request's data through the model; back-propagate the training ones.
 
@@ -77,11 +77,13 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
     `between`: called after each micro-batch but the last, once its backward is done (the
     step is preemptible there: the worker runs newly arrived small work of other adapters,
     which touches none of this step's gradients).
+    `base_trains`: rows without an adapter train the base model's own weights (a
+    full-parameter run, full_param.py: their gradients land in the weights' `.grad`).
     """
     rows = [
         _Row(i, j, adapters[i], torch.as_tensor(d.tokens, dtype=torch.long),
              torch.as_tensor(d.loss_inputs["target_tokens"], dtype=torch.long),
-             adapters[i] is not None and not req.forward_only)
+             (adapters[i] is not None or base_trains) and not req.forward_only)
         for i, req in enumerate(requests) for j, d in enumerate(req.data)
     ]
     outputs = [[None] * len(r.data) for r in requests]
@@ -125,7 +127,8 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
         forwarded = time.perf_counter()
         if total is not None and total.requires_grad:
             total.backward()
-            for bank in {id(r.adapter.bank): r.adapter.bank for r in batch if r.train}.values():
+            for bank in {id(r.adapter.bank): r.adapter.bank for r in batch
+                         if r.train and r.adapter is not None}.values():
                 bank.flush()  # the gradients the backward left in its scratch
         backwarded = time.perf_counter()
         lp_host, el_host = lp.detach().cpu(), elementwise.cpu()  # one copy per micro-batch

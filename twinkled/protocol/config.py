@@ -101,6 +101,13 @@ class Config:
     tenant_max_queued_tokens: int | None = None
     tenant_max_adapters: int | None = None
     tenant_max_rank: int | None = None
+    # Full-parameter runs (rank 0) at once per tenant, each holding a lane alone; None:
+    # unlimited (where `full_runs` is "all").
+    tenant_max_full_runs: int | None = None
+    # Who may start a full-parameter run (rank 0: engine/full_param.py, a lane of its own):
+    # "all" tenants, "marked" ones only (a max_full_runs set for them: `twinkled ctl
+    # tenants set NAME --max-full-runs N` or [tenants.NAME]), or "none".
+    full_runs: str = "all"
     # Checkpoint files + stored user_metadata per tenant (50 GiB); 0 or less: unlimited.
     tenant_max_storage_bytes: int = 50 * 1024**3
     # Open sessions per tenant (not finished, heartbeated in the last 10 minutes); 0: no cap.
@@ -249,7 +256,7 @@ def _cuda_count() -> int:
 
 # a [tenants.NAME] table: weight, and the tenant_ quotas unprefixed
 TENANT_KEYS = ("weight", "max_queued_requests", "max_queued_tokens", "max_adapters",
-               "max_rank", "max_storage_bytes")
+               "max_rank", "max_storage_bytes", "max_full_runs")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _ENDPOINT = re.compile(r"tcp://(\*|[\w.-]+):(\d{1,5})")
 def _fused_spec(v) -> bool:
@@ -284,6 +291,7 @@ _RANGES = {
     "preempt_ms": (lambda v: v == "auto" or (not isinstance(v, str) and v >= 0),
                    'must be "auto" or a number of ms >= 0 (0: steps are not preemptible)'),
     "log_format": (lambda v: v in ("text", "json"), "must be text or json"),
+    "full_runs": (lambda v: v in ("all", "marked", "none"), "must be all, marked or none"),
     "log_summary_s": _NON_NEGATIVE,
     "join_listen": (lambda v: v == "" or _ENDPOINT.fullmatch(v),
                     'must be "" or tcp://ADDRESS:PORT (e.g. tcp://0.0.0.0:7070)'),

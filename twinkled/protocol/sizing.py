@@ -16,6 +16,8 @@ the logits.
 
 from __future__ import annotations
 
+import math
+
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -109,6 +111,37 @@ def adapter_budget(cfg: dict, card: int, dtype_bytes: int, tokens: int, tp: int 
     taken = (weight_bytes(cfg, dtype_bytes, tp)
              + activation_bytes(cfg, dtype_bytes, tokens, tp, recompute=True) + sampler_bytes)
     return max(0, int(headroom * card) - taken)
+
+
+def full_run_bytes(cfg: dict, dtype_bytes: int, ranks: int = 1) -> int:
+    """A full-parameter run's state on one of its lane's `ranks`, beyond the base weights
+    the lane holds already (they are its compute weights): gradients in the compute dtype,
+    and its share of the fp32 masters (none apart in fp32) and two fp32 AdamW moments
+    (split over the ranks: engine/full_param.py). On one rank in bf16: 14 bytes a
+    parameter, 16 with the weights."""
+    params = weight_bytes(cfg, 1)
+    return int(params * (dtype_bytes + ((0 if dtype_bytes == 4 else 4) + 8) / ranks))
+
+
+def full_run_problem(cfg: dict, dtype_bytes: int, budget: int | None,
+                     ranks: int = 1) -> str | None:
+    """Why a full-parameter run of this model does not fit a lane of `ranks` with `budget`
+    bytes left on each after the base weights and a micro-batch (None: it fits, or there is
+    no limit); the message says what would."""
+    need = full_run_bytes(cfg, dtype_bytes, ranks)
+    if budget is None or need <= budget:
+        return None
+    params = weight_bytes(cfg, 1)
+    per = need / params
+    split = (12 if dtype_bytes != 4 else 8) / (budget / params - dtype_bytes) \
+        if budget > params * dtype_bytes else None
+    more = "" if split is None else \
+        f", or a lane of {max(ranks + 1, math.ceil(split))} GPUs (the state is split over them)"
+    return (f"a full-parameter run of this model ({params / 1e9:.2f}B parameters) needs about "
+            f"{human_size(need)} on each of this lane's {ranks} GPU(s) beyond its weights "
+            f"(gradients, and its share of the fp32 master weights and AdamW moments: "
+            f"{per:.0f} bytes a parameter), and each has {human_size(budget)} left for it: a "
+            f"model of at most {budget / per / 1e9:.2f}B parameters would fit{more}")
 
 
 def human_size(n: int | float) -> str:

@@ -52,6 +52,7 @@ class TenantsSet(Args):
     max_queued_tokens: Quota | None = None
     max_adapters: Quota | None = None
     max_rank: Quota | None = None
+    max_full_runs: Quota | None = None
     # Negative: no storage limit for this tenant.
     max_storage_bytes: Annotated[int, Meta(ge=-(2**62), le=2**62)] | None = None
 

@@ -17,7 +17,8 @@ from twinkled.protocol.config import default_data_dir
 from twinkled.server.admin import Admin, AdminError, admin_key_path
 from twinkled.server.perms import private_dir, private_umask
 
-QUOTAS = ("max_queued_requests", "max_queued_tokens", "max_adapters", "max_rank")
+QUOTAS = ("max_queued_requests", "max_queued_tokens", "max_adapters", "max_rank",
+          "max_full_runs")
 
 
 class Target:
@@ -183,6 +184,8 @@ def tenants() -> None:
 @click.option("--max-queued-tokens", type=int, help="Queued tokens before work waits.")
 @click.option("--max-adapters", type=int, help="Adapters (training runs) at once.")
 @click.option("--max-rank", type=int, help="Largest LoRA rank.")
+@click.option("--max-full-runs", type=int,
+              help="Full-parameter runs (rank 0, a lane each) at once.")
 @click.option("--max-storage-bytes", type=int,
               help="Checkpoint + metadata bytes; -1: no limit (0: back to the default).")
 @json_option

@@ -22,7 +22,7 @@ SCHEMA: dict[str, tuple[dict[str, type], str | tuple[str, ...], dict[str, Any]]]
     # (checkpoints + user_metadata) is NULL for the config's default, negative for unlimited.
     "tenants": ({"name": str, "weight": float, "created": float, "max_queued_requests": int,
                  "max_queued_tokens": int, "max_adapters": int, "max_rank": int,
-                 "max_storage_bytes": int}, "name", {"weight": 1.0}),
+                 "max_storage_bytes": int, "max_full_runs": int}, "name", {"weight": 1.0}),
     # The running daemon's status (queues, shares), for `twinkled ctl status`.
     "daemon_status": ({"name": str, "body": str, "updated": float}, "name", {}),
     "api_keys": ({"key_hash": str, "tenant": str, "created": float, "revoked_at": float},

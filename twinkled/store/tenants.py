@@ -18,7 +18,7 @@ class Tenants:
 
     # Per-tenant settings `twinkled ctl tenants set` may change (columns of tenants).
     LIMITS = ("max_queued_requests", "max_queued_tokens", "max_adapters", "max_rank",
-              "max_storage_bytes")
+              "max_storage_bytes", "max_full_runs")
 
     def __init__(self, db: Db) -> None:
         self._db = db

@@ -203,7 +203,11 @@ class StepRunner:
         return outcomes + stepped
 
     def _persist(self, adapter_id: str, every: bool = False, now: bool = False) -> None:
-        """`every`: after an optimizer step (persist_every decides); `now`: before a flush."""
+        """`every`: after an optimizer step (persist_every decides); `now`: before a flush.
+        Not a full-parameter run: its live state is the journal (replayed over the base
+        model after a restart), as an adapter's is between its persisted versions."""
+        if self.engine.is_full(adapter_id):
+            return
         if self.split is not None:
             if now:
                 self.split.now(adapter_id, self.marks.get(adapter_id, 0))
@@ -269,7 +273,7 @@ class StepRunner:
                             raise
                         log.warning("no device copy of %s for sampling: %s", op.dir, e)
                 if self.rank != 0:
-                    if engine.shard is not None:  # gathered whole: every rank takes part
+                    if engine.shard is not None or engine.is_full(aid):  # gathered: all take part
                         engine.save(aid, op.dir, optimizer=op.optimizer, write=False)
                     return OutcomeF(i)
                 engine.save(aid, op.dir, optimizer=op.optimizer)
@@ -277,7 +281,7 @@ class StepRunner:
             case LoadF():
                 with self._readable(op.dir) as path:
                     info = engine.load(aid, path or op.dir, optimizer=op.optimizer,
-                                       optimizer_type=op.optimizer_type)
+                                       optimizer_type=op.optimizer_type, new_full=True)
                 self.marks[aid] = op.mark
                 self._persist(aid)
                 return OutcomeF(i, info=info)
@@ -290,6 +294,8 @@ class StepRunner:
                     self.split.forget(aid)
                 if self.persister is not None:
                     self.persister.forget(aid)
+                return OutcomeF(i)
+            case IdleUnloadF() if engine.is_full(aid):  # it holds the lane: stays live
                 return OutcomeF(i)
             case IdleUnloadF():  # persisted first; a RestoreF brings it back
                 if aid in self.parked:  # from host memory: its snapshot, at its mark
@@ -328,6 +334,8 @@ class StepRunner:
     def _restore(self, aid: str, op: RestoreF):
         """An adapter from its last persisted state, or fresh if it never got one; and the
         journal position that state holds (the daemon replays what came after)."""
+        if self.engine.is_full(aid):  # never unloaded (IdleUnloadF above): as it is
+            return self.engine.adapter_info(aid), self.marks.get(aid, 0)
         version = latest_version(Path(op.dir), aid) if op.dir else None
         with self._readable(version) as version:
             if self.engine.has_adapter(aid):

@@ -215,6 +215,9 @@ class SampleRunner:
 
     def _park(self, adapter_id: str) -> None:
         """An evicted sampler to host memory (its files stay the disk tier)."""
+        if self.engine.is_full(adapter_id) or not self.engine.has_adapter(adapter_id):
+            self.engine.remove_adapter(adapter_id)  # a view of a full run's weights: dropped
+            return
         if self.split or self.spans_hosts:  # every rank must evict alike: the files do
             self.engine.remove_adapter(adapter_id)
             return
