@@ -42,6 +42,7 @@ from .lora_rows import AdapterStack
 from .prefill_queue import Pending, PrefillQueue, Ready
 from .prefix_cache import PrefixCache, weights_key
 from .prompt_scores import score_prompt, wants_scores
+from .recurrent import PromptState
 from .running_seqs import Finished, Request, Seq
 
 PAGE_SIZE = 16  # tokens per KV page
@@ -75,6 +76,12 @@ class RunningBatch:
                  cascade: bool | None = None, overlap: bool | None = None,
                  prefill: str | None = None):
         dev = model.device
+        if model.hybrid is not None:
+            # Qwen3.5's linear-attention state (recurrent.py) goes only where it is carried:
+            # the varlen prefill, eager synchronous steps (a CUDA graph's warm-up, or a step
+            # launched ahead and redrawn, would step it twice), no prefix cache (cached pages
+            # hold no state) and no cascade.
+            prefill, decode, overlap, prefix_cache, cascade = "varlen", "eager", False, 0.0, False
         prefill = prefill or ("padded" if dev.type == "cuda" else "varlen")
         if prefill not in PREFILLS:
             raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
@@ -277,8 +284,10 @@ class RunningBatch:
         uniq = list(firsts.values())
         prompt_pages, starts = self._prompt_pages(take, uniq)
         cached = {u.key: starts[i] for i, u in enumerate(uniq)}
+        fresh = PromptState if self.model.hybrid is not None else (lambda: None)
         queued = {u.key: Pending(u.req.prompt, u.adapter, prompt_pages[i], starts[i],
-                                 any(wants_scores(r.req) for r in take if r.key == u.key))
+                                 any(wants_scores(r.req) for r in take if r.key == u.key),
+                                 state=fresh())
                   for i, u in enumerate(uniq)}
         # Every sample's pages: the prompt's full pages shared, its own for the rest. The
         # first sample of a prompt takes the prompt's partial page; the others copy it
@@ -342,11 +351,13 @@ class RunningBatch:
             else:
                 seated.append(s)
         shares = [(len(s.request.req.prompt), s.request.req.num_samples) for s in seated]
+        states = {id(r): rd.prompt.state for rd in ready for r in rd.prompt.requests}
         self.decode.set_slots(len(self.live), [s.tokens[-1] for s in seated],
                               [s.length for s in seated], [s.pages for s in seated],
                               [s.request.adapter for s in seated],
                               [s.request.ticket for s in seated],  # its samples: a group
-                              [n // P * P if m > 1 else 0 for n, m in shares])
+                              [n // P * P if m > 1 else 0 for n, m in shares],
+                              [states[id(s.request)] for s in seated])
         self.live += seated  # (shared: the prompt's full pages)
         self.loop.changed(self.live)
 
