@@ -166,6 +166,9 @@ def test_greedy_equals_transformers_generate(eng):
         want = m.hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert [s.tokens for s in r.sequences] == [want] * len(r.sequences)
+        lp = _hf_logprobs(m.hf, p + want)[len(p) - 1:]
+        for s in r.sequences:  # the state each decode step read, to rounding
+            assert (torch.tensor(s.logprobs) - lp).abs().max() < 1e-4
 
 
 def test_seeded_samples_score_as_transformers_with_the_adapter(eng):
