@@ -128,13 +128,19 @@ def fla_usable(x: torch.Tensor) -> bool:
     return True
 
 
-def fla_rule(q, k, v, g, beta, state, lengths: list[int]):
-    """`delta_rule` by fla-core's chunked kernel over the sequences packed end to end
-    (q ... [1, T, H, d], cu_seqlens from `lengths`); state [N, H, dk, dv] or None."""
+def fla_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, state: torch.Tensor | None, lengths: list[int]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`delta_rule` by fla-core's chunked Triton kernel, over rows as `delta_rule` takes
+    them but q, k [N, L, Hk, dk] as the projection gives them (the kernel repeats the key
+    heads over the value heads, l2-normalises and scales): the rows' real tokens packed end
+    to end, cut by cu_seqlens, so padding costs nothing."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=q.device,
-                      dtype=torch.long)
-    o, S = chunk_gated_delta_rule(q, k, v, g.float(), beta, scale=1.0, initial_state=state,
-                                  output_final_state=True, cu_seqlens=cu)
-    return o, S
+    cu_cpu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k, v, g, beta = (from_rows(t, lengths) for t in (q, k, v, g, beta))
+    o, S = chunk_gated_delta_rule(q, k, v, g.float(), beta.to(q.dtype), scale=q.shape[-1]**-0.5,
+                                  initial_state=None if state is None else state.float(),
+                                  output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                  cu_seqlens=cu_cpu.to(q.device), cu_seqlens_cpu=cu_cpu)
+    return to_rows(o, lengths), S

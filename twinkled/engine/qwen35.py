@@ -56,6 +56,9 @@ class HybridLayers:
     def __init__(self, model):
         self.model = model
         self.linear = [i for i, layer in enumerate(model.layers) if hasattr(layer, "linear_attn")]
+        # fla-core's chunked kernel where it runs (CUDA, installed); False: the torch
+        # delta rule everywhere (the reference tests/test_qwen35_gpu.py compares it with).
+        self.fla = True
 
     def layer(self, i, layer, h, cos, sin, lora, cache, mask, packing) -> torch.Tensor:
         m, keys = self.model, self.model.layer_keys[i]
@@ -103,16 +106,17 @@ class HybridLayers:
         q, k, v = torch.split(y, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
         q, k = (t.reshape(N, L, -1, mod.head_k_dim) for t in (q, k))
         v = v.reshape(N, L, -1, mod.head_v_dim)
-        rep = mod.num_v_heads // mod.num_k_heads
-        q, k = (la.l2norm(t.float().repeat_interleave(rep, dim=2)) for t in (q, k))
-        q = q * mod.head_k_dim**-0.5
         real = la.valid(lengths, L, x.device)[..., None]
         beta = b.float().sigmoid() * real
         g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias.float()) * real
-        if L == 1:
-            o, ssm1 = la.delta_step(q, k, v, g, beta, ssm0)
+        if L > 1 and self.fla and la.fla_usable(x):  # fla-core's Triton kernel (CUDA)
+            o, ssm1 = la.fla_rule(q, k, v, g, beta, ssm0, lengths)
         else:
-            o, ssm1 = la.delta_rule(q, k, v, g, beta, ssm0)
+            rep = mod.num_v_heads // mod.num_k_heads
+            q, k = (la.l2norm(t.float().repeat_interleave(rep, dim=2)) for t in (q, k))
+            q = q * mod.head_k_dim**-0.5
+            rule = la.delta_step if L == 1 else la.delta_rule
+            o, ssm1 = rule(q, k, v, g, beta, ssm0)
         if states is not None:
             states.keep(i, conv1, ssm1)
         if packing is not None:
