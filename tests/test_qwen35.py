@@ -189,3 +189,26 @@ def test_seeded_samples_score_as_transformers_with_the_adapter(eng):
         for s in first.sequences:
             want = _hf_logprobs(pm, prompt + s.tokens)[len(prompt) - 1:]
             assert (torch.tensor(s.logprobs) - want).abs().max() < 1e-4
+
+
+def test_checkpoint_loads_in_peft_and_back(eng, qwen35_dir, tmp_path):
+    """An export loads in peft on transformers' Qwen3.5 with our logits, and loads back."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from twinkled.engine.lora import LoraBatch
+
+    eng.save("b", tmp_path / "b", optimizer=False)
+    base = AutoModelForCausalLM.from_pretrained(qwen35_dir, dtype=torch.float32)
+    ids = torch.randint(0, eng.model.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(20)[None]
+    eng.load("b2", tmp_path / "b", optimizer=False)
+    m = eng.model
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(base, tmp_path / "b")(input_ids=ids).logits
+        for name in ("b", "b2"):
+            lora = LoraBatch([eng.pool.get(name)], m.dtype, m.device)
+            got = m.logits(m.forward(ids, pos, lora), lora)
+            assert (got - want).abs().max() < 1e-4, name
+        assert (m.logits(m.forward(ids, pos)) - want).abs().max() > 1e-2  # the adapter matters
+    eng.remove_adapter("b2")
