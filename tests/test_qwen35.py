@@ -57,6 +57,7 @@ def test_layers_and_lora_targets(eng):
     assert "model.layers.3.self_attn.q_proj" in a.bank.shapes
     with pytest.raises(EngineInputError, match="linear-attention state"):
         m.new_cache(1, 8)
+    assert RunningBatch(m).pool.k.shape[0] == 1  # pages for the full-attention layer only
 
 
 def test_logprobs_equal_transformers_single_and_packed(eng):

@@ -154,6 +154,8 @@ class BaseModel:
         self.kernels = fused_ops.liger_usable(self.device)
         # Qwen3.5's hybrid layers (qwen35.py); None: every layer is the Llama family's.
         self.hybrid = qwen35.HybridLayers(self) if hybrid else None
+        # Layers whose keys and values the sampler's pages hold (Qwen3.5: the full ones).
+        self.kv_layers = len(self.layers) if self.hybrid is None else len(self.hybrid.kv)
         self.joints = self._concat_linears()
         self.recompute = Recompute(config.to_dict(), self.dtype, self.device, self.tp.size,
                                    self.tp.group)

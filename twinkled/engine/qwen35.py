@@ -56,6 +56,9 @@ class HybridLayers:
     def __init__(self, model):
         self.model = model
         self.linear = [i for i, layer in enumerate(model.layers) if hasattr(layer, "linear_attn")]
+        # Only full-attention layers hold KV: layer i's in the sampler's pages is kv[i].
+        full = [i for i in range(len(model.layers)) if i not in self.linear]
+        self.kv = {i: j for j, i in enumerate(full)}
         # fla-core's chunked kernel where it runs (CUDA, installed); False: the torch
         # delta rule everywhere (the reference tests/test_qwen35_gpu.py compares it with).
         self.fla = True
@@ -82,7 +85,7 @@ class HybridLayers:
         r = cos.shape[-1]  # partial rotary: the first r dims of each head
         q = torch.cat([rotate(q[..., :r], cos, sin), q[..., r:]], dim=-1)
         k = torch.cat([rotate(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        out = m.attend(i, q, k, v, cache, mask, packing)
+        out = m.attend(self.kv[i], q, k, v, cache, mask, packing)
         out = out * torch.sigmoid(gate.reshape(B, S, -1))
         return m._linear(attn.o_proj, keys["o_proj"], out, lora)
 

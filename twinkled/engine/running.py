@@ -91,11 +91,11 @@ class RunningBatch:
             raise ValueError(f"the Triton kernels cannot run on {dev} (CPU: TRITON_INTERPRET=1)")
         self.kernels = kernels
         if pages is None:
-            per_token = 2 * len(model.layers) * model.n_kv * model.head_dim * model.dtype.itemsize
+            per_token = 2 * model.kv_layers * model.n_kv * model.head_dim * model.dtype.itemsize
             kv_bytes = kv_bytes or KV_BYTES.get(dev.type, KV_BYTES["cuda"])
             pages = max(2, kv_bytes // (per_token * page_size))
         self.model, self.rows = model, rows
-        self.pool = PagePool(len(model.layers), model.n_kv, model.head_dim, pages, page_size,
+        self.pool = PagePool(model.kv_layers, model.n_kv, model.head_dim, pages, page_size,
                              model.dtype, dev)
         self.stack = AdapterStack(model.dtype, dev)
         self.cache = PrefixCache(self.pool, prefix_cache)
