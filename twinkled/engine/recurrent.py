@@ -59,6 +59,17 @@ class SlotStates:
             self.ssm[i] = torch.zeros(rows, mod.num_v_heads, mod.head_k_dim, mod.head_v_dim,
                                       dtype=torch.float32, device=dev)
 
+    @staticmethod
+    def row_bytes(model) -> int:
+        """One slot's state: fp32 delta-rule states (a bf16 copy would round the state
+        at every step) and conv states in the model's dtype. Qwen3.5-9B: 48 MiB."""
+        total = 0
+        for i in model.hybrid.linear:
+            mod = model.layers[i].linear_attn
+            total += mod.num_v_heads * mod.head_k_dim * mod.head_v_dim * 4
+            total += mod.conv_dim * (mod.conv1d.weight.shape[-1] - 1) * model.dtype.itemsize
+        return total
+
     def bound(self, n: int) -> _Bound:
         return _Bound(self, n)
 

@@ -42,7 +42,7 @@ from .lora_rows import AdapterStack
 from .prefill_queue import Pending, PrefillQueue, Ready
 from .prefix_cache import PrefixCache, weights_key
 from .prompt_scores import score_prompt, wants_scores
-from .recurrent import PromptState
+from .recurrent import PromptState, SlotStates
 from .running_seqs import Finished, Request, Seq
 
 PAGE_SIZE = 16  # tokens per KV page
@@ -90,9 +90,13 @@ class RunningBatch:
         elif kernels and not kern.runnable(dev):
             raise ValueError(f"the Triton kernels cannot run on {dev} (CPU: TRITON_INTERPRET=1)")
         self.kernels = kernels
+        kv_bytes = kv_bytes or KV_BYTES.get(dev.type, KV_BYTES["cuda"])
+        if model.hybrid is not None:  # the rows' recurrent states take at most half the bytes
+            per_row = SlotStates.row_bytes(model)
+            rows = max(1, min(rows, kv_bytes // 2 // per_row))
+            kv_bytes -= rows * per_row
         if pages is None:
             per_token = 2 * model.kv_layers * model.n_kv * model.head_dim * model.dtype.itemsize
-            kv_bytes = kv_bytes or KV_BYTES.get(dev.type, KV_BYTES["cuda"])
             pages = max(2, kv_bytes // (per_token * page_size))
         self.model, self.rows = model, rows
         self.pool = PagePool(model.kv_layers, model.n_kv, model.head_dim, pages, page_size,
