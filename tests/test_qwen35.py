@@ -215,3 +215,22 @@ def test_checkpoint_loads_in_peft_and_back(eng, qwen35_dir, tmp_path):
             assert (got - want).abs().max() < 1e-4, name
         assert (m.logits(m.forward(ids, pos)) - want).abs().max() > 1e-2  # the adapter matters
     eng.remove_adapter("b2")
+
+
+def test_daemon_sizes_the_nested_config(tmp_path):
+    """The daemon's start-up checks read the text model's sizes out of Qwen3.5's nested
+    config.json (Qwen3.5-9B's numbers): a 9B fits one H100."""
+    import json
+
+    from twinkled.protocol.config import Config
+    from twinkled.server.layout import layout_problems
+
+    text = {"model_type": "qwen3_5_text", "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+            "head_dim": 256, "vocab_size": 248320, "max_position_embeddings": 262144}
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_5", "tie_word_embeddings": False, "text_config": text,
+         "vision_config": {"depth": 27}}))
+    cfg = Config(model=tmp_path, data_dir=tmp_path / "data", devices=["cuda:0"])
+    assert cfg.model_config["vocab_size"] == 248320
+    assert layout_problems(cfg, gpu_memory=[80 * 10**9]) == []
