@@ -228,9 +228,14 @@ def test_daemon_sizes_the_nested_config(tmp_path):
     text = {"model_type": "qwen3_5_text", "hidden_size": 4096, "intermediate_size": 12288,
             "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
             "head_dim": 256, "vocab_size": 248320, "max_position_embeddings": 262144}
+    text["layer_types"] = ["linear_attention", "linear_attention", "linear_attention",
+                           "full_attention"] * 8
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "qwen3_5", "tie_word_embeddings": False, "text_config": text,
          "vision_config": {"depth": 27}}))
     cfg = Config(model=tmp_path, data_dir=tmp_path / "data", devices=["cuda:0"])
     assert cfg.model_config["vocab_size"] == 248320
     assert layout_problems(cfg, gpu_memory=[80 * 10**9]) == []
+    cfg = Config(model=tmp_path, data_dir=tmp_path / "data", devices=["cuda:0", "cuda:1"], tp=2)
+    assert layout_problems(cfg, gpu_memory=[80 * 10**9] * 2) == [
+        "tp: tensor parallelism does not split linear-attention layers (Qwen3.5) yet"]
