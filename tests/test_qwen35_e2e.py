@@ -1,8 +1,11 @@
 """Qwen3.5 through the unmodified tinker client against a real `twinkled serve`: two
 tenants train (loss falls), sample from their adapters, and the sampler's logprobs equal
-the trainer's on the same tokens (the linear-attention state carried through decode)."""
+the trainer's on the same tokens (the linear-attention state carried through decode);
+tinker-cookbook's RL loop (its `rl_loop` defaults to Qwen3.5) raises the reward."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -18,8 +21,9 @@ def q35_daemon(tmp_path_factory):
 
     from twinkled.engine.tiny import build_tiny_model
 
+    # Small embeddings: broad next-token distributions, so sampling at T=1 explores (RL).
     model = build_tiny_model(tmp_path_factory.mktemp("q35m") / "tiny-qwen3_5", arch="qwen3_5",
-                             num_layers=4, embed_std=0.05)
+                             num_layers=4, embed_std=0.02)
     data = tmp_path_factory.mktemp("q35d")
     d = Daemon(model, data, data / "twinkled.log")
     d.keys = {t: make_key(data, t) for t in ("alice", "bob")}
@@ -60,3 +64,32 @@ def test_two_tenants_train_and_sample_qwen35(q35_daemon):
         full = tinker.types.ModelInput.from_ints(ids[:3] + list(s.tokens))
         scored = sampler.compute_logprobs(full).result(timeout=T)[3:]
         assert s.logprobs == pytest.approx(scored, abs=1e-4)
+
+
+@pytest.mark.skipif(not os.environ.get("TWINKLE_QWEN35_COOKBOOK"),
+                    reason="11 s more than make test's budget: TWINKLE_QWEN35_COOKBOOK=1 runs it")
+def test_cookbook_rl_loop_on_qwen35_raises_the_reward(q35_daemon, tmp_path, monkeypatch):
+    """The cookbook test's toy task (tests/test_cookbook_rl.py) on the tiny Qwen3.5."""
+    pytest.importorskip("tinker_cookbook")
+    import asyncio
+    import json
+
+    from test_cookbook_rl import STEPS, Toy
+    from tinker_cookbook import tokenizer_utils
+    from tinker_cookbook.rl import train
+    from transformers import AutoTokenizer
+
+    d = q35_daemon
+    tokenizer_utils.register_tokenizer(d.model.name, lambda: AutoTokenizer.from_pretrained(d.model))
+    monkeypatch.setenv("TINKER_API_KEY", d.keys["alice"])
+    config = train.Config(
+        learning_rate=3e-2, dataset_builder=Toy(), model_name=d.model.name,
+        recipe_name="twinkle_toy", max_tokens=8, log_path=str(tmp_path / "run"),
+        base_url=d.url, loss_fn="stable_reinforce", lora_rank=8,
+        eval_every=0, save_every=0, num_groups_to_log=0, rollout_json_export=False)
+    asyncio.run(train.main(config))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    rewards = [r["env/all/reward/total"] for r in rows if "env/all/reward/total" in r]
+    assert len(rewards) == STEPS
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert first < 0.7 and last > 0.75 and last > first + 0.2, rewards
