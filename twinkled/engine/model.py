@@ -218,14 +218,14 @@ class BaseModel:
     def mlp(self, i: int, mlp, x: torch.Tensor, keys: dict[str, str], lora) -> torch.Tensor:
         """A dense layer's MLP (its LoRA deltas in) on the normed x."""
         x = self.tp.enter(x)
-        (gate, up), joint = self._linears((mlp.gate_proj, mlp.up_proj),
+        (gate, up), joint = self.linears((mlp.gate_proj, mlp.up_proj),
                                           (keys["gate_proj"], keys["up_proj"]), x, lora,
                                           self.joints[i].get("mlp"))
         if self.fused.silu:
             act = fused_ops.silu_mul(gate, up, self.kernels, joint)
         else:
             act = mlp.act_fn(gate) * up
-        return self.tp.leave(self._linear(mlp.down_proj, keys["down_proj"], act, lora))
+        return self.tp.leave(self.linear(mlp.down_proj, keys["down_proj"], act, lora))
 
     def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
         if not self.fused.norm or self.hybrid is not None:  # (Qwen3.5's: x * (1 + w))
@@ -245,8 +245,8 @@ class BaseModel:
         """Whole-vocabulary logits (sampling, prompt scores); gathered over the group
         when the vocabulary is split (tp.py), so not for training."""
         if self.shard is None or not self.shard.vocab_split:
-            return self._linear(self.lm_head, "lm_head", hidden, lora)
-        return self.shard.gather_vocab(self._linear(self.lm_head, "lm_head", hidden, lora))
+            return self.linear(self.lm_head, "lm_head", hidden, lora)
+        return self.shard.gather_vocab(self.linear(self.lm_head, "lm_head", hidden, lora))
 
     def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
                         lora: LoraBatch | PackedLora | None = None) -> torch.Tensor:
@@ -260,12 +260,12 @@ class BaseModel:
             return chunked_logprobs.chunked_target_logprobs(
                 hidden, targets, self.lm_head.weight, self.lm_head.bias, segments,
                 None if lora is None else lora.anchor)
-        local = self._linear(self.lm_head, "lm_head", self.tp.enter(hidden), lora)
+        local = self.linear(self.lm_head, "lm_head", self.tp.enter(hidden), lora)
         return self.shard.target_logprobs(local, targets)
 
     def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing):
         B, S, _ = x.shape
-        qkv, _ = self._linears((attn.q_proj, attn.k_proj, attn.v_proj),
+        qkv, _ = self.linears((attn.q_proj, attn.k_proj, attn.v_proj),
                                (keys["q_proj"], keys["k_proj"], keys["v_proj"]), x, lora,
                                self.joints[i].get("attn"))
         q, k, v = (t.view(B, S, -1, self.head_dim) for t in qkv)
@@ -274,7 +274,7 @@ class BaseModel:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = fused_ops.rope(q, k, cos, sin, self.kernels and self.fused.rope)
         out = self.attend(i, q, k, v, cache, mask, packing)
-        return self._linear(attn.o_proj, keys["o_proj"], out, lora)
+        return self.linear(attn.o_proj, keys["o_proj"], out, lora)
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, mask,
                packing) -> torch.Tensor:
@@ -294,11 +294,12 @@ class BaseModel:
         return out.transpose(1, 2).reshape(B, S, -1)
 
     @staticmethod
-    def _linear(module, key, x, lora):
+    def linear(module, key, x, lora):
+        """`module` on x, with the LoRA deltas of `key` (the module's name) added."""
         y = F.linear(x, module.weight, module.bias)
         return y if lora is None else lora.apply(key, x, y)
 
-    def _linears(self, modules, keys, x, lora, joint: Joint | None = None
+    def linears(self, modules, keys, x, lora, joint: Joint | None = None
                  ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Linears that read the same x (q/k/v; gate/up), and the one output they are views
         of where the `gemm` lever ran them as one GEMM (`joint`, fused_ops.py). A LoRA batch

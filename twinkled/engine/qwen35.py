@@ -76,7 +76,7 @@ class HybridLayers:
     def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing):
         m = self.model
         B, S, _ = x.shape
-        (qg, k, v), _ = m._linears((attn.q_proj, attn.k_proj, attn.v_proj),
+        (qg, k, v), _ = m.linears((attn.q_proj, attn.k_proj, attn.v_proj),
                                    (keys["q_proj"], keys["k_proj"], keys["v_proj"]), x, lora)
         q, gate = qg.view(B, S, -1, 2 * m.head_dim).chunk(2, dim=-1)
         q = attn.q_norm(q).transpose(1, 2)
@@ -87,13 +87,13 @@ class HybridLayers:
         k = torch.cat([rotate(k[..., :r], cos, sin), k[..., r:]], dim=-1)
         out = m.attend(self.kv[i], q, k, v, cache, mask, packing)
         out = out * torch.sigmoid(gate.reshape(B, S, -1))
-        return m._linear(attn.o_proj, keys["o_proj"], out, lora)
+        return m.linear(attn.o_proj, keys["o_proj"], out, lora)
 
     def _linear_attention(self, i, mod, x, keys, lora, cache, packing):
         m = self.model
         B, S, _ = x.shape
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-        (qkv, z, b, a), _ = m._linears([getattr(mod, n) for n in names],
+        (qkv, z, b, a), _ = m.linears([getattr(mod, n) for n in names],
                                        [keys[n] for n in names], x, lora)
         states = getattr(cache, "recurrent", None)
         if cache is not None and states is None:
@@ -125,4 +125,4 @@ class HybridLayers:
         if packing is not None:
             o = la.from_rows(o, lengths)
         o = mod.norm(o.reshape(-1, mod.head_v_dim).to(x.dtype), z.reshape(-1, mod.head_v_dim))
-        return m._linear(mod.out_proj, keys["out_proj"], o.view(B, S, -1), lora)
+        return m.linear(mod.out_proj, keys["out_proj"], o.view(B, S, -1), lora)
