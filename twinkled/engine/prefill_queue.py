@@ -67,6 +67,9 @@ class PrefillQueue:
         return bool(self.queue)
 
     def add(self, prompts: list[Pending]) -> None:
+        if self.model.hybrid is not None:  # each prompt's linear-attention state, from empty
+            for p in prompts:
+                p.state = PromptState()
         self.queue += prompts
 
     def run(self) -> list[Ready]:

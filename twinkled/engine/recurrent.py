@@ -10,6 +10,11 @@ lives in plain per-row buffers, not pages. The layers find it as `cache.recurren
 - decode: `SlotStates.bound(n)`, the running batch's slots 0..n-1, updated in place.
 Fan-out: the samples of one prompt each get a copy of the prompt's state when they are
 seated (`SlotStates.seat`); their full-attention pages are shared as for any model.
+
+The running batch (running.py) runs such a model only where the state is carried: the
+varlen prefill, eager synchronous decode steps (a CUDA graph's warm-up, or a step launched
+ahead and then redrawn, would step the state twice), no prefix cache (cached pages hold no
+state) and no cascade.
 """
 
 from __future__ import annotations
@@ -69,6 +74,14 @@ class SlotStates:
             total += mod.num_v_heads * mod.head_k_dim * mod.head_v_dim * 4
             total += mod.conv_dim * (mod.conv1d.weight.shape[-1] - 1) * model.dtype.itemsize
         return total
+
+    @staticmethod
+    def fit(model, rows: int, kv_bytes: int) -> tuple[int, int]:
+        """The rows a sampler of `kv_bytes` runs (their states take at most half of it)
+        and the bytes left for its KV pages."""
+        per_row = SlotStates.row_bytes(model)
+        rows = max(1, min(rows, kv_bytes // 2 // per_row))
+        return rows, kv_bytes - rows * per_row
 
     def bound(self, n: int) -> _Bound:
         return _Bound(self, n)

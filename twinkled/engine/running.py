@@ -42,7 +42,7 @@ from .lora_rows import AdapterStack
 from .prefill_queue import Pending, PrefillQueue, Ready
 from .prefix_cache import PrefixCache, weights_key
 from .prompt_scores import score_prompt, wants_scores
-from .recurrent import PromptState, SlotStates
+from .recurrent import SlotStates
 from .running_seqs import Finished, Request, Seq
 
 PAGE_SIZE = 16  # tokens per KV page
@@ -76,11 +76,7 @@ class RunningBatch:
                  cascade: bool | None = None, overlap: bool | None = None,
                  prefill: str | None = None):
         dev = model.device
-        if model.hybrid is not None:
-            # Qwen3.5's linear-attention state (recurrent.py) goes only where it is carried:
-            # the varlen prefill, eager synchronous steps (a CUDA graph's warm-up, or a step
-            # launched ahead and redrawn, would step it twice), no prefix cache (cached pages
-            # hold no state) and no cascade.
+        if model.hybrid is not None:  # only the paths that carry a recurrent state (recurrent.py)
             prefill, decode, overlap, prefix_cache, cascade = "varlen", "eager", False, 0.0, False
         prefill = prefill or ("padded" if dev.type == "cuda" else "varlen")
         if prefill not in PREFILLS:
@@ -91,10 +87,8 @@ class RunningBatch:
             raise ValueError(f"the Triton kernels cannot run on {dev} (CPU: TRITON_INTERPRET=1)")
         self.kernels = kernels
         kv_bytes = kv_bytes or KV_BYTES.get(dev.type, KV_BYTES["cuda"])
-        if model.hybrid is not None:  # the rows' recurrent states take at most half the bytes
-            per_row = SlotStates.row_bytes(model)
-            rows = max(1, min(rows, kv_bytes // 2 // per_row))
-            kv_bytes -= rows * per_row
+        if model.hybrid is not None:
+            rows, kv_bytes = SlotStates.fit(model, rows, kv_bytes)
         if pages is None:
             per_token = 2 * model.kv_layers * model.n_kv * model.head_dim * model.dtype.itemsize
             pages = max(2, kv_bytes // (per_token * page_size))
@@ -288,10 +282,8 @@ class RunningBatch:
         uniq = list(firsts.values())
         prompt_pages, starts = self._prompt_pages(take, uniq)
         cached = {u.key: starts[i] for i, u in enumerate(uniq)}
-        fresh = PromptState if self.model.hybrid is not None else (lambda: None)
         queued = {u.key: Pending(u.req.prompt, u.adapter, prompt_pages[i], starts[i],
-                                 any(wants_scores(r.req) for r in take if r.key == u.key),
-                                 state=fresh())
+                                 any(wants_scores(r.req) for r in take if r.key == u.key))
                   for i, u in enumerate(uniq)}
         # Every sample's pages: the prompt's full pages shared, its own for the rest. The
         # first sample of a prompt takes the prompt's partial page; the others copy it
