@@ -71,25 +71,11 @@ def test_two_tenants_train_and_sample_qwen35(q35_daemon):
 def test_cookbook_rl_loop_on_qwen35_raises_the_reward(q35_daemon, tmp_path, monkeypatch):
     """The cookbook test's toy task (tests/test_cookbook_rl.py) on the tiny Qwen3.5."""
     pytest.importorskip("tinker_cookbook")
-    import asyncio
-    import json
-
-    from test_cookbook_rl import STEPS, Toy
+    from test_cookbook_rl import assert_toy_reward_rises
     from tinker_cookbook import tokenizer_utils
-    from tinker_cookbook.rl import train
     from transformers import AutoTokenizer
 
     d = q35_daemon
     tokenizer_utils.register_tokenizer(d.model.name, lambda: AutoTokenizer.from_pretrained(d.model))
     monkeypatch.setenv("TINKER_API_KEY", d.keys["alice"])
-    config = train.Config(
-        learning_rate=3e-2, dataset_builder=Toy(), model_name=d.model.name,
-        recipe_name="twinkle_toy", max_tokens=8, log_path=str(tmp_path / "run"),
-        base_url=d.url, loss_fn="stable_reinforce", lora_rank=8,
-        eval_every=0, save_every=0, num_groups_to_log=0, rollout_json_export=False)
-    asyncio.run(train.main(config))
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    rewards = [r["env/all/reward/total"] for r in rows if "env/all/reward/total" in r]
-    assert len(rewards) == STEPS
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert first < 0.7 and last > 0.75 and last > first + 0.2, rewards
+    assert_toy_reward_rises(d.url, d.model.name, tmp_path / "run")
