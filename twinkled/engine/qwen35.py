@@ -109,9 +109,11 @@ class HybridLayers:
         q, k, v = torch.split(y, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
         q, k = (t.reshape(N, L, -1, mod.head_k_dim) for t in (q, k))
         v = v.reshape(N, L, -1, mod.head_v_dim)
-        real = la.valid(lengths, L, x.device)[..., None]
-        beta = b.float().sigmoid() * real
-        g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias.float()) * real
+        beta = b.float().sigmoid()
+        g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias.float())
+        if any(n < L for n in lengths):  # padded positions neither decay nor write the state
+            real = la.valid(lengths, L, x.device)[..., None]
+            beta, g = beta * real, g * real
         if L > 1 and self.fla and la.fla_usable(x):  # fla-core's Triton kernel (CUDA)
             o, ssm1 = la.fla_rule(q, k, v, g, beta, ssm0, lengths)
         else:
