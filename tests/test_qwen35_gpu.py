@@ -76,6 +76,13 @@ def test_model_on_cuda_trains_and_samples_as_the_reference(tmp_path, heads):
     reqs = [SampleRequest(None, p, SamplingParams(max_tokens=8, temperature=0.0, stop=[]),
                           num_samples=2) for p in prompts]
     out = generate(m, reqs, [None, None], batch=RunningBatch(m, prefill_tokens=64))
+    m.hybrid.fla = False  # the torch rule's decode steps, the reference
+    ref = generate(m, reqs, [None, None], batch=RunningBatch(m, prefill_tokens=64))
+    m.hybrid.fla = True
+    for a, b in zip(out, ref, strict=True):
+        for s, t in zip(a.sequences, b.sequences, strict=True):
+            assert s.tokens == t.tokens
+            assert max(abs(x - y) for x, y in zip(s.logprobs, t.logprobs, strict=True)) < 2e-3
     for p, r in zip(prompts, out, strict=True):
         want = m.hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=8,
                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):]

@@ -146,3 +146,16 @@ def fla_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                   output_final_state=True, use_qk_l2norm_in_kernel=True,
                                   cu_seqlens=cu_cpu.to(q.device), cu_seqlens_cpu=cu_cpu)
     return to_rows(o, lengths), S
+
+
+def fla_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, state: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`delta_step` (one token per row, decode) by fla-core's fused recurrent kernel; q, k
+    as `fla_rule` takes them. The state stays fp32."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    return fused_recurrent_gated_delta_rule(
+        q, k, v, g.float(), beta.to(q.dtype), scale=q.shape[-1]**-0.5,
+        initial_state=None if state is None else state.float(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True)

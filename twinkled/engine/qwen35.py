@@ -114,8 +114,11 @@ class HybridLayers:
         if any(n < L for n in lengths):  # padded positions neither decay nor write the state
             real = la.valid(lengths, L, x.device)[..., None]
             beta, g = beta * real, g * real
-        if L > 1 and self.fla and la.fla_usable(x):  # fla-core's Triton kernel (CUDA)
-            o, ssm1 = la.fla_rule(q, k, v, g, beta, ssm0, lengths)
+        if self.fla and la.fla_usable(x):  # fla-core's Triton kernels (CUDA)
+            if L == 1:
+                o, ssm1 = la.fla_step(q, k, v, g, beta, ssm0)
+            else:
+                o, ssm1 = la.fla_rule(q, k, v, g, beta, ssm0, lengths)
         else:
             rep = mod.num_v_heads // mod.num_k_heads
             q, k = (la.l2norm(t.float().repeat_interleave(rep, dim=2)) for t in (q, k))
