@@ -47,6 +47,13 @@ def test_fla_rule_equals_the_torch_rule(dtype, tol):
     g2 = torch.autograd.grad((o2.float() * w).sum(), (q, k, v))
     for a, b in zip(g1, g2, strict=True):
         assert (a.float() - b.float()).abs().max() < tol * 10
+    # one token per row (decode): the fused recurrent kernel against delta_step
+    one = [t[:, :1].contiguous() for t in (q.detach(), k.detach(), v.detach(), gate, beta)]
+    o, s = la.fla_step(*one, s0)
+    rep = v.shape[2] // q.shape[2]
+    q1, k1 = (la.l2norm(t.float().repeat_interleave(rep, dim=2)) for t in one[:2])
+    o2, s2 = la.delta_step(q1 * q1.shape[-1]**-0.5, k1, *one[2:], s0)
+    assert (o.float() - o2.float()).abs().max() < tol and (s - s2).abs().max() < tol
 
 
 @pytest.mark.parametrize("heads", [2, 1])  # head_dim 64, and 256 as Qwen3.5-9B has
