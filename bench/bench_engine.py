@@ -56,6 +56,7 @@ from output import section_path  # bench/ is the script's directory
 from twinkled.engine.engine import Engine
 from twinkled.protocol.sizing import weight_bytes
 from twinkled.protocol.types import (
+    LINEAR_ATTN_MODULES,
     AdamParams,
     Datum,
     ForwardBackwardRequest,
@@ -67,7 +68,7 @@ from twinkled.protocol.types import (
 K = 8  # adapters
 RANK = ALPHA = 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b")
+SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b")
 SAMPLING_SHAPES = ("tiny", "qwen2.5-0.5b")  # 8B sampling one adapter at a time takes too long
 
 
@@ -163,7 +164,9 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str,
     common = dict(vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6)
     if layers is not None:
         common["num_hidden_layers"] = layers
-    if shape == "qwen2.5-0.5b":
+    if shape == "qwen3.5-9b":
+        cfg = qwen35_9b(layers)
+    elif shape == "qwen2.5-0.5b":
         cfg = Qwen2Config(hidden_size=896, intermediate_size=4864,
                           num_attention_heads=14, num_key_value_heads=2,
                           tie_word_embeddings=True, max_position_embeddings=32768,
@@ -181,6 +184,22 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str,
     del model
     free(device)
     return cfg.vocab_size
+
+
+def qwen35_9b(layers: int | None = None):
+    """Qwen3.5-9B's text model (its config.json's text_config numbers): 32 layers, full
+    attention every 4th, linear attention with 16 key and 32 value heads of 128."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=layers or 32, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_conv_kernel_dim=4,
+        max_position_embeddings=262144, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                         "mrope_interleaved": True})
 
 
 def random_adapters(eng: Engine, n: int, rank: int) -> list[str]:
@@ -201,6 +220,8 @@ def bench_ours(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
                fuses: tuple[bool, ...] = (True,)) -> list[Row]:
     eng = Engine(model_dir, dtype=dtype, device=device, max_rank=RANK)
     n_params = weight_bytes(eng.model.config.to_dict(), 1, 1)  # bytes at 1 B each = N
+    if eng.model.hybrid is not None:  # (sizing's formula knows full attention only)
+        n_params = sum(p.numel() for p in eng.model.hf.parameters())
     rows = []
     adam = AdamParams(learning_rate=1e-4)
     for unembed in unembeds:
@@ -253,7 +274,9 @@ def bench_peft(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
     from transformers import AutoModelForCausalLM
 
     def lora() -> PeftLoraConfig:
-        return PeftLoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0)
+        # (linear attention's modules: Qwen3.5's, as train_attn adapts them; absent elsewhere)
+        return PeftLoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                              target_modules=TARGETS + list(LINEAR_ATTN_MODULES))
 
     names = [f"a{i}" for i in range(K)]
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")

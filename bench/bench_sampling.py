@@ -81,7 +81,7 @@ def step_bytes(eng: Engine, rows: int, mean_len: float, adapters: int) -> float:
     weights = sum(fin * fout for fin, fout in m.targets.values()) * size
     lora = adapters * RANK * sum(fin + fout for key, (fin, fout) in m.targets.items()
                                  if key != "lm_head") * size
-    kv = 2 * len(m.layers) * m.n_kv * m.head_dim * size
+    kv = 2 * m.kv_layers * m.n_kv * m.head_dim * size
     return weights + lora + rows * mean_len * kv
 
 
@@ -91,7 +91,7 @@ def kv_bytes(eng: Engine, reqs: list[SampleRequest], args) -> int:
     if args.kv_gb:
         return int(args.kv_gb * 1e9)
     m = eng.model
-    per_token = 2 * len(m.layers) * m.n_kv * m.head_dim * m.dtype.itemsize
+    per_token = 2 * m.kv_layers * m.n_kv * m.head_dim * m.dtype.itemsize
     pages = sum(1 + args.prompt // args.page_size + r.num_samples * (
         2 + args.new // args.page_size) for r in reqs)
     return pages * args.page_size * per_token

@@ -19,6 +19,8 @@ for n in $names; do
     v=$("$py" -m pip show "$n" 2>/dev/null | awk '/^Version:/{print $2}')
     [ -n "$v" ] && pins+=("$n==$v") || echo "gpu_wheels: $n is not installed here, skipped"
 done
+# GPU only, so not in this venv: fla-core (Qwen3.5's delta-rule kernels, the `gpu` extra's pin)
+pins+=("fla-core==0.6.0" "einops==0.8.2")
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -88,14 +88,20 @@ def flat_daemon(tmp_path_factory):
 def test_cookbook_rl_loop_with_stable_reinforce_raises_the_reward(flat_daemon, tmp_path,
                                                                    monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", flat_daemon.key)
+    assert_toy_reward_rises(flat_daemon.url, flat_daemon.model_name, tmp_path / "run")
+
+
+def assert_toy_reward_rises(url: str, model_name: str, log_path) -> None:
+    """The cookbook's RL loop on the toy task against the daemon at `url` (the key in
+    TINKER_API_KEY): the reward rises over its STEPS steps."""
     config = train.Config(
-        learning_rate=3e-2, dataset_builder=Toy(), model_name=flat_daemon.model_name,
-        recipe_name="twinkle_toy", max_tokens=8, log_path=str(tmp_path / "run"),
-        base_url=flat_daemon.url, loss_fn="stable_reinforce", lora_rank=8,
+        learning_rate=3e-2, dataset_builder=Toy(), model_name=model_name,
+        recipe_name="twinkle_toy", max_tokens=8, log_path=str(log_path),
+        base_url=url, loss_fn="stable_reinforce", lora_rank=8,
         eval_every=0, save_every=0, num_groups_to_log=0, rollout_json_export=False)
     asyncio.run(train.main(config))
 
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").open()]
     rewards = [r["env/all/reward/total"] for r in rows if "env/all/reward/total" in r]
     assert len(rewards) == STEPS
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3

@@ -37,6 +37,7 @@ import torch
 
 from .kv_pages import PagePool
 from .lora_rows import AdapterStack, RowBuffers
+from .recurrent import PromptState, SlotStates
 
 
 def bucket(n: int, cap: int, fine: bool = False) -> int:
@@ -68,6 +69,9 @@ class DecodeStep:
         self.shared = torch.zeros(rows, dtype=torch.long, device=dev)  # its shared tokens
         self._sharing = [False] * rows  # host mirror: which slots share (picks the graph)
         self.lora = RowBuffers(stack, rows, kernels)
+        # Linear-attention states per slot (Qwen3.5, recurrent.py): updated in place by
+        # each step, so only eager steps run them (a graph's warm-up would step twice).
+        self.states = SlotStates(model, rows) if model.hybrid is not None else None
         self.mode = mode
         self.kernels = kernels  # attention by the paged kernel (kv_pages.PagedView.attend)
         self.cascade = cascade  # shared prefixes read once per group (the module's doc)
@@ -84,11 +88,13 @@ class DecodeStep:
 
     def set_slots(self, first: int, tokens: list[int], pos: list[int], tables: list[list[int]],
                   adapters: list, groups: list[int] | None = None,
-                  shared: list[int] | None = None) -> None:
+                  shared: list[int] | None = None,
+                  prompts: list[PromptState] | None = None) -> None:
         """Seat rows in slots first, first + 1, ...: built on the host, one copy per buffer
         (a row at a time, seating 256 rows cost thousands of tiny copies). `groups`: each
         row's group id (>= 0; its request), `shared`: the tokens its first pages hold in
-        common with the group's other rows (whole pages; 0: none). Cascade only."""
+        common with the group's other rows (whole pages; 0: none). Cascade only.
+        `prompts`: each row's prompt state (linear attention), copied into its slot."""
         self._follow_stack()
         n = len(tokens)
         if n == 0:
@@ -101,6 +107,8 @@ class DecodeStep:
         self.pos[first:end] = torch.tensor(pos).to(self.pos.device)
         self.table[first:end] = table.to(self.table.device)
         self.lora.set(first, adapters)
+        if self.states is not None:
+            self.states.seat(first, prompts)
         if self.cascade:
             shared = shared or [0] * n
             self.group[first:end] = torch.tensor(groups or [0] * n).to(self.group.device)
@@ -114,12 +122,16 @@ class DecodeStep:
             buf[src] = 0
         self._sharing[dst], self._sharing[src] = self._sharing[src], False
         self.lora.move(src, dst)
+        if self.states is not None:
+            self.states.move(src, dst)
 
     def clear_slot(self, i: int) -> None:
         for buf in self._buffers():
             buf[i] = 0
         self._sharing[i] = False
         self.lora.clear(i)
+        if self.states is not None:
+            self.states.clear(i)
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         return (self.tok, self.pos, self.table) + ((self.group, self.shared)
@@ -170,7 +182,8 @@ class DecodeStep:
             from .kernels.paged_decode import prefix_groups
 
             prefix = prefix_groups(self.group[:rows], self.shared[:rows], self._chunk)
-        view = self.pool.view(write, table, pos + 1 if self.kernels else None, prefix)
+        view = self.pool.view(write, table, pos + 1 if self.kernels else None, prefix,
+                              None if self.states is None else self.states.bound(rows))
         hidden = self.model.forward(self.tok[:rows, None], pos[:, None], lora, view, mask)
         return self.model.logits(hidden, lora)[:, 0]
 

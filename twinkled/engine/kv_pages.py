@@ -98,8 +98,9 @@ class PagePool:
         return (table[:, :, None] * self.page_size + self._within).reshape(table.shape[0], -1)
 
     def view(self, write: torch.Tensor, table: torch.Tensor,
-             lengths: torch.Tensor | None = None, prefix: Prefix | None = None) -> PagedView:
-        return PagedView(self, write, table, lengths, prefix)
+             lengths: torch.Tensor | None = None, prefix: Prefix | None = None,
+             recurrent=None) -> PagedView:
+        return PagedView(self, write, table, lengths, prefix, recurrent)
 
 
 class PagedView:
@@ -113,11 +114,13 @@ class PagedView:
     With `lengths` [B] (each row's tokens, the new one included) the view is `fused`: a
     one-token step attends through `attend`, the Triton kernel reading the pages in place
     (kernels/paged_decode.py), and nothing is gathered. With `prefix` too
-    (paged_decode.prefix_groups) the rows' shared prompt pages are read once per group."""
+    (paged_decode.prefix_groups) the rows' shared prompt pages are read once per group.
+    `recurrent`: the rows' linear-attention states (recurrent.py; Qwen3.5), else None."""
 
     def __init__(self, pool: PagePool, write: torch.Tensor, table: torch.Tensor,
-                 lengths: torch.Tensor | None = None, prefix: Prefix | None = None):
-        self.pool = pool
+                 lengths: torch.Tensor | None = None, prefix: Prefix | None = None,
+                 recurrent=None):
+        self.pool, self.recurrent = pool, recurrent
         self.write_slots = write
         self.table, self.lengths, self.prefix = table, lengths, prefix
         self.batch, self.length = table.shape[0], table.shape[1] * pool.page_size

@@ -5,7 +5,8 @@ run the decoder loop ourselves. That keeps the multi-LoRA deltas explicit at eve
 gives sampling a plain preallocated KV cache, and insulates the hot path from the
 attention/cache API, which changes between transformers releases. The architectures are
 the Llama family: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norms), and its
-mixture-of-experts kin Qwen3-MoE and Mixtral, whose sparse MLPs run in moe.py.
+mixture-of-experts kin Qwen3-MoE and Mixtral, whose sparse MLPs run in moe.py; and Qwen3.5,
+whose hybrid layers (linear attention in three of every four) run in qwen35.py.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from twinkled.protocol.types import ATTN_MODULES, MLP_MODULES, EngineInputError
+from twinkled.protocol.types import MLP_MODULES, EngineInputError
 
-from . import chunked_logprobs, fused_ops
+from . import chunked_logprobs, fused_ops, qwen35
 from .fused_ops import Fused, Joint
 from .lora import LoraBatch
 from .losses import target_logprobs
@@ -28,7 +29,7 @@ from .packed import PackedLora, Packing
 from .recompute import Recompute
 from .tp import NoSplit
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS)
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS, *qwen35.ARCHS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,6 +88,10 @@ class BaseModel:
                 getattr(config, "layer_types", None) or ()) or (
                 config.model_type == "mixtral" and getattr(config, "sliding_window", None)):
             raise EngineInputError("model", "sliding-window attention is not supported")
+        hybrid = config.model_type in qwen35.ARCHS
+        if hybrid:
+            qwen35.check(config, tp)
+            config = qwen35.text_config(config)
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
         self.dir = model_dir
@@ -125,7 +130,7 @@ class BaseModel:
         self.decoder = self.hf.model
         self.layers = list(self.decoder.layers)
         self.lm_head = self.hf.lm_head
-        attn = self.layers[0].self_attn
+        attn = next(la.self_attn for la in self.layers if hasattr(la, "self_attn"))
         self.head_dim = attn.head_dim
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
@@ -147,6 +152,10 @@ class BaseModel:
         # elsewhere the levers keep the fused structure with eager math.
         self.fused = Fused()
         self.kernels = fused_ops.liger_usable(self.device)
+        # Qwen3.5's hybrid layers (qwen35.py); None: every layer is the Llama family's.
+        self.hybrid = qwen35.HybridLayers(self) if hybrid else None
+        # Layers whose keys and values the sampler's pages hold (Qwen3.5: the full ones).
+        self.kv_layers = len(self.layers) if self.hybrid is None else len(self.hybrid.kv)
         self.joints = self._concat_linears()
         self.recompute = Recompute(config.to_dict(), self.dtype, self.device, self.tp.size,
                                    self.tp.group)
@@ -154,10 +163,8 @@ class BaseModel:
         # Every linear a LoRA may target: "model.layers.3.mlp.up_proj" -> (in, out).
         self.targets: dict[str, tuple[int, int]] = {}
         self.layer_keys: list[dict[str, str]] = []
-        for i in range(len(self.layers)):
-            keys = {}
-            for name in ATTN_MODULES:
-                keys[name] = f"model.layers.{i}.self_attn.{name}"
+        for i, layer in enumerate(self.layers):
+            keys = qwen35.layer_keys(i, layer)
             for name in () if i in self.moe else MLP_MODULES:
                 keys[name] = f"model.layers.{i}.mlp.{name}"
             self.layer_keys.append(keys)
@@ -197,6 +204,8 @@ class BaseModel:
         return self._norm(self.decoder.norm, h)
 
     def _layer(self, i, layer, h, cos, sin, lora, cache, mask, packing, banks) -> torch.Tensor:
+        if self.hybrid is not None:
+            return self.hybrid.layer(i, layer, h, cos, sin, lora, cache, mask, packing)
         keys = self.layer_keys[i]
         x = self.tp.enter(self._norm(layer.input_layernorm, h))
         a = self.tp.leave(self._attention(i, layer.self_attn, x, cos, sin, keys, lora,
@@ -204,19 +213,22 @@ class BaseModel:
         x, h = self._add_norm(layer.post_attention_layernorm, a, h)
         if i in self.moe:  # split experts bring their own pair of collectives (moe.py)
             return h + self.moe[i](x, banks)
+        return h + self.mlp(i, layer.mlp, x, keys, lora)
+
+    def mlp(self, i: int, mlp, x: torch.Tensor, keys: dict[str, str], lora) -> torch.Tensor:
+        """A dense layer's MLP (its LoRA deltas in) on the normed x."""
         x = self.tp.enter(x)
-        mlp = layer.mlp
-        (gate, up), joint = self._linears((mlp.gate_proj, mlp.up_proj),
+        (gate, up), joint = self.linears((mlp.gate_proj, mlp.up_proj),
                                           (keys["gate_proj"], keys["up_proj"]), x, lora,
                                           self.joints[i].get("mlp"))
         if self.fused.silu:
             act = fused_ops.silu_mul(gate, up, self.kernels, joint)
         else:
             act = mlp.act_fn(gate) * up
-        return h + self.tp.leave(self._linear(mlp.down_proj, keys["down_proj"], act, lora))
+        return self.tp.leave(self.linear(mlp.down_proj, keys["down_proj"], act, lora))
 
     def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
-        if not self.fused.norm:
+        if not self.fused.norm or self.hybrid is not None:  # (Qwen3.5's: x * (1 + w))
             return module(x)
         return fused_ops.rms_norm(x, module.weight, module.variance_epsilon, self.kernels)
 
@@ -233,8 +245,8 @@ class BaseModel:
         """Whole-vocabulary logits (sampling, prompt scores); gathered over the group
         when the vocabulary is split (tp.py), so not for training."""
         if self.shard is None or not self.shard.vocab_split:
-            return self._linear(self.lm_head, "lm_head", hidden, lora)
-        return self.shard.gather_vocab(self._linear(self.lm_head, "lm_head", hidden, lora))
+            return self.linear(self.lm_head, "lm_head", hidden, lora)
+        return self.shard.gather_vocab(self.linear(self.lm_head, "lm_head", hidden, lora))
 
     def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
                         lora: LoraBatch | PackedLora | None = None) -> torch.Tensor:
@@ -248,12 +260,12 @@ class BaseModel:
             return chunked_logprobs.chunked_target_logprobs(
                 hidden, targets, self.lm_head.weight, self.lm_head.bias, segments,
                 None if lora is None else lora.anchor)
-        local = self._linear(self.lm_head, "lm_head", self.tp.enter(hidden), lora)
+        local = self.linear(self.lm_head, "lm_head", self.tp.enter(hidden), lora)
         return self.shard.target_logprobs(local, targets)
 
     def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing):
         B, S, _ = x.shape
-        qkv, _ = self._linears((attn.q_proj, attn.k_proj, attn.v_proj),
+        qkv, _ = self.linears((attn.q_proj, attn.k_proj, attn.v_proj),
                                (keys["q_proj"], keys["k_proj"], keys["v_proj"]), x, lora,
                                self.joints[i].get("attn"))
         q, k, v = (t.view(B, S, -1, self.head_dim) for t in qkv)
@@ -261,9 +273,16 @@ class BaseModel:
             q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = fused_ops.rope(q, k, cos, sin, self.kernels and self.fused.rope)
+        out = self.attend(i, q, k, v, cache, mask, packing)
+        return self.linear(attn.o_proj, keys["o_proj"], out, lora)
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, mask,
+               packing) -> torch.Tensor:
+        """Layer i's attention of rotated q [B, H, S, D] over k, v [B, Hkv, S, D] (stored in
+        `cache` first) -> [B, S, H * D]."""
+        B, S = q.shape[0], q.shape[2]
         if S == 1 and getattr(cache, "fused", False):  # decode straight from the KV pages
-            out = cache.attend(i, q, k, v, self.scaling).transpose(1, 2).reshape(B, S, -1)
-            return self._linear(attn.o_proj, keys["o_proj"], out, lora)
+            return cache.attend(i, q, k, v, self.scaling).transpose(1, 2).reshape(B, S, -1)
         if cache is not None:
             k, v = cache.write(i, k, v)
         if packing is not None:
@@ -272,15 +291,15 @@ class BaseModel:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
                 scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
-        out = out.transpose(1, 2).reshape(B, S, -1)
-        return self._linear(attn.o_proj, keys["o_proj"], out, lora)
+        return out.transpose(1, 2).reshape(B, S, -1)
 
     @staticmethod
-    def _linear(module, key, x, lora):
+    def linear(module, key, x, lora):
+        """`module` on x, with the LoRA deltas of `key` (the module's name) added."""
         y = F.linear(x, module.weight, module.bias)
         return y if lora is None else lora.apply(key, x, y)
 
-    def _linears(self, modules, keys, x, lora, joint: Joint | None = None
+    def linears(self, modules, keys, x, lora, joint: Joint | None = None
                  ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Linears that read the same x (q/k/v; gate/up), and the one output they are views
         of where the `gemm` lever ran them as one GEMM (`joint`, fused_ops.py). A LoRA batch
@@ -308,14 +327,19 @@ class BaseModel:
         device, so every rank concatenates its own shards."""
         joints = []
         for i, layer in enumerate(self.layers):
-            a, group = layer.self_attn, {}
-            group["attn"] = fused_ops.concat_linears([a.q_proj, a.k_proj, a.v_proj])
+            group = {}
+            if self.hybrid is None:  # (Qwen3.5's q_proj carries a gate: no joint)
+                a = layer.self_attn
+                group["attn"] = fused_ops.concat_linears([a.q_proj, a.k_proj, a.v_proj])
             if i not in self.moe:
                 group["mlp"] = fused_ops.concat_linears([layer.mlp.gate_proj, layer.mlp.up_proj])
             joints.append({k: v for k, v in group.items() if v is not None})
         return joints
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
+        if self.hybrid is not None:
+            raise EngineInputError("model", "the padded sampler has no linear-attention state; "
+                                   "Qwen3.5 samples through the running batch")
         return KVCache(len(self.layers), batch, self.n_kv, max_len, self.head_dim,
                        self.dtype, self.device)
 

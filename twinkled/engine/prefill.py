@@ -30,6 +30,7 @@ from .kv_pages import PagePool
 from .lora import Adapter
 from .lora_rows import AdapterStack, row_lora
 from .packed import varlen_attend
+from .recurrent import PieceStates, PromptState
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Piece:
     end: int
     pages: list[int]
     adapter: Adapter | None
+    state: PromptState | None = None  # its linear-attention state (Qwen3.5), carried on
 
     @property
     def tokens(self) -> int:
@@ -125,6 +127,13 @@ class _PackedPages:
         self.read_slots = torch.cat(read).to(device) if self.reread else None
         self.cu_q = _offsets(self.q_lens, device)
         self.cu_k = _offsets(self.k_lens, device) if self.reread else self.cu_q
+        self.recurrent = (PieceStates([p.state for p in pieces])
+                          if pieces[0].state is not None else None)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each piece's tokens, in pass order (linear attention cuts the pass by them)."""
+        return self.q_lens
 
     def memory_tokens(self) -> int:
         return sum(self.q_lens)

@@ -28,6 +28,7 @@ from .lora import Adapter
 from .lora_rows import AdapterStack, row_lora
 from .prefill import Piece, prefill_varlen
 from .prefix_cache import prefill
+from .recurrent import PromptState
 
 
 @dataclass(eq=False)
@@ -42,6 +43,7 @@ class Pending:
     scored: bool  # keep every position's hidden state
     requests: list = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
+    state: PromptState | None = None  # linear attention's (Qwen3.5), from piece to piece
 
 
 @dataclass
@@ -65,6 +67,9 @@ class PrefillQueue:
         return bool(self.queue)
 
     def add(self, prompts: list[Pending]) -> None:
+        if self.model.hybrid is not None:  # each prompt's linear-attention state, from empty
+            for p in prompts:
+                p.state = PromptState()
         self.queue += prompts
 
     def run(self) -> list[Ready]:
@@ -104,7 +109,7 @@ class PrefillQueue:
                 n = min(n, room)
                 if n <= 0:
                     break
-            out.append(Piece(p.prompt, p.done, p.done + n, p.pages, p.adapter))
+            out.append(Piece(p.prompt, p.done, p.done + n, p.pages, p.adapter, p.state))
             room -= n
         return out
 

@@ -42,6 +42,7 @@ from .lora_rows import AdapterStack
 from .prefill_queue import Pending, PrefillQueue, Ready
 from .prefix_cache import PrefixCache, weights_key
 from .prompt_scores import score_prompt, wants_scores
+from .recurrent import SlotStates
 from .running_seqs import Finished, Request, Seq
 
 PAGE_SIZE = 16  # tokens per KV page
@@ -75,6 +76,8 @@ class RunningBatch:
                  cascade: bool | None = None, overlap: bool | None = None,
                  prefill: str | None = None):
         dev = model.device
+        if model.hybrid is not None:  # only the paths that carry a recurrent state (recurrent.py)
+            prefill, decode, overlap, prefix_cache, cascade = "varlen", "eager", False, 0.0, False
         prefill = prefill or ("padded" if dev.type == "cuda" else "varlen")
         if prefill not in PREFILLS:
             raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
@@ -83,12 +86,14 @@ class RunningBatch:
         elif kernels and not kern.runnable(dev):
             raise ValueError(f"the Triton kernels cannot run on {dev} (CPU: TRITON_INTERPRET=1)")
         self.kernels = kernels
+        kv_bytes = kv_bytes or KV_BYTES.get(dev.type, KV_BYTES["cuda"])
+        if model.hybrid is not None:
+            rows, kv_bytes = SlotStates.fit(model, rows, kv_bytes)
         if pages is None:
-            per_token = 2 * len(model.layers) * model.n_kv * model.head_dim * model.dtype.itemsize
-            kv_bytes = kv_bytes or KV_BYTES.get(dev.type, KV_BYTES["cuda"])
+            per_token = 2 * model.kv_layers * model.n_kv * model.head_dim * model.dtype.itemsize
             pages = max(2, kv_bytes // (per_token * page_size))
         self.model, self.rows = model, rows
-        self.pool = PagePool(len(model.layers), model.n_kv, model.head_dim, pages, page_size,
+        self.pool = PagePool(model.kv_layers, model.n_kv, model.head_dim, pages, page_size,
                              model.dtype, dev)
         self.stack = AdapterStack(model.dtype, dev)
         self.cache = PrefixCache(self.pool, prefix_cache)
@@ -342,11 +347,13 @@ class RunningBatch:
             else:
                 seated.append(s)
         shares = [(len(s.request.req.prompt), s.request.req.num_samples) for s in seated]
+        states = {id(r): rd.prompt.state for rd in ready for r in rd.prompt.requests}
         self.decode.set_slots(len(self.live), [s.tokens[-1] for s in seated],
                               [s.length for s in seated], [s.pages for s in seated],
                               [s.request.adapter for s in seated],
                               [s.request.ticket for s in seated],  # its samples: a group
-                              [n // P * P if m > 1 else 0 for n, m in shares])
+                              [n // P * P if m > 1 else 0 for n, m in shares],
+                              [states[id(s.request)] for s in seated])
         self.live += seated  # (shared: the prompt's full pages)
         self.loop.changed(self.live)
 

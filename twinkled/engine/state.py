@@ -29,6 +29,7 @@ from twinkled.protocol.checkpoints import fsync_path
 from twinkled.protocol.types import (
     ATTN_MODULES,
     EXPERT_MODULES,
+    LINEAR_ATTN_MODULES,
     MLP_MODULES,
     UNEMBED_MODULES,
     EngineInputError,
@@ -254,7 +255,8 @@ def read_adapter(path: str | Path, targets: dict[str, tuple[int, int]], max_rank
         raise EngineInputError("rank", f"adapter rank {rank} is outside 1..{max_rank}")
     names = pc.get("target_modules") or []
     names = [names] if isinstance(names, str) else names
-    known = ATTN_MODULES + MLP_MODULES + UNEMBED_MODULES
+    attn = ATTN_MODULES + LINEAR_ATTN_MODULES
+    known = attn + MLP_MODULES + UNEMBED_MODULES
     unknown = [n for n in names if n.rsplit(".", 1)[-1] not in known]
     if unknown:
         raise EngineInputError("target_modules", f"cannot adapt {unknown}; supported: {known}")
@@ -265,7 +267,7 @@ def read_adapter(path: str | Path, targets: dict[str, tuple[int, int]], max_rank
                                f"supported: {EXPERT_MODULES}")
     config = LoraConfig(
         rank=rank, alpha=float(pc.get("lora_alpha", rank)),
-        train_attn=bool(short & set(ATTN_MODULES)),
+        train_attn=bool(short & set(attn)),
         train_mlp=bool(short & set(MLP_MODULES) or params),
         train_unembed=bool(short & set(UNEMBED_MODULES)))
     tensors = load_file(path / WEIGHTS)

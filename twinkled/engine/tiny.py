@@ -103,8 +103,9 @@ def build_tiny_model(
     experts_per_token: int = 2,
     vocab_size: int = 1024,
 ) -> Path:
-    """Write a tiny random-weight model of `arch` (qwen3, qwen2, llama, or qwen3_moe with
-    `num_experts` experts of which each token uses `experts_per_token`) plus tokenizer.
+    """Write a tiny random-weight model of `arch` (qwen3, qwen2, llama, qwen3_moe with
+    `num_experts` experts of which each token uses `experts_per_token`, or qwen3_5: a
+    Qwen3.5 checkpoint as released, `qwen35_config`) plus tokenizer.
 
     head_dim is hidden/heads (64 by default), which vLLM's CPU build also accepts.
     """
@@ -143,10 +144,17 @@ def build_tiny_model(
         config = Qwen2Config(**common)
     elif arch == "llama":
         config = LlamaConfig(head_dim=hidden_size // num_heads, **common)
+    elif arch == "qwen3_5":
+        config = qwen35_config(common, hidden_size // num_heads)
     else:
-        raise ValueError(f"arch must be qwen3, qwen2, llama or qwen3_moe, not {arch!r}")
+        raise ValueError(f"arch must be qwen3, qwen2, llama, qwen3_moe or qwen3_5, not {arch!r}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen3_5":  # the whole checkpoint, vision tower included, as released
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init with std 0.02 gives near-uniform logits; a larger spread (the default 0.2)
     # makes the tiny model's next-token distribution peaked enough for greedy/stop tests to be
     # meaningful. RL demos want the opposite: varied samples, so that rewards differ.
@@ -157,3 +165,27 @@ def build_tiny_model(
                 p.normal_(0.0, 0.5)
     model.save_pretrained(str(out))
     return out
+
+
+def qwen35_config(common: dict, head_dim: int):
+    """Qwen3.5's nested config (text_config + a vision tower), at tiny widths: the real
+    layer pattern (full attention every 4th layer; the last one where there are fewer than
+    4), linear attention with twice as many value heads as key heads (as the 9B has), and
+    Qwen3.5's partial rotary and multimodal rope parameters."""
+    from transformers import Qwen3_5Config
+
+    n = common["num_hidden_layers"]
+    kinds = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    if "full_attention" not in kinds:
+        kinds[-1] = "full_attention"
+    text = dict(common, head_dim=head_dim, layer_types=kinds, linear_conv_kernel_dim=4,
+                linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                 "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                  out_hidden_size=common["hidden_size"], num_position_embeddings=16)
+    return Qwen3_5Config(text_config=text, vision_config=vision,
+                         tie_word_embeddings=common["tie_word_embeddings"],
+                         eos_token_id=common["eos_token_id"])

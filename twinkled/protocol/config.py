@@ -151,11 +151,15 @@ class Config:
 
     @cached_property
     def model_config(self) -> dict:
-        """The model directory's config.json (read once; {} if unreadable)."""
+        """The model directory's config.json (read once; {} if unreadable). A multimodal
+        checkpoint's text model (Qwen3.5: `text_config`) lifted to the top: its sizes are
+        the ones the engine runs."""
         try:
-            return json.loads((self.model / "config.json").read_text())
+            data = json.loads((self.model / "config.json").read_text())
         except (OSError, TypeError, ValueError):
             return {}
+        text = data.get("text_config") if isinstance(data, dict) else None
+        return {**data, **text} if isinstance(text, dict) else data
 
     def request_limits(self, model: dict) -> RequestLimits:
         """The limits one request is held to, given the model's numbers (vocab_size and

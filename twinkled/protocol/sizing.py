@@ -39,6 +39,8 @@ def _vocab(vocab: int, tp: int) -> int:
 def split_problem(cfg: dict, tp: int) -> str | None:
     """Why the model cannot be split over `tp` ranks (None: it can)."""
     _, heads, kv, _, inter, _, _ = _dims(cfg)
+    if "linear_attention" in (cfg.get("layer_types") or ()):
+        return "tensor parallelism does not split linear-attention layers (Qwen3.5) yet"
     if heads % tp:
         return f"tp {tp} does not divide the model's {heads} attention heads"
     if kv % tp and tp % kv:

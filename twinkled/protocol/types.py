@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     import torch
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# A linear-attention layer's linears (Qwen3.5's Gated DeltaNet, qwen35.py): `train_attn`
+# adapts them as it does q/k/v/o.
+LINEAR_ATTN_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
 # An MoE layer's expert parameters (moe.py); `train_mlp` adapts them as it does a dense MLP.
@@ -52,7 +55,7 @@ class LoraConfig:
     @property
     def target_modules(self) -> tuple[str, ...]:
         return (
-            (ATTN_MODULES if self.train_attn else ())
+            (ATTN_MODULES + LINEAR_ATTN_MODULES if self.train_attn else ())
             + (MLP_MODULES if self.train_mlp else ())
             + (UNEMBED_MODULES if self.train_unembed else ())
         )

@@ -1,0 +1,133 @@
+"""Qwen3.5 (dense): hybrid layers, three Gated DeltaNet (linear attention) of every four.
+
+The checkpoint is Qwen3_5ForConditionalGeneration (config `qwen3_5`, the text model's
+config nested as `text_config`, weights under model.language_model.*); transformers loads
+its text part as Qwen3_5ForCausalLM and we run the layers here, BaseModel (model.py)
+calling `HybridLayers.layer` for each.
+
+What differs from the Llama family:
+- Norms are zero-centred (x * (1 + w)), so they run as HF's modules, never fused_ops'.
+- Full attention: q_proj yields each head's query and an output gate (o * sigmoid(gate)
+  before o_proj); q/k norms; rotary on the first quarter of each head (partial rotary).
+- Linear attention (linear_attn.py): in_proj_qkv -> causal conv -> q, k, v; in_proj_b ->
+  beta; in_proj_a -> the decay g; in_proj_z gates the gated RMS norm before out_proj.
+LoRA targets (the tinker client's train_attn): q/k/v/o_proj on full-attention layers and
+in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj on linear ones; train_mlp:
+gate/up/down_proj of every layer; train_unembed: lm_head.
+
+Sequences never share state: packed rows (training's Packing, the sampler's prefill
+pieces) are cut into independent rows for the conv and the delta rule. The sampler's
+state lives in `cache.recurrent` (recurrent.py): per prefill piece or per decode slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from twinkled.protocol.types import ATTN_MODULES, LINEAR_ATTN_MODULES, EngineInputError
+
+from . import linear_attn as la
+from .fused_ops import rotate
+
+ARCHS = ("qwen3_5", "qwen3_5_text")
+
+
+def text_config(config):
+    """The text model's config of a Qwen3.5 checkpoint (nested under text_config)."""
+    return config.get_text_config() if config.model_type == "qwen3_5" else config
+
+
+def check(config, tp) -> None:
+    if tp is not None and tp.size > 1:
+        raise EngineInputError("tp", f"tensor parallelism does not split {config.model_type!r} "
+                               "(linear-attention layers) yet; run it with --tp 1")
+
+
+def layer_keys(i: int, layer) -> dict[str, str]:
+    if hasattr(layer, "linear_attn"):
+        return {n: f"model.layers.{i}.linear_attn.{n}" for n in LINEAR_ATTN_MODULES}
+    return {n: f"model.layers.{i}.self_attn.{n}" for n in ATTN_MODULES}
+
+
+class HybridLayers:
+    """The Qwen3.5 decoder layer over BaseModel's linears (LoRA) and attention."""
+
+    def __init__(self, model):
+        self.model = model
+        self.linear = [i for i, layer in enumerate(model.layers) if hasattr(layer, "linear_attn")]
+        # Only full-attention layers hold KV: layer i's in the sampler's pages is kv[i].
+        full = [i for i in range(len(model.layers)) if i not in self.linear]
+        self.kv = {i: j for j, i in enumerate(full)}
+        # fla-core's chunked kernel where it runs (CUDA, installed); False: the torch
+        # delta rule everywhere (the reference tests/test_qwen35_gpu.py compares it with).
+        self.fla = True
+
+    def layer(self, i, layer, h, cos, sin, lora, cache, mask, packing) -> torch.Tensor:
+        m, keys = self.model, self.model.layer_keys[i]
+        x = layer.input_layernorm(h)
+        if i in self.linear:
+            a = self._linear_attention(i, layer.linear_attn, x, keys, lora, cache, packing)
+        else:
+            a = self._attention(i, layer.self_attn, x, cos, sin, keys, lora, cache, mask, packing)
+        h = h + a
+        return h + m.mlp(i, layer.mlp, layer.post_attention_layernorm(h), keys, lora)
+
+    def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing):
+        m = self.model
+        B, S, _ = x.shape
+        (qg, k, v), _ = m.linears((attn.q_proj, attn.k_proj, attn.v_proj),
+                                   (keys["q_proj"], keys["k_proj"], keys["v_proj"]), x, lora)
+        q, gate = qg.view(B, S, -1, 2 * m.head_dim).chunk(2, dim=-1)
+        q = attn.q_norm(q).transpose(1, 2)
+        k = attn.k_norm(k.view(B, S, -1, m.head_dim)).transpose(1, 2)
+        v = v.view(B, S, -1, m.head_dim).transpose(1, 2)
+        r = cos.shape[-1]  # partial rotary: the first r dims of each head
+        q = torch.cat([rotate(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        k = torch.cat([rotate(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        out = m.attend(self.kv[i], q, k, v, cache, mask, packing)
+        out = out * torch.sigmoid(gate.reshape(B, S, -1))
+        return m.linear(attn.o_proj, keys["o_proj"], out, lora)
+
+    def _linear_attention(self, i, mod, x, keys, lora, cache, packing):
+        m = self.model
+        B, S, _ = x.shape
+        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        (qkv, z, b, a), _ = m.linears([getattr(mod, n) for n in names],
+                                       [keys[n] for n in names], x, lora)
+        states = getattr(cache, "recurrent", None)
+        if cache is not None and states is None:
+            raise RuntimeError("linear attention samples only through the running batch")
+        if packing is not None:  # independent sequences end to end: one row each
+            lengths = list(packing.lengths)
+            qkv, b, a = (la.to_rows(t, lengths) for t in (qkv, b, a))
+        else:
+            lengths = [S] * B
+        conv0, ssm0 = states.initial(i) if states is not None else (None, None)
+        y, conv1 = la.causal_conv(qkv, mod.conv1d.weight[:, 0], conv0, lengths)
+        N, L, _ = y.shape
+        q, k, v = torch.split(y, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
+        q, k = (t.reshape(N, L, -1, mod.head_k_dim) for t in (q, k))
+        v = v.reshape(N, L, -1, mod.head_v_dim)
+        beta = b.float().sigmoid()
+        g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias.float())
+        if any(n < L for n in lengths):  # padded positions neither decay nor write the state
+            real = la.valid(lengths, L, x.device)[..., None]
+            beta, g = beta * real, g * real
+        if self.fla and la.fla_usable(x):  # fla-core's Triton kernels (CUDA)
+            if L == 1:
+                o, ssm1 = la.fla_step(q, k, v, g, beta, ssm0)
+            else:
+                o, ssm1 = la.fla_rule(q, k, v, g, beta, ssm0, lengths)
+        else:
+            rep = mod.num_v_heads // mod.num_k_heads
+            q, k = (la.l2norm(t.float().repeat_interleave(rep, dim=2)) for t in (q, k))
+            q = q * mod.head_k_dim**-0.5
+            rule = la.delta_step if L == 1 else la.delta_rule
+            o, ssm1 = rule(q, k, v, g, beta, ssm0)
+        if states is not None:
+            states.keep(i, conv1, ssm1)
+        if packing is not None:
+            o = la.from_rows(o, lengths)
+        o = mod.norm(o.reshape(-1, mod.head_v_dim).to(x.dtype), z.reshape(-1, mod.head_v_dim))
+        return m.linear(mod.out_proj, keys["out_proj"], o.view(B, S, -1), lora)
