@@ -86,7 +86,9 @@ def zmq_executor(config: Config, devices: list[str]) -> Executor:
                "sample_prefix_cache": config.sample_prefix_cache,
                "packing": config.packing, "shared_prefix": config.shared_prefix,
                "fused_kernels": config.fused_kernels,
-               "tp": config.tp, "ep": config.ep,
+               "tp": config.tp, "ep": config.ep, "cp": config.cp,
+               "cp_min_tokens": config.cp_min_tokens,
+               "max_seq_len": config.max_seq_len, "rope_scaling": config.rope_scaling,
                "activation_checkpointing": config.activation_checkpointing,
                "live_dir": str(live_dir), "persist_every": config.persist_every,
                "logprob_gap_every": config.logprob_gap_every,
@@ -416,6 +418,7 @@ def in_process_executor(config: Config) -> Executor:
                            token_budget=config.token_budget, packing=config.packing,
                            shared_prefix=config.shared_prefix,
                            fused_kernels=config.fused_kernels,
+                           max_seq_len=config.max_seq_len, rope_scaling=config.rope_scaling,
                            sample_kv_mb=config.sample_kv_mb, live_dir=live_dir, persist_every=config.persist_every,
                            sample_prefix_cache=config.sample_prefix_cache,
                            logprob_gap_every=config.logprob_gap_every)

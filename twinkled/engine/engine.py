@@ -54,11 +54,14 @@ class Engine:
                  token_budget: int = 16384, packed: bool = True, dp_group=None, tp=None,
                  recompute: str = "auto", kv_bytes: int | None = None,
                  experts: ExpertSplit | None = None, prefix_cache: float = 0.0,
-                 shared_prefix: int = MIN_SHARED, fused: str = "all"):
+                 shared_prefix: int = MIN_SHARED, fused: str = "all",
+                 rope_scaling: dict | None = None, max_seq_len: int | None = None):
         # `tp` (tp.py: TensorParallel): this rank holds a slice of the base model and of
         # every adapter; `dp_group` is then the group across the replicas. `experts`
-        # (moe_parallel.py): this rank's share of an MoE model's experts.
-        self.model = BaseModel(model_dir, dtype=dtype, device=device, tp=tp, experts=experts)
+        # (moe_parallel.py): this rank's share of an MoE model's experts. `rope_scaling`,
+        # `max_seq_len`: rows longer than the model's config (long_context.py).
+        self.model = BaseModel(model_dir, dtype=dtype, device=device, tp=tp, experts=experts,
+                               rope_scaling=rope_scaling, max_seq_len=max_seq_len)
         self.shard = self.model.shard  # None unless split
         self.model.recompute.set_mode(recompute)  # activation checkpointing (recompute.py)
         self.model.fused = Fused.parse(fused)  # the layer's fused kernels (fused_ops.py)

@@ -153,7 +153,9 @@ def _start(args: dict):
                     kv_bytes=(args.get("sample_kv_mb") or 0) << 20 or None,
                     prefix_cache=float(args.get("sample_prefix_cache", 0.0)),
                     dp_group=dp_group, tp=tp, experts=experts,
-                    recompute=args.get("activation_checkpointing", "auto"))
+                    recompute=args.get("activation_checkpointing", "auto"),
+                    max_seq_len=args.get("max_seq_len") or None,
+                    rope_scaling=args.get("rope_scaling") or None)
     persister = None
     if args["rank"] == 0 and args.get("live_dir"):
         persister = Persister(Path(args["live_dir"]), args.get("persist_every", 1))

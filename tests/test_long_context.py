@@ -1,0 +1,105 @@
+"""Rows longer than the model's config (issue 38): RoPE scaling, applied alike in training
+and sampling, equal to transformers' own forward with the same scaling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_engine
+
+from twinkled.engine.tiny import build_tiny_model
+from twinkled.protocol.types import (
+    Datum,
+    EngineInputError,
+    ForwardBackwardRequest,
+    SampleRequest,
+    SamplingParams,
+)
+
+POSITIONS = 64  # the tiny model's config: rows of up to 64 tokens
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": POSITIONS}
+
+
+@pytest.fixture(scope="module")
+def short_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("short") / "m",
+                            max_position_embeddings=POSITIONS)
+
+
+@pytest.fixture(scope="module")
+def yarn_engine(short_dir):
+    return make_engine(short_dir, rope_scaling=YARN)
+
+
+def _reference(model_dir, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' own forward of one row under YaRN: logprobs [S, V] (fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.rope_parameters = {**config.rope_parameters, "rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": POSITIONS}
+    config.max_position_embeddings = 4 * POSITIONS
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(hf(input_ids=ids[None]).logits[0].float(), -1)
+
+
+def test_yarn_training_and_sampling_equal_transformers(short_dir, yarn_engine):
+    eng = yarn_engine
+    assert eng.model.max_seq_len == 4 * POSITIONS  # the row-length limit follows
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, eng.model.vocab_size, (201,), generator=gen)
+    ref = _reference(short_dir, seq[:-1])
+    # Training's forward: the long row packed with a short one (positions restart per row).
+    rows = [Datum(seq[:-1], {"target_tokens": seq[1:]}),
+            Datum(seq[:30], {"target_tokens": seq[1:31]})]
+    out = eng.forward([ForwardBackwardRequest(None, rows)])[0].outputs
+    want = ref.gather(-1, seq[1:, None])[:, 0]
+    assert torch.allclose(out[0]["logprobs"], want, atol=1e-4, rtol=0)
+    assert torch.allclose(out[1]["logprobs"], want[:30], atol=1e-4, rtol=0)
+    # The scaling changes what the model computes past its original positions: the
+    # comparison above is not one an unscaled model passes.
+    plain = make_engine(short_dir, max_seq_len=POSITIONS)
+    unscaled = plain.forward([ForwardBackwardRequest(None, rows[1:])])[0].outputs[0]
+    assert (unscaled["logprobs"] - want[:30]).abs().max() > 1e-3
+
+    # Sampling: prefill of a 180-token prompt, then greedy decode past it, scored as the
+    # same sequence through transformers.
+    prompt = seq[:180].tolist()
+    res = eng.sample([SampleRequest(None, prompt, SamplingParams(max_tokens=12, temperature=0.0),
+                                    prompt_logprobs=True)])[0]
+    drawn = res.sequences[0]
+    full = torch.tensor(prompt + drawn.tokens)
+    ref = _reference(short_dir, full[:-1]).gather(-1, full[1:, None])[:, 0]
+    assert torch.allclose(torch.tensor(drawn.logprobs), ref[179:], atol=1e-4, rtol=0)
+    assert torch.allclose(torch.tensor(res.prompt_logprobs[1:]), ref[:179], atol=1e-4, rtol=0)
+
+
+def test_row_limit_follows_the_scaling(short_dir, yarn_engine):
+    plain = make_engine(short_dir)
+    long_row = ForwardBackwardRequest(None, [Datum(list(range(100)),
+                                                   {"target_tokens": list(range(1, 101))})],
+                                      forward_only=True)
+    with pytest.raises(EngineInputError, match="exceeds the model's context of 64"):
+        plain.check(long_row)
+    yarn_engine.check(long_row)  # 100 of 256 positions
+
+
+def test_max_seq_len_alone_derives_yarn_and_bad_scalings_are_refused(short_dir):
+    from transformers import AutoConfig
+
+    from twinkled.engine.long_context import extend_context
+
+    config = AutoConfig.from_pretrained(short_dir)
+    assert extend_context(config, None, 4 * POSITIONS) == 4 * POSITIONS
+    assert config.rope_parameters["rope_type"] == "yarn"
+    assert config.rope_parameters["factor"] == 4.0
+    config = AutoConfig.from_pretrained(short_dir)
+    assert extend_context(config, None, 32) == 32  # only lowers the bound
+    assert config.rope_parameters["rope_type"] == "default"
+    for bad, what in (({"type": "dynamic", "factor": 2.0}, "rope_type must be one of"),
+                      ({"type": "yarn", "factor": 0.5}, "factor must be a number >= 1")):
+        with pytest.raises(EngineInputError, match=what):
+            extend_context(AutoConfig.from_pretrained(short_dir), bad)
+    with pytest.raises(EngineInputError, match="exceeds the 256 positions"):
+        extend_context(AutoConfig.from_pretrained(short_dir), YARN, 1000)
