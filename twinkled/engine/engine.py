@@ -30,6 +30,7 @@ from twinkled.protocol.types import (
 )
 
 from . import live, sampler, state, step
+from .context_parallel import ContextParallel
 from .fused_ops import Fused
 from .lora import Adapter, LoraPool
 from .model import BaseModel
@@ -86,6 +87,9 @@ class Engine:
         self.padded_sampling = self.shard is not None or bool(self.model.moe)
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
+        # Adapters whose gradients this rank holds parts of split rows of (context
+        # parallelism), until their optimizer step sums them over the group (parallel.py).
+        self.spread: set[str] = set()
 
     @property
     def tokenizer(self):
@@ -145,27 +149,33 @@ class Engine:
 
     def forward_backward(self, requests: list[ForwardBackwardRequest],
                          checked: bool = False, micro_tokens: int = 0,
-                         between: Callable[[], None] | None = None
-                         ) -> list[ForwardBackwardResult]:
+                         between: Callable[[], None] | None = None,
+                         cp: ContextParallel | None = None) -> list[ForwardBackwardResult]:
         """Run several requests (any adapters, forward-only or not) as shared passes.
 
         Gradients accumulate per adapter until its `optim_step`. All requests are checked
         first: if one is bad, nothing runs and nothing changes. `checked`: the caller
         already did (the daemon checks at its door). `micro_tokens`: micro-batches of at
         most this many tokens (0: `token_budget`); `between`: called between them
-        (step.forward_backward: the step is preemptible there).
+        (step.forward_backward: the step is preemptible there). `cp`: long rows are split
+        over this context-parallel group (context_parallel.py); every rank of it must make
+        this call alike, with the same long rows (workers/runner.py).
         """
         if not checked:
             for r in requests:
                 self.check(r)
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
         budget = min(micro_tokens, self.token_budget) if micro_tokens > 0 else self.token_budget
+        if cp is not None:
+            self.spread.update(r.adapter_id for r in requests if r.adapter_id is not None
+                               and not r.forward_only
+                               and any(cp.splits(len(d.tokens)) for d in r.data))
         if all(r.forward_only for r in requests):
             with torch.no_grad():
                 return step.forward_backward(self.model, requests, adapters, budget,
-                                             self.packed, self.shared_prefix, between)
+                                             self.packed, self.shared_prefix, between, cp)
         return step.forward_backward(self.model, requests, adapters, budget,
-                                     self.packed, self.shared_prefix, between)
+                                     self.packed, self.shared_prefix, between, cp)
 
     def forward(self, requests: list[ForwardBackwardRequest]) -> list[ForwardBackwardResult]:
         """Logprobs (and loss values) only; changes nothing."""
@@ -206,7 +216,8 @@ class Engine:
         if self.experts is not None:
             reduce_split_gradients(adapters, self.dp_group)
         elif self.dp_group is not None:
-            reduce_gradients(adapters, self.dp_group)
+            reduce_gradients(adapters, self.dp_group, self.spread)
+        self.spread.difference_update(ids)
         return optimizer_steps(list(zip(adapters, [p for _, p in items], strict=True)),
                                self.shard)
 
@@ -214,6 +225,7 @@ class Engine:
         a = self.pool.get(adapter_id)
         a.bank.zero_slot(a.slot)
         a.pending = 0
+        self.spread.discard(adapter_id)
 
     # -- sampling ---------------------------------------------------------------------
 

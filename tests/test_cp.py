@@ -1,0 +1,88 @@
+"""Context parallelism on the CPU (issue 38): a group of two gloo ranks at cp=2 gives the
+same logprobs, losses and LoRA gradients as one rank, for rows longer than a chunk
+co-batched with another tenant's short rows (fp32, 1e-4).
+
+The group runs tests/cp_scenario.py in two processes: tenant a's long rows (cross-entropy;
+gspo, whose sequence ratio couples a row's tokens) and the base model's long forward-only
+row on both ranks, split by tokens; tenant b's short rows divided between them. This
+process runs the scenario on one whole engine and compares."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cp_scenario import SHORT, requests, results, setup
+
+from twinkled.engine.context_parallel import ContextParallel
+from twinkled.engine.engine import Engine
+
+HERE = Path(__file__).parent
+RTOL = 1e-4
+
+
+def _rel(a, b) -> float:
+    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cp_run(tiny_dir, tmp_path_factory):
+    """The group's results, rank by rank; a token budget that puts each long row in a
+    micro-batch of its own (several split micro-batches, each with its collectives)."""
+    out = tmp_path_factory.mktemp("cp")
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "cp_scenario.py"), json.dumps(
+        {"url": url, "rank": r, "world": 2, "model": str(tiny_dir), "out": str(out),
+         "token_budget": 80})]) for r in range(2)]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0]
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def test_cp2_matches_one_rank(tiny_dir, cp_run):
+    engine = Engine(tiny_dir)
+    setup(engine)
+    reqs = requests(engine.model.vocab_size)
+    want = results(engine, reqs, engine.forward_backward(reqs))
+    for rank, got in enumerate(cp_run):
+        # The long rows, whole on every rank of the group (rank 0's are reported).
+        for i in (0, 2, 3):
+            for kind in ("logprobs", "loss"):
+                for g, w in zip(got[kind][i], want[kind][i], strict=True):
+                    assert g.shape == w.shape and _rel(g, w) < RTOL, (rank, i, kind)
+        # Tenant b's short rows, each on the rank that ran it.
+        for k, j in enumerate(SHORT[rank]):
+            assert _rel(got["logprobs"][1][k], want["logprobs"][1][j]) < RTOL
+            assert _rel(got["loss"][1][k], want["loss"][1][j]) < RTOL
+        # LoRA gradients, summed over the group as the optimizer step sums them.
+        for name in ("grads_a", "grads_b"):
+            assert want[name].keys() == got[name].keys()
+            for key, w in want[name].items():
+                assert w.abs().max() > 0, key  # the scenario reaches every parameter
+                assert _rel(got[name][key], w) < RTOL, (rank, name, key)
+        assert got["pending"] == want["pending"] == [3, 3]  # a split row counts once
+
+
+def test_chunks_balance_causal_work():
+    cp = ContextParallel.__new__(ContextParallel)
+    cp.size, cp.min_tokens, cp.rank, cp.group = 2, 32, 0, None
+    assert cp.chunks(10) == [(0, 2), (2, 5), (5, 8), (8, 10)]  # 2N chunks, all tokens
+    assert [cp.held(r) for r in range(2)] == [(0, 3), (1, 2)]
+    assert not cp.splits(32) and cp.splits(33)
