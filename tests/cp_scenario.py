@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
 import torch
 
 from twinkled.protocol.types import Datum, ForwardBackwardRequest, LoraConfig
@@ -65,6 +66,18 @@ def results(engine, reqs, out) -> dict:
             "pending": [engine.pool.get(n).pending for n in "ab"]}
 
 
+def frames(reqs: list[ForwardBackwardRequest]) -> list:
+    """The requests as a step's TrainF ops."""
+    from twinkled.protocol.frames import DatumF, TrainF
+    from twinkled.workers.rank_io import to_buf
+
+    return [TrainF(r.adapter_id, [DatumF(to_buf(torch.as_tensor(d.tokens)),
+                                         {k: to_buf(torch.as_tensor(v))
+                                          for k, v in d.loss_inputs.items()})
+                                  for d in r.data], r.loss_fn, forward_only=r.forward_only)
+            for r in reqs]
+
+
 def main(args: dict) -> None:
     import torch.distributed as dist
 
@@ -85,7 +98,16 @@ def main(args: dict) -> None:
     out = engine.forward_backward(reqs, cp=cp)
     reduce_gradients([engine.pool.get("a"), engine.pool.get("b")], dist.group.WORLD,
                      engine.spread)
-    torch.save(results(engine, reqs, out), Path(args["out"]) / f"rank{cp.rank}.pt")
+    got = results(engine, reqs, out)
+    # The same step through the worker's StepRunner, as the daemon sends it (whole ops):
+    # it picks this rank's rows itself; its outcomes go back for the test to merge.
+    from twinkled.protocol.frames import StepF
+    from twinkled.workers.runner import StepRunner
+
+    runner = StepRunner(engine, cp.rank, 2, None, cp=cp)
+    step = StepF(1, "train", frames(requests(engine.model.vocab_size)))
+    got["outcomes"] = msgspec.msgpack.encode(runner.run(step))
+    torch.save(got, Path(args["out"]) / f"rank{cp.rank}.pt")
     dist.destroy_process_group()
 
 

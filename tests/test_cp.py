@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from cp_scenario import SHORT, requests, results, setup
@@ -78,6 +79,30 @@ def test_cp2_matches_one_rank(tiny_dir, cp_run):
                 assert w.abs().max() > 0, key  # the scenario reaches every parameter
                 assert _rel(got[name][key], w) < RTOL, (rank, name, key)
         assert got["pending"] == want["pending"] == [3, 3]  # a split row counts once
+
+
+def test_cp2_step_runner_reports_each_row_once(tiny_dir, cp_run):
+    """The worker's StepRunner at cp=2 picks its rows (long ones on both ranks, short ones
+    split), and the executor's merge of the two ranks' outcomes gives every datum once,
+    equal to one rank's result, with its loss:sum."""
+    from cp_scenario import frames
+
+    from twinkled.core.replies import merge_replies
+    from twinkled.protocol.frames import OutcomeF, ReplyF
+
+    engine = Engine(tiny_dir)
+    setup(engine)
+    reqs = requests(engine.model.vocab_size)
+    want = engine.forward_backward(reqs)
+    replies = [ReplyF(1, r, msgspec.msgpack.decode(got["outcomes"], type=list[OutcomeF]))
+               for r, got in enumerate(cp_run)]
+    merged = merge_replies(frames(reqs), replies)
+    for (result, error, _), w in zip(merged, want, strict=True):
+        assert error is None
+        assert len(result.outputs) == len(w.outputs)
+        for g, o in zip(result.outputs, w.outputs, strict=True):
+            assert _rel(g["logprobs"].values(), o["logprobs"].tolist()) < RTOL
+        assert result.metrics["loss:sum"] == pytest.approx(w.metrics["loss:sum"], rel=RTOL)
 
 
 def test_chunks_balance_causal_work():

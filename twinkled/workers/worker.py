@@ -146,6 +146,12 @@ def _start(args: dict):
         from twinkled.engine.moe_parallel import expert_groups
 
         experts, dp_group = expert_groups(args["rank"], args["world"], ep)
+    cp = None
+    if int(args.get("cp", 1)) > 1:  # context parallelism (engine/context_parallel.py)
+        from twinkled.engine.context_parallel import ContextParallel, cp_groups
+
+        cp = ContextParallel(int(args["cp"]), int(args.get("cp_min_tokens", 8192)),
+                             cp_groups(args["rank"], args["world"], int(args["cp"])))
     engine = Engine(args["model"], dtype=dtype, device=device, max_rank=args["max_rank"],
                     token_budget=args["token_budget"], packed=args.get("packing", True),
                     shared_prefix=args.get("shared_prefix", MIN_SHARED),
@@ -171,7 +177,7 @@ def _start(args: dict):
     runner = StepRunner(engine, args["rank"], args["world"], persister,
                         spans_hosts=args.get("spans_hosts", False), ep=ep, seed=seed,
                         persist_every=args.get("persist_every", 1),
-                        gap_every=args.get("logprob_gap_every", 0))
+                        gap_every=args.get("logprob_gap_every", 0), cp=cp)
     return runner, hello
 
 
