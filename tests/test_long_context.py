@@ -103,3 +103,27 @@ def test_max_seq_len_alone_derives_yarn_and_bad_scalings_are_refused(short_dir):
             extend_context(AutoConfig.from_pretrained(short_dir), bad)
     with pytest.raises(EngineInputError, match="exceeds the 256 positions"):
         extend_context(AutoConfig.from_pretrained(short_dir), YARN, 1000)
+
+
+def test_a_sample_longer_than_the_kv_pool_is_refused_at_the_door(tiny_dir):
+    """The workers say how long a sequence their KV pool holds (its configured size,
+    sample_kv_mb); the door refuses a longer prompt + max_tokens with the numbers, where
+    before it went on to a pool grown past what the operator gave sampling."""
+    from twinkled.engine.running import RunningBatch
+    from twinkled.protocol.checks import check_sample
+    from twinkled.protocol.config import Config
+
+    eng = make_engine(tiny_dir, kv_bytes=1 << 20)  # 1 MiB: 64 pages of 16 tokens
+    batch = RunningBatch(eng.model, kv_bytes=1 << 20)
+    assert eng.kv_tokens == batch.pool.usable * batch.pool.page_size == 1008
+
+    def req(n):
+        return SampleRequest(None, [1] * (n - 8), SamplingParams(max_tokens=8))
+
+    assert batch.fits(req(eng.kv_tokens)) and not batch.fits(req(eng.kv_tokens + 1))
+    limits = Config().request_limits({"vocab_size": 1000, "max_seq_len": 2048,
+                                      "kv_tokens": eng.kv_tokens})
+    check_sample([1] * 1000, 8, 1, None, limits)
+    with pytest.raises(EngineInputError, match=r"prompt \(1000\) \+ max_tokens \(9\) = 1009 "
+                       r"tokens exceed the 1008 tokens the sampler's KV pool holds"):
+        check_sample([1] * 1000, 9, 1, None, limits)

@@ -37,7 +37,7 @@ from .model import BaseModel
 from .moe_parallel import ExpertSplit, reduce_split_gradients
 from .optim import optimizer_steps
 from .parallel import reduce_gradients
-from .running import Finished, RunningBatch
+from .running import Finished, RunningBatch, pool_tokens
 from .shared_prefix import MIN_SHARED
 from .validate import check_forward_backward, check_sample
 
@@ -244,6 +244,12 @@ class Engine:
         except BaseException:
             self._running = None  # rows may be left holding pages: start afresh next time
             raise
+
+    @property
+    def kv_tokens(self) -> int:
+        """The longest sequence the sampler's KV pool holds at its configured size (0: no
+        such bound, where sampling runs padded, without the pool)."""
+        return 0 if self.padded_sampling else pool_tokens(self.model, self.kv_bytes)
 
     @property
     def kv_pages(self) -> int:

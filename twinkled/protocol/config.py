@@ -168,7 +168,8 @@ class Config:
             max_stop_ids=self.max_stop_ids,
             max_topk=self.max_topk, max_prompt_cells=self.max_prompt_cells,
             max_name_chars=self.max_name_chars, max_ttl_s=self.max_ttl_s,
-            max_metadata_bytes=self.max_metadata_bytes)
+            max_metadata_bytes=self.max_metadata_bytes,
+            kv_tokens=int(model.get("kv_tokens") or 0))
 
     @property
     def preempt_s(self) -> float | None:

@@ -81,6 +81,7 @@ class InProcessGroup:
                      if self._live_dir is not None else None)
         cfg = engine.model.config
         info = {"arch": cfg.model_type, "max_seq_len": engine.model.max_seq_len,
+                "kv_tokens": engine.kv_tokens,
                 "vocab_size": cfg.vocab_size,
                 "dtype": str(engine.model.dtype).replace("torch.", "")}
         return StepRunner(engine, 0, 1, persister, gap_every=self._gap_every), info

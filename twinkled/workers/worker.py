@@ -167,6 +167,7 @@ def _start(args: dict):
         persister = Persister(Path(args["live_dir"]), args.get("persist_every", 1))
     cfg = engine.model.config
     model = {"arch": cfg.model_type, "max_seq_len": engine.model.max_seq_len,
+             "kv_tokens": engine.kv_tokens,
              "vocab_size": cfg.vocab_size, "dtype": str(engine.model.dtype).replace("torch.", "")}
     hello = HelloF(args["rank"], os.getpid(), device, model)
     seed = None
