@@ -81,14 +81,14 @@ def frames(reqs: list[ForwardBackwardRequest]) -> list:
 def main(args: dict) -> None:
     import torch.distributed as dist
 
-    from twinkled.engine.context_parallel import ContextParallel
+    from twinkled.engine.context_parallel import ContextParallel, cp_groups
     from twinkled.engine.engine import Engine
     from twinkled.engine.parallel import reduce_gradients
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=args["url"], rank=args["rank"],
                             world_size=args["world"])
-    cp = ContextParallel(2, MIN_TOKENS, dist.group.WORLD)
+    cp = ContextParallel(2, MIN_TOKENS, cp_groups(args["rank"], args["world"], 2))
     engine = Engine(args["model"], dp_group=dist.group.WORLD,
                     token_budget=args.get("token_budget", 16384))
     setup(engine)
