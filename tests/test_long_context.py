@@ -127,3 +127,29 @@ def test_a_sample_longer_than_the_kv_pool_is_refused_at_the_door(tiny_dir):
     with pytest.raises(EngineInputError, match=r"prompt \(1000\) \+ max_tokens \(9\) = 1009 "
                        r"tokens exceed the 1008 tokens the sampler's KV pool holds"):
         check_sample([1] * 1000, 9, 1, None, limits)
+
+
+def test_long_context_keys_are_checked_before_start(tmp_path, tiny_dir):
+    """`twinkled config check` and the start's layout check name what is wrong with the
+    keys of this issue: a scaling that would rotate sampling and training differently, a
+    cp that does not divide the ranks or is given with --tp."""
+    from dataclasses import replace
+
+    from twinkled.protocol.config import Config, check_config
+    from twinkled.server.layout import layout_problems
+
+    path = tmp_path / "c.toml"
+    path.write_text('cp = 2\nmax_seq_len = 131072\nrope_scaling = {rope_type = "yarn", '
+                    'factor = 4.0, original_max_position_embeddings = 32768}\n')
+    assert check_config(path) == []
+    path.write_text('cp = 0\nrope_scaling = {rope_type = "dynamic", factor = 2.0}\n')
+    problems = check_config(path)
+    assert problems[0] == "cp: must be positive, got 0"
+    assert problems[1].startswith("rope_scaling: must be {} or a table of rope_type (one of "
+                                  "yarn, linear, llama3, longrope)")
+    cfg = Config(model=tiny_dir, device="cpu", workers=2, cp=2)
+    assert layout_problems(cfg) == []
+    assert layout_problems(replace(cfg, cp=3)) == [
+        "cp: --cp 3 must divide each lane's 2 worker ranks"]
+    assert any(p.startswith("cp: --cp composes with data parallelism only")
+               for p in layout_problems(replace(cfg, tp=2)))
