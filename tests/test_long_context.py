@@ -153,3 +153,37 @@ def test_long_context_keys_are_checked_before_start(tmp_path, tiny_dir):
         "cp: --cp 3 must divide each lane's 2 worker ranks"]
     assert any(p.startswith("cp: --cp composes with data parallelism only")
                for p in layout_problems(replace(cfg, tp=2)))
+
+
+def test_padded_prefill_cuts_a_long_prompt_while_running_rows_decode(yarn_engine):
+    """The padded prefill (the GPUs' default) took a prompt longer than its budget whole,
+    in one pass: every running row waited for it, and its mask was prompt x prompt. Now it
+    is cut into passes of its own (at most budget^2 / prompt tokens each, until the rest
+    fits the budget): the running row
+    gets a token at each, and both sample what one unchunked pass gives."""
+    from twinkled.engine.running import RunningBatch
+    from twinkled.engine.sampler import generate_padded
+
+    eng = yarn_engine
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(5, eng.model.vocab_size, (100,), generator=gen).tolist()
+    short = SampleRequest(None, prompt[:5], SamplingParams(max_tokens=80, temperature=0,
+                                                           stop=[]))
+    long = SampleRequest(None, prompt, SamplingParams(max_tokens=4, temperature=0, stop=[]))
+    batch = RunningBatch(eng.model, rows=4, pages=64, page_size=4, prefill_tokens=16,
+                         prefill="padded")
+    (t_short,) = batch.admit([short], [None])
+    batch.step()
+    (t_long,) = batch.admit([long], [None])
+    grew = []
+    while not grew or batch.prefilling.pending:  # a pass of the long prompt each step
+        before = len(batch.live[0].tokens)
+        batch.step()
+        grew.append(len(batch.live[0].tokens) - before)
+    # pieces of 16^2 // 100 = 2 tokens until the last 16 fit one pass: 42 + 1 passes
+    assert len(grew) == (100 - 16) // 2 + 1 and set(grew) == {1}
+    results = {f.ticket: f.result for f in batch.run()}
+    want = generate_padded(eng.model, [short, long], [None, None])
+    for got, w in zip([results[t_short], results[t_long]], want, strict=True):
+        assert got.sequences[0].tokens == w.sequences[0].tokens
+        assert got.sequences[0].logprobs == pytest.approx(w.sequences[0].logprobs, abs=1e-4)
