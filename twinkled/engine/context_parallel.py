@@ -113,8 +113,7 @@ class CpPacking:
     local: list[np.ndarray]  # per row: the row positions this rank holds, in packed order
     whole: list[torch.Tensor]  # per row: where each of its positions is in the gathered tokens
     positions: torch.Tensor  # [1, T] this rank's tokens' positions within their rows
-    spans: list[tuple[int, int]]  # (start, length) of each local chunk (queries)
-    cu_q: torch.Tensor
+    cu_q: torch.Tensor  # each local chunk's queries (chunks end to end, as the tokens are)
     cu_k: torch.Tensor
     keys: torch.Tensor  # gathered index of each chunk's keys: its row's first to its last
     longest_q: int
@@ -135,7 +134,7 @@ class CpPacking:
                     at += cs[c][1] - cs[c][0]
             sizes.append(at)
         offset = np.cumsum([0, *sizes])
-        local, whole, spans, keys, cu_q, cu_k = [], [], [], [], [0], [0]
+        local, whole, keys, cu_q, cu_k = [], [], [], [0], [0]
         for j, cs in enumerate(chunks):
             index = np.concatenate([
                 offset[r] + starts[r, j, c] + np.arange(cs[c][1] - cs[c][0])
@@ -144,15 +143,14 @@ class CpPacking:
             local.append(np.concatenate([np.arange(*cs[c]) for c in held[cp.rank]]))
             for c in held[cp.rank]:
                 lo, hi = cs[c]
-                spans.append((starts[cp.rank, j, c], hi - lo))
                 keys.append(index[:hi])
                 cu_q.append(cu_q[-1] + hi - lo)
                 cu_k.append(cu_k[-1] + hi)
         positions = torch.from_numpy(np.concatenate(local)).to(device)[None]
-        return CpPacking(cp, sizes, local, whole, positions, spans,
+        return CpPacking(cp, sizes, local, whole, positions,
                          *(torch.tensor(c, dtype=torch.int32, device=device) for c in (cu_q, cu_k)),
                          torch.from_numpy(np.concatenate(keys)).to(device),
-                         max(n for _, n in spans), int(np.diff(cu_k).max()))
+                         int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
 
     def memory_tokens(self) -> int:
         """Tokens a pass keeps for its backward: this rank's, and the gathered keys each
@@ -166,25 +164,32 @@ class CpPacking:
         (keys and values in one collective)."""
         kv = self.cp.gather(torch.cat([k, v], dim=1), self.sizes, dim=2)
         kk, vv = (t.index_select(2, self.keys) for t in kv.chunk(2, dim=1))
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-            return varlen_attend(q, kk, vv, self.cu_q, self.cu_k, self.longest_q,
-                                 self.longest_k, scale, gqa)
-        outs = []
-        for i, (start, n) in enumerate(self.spans):
-            ks = slice(int(self.cu_k[i]), int(self.cu_k[i + 1]))
-            m = ks.stop - ks.start
-            # Causal aligned to the keys' end: the chunk's query i sees keys <= m - n + i.
-            mask = torch.ones((n, m), dtype=torch.bool, device=q.device).tril(m - n)
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, start:start + n], kk[:, :, ks], vv[:, :, ks], attn_mask=mask,
-                scale=scale, enable_gqa=gqa))
-        return torch.cat(outs, dim=2)
+        half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        # The same segments either way: flash's varlen kernel, or SDPA per chunk.
+        kernel = varlen_attend if half else segment_attend
+        return kernel(q, kk, vv, self.cu_q, self.cu_k, self.longest_q, self.longest_k, scale,
+                      gqa)
 
     def whole_rows(self, lp: torch.Tensor) -> list[torch.Tensor]:
         """This rank's target logprobs [T, K] -> every row's whole [n, K], gathered from
         the group (differentiable: a row's loss reaches every rank's positions)."""
         every = self.cp.gather(lp, self.sizes, dim=0)
         return [every.index_select(0, w) for w in self.whole]
+
+
+def segment_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                   cu_k: torch.Tensor, max_q: int, max_k: int, scale: float,
+                   gqa: bool) -> torch.Tensor:
+    """packed.varlen_attend's semantics in SDPA calls, one per segment (CPUs, fp32):
+    segment i's queries over its keys, causal aligned to the keys' end."""
+    outs, cq, ck = [], cu_q.tolist(), cu_k.tolist()
+    for q0, q1, k0, k1 in zip(cq[:-1], cq[1:], ck[:-1], ck[1:], strict=True):
+        n, m = q1 - q0, k1 - k0
+        mask = torch.ones((n, m), dtype=torch.bool, device=q.device).tril(m - n)
+        outs.append(F.scaled_dot_product_attention(
+            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], attn_mask=mask, scale=scale,
+            enable_gqa=gqa))
+    return torch.cat(outs, dim=2)
 
 
 def cp_batches(cp: ContextParallel, rows: list, order, token_budget: int) -> list[list]:
