@@ -208,8 +208,10 @@ class StepRunner:
         replicas by tokens and, under context parallelism, the long rows of its group (long
         rows split over the groups by tokens)."""
         short = [k for k, s in enumerate(long) if not s]
+        # (a row follows the one before it only where that one is not split)
+        chain = [follows[k] and not (k and long[k - 1]) for k in short]
         owner = {k: r for k, r in zip(short, split_rows(
-            [costs[k] for k in short], self.replicas, [follows[k] for k in short]), strict=True)}
+            [costs[k] for k in short], self.replicas, chain), strict=True)}
         if len(short) < len(rows):
             groups = self.world // self.cp.size
             split = [k for k, s in enumerate(long) if s]
