@@ -91,13 +91,19 @@ def test_two_workers_compute_what_one_does(tiny_dir, tmp_path):
         key = make_key(data_dir, "alice")
         extra = ()
         if n == 2:
-            (tmp_path / "cp.toml").write_text(f"cp_min_tokens = {CP_MIN}\n")
+            # (and a row limit below the model's 2048 positions: the workers' word reaches
+            # the door and get_server_capabilities)
+            (tmp_path / "cp.toml").write_text(f"cp_min_tokens = {CP_MIN}\nmax_seq_len = 1024\n")
             extra = ("--cp", "2", "--config", str(tmp_path / "cp.toml"))
         d = Daemon(tiny_dir, data_dir, tmp_path / f"log{n}", "--workers", str(n), *extra)
         try:
             assert len(d.workers()) == n
-            tc = tinker.ServiceClient(base_url=d.url, api_key=key).create_lora_training_client(
-                base_model=tiny_dir.name, rank=4, seed=7).result(timeout=T)
+            sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+            caps = tinker.RestClient(base_url=d.url, api_key=key).get_server_capabilities(
+            ).result(timeout=T).supported_models[0]
+            assert caps.max_context_length == (1024 if n == 2 else 2048)
+            tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                seed=7).result(timeout=T)
             tok = tc.get_tokenizer()
             data = _data(tok) + _data(tok, ROLLOUTS) + _data(tok, [LONG])
             assert len(data[-1].model_input.to_ints()) > CP_MIN > max(
