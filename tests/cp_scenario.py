@@ -55,13 +55,13 @@ def setup(engine) -> None:
 
 def grads(engine, name: str) -> dict[str, torch.Tensor]:
     a = engine.pool.get(name)
-    return {f"{p}:{k}": g[k][a.slot].detach().clone()
+    return {f"{p}:{k}": g[k][a.slot].detach().float().cpu().clone()
             for p, g in (("A", a.bank.gA), ("B", a.bank.gB)) for k in a.bank.shapes}
 
 
 def results(engine, reqs, out) -> dict:
-    return {"logprobs": [[o["logprobs"].clone() for o in r.outputs] for r in out],
-            "loss": [[o["elementwise_loss"].clone() for o in r.outputs] for r in out],
+    return {"logprobs": [[o["logprobs"].float().cpu() for o in r.outputs] for r in out],
+            "loss": [[o["elementwise_loss"].float().cpu() for o in r.outputs] for r in out],
             "grads_a": grads(engine, "a"), "grads_b": grads(engine, "b"),
             "pending": [engine.pool.get(n).pending for n in "ab"]}
 
@@ -86,11 +86,16 @@ def main(args: dict) -> None:
     from twinkled.engine.parallel import reduce_gradients
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=args["url"], rank=args["rank"],
-                            world_size=args["world"])
+    cuda = args.get("device") == "cuda"  # a GPU per rank, NCCL (test_cp's GPU test)
+    if cuda:
+        torch.cuda.set_device(args["rank"])
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=args["url"],
+                            rank=args["rank"], world_size=args["world"])
     cp = ContextParallel(2, MIN_TOKENS, cp_groups(args["rank"], args["world"], 2))
     engine = Engine(args["model"], dp_group=dist.group.WORLD,
-                    token_budget=args.get("token_budget", 16384))
+                    token_budget=args.get("token_budget", 16384),
+                    device=f"cuda:{args['rank']}" if cuda else "cpu",
+                    dtype=args.get("dtype", "float32"))
     setup(engine)
     reqs = requests(engine.model.vocab_size)
     short = reqs[1]

@@ -38,15 +38,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def cp_run(tiny_dir, tmp_path_factory):
-    """The group's results, rank by rank; a token budget that puts each long row in a
-    micro-batch of its own (several split micro-batches, each with its collectives)."""
-    out = tmp_path_factory.mktemp("cp")
+def _group(model_dir, out: Path, **extra) -> list[dict]:
+    """Run tests/cp_scenario.py on two ranks; their results, rank by rank."""
     url = f"tcp://127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen([sys.executable, str(HERE / "cp_scenario.py"), json.dumps(
-        {"url": url, "rank": r, "world": 2, "model": str(tiny_dir), "out": str(out),
-         "token_budget": 80})]) for r in range(2)]
+        {"url": url, "rank": r, "world": 2, "model": str(model_dir), "out": str(out),
+         **extra})]) for r in range(2)]
     try:
         codes = [p.wait(timeout=240) for p in procs]
     finally:
@@ -57,27 +54,46 @@ def cp_run(tiny_dir, tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def cp_run(tiny_dir, tmp_path_factory):
+    """The group's results; a token budget that puts each long row in a micro-batch of
+    its own (several split micro-batches, each with its collectives)."""
+    return _group(tiny_dir, tmp_path_factory.mktemp("cp"), token_budget=80)
+
+
 def test_cp2_matches_one_rank(tiny_dir, cp_run):
-    engine = Engine(tiny_dir)
+    _compare(cp_run, Engine(tiny_dir), RTOL)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs (NCCL)")
+def test_cp2_on_two_gpus_matches_one(tiny_dir, tmp_path):
+    """The GPU path: flash's varlen kernel over the gathered keys, NCCL, bf16 (so a bf16
+    tolerance: a wrong layout is off by far more)."""
+    got = _group(tiny_dir, tmp_path, token_budget=80, device="cuda", dtype="bfloat16")
+    _compare(got, Engine(tiny_dir, device="cuda:0", dtype="bfloat16"), 3e-2)
+
+
+def _compare(group: list[dict], engine: Engine, rtol: float) -> None:
+    """The group's results against one whole engine's on the same scenario."""
     setup(engine)
     reqs = requests(engine.model.vocab_size)
     want = results(engine, reqs, engine.forward_backward(reqs))
-    for rank, got in enumerate(cp_run):
+    for rank, got in enumerate(group):
         # The long rows, whole on every rank of the group (rank 0's are reported).
         for i in (0, 2, 3):
             for kind in ("logprobs", "loss"):
                 for g, w in zip(got[kind][i], want[kind][i], strict=True):
-                    assert g.shape == w.shape and _rel(g, w) < RTOL, (rank, i, kind)
+                    assert g.shape == w.shape and _rel(g, w) < rtol, (rank, i, kind)
         # Tenant b's short rows, each on the rank that ran it.
         for k, j in enumerate(SHORT[rank]):
-            assert _rel(got["logprobs"][1][k], want["logprobs"][1][j]) < RTOL
-            assert _rel(got["loss"][1][k], want["loss"][1][j]) < RTOL
+            assert _rel(got["logprobs"][1][k], want["logprobs"][1][j]) < rtol
+            assert _rel(got["loss"][1][k], want["loss"][1][j]) < rtol
         # LoRA gradients, summed over the group as the optimizer step sums them.
         for name in ("grads_a", "grads_b"):
             assert want[name].keys() == got[name].keys()
             for key, w in want[name].items():
                 assert w.abs().max() > 0, key  # the scenario reaches every parameter
-                assert _rel(got[name][key], w) < RTOL, (rank, name, key)
+                assert _rel(got[name][key], w) < rtol, (rank, name, key)
         assert got["pending"] == want["pending"] == [3, 3]  # a split row counts once
 
 
