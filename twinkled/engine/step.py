@@ -94,7 +94,8 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
     split = [r for r in rows if cp is not None and cp.splits(len(r.tokens))
              and not callable(requests[r.req].loss_fn)]
     if split:
-        rows = [r for r in rows if not any(r is x for x in split)]
+        gone = {id(r) for r in split}
+        rows = [r for r in rows if id(r) not in gone]
     batches: list = cp_batches(cp, split, _order, token_budget) if split else []
     n_split = len(batches)
     batches += _micro_batches(rows, requests, token_budget, packed, shared_prefix)
