@@ -70,7 +70,7 @@ def test_cp2_on_two_gpus_matches_one(tiny_dir, tmp_path):
     """The GPU path: flash's varlen kernel over the gathered keys, NCCL, bf16 (so a bf16
     tolerance: a wrong layout is off by far more)."""
     got = _group(tiny_dir, tmp_path, token_budget=80, device="cuda", dtype="bfloat16")
-    _compare(got, Engine(tiny_dir, device="cuda:0", dtype="bfloat16"), 3e-2)
+    _compare(got, Engine(tiny_dir, device="cuda:0", dtype="bfloat16"), 5e-2)
 
 
 def _compare(group: list[dict], engine: Engine, rtol: float) -> None:
