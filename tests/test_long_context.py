@@ -169,7 +169,8 @@ def test_padded_prefill_cuts_a_long_prompt_while_running_rows_decode(yarn_engine
     prompt = torch.randint(5, eng.model.vocab_size, (100,), generator=gen).tolist()
     short = SampleRequest(None, prompt[:5], SamplingParams(max_tokens=80, temperature=0,
                                                            stop=[]))
-    long = SampleRequest(None, prompt, SamplingParams(max_tokens=4, temperature=0, stop=[]))
+    long = SampleRequest(None, prompt, SamplingParams(max_tokens=4, temperature=0, stop=[]),
+                         prompt_logprobs=True)  # scored over its pieces' hidden states
     batch = RunningBatch(eng.model, rows=4, pages=64, page_size=4, prefill_tokens=16,
                          prefill="padded")
     (t_short,) = batch.admit([short], [None])
@@ -187,3 +188,5 @@ def test_padded_prefill_cuts_a_long_prompt_while_running_rows_decode(yarn_engine
     for got, w in zip([results[t_short], results[t_long]], want, strict=True):
         assert got.sequences[0].tokens == w.sequences[0].tokens
         assert got.sequences[0].logprobs == pytest.approx(w.sequences[0].logprobs, abs=1e-4)
+    assert results[t_long].prompt_logprobs[1:] == pytest.approx(want[1].prompt_logprobs[1:],
+                                                                 abs=1e-4)
