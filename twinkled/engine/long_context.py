@@ -13,7 +13,7 @@ it. So training and sampling rotate alike, and equal transformers' own forward
 
 from __future__ import annotations
 
-from twinkled.protocol.config import ROPE_SCALINGS as SCALINGS
+from twinkled.protocol.rope import ROPE_SCALINGS as SCALINGS
 from twinkled.protocol.types import EngineInputError
 
 

@@ -14,6 +14,7 @@ from functools import cache, cached_property
 from pathlib import Path
 
 from twinkled.protocol.checks import Limits as RequestLimits
+from twinkled.protocol.rope import RULE, rope_scaling_ok
 
 
 def default_data_dir() -> Path:
@@ -43,16 +44,10 @@ class Config:
     workers: int = 1  # ranks when `devices` is not given (CPU boxes: gloo workers)
     ep: int = 1  # expert parallelism: ranks that split an MoE model's experts (divides ranks)
     tp: int = 1  # tensor-parallel size: each replica of the base model spans tp devices
-    # Context parallelism: a row longer than `cp_min_tokens` has its tokens split over cp
-    # ranks of the lane (engine/context_parallel.py); 1: off. Divides the lane's ranks.
-    cp: int = 1
-    cp_min_tokens: int = 8192
-    # Rows longer than the model's config (engine/long_context.py): the longest row (0: the
-    # config's max_position_embeddings; above it, YaRN unless rope_scaling says otherwise),
-    # and the RoPE scaling of the model card ({rope_type = "yarn", factor = 4.0,
-    # original_max_position_embeddings = 32768} for Qwen3), applied in training and sampling.
-    max_seq_len: int = 0
-    rope_scaling: dict = field(default_factory=dict)
+    cp: int = 1  # context parallelism: ranks a row over cp_min_tokens is split over
+    cp_min_tokens: int = 8192  # (engine/context_parallel.py)
+    max_seq_len: int = 0  # 0: the model's positions; above: YaRN (engine/long_context.py)
+    rope_scaling: dict = field(default_factory=dict)  # as its model card: yarn, factor...
     # Independent worker groups the devices are split into, each with its own step loop;
     # a model lives on one (docs/internals.md, "Scaling over GPUs"). 1: one group.
     lanes: int = 1
@@ -168,8 +163,7 @@ class Config:
             max_stop_ids=self.max_stop_ids,
             max_topk=self.max_topk, max_prompt_cells=self.max_prompt_cells,
             max_name_chars=self.max_name_chars, max_ttl_s=self.max_ttl_s,
-            max_metadata_bytes=self.max_metadata_bytes,
-            kv_tokens=int(model.get("kv_tokens") or 0))
+            max_metadata_bytes=self.max_metadata_bytes, kv_tokens=int(model.get("kv_tokens") or 0))
 
     @property
     def preempt_s(self) -> float | None:
@@ -252,12 +246,6 @@ def _cuda_count() -> int:
         return 0
 
 
-# RoPE scalings a row longer than the config may use (engine/long_context.py). Not
-# "dynamic": it rotates a position by the length of the pass that holds it, so a sampled
-# token would be rotated otherwise than the same token in training.
-ROPE_SCALINGS = ("yarn", "linear", "llama3", "longrope")
-
-
 # -- `twinkled config check` ------------------------------------------------------------
 
 # a [tenants.NAME] table: weight, and the tenant_ quotas unprefixed
@@ -283,13 +271,8 @@ _RANGES = {
               "must be bfloat16, float32 or float16"),
     "device": (lambda v: v == "auto" or _DEVICE.fullmatch(v),
                "must be cpu, cuda, cuda:N or auto"),
-    "workers": _POSITIVE, "tp": _POSITIVE, "lanes": _POSITIVE, "ep": _POSITIVE,
-    "cp": _POSITIVE, "cp_min_tokens": _POSITIVE, "max_seq_len": _NON_NEGATIVE,
-    "rope_scaling": (lambda v: not v or (
-        (v.get("rope_type") or v.get("type")) in ROPE_SCALINGS
-        and isinstance(v.get("factor"), (int, float)) and v["factor"] >= 1),
-        f"must be {{}} or a table of rope_type (one of {', '.join(ROPE_SCALINGS)}) and "
-        "factor >= 1 (and original_max_position_embeddings)"),
+    "workers": _POSITIVE, "tp": _POSITIVE, "lanes": _POSITIVE, "ep": _POSITIVE, "cp": _POSITIVE,
+    "cp_min_tokens": _POSITIVE, "max_seq_len": _NON_NEGATIVE, "rope_scaling": (rope_scaling_ok, RULE),
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
                                  "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
