@@ -20,6 +20,8 @@ TEXTS = ["the sun and the sea are big.", "a cat.", "one two three four five six 
 # Rollouts of one long prompt (over shared_prefix's 32 tokens): one replica takes them all.
 PROMPT = "the quick brown fox jumps over the lazy dog near the river bank at dawn, " * 3
 ROLLOUTS = [PROMPT + end for end in ("and sleeps.", "then runs far away.", "and eats.")]
+LONG = PROMPT * 2 + "the end."  # ~230 tokens: split over the ranks at --cp 2
+CP_MIN = 200
 
 
 def _data(tok, texts=TEXTS):
@@ -80,17 +82,32 @@ def test_http_process_never_imports_torch(daemon):
 
 
 def test_two_workers_compute_what_one_does(tiny_dir, tmp_path):
-    """Rows split over 2 gloo ranks and summed gradients give the 1-worker adapter."""
+    """Rows split over 2 gloo ranks and summed gradients give the 1-worker adapter. The pair
+    runs at --cp 2 (context parallelism, engine/context_parallel.py): a row longer than
+    cp_min_tokens runs over both ranks, the others data-parallel as before."""
     results = {}
     for n in (1, 2):
         data_dir = tmp_path / f"w{n}"
         key = make_key(data_dir, "alice")
-        d = Daemon(tiny_dir, data_dir, tmp_path / f"log{n}", "--workers", str(n))
+        extra = ()
+        if n == 2:
+            # (and a row limit below the model's 2048 positions: the workers' word reaches
+            # the door and get_server_capabilities)
+            (tmp_path / "cp.toml").write_text(f"cp_min_tokens = {CP_MIN}\nmax_seq_len = 1024\n")
+            extra = ("--cp", "2", "--config", str(tmp_path / "cp.toml"))
+        d = Daemon(tiny_dir, data_dir, tmp_path / f"log{n}", "--workers", str(n), *extra)
         try:
             assert len(d.workers()) == n
-            tc = tinker.ServiceClient(base_url=d.url, api_key=key).create_lora_training_client(
-                base_model=tiny_dir.name, rank=4, seed=7).result(timeout=T)
-            data = _data(tc.get_tokenizer()) + _data(tc.get_tokenizer(), ROLLOUTS)
+            sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+            caps = tinker.RestClient(base_url=d.url, api_key=key).get_server_capabilities(
+            ).result(timeout=T).supported_models[0]
+            assert caps.max_context_length == (1024 if n == 2 else 2048)
+            tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                seed=7).result(timeout=T)
+            tok = tc.get_tokenizer()
+            data = _data(tok) + _data(tok, ROLLOUTS) + _data(tok, [LONG])
+            assert len(data[-1].model_input.to_ints()) > CP_MIN > max(
+                len(d.model_input.to_ints()) for d in data[:-1])
             losses = [_step(tc, data).metrics["loss:sum"] for _ in range(3)]
             path = tc.save_state("after3").result(timeout=T).path
             results[n] = (losses, _logprobs(tc, data), _checkpoint(data_dir, path))

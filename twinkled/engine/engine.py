@@ -30,6 +30,7 @@ from twinkled.protocol.types import (
 )
 
 from . import live, sampler, state, step
+from .context_parallel import ContextParallel
 from .full_param import FullRun, FullSlot, is_full_checkpoint
 from .fused_ops import Fused
 from .lora import Adapter, LoraPool
@@ -37,7 +38,7 @@ from .model import BaseModel
 from .moe_parallel import ExpertSplit, reduce_split_gradients
 from .optim import optimizer_steps
 from .parallel import reduce_gradients
-from .running import Finished, RunningBatch
+from .running import Finished, RunningBatch, pool_tokens
 from .shared_prefix import MIN_SHARED
 from .validate import check_forward_backward, check_sample
 
@@ -55,11 +56,14 @@ class Engine:
                  token_budget: int = 16384, packed: bool = True, dp_group=None, tp=None,
                  recompute: str = "auto", kv_bytes: int | None = None,
                  experts: ExpertSplit | None = None, prefix_cache: float = 0.0,
-                 shared_prefix: int = MIN_SHARED, fused: str = "all", sample_rows: int = 256):
+                 shared_prefix: int = MIN_SHARED, fused: str = "all", sample_rows: int = 256,
+                 rope_scaling: dict | None = None, max_seq_len: int | None = None):
         # `tp` (tp.py: TensorParallel): this rank holds a slice of the base model and of
         # every adapter; `dp_group` is then the group across the replicas. `experts`
-        # (moe_parallel.py): this rank's share of an MoE model's experts.
-        self.model = BaseModel(model_dir, dtype=dtype, device=device, tp=tp, experts=experts)
+        # (moe_parallel.py): this rank's share of an MoE model's experts. `rope_scaling`,
+        # `max_seq_len`: rows longer than the model's config (long_context.py).
+        self.model = BaseModel(model_dir, dtype=dtype, device=device, tp=tp, experts=experts,
+                               rope_scaling=rope_scaling, max_seq_len=max_seq_len)
         self.shard = self.model.shard  # None unless split
         self.model.recompute.set_mode(recompute)  # activation checkpointing (recompute.py)
         self.model.fused = Fused.parse(fused)  # the layer's fused kernels (fused_ops.py)
@@ -89,6 +93,9 @@ class Engine:
         self.padded_sampling = self.shard is not None or bool(self.model.moe)
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
+        # Adapters whose gradients this rank holds parts of split rows of (context
+        # parallelism), until their optimizer step sums them over the group (parallel.py).
+        self.spread: set[str] = set()
         # A full-parameter run (rank 0, full_param.py): it trains this engine's base model
         # itself, so it is the only training run here.
         self._full = FullSlot(self.model, dp_group)
@@ -173,15 +180,17 @@ class Engine:
 
     def forward_backward(self, requests: list[ForwardBackwardRequest],
                          checked: bool = False, micro_tokens: int = 0,
-                         between: Callable[[], None] | None = None
-                         ) -> list[ForwardBackwardResult]:
+                         between: Callable[[], None] | None = None,
+                         cp: ContextParallel | None = None) -> list[ForwardBackwardResult]:
         """Run several requests (any adapters, forward-only or not) as shared passes.
 
         Gradients accumulate per adapter until its `optim_step`. All requests are checked
         first: if one is bad, nothing runs and nothing changes. `checked`: the caller
         already did (the daemon checks at its door). `micro_tokens`: micro-batches of at
         most this many tokens (0: `token_budget`); `between`: called between them
-        (step.forward_backward: the step is preemptible there).
+        (step.forward_backward: the step is preemptible there). `cp`: long rows are split
+        over this context-parallel group (context_parallel.py); every rank of it must make
+        this call alike, with the same long rows (workers/runner.py).
         """
         full = [self.is_full(r.adapter_id) for r in requests]
         if any(full):  # the base model is the run's: its rows train it (full_param.py)
@@ -192,12 +201,17 @@ class Engine:
                 self.check(replace(r, forward_only=True) if f else r)
         adapters = [None if r.adapter_id is None else self.pool.get(r.adapter_id) for r in requests]
         budget = min(micro_tokens, self.token_budget) if micro_tokens > 0 else self.token_budget
+        if cp is not None:
+            self.spread.update(r.adapter_id for r in requests if r.adapter_id is not None
+                               and not r.forward_only
+                               and any(cp.splits(len(d.tokens)) for d in r.data))
         if all(r.forward_only for r in requests):
             with torch.no_grad():
                 return step.forward_backward(self.model, requests, adapters, budget,
-                                             self.packed, self.shared_prefix, between)
+                                             self.packed, self.shared_prefix, between, cp)
         results = step.forward_backward(self.model, requests, adapters, budget, self.packed,
-                                        self.shared_prefix, between, base_trains=any(full))
+                                        self.shared_prefix, between, cp,
+                                        base_trains=any(full))
         for r, f in zip(requests, full, strict=True):
             if f and not r.forward_only:
                 self.full.trained(len(r.data))
@@ -249,7 +263,8 @@ class Engine:
         if self.experts is not None:
             reduce_split_gradients(adapters, self.dp_group)
         elif self.dp_group is not None:
-            reduce_gradients(adapters, self.dp_group)
+            reduce_gradients(adapters, self.dp_group, self.spread)
+        self.spread.difference_update(ids)
         return optimizer_steps(list(zip(adapters, [p for _, p in items], strict=True)),
                                self.shard)
 
@@ -260,6 +275,7 @@ class Engine:
         a = self.pool.get(adapter_id)
         a.bank.zero_slot(a.slot)
         a.pending = 0
+        self.spread.discard(adapter_id)
 
     # -- sampling ---------------------------------------------------------------------
 
@@ -278,6 +294,12 @@ class Engine:
         except BaseException:
             self._running = None  # rows may be left holding pages: start afresh next time
             raise
+
+    @property
+    def kv_tokens(self) -> int:
+        """The longest sequence the sampler's KV pool holds at its configured size (0: no
+        such bound, where sampling runs padded, without the pool)."""
+        return 0 if self.padded_sampling else pool_tokens(self.model, self.kv_bytes)
 
     @property
     def kv_pages(self) -> int:

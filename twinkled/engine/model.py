@@ -21,6 +21,7 @@ from twinkled.protocol.types import MLP_MODULES, EngineInputError
 
 from . import chunked_logprobs, fused_ops, qwen35
 from .fused_ops import Fused, Joint
+from .long_context import extend_context
 from .lora import LoraBatch
 from .losses import target_logprobs
 from .moe import MOE_ARCHS, bank_tokens, moe_blocks, shard_experts
@@ -71,9 +72,11 @@ class KVCache:
 class BaseModel:
     def __init__(self, model_dir: str | Path, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", tp=None,
-                 experts: ExpertSplit | None = None):
+                 experts: ExpertSplit | None = None, rope_scaling: dict | None = None,
+                 max_seq_len: int | None = None):
         """`tp`: this rank's TensorParallel (tp.py); `experts`: this rank's share of an MoE
-        model's experts (expert parallelism, moe_parallel.py)."""
+        model's experts (expert parallelism, moe_parallel.py). `rope_scaling`/`max_seq_len`:
+        rows longer than the config (long_context.py)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         model_dir = Path(model_dir)
@@ -88,10 +91,13 @@ class BaseModel:
                 getattr(config, "layer_types", None) or ()) or (
                 config.model_type == "mixtral" and getattr(config, "sliding_window", None)):
             raise EngineInputError("model", "sliding-window attention is not supported")
+        loaded = config  # what from_pretrained builds from (a Qwen3.5 checkpoint's nests)
         hybrid = config.model_type in qwen35.ARCHS
         if hybrid:
             qwen35.check(config, tp)
-            config = qwen35.text_config(config)
+            config = qwen35.text_config(config)  # (the nested object itself: scaled below)
+        # Before the model is built: its rotary module computes the scaled frequencies.
+        self.max_seq_len = extend_context(config, rope_scaling, max_seq_len)
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
         self.dir = model_dir
@@ -111,7 +117,8 @@ class BaseModel:
         else:
             # Read whole on the host; an MoE model's files hold its experts one by one, and
             # transformers fuses them as it loads.
-            self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+            self.hf = AutoModelForCausalLM.from_pretrained(model_dir, config=loaded,
+                                                           dtype=self.dtype)
             if self.shard is not None:  # attention split as for a dense model
                 from .tp_load import shard_loaded
 
@@ -138,7 +145,6 @@ class BaseModel:
             self.n_heads, self.n_kv = self.shard.local_heads, self.shard.local_kv
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         self.vocab_size = self.lm_head.out_features  # whole, when this rank holds a slice
-        self.max_seq_len = int(config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(config, self.tokenizer)
         # Training's logprobs: "chunked" a chunk of tokens at a time from the hidden
         # states, "full" through the whole logits (the reference path), "auto": chunked

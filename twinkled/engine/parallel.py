@@ -18,23 +18,29 @@ import torch.distributed as dist
 from .lora import Adapter
 
 
-def reduce_gradients(adapters: list[Adapter], group: dist.ProcessGroup | None) -> None:
+def reduce_gradients(adapters: list[Adapter], group: dist.ProcessGroup | None,
+                     spread: frozenset[str] | set[str] = frozenset()) -> None:
     """Sum the adapters' gradients and pending counts over `group`.
 
     Every rank must call this with the same adapters in the same order (SPMD). A rank that
     ran no rows of an adapter holds zeros for it; `pending` becomes the group's total, so
     the step is taken (or skipped) on every rank alike. One all-gather of the counts says
     which ranks hold what; then one broadcast per rank that alone holds some adapters, and
-    one all-reduce for the adapters held by several."""
+    one all-reduce for the adapters held by several. `spread`: adapters of which this rank
+    ran parts of split rows (context_parallel.py): it holds gradients of them even where
+    its count is 0 (a split row counts once, on its group's first rank)."""
     if not adapters:
         return
+    n = len(adapters)
     grads = [a.bank.flat(a.slot, "g") for a in adapters]  # one tensor per adapter
-    mine = torch.tensor([float(a.pending) for a in adapters], dtype=grads[0].dtype,
-                        device=grads[0].device)
+    mine = torch.tensor([float(a.pending) for a in adapters]
+                        + [float(a.id in spread) for a in adapters],
+                        dtype=grads[0].dtype, device=grads[0].device)
     counts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(counts, mine, group=group)
-    held = torch.stack(counts).tolist()  # [rank][adapter]
-    holders = [[r for r, row in enumerate(held) if row[i] > 0] for i in range(len(adapters))]
+    held = torch.stack(counts).tolist()  # [rank][adapter counts, then spread flags]
+    holders = [[r for r, row in enumerate(held) if row[i] > 0 or row[n + i] > 0]
+               for i in range(n)]
     sum_in_place([g for g, h in zip(grads, holders, strict=True) if len(h) > 1], group)
     for r in range(len(held)):
         _broadcast_in_place([g for g, h in zip(grads, holders, strict=True) if h == [r]],

@@ -14,7 +14,9 @@ its pieces' hidden states until the last one (prompt_scores.py reads every posit
 
 `varlen=False` is the padded reference (prefix_cache.prefill): the queue then prefills
 everything queued in one pass, whole (admission keeps it under the padded budget), as the
-running batch did before chunking.
+running batch did before chunking; only a prompt longer than the budget is cut, into
+passes of its own (a 128K prompt would otherwise stall every running row for its whole
+prefill, and its mask alone would be 128K x 128K).
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class PrefillQueue:
 
     def _plan(self) -> list[Piece]:
         """The pass's pieces: the queue's prompts in order, until the budget is spent
-        (the padded path: all of them, whole)."""
+        (the padded path: all of them, whole, but for a prompt longer than the budget)."""
         room, out = self.budget, []
         for p in self.queue:
             n = len(p.prompt) - p.done
@@ -109,12 +111,24 @@ class PrefillQueue:
                 n = min(n, room)
                 if n <= 0:
                     break
+            elif n > self.budget:
+                # Padded too, a long prompt is cut: a pass of its own per piece (pieces
+                # after the first read the earlier ones' keys from the pages, as a cached
+                # prefix), so running rows decode between them. Its mask is [piece, prompt]:
+                # pieces of at most budget^2 / prompt tokens keep it to budget^2 cells
+                # (a 128K prompt at 16K a pass: 2K-token pieces, 256 MB of mask).
+                if out:
+                    break
+                n = max(1, min(self.budget, self.budget ** 2 // len(p.prompt)))
+                return [Piece(p.prompt, p.done, p.done + n, p.pages, p.adapter, p.state)]
             out.append(Piece(p.prompt, p.done, p.done + n, p.pages, p.adapter, p.state))
             room -= n
         return out
 
     def _padded(self, pieces: list[Piece]) -> tuple[list[torch.Tensor], torch.Tensor]:
         lora = row_lora(self.stack, [p.adapter for p in pieces], self.kernels)
+        # A piece of a cut prompt writes and reads only the pages up to its end.
         hidden, logits = prefill(self.model, self.pool, lora, [p.prompt[:p.end] for p in pieces],
-                                 [p.start for p in pieces], [p.pages for p in pieces])
+                                 [p.start for p in pieces],
+                                 [p.pages[:self.pool.pages_for(p.end)] for p in pieces])
         return [hidden[i, :p.tokens] for i, p in enumerate(pieces)], logits

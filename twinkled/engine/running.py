@@ -51,6 +51,19 @@ PREFILL_TOKENS = {"cuda": 16384, "cpu": 2048}  # prompt tokens of one prefill pa
 PREFILLS = ("varlen", "padded")
 
 
+def pool_pages(model, kv_bytes: int | None, page_size: int = PAGE_SIZE) -> int:
+    """Pages of a KV pool of `kv_bytes` (None: the device's default) for `model`."""
+    per_token = 2 * model.kv_layers * model.n_kv * model.head_dim * model.dtype.itemsize
+    kv_bytes = kv_bytes or KV_BYTES.get(model.device.type, KV_BYTES["cuda"])
+    return max(2, kv_bytes // (per_token * page_size))
+
+
+def pool_tokens(model, kv_bytes: int | None) -> int:
+    """The longest sequence (prompt and new tokens) a pool of `kv_bytes` holds: all its
+    pages but the reserved one."""
+    return (pool_pages(model, kv_bytes) - 1) * PAGE_SIZE
+
+
 class RunningBatch:
     """Up to `rows` sequences decoding together over a pool of `pages` KV pages (default:
     as many as `kv_bytes` hold, else `KV_BYTES` of the device type). `decode`: how a decode step runs (decode_step.py;
@@ -90,8 +103,7 @@ class RunningBatch:
         if model.hybrid is not None:
             rows, kv_bytes = SlotStates.fit(model, rows, kv_bytes)
         if pages is None:
-            per_token = 2 * model.kv_layers * model.n_kv * model.head_dim * model.dtype.itemsize
-            pages = max(2, kv_bytes // (per_token * page_size))
+            pages = pool_pages(model, kv_bytes, page_size)
         self.model, self.rows = model, rows
         self.pool = PagePool(model.kv_layers, model.n_kv, model.head_dim, pages, page_size,
                              model.dtype, dev)

@@ -18,6 +18,7 @@ import torch
 
 from twinkled.protocol.types import ForwardBackwardRequest, ForwardBackwardResult
 
+from .context_parallel import ContextParallel, cp_batches, cp_logprobs
 from .lora import Adapter, LoraBatch
 from .losses import loss_spec
 from .model import BaseModel
@@ -65,7 +66,8 @@ HOST_TIME = HostTime()
 def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
                      adapters: list[Adapter | None], token_budget: int,
                      packed: bool = True, shared_prefix: int = MIN_SHARED,
-                     between: Callable[[], None] | None = None, base_trains: bool = False
+                     between: Callable[[], None] | None = None,
+                     cp: ContextParallel | None = None, base_trains: bool = False
                      ) -> list[ForwardBackwardResult]:
     """Run every request's data through the model; back-propagate the training ones.
 
@@ -77,6 +79,9 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
     `between`: called after each micro-batch but the last, once its backward is done (the
     step is preemptible there: the worker runs newly arrived small work of other adapters,
     which touches none of this step's gradients).
+    `cp`: rows it splits run over the context-parallel group (context_parallel.py), in
+    micro-batches of their own before the others; every rank of the group is given the
+    same split rows, and each reports them whole (the caller keeps one rank's word).
     `base_trains`: rows without an adapter train the base model's own weights (a
     full-parameter run, full_param.py: their gradients land in the weights' `.grad`).
     """
@@ -89,19 +94,36 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
     outputs = [[None] * len(r.data) for r in requests]
     custom_metrics: dict[int, dict[str, float]] = {}
 
-    batches = _micro_batches(rows, requests, token_budget, packed, shared_prefix)
+    split = [r for r in rows if cp is not None and cp.splits(len(r.tokens))
+             and not callable(requests[r.req].loss_fn)]
+    if split:
+        gone = {id(r) for r in split}
+        rows = [r for r in rows if id(r) not in gone]
+    batches: list = cp_batches(cp, split, _order, token_budget) if split else []
+    n_split = len(batches)
+    batches += _micro_batches(rows, requests, token_budget, packed, shared_prefix)
     for n, groups in enumerate(batches):
         if n and between is not None:
             between()
         began = time.perf_counter()
-        batch = [r for g in groups for r in g.rows]
+        whole = n < n_split  # a micro-batch of split rows: a list of rows, not of groups
+        batch = groups if whole else [r for g in groups for r in g.rows]
         train = any(r.train for r in batch)
         inputs = _loss_inputs(requests, batch, model.device)
+        # A split row's loss counts once in the group (on its rank 0); the others take it
+        # times zero, so that their backward runs the same collectives (context_parallel.py).
+        weight = 1.0 if not whole or cp.rank == 0 else 0.0
         with torch.set_grad_enabled(train):
             # A shared start exists only in the packed layout.
-            pack = packed and (any(g.shared for g in groups) or _padding(batch) > PACK_ABOVE)
-            lp = _packed_logprobs(model, groups) if pack else _logprobs(model, batch)
+            pack = not whole and packed and (any(g.shared for g in groups)
+                                             or _padding(batch) > PACK_ABOVE)
+            if whole:
+                lp = cp_logprobs(model, cp, batch)
+            else:
+                lp = _packed_logprobs(model, groups) if pack else _logprobs(model, batch)
             real = sum(len(r.tokens) for r in batch)
+            if whole:
+                real = -(-real // cp.size)  # this rank's share
             TOKENS.add(real, sum(g.cost for g in groups) if pack else real)
             elementwise = torch.zeros_like(lp, requires_grad=False)
             total = None
@@ -112,7 +134,8 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
                 loss = _datum_loss(req, inputs[k], r.view(lp, k))
                 r.view(elementwise, k)[:] = loss.detach()
                 if r.train:
-                    total = loss.sum() if total is None else total + loss.sum()
+                    part = loss.sum() * weight if whole else loss.sum()
+                    total = part if total is None else total + part
             for i in sorted({r.req for r in batch if callable(requests[r.req].loss_fn)}):
                 # A custom loss sees its whole request (kept in one micro-batch) at once.
                 # In datum order (a micro-batch may hold rows in another: shared_prefix.py)
@@ -143,7 +166,9 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
         metrics.update(custom_metrics.get(i, {}))
         results.append(ForwardBackwardResult(outputs=outputs[i], metrics=metrics))
         if adapters[i] is not None and not req.forward_only:
-            adapters[i].pending += len(req.data)
+            # a split row counts once in the group, as its gradient does
+            adapters[i].pending += len(req.data) - (
+                sum(1 for r in split if r.req == i) if split and cp.rank else 0)
     return results
 
 
@@ -158,6 +183,12 @@ def _padding(batch: list[_Row]) -> float:
     return 1 - sum(lengths) / (max(lengths) * len(lengths))
 
 
+def _order(r: _Row):
+    """Bank-contiguous order: base rows first, then each bank's adapters by slot."""
+    a = r.adapter
+    return (0, (), 0) if a is None else (1, a.bank.order, a.slot)
+
+
 def _micro_batches(rows: list[_Row], requests, token_budget: int, packed: bool,
                    min_shared: int) -> list[list[Group]]:
     """Bank-contiguous order (base rows first), grouped where rows share a start (packed
@@ -167,11 +198,7 @@ def _micro_batches(rows: list[_Row], requests, token_budget: int, packed: bool,
 
     A custom-loss request is kept whole in one micro-batch: its loss may couple datums.
     """
-    def order(r: _Row):
-        a = r.adapter
-        return (0, (), 0) if a is None else (1, a.bank.order, a.slot)
-
-    rows = sorted(rows, key=order)
+    rows = sorted(rows, key=_order)
     min_shared = min_shared if packed else 0
     custom = {i for i, q in enumerate(requests) if callable(q.loss_fn)}
     batches: list[list[Group]] = []

@@ -65,6 +65,8 @@ class Limits:
     max_name_chars: int = 128  # checkpoint names
     max_ttl_s: int = 10 * 365 * 86400
     max_metadata_bytes: int = 65536  # user_metadata, as JSON
+    # The longest sequence the sampler's KV pool holds (the workers say; 0: no bound).
+    kv_tokens: int = 0
 
 
 def fail(field: str, message: str) -> EngineInputError:
@@ -264,6 +266,11 @@ def check_sample(prompt: Sequence, max_tokens: int, num_samples: int, stop: Any,
     if n + max_tokens > limits.max_seq_len:
         raise fail("sampling_params.max_tokens", f"prompt ({n}) + max_tokens ({max_tokens}) "
                    f"exceeds the model's context of {limits.max_seq_len}")
+    if limits.kv_tokens and n + max_tokens > limits.kv_tokens:
+        # It would never get its pages: refused now, with the numbers, not failed later.
+        raise fail("sampling_params.max_tokens", f"prompt ({n}) + max_tokens ({max_tokens}) "
+                   f"= {n + max_tokens} tokens exceed the {limits.kv_tokens} tokens the "
+                   "sampler's KV pool holds (sample_kv_mb)")
     check_stop(stop, limits)
 
 

@@ -14,6 +14,7 @@ from functools import cache, cached_property
 from pathlib import Path
 
 from twinkled.protocol.checks import Limits as RequestLimits
+from twinkled.protocol.rope import RULE, rope_scaling_ok
 
 
 def default_data_dir() -> Path:
@@ -43,6 +44,10 @@ class Config:
     workers: int = 1  # ranks when `devices` is not given (CPU boxes: gloo workers)
     ep: int = 1  # expert parallelism: ranks that split an MoE model's experts (divides ranks)
     tp: int = 1  # tensor-parallel size: each replica of the base model spans tp devices
+    cp: int = 1  # context parallelism: ranks a row over cp_min_tokens is split over
+    cp_min_tokens: int = 8192  # (engine/context_parallel.py)
+    max_seq_len: int = 0  # 0: the model's positions; above: YaRN (engine/long_context.py)
+    rope_scaling: dict = field(default_factory=dict)  # as its model card: yarn, factor...
     # Independent worker groups the devices are split into, each with its own step loop;
     # a model lives on one (docs/internals.md, "Scaling over GPUs"). 1: one group.
     lanes: int = 1
@@ -173,7 +178,7 @@ class Config:
             max_stop_ids=self.max_stop_ids,
             max_topk=self.max_topk, max_prompt_cells=self.max_prompt_cells,
             max_name_chars=self.max_name_chars, max_ttl_s=self.max_ttl_s,
-            max_metadata_bytes=self.max_metadata_bytes)
+            max_metadata_bytes=self.max_metadata_bytes, kv_tokens=int(model.get("kv_tokens") or 0))
 
     @property
     def preempt_s(self) -> float | None:
@@ -281,7 +286,8 @@ _RANGES = {
               "must be bfloat16, float32 or float16"),
     "device": (lambda v: v == "auto" or _DEVICE.fullmatch(v),
                "must be cpu, cuda, cuda:N or auto"),
-    "workers": _POSITIVE, "tp": _POSITIVE, "lanes": _POSITIVE, "ep": _POSITIVE,
+    "workers": _POSITIVE, "tp": _POSITIVE, "lanes": _POSITIVE, "ep": _POSITIVE, "cp": _POSITIVE,
+    "cp_min_tokens": _POSITIVE, "max_seq_len": _NON_NEGATIVE, "rope_scaling": (rope_scaling_ok, RULE),
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
                                  "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,

@@ -40,6 +40,10 @@ def main() -> None:
               "is split over this many devices (default 1).")
 @click.option("--ep", type=int, help="Expert parallelism: ranks that split an MoE model's "
               "experts (default 1; divides the ranks and the experts).")
+@click.option("--cp", type=int, help="Context parallelism: a row longer than cp_min_tokens "
+              "has its tokens split over this many ranks (default 1).")
+@click.option("--max-seq-len", type=int, help="Longest row; beyond the model's config it "
+              "turns on YaRN unless rope_scaling is set (default: the config's).")
 @click.option("--lanes", type=int, help="Independent worker groups to split the devices "
               "into, each with its own steps; a model lives on one (default 1).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
@@ -48,8 +52,8 @@ def main() -> None:
               help="One line per request; json for log shippers (default text).")
 @click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True),
               help="TOML config file; flags override it.")
-def serve(model, model_name, data_dir, host, port, device, devices, workers, tp, ep, lanes,
-          dtype, log_format, config_file) -> None:
+def serve(model, model_name, data_dir, host, port, device, devices, workers, tp, ep, cp,
+          max_seq_len, lanes, dtype, log_format, config_file) -> None:
     """Load the base model once and serve the Tinker API over HTTP."""
     from twinkled.server.perms import private_dir, private_umask
 
@@ -62,7 +66,7 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
 
     cfg = Config.load(config_file, model=model, model_name=model_name, data_dir=data_dir,
                       host=host, port=port, device=device, dtype=dtype, workers=workers, tp=tp,
-                      ep=ep, lanes=lanes, devices=expand_devices(devices) if devices else None,
+                      ep=ep, cp=cp, max_seq_len=max_seq_len, lanes=lanes, devices=expand_devices(devices) if devices else None,
                       log_format=log_format)
     if cfg.model is None or not (cfg.model / "config.json").is_file():
         raise click.UsageError("--model must be a Hugging Face model directory")

@@ -93,6 +93,21 @@ def adapters_budget(cfg: Config, memory: list[int]) -> int | None:
                           cfg.token_budget, cfg.tp, kv, HEADROOM)
 
 
+def _cp_problems(cfg: Config, lane_ranks: int, ranks: int) -> list[str]:
+    """Context parallelism (engine/context_parallel.py) splits rows over groups of `cp`
+    consecutive ranks of a lane; it composes with data parallelism only (for now)."""
+    if cfg.cp <= 1:
+        return []
+    if cfg.tp > 1 or cfg.ep > 1:
+        return ["cp: --cp composes with data parallelism only: leave --tp and --ep at 1"]
+    if cfg.remote_ranks or cfg.join_listen:
+        return ["cp: a context-parallel group gathers keys every layer: no other hosts "
+                "(remote_ranks, join_listen)"]
+    if ranks % cfg.cp or lane_ranks % cfg.cp:
+        return [f"cp: --cp {cfg.cp} must divide each lane's {lane_ranks} worker ranks"]
+    return []
+
+
 def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[str]:
     """What is wrong with serving `cfg.model` on `cfg`'s devices at `cfg.tp` (one line
     each; [] when nothing is). `gpu_memory`: the cards' sizes (default: probed)."""
@@ -125,6 +140,7 @@ def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[st
     elif cfg.lanes > 1 and (len(devices) // cfg.lanes) % cfg.ep:
         problems.append(f"ep: --ep {cfg.ep} must divide each lane's "
                         f"{len(devices) // cfg.lanes} worker ranks")
+    problems += _cp_problems(cfg, len(devices) // max(1, cfg.lanes), ranks)
     model = cfg.model_config
     if tp > 1 and model and (why := split_problem(model, tp)) is not None:
         problems.append(f"tp: {why}")

@@ -29,8 +29,10 @@ class InProcessGroup:
     def __init__(self, model: str | Path, *, device: str = "cpu", dtype: str = "float32",
                  max_rank: int = 64, token_budget: int = 16384, packing: bool = True,
                  shared_prefix: int = 32, fused_kernels: str = "all",
-                 sample_kv_mb: int = 0, sample_rows: int = 256, live_dir: Path | None = None, persist_every: int = 1,
-                 sample_prefix_cache: float = 0.0, logprob_gap_every: int = 0):
+                 sample_kv_mb: int = 0, sample_rows: int = 256, live_dir: Path | None = None,
+                 persist_every: int = 1,
+                 sample_prefix_cache: float = 0.0, logprob_gap_every: int = 0,
+                 max_seq_len: int = 0, rope_scaling: dict | None = None):
         self.devices = [device]
         self.model_info: dict = {}
         self.restarts = 0
@@ -39,7 +41,9 @@ class InProcessGroup:
                              "token_budget": token_budget, "packed": packing,
                              "shared_prefix": shared_prefix, "fused": fused_kernels,
                              "kv_bytes": sample_kv_mb << 20 or None, "sample_rows": sample_rows,
-                             "prefix_cache": sample_prefix_cache}
+                             "prefix_cache": sample_prefix_cache,
+                             "max_seq_len": max_seq_len or None,
+                             "rope_scaling": rope_scaling or None}
         self._model = str(model)
         self._live_dir, self._persist_every = live_dir, persist_every
         self._gap_every = logprob_gap_every
@@ -78,6 +82,7 @@ class InProcessGroup:
                      if self._live_dir is not None else None)
         cfg = engine.model.config
         info = {"arch": cfg.model_type, "max_seq_len": engine.model.max_seq_len,
+                "kv_tokens": engine.kv_tokens,
                 "vocab_size": cfg.vocab_size,
                 "dtype": str(engine.model.dtype).replace("torch.", "")}
         return StepRunner(engine, 0, 1, persister, gap_every=self._gap_every), info

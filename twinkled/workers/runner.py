@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from twinkled.engine import Engine, EngineInputError
+from twinkled.engine.context_parallel import ContextParallel
 from twinkled.engine.live import read_mark
 from twinkled.engine.parallel import split_rows
 from twinkled.protocol.checkpoints import checkpoint_digest
@@ -57,6 +58,18 @@ log = logging.getLogger("twinkled.worker")
 _FAIL_TOKENS = int(os.environ.get("TWINKLED_TEST_FAIL_TOKENS", "0"))
 
 
+def _without(result, datums: list[int], drop: set[int]):
+    """An op's result less the datums another rank reports (a split row's), and the
+    datums it still holds."""
+    if not drop:
+        return result, datums
+    keep = [k for k, j in enumerate(datums) if j not in drop]
+    outputs = [result.outputs[k] for k in keep]
+    metrics = dict(result.metrics)
+    metrics["loss:sum"] = float(sum(o["elementwise_loss"].sum() for o in outputs))
+    return replace(result, outputs=outputs, metrics=metrics), [datums[k] for k in keep]
+
+
 def _datum(d: DatumF) -> Datum:
     return Datum(to_tensor(d.tokens), {k: to_tensor(v) for k, v in d.inputs.items()})
 
@@ -64,8 +77,13 @@ def _datum(d: DatumF) -> Datum:
 class StepRunner:
     def __init__(self, engine: Engine, rank: int, world: int, persister: Persister | None,
                  spans_hosts: bool = False, ep: int = 1, seed: int | None = None,
-                 persist_every: int = 1, gap_every: int = 0):
+                 persist_every: int = 1, gap_every: int = 0,
+                 cp: ContextParallel | None = None):
         self.engine = engine
+        # Context parallelism (engine/context_parallel.py): a long row runs on every rank
+        # of one group of cp.size ranks, which its first rank reports; the other rows are
+        # split over all ranks as data parallelism splits them.
+        self.cp = cp
         self.rank, self.world = rank, world
         # Rows and samples are split over the data-parallel replicas; every rank of a
         # replica runs the same ones, and one rank of it reports them (the executor joins
@@ -154,17 +172,15 @@ class StepRunner:
             costs += parts
             follows += [j > 0 and c < d.tokens.shape[0]
                         for j, (c, d) in enumerate(zip(parts, ops[i].data, strict=True))]
-        owner = split_rows(costs, self.replicas, follows)
-        mine: dict[int, list[int]] = {i: [] for i, _ in good}
-        for (i, _, j), r in zip(rows, owner, strict=True):
-            if r == self.replica:
-                mine[i].append(j)
+        long = [self.cp is not None and self.cp.splits(ops[i].data[j].tokens.shape[0])
+                for i, _, j in rows]
+        mine = self._mine(rows, costs, follows, long)
         run = [(i, req) for i, req in good if mine[i]]
         try:  # checked at the door: the engine does not check again
             results = self.engine.forward_backward(
                 [replace(req, data=[req.data[j] for j in mine[i]]) for i, req in run],
                 checked=True, micro_tokens=micro_tokens,
-                between=between if self.world == 1 else None)
+                between=between if self.world == 1 else None, cp=self.cp)
             if _FAIL_TOKENS and any(len(req.data[j].tokens) == _FAIL_TOKENS
                                     for i, req in run for j in mine[i]):
                 raise RuntimeError("injected failure (TWINKLED_TEST_FAIL_TOKENS)")
@@ -175,13 +191,38 @@ class StepRunner:
             why = f"{type(e).__name__}: {e}"
             return outcomes + [OutcomeF(i, error=why, category=RETRY) for i, _ in good]
         by_op = dict(zip([i for i, _ in run], results, strict=True))
+        split = {(i, j) for (i, _, j), s in zip(rows, long, strict=True) if s}
         for i, _ in good:
             r = by_op.get(i) if self.reports else None
             rows_i = mine[i] if self.reports else []
+            if r is not None and split and self.cp.rank != 0:  # the group's first rank's word
+                r, rows_i = _without(r, mine[i], {j for k, j in split if k == i})
             out = FwdBwdOutF(rows_i, [], {}) if r is None else FwdBwdOutF(
-                mine[i], [{k: to_buf(v) for k, v in o.items()} for o in r.outputs], r.metrics)
+                rows_i, [{k: to_buf(v) for k, v in o.items()} for o in r.outputs], r.metrics)
             outcomes.append(OutcomeF(i, fwdbwd=out))
         return outcomes
+
+    def _mine(self, rows: list, costs: list[int], follows: list[bool], long: list[bool]
+              ) -> dict[int, list[int]]:
+        """The datums of each op this rank runs: its share of the rows split over the
+        replicas by tokens and, under context parallelism, the long rows of its group (long
+        rows split over the groups by tokens)."""
+        short = [k for k, s in enumerate(long) if not s]
+        # (a row follows the one before it only where that one is not split)
+        chain = [follows[k] and not (k and long[k - 1]) for k in short]
+        owner = {k: r for k, r in zip(short, split_rows(
+            [costs[k] for k in short], self.replicas, chain), strict=True)}
+        if len(short) < len(rows):
+            groups = self.world // self.cp.size
+            split = [k for k, s in enumerate(long) if s]
+            mine_group = self.rank // self.cp.size
+            for k, g in zip(split, split_rows([costs[k] for k in split], groups), strict=True):
+                owner[k] = self.replica if g == mine_group else -1
+        mine: dict[int, list[int]] = {i: [] for i, *_ in rows}
+        for k, (i, _, j) in enumerate(rows):
+            if owner[k] == self.replica:
+                mine[i].append(j)
+        return mine
 
     # -- barriers -----------------------------------------------------------------------
 

@@ -146,6 +146,12 @@ def _start(args: dict):
         from twinkled.engine.moe_parallel import expert_groups
 
         experts, dp_group = expert_groups(args["rank"], args["world"], ep)
+    cp = None
+    if int(args.get("cp", 1)) > 1:  # context parallelism (engine/context_parallel.py)
+        from twinkled.engine.context_parallel import ContextParallel, cp_groups
+
+        cp = ContextParallel(int(args["cp"]), int(args.get("cp_min_tokens", 8192)),
+                             cp_groups(args["rank"], args["world"], int(args["cp"])))
     engine = Engine(args["model"], dtype=dtype, device=device, max_rank=args["max_rank"],
                     token_budget=args["token_budget"], packed=args.get("packing", True),
                     shared_prefix=args.get("shared_prefix", MIN_SHARED),
@@ -154,12 +160,15 @@ def _start(args: dict):
                     sample_rows=args.get("sample_rows", 256),
                     prefix_cache=float(args.get("sample_prefix_cache", 0.0)),
                     dp_group=dp_group, tp=tp, experts=experts,
-                    recompute=args.get("activation_checkpointing", "auto"))
+                    recompute=args.get("activation_checkpointing", "auto"),
+                    max_seq_len=args.get("max_seq_len") or None,
+                    rope_scaling=args.get("rope_scaling") or None)
     persister = None
     if args["rank"] == 0 and args.get("live_dir"):
         persister = Persister(Path(args["live_dir"]), args.get("persist_every", 1))
     cfg = engine.model.config
     model = {"arch": cfg.model_type, "max_seq_len": engine.model.max_seq_len,
+             "kv_tokens": engine.kv_tokens,
              "vocab_size": cfg.vocab_size, "dtype": str(engine.model.dtype).replace("torch.", "")}
     hello = HelloF(args["rank"], os.getpid(), device, model)
     seed = None
@@ -170,7 +179,7 @@ def _start(args: dict):
     runner = StepRunner(engine, args["rank"], args["world"], persister,
                         spans_hosts=args.get("spans_hosts", False), ep=ep, seed=seed,
                         persist_every=args.get("persist_every", 1),
-                        gap_every=args.get("logprob_gap_every", 0))
+                        gap_every=args.get("logprob_gap_every", 0), cp=cp)
     return runner, hello
 
 
