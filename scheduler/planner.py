@@ -296,6 +296,11 @@ class Planner:
                 self._dequeued(w)
         return step
 
+    def charge(self, tenant: str, seconds: float) -> None:
+        """Work done for `tenant` outside a step (its adapter brought into the GPU bank,
+        and others parked to make room): its fair share pays for it, not the others'."""
+        self.fair.tenant(tenant).charge(seconds)
+
     def _foldable(self, ready: list[Work]) -> bool:
         """Ready barriers may ride at the end of a training step instead of running first
         in a step of their own when they are all optim_steps with no rows of their model

@@ -238,3 +238,46 @@ def test_a_parked_adapter_comes_back_bit_for_bit(tiny_dir):
     assert before[0].keys() == after[0].keys()
     assert all(before[0][k].equal(after[0][k]) for k in before[0])
     assert "a" not in tier and engine.pool.get("a").slot != engine.pool.get("b").slot
+
+
+def test_a_parked_adapter_comes_in_inside_the_step_in_flight_charged_to_its_tenant(
+        tiny_dir, tmp_path):
+    """Prefetch: a request for an adapter parked in host memory, arriving while another
+    tenant's training step runs, has it brought in inside that step (between its
+    micro-batches; on a GPU the copy overlaps its kernels), not after it: a prefetch hit,
+    with the adapter bit for bit as parked, and the workers' time the moves took charged to
+    the fair share of the tenant that needed them (not to the one whose step it rode in)."""
+    import asyncio
+
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+
+    async def go():
+        # (preempt_ms: flo's step runs in micro-batches, between which the moves run)
+        async with service(tiny_dir, tmp_path, adapter_memory_gb=2.5 * one / GiB,
+                           host_adapter_memory_gb=2.5 * one * 16 / 18 / GiB,
+                           preempt_ms=1) as box:
+            lane = box.svc.lanes.all[0]
+            parked = await box.create("pat", seed=1)
+            f = box.fwdbwd("pat", parked, 1, [5, 7], seed=3)
+            o = box.optim("pat", parked, 2)
+            await done(f, o)
+            before = await _scores(box, [parked], 3)
+            flood = await box.create("flo", seed=2)
+            await box.create("flo", seed=4)  # the bank is full: pat's adapter goes to host
+            assert lane.residency.tiers.on_host(parked)
+            charged = lane.planner.fair.tenant("pat").vtime
+            big = box.fwdbwd("flo", flood, 1, [60] * 24, seed=5)
+            while not lane.executor.can_join():  # flo's step is in flight
+                await asyncio.sleep(0.0005)
+            more = box.fwdbwd("flo", flood, 2, [60] * 24, seed=6)  # queued behind it
+            await box.svc.ensure_loaded(box.store.runs.get(parked))
+            await done(big, more)
+            status = lane.residency.tiers.status()
+            after = await _scores(box, [parked], 4)
+            return status, before, after, lane.planner.fair.tenant("pat").vtime - charged
+
+    status, before, after, paid = run(go())
+    assert status["prefetch"] == {"hits": 1}, status
+    assert status["moves"]["from_host"] == 1
+    assert after == before  # bit for bit
+    assert paid > 0

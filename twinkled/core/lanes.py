@@ -244,12 +244,15 @@ class Lanes:
     def tiers(self) -> dict:
         """Adapters per residency tier over every lane, and the moves so far (tiers.py)."""
         moves: Counter[str] = Counter()
+        prefetch: Counter[str] = Counter()
         for lane in self.all:
             moves.update(lane.residency.tiers.moves)
+            prefetch.update(lane.residency.tiers.prefetch)
         return {"gpu": sum(lane.residency.count() for lane in self.all),
                 "host": sum(lane.residency.tiers.status()["host"] for lane in self.all),
                 "moves": dict(moves),
-                "moved_bytes": sum(lane.residency.tiers.moved_bytes for lane in self.all)}
+                "moved_bytes": sum(lane.residency.tiers.moved_bytes for lane in self.all),
+                "prefetch": {"hits": prefetch["hits"], "misses": prefetch["misses"]}}
 
     def logprob_gap(self) -> dict:
         """Sampler vs trainer logprobs of recently checked samples, over every lane

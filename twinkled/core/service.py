@@ -164,7 +164,7 @@ class Service:
         queued = {t: s["queued_requests"] for t, s in self.lanes.tenant_status().items()}
         return {"queued": queued, "adapters": self.lanes.model_count(),
                 "workers": self.lanes.workers(), "up": self.health == "ok",
-                "logprob_gap": self.lanes.logprob_gap()}
+                "logprob_gap": self.lanes.logprob_gap(), "tiers": self.lanes.tiers()}
 
     @property
     def health(self) -> str:

@@ -22,7 +22,7 @@ import torch
 
 from twinkled.engine import Engine
 from twinkled.engine.live import unflatten
-from twinkled.engine.state import Snapshot, write_into
+from twinkled.engine.state import Snapshot, to_device, write_into
 from twinkled.protocol.types import AdapterInfo, EngineInputError
 
 
@@ -71,19 +71,26 @@ class HostTier:
         self._parked[adapter_id] = Parked(snap, grads, adapter.pending)
         self.engine.remove_adapter(adapter_id)
 
-    def unpark(self, adapter_id: str) -> AdapterInfo:
-        """The adapter back into a bank slot, bit for bit as it was parked."""
+    def unpark(self, adapter_id: str, grow: bool = True) -> AdapterInfo:
+        """The adapter back into a bank slot, bit for bit as it was parked. On a GPU its
+        state is copied in on a side stream (`state.to_device`): sent inside a training step
+        in flight (a prefetch), the copy overlaps that step's kernels. `grow` False: only
+        into a free slot of a bank that exists (no buffer of the step in flight moves)."""
         p = self._parked.get(adapter_id)
         if p is None:
             raise EngineInputError("adapter_id", f"adapter {adapter_id!r} is not parked in "
                                    "this worker's memory")
-        weights, moments = unflatten(p.snap.names, p.snap.host(), p.snap.config)
+        if not grow and not self.engine.pool.has_slot(p.snap.config):
+            raise EngineInputError("adapter_id", "no free bank slot inside a step in flight")
         adapter = self.engine.pool.add(adapter_id, p.snap.config)
+        device = adapter.bank.device
+        weights, moments = unflatten(p.snap.names, to_device(p.snap.host(), device),
+                                     p.snap.config)
         try:
             with torch.no_grad():
                 write_into(adapter, weights, moments, p.snap.steps)
                 if p.grads is not None:
-                    adapter.bank.flat(adapter.slot, "g").copy_(p.grads)
+                    adapter.bank.flat(adapter.slot, "g").copy_(to_device(p.grads, device))
         except BaseException:
             self.engine.remove_adapter(adapter_id)
             raise
