@@ -163,3 +163,40 @@ def test_a_checkpoint_saved_on_one_lane_loads_on_another(tiny_dir, tmp_path):
         assert max(abs(u - v) for u, v in zip(p, q, strict=True)) < 1e-5
     cfg = Config(model=tiny_dir, data_dir=tmp_path, devices=["cpu"] * 4, lanes=2, ep=4)
     assert "ep: --ep 4 must divide each lane's 2 worker ranks" in layout_problems(cfg)
+
+
+def _served_on_two_lanes(ledger) -> dict[tuple[int, str], int]:
+    """Tenant a with a run on each of two lanes, b with one on lane 1, all flooding; the
+    lanes step in turn. Tokens served per (lane, tenant)."""
+    from test_scheduler import flood
+
+    from scheduler import Planner
+
+    lanes = [Planner(token_budget=1024, target_step_s=0, ledger=ledger()) for _ in range(2)]
+    flood(lanes[0], "a", "a0", 300)
+    flood(lanes[1], "a", "a1", 300)
+    flood(lanes[1], "b", "b1", 300)
+    served: dict[tuple[int, str], int] = {}
+    for _ in range(100):
+        for i, p in enumerate(lanes):
+            step = p.next_step()
+            p.complete(step)
+            for w in step.work:
+                served[i, w.tenant] = served.get((i, w.tenant), 0) + w.tokens
+    return served
+
+
+def test_a_tenant_with_runs_on_two_lanes_gets_its_fair_share_once_not_twice():
+    """The lanes' planners share one ledger of virtual times (scheduler/fairness.py): a
+    tenant served on lane 0 is as far along on lane 1, where the tenant that has only lane
+    1 then goes first. Over the node both get about the same; with a clock per lane, a
+    got lane 0 and half of lane 1 (three times b's share)."""
+    from scheduler import Ledger
+
+    shared = Ledger()
+    served = _served_on_two_lanes(lambda: shared)
+    a = served[0, "a"] + served.get((1, "a"), 0)
+    b = served[1, "b"]
+    assert abs(a - b) / (a + b) < 0.05, served
+    apart = _served_on_two_lanes(Ledger)  # what a clock per lane gives
+    assert apart[0, "a"] + apart[1, "a"] > 2.5 * apart[1, "b"], apart

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import astuple
 from typing import Any
 
-from scheduler import Planner
+from scheduler import Ledger, Planner
 from twinkled.core.adapter_room import adapter_room, host_room
 from twinkled.core.engine_core import RateLimited  # noqa: F401  (re-exported)
 from twinkled.core.executor import Executor, zmq_executor
@@ -87,9 +87,11 @@ class Service:
         if executor is None:
             executor = [zmq_executor(config, devices) for devices in config.lane_devices()]
         executors = executor if isinstance(executor, list) else [executor]
+        ledger = Ledger()  # tenants' fair-share clocks, one for all lanes (fairness.py)
         self.lanes = Lanes([
             make_lane(i, Planner(config.token_budget, config.sample_budget,
-                                 config.target_step_s, preempt_s=config.preempt_s),
+                                 config.target_step_s, preempt_s=config.preempt_s,
+                                 ledger=ledger),
                       ex, store, adapter_room(config, adapter_budget), self.futures,
                       self.metrics, config.gather_ms / 1000, config.sample_slice_ms / 1000,
                       host_room(config))
