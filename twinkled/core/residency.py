@@ -207,6 +207,25 @@ class Residency:
         lock = self._locks.get(model)
         return self.tiers.on_host(model) or (lock is not None and lock.locked())
 
+    def movable(self) -> list[str]:
+        """Resident adapters with nothing queued or in flight and no move under way, least
+        recently used first: those that may go to another lane (core/balance.py)."""
+        return [m for m in self.tiers.coldest(self._live) if not self._planner.busy(m)
+                and not (m in self._locks and self._locks[m].locked())]
+
+    async def send_away(self, model: str) -> bool:
+        """Out of this lane for another (core/balance.py): persisted to disk and closed,
+        as an idle unload; the other lane brings it in (`ensure_loaded`) from there. False
+        if it cannot go now (work came in, or it is being moved)."""
+        lock = self._locks.setdefault(model, asyncio.Lock())
+        if lock.locked() or model not in self._live:
+            return False
+        async with lock:
+            if not await self._park(model, to_host=False):
+                return False
+        self.tiers.forget(model)
+        return True
+
     async def persist_all(self) -> int:
         """Every live adapter on disk, and where each model's seq_ids go on (a hot restart
         continues them exactly). Returns how many adapters were live."""
