@@ -281,3 +281,49 @@ def test_a_parked_adapter_comes_in_inside_the_step_in_flight_charged_to_its_tena
     assert status["moves"]["from_host"] == 1
     assert after == before  # bit for bit
     assert paid > 0
+
+
+def test_tenant_caps_on_runs_and_resident_bytes_say_what_they_mean(tiny_dir, tmp_path):
+    """Per-tenant caps (core/residency.py, core/tenants.py): a tenant over its resident
+    bytes cap parks its own least recently used adapter, not another tenant's colder one;
+    an adapter larger than the cap by itself is refused with the numbers and the key; and
+    runs parked for room still count against the runs cap (parking must not free a place)."""
+    from twinkled.core.adapter_room import NoRoom
+    from twinkled.protocol.errors import UserError
+
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+    caps = {"ann": {"max_resident_bytes": int(1.5 * one)},
+            "tim": {"max_resident_bytes": int(0.5 * one)}, "cat": {"max_adapters": 2}}
+
+    async def go():
+        async with service(tiny_dir, tmp_path, adapter_memory_gb=2.5 * one / GiB,
+                           host_adapter_memory_gb=10 * one / GiB, tenants=caps) as box:
+            for name in caps:
+                box.store.tenants.ensure(name)
+            box.svc.refresh_tenants()
+            residency = box.svc.lanes.all[0].residency
+            cat = await box.create("cat", seed=4)
+            await box.create("cat", seed=5)
+            bob = await box.create("bob", seed=1)  # the bank is full: cat's first is parked
+            await _until(lambda: not residency.is_open(cat))
+            with pytest.raises(UserError, match=r"2 runs loaded.*max_adapters"):
+                await box.create("cat", seed=6)  # one of her two is parked: still two
+            first = await box.create("ann", seed=2)  # (cat's second one is parked)
+            await box.create("ann", seed=3)  # over ann's cap: her first one is parked
+            await _until(lambda: not residency.is_open(first))
+            assert residency.is_open(bob) and residency.tiers.on_host(first)
+            with pytest.raises(NoRoom, match=r"tenant 'tim'.*max_resident_bytes"):
+                await box.create("tim")
+
+    run(go())
+
+
+async def _until(test, within: float = 30.0) -> None:
+    """Wait until `test()` holds (a park runs behind the create that needed it)."""
+    import asyncio
+
+    for _ in range(int(within / 0.01)):
+        if test():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("it never happened")

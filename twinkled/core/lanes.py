@@ -51,9 +51,11 @@ class Lane:
 
 def make_lane(index: int, planner: Planner, executor: Executor, store: Any,
               room: AdapterRoom, futures: Futures, metrics: Metrics, gather_s: float,
-              slice_s: float, host: AdapterRoom | None = None) -> Lane:
-    """`room`: the GPU bank's budget; `host`: the host tier's (core/tiers.py)."""
-    residency = Residency(store, planner, executor, room, host)
+              slice_s: float, host: AdapterRoom | None = None,
+              cap: Callable[[str], int | None] = lambda _: None) -> Lane:
+    """`room`: the GPU bank's budget; `host`: the host tier's (core/tiers.py); `cap`: a
+    tenant's resident bytes cap (Residency)."""
+    residency = Residency(store, planner, executor, room, host, cap)
     executor.serve(residency, on_restart=metrics.worker_restarts.inc)
     core = EngineCore(planner, executor, futures, residency, metrics, gather_s, slice_s)
     return Lane(index, planner, executor, residency, core)

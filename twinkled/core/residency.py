@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from scheduler import Planner
-from twinkled.core.adapter_room import AdapterRoom
+from twinkled.core.adapter_room import AdapterRoom, check_cap, check_disk
 from twinkled.core.executor import Executor, Moved
 from twinkled.core.ops import Outcome
 from twinkled.core.tiers import Tiers
@@ -53,8 +55,12 @@ def loaded_config(info: AdapterInfo) -> LoraConfig:
 
 class Residency:
     def __init__(self, store: Any, planner: Planner, executor: Executor,
-                 room: AdapterRoom | None = None, host: AdapterRoom | None = None):
+                 room: AdapterRoom | None = None, host: AdapterRoom | None = None,
+                 cap: Callable[[str], int | None] = lambda _: None):
+        """`cap(tenant)`: the bytes of its adapters the GPU bank holds at once (None: no
+        cap; beyond it its own least recently used idle ones are parked)."""
         self._store = store
+        self._cap = cap
         self._planner = planner
         self._executor = executor
         self.room = room or AdapterRoom(None, lambda _: 0)  # GPU memory for adapters
@@ -78,6 +84,23 @@ class Residency:
     def count(self) -> int:
         return len(self._live)
 
+    def check(self, config: LoraConfig, tenant: str) -> None:
+        """Refuse at the door, with the numbers, an adapter this lane could never hold: more
+        than the whole GPU budget, than `tenant`'s resident cap, or than the free disk its
+        state needs (the last tier). Anything else waits for room, never refused."""
+        self.room.check(config)
+        check_cap(config, self.room.size(config), tenant, self._cap(tenant))
+        check_disk(Path(self._executor.live_dir), self.tiers.host.size(config))
+
+    def _over_cap(self, tenant: str | None, config: LoraConfig | None = None) -> bool:
+        """`tenant`'s adapters in the bank (and one of `config` coming in) are over its cap."""
+        cap = None if tenant is None else self._cap(tenant)
+        if cap is None:
+            return False
+        mine = sum(self.room.held(m) for m, t in self._planner.model_tenant.items()
+                   if t == tenant)
+        return mine + (self.room.size(config) if config is not None else 0) > cap
+
     # -- what steps did -----------------------------------------------------------------
 
     def open(self, model: str, tenant: str, first_seq: int = 1, resync: bool = False) -> None:
@@ -86,7 +109,8 @@ class Residency:
         recently used idle adapters are parked right behind it."""
         self._planner.open_model(model, tenant, first_seq, resync=resync)
         self.tiers.touch(model)
-        if self.room.over() and (self._rebalancing is None or self._rebalancing.done()):
+        if ((self.room.over() or self._over_cap(tenant))
+                and (self._rebalancing is None or self._rebalancing.done())):
             self._rebalancing = asyncio.get_running_loop().create_task(
                 self._rebalance(tenant))
 
@@ -246,6 +270,13 @@ class Residency:
         queued, this waits for one to finish (an op completes every step). The moves are
         charged to `needer`'s fair share (the tenant whose adapter needs the room)."""
         self.room.check(config)  # only what could never fit is refused
+        while True:  # over its tenant's cap: its own adapters make room first
+            async with self._admitting:  # (waiting for them outside: others go on)
+                if not self._over_cap(needer, config):
+                    break
+                parked = await self._park_coldest(incoming=model, needer=needer, only=needer)
+            if not parked:
+                await asyncio.sleep(ROOM_POLL_S)
         async with self._admitting:
             while not self.room.fits(config):
                 if not await self._park_coldest(incoming=model, needer=needer):
@@ -256,15 +287,21 @@ class Residency:
         """Park the least recently used idle adapters until the bank is within budget
         (charged to `needer`, whose new adapter took the room)."""
         async with self._admitting:
+            while self._over_cap(needer):
+                if not await self._park_coldest(needer=needer, only=needer):
+                    await asyncio.sleep(ROOM_POLL_S)
             while self.room.over():
                 if not await self._park_coldest(needer=needer):
                     await asyncio.sleep(ROOM_POLL_S)
 
-    async def _park_coldest(self, incoming: str | None = None,
-                            needer: str | None = None) -> bool:
-        """Park the least recently used resident adapter with nothing queued, to make room
-        for `incoming` (if any); False if every one has work (or is being moved)."""
+    async def _park_coldest(self, incoming: str | None = None, needer: str | None = None,
+                            only: str | None = None) -> bool:
+        """Park the least recently used resident adapter with nothing queued (of tenant
+        `only`, if given), to make room for `incoming` (if any); False if every one has
+        work (or is being moved)."""
         for model in self.tiers.coldest(self._live, incoming):
+            if only is not None and self._planner.model_tenant.get(model) != only:
+                continue
             lock = self._locks.setdefault(model, asyncio.Lock())
             if lock.locked() or self._planner.busy(model) or not self.is_open(model):
                 continue

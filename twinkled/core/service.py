@@ -94,7 +94,7 @@ class Service:
                                  ledger=ledger),
                       ex, store, adapter_room(config, adapter_budget), self.futures,
                       self.metrics, config.gather_ms / 1000, config.sample_slice_ms / 1000,
-                      host_room(config))
+                      host_room(config), config.resident_cap)
             for i, ex in enumerate(executors)], store)
         self.tenants = Tenants(config, store, [lane.planner for lane in self.lanes.all])
         self._limits: RequestLimits | None = None
@@ -319,7 +319,7 @@ class Service:
             return retried
         self.tenants.check_new_adapter(tenant, config.rank)
         lane = self.lanes.choose(config)
-        lane.residency.room.check(config)
+        lane.residency.check(config, tenant)
         try:
             model = self.store.runs.create(session_id, tenant, self.config.served_name,
                                            config.rank, lora, user_metadata, model_seq)
@@ -424,7 +424,7 @@ class Service:
             return retried
         stored = stored_config({"lora_config": lora})
         lane = self.lanes.choose(stored)
-        lane.residency.room.check(stored)
+        lane.residency.check(stored, tenant)
         try:
             model = self.store.runs.create(session_id, tenant, self.config.served_name,
                                            src["lora_rank"], lora, user_metadata, model_seq)
