@@ -396,6 +396,7 @@ class Executor:
                 replies = await self.group.send_join(StepF(0, "barrier", [frame], join=True))
             except WorkerLost as e:
                 return Moved((None, str(e), "server"), True)
+            self.restorer.note_persisted(replies)  # (writes the rank finished meanwhile)
             busy = max(r.busy_s for r in replies)
             self.joined_s += busy  # the step in flight's time includes it: not its cost
             outcome = merge_replies([frame], replies)[0]

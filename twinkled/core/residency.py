@@ -287,9 +287,9 @@ class Residency:
         """Park the least recently used idle adapters until the bank is within budget
         (charged to `needer`, whose new adapter took the room)."""
         async with self._admitting:
-            while self._over_cap(needer):
-                if not await self._park_coldest(needer=needer, only=needer):
-                    await asyncio.sleep(ROOM_POLL_S)
+            while self._over_cap(needer):  # (all its adapters busy: its next bring-in
+                if not await self._park_coldest(needer=needer, only=needer):  # parks)
+                    break
             while self.room.over():
                 if not await self._park_coldest(needer=needer):
                     await asyncio.sleep(ROOM_POLL_S)
