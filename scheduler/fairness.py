@@ -51,6 +51,7 @@ class Tenant:
     queued_requests: int = 0
     queued_tokens: int = 0
     rr: int = 0  # round-robin pointer over the tenant's models
+    owed: float = 0.0  # seconds charged while idle, paid as it rejoins (`Fairness.activate`)
     ledger: Ledger = field(default_factory=Ledger, repr=False)  # where its vtime is kept
 
     @property
@@ -89,8 +90,21 @@ class Fairness:
         return t
 
     def activate(self, t: Tenant) -> None:
-        """Called when an idle tenant gets work: it joins at the current virtual clock."""
+        """Called when an idle tenant gets work: it joins at the current virtual clock,
+        plus what it owes (`charge_aside`)."""
         t.vtime = max(t.vtime, self.clock)
+        if t.owed:
+            t.charge(t.owed)
+            t.owed = 0.0
+
+    def charge_aside(self, t: Tenant, seconds: float) -> None:
+        """Work done for `t` outside a step (its adapter brought into the GPU bank). An idle
+        tenant rejoins at the current clock, which would swallow a charge made now: it
+        owes it instead, and pays as it rejoins (its request comes right behind the move)."""
+        if t.queued_requests:
+            t.charge(seconds)
+        else:
+            t.owed += seconds
 
     def pick(self, candidates: list[Tenant]) -> Tenant:
         # Ties go to the tenant served least: a newcomer beats the flooder it ties with.

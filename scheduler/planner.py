@@ -300,7 +300,7 @@ class Planner:
     def charge(self, tenant: str, seconds: float) -> None:
         """Work done for `tenant` outside a step (its adapter brought into the GPU bank,
         and others parked to make room): its fair share pays for it, not the others'."""
-        self.fair.tenant(tenant).charge(seconds)
+        self.fair.charge_aside(self.fair.tenant(tenant), seconds)
 
     def _foldable(self, ready: list[Work]) -> bool:
         """Ready barriers may ride at the end of a training step instead of running first
