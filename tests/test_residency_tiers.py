@@ -218,7 +218,7 @@ def test_a_parked_adapter_comes_back_bit_for_bit(tiny_dir):
     import torch
     from helpers import adapter_snapshot, ce_request, make_engine
 
-    from twinkled.protocol.types import AdamParams, LoraConfig
+    from twinkled.protocol.types import AdamParams, EngineInputError, LoraConfig
     from twinkled.workers.parked import HostTier
 
     engine = make_engine(tiny_dir)
@@ -239,6 +239,19 @@ def test_a_parked_adapter_comes_back_bit_for_bit(tiny_dir):
     assert before[0].keys() == after[0].keys()
     assert all(before[0][k].equal(after[0][k]) for k in before[0])
     assert "a" not in tier and engine.pool.get("a").slot != engine.pool.get("b").slot
+    # Inside a step in flight (a prefetch: `grow` False) it takes a free slot of its bank,
+    # bit for bit the same (on a GPU through the side stream: TWINKLE_TEST_DEVICE=cuda);
+    # with none free it says so, and stays parked (brought in after the step instead).
+    tier.park("a")
+    tier.unpark("a", grow=False)
+    again = adapter_snapshot(engine, "a")
+    assert all(before[0][k].equal(again[k]) for k in before[0])
+    tier.park("a")
+    for i in range(3):  # the bank's 4 slots: b and these three
+        engine.add_adapter(f"c{i}", LoraConfig(rank=4, seed=3 + i))
+    with pytest.raises(EngineInputError, match="no free bank slot"):
+        tier.unpark("a", grow=False)
+    assert "a" in tier and not engine.has_adapter("a")
 
 
 def test_a_parked_adapter_comes_in_inside_the_step_in_flight_charged_to_its_tenant(
