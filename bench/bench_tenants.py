@@ -48,7 +48,6 @@ from bench_multitenant import (  # noqa: E402
 )
 from output import emit, section_path  # noqa: E402
 
-
 # Host memory for parked adapters in the --done-when run: a third of a 128 GiB GPU box (about
 # 130 parked 0.5B runs or 34 of the 8B; the rest of the rotation comes back from disk).
 DONE_WHEN_HOST_GB = 44
