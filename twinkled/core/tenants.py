@@ -41,5 +41,5 @@ class Tenants:
             mine += self._store.runs.parked(tenant, time.time() - idle_s)
             if mine >= lim.max_adapters:
                 raise UserError(f"tenant {tenant!r} already has {mine} runs loaded (in the GPU "
-                                "bank or parked), its cap (max_adapters / "
+                                "bank or parked), its quota (max_adapters / "
                                 "tenant_max_adapters); finish a session to free one")
