@@ -357,3 +357,17 @@ async def _until(test, within: float = 30.0) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("it never happened")
+
+
+def test_a_node_whose_disk_cannot_hold_the_adapter_refuses_it_with_the_numbers(tmp_path):
+    """The last tier is the disk: an adapter whose state it has no free room for is the one
+    capacity refusal left besides the GPU budget, naming what it needs and what is free
+    (its directory need not exist yet: the nearest one that does is asked)."""
+    import shutil
+
+    from twinkled.core.adapter_room import NoRoom, check_disk
+
+    free = shutil.disk_usage(tmp_path).free
+    check_disk(tmp_path / "live" / "not-yet", 1)
+    with pytest.raises(NoRoom, match=r"no disk room.*GiB free"):
+        check_disk(tmp_path / "live", free + 2**40)

@@ -90,7 +90,9 @@ class Residency:
         state needs (the last tier). Anything else waits for room, never refused."""
         self.room.check(config)
         check_cap(config, self.room.size(config), tenant, self._cap(tenant))
-        check_disk(Path(self._executor.live_dir), self.tiers.host.size(config))
+        # its state on disk: fp32 weights and two moments, 12 of the bank's 18 bytes a
+        # parameter (0 where the bank is unbounded: no model numbers to size it by)
+        check_disk(Path(self._executor.live_dir), self.room.size(config) * 2 // 3)
 
     def _over_cap(self, tenant: str | None, config: LoraConfig | None = None) -> bool:
         """`tenant`'s adapters in the bank (and one of `config` coming in) are over its cap."""
