@@ -114,9 +114,9 @@ def adapter_room(config: Config, budget: int | None) -> AdapterRoom:
 
 def host_room(config: Config) -> AdapterRoom:
     """The host tier's room, per lane (`host_adapter_memory_gb`): a parked adapter's fp32
-    weights, gradients and moments (16 bytes a parameter). Tensor-parallel adapters park on
-    disk (a budget of 0)."""
+    weights, gradients and moments (16 bytes a parameter; under tensor parallelism each
+    rank holds its slices, together the whole)."""
     model = config.model_config or {}
-    budget = int(config.host_adapter_memory_gb * GiB) if config.tp == 1 else 0
+    budget = int(config.host_adapter_memory_gb * GiB)
     return AdapterRoom(budget, lambda c: adapter_bytes(
         model, c.rank, c.train_attn, c.train_mlp, c.train_unembed) * 16 // 18)

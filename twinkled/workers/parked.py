@@ -10,6 +10,9 @@ Moving on to disk writes the snapshot as a persisted version at the adapter's jo
 (the last op after which it had no pending gradients): the daemon replays what came after,
 as for any persisted state (core/recovery.py).
 
+Under tensor parallelism each rank parks its own slices (no collective); moving on to disk
+brings them back into the bank first, where the usual persist gathers them whole.
+
 Host memory dies with the worker: after a restart the daemon treats every adapter that was
 parked here as parked on disk (its persisted state and its journal bring it back).
 """
@@ -22,7 +25,7 @@ import torch
 
 from twinkled.engine import Engine
 from twinkled.engine.live import unflatten
-from twinkled.engine.state import Snapshot, to_device, write_into
+from twinkled.engine.state import Snapshot, snapshot, to_device, write_into
 from twinkled.protocol.types import AdapterInfo, EngineInputError
 
 
@@ -58,10 +61,10 @@ class HostTier:
     def park(self, adapter_id: str, training: bool = True) -> None:
         """The adapter out of the bank into host memory (its slot is freed); a sampler's
         (not `training`) weights only."""
-        if self.engine.shard is not None:  # a split adapter is parked on disk (one write)
-            raise EngineInputError("adapter_id", "tensor-parallel adapters park on disk")
         adapter = self.engine.pool.get(adapter_id)
-        snap = self.engine.snapshot(adapter_id, optimizer=training)
+        # This rank's own slices (under tensor parallelism each rank parks its part, no
+        # collective); they go back into the same rank's bank as they are.
+        snap = snapshot(adapter, optimizer=training)
         grads = None
         if training:
             g = adapter.bank.flat(adapter.slot, "g")
@@ -99,7 +102,8 @@ class HostTier:
         return self.engine.adapter_info(adapter_id)
 
     def take(self, adapter_id: str) -> Snapshot:
-        """The parked adapter's snapshot, for the disk; it leaves host memory."""
+        """The parked adapter's snapshot, for the disk; it leaves host memory. (Not a split
+        adapter's: its slices are written whole from the bank, `StepRunner`.)"""
         return self._parked.pop(adapter_id).snap
 
     def drop(self, adapter_id: str) -> None:

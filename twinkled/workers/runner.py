@@ -302,8 +302,10 @@ class StepRunner:
                     self.persister.forget(aid)
                 return OutcomeF(i)
             case IdleUnloadF():  # persisted first; a RestoreF brings it back
-                if aid in self.parked:  # from host memory: its snapshot, at its mark
+                if aid in self.parked and engine.shard is None:  # its snapshot, at its mark
                     return self._to_disk(i, aid)
+                if aid in self.parked:  # a split adapter's slices: written whole from the
+                    self.parked.unpark(aid)  # bank, as below (a collective, every rank)
                 if engine.has_adapter(aid):
                     self._persist(aid, now=True)
                     if not self._flush():
