@@ -12,11 +12,17 @@ client). Two phases in one daemon, the same steps each:
 Reported: aggregate tokens/s of each phase and their ratio (the issue asks >= 0.8x), step
 p50/p99, refusals (any failed request; the issue asks zero), and the residency moves of the
 tiers phase from `twinkled ctl status` (moves/s, bytes moved, the share brought back from
-host memory rather than disk).
+host memory rather than disk, and the prefetch hit rate: bring-ins that ran inside the step
+in flight or with the lane idle, against those a step waited for).
 
+    python bench/bench_tenants.py --done-when                                      # GPU
     python bench/bench_tenants.py --shape qwen2.5-0.5b --runs 1000 --active 64     # GPU
     python bench/bench_tenants.py --shape qwen3-8b --runs 200 --active 16          # GPU
     python bench/bench_tenants.py --shape tiny --runs 12 --active 3 --config T.toml  # CPU
+
+`--done-when` is the issue's whole "done when" in one call: the 0.5B shape with 1,000 runs
+rotating 64, then the 8B shape with 200 rotating 16 (each its own daemon), one table; host
+memory for parked adapters DONE_WHEN_HOST_GB unless `--host-gb` says otherwise.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ from bench_multitenant import (  # noqa: E402
     start_daemon,
 )
 from output import emit, section_path  # noqa: E402
+
+# Host memory for parked adapters in the --done-when run: a third of a 128 GiB GPU box (about
+# 130 parked 0.5B runs or 34 of the 8B; the rest of the rotation comes back from disk).
+DONE_WHEN_HOST_GB = 44
 
 
 def client(args: argparse.Namespace) -> None:
@@ -94,6 +104,7 @@ def phase(url: str, keys: list[str], args: argparse.Namespace, vocab: int, model
         if p.stdout.readline().strip() != "ready":
             raise SystemExit("a client failed before its turns")
     before = Target(data, None, None).call("status")["tiers"]
+    before.setdefault("prefetch", {})
     for p in procs:
         p.stdin.write("go\n")
         p.stdin.flush()
@@ -107,11 +118,14 @@ def phase(url: str, keys: list[str], args: argparse.Namespace, vocab: int, model
              for k in ("to_host", "to_disk", "from_host", "from_disk")}
     lat = [x for r in res for x in r["lat"]]
     back = moves["from_host"] + moves["from_disk"]
+    hits, misses = (after.get("prefetch", {}).get(k, 0) - before["prefetch"].get(k, 0)
+                    for k in ("hits", "misses"))
     return {"tps": sum(r["tokens"] for r in res) / wall, "p50": pct(lat, 0.5),
             "p99": pct(lat, 0.99), "errors": sum(r["errors"] for r in res), "wall": wall,
             "moves_s": sum(moves.values()) / wall,
             "gb_moved": (after["moved_bytes"] - before["moved_bytes"]) / 2**30,
-            "host_hits": moves["from_host"] / back if back else None, "moves": moves}
+            "host_hits": moves["from_host"] / back if back else None, "moves": moves,
+            "prefetch": hits / (hits + misses) if hits + misses else None}
 
 
 def main() -> None:
@@ -130,11 +144,28 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None, help="tokens per datum (S)")
     ap.add_argument("--batch", type=int, default=1, help="datums per step")
     ap.add_argument("--config", help="a twinkled TOML config for the daemon (budgets)")
+    ap.add_argument("--host-gb", type=float, default=None,
+                    help="host_adapter_memory_gb for the daemon (default: its own, 8)")
+    ap.add_argument("--done-when", action="store_true",
+                    help="the issue's done-when: 0.5B 1,000 runs rotating 64, then 8B 200 "
+                    "rotating 16")
     ap.add_argument("--write", default=section_path("tenants"))
     args = ap.parse_args()
     if args.client:
         return client(args)
+    cases = ([("qwen2.5-0.5b", 1000, 64), ("qwen3-8b", 200, 16)] if args.done_when
+             else [(args.shape, args.runs, args.active)])
+    if args.done_when and args.host_gb is None:
+        args.host_gb = DONE_WHEN_HOST_GB
+    text = ""
+    for shape, runs, active in cases:
+        text += one_shape(argparse.Namespace(**{**vars(args), "shape": shape, "runs": runs,
+                                                "active": active}), not text)
+    emit(text, args.write)
 
+
+def one_shape(args: argparse.Namespace, first: bool) -> str:
+    """Both phases on one model shape, in a daemon of its own: the table's markdown."""
     import torch
     from bench_engine import build_model, header
 
@@ -145,10 +176,16 @@ def main() -> None:
     vocab = build_model(args.shape, work / "model", dtype, device)
     if device == "cuda":
         torch.cuda.empty_cache()
+    config = Path(args.config).read_text() if args.config else ""
+    if args.host_gb is not None:
+        config += f"\nhost_adapter_memory_gb = {args.host_gb}\n"
+    options = []
+    if config.strip():
+        (work / "twinkled.toml").write_text(config)
+        options = ["--config", str(work / "twinkled.toml")]
     data = work / "data"
     keys = make_keys(data, args.active)
-    daemon, url, log = start_daemon(work / "model", data, work, device,
-                                    *(["--config", args.config] if args.config else []))
+    daemon, url, log = start_daemon(work / "model", data, work, device, *options)
     try:
         name = (work / "model").name
         resident = phase(url, keys, args, vocab, name, 1, data)
@@ -157,20 +194,21 @@ def main() -> None:
         daemon.terminate()
         daemon.wait(timeout=600)
         log.close()
-    text = header(device).replace("Engine vs peft", "Runs beyond the GPU: tiers")
-    config = Path(args.config).read_text().strip().replace("\n", "; ") if args.config else ""
+    text = header(device).replace("Engine vs peft", "Runs beyond the GPU: tiers") if first else ""
+    config = "; ".join(line for line in config.strip().splitlines() if line.strip())
     config = f", config `{config}`" if config else ""
     text += (f"\n### {args.shape} ({device}{config}, LoRA r={args.rank}, S={args.seq}, "
              f"{args.active} tinker clients, {args.turn_steps} steps a turn)\n\n"
              "| phase | runs | tok/s | vs resident | step p50 (s) | step p99 (s) | refusals "
-             "| moves/s | GiB moved | from host |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+             "| moves/s | GiB moved | from host | prefetch hits |\n"
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     for label, runs, r in (("resident", args.active, resident), ("tiers", args.runs, tiers)):
         hits = "-" if r["host_hits"] is None else f"{r['host_hits']:.0%}"
+        prefetch = "-" if r["prefetch"] is None else f"{r['prefetch']:.0%}"
         text += (f"| {label} | {runs} | {r['tps']:,.0f} | {r['tps'] / resident['tps']:.2f}x | "
                  f"{r['p50']:.3f} | {r['p99']:.3f} | {r['errors']} | {r['moves_s']:.1f} | "
-                 f"{r['gb_moved']:.2f} | {hits} |\n")
-    text += f"\ntiers moves: {tiers['moves']}\n"
-    emit(text, args.write)
+                 f"{r['gb_moved']:.2f} | {hits} | {prefetch} |\n")
+    return text + f"\ntiers moves: {tiers['moves']}\n"
 
 
 if __name__ == "__main__":

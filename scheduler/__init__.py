@@ -3,8 +3,8 @@ target (a cost model learned from measured steps) and a token budget, weighted f
 of time between tenants, quotas and backpressure. Standard library only."""
 
 from .cost import CostModel, StepShape
-from .fairness import Limits
+from .fairness import Ledger, Limits
 from .planner import Planner, Step
 from .queues import OPTIM, SAMPLE, TRAIN, Work
 
-__all__ = ["CostModel", "Limits", "OPTIM", "Planner", "SAMPLE", "Step", "StepShape", "TRAIN", "Work"]
+__all__ = ["CostModel", "Ledger", "Limits", "OPTIM", "Planner", "SAMPLE", "Step", "StepShape", "TRAIN", "Work"]

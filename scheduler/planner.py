@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .cost import CostModel, StepShape
-from .fairness import Fairness, Limits, Tenant
+from .fairness import Fairness, Ledger, Limits, Tenant
 from .joins import fit_join, join_candidates, micro_tokens
 from .packing import MIN_SHARED_STEP, fills_step, fit_work, is_probe
 from .queues import OPTIM, SAMPLE, TRAIN, ModelQueue, Work
@@ -67,18 +67,19 @@ JOIN_MEMORY = 4
 class Planner:
     def __init__(self, token_budget: int = 16384, sample_budget: int = 65536,
                  target_step_s: float | None = None, cost: CostModel | None = None,
-                 preempt_s: float | None = 0.0):
+                 preempt_s: float | None = 0.0, ledger: Ledger | None = None):
         """`target_step_s`: how long a training step should take; None derives it from the
         cost model (CostModel.auto_target), 0 turns the time bound off (steps are bounded
         by `token_budget` only, as before the cost model). `preempt_s`: how long a
         micro-batch of a preemptible step takes (joins.py); None: half the step
-        target (PREEMPT_SHARE), 0: steps are not preemptible."""
+        target (PREEMPT_SHARE), 0: steps are not preemptible. `ledger`: the tenants'
+        virtual times, shared with the other lanes' planners (fairness.py)."""
         self.preempt_s = preempt_s
         self.token_budget = token_budget
         self.sample_budget = sample_budget
         self.target_step_s = target_step_s
         self.cost = cost or CostModel()
-        self.fair = Fairness()
+        self.fair = Fairness(ledger)
         self.models: dict[str, ModelQueue] = {}
         self.model_tenant: dict[str, str] = {}
         self.samples: dict[str, deque[Work]] = {}  # tenant -> FIFO
@@ -295,6 +296,11 @@ class Planner:
             for w in step.work:
                 self._dequeued(w)
         return step
+
+    def charge(self, tenant: str, seconds: float) -> None:
+        """Work done for `tenant` outside a step (its adapter brought into the GPU bank,
+        and others parked to make room): its fair share pays for it, not the others'."""
+        self.fair.charge_aside(self.fair.tenant(tenant), seconds)
 
     def _foldable(self, ready: list[Work]) -> bool:
         """Ready barriers may ride at the end of a training step instead of running first

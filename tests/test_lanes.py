@@ -163,3 +163,100 @@ def test_a_checkpoint_saved_on_one_lane_loads_on_another(tiny_dir, tmp_path):
         assert max(abs(u - v) for u, v in zip(p, q, strict=True)) < 1e-5
     cfg = Config(model=tiny_dir, data_dir=tmp_path, devices=["cpu"] * 4, lanes=2, ep=4)
     assert "ep: --ep 4 must divide each lane's 2 worker ranks" in layout_problems(cfg)
+
+
+def _served_on_two_lanes(ledger) -> dict[tuple[int, str], int]:
+    """Tenant a with a run on each of two lanes, b with one on lane 1, all flooding; the
+    lanes step in turn. Tokens served per (lane, tenant)."""
+    from test_scheduler import flood
+
+    from scheduler import Planner
+
+    lanes = [Planner(token_budget=1024, target_step_s=0, ledger=ledger()) for _ in range(2)]
+    flood(lanes[0], "a", "a0", 300)
+    flood(lanes[1], "a", "a1", 300)
+    flood(lanes[1], "b", "b1", 300)
+    served: dict[tuple[int, str], int] = {}
+    for _ in range(100):
+        for i, p in enumerate(lanes):
+            step = p.next_step()
+            p.complete(step)
+            for w in step.work:
+                served[i, w.tenant] = served.get((i, w.tenant), 0) + w.tokens
+    return served
+
+
+def test_a_tenant_with_runs_on_two_lanes_gets_its_fair_share_once_not_twice():
+    """The lanes' planners share one ledger of virtual times (scheduler/fairness.py): a
+    tenant served on lane 0 is as far along on lane 1, where the tenant that has only lane
+    1 then goes first. Over the node both get about the same; with a clock per lane, a
+    got lane 0 and half of lane 1 (three times b's share)."""
+    from scheduler import Ledger
+
+    shared = Ledger()
+    served = _served_on_two_lanes(lambda: shared)
+    a = served[0, "a"] + served.get((1, "a"), 0)
+    b = served[1, "b"]
+    assert abs(a - b) / (a + b) < 0.05, served
+    apart = _served_on_two_lanes(Ledger)  # what a clock per lane gives
+    assert apart[0, "a"] + apart[1, "a"] > 2.5 * apart[1, "b"], apart
+
+
+async def _rounds(box: Box, tenant: str, model: str, seq: int, rounds: int,
+                  pending: bool = False) -> int:
+    """`rounds` of forward_backward + optim_step (and one forward_backward left pending);
+    the next seq_id."""
+    for r in range(rounds):
+        f = box.fwdbwd(tenant, model, seq, [6, 4], seed=seq + r)
+        o = box.optim(tenant, model, seq + 1)
+        await done(f, o)
+        assert f.error is None and o.error is None, (f.error, o.error)
+        seq += 2
+    if pending:
+        f = box.fwdbwd(tenant, model, seq, [5], seed=seq)
+        await done(f)
+        assert f.error is None, f.error
+        seq += 1
+    return seq
+
+
+async def _score(box: Box, tenant: str, model: str, seq: int) -> list[list[float]]:
+    await box.svc.ensure_loaded(box.store.runs.get(model))  # as a route does
+    f = box.fwdbwd(tenant, model, seq, [7], seed=99, forward_only=True)
+    await done(f)
+    assert f.error is None, f.error
+    return logprobs(result(f))
+
+
+def test_a_run_moved_to_a_less_loaded_lane_trains_on_where_it_left_off(tiny_dir, tmp_path):
+    """Lanes in balance (core/balance.py): two runs on lane 0, none left on lane 1 (its
+    runs' session ended); balancing moves the idle one of lane 0 used least recently to lane
+    1, with its optimizer moments and a forward_backward's gradients still pending, and it
+    trains on there to the weights it reaches never moved (fp32 tolerance)."""
+    async def go(lanes: int):
+        async with service(tiny_dir, tmp_path / str(lanes), lanes=lanes) as box:
+            runs = {t: await box.create(t, seed=s) for t, s in (("a", 1), ("b", 2), ("c", 3),
+                                                                ("d", 4))}
+            seq = {t: await _rounds(box, t, m, 1, 2, pending=t in "ac")
+                   for t, m in runs.items()}
+            moved = None
+            if lanes == 2:
+                assert [lane_of(box, runs[t]) for t in "abcd"] == [0, 1, 0, 1]
+                box.svc.unload_models("b", [runs["b"]])
+                box.svc.unload_models("d", [runs["d"]])
+                while box.svc.lanes.all[1].residency.count():
+                    await asyncio.sleep(0.01)
+                assert await box.svc.lanes.balance() == 1
+                moved = [t for t in "ac" if lane_of(box, runs[t]) == 1]
+                status = box.svc.status()
+                assert status["lane_moves"] == 1 and [ln["load"] for ln in status["lanes"]] \
+                    == [1, 1]
+            for t in "ac":
+                seq[t] = await _rounds(box, t, runs[t], seq[t], 2)
+            return {t: await _score(box, t, runs[t], seq[t]) for t in "ac"}, moved
+
+    (got, moved), (want, _) = run(go(2)), run(go(1))
+    assert moved == ["a"]  # the least recently used
+    for t in "ac":
+        for p, q in zip(got[t], want[t], strict=True):
+            assert max(abs(u - v) for u, v in zip(p, q, strict=True)) < 1e-4

@@ -20,6 +20,7 @@ from twinkled.protocol.types import (
     SampleRequest,
     SamplingParams,
 )
+from twinkled.workers.parked import HostTier
 
 
 def _whole(engine, adapter_id: str, kind: str) -> dict[str, torch.Tensor]:
@@ -86,6 +87,12 @@ def run(engine, save_dir: Path | None) -> dict:
                                 ("b", AdamParams(learning_rate=1e-2))])
     out["grad_norm"] = [s.metrics["grad_norm:mean"] for s in steps]
     out["stepped"] = _whole(engine, "a", "w")
+    # Parked in host memory and back (workers/parked.py): each rank its own slices
+    tier = HostTier(engine)
+    tier.park("a")
+    engine.add_adapter("x", LoraConfig(rank=4, alpha=8, seed=8))  # takes a's slot
+    tier.unpark("a")
+    engine.remove_adapter("x")
     after = engine.forward([ForwardBackwardRequest("a", _requests(vocab)[0].data)])
     out["after"] = [o["logprobs"].clone() for o in after[0].outputs]
     # Rows of one length (the padded pass) with top-K targets [S, K]: under a vocabulary

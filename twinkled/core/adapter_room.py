@@ -13,7 +13,9 @@ The host budget is `host_adapter_memory_gb`.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 from twinkled.protocol.config import Config
 from twinkled.protocol.errors import UserError
@@ -71,6 +73,31 @@ class AdapterRoom:
     def release(self, model: str) -> None:
         self._held.pop(model, None)
 
+    def held(self, model: str) -> int:
+        """The bytes `model` holds here (0: none)."""
+        return self._held.get(model, 0)
+
+
+
+def check_disk(path: Path, need: int) -> None:
+    """Refuse, with the numbers, an adapter whose state (`need` bytes) the disk under
+    `path` cannot hold: the last tier, where parked and idle adapters go."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    free = shutil.disk_usage(path).free
+    if need > free:
+        raise NoRoom(f"no disk room for this adapter: its state needs about {need / GiB:.2f} "
+                     f"GiB and {path} has {free / GiB:.2f} GiB free; free some disk (old "
+                     "checkpoints) or use a lower rank")
+
+
+def check_cap(config: LoraConfig, size: int, tenant: str, cap: int | None) -> None:
+    """Refuse, with the numbers, an adapter larger than `tenant`'s resident cap by itself."""
+    if cap is not None and size > cap:
+        raise NoRoom(f"a rank-{config.rank} adapter needs about {size / GiB:.3f} GiB per GPU, "
+                     f"more than tenant {tenant!r}'s cap of {cap / GiB:.3f} GiB of adapters "
+                     "in a GPU bank (max_resident_bytes / tenant_max_resident_bytes); use a "
+                     "lower rank or fewer target modules")
 
 
 def adapter_room(config: Config, budget: int | None) -> AdapterRoom:
@@ -87,9 +114,9 @@ def adapter_room(config: Config, budget: int | None) -> AdapterRoom:
 
 def host_room(config: Config) -> AdapterRoom:
     """The host tier's room, per lane (`host_adapter_memory_gb`): a parked adapter's fp32
-    weights, gradients and moments (16 bytes a parameter). Tensor-parallel adapters park on
-    disk (a budget of 0)."""
+    weights, gradients and moments (16 bytes a parameter; under tensor parallelism each
+    rank holds its slices, together the whole)."""
     model = config.model_config or {}
-    budget = int(config.host_adapter_memory_gb * GiB) if config.tp == 1 else 0
+    budget = int(config.host_adapter_memory_gb * GiB)
     return AdapterRoom(budget, lambda c: adapter_bytes(
         model, c.rank, c.train_attn, c.train_mlp, c.train_unembed) * 16 // 18)

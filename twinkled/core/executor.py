@@ -15,9 +15,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from twinkled.core.journal import Journal
 from twinkled.core.ops import Outcome
@@ -47,6 +48,19 @@ log = logging.getLogger("twinkled")
 
 RESTART_MESSAGE = ("the worker group failed ({why}) and was restarted; this request did not "
                    "run (its model is at its last acknowledged step): submit it again")
+
+
+class Moved(NamedTuple):
+    """A residency move's outcome; whether it ran inside a training step in flight (a
+    prefetch, overlapped); the seconds the workers spent on it (what its tenant pays)."""
+
+    outcome: Outcome
+    overlapped: bool = False
+    seconds: float = 0.0
+
+    @property
+    def error(self) -> str | None:
+        return self.outcome[1]
 
 
 class LiveAdapters(Protocol):
@@ -373,18 +387,36 @@ class Executor:
                 StepF(0, "barrier", [IdleUnloadF(model)]))
             self.restorer.note_persisted(replies)
 
-    async def move(self, frame: OpF) -> Outcome:
-        """One residency move between steps (a ParkF, UnparkF or IdleUnloadF: core/tiers.py)
-        on every rank; its outcome."""
+    async def move(self, frame: OpF, overlap: bool = False) -> Moved:
+        """One residency move (a ParkF, UnparkF or IdleUnloadF: core/tiers.py) on every
+        rank. With `overlap` it may run inside the training step in flight (a ParkF or
+        UnparkF on a one-rank group, between two micro-batches: the step does not wait for
+        the move, nor the move for the step); where it cannot there (no free bank slot),
+        it runs between steps."""
+        if overlap and self.can_join():
+            try:
+                replies = await self.group.send_join(StepF(0, "barrier", [frame], join=True))
+            except WorkerLost as e:
+                return Moved((None, str(e), "server"), True)
+            self.restorer.note_persisted(replies)  # (writes the rank finished meanwhile)
+            busy = max(r.busy_s for r in replies)
+            self.joined_s += busy  # the step in flight's time includes it: not its cost
+            outcome = merge_replies([frame], replies)[0]
+            if outcome[1] is None:
+                return Moved(outcome, True, busy)
         async with self._turn():
             replies = await self.group.run(StepF(0, "barrier", [frame]))
             self.restorer.note_persisted(replies)
-            return merge_replies([frame], replies)[0]
+            return Moved(merge_replies([frame], replies)[0], False,
+                         max(r.busy_s for r in replies))
 
-    async def restore_one(self, model: str, config: LoraConfig) -> str | None:
-        """Bring one adapter back between steps; the reason if it could not be."""
+    async def restore_one(self, model: str, config: LoraConfig) -> Moved:
+        """Bring one adapter back between steps (its error: the reason if it could not be)."""
         async with self._turn():
-            return (await self.restorer.restore({model: config})).get(model)
+            began = time.monotonic()
+            why = (await self.restorer.restore({model: config})).get(model)
+            return Moved((None, why, "server" if why else None), False,
+                         time.monotonic() - began)
 
     def take_rollback(self, model: str) -> str | None:
         """What a model's client must be told once: its run lost acknowledged steps."""

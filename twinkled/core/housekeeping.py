@@ -1,6 +1,6 @@
 """The daemon's chores on a timer: tenant settings and the status row every few seconds,
 old results and expired checkpoints every minute, adapters idle for `idle_unload_s` out of
-the workers' memory. A chore that fails is logged and tried again at the next tick."""
+the workers' memory, idle runs moved between lanes that fill unevenly. A chore that fails is logged and tried again at the next tick."""
 
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ log = logging.getLogger("twinkled")
 
 
 class Idle(Protocol):
-    """Who unloads idle adapters (the lanes, each asking its residency)."""
+    """Who unloads idle adapters (the lanes, each asking its residency), and moves runs
+    between lanes to balance them (core/balance.py)."""
 
     async def unload_idle(self, idle_s: float) -> None: ...
+
+    async def balance(self) -> int: ...
 
 
 class Housekeeping:
@@ -44,6 +47,11 @@ class Housekeeping:
                 await self.unload_idle()
             except Exception:
                 log.exception("unloading idle adapters failed")
+            try:
+                if self._may_unload():
+                    await self._adapters.balance()
+            except Exception:
+                log.exception("balancing the lanes failed")
             ticks += 1
             await asyncio.sleep(every)
 

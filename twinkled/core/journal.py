@@ -128,6 +128,12 @@ class Journal:
         self._next.pop(model, None)
         self.disk.replace(self._path(model), None)
 
+    def release(self, model: str) -> None:
+        """The adapter went to another lane, whose journal goes on with its file: forget
+        what this one knew of it (were it to come back, its file is read again)."""
+        self._entries.pop(model, None)
+        self._next.pop(model, None)
+
     # -- disk -----------------------------------------------------------------------------
 
     def loaded(self, model: str) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 
 from scheduler import Planner
 from twinkled.core.adapter_room import AdapterRoom
+from twinkled.core.balance import balance, load
 from twinkled.core.engine_core import EngineCore
 from twinkled.core.exclusive import Exclusive
 from twinkled.core.executor import Executor
@@ -52,9 +53,11 @@ class Lane:
 
 def make_lane(index: int, planner: Planner, executor: Executor, store: Any,
               room: AdapterRoom, futures: Futures, metrics: Metrics, gather_s: float,
-              slice_s: float, host: AdapterRoom | None = None) -> Lane:
-    """`room`: the GPU bank's budget; `host`: the host tier's (core/tiers.py)."""
-    residency = Residency(store, planner, executor, room, host)
+              slice_s: float, host: AdapterRoom | None = None,
+              cap: Callable[[str], int | None] = lambda _: None) -> Lane:
+    """`room`: the GPU bank's budget; `host`: the host tier's (core/tiers.py); `cap`: a
+    tenant's resident bytes cap (Residency)."""
+    residency = Residency(store, planner, executor, room, host, cap)
     executor.serve(residency, on_restart=metrics.worker_restarts.inc)
     core = EngineCore(planner, executor, futures, residency, metrics, gather_s, slice_s)
     return Lane(index, planner, executor, residency, core)
@@ -69,6 +72,7 @@ class Lanes:
         self._turn = 0  # round robin for base-model samples
         self._reloading: dict[str, asyncio.Lock] = {}  # model -> one reload at a time
         self.exclusive = Exclusive()  # lanes held by full-parameter runs (exclusive.py)
+        self.moved_runs = 0  # runs moved between lanes to balance them (balance.py)
 
     # -- where things go ----------------------------------------------------------------
 
@@ -206,12 +210,36 @@ class Lanes:
                 lane = self.exclusive.reserve(self.all, model, run["tenant"])
             else:
                 lane = here if here.residency.keeps(model) else self.choose(stored_config(run))
+            if lane is not here:  # its journal goes on in the other lane's executor
+                here.executor.journal.release(model)
             self.place(model, lane)
             await lane.residency.ensure_loaded(run)
+
+    async def move(self, model: str, to: Lane) -> bool:
+        """Move an idle run to lane `to` (core/balance.py): its state through the disk, its
+        next requests there; False if it cannot go now (work came in meanwhile)."""
+        async with self._reloading.setdefault(model, asyncio.Lock()):
+            here = self.of(model)
+            if here is to or not await here.residency.send_away(model):
+                return False
+            here.executor.journal.release(model)
+            self.place(model, to)
+            self.moved_runs += 1
+            try:
+                await to.residency.ensure_loaded(self._store.runs.get(model))
+            except Exception as e:  # it stays on disk: its next request tries again
+                log.warning("run %s moved to lane %d but could not be brought in: %s",
+                            model, to.index, e)
+            log.info("run %s moved from lane %d to lane %d", model, here.index, to.index)
+            return True
 
     async def unload_idle(self, idle_s: float) -> None:
         for lane in self.all:
             await lane.residency.unload_idle(idle_s)
+
+    async def balance(self) -> int:
+        """Housekeeping: idle runs move from a crowded lane to an emptier one (balance.py)."""
+        return await balance(self)
 
     async def persist_all(self) -> int:
         return sum([await lane.residency.persist_all() for lane in self.all])
@@ -259,19 +287,23 @@ class Lanes:
                 {"lane": lane.index, "devices": lane.executor.group.devices,
                  "steps": lane.planner.steps, "adapters": lane.planner.model_count(),
                  "step_target_ms": _ms(lane.planner.step_target()),
-                 "restarts": restarts[lane.index],
+                 "restarts": restarts[lane.index], **lane_load(lane),
                  "tiers": lane.residency.tiers.status()} for lane in self.all]
+            status["lane_moves"] = self.moved_runs
         return status
 
     def tiers(self) -> dict:
         """Adapters per residency tier over every lane, and the moves so far (tiers.py)."""
         moves: Counter[str] = Counter()
+        prefetch: Counter[str] = Counter()
         for lane in self.all:
             moves.update(lane.residency.tiers.moves)
+            prefetch.update(lane.residency.tiers.prefetch)
         return {"gpu": sum(lane.residency.count() for lane in self.all),
                 "host": sum(lane.residency.tiers.status()["host"] for lane in self.all),
                 "moves": dict(moves),
-                "moved_bytes": sum(lane.residency.tiers.moved_bytes for lane in self.all)}
+                "moved_bytes": sum(lane.residency.tiers.moved_bytes for lane in self.all),
+                "prefetch": {"hits": prefetch["hits"], "misses": prefetch["misses"]}}
 
     def logprob_gap(self) -> dict:
         """Sampler vs trainer logprobs of recently checked samples, over every lane
@@ -285,6 +317,14 @@ class Lanes:
         """Every lane's worker ranks, each with its lane."""
         return [{**w, "lane": lane.index} for lane in self.all
                 for w in lane.executor.status()["workers"]]
+
+
+def lane_load(lane: Lane) -> dict:
+    """What a lane carries now (`ctl status`): adapters in its GPU bank (the load the
+    lanes are balanced by), and its queued work."""
+    queued = lane.planner.status().values()
+    return {"load": load(lane), "queued_requests": sum(t["queued_requests"] for t in queued),
+            "queued_tokens": sum(t["queued_tokens"] for t in queued)}
 
 
 def _ms(seconds: float) -> float | None:

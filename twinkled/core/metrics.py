@@ -85,6 +85,32 @@ class _Live:
         yield GaugeMetricFamily("twinkle_up", "1 when the daemon serves requests now",
                                 value=1.0 if g["up"] else 0.0)
         yield from _gap_metrics(g["logprob_gap"])
+        yield from _tier_metrics(g["tiers"])
+
+
+def _tier_metrics(tiers: dict):
+    """Adapter residency (core/tiers.py): where adapters are, what moved, prefetches."""
+    where = GaugeMetricFamily("twinkle_adapters_resident", "Training adapters per residency "
+                              "tier (gpu: in a lane's bank; host: parked in host memory)",
+                              labels=["tier"])
+    for tier in ("gpu", "host"):
+        where.add_metric([tier], tiers[tier])
+    yield where
+    moves = CounterMetricFamily("twinkle_adapter_moves", "Adapter moves between the residency "
+                                "tiers, by kind (to_host, to_disk, from_host, from_disk)",
+                                labels=["kind"])
+    for kind in ("to_host", "to_disk", "from_host", "from_disk"):
+        moves.add_metric([kind], tiers["moves"].get(kind, 0))
+    yield moves
+    yield CounterMetricFamily("twinkle_adapter_moved_bytes", "Bytes of adapter state moved "
+                              "between the residency tiers", value=tiers["moved_bytes"])
+    prefetch = CounterMetricFamily("twinkle_adapter_prefetch", "Adapters brought into the GPU "
+                                   "bank: hit (inside the step in flight, or with no other "
+                                   "work waiting) or miss (a step waited for the move)",
+                                   labels=["result"])
+    for result in ("hits", "misses"):
+        prefetch.add_metric([result.rstrip("s")], tiers["prefetch"][result])
+    yield prefetch
 
 
 def _gap_metrics(gap: dict):

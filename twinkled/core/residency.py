@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from scheduler import Planner
-from twinkled.core.adapter_room import AdapterRoom
-from twinkled.core.executor import Executor
+from twinkled.core.adapter_room import AdapterRoom, check_cap, check_disk
+from twinkled.core.executor import Executor, Moved
 from twinkled.core.ops import Outcome
 from twinkled.core.tiers import Tiers
 from twinkled.protocol.errors import UserError
@@ -53,8 +55,12 @@ def loaded_config(info: AdapterInfo) -> LoraConfig:
 
 class Residency:
     def __init__(self, store: Any, planner: Planner, executor: Executor,
-                 room: AdapterRoom | None = None, host: AdapterRoom | None = None):
+                 room: AdapterRoom | None = None, host: AdapterRoom | None = None,
+                 cap: Callable[[str], int | None] = lambda _: None):
+        """`cap(tenant)`: the bytes of its adapters the GPU bank holds at once (None: no
+        cap; beyond it its own least recently used idle ones are parked)."""
         self._store = store
+        self._cap = cap
         self._planner = planner
         self._executor = executor
         self.room = room or AdapterRoom(None, lambda _: 0)  # GPU memory for adapters
@@ -78,6 +84,25 @@ class Residency:
     def count(self) -> int:
         return len(self._live)
 
+    def check(self, config: LoraConfig, tenant: str) -> None:
+        """Refuse at the door, with the numbers, an adapter this lane could never hold: more
+        than the whole GPU budget, than `tenant`'s resident cap, or than the free disk its
+        state needs (the last tier). Anything else waits for room, never refused."""
+        self.room.check(config)
+        check_cap(config, self.room.size(config), tenant, self._cap(tenant))
+        # its state on disk: fp32 weights and two moments, 12 of the bank's 18 bytes a
+        # parameter (0 where the bank is unbounded: no model numbers to size it by)
+        check_disk(Path(self._executor.live_dir), self.room.size(config) * 2 // 3)
+
+    def _over_cap(self, tenant: str | None, config: LoraConfig | None = None) -> bool:
+        """`tenant`'s adapters in the bank (and one of `config` coming in) are over its cap."""
+        cap = None if tenant is None else self._cap(tenant)
+        if cap is None:
+            return False
+        mine = sum(self.room.held(m) for m, t in self._planner.model_tenant.items()
+                   if t == tenant)
+        return mine + (self.room.size(config) if config is not None else 0) > cap
+
     # -- what steps did -----------------------------------------------------------------
 
     def open(self, model: str, tenant: str, first_seq: int = 1, resync: bool = False) -> None:
@@ -86,8 +111,10 @@ class Residency:
         recently used idle adapters are parked right behind it."""
         self._planner.open_model(model, tenant, first_seq, resync=resync)
         self.tiers.touch(model)
-        if self.room.over() and (self._rebalancing is None or self._rebalancing.done()):
-            self._rebalancing = asyncio.get_running_loop().create_task(self._rebalance())
+        if ((self.room.over() or self._over_cap(tenant))
+                and (self._rebalancing is None or self._rebalancing.done())):
+            self._rebalancing = asyncio.get_running_loop().create_task(
+                self._rebalance(tenant))
 
     def note(self, frame: OpF, outcome: Outcome) -> None:
         """What an op that ran changed: a created or loaded adapter is live (a restart
@@ -191,8 +218,8 @@ class Residency:
                 return  # loaded meanwhile, or never unloaded (submit says why not loaded)
             config = stored_config(fresh)
             self.tiers.touch(model)
-            await self.make_room(model, config)
-            why = await self._bring_in(model, config)
+            await self.make_room(model, config, fresh["tenant"])
+            why = await self._bring_in(model, config, fresh["tenant"])
             if why is not None:
                 self.room.release(model)
                 raise UserError(f"model {model} was parked and could not be brought back: "
@@ -208,6 +235,25 @@ class Residency:
         lock = self._locks.get(model)
         return self.tiers.on_host(model) or (lock is not None and lock.locked())
 
+    def movable(self) -> list[str]:
+        """Resident adapters with nothing queued or in flight and no move under way, least
+        recently used first: those that may go to another lane (core/balance.py)."""
+        return [m for m in self.tiers.coldest(self._live) if not self._planner.busy(m)
+                and not (m in self._locks and self._locks[m].locked())]
+
+    async def send_away(self, model: str) -> bool:
+        """Out of this lane for another (core/balance.py): persisted to disk and closed,
+        as an idle unload; the other lane brings it in (`ensure_loaded`) from there. False
+        if it cannot go now (work came in, or it is being moved)."""
+        lock = self._locks.setdefault(model, asyncio.Lock())
+        if lock.locked() or model not in self._live:
+            return False
+        async with lock:
+            if not await self._park(model, to_host=False):
+                return False
+        self.tiers.forget(model)
+        return True
+
     async def persist_all(self) -> int:
         """Every live adapter on disk, and where each model's seq_ids go on (a hot restart
         continues them exactly). Returns how many adapters were live."""
@@ -221,37 +267,55 @@ class Residency:
 
     # -- the tiers: making room, parking, bringing back ------------------------------------
 
-    async def make_room(self, model: str, config: LoraConfig) -> None:
+    async def make_room(self, model: str, config: LoraConfig, needer: str | None = None
+                        ) -> None:
         """Room in the GPU bank for `model`'s adapter, held for it: the least recently
         used idle adapters are parked until it fits, and while every resident one has work
-        queued, this waits for one to finish (an op completes every step)."""
+        queued, this waits for one to finish (an op completes every step). The moves are
+        charged to `needer`'s fair share (the tenant whose adapter needs the room)."""
         self.room.check(config)  # only what could never fit is refused
+        while True:  # over its tenant's cap: its own adapters make room first
+            async with self._admitting:  # (waiting for them outside: others go on)
+                if not self._over_cap(needer, config):
+                    break
+                parked = await self._park_coldest(incoming=model, needer=needer, only=needer)
+            if not parked:
+                await asyncio.sleep(ROOM_POLL_S)
         async with self._admitting:
             while not self.room.fits(config):
-                if not await self._park_coldest(incoming=model):
+                if not await self._park_coldest(incoming=model, needer=needer):
                     await asyncio.sleep(ROOM_POLL_S)
             self.room.hold(model, config)
 
-    async def _rebalance(self) -> None:
-        """Park the least recently used idle adapters until the bank is within budget."""
+    async def _rebalance(self, needer: str) -> None:
+        """Park the least recently used idle adapters until the bank is within budget
+        (charged to `needer`, whose new adapter took the room)."""
         async with self._admitting:
+            while self._over_cap(needer):  # (all its adapters busy: its next bring-in
+                if not await self._park_coldest(needer=needer, only=needer):  # parks)
+                    break
             while self.room.over():
-                if not await self._park_coldest():
+                if not await self._park_coldest(needer=needer):
                     await asyncio.sleep(ROOM_POLL_S)
 
-    async def _park_coldest(self, incoming: str | None = None) -> bool:
-        """Park the least recently used resident adapter with nothing queued, to make room
-        for `incoming` (if any); False if every one has work (or is being moved)."""
+    async def _park_coldest(self, incoming: str | None = None, needer: str | None = None,
+                            only: str | None = None) -> bool:
+        """Park the least recently used resident adapter with nothing queued (of tenant
+        `only`, if given), to make room for `incoming` (if any); False if every one has
+        work (or is being moved)."""
         for model in self.tiers.coldest(self._live, incoming):
+            if only is not None and self._planner.model_tenant.get(model) != only:
+                continue
             lock = self._locks.setdefault(model, asyncio.Lock())
             if lock.locked() or self._planner.busy(model) or not self.is_open(model):
                 continue
             async with lock:  # free: taken at once
-                if await self._park(model, to_host=True, incoming=incoming):
+                if await self._park(model, to_host=True, incoming=incoming, needer=needer):
                     return True
         return False
 
-    async def _park(self, model: str, to_host: bool, incoming: str | None = None) -> bool:
+    async def _park(self, model: str, to_host: bool, incoming: str | None = None,
+                    needer: str | None = None) -> bool:
         """Out of the GPU bank (the caller holds the model's lock): to host memory if
         `to_host` and it has room there (the least recently parked go on to disk, never
         `incoming`, which leaves host memory next), else to disk. Its queue closes; its
@@ -262,13 +326,13 @@ class Residency:
         config = self._live[model]
         resume = self._resumes_at(model)
         self._planner.forget_model(model)
-        host = to_host and await self._host_room(config, incoming)
-        error = await self._move(ParkF(model) if host else IdleUnloadF(model))
+        host = to_host and await self._host_room(config, incoming, needer)
+        error = (await self._move(ParkF(model) if host else IdleUnloadF(model), needer)).error
         if error is not None and host:
             log.warning("parking %s in host memory failed (%s); parking it on disk",
                         model, error)
             host = False
-            error = await self._move(IdleUnloadF(model))
+            error = (await self._move(IdleUnloadF(model), needer)).error
         if error is not None:  # still in the bank: it stays open
             log.error("parking adapter %s failed: %s", model, error)
             self.open(model, self._store.runs.get(model)["tenant"], next_seq)
@@ -283,7 +347,8 @@ class Residency:
         log.debug("adapter %s parked to %s", model, "host memory" if host else "disk")
         return True
 
-    async def _host_room(self, config: LoraConfig, incoming: str | None) -> bool:
+    async def _host_room(self, config: LoraConfig, incoming: str | None,
+                         needer: str | None = None) -> bool:
         """Whether an adapter of `config` can be parked in host memory, once the least
         recently parked there have gone on to disk (`incoming` counted as gone: it is
         brought in next, so an exchange of the two never spills it)."""
@@ -291,13 +356,13 @@ class Residency:
             return False
         while not self.tiers.host.fits(config, leaving=incoming):
             coldest = [m for m in self.tiers.on_host_models() if m != incoming]
-            if not coldest or not await self._host_to_disk(coldest[0]):
+            if not coldest or not await self._host_to_disk(coldest[0], needer):
                 return False
         return True
 
-    async def _host_to_disk(self, model: str) -> bool:
+    async def _host_to_disk(self, model: str, needer: str | None = None) -> bool:
         """A host-parked adapter on to disk (the caller holds `_admitting`)."""
-        error = await self._move(IdleUnloadF(model))
+        error = (await self._move(IdleUnloadF(model), needer)).error
         if error is not None:
             log.error("moving parked adapter %s to disk failed: %s", model, error)
             return False
@@ -306,30 +371,40 @@ class Residency:
             self.tiers.moved(model, "to_disk", config)
         return True
 
-    async def _bring_in(self, model: str, config: LoraConfig) -> str | None:
+    async def _bring_in(self, model: str, config: LoraConfig, needer: str) -> str | None:
         """A parked adapter into the GPU bank (its room is held): from host memory as it
-        was, else from disk (persisted state, then the journal). Why not, if it failed."""
+        was (inside the training step in flight where it can: a prefetch), else from disk
+        (persisted state, then the journal). Why not, if it failed. A move between steps
+        while the lane had work is a prefetch miss (that work waited for it)."""
         if self.tiers.on_host(model):
-            error = await self._move(UnparkF(model))
+            idle = self._planner.idle()
+            moved = await self._move(UnparkF(model), needer)
             self.tiers.left_host(model)
-            if error is None:
+            if moved.error is None:
                 self.tiers.moved(model, "from_host", config)
+                self.tiers.prefetched(moved.overlapped or idle)
                 return None
             log.warning("adapter %s was not in host memory (%s); restoring it from disk",
-                        model, error)
-        why = await self._executor.restore_one(model, config)
-        if why is None:
+                        model, moved.error)
+        idle = self._planner.idle()
+        moved = await self._executor.restore_one(model, config)
+        self._planner.charge(needer, moved.seconds)
+        if moved.error is None:
             self.tiers.moved(model, "from_disk", config)
-        return why
+            self.tiers.prefetched(idle)
+        return moved.error
 
-    async def _move(self, frame: OpF) -> str | None:
-        """One move on the workers; why it failed, if it did. A worker lost meanwhile is
-        a failure of the move (the group restarts; the caller keeps what it had)."""
+    async def _move(self, frame: OpF, needer: str | None = None) -> Moved:
+        """One move on the workers (ParkF and UnparkF inside the training step in flight
+        where they can), its time charged to `needer`'s fair share. A worker lost meanwhile
+        is a failure of the move (the group restarts; the caller keeps what it had)."""
         try:
-            _, error, _ = await self._executor.move(frame)
+            moved = await self._executor.move(frame, overlap=isinstance(frame, ParkF | UnparkF))
         except Exception as e:
-            return f"{type(e).__name__}: {e}"
-        return error
+            return Moved((None, f"{type(e).__name__}: {e}", "server"))
+        if needer is not None:
+            self._planner.charge(needer, moved.seconds)
+        return moved
 
     def _resumes_at(self, model: str) -> int | None:
         """Where a model's seq_ids go on when it comes back: the one it waits for, or None

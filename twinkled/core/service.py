@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import astuple
 from typing import Any
 
-from scheduler import Planner
+from scheduler import Ledger, Planner
 from twinkled.core import otel
 from twinkled.core.adapter_room import adapter_room, host_room
 from twinkled.core.engine_core import RateLimited  # noqa: F401  (re-exported)
@@ -91,12 +91,14 @@ class Service:
         if executor is None:
             executor = [zmq_executor(config, devices) for devices in config.lane_devices()]
         executors = executor if isinstance(executor, list) else [executor]
+        ledger = Ledger()  # tenants' fair-share clocks, one for all lanes (fairness.py)
         self.lanes = Lanes([
             make_lane(i, Planner(config.token_budget, config.sample_budget,
-                                 config.target_step_s, preempt_s=config.preempt_s),
+                                 config.target_step_s, preempt_s=config.preempt_s,
+                                 ledger=ledger),
                       ex, store, adapter_room(config, adapter_budget), self.futures,
                       self.metrics, config.gather_ms / 1000, config.sample_slice_ms / 1000,
-                      host_room(config))
+                      host_room(config), config.resident_cap)
             for i, ex in enumerate(executors)], store)
         self.tenants = Tenants(config, store, [lane.planner for lane in self.lanes.all])
         self._limits: RequestLimits | None = None
@@ -168,7 +170,7 @@ class Service:
         queued = {t: s["queued_requests"] for t, s in self.lanes.tenant_status().items()}
         return {"queued": queued, "adapters": self.lanes.model_count(),
                 "workers": self.lanes.workers(), "up": self.health == "ok",
-                "logprob_gap": self.lanes.logprob_gap()}
+                "logprob_gap": self.lanes.logprob_gap(), "tiers": self.lanes.tiers()}
 
     @property
     def health(self) -> str:
@@ -326,7 +328,7 @@ class Service:
             lane = full_run_lane(self.lanes, self.tenants, self.config, tenant)
         else:
             lane = self.lanes.choose(config)
-        lane.residency.room.check(config)
+        lane.residency.check(config, tenant)
         try:
             model = self.store.runs.create(session_id, tenant, self.config.served_name,
                                            config.rank, lora, user_metadata, model_seq)
@@ -436,7 +438,7 @@ class Service:
             lane = full_run_lane(self.lanes, self.tenants, self.config, tenant)
         else:
             lane = self.lanes.choose(stored)
-        lane.residency.room.check(stored)
+        lane.residency.check(stored, tenant)
         try:
             model = self.store.runs.create(session_id, tenant, self.config.served_name,
                                            src["lora_rank"], lora, user_metadata, model_seq)

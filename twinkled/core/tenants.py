@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from scheduler import Limits, Planner
@@ -54,6 +55,12 @@ class Tenants:
         if lim.max_rank is not None and rank > lim.max_rank:
             raise UserError(f"rank {rank} is over tenant {tenant!r}'s cap of {lim.max_rank}")
         if lim.max_adapters is not None:
+            # Its runs in the GPU banks, and those parked for room (host memory or disk):
+            # parking is the daemon's doing and must not free a place under the cap.
             mine = sum(planner.model_count(tenant) for planner in self._planners)
+            idle_s = self._config.idle_unload_s or float("inf")
+            mine += self._store.runs.parked(tenant, time.time() - idle_s)
             if mine >= lim.max_adapters:
-                raise UserError(f"tenant {tenant!r} already has {mine} adapters, its quota")
+                raise UserError(f"tenant {tenant!r} already has {mine} runs loaded (in the GPU "
+                                "bank or parked), its quota (max_adapters / "
+                                "tenant_max_adapters); finish a session to free one")

@@ -11,7 +11,12 @@ order they leave the bank (least recently used first). Torch-free bookkeeping; R
 
 A request for a parked adapter waits at the door while it is brought in (Residency
 `ensure_loaded`), parking others if the bank is full, and waiting for one to go idle if
-every resident adapter has work queued: capacity is never a refusal. The worker's host
+every resident adapter has work queued: capacity is never a refusal. On a one-rank lane
+the moves between the bank and host memory run inside the training step in flight, between
+two of its micro-batches (on a GPU the copy is on a side stream, overlapping that step's
+kernels): the adapter is in before the next step is planned, a prefetch "hit"; a move that
+ran between steps while other work waited is a "miss". The workers' time a move takes is
+charged to the fair share of the tenant whose adapter needed it. The worker's host
 memory dies with it: after a group restart what was on the host tier is on disk.
 """
 
@@ -32,6 +37,9 @@ class Tiers:
         self._on_host: dict[str, LoraConfig] = {}
         self.moves: Counter[str] = Counter()  # "to_host", "to_disk", "from_host", "from_disk"
         self.moved_bytes = 0
+        # Bring-ins that held up no step (inside the step in flight, or while no other work
+        # waited) and those that did: the prefetch hit rate.
+        self.prefetch: Counter[str] = Counter()  # "hits", "misses"
 
     def touch(self, model: str) -> None:
         """The model was asked for or ran: the last to be parked."""
@@ -77,9 +85,12 @@ class Tiers:
         self.moves[kind] += 1
         self.moved_bytes += self.host.size(config)
 
+    def prefetched(self, hit: bool) -> None:
+        self.prefetch["hits" if hit else "misses"] += 1
+
     def status(self) -> dict:
         """Adapters and bytes per tier, and the moves so far (`ctl status`, /metrics)."""
         return {"gpu_bytes": self.gpu.used(), "gpu_budget": self.gpu.budget,
                 "host": len(self._on_host), "host_bytes": self.host.used(),
                 "host_budget": self.host.budget, "moves": dict(self.moves),
-                "moved_bytes": self.moved_bytes}
+                "moved_bytes": self.moved_bytes, "prefetch": dict(self.prefetch)}

@@ -84,9 +84,7 @@ class LoraPool:
         if not (config.alpha > 0):
             raise EngineInputError("alpha", f"must be positive, got {config.alpha!r}")
         check_optimizer(config.optimizer)
-        modules = config.target_modules + (EXPERT_MODULES if config.train_mlp else ())
-        keys = {k: s if self.shard is None else self.shard.local_shape(k, s)
-                for k, s in self.targets.items() if k.rsplit(".", 1)[-1] in modules}
+        keys = self._keys(config)
         bank_key = (config.rank, tuple(sorted(keys)))
         bank = self.banks.get(bank_key)
         if bank is None:
@@ -96,6 +94,18 @@ class LoraPool:
         adapter = Adapter(adapter_id, config, bank, slot)
         self.adapters[adapter_id] = adapter
         return adapter
+
+    def _keys(self, config: LoraConfig) -> dict[str, tuple[int, ...]]:
+        """The modules an adapter of `config` trains, with their (local) shapes."""
+        modules = config.target_modules + (EXPERT_MODULES if config.train_mlp else ())
+        return {k: s if self.shard is None else self.shard.local_shape(k, s)
+                for k, s in self.targets.items() if k.rsplit(".", 1)[-1] in modules}
+
+    def has_slot(self, config: LoraConfig) -> bool:
+        """Whether adding an adapter of `config` takes a free slot of a bank that exists
+        (grows no buffer: safe between two micro-batches of a step in flight)."""
+        bank = self.banks.get((config.rank, tuple(sorted(self._keys(config)))))
+        return bank is not None and bool(bank.free)
 
     @torch.no_grad()
     def _init_weights(self, bank: Bank, slot: int, seed: int | None) -> None:

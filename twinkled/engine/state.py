@@ -133,6 +133,25 @@ def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
     return Snapshot(adapter.config, adapter.steps, names, host, ready, flat)
 
 
+def to_device(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A parked snapshot's flat host buffer on `device`, for `write_into` to read: on a GPU
+    one copy on the side stream (from pinned memory it does not wait for the kernels of the
+    step in flight, which it overlaps), which the compute stream waits for before reading
+    it. A big one (SMALL_SNAPSHOT) stays on the host: a device copy of it would need as
+    much free GPU memory again; `write_into` then copies it view by view."""
+    device = torch.device(device)
+    if device.type != "cuda" or flat.numel() >= SMALL_SNAPSHOT:
+        return flat
+    stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
+    compute = torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):
+        out = torch.empty(flat.shape, dtype=flat.dtype, device=device)
+        out.copy_(flat, non_blocking=flat.is_pinned())
+    compute.wait_stream(stream)
+    out.record_stream(compute)  # allocated on the side stream, read on the compute one
+    return out
+
+
 def write_snapshot(snap: Snapshot, path: str | Path, base_model: str) -> int:
     """Write a snapshot as a checkpoint directory, atomically; returns bytes written."""
     path = Path(path)

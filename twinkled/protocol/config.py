@@ -113,6 +113,9 @@ class Config:
     # "all" tenants, "marked" ones only (a max_full_runs set for them: `twinkled ctl
     # tenants set NAME --max-full-runs N` or [tenants.NAME]), or "none".
     full_runs: str = "all"
+    # Bytes of a tenant's adapters in one lane's GPU bank at once (None: no cap): beyond it
+    # its own least recently used idle adapters are parked (core/residency.py).
+    tenant_max_resident_bytes: int | None = None
     # Checkpoint files + stored user_metadata per tenant (50 GiB); 0 or less: unlimited.
     tenant_max_storage_bytes: int = 50 * 1024**3
     # Open sessions per tenant (not finished, heartbeated in the last 10 minutes); 0: no cap.
@@ -145,6 +148,12 @@ class Config:
     remote_ranks: int = 0  # remote ranks each (re)start waits for, up to join_timeout_s
     join_timeout_s: float = 60.0
     join_heartbeat_s: float = 10.0  # a host that sends nothing for this long is lost
+
+    def resident_cap(self, tenant: str) -> int | None:
+        """The bytes of `tenant`'s adapters one lane's GPU bank holds at once
+        ([tenants.NAME] max_resident_bytes, else tenant_max_resident_bytes); None: no cap."""
+        value = (self.tenants.get(tenant) or {}).get("max_resident_bytes")
+        return value or self.tenant_max_resident_bytes or None
 
     def storage_quota_default(self, tenant: str) -> int | None:
         """The tenant's storage quota by this config ([tenants.NAME] max_storage_bytes, else
@@ -265,7 +274,7 @@ def _cuda_count() -> int:
 
 # a [tenants.NAME] table: weight, and the tenant_ quotas unprefixed
 TENANT_KEYS = ("weight", "max_queued_requests", "max_queued_tokens", "max_adapters",
-               "max_rank", "max_storage_bytes", "max_full_runs")
+               "max_rank", "max_storage_bytes", "max_full_runs", "max_resident_bytes")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _ENDPOINT = re.compile(r"tcp://(\*|[\w.-]+):(\d{1,5})")
 def _fused_spec(v) -> bool:

@@ -78,6 +78,15 @@ class Runs:
         return self._db.all("SELECT * FROM runs WHERE live AND NOT deleted AND "
                             "last_request_time < ?", [before])
 
+    def parked(self, tenant: str, since: float) -> int:
+        """How many of `tenant`'s runs are parked out of the workers (host memory or disk,
+        core/tiers.py) with a request since `since` (unix seconds): those idle longer are
+        unloaded as idle, not parked for room."""
+        row = self._db.one("SELECT COUNT(*) AS n FROM runs WHERE tenant = ? AND NOT live AND "
+                           "idle_unloaded AND NOT deleted AND last_request_time >= ?",
+                           [tenant, since])
+        return row["n"] if row else 0
+
     def live(self) -> list[Row]:
         """Runs whose adapter was loaded at the last stop (to restore at start-up)."""
         return self._db.all("SELECT * FROM runs WHERE live AND NOT deleted ORDER BY created")

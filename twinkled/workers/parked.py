@@ -10,6 +10,9 @@ Moving on to disk writes the snapshot as a persisted version at the adapter's jo
 (the last op after which it had no pending gradients): the daemon replays what came after,
 as for any persisted state (core/recovery.py).
 
+Under tensor parallelism each rank parks its own slices (no collective); moving on to disk
+brings them back into the bank first, where the usual persist gathers them whole.
+
 Host memory dies with the worker: after a restart the daemon treats every adapter that was
 parked here as parked on disk (its persisted state and its journal bring it back).
 """
@@ -22,7 +25,7 @@ import torch
 
 from twinkled.engine import Engine
 from twinkled.engine.live import unflatten
-from twinkled.engine.state import Snapshot, write_into
+from twinkled.engine.state import Snapshot, snapshot, to_device, write_into
 from twinkled.protocol.types import AdapterInfo, EngineInputError
 
 
@@ -58,10 +61,10 @@ class HostTier:
     def park(self, adapter_id: str, training: bool = True) -> None:
         """The adapter out of the bank into host memory (its slot is freed); a sampler's
         (not `training`) weights only."""
-        if self.engine.shard is not None:  # a split adapter is parked on disk (one write)
-            raise EngineInputError("adapter_id", "tensor-parallel adapters park on disk")
         adapter = self.engine.pool.get(adapter_id)
-        snap = self.engine.snapshot(adapter_id, optimizer=training)
+        # This rank's own slices (under tensor parallelism each rank parks its part, no
+        # collective); they go back into the same rank's bank as they are.
+        snap = snapshot(adapter, optimizer=training)
         grads = None
         if training:
             g = adapter.bank.flat(adapter.slot, "g")
@@ -71,19 +74,26 @@ class HostTier:
         self._parked[adapter_id] = Parked(snap, grads, adapter.pending)
         self.engine.remove_adapter(adapter_id)
 
-    def unpark(self, adapter_id: str) -> AdapterInfo:
-        """The adapter back into a bank slot, bit for bit as it was parked."""
+    def unpark(self, adapter_id: str, grow: bool = True) -> AdapterInfo:
+        """The adapter back into a bank slot, bit for bit as it was parked. On a GPU its
+        state is copied in on a side stream (`state.to_device`): sent inside a training step
+        in flight (a prefetch), the copy overlaps that step's kernels. `grow` False: only
+        into a free slot of a bank that exists (no buffer of the step in flight moves)."""
         p = self._parked.get(adapter_id)
         if p is None:
             raise EngineInputError("adapter_id", f"adapter {adapter_id!r} is not parked in "
                                    "this worker's memory")
-        weights, moments = unflatten(p.snap.names, p.snap.host(), p.snap.config)
+        if not grow and not self.engine.pool.has_slot(p.snap.config):
+            raise EngineInputError("adapter_id", "no free bank slot inside a step in flight")
         adapter = self.engine.pool.add(adapter_id, p.snap.config)
+        device = adapter.bank.device
+        weights, moments = unflatten(p.snap.names, to_device(p.snap.host(), device),
+                                     p.snap.config)
         try:
             with torch.no_grad():
                 write_into(adapter, weights, moments, p.snap.steps)
                 if p.grads is not None:
-                    adapter.bank.flat(adapter.slot, "g").copy_(p.grads)
+                    adapter.bank.flat(adapter.slot, "g").copy_(to_device(p.grads, device))
         except BaseException:
             self.engine.remove_adapter(adapter_id)
             raise
@@ -92,7 +102,8 @@ class HostTier:
         return self.engine.adapter_info(adapter_id)
 
     def take(self, adapter_id: str) -> Snapshot:
-        """The parked adapter's snapshot, for the disk; it leaves host memory."""
+        """The parked adapter's snapshot, for the disk; it leaves host memory. (Not a split
+        adapter's: its slices are written whole from the bank, `StepRunner`.)"""
         return self._parked.pop(adapter_id).snap
 
     def drop(self, adapter_id: str) -> None:

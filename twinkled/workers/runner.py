@@ -108,13 +108,23 @@ class StepRunner:
         # gradients (what a snapshot of it holds; twinkled/core/journal.py).
         self.marks: dict[str, int] = {}
         self.parked = HostTier(engine)  # adapters parked in host memory (parked.py)
+        self._grow = True  # an unpark may grow a bank (not inside a step in flight)
 
     def run(self, step: StepF, between: Callable[[], None] | None = None,
             joined: bool = False) -> list[OutcomeF]:
         """Every op gets an outcome; an exception leaves only if the rank cannot go on.
         `between`: called between a training step's micro-batches (the worker runs the
         "join" steps sent meanwhile there); `joined`: this step runs inside another one
-        (whose ops are not answered yet)."""
+        (whose ops are not answered yet: an adapter brought in there takes a free bank
+        slot only, so no buffer of that step moves)."""
+        grow, self._grow = self._grow, not joined
+        try:
+            return self._run(step, between, joined)
+        finally:
+            self._grow = grow
+
+    def _run(self, step: StepF, between: Callable[[], None] | None,
+             joined: bool) -> list[OutcomeF]:
         if self.persister is not None and not joined:  # the steps before were all answered
             self.persister.confirm()
         if step.kind in ("sample", "slice"):
@@ -339,8 +349,10 @@ class StepRunner:
             case IdleUnloadF() if engine.is_full(aid):  # it holds the lane: stays live
                 return OutcomeF(i)
             case IdleUnloadF():  # persisted first; a RestoreF brings it back
-                if aid in self.parked:  # from host memory: its snapshot, at its mark
+                if aid in self.parked and engine.shard is None:  # its snapshot, at its mark
                     return self._to_disk(i, aid)
+                if aid in self.parked:  # a split adapter's slices: written whole from the
+                    self.parked.unpark(aid)  # bank, as below (a collective, every rank)
                 if engine.has_adapter(aid):
                     self._persist(aid, now=True)
                     if not self._flush():
@@ -351,7 +363,7 @@ class StepRunner:
                 self.parked.park(aid)
                 return OutcomeF(i)
             case UnparkF():
-                return OutcomeF(i, info=self.parked.unpark(aid))
+                return OutcomeF(i, info=self.parked.unpark(aid, grow=self._grow))
             case PersistF():  # a hot restart: everything on disk before we answer
                 if engine.has_adapter(aid):
                     self._persist(aid, now=True)
