@@ -8,6 +8,7 @@ import asyncio
 
 from test_service import Box, done, logprobs, result, run, service
 
+from twinkled.core.balance import balance
 from twinkled.protocol.config import Config
 from twinkled.protocol.frames import SampleF, SamplingF, buf
 from twinkled.server.layout import layout_problems
@@ -246,7 +247,7 @@ def test_a_run_moved_to_a_less_loaded_lane_trains_on_where_it_left_off(tiny_dir,
                 box.svc.unload_models("d", [runs["d"]])
                 while box.svc.lanes.all[1].residency.count():
                     await asyncio.sleep(0.01)
-                assert await box.svc.lanes.balance() == 1
+                assert await balance(box.svc.lanes) == 1
                 moved = [t for t in "ac" if lane_of(box, runs[t]) == 1]
                 status = box.svc.status()
                 assert status["lane_moves"] == 1 and [ln["load"] for ln in status["lanes"]] \

@@ -9,7 +9,8 @@ The clone gets a virtual environment of its own that sees the packages already i
 satisfied and installs only the clone; the environment running this test is not touched.
 Only what a reader could not run here is changed, each named below: the port (a free one),
 the home directory (a temporary one), `/models/` (a tiny random-weight model saved there),
-`source .venv/bin/activate` (a virtual environment is already active, as the line says)
+`source .venv/bin/activate` (a virtual environment is already active, as the line says),
+the tinker SDKs' cache (this machine's, which `make install` filled)
 and `make test` runs one cheap test file in the test process itself (the suite is CI's own
 step; collecting it all costs ~15 s of CPU).
 
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tinker_sdks
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -89,7 +91,10 @@ class Newcomer:
             PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
             PIP_NO_INDEX="1", PIP_NO_BUILD_ISOLATION="0",  # offline: all is installed
             TWINKLE_PORT=str(self.port),
-            TESTS="tests/test_docs.py", TEST_WORKERS="0")  # `make test`: see above
+            TESTS="tests/test_docs.py", TEST_WORKERS="0",  # `make test`: see above
+            # The tinker SDKs `make install` caches: where this machine has them (offline,
+            # each make would try and fail to fetch all seven into the temporary home).
+            TWINKLE_TINKER_SDKS=str(tinker_sdks.cache_dir()))
         (tmp / "home").mkdir()
 
     def script(self, lines: list[str]) -> str:

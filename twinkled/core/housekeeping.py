@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Callable
 from typing import Protocol
 
+from twinkled.core.balance import balance
 from twinkled.core.futures import Futures
 from twinkled.protocol.config import Config
 
@@ -22,7 +23,6 @@ class Idle(Protocol):
 
     async def unload_idle(self, idle_s: float) -> None: ...
 
-    async def balance(self) -> int: ...
 
 
 class Housekeeping:
@@ -49,7 +49,7 @@ class Housekeeping:
                 log.exception("unloading idle adapters failed")
             try:
                 if self._may_unload():
-                    await self._adapters.balance()
+                    await balance(self._adapters)  # (balance.py)
             except Exception:
                 log.exception("balancing the lanes failed")
             ticks += 1

@@ -23,7 +23,6 @@ from typing import Any
 
 from scheduler import Planner
 from twinkled.core.adapter_room import AdapterRoom
-from twinkled.core.balance import balance, load
 from twinkled.core.engine_core import EngineCore
 from twinkled.core.exclusive import Exclusive
 from twinkled.core.executor import Executor
@@ -237,10 +236,6 @@ class Lanes:
         for lane in self.all:
             await lane.residency.unload_idle(idle_s)
 
-    async def balance(self) -> int:
-        """Housekeeping: idle runs move from a crowded lane to an emptier one (balance.py)."""
-        return await balance(self)
-
     async def persist_all(self) -> int:
         return sum([await lane.residency.persist_all() for lane in self.all])
 
@@ -323,7 +318,7 @@ def lane_load(lane: Lane) -> dict:
     """What a lane carries now (`ctl status`): adapters in its GPU bank (the load the
     lanes are balanced by), and its queued work."""
     queued = lane.planner.status().values()
-    return {"load": load(lane), "queued_requests": sum(t["queued_requests"] for t in queued),
+    return {"load": lane.residency.count(), "queued_requests": sum(t["queued_requests"] for t in queued),
             "queued_tokens": sum(t["queued_tokens"] for t in queued)}
 
 
