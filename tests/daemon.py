@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -13,9 +14,20 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (32768 up on Linux). A port the kernel
+    picks itself (bind to 0) can be handed next to any process binding to 0, such as another
+    test's worker sockets: a daemon restarted on its old port (the chaos test) then found a
+    ZeroMQ socket there. Ports here are only ever taken on purpose."""
+    pick = random.SystemRandom()
+    for _ in range(200):
+        port = pick.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def make_key(data_dir: Path, tenant: str) -> str:
