@@ -68,6 +68,12 @@ def weights(engine, adapter_id: str) -> dict[str, torch.Tensor]:
             for k in a.bank.shapes}
 
 
+def rel_diff(a, b) -> float:
+    """Largest |a - b| relative to b's largest magnitude (tensors, lists or numbers)."""
+    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
 def max_diff(x: dict, y: dict) -> float:
     assert x.keys() == y.keys()
     return max(max((a - b).abs().max().item() for a, b in zip(x[k], y[k], strict=True)) for k in x)

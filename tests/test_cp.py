@@ -10,7 +10,6 @@ process runs the scenario on one whole engine and compares."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,8 @@ import msgspec
 import pytest
 import torch
 from cp_scenario import SHORT, requests, results, setup
+from daemon import free_port
+from helpers import rel_diff
 
 from twinkled.engine.context_parallel import ContextParallel
 from twinkled.engine.engine import Engine
@@ -27,20 +28,9 @@ HERE = Path(__file__).parent
 RTOL = 1e-4
 
 
-def _rel(a, b) -> float:
-    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _group(model_dir, out: Path, **extra) -> list[dict]:
     """Run tests/cp_scenario.py on two ranks; their results, rank by rank."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, str(HERE / "cp_scenario.py"), json.dumps(
         {"url": url, "rank": r, "world": 2, "model": str(model_dir), "out": str(out),
          **extra})]) for r in range(2)]
@@ -83,17 +73,17 @@ def _compare(group: list[dict], engine: Engine, rtol: float) -> None:
         for i in (0, 2, 3):
             for kind in ("logprobs", "loss"):
                 for g, w in zip(got[kind][i], want[kind][i], strict=True):
-                    assert g.shape == w.shape and _rel(g, w) < rtol, (rank, i, kind)
+                    assert g.shape == w.shape and rel_diff(g, w) < rtol, (rank, i, kind)
         # Tenant b's short rows, each on the rank that ran it.
         for k, j in enumerate(SHORT[rank]):
-            assert _rel(got["logprobs"][1][k], want["logprobs"][1][j]) < rtol
-            assert _rel(got["loss"][1][k], want["loss"][1][j]) < rtol
+            assert rel_diff(got["logprobs"][1][k], want["logprobs"][1][j]) < rtol
+            assert rel_diff(got["loss"][1][k], want["loss"][1][j]) < rtol
         # LoRA gradients, summed over the group as the optimizer step sums them.
         for name in ("grads_a", "grads_b"):
             assert want[name].keys() == got[name].keys()
             for key, w in want[name].items():
                 assert w.abs().max() > 0, key  # the scenario reaches every parameter
-                assert _rel(got[name][key], w) < rtol, (rank, name, key)
+                assert rel_diff(got[name][key], w) < rtol, (rank, name, key)
         assert got["pending"] == want["pending"] == [3, 3]  # a split row counts once
 
 
@@ -117,7 +107,7 @@ def test_cp2_step_runner_reports_each_row_once(tiny_dir, cp_run):
         assert error is None
         assert len(result.outputs) == len(w.outputs)
         for g, o in zip(result.outputs, w.outputs, strict=True):
-            assert _rel(g["logprobs"].values(), o["logprobs"].tolist()) < RTOL
+            assert rel_diff(g["logprobs"].values(), o["logprobs"].tolist()) < RTOL
         assert result.metrics["loss:sum"] == pytest.approx(w.metrics["loss:sum"], rel=RTOL)
 
 

@@ -8,13 +8,14 @@ under tp=1 and in peft."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from daemon import free_port
+from helpers import rel_diff
 from tp_scenario import run
 
 from twinkled.engine.engine import Engine
@@ -25,17 +26,6 @@ from twinkled.protocol.types import LoraConfig
 pytest.importorskip("megatron.core")
 HERE = Path(__file__).parent
 RTOL = 1e-4
-
-
-def _rel(a, b) -> float:
-    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +43,7 @@ def tp_run(tmp_path_factory):
                                       vocab_size=1023)),
         "qwen3_moe": str(build_tiny_model(root / "qwen3_moe", arch="qwen3_moe")),
     }
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, str(HERE / "tp_scenario.py"), json.dumps(
         {"url": url, "rank": r, "world": 2, "tp": 2, "models": models, "out": str(root)})])
         for r in range(2)]
@@ -73,17 +63,17 @@ def test_tp2_matches_one_rank(tp_run, arch):
     got, ref = results[arch], run(Engine(models[arch]), None)
     for kind in ("init", "grads_a", "grads_b", "stepped", "grads_top_k", "dimuon"):
         assert got[kind].keys() == ref[kind].keys()
-        worst = max(_rel(got[kind][k], ref[kind][k]) for k in ref[kind])
-        assert worst <= RTOL, (kind, worst, max((_rel(got[kind][k], ref[kind][k]), k) for k in ref[kind]))
+        worst = max(rel_diff(got[kind][k], ref[kind][k]) for k in ref[kind])
+        assert worst <= RTOL, (kind, worst, max((rel_diff(got[kind][k], ref[kind][k]), k) for k in ref[kind]))
     assert any(v.abs().max() > 0 for v in ref["grads_a"].values())
     for a, b in zip(got["logprobs"], ref["logprobs"], strict=True):
-        assert max(_rel(x, y) for x, y in zip(a, b, strict=True)) <= RTOL
-    assert _rel(got["loss"], ref["loss"]) <= RTOL
-    assert _rel(got["grad_norm"], ref["grad_norm"]) <= RTOL
-    assert max(_rel(x, y) for x, y in zip(got["after"], ref["after"], strict=True)) <= RTOL
-    assert max(_rel(x, y) for x, y in zip(got["top_k"], ref["top_k"], strict=True)) <= RTOL
+        assert max(rel_diff(x, y) for x, y in zip(a, b, strict=True)) <= RTOL
+    assert rel_diff(got["loss"], ref["loss"]) <= RTOL
+    assert rel_diff(got["grad_norm"], ref["grad_norm"]) <= RTOL
+    assert max(rel_diff(x, y) for x, y in zip(got["after"], ref["after"], strict=True)) <= RTOL
+    assert max(rel_diff(x, y) for x, y in zip(got["top_k"], ref["top_k"], strict=True)) <= RTOL
     assert got["greedy"] == ref["greedy"] and got["seeded"] == ref["seeded"]
-    assert _rel(got["greedy_lp"], ref["greedy_lp"]) <= RTOL
+    assert rel_diff(got["greedy_lp"], ref["greedy_lp"]) <= RTOL
 
 
 
@@ -99,8 +89,8 @@ def test_tp2_checkpoint_loads_whole_and_in_peft(tp_run):
     a = eng.pool.get("a")
     stepped = results["qwen3"]["stepped"]
     for k in a.bank.shapes:
-        assert _rel(a.bank.A[k][a.slot], stepped[f"A:{k}"]) <= RTOL
-        assert _rel(a.bank.B[k][a.slot], stepped[f"B:{k}"]) <= RTOL
+        assert rel_diff(a.bank.A[k][a.slot], stepped[f"A:{k}"]) <= RTOL
+        assert rel_diff(a.bank.B[k][a.slot], stepped[f"B:{k}"]) <= RTOL
     assert a.steps == 1
     ids = torch.randint(0, eng.model.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
     base = AutoModelForCausalLM.from_pretrained(models["qwen3"], dtype=torch.float32)
@@ -109,7 +99,7 @@ def test_tp2_checkpoint_loads_whole_and_in_peft(tp_run):
         lora = LoraBatch([a, a], eng.model.dtype, eng.model.device)
         pos = torch.arange(11).expand(2, -1)
         ours = eng.model.logits(eng.model.forward(ids, pos, lora), lora)
-    assert _rel(ours, theirs) <= RTOL
+    assert rel_diff(ours, theirs) <= RTOL
 
 
 def test_recomputed_activations_give_the_same_gradients(tiny_dir):
@@ -126,5 +116,5 @@ def test_recomputed_activations_give_the_same_gradients(tiny_dir):
         out[mode] = ([r.metrics["loss:sum"] for r in res],
                      [g.clone() for g in a.bank.tensors(a.slot, "g")], eng.model.recompute.used)
     assert out["on"][2] > 0 and out["off"][2] == 0
-    assert _rel(out["on"][0], out["off"][0]) <= 1e-6
-    assert max(_rel(x, y) for x, y in zip(out["on"][1], out["off"][1], strict=True)) <= 1e-5
+    assert rel_diff(out["on"][0], out["off"][0]) <= 1e-6
+    assert max(rel_diff(x, y) for x, y in zip(out["on"][1], out["off"][1], strict=True)) <= 1e-5
