@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import re
 import tomllib
 import types
 import typing
@@ -14,7 +13,7 @@ from functools import cache, cached_property
 from pathlib import Path
 
 from twinkled.protocol.checks import Limits as RequestLimits
-from twinkled.protocol.rope import RULE, rope_scaling_ok
+from twinkled.protocol.config_rules import DEVICE, RANGES, TENANT_KEYS
 
 
 def default_data_dir() -> Path:
@@ -242,9 +241,9 @@ class Config:
         problems = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name not in _RANGES or value is None or isinstance(value, Path):
+            if f.name not in RANGES or value is None or isinstance(value, Path):
                 continue
-            ok, why = _RANGES[f.name]
+            ok, why = RANGES[f.name]
             if not ok(value):
                 problems.append(f"{f.name}: {why}, got {value!r}")
         return problems
@@ -272,57 +271,6 @@ def _cuda_count() -> int:
 
 # -- `twinkled config check` ------------------------------------------------------------
 
-# a [tenants.NAME] table: weight, and the tenant_ quotas unprefixed
-TENANT_KEYS = ("weight", "max_queued_requests", "max_queued_tokens", "max_adapters",
-               "max_rank", "max_storage_bytes", "max_full_runs", "max_resident_bytes")
-_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
-_ENDPOINT = re.compile(r"tcp://(\*|[\w.-]+):(\d{1,5})")
-def _fused_spec(v) -> bool:
-    levers = {"norm", "rope", "silu", "gemm"}
-    return isinstance(v, str) and (v in ("all", "none") or (
-        bool(v) and set(v.split(",")) <= levers))
-
-
-_POSITIVE = (lambda v: v > 0, "must be positive")
-_NON_NEGATIVE = (lambda v: v >= 0, "must be 0 or more")
-_NOT_EMPTY = (lambda v: v != "", "must not be empty")
-_QUOTA = (lambda v: v > 0, "must be a positive integer (leave the key out for no limit)")
-# What a value of the right type must also satisfy: key -> (test, what is wrong otherwise).
-_RANGES = {
-    "model": _NOT_EMPTY, "model_name": _NOT_EMPTY, "data_dir": _NOT_EMPTY, "host": _NOT_EMPTY,
-    "port": (lambda v: 1 <= v <= 65535, "must be from 1 to 65535"),
-    "dtype": (lambda v: v in ("bfloat16", "float32", "float16"),
-              "must be bfloat16, float32 or float16"),
-    "device": (lambda v: v == "auto" or _DEVICE.fullmatch(v),
-               "must be cpu, cuda, cuda:N or auto"),
-    "workers": _POSITIVE, "tp": _POSITIVE, "lanes": _POSITIVE, "ep": _POSITIVE, "cp": _POSITIVE,
-    "cp_min_tokens": _POSITIVE, "max_seq_len": _NON_NEGATIVE, "rope_scaling": (rope_scaling_ok, RULE),
-    "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
-                                 "must be auto, on or off"), "worker_threads": _NON_NEGATIVE, "persist_every": _NON_NEGATIVE,
-    "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
-    "token_budget": _POSITIVE, "shared_prefix": _NON_NEGATIVE, "fused_kernels": (_fused_spec, "must be all, none or levers comma-separated of norm, rope, silu, gemm"), "sample_kv_mb": _NON_NEGATIVE, "sample_rows": _POSITIVE, "sample_prefix_cache": (lambda v: 0 <= v <= 1, "must be from 0 to 1"), "logprob_gap_every": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE, "host_adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE, "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
-    "poll_seconds": (lambda v: 0 <= v < 45,
-                     "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
-    "gather_ms": _NON_NEGATIVE, "stability_bytes": _NON_NEGATIVE,
-    "stability_tenant_bytes": _NON_NEGATIVE,
-    "target_step_ms": (lambda v: v == "auto" or (not isinstance(v, str) and v >= 0),
-                       'must be "auto" or a number of ms >= 0 (0: no time bound)'),
-    "preempt_ms": (lambda v: v == "auto" or (not isinstance(v, str) and v >= 0),
-                   'must be "auto" or a number of ms >= 0 (0: steps are not preemptible)'),
-    "log_format": (lambda v: v in ("text", "json"), "must be text or json"),
-    "full_runs": (lambda v: v in ("all", "marked", "none"), "must be all, marked or none"),
-    "log_summary_s": _NON_NEGATIVE,
-    "join_listen": (lambda v: v == "" or _ENDPOINT.fullmatch(v),
-                    'must be "" or tcp://ADDRESS:PORT (e.g. tcp://0.0.0.0:7070)'),
-    "remote_ranks": _NON_NEGATIVE, "join_timeout_s": _NON_NEGATIVE,
-    "join_heartbeat_s": (lambda v: v >= 1, "must be 1 s or more"),
-    "weight": (lambda v: v > 0, "must be a positive number"),
-    **{f"tenant_{k}": _QUOTA for k in TENANT_KEYS[1:]}, **{k: _QUOTA for k in TENANT_KEYS[1:]},
-    "tenant_max_storage_bytes": (lambda v: True, ""),  # 0 or less: unlimited
-    "tenant_max_sessions": _NON_NEGATIVE,
-    "max_storage_bytes": (lambda v: v != 0, "must be a number of bytes, or -1 for no limit "
-                          "(leave the key out for tenant_max_storage_bytes)"),
-}
 _TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
                list: "an array", dict: "a table"}
 
@@ -359,8 +307,8 @@ def check_config(path: str | Path) -> list[str]:
         elif key == "tenants":
             for name, table in value.items():
                 problems += _check_tenant(name, table, hints)
-        elif key in _RANGES and not _RANGES[key][0](value):
-            problems.append(f"{key}: {_RANGES[key][1]}, got {value!r}")
+        elif key in RANGES and not RANGES[key][0](value):
+            problems.append(f"{key}: {RANGES[key][1]}, got {value!r}")
     if raw.get("remote_ranks") and not raw.get("join_listen"):
         problems.append("remote_ranks: remote ranks need join_listen (where they join)")
     return problems
@@ -399,7 +347,7 @@ def _wrong_type(key: str, value, hint) -> str | None:
 
 def _check_devices(devices: list[str]) -> list[str]:
     problems = [f"devices: {d!r} is not cpu, cuda or cuda:N" for d in devices
-                if not _DEVICE.fullmatch(d)]
+                if not DEVICE.fullmatch(d)]
     gpus = [d for d in devices if d.startswith("cuda")]
     if len(set(gpus)) < len(gpus):
         problems.append(f"devices: a GPU is listed twice in {devices} (one worker per GPU)")
@@ -424,6 +372,6 @@ def _check_tenant(name: str, table, hints) -> list[str]:
         elif (wrong := _wrong_type(f"{where}.{key}", value,
                                    float if key == "weight" else int)) is not None:
             problems.append(wrong)
-        elif not _RANGES[key][0](value):
-            problems.append(f"{where}.{key}: {_RANGES[key][1]}, got {value!r}")
+        elif not RANGES[key][0](value):
+            problems.append(f"{where}.{key}: {RANGES[key][1]}, got {value!r}")
     return problems
