@@ -42,11 +42,14 @@ def test_fla_rule_equals_the_torch_rule(dtype, tol):
     o2, s2 = _torch_rule(q, k, v, gate, beta, s0)
     assert ((o.float() - o2.float()) * m).abs().max() < tol
     assert (s.float() - s2).abs().max() < tol
-    w = torch.randn_like(o.float()) * m
-    g1 = torch.autograd.grad((o.float() * w).sum(), (q, k, v))
-    g2 = torch.autograd.grad((o2.float() * w).sum(), (q, k, v))
-    for a, b in zip(g1, g2, strict=True):
-        assert (a.float() - b.float()).abs().max() < tol * 10
+    if la.fla_backward_broken():  # fla refuses its gated backward here (Hopper, Triton
+        assert not la.fla_usable(o, backward=True)  # < 3.7.1): training takes the torch rule
+    else:
+        w = torch.randn_like(o.float()) * m
+        g1 = torch.autograd.grad((o.float() * w).sum(), (q, k, v))
+        g2 = torch.autograd.grad((o2.float() * w).sum(), (q, k, v))
+        for a, b in zip(g1, g2, strict=True):
+            assert (a.float() - b.float()).abs().max() < tol * 10
     # one token per row (decode): the fused recurrent kernel against delta_step
     one = [t[:, :1].contiguous() for t in (q.detach(), k.detach(), v.detach(), gate, beta)]
     o, s = la.fla_step(*one, s0)

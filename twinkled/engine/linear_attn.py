@@ -20,8 +20,13 @@ varlen through cu_seqlens); the torch path here is the reference and the CPU pat
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 CHUNK = 64
 
@@ -119,15 +124,32 @@ def delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return o[:, None].to(dtype), S
 
 
-def fla_usable(x: torch.Tensor) -> bool:
-    """fla-core's Triton kernels: CUDA only, where the package is installed."""
+def fla_usable(x: torch.Tensor, backward: bool = False) -> bool:
+    """fla-core's Triton kernels: CUDA only, where the package is installed, and for a pass
+    that will run backward only where fla's gated backward is right on this card."""
     if not x.is_cuda:
         return False
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
     except ImportError:
         return False
-    return True
+    return not (backward and fla_backward_broken())
+
+
+@functools.cache
+def fla_backward_broken() -> bool:
+    """fla-core refuses its gated chunked backward on Hopper under Triton >= 3.4, < 3.7.1
+    (wrong results there: fla issue 640) by raising in the middle of a step; the torch rule
+    trains instead (slower, right), and the forward passes (sampling, prefill) keep fla."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # a later fla without these flags: trust it
+        return False
+    broken = bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
+    if broken:
+        log.warning("fla-core's gated delta-rule backward is wrong on Hopper under this "
+                    "Triton (< 3.7.1): Qwen3.5 linear attention trains with the torch rule")
+    return broken
 
 
 def fla_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -114,7 +114,7 @@ class HybridLayers:
         if any(n < L for n in lengths):  # padded positions neither decay nor write the state
             real = la.valid(lengths, L, x.device)[..., None]
             beta, g = beta * real, g * real
-        if self.fla and la.fla_usable(x):  # fla-core's Triton kernels (CUDA)
+        if self.fla and la.fla_usable(x, backward=torch.is_grad_enabled()):  # Triton (CUDA)
             if L == 1:
                 o, ssm1 = la.fla_step(q, k, v, g, beta, ssm0)
             else:
