@@ -163,7 +163,8 @@ def fla_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
     cu_cpu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     q, k, v, g, beta = (from_rows(t, lengths) for t in (q, k, v, g, beta))
-    o, S = chunk_gated_delta_rule(q, k, v, g.float(), beta.to(q.dtype), scale=q.shape[-1]**-0.5,
+    o, S = chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta.to(q.dtype),
+                                  scale=q.shape[-1]**-0.5,
                                   initial_state=None if state is None else state.float(),
                                   output_final_state=True, use_qk_l2norm_in_kernel=True,
                                   cu_seqlens=cu_cpu.to(q.device), cu_seqlens_cpu=cu_cpu)
@@ -178,6 +179,7 @@ def fla_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     return fused_recurrent_gated_delta_rule(
-        q, k, v, g.float(), beta.to(q.dtype), scale=q.shape[-1]**-0.5,
+        # by keyword: the fifth positional parameter here is `gk` (per-key decay), not beta
+        q, k, v, g=g.float(), beta=beta.to(q.dtype), scale=q.shape[-1]**-0.5,
         initial_state=None if state is None else state.float(), output_final_state=True,
         use_qk_l2norm_in_kernel=True)
