@@ -30,7 +30,8 @@ from .packed import PackedLora, Packing
 from .recompute import Recompute
 from .tp import NoSplit
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS, *qwen35.ARCHS)
+SUPPORTED_ARCHS = tuple(dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS,
+                                       *qwen35.ARCHS)))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -94,7 +95,7 @@ class BaseModel:
         loaded = config  # what from_pretrained builds from (a Qwen3.5 checkpoint's nests)
         hybrid = config.model_type in qwen35.ARCHS
         if hybrid:
-            qwen35.check(config, tp)
+            qwen35.check(config, tp, experts)
             config = qwen35.text_config(config)  # (the nested object itself: scaled below)
         # Before the model is built: its rotary module computes the scaled frequencies.
         self.max_seq_len = extend_context(config, rope_scaling, max_seq_len)
@@ -211,7 +212,7 @@ class BaseModel:
 
     def _layer(self, i, layer, h, cos, sin, lora, cache, mask, packing, banks) -> torch.Tensor:
         if self.hybrid is not None:
-            return self.hybrid.layer(i, layer, h, cos, sin, lora, cache, mask, packing)
+            return self.hybrid.layer(i, layer, h, cos, sin, lora, cache, mask, packing, banks)
         keys = self.layer_keys[i]
         x = self.tp.enter(self._norm(layer.input_layernorm, h))
         a = self.tp.leave(self._attention(i, layer.self_attn, x, cos, sin, keys, lora,

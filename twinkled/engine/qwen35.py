@@ -25,29 +25,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from twinkled.protocol.sizing import EP_HYBRID
 from twinkled.protocol.types import ATTN_MODULES, LINEAR_ATTN_MODULES, EngineInputError
 
 from . import linear_attn as la
+from . import qwen35_moe
 from .fused_ops import rotate
 
-ARCHS = ("qwen3_5", "qwen3_5_text")
+# Dense, and Qwen3.5-MoE's (qwen35_moe.py: the same layers with a sparse MLP).
+ARCHS = ("qwen3_5", "qwen3_5_text", *qwen35_moe.ARCHS)
 
 
 def text_config(config):
     """The text model's config of a Qwen3.5 checkpoint (nested under text_config)."""
-    return config.get_text_config() if config.model_type == "qwen3_5" else config
+    return config.get_text_config() if config.model_type in ("qwen3_5", "qwen3_5_moe") else config
 
 
-def check(config, tp) -> None:
+def check(config, tp, experts=None) -> None:
     if tp is not None and tp.size > 1:
         raise EngineInputError("tp", f"tensor parallelism does not split {config.model_type!r} "
                                "(linear-attention layers) yet; run it with --tp 1")
+    if experts is not None and experts.size > 1:
+        raise EngineInputError("ep", EP_HYBRID)
 
 
 def layer_keys(i: int, layer) -> dict[str, str]:
+    """Layer i's LoRA targets of the attention kind it has (and a sparse MLP's shared
+    expert's); BaseModel adds a dense MLP's."""
     if hasattr(layer, "linear_attn"):
-        return {n: f"model.layers.{i}.linear_attn.{n}" for n in LINEAR_ATTN_MODULES}
-    return {n: f"model.layers.{i}.self_attn.{n}" for n in ATTN_MODULES}
+        keys = {n: f"model.layers.{i}.linear_attn.{n}" for n in LINEAR_ATTN_MODULES}
+    else:
+        keys = {n: f"model.layers.{i}.self_attn.{n}" for n in ATTN_MODULES}
+    return keys | qwen35_moe.shared_keys(i, layer)
 
 
 class HybridLayers:
@@ -63,7 +72,7 @@ class HybridLayers:
         # delta rule everywhere (the reference tests/test_qwen35_gpu.py compares it with).
         self.fla = True
 
-    def layer(self, i, layer, h, cos, sin, lora, cache, mask, packing) -> torch.Tensor:
+    def layer(self, i, layer, h, cos, sin, lora, cache, mask, packing, banks) -> torch.Tensor:
         m, keys = self.model, self.model.layer_keys[i]
         x = layer.input_layernorm(h)
         if i in self.linear:
@@ -71,7 +80,10 @@ class HybridLayers:
         else:
             a = self._attention(i, layer.self_attn, x, cos, sin, keys, lora, cache, mask, packing)
         h = h + a
-        return h + m.mlp(i, layer.mlp, layer.post_attention_layernorm(h), keys, lora)
+        x = layer.post_attention_layernorm(h)
+        if i in m.moe:  # Qwen3.5-MoE (`banks`: the tokens each bank's adapters own, moe.py)
+            return h + qwen35_moe.sparse_mlp(m, i, layer.mlp, x, keys, lora, banks)
+        return h + m.mlp(i, layer.mlp, x, keys, lora)
 
     def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing):
         m = self.model

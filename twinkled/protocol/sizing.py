@@ -27,13 +27,29 @@ def _dims(cfg: dict) -> tuple[int, int, int, int, int, int, int]:
     heads = int(cfg["num_attention_heads"])
     kv = int(cfg.get("num_key_value_heads") or heads)
     d = int(cfg.get("head_dim") or h // heads)
-    return (h, heads, kv, d, int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"]),
+    return (h, heads, kv, d, _mlp_width(cfg), int(cfg["num_hidden_layers"]),
             int(cfg["vocab_size"]))
+
+
+def _mlp_width(cfg: dict) -> int:
+    """The MLP width a token runs through: `intermediate_size`, or where a sparse model has
+    none (Qwen3.5-MoE) its k experts' and its shared expert's."""
+    if cfg.get("intermediate_size"):
+        return int(cfg["intermediate_size"])
+    return (int(cfg.get("num_experts_per_tok") or 1) * int(cfg["moe_intermediate_size"])
+            + int(cfg.get("shared_expert_intermediate_size") or 0))
 
 
 def _vocab(vocab: int, tp: int) -> int:
     """The vocabulary rows one rank holds (tp.py splits them when tp divides them)."""
     return vocab // tp if vocab % tp == 0 else vocab
+
+
+# Why --ep refuses a hybrid MoE model (Qwen3.5-MoE): the expert group's ranks would have
+# to run its sampler's running batch (linear-attention state, eager steps) in step, and
+# sliced sampling cuts it by time, differently on each rank.
+EP_HYBRID = ("expert parallelism does not run Qwen3.5-MoE (linear-attention layers) yet: "
+             "its sampler's running batch is not kept in step across ranks; run it with --ep 1")
 
 
 def split_problem(cfg: dict, tp: int) -> str | None:
