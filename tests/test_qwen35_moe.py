@@ -214,3 +214,24 @@ def test_tp_and_ep_are_refused_by_name(q35moe_dir, tmp_path):
 
     with pytest.raises(EngineInputError, match="ep: expert parallelism does not run"):
         make_engine(q35moe_dir, experts=ExpertSplit(0, 2, None))
+
+
+def test_daemon_sizes_the_experts(tmp_path):
+    """The start-up checks count every expert (Qwen3.5-35B-A3B's config.json, nested as
+    released: no intermediate_size): about 34B parameters, so bf16 fits one H200, not one
+    H100 (whose refusal names the need)."""
+    import json
+
+    from transformers import Qwen3_5MoeTextConfig
+
+    from twinkled.protocol.config import Config
+    from twinkled.protocol.sizing import weight_bytes
+    from twinkled.server.layout import layout_problems
+
+    text = Qwen3_5MoeTextConfig().to_dict()  # (its defaults are the 35B-A3B's numbers)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_5_moe", "text_config": text, "vision_config": {"depth": 27}}))
+    cfg = Config(model=tmp_path, data_dir=tmp_path / "data", devices=["cuda:0"])
+    assert 33e9 < weight_bytes(cfg.model_config, 1) < 36e9
+    assert layout_problems(cfg, gpu_memory=[141 * 10**9]) == []
+    assert "needs about" in layout_problems(cfg, gpu_memory=[80 * 10**9])[0]

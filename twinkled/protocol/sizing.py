@@ -40,6 +40,17 @@ def _mlp_width(cfg: dict) -> int:
             + int(cfg.get("shared_expert_intermediate_size") or 0))
 
 
+def _mlp_params(cfg: dict, h: int, inter: int, tp: int) -> int:
+    """One layer's MLP weights on a rank: a dense MLP split over tp, or every expert (split
+    over tp, as tp.py splits them) plus a shared expert and the router."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return 3 * h * inter // tp
+    width = int(cfg.get("moe_intermediate_size") or inter)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return 3 * h * width * experts // tp + 3 * h * shared + h * experts
+
+
 def _vocab(vocab: int, tp: int) -> int:
     """The vocabulary rows one rank holds (tp.py splits them when tp divides them)."""
     return vocab // tp if vocab % tp == 0 else vocab
@@ -74,7 +85,7 @@ def weight_bytes(cfg: dict, dtype_bytes: int, tp: int = 1) -> int:
     h, heads, kv, d, inter, layers, vocab = _dims(cfg)
     kv_local = max(1, kv // tp)
     attn = h * d * (2 * heads // tp + 2 * kv_local)
-    mlp = 3 * h * inter // tp
+    mlp = _mlp_params(cfg, h, inter, tp)
     embed = _vocab(vocab, tp) * h * (1 if cfg.get("tie_word_embeddings") else 2)
     return dtype_bytes * (layers * (attn + mlp + 2 * h) + embed + h)
 
