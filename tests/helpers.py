@@ -178,3 +178,33 @@ def mixed_engine(model_dir, adapters: dict[str, tuple[int, bool, bool, bool]],
                                        train_mlp=mlp, train_unembed=unembed))
         randomize_b(e, name, seed=seed + 10)
     return e
+
+
+def assert_export_round_trip(eng, model_dir, adapter: str, path) -> None:
+    """`adapter`'s export (saved at `path`) loads in peft on transformers' own model with our
+    logits (fp32), and loads back into the engine with them; the adapter changes them."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from twinkled.engine.lora import LoraBatch
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.randint(0, eng.model.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(20)[None]
+    eng.load(adapter + "2", path, optimizer=False)
+    m = eng.model
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(base, path)(input_ids=ids).logits
+        for name in (adapter, adapter + "2"):
+            lora = LoraBatch([eng.pool.get(name)], m.dtype, m.device)
+            got = m.logits(m.forward(ids, pos, lora), lora)
+            assert (got - want).abs().max() < 1e-4, name
+        assert (m.logits(m.forward(ids, pos)) - want).abs().max() > 1e-2  # the adapter matters
+    eng.remove_adapter(adapter + "2")
+
+
+def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """transformers' (or peft's) own forward: each next token's logprob [n - 1]."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return logits.log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]

@@ -9,7 +9,15 @@ import contextlib
 
 import pytest
 import torch
-from helpers import all_close, grads, make_engine, random_datum, randomize_b
+from helpers import (
+    all_close,
+    assert_export_round_trip,
+    grads,
+    hf_logprobs,
+    make_engine,
+    random_datum,
+    randomize_b,
+)
 
 from twinkled.engine.moe_peft import from_peft, peft_module, to_peft
 from twinkled.engine.packed import Packing
@@ -43,13 +51,6 @@ def eng(q35moe_dir):
     for seed, name in enumerate(("a", "b")):
         randomize_b(e, name, seed=seed + 10, std=0.1)
     return e
-
-
-def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """transformers' (or peft's) forward: each next token's logprob [n - 1]."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    return logits.log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
 @contextlib.contextmanager
@@ -93,7 +94,7 @@ def test_layers_targets_and_logprobs_equal_transformers(eng):
     assert not any(k.endswith(("mlp.gate", "shared_expert_gate")) for k in m.targets)
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, m.vocab_size, (n,), generator=gen).tolist() for n in (70, 9, 33)]
-    want = torch.cat([_hf_logprobs(m.hf, r) for r in rows])
+    want = torch.cat([hf_logprobs(m.hf, r) for r in rows])
     pk = Packing.of([len(r) for r in rows], m.device)
     ids = torch.tensor([t for r in rows for t in r])
     with torch.no_grad():
@@ -161,11 +162,11 @@ def test_greedy_and_seeded_samples_equal_transformers_with_the_adapter(eng):
         assert [s.tokens for s in together[0].sequences] == [want, want]
         for res, p in ((together[0], prompts[0]), (together[1], prompts[1])):
             for s in res.sequences:
-                lp = _hf_logprobs(pm, p + s.tokens)[len(p) - 1:]
+                lp = hf_logprobs(pm, p + s.tokens)[len(p) - 1:]
                 assert (torch.tensor(s.logprobs) - lp).abs().max() < 1e-4
     with _peft(m.hf, adapters[2]) as (pm, _):
         s = together[2].sequences[0]
-        lp = _hf_logprobs(pm, prompts[1] + s.tokens)[len(prompts[1]) - 1:]
+        lp = hf_logprobs(pm, prompts[1] + s.tokens)[len(prompts[1]) - 1:]
         assert (torch.tensor(s.logprobs) - lp).abs().max() < 1e-4
 
 
@@ -174,29 +175,12 @@ def test_checkpoint_loads_in_peft_and_back(eng, q35moe_dir, tmp_path):
     Qwen3.5-MoE with our logits, and loads back."""
     import json
 
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from twinkled.engine.lora import LoraBatch
-
     eng.save("a", tmp_path / "a", optimizer=False)
     cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     assert {"gate_proj", "up_proj", "down_proj", "in_proj_qkv", "q_proj"} <= set(
         cfg["target_modules"])
-    base = AutoModelForCausalLM.from_pretrained(q35moe_dir, dtype=torch.float32)
-    ids = torch.randint(0, eng.model.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
-    pos = torch.arange(20)[None]
-    eng.load("a2", tmp_path / "a", optimizer=False)
-    m = eng.model
-    with torch.no_grad():
-        want = PeftModel.from_pretrained(base, tmp_path / "a")(input_ids=ids).logits
-        for name in ("a", "a2"):
-            lora = LoraBatch([eng.pool.get(name)], m.dtype, m.device)
-            got = m.logits(m.forward(ids, pos, lora), lora)
-            assert (got - want).abs().max() < 1e-4, name
-        assert (m.logits(m.forward(ids, pos)) - want).abs().max() > 1e-2  # the adapter matters
-    eng.remove_adapter("a2")
+    assert_export_round_trip(eng, q35moe_dir, "a", tmp_path / "a")
 
 
 def test_tp_and_ep_are_refused_by_name(q35moe_dir, tmp_path):
