@@ -1,7 +1,8 @@
-"""Qwen3.5-MoE (qwen35_moe.py: Qwen3.5's hybrid layers, a sparse MLP with a gated shared
-expert in every layer) against transformers' own Qwen3_5Moe and peft on a tiny random
-checkpoint written as the real one is (qwen3_5_moe: nested text_config, a vision tower,
-experts saved one by one under model.language_model.*)."""
+"""Qwen3.5-MoE and Qwen3-Next (qwen35_moe.py: Qwen3.5's hybrid layers, a sparse MLP with a
+gated shared expert) against transformers' own models and peft on tiny random checkpoints
+written as the real ones are (qwen3_5_moe: nested text_config, a vision tower, experts
+saved one by one under model.language_model.*; qwen3_next: text only, fused linear-attention
+projections, layer 1 dense)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,12 @@ SHARED = "model.layers.0.mlp.shared_expert.gate_proj"
 EXPERTS = "model.layers.3.mlp.experts.gate_up_proj"
 
 
-@pytest.fixture(scope="module")
-def q35moe_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
+def q35moe_dir(request, tmp_path_factory):
     from twinkled.engine.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("q35moe") / "tiny-qwen3_5_moe",
-                            arch="qwen3_5_moe", num_layers=4, embed_std=0.05)
+    return build_tiny_model(tmp_path_factory.mktemp("q35moe") / f"tiny-{request.param}",
+                            arch=request.param, num_layers=4, embed_std=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +84,18 @@ def _peft(hf, a):
 
 
 def test_layers_targets_and_logprobs_equal_transformers(eng):
-    """Every layer sparse, the shared expert's linears and the experts targets of
-    train_mlp; our forward = Qwen3_5MoeForCausalLM's, rows alone and packed end to end."""
+    """Every layer sparse (Qwen3-Next: but its mlp_only_layers), the shared expert's linears
+    and the experts targets of train_mlp; our forward = transformers', rows alone and packed
+    end to end."""
     m = eng.model
-    assert sorted(m.moe) == [0, 1, 2, 3] and m.hybrid is not None
+    next_ = m.config.model_type == "qwen3_next"
+    assert sorted(m.moe) == ([0, 2, 3] if next_ else [0, 1, 2, 3]) and m.hybrid is not None
+    # Qwen3-Next: experts only (peft reads its gate/up/down_proj targets as the experts')
+    assert (SHARED in m.targets) != next_ and "model.layers.1.mlp.gate_proj" not in m.targets
     assert not eng.padded_sampling  # the running batch carries the linear-attention state
-    assert m.targets[EXPERTS] == (128, 128, 8) and m.targets[SHARED] == (128, 128)
+    assert m.targets[EXPERTS] == (128, 128, 8)
     b = eng.pool.get("b").bank.shapes
-    assert SHARED in b and EXPERTS in b and not any("linear_attn" in k for k in b)
+    assert EXPERTS in b and not any("linear_attn" in k for k in b)
     assert not any(k.endswith(("mlp.gate", "shared_expert_gate")) for k in m.targets)
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, m.vocab_size, (n,), generator=gen).tolist() for n in (70, 9, 33)]
@@ -178,8 +183,10 @@ def test_checkpoint_loads_in_peft_and_back(eng, q35moe_dir, tmp_path):
     eng.save("a", tmp_path / "a", optimizer=False)
     cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    assert {"gate_proj", "up_proj", "down_proj", "in_proj_qkv", "q_proj"} <= set(
-        cfg["target_modules"])
+    next_ = "next" in str(q35moe_dir)
+    mlp = () if next_ else ("gate_proj", "up_proj", "down_proj")  # (the shared expert's)
+    linear = ("in_proj_qkvz", "in_proj_ba") if next_ else ("in_proj_qkv",)
+    assert {"q_proj", *mlp, *linear} <= set(cfg["target_modules"])
     assert_export_round_trip(eng, q35moe_dir, "a", tmp_path / "a")
 
 
@@ -192,7 +199,7 @@ def test_tp_and_ep_are_refused_by_name(q35moe_dir, tmp_path):
     cfg = Config(model=q35moe_dir, data_dir=tmp_path, devices=["cpu", "cpu"], tp=2)
     assert any("linear-attention layers" in p for p in layout_problems(cfg))
     cfg = Config(model=q35moe_dir, data_dir=tmp_path, devices=["cpu", "cpu"], ep=2)
-    assert any("ep: expert parallelism does not run Qwen3.5-MoE" in p
+    assert any("ep: expert parallelism does not run linear-attention MoE" in p
                for p in layout_problems(cfg))
     from twinkled.engine.moe_parallel import ExpertSplit
 

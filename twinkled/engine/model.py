@@ -183,6 +183,8 @@ class BaseModel:
         self.targets["lm_head"] = (self.lm_head.in_features, self.lm_head.out_features)
         for block in self.moe.values():  # expert parameters: key -> (in, out, experts)
             self.targets.update(block.targets())
+        if self.hybrid is not None:  # (Qwen3-Next's MLP linears: qwen35_moe.py)
+            qwen35.trim_targets(config, self.targets)
         if self.shard is not None:
             self.shard.full_shapes = self.targets
 

@@ -40,11 +40,11 @@ from .packed import PackedLora, grouped_mm, grouped_weight_grad
 MAX_GROUPS = 1023
 
 # model_type -> whether the top-k weights are renormalised (None: the config says).
-# Qwen3.5-MoE's text model (qwen35_moe.py) always renormalises.
-MOE_ARCHS = {"qwen3_moe": None, "mixtral": True, "qwen3_5_moe_text": True}
+# Qwen3.5-MoE's text model (qwen35_moe.py) always renormalises, Qwen3-Next as its config says.
+MOE_ARCHS = {"qwen3_moe": None, "mixtral": True, "qwen3_5_moe_text": True, "qwen3_next": None}
 # Sparse blocks that also hold a gated shared expert (run beside the routed experts by
 # qwen35_moe.py), and its parameters.
-SHARED_EXPERT = ("qwen3_5_moe_text",)
+SHARED_EXPERT = ("qwen3_5_moe_text", "qwen3_next")
 _ROUTED = ["experts.down_proj", "experts.gate_up_proj", "gate.weight"]
 _SHARED = ["shared_expert.down_proj.weight", "shared_expert.gate_proj.weight",
            "shared_expert.up_proj.weight", "shared_expert_gate.weight"]

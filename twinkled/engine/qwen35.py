@@ -49,11 +49,18 @@ def check(config, tp, experts=None) -> None:
         raise EngineInputError("ep", EP_HYBRID)
 
 
+def trim_targets(config, targets: dict) -> None:
+    """Take out the linears a peft adapter of this model cannot hold (qwen35_moe.py)."""
+    for key in qwen35_moe.untargetable(config.model_type, targets):
+        del targets[key]
+
+
 def layer_keys(i: int, layer) -> dict[str, str]:
     """Layer i's LoRA targets of the attention kind it has (and a sparse MLP's shared
     expert's); BaseModel adds a dense MLP's."""
-    if hasattr(layer, "linear_attn"):
-        keys = {n: f"model.layers.{i}.linear_attn.{n}" for n in LINEAR_ATTN_MODULES}
+    if hasattr(layer, "linear_attn"):  # (Qwen3.5's four input projections, or Qwen3-Next's two)
+        keys = {n: f"model.layers.{i}.linear_attn.{n}" for n in LINEAR_ATTN_MODULES
+                if hasattr(layer.linear_attn, n)}
     else:
         keys = {n: f"model.layers.{i}.self_attn.{n}" for n in ATTN_MODULES}
     return keys | qwen35_moe.shared_keys(i, layer)
@@ -101,12 +108,30 @@ class HybridLayers:
         out = out * torch.sigmoid(gate.reshape(B, S, -1))
         return m.linear(attn.o_proj, keys["o_proj"], out, lora)
 
+    def projections(self, mod, x, keys, lora) -> list[torch.Tensor]:
+        """A linear-attention layer's inputs [B, S, ...]: qkv (all q heads, then k, then v, as
+        the conv reads them), z, b and a, each with its LoRA. Qwen3-Next fuses them in two
+        linears whose outputs are grouped by key head (q, k, v, z of each group; b, a of each
+        group): regrouped here after the LoRA deltas, so its adapters are peft's on its
+        modules."""
+        names = ("in_proj_qkvz", "in_proj_ba") if hasattr(mod, "in_proj_qkvz") else (
+            "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        ys, _ = self.model.linears([getattr(mod, n) for n in names], [keys[n] for n in names],
+                                   x, lora)
+        if len(ys) == 4:
+            return ys
+        B, S, _ = x.shape
+        nk, dk, dv = mod.num_k_heads, mod.head_k_dim, mod.head_v_dim
+        per = mod.num_v_heads // nk
+        q, k, v, z = ys[0].view(B, S, nk, -1).split([dk, dk, per * dv, per * dv], dim=-1)
+        b, a = ys[1].view(B, S, nk, -1).split([per, per], dim=-1)
+        qkv = torch.cat([t.reshape(B, S, -1) for t in (q, k, v)], dim=-1)
+        return [qkv, z.reshape(B, S, -1), b.reshape(B, S, -1), a.reshape(B, S, -1)]
+
     def _linear_attention(self, i, mod, x, keys, lora, cache, packing):
         m = self.model
         B, S, _ = x.shape
-        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-        (qkv, z, b, a), _ = m.linears([getattr(mod, n) for n in names],
-                                       [keys[n] for n in names], x, lora)
+        qkv, z, b, a = self.projections(mod, x, keys, lora)
         states = getattr(cache, "recurrent", None)
         if cache is not None and states is None:
             raise RuntimeError("linear attention samples only through the running batch")

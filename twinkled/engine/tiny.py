@@ -151,9 +151,12 @@ def build_tiny_model(
             num_experts=num_experts, num_experts_per_tok=experts_per_token,
             moe_intermediate_size=intermediate_size // 4,
             shared_expert_intermediate_size=intermediate_size // 2))
+    elif arch == "qwen3_next":  # Qwen3-Next's: text only, layer 1 dense (mlp_only_layers)
+        config = qwen3_next_config(common, hidden_size // num_heads, num_experts,
+                                   experts_per_token)
     else:
-        raise ValueError("arch must be qwen3, qwen2, llama, qwen3_moe, qwen3_5 or qwen3_5_moe, "
-                         f"not {arch!r}")
+        raise ValueError("arch must be qwen3, qwen2, llama, qwen3_moe, qwen3_5, qwen3_5_moe or "
+                         f"qwen3_next, not {arch!r}")
     torch.manual_seed(seed)
     if arch.startswith("qwen3_5"):  # the whole checkpoint, vision tower included, as released
         from transformers import AutoModelForImageTextToText
@@ -198,3 +201,21 @@ def qwen35_config(common: dict, head_dim: int, moe: dict | None = None):
     return (Qwen3_5Config if moe is None else Qwen3_5MoeConfig)(
         text_config=text, vision_config=vision, tie_word_embeddings=common["tie_word_embeddings"],
         eos_token_id=common["eos_token_id"])
+
+
+def qwen3_next_config(common: dict, head_dim: int, experts: int, top_k: int):
+    """Qwen3-Next's config at tiny widths: Qwen3.5's layer pattern and linear attention (its
+    fused projections), partial rotary, sparse layers with a shared expert but layer 1 dense."""
+    from transformers import Qwen3NextConfig
+
+    n = common["num_hidden_layers"]
+    kinds = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    kinds[-1] = "full_attention"
+    inter = common["intermediate_size"]
+    return Qwen3NextConfig(**common, head_dim=head_dim, layer_types=kinds, linear_conv_kernel_dim=4,
+                           linear_key_head_dim=32, linear_value_head_dim=32,
+                           linear_num_key_heads=2, linear_num_value_heads=4,
+                           partial_rotary_factor=0.25, num_experts=experts,
+                           num_experts_per_tok=top_k, norm_topk_prob=True,
+                           moe_intermediate_size=inter // 4,
+                           shared_expert_intermediate_size=inter // 2, mlp_only_layers=[1])
