@@ -379,6 +379,8 @@ def run_shape(shape: str, device: str, sample: bool, peft: bool = True,
     """Benchmark one shape; return its markdown section."""
     sz = GPU_SIZES if device == "cuda" else CPU_SIZES
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if shape == "qwen3.5-35b-a3b":  # (its depth is said in the section's title)
+        layers = layers or MOE_LAYERS
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         model_dir = Path(tmp)
         vocab = build_model(shape, model_dir, dtype, device, layers)

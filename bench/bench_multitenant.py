@@ -208,7 +208,8 @@ def main() -> None:
 
     text = header(device).replace("Engine vs peft", "Multi-tenant through the daemon")
     config = f", config `{Path(args.config).read_text().strip()}`" if args.config else ""
-    text += (f"\n### {args.shape} ({device}{config}, {str(dtype).split('.')[-1]}, LoRA r=32 on all "
+    depth = " (its first 12 layers)" if args.shape == "qwen3.5-35b-a3b" else ""  # (MOE_LAYERS)
+    text += (f"\n### {args.shape}{depth} ({device}{config}, {str(dtype).split('.')[-1]}, LoRA r=32 on all "
              f"linear layers, S={seq}, {steps} timed steps per tenant, unmodified tinker 0.38 "
              f"clients, one process each)\n\n"
              "| tenants | together (tok/s) | one at a time (tok/s) | ratio | step p50 (s) "
