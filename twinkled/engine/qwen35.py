@@ -15,6 +15,9 @@ LoRA targets (the tinker client's train_attn): q/k/v/o_proj on full-attention la
 in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj on linear ones; train_mlp:
 gate/up/down_proj of every layer; train_unembed: lm_head.
 
+Qwen3.5-MoE and Qwen3-Next run these layers with a sparse MLP (qwen35_moe.py); Qwen3-Next's
+linear attention fuses its input projections (in_proj_qkvz, in_proj_ba: `projections`).
+
 Sequences never share state: packed rows (training's Packing, the sampler's prefill
 pieces) are cut into independent rows for the conv and the delta rule. The sampler's
 state lives in `cache.recurrent` (recurrent.py): per prefill piece or per decode slot.
