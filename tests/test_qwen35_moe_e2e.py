@@ -1,7 +1,9 @@
 """Qwen3.5-MoE through the unmodified tinker client against a real `twinkled serve`, served
-under its Tinker name (--model-name Qwen/Qwen3.5-35B-A3B): two tenants co-batched give
+under its Tinker name (--model-name Qwen/Qwen3.5-35B-A3B) on two expert-parallel CPU ranks
+(--workers 2 --ep 2: each holds half of every layer's experts): two tenants co-batched give
 what one of them gives alone (losses, logprobs, gradients: their norm and the step they
-make) and what peft gives on transformers' own Qwen3.5-MoE; samples are peft's."""
+make) and what peft gives on transformers' own Qwen3.5-MoE, as one rank does
+(tests/test_qwen35_moe.py); samples are peft's."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ def q35moe_daemon(tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("q35moe_m") / "tiny-qwen3_5_moe",
                              arch="qwen3_5_moe", num_layers=4, embed_std=0.05)
     data = tmp_path_factory.mktemp("q35moe_d")
-    d = Daemon(model, data, data / "twinkled.log", "--model-name", NAME)
+    d = Daemon(model, data, data / "twinkled.log", "--model-name", NAME, "--workers", "2",
+               "--ep", "2")
     d.keys = {t: make_key(data, t) for t in ("alice", "bob", "carol")}
     d.model = model
     yield d

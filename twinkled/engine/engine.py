@@ -91,7 +91,8 @@ class Engine:
         # The running batch's stacked LoRA (lora_rows.py) follows no tensor-parallel split,
         # and its decode graphs no expert routing: those models sample with the padded
         # sampler, over a LoraBatch; but Qwen3.5-MoE's linear-attention state needs the
-        # running batch (eager there; its experts' LoRA: moe.ExpertRows).
+        # running batch (eager there; its experts' LoRA: moe.ExpertRows; under --ep its
+        # samples run to the end, not in slices: workers/sampling.py).
         self.padded_sampling = self.shard is not None or (bool(self.model.moe)
                                                           and self.model.hybrid is None)
         self._finished: list[Finished] = []  # submitted requests done during `sample`

@@ -95,7 +95,7 @@ class BaseModel:
         loaded = config  # what from_pretrained builds from (a Qwen3.5 checkpoint's nests)
         hybrid = config.model_type in qwen35.ARCHS
         if hybrid:
-            qwen35.check(config, tp, experts)
+            qwen35.check(config, tp)
             config = qwen35.text_config(config)  # (the nested object itself: scaled below)
         # Before the model is built: its rotary module computes the scaled frequencies.
         self.max_seq_len = extend_context(config, rope_scaling, max_seq_len)

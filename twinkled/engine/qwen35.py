@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from twinkled.protocol.sizing import EP_HYBRID
 from twinkled.protocol.types import ATTN_MODULES, LINEAR_ATTN_MODULES, EngineInputError
 
 from . import linear_attn as la
@@ -44,12 +43,10 @@ def text_config(config):
     return config.get_text_config() if config.model_type in ("qwen3_5", "qwen3_5_moe") else config
 
 
-def check(config, tp, experts=None) -> None:
+def check(config, tp) -> None:
     if tp is not None and tp.size > 1:
         raise EngineInputError("tp", f"tensor parallelism does not split {config.model_type!r} "
                                "(linear-attention layers) yet; run it with --tp 1")
-    if experts is not None and experts.size > 1:
-        raise EngineInputError("ep", EP_HYBRID)
 
 
 def trim_targets(config, targets: dict) -> None:

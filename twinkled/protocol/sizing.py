@@ -56,14 +56,6 @@ def _vocab(vocab: int, tp: int) -> int:
     return vocab // tp if vocab % tp == 0 else vocab
 
 
-# Why --ep refuses a hybrid MoE model (Qwen3.5-MoE, Qwen3-Next): the expert group's ranks
-# would have to run its sampler's running batch (linear-attention state, eager steps) in
-# step, and sliced sampling cuts it by time, differently on each rank.
-EP_HYBRID = ("expert parallelism does not run linear-attention MoE models (Qwen3.5-MoE, "
-             "Qwen3-Next) yet: their sampler's running batch is not kept in step across ranks; "
-             "run it with --ep 1")
-
-
 def split_problem(cfg: dict, tp: int) -> str | None:
     """Why the model cannot be split over `tp` ranks (None: it can)."""
     _, heads, kv, _, inter, _, _ = _dims(cfg)

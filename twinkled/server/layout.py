@@ -16,7 +16,6 @@ import sys
 from twinkled.protocol.config import Config
 from twinkled.protocol.sizing import (
     DTYPE_BYTES,
-    EP_HYBRID,
     GiB,
     adapter_budget,
     split_problem,
@@ -145,8 +144,6 @@ def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[st
     model = cfg.model_config
     if tp > 1 and model and (why := split_problem(model, tp)) is not None:
         problems.append(f"tp: {why}")
-    if cfg.ep > 1 and "linear_attention" in (model.get("layer_types") or ()):
-        problems.append(f"ep: {EP_HYBRID}")
     gpus = _gpus(devices)
     if not gpus:
         return problems
