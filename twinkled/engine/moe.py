@@ -79,22 +79,22 @@ def run_tokens(runs: list[tuple[Adapter | None, int]], dtype: torch.dtype, devic
                ) -> list[BankTokens]:
     """The BankTokens of a pass whose flat tokens come as runs of one adapter each (None:
     the base model): a running batch's prefill pieces, or its decode rows (1 token each)."""
-    by_bank: dict[int, tuple[Bank, list[tuple[int, int, int, float]]]] = {}
+    # bank -> its tokens, their slots and scales (host lists: one copy each to the device)
+    by_bank: dict[int, tuple[Bank, list[int], list[int], list[float]]] = {}
     t = 0
     for a, n in runs:
         if a is not None and n:
-            a.bank.refresh()  # (the compute-dtype copy the deltas read)
-            by_bank.setdefault(id(a.bank), (a.bank, []))[1].append((t, n, a.slot, a.scale))
+            got = by_bank.get(id(a.bank))
+            if got is None:
+                a.bank.refresh()  # (the compute-dtype copy the deltas read)
+                got = by_bank[id(a.bank)] = (a.bank, [], [], [])
+            got[1].extend(range(t, t + n))
+            got[2].extend([a.slot] * n)
+            got[3].extend([a.scale] * n)
         t += n
-    out = []
-    for bank, parts in by_bank.values():
-        start, count, slot, scale = zip(*parts, strict=True)
-        counts = torch.tensor(count)
-        tokens = torch.cat([torch.arange(s, s + n) for s, n in zip(start, count, strict=True)])
-        out.append(_distinct(bank, tokens.to(device),
-                             torch.tensor(slot).repeat_interleave(counts).to(device),
-                             torch.tensor(scale, dtype=dtype).repeat_interleave(counts).to(device)))
-    return out
+    return [_distinct(bank, torch.tensor(tokens).to(device), torch.tensor(slots).to(device),
+                      torch.tensor(scales, dtype=dtype).to(device))
+            for bank, tokens, slots, scales in by_bank.values()]
 
 
 def bank_tokens(lora: LoraBatch | PackedLora | ExpertRows | None, row_len: int
