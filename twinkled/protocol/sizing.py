@@ -51,6 +51,17 @@ def _mlp_params(cfg: dict, h: int, inter: int, tp: int) -> int:
     return 3 * h * width * experts // tp + 3 * h * shared + h * experts
 
 
+def _mlp_lora(cfg: dict, h: int, inter: int, tp: int) -> int:
+    """One layer's MLP LoRA parameters per unit of rank: a dense MLP's three linears, or a
+    pair on every expert (the banks keep every expert on every rank) and a shared expert's."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return (h + inter // tp) * 3
+    width = int(cfg.get("moe_intermediate_size") or inter)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return experts * (2 * h + 3 * width) + ((h + shared) * 3 if shared else 0)
+
+
 def _vocab(vocab: int, tp: int) -> int:
     """The vocabulary rows one rank holds (tp.py splits them when tp divides them)."""
     return vocab // tp if vocab % tp == 0 else vocab
@@ -116,12 +127,7 @@ def adapter_bytes(cfg: dict, rank: int, attn: bool = True, mlp: bool = True,
     if attn:
         per_layer += (h + heads * d // tp) * 2 + (h + kv * d // tp) * 2
     if mlp:
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-        if experts:
-            moe_inter = int(cfg.get("moe_intermediate_size") or inter)
-            per_layer += experts * (2 * h + 3 * moe_inter)
-        else:
-            per_layer += (h + inter // tp) * 3
+        per_layer += _mlp_lora(cfg, h, inter, tp)
     return 18 * rank * (layers * per_layer + ((h + _vocab(vocab, tp)) if unembed else 0))
 
 
