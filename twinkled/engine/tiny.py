@@ -104,8 +104,9 @@ def build_tiny_model(
     vocab_size: int = 1024,
 ) -> Path:
     """Write a tiny random-weight model of `arch` (qwen3, qwen2, llama, qwen3_moe with
-    `num_experts` experts of which each token uses `experts_per_token`, or qwen3_5 /
-    qwen3_5_moe: a Qwen3.5 (-MoE) checkpoint as released, `qwen35_config`) plus tokenizer.
+    `num_experts` experts of which each token uses `experts_per_token`, qwen3_5 /
+    qwen3_5_moe: a Qwen3.5 (-MoE) checkpoint as released, `qwen35_config`, or qwen3_next,
+    `qwen3_next_config`) plus tokenizer.
 
     head_dim is hidden/heads (64 by default), which vLLM's CPU build also accepts.
     """
