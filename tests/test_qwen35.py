@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import (
     assert_export_round_trip,
+    assert_packed_logprobs_equal_hf,
     grads,
     hf_logprobs,
     make_engine,
@@ -18,7 +19,6 @@ from helpers import (
 )
 
 from twinkled.engine.linear_attn import delta_rule, delta_step
-from twinkled.engine.packed import Packing
 from twinkled.engine.running import RunningBatch
 from twinkled.engine.sampler import generate
 from twinkled.protocol.types import (
@@ -66,21 +66,12 @@ def test_logprobs_equal_transformers_single_and_packed(eng):
     """Our forward (no adapter) against Qwen3_5ForCausalLM, rows alone and packed end to
     end: a row's conv and delta-rule state never leak into the next."""
     m = eng.model
-    gen = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, m.vocab_size, (n,), generator=gen).tolist() for n in (70, 9, 33)]
-    want = torch.cat([hf_logprobs(m.hf, r) for r in rows])
-    pk = Packing.of([len(r) for r in rows], m.device)
-    ids = torch.tensor([t for r in rows for t in r])
-    with torch.no_grad():
-        lp = m.logits(m.forward(ids[None], pk.positions, packing=pk))[0].float().log_softmax(-1)
-    starts = [0, 70, 79]
-    got = torch.cat([lp[s:s + len(r) - 1].gather(1, torch.tensor(r[1:])[:, None])[:, 0]
-                     for s, r in zip(starts, rows, strict=True)])
-    assert (got - want).abs().max() < 1e-4
+    assert_packed_logprobs_equal_hf(m)
+    row = torch.randint(0, m.vocab_size, (70,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # a right-padded batch of one row
-        one = m.logits(m.forward(torch.tensor([rows[0]]), torch.arange(70)[None]))[0]
-    got = one.float().log_softmax(-1)[:-1].gather(1, torch.tensor(rows[0][1:])[:, None])[:, 0]
-    assert (got - hf_logprobs(m.hf, rows[0])).abs().max() < 1e-4
+        one = m.logits(m.forward(row[None], torch.arange(70)[None]))[0]
+    got = one.float().log_softmax(-1)[:-1].gather(1, row[1:, None])[:, 0]
+    assert (got - hf_logprobs(m.hf, row.tolist())).abs().max() < 1e-4
 
 
 def test_chunked_delta_rule_equals_the_recurrence():

@@ -13,6 +13,7 @@ import torch
 from helpers import (
     all_close,
     assert_export_round_trip,
+    assert_packed_logprobs_equal_hf,
     grads,
     hf_logprobs,
     make_engine,
@@ -21,7 +22,6 @@ from helpers import (
 )
 
 from twinkled.engine.moe_peft import from_peft, peft_module, to_peft
-from twinkled.engine.packed import Packing
 from twinkled.engine.running import RunningBatch
 from twinkled.engine.sampler import generate
 from twinkled.protocol.types import (
@@ -96,16 +96,7 @@ def test_layers_targets_and_logprobs_equal_transformers(eng):
     b = eng.pool.get("b").bank.shapes
     assert EXPERTS in b and not any("linear_attn" in k for k in b)
     assert not any(k.endswith(("mlp.gate", "shared_expert_gate")) for k in m.targets)
-    gen = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, m.vocab_size, (n,), generator=gen).tolist() for n in (70, 9, 33)]
-    want = torch.cat([hf_logprobs(m.hf, r) for r in rows])
-    pk = Packing.of([len(r) for r in rows], m.device)
-    ids = torch.tensor([t for r in rows for t in r])
-    with torch.no_grad():
-        lp = m.logits(m.forward(ids[None], pk.positions, packing=pk))[0].float().log_softmax(-1)
-    got = torch.cat([lp[s:s + len(r) - 1].gather(1, torch.tensor(r[1:])[:, None])[:, 0]
-                     for s, r in zip((0, 70, 79), rows, strict=True)])
-    assert (got - want).abs().max() < 1e-4
+    assert_packed_logprobs_equal_hf(m)
 
 
 def test_two_adapters_cobatched_equal_each_alone_and_peft(eng):
