@@ -68,7 +68,11 @@ from twinkled.protocol.types import (
 K = 8  # adapters
 RANK = ALPHA = 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b")
+SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b", "qwen3.5-35b-a3b")
+# Qwen3.5-35B-A3B's first 12 of 40 layers (three full-attention ones), unless --layers says:
+# 8 rank-32 adapters on all 256 experts of every layer (46M parameters a layer each, 18
+# bytes a parameter with gradients and moments) and its bf16 weights fit one H200 so.
+MOE_LAYERS = 12
 SAMPLING_SHAPES = ("tiny", "qwen2.5-0.5b")  # 8B sampling one adapter at a time takes too long
 
 
@@ -166,6 +170,8 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str,
         common["num_hidden_layers"] = layers
     if shape == "qwen3.5-9b":
         cfg = qwen35_9b(layers)
+    elif shape == "qwen3.5-35b-a3b":
+        cfg = qwen35_35b_a3b(layers or MOE_LAYERS)
     elif shape == "qwen2.5-0.5b":
         cfg = Qwen2Config(hidden_size=896, intermediate_size=4864,
                           num_attention_heads=14, num_key_value_heads=2,
@@ -202,6 +208,29 @@ def qwen35_9b(layers: int | None = None):
                          "mrope_interleaved": True})
 
 
+def qwen35_35b_a3b(layers: int):
+    """Qwen3.5-35B-A3B's text model (transformers' Qwen3_5MoeTextConfig defaults are its
+    numbers): hidden 2048, 16 query / 2 kv heads of 256 on full-attention layers (every 4th),
+    linear attention as the 9B's; 256 experts of 512, top-8, and a shared expert of 512."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        num_hidden_layers=layers, max_position_embeddings=262144, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                         "mrope_interleaved": True})
+
+
+def active_params(model) -> int:
+    """The parameters a token runs through (N of the 4N FLOPs): an MoE model's experts
+    count at top_k / experts."""
+    total = sum(p.numel() for p in model.hf.parameters())
+    for block in model.moe.values():
+        n = block.gate_up.numel() + block.down.numel()
+        total -= n - n * block.top_k // block.n_experts
+    return total
+
+
 def random_adapters(eng: Engine, n: int, rank: int) -> list[str]:
     """Adapters a0..a{n-1} of `rank` on attention and MLP, their B drawn (it starts at
     zero) so that each changes the model's output as a trained one would."""
@@ -220,8 +249,8 @@ def bench_ours(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
                fuses: tuple[bool, ...] = (True,)) -> list[Row]:
     eng = Engine(model_dir, dtype=dtype, device=device, max_rank=RANK)
     n_params = weight_bytes(eng.model.config.to_dict(), 1, 1)  # bytes at 1 B each = N
-    if eng.model.hybrid is not None:  # (sizing's formula knows full attention only)
-        n_params = sum(p.numel() for p in eng.model.hf.parameters())
+    if eng.model.hybrid is not None or eng.model.moe:  # (sizing's formula: dense, full attention)
+        n_params = active_params(eng.model)
     rows = []
     adam = AdamParams(learning_rate=1e-4)
     for unembed in unembeds:
@@ -275,11 +304,16 @@ def bench_peft(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
 
     def lora() -> PeftLoraConfig:
         # (linear attention's modules: Qwen3.5's, as train_attn adapts them; absent elsewhere)
+        # (experts: as ours, a pair per expert, peft's target_parameters; shared experts'
+        # gate/up/down_proj match TARGETS)
         return PeftLoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
-                              target_modules=TARGETS + list(LINEAR_ATTN_MODULES))
+                              target_modules=TARGETS + list(LINEAR_ATTN_MODULES),
+                              target_parameters=experts or None)
 
     names = [f"a{i}" for i in range(K)]
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    experts = sorted({n.split(".", 3)[-1] for n, _ in base.named_parameters()
+                      if ".mlp.experts." in n}, reverse=True)  # (gate_up_proj, down_proj)
     seed_all(1)
     model = get_peft_model(base.to(device), lora(), adapter_name=names[0])
     for name in names[1:]:
@@ -345,6 +379,8 @@ def run_shape(shape: str, device: str, sample: bool, peft: bool = True,
     """Benchmark one shape; return its markdown section."""
     sz = GPU_SIZES if device == "cuda" else CPU_SIZES
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if shape == "qwen3.5-35b-a3b":  # (its depth is said in the section's title)
+        layers = layers or MOE_LAYERS
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         model_dir = Path(tmp)
         vocab = build_model(shape, model_dir, dtype, device, layers)

@@ -156,7 +156,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32, help=argparse.SUPPRESS)
     ap.add_argument("--start-at", type=float, default=0.0)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b"))
+    ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b",
+                                                         "qwen3.5-35b-a3b"))
     ap.add_argument("--seq", type=int, default=None, help="tokens per datum (S)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per tenant")
     ap.add_argument("--tenants", default="1,2,4,8")
@@ -207,7 +208,8 @@ def main() -> None:
 
     text = header(device).replace("Engine vs peft", "Multi-tenant through the daemon")
     config = f", config `{Path(args.config).read_text().strip()}`" if args.config else ""
-    text += (f"\n### {args.shape} ({device}{config}, {str(dtype).split('.')[-1]}, LoRA r=32 on all "
+    depth = " (its first 12 layers)" if args.shape == "qwen3.5-35b-a3b" else ""  # (MOE_LAYERS)
+    text += (f"\n### {args.shape}{depth} ({device}{config}, {str(dtype).split('.')[-1]}, LoRA r=32 on all "
              f"linear layers, S={seq}, {steps} timed steps per tenant, unmodified tinker 0.38 "
              f"clients, one process each)\n\n"
              "| tenants | together (tok/s) | one at a time (tok/s) | ratio | step p50 (s) "

@@ -178,3 +178,50 @@ def mixed_engine(model_dir, adapters: dict[str, tuple[int, bool, bool, bool]],
                                        train_mlp=mlp, train_unembed=unembed))
         randomize_b(e, name, seed=seed + 10)
     return e
+
+
+def assert_export_round_trip(eng, model_dir, adapter: str, path) -> None:
+    """`adapter`'s export (saved at `path`) loads in peft on transformers' own model with our
+    logits (fp32), and loads back into the engine with them; the adapter changes them."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from twinkled.engine.lora import LoraBatch
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.randint(0, eng.model.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(20)[None]
+    eng.load(adapter + "2", path, optimizer=False)
+    m = eng.model
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(base, path)(input_ids=ids).logits
+        for name in (adapter, adapter + "2"):
+            lora = LoraBatch([eng.pool.get(name)], m.dtype, m.device)
+            got = m.logits(m.forward(ids, pos, lora), lora)
+            assert (got - want).abs().max() < 1e-4, name
+        assert (m.logits(m.forward(ids, pos)) - want).abs().max() > 1e-2  # the adapter matters
+    eng.remove_adapter(adapter + "2")
+
+
+def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """transformers' (or peft's) own forward: each next token's logprob [n - 1]."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return logits.log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def assert_packed_logprobs_equal_hf(m) -> None:
+    """BaseModel `m`'s forward (no adapter) against its transformers model on three rows
+    packed end to end (fp32, 1e-4): a row's state never leaks into the next."""
+    from twinkled.engine.packed import Packing
+
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, m.vocab_size, (n,), generator=gen).tolist() for n in (70, 9, 33)]
+    want = torch.cat([hf_logprobs(m.hf, r) for r in rows])
+    pk = Packing.of([len(r) for r in rows], m.device)
+    ids = torch.tensor([t for r in rows for t in r])
+    with torch.no_grad():
+        lp = m.logits(m.forward(ids[None], pk.positions, packing=pk))[0].float().log_softmax(-1)
+    got = torch.cat([lp[s:s + len(r) - 1].gather(1, torch.tensor(r[1:])[:, None])[:, 0]
+                     for s, r in zip((0, 70, 79), rows, strict=True)])
+    assert (got - want).abs().max() < 1e-4

@@ -8,10 +8,17 @@ import contextlib
 
 import pytest
 import torch
-from helpers import grads, make_engine, random_datum, randomize_b
+from helpers import (
+    assert_export_round_trip,
+    assert_packed_logprobs_equal_hf,
+    grads,
+    hf_logprobs,
+    make_engine,
+    random_datum,
+    randomize_b,
+)
 
 from twinkled.engine.linear_attn import delta_rule, delta_step
-from twinkled.engine.packed import Packing
 from twinkled.engine.running import RunningBatch
 from twinkled.engine.sampler import generate
 from twinkled.protocol.types import (
@@ -40,13 +47,6 @@ def eng(qwen35_dir):
     return e
 
 
-def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """transformers' own forward: each next token's logprob [n - 1]."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    return logits.log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-
-
 def test_layers_and_lora_targets(eng):
     m = eng.model
     kinds = [hasattr(layer, "linear_attn") for layer in m.layers]
@@ -66,21 +66,12 @@ def test_logprobs_equal_transformers_single_and_packed(eng):
     """Our forward (no adapter) against Qwen3_5ForCausalLM, rows alone and packed end to
     end: a row's conv and delta-rule state never leak into the next."""
     m = eng.model
-    gen = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, m.vocab_size, (n,), generator=gen).tolist() for n in (70, 9, 33)]
-    want = torch.cat([_hf_logprobs(m.hf, r) for r in rows])
-    pk = Packing.of([len(r) for r in rows], m.device)
-    ids = torch.tensor([t for r in rows for t in r])
-    with torch.no_grad():
-        lp = m.logits(m.forward(ids[None], pk.positions, packing=pk))[0].float().log_softmax(-1)
-    starts = [0, 70, 79]
-    got = torch.cat([lp[s:s + len(r) - 1].gather(1, torch.tensor(r[1:])[:, None])[:, 0]
-                     for s, r in zip(starts, rows, strict=True)])
-    assert (got - want).abs().max() < 1e-4
+    assert_packed_logprobs_equal_hf(m)
+    row = torch.randint(0, m.vocab_size, (70,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # a right-padded batch of one row
-        one = m.logits(m.forward(torch.tensor([rows[0]]), torch.arange(70)[None]))[0]
-    got = one.float().log_softmax(-1)[:-1].gather(1, torch.tensor(rows[0][1:])[:, None])[:, 0]
-    assert (got - _hf_logprobs(m.hf, rows[0])).abs().max() < 1e-4
+        one = m.logits(m.forward(row[None], torch.arange(70)[None]))[0]
+    got = one.float().log_softmax(-1)[:-1].gather(1, row[1:, None])[:, 0]
+    assert (got - hf_logprobs(m.hf, row.tolist())).abs().max() < 1e-4
 
 
 def test_chunked_delta_rule_equals_the_recurrence():
@@ -169,7 +160,7 @@ def test_greedy_equals_transformers_generate(eng):
         want = m.hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert [s.tokens for s in r.sequences] == [want] * len(r.sequences)
-        lp = _hf_logprobs(m.hf, p + want)[len(p) - 1:]
+        lp = hf_logprobs(m.hf, p + want)[len(p) - 1:]
         for s in r.sequences:  # the state each decode step read, to rounding
             assert (torch.tensor(s.logprobs) - lp).abs().max() < 1e-4
 
@@ -190,31 +181,14 @@ def test_seeded_samples_score_as_transformers_with_the_adapter(eng):
     assert len({tuple(s.tokens) for s in first.sequences}) > 1
     with _peft(m.hf, eng.pool.get("a")) as (pm, _):
         for s in first.sequences:
-            want = _hf_logprobs(pm, prompt + s.tokens)[len(prompt) - 1:]
+            want = hf_logprobs(pm, prompt + s.tokens)[len(prompt) - 1:]
             assert (torch.tensor(s.logprobs) - want).abs().max() < 1e-4
 
 
 def test_checkpoint_loads_in_peft_and_back(eng, qwen35_dir, tmp_path):
     """An export loads in peft on transformers' Qwen3.5 with our logits, and loads back."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from twinkled.engine.lora import LoraBatch
-
     eng.save("b", tmp_path / "b", optimizer=False)
-    base = AutoModelForCausalLM.from_pretrained(qwen35_dir, dtype=torch.float32)
-    ids = torch.randint(0, eng.model.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
-    pos = torch.arange(20)[None]
-    eng.load("b2", tmp_path / "b", optimizer=False)
-    m = eng.model
-    with torch.no_grad():
-        want = PeftModel.from_pretrained(base, tmp_path / "b")(input_ids=ids).logits
-        for name in ("b", "b2"):
-            lora = LoraBatch([eng.pool.get(name)], m.dtype, m.device)
-            got = m.logits(m.forward(ids, pos, lora), lora)
-            assert (got - want).abs().max() < 1e-4, name
-        assert (m.logits(m.forward(ids, pos)) - want).abs().max() > 1e-2  # the adapter matters
-    eng.remove_adapter("b2")
+    assert_export_round_trip(eng, qwen35_dir, "b", tmp_path / "b")
 
 
 def test_daemon_sizes_the_nested_config(tmp_path):

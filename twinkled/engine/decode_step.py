@@ -37,6 +37,7 @@ import torch
 
 from .kv_pages import PagePool
 from .lora_rows import AdapterStack, RowBuffers
+from .moe import ExpertRows, run_tokens
 from .recurrent import PromptState, SlotStates
 
 
@@ -69,6 +70,7 @@ class DecodeStep:
         self.shared = torch.zeros(rows, dtype=torch.long, device=dev)  # its shared tokens
         self._sharing = [False] * rows  # host mirror: which slots share (picks the graph)
         self.lora = RowBuffers(stack, rows, kernels)
+        self.adapters: list = [None] * rows  # each slot's adapter, on the host (MoE experts)
         # Linear-attention states per slot (Qwen3.5, recurrent.py): updated in place by
         # each step, so only eager steps run them (a graph's warm-up would step twice).
         self.states = SlotStates(model, rows) if model.hybrid is not None else None
@@ -107,6 +109,7 @@ class DecodeStep:
         self.pos[first:end] = torch.tensor(pos).to(self.pos.device)
         self.table[first:end] = table.to(self.table.device)
         self.lora.set(first, adapters)
+        self.adapters[first:end] = adapters
         if self.states is not None:
             self.states.seat(first, prompts)
         if self.cascade:
@@ -121,6 +124,7 @@ class DecodeStep:
             buf[dst] = buf[src]
             buf[src] = 0
         self._sharing[dst], self._sharing[src] = self._sharing[src], False
+        self.adapters[dst], self.adapters[src] = self.adapters[src], None
         self.lora.move(src, dst)
         if self.states is not None:
             self.states.move(src, dst)
@@ -129,6 +133,7 @@ class DecodeStep:
         for buf in self._buffers():
             buf[i] = 0
         self._sharing[i] = False
+        self.adapters[i] = None
         self.lora.clear(i)
         if self.states is not None:
             self.states.clear(i)
@@ -177,6 +182,9 @@ class DecodeStep:
         keys = torch.arange(pages * size, device=pos.device)
         mask = (keys[None, :] <= pos[:, None])[:, None, None, :]
         lora = self.lora.lora(rows)
+        if self.model.moe:  # the experts' LoRA reads each slot's adapter's bank (moe.py)
+            lora = ExpertRows(lora, run_tokens([(a, 1) for a in self.adapters[:rows]],
+                                               self.model.dtype, pos.device))
         prefix = None
         if cascade:
             from .kernels.paged_decode import prefix_groups

@@ -88,9 +88,13 @@ class Engine:
         # rows (per-row KV, LoRA and sampling work, not the weights, bound it on an 8B), so
         # more rows buy throughput for large RL batches at the cost of each token's latency.
         self.sample_rows = sample_rows
-        # The running batch's stacked LoRA (lora_rows.py) follows neither a tensor-parallel
-        # split nor experts: those models sample with the padded sampler, over a LoraBatch.
-        self.padded_sampling = self.shard is not None or bool(self.model.moe)
+        # The running batch's stacked LoRA (lora_rows.py) follows no tensor-parallel split,
+        # and its decode graphs no expert routing: those models sample with the padded
+        # sampler, over a LoraBatch; but Qwen3.5-MoE's linear-attention state needs the
+        # running batch (eager there; its experts' LoRA: moe.ExpertRows; under --ep its
+        # samples run to the end, not in slices: workers/sampling.py).
+        self.padded_sampling = self.shard is not None or (bool(self.model.moe)
+                                                          and self.model.hybrid is None)
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
         # Adapters whose gradients this rank holds parts of split rows of (context

@@ -112,7 +112,7 @@ class AdapterStack:
         for c in range(start, start + r):
             self._owner[c] = adapter.id
         for key in bank.shapes:
-            if key not in self.A:
+            if key not in self.A and len(bank.shapes[key]) == 2:  # (experts: moe.ExpertRows)
                 fin, fout = bank.shapes[key]
                 self.A[key] = torch.zeros((self.width, fin), dtype=self.dtype, device=self.device)
                 self.B[key] = torch.zeros((fout, self.width), dtype=self.dtype, device=self.device)

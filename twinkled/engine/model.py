@@ -30,7 +30,8 @@ from .packed import PackedLora, Packing
 from .recompute import Recompute
 from .tp import NoSplit
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS, *qwen35.ARCHS)
+SUPPORTED_ARCHS = tuple(dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS,
+                                       *qwen35.ARCHS)))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -182,6 +183,8 @@ class BaseModel:
         self.targets["lm_head"] = (self.lm_head.in_features, self.lm_head.out_features)
         for block in self.moe.values():  # expert parameters: key -> (in, out, experts)
             self.targets.update(block.targets())
+        if self.hybrid is not None:  # (Qwen3-Next's MLP linears: qwen35_moe.py)
+            qwen35.trim_targets(config, self.targets)
         if self.shard is not None:
             self.shard.full_shapes = self.targets
 
@@ -215,7 +218,7 @@ class BaseModel:
 
     def _layer(self, i, layer, h, cos, sin, lora, cache, mask, packing, banks) -> torch.Tensor:
         if self.hybrid is not None:
-            return self.hybrid.layer(i, layer, h, cos, sin, lora, cache, mask, packing)
+            return self.hybrid.layer(i, layer, h, cos, sin, lora, cache, mask, packing, banks)
         keys = self.layer_keys[i]
         x = self.tp.enter(self._norm(layer.input_layernorm, h))
         a = self.tp.leave(self._attention(i, layer.self_attn, x, cos, sin, keys, lora,

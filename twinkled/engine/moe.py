@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from twinkled.protocol.types import EXPERT_MODULES, EngineInputError
 
-from .lora import Bank, LoraBatch
+from .lora import Adapter, Bank, LoraBatch
 from .moe_parallel import ExpertSplit, copy_to_experts, reduce_from_experts
 from .packed import PackedLora, grouped_mm, grouped_weight_grad
 
@@ -40,7 +40,14 @@ from .packed import PackedLora, grouped_mm, grouped_weight_grad
 MAX_GROUPS = 1023
 
 # model_type -> whether the top-k weights are renormalised (None: the config says).
-MOE_ARCHS = {"qwen3_moe": None, "mixtral": True}
+# Qwen3.5-MoE's text model (qwen35_moe.py) always renormalises, Qwen3-Next as its config says.
+MOE_ARCHS = {"qwen3_moe": None, "mixtral": True, "qwen3_5_moe_text": True, "qwen3_next": None}
+# Sparse blocks that also hold a gated shared expert (run beside the routed experts by
+# qwen35_moe.py), and its parameters.
+SHARED_EXPERT = ("qwen3_5_moe_text", "qwen3_next")
+_ROUTED = ["experts.down_proj", "experts.gate_up_proj", "gate.weight"]
+_SHARED = ["shared_expert.down_proj.weight", "shared_expert.gate_proj.weight",
+           "shared_expert.up_proj.weight", "shared_expert_gate.weight"]
 
 
 @dataclass
@@ -55,12 +62,50 @@ class BankTokens:
     scale: torch.Tensor
 
 
-def bank_tokens(lora: LoraBatch | PackedLora | None, row_len: int) -> list[BankTokens]:
+class ExpertRows:
+    """A running sampling batch's LoRA (lora_rows.py, prefill.py: `apply` on every linear)
+    with, for the experts, the tokens each bank's adapters own (`run_tokens`): what a
+    LoraBatch gives training. The expert deltas read the banks themselves (the adapter
+    stack holds no expert columns: a copy of every expert's pair per adapter in use)."""
+
+    def __init__(self, lora, banks: list[BankTokens]):
+        self.lora, self.banks = lora, banks
+
+    def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.lora.apply(key, x, y)
+
+
+def run_tokens(runs: list[tuple[Adapter | None, int]], dtype: torch.dtype, device
+               ) -> list[BankTokens]:
+    """The BankTokens of a pass whose flat tokens come as runs of one adapter each (None:
+    the base model): a running batch's prefill pieces, or its decode rows (1 token each)."""
+    # bank -> its tokens, their slots and scales (host lists: one copy each to the device)
+    by_bank: dict[int, tuple[Bank, list[int], list[int], list[float]]] = {}
+    t = 0
+    for a, n in runs:
+        if a is not None and n:
+            got = by_bank.get(id(a.bank))
+            if got is None:
+                a.bank.refresh()  # (the compute-dtype copy the deltas read)
+                got = by_bank[id(a.bank)] = (a.bank, [], [], [])
+            got[1].extend(range(t, t + n))
+            got[2].extend([a.slot] * n)
+            got[3].extend([a.scale] * n)
+        t += n
+    return [_distinct(bank, torch.tensor(tokens).to(device), torch.tensor(slots).to(device),
+                      torch.tensor(scales, dtype=dtype).to(device))
+            for bank, tokens, slots, scales in by_bank.values()]
+
+
+def bank_tokens(lora: LoraBatch | PackedLora | ExpertRows | None, row_len: int
+                ) -> list[BankTokens]:
     """Which adapter each flat token of a batch uses, by bank (computed once per forward:
     every MoE layer of the pass routes differently but with the same adapters)."""
     out: list[BankTokens] = []
     if lora is None:
         return out
+    if isinstance(lora, ExpertRows):
+        return lora.banks
     if isinstance(lora, LoraBatch):
         for g in lora.groups:
             dev = g.slots.device
@@ -289,15 +334,16 @@ def moe_blocks(model_type: str, config, layers, split: ExpertSplit | None = None
     if normalize is None:
         normalize = bool(getattr(config, "norm_topk_prob", False))
     top_k = int(config.num_experts_per_tok)
+    known = sorted(_ROUTED + (_SHARED if model_type in SHARED_EXPERT else []))
     blocks = {}
     for i, layer in enumerate(layers):
         mlp = layer.mlp
         if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             continue  # a dense layer of an MoE model (Qwen3-MoE's mlp_only_layers)
         found = sorted(n for n, _ in mlp.named_parameters())
-        if found != ["experts.down_proj", "experts.gate_up_proj", "gate.weight"]:
+        if found != known:
             raise EngineInputError("model", f"layer {i}: MoE layout {found} is not supported "
-                                   "(known: gate.weight, experts.gate_up_proj, experts.down_proj)")
+                                   f"(known: {', '.join(known)})")
         E, two_i, H = mlp.experts.gate_up_proj.shape
         if (tuple(mlp.gate.weight.shape) != (E, H)
                 or tuple(mlp.experts.down_proj.shape) != (E, H, two_i // 2)):

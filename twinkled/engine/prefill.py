@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .kv_pages import PagePool
 from .lora import Adapter
 from .lora_rows import AdapterStack, row_lora
+from .moe import ExpertRows, run_tokens
 from .packed import varlen_attend
 from .recurrent import PieceStates, PromptState
 
@@ -183,8 +184,11 @@ def prefill_varlen(model, pool: PagePool, stack: AdapterStack, kernels: bool,
     ids = torch.tensor([t for p in pieces for t in p.prompt[p.start:p.end]], device=dev)
     positions = torch.cat([torch.arange(p.start, p.end) for p in pieces]).to(dev)
     pages = _PackedPages(pool, pieces, dev)
-    hidden = model.forward(ids[None], positions[None], token_lora(stack, pieces, kernels),
-                           pages, packing=pages)[0]
+    lora = token_lora(stack, pieces, kernels)
+    if model.moe:  # the experts' LoRA: each piece's tokens through its adapter's bank
+        lora = ExpertRows(lora, run_tokens([(p.adapter, p.tokens) for p in pieces],
+                                           model.dtype, dev))
+    hidden = model.forward(ids[None], positions[None], lora, pages, packing=pages)[0]
     own = list(torch.split(hidden, pages.q_lens))
     if not logits_of:
         return own, None

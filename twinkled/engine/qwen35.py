@@ -15,6 +15,9 @@ LoRA targets (the tinker client's train_attn): q/k/v/o_proj on full-attention la
 in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj on linear ones; train_mlp:
 gate/up/down_proj of every layer; train_unembed: lm_head.
 
+Qwen3.5-MoE and Qwen3-Next run these layers with a sparse MLP (qwen35_moe.py); Qwen3-Next's
+linear attention fuses its input projections (in_proj_qkvz, in_proj_ba: `projections`).
+
 Sequences never share state: packed rows (training's Packing, the sampler's prefill
 pieces) are cut into independent rows for the conv and the delta rule. The sampler's
 state lives in `cache.recurrent` (recurrent.py): per prefill piece or per decode slot.
@@ -28,14 +31,16 @@ import torch.nn.functional as F
 from twinkled.protocol.types import ATTN_MODULES, LINEAR_ATTN_MODULES, EngineInputError
 
 from . import linear_attn as la
+from . import qwen35_moe
 from .fused_ops import rotate
 
-ARCHS = ("qwen3_5", "qwen3_5_text")
+# Dense, and Qwen3.5-MoE's (qwen35_moe.py: the same layers with a sparse MLP).
+ARCHS = ("qwen3_5", "qwen3_5_text", *qwen35_moe.ARCHS)
 
 
 def text_config(config):
     """The text model's config of a Qwen3.5 checkpoint (nested under text_config)."""
-    return config.get_text_config() if config.model_type == "qwen3_5" else config
+    return config.get_text_config() if config.model_type in ("qwen3_5", "qwen3_5_moe") else config
 
 
 def check(config, tp) -> None:
@@ -44,10 +49,21 @@ def check(config, tp) -> None:
                                "(linear-attention layers) yet; run it with --tp 1")
 
 
+def trim_targets(config, targets: dict) -> None:
+    """Take out the linears a peft adapter of this model cannot hold (qwen35_moe.py)."""
+    for key in qwen35_moe.untargetable(config.model_type, targets):
+        del targets[key]
+
+
 def layer_keys(i: int, layer) -> dict[str, str]:
-    if hasattr(layer, "linear_attn"):
-        return {n: f"model.layers.{i}.linear_attn.{n}" for n in LINEAR_ATTN_MODULES}
-    return {n: f"model.layers.{i}.self_attn.{n}" for n in ATTN_MODULES}
+    """Layer i's LoRA targets of the attention kind it has (and a sparse MLP's shared
+    expert's); BaseModel adds a dense MLP's."""
+    if hasattr(layer, "linear_attn"):  # (Qwen3.5's four input projections, or Qwen3-Next's two)
+        keys = {n: f"model.layers.{i}.linear_attn.{n}" for n in LINEAR_ATTN_MODULES
+                if hasattr(layer.linear_attn, n)}
+    else:
+        keys = {n: f"model.layers.{i}.self_attn.{n}" for n in ATTN_MODULES}
+    return keys | qwen35_moe.shared_keys(i, layer)
 
 
 class HybridLayers:
@@ -63,7 +79,7 @@ class HybridLayers:
         # delta rule everywhere (the reference tests/test_qwen35_gpu.py compares it with).
         self.fla = True
 
-    def layer(self, i, layer, h, cos, sin, lora, cache, mask, packing) -> torch.Tensor:
+    def layer(self, i, layer, h, cos, sin, lora, cache, mask, packing, banks) -> torch.Tensor:
         m, keys = self.model, self.model.layer_keys[i]
         x = layer.input_layernorm(h)
         if i in self.linear:
@@ -71,7 +87,10 @@ class HybridLayers:
         else:
             a = self._attention(i, layer.self_attn, x, cos, sin, keys, lora, cache, mask, packing)
         h = h + a
-        return h + m.mlp(i, layer.mlp, layer.post_attention_layernorm(h), keys, lora)
+        x = layer.post_attention_layernorm(h)
+        if i in m.moe:  # Qwen3.5-MoE (`banks`: the tokens each bank's adapters own, moe.py)
+            return h + qwen35_moe.sparse_mlp(m, i, layer.mlp, x, keys, lora, banks)
+        return h + m.mlp(i, layer.mlp, x, keys, lora)
 
     def _attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing):
         m = self.model
@@ -89,12 +108,30 @@ class HybridLayers:
         out = out * torch.sigmoid(gate.reshape(B, S, -1))
         return m.linear(attn.o_proj, keys["o_proj"], out, lora)
 
+    def projections(self, mod, x, keys, lora) -> list[torch.Tensor]:
+        """A linear-attention layer's inputs [B, S, ...]: qkv (all q heads, then k, then v, as
+        the conv reads them), z, b and a, each with its LoRA. Qwen3-Next fuses them in two
+        linears whose outputs are grouped by key head (q, k, v, z of each group; b, a of each
+        group): regrouped here after the LoRA deltas, so its adapters are peft's on its
+        modules."""
+        names = ("in_proj_qkvz", "in_proj_ba") if hasattr(mod, "in_proj_qkvz") else (
+            "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        ys, _ = self.model.linears([getattr(mod, n) for n in names], [keys[n] for n in names],
+                                   x, lora)
+        if len(ys) == 4:
+            return ys
+        B, S, _ = x.shape
+        nk, dk, dv = mod.num_k_heads, mod.head_k_dim, mod.head_v_dim
+        per = mod.num_v_heads // nk
+        q, k, v, z = ys[0].view(B, S, nk, -1).split([dk, dk, per * dv, per * dv], dim=-1)
+        b, a = ys[1].view(B, S, nk, -1).split([per, per], dim=-1)
+        qkv = torch.cat([t.reshape(B, S, -1) for t in (q, k, v)], dim=-1)
+        return [qkv, z.reshape(B, S, -1), b.reshape(B, S, -1), a.reshape(B, S, -1)]
+
     def _linear_attention(self, i, mod, x, keys, lora, cache, packing):
         m = self.model
         B, S, _ = x.shape
-        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-        (qkv, z, b, a), _ = m.linears([getattr(mod, n) for n in names],
-                                       [keys[n] for n in names], x, lora)
+        qkv, z, b, a = self.projections(mod, x, keys, lora)
         states = getattr(cache, "recurrent", None)
         if cache is not None and states is None:
             raise RuntimeError("linear attention samples only through the running batch")

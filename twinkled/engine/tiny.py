@@ -104,8 +104,9 @@ def build_tiny_model(
     vocab_size: int = 1024,
 ) -> Path:
     """Write a tiny random-weight model of `arch` (qwen3, qwen2, llama, qwen3_moe with
-    `num_experts` experts of which each token uses `experts_per_token`, or qwen3_5: a
-    Qwen3.5 checkpoint as released, `qwen35_config`) plus tokenizer.
+    `num_experts` experts of which each token uses `experts_per_token`, qwen3_5 /
+    qwen3_5_moe: a Qwen3.5 (-MoE) checkpoint as released, `qwen35_config`, or qwen3_next,
+    `qwen3_next_config`) plus tokenizer.
 
     head_dim is hidden/heads (64 by default), which vLLM's CPU build also accepts.
     """
@@ -146,13 +147,22 @@ def build_tiny_model(
         config = LlamaConfig(head_dim=hidden_size // num_heads, **common)
     elif arch == "qwen3_5":
         config = qwen35_config(common, hidden_size // num_heads)
+    elif arch == "qwen3_5_moe":  # Qwen3.5-35B-A3B's: routed experts and a gated shared one
+        config = qwen35_config(common, hidden_size // num_heads, moe=dict(
+            num_experts=num_experts, num_experts_per_tok=experts_per_token,
+            moe_intermediate_size=intermediate_size // 4,
+            shared_expert_intermediate_size=intermediate_size // 2))
+    elif arch == "qwen3_next":  # Qwen3-Next's: text only, layer 1 dense (mlp_only_layers)
+        config = qwen3_next_config(common, hidden_size // num_heads, num_experts,
+                                   experts_per_token)
     else:
-        raise ValueError(f"arch must be qwen3, qwen2, llama, qwen3_moe or qwen3_5, not {arch!r}")
+        raise ValueError("arch must be qwen3, qwen2, llama, qwen3_moe, qwen3_5, qwen3_5_moe or "
+                         f"qwen3_next, not {arch!r}")
     torch.manual_seed(seed)
-    if arch == "qwen3_5":  # the whole checkpoint, vision tower included, as released
-        from transformers import Qwen3_5ForConditionalGeneration
+    if arch.startswith("qwen3_5"):  # the whole checkpoint, vision tower included, as released
+        from transformers import AutoModelForImageTextToText
 
-        model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
+        model = AutoModelForImageTextToText.from_config(config).to(torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init with std 0.02 gives near-uniform logits; a larger spread (the default 0.2)
@@ -167,12 +177,13 @@ def build_tiny_model(
     return out
 
 
-def qwen35_config(common: dict, head_dim: int):
+def qwen35_config(common: dict, head_dim: int, moe: dict | None = None):
     """Qwen3.5's nested config (text_config + a vision tower), at tiny widths: the real
     layer pattern (full attention every 4th layer; the last one where there are fewer than
     4), linear attention with twice as many value heads as key heads (as the 9B has), and
-    Qwen3.5's partial rotary and multimodal rope parameters."""
-    from transformers import Qwen3_5Config
+    Qwen3.5's partial rotary and multimodal rope parameters. `moe`: Qwen3.5-MoE's config
+    (qwen3_5_moe) with these expert sizes, every layer's MLP sparse."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     n = common["num_hidden_layers"]
     kinds = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
@@ -186,6 +197,26 @@ def qwen35_config(common: dict, head_dim: int):
                                  "mrope_interleaved": True})
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
                   out_hidden_size=common["hidden_size"], num_position_embeddings=16)
-    return Qwen3_5Config(text_config=text, vision_config=vision,
-                         tie_word_embeddings=common["tie_word_embeddings"],
-                         eos_token_id=common["eos_token_id"])
+    if moe is not None:
+        text = {k: v for k, v in text.items() if k != "intermediate_size"} | moe
+    return (Qwen3_5Config if moe is None else Qwen3_5MoeConfig)(
+        text_config=text, vision_config=vision, tie_word_embeddings=common["tie_word_embeddings"],
+        eos_token_id=common["eos_token_id"])
+
+
+def qwen3_next_config(common: dict, head_dim: int, experts: int, top_k: int):
+    """Qwen3-Next's config at tiny widths: Qwen3.5's layer pattern and linear attention (its
+    fused projections), partial rotary, sparse layers with a shared expert but layer 1 dense."""
+    from transformers import Qwen3NextConfig
+
+    n = common["num_hidden_layers"]
+    kinds = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    kinds[-1] = "full_attention"
+    inter = common["intermediate_size"]
+    return Qwen3NextConfig(**common, head_dim=head_dim, layer_types=kinds, linear_conv_kernel_dim=4,
+                           linear_key_head_dim=32, linear_value_head_dim=32,
+                           linear_num_key_heads=2, linear_num_value_heads=4,
+                           partial_rotary_factor=0.25, num_experts=experts,
+                           num_experts_per_tok=top_k, norm_topk_prob=True,
+                           moe_intermediate_size=inter // 4,
+                           shared_expert_intermediate_size=inter // 2, mlp_only_layers=[1])

@@ -27,8 +27,39 @@ def _dims(cfg: dict) -> tuple[int, int, int, int, int, int, int]:
     heads = int(cfg["num_attention_heads"])
     kv = int(cfg.get("num_key_value_heads") or heads)
     d = int(cfg.get("head_dim") or h // heads)
-    return (h, heads, kv, d, int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"]),
+    return (h, heads, kv, d, _mlp_width(cfg), int(cfg["num_hidden_layers"]),
             int(cfg["vocab_size"]))
+
+
+def _mlp_width(cfg: dict) -> int:
+    """The MLP width a token runs through: `intermediate_size`, or where a sparse model has
+    none (Qwen3.5-MoE) its k experts' and its shared expert's."""
+    if cfg.get("intermediate_size"):
+        return int(cfg["intermediate_size"])
+    return (int(cfg.get("num_experts_per_tok") or 1) * int(cfg["moe_intermediate_size"])
+            + int(cfg.get("shared_expert_intermediate_size") or 0))
+
+
+def _mlp_params(cfg: dict, h: int, inter: int, tp: int) -> int:
+    """One layer's MLP weights on a rank: a dense MLP split over tp, or every expert (split
+    over tp, as tp.py splits them) plus a shared expert and the router."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return 3 * h * inter // tp
+    width = int(cfg.get("moe_intermediate_size") or inter)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return 3 * h * width * experts // tp + 3 * h * shared + h * experts
+
+
+def _mlp_lora(cfg: dict, h: int, inter: int, tp: int) -> int:
+    """One layer's MLP LoRA parameters per unit of rank: a dense MLP's three linears, or a
+    pair on every expert (the banks keep every expert on every rank) and a shared expert's."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return (h + inter // tp) * 3
+    width = int(cfg.get("moe_intermediate_size") or inter)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return experts * (2 * h + 3 * width) + ((h + shared) * 3 if shared else 0)
 
 
 def _vocab(vocab: int, tp: int) -> int:
@@ -58,7 +89,7 @@ def weight_bytes(cfg: dict, dtype_bytes: int, tp: int = 1) -> int:
     h, heads, kv, d, inter, layers, vocab = _dims(cfg)
     kv_local = max(1, kv // tp)
     attn = h * d * (2 * heads // tp + 2 * kv_local)
-    mlp = 3 * h * inter // tp
+    mlp = _mlp_params(cfg, h, inter, tp)
     embed = _vocab(vocab, tp) * h * (1 if cfg.get("tie_word_embeddings") else 2)
     return dtype_bytes * (layers * (attn + mlp + 2 * h) + embed + h)
 
@@ -96,12 +127,7 @@ def adapter_bytes(cfg: dict, rank: int, attn: bool = True, mlp: bool = True,
     if attn:
         per_layer += (h + heads * d // tp) * 2 + (h + kv * d // tp) * 2
     if mlp:
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-        if experts:
-            moe_inter = int(cfg.get("moe_intermediate_size") or inter)
-            per_layer += experts * (2 * h + 3 * moe_inter)
-        else:
-            per_layer += (h + inter // tp) * 3
+        per_layer += _mlp_lora(cfg, h, inter, tp)
     return 18 * rank * (layers * per_layer + ((h + _vocab(vocab, tp)) if unembed else 0))
 
 

@@ -19,9 +19,11 @@ if TYPE_CHECKING:
     import torch
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-# A linear-attention layer's linears (Qwen3.5's Gated DeltaNet, qwen35.py): `train_attn`
-# adapts them as it does q/k/v/o.
-LINEAR_ATTN_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+# A linear-attention layer's linears (Qwen3.5's Gated DeltaNet, qwen35.py; Qwen3-Next's
+# fuses its input projections as in_proj_qkvz and in_proj_ba): `train_attn` adapts them as
+# it does q/k/v/o.
+LINEAR_ATTN_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz",
+                       "in_proj_ba", "out_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
 # An MoE layer's expert parameters (moe.py); `train_mlp` adapts them as it does a dense MLP.

@@ -66,7 +66,10 @@ class SampleRunner:
         for key in step.cancel:
             self._cancel(key)
         good, outcomes = self._requests(ops)
-        sliced = step.slice_s > 0 and not self.engine.padded_sampling
+        # (An expert group's ranks run one running batch in step, its MoE layers' collectives
+        # between them: slices cut by time would part them. Its samples run to the end.)
+        sliced = (step.slice_s > 0 and not self.engine.padded_sampling
+                  and self.engine.experts is None)
         if sliced:
             if self.deferred and self.engine.sample_idle:
                 deferred, self.deferred = self.deferred, []
