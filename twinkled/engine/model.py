@@ -201,7 +201,7 @@ class BaseModel:
             h = self.shard.embed(self.decoder.embed_tokens.weight, input_ids)
         else:
             h = self.decoder.embed_tokens(input_ids)
-        if self.hybrid is not None and positions.dim() == 2:
+        if hasattr(self.decoder.rotary_emb, "mrope_section") and positions.dim() == 2:
             # Qwen3.5's rotary is multimodal (t, h, w sections); text has the same position in
             # all three, and transformers before 5.2x indexes a 3-D tensor without expanding
             positions = positions.expand(3, *positions.shape)
