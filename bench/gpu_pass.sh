@@ -15,6 +15,9 @@
 #   bash bench/gpu_pass.sh tp70                    # issue 15: a 70B shape at tp 4 via the daemon
 #   bash bench/gpu_pass.sh sampling slices         # issue 16 (one GPU: $SAMPLING_GPU, default 0)
 #   bash bench/gpu_pass.sh gap                     # issue 31: sampler vs trainer logprob gap
+#   bash bench/gpu_pass.sh qwen35                  # issue 34: Qwen3.5 GPU tests, 9B figures
+#   bash bench/gpu_pass.sh rlstep                  # issue 31: the cookbook RL step, 8B
+#   bash bench/gpu_pass.sh tenants05; ... tenants8b  # issue 33: 1,000 / 200 runs (a call each)
 #   bash bench/gpu_pass.sh gpucheck                # the GPU-only tests of the fast paths (fused
 #                                                  #   layer, overlapped decode, direct LoRA,
 #                                                  #   cascade, flash varlen): run before timing them
@@ -112,7 +115,25 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
                   --trace --peft --model-dir "$ckpt/llama3-70b" --token-budget 4096 --lora-rank 16 \
                   | tee -a "$out/tp.md" ;;
         moe) "$py" bench_moe.py --devices cuda:0,cuda:1 --layers 12 --write "$out/moe.md" ;;
-        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe)"; exit 2 ;;
+        # issue 34: the Qwen3.5 family's CUDA paths (fla-core) against the torch rule, then
+        # the 9B shape's figures; logs go to files under $out whole (a timeout keeps them)
+        qwen35) (cd .. && TRITON_INTERPRET=0 TWINKLE_TEST_DEVICE=cuda "$py" -m pytest -q \
+                    -p no:cacheprovider tests/test_qwen35_gpu.py tests/test_qwen35_moe_gpu.py) \
+                    > "$out/qwen35_gpu.txt" 2>&1; tail -5 "$out/qwen35_gpu.txt"
+                "$py" bench_engine.py --shape qwen3.5-9b --device cuda --write "$out/engine_q35.md" \
+                    > "$out/engine_q35.log" 2>&1; tail -25 "$out/engine_q35.log"
+                "$py" bench_multitenant.py --shape qwen3.5-9b --write "$out/mt_q35.md" \
+                    > "$out/mt_q35.log" 2>&1; tail -20 "$out/mt_q35.log" ;;
+        # issue 31: the cookbook rl_loop default step (128 x 16, 512 + 256) through the daemon
+        rlstep) "$py" bench_rl_step.py --shape qwen3-8b --model-dir "$ckpt/q8b" --warmup 1 \
+                    --steps 1 --write "$out/rl_step.md" > "$out/rl_step.log" 2>&1
+                tail -12 "$out/rl_step.log" ;;
+        # issue 33, one shape a call (each is most of a call's 10 minutes)
+        tenants05) "$py" bench_tenants.py --shape qwen2.5-0.5b --runs 1000 --active 64 \
+                       --write "$out/tenants05.md" > "$out/tenants05.log" 2>&1; tail -20 "$out/tenants05.log" ;;
+        tenants8b) "$py" bench_tenants.py --shape qwen3-8b --runs 200 --active 16 \
+                       --write "$out/tenants8b.md" > "$out/tenants8b.log" 2>&1; tail -20 "$out/tenants8b.log" ;;
+        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, rlstep, tenants05, tenants8b)"; exit 2 ;;
     esac
 done
 echo "== done $(date +%T)"
