@@ -146,8 +146,13 @@ def build_tiny_model(
         config = LlamaConfig(head_dim=hidden_size // num_heads, **common)
     elif arch == "qwen3_5":
         config = qwen35_config(common, hidden_size // num_heads)
+    elif arch == "gpt_oss":  # tiny_gpt_oss.py
+        from .tiny_gpt_oss import gpt_oss_config
+
+        config = gpt_oss_config(common, hidden_size // num_heads, num_experts, experts_per_token)
     else:
-        raise ValueError(f"arch must be qwen3, qwen2, llama, qwen3_moe or qwen3_5, not {arch!r}")
+        raise ValueError(f"arch must be qwen3, qwen2, llama, qwen3_moe, qwen3_5 or gpt_oss, "
+                         f"not {arch!r}")
     torch.manual_seed(seed)
     if arch == "qwen3_5":  # the whole checkpoint, vision tower included, as released
         from transformers import Qwen3_5ForConditionalGeneration
@@ -163,6 +168,10 @@ def build_tiny_model(
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):  # a router that prefers some experts
                 p.normal_(0.0, 0.5)
+    if arch == "gpt_oss":  # its biases and sinks non-zero
+        from .tiny_gpt_oss import randomize
+
+        randomize(model, seed)
     model.save_pretrained(str(out))
     return out
 
