@@ -62,8 +62,7 @@ class SinkAttention:
         self.windows = [config.sliding_window if kind == "sliding_attention" else None
                         for kind in kinds]
         self.sinks = [layer.self_attn.sinks for layer in model.layers]
-        if not isinstance(model.decoder.rotary_emb, _FullRotary):
-            model.decoder.rotary_emb = _FullRotary(model.decoder.rotary_emb)
+        self.rotary = _FullRotary(model.decoder.rotary_emb)  # (HF's own module untouched)
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                cache, mask, packing) -> torch.Tensor:

@@ -4,9 +4,8 @@ per-expert multi-LoRA, with gpt-oss's router, biases and activation.
 transformers' layout: `mlp.router` (weight [E, H], bias [E]); `mlp.experts.gate_up_proj`
 [E, H, 2I] with gate and up INTERLEAVED along the last dim (gate = [..., ::2],
 up = [..., 1::2]), `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, H], `down_proj_bias`
-[E, H]: stored transposed against Qwen3-MoE's. At load the two weights are transposed in
-place to moe.py's [E, out, in] (one layer at a time), so the grouped matmuls and the
-LoRA pairs are moe.py's; the output order of gate_up stays interleaved, so an adapter's
+[E, H]: stored transposed against Qwen3-MoE's. Our block holds the two weights as transposed
+views in moe.py's [E, out, in], so the grouped matmuls and the LoRA pairs are moe.py's; the output order of gate_up stays interleaved, so an adapter's
 B rows index the same outputs as transformers'.
 
 Routing: top-k of the router logits (bias included), softmax over those k.
@@ -28,12 +27,12 @@ from .moe_parallel import ExpertSplit
 class GptOssMoeBlock(MoeBlock):
     def __init__(self, index: int, mlp, config):
         experts = mlp.experts
-        for name in ("gate_up_proj", "down_proj"):  # [E, in, out] -> moe.py's [E, out, in]
-            param = getattr(experts, name)
-            param.data = param.data.transpose(1, 2).contiguous()
         self.index = index
         self.router, self.router_bias = mlp.router.weight, mlp.router.bias
-        self.gate_up, self.down = experts.gate_up_proj, experts.down_proj
+        # moe.py's [E, out, in] as views of transformers' [E, in, out] (its module stays
+        # runnable): the grouped matmul then reads the weights as stored, row-major [in, out].
+        self.gate_up = experts.gate_up_proj.transpose(1, 2)
+        self.down = experts.down_proj.transpose(1, 2)
         self.gate_up_bias, self.down_bias = experts.gate_up_proj_bias, experts.down_proj_bias
         self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
         self.n_experts = self.router.shape[0]

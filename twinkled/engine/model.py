@@ -169,6 +169,7 @@ class BaseModel:
         self.hybrid = qwen35.HybridLayers(self) if hybrid else None
         # gpt-oss's attention (sinks, sliding windows; gpt_oss.py); None: plain attention.
         self.sinks = gpt_oss.SinkAttention(self) if sinks else None
+        self.rotary = self.decoder.rotary_emb if not sinks else self.sinks.rotary
         # Layers whose keys and values the sampler's pages hold (Qwen3.5: the full ones).
         self.kv_layers = len(self.layers) if self.hybrid is None else len(self.hybrid.kv)
         self.joints = self._concat_linears()
@@ -207,7 +208,7 @@ class BaseModel:
             h = self.shard.embed(self.decoder.embed_tokens.weight, input_ids)
         else:
             h = self.decoder.embed_tokens(input_ids)
-        cos, sin = self.decoder.rotary_emb(h, positions)
+        cos, sin = self.rotary(h, positions)
         # Recompute per layer (checkpointing): the backward keeps only each layer's input
         # and runs the layer again; recompute.py says when (a step that would not fit).
         tokens = input_ids.numel() if packing is None else packing.memory_tokens()

@@ -53,7 +53,7 @@ def quantize_experts(out: Path, model) -> None:
         E, rows, cols = w.shape
         g = w.reshape(E, rows, cols // 32, 32)
         exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
-        scaled = g / torch.ldexp(torch.ones(()), exp.int())[..., None]
+        scaled = g / torch.exp2(exp)[..., None]
         nib = (scaled.abs()[..., None] - lut).abs().argmin(-1) + 8 * (scaled < 0)
         nib = nib.to(torch.uint8).reshape(E, rows, cols // 32, 16, 2)
         state[key + "_blocks"] = (nib[..., 0] | (nib[..., 1] << 4)).contiguous()
