@@ -50,8 +50,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import shape_gpt_oss  # bench/ is the script's directory
 import torch
-from output import section_path  # bench/ is the script's directory
+from output import section_path
 
 from twinkled.engine.engine import Engine
 from twinkled.protocol.sizing import weight_bytes
@@ -68,7 +69,7 @@ from twinkled.protocol.types import (
 K = 8  # adapters
 RANK = ALPHA = 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b")
+SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b", "gpt-oss-20b")
 SAMPLING_SHAPES = ("tiny", "qwen2.5-0.5b")  # 8B sampling one adapter at a time takes too long
 
 
@@ -166,6 +167,8 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str,
         common["num_hidden_layers"] = layers
     if shape == "qwen3.5-9b":
         cfg = qwen35_9b(layers)
+    elif shape == shape_gpt_oss.NAME:
+        cfg = shape_gpt_oss.config(layers)
     elif shape == "qwen2.5-0.5b":
         cfg = Qwen2Config(hidden_size=896, intermediate_size=4864,
                           num_attention_heads=14, num_key_value_heads=2,
@@ -222,6 +225,8 @@ def bench_ours(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
     n_params = weight_bytes(eng.model.config.to_dict(), 1, 1)  # bytes at 1 B each = N
     if eng.model.hybrid is not None:  # (sizing's formula knows full attention only)
         n_params = sum(p.numel() for p in eng.model.hf.parameters())
+    if eng.model.sinks is not None:  # gpt-oss: the parameters a token uses (top-k experts)
+        n_params = shape_gpt_oss.active_params(eng.model.hf)
     rows = []
     adam = AdamParams(learning_rate=1e-4)
     for unembed in unembeds:
@@ -276,10 +281,12 @@ def bench_peft(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
     def lora() -> PeftLoraConfig:
         # (linear attention's modules: Qwen3.5's, as train_attn adapts them; absent elsewhere)
         return PeftLoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
-                              target_modules=TARGETS + list(LINEAR_ATTN_MODULES))
+                              target_modules=TARGETS + list(LINEAR_ATTN_MODULES),
+                              **shape_gpt_oss.peft_kwargs(model_dir))
 
     names = [f"a{i}" for i in range(K)]
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    base = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation=shape_gpt_oss.attn_implementation(model_dir))
     seed_all(1)
     model = get_peft_model(base.to(device), lora(), adapter_name=names[0])
     for name in names[1:]:
