@@ -207,3 +207,28 @@ def test_mxfp4_dequantises_as_transformers(oss_dir, eng, tmp_path):
         lp = m.logits(m.forward(torch.tensor([ids]), torch.arange(17)[None]))[0]
     got = lp.log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert (got - _hf_logprobs(ref, ids)).abs().max() < 1e-5
+
+
+def test_prefill_pieces_attend_as_whole_rows():
+    """The sampler's packed prefill layout (a piece continuing a cached prefix: queries
+    6..19 over keys 0..19; a fresh piece of 7) gives each query what its whole row gives
+    it, window and sinks included (MoE models sample padded today; this is the paged path's
+    attention for when they do not)."""
+    from types import SimpleNamespace
+
+    from twinkled.engine.gpt_oss import SinkAttention
+
+    g = torch.Generator().manual_seed(0)
+    att = SinkAttention.__new__(SinkAttention)
+    att.windows, att.sinks = [5], [torch.randn(4, generator=g)]
+    rows = [[torch.randn(1, h, n, 8, generator=g) for h in (4, 2, 2)] for n in (20, 7)]
+    whole = [att.attend(0, q, k, v, 0.3, None, None, None) for q, k, v in rows]
+    (qa, ka, va), (qb, kb, vb) = rows
+    pieces = SimpleNamespace(starts=[6, 0], q_lens=[14, 7], k_lens=[20, 7])
+    out = att.attend(0, torch.cat([qa[:, :, 6:], qb], 2), torch.cat([ka, kb], 2),
+                     torch.cat([va, vb], 2), 0.3, None, None, pieces)
+    assert torch.allclose(out[:, :14], whole[0][:, 6:], atol=1e-6)
+    assert torch.allclose(out[:, 14:], whole[1], atol=1e-6)
+    no_window = SinkAttention.__new__(SinkAttention)
+    no_window.windows, no_window.sinks = [None], att.sinks
+    assert not torch.allclose(no_window.attend(0, qa, ka, va, 0.3, None, None, None), whole[0])
