@@ -232,3 +232,21 @@ def test_prefill_pieces_attend_as_whole_rows():
     no_window = SinkAttention.__new__(SinkAttention)
     no_window.windows, no_window.sinks = [None], att.sinks
     assert not torch.allclose(no_window.attend(0, qa, ka, va, 0.3, None, None, None), whole[0])
+
+
+def test_sdpa_sinks_equal_the_eager_formula():
+    """The extra-key form through SDPA = the formula op by op (GQA, a window, a query that
+    sees no key at all), values and gradients."""
+    from twinkled.engine import attn_sinks
+    from twinkled.engine.sliding_window import visible
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 9, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 12, 16, generator=g, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=g) * 2
+    seen = visible(torch.arange(3, 12), torch.arange(12), 4)[None, None].repeat(2, 1, 1, 1)
+    seen[1, :, 0] = False  # (a pad query)
+    outs = [f(q, k, v, 0.25, sinks, seen) for f in (attn_sinks.attend, attn_sinks.attend_eager)]
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)
+    grads_ = [torch.autograd.grad(o.square().sum(), (q, k, v)) for o in outs]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads_, strict=True))

@@ -10,7 +10,8 @@ transformers' rotary module computes from the config (its cos/sin cover half a h
 repeat them so fused_ops.rope takes them as the Llama family's).
 
 BaseModel (model.py) runs the layers as for the Llama family and calls `SinkAttention.attend`
-for the attention itself. Every path runs the eager attention with sinks: training rows,
+for the attention itself. Every path runs attn_sinks.attend (SDPA, the sink as an extra
+key) under sliding_window's masks: training rows,
 packed segments (the window applies per segment: positions restart), the sampler's prefill
 pieces, and decode, which takes the gathered pages (`cache.write`) even where the Triton
 paged kernel would run (it has no sink term or window yet). Released checkpoints store the
