@@ -46,21 +46,23 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 
 
 def read_state(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint's safetensors files, MXFP4 pairs dequantised."""
-    from safetensors.torch import load_file
+    """Every tensor of a checkpoint's safetensors files, MXFP4 pairs dequantised. Tensors
+    are read one at a time (a pair's blocks and scales may sit in different shards), so the
+    host holds the dequantised model and one packed tensor, not the packed model too."""
+    from safetensors import safe_open
 
-    state: dict[str, torch.Tensor] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        state.update(load_file(str(path)))
+    files = [safe_open(str(p), framework="pt") for p in sorted(model_dir.glob("*.safetensors"))]
+    where = {key: f for f in files for key in f.keys()}  # noqa: SIM118 - safe_open's API
     out = {}
-    for key, t in state.items():
+    for key, f in where.items():
         if key.endswith("_scales"):
             continue
         if key.endswith("_blocks"):
             name = key.removesuffix("_blocks")
-            out[name] = dequantize(t, state[name + "_scales"], dtype)
+            scales = where[name + "_scales"].get_tensor(name + "_scales")
+            out[name] = dequantize(f.get_tensor(key), scales, dtype)
         else:
-            out[key] = t.to(dtype)
+            out[key] = f.get_tensor(key).to(dtype)
     return out
 
 
