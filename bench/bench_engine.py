@@ -50,8 +50,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import shape_gpt_oss  # bench/ is the script's directory
 import torch
-from output import section_path  # bench/ is the script's directory
+from output import section_path
 
 from twinkled.engine.engine import Engine
 from twinkled.protocol.sizing import weight_bytes
@@ -68,7 +69,8 @@ from twinkled.protocol.types import (
 K = 8  # adapters
 RANK = ALPHA = 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b", "qwen3.5-35b-a3b")
+SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b", "qwen3.5-35b-a3b",
+          "gpt-oss-20b")
 # Qwen3.5-35B-A3B's first 12 of 40 layers (three full-attention ones), unless --layers says:
 # 8 rank-32 adapters on all 256 experts of every layer (46M parameters a layer each, 18
 # bytes a parameter with gradients and moments) and its bf16 weights fit one H200 so.
@@ -172,6 +174,8 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str,
         cfg = qwen35_9b(layers)
     elif shape == "qwen3.5-35b-a3b":
         cfg = qwen35_35b_a3b(layers or MOE_LAYERS)
+    elif shape == shape_gpt_oss.NAME:
+        cfg = shape_gpt_oss.config(layers)
     elif shape == "qwen2.5-0.5b":
         cfg = Qwen2Config(hidden_size=896, intermediate_size=4864,
                           num_attention_heads=14, num_key_value_heads=2,
@@ -249,7 +253,9 @@ def bench_ours(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
                fuses: tuple[bool, ...] = (True,)) -> list[Row]:
     eng = Engine(model_dir, dtype=dtype, device=device, max_rank=RANK)
     n_params = weight_bytes(eng.model.config.to_dict(), 1, 1)  # bytes at 1 B each = N
-    if eng.model.hybrid is not None or eng.model.moe:  # (sizing's formula: dense, full attention)
+    if eng.model.sinks is not None:  # gpt-oss: the parameters a token uses (top-k experts)
+        n_params = shape_gpt_oss.active_params(eng.model.hf)
+    elif eng.model.hybrid is not None or eng.model.moe:  # (sizing's formula: dense, full attn)
         n_params = active_params(eng.model)
     rows = []
     adam = AdamParams(learning_rate=1e-4)
@@ -311,9 +317,11 @@ def bench_peft(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
                               target_parameters=experts or None)
 
     names = [f"a{i}" for i in range(K)]
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-    experts = sorted({n.split(".", 3)[-1] for n, _ in base.named_parameters()
-                      if ".mlp.experts." in n}, reverse=True)  # (gate_up_proj, down_proj)
+    base = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation=shape_gpt_oss.attn_implementation(model_dir))
+    experts = shape_gpt_oss.peft_kwargs(model_dir).get("target_parameters") or sorted(
+        {n.split(".", 3)[-1] for n, _ in base.named_parameters() if ".mlp.experts." in n},
+        reverse=True)  # (gate_up_proj, down_proj)
     seed_all(1)
     model = get_peft_model(base.to(device), lora(), adapter_name=names[0])
     for name in names[1:]:

@@ -73,8 +73,10 @@ class Engine:
         self.packed = packed  # rows end to end in a micro-batch, not padded (packed.py)
         # Packed rows of one adapter whose first this many positions agree compute them
         # once (shared_prefix.py); 0: never. Not for linear attention (Qwen3.5): rows that
-        # continue a shared start would need its recurrent state, which that layout lacks.
-        self.shared_prefix = shared_prefix if self.model.hybrid is None else 0
+        # continue a shared start would need its recurrent state, which that layout lacks;
+        # nor for gpt-oss, whose attention (sinks, windows) that layout does not run yet.
+        plain = self.model.hybrid is None and self.model.sinks is None
+        self.shared_prefix = shared_prefix if plain else 0
         # Set in a data-parallel worker group: gradients are summed over it before a step.
         # With expert parallelism (`experts`), expert gradients are summed over the world
         # and dp_group is the data-parallel group, or None if there is none.

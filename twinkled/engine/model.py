@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from twinkled.protocol.types import MLP_MODULES, EngineInputError
 
-from . import chunked_logprobs, fused_ops, qwen35
+from . import chunked_logprobs, fused_ops, gpt_oss, mxfp4, qwen35
 from .fused_ops import Fused, Joint
 from .long_context import extend_context
 from .lora import LoraBatch
@@ -31,7 +31,7 @@ from .recompute import Recompute
 from .tp import NoSplit
 
 SUPPORTED_ARCHS = tuple(dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS,
-                                       *qwen35.ARCHS)))
+                                       *qwen35.ARCHS, *gpt_oss.ARCHS)))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -88,7 +88,10 @@ class BaseModel:
             raise EngineInputError(
                 "model", f"architecture {config.model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHS)}")
-        if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+        sinks = config.model_type in gpt_oss.ARCHS  # (gpt-oss: windows of its own, gpt_oss.py)
+        if sinks:
+            gpt_oss.check(config, tp)
+        elif getattr(config, "use_sliding_window", False) or "sliding_attention" in (
                 getattr(config, "layer_types", None) or ()) or (
                 config.model_type == "mixtral" and getattr(config, "sliding_window", None)):
             raise EngineInputError("model", "sliding-window attention is not supported")
@@ -118,8 +121,11 @@ class BaseModel:
         else:
             # Read whole on the host; an MoE model's files hold its experts one by one, and
             # transformers fuses them as it loads.
-            self.hf = AutoModelForCausalLM.from_pretrained(model_dir, config=loaded,
-                                                           dtype=self.dtype)
+            if mxfp4.quantized(loaded):  # gpt-oss as released: experts in MXFP4
+                self.hf = mxfp4.load_dequantized(model_dir, loaded, self.dtype)
+            else:
+                self.hf = AutoModelForCausalLM.from_pretrained(model_dir, config=loaded,
+                                                               dtype=self.dtype)
             if self.shard is not None:  # attention split as for a dense model
                 from .tp_load import shard_loaded
 
@@ -161,6 +167,9 @@ class BaseModel:
         self.kernels = fused_ops.liger_usable(self.device)
         # Qwen3.5's hybrid layers (qwen35.py); None: every layer is the Llama family's.
         self.hybrid = qwen35.HybridLayers(self) if hybrid else None
+        # gpt-oss's attention (sinks, sliding windows; gpt_oss.py); None: plain attention.
+        self.sinks = gpt_oss.SinkAttention(self) if sinks else None
+        self.rotary = self.decoder.rotary_emb if not sinks else self.sinks.rotary
         # Layers whose keys and values the sampler's pages hold (Qwen3.5: the full ones).
         self.kv_layers = len(self.layers) if self.hybrid is None else len(self.hybrid.kv)
         self.joints = self._concat_linears()
@@ -205,7 +214,7 @@ class BaseModel:
             # Qwen3.5's rotary is multimodal (t, h, w sections); text has the same position in
             # all three, and transformers before 5.2x indexes a 3-D tensor without expanding
             positions = positions.expand(3, *positions.shape)
-        cos, sin = self.decoder.rotary_emb(h, positions)
+        cos, sin = self.rotary(h, positions)
         # Recompute per layer (checkpointing): the backward keeps only each layer's input
         # and runs the layer again; recompute.py says when (a step that would not fit).
         tokens = input_ids.numel() if packing is None else packing.memory_tokens()
@@ -293,6 +302,8 @@ class BaseModel:
                packing) -> torch.Tensor:
         """Layer i's attention of rotated q [B, H, S, D] over k, v [B, Hkv, S, D] (stored in
         `cache` first) -> [B, S, H * D]."""
+        if self.sinks is not None:
+            return self.sinks.attend(i, q, k, v, self.scaling, cache, mask, packing)
         B, S = q.shape[0], q.shape[2]
         if S == 1 and getattr(cache, "fused", False):  # decode straight from the KV pages
             return cache.attend(i, q, k, v, self.scaling).transpose(1, 2).reshape(B, S, -1)

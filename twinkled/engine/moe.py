@@ -328,6 +328,9 @@ def moe_blocks(model_type: str, config, layers, split: ExpertSplit | None = None
     """The sparse layers of a model, checked against the layout we know; {} for a dense
     model. Anything else is refused with what we found. With `split`, each block computes
     this rank's experts only (see moe_parallel.py)."""
+    if model_type == "gpt_oss":  # its own expert kind: biases, clamped SwiGLU (gpt_oss_moe.py)
+        from .gpt_oss_moe import gpt_oss_blocks
+        return gpt_oss_blocks(config, layers, split)
     if model_type not in MOE_ARCHS:
         return {}
     normalize = MOE_ARCHS[model_type]

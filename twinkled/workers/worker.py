@@ -163,6 +163,9 @@ def _start(args: dict):
                     recompute=args.get("activation_checkpointing", "auto"),
                     max_seq_len=args.get("max_seq_len") or None,
                     rope_scaling=args.get("rope_scaling") or None)
+    if cp is not None and engine.model.sinks is not None:  # (gpt_oss.py: no split attention)
+        raise ValueError("cp: context parallelism does not split 'gpt_oss' attention (sinks, "
+                         "sliding windows) yet; run it with cp 1")
     persister = None
     if args["rank"] == 0 and args.get("live_dir"):
         persister = Persister(Path(args["live_dir"]), args.get("persist_every", 1))

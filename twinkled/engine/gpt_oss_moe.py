@@ -1,0 +1,87 @@
+"""gpt-oss's sparse MLP as a MoeBlock (moe.py): the same grouped expert matmuls and
+per-expert multi-LoRA, with gpt-oss's router, biases and activation.
+
+transformers' layout: `mlp.router` (weight [E, H], bias [E]); `mlp.experts.gate_up_proj`
+[E, H, 2I] with gate and up INTERLEAVED along the last dim (gate = [..., ::2],
+up = [..., 1::2]), `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, H], `down_proj_bias`
+[E, H]: stored transposed against Qwen3-MoE's. Our block holds the two weights as transposed
+views in moe.py's [E, out, in], so the grouped matmuls and the LoRA pairs are moe.py's; the output order of gate_up stays interleaved, so an adapter's
+B rows index the same outputs as transformers'.
+
+Routing: top-k of the router logits (bias included), softmax over those k.
+Activation (clamped SwiGLU): gate clamped above at `limit`, up to [-limit, limit],
+out = (up + 1) * gate * sigmoid(alpha * gate).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from twinkled.protocol.types import EngineInputError
+
+from .moe import MoeBlock, _ExpertMM, _PairAdapters
+from .moe_parallel import ExpertSplit
+
+
+class GptOssMoeBlock(MoeBlock):
+    def __init__(self, index: int, mlp, config):
+        experts = mlp.experts
+        self.index = index
+        self.router, self.router_bias = mlp.router.weight, mlp.router.bias
+        # moe.py's [E, out, in] as views of transformers' [E, in, out] (its module stays
+        # runnable): the grouped matmul then reads the weights as stored, row-major [in, out].
+        self.gate_up = experts.gate_up_proj.transpose(1, 2)
+        self.down = experts.down_proj.transpose(1, 2)
+        self.gate_up_bias, self.down_bias = experts.gate_up_proj_bias, experts.down_proj_bias
+        self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
+        self.n_experts = self.router.shape[0]
+        self.split = None
+        self.owned = slice(0, self.n_experts)
+        self.top_k = int(config.num_experts_per_tok)
+        self.normalize = False
+        prefix = f"model.layers.{index}.mlp.experts."
+        self.keys = {p: prefix + p for p in ("gate_up_proj", "down_proj")}
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.router, self.router_bias)
+        top, experts = torch.topk(logits, self.top_k, dim=-1)
+        return experts, torch.softmax(top, dim=-1).to(x.dtype)
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    def expert_pairs(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                     banks, tokens: torch.Tensor) -> torch.Tensor:
+        """MoeBlock.expert_pairs with the experts' biases and the clamped SwiGLU."""
+        T = flat.shape[0]
+        order = torch.argsort(experts, stable=True)
+        experts, tokens, weights = experts[order], tokens[order], weights[order]
+        E = self.gate_up.shape[0]
+        offs = torch.cumsum(torch.bincount(experts, minlength=E), 0).to(torch.int32)
+        xs = flat.index_select(0, tokens)
+        pairs = _PairAdapters.of(banks, tokens, experts, E, T, self.owned)
+        gu = _ExpertMM.apply(xs, self.gate_up, offs) + self.gate_up_bias[experts]
+        mid = self.act(pairs.add_deltas(self.keys["gate_up_proj"], xs, gu))
+        y = _ExpertMM.apply(mid, self.down, offs) + self.down_bias[experts]
+        y = pairs.add_deltas(self.keys["down_proj"], mid, y) * weights[:, None]
+        return flat.new_zeros(flat.shape).index_add(0, tokens, y)
+
+
+def gpt_oss_blocks(config, layers, split: ExpertSplit | None = None
+                   ) -> dict[int, GptOssMoeBlock]:
+    """Every layer's sparse MLP; expert parallelism is refused by name (not split yet)."""
+    if split is not None:
+        raise EngineInputError("ep", "expert parallelism does not split 'gpt_oss' experts "
+                               "yet; run it with --ep 1")
+    blocks = {}
+    for i, layer in enumerate(layers):
+        found = sorted(n for n, _ in layer.mlp.named_parameters())
+        if found != ["experts.down_proj", "experts.down_proj_bias", "experts.gate_up_proj",
+                     "experts.gate_up_proj_bias", "router.bias", "router.weight"]:
+            raise EngineInputError("model", f"layer {i}: gpt-oss MoE layout {found} is not "
+                                   "supported")
+        blocks[i] = GptOssMoeBlock(i, layer.mlp, config)
+    return blocks
