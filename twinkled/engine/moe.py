@@ -40,7 +40,8 @@ from .packed import PackedLora, grouped_mm, grouped_weight_grad
 MAX_GROUPS = 1023
 
 # model_type -> whether the top-k weights are renormalised (None: the config says).
-MOE_ARCHS = {"qwen3_moe": None, "mixtral": True}
+MOE_ARCHS = {"qwen3_moe": None, "mixtral": True,
+             "deepseek_v3": None, "kimi_k2": None}  # DeepSeek's routing: deepseek_moe.py
 
 
 @dataclass
@@ -285,6 +286,10 @@ def moe_blocks(model_type: str, config, layers, split: ExpertSplit | None = None
     this rank's experts only (see moe_parallel.py)."""
     if model_type not in MOE_ARCHS:
         return {}
+    if model_type in ("deepseek_v3", "kimi_k2"):  # grouped sigmoid routing, shared experts
+        from . import deepseek_moe
+
+        return deepseek_moe.blocks(config, layers, split)
     normalize = MOE_ARCHS[model_type]
     if normalize is None:
         normalize = bool(getattr(config, "norm_topk_prob", False))

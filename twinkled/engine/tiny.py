@@ -146,6 +146,10 @@ def build_tiny_model(
         config = LlamaConfig(head_dim=hidden_size // num_heads, **common)
     elif arch == "qwen3_5":
         config = qwen35_config(common, hidden_size // num_heads)
+    elif arch == "deepseek_v3":  # MLA + grouped-routing MoE (tiny_deepseek.py)
+        from .tiny_deepseek import deepseek_config as config_of
+
+        config = config_of(common)
     else:
         raise ValueError(f"arch must be qwen3, qwen2, llama, qwen3_moe or qwen3_5, not {arch!r}")
     torch.manual_seed(seed)
@@ -163,6 +167,10 @@ def build_tiny_model(
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):  # a router that prefers some experts
                 p.normal_(0.0, 0.5)
+        if arch == "deepseek_v3":
+            from .tiny_deepseek import spread_router
+
+            spread_router(model)
     model.save_pretrained(str(out))
     return out
 
