@@ -68,7 +68,7 @@ from twinkled.protocol.types import (
 K = 8  # adapters
 RANK = ALPHA = 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b")
+SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b", "deepseek-v3")
 SAMPLING_SHAPES = ("tiny", "qwen2.5-0.5b")  # 8B sampling one adapter at a time takes too long
 
 
@@ -166,6 +166,10 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str,
         common["num_hidden_layers"] = layers
     if shape == "qwen3.5-9b":
         cfg = qwen35_9b(layers)
+    elif shape == "deepseek-v3":  # 3 dense + 1 MoE layer by default (deepseek_shape.py)
+        from deepseek_shape import deepseek_v3
+
+        cfg = deepseek_v3(layers)
     elif shape == "qwen2.5-0.5b":
         cfg = Qwen2Config(hidden_size=896, intermediate_size=4864,
                           num_attention_heads=14, num_key_value_heads=2,
