@@ -148,8 +148,9 @@ def test_checkpoint_loads_in_peft_same_logits_and_gradients(eng, ds_dir, tmp_pat
 
 
 def test_greedy_equals_transformers_generate(eng):
-    """The padded sampler (an MoE model's: engine.padded_sampling) over the expanded-K/V
-    cache, a 2-sample fan-out, gives transformers' greedy tokens."""
+    """The padded sampler (an MoE model's: engine.padded_sampling) over the latent cache
+    (each step expands it through kv_b_proj), a 2-sample fan-out sharing its prompt's
+    prefill, gives transformers' greedy tokens."""
     m = eng.model
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, m.vocab_size, (n,), generator=gen).tolist() for n in (7, 30)]
@@ -159,6 +160,8 @@ def test_greedy_equals_transformers_generate(eng):
                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
              for p in prompts]
     assert eng.padded_sampling
+    c = m.new_cache(2, 8)  # the latent (kv_lora_rank + qk_rope_head_dim), one "head"
+    assert c.k.shape[2:] == (1, 8, 32 + 8) and c.v.numel() == 0
     out = generate_padded(m, reqs, [None, None])
     for want, r in zip(wants, out, strict=True):
         assert [s.tokens for s in r.sequences] == [want] * len(r.sequences)

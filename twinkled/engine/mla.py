@@ -13,18 +13,22 @@ linear carries its LoRA deltas):
 - softmax scale: qk_head_dim**-0.5 times YaRN's mscale squared where the rope is scaled
   (transformers computes it on the module as `scaling`; BaseModel takes it from there).
 
-Cache: the sampler's KV (padded cache and paged pool) holds the keys and values EXPANDED
-per head, the values zero-padded to the key width (qk_head_dim) so one pool shape serves
-both and the attention kernels run unchanged; the output's padded columns are dropped.
-The latent cache (kv_lora_rank + qk_rope_head_dim per token, one "head", with kv_b_proj
-absorbed into the query and the output) would hold ~(576 / (2 * 128 * 192)) of that on
-the real model: it needs a pool whose layers take a per-layer head shape and a decode
-kernel over the latent, the next step.
+Cache: the padded sampler (every MoE model's, DeepSeek-V3's included) keeps the LATENT,
+`LatentAttention.new_cache`: per token and layer the normed latent and the rotated shared key
+(kv_lora_rank + qk_rope_head_dim, one "head": 576 values on the real model against
+2 * 128 * 192 expanded), and each step expands the cached latents through kv_b_proj (its
+LoRA in) and attends in torch: the reference decode path, O(context) kv_b work a step;
+absorbing kv_b_proj into the query and the output (attention over the latent itself) is
+the next step. Where no latent cache is given (packed training, the paged pool's
+`attend`), keys and values are expanded per head, the values zero-padded to the key width
+(qk_head_dim) so one pool shape serves both and the kernels run unchanged; the output's
+padded columns are dropped.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from twinkled.protocol.types import MLA_MODULES, EngineInputError
 
@@ -80,19 +84,47 @@ class LatentAttention:
         q = q.view(B, S, -1, self.nope + self.rope).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         latent, k_rot = ckv.split([self.rank, self.rope], dim=-1)
-        kv = m.linear(attn.kv_b_proj, keys["kv_b_proj"], attn.kv_a_layernorm(latent), lora)
-        kv = kv.view(B, S, -1, self.nope + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k_rot = k_rot.view(B, 1, S, self.rope)
+        latent = attn.kv_a_layernorm(latent)
         turn = rotate_interleaved if self.interleave else rotate
-        q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot, cos, sin)
-        H = q.shape[1]
+        q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot.view(B, 1, S, self.rope), cos, sin)
         q = torch.cat([q_nope, q_rot], dim=-1)
-        k = torch.cat([k_nope, k_rot.expand(B, H, S, self.rope)], dim=-1)
+        if getattr(cache, "latent", False):  # the sampler: store the latent, expand it all
+            c, _ = cache.write(i, torch.cat([latent[:, None], k_rot], dim=-1), latent[:, None, :, :0])
+            latent, k_rot = c[:, 0].split([self.rank, self.rope], dim=-1)
+            k, v = self._expand(attn, keys, lora, latent, k_rot[:, None])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=m.scaling)
+            out = out.transpose(1, 2).reshape(B, S, -1)
+            return m.linear(attn.o_proj, keys["o_proj"], out, lora)
+        k, v = self._expand(attn, keys, lora, latent, k_rot)
+        H = q.shape[1]
         # Values padded to the key width: one cache shape (see the module's docstring).
         v = torch.nn.functional.pad(v, (0, self.nope + self.rope - self.v_dim))
         out = m.attend(i, q, k, v, cache, mask, packing).view(B, S, H, -1)[..., :self.v_dim]
         return m.linear(attn.o_proj, keys["o_proj"], out.reshape(B, S, -1), lora)
+
+    def _expand(self, attn, keys, lora, latent, k_rot) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's keys [B, H, L, nope + rope] and values [B, H, L, v] from the normed
+        latents [B, L, rank] and the rotated shared keys [B, 1, L, rope]."""
+        B, L, _ = latent.shape
+        kv = self.model.linear(attn.kv_b_proj, keys["kv_b_proj"], latent, lora)
+        kv = kv.view(B, L, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        H = k_nope.shape[1]
+        return torch.cat([k_nope, k_rot.expand(B, H, L, self.rope)], dim=-1), v
+
+    def new_cache(self, batch: int, max_len: int):
+        """The padded sampler's latent cache: a KVCache whose `k` [layers, batch, 1,
+        max_len, kv_lora_rank + qk_rope_head_dim] holds each token's normed latent and
+        rotated shared key; its `v` is zero-wide (copied and indexed as KVCache's are, it
+        holds nothing)."""
+        from .model import KVCache  # (model.py imports this module)
+
+        m = self.model
+        cache = KVCache(len(m.layers), batch, 1, max_len, 0, m.dtype, m.device)
+        cache.k = torch.zeros((len(m.layers), batch, 1, max_len, self.rank + self.rope),
+                              dtype=m.dtype, device=m.device)
+        cache.latent = True
+        return cache
 
 
 def kimi_config(model_dir):

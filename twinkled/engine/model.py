@@ -356,6 +356,8 @@ class BaseModel:
         if self.hybrid is not None:
             raise EngineInputError("model", "the padded sampler has no linear-attention state; "
                                    "Qwen3.5 samples through the running batch")
+        if self.latent is not None:  # MLA's latent (mla.py)
+            return self.latent.new_cache(batch, max_len)
         return KVCache(len(self.layers), batch, self.n_kv, max_len, self.head_dim,
                        self.dtype, self.device)
 
