@@ -1,6 +1,6 @@
 """DeepSeek-V3 on a GPU in bf16: packed training rows go through flash attention's varlen
 kernel with MLA's key width (nope + rope) and the values padded to it; the padded sampler's
-greedy tokens follow the bf16 model. Against transformers on the same card. Skips without
+greedy tokens (the latent cache, expanded each step) follow the bf16 model. Against transformers on the same card. Skips without
 CUDA. Run: `pytest -q tests/test_deepseek_gpu.py`."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_packed_bf16_logprobs_follow_transformers(model):
             start += len(r)
 
 
-def test_greedy_bf16_runs_on_the_expanded_cache(model):
+def test_greedy_bf16_runs_on_the_latent_cache(model):
     from twinkled.engine.sampler import generate_padded
     from twinkled.protocol.types import SampleRequest, SamplingParams
 
