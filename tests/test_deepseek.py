@@ -210,3 +210,38 @@ def test_kimi_k2_config_loads_as_deepseek_v3(ds_dir, tmp_path):
     c = kimi_config(tmp_path)
     assert c.model_type == "deepseek_v3" and c.kv_lora_rank == raw["kv_lora_rank"]
     assert kimi_config(ds_dir) is None
+
+
+def test_kimi_k2_checkpoint_with_q_proj_and_halves_rope(ds_dir, tmp_path):
+    """A checkpoint whose config says kimi_k2 loads as DeepSeek-V3; with q_proj (q_lora_rank
+    null), the Llama family's halves rope and no YaRN, our logits equal transformers'."""
+    import shutil
+
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from twinkled.engine.model import BaseModel
+
+    raw = json.loads((ds_dir / "config.json").read_text())
+    raw.update(q_lora_rank=None, rope_interleave=False,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(5)
+    hf = DeepseekV3ForCausalLM(DeepseekV3Config(
+        **{k: v for k, v in raw.items() if k != "model_type"})).eval()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.normal_(0.0, 0.3)
+        for name, buf in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path)
+    for f in ds_dir.glob("tokenizer*"):
+        shutil.copy(f, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, model_type="kimi_k2")))
+    m = BaseModel(tmp_path)
+    assert "model.layers.0.self_attn.q_proj" in m.targets
+    assert "model.layers.0.self_attn.q_a_proj" not in m.targets
+    ids = torch.randint(0, m.vocab_size, (2, 17), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got = m.logits(m.forward(ids, torch.arange(17)[None].expand(2, -1)))
+        want = hf(input_ids=ids).logits
+    assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max().item())
