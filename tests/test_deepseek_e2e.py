@@ -78,3 +78,29 @@ def test_two_tenants_cobatched_equal_alone_and_sample(ds_daemon):
         full = tinker.types.ModelInput.from_ints(ids + list(s.tokens))
         scored = sampler.compute_logprobs(full).result(timeout=T)[3:]
         assert s.logprobs == pytest.approx(scored, abs=1e-4)
+
+
+@pytest.mark.skipif(not os.environ.get("TWINKLE_DSV3_EP"),
+                    reason="two more daemons (~25 s) than make test's budget: TWINKLE_DSV3_EP=1")
+def test_expert_parallel_ranks_match_one(tmp_path):
+    """--workers 2 --ep 2 (routed experts split, shared experts on every rank) gives what
+    one rank gives: losses, logprobs, greedy tokens (test_tinker_moe's run)."""
+    from daemon import Daemon
+    from test_tinker_moe import _run
+
+    from twinkled.engine.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny-deepseek_v3", arch="deepseek_v3", num_layers=3,
+                             num_heads=4, tie_word_embeddings=False)
+    res = {}
+    for name, extra in (("one", ()), ("ep2", ("--workers", "2", "--ep", "2"))):
+        d = Daemon(model, tmp_path / name, tmp_path / f"{name}.log", *extra)
+        try:
+            res[name] = _run(d, model)
+        finally:
+            d.stop()
+    one, ep = res["one"], res["ep2"]
+    assert ep["tokens"] == one["tokens"]
+    assert ep["losses"] == pytest.approx(one["losses"], rel=1e-4)
+    for x, y in zip(ep["logprobs"], one["logprobs"], strict=True):
+        assert x == pytest.approx(y, abs=1e-4)
