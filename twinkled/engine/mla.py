@@ -98,7 +98,7 @@ class LatentAttention:
         k, v = self._expand(attn, keys, lora, latent, k_rot)
         H = q.shape[1]
         # Values padded to the key width: one cache shape (see the module's docstring).
-        v = torch.nn.functional.pad(v, (0, self.nope + self.rope - self.v_dim))
+        v = F.pad(v, (0, self.nope + self.rope - self.v_dim))
         out = m.attend(i, q, k, v, cache, mask, packing).view(B, S, H, -1)[..., :self.v_dim]
         return m.linear(attn.o_proj, keys["o_proj"], out.reshape(B, S, -1), lora)
 
