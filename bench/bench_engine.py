@@ -70,7 +70,7 @@ K = 8  # adapters
 RANK = ALPHA = 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b", "qwen3.5-35b-a3b",
-          "gpt-oss-20b")
+          "gpt-oss-20b", "deepseek-v3")
 # Qwen3.5-35B-A3B's first 12 of 40 layers (three full-attention ones), unless --layers says:
 # 8 rank-32 adapters on all 256 experts of every layer (46M parameters a layer each, 18
 # bytes a parameter with gradients and moments) and its bf16 weights fit one H200 so.
@@ -176,6 +176,10 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str,
         cfg = qwen35_35b_a3b(layers or MOE_LAYERS)
     elif shape == shape_gpt_oss.NAME:
         cfg = shape_gpt_oss.config(layers)
+    elif shape == "deepseek-v3":  # 3 dense + 1 MoE layer by default (deepseek_shape.py)
+        from deepseek_shape import deepseek_v3
+
+        cfg = deepseek_v3(layers)
     elif shape == "qwen2.5-0.5b":
         cfg = Qwen2Config(hidden_size=896, intermediate_size=4864,
                           num_attention_heads=14, num_key_value_heads=2,

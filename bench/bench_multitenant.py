@@ -157,7 +157,8 @@ def main() -> None:
     ap.add_argument("--start-at", type=float, default=0.0)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b",
-                                                         "qwen3.5-35b-a3b", "gpt-oss-20b"))
+                                                         "qwen3.5-35b-a3b", "gpt-oss-20b",
+                                                         "deepseek-v3"))
     ap.add_argument("--seq", type=int, default=None, help="tokens per datum (S)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per tenant")
     ap.add_argument("--tenants", default="1,2,4,8")

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from twinkled.protocol.types import MLP_MODULES, EngineInputError
 
-from . import chunked_logprobs, fused_ops, gpt_oss, mxfp4, qwen35
+from . import chunked_logprobs, fused_ops, gpt_oss, mla, mxfp4, qwen35
 from .fused_ops import Fused, Joint
 from .long_context import extend_context
 from .lora import LoraBatch
@@ -83,7 +83,7 @@ class BaseModel:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise EngineInputError("model", f"{model_dir} is not a Hugging Face model directory")
-        config = AutoConfig.from_pretrained(model_dir)
+        config = mla.kimi_config(model_dir) or AutoConfig.from_pretrained(model_dir)
         if config.model_type not in SUPPORTED_ARCHS:
             raise EngineInputError(
                 "model", f"architecture {config.model_type!r} is not supported; "
@@ -100,6 +100,8 @@ class BaseModel:
         if hybrid:
             qwen35.check(config, tp)
             config = qwen35.text_config(config)  # (the nested object itself: scaled below)
+        if config.model_type in mla.ARCHS:  # DeepSeek-V3, Kimi-K2 (mla.py, deepseek_moe.py)
+            mla.check(config, tp)
         # Before the model is built: its rotary module computes the scaled frequencies.
         self.max_seq_len = extend_context(config, rope_scaling, max_seq_len)
         self.dtype = resolve_dtype(dtype)
@@ -145,7 +147,7 @@ class BaseModel:
         self.layers = list(self.decoder.layers)
         self.lm_head = self.hf.lm_head
         attn = next(la.self_attn for la in self.layers if hasattr(la, "self_attn"))
-        self.head_dim = attn.head_dim
+        self.head_dim = getattr(attn, "qk_head_dim", None) or attn.head_dim  # (MLA: qk's)
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
         if self.shard is not None:  # this rank's heads
@@ -170,6 +172,8 @@ class BaseModel:
         # gpt-oss's attention (sinks, sliding windows; gpt_oss.py); None: plain attention.
         self.sinks = gpt_oss.SinkAttention(self) if sinks else None
         self.rotary = self.decoder.rotary_emb if not sinks else self.sinks.rotary
+        # DeepSeek-V3's multi-head latent attention (mla.py); None: q/k/v/o attention.
+        self.latent = mla.LatentAttention(self) if config.model_type in mla.ARCHS else None
         # Layers whose keys and values the sampler's pages hold (Qwen3.5: the full ones).
         self.kv_layers = len(self.layers) if self.hybrid is None else len(self.hybrid.kv)
         self.joints = self._concat_linears()
@@ -180,9 +184,11 @@ class BaseModel:
         self.targets: dict[str, tuple[int, int]] = {}
         self.layer_keys: list[dict[str, str]] = []
         for i, layer in enumerate(self.layers):
-            keys = qwen35.layer_keys(i, layer)
-            for name in () if i in self.moe else MLP_MODULES:
-                keys[name] = f"model.layers.{i}.mlp.{name}"
+            keys = (qwen35.layer_keys(i, layer) if self.latent is None
+                    else mla.layer_keys(i, layer.self_attn))
+            shared = ".shared_experts" if hasattr(layer.mlp, "shared_experts") else ""
+            for name in () if i in self.moe and not shared else MLP_MODULES:
+                keys[name] = f"model.layers.{i}.mlp{shared}.{name}"
             self.layer_keys.append(keys)
         modules = dict(self.hf.named_modules())
         for keys in self.layer_keys:
@@ -230,11 +236,15 @@ class BaseModel:
             return self.hybrid.layer(i, layer, h, cos, sin, lora, cache, mask, packing, banks)
         keys = self.layer_keys[i]
         x = self.tp.enter(self._norm(layer.input_layernorm, h))
-        a = self.tp.leave(self._attention(i, layer.self_attn, x, cos, sin, keys, lora,
-                                          cache, mask, packing))
+        attend = self._attention if self.latent is None else self.latent.attention
+        a = self.tp.leave(attend(i, layer.self_attn, x, cos, sin, keys, lora, cache, mask,
+                                 packing))
         x, h = self._add_norm(layer.post_attention_layernorm, a, h)
         if i in self.moe:  # split experts bring their own pair of collectives (moe.py)
-            return h + self.moe[i](x, banks)
+            y = self.moe[i](x, banks)
+            if hasattr(layer.mlp, "shared_experts"):  # DeepSeek's (deepseek_moe.py)
+                y = y + self.mlp(i, layer.mlp.shared_experts, x, keys, lora)
+            return h + y
         return h + self.mlp(i, layer.mlp, x, keys, lora)
 
     def mlp(self, i: int, mlp, x: torch.Tensor, keys: dict[str, str], lora) -> torch.Tensor:
@@ -352,7 +362,7 @@ class BaseModel:
         joints = []
         for i, layer in enumerate(self.layers):
             group = {}
-            if self.hybrid is None:  # (Qwen3.5's q_proj carries a gate: no joint)
+            if self.hybrid is None and self.latent is None:  # (Qwen3.5's q_proj: a gate)
                 a = layer.self_attn
                 group["attn"] = fused_ops.concat_linears([a.q_proj, a.k_proj, a.v_proj])
             if i not in self.moe:
@@ -364,6 +374,8 @@ class BaseModel:
         if self.hybrid is not None:
             raise EngineInputError("model", "the padded sampler has no linear-attention state; "
                                    "Qwen3.5 samples through the running batch")
+        if self.latent is not None:  # MLA's latent (mla.py)
+            return self.latent.new_cache(batch, max_len)
         return KVCache(len(self.layers), batch, self.n_kv, max_len, self.head_dim,
                        self.dtype, self.device)
 

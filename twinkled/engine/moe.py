@@ -41,7 +41,8 @@ MAX_GROUPS = 1023
 
 # model_type -> whether the top-k weights are renormalised (None: the config says).
 # Qwen3.5-MoE's text model (qwen35_moe.py) always renormalises, Qwen3-Next as its config says.
-MOE_ARCHS = {"qwen3_moe": None, "mixtral": True, "qwen3_5_moe_text": True, "qwen3_next": None}
+MOE_ARCHS = {"qwen3_moe": None, "mixtral": True, "qwen3_5_moe_text": True, "qwen3_next": None,
+             "deepseek_v3": None, "kimi_k2": None}  # DeepSeek's routing: deepseek_moe.py
 # Sparse blocks that also hold a gated shared expert (run beside the routed experts by
 # qwen35_moe.py), and its parameters.
 SHARED_EXPERT = ("qwen3_5_moe_text", "qwen3_next")
@@ -333,6 +334,10 @@ def moe_blocks(model_type: str, config, layers, split: ExpertSplit | None = None
         return gpt_oss_blocks(config, layers, split)
     if model_type not in MOE_ARCHS:
         return {}
+    if model_type in ("deepseek_v3", "kimi_k2"):  # grouped sigmoid routing, shared experts
+        from . import deepseek_moe
+
+        return deepseek_moe.blocks(config, layers, split)
     normalize = MOE_ARCHS[model_type]
     if normalize is None:
         normalize = bool(getattr(config, "norm_topk_prob", False))

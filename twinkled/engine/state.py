@@ -30,6 +30,7 @@ from twinkled.protocol.types import (
     ATTN_MODULES,
     EXPERT_MODULES,
     LINEAR_ATTN_MODULES,
+    MLA_MODULES,
     MLP_MODULES,
     UNEMBED_MODULES,
     EngineInputError,
@@ -274,7 +275,7 @@ def read_adapter(path: str | Path, targets: dict[str, tuple[int, int]], max_rank
         raise EngineInputError("rank", f"adapter rank {rank} is outside 1..{max_rank}")
     names = pc.get("target_modules") or []
     names = [names] if isinstance(names, str) else names
-    attn = ATTN_MODULES + LINEAR_ATTN_MODULES
+    attn = ATTN_MODULES + LINEAR_ATTN_MODULES + MLA_MODULES
     known = attn + MLP_MODULES + UNEMBED_MODULES
     unknown = [n for n in names if n.rsplit(".", 1)[-1] not in known]
     if unknown:

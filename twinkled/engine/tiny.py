@@ -155,13 +155,17 @@ def build_tiny_model(
     elif arch == "qwen3_next":  # Qwen3-Next's: text only, layer 1 dense (mlp_only_layers)
         config = qwen3_next_config(common, hidden_size // num_heads, num_experts,
                                    experts_per_token)
+    elif arch == "deepseek_v3":  # MLA + grouped-routing MoE (tiny_deepseek.py)
+        from .tiny_deepseek import deepseek_config as config_of
+
+        config = config_of(common)
     elif arch == "gpt_oss":  # tiny_gpt_oss.py
         from .tiny_gpt_oss import gpt_oss_config
 
         config = gpt_oss_config(common, hidden_size // num_heads, num_experts, experts_per_token)
     else:
         raise ValueError("arch must be qwen3, qwen2, llama, qwen3_moe, qwen3_5, qwen3_5_moe, "
-                         f"qwen3_next or gpt_oss, not {arch!r}")
+                         f"qwen3_next, deepseek_v3 or gpt_oss, not {arch!r}")
     torch.manual_seed(seed)
     if arch.startswith("qwen3_5"):  # the whole checkpoint, vision tower included, as released
         from transformers import AutoModelForImageTextToText
@@ -177,6 +181,10 @@ def build_tiny_model(
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):  # a router that prefers some experts
                 p.normal_(0.0, 0.5)
+        if arch == "deepseek_v3":
+            from .tiny_deepseek import spread_router
+
+            spread_router(model)
     if arch == "gpt_oss":  # its biases and sinks non-zero
         from .tiny_gpt_oss import randomize
 

@@ -72,6 +72,8 @@ def split_problem(cfg: dict, tp: int) -> str | None:
     _, heads, kv, _, inter, _, _ = _dims(cfg)
     if "linear_attention" in (cfg.get("layer_types") or ()):
         return "tensor parallelism does not split linear-attention layers (Qwen3.5) yet"
+    if cfg.get("kv_lora_rank"):  # DeepSeek-V3, Kimi-K2 (engine/mla.py)
+        return "tensor parallelism does not split multi-head latent attention (DeepSeek-V3) yet"
     if heads % tp:
         return f"tp {tp} does not divide the model's {heads} attention heads"
     if kv % tp and tp % kv:

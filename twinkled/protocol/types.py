@@ -24,6 +24,8 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # it does q/k/v/o.
 LINEAR_ATTN_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz",
                        "in_proj_ba", "out_proj")
+# Multi-head latent attention's own linears (DeepSeek-V3, engine/mla.py), besides q/o_proj.
+MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
 # An MoE layer's expert parameters (moe.py); `train_mlp` adapts them as it does a dense MLP.
@@ -57,7 +59,7 @@ class LoraConfig:
     @property
     def target_modules(self) -> tuple[str, ...]:
         return (
-            (ATTN_MODULES + LINEAR_ATTN_MODULES if self.train_attn else ())
+            (ATTN_MODULES + LINEAR_ATTN_MODULES + MLA_MODULES if self.train_attn else ())
             + (MLP_MODULES if self.train_mlp else ())
             + (UNEMBED_MODULES if self.train_unembed else ())
         )

@@ -1,0 +1,143 @@
+"""Multi-head latent attention (MLA): DeepSeek-V3's (and Kimi-K2's) attention.
+
+Per layer (transformers' DeepseekV3Attention holds the weights; we run the math so every
+linear carries its LoRA deltas):
+- query: q_a_proj -> q_a_layernorm -> q_b_proj (or one q_proj where q_lora_rank is None),
+  each head split into a no-position part (qk_nope_head_dim) and a rotary part
+  (qk_rope_head_dim);
+- keys/values: kv_a_proj_with_mqa -> [latent (kv_lora_rank) | one shared rotary key
+  (qk_rope_head_dim)]; the latent -> kv_a_layernorm -> kv_b_proj -> each head's no-position
+  key and its value (v_head_dim); the shared rotary key is every head's rotary part;
+- rotary: DeepSeek's weights pair dims interleaved (x0, x1), (x2, x3)... when the config
+  says `rope_interleave` (the released checkpoints), else as the Llama family (halves);
+- softmax scale: qk_head_dim**-0.5 times YaRN's mscale squared where the rope is scaled
+  (transformers computes it on the module as `scaling`; BaseModel takes it from there).
+
+Cache: the padded sampler (every MoE model's, DeepSeek-V3's included) keeps the LATENT,
+`LatentAttention.new_cache`: per token and layer the normed latent and the rotated shared key
+(kv_lora_rank + qk_rope_head_dim, one "head": 576 values on the real model against
+2 * 128 * 192 expanded), and each step expands the cached latents through kv_b_proj (its
+LoRA in) and attends in torch: the reference decode path, O(context) kv_b work a step;
+absorbing kv_b_proj into the query and the output (attention over the latent itself) is
+the next step. Where no latent cache is given (packed training, the paged pool's
+`attend`), keys and values are expanded per head, the values zero-padded to the key width
+(qk_head_dim) so one pool shape serves both and the kernels run unchanged; the output's
+padded columns are dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from twinkled.protocol.types import MLA_MODULES, EngineInputError
+
+from .fused_ops import rotate
+
+ARCHS = ("deepseek_v3", "kimi_k2")
+# The linears of an MLA layer a LoRA may target (peft names; q_proj where q_lora_rank is None).
+LINEARS = ("q_proj", *MLA_MODULES, "o_proj")
+
+
+def check(config, tp) -> None:
+    if tp is not None and tp.size > 1:
+        raise EngineInputError("tp", f"tensor parallelism does not split {config.model_type!r} "
+                               "(multi-head latent attention) yet; run it with --tp 1")
+
+
+def layer_keys(i: int, attn) -> dict[str, str]:
+    """The LoRA keys of layer i's attention linears that exist (q_proj or q_a/q_b)."""
+    return {n: f"model.layers.{i}.self_attn.{n}" for n in LINEARS
+            if getattr(attn, n, None) is not None}
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary over interleaved pairs (x0, x1), (x2, x3)...; the output lays the pairs out
+    as halves (evens then odds), as transformers does for DeepSeek: q and k both, so their
+    dot products are those of the interleaved rotation."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class LatentAttention:
+    """MLA over BaseModel's linears (LoRA) and attention (caches, packed rows)."""
+
+    def __init__(self, model):
+        c = model.config
+        self.model = model
+        self.nope, self.rope = c.qk_nope_head_dim, c.qk_rope_head_dim
+        self.v_dim, self.rank = c.v_head_dim, c.kv_lora_rank
+        self.interleave = bool(getattr(c, "rope_interleave", True))
+
+    def attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing) -> torch.Tensor:
+        m = self.model
+        B, S, _ = x.shape
+        if attn.q_lora_rank is None:
+            q = m.linear(attn.q_proj, keys["q_proj"], x, lora)
+            ckv = m.linear(attn.kv_a_proj_with_mqa, keys["kv_a_proj_with_mqa"], x, lora)
+        else:  # q_a and kv_a read the same x: one group (lora_fused.py)
+            (qa, ckv), _ = m.linears((attn.q_a_proj, attn.kv_a_proj_with_mqa),
+                                     (keys["q_a_proj"], keys["kv_a_proj_with_mqa"]), x, lora)
+            q = m.linear(attn.q_b_proj, keys["q_b_proj"], attn.q_a_layernorm(qa), lora)
+        q = q.view(B, S, -1, self.nope + self.rope).transpose(1, 2)
+        q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
+        latent, k_rot = ckv.split([self.rank, self.rope], dim=-1)
+        latent = attn.kv_a_layernorm(latent)
+        turn = rotate_interleaved if self.interleave else rotate
+        q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot.view(B, 1, S, self.rope), cos, sin)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        if getattr(cache, "latent", False):  # the sampler: store the latent, expand it all
+            c, _ = cache.write(i, torch.cat([latent[:, None], k_rot], dim=-1), latent[:, None, :, :0])
+            latent, k_rot = c[:, 0].split([self.rank, self.rope], dim=-1)
+            k, v = self._expand(attn, keys, lora, latent, k_rot[:, None])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=m.scaling)
+            out = out.transpose(1, 2).reshape(B, S, -1)
+            return m.linear(attn.o_proj, keys["o_proj"], out, lora)
+        k, v = self._expand(attn, keys, lora, latent, k_rot)
+        H = q.shape[1]
+        # Values padded to the key width: one cache shape (see the module's docstring).
+        v = F.pad(v, (0, self.nope + self.rope - self.v_dim))
+        out = m.attend(i, q, k, v, cache, mask, packing).view(B, S, H, -1)[..., :self.v_dim]
+        return m.linear(attn.o_proj, keys["o_proj"], out.reshape(B, S, -1), lora)
+
+    def _expand(self, attn, keys, lora, latent, k_rot) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's keys [B, H, L, nope + rope] and values [B, H, L, v] from the normed
+        latents [B, L, rank] and the rotated shared keys [B, 1, L, rope]."""
+        B, L, _ = latent.shape
+        kv = self.model.linear(attn.kv_b_proj, keys["kv_b_proj"], latent, lora)
+        kv = kv.view(B, L, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        H = k_nope.shape[1]
+        return torch.cat([k_nope, k_rot.expand(B, H, L, self.rope)], dim=-1), v
+
+    def new_cache(self, batch: int, max_len: int):
+        """The padded sampler's latent cache: a KVCache whose `k` [layers, batch, 1,
+        max_len, kv_lora_rank + qk_rope_head_dim] holds each token's normed latent and
+        rotated shared key; its `v` is zero-wide (copied and indexed as KVCache's are, it
+        holds nothing)."""
+        from .model import KVCache  # (model.py imports this module)
+
+        m = self.model
+        cache = KVCache(len(m.layers), batch, 1, max_len, 0, m.dtype, m.device)
+        cache.k = torch.zeros((len(m.layers), batch, 1, max_len, self.rank + self.rope),
+                              dtype=m.dtype, device=m.device)
+        cache.latent = True
+        return cache
+
+
+def kimi_config(model_dir):
+    """Kimi-K2's config (model_type kimi_k2, DeepSeek-V3's architecture, which transformers
+    does not name) as a DeepseekV3Config; None for any other checkpoint."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file() or json.loads(path.read_text()).get("model_type") != "kimi_k2":
+        return None
+    from transformers import DeepseekV3Config
+
+    raw = json.loads(path.read_text())
+    raw.pop("auto_map", None)  # its remote code: never run
+    return DeepseekV3Config(**{k: v for k, v in raw.items() if k != "model_type"})
