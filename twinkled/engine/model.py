@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from twinkled.protocol.types import MLP_MODULES, EngineInputError
 
-from . import chunked_logprobs, fused_ops, qwen35
+from . import chunked_logprobs, fused_ops, qwen35, vision
 from .fused_ops import Fused, Joint
 from .long_context import extend_context
 from .lora import LoraBatch
@@ -30,7 +30,8 @@ from .packed import PackedLora, Packing
 from .recompute import Recompute
 from .tp import NoSplit
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS, *qwen35.ARCHS)
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS, *qwen35.ARCHS,
+                   *vision.ARCHS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -96,6 +97,8 @@ class BaseModel:
         if hybrid:
             qwen35.check(config, tp)
             config = qwen35.text_config(config)  # (the nested object itself: scaled below)
+        if loaded.model_type in vision.ARCHS:  # a VL checkpoint: the text stack's config
+            config = loaded.get_text_config()
         # Before the model is built: its rotary module computes the scaled frequencies.
         self.max_seq_len = extend_context(config, rope_scaling, max_seq_len)
         self.dtype = resolve_dtype(dtype)
@@ -106,6 +109,7 @@ class BaseModel:
         # which slice of each module it holds. NoSplit: the whole model, no collectives.
         self.tp, self.shard = NoSplit(), None
         self.moe = {}
+        self.vision = None  # a VL checkpoint's frozen vision tower (vision.py)
         if tp is not None and tp.size > 1:
             from .tp import ShardPlan
 
@@ -117,8 +121,10 @@ class BaseModel:
         else:
             # Read whole on the host; an MoE model's files hold its experts one by one, and
             # transformers fuses them as it loads.
-            self.hf = AutoModelForCausalLM.from_pretrained(model_dir, config=loaded,
-                                                           dtype=self.dtype)
+            auto = vision.auto_class(loaded) or AutoModelForCausalLM
+            self.hf = auto.from_pretrained(model_dir, config=loaded, dtype=self.dtype)
+            if loaded.model_type in vision.ARCHS:  # the tower beside the text stack
+                self.hf, self.vision = vision.split(self.hf, loaded, self.device)
             if self.shard is not None:  # attention split as for a dense model
                 from .tp_load import shard_loaded
 
@@ -189,15 +195,19 @@ class BaseModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 lora: LoraBatch | PackedLora | None = None, cache: KVCache | None = None,
-                mask: torch.Tensor | None = None, packing: Packing | None = None
-                ) -> torch.Tensor:
+                mask: torch.Tensor | None = None, packing: Packing | None = None,
+                images: vision.Images | None = None) -> torch.Tensor:
         """Final hidden states [B, S, H]. Without `mask`, attention is causal within the row
         (right padding needs no mask: real tokens never attend to later pads). With
-        `packing`, the one row [1, T] holds several sequences end to end (packed.py)."""
+        `packing`, the one row [1, T] holds several sequences end to end (packed.py). With
+        `images` (a VL model) their embeddings replace the placeholders' and `positions` are
+        multimodal RoPE's [3, B, S] (mrope.py)."""
         if self.shard is not None and self.shard.vocab_split:
             h = self.shard.embed(self.decoder.embed_tokens.weight, input_ids)
         else:
             h = self.decoder.embed_tokens(input_ids)
+        if images is not None:
+            h = self.vision.splice(h, images)
         cos, sin = self.decoder.rotary_emb(h, positions)
         # Recompute per layer (checkpointing): the backward keeps only each layer's input
         # and runs the layer again; recompute.py says when (a step that would not fit).

@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from . import tiny_vl
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 # ChatML, as Qwen models use it. The assistant turn is wrapped in {% generation %} so that
@@ -121,6 +123,8 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, vocab_size)
+    if arch == "qwen2_5_vl":  # its vision tokens, ids past the BPE vocabulary (tiny_vl.py)
+        tiny_vl.add_vision_tokens(tokenizer, out)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -146,6 +150,8 @@ def build_tiny_model(
         config = LlamaConfig(head_dim=hidden_size // num_heads, **common)
     elif arch == "qwen3_5":
         config = qwen35_config(common, hidden_size // num_heads)
+    elif arch == "qwen2_5_vl":
+        config = tiny_vl.qwen25vl_config(common, tokenizer)
     else:
         raise ValueError(f"arch must be qwen3, qwen2, llama, qwen3_moe or qwen3_5, not {arch!r}")
     torch.manual_seed(seed)
@@ -153,6 +159,8 @@ def build_tiny_model(
         from transformers import Qwen3_5ForConditionalGeneration
 
         model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
+    elif arch == "qwen2_5_vl":
+        model = tiny_vl.build_model(config).to(torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init with std 0.02 gives near-uniform logits; a larger spread (the default 0.2)

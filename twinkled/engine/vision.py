@@ -1,0 +1,82 @@
+"""The vision tower of a vision-language model (Qwen2.5-VL), run frozen, and the splice of its
+embeddings into the text embeddings at the image-placeholder positions.
+
+The checkpoint loads whole (transformers' own modules); `split` keeps its language model as
+the engine's decoder (named as a text model's: `model.layers.N...`, so LoRA targets and
+adapter files read as for Qwen2) and its vision tower beside it, never trained: LoRA is on
+the language model's linears only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ARCHS = ("qwen2_5_vl",)
+
+
+class TextOnly(nn.Module):
+    """The language model of a VL checkpoint, shaped as a causal LM: `.model`, `.lm_head`."""
+
+    def __init__(self, model: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.model = model
+        self.lm_head = lm_head
+
+
+@dataclass
+class Images:
+    """The images of one forward: patches of all images end to end and their grids, and the
+    flat token indices (into the [B, S] input) of their placeholders, in image order."""
+    pixel_values: torch.Tensor  # [patches, C * temporal * patch * patch]
+    grids: Sequence[tuple[int, int, int]]
+    index: torch.Tensor  # [image tokens] long
+
+
+class VisionTower:
+    """The frozen tower + merger: images -> embeddings of the text's hidden size."""
+
+    def __init__(self, visual: nn.Module, image_token_id: int, merge_size: int):
+        self.visual = visual.eval().requires_grad_(False)
+        self.image_token_id = image_token_id
+        self.merge_size = merge_size
+
+    @torch.no_grad()
+    def embed(self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]
+              ) -> torch.Tensor:
+        """[image tokens, hidden]: every image's merged patch embeddings, in order."""
+        p = next(self.visual.parameters())
+        grid = torch.as_tensor([list(g) for g in grids], dtype=torch.long, device=p.device)
+        out = self.visual(pixel_values.to(device=p.device, dtype=p.dtype), grid_thw=grid)
+        return out.pooler_output if hasattr(out, "pooler_output") else out
+
+    def splice(self, h: torch.Tensor, images: Images) -> torch.Tensor:
+        """The text embeddings `h` [B, S, H] with the image tokens' rows replaced (out of
+        place: the embedding table's gradient path stays intact for the other tokens)."""
+        emb = self.embed(images.pixel_values, images.grids).to(h.dtype)
+        if emb.shape[0] != images.index.numel():
+            raise ValueError(f"{images.index.numel()} image placeholder tokens but the images "
+                             f"make {emb.shape[0]}")
+        flat = h.reshape(-1, h.shape[-1]).index_copy(0, images.index.to(h.device), emb)
+        return flat.view_as(h)
+
+
+def auto_class(config):
+    """The transformers auto class a VL checkpoint loads with (None: a text model's)."""
+    if config.model_type not in ARCHS:
+        return None
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText
+
+
+def split(hf: nn.Module, config, device: torch.device) -> tuple[TextOnly, VisionTower]:
+    """A loaded Qwen2_5_VLForConditionalGeneration -> (its language model as a causal LM, its
+    frozen tower on `device`)."""
+    text = TextOnly(hf.model.language_model, hf.lm_head)
+    tower = VisionTower(hf.model.visual.to(device), config.image_token_id,
+                        config.vision_config.spatial_merge_size)
+    return text, tower
