@@ -41,7 +41,7 @@ class ImageLimits:
     @classmethod
     def of(cls, config: object) -> ImageLimits:
         """The limits a daemon config names (its image_* keys)."""
-        image_dir = getattr(config, "image_dir", None)
+        image_dir = getattr(config, "image_dir", "")
         return cls(max_bytes=config.image_max_bytes, max_pixels=config.image_max_pixels,
                    max_tokens=config.image_max_tokens,
                    request_max_tokens=config.request_max_image_tokens,
