@@ -176,3 +176,76 @@ def test_engine_forward_with_an_image_equals_transformers(vl_dir, spec, hf):
     # The image changed the row: its embeddings were spliced in (not the pad token's).
     plain = model.lm_head(model.forward(torch.tensor([row]), positions[:, :, :len(row)]))[0]
     assert (plain[-1] - logits[len(row) - 1]).abs().max() > 1e-3
+
+
+def _peft_grads(hf, adapter, data, image_pad):
+    """peft on transformers' Qwen2.5-VL with `adapter`'s weights: each datum's summed target
+    logprob's loss, backward; the LoRA gradients by our keys."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    names = sorted({k.rsplit(".", 1)[-1] for k in adapter.bank.shapes})
+    pm = get_peft_model(hf, PeftLoraConfig(
+        r=adapter.bank.rank, lora_alpha=adapter.config.alpha,
+        target_modules=rf"(.*language_model.*\.({'|'.join(names)})|lm_head)"))
+    try:
+        named = dict(pm.named_parameters())
+        params = {}
+        for key in adapter.bank.shapes:
+            theirs = key.replace("model.", "model.language_model.", 1)
+            pa, pb = (named[f"base_model.model.{theirs}.lora_{x}.default.weight"] for x in "AB")
+            pa.data.copy_(adapter.bank.A[key][adapter.slot])
+            pb.data.copy_(adapter.bank.B[key][adapter.slot])
+            params[key] = (pa, pb)
+        lps = []
+        for d in data:
+            ids = torch.as_tensor(d.tokens)[None]
+            extra = {} if not d.images else dict(
+                mm_token_type_ids=(ids == image_pad).int(),
+                pixel_values=torch.cat([torch.from_numpy(i.pixel_values) for i in d.images]),
+                image_grid_thw=torch.tensor([i.grid_thw for i in d.images]))
+            logits = pm(input_ids=ids, **extra).logits[0].float()
+            lps.append(logits.log_softmax(-1).gather(1, d.loss_inputs["target_tokens"][:, None])[:, 0])
+        loss = -sum((lp * d.loss_inputs["weights"]).sum() for lp, d in zip(lps, data, strict=True))
+        loss.backward()
+        return [lp.detach() for lp in lps], {k: (a.grad, b.grad) for k, (a, b) in params.items()}
+    finally:
+        pm.unload()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_training_with_an_image_equals_transformers_and_peft(vl_dir, spec, hf, packed):
+    """forward_backward of an image datum co-batched beside a text-only tenant: logprobs
+    and LoRA gradients equal peft on transformers' Qwen2.5-VL; the text tenant's equal
+    those it gets alone. Image positions carry weight 0."""
+    from helpers import grads, make_engine, randomize_b, rel_diff
+
+    from twinkled.protocol.types import Datum, ForwardBackwardRequest, LoraConfig
+
+    eng = make_engine(vl_dir, packed=packed)
+    for i, name in enumerate(("vis", "txt")):
+        eng.add_adapter(name, LoraConfig(rank=4, seed=i + 1))
+        randomize_b(eng, name, seed=10 + i, std=0.2)
+    row, img, pad = _image_prompt(vl_dir, spec, [5, 6, 7], [8, 9, 10, 11])
+    targets = torch.tensor(row[1:] + [12])
+    weights = (torch.tensor(row) != pad).float()
+    vis = Datum(row, {"target_tokens": targets, "weights": weights}, images=[img])
+    gen = torch.Generator().manual_seed(0)
+    text = torch.randint(5, 1000, (9,), generator=gen)
+    txt = Datum(text[:-1].tolist(), {"target_tokens": text[1:], "weights": torch.ones(8)})
+    reqs = [ForwardBackwardRequest("vis", [vis], "cross_entropy"),
+            ForwardBackwardRequest("txt", [txt], "cross_entropy")]
+    together = eng.forward_backward(reqs)
+    got = {n: grads(eng, n) for n in ("vis", "txt")}
+    eng.zero_grad("txt")
+    alone = eng.forward_backward([reqs[1]])
+    torch.testing.assert_close(alone[0].outputs[0]["logprobs"], together[1].outputs[0]["logprobs"],
+                               atol=1e-5, rtol=1e-5)
+    # (gradients reach ~200 here: compared relative to their size)
+    for key, (ga, gb) in grads(eng, "txt").items():
+        assert rel_diff(got["txt"][key][0], ga) < 1e-4 and rel_diff(got["txt"][key][1], gb) < 1e-4
+    lps, want = _peft_grads(hf, eng.pool.get("vis"), [vis], pad)
+    torch.testing.assert_close(together[0].outputs[0]["logprobs"], lps[0], atol=1e-4, rtol=1e-4)
+    assert want
+    for key, (ga, gb) in want.items():
+        assert rel_diff(got["vis"][key][0], ga) < 1e-4 and rel_diff(got["vis"][key][1], gb) < 1e-4

@@ -80,3 +80,33 @@ def split(hf: nn.Module, config, device: torch.device) -> tuple[TextOnly, Vision
     tower = VisionTower(hf.model.visual.to(device), config.image_token_id,
                         config.vision_config.spatial_merge_size)
     return text, tower
+
+
+def batch_inputs(model, rows: Sequence, width: int | None, device
+                 ) -> tuple[torch.Tensor, Images] | None:
+    """mRoPE positions and the images of a micro-batch whose rows (`.tokens`, `.images`:
+    protocol/images.PreparedImage, in placeholder order) hold images; None when none does
+    (the text path, unchanged). `width`: the padded layout's row width [3, B, width];
+    None: packed end to end [3, 1, T]."""
+    if model.vision is None or not any(r.images for r in rows):
+        return None
+    from . import mrope
+
+    tower = model.vision
+    parts, index, pixels, grids, at = [], [], [], [], 0
+    for r in rows:
+        n = len(r.tokens)
+        grid = [im.grid_thw for im in r.images]
+        pos = mrope.row_positions(r.tokens.tolist(), tower.image_token_id, grid,
+                                  tower.merge_size) if r.images else mrope.text_row(n)
+        if width is not None and width > n:  # pads after the row: any positions do
+            pos = torch.cat([pos, mrope.text_row(width - n, int(pos.max()) + 1)], dim=1)
+        parts.append(pos)
+        index.append((r.tokens == tower.image_token_id).nonzero()[:, 0] + at)
+        pixels += [torch.from_numpy(im.pixel_values) for im in r.images]
+        grids += grid
+        at += n if width is None else width
+    positions = (torch.stack(parts, dim=1) if width is not None
+                 else mrope.packed(parts)).to(device)
+    images = Images(torch.cat(pixels), grids, torch.cat(index).to(device))
+    return positions, images
