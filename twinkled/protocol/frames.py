@@ -59,9 +59,18 @@ def buf(values: Any, dtype: str | None = None, shape: list[int] | None = None) -
                [len(a)] if shape is None else list(shape), a.tobytes())
 
 
+class ImageF(msgspec.Struct, array_like=True):
+    """One image of a VL model's datum, preprocessed at the door (protocol/images.py)."""
+    pixels: Buf  # float32 [patches, C * temporal * patch * patch]
+    grid: list[int]  # (t, h, w) patches
+    tokens: int  # its placeholder tokens
+    digest: bytes  # its encoded bytes' hash
+
+
 class DatumF(msgspec.Struct, array_like=True):
     tokens: Buf
     inputs: dict[str, Buf]
+    images: list[ImageF] = []
 
 
 class SamplingF(msgspec.Struct):

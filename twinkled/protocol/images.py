@@ -194,3 +194,9 @@ def check_request(images: list[PreparedImage], limits: ImageLimits) -> None:
     if total > limits.request_max_tokens:
         raise ImageError(f"{total} image tokens in the request, over request_max_image_tokens "
                          f"({limits.request_max_tokens})")
+
+
+def prepared_image(frame) -> PreparedImage:
+    """A worker's PreparedImage from its frame (protocol/frames.ImageF)."""
+    pixels = np.frombuffer(frame.pixels.data, dtype=np.float32).reshape(frame.pixels.shape)
+    return PreparedImage(pixels.copy(), tuple(frame.grid), frame.tokens, frame.digest)

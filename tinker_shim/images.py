@@ -1,0 +1,71 @@
+"""Image chunks at the tinker door: each datum's ImageIns decoded, checked against the
+daemon's image limits and expanded into the model's placeholder tokens (protocol/images.py).
+Runs in a thread (`asyncio.to_thread`): decoding and resizing never hold the event loop."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import msgspec
+
+from twinkled.engine.vision import ARCHS
+from twinkled.protocol.errors import UserError
+from twinkled.protocol.frames import Buf, ImageF
+from twinkled.protocol.images import (
+    ImageError,
+    ImageLimits,
+    PreparedImage,
+    VisionSpec,
+    check_request,
+    prepare,
+)
+
+from .codec import DatumIn
+
+
+@cache
+def model_vision(model_dir: str) -> tuple[VisionSpec, int] | None:
+    """The model's image processor spec and <|image_pad|> id; None for a text model."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if raw.get("model_type") not in ARCHS:
+        return None
+    return VisionSpec.from_dir(Path(model_dir)), int(raw["image_token_id"])
+
+
+def expand(data: list[DatumIn], config, model_name: str
+           ) -> tuple[list[DatumIn], list[list[PreparedImage]]]:
+    """The datums with every image's placeholder tokens in place, and their images; a bad
+    image is the client's error (a 400 naming it)."""
+    try:
+        return _expand(data, config, model_name)
+    except ImageError as e:
+        raise UserError(str(e)) from None
+
+
+def _expand(data: list[DatumIn], config, model_name: str
+            ) -> tuple[list[DatumIn], list[list[PreparedImage]]]:
+    vision = model_vision(str(config.model))
+    if vision is None:
+        raise ImageError(f"model {model_name!r} takes no images (a text-only model)")
+    spec, pad = vision
+    limits = ImageLimits.of(config)
+    out, images = [], []
+    for j, d in enumerate(data):
+        tokens, ims, last = [], [], 0
+        for k, chunk in enumerate(d.images):
+            im = prepare(chunk.data, chunk.format, spec, limits, chunk.expected_tokens,
+                         where=f"data[{j}].model_input image {k}")
+            tokens += d.tokens[last:chunk.at] + [pad] * im.tokens
+            last = chunk.at
+            ims.append(im)
+        out.append(msgspec.structs.replace(d, tokens=tokens + d.tokens[last:], images=[]))
+        images.append(ims)
+    check_request([im for ims in images for im in ims], limits)
+    return out, images
+
+
+def image_frames(images: list[PreparedImage]) -> list[ImageF]:
+    return [ImageF(Buf("float32", list(im.pixel_values.shape), im.pixel_values.tobytes()),
+                   list(im.grid_thw), im.tokens, im.digest) for im in images]
