@@ -249,3 +249,16 @@ def test_training_with_an_image_equals_transformers_and_peft(vl_dir, spec, hf, p
     assert want
     for key, (ga, gb) in want.items():
         assert rel_diff(got["vis"][key][0], ga) < 1e-4 and rel_diff(got["vis"][key][1], gb) < 1e-4
+
+
+def test_a_text_model_given_an_image_names_the_model(tiny_dir):
+    from types import SimpleNamespace
+
+    from tinker_shim import images as door
+    from tinker_shim.codec import DatumIn, ImageIn
+    from twinkled.protocol.errors import UserError
+
+    config = SimpleNamespace(model=tiny_dir)
+    datum = DatumIn([1, 2], {}, images=[ImageIn(1, _png(56, 56), "png")])
+    with pytest.raises(UserError, match="model 'tiny-qwen3' takes no images"):
+        door.expand([datum], config, "tiny-qwen3")

@@ -239,6 +239,8 @@ def _decode_config(msg: Any) -> dict[str, float] | None:
 
 
 CHUNK_REFUSALS = {
+    # (the protobuf wire's image chunks are served: _decode_image)
+    "image": "image chunks come through the protobuf wire of SDK >= 0.25 only",
     "dmel": "dmel (audio) chunks are not supported (text-only models)",
     None: "empty or unrecognised model_input chunk (a chunk type newer than SDK 0.38?)",
 }
