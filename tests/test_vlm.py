@@ -262,3 +262,19 @@ def test_a_text_model_given_an_image_names_the_model(tiny_dir):
     datum = DatumIn([1, 2], {}, images=[ImageIn(1, _png(56, 56), "png")])
     with pytest.raises(UserError, match="model 'tiny-qwen3' takes no images"):
         door.expand([datum], config, "tiny-qwen3")
+
+
+def test_a_placeholder_token_in_text_is_refused(vl_dir):
+    from tinker_shim import images as door
+    from tinker_shim.codec import DatumIn, ImageIn
+    from twinkled.protocol.config import Config
+    from twinkled.protocol.errors import UserError
+
+    _, pad = door.model_vision(str(vl_dir))
+    config = Config(model=vl_dir)
+    ok = DatumIn([1, 2], {}, images=[ImageIn(1, _png(56, 56), "png")])
+    out, images = door.expand([ok], config, "vl")
+    assert out[0].tokens == [1, pad, pad, pad, pad, 2] and images[0][0].tokens == 4
+    bad = DatumIn([1, pad], {}, images=[ImageIn(1, _png(56, 56), "png")])
+    with pytest.raises(UserError, match=f"holds the image placeholder token \\({pad}\\)"):
+        door.expand([bad], config, "vl")

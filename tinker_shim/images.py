@@ -53,6 +53,9 @@ def _expand(data: list[DatumIn], config, model_name: str
     limits = ImageLimits.of(config)
     out, images = [], []
     for j, d in enumerate(data):
+        if pad in d.tokens:  # the tower's rows would not match the placeholders
+            raise ImageError(f"data[{j}].model_input: a text chunk holds the image placeholder "
+                             f"token ({pad}); images come as ImageChunks")
         tokens, ims, last = [], [], 0
         for k, chunk in enumerate(d.images):
             im = prepare(chunk.data, chunk.format, spec, limits, chunk.expected_tokens,

@@ -98,6 +98,7 @@ class BaseModel:
             qwen35.check(config, tp)
             config = qwen35.text_config(config)  # (the nested object itself: scaled below)
         if loaded.model_type in vision.ARCHS:  # a VL checkpoint: the text stack's config
+            vision.check(tp)
             config = loaded.get_text_config()
         # Before the model is built: its rotary module computes the scaled frequencies.
         self.max_seq_len = extend_context(config, rope_scaling, max_seq_len)

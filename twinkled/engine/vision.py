@@ -64,6 +64,14 @@ class VisionTower:
         return flat.view_as(h)
 
 
+def check(tp) -> None:
+    if tp is not None and tp.size > 1:
+        from twinkled.protocol.types import EngineInputError
+
+        raise EngineInputError("tp", "tensor parallelism does not split a vision-language "
+                               "model yet; run it with --tp 1")
+
+
 def auto_class(config):
     """The transformers auto class a VL checkpoint loads with (None: a text model's)."""
     if config.model_type not in ARCHS:
