@@ -35,10 +35,9 @@ def _png(w: int, h: int, seed: int = 0) -> bytes:
     return png(w, h, seed)
 
 
-def _hf_logprobs(model_dir, ids, targets, image: bytes | None):
-    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+def _hf_logprobs(hf, model_dir, ids, targets, image: bytes | None):
+    from transformers import AutoImageProcessor
 
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
     ids = torch.tensor([ids])
     extra = {}
     if image is not None:
@@ -87,12 +86,15 @@ def test_image_datum_through_tinker_equals_transformers(vl_daemon):
     got_text = fb.result(timeout=T).loss_fn_outputs[0]["logprobs"].tolist()
     assert len(got) == n
     # A fresh adapter's B is zero: its logprobs are the base model's.
-    want = _hf_logprobs(d.model, full, targets, image)
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(d.model, dtype=torch.float32)
+    want = _hf_logprobs(hf, d.model, full, targets, image)
     assert torch.tensor(got) == pytest.approx(want, abs=1e-4)
-    want_text = _hf_logprobs(d.model, text[:-1], text[1:], None)
+    want_text = _hf_logprobs(hf, d.model, text[:-1], text[1:], None)
     assert torch.tensor(got_text) == pytest.approx(want_text, abs=1e-4)
     # The image mattered: the text after it differs from a run with the pad tokens' embeddings.
-    plain = _hf_logprobs(d.model, full, targets, None)
+    plain = _hf_logprobs(hf, d.model, full, targets, None)
     assert (plain[-4:] - want[-4:]).abs().max() > 1e-3
 
     bad = {
@@ -111,3 +113,41 @@ def test_image_datum_through_tinker_equals_transformers(vl_daemon):
         with pytest.raises(tinker.BadRequestError, match=message):
             clients[0].forward([datum], "cross_entropy").result(timeout=T)
     assert d.workers() == pids  # refused at the door: no worker restarted
+
+
+def test_cookbook_vlm_classifier_examples_train(vl_daemon):
+    """The cookbook's VLM classifier recipe as it builds its data (its Qwen3-VL renderer, an
+    image part and a question, the class name as the answer, `datum_from_model_input_weights`)
+    on local images, trained through the tinker client: the loss falls."""
+    from PIL import Image
+    from tinker_cookbook.renderers import ImagePart, Message, TextPart, get_renderer
+    from tinker_cookbook.supervised.common import datum_from_model_input_weights
+    from transformers import AutoImageProcessor
+
+    d = vl_daemon
+    client = (tinker.ServiceClient(base_url=d.url, api_key=d.keys["alice"])
+              .create_lora_training_client(base_model=d.model.name, rank=8, seed=2)
+              .result(timeout=T))
+    # (the slow, PIL image processor: no torchvision)
+    processor = AutoImageProcessor.from_pretrained(d.model, use_fast=False)
+    renderer = get_renderer("qwen3_vl_instruct", tokenizer=client.get_tokenizer(),
+                            image_processor=processor)
+    data = []
+    for colour, rgb in (("red", (220, 30, 30)), ("blue", (30, 30, 220))):
+        messages = [
+            Message(role="user", content=[
+                ImagePart(type="image", image=Image.new("RGB", (64, 48), rgb)),
+                TextPart(type="text", text="What is the name of the subject in this photo?")]),
+            Message(role="assistant", content=[
+                TextPart(type="text", text=f"The subject in this photo is: {colour}\n")])]
+        data.append(datum_from_model_input_weights(
+            *renderer.build_supervised_example(messages), max_length=512))
+    assert all(any(c.type == "image" for c in x.model_input.chunks) for x in data)
+    adam = tinker.types.AdamParams(learning_rate=2e-2)
+    losses = []
+    for _ in range(6):
+        fb = client.forward_backward(data, "cross_entropy")
+        opt = client.optim_step(adam)
+        losses.append(fb.result(timeout=T).metrics["loss:sum"])
+        opt.result(timeout=T)
+    assert losses[-1] < 0.7 * losses[0], losses
