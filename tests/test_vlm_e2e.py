@@ -151,3 +151,23 @@ def test_cookbook_vlm_classifier_examples_train(vl_daemon):
         losses.append(fb.result(timeout=T).metrics["loss:sum"])
         opt.result(timeout=T)
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_images_in_sampling_and_openai_chat_are_refused_by_name(vl_daemon):
+    """Not served yet: a 400 saying so (never a hang or a 5xx the client retries)."""
+    import openai
+
+    d = vl_daemon
+    sc = tinker.ServiceClient(base_url=d.url, api_key=d.keys["bob"])
+    sampler = sc.create_sampling_client(base_model=d.model.name).result(timeout=T)
+    prompt = tinker.types.ModelInput(chunks=[
+        tinker.types.EncodedTextChunk(tokens=[5, 6]),
+        tinker.types.ImageChunk(data=_png(56, 56), format="png", expected_tokens=4)])
+    with pytest.raises(tinker.BadRequestError, match="images in sampling prompts"):
+        sampler.sample(prompt, 1, tinker.types.SamplingParams(max_tokens=2)).result(timeout=T)
+    client = openai.OpenAI(base_url=f"{d.url}/oai/api/v1", api_key=d.keys["bob"])
+    url = "data:image/png;base64," + __import__("base64").b64encode(_png(56, 56)).decode()
+    with pytest.raises(openai.BadRequestError, match="image_url parts are not served yet"):
+        client.chat.completions.create(model=d.model.name, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "what is it?"}]}])
