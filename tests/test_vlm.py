@@ -74,6 +74,14 @@ def test_patches_equal_the_models_own_image_processor(vl_dir, spec):
     assert got.tokens == got.pixel_values.shape[0] // 4 == 6  # 84 x 56 px: 6 x 4 patches / 4
 
 
+def test_smart_resize_equals_transformers():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    for h, w in [(61, 90), (1, 150), (3000, 4000), (28, 28), (999, 17), (5000, 40)]:
+        assert im.smart_resize(h, w, 28, 56 * 56, 28 * 28 * 1280) == smart_resize(
+            h, w, 28, 56 * 56, 28 * 28 * 1280)
+
+
 @pytest.mark.parametrize("data,fmt,expected,message", [
     (_png(56, 56)[:200], "png", None, "cannot decode the png image"),
     (_png_header_only(20_000, 20_000), "png", None, "over image_max_pixels"),
@@ -113,16 +121,20 @@ def test_a_broken_torchvision_cannot_break_our_imports(tmp_path, vl_dir):
     fake.mkdir()
     (fake / "__init__.py").write_text(
         'raise RuntimeError("operator torchvision::nms does not exist")\n')
-    code = ("from twinkled.protocol import images as im; from pathlib import Path; "
-            "import sys; spec = im.VisionSpec.from_dir(Path(sys.argv[1])); "
+    # The door (HTTP process) checks an image without torch; a worker then patchifies it.
+    code = ("import sys; from pathlib import Path; import tinker_shim.training; "
+            "from twinkled.protocol import images as im; "
+            "spec = im.VisionSpec.from_dir(Path(sys.argv[1])); "
             "data = open(sys.argv[2], 'rb').read(); "
-            "print(im.prepare(data, 'png', spec, im.ImageLimits()).tokens)")
+            "checked = im.check(data, 'png', spec, im.ImageLimits()); "
+            "print('torch' in sys.modules, checked.tokens); "
+            "print(im.patches(checked, spec).pixel_values.shape)")
     (tmp_path / "x.png").write_bytes(_png(56, 56))
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
     out = subprocess.run([sys.executable, "-c", code, str(vl_dir), str(tmp_path / "x.png")],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "4"
+    assert out.stdout.split("\n")[:2] == ["False 4", "(16, 1176)"]
 
 
 def _image_prompt(vl_dir, spec, tokens_before: list[int], after: list[int], seed=0):

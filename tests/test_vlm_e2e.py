@@ -113,6 +113,8 @@ def test_image_datum_through_tinker_equals_transformers(vl_daemon):
         with pytest.raises(tinker.BadRequestError, match=message):
             clients[0].forward([datum], "cross_entropy").result(timeout=T)
     assert d.workers() == pids  # refused at the door: no worker restarted
+    # The door checked every image without torch: the HTTP process stays torch-free.
+    assert "libtorch" not in open(f"/proc/{d.proc.pid}/maps").read()
 
 
 def test_cookbook_vlm_classifier_examples_train(vl_daemon):

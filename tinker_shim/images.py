@@ -5,21 +5,22 @@ Runs in a thread (`asyncio.to_thread`): decoding and resizing never hold the eve
 from __future__ import annotations
 
 import json
+from dataclasses import astuple
 from functools import cache
 from pathlib import Path
 
 import msgspec
 
-from twinkled.engine.vision import ARCHS
 from twinkled.protocol.errors import UserError
-from twinkled.protocol.frames import Buf, ImageF
+from twinkled.protocol.frames import ImageF
 from twinkled.protocol.images import (
+    VL_ARCHS,
+    CheckedImage,
     ImageError,
     ImageLimits,
-    PreparedImage,
     VisionSpec,
+    check,
     check_request,
-    prepare,
 )
 
 from .codec import DatumIn
@@ -29,13 +30,13 @@ from .codec import DatumIn
 def model_vision(model_dir: str) -> tuple[VisionSpec, int] | None:
     """The model's image processor spec and <|image_pad|> id; None for a text model."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
-    if raw.get("model_type") not in ARCHS:
+    if raw.get("model_type") not in VL_ARCHS:
         return None
     return VisionSpec.from_dir(Path(model_dir)), int(raw["image_token_id"])
 
 
 def expand(data: list[DatumIn], config, model_name: str
-           ) -> tuple[list[DatumIn], list[list[PreparedImage]]]:
+           ) -> tuple[list[DatumIn], list[list[CheckedImage]]]:
     """The datums with every image's placeholder tokens in place, and their images; a bad
     image is the client's error (a 400 naming it)."""
     try:
@@ -45,7 +46,7 @@ def expand(data: list[DatumIn], config, model_name: str
 
 
 def _expand(data: list[DatumIn], config, model_name: str
-            ) -> tuple[list[DatumIn], list[list[PreparedImage]]]:
+            ) -> tuple[list[DatumIn], list[list[CheckedImage]]]:
     vision = model_vision(str(config.model))
     if vision is None:
         raise ImageError(f"model {model_name!r} takes no images (a text-only model)")
@@ -58,7 +59,7 @@ def _expand(data: list[DatumIn], config, model_name: str
                              f"token ({pad}); images come as ImageChunks")
         tokens, ims, last = [], [], 0
         for k, chunk in enumerate(d.images):
-            im = prepare(chunk.data, chunk.format, spec, limits, chunk.expected_tokens,
+            im = check(chunk.data, chunk.format, spec, limits, chunk.expected_tokens,
                          where=f"data[{j}].model_input image {k}")
             tokens += d.tokens[last:chunk.at] + [pad] * im.tokens
             last = chunk.at
@@ -69,6 +70,10 @@ def _expand(data: list[DatumIn], config, model_name: str
     return out, images
 
 
-def image_frames(images: list[PreparedImage]) -> list[ImageF]:
-    return [ImageF(Buf("float32", list(im.pixel_values.shape), im.pixel_values.tobytes()),
-                   list(im.grid_thw), im.tokens, im.digest) for im in images]
+def image_frames(images: list[CheckedImage], config) -> list[ImageF]:
+    """A datum's checked images as frames, with the spec the workers patchify them by."""
+    if not images:
+        return []
+    spec = list(astuple(model_vision(str(config.model))[0]))
+    return [ImageF(im.data, im.format, list(im.grid_thw), im.tokens, im.digest, spec)
+            for im in images]

@@ -176,7 +176,7 @@ async def _train(request, forward_only: bool | None):
             checked(check_datum, j, d.tokens, inputs, call.loss_fn, lim)
             data.append(DatumF(buf(d.tokens, "int64"), {k: buf(t.values, t.dtype, t.shape)
                                                         for k, t in tensors.items()},
-                               tinker_images.image_frames(images[j])))
+                               tinker_images.image_frames(images[j], svc.config)))
     frame = TrainF(run["id"], data, call.loss_fn, call.loss_fn_config or {},
                    call.forward_only)
     f = svc.forward_backward(request["tenant"], run["id"], call.seq_id, frame,

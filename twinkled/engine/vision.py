@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ARCHS = ("qwen2_5_vl",)
+from twinkled.protocol.images import VL_ARCHS as ARCHS
 
 
 class TextOnly(nn.Module):

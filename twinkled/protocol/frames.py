@@ -60,11 +60,14 @@ def buf(values: Any, dtype: str | None = None, shape: list[int] | None = None) -
 
 
 class ImageF(msgspec.Struct, array_like=True):
-    """One image of a VL model's datum, preprocessed at the door (protocol/images.py)."""
-    pixels: Buf  # float32 [patches, C * temporal * patch * patch]
+    """One image of a VL model's datum, checked at the door (protocol/images.py); the
+    worker cuts it into patches (the door stays torch-free)."""
+    data: bytes  # as the client sent it (png or jpeg)
+    format: str
     grid: list[int]  # (t, h, w) patches
     tokens: int  # its placeholder tokens
     digest: bytes  # its encoded bytes' hash
+    spec: list[int]  # the model's VisionSpec, in its field order
 
 
 class DatumF(msgspec.Struct, array_like=True):

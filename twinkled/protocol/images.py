@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import io
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
+# Vision-language architectures (engine/vision.py), named here for the torch-free door.
+VL_ARCHS = ("qwen2_5_vl",)
 # The bytes a format's files begin with: a chunk's declared format must match its content.
 _MAGIC = {"png": (b"\x89PNG\r\n\x1a\n",), "jpeg": (b"\xff\xd8\xff",)}
 _PIL_FORMAT = {"png": "PNG", "jpeg": "JPEG"}
@@ -133,26 +136,53 @@ def decode(data: bytes, fmt: str, limits: ImageLimits, where: str = "image") -> 
         raise ImageError(f"{where}: cannot decode the {fmt} image ({e})") from None
 
 
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+                 ) -> tuple[int, int]:
+    """transformers' Qwen2-VL smart_resize, copied: the door stays torch-free (transformers'
+    image modules import torch); tests/test_vlm.py checks it equals theirs."""
+    if max(height, width) / min(height, width) > 200:
+        raise ImageError(f"absolute aspect ratio must be smaller than 200, got "
+                         f"{max(height, width) / min(height, width)}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def image_tokens(width: int, height: int, spec: VisionSpec) -> tuple[int, int, int]:
     """The (t, h, w) patch grid an image of this size becomes."""
-    guard_torchvision()
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    try:
-        h, w = smart_resize(height, width, factor=spec.patch_size * spec.merge_size,
-                            min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
-    except ValueError as e:  # an aspect ratio over 200
-        raise ImageError(str(e)) from None
+    h, w = smart_resize(height, width, spec.patch_size * spec.merge_size, spec.min_pixels,
+                        spec.max_pixels)
     return 1, h // spec.patch_size, w // spec.patch_size
 
 
-def prepare(data: bytes, fmt: str, spec: VisionSpec, limits: ImageLimits,
-            expected_tokens: int | None = None, where: str = "image") -> PreparedImage:
-    """Decode, check and patchify one image chunk."""
+@dataclass(frozen=True)
+class CheckedImage:
+    """An image the door decoded and checked: what the workers patchify, and its count."""
+    data: bytes
+    format: str
+    grid_thw: tuple[int, int, int]
+    tokens: int
+    digest: bytes  # the encoded bytes' hash
+
+
+def check(data: bytes, fmt: str, spec: VisionSpec, limits: ImageLimits,
+          expected_tokens: int | None = None, where: str = "image") -> CheckedImage:
+    """Decode (all of it: a truncated file fails here) and check one image chunk; no torch."""
     import hashlib
 
     img = decode(data, fmt, limits, where)
-    grid = image_tokens(img.size[0], img.size[1], spec)
+    try:
+        grid = image_tokens(img.size[0], img.size[1], spec)
+    except ImageError as e:
+        raise ImageError(f"{where}: {e}") from None
     tokens = grid[0] * grid[1] * grid[2] // spec.merge_size**2
     if tokens > limits.max_tokens:
         raise ImageError(f"{where}: {tokens} image tokens, over image_max_tokens "
@@ -160,11 +190,26 @@ def prepare(data: bytes, fmt: str, spec: VisionSpec, limits: ImageLimits,
     if expected_tokens is not None and expected_tokens != tokens:
         raise ImageError(f"{where}: expected_tokens is {expected_tokens} but the image is "
                          f"{tokens} tokens")
-    out = spec.processor()(images=[img])
+    return CheckedImage(data, fmt, grid, tokens, hashlib.blake2b(data, digest_size=16).digest())
+
+
+def patches(image: CheckedImage, spec: VisionSpec) -> PreparedImage:
+    """The checked image's patches, by transformers' PIL image processor (in a worker)."""
+    from PIL import Image
+
+    rgb = Image.open(io.BytesIO(image.data), formats=[_PIL_FORMAT[image.format]]).convert("RGB")
+    out = spec.processor()(images=[rgb])
     pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-    assert tuple(int(x) for x in out["image_grid_thw"][0]) == grid
-    return PreparedImage(pixel_values=pixels, grid_thw=grid, tokens=tokens,
-                         digest=hashlib.blake2b(data, digest_size=16).digest())
+    if tuple(int(x) for x in out["image_grid_thw"][0]) != image.grid_thw:
+        raise ImageError(f"the image processor made a {out['image_grid_thw'][0]} grid, the "
+                         f"door counted {image.grid_thw}")
+    return PreparedImage(pixels, image.grid_thw, image.tokens, image.digest)
+
+
+def prepare(data: bytes, fmt: str, spec: VisionSpec, limits: ImageLimits,
+            expected_tokens: int | None = None, where: str = "image") -> PreparedImage:
+    """Decode, check and patchify one image chunk."""
+    return patches(check(data, fmt, spec, limits, expected_tokens, where), spec)
 
 
 def read_pointer(location: str, limits: ImageLimits, where: str = "image") -> bytes:
@@ -188,7 +233,7 @@ def read_pointer(location: str, limits: ImageLimits, where: str = "image") -> by
         raise ImageError(f"{where}: location {location!r}: {e.strerror}") from None
 
 
-def check_request(images: list[PreparedImage], limits: ImageLimits) -> None:
+def check_request(images: list[CheckedImage | PreparedImage], limits: ImageLimits) -> None:
     """The per-request total of image tokens."""
     total = sum(im.tokens for im in images)
     if total > limits.request_max_tokens:
@@ -198,5 +243,5 @@ def check_request(images: list[PreparedImage], limits: ImageLimits) -> None:
 
 def prepared_image(frame) -> PreparedImage:
     """A worker's PreparedImage from its frame (protocol/frames.ImageF)."""
-    pixels = np.frombuffer(frame.pixels.data, dtype=np.float32).reshape(frame.pixels.shape)
-    return PreparedImage(pixels.copy(), tuple(frame.grid), frame.tokens, frame.digest)
+    image = CheckedImage(frame.data, frame.format, tuple(frame.grid), frame.tokens, frame.digest)
+    return patches(image, VisionSpec(*frame.spec))
