@@ -17,6 +17,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -88,6 +89,7 @@ class VisionSpec:
                    min_pixels=raw.get("min_pixels") or size.get("shortest_edge", 56 * 56),
                    max_pixels=raw.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280))
 
+    @cache  # noqa: B019 - a frozen spec per model: its one processor lives as long
     def processor(self):  # -> Qwen2VLImageProcessorPil
         guard_torchvision()
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -105,7 +107,7 @@ class PreparedImage:
     pixel_values: np.ndarray  # (grid_t * grid_h * grid_w, C * temporal * patch * patch), fp32
     grid_thw: tuple[int, int, int]  # patches before the merger
     tokens: int  # placeholder (<|image_pad|>) tokens: grid_t * grid_h * grid_w / merge**2
-    digest: bytes  # the encoded bytes' hash: prefix-cache keys include it
+    digest: bytes  # the encoded bytes' hash (a prefix-cache key must include it)
 
 
 def decode(data: bytes, fmt: str, limits: ImageLimits, where: str = "image") -> object:
