@@ -1,9 +1,12 @@
 """Qwen2.5-VL through the unmodified tinker client against a real `twinkled serve` (one
 daemon for the module): an ImageChunk datum's logprobs equal transformers' own Qwen2.5-VL,
 co-batched beside a text-only tenant whose results are unchanged; bad images are 400s
-naming what is wrong, and no worker restarts."""
+naming what is wrong, and no worker restarts; a broken torchvision installed changes
+nothing."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -22,7 +25,14 @@ def vl_daemon(tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("vlm") / "tiny-qwen2_5_vl",
                              arch="qwen2_5_vl")
     data = tmp_path_factory.mktemp("vld")
-    d = Daemon(model, data, data / "twinkled.log")
+    # A torchvision that fails to import (a +cpu torch beside the index's torchvision):
+    # the daemon and its workers must not care (protocol/images.guard_torchvision).
+    fake = tmp_path_factory.mktemp("tv") / "torchvision"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    path = os.pathsep.join(p for p in (str(fake.parent), os.environ.get("PYTHONPATH")) if p)
+    d = Daemon(model, data, data / "twinkled.log", env={"PYTHONPATH": path})
     d.keys = {t: make_key(data, t) for t in ("alice", "bob")}
     d.model = model
     yield d

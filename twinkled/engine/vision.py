@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from twinkled.protocol.images import VL_ARCHS as ARCHS
+from twinkled.protocol.images import guard_torchvision
 
 
 class TextOnly(nn.Module):
@@ -76,6 +77,9 @@ def auto_class(config):
     """The transformers auto class a VL checkpoint loads with (None: a text model's)."""
     if config.model_type not in ARCHS:
         return None
+    # The VL model's module imports torchvision where it looks installed: a broken one
+    # (a +cpu torch beside the index's torchvision) must look absent first.
+    guard_torchvision()
     from transformers import AutoModelForImageTextToText
 
     return AutoModelForImageTextToText
