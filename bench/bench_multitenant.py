@@ -14,6 +14,8 @@ running the unmodified tinker 0.38 client: per step, forward_backward on a batch
 
     python bench/bench_multitenant.py --shape tiny                 # CPU
     python bench/bench_multitenant.py --shape qwen2.5-0.5b --packed-baseline   # GPU
+    python bench/bench_multitenant.py --shape qwen2.5-vl-7b --tenants 1,8 --packed-baseline
+        # GPU: each datum 1 image (256 tokens) + S text tokens (bench_vlm.py)
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ def random_data(args: argparse.Namespace, rng) -> list:
     """`args.batch` datums of `args.seq` random tokens (tinker's types)."""
     import tinker
 
+    if args.image_tokens:  # a VL shape: one image + S text tokens a datum
+        from bench_vlm import datum
+
+        return [datum(rng, args.vocab, args.seq, args.image_tokens, args.seed)
+                for _ in range(args.batch)]
     data = []
     for _ in range(args.batch):
         ids = [rng.randrange(args.vocab) for _ in range(args.seq + 1)]
@@ -79,12 +86,13 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_tenants(url: str, keys: list[str], model: str, vocab: int, seq: int, steps: int,
-                batches: list[int], rank: int = 32) -> list[dict]:
+                batches: list[int], rank: int = 32, image_tokens: int = 0) -> list[dict]:
     start_at = time.time() + 6 + len(keys)  # time for every client to set up and warm up
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--worker", "--url", url, "--key", key, "--base-model", model,
          "--vocab", str(vocab), "--seq", str(seq), "--steps", str(steps), "--batch", str(b),
-         "--seed", str(i), "--start-at", str(start_at), "--rank", str(rank)], stdout=subprocess.PIPE, text=True)
+         "--seed", str(i), "--start-at", str(start_at), "--rank", str(rank),
+         "--image-tokens", str(image_tokens)], stdout=subprocess.PIPE, text=True)
         for i, (key, b) in enumerate(zip(keys, batches, strict=True))]
     out = []
     for p in procs:
@@ -158,7 +166,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b",
                                                          "qwen3.5-35b-a3b", "gpt-oss-20b",
-                                                         "deepseek-v3"))
+                                                         "deepseek-v3", "qwen2.5-vl-7b"))
+    ap.add_argument("--image-tokens", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, default=None, help="tokens per datum (S)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per tenant")
     ap.add_argument("--tenants", default="1,2,4,8")
@@ -181,7 +190,13 @@ def main() -> None:
     counts = [int(n) for n in args.tenants.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench_mt_"))
     model_dir = work / "model"
-    vocab = build_model(args.shape, model_dir, dtype, device)
+    image_tokens = 0
+    if args.shape == "qwen2.5-vl-7b":
+        from bench_vlm import build
+
+        vocab, image_tokens = build(model_dir, dtype, device)
+    else:
+        vocab = build_model(args.shape, model_dir, dtype, device)
     data = work / "data"
     keys = make_keys(data, max(counts))
     daemon, url, log = start_daemon(model_dir, data, work, device,
@@ -190,17 +205,20 @@ def main() -> None:
     try:
         name = model_dir.name
         # Every tenant does the same work, so one at a time runs at one tenant's alone rate.
-        alone = run_tenants(url, keys[:1], name, vocab, seq, steps, [1])[0]
+        alone = run_tenants(url, keys[:1], name, vocab, seq, steps, [1],
+                            image_tokens=image_tokens)[0]
         one_by_one = alone["tokens"] / alone["wall"]
         for n in counts:
-            res = run_tenants(url, keys[:n], name, vocab, seq, steps, [1] * n)
+            res = run_tenants(url, keys[:n], name, vocab, seq, steps, [1] * n,
+                              image_tokens=image_tokens)
             wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
             together = sum(r["tokens"] for r in res) / wall
             lat = [x for r in res for x in r["lat"]]
             rows.append((f"{n} tenant(s), 1x{seq} each", together, one_by_one,
                          pct(lat, 0.5), pct(lat, 0.99)))
         small_alone = alone["lat"]
-        mixed = run_tenants(url, keys[:2], name, vocab, seq, steps, [1, 10])
+        mixed = run_tenants(url, keys[:2], name, vocab, seq, steps, [1, 10],
+                            image_tokens=image_tokens)
         small_next = mixed[0]["lat"]
     finally:
         daemon.terminate()
@@ -227,10 +245,15 @@ def main() -> None:
         from bench_engine import GPU_SIZES, bench_peft, free
 
         free(device)
-        seed_train = [torch.randint(0, vocab, (seq + 1,)) for _ in range(8)]
-        peft_rows = bench_peft(model_dir, dtype, device, GPU_SIZES, seed_train, None)
-        packed = next(r for r in peft_rows if r.test.startswith("(c)"))
-        packed_tps = packed.tokens / packed.seconds
+        if image_tokens:  # text tokens/s of 8 datums of 1 image + S tokens, one batch
+            from bench_vlm import peft_baseline
+
+            packed_tps = peft_baseline(model_dir, dtype, device, seq)
+        else:
+            seed_train = [torch.randint(0, vocab, (seq + 1,)) for _ in range(8)]
+            peft_rows = bench_peft(model_dir, dtype, device, GPU_SIZES, seed_train, None)
+            packed = next(r for r in peft_rows if r.test.startswith("(c)"))
+            packed_tps = packed.tokens / packed.seconds
         eight = next((r for r in rows if r[0].startswith("8 ")), None)
         text += (f"\nIn-process bound, same run: plain peft packing 8 x {seq} tokens through one "
                  f"adapter: {packed_tps:,.0f} tok/s.")

@@ -163,6 +163,9 @@ def check_chat(body: ChatRequest, limits: Limits) -> None:
                             f", got {k}")
     for i, m in enumerate(body.messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            if part.type == "image_url":
+                raise bad_param(f"messages[{i}].content[{j}]", "image_url parts are not served "
+                                "yet (images train through the tinker client's forward_backward)")
             if part.type != "text" or part.text is None:
                 raise bad_param(f"messages[{i}].content[{j}]", "only text content parts are "
                                 "supported (text-only models)")

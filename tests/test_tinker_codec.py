@@ -253,7 +253,8 @@ def test_tensor_without_shape_is_1d() -> None:
 # ------------------------------------------------------------------ refusals
 
 
-def test_image_chunk_refused() -> None:
+def test_image_chunk_kept_with_its_place() -> None:
+    """An image chunk is kept as sent (decoded and checked at the door, for the model)."""
     datum = types.Datum(
         model_input=types.ModelInput(chunks=[
             types.EncodedTextChunk(tokens=[1, 2]),
@@ -262,8 +263,10 @@ def test_image_chunk_refused() -> None:
         loss_fn_inputs={"target_tokens": [1] * 6, "weights": [1.0] * 6},
     )
     body, _ = client_post([datum], compress=True)
-    with pytest.raises(CodecError, match="image chunks are not supported"):
-        decode_forward_backward(body, "zstd")
+    d = decode_forward_backward(body, "zstd").data[0]
+    assert d.tokens == [1, 2]
+    assert [(i.at, i.data, i.format, i.expected_tokens) for i in d.images] == [
+        (2, b"\x89PNG fake", "png", 4)]
 
 
 def test_dmel_chunk_refused() -> None:

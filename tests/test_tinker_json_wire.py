@@ -114,7 +114,7 @@ def _raw(*data, loss_fn="cross_entropy", **extra) -> bytes:
     (_raw(_datum(weights={"data": [1, 1, 1, 1], "dtype": "bfloat16"})),
      "Invalid enum value 'bfloat16'"),
     (_raw({"model_input": {"chunks": [{"type": "image", "data": "AA==", "format": "png"}]},
-           "loss_fn_inputs": {}}), "data[0].model_input: image chunks are not supported"),
+           "loss_fn_inputs": {}}), "data[0].model_input: image chunks come through the protobuf wire"),
     (_raw({"model_input": {"chunks": [{"tokens": [-1]}]}, "loss_fn_inputs": {}}),
      "$.forward_backward_input.data[0].model_input.chunks[0].tokens[0]"),
     (_raw(_datum(), loss_fn="custom"), "custom losses run on the client"),

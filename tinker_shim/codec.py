@@ -69,12 +69,22 @@ class TensorIn(msgspec.Struct, frozen=True):
     values: list[int | float]  # dense, row-major, len == prod(shape)
 
 
+class ImageIn(msgspec.Struct, frozen=True):
+    """An ImageChunk as sent: decoded and expanded into placeholder tokens at the door
+    (tinker_shim/images.py), never here."""
+    at: int  # the index in `tokens` its placeholders go at
+    data: bytes
+    format: str
+    expected_tokens: int | None = None
+
+
 class DatumIn(msgspec.Struct, frozen=True):
     tokens: list[int]
     loss_fn_inputs: dict[str, TensorIn]
     # Provenance, both or neither (the SDK asserts the pair): None when not sent.
     model_input_spans: list[SpanIn] | None = None
     loss_fn_input_spans: list[SpanIn] | None = None
+    images: list[ImageIn] = []
 
 
 class FwdBwdCall(msgspec.Struct, frozen=True):
@@ -229,7 +239,8 @@ def _decode_config(msg: Any) -> dict[str, float] | None:
 
 
 CHUNK_REFUSALS = {
-    "image": "image chunks are not supported (text-only models)",
+    # (the protobuf wire's image chunks are served: _decode_image)
+    "image": "image chunks come through the protobuf wire of SDK >= 0.25 only",
     "dmel": "dmel (audio) chunks are not supported (text-only models)",
     None: "empty or unrecognised model_input chunk (a chunk type newer than SDK 0.38?)",
 }
@@ -237,8 +248,12 @@ CHUNK_REFUSALS = {
 
 def _decode_datum(i: int, datum: Any) -> DatumIn:
     tokens = array("i")
+    images = []
     for chunk in datum.model_input:
         kind = chunk.WhichOneof("chunk")
+        if kind == "image":
+            images.append(_decode_image(i, len(tokens), chunk.image))
+            continue
         if kind != "encoded_text":
             raise CodecError(f"data[{i}].model_input: {CHUNK_REFUSALS.get(kind, kind)}")
         tokens.extend(_unpack(chunk.encoded_text.tokens, "i", f"data[{i}] tokens"))
@@ -257,7 +272,16 @@ def _decode_datum(i: int, datum: Any) -> DatumIn:
         raise CodecError(f"data[{i}]: provenance comes as a pair: send both model_input_spans "
                          "and loss_fn_input_spans, or neither")
     return DatumIn(tokens=tokens.tolist(), loss_fn_inputs=inputs,
-                   model_input_spans=model_spans, loss_fn_input_spans=loss_spans)
+                   model_input_spans=model_spans, loss_fn_input_spans=loss_spans,
+                   images=images)
+
+
+def _decode_image(i: int, at: int, image: Any) -> ImageIn:
+    if image.HasField("override_dimensions"):
+        raise CodecError(f"data[{i}].model_input: an image's override_dimensions is not served "
+                         "(resize the image before sending it)")
+    expected = image.expected_tokens if image.HasField("expected_tokens") else None
+    return ImageIn(at, image.data, image.format, expected)
 
 
 def _decode_tensor(tensor: Any, where: str) -> TensorIn:

@@ -120,6 +120,10 @@ def _prompt_tokens(prompt: ModelInputIn) -> list[int]:
     """ModelInput -> token ids; only text chunks are supported."""
     tokens: list[int] = []
     for i, chunk in enumerate(prompt.chunks):
+        if chunk.type == "image":
+            raise UserError(f"prompt.chunks[{i}]: images in sampling prompts (and "
+                            "compute_logprobs) are not served yet; images train through "
+                            "forward and forward_backward")
         if chunk.type != "encoded_text":
             raise UserError(f"prompt.chunks[{i}]: chunks of type {chunk.type!r} are not "
                             "supported (text-only models)")

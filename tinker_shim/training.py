@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 
+import msgspec
 from aiohttp import web
 
 from twinkled.protocol.checks import (
@@ -22,6 +24,7 @@ from twinkled.protocol.frames import DatumF, OptimF, TrainF, buf
 from twinkled.protocol.types import AdamParams, DimuonParams, LoraConfig
 
 from . import codec, json_wire
+from . import images as tinker_images
 from .common import (
     body_of,
     check_base_model,
@@ -158,6 +161,11 @@ async def _train(request, forward_only: bool | None):
         if len(call.data) > lim.max_datums:
             raise UserError(f"data: {len(call.data)} datums in one request; at most "
                             f"{lim.max_datums} (send fewer, or raise max_datums)")
+        images = [[] for _ in call.data]
+        if any(d.images for d in call.data):  # decoded off the event loop
+            expanded, images = await asyncio.to_thread(
+                tinker_images.expand, call.data, svc.config, run["base_model"])
+            call = msgspec.structs.replace(call, data=expanded)
         checked(check_loss, call.loss_fn, call.loss_fn_config)
         data = []
         for j, d in enumerate(call.data):
@@ -167,7 +175,8 @@ async def _train(request, forward_only: bool | None):
             inputs = {k: (t.shape, t.values) for k, t in tensors.items()}
             checked(check_datum, j, d.tokens, inputs, call.loss_fn, lim)
             data.append(DatumF(buf(d.tokens, "int64"), {k: buf(t.values, t.dtype, t.shape)
-                                                        for k, t in tensors.items()}))
+                                                        for k, t in tensors.items()},
+                               tinker_images.image_frames(images[j], svc.config)))
     frame = TrainF(run["id"], data, call.loss_fn, call.loss_fn_config or {},
                    call.forward_only)
     f = svc.forward_backward(request["tenant"], run["id"], call.seq_id, frame,

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from twinkled.protocol.types import MLP_MODULES, EngineInputError
 
-from . import chunked_logprobs, fused_ops, gpt_oss, mla, mxfp4, qwen35
+from . import chunked_logprobs, fused_ops, gpt_oss, mla, mxfp4, qwen35, vision
 from .fused_ops import Fused, Joint
 from .long_context import extend_context
 from .lora import LoraBatch
@@ -31,7 +31,7 @@ from .recompute import Recompute
 from .tp import NoSplit
 
 SUPPORTED_ARCHS = tuple(dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS,
-                                       *qwen35.ARCHS, *gpt_oss.ARCHS)))
+                                       *qwen35.ARCHS, *gpt_oss.ARCHS, *vision.ARCHS)))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -102,6 +102,9 @@ class BaseModel:
             config = qwen35.text_config(config)  # (the nested object itself: scaled below)
         if config.model_type in mla.ARCHS:  # DeepSeek-V3, Kimi-K2 (mla.py, deepseek_moe.py)
             mla.check(config, tp)
+        if loaded.model_type in vision.ARCHS:  # a VL checkpoint: the text stack's config
+            vision.check(tp)
+            config = loaded.get_text_config()
         # Before the model is built: its rotary module computes the scaled frequencies.
         self.max_seq_len = extend_context(config, rope_scaling, max_seq_len)
         self.dtype = resolve_dtype(dtype)
@@ -112,6 +115,7 @@ class BaseModel:
         # which slice of each module it holds. NoSplit: the whole model, no collectives.
         self.tp, self.shard = NoSplit(), None
         self.moe = {}
+        self.vision = None  # a VL checkpoint's frozen vision tower (vision.py)
         if tp is not None and tp.size > 1:
             from .tp import ShardPlan
 
@@ -126,8 +130,10 @@ class BaseModel:
             if mxfp4.quantized(loaded):  # gpt-oss as released: experts in MXFP4
                 self.hf = mxfp4.load_dequantized(model_dir, loaded, self.dtype)
             else:
-                self.hf = AutoModelForCausalLM.from_pretrained(model_dir, config=loaded,
-                                                               dtype=self.dtype)
+                auto = vision.auto_class(loaded) or AutoModelForCausalLM
+                self.hf = auto.from_pretrained(model_dir, config=loaded, dtype=self.dtype)
+            if loaded.model_type in vision.ARCHS:  # the tower beside the text stack
+                self.hf, self.vision = vision.split(self.hf, loaded, self.device)
             if self.shard is not None:  # attention split as for a dense model
                 from .tp_load import shard_loaded
 
@@ -207,15 +213,19 @@ class BaseModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 lora: LoraBatch | PackedLora | None = None, cache: KVCache | None = None,
-                mask: torch.Tensor | None = None, packing: Packing | None = None
-                ) -> torch.Tensor:
+                mask: torch.Tensor | None = None, packing: Packing | None = None,
+                images: vision.Images | None = None) -> torch.Tensor:
         """Final hidden states [B, S, H]. Without `mask`, attention is causal within the row
         (right padding needs no mask: real tokens never attend to later pads). With
-        `packing`, the one row [1, T] holds several sequences end to end (packed.py)."""
+        `packing`, the one row [1, T] holds several sequences end to end (packed.py). With
+        `images` (a VL model) their embeddings replace the placeholders' and `positions` are
+        multimodal RoPE's [3, B, S] (mrope.py)."""
         if self.shard is not None and self.shard.vocab_split:
             h = self.shard.embed(self.decoder.embed_tokens.weight, input_ids)
         else:
             h = self.decoder.embed_tokens(input_ids)
+        if images is not None:
+            h = self.vision.splice(h, images)
         if hasattr(self.decoder.rotary_emb, "mrope_section") and positions.dim() == 2:
             # Qwen3.5's rotary is multimodal (t, h, w sections); text has the same position in
             # all three, and transformers before 5.2x indexes a 3-D tensor without expanding

@@ -18,6 +18,7 @@ import torch
 
 from twinkled.protocol.types import ForwardBackwardRequest, ForwardBackwardResult
 
+from . import vision
 from .context_parallel import ContextParallel, cp_batches, cp_logprobs
 from .lora import Adapter, LoraBatch
 from .losses import loss_spec
@@ -34,6 +35,7 @@ class _Row:
     tokens: torch.Tensor  # [N] int64
     targets: torch.Tensor  # [N] int64, or [N, K]: K ids per position (top-K distillation)
     train: bool
+    images: tuple = ()  # protocol/images.PreparedImage, a VL model's (vision.py)
 
     def view(self, t: torch.Tensor, k: int) -> torch.Tensor:
         """This row's part of a micro-batch tensor [B, S, K]: [N], or [N, K] if 2-D."""
@@ -88,14 +90,17 @@ def forward_backward(model: BaseModel, requests: list[ForwardBackwardRequest],
     rows = [
         _Row(i, j, adapters[i], torch.as_tensor(d.tokens, dtype=torch.long),
              torch.as_tensor(d.loss_inputs["target_tokens"], dtype=torch.long),
-             (adapters[i] is not None or base_trains) and not req.forward_only)
+             (adapters[i] is not None or base_trains) and not req.forward_only,
+             tuple(getattr(d, "images", ())))
         for i, req in enumerate(requests) for j, d in enumerate(req.data)
     ]
+    if any(r.images for r in rows):  # equal tokens are not an equal start with images
+        shared_prefix = 0
     outputs = [[None] * len(r.data) for r in requests]
     custom_metrics: dict[int, dict[str, float]] = {}
 
     split = [r for r in rows if cp is not None and cp.splits(len(r.tokens))
-             and not callable(requests[r.req].loss_fn)]
+             and not callable(requests[r.req].loss_fn) and not r.images]
     if split:
         gone = {id(r) for r in split}
         rows = [r for r in rows if id(r) not in gone]
@@ -239,8 +244,9 @@ def _logprobs(model: BaseModel, batch: list[_Row]) -> torch.Tensor:
         r.view(tgt, k)[:] = r.targets
     ids, tgt = ids.to(dev, non_blocking=True), tgt.to(dev, non_blocking=True)
     positions = torch.arange(S, device=dev).expand(len(batch), S)
+    positions, images = vision.batch_inputs(model, batch, S, dev) or (positions, None)
     lora = LoraBatch([r.adapter for r in batch], model.dtype, dev)
-    hidden = model.forward(ids, positions, lora)
+    hidden = model.forward(ids, positions, lora, images=images)
     return model.target_logprobs(hidden, tgt, lora)
 
 
@@ -252,7 +258,10 @@ def _packed_logprobs(model: BaseModel, groups: list[Group]) -> torch.Tensor:
     layout = Layout.of(groups, dev)
     ids = layout.ids[None].to(dev, non_blocking=True)
     lora = PackedLora(layout.segments, model.dtype, dev)
-    hidden = model.forward(ids, layout.packing.positions, lora, packing=layout.packing)
+    rows = [r for g in groups for r in g.rows]  # (packed in this order: no shared starts)
+    positions, images = (vision.batch_inputs(model, rows, None, dev)
+                         or (layout.packing.positions, None))
+    hidden = model.forward(ids, positions, lora, packing=layout.packing, images=images)
     lp = model.target_logprobs(hidden, layout.targets.to(dev, non_blocking=True)[None], lora)[0]
     return layout.unpack(lp)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from . import tiny_vl
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 # ChatML, as Qwen models use it. The assistant turn is wrapped in {% generation %} so that
@@ -122,6 +124,8 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, vocab_size)
+    if arch == "qwen2_5_vl":  # its vision tokens, ids past the BPE vocabulary (tiny_vl.py)
+        tiny_vl.add_vision_tokens(tokenizer, out)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -163,14 +167,18 @@ def build_tiny_model(
         from .tiny_gpt_oss import gpt_oss_config
 
         config = gpt_oss_config(common, hidden_size // num_heads, num_experts, experts_per_token)
+    elif arch == "qwen2_5_vl":
+        config = tiny_vl.qwen25vl_config(common, tokenizer)
     else:
         raise ValueError("arch must be qwen3, qwen2, llama, qwen3_moe, qwen3_5, qwen3_5_moe, "
-                         f"qwen3_next, deepseek_v3 or gpt_oss, not {arch!r}")
+                         f"qwen3_next, deepseek_v3, gpt_oss or qwen2_5_vl, not {arch!r}")
     torch.manual_seed(seed)
     if arch.startswith("qwen3_5"):  # the whole checkpoint, vision tower included, as released
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_config(config).to(torch.float32)
+    elif arch == "qwen2_5_vl":
+        model = tiny_vl.build_model(config).to(torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init with std 0.02 gives near-uniform logits; a larger spread (the default 0.2)

@@ -132,6 +132,12 @@ class Config:
     max_ttl_s: int = 315360000  # checkpoint ttl_seconds (10 years)
     max_metadata_bytes: int = 65536  # user_metadata as JSON
     max_body_bytes: int = 64 * 2**20  # a request body, after decompression
+    # Images (vision-language models; protocol/images.py), checked at the door.
+    image_max_bytes: int = 20 * 2**20  # one image's encoded bytes
+    image_max_pixels: int = 40_000_000  # one image's width x height (read from its header)
+    image_max_tokens: int = 16384  # one image's placeholder tokens
+    request_max_image_tokens: int = 65536  # all images' placeholder tokens in one request
+    image_dir: str = ""  # ImageAssetPointerChunk file:// paths must lie under it; "": refused
     # Sampled sequences recorded for stable_reinforce (record_stability_info), in memory.
     stability_bytes: int = 256 * 2**20  # all tenants together
     stability_tenant_bytes: int = 64 * 2**20  # one tenant

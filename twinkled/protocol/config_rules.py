@@ -58,6 +58,8 @@ RANGES = {
     "log_format": (lambda v: v in ("text", "json"), "must be text or json"),
     "full_runs": (lambda v: v in ("all", "marked", "none"), "must be all, marked or none"),
     "log_summary_s": _NON_NEGATIVE,
+    "image_max_bytes": _POSITIVE, "image_max_pixels": _POSITIVE, "image_max_tokens": _POSITIVE,
+    "request_max_image_tokens": _POSITIVE,
     "join_listen": (lambda v: v == "" or _ENDPOINT.fullmatch(v),
                     'must be "" or tcp://ADDRESS:PORT (e.g. tcp://0.0.0.0:7070)'),
     "remote_ranks": _NON_NEGATIVE, "join_timeout_s": _NON_NEGATIVE,

@@ -59,9 +59,21 @@ def buf(values: Any, dtype: str | None = None, shape: list[int] | None = None) -
                [len(a)] if shape is None else list(shape), a.tobytes())
 
 
+class ImageF(msgspec.Struct, array_like=True):
+    """One image of a VL model's datum, checked at the door (protocol/images.py); the
+    worker cuts it into patches (the door stays torch-free)."""
+    data: bytes  # as the client sent it (png or jpeg)
+    format: str
+    grid: list[int]  # (t, h, w) patches
+    tokens: int  # its placeholder tokens
+    digest: bytes  # its encoded bytes' hash
+    spec: list[int]  # the model's VisionSpec, in its field order
+
+
 class DatumF(msgspec.Struct, array_like=True):
     tokens: Buf
     inputs: dict[str, Buf]
+    images: list[ImageF] = []
 
 
 class SamplingF(msgspec.Struct):

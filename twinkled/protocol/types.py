@@ -117,6 +117,9 @@ class Datum:
 
     tokens: list[int] | torch.Tensor
     loss_inputs: dict[str, torch.Tensor | list] = field(default_factory=dict)
+    # A VL model's images (protocol/images.PreparedImage), in the order of their
+    # placeholder runs in `tokens`; their positions carry no targets (weights 0).
+    images: list = field(default_factory=list)
 
 
 @dataclass

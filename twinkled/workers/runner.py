@@ -43,6 +43,7 @@ from twinkled.protocol.frames import (
     UnloadF,
     UnparkF,
 )
+from twinkled.protocol.images import prepared_image
 from twinkled.protocol.prefixes import datum_costs
 from twinkled.protocol.types import Datum, ForwardBackwardRequest, LogprobGap
 
@@ -71,7 +72,8 @@ def _without(result, datums: list[int], drop: set[int]):
 
 
 def _datum(d: DatumF) -> Datum:
-    return Datum(to_tensor(d.tokens), {k: to_tensor(v) for k, v in d.inputs.items()})
+    return Datum(to_tensor(d.tokens), {k: to_tensor(v) for k, v in d.inputs.items()},
+                 images=[prepared_image(i) for i in d.images])
 
 
 class StepRunner:

@@ -1,0 +1,265 @@
+"""Qwen2.5-VL: images at the door (protocol/images.py), mRoPE positions (engine/mrope.py)
+and the engine's forward with the frozen tower spliced in (engine/vision.py), each against
+transformers' own Qwen2.5-VL on a tiny random-weight model (fp32)."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from twinkled.engine import mrope
+from twinkled.engine.packed import Packing
+from twinkled.engine.tiny import build_tiny_model
+from twinkled.engine.vision import Images
+from twinkled.protocol import images as im
+
+
+def _png(w: int, h: int, seed: int = 0) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _png_header_only(w: int, h: int) -> bytes:
+    """A PNG that claims w x h pixels (a decompression bomb's header) with no pixels."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("vl"), arch="qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def spec(vl_dir):
+    return im.VisionSpec.from_dir(vl_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(vl_dir):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
+
+
+def test_patches_equal_the_models_own_image_processor(vl_dir, spec):
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    data = _png(90, 61)
+    got = im.prepare(data, "png", spec, im.ImageLimits())
+    want = AutoImageProcessor.from_pretrained(vl_dir, use_fast=False)(
+        images=[Image.open(io.BytesIO(data)).convert("RGB")])
+    assert got.grid_thw == tuple(int(x) for x in want["image_grid_thw"][0])
+    np.testing.assert_allclose(got.pixel_values, np.asarray(want["pixel_values"]), atol=1e-5)
+    assert got.tokens == got.pixel_values.shape[0] // 4 == 6  # 84 x 56 px: 6 x 4 patches / 4
+
+
+def test_smart_resize_equals_transformers():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    for h, w in [(61, 90), (1, 150), (3000, 4000), (28, 28), (999, 17), (5000, 40)]:
+        assert im.smart_resize(h, w, 28, 56 * 56, 28 * 28 * 1280) == smart_resize(
+            h, w, 28, 56 * 56, 28 * 28 * 1280)
+
+
+@pytest.mark.parametrize("data,fmt,expected,message", [
+    (_png(56, 56)[:200], "png", None, "cannot decode the png image"),
+    (_png_header_only(20_000, 20_000), "png", None, "over image_max_pixels"),
+    (_png(56, 56), "jpeg", None, "not a jpeg file"),
+    (b"GIF89a....", "gif", None, "format 'gif' is not served"),
+    (_png(56, 56), "png", 5, "expected_tokens is 5 but the image is 4 tokens"),
+])
+def test_bad_images_are_refused_by_name(spec, data, fmt, expected, message):
+    with pytest.raises(im.ImageError, match=message):
+        im.prepare(data, fmt, spec, im.ImageLimits(), expected_tokens=expected)
+
+
+def test_limits_and_pointers(spec, tmp_path):
+    data = _png(56, 56)
+    with pytest.raises(im.ImageError, match="over image_max_bytes"):
+        im.prepare(data, "png", spec, im.ImageLimits(max_bytes=100))
+    with pytest.raises(im.ImageError, match="over image_max_tokens"):
+        im.prepare(data, "png", spec, im.ImageLimits(max_tokens=3))
+    one = im.prepare(data, "png", spec, im.ImageLimits())
+    with pytest.raises(im.ImageError, match="over request_max_image_tokens"):
+        im.check_request([one, one], im.ImageLimits(request_max_tokens=7))
+    (tmp_path / "a.png").write_bytes(data)
+    with pytest.raises(im.ImageError, match="no image_dir is configured"):
+        im.read_pointer(f"file://{tmp_path}/a.png", im.ImageLimits())
+    limits = im.ImageLimits(image_dir=tmp_path / "imgs")
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "b.png").write_bytes(data)
+    assert im.read_pointer(f"file://{tmp_path}/imgs/b.png", limits) == data
+    with pytest.raises(im.ImageError, match="outside image_dir"):
+        im.read_pointer(f"file://{tmp_path}/imgs/../a.png", limits)
+    with pytest.raises(im.ImageError, match="only file:// paths"):
+        im.read_pointer("https://example.invalid/a.png", limits)
+
+
+def _image_prompt(vl_dir, spec, tokens_before: list[int], after: list[int], seed=0):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(vl_dir)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in
+           ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")}
+    img = im.prepare(_png(90, 61, seed), "png", spec, im.ImageLimits())
+    row = (tokens_before + [ids["<|vision_start|>"]] + [ids["<|image_pad|>"]] * img.tokens
+           + [ids["<|vision_end|>"]] + after)
+    return row, img, ids["<|image_pad|>"]
+
+
+def test_mrope_positions_equal_transformers(vl_dir, spec, hf):
+    row, img, pad = _image_prompt(vl_dir, spec, [5, 6, 7], [8, 9, 10, 11])
+    input_ids = torch.tensor([row])
+    want, _ = hf.model.get_rope_index(input_ids, (input_ids == pad).int(),
+                                      image_grid_thw=torch.tensor([img.grid_thw]))
+    got = mrope.row_positions(row, pad, [img.grid_thw], spec.merge_size)
+    assert torch.equal(got, want[:, 0])
+    assert torch.equal(mrope.text_row(5), torch.arange(5).expand(3, -1))
+
+
+def test_engine_forward_with_an_image_equals_transformers(vl_dir, spec, hf):
+    """A packed micro-batch of an image row beside a text-only row: the image row's logits
+    equal transformers' Qwen2.5-VL, the text row's equal those it has alone."""
+    from twinkled.engine.model import BaseModel
+
+    model = BaseModel(vl_dir)
+    row, img, pad = _image_prompt(vl_dir, spec, [5, 6, 7], [8, 9, 10, 11])
+    text = [12, 13, 14, 15, 16, 17]
+    with torch.no_grad():
+        # (mm_token_type_ids: without it transformers' model gives the image 1-D positions)
+        want = hf(input_ids=torch.tensor([row]), mm_token_type_ids=(torch.tensor([row]) == pad).int(),
+                  pixel_values=torch.from_numpy(img.pixel_values),
+                  image_grid_thw=torch.tensor([img.grid_thw])).logits[0]
+        want_text = hf(input_ids=torch.tensor([text])).logits[0]
+        ids = torch.tensor([row + text])
+        positions = mrope.packed([mrope.row_positions(row, pad, [img.grid_thw], 2),
+                                  mrope.text_row(len(text))])
+        index = (torch.tensor(row) == pad).nonzero()[:, 0]
+        images = Images(torch.from_numpy(img.pixel_values), [img.grid_thw], index)
+        h = model.forward(ids, positions, packing=Packing.of([len(row), len(text)], "cpu"),
+                          images=images)
+        logits = model.lm_head(h)[0]
+        alone = model.lm_head(model.forward(torch.tensor([text]), torch.arange(6)[None]))[0]
+    torch.testing.assert_close(logits[:len(row)], want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[len(row):], want_text, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(alone, want_text, atol=1e-4, rtol=1e-4)
+    # The image changed the row: its embeddings were spliced in (not the pad token's).
+    plain = model.lm_head(model.forward(torch.tensor([row]), positions[:, :, :len(row)]))[0]
+    assert (plain[-1] - logits[len(row) - 1]).abs().max() > 1e-3
+
+
+def _peft_grads(hf, adapter, data, image_pad):
+    """peft on transformers' Qwen2.5-VL with `adapter`'s weights: each datum's summed target
+    logprob's loss, backward; the LoRA gradients by our keys."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    names = sorted({k.rsplit(".", 1)[-1] for k in adapter.bank.shapes})
+    pm = get_peft_model(hf, PeftLoraConfig(
+        r=adapter.bank.rank, lora_alpha=adapter.config.alpha,
+        target_modules=rf"(.*language_model.*\.({'|'.join(names)})|lm_head)"))
+    try:
+        named = dict(pm.named_parameters())
+        params = {}
+        for key in adapter.bank.shapes:
+            theirs = key.replace("model.", "model.language_model.", 1)
+            pa, pb = (named[f"base_model.model.{theirs}.lora_{x}.default.weight"] for x in "AB")
+            pa.data.copy_(adapter.bank.A[key][adapter.slot])
+            pb.data.copy_(adapter.bank.B[key][adapter.slot])
+            params[key] = (pa, pb)
+        lps = []
+        for d in data:
+            ids = torch.as_tensor(d.tokens)[None]
+            extra = {} if not d.images else dict(
+                mm_token_type_ids=(ids == image_pad).int(),
+                pixel_values=torch.cat([torch.from_numpy(i.pixel_values) for i in d.images]),
+                image_grid_thw=torch.tensor([i.grid_thw for i in d.images]))
+            logits = pm(input_ids=ids, **extra).logits[0].float()
+            lps.append(logits.log_softmax(-1).gather(1, d.loss_inputs["target_tokens"][:, None])[:, 0])
+        loss = -sum((lp * d.loss_inputs["weights"]).sum() for lp, d in zip(lps, data, strict=True))
+        loss.backward()
+        return [lp.detach() for lp in lps], {k: (a.grad, b.grad) for k, (a, b) in params.items()}
+    finally:
+        pm.unload()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_training_with_an_image_equals_transformers_and_peft(vl_dir, spec, hf, packed):
+    """forward_backward of an image datum co-batched beside a text-only tenant: logprobs
+    and LoRA gradients equal peft on transformers' Qwen2.5-VL; the text tenant's equal
+    those it gets alone. Image positions carry weight 0."""
+    from helpers import grads, make_engine, randomize_b, rel_diff
+
+    from twinkled.protocol.types import Datum, ForwardBackwardRequest, LoraConfig
+
+    eng = make_engine(vl_dir, packed=packed)
+    for i, name in enumerate(("vis", "txt")):
+        eng.add_adapter(name, LoraConfig(rank=4, seed=i + 1))
+        randomize_b(eng, name, seed=10 + i, std=0.2)
+    row, img, pad = _image_prompt(vl_dir, spec, [5, 6, 7], [8, 9, 10, 11])
+    targets = torch.tensor(row[1:] + [12])
+    weights = (torch.tensor(row) != pad).float()
+    vis = Datum(row, {"target_tokens": targets, "weights": weights}, images=[img])
+    gen = torch.Generator().manual_seed(0)
+    text = torch.randint(5, 1000, (9,), generator=gen)
+    txt = Datum(text[:-1].tolist(), {"target_tokens": text[1:], "weights": torch.ones(8)})
+    reqs = [ForwardBackwardRequest("vis", [vis], "cross_entropy"),
+            ForwardBackwardRequest("txt", [txt], "cross_entropy")]
+    together = eng.forward_backward(reqs)
+    got = {n: grads(eng, n) for n in ("vis", "txt")}
+    eng.zero_grad("txt")
+    alone = eng.forward_backward([reqs[1]])
+    torch.testing.assert_close(alone[0].outputs[0]["logprobs"], together[1].outputs[0]["logprobs"],
+                               atol=1e-5, rtol=1e-5)
+    # (gradients reach ~200 here: compared relative to their size)
+    for key, (ga, gb) in grads(eng, "txt").items():
+        assert rel_diff(got["txt"][key][0], ga) < 1e-4 and rel_diff(got["txt"][key][1], gb) < 1e-4
+    lps, want = _peft_grads(hf, eng.pool.get("vis"), [vis], pad)
+    torch.testing.assert_close(together[0].outputs[0]["logprobs"], lps[0], atol=1e-4, rtol=1e-4)
+    assert want
+    for key, (ga, gb) in want.items():
+        assert rel_diff(got["vis"][key][0], ga) < 1e-4 and rel_diff(got["vis"][key][1], gb) < 1e-4
+
+
+def test_a_text_model_given_an_image_names_the_model(tiny_dir):
+    from types import SimpleNamespace
+
+    from tinker_shim import images as door
+    from tinker_shim.codec import DatumIn, ImageIn
+    from twinkled.protocol.errors import UserError
+
+    config = SimpleNamespace(model=tiny_dir)
+    datum = DatumIn([1, 2], {}, images=[ImageIn(1, _png(56, 56), "png")])
+    with pytest.raises(UserError, match="model 'tiny-qwen3' takes no images"):
+        door.expand([datum], config, "tiny-qwen3")
+
+
+def test_a_placeholder_token_in_text_is_refused(vl_dir):
+    from tinker_shim import images as door
+    from tinker_shim.codec import DatumIn, ImageIn
+    from twinkled.protocol.config import Config
+    from twinkled.protocol.errors import UserError
+
+    _, pad = door.model_vision(str(vl_dir))
+    config = Config(model=vl_dir)
+    ok = DatumIn([1, 2], {}, images=[ImageIn(1, _png(56, 56), "png")])
+    out, images = door.expand([ok], config, "vl")
+    assert out[0].tokens == [1, pad, pad, pad, pad, 2] and images[0][0].tokens == 4
+    bad = DatumIn([1, pad], {}, images=[ImageIn(1, _png(56, 56), "png")])
+    with pytest.raises(UserError, match=f"holds the image placeholder token \\({pad}\\)"):
+        door.expand([bad], config, "vl")

@@ -1,0 +1,124 @@
+"""The vision tower of a vision-language model (Qwen2.5-VL), run frozen, and the splice of its
+embeddings into the text embeddings at the image-placeholder positions.
+
+The checkpoint loads whole (transformers' own modules); `split` keeps its language model as
+the engine's decoder (named as a text model's: `model.layers.N...`, so LoRA targets and
+adapter files read as for Qwen2) and its vision tower beside it, never trained: LoRA is on
+the language model's linears only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from twinkled.protocol.images import VL_ARCHS as ARCHS
+from twinkled.protocol.images import guard_torchvision
+
+
+class TextOnly(nn.Module):
+    """The language model of a VL checkpoint, shaped as a causal LM: `.model`, `.lm_head`."""
+
+    def __init__(self, model: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.model = model
+        self.lm_head = lm_head
+
+
+@dataclass
+class Images:
+    """The images of one forward: patches of all images end to end and their grids, and the
+    flat token indices (into the [B, S] input) of their placeholders, in image order."""
+    pixel_values: torch.Tensor  # [patches, C * temporal * patch * patch]
+    grids: Sequence[tuple[int, int, int]]
+    index: torch.Tensor  # [image tokens] long
+
+
+class VisionTower:
+    """The frozen tower + merger: images -> embeddings of the text's hidden size."""
+
+    def __init__(self, visual: nn.Module, image_token_id: int, merge_size: int):
+        self.visual = visual.eval().requires_grad_(False)
+        self.image_token_id = image_token_id
+        self.merge_size = merge_size
+
+    @torch.no_grad()
+    def embed(self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]
+              ) -> torch.Tensor:
+        """[image tokens, hidden]: every image's merged patch embeddings, in order."""
+        p = next(self.visual.parameters())
+        grid = torch.as_tensor([list(g) for g in grids], dtype=torch.long, device=p.device)
+        out = self.visual(pixel_values.to(device=p.device, dtype=p.dtype), grid_thw=grid)
+        return out.pooler_output if hasattr(out, "pooler_output") else out
+
+    def splice(self, h: torch.Tensor, images: Images) -> torch.Tensor:
+        """The text embeddings `h` [B, S, H] with the image tokens' rows replaced (out of
+        place: the embedding table's gradient path stays intact for the other tokens)."""
+        emb = self.embed(images.pixel_values, images.grids).to(h.dtype)
+        if emb.shape[0] != images.index.numel():
+            raise ValueError(f"{images.index.numel()} image placeholder tokens but the images "
+                             f"make {emb.shape[0]}")
+        flat = h.reshape(-1, h.shape[-1]).index_copy(0, images.index.to(h.device), emb)
+        return flat.view_as(h)
+
+
+def check(tp) -> None:
+    if tp is not None and tp.size > 1:
+        from twinkled.protocol.types import EngineInputError
+
+        raise EngineInputError("tp", "tensor parallelism does not split a vision-language "
+                               "model yet; run it with --tp 1")
+
+
+def auto_class(config):
+    """The transformers auto class a VL checkpoint loads with (None: a text model's)."""
+    if config.model_type not in ARCHS:
+        return None
+    # The VL model's module imports torchvision where it looks installed: a broken one
+    # (a +cpu torch beside the index's torchvision) must look absent first.
+    guard_torchvision()
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText
+
+
+def split(hf: nn.Module, config, device: torch.device) -> tuple[TextOnly, VisionTower]:
+    """A loaded Qwen2_5_VLForConditionalGeneration -> (its language model as a causal LM, its
+    frozen tower on `device`)."""
+    text = TextOnly(hf.model.language_model, hf.lm_head)
+    tower = VisionTower(hf.model.visual.to(device), config.image_token_id,
+                        config.vision_config.spatial_merge_size)
+    return text, tower
+
+
+def batch_inputs(model, rows: Sequence, width: int | None, device
+                 ) -> tuple[torch.Tensor, Images] | None:
+    """mRoPE positions and the images of a micro-batch whose rows (`.tokens`, `.images`:
+    protocol/images.PreparedImage, in placeholder order) hold images; None when none does
+    (the text path, unchanged). `width`: the padded layout's row width [3, B, width];
+    None: packed end to end [3, 1, T]."""
+    if model.vision is None or not any(r.images for r in rows):
+        return None
+    from . import mrope
+
+    tower = model.vision
+    parts, index, pixels, grids, at = [], [], [], [], 0
+    for r in rows:
+        n = len(r.tokens)
+        grid = [im.grid_thw for im in r.images]
+        pos = mrope.row_positions(r.tokens.tolist(), tower.image_token_id, grid,
+                                  tower.merge_size) if r.images else mrope.text_row(n)
+        if width is not None and width > n:  # pads after the row: any positions do
+            pos = torch.cat([pos, mrope.text_row(width - n, int(pos.max()) + 1)], dim=1)
+        parts.append(pos)
+        index.append((r.tokens == tower.image_token_id).nonzero()[:, 0] + at)
+        pixels += [torch.from_numpy(im.pixel_values) for im in r.images]
+        grids += grid
+        at += n if width is None else width
+    positions = (torch.stack(parts, dim=1) if width is not None
+                 else mrope.packed(parts)).to(device)
+    images = Images(torch.cat(pixels), grids, torch.cat(index).to(device))
+    return positions, images
