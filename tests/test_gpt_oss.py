@@ -57,12 +57,12 @@ def test_layers_windows_and_targets(eng):
     shapes = eng.pool.get("a").bank.shapes
     assert {"model.layers.1.self_attn.q_proj", "model.layers.3.mlp.experts.down_proj",
             EXPERT} <= set(shapes)
-    from twinkled.engine.moe import moe_blocks
     from twinkled.engine.moe_parallel import ExpertSplit
+    from twinkled.engine.sparse import sparse_blocks
     from twinkled.protocol.types import EngineInputError
 
     with pytest.raises(EngineInputError, match="gpt_oss.*--ep 1"):  # refused by name
-        moe_blocks("gpt_oss", m.config, m.layers, ExpertSplit(0, 2, None))
+        sparse_blocks("gpt_oss", m.config, m.layers, ExpertSplit(0, 2, None))
 
 
 def test_logprobs_equal_transformers_single_and_packed(eng):

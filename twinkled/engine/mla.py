@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from twinkled.protocol.types import MLA_MODULES, EngineInputError
 
 from .fused_ops import rotate
+from .kv_cache import KVCache
 
 ARCHS = ("deepseek_v3", "kimi_k2")
 # The linears of an MLA layer a LoRA may target (peft names; q_proj where q_lora_rank is None).
@@ -117,8 +118,6 @@ class LatentAttention:
         max_len, kv_lora_rank + qk_rope_head_dim] holds each token's normed latent and
         rotated shared key; its `v` is zero-wide (copied and indexed as KVCache's are, it
         holds nothing)."""
-        from .model import KVCache  # (model.py imports this module)
-
         m = self.model
         cache = KVCache(len(m.layers), batch, 1, max_len, 0, m.dtype, m.device)
         cache.k = torch.zeros((len(m.layers), batch, 1, max_len, self.rank + self.rope),

@@ -19,12 +19,13 @@ from torch.utils.checkpoint import checkpoint
 
 from twinkled.protocol.types import MLP_MODULES, EngineInputError
 
-from . import chunked_logprobs, fused_ops, gpt_oss, mla, mxfp4, qwen35, vision
+from . import chunked_logprobs, fused_ops, gpt_oss, mla, mxfp4, qwen35, sparse, vision
 from .fused_ops import Fused, Joint
+from .kv_cache import KVCache
 from .long_context import extend_context
 from .lora import LoraBatch
 from .losses import target_logprobs
-from .moe import MOE_ARCHS, bank_tokens, moe_blocks, shard_experts
+from .moe import MOE_ARCHS, bank_tokens, shard_experts
 from .moe_parallel import ExpertSplit
 from .packed import PackedLora, Packing
 from .recompute import Recompute
@@ -41,33 +42,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise EngineInputError("dtype", f"must be one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
-
-
-class KVCache:
-    """Preallocated keys and values for every layer: [layers, batch, kv_heads, max_len, dim].
-
-    Eager use writes at `length` and returns the filled prefix. With `index` set (a device
-    tensor holding the write position), writes go through `index_copy_` and the whole
-    buffer is returned, so a decode step has fixed shapes and can be a CUDA graph; the
-    attention mask then hides positions not yet written.
-    """
-
-    def __init__(self, n_layers, batch, n_kv, max_len, head_dim, dtype, device):
-        shape = (n_layers, batch, n_kv, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = 0  # positions filled; the next eager forward writes from here
-        self.index: torch.Tensor | None = None
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        if self.index is not None:
-            self.k[layer].index_copy_(2, self.index, k)
-            self.v[layer].index_copy_(2, self.index, v)
-            return self.k[layer], self.v[layer]
-        end = self.length + k.shape[2]
-        self.k[layer, :, :, self.length:end] = k
-        self.v[layer, :, :, self.length:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
 class BaseModel:
@@ -142,7 +116,7 @@ class BaseModel:
                 experts = ExpertSplit(tp.rank, tp.size, tp.group)
             # Sparse MLP layers (moe.py); the experts of other ranks are dropped before the
             # copy to the device.
-            self.moe = moe_blocks(config.model_type, config, list(self.hf.model.layers),
+            self.moe = sparse.sparse_blocks(config.model_type, config, list(self.hf.model.layers),
                                   experts)
             if experts is not None:
                 shard_experts(self.moe, experts)

@@ -329,15 +329,8 @@ def moe_blocks(model_type: str, config, layers, split: ExpertSplit | None = None
     """The sparse layers of a model, checked against the layout we know; {} for a dense
     model. Anything else is refused with what we found. With `split`, each block computes
     this rank's experts only (see moe_parallel.py)."""
-    if model_type == "gpt_oss":  # its own expert kind: biases, clamped SwiGLU (gpt_oss_moe.py)
-        from .gpt_oss_moe import gpt_oss_blocks
-        return gpt_oss_blocks(config, layers, split)
     if model_type not in MOE_ARCHS:
         return {}
-    if model_type in ("deepseek_v3", "kimi_k2"):  # grouped sigmoid routing, shared experts
-        from . import deepseek_moe
-
-        return deepseek_moe.blocks(config, layers, split)
     normalize = MOE_ARCHS[model_type]
     if normalize is None:
         normalize = bool(getattr(config, "norm_topk_prob", False))
