@@ -13,6 +13,13 @@ Each configuration gets a fresh daemon, in the same run.
 With `--lanes`, N workers are N lanes of one worker (`twinkled serve --lanes N`: each
 tenant's adapter on one GPU, each GPU stepping on its own) instead of one data-parallel
 group of N ranks.
+
+With `--remote`, ranks 1..N-1 of each group are not the head's own: one `twinkled worker
+--join` agent on loopback brings them (the head's cost per remote rank: the join, the step
+socket and the heartbeats, against the same group run with `--remote` left off):
+
+    python bench/bench_workers.py --devices cpu,cpu --sizes 1,2 --remote
+    python bench/bench_workers.py --devices cuda:0-3 --sizes 1,4 --remote --shape qwen2.5-0.5b
 """
 
 from __future__ import annotations
@@ -94,6 +101,29 @@ def prepare(args: argparse.Namespace, devices: list[str], prefix: str) -> tuple:
     return gpu, dtype, seq, steps, work, work / "model", vocab
 
 
+def join_remote(work: Path, devices: list[str], model_dir: Path) -> tuple[tuple, subprocess.Popen]:
+    """The head's config for `devices` as remote ranks, and the agent that brings them
+    (started first: it retries until the head listens; the head waits for its ranks)."""
+    import socket
+
+    from twinkled.workers.join import ensure_token
+
+    work.mkdir(parents=True)
+    token = work / "join.key"
+    ensure_token(token)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = work / "join.toml"
+    cfg.write_text(f'join_listen = "tcp://127.0.0.1:{port}"\njoin_token_file = "{token}"\n'
+                   f"remote_ranks = {len(devices)}\njoin_timeout_s = 300\n")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "twinkled", "worker", "--join", f"tcp://127.0.0.1:{port}",
+         "--devices", ",".join(devices), "--token-file", str(token), "--model", str(model_dir)],
+        stdout=open(work / "agent.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    return ("--config", str(cfg)), agent
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", required=True, help="the N-worker group, e.g. cuda:0,cuda:1")
@@ -107,6 +137,9 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="a twinkled TOML config for the daemons")
     ap.add_argument("--lanes", action="store_true",
                     help="one lane per worker (twinkled serve --lanes N), not one group")
+    ap.add_argument("--remote", action="store_true",
+                    help="ranks past the first join from a `twinkled worker --join` agent "
+                         "on loopback (the head's cost per remote rank)")
     ap.add_argument("--trace", action="store_true",
                     help="trace each daemon's steps (TWINKLED_TRACE) and print trace_report")
     ap.add_argument("--write", default=section_path("workers"))
@@ -130,6 +163,12 @@ def main() -> None:
         traced = work / f"trace{i}-{len(group)}.jsonl"
         if args.trace:
             os.environ["TWINKLED_TRACE"] = str(traced)
+        agent = None
+        if args.remote and len(group) > 1:
+            if args.config or args.lanes:
+                raise SystemExit("--remote takes neither --config nor --lanes")
+            extra, agent = join_remote(work / f"join{i}", group[1:], model_dir)
+            group = group[:1]
         daemon, url, log = start_daemon(model_dir, data, work, group[0], "--devices",
                                         ",".join(group), *extra)
         try:
@@ -143,12 +182,15 @@ def main() -> None:
             daemon.terminate()
             daemon.wait(timeout=120)
             log.close()
+            if agent is not None:
+                agent.terminate()
+                agent.wait(timeout=60)
         late = max(r.get("late", 0.0) for r in res)
         if late > 0.5:  # a tenant that started late stretches the window: say so
             print(f"WARNING: a tenant began its timed steps {late:.1f} s after the others")
         wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
         lat = [x for r in res for x in r["lat"]]
-        rows.append((len(group), n, sum(r["tokens"] for r in res) / wall, pct(lat, 0.5),
+        rows.append((n // args.tenants, n, sum(r["tokens"] for r in res) / wall, pct(lat, 0.5),
                      pct(lat, 0.99)))
 
     # the 1-worker figure moves between runs on one machine (19k-25k tok/s on the 0.5B):
@@ -156,6 +198,8 @@ def main() -> None:
     ones = [r[2] for r in rows if r[0] == 1] or [rows[0][2]]
     base = sum(ones) / len(ones)
     title = "Worker lanes (one per GPU)" if args.lanes else "Worker ranks (data parallel)"
+    if args.remote:
+        title += ", ranks past the first joined from another host on loopback"
     text = header("cuda" if gpu else "cpu").replace("Engine vs peft", title)
     text += (f"\n### {args.shape} ({','.join(devices)}, {str(dtype).split('.')[-1]}, LoRA r=32, "
              f"S={seq}, {args.tenants} tenants per worker at 1 x S each, {steps} timed steps)\n\n"
