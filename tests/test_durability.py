@@ -110,7 +110,11 @@ def _check(made, data, want):
         assert got == pytest.approx(want[tenant], rel=1e-4, abs=1e-5), tenant
 
 
-def test_worker_kill_keeps_every_acknowledged_step(lagging, tiny_dir):
+def test_worker_kill_and_daemon_sigkill_keep_every_acknowledged_step(lagging, tiny_dir,
+                                                                     tmp_path):
+    """One lineage (one daemon start and one set of clients for both crashes): a worker
+    kill, then more acknowledged history on the restored adapters, then a daemon SIGKILL;
+    after each, every adapter is where its control twin is."""
     made = _clients(lagging, tiny_dir)
     data = _data(next(iter(made.values()))[0].get_tokenizer())
     for i, (tc, _) in enumerate(made.values()):
@@ -122,10 +126,7 @@ def test_worker_kill_keeps_every_acknowledged_step(lagging, tiny_dir):
     _check(made, data, want)
     assert "replayed" in lagging.log_path.read_text()
 
-
-def test_daemon_sigkill_keeps_every_acknowledged_step(lagging, tiny_dir, tmp_path):
-    made = _clients(lagging, tiny_dir)
-    data = _data(next(iter(made.values()))[0].get_tokenizer())
+    # The daemon SIGKILL: the history since the worker restart comes from the journal.
     for i, (tc, _) in enumerate(made.values()):
         _history(tc, data, 1e-2 * (i + 1))
     want = _expected(made, data)
