@@ -20,6 +20,7 @@
 #   INSTALL_ONLY_DEPS=1                  torch and the dependencies pyproject.toml lists
 #                                        (with the extras'), not the project: an image's
 #                                        layer that a source change does not rebuild
+#   INSTALL_FORCE=1                      run pip even where all is already installed
 # pip prints its progress (a first install downloads for minutes); PIP_QUIET=1 hushes it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +52,14 @@ print("\n".join(d for d in deps if d.split(">")[0].split("=")[0].strip() != "tor
     say "torch==2.13.0 and the dependencies of twinkle${INSTALL_EXTRAS:+ [$INSTALL_EXTRAS]}" \
         "into $PYTHON (not twinkle itself)"
     "$PYTHON" -m pip install --disable-pip-version-check "torch==2.13.0" "${deps[@]}"
+    exit 0
+fi
+# Already all there (this checkout editable, every requirement met: scripts/satisfied.py)?
+# Then pip is not run: its resolve and editable build cost seconds in every `make` target.
+if [ "${INSTALL_EDITABLE:-1}" = 1 ] && [ -z "${INSTALL_FORCE:-}" ] \
+        && INSTALL_EXTRAS="$INSTALL_EXTRAS" "$PYTHON" scripts/satisfied.py; then
+    say "torch 2.13.0, twinkle $spec (editable, this checkout) and its requirements are" \
+        "already installed in $PYTHON; nothing to do (INSTALL_FORCE=1 runs pip anyway)"
     exit 0
 fi
 say "[1/2] torch==2.13.0 and twinkle $spec into $PYTHON"

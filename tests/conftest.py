@@ -144,13 +144,14 @@ LONGEST_FIRST = [
     "test_tinker_moe.py",  # 40
     "test_cookbook_rl.py",  # 38
     "test_tinker_versions.py",  # 30: seven tinker SDKs, a process each
-    "test_durability.py::test_a_step_another_data_parallel_rank_died_on_is_never_restored",
+    # (+ the former test of a rank that died after its step, ~35 s: one daemon for both)
+    "test_durability.py::test_a_pass_that_fails_on_one_data_parallel_rank_fails_alone",
     "test_sdk_cookbook.py::test_two_gloo_ranks_train_what_one_process_does",  # 35
-    "test_durability.py::test_worker_kill_keeps_every_acknowledged_step",  # 33
+    # (a worker kill, then a daemon SIGKILL: the former 33 s and 20 s tests, one daemon)
+    "test_durability.py::test_worker_kill_and_daemon_sigkill_keep_every_acknowledged_step",
     "test_durability.py::test_an_optim_step_queued_behind_a_lost_forward_backward_fails_with_it",
     "test_lora_kernels.py",  # 30
     "test_admin.py",  # 30 without the ones below
-    "test_durability.py::test_a_pass_that_fails_on_one_data_parallel_rank_fails_alone",  # 28
     "test_durability.py::test_a_failed_shared_pass_fails_only_the_request_at_fault",  # 27
     "test_durability.py::test_with_persistence_off_a_worker_kill_brings_an_adapter_back_as_created",
     "test_engine_state.py",  # 26
@@ -161,7 +162,6 @@ LONGEST_FIRST = [
     "test_dp_reduce.py",  # 23
     "test_durability.py::test_a_hung_step_restarts_the_group_keeping_loads_and_saying_what_was_lost",
     "test_admin.py::test_status_of_a_stopped_daemon_is_its_last_one",  # 21
-    "test_durability.py::test_daemon_sigkill_keeps_every_acknowledged_step",  # 20
     "test_sample_slices.py",  # 20
     "test_tinker_exports.py",  # 20
     "test_operator_stop.py::test_a_signal_to_the_process_group_stops_cleanly[sigterm]",  # 19

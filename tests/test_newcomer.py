@@ -83,7 +83,7 @@ class Newcomer:
         self.port = _free_port()
         drop = ("PYTHON", "PYTHONPATH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "XDG_STATE_HOME",
                 "XDG_DATA_HOME", "XDG_CACHE_HOME", "TWINKLE_CACHE", "TWINKLE_DEMO_DATA",
-                "TINKER_BASE_URL", "TINKER_API_KEY", "PYTEST_ADDOPTS")
+                "TINKER_BASE_URL", "TINKER_API_KEY", "PYTEST_ADDOPTS", "INSTALL_FORCE")
         self.env = {k: v for k, v in os.environ.items() if k not in drop}
         self.env.update(
             HOME=str(tmp / "home"), HF_HOME=str(tmp / "hf"), HF_HUB_OFFLINE="1",
@@ -142,6 +142,8 @@ def test_the_readme_runs_as_written_in_a_fresh_clone(tmp_path):
     out = me.run(top)
     assert "[alice] asked 'who are you?'" in out and "[bob] asked 'who are you?'" in out
     assert re.search(r"\d+ passed", out), out[-3000:]
+    # `make demo` installed the clone; `make test` found it all there and ran no pip.
+    assert out.count("install.sh: done") == 1 and "nothing to do" in out, out[-3000:]
 
     # The demo ends with the next commands; the README shows the same ones.
     printed = out.split("Keep playing:", 1)[1].split("\n", 1)[1].split("\n\n", 1)[0]

@@ -189,8 +189,10 @@ def fake_python(tmp_path):
     bin_dir.mkdir()
     fake = bin_dir / "python3"
     # install.sh reads pyproject.toml's dependency list with python -c (tomllib): that one
-    # runs for real, so the pip call that follows shows what it would install.
+    # runs for real, so the pip call that follows shows what it would install. Its check
+    # that all is already installed (scripts/satisfied.py) says no: pip's calls are shown.
     fake.write_text('#!/bin/sh\ncase "$2" in *tomllib*) exec "$REAL_PYTHON" "$@";; esac\n'
+                    'case "$1" in *satisfied.py) exit 1;; esac\n'
                     '{ printf "%s" "$PWD"; for a in "$@"; do printf "\\t%s" "$a"; '
                     'done; printf "\\n"; } >> "$FAKE_PYTHON_LOG"\n')
     fake.chmod(0o755)

@@ -139,19 +139,23 @@ def test_sft_tinker_client_learns(tiny_dir, daemon):
 
 def test_two_gloo_ranks_train_what_one_process_does(tiny_dir, tmp_path):
     """torchrun, DeviceMesh.from_sizes(dp_size=2): each rank half of every batch, summed
-    gradients: the same adapter as one process."""
+    gradients: the same adapter as one process (this one: a torchrun of one rank would
+    cost a launcher and a torch import more, and run the same code)."""
+    from safetensors.torch import load_file
+
     script = str(COOKBOOK / "sft_self_cognition.py")
     common = ["--model", str(tiny_dir), "--epochs", "1"]
     runs = {}
     for n in (1, 2):
         out = tmp_path / f"dp{n}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
-               "--master_port", str(29500 + n), script, *common, "--dp", str(n),
-               "--output-dir", str(out)]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-        from safetensors.torch import load_file
-
+        args = [*common, "--dp", str(n), "--output-dir", str(out)]
+        if n == 1:
+            _script("sft_self_cognition").main(args)
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
+                   "--master_port", str(29500 + n), script, *args]
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600,
+                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
         runs[n] = load_file(out / "last-checkpoint" / "adapter_model.safetensors")
     assert runs[1].keys() == runs[2].keys()
     for k in runs[1]:

@@ -159,6 +159,9 @@ def test_healthz_answers_fast_during_a_long_step(slow_pair, tiny_dir):
 
 
 def test_killed_worker_fails_one_step_and_restores_every_adapter(slow_pair, tiny_dir):
+    """Then a second kill in a row, of the other worker (the chaos test, test_chaos.py,
+    kills at random while tenants train): each kill one restart, and it still serves."""
+    counted = slow_pair.metric("twinkle_worker_restarts_total")
     alice = _client(slow_pair, "alice", tiny_dir, 2)
     bob = _client(slow_pair, "bob", tiny_dir, 3)
     data = _data(alice.get_tokenizer())
@@ -193,20 +196,11 @@ def test_killed_worker_fails_one_step_and_restores_every_adapter(slow_pair, tiny
     assert _step(alice, data).metrics["loss:sum"] > 0
     assert _logprobs(alice, data) != want_a
 
-
-def test_worker_kills_in_a_row_leave_it_serving(slow_pair, tiny_dir):
-    """Two kills in a row, of each worker in turn (the chaos test, test_chaos.py, kills
-    at random while tenants train): each one restart, and it still serves."""
-    tc = _client(slow_pair, "bob", tiny_dir, 4)
-    data = _data(tc.get_tokenizer())[:1]
-    counted = slow_pair.metric("twinkle_worker_restarts_total")
-    for i in range(2):
-        old = slow_pair.workers()
-        os.kill(old[i % 2], signal.SIGKILL)
-        slow_pair.wait_workers(2, old=set(old))
-    assert _step(tc, data).metrics["loss:sum"] > 0
-    # Each kill was one restart, counted in /metrics and in the status (which also counts
-    # this module's earlier kills).
+    old = slow_pair.workers()
+    os.kill(old[0], signal.SIGKILL)  # the other rank this time
+    slow_pair.wait_workers(2, old=set(old))
+    assert _step(bob, data[:1]).metrics["loss:sum"] > 0
+    # Each kill was one restart, counted in /metrics and in the status.
     assert slow_pair.metric("twinkle_worker_restarts_total") == counted + 2
     assert ctl_status(slow_pair.data_dir)["restarts"] == counted + 2
 
