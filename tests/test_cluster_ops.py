@@ -43,7 +43,10 @@ def _parses(argv: list[str]) -> None:
     """The real CLI accepts this command line (options, types, required ones)."""
     name, *rest = argv
     cmd = cli.commands[name]
-    cmd.make_context(name, rest)
+    # under the group's context, as a real command line runs: a context without the
+    # group's settings would make click cache `serve`'s help option as `--help` alone
+    with cli.make_context("twinkled", [name], resilient_parsing=True) as parent:
+        cmd.make_context(name, rest, parent=parent)
 
 
 def test_manifests_have_the_api_fields_and_their_references_resolve(tmp_path):
