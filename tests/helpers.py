@@ -168,6 +168,16 @@ def loss_data(eng, gen, loss: str, name: str, lengths: list[int]) -> list[Datum]
     return data
 
 
+def two_adapter_engine(model_dir, **kw) -> Engine:
+    """An engine with adapters "a" and "b" (rank 4, alpha 8, seeds 0 and 1), B random
+    (std 0.1) so that each changes the model's output; `kw` for the Engine."""
+    e = make_engine(model_dir, **kw)
+    for seed, name in enumerate(("a", "b")):
+        e.add_adapter(name, LoraConfig(rank=4, alpha=8, seed=seed))
+        randomize_b(e, name, seed=seed + 10, std=0.1)
+    return e
+
+
 def mixed_engine(model_dir, adapters: dict[str, tuple[int, bool, bool, bool]],
                  **kw) -> Engine:
     """An engine with `adapters`: name -> (rank, train_attn, train_mlp, train_unembed),

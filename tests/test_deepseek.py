@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from helpers import grads, make_engine, random_datum, randomize_b
+from helpers import grads, hf_logprobs, random_datum, two_adapter_engine
 
 from twinkled.engine.moe_peft import from_peft, peft_module
 from twinkled.engine.packed import Packing
@@ -17,7 +17,6 @@ from twinkled.engine.sampler import generate_padded
 from twinkled.protocol.types import (
     EngineInputError,
     ForwardBackwardRequest,
-    LoraConfig,
     SampleRequest,
     SamplingParams,
 )
@@ -34,17 +33,7 @@ def ds_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eng(ds_dir):
-    e = make_engine(ds_dir)
-    for seed, name in enumerate(("a", "b")):
-        e.add_adapter(name, LoraConfig(rank=4, alpha=8, seed=seed))
-        randomize_b(e, name, seed=seed + 10, std=0.1)
-    return e
-
-
-def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    return logits.log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return two_adapter_engine(ds_dir)
 
 
 def test_layers_and_lora_targets(eng):
@@ -65,7 +54,7 @@ def test_logprobs_equal_transformers_single_and_packed(eng):
     m = eng.model
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, m.vocab_size, (n,), generator=gen).tolist() for n in (40, 9, 23)]
-    want = torch.cat([_hf_logprobs(m.hf, r) for r in rows])
+    want = torch.cat([hf_logprobs(m.hf, r) for r in rows])
     pk = Packing.of([len(r) for r in rows], m.device)
     ids = torch.tensor([t for r in rows for t in r])
     with torch.no_grad():
@@ -182,7 +171,7 @@ def test_seeded_samples_score_as_peft_with_the_adapter(eng, ds_dir, tmp_path, mo
     base = AutoModelForCausalLM.from_pretrained(ds_dir, dtype=torch.float32)
     pm = PeftModel.from_pretrained(base, tmp_path / "b").merge_and_unload()
     for s in first.sequences:
-        want = _hf_logprobs(pm, prompt + s.tokens)[len(prompt) - 1:]
+        want = hf_logprobs(pm, prompt + s.tokens)[len(prompt) - 1:]
         assert (torch.tensor(s.logprobs) - want).abs().max() < 1e-4
 
 

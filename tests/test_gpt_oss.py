@@ -10,13 +10,12 @@ import json
 
 import pytest
 import torch
-from helpers import grads, make_engine, random_datum, randomize_b
+from helpers import grads, hf_logprobs, random_datum, two_adapter_engine
 
 from twinkled.engine.moe_peft import from_peft, peft_module
 from twinkled.engine.packed import Packing
 from twinkled.protocol.types import (
     ForwardBackwardRequest,
-    LoraConfig,
     SampleRequest,
     SamplingParams,
 )
@@ -36,17 +35,7 @@ def oss_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eng(oss_dir):
-    e = make_engine(oss_dir)
-    for seed, name in enumerate(("a", "b")):
-        e.add_adapter(name, LoraConfig(rank=4, alpha=8, seed=seed))
-        randomize_b(e, name, seed=seed + 10, std=0.1)
-    return e
-
-
-def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    return logits.log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return two_adapter_engine(oss_dir)
 
 
 def test_layers_windows_and_targets(eng):
@@ -70,7 +59,7 @@ def test_logprobs_equal_transformers_single_and_packed(eng):
     m = eng.model
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, m.vocab_size, (n,), generator=gen).tolist() for n in (30, 5, 19)]
-    want = torch.cat([_hf_logprobs(m.hf, r) for r in rows])
+    want = torch.cat([hf_logprobs(m.hf, r) for r in rows])
     pk = Packing.of([len(r) for r in rows], m.device)
     ids = torch.tensor([t for r in rows for t in r])
     with torch.no_grad():
@@ -80,7 +69,7 @@ def test_logprobs_equal_transformers_single_and_packed(eng):
                      for s, r in zip((0, 30, 35), rows, strict=True)])
     assert (got - want).abs().max() < 1e-5
     got = one.log_softmax(-1)[:-1].gather(1, torch.tensor(rows[0][1:])[:, None])[:, 0]
-    assert (got - _hf_logprobs(m.hf, rows[0])).abs().max() < 1e-5
+    assert (got - hf_logprobs(m.hf, rows[0])).abs().max() < 1e-5
 
 
 def _peft(oss_dir, eng, name, tmp_path):
@@ -149,7 +138,7 @@ def test_greedy_equals_transformers_generate(eng, oss_dir):
         want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert [s.tokens for s in r.sequences] == [want] * len(r.sequences)
-        lp = _hf_logprobs(hf, p + want)[len(p) - 1:]
+        lp = hf_logprobs(hf, p + want)[len(p) - 1:]
         for s in r.sequences:
             assert (torch.tensor(s.logprobs) - lp).abs().max() < 1e-4
 
@@ -172,7 +161,7 @@ def test_adapter_samples_equal_peft(eng, oss_dir, tmp_path):
         s = eng.sample([SampleRequest("b", prompts[1], seeded, num_samples=2)])[0].sequences
         assert s[0].tokens != s[1].tokens
         for seq in s:
-            lp = _hf_logprobs(pm, prompts[1] + seq.tokens)[len(prompts[1]) - 1:]
+            lp = hf_logprobs(pm, prompts[1] + seq.tokens)[len(prompts[1]) - 1:]
             assert (torch.tensor(seq.logprobs) - lp).abs().max() < 1e-4
 
 
@@ -212,7 +201,7 @@ def test_mxfp4_dequantises_as_transformers(oss_dir, eng, tmp_path):
     with torch.no_grad():
         lp = m.logits(m.forward(torch.tensor([ids]), torch.arange(17)[None]))[0]
     got = lp.log_softmax(-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    assert (got - _hf_logprobs(ref, ids)).abs().max() < 1e-5
+    assert (got - hf_logprobs(ref, ids)).abs().max() < 1e-5
 
 
 def test_prefill_pieces_attend_as_whole_rows():

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import grads, make_engine, random_datum, randomize_b
+from helpers import grads, random_datum, two_adapter_engine
 
 from twinkled.protocol.types import (
     ForwardBackwardRequest,
-    LoraConfig,
     SampleRequest,
     SamplingParams,
 )
@@ -32,11 +31,7 @@ def oss_dir(tmp_path_factory):
 
 
 def _engine(oss_dir, **kw):
-    e = make_engine(oss_dir, **kw)
-    for seed, name in enumerate(("a", "b")):
-        e.add_adapter(name, LoraConfig(rank=4, alpha=8, seed=seed))
-        randomize_b(e, name, seed=seed + 10, std=0.1)
-    return e
+    return two_adapter_engine(oss_dir, **kw)
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-3), ("bfloat16", 5e-2)])

@@ -13,9 +13,8 @@ from helpers import (
     assert_packed_logprobs_equal_hf,
     grads,
     hf_logprobs,
-    make_engine,
     random_datum,
-    randomize_b,
+    two_adapter_engine,
 )
 
 from twinkled.engine.linear_attn import delta_rule, delta_step
@@ -24,7 +23,6 @@ from twinkled.engine.sampler import generate
 from twinkled.protocol.types import (
     EngineInputError,
     ForwardBackwardRequest,
-    LoraConfig,
     SampleRequest,
     SamplingParams,
 )
@@ -40,11 +38,7 @@ def qwen35_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eng(qwen35_dir):
-    e = make_engine(qwen35_dir)
-    for seed, name in enumerate(("a", "b")):
-        e.add_adapter(name, LoraConfig(rank=4, alpha=8, seed=seed))
-        randomize_b(e, name, seed=seed + 10, std=0.1)
-    return e
+    return two_adapter_engine(qwen35_dir)
 
 
 def test_layers_and_lora_targets(eng):
