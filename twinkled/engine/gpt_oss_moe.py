@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from twinkled.protocol.types import EngineInputError
 
-from .moe import MoeBlock, _ExpertMM, _PairAdapters
+from .moe import MoeBlock
 from .moe_parallel import ExpertSplit
 
 
@@ -48,26 +48,12 @@ class GptOssMoeBlock(MoeBlock):
         top, experts = torch.topk(logits, self.top_k, dim=-1)
         return experts, torch.softmax(top, dim=-1).to(x.dtype)
 
-    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's clamped SwiGLU over gate and up interleaved (MoeBlock.expert_pairs adds
+        the biases)."""
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
-
-    def expert_pairs(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                     banks, tokens: torch.Tensor) -> torch.Tensor:
-        """MoeBlock.expert_pairs with the experts' biases and the clamped SwiGLU."""
-        T = flat.shape[0]
-        order = torch.argsort(experts, stable=True)
-        experts, tokens, weights = experts[order], tokens[order], weights[order]
-        E = self.gate_up.shape[0]
-        offs = torch.cumsum(torch.bincount(experts, minlength=E), 0).to(torch.int32)
-        xs = flat.index_select(0, tokens)
-        pairs = _PairAdapters.of(banks, tokens, experts, E, T, self.owned)
-        gu = _ExpertMM.apply(xs, self.gate_up, offs) + self.gate_up_bias[experts]
-        mid = self.act(pairs.add_deltas(self.keys["gate_up_proj"], xs, gu))
-        y = _ExpertMM.apply(mid, self.down, offs) + self.down_bias[experts]
-        y = pairs.add_deltas(self.keys["down_proj"], mid, y) * weights[:, None]
-        return flat.new_zeros(flat.shape).index_add(0, tokens, y)
 
 
 def gpt_oss_blocks(config, layers, split: ExpertSplit | None = None

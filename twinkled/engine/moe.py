@@ -135,6 +135,10 @@ def _distinct(bank, tokens, token_slots, token_scale) -> BankTokens:
 class MoeBlock:
     """One decoder layer's sparse MLP, run over the frozen weights of its HF module."""
 
+    # Experts with biases (gpt-oss's, gpt_oss_moe.py) set these: [E, 2I] and [E, H].
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
     def __init__(self, index: int, mlp, normalize: bool | None, top_k: int,
                  split: ExpertSplit | None = None):
         self.index = index
@@ -199,13 +203,20 @@ class MoeBlock:
         xs = flat.index_select(0, tokens)
         pairs = _PairAdapters.of(banks, tokens, experts, E, T, self.owned)
         gu = _ExpertMM.apply(xs, self.gate_up, offs)
-        gu = pairs.add_deltas(self.keys["gate_up_proj"], xs, gu)
-        gate, up = gu.chunk(2, dim=-1)
-        mid = self.act(gate) * up
+        if self.gate_up_bias is not None:
+            gu = gu + self.gate_up_bias[experts]
+        mid = self.glu(pairs.add_deltas(self.keys["gate_up_proj"], xs, gu))
         y = _ExpertMM.apply(mid, self.down, offs)
+        if self.down_bias is not None:
+            y = y + self.down_bias[experts]
         y = pairs.add_deltas(self.keys["down_proj"], mid, y)
         y = y * weights[:, None]
         return flat.new_zeros(flat.shape).index_add(0, tokens, y)
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The experts' gated activation of [gate | up] halves: act(gate) * up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
 
 
 class _PairAdapters:
