@@ -235,3 +235,21 @@ def assert_packed_logprobs_equal_hf(m) -> None:
     got = torch.cat([lp[s:s + len(r) - 1].gather(1, torch.tensor(r[1:])[:, None])[:, 0]
                      for s, r in zip((0, 70, 79), rows, strict=True)])
     assert (got - want).abs().max() < 1e-4
+
+
+def delta_rule_inputs(lengths: list[int], Hk: int = 2, Hv: int = 4, dk: int = 64, dv: int = 32,
+                      seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Random gated delta-rule inputs (engine/linear_attn.py's shapes) for rows of `lengths`,
+    padding beyond each row's length neither decaying nor writing: ([q, k, v, gate, beta,
+    initial state], the real positions' mask [N, L, 1])."""
+    from twinkled.engine import linear_attn as la
+
+    g = torch.Generator().manual_seed(seed)
+    N, L = len(lengths), max(lengths)
+    q, k = (torch.randn(N, L, Hk, dk, generator=g) for _ in range(2))
+    v = torch.randn(N, L, Hv, dv, generator=g)
+    real = la.valid(lengths, L, "cpu")[..., None]
+    gate = -torch.rand(N, L, Hv, generator=g) * 0.5 * real
+    beta = torch.rand(N, L, Hv, generator=g) * real
+    s0 = torch.randn(N, Hv, dk, dv, generator=g) * 0.1
+    return [q, k, v, gate, beta, s0], real

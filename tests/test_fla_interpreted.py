@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from helpers import delta_rule_inputs
 
 from twinkled.engine import linear_attn as la
 
@@ -21,26 +22,13 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (CPU tensors)", allow_module_level=True)
 
 
-def _inputs(lengths, Hk=2, Hv=4, dk=16, dv=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    N, L = len(lengths), max(lengths)
-    q, k = (torch.randn(N, L, Hk, dk, generator=g) for _ in range(2))
-    v = torch.randn(N, L, Hv, dv, generator=g)
-    real = la.valid(lengths, L, "cpu")[..., None]
-    gate = -torch.rand(N, L, Hv, generator=g) * 0.5 * real
-    beta = torch.rand(N, L, Hv, generator=g) * real
-    s0 = torch.randn(N, Hv, dk, dv, generator=g) * 0.1
-    return q, k, v, gate, beta, s0
-
-
 def _heads(q, k, rep):
     q, k = (la.l2norm(t.float().repeat_interleave(rep, dim=2)) for t in (q, k))
     return q * q.shape[-1]**-0.5, k
 
 
 def test_fla_step_equals_the_torch_step():
-    *rows, s0 = _inputs([1, 1, 1])
-    q, k, v, gate, beta = rows
+    (q, k, v, gate, beta, s0), _ = delta_rule_inputs([1, 1, 1], dk=16, dv=16)
     o, s = la.fla_step(q, k, v, gate, beta, s0)
     o2, s2 = la.delta_step(*_heads(q, k, 2), v, gate, beta, s0)
     assert torch.isfinite(o).all()

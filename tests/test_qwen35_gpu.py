@@ -6,21 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import delta_rule_inputs
 
 from twinkled.engine import linear_attn as la
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _inputs(dtype, lengths, Hk=2, Hv=4, dk=64, dv=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    N, L = len(lengths), max(lengths)
-    q, k = (torch.randn(N, L, Hk, dk, generator=g) for _ in range(2))
-    v = torch.randn(N, L, Hv, dv, generator=g)
-    real = la.valid(lengths, L, "cpu")[..., None]
-    gate = -torch.rand(N, L, Hv, generator=g) * 0.5 * real
-    beta = torch.rand(N, L, Hv, generator=g) * real
-    s0 = torch.randn(N, Hv, dk, dv, generator=g) * 0.1
+def _inputs(dtype, lengths):
+    (q, k, v, gate, beta, s0), real = delta_rule_inputs(lengths, dk=64, dv=32)
     return [t.cuda().to(dtype) for t in (q, k, v)] + [t.cuda() for t in (gate, beta, s0)], real
 
 
