@@ -50,7 +50,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-import shape_gpt_oss  # bench/ is the script's directory
+import shape_deepseek  # bench/ is the script's directory
+import shape_gpt_oss
+import shape_qwen35
 import torch
 from output import section_path
 
@@ -71,10 +73,6 @@ RANK = ALPHA = 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES = ("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b", "qwen3.5-35b-a3b",
           "gpt-oss-20b", "deepseek-v3")
-# Qwen3.5-35B-A3B's first 12 of 40 layers (three full-attention ones), unless --layers says:
-# 8 rank-32 adapters on all 256 experts of every layer (46M parameters a layer each, 18
-# bytes a parameter with gradients and moments) and its bf16 weights fit one H200 so.
-MOE_LAYERS = 12
 SAMPLING_SHAPES = ("tiny", "qwen2.5-0.5b")  # 8B sampling one adapter at a time takes too long
 
 
@@ -171,15 +169,13 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str,
     if layers is not None:
         common["num_hidden_layers"] = layers
     if shape == "qwen3.5-9b":
-        cfg = qwen35_9b(layers)
+        cfg = shape_qwen35.qwen35_9b(layers)
     elif shape == "qwen3.5-35b-a3b":
-        cfg = qwen35_35b_a3b(layers or MOE_LAYERS)
+        cfg = shape_qwen35.qwen35_35b_a3b(layers or shape_qwen35.MOE_LAYERS)
     elif shape == shape_gpt_oss.NAME:
         cfg = shape_gpt_oss.config(layers)
-    elif shape == "deepseek-v3":  # 3 dense + 1 MoE layer by default (deepseek_shape.py)
-        from deepseek_shape import deepseek_v3
-
-        cfg = deepseek_v3(layers)
+    elif shape == "deepseek-v3":  # 3 dense + 1 MoE layer by default
+        cfg = shape_deepseek.deepseek_v3(layers)
     elif shape == "qwen2.5-0.5b":
         cfg = Qwen2Config(hidden_size=896, intermediate_size=4864,
                           num_attention_heads=14, num_key_value_heads=2,
@@ -198,35 +194,6 @@ def build_model(shape: str, out: Path, dtype: torch.dtype, device: str,
     del model
     free(device)
     return cfg.vocab_size
-
-
-def qwen35_9b(layers: int | None = None):
-    """Qwen3.5-9B's text model (its config.json's text_config numbers): 32 layers, full
-    attention every 4th, linear attention with 16 key and 32 value heads of 128."""
-    from transformers import Qwen3_5TextConfig
-
-    return Qwen3_5TextConfig(
-        vocab_size=248320, hidden_size=4096, intermediate_size=12288,
-        num_hidden_layers=layers or 32, num_attention_heads=16, num_key_value_heads=4,
-        head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_conv_kernel_dim=4,
-        max_position_embeddings=262144, tie_word_embeddings=False, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
-                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
-                         "mrope_interleaved": True})
-
-
-def qwen35_35b_a3b(layers: int):
-    """Qwen3.5-35B-A3B's text model (transformers' Qwen3_5MoeTextConfig defaults are its
-    numbers): hidden 2048, 16 query / 2 kv heads of 256 on full-attention layers (every 4th),
-    linear attention as the 9B's; 256 experts of 512, top-8, and a shared expert of 512."""
-    from transformers import Qwen3_5MoeTextConfig
-
-    return Qwen3_5MoeTextConfig(
-        num_hidden_layers=layers, max_position_embeddings=262144, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
-                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
-                         "mrope_interleaved": True})
 
 
 def active_params(model) -> int:
@@ -392,7 +359,7 @@ def run_shape(shape: str, device: str, sample: bool, peft: bool = True,
     sz = GPU_SIZES if device == "cuda" else CPU_SIZES
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if shape == "qwen3.5-35b-a3b":  # (its depth is said in the section's title)
-        layers = layers or MOE_LAYERS
+        layers = layers or shape_qwen35.MOE_LAYERS
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         model_dir = Path(tmp)
         vocab = build_model(shape, model_dir, dtype, device, layers)
