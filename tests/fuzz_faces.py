@@ -42,13 +42,14 @@ class Faces:
         self.anthropic.close()
         self.admin.close()
 
-    def send(self, face: str, path: str, content: bytes, headers: dict) -> Answer:
+    def send(self, face: str, path: str, content: bytes, headers: dict,
+             slow_s: float = SLOW_S) -> Answer:
         """The answer (its first 2000 bytes); for a sampling answer still coming after
-        SLOW_S, its status (or None) with error SLOW."""
+        slow_s, its status (or None) with error SLOW."""
         client = {"oai": self.oai, "anthropic": self.anthropic}.get(face, self.admin)
         sampling = face != "admin"
-        deadline, got = time.monotonic() + SLOW_S, b""
-        timeout = httpx.Timeout(client.timeout.read, read=SLOW_S) if sampling else None
+        deadline, got = time.monotonic() + slow_s, b""
+        timeout = httpx.Timeout(client.timeout.read, read=slow_s) if sampling else None
         status = None
         try:
             with client.stream("POST", path, content=content, headers=headers,

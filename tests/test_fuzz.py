@@ -729,8 +729,11 @@ def test_fuzz_openai_face_and_admin_api(box, tiny_dir):
     box.ensure_up()
     rng, checks = random.Random(1), Checks()
     faces = Faces(box.url, box.keys["fuzz"], box.data_dir, tiny_dir.name, REQUEST_TIMEOUT)
-    for face, path, body in faces.text_requests() + faces.admin_requests():  # warm every path first
-        a = faces.send(face, path, dumps(body).encode(), {"Content-Type": "application/json"})
+    # Warm every path first. The first completion starts the sampler, which on a loaded CI
+    # machine took more than SLOW_S: a valid request gets as long as any request may take.
+    for face, path, body in faces.text_requests() + faces.admin_requests():
+        a = faces.send(face, path, dumps(body).encode(), {"Content-Type": "application/json"},
+                       slow_s=T)
         assert a.status is not None and a.status < 500, f"valid {face} {path}: {a.describe()}"
     generation, rss0, restarts0 = box.generation, rss_mb(box.pid), box.restarts()
     offenders: dict[tuple, list] = {}
