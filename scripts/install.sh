@@ -21,6 +21,7 @@
 #                                        (with the extras'), not the project: an image's
 #                                        layer that a source change does not rebuild
 #   INSTALL_FORCE=1                      run pip even where all is already installed
+#   INSTALL_CHROMIUM=0                   skip Debian's Chromium (below)
 # pip prints its progress (a first install downloads for minutes); PIP_QUIET=1 hushes it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +55,32 @@ print("\n".join(d for d in deps if d.split(">")[0].split("=")[0].strip() != "tor
     "$PYTHON" -m pip install --disable-pip-version-check "torch==2.13.0" "${deps[@]}"
     exit 0
 fi
+# The web console's browser test (tests/test_console.py) drives Debian's Chromium through
+# playwright (the `test` extra): no wheel on the package index carries a browser it can drive,
+# so with the test extra, as root, where apt-get exists and /usr/bin/chromium does not, it
+# comes from the distribution's packages (about 110 MB; seconds). Elsewhere, or if apt fails,
+# the script says so and goes on: that test then skips and names the package.
+chromium() {
+    if [[ ",$INSTALL_EXTRAS," != *",test,"* ]] || [ "${INSTALL_CHROMIUM:-1}" = 0 ] \
+            || [ -x /usr/bin/chromium ]; then
+        return 0
+    fi
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        say "no /usr/bin/chromium, and not root with apt-get: the console's browser test" \
+            "will skip (as root: apt-get install chromium)"
+        return 0
+    fi
+    say "Debian's chromium for the console's browser test (apt-get; INSTALL_CHROMIUM=0 skips)"
+    if ! { DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -q \
+                --no-install-recommends chromium >/dev/null \
+            || { timeout 120 apt-get update -q >/dev/null \
+                 && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -q \
+                    --no-install-recommends chromium >/dev/null; }; }; then
+        say "apt-get could not install chromium: the console's browser test will skip"
+    fi
+}
+chromium
+
 # Already all there (this checkout editable, every requirement met: scripts/satisfied.py)?
 # Then pip is not run: its resolve and editable build cost seconds in every `make` target.
 if [ "${INSTALL_EDITABLE:-1}" = 1 ] && [ -z "${INSTALL_FORCE:-}" ] \
