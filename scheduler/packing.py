@@ -1,13 +1,15 @@
-"""How a training step is filled: whether it is a half-size probe, and how much of an op
-fits (whole, cut between datums, or not at all). Pure functions over the cost model; the
-planner (planner.py) decides whose op comes next."""
+"""How a step is filled: whether a training step is a half-size probe, how much of an op
+fits (whole, cut between datums, or not at all), and which requests a sampling step takes.
+Pure functions over the cost model; the planner (planner.py) decides whose op comes next."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import replace
 
 from .cost import CostModel, StepShape
+from .fairness import Fairness
 from .queues import Work
 
 PROBE_EVERY = 8  # every 8th training step is a half-size probe (is_probe)
@@ -100,3 +102,23 @@ def piece_of(w: Work, lo: int, hi: int | None, tokens: int, final: bool) -> Work
     if lo == 0 and final:
         return w  # not cut: the op itself
     return replace(w, tokens=tokens, lo=lo, hi=hi, final=final, parts=None)
+
+
+def pack_samples(samples: dict[str, deque[Work]], fair: Fairness, budget: int) -> list[Work]:
+    """A sampling step's requests, taken off `samples` (tenant -> FIFO): tenants take turns,
+    the one served the fewest tokens for its weight first, up to `budget` tokens (one request
+    at least, however long)."""
+    taken: list[Work] = []
+    used = 0
+    while True:
+        waiting = [fair.tenant(n) for n, q in samples.items() if q]
+        if not waiting:
+            return taken
+        t = min(waiting, key=lambda c: (c.served_tokens / c.weight, c.name))
+        w = samples[t.name][0]
+        if taken and used + w.tokens > budget:
+            return taken
+        samples[t.name].popleft()
+        taken.append(w)
+        used += w.tokens
+        t.served_tokens += w.tokens

@@ -36,10 +36,11 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from .admission import Admission
 from .cost import CostModel, StepShape
 from .fairness import Fairness, Ledger, Limits, Tenant
 from .joins import fit_join, join_candidates, micro_tokens
-from .packing import MIN_SHARED_STEP, fills_step, fit_work, is_probe
+from .packing import MIN_SHARED_STEP, fills_step, fit_work, is_probe, pack_samples
 from .queues import OPTIM, SAMPLE, TRAIN, ModelQueue, Work
 
 
@@ -83,8 +84,7 @@ class Planner:
         self.models: dict[str, ModelQueue] = {}
         self.model_tenant: dict[str, str] = {}
         self.samples: dict[str, deque[Work]] = {}  # tenant -> FIFO
-        self.held: dict[str, deque[Work]] = {}  # tenant -> work over its quota, FIFO
-        self.paused: set[str] = set()  # ids of held work
+        self.admission = Admission(self.fair)
         self.steps = 0
         self._train_steps = 0
         self._served: set[str] = set()  # the tenants with rows in the last training step
@@ -114,7 +114,7 @@ class Planner:
         """Nothing that can run is queued, held back or in flight (ops waiting on a seq_id
         gap cannot run until their client sends the missing one)."""
         return (not any(q.head() is not None or q.in_flight for q in self.models.values())
-                and not any(self.samples.values()) and not any(self.held.values()))
+                and not any(self.samples.values()) and not self.admission.holds_any())
 
     def forget_model(self, model: str) -> None:
         """Drop a model whose ops have all run (its adapter was unloaded)."""
@@ -192,17 +192,17 @@ class Planner:
 
     def is_paused(self, work_id: str) -> bool:
         """The work is held back by its tenant's quota."""
-        return work_id in self.paused
+        return work_id in self.admission.paused
+
+    @property
+    def paused(self) -> set[str]:
+        """The ids of the work held back by quotas (admission.py)."""
+        return self.admission.paused
 
     # -- admission ----------------------------------------------------------------------
 
     def over_quota(self, tenant: str, tokens: int) -> bool:
-        t = self.fair.tenant(tenant)
-        lim = t.limits
-        return ((lim.max_queued_requests is not None
-                 and t.queued_requests + 1 > lim.max_queued_requests)
-                or (lim.max_queued_tokens is not None and t.queued_requests > 0
-                    and t.queued_tokens + tokens > lim.max_queued_tokens))
+        return self.admission.over_quota(tenant, tokens)
 
     def submit(self, w: Work) -> bool:
         """Queue `w`; False if it is held back by its tenant's quota (paused)."""
@@ -213,15 +213,13 @@ class Planner:
             if q.resync and not q.pending and not q.in_flight:
                 q.next_seq, q.resync = max(q.next_seq, w.seq), False
         if self.over_quota(w.tenant, w.tokens) and not self._fills_gap(w):
-            self.held.setdefault(w.tenant, deque()).append(w)
-            self.paused.add(w.id)
+            self.admission.hold(w)
             return False
         self._enqueue(w)
         return True
 
     def _fills_gap(self, w: Work) -> bool:
-        # The op a model is waiting for is never held: holding it could stall the model's
-        # queued ops behind it forever while they keep the quota full.
+        # The op a model is waiting for is never held (admission.py)
         return w.model is not None and w.seq == self.models[w.model].next_seq
 
     def _enqueue(self, w: Work) -> None:
@@ -240,32 +238,18 @@ class Planner:
             q.pending[w.seq] = w
 
     def _admit_held(self) -> None:
-        for tenant, held in self.held.items():
-            while held and (not self.over_quota(tenant, held[0].tokens)
-                            or self._fills_gap(held[0])):
-                w = held.popleft()
-                self.paused.discard(w.id)
-                self._enqueue(w)
-            # A held op that a model waits on jumps the line (see _fills_gap).
-            for w in [w for w in held if self._fills_gap(w)]:
-                held.remove(w)
-                self.paused.discard(w.id)
-                self._enqueue(w)
+        self.admission.release(self._fills_gap, self._enqueue)
 
     def withdraw(self, work_id: str, tenant: str) -> bool:
         """Take a queued sample out before it runs (its client went away); False if it is
         not queued any more (it runs or ran)."""
-        for queues in (self.samples, self.held):
-            q = queues.get(tenant, ())
-            for w in q:
-                if w.id == work_id and w.kind == SAMPLE:
-                    q.remove(w)
-                    if work_id in self.paused:
-                        self.paused.discard(work_id)
-                    else:
-                        self._dequeued(w)
-                    return True
-        return False
+        q = self.samples.get(tenant, ())
+        for w in q:
+            if w.id == work_id and w.kind == SAMPLE:
+                q.remove(w)
+                self._dequeued(w)
+                return True
+        return self.admission.withdraw_sample(work_id, tenant)
 
     # -- planning -----------------------------------------------------------------------
 
@@ -456,20 +440,7 @@ class Planner:
         return Step("train", taken, shape, self.cost.predict(shape), joined=True)
 
     def _sample_step(self) -> Step | None:
-        taken: list[Work] = []
-        used = 0
-        while True:
-            waiting = [self.fair.tenant(n) for n, q in self.samples.items() if q]
-            if not waiting:
-                break
-            t = min(waiting, key=lambda c: (c.served_tokens / c.weight, c.name))
-            w = self.samples[t.name][0]
-            if taken and used + w.tokens > self.sample_budget:
-                break
-            self.samples[t.name].popleft()
-            taken.append(w)
-            used += w.tokens
-            t.served_tokens += w.tokens
+        taken = pack_samples(self.samples, self.fair, self.sample_budget)
         return Step("sample", taken) if taken else None
 
     def _dequeued(self, w: Work) -> None:
@@ -497,7 +468,7 @@ class Planner:
         total = sum(t.served_s for t in self.fair.tenants.values()) or 1.0
         contended = sum(t.contended_s for t in self.fair.tenants.values())
         return {name: {"queued_requests": t.queued_requests, "queued_tokens": t.queued_tokens,
-                       "paused": len(self.held.get(name, ())), "served_tokens": t.served_tokens,
+                       "paused": self.admission.held_count(name), "served_tokens": t.served_tokens,
                        "served_s": round(t.served_s, 3), "share": t.served_s / total,
                        "contended_s": round(t.contended_s, 3),
                        "contended_share": t.contended_s / contended if contended else None,
