@@ -1,4 +1,4 @@
-"""Checkpoint files through store/blobs.py: a directory and an S3-compatible object store
+"""Checkpoint files through protocol/blobs.py: a directory and an S3-compatible object store
 (moto's server, in this process, offline), then a daemon whose checkpoints live in that
 store, driven by the unmodified tinker client."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from twinkled.protocol.blobs import Blobs, StoreError, is_remote, versioned
 from twinkled.protocol.checkpoints import checkpoint_digest
-from twinkled.store.blobs import Blobs, StoreError, is_remote, versioned
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")

@@ -31,9 +31,9 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from twinkled.protocol.blobs import StoreError
 from twinkled.protocol.checkpoints import checkpoint_path
 from twinkled.protocol.errors import UserError
-from twinkled.store.blobs import StoreError
 
 from .ids import ALL_KINDS, valid_name
 
@@ -114,7 +114,7 @@ def _q(part: str) -> str:
 
 async def _files(request: web.Request, checkpoint: dict) -> list[str]:
     """The files of a checkpoint (no subdirectories, no temporary files), wherever its
-    store keeps them (twinkled/store/blobs.py; an object store's listing off the loop)."""
+    store keeps them (twinkled/protocol/blobs.py; an object store's listing off the loop)."""
     blobs = request.app["service"].blobs
     try:
         return sorted(await asyncio.get_running_loop().run_in_executor(
@@ -127,7 +127,7 @@ async def _files(request: web.Request, checkpoint: dict) -> list[str]:
 
 async def _local(request: web.Request, checkpoint: dict) -> Path:
     """A local directory with the checkpoint's files: an object store's version fetched
-    into the daemon's cache (store/blobs.py), off the event loop."""
+    into the daemon's cache (protocol/blobs.py), off the event loop."""
     try:
         return await asyncio.get_running_loop().run_in_executor(
             None, request.app["service"].blobs.local, checkpoint["dir"])

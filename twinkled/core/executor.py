@@ -25,6 +25,7 @@ from twinkled.core.ops import Outcome
 from twinkled.core.recovery import Restorer
 from twinkled.core.replies import merge_replies
 from twinkled.core.transport import Transport
+from twinkled.protocol.blobs import store_spec
 from twinkled.protocol.config import Config
 from twinkled.protocol.frames import (
     RETRY,
@@ -40,7 +41,6 @@ from twinkled.protocol.frames import (
     encoder,
 )
 from twinkled.protocol.types import LoraConfig
-from twinkled.store.blobs import store_spec
 from twinkled.workers.gaps import GapWindow
 from twinkled.workers.hosts import join_settings
 from twinkled.workers.supervisor import WorkerGroup, WorkerLost

@@ -11,8 +11,8 @@ from typing import Protocol
 
 from twinkled.core.balance import balance
 from twinkled.core.futures import Futures
+from twinkled.protocol.blobs import Blobs
 from twinkled.protocol.config import Config
-from twinkled.store.blobs import Blobs
 
 log = logging.getLogger("twinkled")
 

@@ -38,6 +38,7 @@ from twinkled.core.residency import stored_config
 from twinkled.core.stability import StabilityRecords
 from twinkled.core.streams import SampleStream
 from twinkled.core.tenants import Tenants
+from twinkled.protocol.blobs import Blobs, versioned
 from twinkled.protocol.checkpoints import checkpoint_path
 from twinkled.protocol.checks import Limits as RequestLimits
 from twinkled.protocol.config import Config
@@ -45,7 +46,6 @@ from twinkled.protocol.errors import Conflict, NotFound, UserError  # noqa: F401
 from twinkled.protocol.frames import CreateF, LoadF, OptimF, SampleF, SaveF, TrainF, UnloadF
 from twinkled.protocol.prefixes import datum_costs
 from twinkled.protocol.types import LoraConfig
-from twinkled.store.blobs import Blobs, versioned
 from twinkled.store.checkpoints import Version
 from twinkled.store.runs import Runs
 from twinkled.store.verify import verify_checkpoints
@@ -78,7 +78,7 @@ class Service:
         limit), unless the config sets one."""
         self.config = config
         self.store = store
-        self.blobs = Blobs.from_config(config)  # where checkpoint files live (store/blobs.py)
+        self.blobs = Blobs.from_config(config)  # where checkpoint files live (protocol/blobs.py)
         self.state = "loading"
         self.load_error: str | None = None
         self.stopping = asyncio.Event()  # set at shutdown: long polls return at once

@@ -58,7 +58,7 @@ class Config:
     # fsync the journal (one group commit per step) before acknowledging: acknowledged
     # steps survive a power loss, not only a crash (twinkled/core/journal.py)
     journal_fsync: bool = True
-    # Where checkpoint files go (store/blobs.py): "" = <data_dir>/checkpoints; an absolute
+    # Where checkpoint files go (protocol/blobs.py): "" = <data_dir>/checkpoints; an absolute
     # path = a directory shared by every host (NFS-style, the same mount path everywhere);
     # s3://BUCKET[/PREFIX] = an S3-compatible object store (the `s3` extra).
     checkpoint_store: str = ""

@@ -7,7 +7,7 @@ A checkpoint is damaged when its directory is missing, cannot be read, or its si
 sha256 differ from what was recorded when it was written. Its directory (if any) is moved
 to ``<data_dir>/quarantine/<timestamp>-<name>`` -- never deleted, an admin decides -- and
 its row is marked corrupt with the reason, so it is no longer listed or served. In an
-object store (store/blobs.py) a version's objects are checked by their listing (present,
+object store (protocol/blobs.py) a version's objects are checked by their listing (present,
 sizes; the digest is checked on every fetch), and are left where they are; a store that
 cannot be reached damages nothing: it is logged and the check is skipped.
 """
@@ -19,8 +19,8 @@ import shutil
 import time
 from pathlib import Path
 
+from twinkled.protocol.blobs import Blobs, StoreError, is_remote
 from twinkled.store import Row, Store
-from twinkled.store.blobs import Blobs, StoreError, is_remote
 
 log = logging.getLogger("twinkled")
 

@@ -16,8 +16,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from twinkled.protocol.blobs import Blobs
 from twinkled.protocol.frames import ReplyF, StepF, encoder, reply_decoder, step_decoder
-from twinkled.store.blobs import Blobs
 
 from .gaps import GapWindow
 
@@ -49,7 +49,7 @@ class InProcessGroup:
         self._model = str(model)
         self._live_dir, self._persist_every = live_dir, persist_every
         self._gap_every = logprob_gap_every
-        self._store = checkpoint_store  # where checkpoints live (store/blobs.py)
+        self._store = checkpoint_store  # where checkpoints live (protocol/blobs.py)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._runner = None
         self._stopped: asyncio.Future | None = None

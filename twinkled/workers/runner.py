@@ -21,6 +21,7 @@ from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.context_parallel import ContextParallel
 from twinkled.engine.live import read_mark
 from twinkled.engine.parallel import split_rows
+from twinkled.protocol.blobs import Blobs
 from twinkled.protocol.frames import (
     RETRY,
     CreateF,
@@ -44,7 +45,6 @@ from twinkled.protocol.frames import (
 from twinkled.protocol.images import prepared_image
 from twinkled.protocol.prefixes import datum_costs
 from twinkled.protocol.types import Datum, ForwardBackwardRequest, LogprobGap
-from twinkled.store.blobs import Blobs
 
 from .parked import HostTier
 from .persist import Persister, SplitPersistence, latest_version
@@ -81,7 +81,7 @@ class StepRunner:
                  persist_every: int = 1, gap_every: int = 0,
                  cp: ContextParallel | None = None, blobs: Blobs | None = None):
         self.engine = engine
-        self.blobs = blobs or Blobs.from_spec(None)  # where checkpoints live (store/blobs.py)
+        self.blobs = blobs or Blobs.from_spec(None)  # where checkpoints live (protocol/blobs.py)
         # Context parallelism (engine/context_parallel.py): a long row runs on every rank
         # of one group of cp.size ranks, which its first rank reports; the other rows are
         # split over all ranks as data parallelism splits them.

@@ -8,9 +8,9 @@ from collections import OrderedDict
 
 from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.parallel import split_rows
+from twinkled.protocol.blobs import Blobs, unversioned
 from twinkled.protocol.frames import OpF, OutcomeF, SampleF, SlicedF, StepF
 from twinkled.protocol.types import SampleRequest, SamplingParams
-from twinkled.store.blobs import Blobs, unversioned
 
 from .gaps import GapChecks
 from .parked import HostTier
@@ -30,7 +30,7 @@ class SampleRunner:
                  spans_hosts: bool, seed: int | None, gap_every: int = 0,
                  blobs: Blobs | None = None):
         self.engine = engine
-        self.blobs = blobs or Blobs.from_spec(None)  # where checkpoints live (store/blobs.py)
+        self.blobs = blobs or Blobs.from_spec(None)  # where checkpoints live (protocol/blobs.py)
         self.gaps = GapChecks(engine, gap_every)  # sampler vs trainer logprobs (gaps.py)
         self.rank = rank
         # Samples are split over the data-parallel replicas; one rank of each reports.

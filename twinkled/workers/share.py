@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from twinkled.store.blobs import Blobs, is_remote
+from twinkled.protocol.blobs import Blobs, is_remote
 
 log = logging.getLogger("twinkled.worker")
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import zmq
 
+from twinkled.protocol.blobs import Blobs
 from twinkled.protocol.frames import HelloF, ReplyF, encoder, step_decoder
-from twinkled.store.blobs import Blobs
 
 log = logging.getLogger("twinkled.worker")
 
