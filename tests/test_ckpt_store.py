@@ -8,6 +8,7 @@ import io
 import os
 import shutil
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,15 @@ def test_save_state_lands_in_the_store_and_a_new_client_loads_downloads_and_dele
     assert got.status_code == 200, got.text
     names = tarfile.open(fileobj=io.BytesIO(got.content)).getnames()
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(names)
+    # A new version of it (overwrite) goes under its own digest; the old one's objects go.
+    tc.forward_backward(stored["batch"], "cross_entropy").result(timeout=T)
+    tc.optim_step(tinker.types.AdamParams(learning_rate=2e-2)).result(timeout=T)
+    assert tc.save_state("s1", overwrite=True).result(timeout=T).path == path
+    deadline = time.monotonic() + 30  # (removed behind the answer, in a thread)
+    while len(versions := {o.split("/")[-2] for o in fs.find(prefix)}) != 1:
+        assert time.monotonic() < deadline, versions
+        time.sleep(0.1)
+    assert versions != {sha}
     rest = tinker.RestClient(base_url=d.url, api_key=stored["key"])
     rest.delete_checkpoint_from_tinker_path(path).result(timeout=T)
     assert fs.find(prefix) == []
@@ -197,9 +207,8 @@ def test_a_save_whose_upload_fails_says_so_and_is_never_listed(stored, s3):
 
     d, tc = stored["daemon"], stored["tc"]
     s3["server"].stop()  # the store goes away (the module's last test)
-    with pytest.raises(Exception, match="checkpoint store: .* failed") as failed:
+    with pytest.raises(Exception, match="checkpoint store: .* failed"):
         tc.save_state("lost").result(timeout=T)
-    print(failed.value)
     rest = tinker.RestClient(base_url=d.url, api_key=stored["key"])
     listed = rest.list_checkpoints(tc.model_id).result(timeout=T).checkpoints
     assert "weights/lost" not in {c.checkpoint_id for c in listed}
@@ -208,5 +217,4 @@ def test_a_save_whose_upload_fails_says_so_and_is_never_listed(stored, s3):
         row = store.checkpoints.get(f"tinker://{tc.model_id}/weights/lost")
     finally:
         store.close()
-    print(row)
     assert row["status"] == "corrupt"  # kept for admins (the reason), served to no one
