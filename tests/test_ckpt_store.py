@@ -122,6 +122,18 @@ def test_an_unreachable_store_fails_the_save_by_name_and_leaves_nothing(tmp_path
     assert not any((tmp_path / "cache" / ".staging").iterdir())
 
 
+@pytest.mark.parametrize("value,ok", [("", True), ("/mnt/shared/ckpts", True),
+                                      ("s3://my-bucket/twinkle/prod", True),
+                                      ("relative/dir", False), ("s3://", False),
+                                      ("gs://bucket", False), ("s3://Bad_Bucket", False)])
+def test_the_store_key_takes_a_directory_or_an_s3_url(tmp_path, value, ok):
+    from twinkled.protocol.config import check_config
+
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f'checkpoint_store = "{value}"\ncheckpoint_store_endpoint = "http://m:9000"\n')
+    problems = check_config(cfg)
+    assert (problems == []) if ok else problems[0].startswith("checkpoint_store: must be")
+
 # -- a daemon whose checkpoints live in the store --------------------------------------
 
 tinker = pytest.importorskip("tinker")
