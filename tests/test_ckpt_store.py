@@ -200,6 +200,13 @@ def test_save_state_lands_in_the_store_and_a_new_client_loads_downloads_and_dele
     assert got.status_code == 200, got.text
     names = tarfile.open(fileobj=io.BytesIO(got.content)).getnames()
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(names)
+    # Sampler weights in the store: a sampling client on their path samples from them.
+    sampler = tc.save_weights_for_sampler("sw").result(timeout=T).path
+    assert fs.find(f"{BUCKET}/{PREFIX}/{tc.model_id}/sampler_weights/sw")
+    prompt = tinker.types.ModelInput.from_ints(stored["batch"][0].model_input.to_ints()[:4])
+    out = sc.create_sampling_client(model_path=sampler).sample(
+        prompt, 1, tinker.types.SamplingParams(max_tokens=3, temperature=0.0)).result(timeout=T)
+    assert len(out.sequences[0].tokens) == 3
     # A new version of it (overwrite) goes under its own digest; the old one's objects go.
     tc.forward_backward(stored["batch"], "cross_entropy").result(timeout=T)
     tc.optim_step(tinker.types.AdamParams(learning_rate=2e-2)).result(timeout=T)
