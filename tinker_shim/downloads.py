@@ -31,6 +31,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from twinkled.protocol.blobs import StoreError
 from twinkled.protocol.checkpoints import checkpoint_path
 from twinkled.protocol.errors import UserError
 
@@ -111,13 +112,33 @@ def _q(part: str) -> str:
 
 # -- external weights ------------------------------------------------------------------
 
-def _files(directory: str) -> list[str]:
-    """The files of a checkpoint directory (no subdirectories, no temporary files)."""
+async def _files(request: web.Request, checkpoint: dict) -> list[str]:
+    """The files of a checkpoint (no subdirectories, no temporary files), wherever its
+    store keeps them (twinkled/protocol/blobs.py; an object store's listing off the loop)."""
+    blobs = request.app["service"].blobs
     try:
-        return sorted(p.name for p in Path(directory).iterdir()
-                      if p.is_file() and not p.name.startswith("."))
+        return sorted(await asyncio.get_running_loop().run_in_executor(
+            None, blobs.files, checkpoint["dir"]))
+    except StoreError as e:
+        _unavailable(str(e))
     except OSError:
         return []
+
+
+async def _local(request: web.Request, checkpoint: dict) -> Path:
+    """A local directory with the checkpoint's files: an object store's version fetched
+    into the daemon's cache (protocol/blobs.py), off the event loop."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, request.app["service"].blobs.local, checkpoint["dir"])
+    except StoreError as e:
+        _unavailable(str(e))
+
+
+def _unavailable(message: str):
+    """The checkpoint store is out of reach now: a 503 the client may retry."""
+    raise web.HTTPServiceUnavailable(text=json.dumps({"detail": message}),
+                                     content_type="application/json")
 
 
 async def external_weights_urls(request: web.Request, checkpoint: Callable) -> web.Response:
@@ -127,7 +148,7 @@ async def external_weights_urls(request: web.Request, checkpoint: Callable) -> w
         raise UserError("download URLs are given for external weights checkpoints only "
                         "(tinker://<run_id>/external_weights/<name>): export one with "
                         "TrainingClient.save_weights_external")
-    files = _files(c["dir"])
+    files = await _files(request, c)
     if not files:
         raise UserError(f"checkpoint {c['tinker_path']!r} has no files on disk")
     urls, expires = {}, 0
@@ -165,7 +186,7 @@ def _signed_checkpoint(request: web.Request, subject: Callable[[dict], str]) -> 
 async def download_file(request: web.Request) -> web.StreamResponse:
     file = request.match_info["file"]
     c = _signed_checkpoint(request, lambda c: file_subject(c, file))
-    path = Path(c["dir"]) / file
+    path = (await _local(request, c)) / file
     if not path.is_file():  # signed, but the file is gone (cannot happen short of a hand)
         raise web.HTTPNotFound(text='{"detail": "file not found"}',
                                content_type="application/json")
@@ -185,7 +206,7 @@ async def archive_url(request: web.Request, checkpoint: Callable) -> web.Respons
     to a tar of the checkpoint (its PEFT files) with a signed URL, when it expires in
     `Expires` (an HTTP date)."""
     c = checkpoint(request)
-    if not _files(c["dir"]):
+    if not await _files(request, c):
         raise UserError(f"checkpoint {c['tinker_path']!r} has no files on disk")
     route = "/".join(_q(p) for p in ("archives", c["run_id"], c["kind"], c["name"]))
     url, expires = signed_url(request, f"{route}/checkpoint.tar", archive_subject(c))
@@ -200,13 +221,18 @@ def archive_subject(checkpoint: dict) -> str:
 async def download_archive(request: web.Request) -> web.StreamResponse:
     """The tar of a checkpoint's files at a signed URL, built as it is sent."""
     c = _signed_checkpoint(request, archive_subject)
-    files = _files(c["dir"])
+    directory = await _local(request, c)
+    try:
+        files = sorted(p.name for p in directory.iterdir()
+                       if p.is_file() and not p.name.startswith("."))
+    except OSError:  # signed, but gone (cannot happen short of a hand): the mark alone
+        files = []
     response = web.StreamResponse(headers={
         "Content-Type": "application/x-tar",
         "Content-Disposition": f'attachment; filename="{c["name"]}.tar"'})
     await response.prepare(request)
     out = _QueueFile(asyncio.get_running_loop())
-    writer = out.loop.run_in_executor(None, _write_tar, c["dir"], files, out)
+    writer = out.loop.run_in_executor(None, _write_tar, directory, files, out)
     sent = False
     try:
         while (chunk := await out.queue.get()) is not None:
@@ -243,7 +269,7 @@ class _QueueFile(io.RawIOBase):
         asyncio.run_coroutine_threadsafe(self.queue.put(item), self.loop).result()
 
 
-def _write_tar(directory: str, files: list[str], out: _QueueFile) -> None:
+def _write_tar(directory: Path, files: list[str], out: _QueueFile) -> None:
     try:
         with tarfile.open(fileobj=out, mode="w|") as tar:
             for name in files:

@@ -6,7 +6,7 @@ A tenant sees only its own objects: anything else is a 404, as if it did not exi
 
 from __future__ import annotations
 
-import shutil
+import asyncio
 import time
 
 from aiohttp import web
@@ -108,7 +108,9 @@ async def list_user_checkpoints(request):
 async def delete_checkpoint(request):
     c = _checkpoint(request)
     request.app["store"].checkpoints.delete(c["tinker_path"])
-    shutil.rmtree(c["dir"], ignore_errors=True)
+    # the files go before the answer: an object store's in a thread, off the event loop
+    blobs = request.app["service"].blobs
+    await asyncio.get_running_loop().run_in_executor(None, blobs.delete, c["dir"], True)
     return web.Response(status=204)
 
 

@@ -25,6 +25,7 @@ from twinkled.core.ops import Outcome
 from twinkled.core.recovery import Restorer
 from twinkled.core.replies import merge_replies
 from twinkled.core.transport import Transport
+from twinkled.protocol.blobs import store_spec
 from twinkled.protocol.config import Config
 from twinkled.protocol.frames import (
     RETRY,
@@ -106,7 +107,8 @@ def zmq_executor(config: Config, devices: list[str]) -> Executor:
                "activation_checkpointing": config.activation_checkpointing,
                "live_dir": str(live_dir), "persist_every": config.persist_every,
                "logprob_gap_every": config.logprob_gap_every,
-               "threads": threads, "log_format": config.log_format}
+               "threads": threads, "log_format": config.log_format,
+               "checkpoint_store": store_spec(config)}
     group = WorkerGroup(devices, options, step_timeout=config.step_timeout_s,
                         join=join_settings(config))
     return Executor(group, live_dir, config.persist_every, config.journal_fsync)
@@ -454,5 +456,6 @@ def in_process_executor(config: Config) -> Executor:
                            sample_kv_mb=config.sample_kv_mb, sample_rows=config.sample_rows,
                            live_dir=live_dir, persist_every=config.persist_every,
                            sample_prefix_cache=config.sample_prefix_cache,
-                           logprob_gap_every=config.logprob_gap_every)
+                           logprob_gap_every=config.logprob_gap_every,
+                           checkpoint_store=store_spec(config))
     return Executor(group, live_dir, config.persist_every, config.journal_fsync)

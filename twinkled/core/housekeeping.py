@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 from collections.abc import Callable
 from typing import Protocol
 
 from twinkled.core.balance import balance
 from twinkled.core.futures import Futures
+from twinkled.protocol.blobs import Blobs
 from twinkled.protocol.config import Config
 
 log = logging.getLogger("twinkled")
@@ -32,6 +32,7 @@ class Housekeeping:
         """`status`: the row `twinkled ctl status` reads; `may_unload`: whether idle
         adapters may leave now (not while loading or draining)."""
         self._config, self._store = config, store
+        self._blobs = Blobs.from_config(config)  # where checkpoint files live
         self._futures, self._adapters = futures, adapters
         self._status, self._refresh_tenants = status, refresh_tenants
         self._may_unload = may_unload
@@ -62,7 +63,7 @@ class Housekeeping:
             self._futures.purge()
             for c in self._store.checkpoints.expired():
                 self._store.checkpoints.delete(c["tinker_path"])
-                shutil.rmtree(c["dir"], ignore_errors=True)
+                self._blobs.delete_later(c["dir"])
                 log.info("checkpoint %s expired and was deleted", c["tinker_path"])
 
     async def unload_idle(self) -> None:

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from typing import Any
 
 from scheduler import Ledger, Planner
@@ -38,6 +38,7 @@ from twinkled.core.residency import stored_config
 from twinkled.core.stability import StabilityRecords
 from twinkled.core.streams import SampleStream
 from twinkled.core.tenants import Tenants
+from twinkled.protocol.blobs import Blobs, versioned
 from twinkled.protocol.checkpoints import checkpoint_path
 from twinkled.protocol.checks import Limits as RequestLimits
 from twinkled.protocol.config import Config
@@ -77,6 +78,7 @@ class Service:
         limit), unless the config sets one."""
         self.config = config
         self.store = store
+        self.blobs = Blobs.from_config(config)  # where checkpoint files live (protocol/blobs.py)
         self.state = "loading"
         self.load_error: str | None = None
         self.stopping = asyncio.Event()  # set at shutdown: long polls return at once
@@ -118,7 +120,7 @@ class Service:
         # Hashing can take a while on a big data dir: in a thread, while the workers load
         # the model and the HTTP server answers; no step runs before it is done.
         self._verified = loop.run_in_executor(None, verify_checkpoints, self.store,
-                                              self.config.data_dir)
+                                              self.config.data_dir, self.blobs)
         self._tasks.append(loop.create_task(self._run()))
         if housekeeping:
             chores = Housekeeping(self.config, self.store, self.futures, self.lanes,
@@ -376,7 +378,7 @@ class Service:
         if (original := self._admit(tenant, run["id"], seq_id, "save")) is not None:
             return original
         path = checkpoint_path(run["id"], kind, name)
-        directory = self.config.data_dir / "checkpoints" / run["id"] / kind / name
+        directory = self.blobs.base(run["id"], kind, name)
         quota = self.store.checkpoints.storage_quota(tenant,
                                                      self.config.storage_quota_default(tenant))
         version = Version(run["id"], tenant, kind, name, str(directory), user_metadata or None,
@@ -388,8 +390,12 @@ class Service:
             raise UserError(str(e)) from None
 
         def after(result: Any, message: str | None) -> None:
-            if message is None:
-                self.store.checkpoints.finish(path, *result, version=version)
+            if message is None:  # the files are where readers find them (Blobs.save)
+                old = self.store.checkpoints.get(path)
+                done = replace(version, dir=versioned(version.dir, result[1]))
+                self.store.checkpoints.finish(path, *result, version=done)
+                if old is not None and old["status"] == "ready" and old["dir"] != done.dir:
+                    self.blobs.delete_later(old["dir"])  # the version this one replaced
             else:
                 self.store.checkpoints.abandon(path, message)
 

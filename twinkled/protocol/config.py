@@ -58,6 +58,11 @@ class Config:
     # fsync the journal (one group commit per step) before acknowledging: acknowledged
     # steps survive a power loss, not only a crash (twinkled/core/journal.py)
     journal_fsync: bool = True
+    # Where checkpoint files go (protocol/blobs.py): "" = <data_dir>/checkpoints; an absolute
+    # path = a directory shared by every host (NFS-style, the same mount path everywhere);
+    # s3://BUCKET[/PREFIX] = an S3-compatible object store (the `s3` extra).
+    checkpoint_store: str = ""
+    checkpoint_store_endpoint: str = ""  # the object store's URL ("": AWS's, or AWS_ENDPOINT_URL_S3)
     idle_unload_s: float = 1800.0  # unload an adapter idle this long (0: never); it comes back on its next request
     step_timeout_s: float = 900.0  # a step not answered by then restarts the worker group
     drain_timeout_s: float = 60.0  # SIGTERM: time for queued work before it is failed

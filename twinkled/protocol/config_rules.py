@@ -12,6 +12,8 @@ TENANT_KEYS = ("weight", "max_queued_requests", "max_queued_tokens", "max_adapte
                "max_rank", "max_storage_bytes", "max_full_runs", "max_resident_bytes")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _ENDPOINT = re.compile(r"tcp://(\*|[\w.-]+):(\d{1,5})")
+_STORE = re.compile(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^/]+)*/?")  # S3's bucket names
+_URL = re.compile(r"https?://[^\s/]+(/\S*)?")
 
 
 def _fused_spec(v) -> bool:
@@ -62,6 +64,10 @@ RANGES = {
     "request_max_image_tokens": _POSITIVE,
     "join_listen": (lambda v: v == "" or _ENDPOINT.fullmatch(v),
                     'must be "" or tcp://ADDRESS:PORT (e.g. tcp://0.0.0.0:7070)'),
+    "checkpoint_store": (lambda v: v == "" or v.startswith("/") or _STORE.fullmatch(v),
+                         'must be "", an absolute path or s3://BUCKET[/PREFIX]'),
+    "checkpoint_store_endpoint": (lambda v: v == "" or _URL.fullmatch(v),
+                                  'must be "" or an http(s):// URL'),
     "remote_ranks": _NON_NEGATIVE, "join_timeout_s": _NON_NEGATIVE,
     "join_heartbeat_s": (lambda v: v >= 1, "must be 1 s or more"),
     "weight": (lambda v: v > 0, "must be a positive number"),

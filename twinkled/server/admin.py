@@ -13,7 +13,6 @@ import hashlib
 import hmac
 import os
 import secrets
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 from twinkled.protocol.config import Config
 from twinkled.server.admin_args import COMMANDS, AdminError, parse
 from twinkled.store import Store
-from twinkled.store.verify import all_checkpoints, verify_checkpoints
+from twinkled.store.verify import all_checkpoints, offline_blobs, verify_checkpoints
 
 ADMIN_KEY_PREFIX = "twa-"
 __all__ = ["COMMANDS", "Admin", "AdminError"]
@@ -52,6 +51,8 @@ class Admin:
 
     def __init__(self, store: Store, data_dir: Path, service: Any = None):
         self.store, self.data_dir, self.service = store, Path(data_dir), service
+        # where checkpoint files live: the daemon's store, else as a row's locator says
+        self.blobs = service.blobs if service is not None else offline_blobs(self.data_dir)
 
     def run(self, command: str, args: dict | bytes) -> Any:
         """`args` checked at the door (admin_args.py), then the command's method."""
@@ -127,14 +128,14 @@ class Admin:
         return all_checkpoints(self.store, status=status, run_id=run, tenant=tenant)
 
     def checkpoints_verify(self) -> list[dict]:
-        return verify_checkpoints(self.store, self.data_dir)
+        return verify_checkpoints(self.store, self.data_dir, self.blobs)
 
     def checkpoints_delete(self, path: str) -> dict:
         row = self.store.checkpoints.delete(path)
         if row is None:
             raise AdminError(f"no checkpoint {path!r}")
         if row.get("dir"):
-            shutil.rmtree(row["dir"], ignore_errors=True)
+            self.blobs.delete(row["dir"], quiet=True)
         return {"deleted": path}
 
     # -- the daemon ---------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Checkpoints (``store.checkpoints``): rows of saved weights, their write states (writing,
 ready, corrupt), expiry and public flag, and the per-tenant storage quota they count toward.
-The files themselves live under the data dir; a row records where (``dir``)."""
+The files live where ``checkpoint_store`` says (protocol/blobs.py); a row records where
+(``dir``: a directory, or a version's folder in an object store), so a row saved before
+the store changed is still found."""
 
 from __future__ import annotations
 
@@ -128,7 +130,8 @@ class Checkpoints:
 
     def finish(self, path: str, size_bytes: int, sha256: str,
                version: Version | None = None) -> bool:
-        """The files are on disk (fsynced and renamed): the checkpoint becomes "ready".
+        """The files are where readers find them (fsynced and renamed, or uploaded in
+        full): the checkpoint becomes "ready".
         With the save's ``version``, its row is written whole (a new version of a ready
         checkpoint replaces the old row only now; one deleted meanwhile comes back, as the
         save that wrote it came after the delete)."""

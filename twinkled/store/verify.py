@@ -6,7 +6,10 @@ and the store only (no torch), so it is cheap to import from the CLI.
 A checkpoint is damaged when its directory is missing, cannot be read, or its size or
 sha256 differ from what was recorded when it was written. Its directory (if any) is moved
 to ``<data_dir>/quarantine/<timestamp>-<name>`` -- never deleted, an admin decides -- and
-its row is marked corrupt with the reason, so it is no longer listed or served.
+its row is marked corrupt with the reason, so it is no longer listed or served. In an
+object store (protocol/blobs.py) a version's objects are checked by their listing (present,
+sizes; the digest is checked on every fetch), and are left where they are; a store that
+cannot be reached damages nothing: it is logged and the check is skipped.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
-from twinkled.protocol.checkpoints import checkpoint_digest
+from twinkled.protocol.blobs import Blobs, StoreError, is_remote
 from twinkled.store import Row, Store
 
 log = logging.getLogger("twinkled")
@@ -35,17 +38,29 @@ def all_checkpoints(store: Store, status: str | None = None, run_id: str | None 
             return rows
 
 
+def offline_blobs(data_dir: Path) -> Blobs:
+    """The checkpoint files as `twinkled ctl` reaches them without a daemon: a row's
+    locator says where (an object store's endpoint from AWS_ENDPOINT_URL_S3)."""
+    data_dir = Path(data_dir)
+    return Blobs(data_dir / "checkpoints", data_dir / "checkpoint-cache")
+
+
 def _short(digest: str) -> str:
     return digest[:12] + ".."
 
 
-def _problem(row: Row) -> str | None:
-    """What is wrong with a ready checkpoint's directory, or None if it is intact."""
-    directory = Path(row["dir"])
+def _problem(row: Row, blobs: Blobs) -> str | None:
+    """What is wrong with a ready checkpoint's files, or None if they are intact (or the
+    store holding them cannot be reached now)."""
     try:
-        if not directory.exists():
-            return f"missing directory {directory}"
-        size, sha = checkpoint_digest(directory)
+        if not is_remote(row["dir"]) and not Path(row["dir"]).exists():
+            return f"missing directory {row['dir']}"
+        size, sha = blobs.digest(row["dir"])
+    except FileNotFoundError:
+        return f"missing files at {row['dir']}"
+    except StoreError as e:
+        log.warning("checkpoint %s not verified: %s", row["tinker_path"], e)
+        return None
     except OSError as e:
         return f"unreadable: {e}"
     if size != row["size_bytes"]:
@@ -67,17 +82,19 @@ def _quarantine(directory: Path, data_dir: Path) -> Path:
     return dest
 
 
-def verify_checkpoints(store: Store, data_dir: Path) -> list[dict]:
-    """Check every ready checkpoint against its recorded size and sha256.
+def verify_checkpoints(store: Store, data_dir: Path, blobs: Blobs | None = None) -> list[dict]:
+    """Check every ready checkpoint against its recorded size and sha256 (`blobs`: where
+    the files are, the data dir's default store if None).
 
     Damaged ones are moved to ``<data_dir>/quarantine/`` and marked corrupt with the reason;
     returns one ``{"tinker_path", "reason", "moved_to"}`` per damaged checkpoint (moved_to
     is None when there was nothing to move or the move failed)."""
     damaged = []
+    blobs = blobs or offline_blobs(data_dir)
     for row in all_checkpoints(store, status="ready"):
         if row["sha256"] is None or row["size_bytes"] is None:
             continue  # nothing recorded to check against
-        problem = _problem(row)
+        problem = _problem(row, blobs)
         if problem is None:
             continue
         path = row["tinker_path"]
@@ -88,7 +105,7 @@ def verify_checkpoints(store: Store, data_dir: Path) -> list[dict]:
             continue
         directory, moved_to, reason = Path(row["dir"]), None, problem
         try:
-            if directory.exists() or directory.is_symlink():
+            if not is_remote(row["dir"]) and (directory.exists() or directory.is_symlink()):
                 moved_to = _quarantine(directory, data_dir)
                 reason = f"{problem}; moved to {moved_to}"
         except OSError as e:

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from twinkled.protocol.blobs import Blobs
 from twinkled.protocol.frames import ReplyF, StepF, encoder, reply_decoder, step_decoder
 
 from .gaps import GapWindow
@@ -32,7 +33,8 @@ class InProcessGroup:
                  sample_kv_mb: int = 0, sample_rows: int = 256, live_dir: Path | None = None,
                  persist_every: int = 1,
                  sample_prefix_cache: float = 0.0, logprob_gap_every: int = 0,
-                 max_seq_len: int = 0, rope_scaling: dict | None = None):
+                 max_seq_len: int = 0, rope_scaling: dict | None = None,
+                 checkpoint_store: dict | None = None):
         self.devices = [device]
         self.model_info: dict = {}
         self.restarts = 0
@@ -47,6 +49,7 @@ class InProcessGroup:
         self._model = str(model)
         self._live_dir, self._persist_every = live_dir, persist_every
         self._gap_every = logprob_gap_every
+        self._store = checkpoint_store  # where checkpoints live (protocol/blobs.py)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._runner = None
         self._stopped: asyncio.Future | None = None
@@ -85,7 +88,8 @@ class InProcessGroup:
                 "kv_tokens": engine.kv_tokens,
                 "vocab_size": cfg.vocab_size,
                 "dtype": str(engine.model.dtype).replace("torch.", "")}
-        return StepRunner(engine, 0, 1, persister, gap_every=self._gap_every), info
+        return StepRunner(engine, 0, 1, persister, gap_every=self._gap_every,
+                          blobs=Blobs.from_spec(self._store)), info
 
     async def run(self, step: StepF) -> list[ReplyF]:
         """Run `step` on the engine thread; the frames cross the same codec as over ZeroMQ."""

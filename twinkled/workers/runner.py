@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.context_parallel import ContextParallel
 from twinkled.engine.live import read_mark
 from twinkled.engine.parallel import split_rows
-from twinkled.protocol.checkpoints import checkpoint_digest
+from twinkled.protocol.blobs import Blobs
 from twinkled.protocol.frames import (
     RETRY,
     CreateF,
@@ -51,7 +50,7 @@ from .parked import HostTier
 from .persist import Persister, SplitPersistence, latest_version
 from .rank_io import anywhere, category, fatal, release, to_buf, to_tensor
 from .sampling import SampleRunner
-from .share import rank0_dir
+from .share import readable
 
 log = logging.getLogger("twinkled.worker")
 
@@ -80,8 +79,9 @@ class StepRunner:
     def __init__(self, engine: Engine, rank: int, world: int, persister: Persister | None,
                  spans_hosts: bool = False, ep: int = 1, seed: int | None = None,
                  persist_every: int = 1, gap_every: int = 0,
-                 cp: ContextParallel | None = None):
+                 cp: ContextParallel | None = None, blobs: Blobs | None = None):
         self.engine = engine
+        self.blobs = blobs or Blobs.from_spec(None)  # where checkpoints live (protocol/blobs.py)
         # Context parallelism (engine/context_parallel.py): a long row runs on every rank
         # of one group of cp.size ranks, which its first rank reports; the other rows are
         # split over all ranks as data parallelism splits them.
@@ -105,7 +105,7 @@ class StepRunner:
             engine, persister, persist_every, self.replica)
         self.spans_hosts = spans_hosts  # rank 0's files are shared to the others (share.py)
         self.sampling = SampleRunner(engine, rank, self.replica, self.replicas, self.reports,
-                                     spans_hosts, seed, gap_every)
+                                     spans_hosts, seed, gap_every, self.blobs)
         # Per adapter: the journal position of the last op after which it had no pending
         # gradients (what a snapshot of it holds; twinkled/core/journal.py).
         self.marks: dict[str, int] = {}
@@ -329,8 +329,9 @@ class StepRunner:
                     if engine.shard is not None or engine.is_full(aid):  # gathered: all take part
                         engine.save(aid, op.dir, optimizer=op.optimizer, write=False)
                     return OutcomeF(i)
-                engine.save(aid, op.dir, optimizer=op.optimizer)
-                return OutcomeF(i, digest=checkpoint_digest(Path(op.dir)))
+                digest = self.blobs.save(op.dir, lambda path: engine.save(
+                    aid, path, optimizer=op.optimizer))  # uploaded, where the store is remote
+                return OutcomeF(i, digest=digest)
             case LoadF():
                 with self._readable(op.dir) as path:
                     info = engine.load(aid, path or op.dir, optimizer=op.optimizer,
@@ -406,6 +407,4 @@ class StepRunner:
 
     def _readable(self, path):
         """`path` as this rank can read it: rank 0's files when the group spans hosts."""
-        if self.spans_hosts:
-            return rank0_dir(path, self.rank)
-        return nullcontext(None if path is None else Path(path))
+        return readable(self.blobs, path, self.rank, self.spans_hosts)

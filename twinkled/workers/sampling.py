@@ -8,13 +8,14 @@ from collections import OrderedDict
 
 from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.parallel import split_rows
+from twinkled.protocol.blobs import Blobs, unversioned
 from twinkled.protocol.frames import OpF, OutcomeF, SampleF, SlicedF, StepF
 from twinkled.protocol.types import SampleRequest, SamplingParams
 
 from .gaps import GapChecks
 from .parked import HostTier
 from .rank_io import category, fatal, release, to_tensor
-from .share import rank0_dir
+from .share import readable
 
 FRESH_SAMPLERS = 8  # device copies of just-saved sampler weights kept for their first use
 SAMPLER_ADAPTERS = 32  # sampler checkpoints kept loaded; the least recently used goes first
@@ -26,8 +27,10 @@ EARLY_RETURN_S = 0.02  # a finished sample ends its slice once this much of it h
 
 class SampleRunner:
     def __init__(self, engine: Engine, rank: int, replica: int, replicas: int, reports: bool,
-                 spans_hosts: bool, seed: int | None, gap_every: int = 0):
+                 spans_hosts: bool, seed: int | None, gap_every: int = 0,
+                 blobs: Blobs | None = None):
         self.engine = engine
+        self.blobs = blobs or Blobs.from_spec(None)  # where checkpoints live (protocol/blobs.py)
         self.gaps = GapChecks(engine, gap_every)  # sampler vs trainer logprobs (gaps.py)
         self.rank = rank
         # Samples are split over the data-parallel replicas; one rank of each reports.
@@ -262,14 +265,13 @@ class SampleRunner:
         if op.adapter_id in self.parked:  # keyed by content: the same weights
             self.parked.unpark(op.adapter_id)
         elif not self.engine.has_adapter(op.adapter_id):
-            fresh = self.fresh.pop(op.load_from, None)
+            # keyed by the save's locator; a version in an object store is under it
+            fresh = self.fresh.pop(unversioned(op.load_from), None)
             if fresh is not None:
                 self.engine.copy_adapter(fresh, op.adapter_id)
                 self.engine.remove_adapter(fresh)
-            elif self.spans_hosts:
-                with rank0_dir(op.load_from, self.rank) as path:
-                    self.engine.load(op.adapter_id, path or op.load_from, optimizer=False)
             else:
-                self.engine.load(op.adapter_id, op.load_from, optimizer=False)
+                with readable(self.blobs, op.load_from, self.rank, self.spans_hosts) as path:
+                    self.engine.load(op.adapter_id, path or op.load_from, optimizer=False)
         self.sampler_lru[op.adapter_id] = True
         self.sampler_lru.move_to_end(op.adapter_id)

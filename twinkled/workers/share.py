@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch.distributed as dist
+
+from twinkled.protocol.blobs import Blobs, is_remote
 
 log = logging.getLogger("twinkled.worker")
 
@@ -29,6 +31,18 @@ def _read(path: Path | None) -> dict[str, bytes] | str | None:
                 if f.is_file()}
     except OSError as e:  # said to every rank, so none waits for files that never come
         return f"rank 0 could not read {path}: {e}"
+
+
+def readable(blobs: Blobs, locator: str | Path | None, rank: int, spans_hosts: bool):
+    """A context yielding a checkpoint's (or persisted state's) directory as this rank can
+    read it: an object store's version fetched into this host's cache by every rank for
+    itself (no collective); a directory itself, or rank 0's copy when the group spans
+    hosts (`rank0_dir`). The same on every rank, as the locator is."""
+    if locator is not None and is_remote(str(locator)):
+        return nullcontext(blobs.local(str(locator)))
+    if spans_hosts:
+        return rank0_dir(locator, rank)
+    return nullcontext(None if locator is None else Path(locator))
 
 
 @contextmanager

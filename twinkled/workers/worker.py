@@ -20,6 +20,7 @@ from pathlib import Path
 
 import zmq
 
+from twinkled.protocol.blobs import Blobs
 from twinkled.protocol.frames import HelloF, ReplyF, encoder, step_decoder
 
 log = logging.getLogger("twinkled.worker")
@@ -182,7 +183,8 @@ def _start(args: dict):
     runner = StepRunner(engine, args["rank"], args["world"], persister,
                         spans_hosts=args.get("spans_hosts", False), ep=ep, seed=seed,
                         persist_every=args.get("persist_every", 1),
-                        gap_every=args.get("logprob_gap_every", 0), cp=cp)
+                        gap_every=args.get("logprob_gap_every", 0), cp=cp,
+                        blobs=Blobs.from_spec(args.get("checkpoint_store")))
     return runner, hello
 
 
