@@ -263,3 +263,60 @@ def test_a_placeholder_token_in_text_is_refused(vl_dir):
     bad = DatumIn([1, pad], {}, images=[ImageIn(1, _png(56, 56), "png")])
     with pytest.raises(UserError, match=f"holds the image placeholder token \\({pad}\\)"):
         door.expand([bad], config, "vl")
+
+
+@pytest.mark.parametrize("prefill,chunk", [("varlen", None), ("varlen", 7), ("padded", None)])
+def test_sampling_with_images_equals_the_trainer(vl_dir, spec, prefill, chunk):
+    """The running batch samples image prompts (prefill whole, chunked across the image, or
+    padded) beside a text-only row: each sample's logprobs equal the training forward's
+    (tested equal to transformers' above) on prompt + sample, so decode continued the
+    mRoPE positions (the rope delta); a fan-out's samples agree; prompt logprobs equal the
+    trainer's. The prefix cache serves an image prompt's pages to the same image only."""
+    from helpers import make_engine, randomize_b
+
+    from twinkled.engine import sampler
+    from twinkled.engine.running import RunningBatch
+    from twinkled.protocol.types import (
+        Datum,
+        ForwardBackwardRequest,
+        LoraConfig,
+        SampleRequest,
+        SamplingParams,
+    )
+
+    eng = make_engine(vl_dir)
+    eng.add_adapter("a", LoraConfig(rank=4, seed=1))
+    randomize_b(eng, "a", seed=3, std=0.3)
+    row, img, _ = _image_prompt(vl_dir, spec, [5, 6, 7], list(range(30, 50)))  # 31 tokens
+    other = im.prepare(_png(90, 61, 7), "png", spec, im.ImageLimits())
+
+    def trainer(seq, image):
+        d = Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:])}, images=[image])
+        return eng.forward([ForwardBackwardRequest("a", [d])])[0].outputs[0]["logprobs"]
+
+    def check(result, image):
+        n = len(row)
+        toks = result.sequences[0].tokens
+        got = torch.tensor(result.sequences[0].logprobs)
+        torch.testing.assert_close(got, trainer(row + toks, image)[n - 1:], atol=1e-4, rtol=0)
+        return toks
+
+    batch = RunningBatch(eng.model, 8, prefix_cache=0.5, prefill=prefill, prefill_tokens=chunk)
+    a = eng.pool.get("a")
+    greedy = SamplingParams(8, 0.0)
+    first = sampler.generate(eng.model, [
+        SampleRequest("a", row, greedy, num_samples=2, prompt_logprobs=True, images=(img,)),
+        SampleRequest(None, [12, 13, 14], greedy)], [a, None], batch=batch)
+    toks = check(first[0], img)
+    assert first[0].sequences[1].tokens == toks
+    torch.testing.assert_close(torch.tensor(first[0].prompt_logprobs[1:]),
+                               trainer(row + toks, img)[:len(row) - 1], atol=1e-4, rtol=0)
+    alone = sampler.generate(eng.model, [SampleRequest(None, [12, 13, 14], greedy)], [None])
+    assert first[1].sequences[0].tokens == alone[0].sequences[0].tokens
+    # The same text with another image: never the first image's cached pages.
+    (second,) = sampler.generate(eng.model, [SampleRequest("a", row, greedy, images=(other,))],
+                                 [a], batch=batch)
+    assert second.cached_tokens == 0 and check(second, other) != toks
+    (again,) = sampler.generate(eng.model, [SampleRequest("a", row, greedy, images=(img,))],
+                                [a], batch=batch)
+    assert again.cached_tokens == 16 and check(again, img) == toks
