@@ -13,10 +13,11 @@ import uuid
 
 from aiohttp import web
 
-from tinker_shim.common import limits
+from tinker_shim.common import limits, service
 from twinkled.core.streams import SampleFailed, SampleStream
 from twinkled.protocol.errors import UserError
 
+from . import images as oai_images
 from .choices import TokenOut, chat_logprobs, completion_logprobs
 from .errors import bad_param, openai_errors
 from .messages import (
@@ -86,13 +87,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, stops, target, side = await _door(request, ChatRequest, check_chat)
-    ids = [await chat_ids(request, side, "messages", chat_messages(body))]
+    config = service(request).config
+    images = await oai_images.checked(oai_images.chat_images(body.messages), config, body.model)
+    ids = [oai_images.place(await chat_ids(request, side, "messages", chat_messages(body)),
+                            images, config, "messages")]
     asked, param = body.max_completion_tokens, "max_completion_tokens"
     if asked is None:
         asked, param = body.max_tokens, "max_tokens"
     job = Job(body, _knobs(body), True, target, side, stops, ids,
               budgets(request, ids, asked, param, "messages", CHAT_MAX_TOKENS),
-              body.top_logprobs or 0, body.logprobs)
+              body.top_logprobs or 0, body.logprobs, images=images)
     return await _answer(request, job)
 
 
