@@ -19,8 +19,14 @@ import base64
 import binascii
 import re
 
-from tinker_shim.images import model_vision
-from twinkled.protocol.images import CheckedImage, ImageError, ImageLimits, check, check_request
+from twinkled.protocol.images import (
+    CheckedImage,
+    ImageError,
+    ImageLimits,
+    check,
+    check_request,
+    model_vision,
+)
 
 from .errors import bad_param
 

@@ -320,3 +320,30 @@ def test_sampling_with_images_equals_the_trainer(vl_dir, spec, prefill, chunk):
     (again,) = sampler.generate(eng.model, [SampleRequest("a", row, greedy, images=(img,))],
                                 [a], batch=batch)
     assert again.cached_tokens == 16 and check(again, img) == toks
+
+
+def test_twinkle_sdk_rows_and_prompts_with_images(vl_dir, spec):
+    """twinkle_sdk in this process: an ImageChunk in a row's input_ids trains as the engine's
+    image datum does (its placeholders expanded, no loss on them), and in a sampling prompt
+    samples as the engine's image request; the sampled row keeps the chunk."""
+    from twinkle_sdk import ImageChunk, Sampler, SamplingParams, TransformersModel
+    from twinkled.protocol.types import Datum, ForwardBackwardRequest, SampleRequest
+    from twinkled.protocol.types import SamplingParams as EngineParams
+
+    model = TransformersModel(str(vl_dir))
+    model.add_adapter_to_model("a", {"r": 4})
+    row, img, pad = _image_prompt(vl_dir, spec, [5, 6, 7], [8, 9, 10, 11])
+    chunk = ImageChunk(_png(90, 61), "png")
+    ids = row[:4] + [chunk] + row[4 + img.tokens:]
+    got = model.forward_only([{"input_ids": ids, "labels": ids}])["loss"]
+    eng = model.backend.engine
+    datum = Datum(row[:-1], {"target_tokens": torch.tensor(row[1:])}, images=[img])
+    lp = eng.forward([ForwardBackwardRequest("a", [datum])])[0].outputs[0]["logprobs"]
+    assert got == pytest.approx(-lp[torch.tensor(row[1:]) != pad].mean().item(), rel=1e-5)
+
+    (res,) = Sampler(model).sample([{"input_ids": ids}], SamplingParams(max_tokens=4,
+                                                                        temperature=0.0))
+    (want,) = eng.sample([SampleRequest("a", row, EngineParams(4, 0.0), images=(img,))])
+    assert res.sequences[0].tokens == want.sequences[0].tokens
+    assert res.sequences[0].logprobs == pytest.approx(want.sequences[0].logprobs, abs=1e-6)
+    assert res.sequences[0].new_input_feature["input_ids"][4] is chunk

@@ -297,8 +297,6 @@ def test_openai_chat_with_an_image_and_bad_images(vl_daemon):
                                    add_special_tokens=False)])
     assert got.usage.prompt_tokens == ids.shape[1]
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(d.model, dtype=torch.float32)
-    from test_vlm_e2e import _vision_kw
-
     with torch.no_grad():
         want = hf.generate(input_ids=ids, max_new_tokens=6, do_sample=False,
                            **_vision_kw(hf, d.model, ids, image))[0, ids.shape[1]:]
@@ -329,3 +327,37 @@ def test_openai_chat_with_an_image_and_bad_images(vl_daemon):
     assert d.workers() == pids
     # Chat and sampling images were checked at the door without torch, too.
     assert "libtorch" not in open(f"/proc/{d.proc.pid}/maps").read()
+
+
+def test_twinkle_sdk_image_rows_on_the_daemon(vl_daemon):
+    """twinkle_sdk against the daemon: a row with an ImageChunk trains as transformers
+    scores it (a fresh adapter: the base model's), and a prompt with one samples."""
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    import twinkle_sdk as twinkle
+    from twinkle_sdk.runtime import runtime
+
+    d = vl_daemon
+    tok = AutoTokenizer.from_pretrained(d.model)
+    vs, ve, pad = (tok.convert_tokens_to_ids(t) for t in
+                   ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    image = _png(90, 61)
+    chunk = twinkle.ImageChunk(image, "png")
+    ids = [5, 6, 7, vs, chunk, ve, 8, 9, 10, 11]
+    full = [5, 6, 7, vs] + [pad] * 6 + [ve, 8, 9, 10, 11]
+    before = runtime.client, runtime.mode
+    try:
+        twinkle.init_twinkle_client(d.url, d.keys["bob"])
+        model = twinkle.MultiLoraTransformersModel(model_id=str(d.model))
+        model.add_adapter_to_model("default", {"r": 4})
+        loss = model.forward_only([{"input_ids": ids, "labels": ids}])["loss"]
+        model.backend.sync_sampler()
+        (res,) = twinkle.Sampler(model).sample([{"input_ids": ids}], twinkle.SamplingParams(
+            max_tokens=3, temperature=0.0))
+    finally:
+        runtime.client, runtime.mode = before
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(d.model, dtype=torch.float32)
+    lps = _hf_logprobs(hf, d.model, full[:-1], full[1:], image)
+    assert loss == pytest.approx(-lps[torch.tensor(full[1:]) != pad].mean().item(), rel=1e-4)
+    assert len(res.sequences[0].tokens) == 3
+    assert res.sequences[0].new_input_feature["input_ids"][:len(ids)] == ids

@@ -4,37 +4,24 @@ Runs in a thread (`asyncio.to_thread`): decoding and resizing never hold the eve
 
 from __future__ import annotations
 
-import json
 from dataclasses import astuple
-from functools import cache
-from pathlib import Path
 
 import msgspec
 
 from twinkled.protocol.errors import UserError
 from twinkled.protocol.frames import ImageF
 from twinkled.protocol.images import (
-    VL_ARCHS,
     CheckedImage,
     ImageError,
     ImageLimits,
-    VisionSpec,
     check,
     check_request,
+    model_vision,
     read_pointer,
 )
 
 from .codec import DatumIn, ImageIn
 from .messages import ModelInputIn
-
-
-@cache
-def model_vision(model_dir: str) -> tuple[VisionSpec, int] | None:
-    """The model's image processor spec and <|image_pad|> id; None for a text model."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    if raw.get("model_type") not in VL_ARCHS:
-        return None
-    return VisionSpec.from_dir(Path(model_dir)), int(raw["image_token_id"])
 
 
 def expand(data: list[DatumIn], config, model_name: str, name: str | None = None
