@@ -29,6 +29,7 @@ from twinkled.protocol.images import (
 )
 
 from .errors import bad_param
+from .sampling import chat_ids
 
 _DATA_URL = re.compile(r"data:image/(png|jpeg|jpg);base64,", re.IGNORECASE)
 
@@ -100,3 +101,15 @@ def place(ids: list[int], images: list[CheckedImage], config, param: str) -> lis
         out += ids[last:i] + [pad] * im.tokens
         last = i + 1
     return out + ids[last:]
+
+
+async def chat_prompt(request, side, messages: list[dict], images: list[tuple[bytes, str, str]],
+                      model: str, prefill: str = "") -> tuple[list[int], list[CheckedImage]]:
+    """A chat's prompt ids (sampling.chat_ids) with its images (`chat_images`' form)
+    checked and their placeholders expanded, and the checked images."""
+    from tinker_shim.common import service
+
+    config = service(request).config
+    checked_images = await checked(images, config, model)
+    ids = await chat_ids(request, side, "messages", messages, prefill)
+    return place(ids, checked_images, config, "messages"), checked_images

@@ -13,7 +13,7 @@ import uuid
 
 from aiohttp import web
 
-from tinker_shim.common import limits, service
+from tinker_shim.common import limits
 from twinkled.core.streams import SampleFailed, SampleStream
 from twinkled.protocol.errors import UserError
 
@@ -36,7 +36,6 @@ from .sampling import (
     Job,
     Knobs,
     budgets,
-    chat_ids,
     queue,
     target_and_side,
     tokens,
@@ -87,10 +86,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, stops, target, side = await _door(request, ChatRequest, check_chat)
-    config = service(request).config
-    images = await oai_images.checked(oai_images.chat_images(body.messages), config, body.model)
-    ids = [oai_images.place(await chat_ids(request, side, "messages", chat_messages(body)),
-                            images, config, "messages")]
+    prompt, images = await oai_images.chat_prompt(
+        request, side, chat_messages(body), oai_images.chat_images(body.messages), body.model)
+    ids = [prompt]
     asked, param = body.max_completion_tokens, "max_completion_tokens"
     if asked is None:
         asked, param = body.max_tokens, "max_tokens"

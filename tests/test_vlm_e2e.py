@@ -324,6 +324,22 @@ def test_openai_chat_with_an_image_and_bad_images(vl_daemon):
     with pytest.raises(tinker.BadRequestError, match="prompt image 0: expected_tokens is 4 "
                        "but the image is 6 tokens"):
         sampler.sample(prompt, 1, tinker.types.SamplingParams(max_tokens=2)).result(timeout=T)
+    # The Anthropic face: a base64 image block, as the OpenAI face's image_url.
+    import anthropic
+
+    ac = anthropic.Anthropic(base_url=f"{d.url}/anthropic", api_key=d.keys["bob"])
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(image).decode()}}
+    msg = ac.messages.create(model=d.model.name, max_tokens=6, extra_body={"temperature": 0},
+                             messages=[{"role": "user", "content": [
+                                 block, {"type": "text", "text": "what is it?"}]}])
+    assert msg.content[0].text == got.choices[0].message.content
+    assert msg.usage.input_tokens == ids.shape[1]
+    bad_block = {**block, "source": {**block["source"], "data": base64.b64encode(
+        image[:300]).decode()}}
+    with pytest.raises(anthropic.BadRequestError, match="messages.0.content.0: cannot decode"):
+        ac.messages.create(model=d.model.name, max_tokens=2, messages=[
+            {"role": "user", "content": [bad_block]}])
     assert d.workers() == pids
     # Chat and sampling images were checked at the door without torch, too.
     assert "libtorch" not in open(f"/proc/{d.proc.pid}/maps").read()
