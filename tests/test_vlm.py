@@ -290,15 +290,19 @@ def test_sampling_with_images_equals_the_trainer(vl_dir, spec, prefill, chunk):
     row, img, _ = _image_prompt(vl_dir, spec, [5, 6, 7], list(range(30, 50)))  # 31 tokens
     other = im.prepare(_png(90, 61, 7), "png", spec, im.ImageLimits())
 
-    def trainer(seq, image):
-        d = Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:])}, images=[image])
+    vs, ve = row[3], row[4 + img.tokens]
+    two = [5, vs] + row[4:4 + img.tokens] + [ve, 8, vs] + row[4:4 + img.tokens] + [ve, 9, 10]
+
+    def trainer(seq, *images):
+        d = Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:])}, images=list(images))
         return eng.forward([ForwardBackwardRequest("a", [d])])[0].outputs[0]["logprobs"]
 
-    def check(result, image):
-        n = len(row)
+    def check(result, *images, prompt=row):
+        n = len(prompt)
         toks = result.sequences[0].tokens
         got = torch.tensor(result.sequences[0].logprobs)
-        torch.testing.assert_close(got, trainer(row + toks, image)[n - 1:], atol=1e-4, rtol=0)
+        want = trainer(prompt + toks, *images)[n - 1:]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         return toks
 
     batch = RunningBatch(eng.model, 8, prefix_cache=0.5, prefill=prefill, prefill_tokens=chunk)
@@ -306,8 +310,10 @@ def test_sampling_with_images_equals_the_trainer(vl_dir, spec, prefill, chunk):
     greedy = SamplingParams(8, 0.0)
     first = sampler.generate(eng.model, [
         SampleRequest("a", row, greedy, num_samples=2, prompt_logprobs=True, images=(img,)),
-        SampleRequest(None, [12, 13, 14], greedy)], [a, None], batch=batch)
+        SampleRequest(None, [12, 13, 14], greedy),
+        SampleRequest("a", two, greedy, images=(other, img))], [a, None, a], batch=batch)
     toks = check(first[0], img)
+    check(first[2], other, img, prompt=two)  # two images: the delta counts both
     assert first[0].sequences[1].tokens == toks
     torch.testing.assert_close(torch.tensor(first[0].prompt_logprobs[1:]),
                                trainer(row + toks, img)[:len(row) - 1], atol=1e-4, rtol=0)
