@@ -324,6 +324,10 @@ def test_openai_chat_with_an_image_and_bad_images(vl_daemon):
     with pytest.raises(tinker.BadRequestError, match="prompt image 0: expected_tokens is 4 "
                        "but the image is 6 tokens"):
         sampler.sample(prompt, 1, tinker.types.SamplingParams(max_tokens=2)).result(timeout=T)
+    pointer = tinker.types.ModelInput(chunks=[tinker.types.ImageAssetPointerChunk(
+        format="png", location="file:///etc/cat.png", expected_tokens=4)])
+    with pytest.raises(tinker.BadRequestError, match="no image_dir is configured"):
+        sampler.sample(pointer, 1, tinker.types.SamplingParams(max_tokens=2)).result(timeout=T)
     # The Anthropic face: a base64 image block, as the OpenAI face's image_url.
     import anthropic
 
