@@ -166,16 +166,15 @@ class RemoteBackend:
                use_adapter: bool = True) -> list[list[tuple[list[int], list[float], str]]]:
         import tinker
 
+        from .images import expand_prompt
+
         if not use_adapter:
             raise ValueError("sampling the base model remotely: use a tinker SamplingClient")
         if self.sampler is None:
             self.sync_sampler()
         seed = params.get("seed")
-        from .images import expand, has_images
-
         futures = [self.sampler.sample(
-            self._input(*expand(p, p, self.vision)[::2]) if has_images(p) else
-            tinker.types.ModelInput.from_ints(p), num_samples,
+            self._input(*expand_prompt(p, self.vision)), num_samples,
             tinker.types.SamplingParams(**{**params, "seed": None if seed is None else seed + i}))
             for i, p in enumerate(prompts)]
         return [[(list(s.tokens), list(s.logprobs or []), s.stop_reason)

@@ -75,6 +75,14 @@ def expand(ids: list, labels: list, vision: Vision | None
     return out_ids, out_labels, images
 
 
+def expand_prompt(prompt: list, vision: Vision | None) -> tuple[list[int], list[CheckedImage]]:
+    """A sampling prompt's ids (its ImageChunks expanded) and its checked images."""
+    if not has_images(prompt):
+        return [int(t) for t in prompt], []
+    ids, _, images = expand(prompt, prompt, vision)
+    return ids, images
+
+
 def tinker_input(tokens: list[int], images: list[CheckedImage], pad: int) -> Any:
     """Tokens (placeholders expanded) and their images as a tinker ModelInput: each image's
     run of placeholders an ImageChunk (the daemon's door expands it again)."""

@@ -92,13 +92,13 @@ class LocalBackend:
         """`prompts`: token ids, and ImageChunks where images go (images.py)."""
         from twinkled.protocol.types import SampleRequest, SamplingParams
 
-        from .images import expand, has_images
+        from .images import expand_prompt
 
         adapter = self.name if use_adapter else None
         seed = params.get("seed")
         reqs = []
         for i, p in enumerate(prompts):
-            ids, _, images = expand(p, p, self.vision) if has_images(p) else (p, p, [])
+            ids, images = expand_prompt(p, self.vision)
             reqs.append(SampleRequest(adapter, ids, SamplingParams(
                 **{**params, "seed": None if seed is None else seed + i}), num_samples,
                 images=tuple(self._prepared(images))))
