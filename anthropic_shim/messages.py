@@ -4,7 +4,7 @@ cache), `temperature` in [0, 1], `system` a string or text blocks, content a str
 list of blocks. The sampling knobs (`temperature`, `top_p`, `top_k`) are older clients'
 fields (the 2.x SDK sends them through `extra_body`). Unknown fields are ignored (newer
 clients send more: `speed`, `service_tier`, `output_config.effort` are hints this server
-has no use for); known features it cannot honour (tools, images, extended thinking,
+has no use for); known features it cannot honour (tools, documents, extended thinking,
 structured output) are refused by name.
 """
 
@@ -27,9 +27,16 @@ _FEATURE = {"image": "image input", "document": "document input",
             "search_result": "search results", "container_upload": "file uploads"}
 
 
+class ImageSource(Struct, kw_only=True):
+    type: str = ""  # "base64" is served ("url", "file": refused by name)
+    media_type: str = ""
+    data: str = ""
+
+
 class Block(Struct, kw_only=True):
     type: str
     text: str | None = None
+    source: ImageSource | None = None  # an image block's
 
 
 class Message(Struct, kw_only=True):
@@ -120,11 +127,22 @@ def check_conversation(body: MessagesRequest | CountTokensRequest) -> None:
         _text_only("system", body.system)
     for i, m in enumerate(body.messages):
         if isinstance(m.content, list):
-            _text_only(f"messages.{i}.content", m.content)
+            _text_only(f"messages.{i}.content", m.content, images=m.role == "user")
 
 
-def _text_only(where: str, blocks: list[Block]) -> None:
+def _text_only(where: str, blocks: list[Block], images: bool = False) -> None:
+    """Text blocks, and where `images` base64 image blocks (openai_shim/images.py checks
+    their bytes, for a vision-language model)."""
     for j, b in enumerate(blocks):
+        if b.type == "image" and images:
+            src = b.source
+            if src is None or src.type != "base64" or not src.data:
+                raise bad_param(f"{where}.{j}", "image blocks take a base64 source (png or "
+                                "jpeg); this server fetches no url and keeps no files")
+            if src.media_type not in ("image/png", "image/jpeg"):
+                raise bad_param(f"{where}.{j}", f"media_type {src.media_type!r} is not "
+                                "served (image/png or image/jpeg)")
+            continue
         if b.type != "text" or b.text is None:
             feature = _FEATURE.get(b.type, f"{b.type!r} content")
             raise bad_param(f"{where}.{j}", f"{feature} is not supported by this server "
@@ -135,12 +153,37 @@ def _text(content: str | list[Block]) -> str:
     return content if isinstance(content, str) else "".join(b.text or "" for b in content)
 
 
+def _has_images(content: str | list[Block]) -> bool:
+    return isinstance(content, list) and any(b.type == "image" for b in content)
+
+
+def _parts(blocks: list[Block]) -> list[dict]:
+    """As Qwen2-VL's chat template takes parts: it places each image's placeholder."""
+    return [{"type": "image"} if b.type == "image" else {"type": "text", "text": b.text}
+            for b in blocks]
+
+
+def images_of(body: MessagesRequest | CountTokensRequest) -> list[tuple[bytes, str, str]]:
+    """Each image block's (bytes, format, field), in order (checked by openai_shim/images)."""
+    from openai_shim.images import data_url
+
+    out = []
+    for i, m in enumerate(body.messages):
+        for j, b in enumerate(m.content if _has_images(m.content) else ()):
+            if b.type == "image":
+                where = f"messages.{i}.content.{j}"
+                out.append((*data_url(f"data:{b.source.media_type};base64,{b.source.data}",
+                                      where), where))
+    return out
+
+
 def chat_of(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict], str]:
     """The conversation as the chat template takes it (the system prompt first), and the
     prefill: a last assistant message is the start of the reply, which continues it (as
     Anthropic's API does), so it is not a turn of its own."""
     out = [{"role": "system", "content": _text(body.system)}] if body.system else []
-    out += [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+    out += [{"role": m.role, "content": _parts(m.content) if _has_images(m.content)
+             else _text(m.content)} for m in body.messages]
     if out[-1]["role"] == "assistant":
         return out[:-1], out[-1]["content"]
     return out, ""

@@ -16,6 +16,7 @@ import uuid
 from aiohttp import web
 
 from openai_shim.choices import ChoiceText
+from openai_shim.images import chat_prompt
 from openai_shim.messages import decode
 from openai_shim.models import listing
 from openai_shim.sampling import (
@@ -23,7 +24,6 @@ from openai_shim.sampling import (
     Job,
     Knobs,
     budgets,
-    chat_ids,
     queue,
     target_and_side,
     whole,
@@ -40,6 +40,7 @@ from .messages import (
     chat_of,
     check_conversation,
     check_messages,
+    images_of,
 )
 
 V1 = "/anthropic/v1"
@@ -50,10 +51,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
     stops = check_messages(body, limits(request))
     target, side = await target_and_side(request, body.model)
     conversation, prefill = chat_of(body)
-    ids = [await chat_ids(request, side, "messages", conversation, prefill)]
+    prompt, images = await chat_prompt(request, side, conversation, images_of(body),
+                                       body.model, prefill)
+    ids = [prompt]
     knobs = Knobs(body.temperature, body.top_p, body.top_k or -1)
     job = Job(body, knobs, True, target, side, stops, ids,
-              budgets(request, ids, body.max_tokens, "max_tokens", "messages", 0))
+              budgets(request, ids, body.max_tokens, "max_tokens", "messages", 0),
+              images=images)
     mid = f"msg_{uuid.uuid4().hex}"
     if body.stream:
         return await _stream(request, job, mid)
@@ -67,8 +71,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     check_conversation(body)
     _, side = await target_and_side(request, body.model)
     conversation, prefill = chat_of(body)
-    return web.json_response(
-        {"input_tokens": len(await chat_ids(request, side, "messages", conversation, prefill))})
+    prompt, _ = await chat_prompt(request, side, conversation, images_of(body), body.model,
+                                  prefill)
+    return web.json_response({"input_tokens": len(prompt)})
 
 
 async def models(request: web.Request) -> web.Response:

@@ -58,9 +58,16 @@ class CompletionRequest(Sampling, kw_only=True):
     suffix: str | None = None
 
 
+class ImageUrl(Struct, kw_only=True):
+    url: str
+    detail: str | None = None  # (one resolution is served: the model's processor's)
+
+
 class TextPart(Struct, kw_only=True):
+    """A content part: text, or an image_url (images.py takes those)."""
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class ChatMessage(Struct, kw_only=True):
@@ -163,12 +170,11 @@ def check_chat(body: ChatRequest, limits: Limits) -> None:
                             f", got {k}")
     for i, m in enumerate(body.messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
-            if part.type == "image_url":
-                raise bad_param(f"messages[{i}].content[{j}]", "image_url parts are not served "
-                                "yet (images train through the tinker client's forward_backward)")
+            if part.type == "image_url" and part.image_url is not None:
+                continue  # checked in images.py, off the event loop
             if part.type != "text" or part.text is None:
-                raise bad_param(f"messages[{i}].content[{j}]", "only text content parts are "
-                                "supported (text-only models)")
+                raise bad_param(f"messages[{i}].content[{j}]", "content parts are text or "
+                                "image_url (with its url)")
 
 
 def prompts(prompt: str | list[Any]) -> list[str | list[int]]:
@@ -192,7 +198,11 @@ def chat_messages(body: ChatRequest) -> list[dict]:
     out = []
     for m in body.messages:
         content = m.content
-        if isinstance(content, list):
+        if isinstance(content, list) and any(p.type == "image_url" for p in content):
+            # As Qwen2-VL's chat template takes parts: it places each image's placeholder.
+            content = [{"type": "image"} if p.type == "image_url" else
+                       {"type": "text", "text": p.text} for p in content]
+        elif isinstance(content, list):
             content = "".join(p.text for p in content)
         msg = {"role": m.role, "content": content or ""}
         if m.name is not None:

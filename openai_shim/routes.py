@@ -17,6 +17,7 @@ from tinker_shim.common import limits
 from twinkled.core.streams import SampleFailed, SampleStream
 from twinkled.protocol.errors import UserError
 
+from . import images as oai_images
 from .choices import TokenOut, chat_logprobs, completion_logprobs
 from .errors import bad_param, openai_errors
 from .messages import (
@@ -35,7 +36,6 @@ from .sampling import (
     Job,
     Knobs,
     budgets,
-    chat_ids,
     queue,
     target_and_side,
     tokens,
@@ -86,13 +86,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, stops, target, side = await _door(request, ChatRequest, check_chat)
-    ids = [await chat_ids(request, side, "messages", chat_messages(body))]
+    prompt, images = await oai_images.chat_prompt(
+        request, side, chat_messages(body), oai_images.chat_images(body.messages), body.model)
+    ids = [prompt]
     asked, param = body.max_completion_tokens, "max_completion_tokens"
     if asked is None:
         asked, param = body.max_tokens, "max_tokens"
     job = Job(body, _knobs(body), True, target, side, stops, ids,
               budgets(request, ids, asked, param, "messages", CHAT_MAX_TOKENS),
-              body.top_logprobs or 0, body.logprobs)
+              body.top_logprobs or 0, body.logprobs, images=images)
     return await _answer(request, job)
 
 

@@ -14,12 +14,13 @@ its own error shape (the Anthropic face renames its parameters where they differ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from tinker_shim.common import limits, service
+from tinker_shim.images import image_frames
 from twinkled.core.streams import Piece, SampleStream
 from twinkled.protocol.checks import check_prompt_scores, check_token_ids
 from twinkled.protocol.frames import SampleF, SamplingF, buf
@@ -61,6 +62,7 @@ class Job:
     topk: int = 0  # top-k logprobs per token
     logprobs: bool = False
     echo: bool = False  # the prompt comes back before each completion (completions only)
+    images: list = field(default_factory=list)  # a chat's (protocol/images.CheckedImage)
 
     @property
     def sampled(self) -> bool:
@@ -154,7 +156,8 @@ def queue(request, job: Job) -> list[SampleStream]:
             _check_scores(request, p, scored, job.topk if scored else 0, job.topk)
             frame = SampleF(job.target.adapter, buf(p, "int64"), params, job.n,
                             prompt_logprobs=scored, load_from=job.target.load_from,
-                            topk_prompt=job.topk if scored else 0, topk_sample=job.topk)
+                            topk_prompt=job.topk if scored else 0, topk_sample=job.topk,
+                            images=image_frames(job.images, svc.config))
             streams.append(svc.sample_stream(request["tenant"], job.target.owner, frame))
     except BaseException:
         for s in streams:

@@ -239,6 +239,18 @@ def test_bad_parameters_are_named(daemon, tiny_dir, bad, param):
     assert e.value.status_code == 400 and e.value.body["param"] == param
 
 
+def test_an_image_for_a_text_model_is_named(daemon, tiny_dir):
+    import base64
+
+    from test_vlm import _png
+
+    url = "data:image/png;base64," + base64.b64encode(_png(56, 56)).decode()
+    with pytest.raises(openai.BadRequestError, match="takes no images") as e:
+        client(daemon).chat.completions.create(model=tiny_dir.name, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+    assert e.value.body["param"] == "messages[0].content[0].image_url"
+
+
 def _post(daemon, path, body, key) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=T)
     conn.request("POST", f"/oai/api/v1/{path}", json.dumps(body),

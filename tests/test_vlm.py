@@ -263,3 +263,93 @@ def test_a_placeholder_token_in_text_is_refused(vl_dir):
     bad = DatumIn([1, pad], {}, images=[ImageIn(1, _png(56, 56), "png")])
     with pytest.raises(UserError, match=f"holds the image placeholder token \\({pad}\\)"):
         door.expand([bad], config, "vl")
+
+
+@pytest.mark.parametrize("prefill,chunk", [("varlen", None), ("varlen", 7), ("padded", None)])
+def test_sampling_with_images_equals_the_trainer(vl_dir, spec, prefill, chunk):
+    """The running batch samples image prompts (prefill whole, chunked across the image, or
+    padded) beside a text-only row: each sample's logprobs equal the training forward's
+    (tested equal to transformers' above) on prompt + sample, so decode continued the
+    mRoPE positions (the rope delta); a fan-out's samples agree; prompt logprobs equal the
+    trainer's. The prefix cache serves an image prompt's pages to the same image only."""
+    from helpers import make_engine, randomize_b
+
+    from twinkled.engine import sampler
+    from twinkled.engine.running import RunningBatch
+    from twinkled.protocol.types import (
+        Datum,
+        ForwardBackwardRequest,
+        LoraConfig,
+        SampleRequest,
+        SamplingParams,
+    )
+
+    eng = make_engine(vl_dir)
+    eng.add_adapter("a", LoraConfig(rank=4, seed=1))
+    randomize_b(eng, "a", seed=3, std=0.3)
+    row, img, _ = _image_prompt(vl_dir, spec, [5, 6, 7], list(range(30, 50)))  # 31 tokens
+    other = im.prepare(_png(90, 61, 7), "png", spec, im.ImageLimits())
+
+    vs, ve = row[3], row[4 + img.tokens]
+    two = [5, vs] + row[4:4 + img.tokens] + [ve, 8, vs] + row[4:4 + img.tokens] + [ve, 9, 10]
+
+    def trainer(seq, *images):
+        d = Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:])}, images=list(images))
+        return eng.forward([ForwardBackwardRequest("a", [d])])[0].outputs[0]["logprobs"]
+
+    def check(result, *images, prompt=row):
+        n = len(prompt)
+        toks = result.sequences[0].tokens
+        got = torch.tensor(result.sequences[0].logprobs)
+        want = trainer(prompt + toks, *images)[n - 1:]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        return toks
+
+    batch = RunningBatch(eng.model, 8, prefix_cache=0.5, prefill=prefill, prefill_tokens=chunk)
+    a = eng.pool.get("a")
+    greedy = SamplingParams(8, 0.0)
+    first = sampler.generate(eng.model, [
+        SampleRequest("a", row, greedy, num_samples=2, prompt_logprobs=True, images=(img,)),
+        SampleRequest(None, [12, 13, 14], greedy),
+        SampleRequest("a", two, greedy, images=(other, img))], [a, None, a], batch=batch)
+    toks = check(first[0], img)
+    check(first[2], other, img, prompt=two)  # two images: the delta counts both
+    assert first[0].sequences[1].tokens == toks
+    torch.testing.assert_close(torch.tensor(first[0].prompt_logprobs[1:]),
+                               trainer(row + toks, img)[:len(row) - 1], atol=1e-4, rtol=0)
+    alone = sampler.generate(eng.model, [SampleRequest(None, [12, 13, 14], greedy)], [None])
+    assert first[1].sequences[0].tokens == alone[0].sequences[0].tokens
+    # The same text with another image: never the first image's cached pages.
+    (second,) = sampler.generate(eng.model, [SampleRequest("a", row, greedy, images=(other,))],
+                                 [a], batch=batch)
+    assert second.cached_tokens == 0 and check(second, other) != toks
+    (again,) = sampler.generate(eng.model, [SampleRequest("a", row, greedy, images=(img,))],
+                                [a], batch=batch)
+    assert again.cached_tokens == 16 and check(again, img) == toks
+
+
+def test_twinkle_sdk_rows_and_prompts_with_images(vl_dir, spec):
+    """twinkle_sdk in this process: an ImageChunk in a row's input_ids trains as the engine's
+    image datum does (its placeholders expanded, no loss on them), and in a sampling prompt
+    samples as the engine's image request; the sampled row keeps the chunk."""
+    from twinkle_sdk import ImageChunk, Sampler, SamplingParams, TransformersModel
+    from twinkled.protocol.types import Datum, ForwardBackwardRequest, SampleRequest
+    from twinkled.protocol.types import SamplingParams as EngineParams
+
+    model = TransformersModel(str(vl_dir))
+    model.add_adapter_to_model("a", {"r": 4})
+    row, img, pad = _image_prompt(vl_dir, spec, [5, 6, 7], [8, 9, 10, 11])
+    chunk = ImageChunk(_png(90, 61), "png")
+    ids = row[:4] + [chunk] + row[4 + img.tokens:]
+    got = model.forward_only([{"input_ids": ids, "labels": ids}])["loss"]
+    eng = model.backend.engine
+    datum = Datum(row[:-1], {"target_tokens": torch.tensor(row[1:])}, images=[img])
+    lp = eng.forward([ForwardBackwardRequest("a", [datum])])[0].outputs[0]["logprobs"]
+    assert got == pytest.approx(-lp[torch.tensor(row[1:]) != pad].mean().item(), rel=1e-5)
+
+    (res,) = Sampler(model).sample([{"input_ids": ids}], SamplingParams(max_tokens=4,
+                                                                        temperature=0.0))
+    (want,) = eng.sample([SampleRequest("a", row, EngineParams(4, 0.0), images=(img,))])
+    assert res.sequences[0].tokens == want.sequences[0].tokens
+    assert res.sequences[0].logprobs == pytest.approx(want.sequences[0].logprobs, abs=1e-6)
+    assert res.sequences[0].new_input_feature["input_ids"][4] is chunk

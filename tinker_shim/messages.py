@@ -142,6 +142,12 @@ class CreateSamplingSession(Body):
 class ChunkIn(Struct, kw_only=True):
     type: str = "encoded_text"
     tokens: list[TokenId] = []
+    # An ImageChunk's (its bytes come base64 in JSON) or an ImageAssetPointerChunk's:
+    # checked and expanded at the door (tinker_shim/images.py).
+    data: bytes = b""
+    format: str = ""
+    location: str = ""
+    expected_tokens: Count | None = None
 
 
 class ModelInputIn(Struct, kw_only=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 
 from aiohttp import web
@@ -10,6 +11,7 @@ from twinkled.protocol.checks import check_knobs, check_prompt_scores, check_sam
 from twinkled.protocol.errors import Conflict, NotFound, UserError
 from twinkled.protocol.frames import SampleF, SamplingF, buf
 
+from . import images as tinker_images
 from .codec import CodecError
 from .common import (
     body_of,
@@ -68,7 +70,11 @@ async def get_sampler(request):
 async def asample(request):
     body = await body_of(request, Asample)
     sampler = _own_sampler(request, body.sampling_session_id)
-    tokens = _prompt_tokens(body.prompt)
+    svc = service(request)
+    tokens, images = _prompt_tokens(body.prompt), []
+    if tokens is None:  # images: decoded and checked off the event loop
+        tokens, images = await asyncio.to_thread(
+            tinker_images.expand_prompt, body.prompt, svc.config, sampler["base_model"])
     lim = limits(request)
     target, layout = _target_ids(body.target_prompt_logprobs, lim.max_prompt_cells)
     checked(check_prompt_scores, tokens, body.prompt_logprobs, body.prompt_logprobs_last_n,
@@ -94,12 +100,13 @@ async def asample(request):
                     target_prompt=None if target is None else buf(
                         [t for row in target for t in row], "int64",
                         [len(target), len(target[0])]),
-                    alt_tokens_k=body.prompt_alt_tokens_k)
+                    alt_tokens_k=body.prompt_alt_tokens_k,
+                    images=tinker_images.image_frames(images, svc.config))
     # One id per sequence, never reused: a retried submission (same seq_id) is a new one,
     # and stable_reinforce's records are found by these ids.
     tag = secrets.token_hex(6)
     ids = [f"{sampler['id']}:{body.seq_id or 0}:{tag}:{i}" for i in range(n)]
-    f = service(request).sample(
+    f = svc.sample(
         request["tenant"], sampler, frame,
         lambda result: sample_encoder(result, target_layout=layout),
         record=(ids, tokens) if body.record_stability_info else None)
@@ -116,14 +123,12 @@ def _target_ids(t: TensorJsonIn | None, max_cells: int):
         raise UserError(str(e)) from None
 
 
-def _prompt_tokens(prompt: ModelInputIn) -> list[int]:
-    """ModelInput -> token ids; only text chunks are supported."""
+def _prompt_tokens(prompt: ModelInputIn) -> list[int] | None:
+    """ModelInput -> token ids; None if it holds images (tinker_images.expand_prompt)."""
     tokens: list[int] = []
     for i, chunk in enumerate(prompt.chunks):
-        if chunk.type == "image":
-            raise UserError(f"prompt.chunks[{i}]: images in sampling prompts (and "
-                            "compute_logprobs) are not served yet; images train through "
-                            "forward and forward_backward")
+        if chunk.type in ("image", "image_asset_pointer"):
+            return None
         if chunk.type != "encoded_text":
             raise UserError(f"prompt.chunks[{i}]: chunks of type {chunk.type!r} are not "
                             "supported (text-only models)")

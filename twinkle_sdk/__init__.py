@@ -16,6 +16,7 @@ from .client import init_tinker_compat_client, init_twinkle_client
 from .dataloader import DataLoader
 from .dataset import Dataset, DatasetMeta
 from .datum import input_feature_to_datum
+from .images import ImageChunk
 from .model import MultiLoraTransformersModel, TransformersModel, TwinkleModel
 from .preprocessor import (
     AlpacaProcessor,
@@ -38,7 +39,7 @@ from .tracking import MetricsLogger
 
 __all__ = [
     "AlpacaProcessor", "CompletionRewardMetric", "DataLoader", "Dataset", "DatasetMeta",
-    "DeviceMesh", "GRPOAdvantage", "MetricsLogger", "GSM8KAccuracyReward", "GSM8KFormatReward",
+    "DeviceMesh", "GRPOAdvantage", "ImageChunk", "MetricsLogger", "GSM8KAccuracyReward", "GSM8KFormatReward",
     "GSM8KProcessor", "MessagesProcessor", "MultiLoraTransformersModel", "Preprocessor",
     "RLOOAdvantage", "SampleResponse", "SampledSequence", "Sampler", "SamplingParams",
     "SelfCognitionProcessor", "Template", "TransformersModel", "TwinkleModel",

@@ -22,9 +22,13 @@ def unpack(rows: list[dict]) -> list[dict]:
     return out
 
 
-def rows_to_datums(rows: list[dict]) -> tuple[list[dict], list[list[int]]]:
+def rows_to_datums(rows: list[dict], vision=None) -> tuple[list[dict], list[list[int]]]:
     """Each row's `input_ids` predicts itself shifted by one: tokens = ids[:-1], targets =
-    ids[1:]. Returns the datums and, per datum, 1 where the target is labelled (not -100)."""
+    ids[1:]. Returns the datums and, per datum, 1 where the target is labelled (not -100).
+    A row's ImageChunks (images.py; `vision`: the model's) become their placeholder
+    tokens, and the datum's `images` their checked images."""
+    from .images import expand, has_images
+
     datums, masks = [], []
     for i, row in enumerate(unpack(rows)):
         ids, labels = row.get("input_ids"), row.get("labels")
@@ -34,7 +38,14 @@ def rows_to_datums(rows: list[dict]) -> tuple[list[dict], list[list[int]]]:
         if len(ids) != len(labels) or len(ids) < 2:
             raise ValueError(f"row {i}: {len(ids)} input_ids and {len(labels)} labels "
                              "(need equal lengths, at least 2)")
+        images = []
+        if has_images(ids):
+            if not has_images(ids[-1:]):
+                ids, labels, images = expand(ids, labels, vision)
+            else:
+                raise ValueError(f"row {i} ends with an image: nothing after it to predict")
         ids = [int(t) for t in ids]
-        datums.append({"tokens": ids[:-1], "target_tokens": ids[1:]})
+        datums.append({"tokens": ids[:-1], "target_tokens": ids[1:]}
+                      | ({"images": images} if images else {}))
         masks.append([0 if int(label) == IGNORE else 1 for label in labels[1:]])
     return datums, masks

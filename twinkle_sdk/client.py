@@ -77,6 +77,7 @@ class RemoteBackend:
     def __init__(self, client: TwinkleClient, model_id: str):
         self.client = client
         self.base_model = served_name(model_id)
+        self.model_dir = model_id if Path(model_id).is_dir() else None  # (images' spec)
         self.tc = None
         self.sampler = None
         self.name: str | None = None
@@ -85,6 +86,23 @@ class RemoteBackend:
     @property
     def tokenizer(self):
         return self.tc.get_tokenizer()
+
+    @property
+    def vision(self):
+        """The model's image spec (images.Vision) where its files are here (model_id a
+        local directory); else None: rows with images are refused."""
+        from .images import Vision
+
+        return Vision.of(self.model_dir)
+
+    def _input(self, tokens: list[int], images: list):
+        import tinker
+
+        from .images import tinker_input
+
+        if not images:
+            return tinker.types.ModelInput.from_ints(tokens)
+        return tinker_input(tokens, images, self.vision.pad)
 
     def daemon_metrics(self) -> DaemonMetrics:
         """report_to="twinkle": metrics to this model's run (the latest, after a load)."""
@@ -111,8 +129,9 @@ class RemoteBackend:
             raise ValueError("a Python loss function runs only in local mode; a daemon runs "
                              f"the built-in losses: {', '.join(BUILTIN_LOSSES)}")
         data = [tinker.types.Datum(
-            model_input=tinker.types.ModelInput.from_ints(r["tokens"]),
-            loss_fn_inputs={k: v for k, v in r.items() if k != "tokens"}) for r in rows]
+            model_input=self._input(r["tokens"], r.get("images", [])),
+            loss_fn_inputs={k: v for k, v in r.items() if k not in ("tokens", "images")})
+            for r in rows]
         call = self.tc.forward if forward_only else self.tc.forward_backward
         out = call(data, loss_fn, config or None).result(timeout=T)
         outputs = [{k: v.tolist() for k, v in o.items()} for o in out.loss_fn_outputs]
@@ -147,13 +166,15 @@ class RemoteBackend:
                use_adapter: bool = True) -> list[list[tuple[list[int], list[float], str]]]:
         import tinker
 
+        from .images import expand_prompt
+
         if not use_adapter:
             raise ValueError("sampling the base model remotely: use a tinker SamplingClient")
         if self.sampler is None:
             self.sync_sampler()
         seed = params.get("seed")
         futures = [self.sampler.sample(
-            tinker.types.ModelInput.from_ints(p), num_samples,
+            self._input(*expand_prompt(p, self.vision)), num_samples,
             tinker.types.SamplingParams(**{**params, "seed": None if seed is None else seed + i}))
             for i, p in enumerate(prompts)]
         return [[(list(s.tokens), list(s.logprobs or []), s.stop_reason)

@@ -42,6 +42,18 @@ class LocalBackend:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def vision(self):
+        """The model's image spec (images.Vision), None for a text model."""
+        from .images import Vision
+
+        return Vision.of(self.model_dir)
+
+    def _prepared(self, images: list) -> list:
+        from twinkled.protocol.images import patches
+
+        return [patches(im, self.vision.spec) for im in images]
+
     def create(self, name: str, rank: int, alpha: float, targets: dict[str, bool],
                seed: int) -> None:
         from twinkled.protocol.types import LoraConfig
@@ -53,7 +65,8 @@ class LocalBackend:
                          forward_only: bool) -> tuple[list[Output], dict[str, float]]:
         from twinkled.protocol.types import Datum, ForwardBackwardRequest
 
-        data = [Datum(r["tokens"], {k: v for k, v in r.items() if k != "tokens"}) for r in rows]
+        data = [Datum(r["tokens"], {k: v for k, v in r.items() if k not in ("tokens", "images")},
+                      images=self._prepared(r.get("images", []))) for r in rows]
         req = ForwardBackwardRequest(self.name, data, loss_fn, config, forward_only)
         result = self.engine.forward_backward([req])[0]
         outputs = [{k: v.tolist() for k, v in o.items()} for o in result.outputs]
@@ -74,15 +87,21 @@ class LocalBackend:
     def load(self, path: str, optimizer: bool) -> None:
         self.engine.load(self.name, path, optimizer=optimizer)
 
-    def sample(self, prompts: list[list[int]], params: dict, num_samples: int,
+    def sample(self, prompts: list[list], params: dict, num_samples: int,
                use_adapter: bool = True) -> list[list[tuple[list[int], list[float], str]]]:
+        """`prompts`: token ids, and ImageChunks where images go (images.py)."""
         from twinkled.protocol.types import SampleRequest, SamplingParams
+
+        from .images import expand_prompt
 
         adapter = self.name if use_adapter else None
         seed = params.get("seed")
-        reqs = [SampleRequest(adapter, p, SamplingParams(**{**params, "seed": None if seed is None
-                                                            else seed + i}), num_samples)
-                for i, p in enumerate(prompts)]
+        reqs = []
+        for i, p in enumerate(prompts):
+            ids, images = expand_prompt(p, self.vision)
+            reqs.append(SampleRequest(adapter, ids, SamplingParams(
+                **{**params, "seed": None if seed is None else seed + i}), num_samples,
+                images=tuple(self._prepared(images))))
         return [[(s.tokens, s.logprobs, s.stop_reason) for s in r.sequences]
                 for r in self.engine.sample(reqs)]
 

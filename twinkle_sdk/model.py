@@ -196,7 +196,7 @@ class TwinkleModel:
     def _run(self, inputs, old_logps, advantages, forward_only: bool) -> dict[str, float]:
         from .batch import rows_to_datums
 
-        rows, masks = rows_to_datums(inputs)
+        rows, masks = rows_to_datums(inputs, self.backend.vision)
         count = _global_sum(sum(sum(m) for m in masks))
         rl = self.loss_fn != "cross_entropy" and isinstance(self.loss_fn, str)
         if rl:

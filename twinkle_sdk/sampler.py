@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .batch import IGNORE
+from .images import ImageChunk
 
 
 @dataclass
@@ -61,7 +62,9 @@ class Sampler:
         `num_samples` sequences."""
         p = sampling_params or SamplingParams()
         params = {k: v for k, v in asdict(p).items() if k not in ("num_samples", "logprobs")}
-        prompts = [[int(t) for t in row["input_ids"]] for row in inputs]
+        # (an ImageChunk stays in the prompt: the backend expands it, images.py)
+        prompts = [[t if isinstance(t, ImageChunk) else int(t) for t in row["input_ids"]]
+                   for row in inputs]
         out = self.model.backend.sample(prompts, params, p.num_samples, self.use_adapter)
         tok = self.tokenizer
         responses = []

@@ -68,6 +68,10 @@ class DecodeStep:
         self.table = torch.zeros((rows, max_pages), dtype=torch.long, device=dev)
         self.group = torch.zeros(rows, dtype=torch.long, device=dev)  # a row's request
         self.shared = torch.zeros(rows, dtype=torch.long, device=dev)  # its shared tokens
+        # A VL model's rotary offset per slot: after an image the rotary position of a token
+        # is its KV index + delta (vision_prefill.py). None: text models (position = index).
+        self.delta = (torch.zeros(rows, dtype=torch.long, device=dev)
+                      if getattr(model, "vision", None) is not None else None)
         self._sharing = [False] * rows  # host mirror: which slots share (picks the graph)
         self.lora = RowBuffers(stack, rows, kernels)
         self.adapters: list = [None] * rows  # each slot's adapter, on the host (MoE experts)
@@ -91,12 +95,14 @@ class DecodeStep:
     def set_slots(self, first: int, tokens: list[int], pos: list[int], tables: list[list[int]],
                   adapters: list, groups: list[int] | None = None,
                   shared: list[int] | None = None,
-                  prompts: list[PromptState] | None = None) -> None:
+                  prompts: list[PromptState] | None = None,
+                  deltas: list[int] | None = None) -> None:
         """Seat rows in slots first, first + 1, ...: built on the host, one copy per buffer
         (a row at a time, seating 256 rows cost thousands of tiny copies). `groups`: each
         row's group id (>= 0; its request), `shared`: the tokens its first pages hold in
         common with the group's other rows (whole pages; 0: none). Cascade only.
-        `prompts`: each row's prompt state (linear attention), copied into its slot."""
+        `prompts`: each row's prompt state (linear attention), copied into its slot.
+        `deltas`: each row's rotary offset (a VL model's; None: 0)."""
         self._follow_stack()
         n = len(tokens)
         if n == 0:
@@ -108,6 +114,8 @@ class DecodeStep:
         self.tok[first:end] = torch.tensor(tokens).to(self.tok.device)
         self.pos[first:end] = torch.tensor(pos).to(self.pos.device)
         self.table[first:end] = table.to(self.table.device)
+        if self.delta is not None:
+            self.delta[first:end] = torch.tensor(deltas or [0] * n).to(self.delta.device)
         self.lora.set(first, adapters)
         self.adapters[first:end] = adapters
         if self.states is not None:
@@ -140,7 +148,8 @@ class DecodeStep:
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         return (self.tok, self.pos, self.table) + ((self.group, self.shared)
-                                                   if self.cascade else ())
+                                                   if self.cascade else ()) + (
+            (self.delta,) if self.delta is not None else ())
 
     def advance(self, n: int, tokens: torch.Tensor) -> None:
         """Live slots 0..n-1 feed `tokens` next, one position further on."""
@@ -192,7 +201,8 @@ class DecodeStep:
             prefix = prefix_groups(self.group[:rows], self.shared[:rows], self._chunk)
         view = self.pool.view(write, table, pos + 1 if self.kernels else None, prefix,
                               None if self.states is None else self.states.bound(rows))
-        hidden = self.model.forward(self.tok[:rows, None], pos[:, None], lora, view, mask)
+        rope = pos if self.delta is None else pos + self.delta[:rows]
+        hidden = self.model.forward(self.tok[:rows, None], rope[:, None], lora, view, mask)
         return self.model.logits(hidden, lora)[:, 0]
 
     def _capture(self, rows: int, pages: int, cascade: bool

@@ -32,6 +32,7 @@ from .lora_rows import AdapterStack, row_lora
 from .moe import ExpertRows, run_tokens
 from .packed import varlen_attend
 from .recurrent import PieceStates, PromptState
+from .vision_prefill import PromptVision, pass_inputs
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Piece:
     pages: list[int]
     adapter: Adapter | None
     state: PromptState | None = None  # its linear-attention state (Qwen3.5), carried on
+    vision: PromptVision | None = None  # its prompt's images (a VL model's)
 
     @property
     def tokens(self) -> int:
@@ -188,7 +190,9 @@ def prefill_varlen(model, pool: PagePool, stack: AdapterStack, kernels: bool,
     if model.moe:  # the experts' LoRA: each piece's tokens through its adapter's bank
         lora = ExpertRows(lora, run_tokens([(p.adapter, p.tokens) for p in pieces],
                                            model.dtype, dev))
-    hidden = model.forward(ids[None], positions[None], lora, pages, packing=pages)[0]
+    mm = pass_inputs(model, [(p.vision, p.start, p.end) for p in pieces], None)
+    positions, images = mm or (positions[None], None)
+    hidden = model.forward(ids[None], positions, lora, pages, packing=pages, images=images)[0]
     own = list(torch.split(hidden, pages.q_lens))
     if not logits_of:
         return own, None

@@ -31,6 +31,7 @@ from .lora_rows import AdapterStack, row_lora
 from .prefill import Piece, prefill_varlen
 from .prefix_cache import prefill
 from .recurrent import PromptState
+from .vision_prefill import PromptVision
 
 
 @dataclass(eq=False)
@@ -46,6 +47,7 @@ class Pending:
     requests: list = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
     state: PromptState | None = None  # linear attention's (Qwen3.5), from piece to piece
+    vision: PromptVision | None = None  # its images (a VL model's: vision_prefill.py)
 
 
 @dataclass
@@ -120,8 +122,8 @@ class PrefillQueue:
                 if out:
                     break
                 n = max(1, min(self.budget, self.budget ** 2 // len(p.prompt)))
-                return [Piece(p.prompt, p.done, p.done + n, p.pages, p.adapter, p.state)]
-            out.append(Piece(p.prompt, p.done, p.done + n, p.pages, p.adapter, p.state))
+                return [Piece(p.prompt, p.done, p.done + n, p.pages, p.adapter, p.state, p.vision)]
+            out.append(Piece(p.prompt, p.done, p.done + n, p.pages, p.adapter, p.state, p.vision))
             room -= n
         return out
 
@@ -130,5 +132,6 @@ class PrefillQueue:
         # A piece of a cut prompt writes and reads only the pages up to its end.
         hidden, logits = prefill(self.model, self.pool, lora, [p.prompt[:p.end] for p in pieces],
                                  [p.start for p in pieces],
-                                 [p.pages[:self.pool.pages_for(p.end)] for p in pieces])
+                                 [p.pages[:self.pool.pages_for(p.end)] for p in pieces],
+                                 [p.vision for p in pieces])
         return [hidden[i, :p.tokens] for i, p in enumerate(pieces)], logits

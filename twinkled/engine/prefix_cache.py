@@ -35,6 +35,7 @@ import torch
 from .kv_pages import PagePool
 from .lora import Adapter
 from .lora_rows import AdapterStack
+from .vision_prefill import pass_inputs
 
 WeightsKey = tuple  # (adapter id, weights version), (None, 0) for the base model
 
@@ -178,13 +179,14 @@ class PrefixCache:
 
 
 def prefill(model, pool: PagePool, lora, prompts: list[list[int]],  # lora: row_lora(...)
-            starts: list[int], pages: list[list[int]]):
+            starts: list[int], pages: list[list[int]], visions: list | None = None):
     """The padded prefill pass (`RunningBatch(prefill="padded")`, the reference of
     prefill.py's packed one): one forward of `prompts` (right-padded) from positions
     `starts` (the keys and values before them are already in the prompts' first `pages`), writing the
     rest of their keys and values into `pages`; returns the hidden states [U, S, H] of the
     positions computed (row i's position j is prompt position starts[i] + j) and the
-    last prompt position's logits [U, V]."""
+    last prompt position's logits [U, V]. `visions`: each prompt's images
+    (vision_prefill.PromptVision, or None)."""
     dev = model.device
     lens = torch.tensor([len(p) for p in prompts], device=dev)
     start = torch.tensor(starts, device=dev)
@@ -204,6 +206,10 @@ def prefill(model, pool: PagePool, lora, prompts: list[list[int]],  # lora: row_
     keys = torch.arange(width * pool.page_size, device=dev)
     # Row i's query j sees the prompt's keys up to its own position (cached ones included).
     mask = (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < lens[:, None, None])
-    hidden = model.forward(ids, positions, lora, pool.view(write.reshape(-1), table), mask[:, None])
+    mm = visions and pass_inputs(model, [(v, s, len(p)) for v, s, p in zip(
+        visions, starts, prompts, strict=True)], S)
+    rope, images = mm or (positions, None)
+    hidden = model.forward(ids, rope, lora, pool.view(write.reshape(-1), table), mask[:, None],
+                           images=images)
     last = hidden[torch.arange(len(prompts), device=dev), lens - start - 1]
     return hidden, model.logits(last[:, None], lora)[:, 0]

@@ -44,6 +44,7 @@ from .prefix_cache import PrefixCache, weights_key
 from .prompt_scores import score_prompt, wants_scores
 from .recurrent import SlotStates
 from .running_seqs import Finished, Request, Seq
+from .vision_prefill import PromptVision, cache_key, rope_delta
 
 PAGE_SIZE = 16  # tokens per KV page
 KV_BYTES = {"cuda": 4 << 30, "cpu": 64 << 20}  # default page pool size per device type
@@ -295,7 +296,8 @@ class RunningBatch:
         prompt_pages, starts = self._prompt_pages(take, uniq)
         cached = {u.key: starts[i] for i, u in enumerate(uniq)}
         queued = {u.key: Pending(u.req.prompt, u.adapter, prompt_pages[i], starts[i],
-                                 any(wants_scores(r.req) for r in take if r.key == u.key))
+                                 any(wants_scores(r.req) for r in take if r.key == u.key),
+                                 vision=PromptVision.of(self.model, u.req.prompt, u.req.images))
                   for i, u in enumerate(uniq)}
         # Every sample's pages: the prompt's full pages shared, its own for the rest. The
         # first sample of a prompt takes the prompt's partial page; the others copy it
@@ -340,7 +342,8 @@ class RunningBatch:
                 seqs += r.seqs
                 rows += [i] * len(r.seqs)
             pool.share(p.pages[:full], holders - 1)  # the shared pages' holders are the samples
-            self.cache.insert(weights_key(self.stack, p.adapter), p.prompt, p.pages[:full])
+            self.cache.insert(cache_key(weights_key(self.stack, p.adapter), p.requests[0].req.images),
+                              p.prompt, p.pages[:full])
             for r in p.requests:
                 if r.cancelled:
                     for s in r.seqs:
@@ -359,13 +362,14 @@ class RunningBatch:
             else:
                 seated.append(s)
         shares = [(len(s.request.req.prompt), s.request.req.num_samples) for s in seated]
-        states = {id(r): rd.prompt.state for rd in ready for r in rd.prompt.requests}
+        prompt_of = {id(r): rd.prompt for rd in ready for r in rd.prompt.requests}
         self.decode.set_slots(len(self.live), [s.tokens[-1] for s in seated],
                               [s.length for s in seated], [s.pages for s in seated],
                               [s.request.adapter for s in seated],
                               [s.request.ticket for s in seated],  # its samples: a group
                               [n // P * P if m > 1 else 0 for n, m in shares],
-                              [states[id(s.request)] for s in seated])
+                              [prompt_of[id(s.request)].state for s in seated],
+                              [rope_delta(prompt_of[id(s.request)].vision) for s in seated])
         self.live += seated  # (shared: the prompt's full pages)
         self.loop.changed(self.live)
 
@@ -376,8 +380,8 @@ class RunningBatch:
         scored = {r.key for r in take if wants_scores(r.req)}
         firsts = {id(u) for u in uniq}
         need = sum(self._pages(r.req, id(r) not in firsts) for r in take)
-        return self.cache.prompt_pages([(None if u.key in scored else weights_key(
-            self.stack, u.adapter), u.req.prompt) for u in uniq], need)
+        return self.cache.prompt_pages([(None if u.key in scored else cache_key(weights_key(
+            self.stack, u.adapter), u.req.images), u.req.prompt) for u in uniq], need)
 
     # -- decoding -----------------------------------------------------------------------
 

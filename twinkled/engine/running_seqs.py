@@ -30,8 +30,9 @@ class Request:
         self.seqs: list[Seq] = []
         self.running = 0
         self.cancelled = False
-        # What a shared prefill must agree on.
-        self.key = (None if adapter is None else adapter.id, tuple(req.prompt))
+        # What a shared prefill must agree on (images: their placeholder ids are all alike).
+        self.key = (None if adapter is None else adapter.id, tuple(req.prompt),
+                    tuple(im.digest for im in req.images))
 
 
 class Seq:

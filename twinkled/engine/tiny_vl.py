@@ -10,6 +10,22 @@ from pathlib import Path
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 64
+# Qwen2-VL / Qwen2.5-VL's chat template (as its checkpoints ship it): one <|image_pad|> per
+# image part, which the processor (here: the OpenAI face, openai_shim/images.py) expands to
+# the image's token count.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def qwen25vl_config(common: dict, tokenizer):
@@ -36,6 +52,7 @@ def qwen25vl_config(common: dict, tokenizer):
 def add_vision_tokens(tokenizer, out: Path) -> None:
     """The vision special tokens (new ids past the BPE vocabulary) and the processor config."""
     tokenizer.add_tokens(VISION_TOKENS, special_tokens=True)
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out))
     (out / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "merge_size": 2,

@@ -49,6 +49,8 @@ def check_sample(req: SampleRequest, model: BaseModel, pool: LoraPool) -> None:
         if type(value) is not int:
             raise EngineInputError(name, f"must be an integer, got {value!r}")
     checks.check_knobs(p.temperature, p.top_p, p.top_k)
+    if req.images and model.vision is None:
+        raise EngineInputError("prompt", "images in a prompt of a text-only model")
     checks.check_sample(_flat("prompt", req.prompt), p.max_tokens, req.num_samples,
                         p.stop, limits_of(model, pool))
 

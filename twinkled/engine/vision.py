@@ -31,10 +31,14 @@ class TextOnly(nn.Module):
 @dataclass
 class Images:
     """The images of one forward: patches of all images end to end and their grids, and the
-    flat token indices (into the [B, S] input) of their placeholders, in image order."""
-    pixel_values: torch.Tensor  # [patches, C * temporal * patch * patch]
+    flat token indices (into the [B, S] input) of their placeholders, in image order.
+    `embeddings`: the tower's output for exactly those placeholders, already computed (the
+    sampler's prefill embeds a prompt's images once for all its pieces: vision_prefill.py);
+    then the patches are not read."""
+    pixel_values: torch.Tensor | None  # [patches, C * temporal * patch * patch]
     grids: Sequence[tuple[int, int, int]]
     index: torch.Tensor  # [image tokens] long
+    embeddings: torch.Tensor | None = None  # [image tokens, hidden]
 
 
 class VisionTower:
@@ -57,7 +61,10 @@ class VisionTower:
     def splice(self, h: torch.Tensor, images: Images) -> torch.Tensor:
         """The text embeddings `h` [B, S, H] with the image tokens' rows replaced (out of
         place: the embedding table's gradient path stays intact for the other tokens)."""
-        emb = self.embed(images.pixel_values, images.grids).to(h.dtype)
+        emb = images.embeddings
+        if emb is None:
+            emb = self.embed(images.pixel_values, images.grids)
+        emb = emb.to(h.dtype)
         if emb.shape[0] != images.index.numel():
             raise ValueError(f"{images.index.numel()} image placeholder tokens but the images "
                              f"make {emb.shape[0]}")

@@ -115,6 +115,7 @@ class SampleF(_Op, tag="sample"):
     topk_sample: int = 0
     target_prompt: Buf | None = None  # int64 [len(prompt) - 1, K]; -1: nothing
     alt_tokens_k: int = 0
+    images: list[ImageF] = []  # a VL model's, in placeholder order (protocol/images.py)
     # Set by the daemon when it queues the op: the name its outcome and pieces come back
     # under (a sample may finish steps after the one that brought it), and whether its
     # reader streams it (then the workers send its new tokens after each slice).

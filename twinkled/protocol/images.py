@@ -101,6 +101,15 @@ class VisionSpec:
             size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels})
 
 
+@cache
+def model_vision(model_dir: str) -> tuple[VisionSpec, int] | None:
+    """The model's image processor spec and <|image_pad|> id; None for a text model."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if raw.get("model_type") not in VL_ARCHS:
+        return None
+    return VisionSpec.from_dir(Path(model_dir)), int(raw["image_token_id"])
+
+
 @dataclass(frozen=True)
 class PreparedImage:
     """One image as the vision tower takes it and the text sees it."""

@@ -171,6 +171,9 @@ class SampleRequest:
     topk_sample: int = 0  # top-k (id, logprob) at every sampled position
     target_prompt: list[list[int]] | None = None  # [n - 1, K] ids to score; -1: none
     alt_tokens_k: int = 0  # k draws at the request's temperature per prompt row
+    # A VL model's images (protocol/images.PreparedImage), in the order of their
+    # placeholder runs in `prompt` (engine/vision_prefill.py).
+    images: tuple = ()
 
 
 # Top-k rows: (token ids, logprobs) per position; an empty row was not scored.

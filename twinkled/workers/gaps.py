@@ -46,7 +46,8 @@ class GapChecks:
         self.done: list[LogprobGap] = []
 
     def _pick(self, req: SampleRequest) -> _Pick | None:
-        if self.every <= 0 or req.params.temperature not in (0.0, 1.0):
+        # (A prompt with images: the trainer's scoring here is of its tokens alone.)
+        if self.every <= 0 or req.params.temperature not in (0.0, 1.0) or req.images:
             return None
         self.seen += 1
         if (self.seen - 1) % self.every:

@@ -10,6 +10,7 @@ from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.parallel import split_rows
 from twinkled.protocol.blobs import Blobs, unversioned
 from twinkled.protocol.frames import OpF, OutcomeF, SampleF, SlicedF, StepF
+from twinkled.protocol.images import prepared_image
 from twinkled.protocol.types import SampleRequest, SamplingParams
 
 from .gaps import GapChecks
@@ -136,6 +137,7 @@ class SampleRunner:
             try:
                 if i in failed:
                     raise failed[i]
+                req.images = tuple(prepared_image(f) for f in s.images)  # (its patches)
                 if not self.spans_hosts:
                     self._load_sampler(s)
                 if s.adapter_id is not None and not self.engine.has_adapter(s.adapter_id):
