@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-IGNORE = -100  # a label that takes no loss (prompt tokens, padding)
+from .template import IGNORE_INDEX as IGNORE  # a label that takes no loss (prompt, padding)
 
 
 def unpack(rows: list[dict]) -> list[dict]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from twinkled.protocol.images import CheckedImage, ImageLimits, VisionSpec, check, model_vision
 
-from .batch import IGNORE
+from .template import IGNORE_INDEX as IGNORE
 
 
 @dataclass(frozen=True)
