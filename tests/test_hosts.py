@@ -24,11 +24,12 @@ class Agent:
     """`twinkled worker --join` in its own process group (its workers die with it)."""
 
     def __init__(self, port: int, token_file: Path, log: Path, env: dict | None = None,
-                 devices: str = "cpu"):
+                 devices: str = "cpu", name: str = "hostb", lanes: int = 0):
         self.log = open(log, "ab")  # noqa: SIM115 - kept open for the process's life
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "twinkled", "worker", "--join", f"tcp://127.0.0.1:{port}",
-             "--devices", devices, "--token-file", str(token_file), "--name", "hostb"],
+             "--devices", devices, "--token-file", str(token_file), "--name", name,
+             "--lanes", str(lanes)],
             stdout=self.log, stderr=subprocess.STDOUT,
             env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})))
 

@@ -128,9 +128,10 @@ def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[st
     elif cfg.lanes > 1 and (len(devices) // cfg.lanes) % tp:
         problems.append(f"lanes: each lane's {len(devices) // cfg.lanes} device(s) must make "
                         f"whole tensor-parallel groups of {tp}")
-    if cfg.lanes > 1 and (cfg.remote_ranks or cfg.join_listen):
-        problems.append("lanes: a daemon with lanes takes no other hosts (remote_ranks, "
-                        "join_listen)")
+    if cfg.lanes > 1 and cfg.remote_ranks:
+        problems.append("lanes: a daemon with lanes takes no other hosts' ranks "
+                        "(remote_ranks): hosts bring lanes of their own (twinkled worker "
+                        "--lanes N)")
     if cfg.ep > 1 and tp > 1:
         problems.append("ep: under --tp the experts are already split over each tensor-"
                         "parallel group; use --tp alone (or --ep without --tp)")

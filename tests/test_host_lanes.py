@@ -1,0 +1,135 @@
+"""Lanes on every host (issue 39 item 1): hosts that join with `twinkled worker --join
+--lanes N` bring lanes the head places runs on like its own; a lost host costs only its
+lanes' steps in flight, its runs coming back on other lanes at their acknowledged steps;
+a host that returns takes new work. On loopback: one head (one lane of its own) and two
+agents of one CPU lane each."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from daemon import Daemon, ctl_status, free_port, make_key
+from test_hosts import TOKEN, Agent
+from test_workers import T, _data, _step
+
+tinker = pytest.importorskip("tinker")
+
+
+def wait_lanes(data_dir: Path, want: list[tuple[str, bool]], timeout: float = 90) -> list:
+    """Until `ctl status` shows lanes on these hosts, each up (True) or down (False)."""
+    deadline = time.time() + timeout
+    lanes = None
+    while time.time() < deadline:
+        lanes = ctl_status(data_dir).get("lanes") or []
+        if [(lane["host"], lane["down"] is None) for lane in lanes] == want:
+            return lanes
+        time.sleep(0.3)
+    raise TimeoutError(f"lanes are not {want}: {lanes}")
+
+
+def head_config(path: Path, token: Path, port: int, host: str = "127.0.0.1") -> Path:
+    path.write_text(f'join_listen = "tcp://{host}:{port}"\njoin_token_file = "{token}"\n'
+                    "join_heartbeat_s = 2\nworker_threads = 1\n")
+    return path
+
+
+def client(d, tenant: str, tiny_dir: Path, seed: int):
+    sc = tinker.ServiceClient(base_url=d.url, api_key=d.keys[tenant])
+    return sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                          seed=seed).result(timeout=T)
+
+
+def lane_of(data_dir: Path) -> list[int]:
+    return [lane["adapters"] for lane in ctl_status(data_dir)["lanes"]]
+
+
+def lose_a_host_mid_step(d, tiny_dir: Path, kill) -> None:
+    """The scenario both this file and test_cluster_netns run: three runs, one on each
+    lane (head, hosta, hostb) with the same seed and data; hostb is lost (`kill()`) while
+    its run and hosta's are mid-step. hosta's tenant sees no error; hostb's run comes back
+    on another lane at its acknowledged step: every run's losses are the same, step for
+    step (fp32, the same seed and data)."""
+    here = socket.gethostname()
+    ctl, bob, carol = (client(d, t, tiny_dir, 7) for t in ("alice", "bob", "carol"))
+    assert lane_of(d.data_dir) == [1, 1, 1]  # one run on each lane: the fewest first
+    data = _data(ctl.get_tokenizer())
+    want = [_step(ctl, data).metrics["loss:sum"] for _ in range(3)]  # the control, at home
+    got = {"bob": [_step(bob, data).metrics["loss:sum"]],
+           "carol": [_step(carol, data).metrics["loss:sum"]]}
+
+    fb = {name: tc.forward_backward(data, "cross_entropy") for name, tc in
+          (("bob", bob), ("carol", carol))}
+    opt = {name: tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2))
+           for name, tc in (("bob", bob), ("carol", carol))}
+    time.sleep(0.5)  # both remote lanes mid-step (their workers wait 1 s a step)
+    kill()
+    got["bob"].append(fb["bob"].result(timeout=T).metrics["loss:sum"])  # no error
+    opt["bob"].result(timeout=T)
+    with pytest.raises(tinker.RequestFailedError, match="restarted"):
+        fb["carol"].result(timeout=T)
+    with pytest.raises(tinker.RequestFailedError):
+        opt["carol"].result(timeout=T)
+    wait_lanes(d.data_dir, [(here, True), ("hosta", True), ("hostb", False)])
+    for _ in range(2):  # carol goes on at its acknowledged step: the lost one redone
+        got["carol"].append(_step(carol, data).metrics["loss:sum"])
+    got["bob"].append(_step(bob, data).metrics["loss:sum"])
+    # carol's run is on the head's lane now, or hosta's, not on the lost one
+    assert lane_of(d.data_dir) in ([2, 1, 0], [1, 2, 0])
+    for name in ("bob", "carol"):
+        assert got[name] == pytest.approx(want, rel=1e-4), name
+    assert want[-1] < want[0]  # it trained
+
+
+@pytest.fixture
+def head(tiny_dir, tmp_path):
+    token = tmp_path / "join.key"
+    token.write_text(TOKEN + "\n")
+    port = free_port()
+    cfg = head_config(tmp_path / "head.toml", token, port)
+    data_dir = tmp_path / "head"
+    data_dir.mkdir()
+    d = Daemon(tiny_dir, data_dir, data_dir / "log", "--config", str(cfg))
+    d.keys = {t: make_key(data_dir, t) for t in ("alice", "bob", "carol", "dave")}
+    d.join_port, d.token, d.agents = port, token, []
+    try:
+        yield d
+    finally:
+        d.stop()
+        for agent in d.agents:
+            agent.stop()
+
+
+def _agent(d, name: str, log: Path) -> Agent:
+    agent = Agent(d.join_port, d.token, log, env={"TWINKLED_TEST_STEP_DELAY": "1.0"},
+                  name=name, lanes=1)
+    d.agents.append(agent)
+    return agent
+
+
+def test_runs_on_lanes_of_two_hosts_and_a_lost_host_costs_only_its_steps(head, tiny_dir,
+                                                                          tmp_path):
+    here = socket.gethostname()
+    _agent(head, "hosta", tmp_path / "a.log")
+    wait_lanes(head.data_dir, [(here, True), ("hosta", False)])  # (joined: lane 1)
+    hostb = _agent(head, "hostb", tmp_path / "b.log")
+    lanes = wait_lanes(head.data_dir, [(here, True), ("hosta", True), ("hostb", True)])
+    assert [lane["remote"] for lane in lanes] == [False, True, True]
+
+    def kill() -> None:
+        hostb.proc.send_signal(signal.SIGKILL)  # the agent, and with it its rank
+        hostb.proc.wait()
+
+    lose_a_host_mid_step(head, tiny_dir, kill)
+    assert head.health()["status"] == "ok"
+
+    # hostb comes back: its lane restarts there and takes new work (the run placed next
+    # goes to the lane with the fewest runs).
+    _agent(head, "hostb", tmp_path / "b2.log")
+    wait_lanes(head.data_dir, [(here, True), ("hosta", True), ("hostb", True)])
+    dave = client(head, "dave", tiny_dir, 3)
+    assert lane_of(head.data_dir)[2] >= 1
+    assert _step(dave, _data(dave.get_tokenizer())).metrics["loss:sum"] > 0
