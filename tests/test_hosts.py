@@ -94,10 +94,13 @@ def _trained(url: str, key: str, tiny_dir: Path, data_dir: Path) -> tuple:
     return losses, _logprobs(tc, data), _checkpoint(data_dir, path)
 
 
-def _trained_on_one_host(tiny_dir: Path, data_dir: Path, *extra: str) -> tuple:
-    """`_trained` on a local daemon started with `extra`."""
+@pytest.fixture(scope="module")
+def one_rank(tiny_dir, tmp_path_factory) -> tuple:
+    """`_trained` on a daemon of one local rank: what a group over hosts (data or tensor
+    parallel) must train like, within float tolerance."""
+    data_dir = tmp_path_factory.mktemp("one")
     key = make_key(data_dir, "alice")
-    local = Daemon(tiny_dir, data_dir, data_dir / "log", *extra)
+    local = Daemon(tiny_dir, data_dir, data_dir / "log", "--devices", "cpu")
     try:
         return _trained(local.url, key, tiny_dir, data_dir)
     finally:
@@ -115,17 +118,17 @@ def _same_training(got: tuple, want: tuple) -> None:
         assert got[2][k].float().sub(v.float()).abs().max() <= 1e-5 + 1e-4 * v.abs().max(), k
 
 
-def test_two_hosts_train_like_one_host_with_two_ranks(two_hosts, tiny_dir, tmp_path):
+def test_two_hosts_train_like_one_host(two_hosts, tiny_dir, one_rank):
     workers = _wait_ranks(two_hosts.data_dir, [two_hosts.here, "hostb"])
     assert [w["remote"] for w in workers] == [False, True]
     got = _trained(two_hosts.url, two_hosts.key, tiny_dir, two_hosts.data_dir)
-    _same_training(got, _trained_on_one_host(tiny_dir, tmp_path, "--devices", "cpu,cpu"))
+    _same_training(got, one_rank)
 
 
-def test_tensor_parallel_groups_on_two_hosts_train_like_one_group(tiny_dir, tmp_path):
+def test_tensor_parallel_groups_on_two_hosts_train_like_one_rank(tiny_dir, tmp_path, one_rank):
     """--tp 2 on two hosts of two ranks each: a host holds a whole tensor-parallel group
     (its collectives never cross hosts) and the hosts are data-parallel replicas. Training
-    gives what one tp=2 group on one host gives."""
+    gives what one rank gives."""
     import socket
 
     pytest.importorskip("megatron.core")
@@ -148,9 +151,7 @@ def test_tensor_parallel_groups_on_two_hosts_train_like_one_group(tiny_dir, tmp_
     finally:
         d.stop()
         agent.stop()
-    one = tmp_path / "one"
-    one.mkdir()
-    _same_training(got, _trained_on_one_host(tiny_dir, one, "--devices", "cpu,cpu", "--tp", "2"))
+    _same_training(got, one_rank)
 
 
 def test_a_joiner_without_the_token_is_refused(two_hosts, tmp_path):
