@@ -160,11 +160,14 @@ class Agent:
         self.kill(a.group)  # (assigned again: its old ranks go first)
         # the cores shared by every rank this host may run at once
         threads = max(1, (os.cpu_count() or 1) // max(1, len(a.ranks), len(self.devices)))
+        # A group wholly on this host (a lane) meets here: its rank 0 hosts the rendezvous,
+        # which it could not on the head's address; its collectives never leave the host.
+        dist_url = f"tcp://127.0.0.1:{_free_port()}" if len(a.ranks) == a.world else \
+            f"tcp://{self.head}:{a.dist_port}"
         for rank, device in zip(a.ranks, a.devices, strict=True):
             args = {**a.options, "rank": rank, "world": a.world, "device": device,
                     "group": a.group, "threads": threads,
-                    "endpoint": f"tcp://{self.head}:{a.step_port}",
-                    "dist_url": f"tcp://{self.head}:{a.dist_port}"}
+                    "endpoint": f"tcp://{self.head}:{a.step_port}", "dist_url": dist_url}
             if self.model:
                 args["model"] = self.model
             self.procs[a.group, rank] = subprocess.Popen(
@@ -195,6 +198,12 @@ class Agent:
                 log.error("worker pid %d did not die", p.pid)
             del self.procs[key]
             self.reported.discard(key)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main(join: str, devices: list[str], token_file: Path, model: str | None,
