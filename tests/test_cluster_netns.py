@@ -183,7 +183,8 @@ def test_lanes_of_hosts_in_two_namespaces_and_the_loss_of_one(two_netns, tiny_di
             ns, _, link = two_netns.hosts[i]
             agents.append(_agent_in(ns, link, name, port, token, log))
             wait_lanes(data_dir, [(here, True), ("hosta", None), ("hostb", None)][:i + 2])
-        wait_lanes(data_dir, [(here, True), ("hosta", True), ("hostb", True)])
+        lanes = [(here, True), ("hosta", True), ("hostb", True)]
+        wait_lanes(data_dir, lanes)
 
         def kill() -> None:  # the host goes: its agent (and its rank), then its network
             os.killpg(agents[1].pid, signal.SIGKILL)
@@ -191,7 +192,7 @@ def test_lanes_of_hosts_in_two_namespaces_and_the_loss_of_one(two_netns, tiny_di
             subprocess.run(["ip", "netns", "del", two_netns.hosts[1][0]], check=True,
                            capture_output=True)
 
-        lose_a_host_mid_step(d, tiny_dir, kill)
+        lose_a_host_mid_step(d, tiny_dir, lanes, kill)
         assert d.health()["status"] == "ok"
     finally:
         d.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,10 @@ def wait_lanes(data_dir: Path, want: list[tuple[str, bool | None]],
     raise TimeoutError(f"lanes are not {want}: {lanes}")
 
 
-def head_config(path: Path, token: Path, port: int, host: str = "127.0.0.1") -> Path:
+def head_config(path: Path, token: Path, port: int, host: str = "127.0.0.1",
+                lanes: int = 1) -> Path:
     path.write_text(f'join_listen = "tcp://{host}:{port}"\njoin_token_file = "{token}"\n'
-                    "join_heartbeat_s = 2\nworker_threads = 1\n")
+                    f"join_heartbeat_s = 2\nworker_threads = 1\nlanes = {lanes}\n")
     return path
 
 
@@ -51,15 +53,17 @@ def lane_of(data_dir: Path) -> list[int]:
     return [lane["adapters"] for lane in ctl_status(data_dir)["lanes"]]
 
 
-def lose_a_host_mid_step(d, tiny_dir: Path, kill) -> None:
-    """The scenario both this file and test_cluster_netns run: three runs, one on each
-    lane (head, hosta, hostb) with the same seed and data; hostb is lost (`kill()`) while
-    its run and hosta's are mid-step. hosta's tenant sees no error; hostb's run comes back
-    on another lane at its acknowledged step: every run's losses are the same, step for
-    step (fp32, the same seed and data)."""
-    here = socket.gethostname()
+def lose_a_host_mid_step(d, tiny_dir: Path, lanes: list[tuple[str, bool]], kill) -> None:
+    """The scenario both this file and test_cluster_netns run, on `lanes` (each lane's host
+    and whether it takes work: all up but the head's in a head without workers): three
+    runs, each on a lane of its own (the fewest runs first) with the same seed and data:
+    the control on the first, bob's next (on hosta), carol's on the last (hostb). hostb
+    is lost (`kill()`) while bob's and carol's runs are mid-step. bob sees no error;
+    carol's run comes back on another lane at its acknowledged step: all three train the
+    same losses, step for step (fp32)."""
     ctl, bob, carol = (client(d, t, tiny_dir, 7) for t in ("alice", "bob", "carol"))
-    assert lane_of(d.data_dir) == [1, 1, 1]  # one run on each lane: the fewest first
+    up = [i for i, (_, on) in enumerate(lanes) if on]
+    assert [lane_of(d.data_dir)[i] for i in up] == [1] * 3  # one run on each lane
     data = _data(ctl.get_tokenizer())
     want = [_step(ctl, data).metrics["loss:sum"] for _ in range(3)]  # the control, at home
     got = {"bob": [_step(bob, data).metrics["loss:sum"]],
@@ -77,15 +81,19 @@ def lose_a_host_mid_step(d, tiny_dir: Path, kill) -> None:
         fb["carol"].result(timeout=T)
     with pytest.raises(tinker.RequestFailedError):
         opt["carol"].result(timeout=T)
-    wait_lanes(d.data_dir, [(here, True), ("hosta", True), ("hostb", False)])
+    wait_lanes(d.data_dir, [(host, on and host != "hostb") for host, on in lanes])
     for _ in range(2):  # carol goes on at its acknowledged step: the lost one redone
         got["carol"].append(_step(carol, data).metrics["loss:sum"])
     got["bob"].append(_step(bob, data).metrics["loss:sum"])
-    # carol's run is on the head's lane now, or hosta's, not on the lost one
-    assert lane_of(d.data_dir) in ([2, 1, 0], [1, 2, 0])
+    # carol's run is on a lane that is up now, not on the lost one
+    runs = lane_of(d.data_dir)
+    assert runs[up[-1]] == 0 and sum(runs) == 3
     for name in ("bob", "carol"):
         assert got[name] == pytest.approx(want, rel=1e-4), name
     assert want[-1] < want[0]  # it trained
+    metrics = urllib.request.urlopen(f"{d.url}/metrics", timeout=10).read().decode()
+    assert f'twinkle_worker_up{{device="cpu",host="hostb",lane="{up[-1]}",rank="0"}} 0.0' \
+        in metrics
 
 
 @pytest.fixture
@@ -93,7 +101,7 @@ def head(tiny_dir, tmp_path):
     token = tmp_path / "join.key"
     token.write_text(TOKEN + "\n")
     port = free_port()
-    cfg = head_config(tmp_path / "head.toml", token, port)
+    cfg = head_config(tmp_path / "head.toml", token, port, lanes=0)  # no workers here
     data_dir = tmp_path / "head"
     data_dir.mkdir()
     d = Daemon(tiny_dir, data_dir, data_dir / "log", "--config", str(cfg))
@@ -107,33 +115,36 @@ def head(tiny_dir, tmp_path):
             agent.stop()
 
 
-def _agent(d, name: str, log: Path) -> Agent:
+def _agent(d, name: str, log: Path, lanes: int = 1) -> Agent:
     agent = Agent(d.join_port, d.token, log, env={"TWINKLED_TEST_STEP_DELAY": "1.0"},
-                  name=name, lanes=1)
+                  name=name, lanes=lanes, devices=",".join(["cpu"] * lanes))
     d.agents.append(agent)
     return agent
 
 
 def test_runs_on_lanes_of_two_hosts_and_a_lost_host_costs_only_its_steps(head, tiny_dir,
                                                                           tmp_path):
+    """A head with no workers (lanes = 0): hosta brings two lanes, hostb one."""
     here = socket.gethostname()
-    _agent(head, "hosta", tmp_path / "a.log")
-    wait_lanes(head.data_dir, [(here, True), ("hosta", None)])  # (joined: lane 1)
+    assert head.health()["status"] == "ok"  # up with no lane: work waits for one (503s)
+    _agent(head, "hosta", tmp_path / "a.log", lanes=2)
+    wait_lanes(head.data_dir, [(here, False), ("hosta", None), ("hosta", None)])
     hostb = _agent(head, "hostb", tmp_path / "b.log")
-    lanes = wait_lanes(head.data_dir, [(here, True), ("hosta", True), ("hostb", True)])
-    assert [lane["remote"] for lane in lanes] == [False, True, True]
+    lanes = [(here, False), ("hosta", True), ("hosta", True), ("hostb", True)]
+    status = wait_lanes(head.data_dir, lanes)
+    assert [lane["remote"] for lane in status] == [False, True, True, True]
 
     def kill() -> None:
         hostb.proc.send_signal(signal.SIGKILL)  # the agent, and with it its rank
         hostb.proc.wait()
 
-    lose_a_host_mid_step(head, tiny_dir, kill)
+    lose_a_host_mid_step(head, tiny_dir, lanes, kill)
     assert head.health()["status"] == "ok"
 
     # hostb comes back: its lane restarts there and takes new work (the run placed next
-    # goes to the lane with the fewest runs).
+    # goes to the lane with the fewest runs, or balance moves one there).
     _agent(head, "hostb", tmp_path / "b2.log")
-    wait_lanes(head.data_dir, [(here, True), ("hosta", True), ("hostb", True)])
+    wait_lanes(head.data_dir, lanes)
     dave = client(head, "dave", tiny_dir, 3)
-    assert lane_of(head.data_dir)[2] >= 1
+    assert lane_of(head.data_dir)[3] >= 1
     assert _step(dave, _data(dave.get_tokenizer())).metrics["loss:sum"] > 0

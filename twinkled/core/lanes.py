@@ -151,6 +151,11 @@ class Lanes:
             self._samplers[adapter] = up[self._turn]
         return self._samplers[adapter]
 
+    def model_info(self) -> dict:
+        """What the workers say of the model (of the first lane up that has said it)."""
+        return next((lane.executor.model_info for lane in self.all
+                     if lane.executor.model_info), {})
+
     def homed_on(self, lane: Lane) -> list[str]:
         """The models placed on `lane`."""
         return [model for model, home in self._home.items() if home is lane]
@@ -165,9 +170,14 @@ class Lanes:
         """Start every lane's worker group (each loads the model), then bring back the
         adapters live at the last stop, spread over the lanes."""
         runs = self._store.runs.live()  # live at the last stop (read before anything reloads)
-        mine = list(self.all)  # (hosts that join meanwhile bring lanes of their own)
+        mine = self.up()  # (hosts that join meanwhile bring lanes of their own)
         if self.hosts is not None:
             await self.hosts.open()
+        if not mine:  # no workers here: they come back on hosts' lanes, on their next request
+            for run in runs:
+                self._store.runs.set_live(run["id"], False, next_seq=run["next_seq"],
+                                          idle_unloaded=True)
+            return
         await asyncio.gather(*(lane.executor.start() for lane in mine))
         shares: dict[int, list[dict]] = {lane.index: [] for lane in mine}
         for run in sorted(runs, key=lambda r: r["lora_rank"] != 0):  # full runs first

@@ -34,10 +34,16 @@ from twinkled.core.lanes import Lane, Lanes
 from twinkled.core.residency import stored_config
 from twinkled.protocol.config import Config
 from twinkled.workers.hosts import HostRegistry, RemoteHost, join_settings
-from twinkled.workers.remote_lane import RemoteLaneGroup
+from twinkled.workers.remote_lane import NoWorkers, RemoteLaneGroup
 
 log = logging.getLogger("twinkled")
 DRAIN_POLL_S = 0.05  # how often a lost lane looks whether its runs' last steps are answered
+
+
+def no_workers(config: Config) -> Executor:
+    """Lane 0's executor on a head with no workers of its own (`lanes = 0`): always down."""
+    return Executor(NoWorkers(), Path(config.data_dir) / "live", config.persist_every,
+                    config.journal_fsync)
 
 
 class RemoteLanes:

@@ -34,7 +34,7 @@ from twinkled.core.lanes import Lane, Lanes, make_lane
 from twinkled.core.metrics import Metrics
 from twinkled.core.ops import After, Op
 from twinkled.core.recent_samples import RecentSamples
-from twinkled.core.remote_lanes import RemoteLanes
+from twinkled.core.remote_lanes import RemoteLanes, no_workers
 from twinkled.core.residency import stored_config
 from twinkled.core.stability import StabilityRecords
 from twinkled.core.streams import SampleStream
@@ -93,7 +93,7 @@ class Service:
         hosts = host_registry(config) if executor is None else None  # (if hosts may join)
         if executor is None:  # (one lane: hosts without lanes bring ranks to its group)
             executor = [zmq_executor(config, devices, hosts if config.lanes == 1 else None)
-                        for devices in config.lane_devices()]
+                        for devices in config.lane_devices()] or [no_workers(config)]
         executors = executor if isinstance(executor, list) else [executor]
         ledger = Ledger()  # tenants' fair-share clocks, one for all lanes (fairness.py)
 
@@ -191,7 +191,7 @@ class Service:
 
     @property
     def model_info(self) -> dict:
-        return self.lanes.all[0].executor.model_info
+        return self.lanes.model_info()
 
     @property
     def limits(self) -> RequestLimits:
@@ -268,6 +268,8 @@ class Service:
             raise UserError(f"the model failed to load: {self.load_error}")
         if self.state == "draining" or self.intake_paused:
             raise Draining("the daemon is draining for maintenance or a restart; retry shortly")
+        if not self.lanes.up():  # (a head with no workers of its own: remote_lanes.py)
+            raise Draining("no lane is up: no host that brings lanes is joined; retry shortly")
 
     def _check_loaded(self, model_id: str | None) -> None:
         """A hot restart: the run comes back once the model is loaded, so its client's

@@ -45,7 +45,8 @@ def main() -> None:
 @click.option("--max-seq-len", type=int, help="Longest row; beyond the model's config it "
               "turns on YaRN unless rope_scaling is set (default: the config's).")
 @click.option("--lanes", type=int, help="Independent worker groups to split the devices "
-              "into, each with its own steps; a model lives on one (default 1).")
+              "into, each with its own steps; a model lives on one (default 1). 0: no workers "
+              "here, lanes come from the hosts that join (join_listen).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
               help="Base model dtype (default bfloat16; float32 on a CPU).")
 @click.option("--log-format", type=click.Choice(["text", "json"]),

@@ -20,6 +20,7 @@ import logging
 
 from twinkled.protocol.frames import ReplyF, StepF
 
+from .gaps import GapWindow
 from .hosts import HostRegistry, JoinSettings, RemoteHost
 from .supervisor import WorkerGroup, WorkerLost
 
@@ -98,3 +99,49 @@ class RemoteLaneGroup(WorkerGroup):
 
     def can_join(self) -> bool:
         return not self.down and super().can_join()
+
+
+class NoWorkers:
+    """Lane 0 of a head that runs no workers of its own (`lanes = 0`): always down, so all
+    work goes to the lanes joined hosts bring. It keeps lane 0's place (the default lane of
+    a model placed nowhere) without a device. A `Transport` (core/transport.py)."""
+
+    down = ("this head runs no workers of its own (lanes = 0): work goes to the lanes of "
+            "the hosts that join it")
+
+    def __init__(self) -> None:
+        self.devices: list[str] = []
+        self.model_info: dict = {}
+        self.restarts = 0
+        self.gaps = GapWindow()
+        self._never: asyncio.Future | None = None
+
+    @property
+    def exits(self) -> list[asyncio.Future]:
+        if self._never is None:
+            self._never = asyncio.get_running_loop().create_future()
+        return [self._never]
+
+    def dead(self) -> str:
+        return ""
+
+    async def start(self) -> None:
+        pass
+
+    async def run(self, step: StepF) -> list[ReplyF]:
+        raise WorkerLost(self.down)
+
+    def can_join(self) -> bool:
+        return False
+
+    def send_join(self, step: StepF) -> asyncio.Future:
+        raise WorkerLost(self.down)
+
+    async def restart(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def status(self) -> list[dict]:
+        return []
