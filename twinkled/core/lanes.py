@@ -83,6 +83,7 @@ def make_lane(index: int, planner: Planner, executor: Executor, store: Any,
 class Lanes:
     def __init__(self, lanes: list[Lane], store: Any):
         self.all = lanes
+        self._own = list(lanes)  # this host's (`add`ed lanes run their loops themselves)
         self.planners = [lane.planner for lane in lanes]  # (Tenants sets quotas on each)
         self.hosts: RemoteLanes | None = None  # the lanes other hosts bring, if they may
         self._added: list[asyncio.Task] = []  # their loops
@@ -205,14 +206,17 @@ class Lanes:
         self.planners.append(lane.planner)
 
         async def run() -> None:
-            await lane.executor.start()
+            try:
+                await lane.executor.start()  # (down, not raised, if its ranks fail)
+            except Exception:  # it stays down; its host joining again restarts it
+                log.exception("lane %d of host %s did not start", lane.index, lane.host)
             trace.in_lane(lane.index)
             await asyncio.gather(lane.executor.watch(), lane.core.run())
 
         self._added.append(asyncio.get_running_loop().create_task(run()))
 
     def watchers(self) -> list:
-        return [lane.executor.watch() for lane in self.all]
+        return [lane.executor.watch() for lane in self._own]
 
     async def run(self) -> None:
         """Every lane's loop, side by side (each in its own task)."""
@@ -220,7 +224,7 @@ class Lanes:
             trace.in_lane(lane.index)
             await lane.core.run()
 
-        await asyncio.gather(*(loop(lane) for lane in self.all))
+        await asyncio.gather(*(loop(lane) for lane in self._own))
 
     async def stop(self) -> None:
         for task in self._added:
