@@ -296,3 +296,40 @@ def test_worker_unit_runs_the_agent_and_does_not_retry_a_refused_token():
     assert settings["ExecStart"].split()[1:4] == ["worker", "--join", "${TWINKLE_HEAD}"]
     assert settings["RestartPreventExitStatus"] == "2"  # host.REFUSED
     assert "PrivateDevices" not in settings and settings["User"] == "twinkle"
+
+
+def test_a_head_with_lanes_takes_hosts_by_their_lanes_and_their_names(tmp_path):
+    """The join port of a head that takes lanes only (several of its own, or none): a host
+    without lanes is refused for good (it says how), one with lanes is taken in, and a
+    second live host of the same name (its lanes go by name) is asked to come back later."""
+    from test_join_port import _answer, _run
+
+    from twinkled.workers.join import (
+        ChallengeF,
+        JoinHelloF,
+        ProofF,
+        RefusedF,
+        WelcomeF,
+        encoder,
+        proof,
+    )
+
+    async def join(registry, sock, hello):
+        await sock.send(encoder.encode(hello))
+        got = await _answer(sock)
+        if isinstance(got, ChallengeF):
+            await sock.send(encoder.encode(ProofF(proof(registry.token, got.nonce))))
+            got = await _answer(sock)
+        return got
+
+    async def scenario(registry, dealer):
+        registry.takes_ranks = False
+        ranks = await join(registry, dealer(), JoinHelloF("a", ["cpu"], 1))
+        assert isinstance(ranks, RefusedF) and "--lanes" in ranks.reason and not ranks.retry_s
+        lanes = JoinHelloF("a", ["cpu", "cpu"], 2, [["cpu"], ["cpu"]])
+        assert isinstance(await join(registry, dealer(), lanes), WelcomeF)
+        assert registry.lane_host("a").lanes == [["cpu"], ["cpu"]] and registry.ready() == []
+        twin = await join(registry, dealer(), JoinHelloF("a", ["cpu"], 3, [["cpu"]]))
+        assert isinstance(twin, RefusedF) and twin.retry_s > 0
+
+    _run(tmp_path, scenario)

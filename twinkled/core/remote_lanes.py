@@ -48,10 +48,12 @@ def no_workers(config: Config) -> Executor:
 
 class RemoteLanes:
     def __init__(self, registry: HostRegistry, lanes: Lanes, store: Any,
-                 make: Callable[[str, int, list[str]], Lane]):
+                 make: Callable[[str, int, list[str]], Lane], tp: int = 1):
         """`make(host, index, devices)`: lane `index` of `host`, on those devices, not
-        started (numbered after the lanes there are)."""
+        started (numbered after the lanes there are); `tp`: the model's tensor-parallel
+        size, which every lane's devices must make whole groups of."""
         self._registry, self._lanes, self._store, self._make = registry, lanes, store, make
+        self._tp = tp
         self._known: dict[str, list[Lane]] = {}  # host name -> its lanes, in its order
         self._draining: set[asyncio.Task] = set()
         registry.on_join.append(self._joined)
@@ -67,7 +69,7 @@ class RemoteLanes:
             executor = Executor(group, Path(config.data_dir) / "live", config.persist_every,
                                 config.journal_fsync)
             return lane(len(lanes.all), executor, host)
-        return cls(registry, lanes, store, make)
+        return cls(registry, lanes, store, make, config.tp)
 
     async def open(self) -> None:
         await self._registry.open()
@@ -84,6 +86,11 @@ class RemoteLanes:
             return
         known = self._known.setdefault(host.name, [])
         for index in range(len(known), len(host.lanes)):
+            if len(host.lanes[index]) % self._tp:
+                log.error("host %s: lane %d's %d device(s) make no whole tensor-parallel "
+                          "groups of %d: it and the lanes after it are left out", host.name,
+                          index, len(host.lanes[index]), self._tp)
+                return
             lane = self._make(host.name, index, host.lanes[index])
             known.append(lane)
             self._lanes.add(lane)
