@@ -9,9 +9,8 @@ what scales over GPUs: a data-parallel group holds every adapter on every GPU an
 lock step (docs/internals.md, "Scaling over GPUs").
 
 Futures, the store and the metrics are the daemon's, one for all lanes. With one lane (the
-default) this is the single worker group the daemon always had. Other hosts may bring lanes
-too (`twinkled worker --join --lanes N`, remote_lanes.py): they are added as they join,
-placed on like the head's, and while their host is gone they are down (no work goes there).
+default) this is the single worker group the daemon always had. Hosts that join bring
+lanes too (remote_lanes.py), down (taking no work) while their host is gone.
 """
 
 from __future__ import annotations
@@ -64,8 +63,7 @@ class Lane:
 
     @property
     def devices(self) -> list[str]:
-        group = self.executor.group
-        return getattr(group, "lane_devices", None) or group.devices
+        return getattr(self.executor.group, "lane_devices", None) or self.executor.group.devices
 
 
 def make_lane(index: int, planner: Planner, executor: Executor, store: Any,
@@ -200,8 +198,8 @@ class Lanes:
             await lane.residency.restore_at_start(shares[lane.index])
 
     def add(self, lane: Lane) -> None:
-        """A lane another host brought (remote_lanes.py): no work goes there until its
-        workers have loaded the model; then it runs its loop like the others."""
+        """A lane another host brought (remote_lanes.py): down until it has loaded the
+        model; it runs its own loop."""
         self.all.append(lane)
         self.planners.append(lane.planner)
 
