@@ -1,8 +1,8 @@
 """Lanes on every host (issue 39 item 1): hosts that join with `twinkled worker --join
 --lanes N` bring lanes the head places runs on like its own; a lost host costs only its
 lanes' steps in flight, its runs coming back on other lanes at their acknowledged steps;
-a host that returns takes new work. On loopback: one head (one lane of its own) and two
-agents of one CPU lane each."""
+a host that returns takes new work. On loopback: a head without workers of its own
+(`lanes = 0`) and two agents, of two CPU lanes and of one."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def client(d, tenant: str, tiny_dir: Path, seed: int):
 
 
 def lane_of(data_dir: Path) -> list[int]:
+    """The runs open on each lane."""
     return [lane["adapters"] for lane in ctl_status(data_dir)["lanes"]]
 
 
