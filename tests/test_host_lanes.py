@@ -149,3 +149,14 @@ def test_runs_on_lanes_of_two_hosts_and_a_lost_host_costs_only_its_steps(head, t
     dave = client(head, "dave", tiny_dir, 3)
     assert lane_of(head.data_dir)[3] >= 1
     assert _step(dave, _data(dave.get_tokenizer())).metrics["loss:sum"] > 0
+    # Sampling: from dave's weights (on his run's lane) and from the base model (any lane
+    # that is up, in turn: never the head's, which has no workers).
+    prompt = tinker.types.ModelInput.from_ints(dave.get_tokenizer()("a cat").input_ids)
+    params = tinker.types.SamplingParams(max_tokens=3, temperature=0.0)
+    sampler = dave.save_weights_and_get_sampling_client()
+    sampler = sampler.result(timeout=T) if hasattr(sampler, "result") else sampler
+    base = tinker.ServiceClient(base_url=head.url, api_key=head.keys["dave"]) \
+        .create_sampling_client(base_model=tiny_dir.name)
+    base = base.result(timeout=T) if hasattr(base, "result") else base
+    for c in (sampler, base, base, base):
+        assert len(c.sample(prompt, 1, params).result(timeout=T).sequences[0].tokens) == 3
