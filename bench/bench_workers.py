@@ -20,6 +20,11 @@ socket and the heartbeats, against the same group run with `--remote` left off):
 
     python bench/bench_workers.py --devices cpu,cpu --sizes 1,2 --remote
     python bench/bench_workers.py --devices cuda:0-3 --sizes 1,4 --remote --shape qwen2.5-0.5b
+
+With `--remote --lanes`, lanes 1..N-1 are the agent's (`twinkled worker --join --lanes
+N-1`): the head's cost per remote lane, against `--lanes` alone (all lanes the head's):
+
+    python bench/bench_workers.py --devices cuda:0-3 --sizes 4 --lanes --remote --shape qwen2.5-0.5b
 """
 
 from __future__ import annotations
@@ -101,9 +106,11 @@ def prepare(args: argparse.Namespace, devices: list[str], prefix: str) -> tuple:
     return gpu, dtype, seq, steps, work, work / "model", vocab
 
 
-def join_remote(work: Path, devices: list[str], model_dir: Path) -> tuple[tuple, subprocess.Popen]:
-    """The head's config for `devices` as remote ranks, and the agent that brings them
-    (started first: it retries until the head listens; the head waits for its ranks)."""
+def join_remote(work: Path, devices: list[str], model_dir: Path, lanes: bool = False
+                ) -> tuple[tuple, subprocess.Popen]:
+    """The head's config for `devices` as remote ranks (or lanes, one a device), and the
+    agent that brings them (started first: it retries until the head listens; the head
+    waits for its ranks; its lanes: `wait_lanes`)."""
     import socket
 
     from twinkled.workers.join import ensure_token
@@ -116,12 +123,29 @@ def join_remote(work: Path, devices: list[str], model_dir: Path) -> tuple[tuple,
         port = s.getsockname()[1]
     cfg = work / "join.toml"
     cfg.write_text(f'join_listen = "tcp://127.0.0.1:{port}"\njoin_token_file = "{token}"\n'
-                   f"remote_ranks = {len(devices)}\njoin_timeout_s = 300\n")
+                   + ("" if lanes else f"remote_ranks = {len(devices)}\n")
+                   + "join_timeout_s = 300\n")
     agent = subprocess.Popen(
         [sys.executable, "-m", "twinkled", "worker", "--join", f"tcp://127.0.0.1:{port}",
-         "--devices", ",".join(devices), "--token-file", str(token), "--model", str(model_dir)],
+         "--devices", ",".join(devices), "--token-file", str(token), "--model", str(model_dir),
+         "--lanes", str(len(devices) if lanes else 0)],
         stdout=open(work / "agent.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
     return ("--config", str(cfg)), agent
+
+
+def wait_lanes(data: Path, n: int, timeout: float = 900) -> None:
+    """Until the daemon in `data` has `n` lanes up (the agent's have loaded the model)."""
+    import time
+
+    from twinkled.server.ctl import Target
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        lanes = Target(data, None, None).call("status").get("lanes") or []
+        if len(lanes) == n and not any(lane["down"] for lane in lanes):
+            return
+        time.sleep(1)
+    raise SystemExit(f"{n} lanes did not come up; see the agent's log")
 
 
 def main() -> None:
@@ -163,15 +187,17 @@ def main() -> None:
         traced = work / f"trace{i}-{len(group)}.jsonl"
         if args.trace:
             os.environ["TWINKLED_TRACE"] = str(traced)
-        agent = None
+        agent, lanes = None, len(group)
         if args.remote and len(group) > 1:
-            if args.config or args.lanes:
-                raise SystemExit("--remote takes neither --config nor --lanes")
-            extra, agent = join_remote(work / f"join{i}", group[1:], model_dir)
+            if args.config:
+                raise SystemExit("--remote takes no --config")
+            extra, agent = join_remote(work / f"join{i}", group[1:], model_dir, args.lanes)
             group = group[:1]
         daemon, url, log = start_daemon(model_dir, data, work, group[0], "--devices",
                                         ",".join(group), *extra)
         try:
+            if agent is not None and args.lanes:
+                wait_lanes(data, lanes)
             res = run_tenants(url, keys, model_dir.name, vocab, seq, steps, [1] * n)
             planner_report(data)
             path_report(url)

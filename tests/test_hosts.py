@@ -24,11 +24,12 @@ class Agent:
     """`twinkled worker --join` in its own process group (its workers die with it)."""
 
     def __init__(self, port: int, token_file: Path, log: Path, env: dict | None = None,
-                 devices: str = "cpu"):
+                 devices: str = "cpu", name: str = "hostb", lanes: int = 0):
         self.log = open(log, "ab")  # noqa: SIM115 - kept open for the process's life
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "twinkled", "worker", "--join", f"tcp://127.0.0.1:{port}",
-             "--devices", devices, "--token-file", str(token_file), "--name", "hostb"],
+             "--devices", devices, "--token-file", str(token_file), "--name", name,
+             "--lanes", str(lanes)],
             stdout=self.log, stderr=subprocess.STDOUT,
             env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})))
 
@@ -93,10 +94,13 @@ def _trained(url: str, key: str, tiny_dir: Path, data_dir: Path) -> tuple:
     return losses, _logprobs(tc, data), _checkpoint(data_dir, path)
 
 
-def _trained_on_one_host(tiny_dir: Path, data_dir: Path, *extra: str) -> tuple:
-    """`_trained` on a local daemon started with `extra`."""
+@pytest.fixture(scope="module")
+def one_rank(tiny_dir, tmp_path_factory) -> tuple:
+    """`_trained` on a daemon of one local rank: what a group over hosts (data or tensor
+    parallel) must train like, within float tolerance."""
+    data_dir = tmp_path_factory.mktemp("one")
     key = make_key(data_dir, "alice")
-    local = Daemon(tiny_dir, data_dir, data_dir / "log", *extra)
+    local = Daemon(tiny_dir, data_dir, data_dir / "log", "--devices", "cpu")
     try:
         return _trained(local.url, key, tiny_dir, data_dir)
     finally:
@@ -114,17 +118,17 @@ def _same_training(got: tuple, want: tuple) -> None:
         assert got[2][k].float().sub(v.float()).abs().max() <= 1e-5 + 1e-4 * v.abs().max(), k
 
 
-def test_two_hosts_train_like_one_host_with_two_ranks(two_hosts, tiny_dir, tmp_path):
+def test_two_hosts_train_like_one_host(two_hosts, tiny_dir, one_rank):
     workers = _wait_ranks(two_hosts.data_dir, [two_hosts.here, "hostb"])
     assert [w["remote"] for w in workers] == [False, True]
     got = _trained(two_hosts.url, two_hosts.key, tiny_dir, two_hosts.data_dir)
-    _same_training(got, _trained_on_one_host(tiny_dir, tmp_path, "--devices", "cpu,cpu"))
+    _same_training(got, one_rank)
 
 
-def test_tensor_parallel_groups_on_two_hosts_train_like_one_group(tiny_dir, tmp_path):
+def test_tensor_parallel_groups_on_two_hosts_train_like_one_rank(tiny_dir, tmp_path, one_rank):
     """--tp 2 on two hosts of two ranks each: a host holds a whole tensor-parallel group
     (its collectives never cross hosts) and the hosts are data-parallel replicas. Training
-    gives what one tp=2 group on one host gives."""
+    gives what one rank gives."""
     import socket
 
     pytest.importorskip("megatron.core")
@@ -147,9 +151,7 @@ def test_tensor_parallel_groups_on_two_hosts_train_like_one_group(tiny_dir, tmp_
     finally:
         d.stop()
         agent.stop()
-    one = tmp_path / "one"
-    one.mkdir()
-    _same_training(got, _trained_on_one_host(tiny_dir, one, "--devices", "cpu,cpu", "--tp", "2"))
+    _same_training(got, one_rank)
 
 
 def test_a_joiner_without_the_token_is_refused(two_hosts, tmp_path):
@@ -294,3 +296,40 @@ def test_worker_unit_runs_the_agent_and_does_not_retry_a_refused_token():
     assert settings["ExecStart"].split()[1:4] == ["worker", "--join", "${TWINKLE_HEAD}"]
     assert settings["RestartPreventExitStatus"] == "2"  # host.REFUSED
     assert "PrivateDevices" not in settings and settings["User"] == "twinkle"
+
+
+def test_a_head_with_lanes_takes_hosts_by_their_lanes_and_their_names(tmp_path):
+    """The join port of a head that takes lanes only (several of its own, or none): a host
+    without lanes is refused for good (it says how), one with lanes is taken in, and a
+    second live host of the same name (its lanes go by name) is asked to come back later."""
+    from test_join_port import _answer, _run
+
+    from twinkled.workers.join import (
+        ChallengeF,
+        JoinHelloF,
+        ProofF,
+        RefusedF,
+        WelcomeF,
+        encoder,
+        proof,
+    )
+
+    async def join(registry, sock, hello):
+        await sock.send(encoder.encode(hello))
+        got = await _answer(sock)
+        if isinstance(got, ChallengeF):
+            await sock.send(encoder.encode(ProofF(proof(registry.token, got.nonce))))
+            got = await _answer(sock)
+        return got
+
+    async def scenario(registry, dealer):
+        registry.takes_ranks = False
+        ranks = await join(registry, dealer(), JoinHelloF("a", ["cpu"], 1))
+        assert isinstance(ranks, RefusedF) and "--lanes" in ranks.reason and not ranks.retry_s
+        lanes = JoinHelloF("a", ["cpu", "cpu"], 2, [["cpu"], ["cpu"]])
+        assert isinstance(await join(registry, dealer(), lanes), WelcomeF)
+        assert registry.lane_host("a").lanes == [["cpu"], ["cpu"]] and registry.ready() == []
+        twin = await join(registry, dealer(), JoinHelloF("a", ["cpu"], 3, [["cpu"]]))
+        assert isinstance(twin, RefusedF) and twin.retry_s > 0
+
+    _run(tmp_path, scenario)

@@ -70,7 +70,7 @@ def test_serve_refuses_a_bad_layout_at_start(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("flag, says", [
     (("--tp", "0"), "tp: must be positive, got 0"),
-    (("--lanes", "0"), "lanes: must be positive, got 0"),
+    (("--lanes", "0"), "lanes: 0 (no workers here) needs join_listen"),
     (("--port", "70000"), "port: must be from 1 to 65535, got 70000"),
 ])
 def test_serve_names_a_flag_out_of_range(tiny_dir, tmp_path, flag, says):

@@ -77,11 +77,10 @@ def full_run_lane(lanes, tenants, config: Config, tenant: str):
     """The lane a new full run of `tenant` would take (`Exclusive.hold` it once the run
     exists), after the policy (`full_runs`, `max_full_runs`) and the memory estimate."""
     tenants.check_full_run(tenant, lanes.exclusive.count(tenant))
-    lane = lanes.exclusive.free_lane(lanes.all)
+    lane = lanes.exclusive.free_lane(lanes.up())  # (not a lane whose host is gone)
     model = config.model_config or {}
     problem = model and full_run_problem(model, DTYPE_BYTES.get(config.dtype, 2),
-                                         lane.residency.room.budget,
-                                         len(lane.executor.group.devices))
+                                         lane.residency.room.budget, len(lane.devices))
     if problem:
         raise UserError(problem)
     return lane

@@ -42,7 +42,7 @@ from twinkled.protocol.frames import (
 )
 from twinkled.protocol.types import LoraConfig
 from twinkled.workers.gaps import GapWindow
-from twinkled.workers.hosts import join_settings
+from twinkled.workers.hosts import HostRegistry, join_settings
 from twinkled.workers.supervisor import WorkerGroup, WorkerLost
 
 log = logging.getLogger("twinkled")
@@ -90,12 +90,23 @@ def default_threads(devices: list[str], groups: int = 1) -> int:
     return max(1, (os.cpu_count() or 1) // (len(devices) * groups))
 
 
-def zmq_executor(config: Config, devices: list[str]) -> Executor:
+def zmq_executor(config: Config, devices: list[str], hosts: HostRegistry | None = None
+                 ) -> Executor:
     """The daemon's executor for one lane (`Config.lane_devices`): a worker process per
-    device of `devices`, driven over ZeroMQ."""
+    device of `devices`, driven over ZeroMQ; with `hosts`, the daemon's registry of joined
+    hosts, also ranks on the hosts that bring ranks (not lanes)."""
+    group = WorkerGroup(devices, worker_options(config, devices),
+                        step_timeout=config.step_timeout_s,
+                        join=join_settings(config) if hosts else None, hosts=hosts)
+    return Executor(group, Path(config.data_dir) / "live", config.persist_every,
+                    config.journal_fsync)
+
+
+def worker_options(config: Config, devices: list[str]) -> dict:
+    """What every worker of a lane on `devices` is started with (worker.py)."""
     threads = config.worker_threads or default_threads(devices, config.lanes)
     live_dir = Path(config.data_dir) / "live"
-    options = {"model": str(config.model), "dtype": config.dtype,
+    return {"model": str(config.model), "dtype": config.dtype,
                "max_rank": config.max_rank, "token_budget": config.token_budget,
                "sample_kv_mb": config.sample_kv_mb, "sample_rows": config.sample_rows,
                "sample_prefix_cache": config.sample_prefix_cache,
@@ -109,9 +120,6 @@ def zmq_executor(config: Config, devices: list[str]) -> Executor:
                "logprob_gap_every": config.logprob_gap_every,
                "threads": threads, "log_format": config.log_format,
                "checkpoint_store": store_spec(config)}
-    group = WorkerGroup(devices, options, step_timeout=config.step_timeout_s,
-                        join=join_settings(config))
-    return Executor(group, live_dir, config.persist_every, config.journal_fsync)
 
 
 class Executor:

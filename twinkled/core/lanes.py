@@ -9,17 +9,19 @@ what scales over GPUs: a data-parallel group holds every adapter on every GPU an
 lock step (docs/internals.md, "Scaling over GPUs").
 
 Futures, the store and the metrics are the daemon's, one for all lanes. With one lane (the
-default) this is the single worker group the daemon always had.
+default) this is the single worker group the daemon always had. Hosts that join bring
+lanes too (remote_lanes.py), down (taking no work) while their host is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scheduler import Planner
 from twinkled.core.adapter_room import AdapterRoom
@@ -33,6 +35,9 @@ from twinkled.protocol import trace
 from twinkled.protocol.errors import UserError
 from twinkled.protocol.types import LoraConfig
 from twinkled.workers.gaps import GapWindow
+
+if TYPE_CHECKING:  # remote_lanes.py imports this module
+    from twinkled.core.remote_lanes import RemoteLanes
 
 log = logging.getLogger("twinkled")
 
@@ -48,23 +53,38 @@ class Lane:
     executor: Executor
     residency: Residency
     core: EngineCore
+    host: str = ""  # the joined host it runs on ("" : this one)
+
+    @property
+    def down(self) -> str:
+        """Why no work goes to this lane now ("" when it may): only a lane on another host
+        is ever down, while its host is gone (workers/remote_lane.py)."""
+        return getattr(self.executor.group, "down", "")
+
+    @property
+    def devices(self) -> list[str]:
+        return getattr(self.executor.group, "lane_devices", None) or self.executor.group.devices
 
 
 def make_lane(index: int, planner: Planner, executor: Executor, store: Any,
               room: AdapterRoom, futures: Futures, metrics: Metrics, gather_s: float,
               slice_s: float, host: AdapterRoom | None = None,
-              cap: Callable[[str], int | None] = lambda _: None) -> Lane:
+              cap: Callable[[str], int | None] = lambda _: None, on: str = "") -> Lane:
     """`room`: the GPU bank's budget; `host`: the host tier's (core/tiers.py); `cap`: a
-    tenant's resident bytes cap (Residency)."""
+    tenant's resident bytes cap (Residency); `on`: the joined host it runs on."""
     residency = Residency(store, planner, executor, room, host, cap)
     executor.serve(residency, on_restart=metrics.worker_restarts.inc)
     core = EngineCore(planner, executor, futures, residency, metrics, gather_s, slice_s)
-    return Lane(index, planner, executor, residency, core)
+    return Lane(index, planner, executor, residency, core, on)
 
 
 class Lanes:
     def __init__(self, lanes: list[Lane], store: Any):
         self.all = lanes
+        self._own = list(lanes)  # this host's (`add`ed lanes run their loops themselves)
+        self.planners = [lane.planner for lane in lanes]  # (Tenants sets quotas on each)
+        self.hosts: RemoteLanes | None = None  # the lanes other hosts bring, if they may
+        self._added: list[asyncio.Task] = []  # their loops
         self._store = store
         self._home: dict[str, Lane] = {}  # model -> the lane it was placed on
         self._samplers: dict[str, Lane] = {}  # sampler adapter -> the lane that holds it
@@ -80,6 +100,10 @@ class Lanes:
         whose core says so to its requests."""
         return self._home.get(model, self.all[0]) if model is not None else self.all[0]
 
+    def up(self) -> list[Lane]:
+        """The lanes work may go to now (not those of a host that is gone)."""
+        return [lane for lane in self.all if not lane.down]
+
     def is_open(self, model: str) -> bool:
         """Whether `model` takes operations on its lane now (created, restored, reloaded)."""
         return self.of(model).residency.is_open(model)
@@ -88,11 +112,12 @@ class Lanes:
         """A lane for a new adapter of `config`: the one with the fewest models among
         those with room for it (lowest index first). No room anywhere: the refusal of the
         lane with the most room left, which says why."""
-        if len(self.all) == 1:
-            return self.all[0]
-        shared = self.exclusive.shared(self.all)
+        up = self.up() or self.all
+        if len(up) == 1:
+            return up[0]
+        shared = self.exclusive.shared(up)
         if not shared:
-            raise UserError(f"every one of the {len(self.all)} lanes holds a full-parameter "
+            raise UserError(f"every one of the {len(up)} lanes holds a full-parameter "
                             "run; LoRA runs can start when one of those ends")
         fits = [lane for lane in shared if lane.residency.room.fits(config)]
         if fits:
@@ -107,22 +132,32 @@ class Lanes:
         that saved it (its workers keep a device copy of sampler weights), else on one
         lane kept for that adapter (its workers load it once); the base model's samples
         take turns."""
-        if len(self.all) == 1:
-            return self.all[0]
+        up = self.up() or self.all
+        if len(up) == 1:
+            return up[0]
         if adapter is None:  # never a lane whose base model a full run is training
-            shared = self.exclusive.shared(self.all) or self.all
+            shared = self.exclusive.shared(up) or up
             self._turn = (self._turn + 1) % len(shared)
             return shared[self._turn]
         run = _run_of(adapter)
         if run in self._home:
             return self._home[run]
-        if adapter not in self._samplers:
+        if adapter not in self._samplers or self._samplers[adapter].down:
             if len(self._samplers) >= SAMPLERS_KEPT:  # forget the oldest half
                 for key in list(self._samplers)[:SAMPLERS_KEPT // 2]:
                     del self._samplers[key]
-            self._turn = (self._turn + 1) % len(self.all)
-            self._samplers[adapter] = self.all[self._turn]
+            self._turn = (self._turn + 1) % len(up)
+            self._samplers[adapter] = up[self._turn]
         return self._samplers[adapter]
+
+    def model_info(self) -> dict:
+        """What the workers say of the model (of the first lane up that has said it)."""
+        return next((lane.executor.model_info for lane in self.all
+                     if lane.executor.model_info), {})
+
+    def homed_on(self, lane: Lane) -> list[str]:
+        """The models placed on `lane`."""
+        return [model for model, home in self._home.items() if home is lane]
 
     def find(self, test: Callable[[Lane], bool]) -> bool:
         """Whether `test` holds on some lane (tried in order, stopping at the first)."""
@@ -134,12 +169,20 @@ class Lanes:
         """Start every lane's worker group (each loads the model), then bring back the
         adapters live at the last stop, spread over the lanes."""
         runs = self._store.runs.live()  # live at the last stop (read before anything reloads)
-        await asyncio.gather(*(lane.executor.start() for lane in self.all))
-        shares: dict[int, list[dict]] = {lane.index: [] for lane in self.all}
+        mine = self.up()  # (hosts that join meanwhile bring lanes of their own)
+        if self.hosts is not None:
+            await self.hosts.open()
+        if not mine:  # no workers here: they come back on hosts' lanes, on their next request
+            for run in runs:
+                self._store.runs.set_live(run["id"], False, next_seq=run["next_seq"],
+                                          idle_unloaded=True)
+            return
+        await asyncio.gather(*(lane.executor.start() for lane in mine))
+        shares: dict[int, list[dict]] = {lane.index: [] for lane in mine}
         for run in sorted(runs, key=lambda r: r["lora_rank"] != 0):  # full runs first
             if run["lora_rank"] == 0:  # a lane of its own (exclusive.py)
                 try:
-                    lane = self.exclusive.reserve(self.all, run["id"], run["tenant"])
+                    lane = self.exclusive.reserve(mine, run["id"], run["tenant"])
                 except UserError as e:  # (fewer lanes than at the last stop)
                     log.error("full-parameter run %s not restored: %s", run["id"], e)
                     continue
@@ -147,15 +190,31 @@ class Lanes:
                 shares[lane.index].append(run)
                 continue
             # what was live comes back, room or not: spread evenly
-            shared = self.exclusive.shared(self.all) or self.all
+            shared = self.exclusive.shared(mine) or mine
             lane = min(shared, key=lambda lane: (len(shares[lane.index]), lane.index))
             self.place(run["id"], lane)
             shares[lane.index].append(run)
-        for lane in self.all:
+        for lane in mine:
             await lane.residency.restore_at_start(shares[lane.index])
 
+    def add(self, lane: Lane) -> None:
+        """A lane another host brought (remote_lanes.py): down until it has loaded the
+        model; it runs its own loop."""
+        self.all.append(lane)
+        self.planners.append(lane.planner)
+
+        async def run() -> None:
+            try:
+                await lane.executor.start()  # (down, not raised, if its ranks fail)
+            except Exception:  # it stays down; its host joining again restarts it
+                log.exception("lane %d of host %s did not start", lane.index, lane.host)
+            trace.in_lane(lane.index)
+            await asyncio.gather(lane.executor.watch(), lane.core.run())
+
+        self._added.append(asyncio.get_running_loop().create_task(run()))
+
     def watchers(self) -> list:
-        return [lane.executor.watch() for lane in self.all]
+        return [lane.executor.watch() for lane in self._own]
 
     async def run(self) -> None:
         """Every lane's loop, side by side (each in its own task)."""
@@ -163,10 +222,14 @@ class Lanes:
             trace.in_lane(lane.index)
             await lane.core.run()
 
-        await asyncio.gather(*(loop(lane) for lane in self.all))
+        await asyncio.gather(*(loop(lane) for lane in self._own))
 
     async def stop(self) -> None:
+        for task in self._added:
+            task.cancel()
         await asyncio.gather(*(lane.executor.stop() for lane in self.all))
+        if self.hosts is not None:
+            await self.hosts.close()
 
     def idle(self) -> bool:
         return all(lane.core.idle() for lane in self.all)
@@ -206,7 +269,7 @@ class Lanes:
             # Parked in a lane's host memory: back on that lane; else where there is room.
             here = self.of(model)
             if run["lora_rank"] == 0:  # a full run: its lane (kept while idle unloaded)
-                lane = self.exclusive.reserve(self.all, model, run["tenant"])
+                lane = self.exclusive.reserve(self.up(), model, run["tenant"])
             else:
                 lane = here if here.residency.keeps(model) else self.choose(stored_config(run))
             if lane is not here:  # its journal goes on in the other lane's executor
@@ -266,7 +329,7 @@ class Lanes:
         and cost are lane 0's); with several lanes, each lane's own under "lanes"."""
         first = self.all[0]
         restarts = [lane.executor.status()["restarts"] for lane in self.all]
-        status = {"devices": [d for lane in self.all for d in lane.executor.group.devices],
+        status = {"devices": [d for lane in self.all for d in lane.devices],
                   "steps": sum(lane.planner.steps for lane in self.all),
                   "adapters": self.model_count(), "tenants": self.tenant_status(),
                   "step_target_ms": _ms(first.planner.step_target()),  # None: no time bound
@@ -278,8 +341,10 @@ class Lanes:
                   "samples_running": sum(len(lane.core.samples) for lane in self.all),
                   "logprob_gap": self.logprob_gap()}
         if len(self.all) > 1:
+            here = socket.gethostname()
             status["lanes"] = [
-                {"lane": lane.index, "devices": lane.executor.group.devices,
+                {"lane": lane.index, "devices": lane.devices, "host": lane.host or here,
+                 "remote": bool(lane.host), "down": lane.down or None,
                  "steps": lane.planner.steps, "adapters": lane.planner.model_count(),
                  "step_target_ms": _ms(lane.planner.step_target()),
                  "restarts": restarts[lane.index], **lane_load(lane),

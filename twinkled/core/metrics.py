@@ -82,6 +82,13 @@ class _Live:
         for w in g["workers"]:
             busy.add_metric([str(w["lane"]), str(w["rank"]), w["device"]], w.get("busy_s", 0.0))
         yield busy
+        alive = GaugeMetricFamily("twinkle_worker_up", "1 when the worker rank runs, with the "
+                                  "host it runs on (a lane of another host is down while that "
+                                  "host is gone)", labels=["lane", "rank", "device", "host"])
+        for w in g["workers"]:
+            alive.add_metric([str(w["lane"]), str(w["rank"]), w["device"], w.get("host", "")],
+                             1.0 if w.get("alive") else 0.0)
+        yield alive
         yield GaugeMetricFamily("twinkle_up", "1 when the daemon serves requests now",
                                 value=1.0 if g["up"] else 0.0)
         yield from _gap_metrics(g["logprob_gap"])

@@ -34,6 +34,7 @@ from twinkled.core.lanes import Lane, Lanes, make_lane
 from twinkled.core.metrics import Metrics
 from twinkled.core.ops import After, Op
 from twinkled.core.recent_samples import RecentSamples
+from twinkled.core.remote_lanes import RemoteLanes, no_workers
 from twinkled.core.residency import stored_config
 from twinkled.core.stability import StabilityRecords
 from twinkled.core.streams import SampleStream
@@ -49,6 +50,7 @@ from twinkled.protocol.types import LoraConfig
 from twinkled.store.checkpoints import Version
 from twinkled.store.runs import Runs
 from twinkled.store.verify import verify_checkpoints
+from twinkled.workers.hosts import host_registry
 
 log = logging.getLogger("twinkled")
 
@@ -90,19 +92,25 @@ class Service:
         self.recent_samples = RecentSamples()  # the console's last sampling calls of a run
         self.metrics = Metrics(self)
         self.futures = Futures(store)
-        if executor is None:
-            executor = [zmq_executor(config, devices) for devices in config.lane_devices()]
+        hosts = host_registry(config) if executor is None else None  # (if hosts may join)
+        if executor is None:  # (one lane: hosts without lanes bring ranks to its group)
+            executor = [zmq_executor(config, devices, hosts if config.lanes == 1 else None)
+                        for devices in config.lane_devices()] or [no_workers(config)]
         executors = executor if isinstance(executor, list) else [executor]
         ledger = Ledger()  # tenants' fair-share clocks, one for all lanes (fairness.py)
-        self.lanes = Lanes([
-            make_lane(i, Planner(config.token_budget, config.sample_budget,
-                                 config.target_step_s, preempt_s=config.preempt_s,
-                                 ledger=ledger),
-                      ex, store, adapter_room(config, adapter_budget), self.futures,
-                      self.metrics, config.gather_ms / 1000, config.sample_slice_ms / 1000,
-                      host_room(config), config.resident_cap)
-            for i, ex in enumerate(executors)], store)
-        self.tenants = Tenants(config, store, [lane.planner for lane in self.lanes.all])
+
+        def lane(i: int, ex: Executor, on: str = "") -> Lane:
+            return make_lane(i, Planner(config.token_budget, config.sample_budget,
+                                        config.target_step_s, preempt_s=config.preempt_s,
+                                        ledger=ledger),
+                             ex, store, adapter_room(config, adapter_budget), self.futures,
+                             self.metrics, config.gather_ms / 1000,
+                             config.sample_slice_ms / 1000, host_room(config),
+                             config.resident_cap, on)
+        self.lanes = Lanes([lane(i, ex) for i, ex in enumerate(executors)], store)
+        if hosts is not None:  # and the lanes other hosts bring (remote_lanes.py)
+            self.lanes.hosts = RemoteLanes.of_config(config, hosts, self.lanes, store, lane)
+        self.tenants = Tenants(config, store, self.lanes.planners)
         self._limits: RequestLimits | None = None
         self._limits_from: dict | None = None
         self._tasks: list[asyncio.Task] = []
@@ -185,7 +193,7 @@ class Service:
 
     @property
     def model_info(self) -> dict:
-        return self.lanes.all[0].executor.model_info
+        return self.lanes.model_info()
 
     @property
     def limits(self) -> RequestLimits:
@@ -262,6 +270,8 @@ class Service:
             raise UserError(f"the model failed to load: {self.load_error}")
         if self.state == "draining" or self.intake_paused:
             raise Draining("the daemon is draining for maintenance or a restart; retry shortly")
+        if not self.lanes.up():  # (a head with no workers of its own: remote_lanes.py)
+            raise Draining("no lane is up: no host that brings lanes is joined; retry shortly")
 
     def _check_loaded(self, model_id: str | None) -> None:
         """A hot restart: the run comes back once the model is loaded, so its client's

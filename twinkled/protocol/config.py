@@ -261,6 +261,8 @@ class Config:
 
     def lane_devices(self) -> list[list[str]]:
         """The worker devices of each lane: `lanes` consecutive, equal slices."""
+        if self.lanes == 0:  # no workers here: lanes come from other hosts (remote_lanes.py)
+            return []
         devices = self.worker_devices()
         n = max(1, len(devices) // self.lanes)
         return [devices[i:i + n] for i in range(0, len(devices), n)]
@@ -322,6 +324,9 @@ def check_config(path: str | Path) -> list[str]:
             problems.append(f"{key}: {RANGES[key][1]}, got {value!r}")
     if raw.get("remote_ranks") and not raw.get("join_listen"):
         problems.append("remote_ranks: remote ranks need join_listen (where they join)")
+    if raw.get("lanes") == 0 and not raw.get("join_listen"):
+        problems.append("lanes: 0 (no workers here) needs join_listen: the lanes come from "
+                        "the hosts that join")
     return problems
 
 

@@ -34,7 +34,7 @@ RANGES = {
               "must be bfloat16, float32 or float16"),
     "device": (lambda v: v == "auto" or DEVICE.fullmatch(v),
                "must be cpu, cuda, cuda:N or auto"),
-    "workers": _POSITIVE, "tp": _POSITIVE, "lanes": _POSITIVE, "ep": _POSITIVE, "cp": _POSITIVE,
+    "workers": _POSITIVE, "tp": _POSITIVE, "lanes": _NON_NEGATIVE, "ep": _POSITIVE, "cp": _POSITIVE,
     "cp_min_tokens": _POSITIVE, "max_seq_len": _NON_NEGATIVE,
     "rope_scaling": (rope_scaling_ok, RULE),
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),

@@ -45,7 +45,8 @@ def main() -> None:
 @click.option("--max-seq-len", type=int, help="Longest row; beyond the model's config it "
               "turns on YaRN unless rope_scaling is set (default: the config's).")
 @click.option("--lanes", type=int, help="Independent worker groups to split the devices "
-              "into, each with its own steps; a model lives on one (default 1).")
+              "into, each with its own steps; a model lives on one (default 1). 0: no workers "
+              "here, lanes come from the hosts that join (join_listen).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
               help="Base model dtype (default bfloat16; float32 on a CPU).")
 @click.option("--log-format", type=click.Choice(["text", "json"]),
@@ -184,8 +185,11 @@ main.add_command(ctl)
 @click.option("--model", help="The model directory on this host (default: the daemon's "
               "path, which must then exist here too).")
 @click.option("--name", help="This host's name in `twinkled ctl status` (default: hostname).")
-def worker(join, devices, token_file, model, name) -> None:
-    """Join a daemon's worker group from another host: run the ranks it assigns here."""
+@click.option("--lanes", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Bring the devices as this many lanes (equal slices, one worker group "
+              "each, on which the daemon places runs); 0: as ranks of the daemon's group.")
+def worker(join, devices, token_file, model, name, lanes) -> None:
+    """Join a daemon from another host: run the ranks or lanes it assigns here."""
     import re
     import sys
 
@@ -195,12 +199,14 @@ def worker(join, devices, token_file, model, name) -> None:
     names = [d.strip() for d in devices.split(",") if d.strip()]
     if not names or any(not re.fullmatch(r"cpu|cuda:\d+", d) for d in names):
         raise click.UsageError(f"--devices must list cpu or cuda:N, got {devices!r}")
+    if lanes and len(names) % lanes:
+        raise click.UsageError(f"--lanes {lanes} does not divide the {len(names)} devices")
     try:
         split_endpoint(join)
     except ValueError as e:
         raise click.UsageError(f"--join: {e}") from None
     try:
-        code = agent(join, names, token_file, model, name)
+        code = agent(join, names, token_file, model, name, lanes)
     except (OSError, ValueError) as e:  # an unreadable or short token file
         raise click.ClickException(str(e)) from None
     sys.exit(code)

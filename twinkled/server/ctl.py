@@ -328,6 +328,11 @@ def status(target: Target, as_json: bool) -> None:
             click.echo(f"  {lane}rank {w['rank']} {w['device']:<8}{where} pid {w['pid']}  "
                        f"{'alive' if w['alive'] else 'DOWN'}  memory {_size(w['memory_bytes'])}"
                        f" (peak {_size(w.get('peak_memory_bytes', 0))})")
+        for lane in s.get("lanes", []):
+            state = f"DOWN: {lane['down']}" if lane.get("down") else "up"
+            click.echo(f"  lane {lane['lane']} on {lane.get('host', '?')} "
+                       f"({', '.join(lane['devices'])}): {state}, {lane['adapters']} adapters, "
+                       f"{lane['queued_requests']} queued")
         gap = s.get("logprob_gap") or {}
         if gap.get("mean") is not None:
             click.echo(f"logprob gap, sampler vs trainer: mean {gap['mean']:.2g}, max "

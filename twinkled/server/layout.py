@@ -111,6 +111,11 @@ def _cp_problems(cfg: Config, lane_ranks: int, ranks: int) -> list[str]:
 def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[str]:
     """What is wrong with serving `cfg.model` on `cfg`'s devices at `cfg.tp` (one line
     each; [] when nothing is). `gpu_memory`: the cards' sizes (default: probed)."""
+    if cfg.lanes == 0:  # no workers here: the hosts that join check their own lanes
+        return (["lanes: 0 (no workers here) needs join_listen: the lanes come from the "
+                 "hosts that join"] if not cfg.join_listen else []) + \
+            (["lanes: 0 takes hosts as lanes only, not remote_ranks"] if cfg.remote_ranks
+             else [])
     tp = cfg.tp
     devices = cfg.worker_devices()
     ranks = len(devices) + cfg.remote_ranks
@@ -128,9 +133,10 @@ def layout_problems(cfg: Config, gpu_memory: list[int] | None = None) -> list[st
     elif cfg.lanes > 1 and (len(devices) // cfg.lanes) % tp:
         problems.append(f"lanes: each lane's {len(devices) // cfg.lanes} device(s) must make "
                         f"whole tensor-parallel groups of {tp}")
-    if cfg.lanes > 1 and (cfg.remote_ranks or cfg.join_listen):
-        problems.append("lanes: a daemon with lanes takes no other hosts (remote_ranks, "
-                        "join_listen)")
+    if cfg.lanes > 1 and cfg.remote_ranks:
+        problems.append("lanes: a daemon with lanes takes no other hosts' ranks "
+                        "(remote_ranks): hosts bring lanes of their own (twinkled worker "
+                        "--lanes N)")
     if cfg.ep > 1 and tp > 1:
         problems.append("ep: under --tp the experts are already split over each tensor-"
                         "parallel group; use --tp alone (or --ep without --tp)")
@@ -181,6 +187,8 @@ def layout_summary(cfg: Config) -> str:
     """One line for the start-up log: how the devices are grouped, and, where several
     local GPUs make one data-parallel group, that lanes serve many small tenants better
     (4 x H100, 0.5B: 3.84x one GPU on 4 lanes against 1.50x as one group; BENCHMARKS.md)."""
+    if cfg.lanes == 0:
+        return f"no workers here (lanes 0): lanes come from the hosts that join {cfg.join_listen}"
     devices = cfg.worker_devices()
     per_lane = len(devices) // cfg.lanes
     line = (f"{cfg.lanes} lane(s) of {per_lane} worker rank(s) on {', '.join(devices)}"

@@ -10,6 +10,10 @@ rank that exits is reported (LostF) and the head restarts the group; the head's 
 for `silence_s` (it crashed, the network went) makes the agent kill its ranks, so no
 orphan holds a GPU, and try to join again until it can: systemd-friendly, it never exits
 for a lost head. It exits (code 2) only when the head refuses its token.
+
+With `--lanes N` it brings this host's devices as N lanes, one worker group each, which
+the head starts, stops and restarts one at a time (core/remote_lanes.py): it then runs
+several groups at once.
 """
 
 from __future__ import annotations
@@ -51,16 +55,18 @@ _ANSWER_S = 10.0  # how long to wait for the head's challenge and welcome
 
 class Agent:
     def __init__(self, join: str, devices: list[str], token: bytes, model: str | None = None,
-                 name: str | None = None):
+                 name: str | None = None, lanes: int = 0):
         self.join = join
         self.head, _ = split_endpoint(join)
         self.devices = devices
         self.token = token
         self.model = model
         self.name = name or socket.gethostname()
-        self.procs: dict[int, subprocess.Popen] = {}  # rank -> its process
-        self.group = ""
-        self.reported: set[int] = set()
+        # `lanes` equal slices of the devices (0: they join the head's group as ranks)
+        per = len(devices) // lanes if lanes else 0
+        self.lanes = [devices[i * per:(i + 1) * per] for i in range(lanes)]
+        self.procs: dict[tuple[str, int], subprocess.Popen] = {}  # (group, rank) -> process
+        self.reported: set[tuple[str, int]] = set()
         self.stopping = False
 
     def run(self) -> int:
@@ -105,7 +111,7 @@ class Agent:
 
     def _serve(self, sock: zmq.Socket) -> tuple[str, float]:
         send = lambda msg: sock.send(encoder.encode(msg))  # noqa: E731
-        send(JoinHelloF(self.name, self.devices, os.getpid()))
+        send(JoinHelloF(self.name, self.devices, os.getpid(), self.lanes))
         welcome: WelcomeF | None = None
         heard = time.monotonic()
         beat = 0.0
@@ -119,8 +125,7 @@ class Agent:
             if welcome is not None:
                 self._report(send)
                 if now - beat >= welcome.beat_s:
-                    send(BeatF(self.group, {r: p.pid for r, p in self.procs.items()
-                                            if p.poll() is None}))
+                    send(BeatF())
                     beat = now
             if not sock.poll(200):
                 continue
@@ -140,10 +145,11 @@ class Agent:
                     log.error("the head at %s refused this host: %s", self.join, reason)
                     return ("refused" if retry <= 0 else "unanswered"), retry
                 case AssignF():
-                    self.kill()
+                    if not self.lanes:  # the head's group restarts whole: one at a time
+                        self.kill()
                     self._spawn(msg)
-                case StopF(group=group) if group == self.group:
-                    self.kill()
+                case StopF(group=group):
+                    self.kill(group)
                 case ByeF(why=why):
                     log.warning("the head left: %s", why)
                     return "served", 0.0
@@ -151,46 +157,59 @@ class Agent:
         return "stopped", 0.0
 
     def _spawn(self, a: AssignF) -> None:
-        self.group, self.reported = a.group, set()
-        threads = max(1, (os.cpu_count() or 1) // max(1, len(a.ranks)))
+        self.kill(a.group)  # (assigned again: its old ranks go first)
+        # the cores shared by every rank this host may run at once
+        threads = max(1, (os.cpu_count() or 1) // max(1, len(a.ranks), len(self.devices)))
+        # A group wholly on this host (a lane) meets here: its rank 0 hosts the rendezvous,
+        # which it could not on the head's address; its collectives never leave the host.
+        dist_url = f"tcp://127.0.0.1:{_free_port()}" if len(a.ranks) == a.world else \
+            f"tcp://{self.head}:{a.dist_port}"
         for rank, device in zip(a.ranks, a.devices, strict=True):
             args = {**a.options, "rank": rank, "world": a.world, "device": device,
                     "group": a.group, "threads": threads,
-                    "endpoint": f"tcp://{self.head}:{a.step_port}",
-                    "dist_url": f"tcp://{self.head}:{a.dist_port}"}
+                    "endpoint": f"tcp://{self.head}:{a.step_port}", "dist_url": dist_url}
             if self.model:
                 args["model"] = self.model
-            self.procs[rank] = subprocess.Popen(
+            self.procs[a.group, rank] = subprocess.Popen(
                 [sys.executable, "-m", "twinkled.workers.worker", json.dumps(args)],
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.info("running rank(s) %s of %d (group %s)", a.ranks, a.world, a.group)
 
     def _report(self, send) -> None:
-        """Tell the head about each rank that exited (once): it restarts the group."""
-        for rank, p in self.procs.items():
-            if p.poll() is not None and rank not in self.reported:
-                self.reported.add(rank)
+        """Tell the head about each rank that exited (once): it restarts that group."""
+        for (group, rank), p in self.procs.items():
+            if p.poll() is not None and (group, rank) not in self.reported:
+                self.reported.add((group, rank))
                 log.error("worker rank %d (pid %d) exited with code %s", rank, p.pid,
                           p.returncode)
-                send(LostF(self.group, rank, f"(pid {p.pid}) exited with code {p.returncode}"))
+                send(LostF(group, rank, f"(pid {p.pid}) exited with code {p.returncode}"))
 
-    def kill(self) -> None:
-        """SIGKILL this host's ranks (one may be stuck in a collective) and reap them."""
-        for p in self.procs.values():
+    def kill(self, group: str | None = None) -> None:
+        """SIGKILL this host's ranks (of `group`; all by default: one may be stuck in a
+        collective) and reap them."""
+        doomed = {k: p for k, p in self.procs.items() if group is None or k[0] == group}
+        for p in doomed.values():
             if p.poll() is None:
                 p.kill()
-        for p in self.procs.values():
+        for key, p in doomed.items():
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 log.error("worker pid %d did not die", p.pid)
-        self.procs, self.group = {}, ""
+            del self.procs[key]
+            self.reported.discard(key)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main(join: str, devices: list[str], token_file: Path, model: str | None,
-         name: str | None) -> int:
+         name: str | None, lanes: int = 0) -> int:
     """`twinkled worker`: the exit code (0 after SIGTERM, 2 when the token is refused)."""
     from .join import read_token
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s twinkled.host %(message)s")
-    return Agent(join, devices, read_token(token_file), model, name).run()
+    return Agent(join, devices, read_token(token_file), model, name, lanes).run()

@@ -5,7 +5,9 @@ host agent (`twinkled worker --join`, host.py). A host is taken in only after it
 holds the join token (challenge/response, join.py). Liveness cannot come from exit codes
 on another machine, so it comes from messages: the agent reports a rank that exited
 (LostF), says goodbye, or falls silent for `heartbeat_s`. Each of these resolves the
-host's `lost` future, which the worker group waits on next to its local processes.
+host's `lost` futures (one per worker group it runs), which each group waits on next to
+its local processes. A host that brings lanes runs one group per lane (remote_lanes.py);
+`on_join` and `on_drop` tell who keeps track of them.
 """
 
 from __future__ import annotations
@@ -85,26 +87,40 @@ def join_settings(config) -> JoinSettings | None:
                         config.join_timeout_s, config.join_heartbeat_s)
 
 
+def host_registry(config) -> HostRegistry | None:
+    """The daemon's registry of joined hosts (one for its lanes and groups); None when no
+    host may join. A head with several lanes of its own takes hosts as lanes only."""
+    settings = join_settings(config)
+    if settings is None:
+        return None
+    return HostRegistry(settings, zmq.asyncio.Context(), takes_ranks=config.lanes == 1)
+
+
 @dataclass
 class RemoteHost:
     ident: bytes  # the agent's socket identity
     name: str
     devices: list[str]
     pid: int
+    lanes: list[list[str]] = field(default_factory=list)  # [] : it brings ranks, not lanes
     seen: float = field(default_factory=time.monotonic)
     joined: float = field(default_factory=time.time)
-    group: str = ""  # the group its ranks belong to ("" when it runs none)
-    ranks: list[int] = field(default_factory=list)
-    pids: dict[int, int] = field(default_factory=dict)
-    lost: asyncio.Future | None = None  # resolves with why its ranks are gone
+    # the worker groups it runs ranks of: group id -> resolves with why, if it loses them
+    groups: dict[str, asyncio.Future] = field(default_factory=dict)
 
 
 class HostRegistry:
-    def __init__(self, settings: JoinSettings, ctx: zmq.asyncio.Context):
+    def __init__(self, settings: JoinSettings, ctx: zmq.asyncio.Context,
+                 takes_ranks: bool = True):
+        """`takes_ranks`: whether a host without lanes may join (its devices become ranks
+        of the head's worker group); a head with several lanes of its own takes lanes only."""
         self.settings = settings
         self.token = ensure_token(settings.token_file)
+        self.takes_ranks = takes_ranks
         self.hosts: dict[bytes, RemoteHost] = {}  # joined and authenticated, in join order
-        self.on_join: Callable[[RemoteHost], None] = lambda host: None
+        # told of every host taken in, and of every host lost (with why)
+        self.on_join: list[Callable[[RemoteHost], None]] = []
+        self.on_drop: list[Callable[[RemoteHost, str], None]] = []
         self._ctx = ctx
         self._sock: zmq.asyncio.Socket | None = None
         # ident -> (nonce, hello, when, peer address)
@@ -138,9 +154,29 @@ class HostRegistry:
             self._sock = None
 
     def ready(self) -> list[RemoteHost]:
-        """The hosts that may run ranks now, in the order they joined."""
+        """The hosts that may run ranks of the head's group now, in the order they joined
+        (not those that bring lanes)."""
         now = time.time()
-        return [h for h in self.hosts.values() if self._banned.get(h.name, (0,))[0] <= now]
+        return [h for h in self.hosts.values()
+                if not h.lanes and self._banned.get(h.name, (0,))[0] <= now]
+
+    def rank_plan(self, tp: int) -> list[tuple[RemoteHost, list[str]]]:
+        """The ready hosts, each with the devices it runs ranks of the head's group on."""
+        plan = []
+        for host in self.ready():
+            # A tensor-parallel group never spans hosts: a host brings whole groups of tp
+            # ranks (its spare devices idle), or none.
+            devices = host.devices[:len(host.devices) // tp * tp]
+            if not devices:
+                log.warning("host %s brings %d device(s), fewer than tp=%d: left out",
+                            host.name, len(host.devices), tp)
+                continue
+            plan.append((host, devices))
+        return plan
+
+    def lane_host(self, name: str) -> RemoteHost | None:
+        """The joined host called `name` that brings lanes (None when it is not here)."""
+        return next((h for h in self.hosts.values() if h.lanes and h.name == name), None)
 
     async def wait_for(self, ranks: int, timeout: float) -> None:
         """Until the ready hosts offer `ranks` devices, or `timeout` seconds."""
@@ -159,24 +195,24 @@ class HostRegistry:
             except TimeoutError:
                 pass
 
-    async def assign(self, host: RemoteHost, group: str, ranks: list[int], world: int,
-                     step_port: int, dist_port: int, options: dict) -> asyncio.Future:
-        """Tell `host` to run `ranks`; the future resolves with why, if it loses them."""
-        host.group, host.ranks, host.pids = group, ranks, {}
-        host.lost = asyncio.get_running_loop().create_future()
-        await self._send(host.ident, AssignF(group, ranks, host.devices[:len(ranks)], world,
-                                             step_port, dist_port, options))
-        return host.lost
+    async def assign(self, host: RemoteHost, group: str, ranks: list[int], devices: list[str],
+                     world: int, step_port: int, dist_port: int,
+                     options: dict) -> asyncio.Future:
+        """Tell `host` to run `ranks` of `group` on `devices`; the future resolves with why,
+        if it loses them."""
+        lost = host.groups[group] = asyncio.get_running_loop().create_future()
+        await self._send(host.ident, AssignF(group, ranks, devices, world, step_port,
+                                             dist_port, options))
+        return lost
 
-    async def release(self) -> None:
-        """Every host stops the ranks it runs (the group restarts or stops)."""
+    async def release(self, group: str) -> None:
+        """Every host stops the ranks of `group` it runs (the group restarts or stops)."""
         for host in self.hosts.values():
-            if host.group:
-                await self._send(host.ident, StopF(host.group))
-            host.group, host.ranks, host.pids = "", [], {}
-            if host.lost is not None and not host.lost.done():
-                host.lost.cancel()
-            host.lost = None
+            lost = host.groups.pop(group, None)
+            if lost is not None:
+                await self._send(host.ident, StopF(group))
+                if not lost.done():
+                    lost.cancel()
 
     def ban(self, host: RemoteHost, why: str) -> None:
         """Keep a host whose ranks failed to start out of the next (re)starts for a while
@@ -186,9 +222,6 @@ class HostRegistry:
         self._banned[host.name] = (time.time() + length, length, why)
         log.error("host %s is left out of the worker group for %.0f s: %s", host.name, length,
                   why)
-
-    def by_rank(self) -> dict[int, RemoteHost]:
-        return {r: h for h in self.hosts.values() for r in h.ranks}
 
     # -- the socket ------------------------------------------------------------------------
 
@@ -217,11 +250,9 @@ class HostRegistry:
         if host is not None:
             host.seen = time.monotonic()
             match msg:
-                case BeatF(group=group, pids=pids) if group and group == host.group:
-                    host.pids = pids
-                case LostF(group=group, rank=rank, why=why) if group == host.group:
+                case LostF(group=group, rank=rank, why=why) if group in host.groups:
                     log.error("worker rank %d on host %s %s", rank, host.name, why)
-                    self._lose(host, f"worker rank {rank} on host {host.name} {why}")
+                    self._lose(host, f"worker rank {rank} on host {host.name} {why}", group)
                 case ByeF(why=why):
                     self._drop(host, f"host {host.name} left: {why}")
             return
@@ -231,10 +262,13 @@ class HostRegistry:
             await self._admit(ident, msg)
 
     async def _challenge(self, ident: bytes, hello: JoinHelloF, peer: str) -> None:
-        bad = [d for d in hello.devices if d.partition(":")[0] not in _DEVICE_NAMES]
-        if not hello.devices or bad:
-            await self._send(ident, RefusedF(f"devices must be cpu or cuda:N, got "
-                                             f"{hello.devices}"))
+        why = self._unfit(hello)
+        if why:
+            await self._send(ident, RefusedF(why))
+            return
+        if hello.lanes and self.lane_host(hello.host) is not None:  # (lanes go by name)
+            await self._send(ident, RefusedF(f"a host named {hello.host!r} is joined already "
+                                             "(its lanes are known by name)", retry_s=5.0))
             return
         until, _, why = self._banned.get(hello.host, (0.0, 0.0, ""))
         if until > time.time():
@@ -250,6 +284,18 @@ class HostRegistry:
         self._pending[ident] = (nonce, hello, time.monotonic(), peer)
         await self._send(ident, ChallengeF(nonce))
 
+    def _unfit(self, hello: JoinHelloF) -> str:
+        """Why this head cannot take `hello`'s host ("" when it can)."""
+        devices = [d for lane in hello.lanes for d in lane] + hello.devices
+        if not hello.devices or any(d.partition(":")[0] not in _DEVICE_NAMES for d in devices):
+            return f"devices must be cpu or cuda:N, got {hello.devices}"
+        if any(not lane for lane in hello.lanes):
+            return "a lane needs one device or more"
+        if not hello.lanes and not self.takes_ranks:
+            return ("this daemon takes hosts as lanes: start the agent with --lanes N (its "
+                    "devices split into N worker groups)")
+        return ""
+
     async def _admit(self, ident: bytes, msg: ProofF) -> None:
         pending = self._pending.pop(ident, None)
         if pending is None:
@@ -259,13 +305,14 @@ class HostRegistry:
             log.warning("refused host %r (pid %d): wrong join token", hello.host, hello.pid)
             await self._send(ident, RefusedF("wrong join token"))
             return
-        host = RemoteHost(ident, hello.host, list(hello.devices), hello.pid)
+        host = RemoteHost(ident, hello.host, list(hello.devices), hello.pid, hello.lanes)
         self.hosts[ident] = host
         await self._send(ident, WelcomeF(self.beat_s, self.settings.heartbeat_s))
-        log.info("host %s joined with %d device(s): %s", host.name, len(host.devices),
-                 ",".join(host.devices))
+        log.info("host %s joined with %d device(s): %s%s", host.name, len(host.devices),
+                 ",".join(host.devices), f" in {len(host.lanes)} lane(s)" if host.lanes else "")
         self._changed.set()
-        self.on_join(host)
+        for tell in self.on_join:
+            tell(host)
 
     async def _beat(self) -> None:
         while True:
@@ -276,16 +323,21 @@ class HostRegistry:
                     self._drop(host, f"host {host.name} sent nothing for "
                                      f"{self.settings.heartbeat_s:.0f} s")
                 else:
-                    await self._send(host.ident, BeatF(host.group))
+                    await self._send(host.ident, BeatF())
             for ident, (_, _, at, _) in list(self._pending.items()):
                 if now - at > _PENDING_S:
                     self._pending.pop(ident, None)
 
-    def _lose(self, host: RemoteHost, why: str) -> None:
-        if host.lost is not None and not host.lost.done():
-            host.lost.set_result(why)
+    def _lose(self, host: RemoteHost, why: str, group: str | None = None) -> None:
+        """The ranks of `group` on `host` (of every group it runs, by default) are gone."""
+        for name, lost in host.groups.items():
+            if (group is None or name == group) and not lost.done():
+                lost.set_result(why)
 
     def _drop(self, host: RemoteHost, why: str) -> None:
         self.hosts.pop(host.ident, None)
-        log.warning("%s; it is out of the worker group until it joins again", why)
+        log.warning("%s; it is out of the worker group%s until it joins again", why,
+                    "s of its lanes" if host.lanes else "")
+        for tell in self.on_drop:  # first: its lanes' runs go elsewhere before their
+            tell(host, why)  # failed steps are answered (remote_lanes.py)
         self._lose(host, why)

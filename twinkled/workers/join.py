@@ -2,13 +2,17 @@
 
 Torch-free. The agent's DEALER connects to the head's join ROUTER (`join_listen`):
 
-    agent: JoinHelloF(host, devices)      head: ChallengeF(nonce)
+    agent: JoinHelloF(host, devices, lanes) head: ChallengeF(nonce)
     agent: ProofF(HMAC-SHA256(token, nonce))
     head:  WelcomeF | RefusedF            (a wrong proof is refused; the token never travels)
     head:  AssignF(group, ranks, ...)     agent spawns those worker ranks, pointed at the head
     both:  BeatF every second             silence for `heartbeat_s`: the other side is gone
     agent: LostF(group, rank, why)        one of its ranks exited: the head restarts the group
     head:  StopF(group)                   the group is restarting or stopping: kill its ranks
+
+A host that announces `lanes` brings lanes (one worker group each, core/remote_lanes.py),
+so it runs several groups at once, each assigned and stopped on its own; a host without
+brings its devices as ranks of the head's own group.
 
 Step frames do not pass through here: the remote ranks talk to the head's step ROUTER
 directly, like local ranks (frames.py).
@@ -29,6 +33,9 @@ class JoinHelloF(msgspec.Struct, tag="join"):
     host: str  # the agent's host name (what `twinkled ctl status` shows)
     devices: list[str]
     pid: int
+    # The host's devices split into lanes (its own `--lanes`): one worker group each. Empty:
+    # its devices join the head's worker group as ranks (data parallelism across hosts).
+    lanes: list[list[str]] = []
 
 
 class ChallengeF(msgspec.Struct, tag="challenge"):

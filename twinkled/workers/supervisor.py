@@ -5,10 +5,11 @@ DEALER; a step is encoded once and sent to all ranks; `run` returns when every r
 answered, and raises WorkerLost as soon as any rank exits or the step overruns its time.
 The caller then fails that step's requests and calls `restart`.
 
-With `join` settings the group may also hold ranks on other hosts (`twinkled worker
+With a host registry the group may also hold ranks on other hosts (`twinkled worker
 --join`, hosts.py): local ranks come first (rank 0, which persists, is always here), then
 each joined host's devices. A remote rank's loss is a future that its host registry
-resolves (an agent's report, or its silence); it counts like a local process's exit.
+resolves (an agent's report, or its silence); it counts like a local process's exit. The
+registry is the daemon's, shared with the lanes other hosts bring (remote_lane.py).
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ class WorkerGroup:
     (model, dtype, max_rank, token_budget, live_dir, persist_every, threads)."""
 
     def __init__(self, devices: list[str], options: dict, start_timeout: float = 900.0,
-                 step_timeout: float = 900.0, join: JoinSettings | None = None):
+                 step_timeout: float = 900.0, join: JoinSettings | None = None,
+                 hosts: HostRegistry | None = None):
+        """`hosts`: the daemon's registry of joined hosts, when others may join (`join`:
+        its settings); the group takes in those that bring ranks, not lanes."""
         self.devices = devices  # this host's
         self.options = options
         self.start_timeout = start_timeout
@@ -94,7 +98,9 @@ class WorkerGroup:
         self._joins: dict[int, asyncio.Future] = {}
         self._running = False  # a training step is in flight whose ranks may take joins
         self.join = join
-        self.hosts = HostRegistry(join, self._ctx) if join else None
+        self.hosts = hosts
+        if hosts is not None:
+            hosts.on_join.append(self._on_join)
         self._grow: asyncio.Future | None = None  # a host joined: restart to take it in
         # Ranks are named "<group>:<rank>", with a new group id at every start. A process
         # of another group (an orphan of a daemon that died, reconnecting to a port this
@@ -150,31 +156,19 @@ class WorkerGroup:
     async def _start(self, failed: set[str]) -> None:
         await self._open()
         self._group = secrets.token_hex(8)
-        hosts: list[RemoteHost] = []
-        if self.hosts is not None:
-            await self.hosts.wait_for(self.join.remote_ranks, self.join.timeout_s)
-            hosts = self.hosts.ready()
         self.workers = [WorkerInfo(r, d) for r, d in enumerate(self.devices)]
-        plan: list[tuple[RemoteHost, list[int]]] = []  # two agents may share a host name
-        tp = int(self.options.get("tp", 1))
-        for host in hosts:
-            # A tensor-parallel group never spans hosts: a host brings whole groups of tp
-            # ranks (its spare devices idle), or none.
-            devices = host.devices[:len(host.devices) // tp * tp]
-            if not devices:
-                log.warning("host %s brings %d device(s), fewer than tp=%d: left out",
-                            host.name, len(host.devices), tp)
-                continue
-            plan.append((host, list(range(len(self.workers),
-                                          len(self.workers) + len(devices)))))
-            self.workers += [WorkerInfo(len(self.workers) + i, d, host=host.name)
-                             for i, d in enumerate(devices)]
+        plan: list[tuple[RemoteHost, list[int], list[str]]] = []  # (two agents may share a
+        for host, devices in await self._remote_plan():  # host name)
+            ranks = list(range(len(self.workers), len(self.workers) + len(devices)))
+            plan.append((host, ranks, devices))
+            self.workers += [WorkerInfo(r, d, host=host.name)
+                             for r, d in zip(ranks, devices, strict=True)]
         dist_port = _free_port(self._bind_host)
         local = _reachable(self._bind_host)
         # Ranks on several hosts cannot read each other's files: rank 0 then hands out what
         # a load or a restore reads (runner.py).
         options = {**self.options, "world": self.world, "group": self._group,
-                   "spans_hosts": bool(hosts)}
+                   "spans_hosts": bool(plan) and bool(self.devices)}
         self._procs, self._exits = [], []
         self._relays = [t for t in self._relays if not t.done()]
         for w in self.workers[:len(self.devices)]:
@@ -200,16 +194,14 @@ class WorkerGroup:
             w.pid, w.started = proc.pid, time.time()
             self._procs.append(proc)
             self._exits.append(asyncio.ensure_future(proc.wait()))
-        for host, ranks in plan:
-            lost = await self.hosts.assign(host, self._group, ranks, self.world,
+        for host, ranks, devices in plan:
+            lost = await self.hosts.assign(host, self._group, ranks, devices, self.world,
                                            int(self._endpoint.rpartition(":")[2]), dist_port,
                                            options)
             for r in ranks:
                 self.workers[r].lost = lost
             self._exits.append(lost)
         self._grow = asyncio.get_running_loop().create_future()
-        if self.hosts is not None:
-            self.hosts.on_join = self._on_join
         got: dict[int, HelloF] = {}
         try:
             await self._gather(self.start_timeout, lambda m: isinstance(m, HelloF), "start",
@@ -227,6 +219,14 @@ class WorkerGroup:
         log.info("worker group up: %d rank(s): %s", self.world,
                  ", ".join(f"{w.device}@{w.host or 'local'}" for w in self.workers))
 
+    async def _remote_plan(self) -> list[tuple[RemoteHost, list[str]]]:
+        """The joined hosts that run ranks of this group, each with its devices for them
+        (their ranks come after the local ones)."""
+        if self.hosts is None:
+            return []
+        await self.hosts.wait_for(self.join.remote_ranks, self.join.timeout_s)
+        return self.hosts.rank_plan(int(self.options.get("tp", 1)))
+
     def _blame(self, got: dict[int, HelloF]) -> set[str]:
         """The remote hosts to leave out after a failed start: those with a rank that did
         not come up, when every local rank did (else the fault is likely here)."""
@@ -238,6 +238,8 @@ class WorkerGroup:
         return {w.host for w in self.workers if w.host and bad(w)}
 
     def _on_join(self, host: RemoteHost) -> None:
+        if host.lanes:  # it brings lanes of its own, not ranks for this group
+            return
         if self._grow is not None and not self._grow.done() and self.model_info:
             self._grow.set_result(f"host {host.name} joined with {len(host.devices)} "
                                   f"device(s): restarting the group to take it in")
@@ -369,7 +371,7 @@ class WorkerGroup:
                 except ProcessLookupError:
                     pass
         if self.hosts is not None:
-            await self.hosts.release()
+            await self.hosts.release(self._group)
         if self._procs:
             await asyncio.wait([asyncio.ensure_future(p.wait()) for p in self._procs],
                                timeout=30)
@@ -380,14 +382,12 @@ class WorkerGroup:
             if proc.returncode is None:
                 proc.terminate()
         if self.hosts is not None:
-            await self.hosts.release()
+            await self.hosts.release(self._group)
         if self._procs:
             waits = [asyncio.ensure_future(p.wait()) for p in self._procs]
             _, pending = await asyncio.wait(waits, timeout=grace)
             if pending:
                 await self.kill()
-        if self.hosts is not None:
-            await self.hosts.close()
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
