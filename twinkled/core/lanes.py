@@ -21,7 +21,7 @@ import socket
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from scheduler import Planner
 from twinkled.core.adapter_room import AdapterRoom
@@ -36,8 +36,14 @@ from twinkled.protocol.errors import UserError
 from twinkled.protocol.types import LoraConfig
 from twinkled.workers.gaps import GapWindow
 
-if TYPE_CHECKING:  # remote_lanes.py imports this module
-    from twinkled.core.remote_lanes import RemoteLanes
+
+class HostLanes(Protocol):
+    """The lanes other hosts bring (remote_lanes.RemoteLanes, which imports this module):
+    opened and closed with the local ones."""
+
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+
 
 log = logging.getLogger("twinkled")
 
@@ -83,7 +89,7 @@ class Lanes:
         self.all = lanes
         self._own = list(lanes)  # this host's (`add`ed lanes run their loops themselves)
         self.planners = [lane.planner for lane in lanes]  # (Tenants sets quotas on each)
-        self.hosts: RemoteLanes | None = None  # the lanes other hosts bring, if they may
+        self.hosts: HostLanes | None = None  # the lanes other hosts bring, if they may
         self._added: list[asyncio.Task] = []  # their loops
         self._store = store
         self._home: dict[str, Lane] = {}  # model -> the lane it was placed on
