@@ -166,7 +166,9 @@ def test_dimuon_state_survives_a_worker_kill_a_daemon_sigkill_and_a_hot_restart(
     """One daemon lineage, three ways to lose the process that held the state (one daemon
     start instead of three: each path is the same restore, Dimuon's momentum included).
     A worker kill and a daemon SIGKILL restore from the journal (persist_every = 1000:
-    nothing persisted after create); SIGTERM persists every live adapter and restores it."""
+    nothing persisted after create); SIGTERM persists every live adapter and restores it.
+    The daemon after the hot restart runs with persistence off (persist_every = 0), where a
+    killed worker's adapter with nothing persisted comes back fresh (_recreated_fresh)."""
     tc, data, want = _crash_pair(lagging, tiny_dir)
     old = lagging.workers()
     os.kill(old[0], signal.SIGKILL)
@@ -184,33 +186,29 @@ def test_dimuon_state_survives_a_worker_kill_a_daemon_sigkill_and_a_hot_restart(
         _after_crash(tc, data, want)  # the same client, on the same model id
         tc, data, want = _crash_pair(d, tiny_dir)
         d.stop(signal.SIGTERM)
-        d = Daemon(tiny_dir, tmp_path, tmp_path / "log3", "--config", str(lagging.cfg),
-                   port=d.port)
+        off = tmp_path / "off.toml"
+        off.write_text("persist_every = 0\n")
+        d = Daemon(tiny_dir, tmp_path, tmp_path / "log3", "--config", str(off), port=d.port)
+        d.key = lagging.key
         _after_crash(tc, data, want)
+        _recreated_fresh(d, tiny_dir, tmp_path)
     finally:
         d.stop()
 
 
-def test_a_model_recreated_after_a_worker_kill_keeps_its_optimizer(tiny_dir, tmp_path):
+def _recreated_fresh(d, tiny_dir, data_dir):
     """With no persisted state to load (persist_every = 0, and the version written at
     create gone), a killed worker's adapter comes back fresh from its config: still Dimuon,
     so the client's next DimuonParams step is accepted."""
     import shutil
 
-    cfg = tmp_path / "twinkled.toml"
-    cfg.write_text("persist_every = 0\n")
-    key = make_key(tmp_path, "fay")
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--config", str(cfg))
-    try:
-        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
-        tc = _client(sc, tiny_dir, seed=6)
-        data = _data(tc.get_tokenizer())
-        _step(tc, data)
-        shutil.rmtree(tmp_path / "live" / tc.model_id)
-        old = d.workers()
-        os.kill(old[0], signal.SIGKILL)
-        d.wait_workers(1, old=set(old))
-        loss, out = _step(tc, data)
-        assert out.metrics["step:max"] == 1 and loss > 0  # fresh state, same family
-    finally:
-        d.stop()
+    sc = tinker.ServiceClient(base_url=d.url, api_key=d.key)
+    tc = _client(sc, tiny_dir, seed=6)
+    data = _data(tc.get_tokenizer())
+    _step(tc, data)
+    shutil.rmtree(data_dir / "live" / tc.model_id)
+    old = d.workers()
+    os.kill(old[0], signal.SIGKILL)
+    d.wait_workers(1, old=set(old))
+    loss, out = _step(tc, data)
+    assert out.metrics["step:max"] == 1 and loss > 0  # fresh state, same family
