@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import time
+from importlib.util import find_spec
 
 import pytest
 
 tinker = pytest.importorskip("tinker")
-pytest.importorskip("megatron.core")
+# Whether megatron-core is installed, without importing it (seconds of CPU in every test
+# process that collects this file; the tp ranks import it themselves).
+pytestmark = pytest.mark.skipif(find_spec("megatron.core") is None,
+                                reason="megatron-core is not installed (the megatron extra)")
 
 from daemon import Daemon, make_key  # noqa: E402
 from test_tinker_e2e import SENTENCES, T, datum, greedy  # noqa: E402
