@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -207,33 +206,39 @@ def test_ctl_without_a_daemon_uses_the_data_dir(tmp_path):
     assert drain.returncode != 0 and "needs the running daemon" in drain.stderr
 
 
-def test_status_of_a_stopped_daemon_is_its_last_one(tiny_dir, tmp_path):
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log")
-    assert ctl_json(tmp_path, "status")["running"] is True
+def test_config_check_cli(tmp_path):
+    """`twinkled config check FILE`, through click's runner in this process (the command's
+    own code and exit status, less a Python start each)."""
+    from click.testing import CliRunner
+
+    from twinkled.server.cli import main
+
+    good = Path(__file__).resolve().parents[1] / "ops" / "twinkled.toml"
+    ok = CliRunner().invoke(main, ["config", "check", str(good)])
+    assert ok.exit_code == 0 and ok.stdout.strip() == "ok"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('prot = 8000\ntoken_budget = "big"\n')
+    out = CliRunner().invoke(main, ["config", "check", str(bad)])
+    assert out.exit_code == 1 and "prot" in out.stdout and "port" in out.stdout
+    assert "token_budget" in out.stdout
+
+
+def test_status_of_a_stopped_daemon_is_its_last_one(ops_daemon, tiny_dir):
+    """The file's last test: it stops the module's daemon (a daemon start less than one
+    of its own)."""
+    data = ops_daemon.data_dir
+    assert ctl_json(data, "status")["running"] is True
 
     from twinkled.store import Store
 
     # The status row the daemon writes (at its start, then every 2 s): once there is one,
     # not a 2.5 s wait for the next.
-    store = Store(tmp_path / "twinkle.db")
+    store = Store(data / "twinkle.db")
     deadline = time.monotonic() + 30
     while store.status.get() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     store.close()
-    d.stop()
-    last = ctl_json(tmp_path, "status")
+    ops_daemon.stop()
+    last = ctl_json(data, "status")
     assert last["running"] is False and last["model"] == tiny_dir.name and last["age_seconds"] >= 0
-    assert "NOT RUNNING" in ctl(tmp_path, "status").stdout
-
-
-def test_config_check_cli(tmp_path):
-    good = Path(__file__).resolve().parents[1] / "ops" / "twinkled.toml"
-    ok = subprocess.run([sys.executable, "-m", "twinkled", "config", "check", str(good)],
-                        capture_output=True, text=True)
-    assert ok.returncode == 0 and ok.stdout.strip() == "ok"
-    bad = tmp_path / "bad.toml"
-    bad.write_text('prot = 8000\ntoken_budget = "big"\n')
-    out = subprocess.run([sys.executable, "-m", "twinkled", "config", "check", str(bad)],
-                         capture_output=True, text=True)
-    assert out.returncode == 1 and "prot" in out.stdout and "port" in out.stdout
-    assert "token_budget" in out.stdout
+    assert "NOT RUNNING" in ctl(data, "status").stdout

@@ -1,15 +1,13 @@
 """Dimuon through the unmodified tinker 0.38 client and a real `twinkled serve`: chosen at
-create_model, stepped with DimuonParams, kept by checkpoints and by every kind of restart."""
+create_model, stepped with DimuonParams, kept by checkpoints (and by every kind of restart:
+test_tinker_restart.py, whose daemon lineage carries a Dimuon model through each)."""
 
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import httpx
 import pytest
-from daemon import Daemon, make_key
 
 tinker = pytest.importorskip("tinker")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -126,91 +124,3 @@ def test_bad_dimuon_params_are_refused_at_the_door(daemon, tiny_dir, params, fie
             r = http.post("/create_model", json={**bad, "optimizer_config": cfg})
             assert r.status_code == 400 and name in r.text, r.text
     sc.close("success")
-
-
-@pytest.fixture()
-def lagging(tiny_dir, tmp_path):
-    """Persisted state only at create (persist_every = 1000): what a restore gets back after
-    that comes from the journal, Dimuon steps included."""
-    cfg = tmp_path / "twinkled.toml"
-    cfg.write_text("persist_every = 1000\n")
-    key = make_key(tmp_path, "dan")
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--config", str(cfg))
-    d.key, d.cfg = key, cfg
-    yield d
-    d.stop()
-
-
-def _crash_pair(d, tiny_dir):
-    """A Dimuon model with three acknowledged steps and pending gradients, and what it must
-    reach after its next step: its twin (same seed) ran the same history without a crash."""
-    sc = tinker.ServiceClient(base_url=d.url, api_key=d.key)
-    tc, twin = _client(sc, tiny_dir, seed=5), _client(sc, tiny_dir, seed=5)
-    data = _data(tc.get_tokenizer())
-    for model in (tc, twin):
-        for _ in range(3):
-            _step(model, data, lr=1e-2, beta1=0.8)
-        model.forward_backward(data, "cross_entropy").result(timeout=T)
-    twin.optim_step(types.DimuonParams(learning_rate=1e-2, beta1=0.8)).result(timeout=T)
-    return tc, data, _logprobs(twin, data)
-
-
-def _after_crash(tc, data, want):
-    tc.optim_step(types.DimuonParams(learning_rate=1e-2, beta1=0.8)).result(timeout=T)
-    assert _logprobs(tc, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
-    assert tc.get_info().optimizer_config.type == "dimuon"
-
-
-def test_dimuon_state_survives_a_worker_kill_a_daemon_sigkill_and_a_hot_restart(
-        lagging, tiny_dir, tmp_path):
-    """One daemon lineage, three ways to lose the process that held the state (one daemon
-    start instead of three: each path is the same restore, Dimuon's momentum included).
-    A worker kill and a daemon SIGKILL restore from the journal (persist_every = 1000:
-    nothing persisted after create); SIGTERM persists every live adapter and restores it."""
-    tc, data, want = _crash_pair(lagging, tiny_dir)
-    old = lagging.workers()
-    os.kill(old[0], signal.SIGKILL)
-    lagging.wait_workers(1, old=set(old))
-    _after_crash(tc, data, want)
-    assert "replayed" in lagging.log_path.read_text()
-
-    tc, data, want = _crash_pair(lagging, tiny_dir)
-    lagging.stop(signal.SIGKILL)
-    time.sleep(0.5)
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log2", "--config", str(lagging.cfg),
-               port=lagging.port)
-    d.key = lagging.key
-    try:
-        _after_crash(tc, data, want)  # the same client, on the same model id
-        tc, data, want = _crash_pair(d, tiny_dir)
-        d.stop(signal.SIGTERM)
-        d = Daemon(tiny_dir, tmp_path, tmp_path / "log3", "--config", str(lagging.cfg),
-                   port=d.port)
-        _after_crash(tc, data, want)
-    finally:
-        d.stop()
-
-
-def test_a_model_recreated_after_a_worker_kill_keeps_its_optimizer(tiny_dir, tmp_path):
-    """With no persisted state to load (persist_every = 0, and the version written at
-    create gone), a killed worker's adapter comes back fresh from its config: still Dimuon,
-    so the client's next DimuonParams step is accepted."""
-    import shutil
-
-    cfg = tmp_path / "twinkled.toml"
-    cfg.write_text("persist_every = 0\n")
-    key = make_key(tmp_path, "fay")
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--config", str(cfg))
-    try:
-        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
-        tc = _client(sc, tiny_dir, seed=6)
-        data = _data(tc.get_tokenizer())
-        _step(tc, data)
-        shutil.rmtree(tmp_path / "live" / tc.model_id)
-        old = d.workers()
-        os.kill(old[0], signal.SIGKILL)
-        d.wait_workers(1, old=set(old))
-        loss, out = _step(tc, data)
-        assert out.metrics["step:max"] == 1 and loss > 0  # fresh state, same family
-    finally:
-        d.stop()

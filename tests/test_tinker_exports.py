@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -93,11 +91,19 @@ def test_exported_adapter_downloads_and_matches_the_daemon_in_peft(daemon, tiny_
     assert got == pytest.approx(want, abs=1e-4)
 
 
-def _cli(daemon, tenant: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TINKER_BASE_URL=daemon.url, TINKER_API_KEY=daemon.keys[tenant],
-               TINKER_TELEMETRY="0")
-    return subprocess.run([sys.executable, "-m", "tinker.cli", *args], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+def _cli(daemon, tenant: str, *args: str, cwd: Path):
+    """`tinker ARGS` run in `cwd` as a user runs it (its key and base URL from the
+    environment), by the CLI's own click group in this process: its code and exit status
+    without a Python start and an SDK import for each call."""
+    import contextlib
+
+    from click.testing import CliRunner
+    from tinker.cli.__main__ import main_cli
+
+    env = {"TINKER_BASE_URL": daemon.url, "TINKER_API_KEY": daemon.keys[tenant],
+           "TINKER_TELEMETRY": "0"}
+    with contextlib.chdir(cwd):
+        return CliRunner().invoke(main_cli, list(args), env=env)
 
 
 def test_tinker_checkpoint_download_of_external_and_training_checkpoints(daemon, export,
@@ -108,7 +114,7 @@ def test_tinker_checkpoint_download_of_external_and_training_checkpoints(daemon,
     for path in (export["external"], export["weights"]):
         out = _cli(daemon, "alice", "checkpoint", "download", path, "--output", "dl",
                    cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.exit_code == 0, (out.output[-2000:], out.exception)
         target = tmp_path / "dl" / path.replace("tinker://", "").replace("/", "_")
         assert {p.name for p in target.iterdir()} == PEFT_FILES
         got[path] = load_file(target / "adapter_model.safetensors")
@@ -223,12 +229,10 @@ def test_external_checkpoints_take_ttl_publish_and_refusals_like_the_others(daem
 
 
 def test_exports_count_toward_the_storage_quota(daemon, tiny_dir):
-    from daemon import make_key
+    from daemon import make_key, run_ctl
 
     daemon.keys["carol"] = make_key(daemon.data, "carol")
-    subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(daemon.data),
-                    "tenants", "set", "carol", "--max-storage-bytes", "1000"], check=True,
-                   capture_output=True)
+    run_ctl(daemon.data, "tenants", "set", "carol", "--max-storage-bytes", "1000")
     sc = tinker.ServiceClient(base_url=daemon.url, api_key=daemon.keys["carol"])
     tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=2).result(timeout=T)
     tc.save_weights_external("first").result(timeout=T)  # under the quota when it started

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from daemon import Daemon, make_key
+from daemon import Daemon, make_key, run_ctl
 
 tinker = pytest.importorskip("tinker")
 T = 120
@@ -39,9 +37,8 @@ def rest(daemon):
 
 
 def ctl(data_dir, *args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data_dir),
-                           *args], capture_output=True, text=True, check=True,
-                          timeout=120).stdout
+    """`twinkled ctl --data-dir DIR ARGS`'s output (ctl's own code in this process)."""
+    return run_ctl(data_dir, *args).stdout
 
 
 def poll(http: httpx.Client, request_id: str) -> dict:
@@ -215,99 +212,110 @@ def test_a_create_refused_by_a_drain_succeeds_on_the_sdks_retry(daemon, sc, tiny
     assert [r["id"] for r in runs if r["id"].startswith(session + ":")] == [tc.model_id]
 
 
-def test_a_run_restored_after_a_crash_resumes_after_an_idle_unload(tiny_dir, tmp_path):
-    """SIGKILL, restart, the run is unloaded while its client is away, and the client's next
-    request (its own next seq_id) is answered. Saves retried before the crash, and one queued
-    behind a gap when it came, leave the checkpoint they replace ready across the restart."""
-    key = make_key(tmp_path, "dora")
-    cfg = tmp_path / "twinkled.toml"
-    cfg.write_text("idle_unload_s = 1.0\n")
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--config", str(cfg))
-    try:
-        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
-        tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=T)
-        data, adam = _data(tc), tinker.types.AdamParams(learning_rate=1e-2)
-        tc.forward_backward(data, "cross_entropy").result(timeout=T)
-        tc.optim_step(adam).result(timeout=T)
-        path = tc.save_weights_for_sampler("s").result(timeout=T).path
-        seq = tc._request_id_counter  # the seq_id the client gave that save
-        with httpx.Client(base_url=f"{d.url}/api/v1", timeout=60,
-                          headers={"X-API-Key": key}) as http:
-            poll(http, save(http, "save_weights_for_sampler", tc.model_id, seq, "s"))
-            save(http, "save_weights_for_sampler", tc.model_id, seq + 2, "s")  # waits: gap
-    except BaseException:
-        d.stop()
-        raise
-    d.stop(signal.SIGKILL)
-
-    d2 = Daemon(tiny_dir, tmp_path, tmp_path / "log2", "--config", str(cfg), port=d.port)
-    try:
-        assert len(sample_from(sc, path)) == 2  # before: "marked corrupt" at this start
-        log = tmp_path / "log2"
-        while "unloaded after" not in log.read_text():  # the client is away past idle_unload_s
-            threading.Event().wait(0.2)
-        # While the daemon is drained, a request for the unloaded run is refused (503, no
-        # seq_id taken) without reloading its adapter for nothing.
-        ctl(tmp_path, "drain", "--timeout", "30")
-        with httpx.Client(base_url=f"{d2.url}/api/v1", headers={"X-API-Key": key}) as http:
-            r = http.post("/optim_step", json={"model_id": tc.model_id,
-                                               "seq_id": tc._request_id_counter + 1,
-                                               "adam_params": {"learning_rate": 1e-2}})
-        assert r.status_code == 503 and "reloaded" not in log.read_text()
-        ctl(tmp_path, "drain", "--undo")
-        out = tc.forward_backward(data, "cross_entropy").result(timeout=T)  # before: hung
-        assert out.metrics["loss:sum"] > 0
-        tc.optim_step(adam).result(timeout=T)
-    finally:
-        d2.stop()
+def _unloaded(log, model: str) -> None:
+    """Wait until the daemon logging to `log` unloaded `model` as idle."""
+    while f"adapter {model} unloaded after" not in log.read_text():
+        threading.Event().wait(0.2)
 
 
-def test_after_a_crash_a_retried_step_is_answered_from_before_and_not_run_again(
+def _idle_before_the_crash(d: Daemon, key: str, base_model: str) -> dict:
+    """A run with an acknowledged optim_step (its seq_id and the logprobs after it), then
+    unloaded while idle: the client will resend that step after the crash."""
+    sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=base_model, rank=4).result(timeout=T)
+    data, adam = _data(tc), tinker.types.AdamParams(learning_rate=1e-2)
+    tc.forward_backward(data, "cross_entropy").result(timeout=T)
+    tc.optim_step(adam).result(timeout=T)
+    was = {"tc": tc, "data": data, "seq": tc._request_id_counter,  # that optim_step's
+           "before": tc.forward(data, "cross_entropy").result(timeout=T).loss_fn_outputs}
+    _unloaded(d.log_path, tc.model_id)
+    return was
+
+
+def _saves_before_the_crash(d: Daemon, key: str, base_model: str) -> dict:
+    """A live run with a save retried, and one queued behind a gap when the crash comes."""
+    sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=base_model, rank=4).result(timeout=T)
+    data, adam = _data(tc), tinker.types.AdamParams(learning_rate=1e-2)
+    tc.forward_backward(data, "cross_entropy").result(timeout=T)
+    tc.optim_step(adam).result(timeout=T)
+    path = tc.save_weights_for_sampler("s").result(timeout=T).path
+    seq = tc._request_id_counter  # the seq_id the client gave that save
+    with httpx.Client(base_url=f"{d.url}/api/v1", timeout=60,
+                      headers={"X-API-Key": key}) as http:
+        poll(http, save(http, "save_weights_for_sampler", tc.model_id, seq, "s"))
+        save(http, "save_weights_for_sampler", tc.model_id, seq + 2, "s")  # waits: gap
+    return {"sc": sc, "tc": tc, "data": data, "path": path}
+
+
+def test_after_a_crash_retried_steps_and_saves_and_idle_unloaded_runs_resume(
         tiny_dir, tmp_path):
-    """The client lost the answer of an optim_step that ran before a SIGKILL and resends it
-    (same seq_id) while the restarted daemon is still starting: the original answer comes
-    back and the run's weights do not move. The run was unloaded while idle before the
-    crash, so the request reloads it while the daemon restores what was live. Before: the
-    run was restored twice and requests queued on the first copy were never answered, or,
-    answered, the retried step ran a second time."""
-    key = make_key(tmp_path, "erin")
+    """One SIGKILL and restart, two clients (one daemon lineage for both: a start each
+    less).
+
+    erin lost the answer of an optim_step that ran before the crash and resends it (same
+    seq_id) while the restarted daemon is still starting: the original answer comes back
+    and the run's weights do not move. Her run was unloaded while idle before the crash, so
+    the request reloads it while the daemon restores what was live (dora's run). Before:
+    the run was restored twice and requests queued on the first copy were never answered,
+    or, answered, the retried step ran a second time.
+
+    dora's run, live at the crash, is restored, unloaded while her client is away, and her
+    client's next request (its own next seq_id) is answered. Saves retried before the
+    crash, and one queued behind a gap when it came, leave the checkpoint they replace
+    ready across the restart."""
     cfg = tmp_path / "twinkled.toml"
     cfg.write_text("idle_unload_s = 1.0\n")
+    keys = {t: make_key(tmp_path, t) for t in ("dora", "erin")}
     d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--config", str(cfg))
     try:
-        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
-        tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=T)
-        data, adam = _data(tc), tinker.types.AdamParams(learning_rate=1e-2)
-        tc.forward_backward(data, "cross_entropy").result(timeout=T)
-        tc.optim_step(adam).result(timeout=T)
-        seq = tc._request_id_counter  # the seq_id the client gave that optim_step
-        before = tc.forward(data, "cross_entropy").result(timeout=T).loss_fn_outputs
-        while "unloaded after" not in (tmp_path / "log1").read_text():
-            threading.Event().wait(0.2)
+        erin = _idle_before_the_crash(d, keys["erin"], tiny_dir.name)
+        dora = _saves_before_the_crash(d, keys["dora"], tiny_dir.name)
     except BaseException:
         d.stop()
         raise
     d.stop(signal.SIGKILL)
 
-    d2 = Daemon(tiny_dir, tmp_path, tmp_path / "log2", "--config", str(cfg), port=d.port,
-                wait=False)
+    log = tmp_path / "log2"
+    d2 = Daemon(tiny_dir, tmp_path, log, "--config", str(cfg), port=d.port, wait=False)
     try:
         while d2.health() is None:  # answering HTTP, the workers still loading the model
             threading.Event().wait(0.05)
+        tc = erin["tc"]
         with httpx.Client(base_url=f"{d2.url}/api/v1", timeout=60,
-                          headers={"X-API-Key": key}) as http:
+                          headers={"X-API-Key": keys["erin"]}) as http:
             while True:  # a 503 while the daemon starts, retried as the SDK does
-                r = http.post("/optim_step", json={"model_id": tc.model_id, "seq_id": seq,
+                r = http.post("/optim_step", json={"model_id": tc.model_id,
+                                                   "seq_id": erin["seq"],
                                                    "adam_params": {"learning_rate": 1e-2}})
                 if r.status_code != 503:
                     break
                 threading.Event().wait(0.2)
             assert r.status_code == 200, r.text
             assert poll(http, r.json()["request_id"]).get("type") != "RequestFailedResponse"
-        after = tc.forward(data, "cross_entropy").result(timeout=T).loss_fn_outputs
+        d2.wait_ready()
+        after = tc.forward(erin["data"], "cross_entropy").result(timeout=T).loss_fn_outputs
         assert [o["logprobs"].tolist() for o in after] == \
-            [o["logprobs"].tolist() for o in before]  # nothing ran twice
-        tc.forward_backward(data, "cross_entropy").result(timeout=T)  # and it goes on
+            [o["logprobs"].tolist() for o in erin["before"]]  # nothing ran twice
+        adam = tinker.types.AdamParams(learning_rate=1e-2)
+        tc.forward_backward(erin["data"], "cross_entropy").result(timeout=T)  # and it goes on
+        tc.optim_step(adam).result(timeout=T)
+
+        tc = dora["tc"]
+        assert len(sample_from(dora["sc"], dora["path"])) == 2  # before: "marked corrupt"
+        _unloaded(log, tc.model_id)  # the client is away past idle_unload_s
+        # While the daemon is drained, a request for the unloaded run is refused (503, no
+        # seq_id taken) without reloading its adapter for nothing.
+        ctl(tmp_path, "drain", "--timeout", "30")
+        with httpx.Client(base_url=f"{d2.url}/api/v1",
+                          headers={"X-API-Key": keys["dora"]}) as http:
+            r = http.post("/optim_step", json={"model_id": tc.model_id,
+                                               "seq_id": tc._request_id_counter + 1,
+                                               "adam_params": {"learning_rate": 1e-2}})
+        assert r.status_code == 503 and "reloaded" not in log.read_text()
+        ctl(tmp_path, "drain", "--undo")
+        out = tc.forward_backward(dora["data"], "cross_entropy").result(timeout=T)  # before: hung
+        assert out.metrics["loss:sum"] > 0
         tc.optim_step(adam).result(timeout=T)
     finally:
         d2.stop()

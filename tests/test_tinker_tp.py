@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import time
+from importlib.util import find_spec
 
 import pytest
 
 tinker = pytest.importorskip("tinker")
-pytest.importorskip("megatron.core")
+# Whether megatron-core is installed, without importing it (seconds of CPU in every test
+# process that collects this file; the tp ranks import it themselves).
+pytestmark = pytest.mark.skipif(find_spec("megatron.core") is None,
+                                reason="megatron-core is not installed (the megatron extra)")
 
 from daemon import Daemon, make_key  # noqa: E402
 from test_tinker_e2e import SENTENCES, T, datum, greedy  # noqa: E402
@@ -18,8 +22,14 @@ from test_tinker_e2e import SENTENCES, T, datum, greedy  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tp_daemon(tiny_dir, tmp_path_factory):
+    """The module's one tensor-parallel daemon (a tp pair costs ~14 CPU-s to start), with
+    `persist_every = 0`: the steps write no live state, the shutdown does (the last test
+    stops it to see that); nothing the other tests assert depends on the steps' writes."""
     data = tmp_path_factory.mktemp("tpdata")
-    d = Daemon(tiny_dir, data, data / "twinkled.log", "--devices", "cpu,cpu", "--tp", "2")
+    conf = data / "twinkled.toml"
+    conf.write_text("persist_every = 0\n")
+    d = Daemon(tiny_dir, data, data / "twinkled.log", "--devices", "cpu,cpu", "--tp", "2",
+               "--config", str(conf))
     d.keys = {"alice": make_key(data, "alice")}
     yield d
     d.stop()
@@ -89,29 +99,23 @@ def test_tp_daemon_reports_every_rank_and_its_peak_memory(tp_daemon):
         assert f'twinkle_gpu_peak_memory_bytes{{device="cpu",lane="0",rank="{rank}"}} 0.0' in text
 
 
-def test_tp_adapters_persist_behind_the_steps_and_at_shutdown(tiny_dir, tmp_path):
+def test_tp_adapters_persist_behind_the_steps_and_at_shutdown(tp_daemon, tiny_dir):
     """A split adapter is gathered to be written only when the writer takes it, not at every
     optimizer step: with `persist_every = 0` the steps write nothing, and the shutdown
-    writes the latest state, of whole tensors."""
-    conf = tmp_path / "twinkled.toml"
-    conf.write_text("persist_every = 0\n")
-    data = tmp_path / "data"
-    d = Daemon(tiny_dir, data, tmp_path / "twinkled.log", "--devices", "cpu,cpu", "--tp", "2",
-               "--config", str(conf))
-    try:
-        sc = tinker.ServiceClient(base_url=d.url, api_key=make_key(data, "alice"))
-        tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=8, seed=0).result(
-            timeout=T)
-        batch = [datum(tc.get_tokenizer(), s) for s in SENTENCES]
-        for _ in range(3):
-            tc.forward_backward(batch, "cross_entropy").result(timeout=T)
-            tc.optim_step(tinker.types.AdamParams(learning_rate=5e-3)).result(timeout=T)
-        live = data / "live" / tc.model_id
-        _live_shapes(live)  # the new adapter's first state, written behind its creation
-        assert _live_steps(live) == 0  # the three optimizer steps were not persisted
-        # (no sc.close: closing the session unloads its model, and its live state with it)
-    finally:
-        d.stop()
+    writes the latest state, of whole tensors. (It stops the module's daemon: the file's
+    last test.)"""
+    sc = tinker.ServiceClient(base_url=tp_daemon.url, api_key=tp_daemon.keys["alice"])
+    tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=8, seed=0).result(
+        timeout=T)
+    batch = [datum(tc.get_tokenizer(), s) for s in SENTENCES]
+    for _ in range(3):
+        tc.forward_backward(batch, "cross_entropy").result(timeout=T)
+        tc.optim_step(tinker.types.AdamParams(learning_rate=5e-3)).result(timeout=T)
+    live = tp_daemon.data_dir / "live" / tc.model_id
+    _live_shapes(live)  # the new adapter's first state, written behind its creation
+    assert _live_steps(live) == 0  # the three optimizer steps were not persisted
+    # (no sc.close: closing the session unloads its model, and its live state with it)
+    tp_daemon.stop()
     assert _live_steps(live) == 3  # the shutdown persisted the latest state, whole
     q_b = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
     assert _live_shapes(live)[q_b] == [128, 8]
