@@ -1,8 +1,10 @@
 """Cluster deployment files: ops/k8s (LeaderWorkerSet) and ops/slurm (sbatch).
 
-Offline and fast: kubectl and Slurm are not installed here, so the manifests are checked
-for the fields the API server needs and for references that resolve (claims, secret,
-config), and the batch script runs with stand-in `scontrol`/`srun` that record what it
+Offline and fast: kubectl and Slurm are not installed here, so every core object of the
+manifests (and the leader's and workers' pod templates inside the LeaderWorkerSet, a CRD
+whose schema is not Kubernetes') is validated against Kubernetes' own OpenAPI schema in
+strict mode (kubernetes-validate, the schemas it ships), the LeaderWorkerSet's fields and
+the references between objects (claims, secret, config) are checked, and the batch script runs with stand-in `scontrol`/`srun` that record what it
 asks for; every twinkled command line in either is parsed by the real CLI and every config
 they carry passes `check_config`.
 """
@@ -88,6 +90,31 @@ def test_manifests_have_the_api_fields_and_their_references_resolve(tmp_path):
     _parses(["serve", *(str(toml) if a.endswith(".toml") else a for a in leader["args"])])
     (svc,) = kinds["Service"]
     assert svc["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+
+
+def test_manifests_pass_kubernetes_schema_validation():
+    """What `kubectl apply --dry-run=client` would check, offline: each object against the
+    schema of its kind and apiVersion, unknown fields refused (strict)."""
+    kv = pytest.importorskip("kubernetes_validate")
+    version = kv.latest_version()
+    kinds = _docs()
+    validated = []
+    for kind, docs in kinds.items():
+        if kind == "LeaderWorkerSet":
+            continue
+        for d in docs:
+            kv.validate(d, version, strict=True)  # raises, naming the field, if invalid
+            validated.append(kind)
+    assert {"ConfigMap", "PersistentVolumeClaim", "Service"} <= set(validated)
+    (lws,) = kinds["LeaderWorkerSet"]
+    for role in ("leaderTemplate", "workerTemplate"):  # PodTemplateSpecs: a Pod each
+        template = lws["spec"]["leaderWorkerTemplate"][role]
+        pod = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"],
+               "metadata": {**template.get("metadata", {}), "name": role.lower()}}
+        kv.validate(pod, version, strict=True)
+    broken = {**kinds["Service"][0], "spec": {**kinds["Service"][0]["spec"], "prots": []}}
+    with pytest.raises(kv.ValidationError):  # the check bites: a misspelt field is refused
+        kv.validate(broken, version, strict=True)
 
 
 def _stub(bin_dir: Path, name: str, body: str) -> None:
