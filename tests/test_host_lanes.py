@@ -1,19 +1,24 @@
 """Lanes on every host (issue 39 item 1): hosts that join with `twinkled worker --join
 --lanes N` bring lanes the head places runs on like its own; a lost host costs only its
 lanes' steps in flight, its runs coming back on other lanes at their acknowledged steps;
-a host that returns takes new work. On loopback: a head without workers of its own
-(`lanes = 0`) and two agents, of two CPU lanes and of one."""
+a host that returns takes new work. A head without workers of its own (`lanes = 0`) and
+two agents, of two CPU lanes and of one. Where the machine allows it (root, iproute2, a
+bridge that carries TCP: tests/netns.py), each agent runs in a network namespace of its
+own and reaches the head over a veth pair, and the lost host's namespace is deleted with
+it; elsewhere the agents join over loopback (TWINKLE_NETNS=0 forces that)."""
 
 from __future__ import annotations
 
-import signal
+import os
 import socket
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 import pytest
 from daemon import Daemon, ctl_status, free_port, make_key
+from netns import HEAD_IP, wire
 from test_hosts import TOKEN, Agent
 from test_workers import T, _data, _step
 
@@ -97,28 +102,46 @@ def lose_a_host_mid_step(d, tiny_dir: Path, lanes: list[tuple[str, bool]], kill)
         in metrics
 
 
+# The hosts' namespaces: hosta, hostb, and hostb when it returns (its first one deleted).
+HOSTS = {"hosta": 0, "hostb": 1, "hostb-again": 2}
+
+
 @pytest.fixture
 def head(tiny_dir, tmp_path):
+    """The head, and where its hosts' agents run (`d.net`: network namespaces, or None for
+    loopback)."""
+    net, why = wire(len(HOSTS)) if os.environ.get("TWINKLE_NETNS") != "0" else (None, "")
+    if net is None and why:
+        warnings.warn(f"hosts join over loopback: {why}", stacklevel=1)
     token = tmp_path / "join.key"
     token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
     port = free_port()
-    cfg = head_config(tmp_path / "head.toml", token, port, lanes=0)  # no workers here
+    cfg = head_config(tmp_path / "head.toml", token, port, HEAD_IP if net else "127.0.0.1",
+                      lanes=0)  # no workers here
     data_dir = tmp_path / "head"
     data_dir.mkdir()
-    d = Daemon(tiny_dir, data_dir, data_dir / "log", "--config", str(cfg))
+    d = Daemon(tiny_dir, data_dir, data_dir / "log", "--config", str(cfg),
+               env={"GLOO_SOCKET_IFNAME": net.bridge} if net else None)
     d.keys = {t: make_key(data_dir, t) for t in ("alice", "bob", "carol", "dave")}
-    d.join_port, d.token, d.agents = port, token, []
+    d.join_port, d.token, d.agents, d.net = port, token, [], net
     try:
         yield d
     finally:
         d.stop()
         for agent in d.agents:
             agent.stop()
+        if net is not None:
+            net.remove()
 
 
-def _agent(d, name: str, log: Path, lanes: int = 1) -> Agent:
+def _agent(d, name: str, log: Path, lanes: int = 1, where: str = "") -> Agent:
+    """Host `name`'s agent, in the namespace of `where` (default: its name) if any."""
+    net = d.net
     agent = Agent(d.join_port, d.token, log, env={"TWINKLED_TEST_STEP_DELAY": "1.0"},
-                  name=name, lanes=lanes, devices=",".join(["cpu"] * lanes))
+                  name=name, lanes=lanes, devices=",".join(["cpu"] * lanes),
+                  head=HEAD_IP if net else "127.0.0.1",
+                  prefix=net.prefix(HOSTS[where or name]) if net else ())
     d.agents.append(agent)
     return agent
 
@@ -135,16 +158,17 @@ def test_runs_on_lanes_of_two_hosts_and_a_lost_host_costs_only_its_steps(head, t
     status = wait_lanes(head.data_dir, lanes)
     assert [lane["remote"] for lane in status] == [False, True, True, True]
 
-    def kill() -> None:
-        hostb.proc.send_signal(signal.SIGKILL)  # the agent, and with it its rank
-        hostb.proc.wait()
+    def kill() -> None:  # the host goes: its agent and its rank, then its network
+        hostb.kill()
+        if head.net is not None:
+            head.net.delete(HOSTS["hostb"])
 
     lose_a_host_mid_step(head, tiny_dir, lanes, kill)
     assert head.health()["status"] == "ok"
 
     # hostb comes back: its lane restarts there and takes new work (the run placed next
     # goes to the lane with the fewest runs, or balance moves one there).
-    _agent(head, "hostb", tmp_path / "b2.log")
+    _agent(head, "hostb", tmp_path / "b2.log", where="hostb-again")
     wait_lanes(head.data_dir, lanes)
     dave = client(head, "dave", tiny_dir, 3)
     assert lane_of(head.data_dir)[3] >= 1

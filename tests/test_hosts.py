@@ -24,17 +24,25 @@ class Agent:
     """`twinkled worker --join` in its own process group (its workers die with it)."""
 
     def __init__(self, port: int, token_file: Path, log: Path, env: dict | None = None,
-                 devices: str = "cpu", name: str = "hostb", lanes: int = 0):
+                 devices: str = "cpu", name: str = "hostb", lanes: int = 0,
+                 head: str = "127.0.0.1", prefix: list[str] = ()):
+        """`prefix`: what runs it elsewhere (another network namespace: tests/netns.py)."""
         self.log = open(log, "ab")  # noqa: SIM115 - kept open for the process's life
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "twinkled", "worker", "--join", f"tcp://127.0.0.1:{port}",
-             "--devices", devices, "--token-file", str(token_file), "--name", name,
-             "--lanes", str(lanes)],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            [*prefix, sys.executable, "-m", "twinkled", "worker", "--join",
+             f"tcp://{head}:{port}", "--devices", devices, "--token-file", str(token_file),
+             "--name", name, "--lanes", str(lanes)],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
             env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})))
 
+    def kill(self) -> None:
+        """The host dies at once: the agent and its ranks (its process group)."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
     def stop(self) -> None:
-        stop_process(self.proc)
+        if self.proc.poll() is None:
+            stop_process(self.proc)
         self.log.close()
 
 
