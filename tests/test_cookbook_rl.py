@@ -21,7 +21,6 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 import chz  # noqa: E402  (after the skips: only there when the cookbook is)
 from tinker_cookbook import tokenizer_utils  # noqa: E402
-from tinker_cookbook.rl import train  # noqa: E402
 from tinker_cookbook.rl.types import (  # noqa: E402
     Env,
     EnvGroupBuilder,
@@ -94,6 +93,10 @@ def test_cookbook_rl_loop_with_stable_reinforce_raises_the_reward(flat_daemon, t
 def assert_toy_reward_rises(url: str, model_name: str, log_path) -> None:
     """The cookbook's RL loop on the toy task against the daemon at `url` (the key in
     TINKER_API_KEY): the reward rises over its STEPS steps."""
+    # The loop's module here, not at the top: it takes ~0.8 CPU-s to import, in every test
+    # process that collects this file.
+    from tinker_cookbook.rl import train
+
     config = train.Config(
         learning_rate=3e-2, dataset_builder=Toy(), model_name=model_name,
         recipe_name="twinkle_toy", max_tokens=8, log_path=str(log_path),

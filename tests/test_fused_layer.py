@@ -11,7 +11,9 @@ reference math, values and gradients, fp32 and (on a GPU) bf16."""
 from __future__ import annotations
 
 import contextlib
+import os
 import zlib
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -26,7 +28,11 @@ from twinkled.protocol.types import ForwardBackwardRequest, SampleRequest, Sampl
 # name -> (rank, train_attn, train_mlp, train_unembed); a and b share a bank
 ADAPTERS = {"a": (4, True, True, True), "b": (4, True, True, True),
             "m": (8, False, True, False), "t": (2, True, False, True)}
-KERNELS = kernels_here(DEVICE)
+# Whether liger's kernels run here, on a CPU decided without importing them (~2 CPU-s in
+# every test process that collects this file): installed, and Triton's interpreter on.
+# _liger() imports them (patching the interpreter) when a test takes them.
+KERNELS = kernels_here(DEVICE) if DEVICE != "cpu" else (
+    find_spec("liger_kernel") is not None and os.environ.get("TRITON_INTERPRET") == "1")
 kernels = pytest.mark.skipif(not KERNELS, reason="liger-kernel is not installed")
 cuda = pytest.mark.skipif(DEVICE != "cuda" or not KERNELS, reason="bf16 kernels: a GPU's")
 
@@ -34,11 +40,19 @@ cuda = pytest.mark.skipif(DEVICE != "cuda" or not KERNELS, reason="bf16 kernels:
 ARCHS = ("qwen3", "qwen2", "llama")  # qwen3: q/k norms; qwen2: q/k/v biases; llama: neither
 
 
+def _liger() -> None:
+    """liger's kernels loaded (on a CPU, the interpreter's gaps filled): before a kernel
+    runs."""
+    assert kernels_here(DEVICE), "liger-kernel did not load"
+
+
 @pytest.fixture(scope="module")
 def engines(arch_dirs):
     made = {}
 
     def get(arch: str, kernels: bool):
+        if kernels:
+            _liger()
         if arch not in made:
             made[arch] = mixed_engine(arch_dirs[arch], ADAPTERS)
         made[arch].model.kernels = kernels
@@ -228,6 +242,7 @@ def test_liger_kernels_equal_the_reference_ops(dtype):
     """Each kernel against the eager math it replaces, values and gradients."""
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("bf16 kernels: a GPU's")
+    _liger()
     dev, gen = torch.device(DEVICE), torch.Generator(device=DEVICE).manual_seed(0)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
 
