@@ -81,22 +81,21 @@ def test_http_process_never_imports_torch(daemon):
     assert "libtorch" in open(f"/proc/{workers[0]}/maps").read()
 
 
-def test_two_workers_compute_what_one_does(tiny_dir, tmp_path):
+def test_two_workers_compute_what_one_does(daemon, tiny_dir, tmp_path):
     """Rows split over 2 gloo ranks and summed gradients give the 1-worker adapter. The pair
     runs at --cp 2 (context parallelism, engine/context_parallel.py): a row longer than
-    cp_min_tokens runs over both ranks, the others data-parallel as before."""
+    cp_min_tokens runs over both ranks, the others data-parallel as before. The one worker
+    is the session's daemon (a daemon start less; its small token budget cuts the batch
+    into several passes, which sum to the same gradients)."""
+    # (and a row limit below the model's 2048 positions: the workers' word reaches the
+    # door and get_server_capabilities)
+    (tmp_path / "cp.toml").write_text(f"cp_min_tokens = {CP_MIN}\nmax_seq_len = 1024\n")
+    pair = Daemon(tiny_dir, tmp_path / "w2", tmp_path / "log2", "--workers", "2", "--cp", "2",
+                  "--config", str(tmp_path / "cp.toml"))
     results = {}
-    for n in (1, 2):
-        data_dir = tmp_path / f"w{n}"
-        key = make_key(data_dir, "alice")
-        extra = ()
-        if n == 2:
-            # (and a row limit below the model's 2048 positions: the workers' word reaches
-            # the door and get_server_capabilities)
-            (tmp_path / "cp.toml").write_text(f"cp_min_tokens = {CP_MIN}\nmax_seq_len = 1024\n")
-            extra = ("--cp", "2", "--config", str(tmp_path / "cp.toml"))
-        d = Daemon(tiny_dir, data_dir, tmp_path / f"log{n}", "--workers", str(n), *extra)
-        try:
+    try:
+        for n, d, key in ((1, daemon, daemon.keys["alice"]),
+                          (2, pair, make_key(pair.data_dir, "alice"))):
             assert len(d.workers()) == n
             sc = tinker.ServiceClient(base_url=d.url, api_key=key)
             caps = tinker.RestClient(base_url=d.url, api_key=key).get_server_capabilities(
@@ -110,9 +109,9 @@ def test_two_workers_compute_what_one_does(tiny_dir, tmp_path):
                 len(d.model_input.to_ints()) for d in data[:-1])
             losses = [_step(tc, data).metrics["loss:sum"] for _ in range(3)]
             path = tc.save_state("after3").result(timeout=T).path
-            results[n] = (losses, _logprobs(tc, data), _checkpoint(data_dir, path))
-        finally:
-            d.stop()
+            results[n] = (losses, _logprobs(tc, data), _checkpoint(d.data_dir, path))
+    finally:
+        pair.stop()
     (l1, lp1, ck1), (l2, lp2, ck2) = results[1], results[2]
     assert l1 == pytest.approx(l2, rel=1e-4)
     assert l1[-1] < l1[0]  # it trained
@@ -209,7 +208,9 @@ def test_sigterm_is_a_hot_restart_and_sigkill_rolls_back_to_persisted_state(tiny
     """One lineage of daemons on one data dir, 2 worker ranks each. SIGTERM: the same
     TrainingClient carries on, on the same model id, with the exact weights. Then SIGKILL:
     the workers die with the daemon (no orphan holds a GPU), the run resumes from its
-    persisted state, and a checkpoint damaged while the daemon was down is quarantined."""
+    persisted state, and a checkpoint damaged while the daemon was down is quarantined.
+    The last daemon unloads idle adapters after 1 s (_idle_adapters_are_unloaded_and_
+    come_back_on_their_next_request: its own daemon start less)."""
     key = make_key(tmp_path, "carol")
     d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--workers", "2")
     sc = tinker.ServiceClient(base_url=d.url, api_key=key)
@@ -248,7 +249,10 @@ def test_sigterm_is_a_hot_restart_and_sigkill_rolls_back_to_persisted_state(tiny
         raw[-3] ^= 0xFF
         open(weights, "wb").write(raw)
 
-        d = Daemon(tiny_dir, tmp_path, tmp_path / "log3", "--workers", "2", port=d.port)
+        cfg = tmp_path / "idle.toml"
+        cfg.write_text("idle_unload_s = 1.0\n")
+        d = Daemon(tiny_dir, tmp_path, tmp_path / "log3", "--workers", "2", "--config",
+                   str(cfg), port=d.port)
         assert _logprobs(tc, data) == want  # same client, same model id, resumed
         _step(tc, data)
         listed = subprocess.run(
@@ -258,40 +262,29 @@ def test_sigterm_is_a_hot_restart_and_sigkill_rolls_back_to_persisted_state(tiny
         assert not os.path.exists(directory)  # moved aside, never served
         with pytest.raises(Exception, match="corrupt"):
             sc.create_training_client_from_state(ckpt).result(timeout=T)
+        _idle_adapters_are_unloaded_and_come_back_on_their_next_request(d, tc, data)
         sc.close("success").result(timeout=T)  # while the daemon is up: later, it retries ~30 s
     finally:
         d.stop()
 
 
-def test_idle_adapters_are_unloaded_and_come_back_on_their_next_request(tiny_dir, tmp_path):
-    cfg = tmp_path / "twinkled.toml"
-    cfg.write_text("idle_unload_s = 1.0\n")
-    key = make_key(tmp_path, "ida")
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--config", str(cfg))
-    try:
-        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
-        tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                            seed=8).result(timeout=T)
-        data = _data(tc.get_tokenizer())
-        _step(tc, data)
-        want = _logprobs(tc, data)
-        deadline = time.time() + 30
-        status = {}
-        while time.time() < deadline:
-            status = ctl_status(tmp_path)  # polled: in this process
-            # (the log line follows the unload that the status already counts)
-            if status["adapters"] == 0 and "unloaded after" in (tmp_path / "log").read_text():
-                break
-            time.sleep(0.5)
-        assert status["adapters"] == 0, "the idle adapter was not unloaded"
-        assert "unloaded after" in (tmp_path / "log").read_text()
-        # Its next request reloads it: same weights, and training (and seq_ids) go on.
-        assert _logprobs(tc, data) == want
-        _step(tc, data)
-        assert _logprobs(tc, data) != want
-        sc.close("success").result(timeout=T)
-    finally:
-        d.stop()
+def _idle_adapters_are_unloaded_and_come_back_on_their_next_request(d, tc, data) -> None:
+    """`d` unloads an adapter idle for 1 s; `tc`'s comes back on its next request."""
+    want = _logprobs(tc, data)
+    deadline = time.time() + 30
+    status = {}
+    while time.time() < deadline:
+        status = ctl_status(d.data_dir)  # polled: in this process
+        # (the log line follows the unload that the status already counts)
+        if status["adapters"] == 0 and "unloaded after" in d.log_path.read_text():
+            break
+        time.sleep(0.2)
+    assert status["adapters"] == 0, "the idle adapter was not unloaded"
+    assert "unloaded after" in d.log_path.read_text()
+    # Its next request reloads it: same weights, and training (and seq_ids) go on.
+    assert _logprobs(tc, data) == want
+    _step(tc, data)
+    assert _logprobs(tc, data) != want
 
 
 def test_frames_from_outside_the_worker_group_are_ignored(slow_pair, tiny_dir):
