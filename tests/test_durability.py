@@ -201,50 +201,57 @@ def _hold_workers(tc, data):
     return slow
 
 
-def test_a_failed_shared_pass_fails_only_the_request_at_fault(tiny_dir, tmp_path):
+@pytest.fixture(scope="module")
+def faulty(tiny_dir, tmp_path_factory):
+    """One worker whose steps take 0.6 s, and any pass over a datum of 13 tokens fails after
+    its backward (injected). No joins (preempt_ms = 0): a request sent while a step is held
+    waits for the next step, never joining the held one (tests/test_flood.py covers joins).
+    Shared by the tests below, each with tenants of its own."""
+    data_dir = tmp_path_factory.mktemp("faulty")
+    cfg = data_dir / "twinkled.toml"
+    cfg.write_text("preempt_ms = 0\n")
+    d = Daemon(tiny_dir, data_dir, data_dir / "log", "--config", str(cfg), env={
+        "TWINKLED_TEST_FAIL_TOKENS": "13", "TWINKLED_TEST_STEP_DELAY": "0.6"})
+    yield d
+    d.stop()
+
+
+def test_a_failed_shared_pass_fails_only_the_request_at_fault(faulty, tiny_dir):
     """A pass that fails after its backward (injected: any datum of 13 tokens) leaves part
     of its gradients in every adapter it held. They are restored to their acknowledged
     state and the pass's requests run one at a time: the other tenant's request succeeds
     with exactly the gradients it would have had alone, no worker restarts."""
-    keys = {t: make_key(tmp_path, t) for t in ("good", "bad")}
-    # No joins (preempt_ms = 0): the bad request would join the held step as a pass of its
-    # own and fail alone there (tests/test_flood.py), never sharing the pass this is about.
-    cfg = tmp_path / "twinkled.toml"
-    cfg.write_text("preempt_ms = 0\n")
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--config", str(cfg), env={
-        "TWINKLED_TEST_FAIL_TOKENS": "13", "TWINKLED_TEST_STEP_DELAY": "0.5"})
-    try:
-        sc = {t: tinker.ServiceClient(base_url=d.url, api_key=k) for t, k in keys.items()}
-        good = sc["good"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                                     seed=21).result(timeout=T)
-        control = sc["good"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                                        seed=21).result(timeout=T)
-        bad = sc["bad"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                                   seed=22).result(timeout=T)
-        data = _data(good.get_tokenizer())
-        # Gradients already pending before the shared pass: counted twice or lost, they
-        # would turn the step (AdamW's first step is blind to their overall scale).
-        _fb(control, data[:1])
-        _fb(control, data)
-        _optim(control, 1e-2)
-        _fb(good, data[:1])
-        want = _logprobs(control, data)
-        restarts = _restarts(d)
+    d = faulty
+    keys = {t: make_key(d.data_dir, t) for t in ("good", "bad")}
+    sc = {t: tinker.ServiceClient(base_url=d.url, api_key=k) for t, k in keys.items()}
+    good = sc["good"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                 seed=21).result(timeout=T)
+    control = sc["good"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                    seed=21).result(timeout=T)
+    bad = sc["bad"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                               seed=22).result(timeout=T)
+    data = _data(good.get_tokenizer())
+    # Gradients already pending before the shared pass: counted twice or lost, they
+    # would turn the step (AdamW's first step is blind to their overall scale).
+    _fb(control, data[:1])
+    _fb(control, data)
+    _optim(control, 1e-2)
+    _fb(good, data[:1])
+    want = _logprobs(control, data)
+    restarts = _restarts(d)
 
-        slow = _hold_workers(good, data)
-        fut_good = good.forward_backward(data, "cross_entropy")  # ... so these two share
-        fut_bad = bad.forward_backward(POISON, "cross_entropy")  # the next step
-        slow.result(timeout=T)
-        assert fut_good.result(timeout=T).metrics["loss:sum"] > 0
-        with pytest.raises(tinker.RequestFailedError, match="failed in the engine"):
-            fut_bad.result(timeout=T)
-        _optim(good, 1e-2)
-        assert _logprobs(good, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
-        assert _restarts(d) == restarts
-        assert "one at a time" in (tmp_path / "log").read_text()  # they did share a pass
-        assert _fb(bad, data).metrics["loss:sum"] > 0  # the bad tenant goes on
-    finally:
-        d.stop()
+    slow = _hold_workers(good, data)
+    fut_good = good.forward_backward(data, "cross_entropy")  # ... so these two share
+    fut_bad = bad.forward_backward(POISON, "cross_entropy")  # the next step
+    slow.result(timeout=T)
+    assert fut_good.result(timeout=T).metrics["loss:sum"] > 0
+    with pytest.raises(tinker.RequestFailedError, match="failed in the engine"):
+        fut_bad.result(timeout=T)
+    _optim(good, 1e-2)
+    assert _logprobs(good, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert _restarts(d) == restarts
+    assert "one at a time" in d.log_path.read_text()  # they did share a pass
+    assert _fb(bad, data).metrics["loss:sum"] > 0  # the bad tenant goes on
 
 
 def _dp_pair(tiny_dir, tmp_path) -> Daemon:
@@ -322,40 +329,37 @@ def test_with_persistence_off_a_worker_kill_brings_an_adapter_back_as_created(ti
         d.stop()
 
 
-def test_an_optim_step_queued_behind_a_lost_forward_backward_fails_with_it(tiny_dir, tmp_path):
+def test_an_optim_step_queued_behind_a_lost_forward_backward_fails_with_it(faulty, tiny_dir):
     """A pipelining client's optim_step waits behind its forward_backward when the worker
     running that forward_backward is killed. The gradients died with the worker, so the
     optim_step must fail too (category server: redo both), not be answered as done having
     applied nothing; redone, the run lands exactly where a twin's one step did."""
-    key = make_key(tmp_path, "ann")
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", env={"TWINKLED_TEST_STEP_DELAY": "0.6"})
-    try:
-        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
-        tc, twin = (sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                                   seed=5).result(timeout=T) for _ in range(2))
-        data = _data(tc.get_tokenizer())
-        _fb(twin, data)
-        _optim(twin, 5e-2)
-        want = _logprobs(twin, data)
+    d = faulty
+    key = make_key(d.data_dir, "ann")
+    sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+    tc, twin = (sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                               seed=5).result(timeout=T) for _ in range(2))
+    data = _data(tc.get_tokenizer())
+    _fb(twin, data)
+    _optim(twin, 5e-2)
+    want = _logprobs(twin, data)
 
-        fut_fb = tc.forward_backward(data, "cross_entropy")
-        time.sleep(0.25)  # its step is in the worker (held by the injected delay) ...
-        fut_opt = tc.optim_step(tinker.types.AdamParams(learning_rate=5e-2))  # ... this waits
-        time.sleep(0.2)
-        old = d.workers()
-        os.kill(old[0], signal.SIGKILL)
-        with pytest.raises(tinker.RequestFailedError, match="restarted") as lost:
-            fut_fb.result(timeout=T)
-        assert str(lost.value.category) == "server"
-        with pytest.raises(tinker.RequestFailedError, match="did not run") as skipped:
-            fut_opt.result(timeout=T)
-        assert str(skipped.value.category) == "server"
-        d.wait_workers(1, old=set(old))
-        _fb(tc, data)  # the client redoes both
-        _optim(tc, 5e-2)
-        assert _logprobs(tc, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
-    finally:
-        d.stop()
+    fut_fb = tc.forward_backward(data, "cross_entropy")
+    time.sleep(0.25)  # its step is in the worker (held by the injected delay) ...
+    fut_opt = tc.optim_step(tinker.types.AdamParams(learning_rate=5e-2))  # ... this waits
+    time.sleep(0.2)
+    old = d.workers()
+    os.kill(old[0], signal.SIGKILL)
+    with pytest.raises(tinker.RequestFailedError, match="restarted") as lost:
+        fut_fb.result(timeout=T)
+    assert str(lost.value.category) == "server"
+    with pytest.raises(tinker.RequestFailedError, match="did not run") as skipped:
+        fut_opt.result(timeout=T)
+    assert str(skipped.value.category) == "server"
+    d.wait_workers(1, old=set(old))
+    _fb(tc, data)  # the client redoes both
+    _optim(tc, 5e-2)
+    assert _logprobs(tc, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
 
 
 def _rank_died_after_its_step(d, tiny_dir, tmp_path) -> None:

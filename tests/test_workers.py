@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from daemon import Daemon, ctl_status, make_key
@@ -124,12 +125,14 @@ def test_two_workers_compute_what_one_does(daemon, tiny_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def slow_pair(tiny_dir, tmp_path_factory):
-    """Two CPU workers whose steps take 1 s: time to act in the middle of one."""
+    """Two CPU workers whose steps take 1 s: time to act in the middle of one. Traced
+    (TWINKLED_TRACE), for test_a_traced_pair_records_each_ranks_share_of_a_step."""
     data_dir = tmp_path_factory.mktemp("slow")
     keys = {t: make_key(data_dir, t) for t in ("alice", "bob")}
     d = Daemon(tiny_dir, data_dir, data_dir / "log", "--workers", "2",
-               env={"TWINKLED_TEST_STEP_DELAY": "1.0"})
-    d.keys = keys
+               env={"TWINKLED_TEST_STEP_DELAY": "1.0",
+                    "TWINKLED_TRACE": str(data_dir / "trace.jsonl")})
+    d.keys, d.trace = keys, data_dir / "trace.jsonl"
     yield d
     d.stop()
 
@@ -155,6 +158,44 @@ def test_healthz_answers_fast_during_a_long_step(slow_pair, tiny_dir):
     finally:
         os.kill(held, signal.SIGCONT)
     assert fut.result(timeout=T).metrics["loss:sum"] > 0
+
+
+def test_a_traced_pair_records_each_ranks_share_of_a_step(slow_pair, tiny_dir):
+    """The step trace (TWINKLED_TRACE, twinkled/protocol/trace.py) that the host-path
+    profile is read from: per step the loop's phases and each rank's timings, which
+    bench/trace_report.py tabulates. Only this test's steps are read (the pair's other
+    tests kill workers)."""
+    begin = slow_pair.trace.stat().st_size if slow_pair.trace.exists() else 0
+    tc = _client(slow_pair, "bob", tiny_dir, 9)
+    ids = list(range(5, 37))
+    datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+                               loss_fn_inputs={"target_tokens": ids[1:]})
+    for _ in range(2):
+        _step(tc, [datum, datum], lr=1e-3)
+    with open(slow_pair.trace, "rb") as f:
+        f.seek(begin)
+        mine = f.read()
+    mine = mine[:mine.rfind(b"\n") + 1]  # whole lines: the daemon may be writing one now
+    events = [json.loads(line) for line in mine.decode().splitlines()]
+    loops = [e for e in events if e["event"] == "loop"]
+    groups = [e for e in events if e["event"] == "group"]
+    assert {"train", "barrier"} <= {e["kind"] for e in loops}
+    for e in loops:  # the loop's phases, in order
+        assert e["planned"] <= e["executing"] <= e["completing"] <= e["done"]
+    train = [g for g in groups if g["kind"] == "train"]
+    assert train and all(len(g["ranks"]) == 2 for g in groups)
+    for g in train:
+        for r in g["ranks"]:  # each rank's stamps line up with the daemon's clock
+            assert g["sent"] <= r["began"] <= r["began"] + r["busy"] <= r["arrived"]
+    # Each of the two rows ran on its own rank: both issued a forward and a backward.
+    assert any(all(r["phases"]["forward"] > 0 and r["phases"]["backward"] > 0
+                   for r in g["ranks"]) for g in train)
+    report = Path(__file__).resolve().parents[1] / "bench" / "trace_report.py"
+    trace = slow_pair.data_dir / "mine.jsonl"
+    trace.write_bytes(mine)
+    out = subprocess.run([sys.executable, str(report), str(trace)], capture_output=True,
+                         text=True, check=True).stdout
+    assert "rank 1 busy" in out and "step (train: fwdbwd" in out
 
 
 def test_killed_worker_fails_one_step_and_restores_every_adapter(slow_pair, tiny_dir):
