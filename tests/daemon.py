@@ -159,3 +159,41 @@ def run_ctl(data_dir: Path, *args: str, check: bool = True) -> subprocess.Comple
     if check:
         done.check_returncode()
     return done
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on (from /proc: its sockets' inodes)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def send_stray_bytes(d: Daemon, timeout: float = 60) -> set[int]:
+    """A stray HTTP client's bytes to every port a starting daemon listens on beside its
+    HTTP one (the port its workers report on), as soon as there is one; the ports hit.
+    Any local process can connect there (seen in the suite: a tinker client still
+    heartbeating to a port a new daemon's worker socket had taken). As ZeroMQ reads bytes
+    with no greeting (its unversioned framing: a length byte, a flags byte, the body):
+    an identity, then a message of three parts."""
+    sent, deadline = set(), time.time() + timeout
+    while not sent and time.time() < deadline:
+        for port in listening_ports(d.proc.pid) - {d.port}:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(b"\x01\x00" + b"\x02\x01a" + b"\x02\x01b" + b"\x02\x00c")
+                time.sleep(0.3)
+            sent.add(port)
+        time.sleep(0.02)
+    return sent

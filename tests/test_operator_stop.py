@@ -1,7 +1,8 @@
 """A signal to the daemon's whole process group (Ctrl+C in a terminal, `timeout`, a shell
 job kill, a container runtime) stops it as gracefully as a SIGTERM to the daemon alone:
 the worker ranks live in a session of their own, so they are still there when shutdown
-persists every live adapter, and the next start resumes each run at its step."""
+persists every live adapter, and the next start resumes each run at its step. Each next
+start also gets stray bytes on its workers' socket (from tests/test_join_port.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import signal
 import time
 
 import pytest
-from daemon import Daemon, make_key
+from daemon import Daemon, make_key, send_stray_bytes
 
 tinker = pytest.importorskip("tinker")
 T = 120
@@ -62,6 +63,9 @@ def test_a_signal_to_the_process_group_stops_cleanly(tiny_dir, tmp_path):
             _stop_group(d, sig)
             d = Daemon(tiny_dir, tmp_path, tmp_path / f"log{i}", port=d.port, wait=False,
                        session=True)
+            # Stray bytes on its workers' socket while they start are ignored; before, the
+            # start failed on them and the daemon served nothing.
+            assert send_stray_bytes(d), "the daemon opened no port beside its HTTP one"
             # The same client, on the same run: at the step it was told is done.
             while (d.health() or {}).get("status") != "loading":  # answering, not yet restored
                 assert d.proc.poll() is None
@@ -71,5 +75,6 @@ def test_a_signal_to_the_process_group_stops_cleanly(tiny_dir, tmp_path):
             assert queued.result(timeout=T).metrics["loss:sum"] > 0  # drained, not failed
             tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result(timeout=T)
             d.wait_ready()
+            assert "ignored a message of" in d.log_path.read_text()
     finally:
         d.stop()
