@@ -82,54 +82,18 @@ def test_http_process_never_imports_torch(daemon):
     assert "libtorch" in open(f"/proc/{workers[0]}/maps").read()
 
 
-def test_two_workers_compute_what_one_does(daemon, tiny_dir, tmp_path):
-    """Rows split over 2 gloo ranks and summed gradients give the 1-worker adapter. The pair
-    runs at --cp 2 (context parallelism, engine/context_parallel.py): a row longer than
-    cp_min_tokens runs over both ranks, the others data-parallel as before. The one worker
-    is the session's daemon (a daemon start less; its small token budget cuts the batch
-    into several passes, which sum to the same gradients)."""
-    # (and a row limit below the model's 2048 positions: the workers' word reaches the
-    # door and get_server_capabilities)
-    (tmp_path / "cp.toml").write_text(f"cp_min_tokens = {CP_MIN}\nmax_seq_len = 1024\n")
-    pair = Daemon(tiny_dir, tmp_path / "w2", tmp_path / "log2", "--workers", "2", "--cp", "2",
-                  "--config", str(tmp_path / "cp.toml"))
-    results = {}
-    try:
-        for n, d, key in ((1, daemon, daemon.keys["alice"]),
-                          (2, pair, make_key(pair.data_dir, "alice"))):
-            assert len(d.workers()) == n
-            sc = tinker.ServiceClient(base_url=d.url, api_key=key)
-            caps = tinker.RestClient(base_url=d.url, api_key=key).get_server_capabilities(
-            ).result(timeout=T).supported_models[0]
-            assert caps.max_context_length == (1024 if n == 2 else 2048)
-            tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                                seed=7).result(timeout=T)
-            tok = tc.get_tokenizer()
-            data = _data(tok) + _data(tok, ROLLOUTS) + _data(tok, [LONG])
-            assert len(data[-1].model_input.to_ints()) > CP_MIN > max(
-                len(d.model_input.to_ints()) for d in data[:-1])
-            losses = [_step(tc, data).metrics["loss:sum"] for _ in range(3)]
-            path = tc.save_state("after3").result(timeout=T).path
-            results[n] = (losses, _logprobs(tc, data), _checkpoint(d.data_dir, path))
-    finally:
-        pair.stop()
-    (l1, lp1, ck1), (l2, lp2, ck2) = results[1], results[2]
-    assert l1 == pytest.approx(l2, rel=1e-4)
-    assert l1[-1] < l1[0]  # it trained
-    for a, b in zip(lp1, lp2, strict=True):  # every datum's outputs, in the request's order
-        assert a == pytest.approx(b, abs=1e-4)
-    assert ck1.keys() == ck2.keys()
-    for k in ck1:
-        assert ck1[k].float().sub(ck2[k].float()).abs().max() <= 1e-5 + 1e-4 * ck1[k].abs().max(), k
-
-
 @pytest.fixture(scope="module")
 def slow_pair(tiny_dir, tmp_path_factory):
-    """Two CPU workers whose steps take 1 s: time to act in the middle of one. Traced
+    """Two CPU workers (at --cp 2: rows shorter than CP_MIN tokens, all but one test's,
+    run data-parallel) whose steps take 1 s: time to act in the middle of one. Traced
     (TWINKLED_TRACE), for test_a_traced_pair_records_each_ranks_share_of_a_step."""
     data_dir = tmp_path_factory.mktemp("slow")
     keys = {t: make_key(data_dir, t) for t in ("alice", "bob")}
-    d = Daemon(tiny_dir, data_dir, data_dir / "log", "--workers", "2",
+    # At --cp 2 (test_two_workers_compute_what_one_does), and a row limit below the model's
+    # 2048 positions: the workers' word reaches the door and get_server_capabilities.
+    (data_dir / "cp.toml").write_text(f"cp_min_tokens = {CP_MIN}\nmax_seq_len = 1024\n")
+    d = Daemon(tiny_dir, data_dir, data_dir / "log", "--workers", "2", "--cp", "2",
+               "--config", str(data_dir / "cp.toml"),
                env={"TWINKLED_TEST_STEP_DELAY": "1.0",
                     "TWINKLED_TRACE": str(data_dir / "trace.jsonl")})
     d.keys, d.trace = keys, data_dir / "trace.jsonl"
@@ -141,6 +105,39 @@ def _client(d, tenant, tiny_dir, seed):
     sc = tinker.ServiceClient(base_url=d.url, api_key=d.keys[tenant])
     return sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
                                           seed=seed).result(timeout=T)
+
+
+def test_two_workers_compute_what_one_does(daemon, slow_pair, tiny_dir):
+    """Rows split over 2 gloo ranks and summed gradients give the 1-worker adapter. The pair
+    (slow_pair) runs at --cp 2 (context parallelism, engine/context_parallel.py): a row
+    longer than cp_min_tokens runs over both ranks, the others data-parallel as before. The
+    one worker is the session's daemon (a daemon start less; its small token budget cuts
+    the batch into several passes, which sum to the same gradients)."""
+    results = {}
+    for n, d in ((1, daemon), (2, slow_pair)):
+        key = d.keys["alice"]
+        assert len(d.workers()) == n
+        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+        caps = tinker.RestClient(base_url=d.url, api_key=key).get_server_capabilities(
+        ).result(timeout=T).supported_models[0]
+        assert caps.max_context_length == (1024 if n == 2 else 2048)
+        tc = sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                            seed=7).result(timeout=T)
+        tok = tc.get_tokenizer()
+        data = _data(tok) + _data(tok, ROLLOUTS) + _data(tok, [LONG])
+        assert len(data[-1].model_input.to_ints()) > CP_MIN > max(
+            len(d.model_input.to_ints()) for d in data[:-1])
+        losses = [_step(tc, data).metrics["loss:sum"] for _ in range(3)]
+        path = tc.save_state("after3").result(timeout=T).path
+        results[n] = (losses, _logprobs(tc, data), _checkpoint(d.data_dir, path))
+    (l1, lp1, ck1), (l2, lp2, ck2) = results[1], results[2]
+    assert l1 == pytest.approx(l2, rel=1e-4)
+    assert l1[-1] < l1[0]  # it trained
+    for a, b in zip(lp1, lp2, strict=True):  # every datum's outputs, in the request's order
+        assert a == pytest.approx(b, abs=1e-4)
+    assert ck1.keys() == ck2.keys()
+    for k in ck1:
+        assert ck1[k].float().sub(ck2[k].float()).abs().max() <= 1e-5 + 1e-4 * ck1[k].abs().max(), k
 
 
 def test_healthz_answers_fast_during_a_long_step(slow_pair, tiny_dir):
