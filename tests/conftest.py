@@ -125,8 +125,10 @@ def moe_dir(tmp_path_factory):
 # a process takes to start and collect; a unit not named here (all under ~15 s) runs
 # after these, in collection order.
 LONGEST_FIRST = [
+    # (slow_pair, 2 ranks: the former test_workers.py group, test_durability.py's
+    # data-parallel test and test_trace.py, on one daemon)
+    "test_worker_pair.py",  # 115
     "test_newcomer.py",  # 97
-    "test_workers.py",  # 90 without the ones below (slow_pair, and the session daemon)
     "test_isolation.py",  # 90
     "test_chaos.py",  # 86
     "test_hosts.py",  # 85 without the one below
@@ -149,8 +151,6 @@ LONGEST_FIRST = [
     "test_tinker_moe.py",  # 40
     "test_cookbook_rl.py",  # 38
     "test_tinker_versions.py",  # 30: seven tinker SDKs, a process each
-    # (+ the former test of a rank that died after its step, ~35 s: one daemon for both)
-    "test_durability.py::test_a_pass_that_fails_on_one_data_parallel_rank_fails_alone",
     "test_sdk_cookbook.py::test_two_gloo_ranks_train_what_one_process_does",  # 35
     # (a worker kill, then a daemon SIGKILL: the former 33 s and 20 s tests, one daemon)
     "test_durability.py::test_worker_kill_and_daemon_sigkill_keep_every_acknowledged_step",
