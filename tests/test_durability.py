@@ -11,6 +11,7 @@ import time
 
 import pytest
 from daemon import Daemon, make_key
+from helpers import tinker_datums
 
 tinker = pytest.importorskip("tinker")
 T = 120
@@ -21,12 +22,7 @@ TEXTS = ["the sun and the sea are big.", "a cat.", "one two three four five six 
 
 
 def _data(tok):
-    out = []
-    for text in TEXTS:
-        ids = tok(text).input_ids
-        out.append(tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
-                                      loss_fn_inputs={"target_tokens": ids[1:]}))
-    return out
+    return tinker_datums(tok, TEXTS)
 
 
 def _fb(tc, data):
