@@ -127,7 +127,7 @@ def moe_dir(tmp_path_factory):
 LONGEST_FIRST = [
     # (slow_pair, 2 ranks: the former test_workers.py group, test_durability.py's
     # data-parallel test and test_trace.py, on one daemon)
-    "test_worker_pair.py",  # 115
+    "test_worker_pair.py",  # 130
     "test_newcomer.py",  # 97
     "test_isolation.py",  # 90
     "test_chaos.py",  # 86
