@@ -142,7 +142,7 @@ LONGEST_FIRST = [
     "test_fuzz.py",  # 48
     # (the idle-unload test's daemon is this lineage's last: one start less)
     "test_workers.py::test_sigterm_is_a_hot_restart_and_sigkill_rolls_back_to_persisted_state",  # 45
-    # (SIGINT and SIGTERM on one lineage; the JSON log and stray-bytes tests on its daemons)
+    # (SIGINT and SIGTERM on one lineage: 3 daemon starts, not 4)
     "test_operator_stop.py::test_a_signal_to_the_process_group_stops_cleanly",  # 45
     "test_durability.py",  # 40: the tests that share the module's `faulty` daemon
     "test_fused_layer.py",  # 36 (liger's kernels in Triton's interpreter)
@@ -171,6 +171,7 @@ LONGEST_FIRST = [
     "test_tinker_records.py",  # 17
     "test_tinker_restart.py::test_restart_keeps_runs_and_checkpoints",  # 16 + 16 s before
     "test_tinker_dimuon.py::test_a_model_recreated_after_a_worker_kill_keeps_its_optimizer",
+    "test_operator_logs.py",  # 15
 ]
 SPREAD = {"test_workers.py", "test_hosts.py", "test_durability.py", "test_admin.py",
           "test_tinker_dimuon.py", "test_tinker_retries.py", "test_tinker_restart.py",

@@ -1,13 +1,62 @@
-"""JSON logs as a log shipper reads them: a rank's output outside logging becomes JSON
-lines. (A daemon's JSON log through a start, requests and a stop, and what its lines say:
-tests/test_operator_stop.py, _json_log_says_what_an_operator_looks_for, on the daemon a
-signal stops there: a daemon start less.)"""
+"""JSON logs as a log shipper reads them: every line of the daemon's output (its workers'
+too) is a JSON object, through a start, requests (a 4xx among them) and a stop. The lines
+say what an operator looks for: where the data and the admin key are, the base URLs, each
+run and checkpoint, a periodic summary, and why a request was refused; health checks are
+not logged."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+
+import httpx
+import pytest
+from daemon import Daemon, make_key
+
+tinker = pytest.importorskip("tinker")
+T = 120
+
+
+def test_json_mode_emits_only_json_lines(tiny_dir, tmp_path):
+    key = make_key(tmp_path, "jo")
+    cfg = tmp_path / "twinkled.toml"
+    cfg.write_text("log_summary_s = 0.2\n")
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--log-format", "json", "--config", str(cfg))
+    try:
+        tc = tinker.ServiceClient(base_url=d.url, api_key=key).create_lora_training_client(
+            base_model=tiny_dir.name, rank=4).result(timeout=T)
+        data = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5, 6, 7]),
+                                   loss_fn_inputs={"target_tokens": [6, 7, 8]})]
+        tc.forward_backward(data, "cross_entropy").result(timeout=T)
+        tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result(timeout=T)
+        path = tc.save_state("first").result(timeout=T).path
+        bad = httpx.post(f"{d.url}/api/v1/optim_step", headers={"X-API-Key": key},
+                         json={"model_id": tc.model_id, "seq_id": "x"})
+        assert 400 <= bad.status_code < 500
+        assert d.health()["status"] == "ok"
+    finally:
+        d.stop()
+    lines = d.log_path.read_text().splitlines()
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            pytest.fail(f"not a JSON line: {line!r}")
+    assert all(isinstance(r, dict) and r.get("message") is not None for r in records)
+    events = {r.get("event") for r in records}
+    assert {"run_created", "checkpoint_saved", "summary"} <= events
+    assert any(r.get("checkpoint") == path for r in records)
+    start = [r for r in records if "tinker_base_url" in r or "data_dir" in r]
+    assert any(r.get("data_dir") == str(tmp_path) and r.get("admin_key_file") for r in start)
+    assert any(r.get("tinker_base_url") == d.url and
+               r.get("openai_base_url") == f"{d.url}/oai/api/v1" for r in start)
+    http = [r for r in records if r.get("route")]
+    assert http and not any(r["route"] == "/api/v1/healthz" for r in http)
+    refused = [r for r in http if r["status"] == bad.status_code]
+    assert refused and refused[0].get("reason"), refused
+    assert records[-1]["message"] == "stopped"
 
 
 def test_relay_makes_json_of_a_ranks_other_output(capsys):
