@@ -253,3 +253,44 @@ def delta_rule_inputs(lengths: list[int], Hk: int = 2, Hv: int = 4, dk: int = 64
     beta = torch.rand(N, L, Hv, generator=g) * real
     s0 = torch.randn(N, Hv, dk, dv, generator=g) * 0.1
     return [q, k, v, gate, beta, s0], real
+
+
+# -- the tinker client against a daemon (tests/test_workers.py, tests/test_worker_pair.py) ----
+TINKER_T = 120  # seconds any one call may take
+
+
+def tinker_datums(tok, texts: list[str]) -> list:
+    """One next-token cross-entropy datum per text."""
+    import tinker
+
+    out = []
+    for text in texts:
+        ids = tok(text).input_ids
+        out.append(tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+                                      loss_fn_inputs={"target_tokens": ids[1:]}))
+    return out
+
+
+def tinker_step(tc, data: list, lr: float = 1e-2):
+    """A forward_backward and its optim_step; the forward_backward's output."""
+    import tinker
+
+    out = tc.forward_backward(data, "cross_entropy").result(timeout=TINKER_T)
+    tc.optim_step(tinker.types.AdamParams(learning_rate=lr)).result(timeout=TINKER_T)
+    return out
+
+
+def tinker_logprobs(tc, data: list) -> list[list[float]]:
+    """Each datum's target logprobs, from a forward."""
+    out = tc.forward(data, "cross_entropy").result(timeout=TINKER_T)
+    return [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+
+
+def lora_client(d, tenant: str, model_dir, seed: int):
+    """A rank-4 LoRA training client of `tenant` (a key in `d.keys`) on daemon `d`, which
+    serves the model of `model_dir`."""
+    import tinker
+
+    sc = tinker.ServiceClient(base_url=d.url, api_key=d.keys[tenant])
+    return sc.create_lora_training_client(base_model=model_dir.name, rank=4,
+                                          seed=seed).result(timeout=TINKER_T)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 from daemon import Daemon, make_key
+from helpers import tinker_datums
 
 tinker = pytest.importorskip("tinker")
 T = 120
@@ -21,12 +22,7 @@ TEXTS = ["the sun and the sea are big.", "a cat.", "one two three four five six 
 
 
 def _data(tok):
-    out = []
-    for text in TEXTS:
-        ids = tok(text).input_ids
-        out.append(tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
-                                      loss_fn_inputs={"target_tokens": ids[1:]}))
-    return out
+    return tinker_datums(tok, TEXTS)
 
 
 def _fb(tc, data):
@@ -201,97 +197,57 @@ def _hold_workers(tc, data):
     return slow
 
 
-def test_a_failed_shared_pass_fails_only_the_request_at_fault(tiny_dir, tmp_path):
+@pytest.fixture(scope="module")
+def faulty(tiny_dir, tmp_path_factory):
+    """One worker whose steps take 0.6 s, and any pass over a datum of 13 tokens fails after
+    its backward (injected). No joins (preempt_ms = 0): a request sent while a step is held
+    waits for the next step, never joining the held one (tests/test_flood.py covers joins).
+    Shared by the tests below, each with tenants of its own."""
+    data_dir = tmp_path_factory.mktemp("faulty")
+    cfg = data_dir / "twinkled.toml"
+    cfg.write_text("preempt_ms = 0\n")
+    d = Daemon(tiny_dir, data_dir, data_dir / "log", "--config", str(cfg), env={
+        "TWINKLED_TEST_FAIL_TOKENS": "13", "TWINKLED_TEST_STEP_DELAY": "0.6"})
+    yield d
+    d.stop()
+
+
+def test_a_failed_shared_pass_fails_only_the_request_at_fault(faulty, tiny_dir):
     """A pass that fails after its backward (injected: any datum of 13 tokens) leaves part
     of its gradients in every adapter it held. They are restored to their acknowledged
     state and the pass's requests run one at a time: the other tenant's request succeeds
     with exactly the gradients it would have had alone, no worker restarts."""
-    keys = {t: make_key(tmp_path, t) for t in ("good", "bad")}
-    # No joins (preempt_ms = 0): the bad request would join the held step as a pass of its
-    # own and fail alone there (tests/test_flood.py), never sharing the pass this is about.
-    cfg = tmp_path / "twinkled.toml"
-    cfg.write_text("preempt_ms = 0\n")
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--config", str(cfg), env={
-        "TWINKLED_TEST_FAIL_TOKENS": "13", "TWINKLED_TEST_STEP_DELAY": "0.5"})
-    try:
-        sc = {t: tinker.ServiceClient(base_url=d.url, api_key=k) for t, k in keys.items()}
-        good = sc["good"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                                     seed=21).result(timeout=T)
-        control = sc["good"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                                        seed=21).result(timeout=T)
-        bad = sc["bad"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                                   seed=22).result(timeout=T)
-        data = _data(good.get_tokenizer())
-        # Gradients already pending before the shared pass: counted twice or lost, they
-        # would turn the step (AdamW's first step is blind to their overall scale).
-        _fb(control, data[:1])
-        _fb(control, data)
-        _optim(control, 1e-2)
-        _fb(good, data[:1])
-        want = _logprobs(control, data)
-        restarts = _restarts(d)
+    d = faulty
+    keys = {t: make_key(d.data_dir, t) for t in ("good", "bad")}
+    sc = {t: tinker.ServiceClient(base_url=d.url, api_key=k) for t, k in keys.items()}
+    good = sc["good"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                 seed=21).result(timeout=T)
+    control = sc["good"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                                    seed=21).result(timeout=T)
+    bad = sc["bad"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                               seed=22).result(timeout=T)
+    data = _data(good.get_tokenizer())
+    # Gradients already pending before the shared pass: counted twice or lost, they
+    # would turn the step (AdamW's first step is blind to their overall scale).
+    _fb(control, data[:1])
+    _fb(control, data)
+    _optim(control, 1e-2)
+    _fb(good, data[:1])
+    want = _logprobs(control, data)
+    restarts = _restarts(d)
 
-        slow = _hold_workers(good, data)
-        fut_good = good.forward_backward(data, "cross_entropy")  # ... so these two share
-        fut_bad = bad.forward_backward(POISON, "cross_entropy")  # the next step
-        slow.result(timeout=T)
-        assert fut_good.result(timeout=T).metrics["loss:sum"] > 0
-        with pytest.raises(tinker.RequestFailedError, match="failed in the engine"):
-            fut_bad.result(timeout=T)
-        _optim(good, 1e-2)
-        assert _logprobs(good, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
-        assert _restarts(d) == restarts
-        assert "one at a time" in (tmp_path / "log").read_text()  # they did share a pass
-        assert _fb(bad, data).metrics["loss:sum"] > 0  # the bad tenant goes on
-    finally:
-        d.stop()
-
-
-def _dp_pair(tiny_dir, tmp_path) -> Daemon:
-    """Two data-parallel ranks whose steps take 0.5 s; a pass over a datum of 13 tokens
-    fails, and rank 1 dies after an optim_step once tmp_path/die-after-optim exists."""
-    return Daemon(tiny_dir, tmp_path, tmp_path / "log", "--workers", "2", env={
-        "TWINKLED_TEST_FAIL_TOKENS": "13", "TWINKLED_TEST_STEP_DELAY": "0.5",
-        "TWINKLED_TEST_DIE_AFTER_OPTIM": str(tmp_path / "die-after-optim")})
-
-
-def test_a_pass_that_fails_on_one_data_parallel_rank_fails_alone(tiny_dir, tmp_path):
-    """Two data-parallel ranks; a step holds a good tenant's forward_backward and the
-    optim_step right behind it, and a bad tenant's datum that makes the pass fail (injected)
-    on the one rank that gets it. The ranks agree that the pass failed before any of them
-    enters the optim_step's gradient all-reduce, which the failed rank would never join:
-    the bad request fails alone, the good tenant's step is exactly what it would be alone,
-    and no worker restarts or hangs. Then, on the same pair, a rank dies after a step
-    (_rank_died_after_its_step)."""
-    keys = {t: make_key(tmp_path, t) for t in ("good", "bad")}
-    d = _dp_pair(tiny_dir, tmp_path)
-    try:
-        sc = {t: tinker.ServiceClient(base_url=d.url, api_key=k) for t, k in keys.items()}
-        good, control = (sc["good"].create_lora_training_client(
-            base_model=tiny_dir.name, rank=4, seed=21).result(timeout=T) for _ in range(2))
-        bad = sc["bad"].create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                                   seed=22).result(timeout=T)
-        data = _data(good.get_tokenizer())
-        _fb(control, data)
-        _optim(control, 1e-2)
-        want = _logprobs(control, data)
-        restarts = _restarts(d)
-
-        slow = _hold_workers(good, data)
-        fut_good = good.forward_backward(data, "cross_entropy")  # ... so these three
-        fut_opt = good.optim_step(tinker.types.AdamParams(learning_rate=1e-2))  # share
-        fut_bad = bad.forward_backward(POISON, "cross_entropy")  # the next step
-        slow.result(timeout=T)
-        assert fut_good.result(timeout=T).metrics["loss:sum"] > 0
-        assert fut_opt.result(timeout=T) is not None
-        with pytest.raises(tinker.RequestFailedError, match="failed in the engine"):
-            fut_bad.result(timeout=T)
-        assert _logprobs(good, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
-        assert _restarts(d) == restarts
-        assert _fb(bad, data).metrics["loss:sum"] > 0  # the bad tenant goes on
-        _rank_died_after_its_step(d, tiny_dir, tmp_path)
-    finally:
-        d.stop()
+    slow = _hold_workers(good, data)
+    fut_good = good.forward_backward(data, "cross_entropy")  # ... so these two share
+    fut_bad = bad.forward_backward(POISON, "cross_entropy")  # the next step
+    slow.result(timeout=T)
+    assert fut_good.result(timeout=T).metrics["loss:sum"] > 0
+    with pytest.raises(tinker.RequestFailedError, match="failed in the engine"):
+        fut_bad.result(timeout=T)
+    _optim(good, 1e-2)
+    assert _logprobs(good, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert _restarts(d) == restarts
+    assert "one at a time" in d.log_path.read_text()  # they did share a pass
+    assert _fb(bad, data).metrics["loss:sum"] > 0  # the bad tenant goes on
 
 
 def test_with_persistence_off_a_worker_kill_brings_an_adapter_back_as_created(tiny_dir,
@@ -322,72 +278,34 @@ def test_with_persistence_off_a_worker_kill_brings_an_adapter_back_as_created(ti
         d.stop()
 
 
-def test_an_optim_step_queued_behind_a_lost_forward_backward_fails_with_it(tiny_dir, tmp_path):
+def test_an_optim_step_queued_behind_a_lost_forward_backward_fails_with_it(faulty, tiny_dir):
     """A pipelining client's optim_step waits behind its forward_backward when the worker
     running that forward_backward is killed. The gradients died with the worker, so the
     optim_step must fail too (category server: redo both), not be answered as done having
     applied nothing; redone, the run lands exactly where a twin's one step did."""
-    key = make_key(tmp_path, "ann")
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", env={"TWINKLED_TEST_STEP_DELAY": "0.6"})
-    try:
-        sc = tinker.ServiceClient(base_url=d.url, api_key=key)
-        tc, twin = (sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                                   seed=5).result(timeout=T) for _ in range(2))
-        data = _data(tc.get_tokenizer())
-        _fb(twin, data)
-        _optim(twin, 5e-2)
-        want = _logprobs(twin, data)
-
-        fut_fb = tc.forward_backward(data, "cross_entropy")
-        time.sleep(0.25)  # its step is in the worker (held by the injected delay) ...
-        fut_opt = tc.optim_step(tinker.types.AdamParams(learning_rate=5e-2))  # ... this waits
-        time.sleep(0.2)
-        old = d.workers()
-        os.kill(old[0], signal.SIGKILL)
-        with pytest.raises(tinker.RequestFailedError, match="restarted") as lost:
-            fut_fb.result(timeout=T)
-        assert str(lost.value.category) == "server"
-        with pytest.raises(tinker.RequestFailedError, match="did not run") as skipped:
-            fut_opt.result(timeout=T)
-        assert str(skipped.value.category) == "server"
-        d.wait_workers(1, old=set(old))
-        _fb(tc, data)  # the client redoes both
-        _optim(tc, 5e-2)
-        assert _logprobs(tc, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
-    finally:
-        d.stop()
-
-
-def _rank_died_after_its_step(d, tiny_dir, tmp_path) -> None:
-    """Two data-parallel ranks; a step holds a forward_backward and its optim_step, and
-    rank 1 dies after it without answering (injected), while rank 0 answered and persists
-    the state after it. The step failed (server), so that state was never acknowledged:
-    the restarted group must restore the state before it. Redone, the run lands exactly
-    where a twin's two steps did (restored from rank 0's version, the optim_step would
-    count twice)."""
-    key = make_key(tmp_path, "ann")
-    trigger = tmp_path / "die-after-optim"
+    d = faulty
+    key = make_key(d.data_dir, "ann")
     sc = tinker.ServiceClient(base_url=d.url, api_key=key)
     tc, twin = (sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                               seed=9).result(timeout=T) for _ in range(2))
+                                               seed=5).result(timeout=T) for _ in range(2))
     data = _data(tc.get_tokenizer())
-    for c in (twin, twin, tc):
-        _fb(c, data)
-        _optim(c, 5e-2)
+    _fb(twin, data)
+    _optim(twin, 5e-2)
     want = _logprobs(twin, data)
 
+    fut_fb = tc.forward_backward(data, "cross_entropy")
+    time.sleep(0.25)  # its step is in the worker (held by the injected delay) ...
+    fut_opt = tc.optim_step(tinker.types.AdamParams(learning_rate=5e-2))  # ... this waits
+    time.sleep(0.2)
     old = d.workers()
-    trigger.touch()
-    slow = _hold_workers(tc, data)
-    fut_fb = tc.forward_backward(data, "cross_entropy")  # these two share the next step
-    fut_opt = tc.optim_step(tinker.types.AdamParams(learning_rate=5e-2))
-    slow.result(timeout=T)
-    with pytest.raises(tinker.RequestFailedError, match="restarted"):
+    os.kill(old[0], signal.SIGKILL)
+    with pytest.raises(tinker.RequestFailedError, match="restarted") as lost:
         fut_fb.result(timeout=T)
-    with pytest.raises(tinker.RequestFailedError):
+    assert str(lost.value.category) == "server"
+    with pytest.raises(tinker.RequestFailedError, match="did not run") as skipped:
         fut_opt.result(timeout=T)
-    assert not trigger.exists()  # rank 1 did die after that step
-    d.wait_workers(2, old=set(old))
+    assert str(skipped.value.category) == "server"
+    d.wait_workers(1, old=set(old))
     _fb(tc, data)  # the client redoes both
     _optim(tc, 5e-2)
     assert _logprobs(tc, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
