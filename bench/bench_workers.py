@@ -25,6 +25,13 @@ With `--remote --lanes`, lanes 1..N-1 are the agent's (`twinkled worker --join -
 N-1`): the head's cost per remote lane, against `--lanes` alone (all lanes the head's):
 
     python bench/bench_workers.py --devices cuda:0-3 --sizes 4 --lanes --remote --shape qwen2.5-0.5b
+
+`--local-too` runs each size twice in the same run, all lanes (or ranks) the head's first,
+then with the agent's: the ratio is the remote lanes' cost. Each row also gives the head
+process's own CPU time per daemon step (its HTTP, planning and ZeroMQ work, not its
+workers'), the cost that grows with remote lanes and does not depend on the card:
+
+    python bench/bench_workers.py --devices cpu,cpu --sizes 2 --lanes --remote --local-too
 """
 
 from __future__ import annotations
@@ -81,6 +88,21 @@ def path_report(url: str) -> None:
         print(f"path: {steps:.0f} steps, daemon step {1e3 * step_s / steps:.1f} ms "
               f"(ranks busy: {ranks}); gather wait {1e3 * gather_s / max(gathers, 1):.1f} ms "
               f"x {gathers:.0f}")
+
+
+def head_cpu_s(pid: int) -> float:
+    """The process's own CPU seconds (user + system, not its children's: /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def daemon_steps(url: str) -> float:
+    """The daemon's steps so far, every lane's (/metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        return sum(float(line.rpartition(" ")[2]) for line in r.read().decode().splitlines()
+                   if line.startswith("twinkle_step_seconds_count"))
 
 
 def _label(sample: str, name: str) -> str:
@@ -164,6 +186,9 @@ def main() -> None:
     ap.add_argument("--remote", action="store_true",
                     help="ranks past the first join from a `twinkled worker --join` agent "
                          "on loopback (the head's cost per remote rank)")
+    ap.add_argument("--local-too", action="store_true",
+                    help="with --remote: each size also runs with every rank the head's "
+                         "first, in the same run")
     ap.add_argument("--trace", action="store_true",
                     help="trace each daemon's steps (TWINKLED_TRACE) and print trace_report")
     ap.add_argument("--write", default=section_path("workers"))
@@ -177,8 +202,10 @@ def main() -> None:
     sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else [1, len(devices)]
     gpu, dtype, seq, steps, work, model_dir, vocab = prepare(args, devices, "bench_workers_")
 
+    runs = [(n, remote) for n in sizes
+            for remote in ((False, True) if args.local_too and n > 1 else (args.remote,))]
     rows = []
-    for i, group in enumerate(devices[:n] for n in sizes):
+    for i, (group, remote) in enumerate((devices[:n], remote) for n, remote in runs):
         data = work / f"data{i}-{len(group)}"  # a repeated size starts from an empty store
         n = args.tenants * len(group)
         keys = make_keys(data, n)
@@ -188,7 +215,7 @@ def main() -> None:
         if args.trace:
             os.environ["TWINKLED_TRACE"] = str(traced)
         agent, lanes = None, len(group)
-        if args.remote and len(group) > 1:
+        if remote and len(group) > 1:
             if args.config:
                 raise SystemExit("--remote takes no --config")
             extra, agent = join_remote(work / f"join{i}", group[1:], model_dir, args.lanes)
@@ -198,7 +225,9 @@ def main() -> None:
         try:
             if agent is not None and args.lanes:
                 wait_lanes(data, lanes)
+            cpu0, steps0 = head_cpu_s(daemon.pid), daemon_steps(url)
             res = run_tenants(url, keys, model_dir.name, vocab, seq, steps, [1] * n)
+            head_ms = 1e3 * (head_cpu_s(daemon.pid) - cpu0) / max(daemon_steps(url) - steps0, 1)
             planner_report(data)
             path_report(url)
             if args.trace:  # the timed window: about 2 steps per tenant round
@@ -217,7 +246,8 @@ def main() -> None:
         wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
         lat = [x for r in res for x in r["lat"]]
         rows.append((n // args.tenants, n, sum(r["tokens"] for r in res) / wall, pct(lat, 0.5),
-                     pct(lat, 0.99)))
+                     pct(lat, 0.99), head_ms, "remote" if remote and n > args.tenants
+                     else "head"))
 
     # the 1-worker figure moves between runs on one machine (19k-25k tok/s on the 0.5B):
     # repeat it (--sizes 1,2,4,1) and compare with the mean
@@ -229,10 +259,11 @@ def main() -> None:
     text = header("cuda" if gpu else "cpu").replace("Engine vs peft", title)
     text += (f"\n### {args.shape} ({','.join(devices)}, {str(dtype).split('.')[-1]}, LoRA r=32, "
              f"S={seq}, {args.tenants} tenants per worker at 1 x S each, {steps} timed steps)\n\n"
-             "| workers | tenants | tokens/s | vs 1 worker | step p50 (s) | step p99 (s) |\n"
-             "|---:|---:|---:|---:|---:|---:|\n")
-    for w, n, tps, p50, p99 in rows:
-        text += f"| {w} | {n} | {tps:,.0f} | {tps / base:.2f}x | {p50:.3f} | {p99:.3f} |\n"
+             "| workers | past the first | tenants | tokens/s | vs 1 worker | step p50 (s) "
+             "| step p99 (s) | head CPU ms/step |\n|---:|---|---:|---:|---:|---:|---:|---:|\n")
+    for w, n, tps, p50, p99, head_ms, where in rows:
+        text += (f"| {w} | {where} | {n} | {tps:,.0f} | {tps / base:.2f}x | {p50:.3f} "
+                 f"| {p99:.3f} | {head_ms:.1f} |\n")
     print(text)
     if args.write:
         with Path(args.write).open("a") as f:

@@ -294,3 +294,18 @@ def lora_client(d, tenant: str, model_dir, seed: int):
     sc = tinker.ServiceClient(base_url=d.url, api_key=d.keys[tenant])
     return sc.create_lora_training_client(base_model=model_dir.name, rank=4,
                                           seed=seed).result(timeout=TINKER_T)
+
+
+def checkpoint_tensors(data_dir, path: str) -> dict:
+    """A saved checkpoint's tensors (weights and optimizer moments), by name."""
+    from safetensors.torch import load_file
+
+    from twinkled.store import Store
+
+    store = Store(data_dir / "twinkle.db")
+    directory = store.checkpoints.get(path)["dir"]
+    store.close()
+    tensors = {}
+    for name in ("adapter_model.safetensors", "optimizer.safetensors"):
+        tensors.update({f"{name}:{k}": v for k, v in load_file(f"{directory}/{name}").items()})
+    return tensors

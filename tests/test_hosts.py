@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from daemon import Daemon, ctl_status, free_port, make_key, stop_process
-from test_workers import T, _checkpoint, _data, _logprobs, _step
+from helpers import checkpoint_tensors
+from test_workers import T, _data, _logprobs, _step
 
 tinker = pytest.importorskip("tinker")
 TOKEN = "0123456789abcdef" * 4
@@ -99,7 +100,7 @@ def _trained(url: str, key: str, tiny_dir: Path, data_dir: Path) -> tuple:
     """(losses, logprobs, checkpoint tensors) of three steps through the daemon at `url`."""
     tc, data, losses = _train(url, key, tiny_dir)
     path = tc.save_state("after3").result(timeout=T).path
-    return losses, _logprobs(tc, data), _checkpoint(data_dir, path)
+    return losses, _logprobs(tc, data), checkpoint_tensors(data_dir, path)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from daemon import Daemon, ctl_status, make_key
-from helpers import lora_client, tinker_datums, tinker_logprobs, tinker_step
+from helpers import checkpoint_tensors, lora_client, tinker_datums, tinker_logprobs, tinker_step
 
 tinker = pytest.importorskip("tinker")
 T = 120
@@ -53,21 +53,6 @@ def _hold_workers(tc, data):
     slow = tc.forward(data, "cross_entropy")
     time.sleep(0.1)
     return slow
-
-
-def _checkpoint(data_dir, path: str) -> dict:
-    """A saved checkpoint's tensors (weights and optimizer moments), by name."""
-    from safetensors.torch import load_file
-
-    from twinkled.store import Store
-
-    store = Store(data_dir / "twinkle.db")
-    directory = store.checkpoints.get(path)["dir"]
-    store.close()
-    tensors = {}
-    for name in ("adapter_model.safetensors", "optimizer.safetensors"):
-        tensors.update({f"{name}:{k}": v for k, v in load_file(f"{directory}/{name}").items()})
-    return tensors
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +100,7 @@ def test_two_workers_compute_what_one_does(daemon, slow_pair, tiny_dir):
             len(d.model_input.to_ints()) for d in data[:-1])
         losses = [_step(tc, data).metrics["loss:sum"] for _ in range(3)]
         path = tc.save_state("after3").result(timeout=T).path
-        results[n] = (losses, _logprobs(tc, data), _checkpoint(d.data_dir, path))
+        results[n] = (losses, _logprobs(tc, data), checkpoint_tensors(d.data_dir, path))
     (l1, lp1, ck1), (l2, lp2, ck2) = results[1], results[2]
     assert l1 == pytest.approx(l2, rel=1e-4)
     assert l1[-1] < l1[0]  # it trained
@@ -213,8 +198,8 @@ def test_killed_worker_fails_one_step_and_restores_every_adapter(slow_pair, tiny
         assert [x for row in got for x in row] == pytest.approx(
             [x for row in want for x in row], rel=1e-5, abs=1e-6)
     after_path = alice.save_state("after").result(timeout=T).path
-    before = _checkpoint(slow_pair.data_dir, before_path)
-    after = _checkpoint(slow_pair.data_dir, after_path)
+    before = checkpoint_tensors(slow_pair.data_dir, before_path)
+    after = checkpoint_tensors(slow_pair.data_dir, after_path)
     assert all(before[k].equal(after[k]) for k in before)
     assert _step(alice, data).metrics["loss:sum"] > 0
     assert _logprobs(alice, data) != want_a
