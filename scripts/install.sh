@@ -71,10 +71,10 @@ chromium() {
         return 0
     fi
     say "Debian's chromium for the console's browser test (apt-get; INSTALL_CHROMIUM=0 skips)"
-    if ! { DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -q \
+    if ! { DEBIAN_FRONTEND=noninteractive timeout 180 apt-get install -y -q \
                 --no-install-recommends chromium >/dev/null \
-            || { timeout 120 apt-get update -q >/dev/null \
-                 && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -q \
+            || { timeout 60 apt-get update -q >/dev/null \
+                 && DEBIAN_FRONTEND=noninteractive timeout 180 apt-get install -y -q \
                     --no-install-recommends chromium >/dev/null; }; }; then
         say "apt-get could not install chromium: the console's browser test will skip"
     fi
