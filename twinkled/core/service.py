@@ -6,7 +6,7 @@ queues an op on the engine core (core.py), returning the future the client polls
 service also owns the daemon's life cycle: start (load the model, restore adapters),
 housekeeping, drain, shutdown. Nothing here imports torch.
 
-Why one file of ~490 lines: it is the daemon's list of commands (a short method each, read
+Why one file of ~530 lines: it is the daemon's list of commands (a short method each, read
 top to bottom to see what a request does), with the intake checks they share (`submit`,
 `_check_intake`, `_admit`, `_created`: a refusal records nothing). The next split, when a
 command is added: the life cycle (start, drain, shutdown, status) into an object of its own.
