@@ -4,16 +4,11 @@ It builds a tiny random-weight model offline, starts `twinkled serve` on it, cre
 key per tenant with `twinkled ctl`, runs both tenants' scripts (examples/tinker_tenant.py)
 at the same time with different ranks and losses, prints what they print, and stops the
 daemon. Run: python -m twinkled.server.demo
-
-TWINKLE_DEMO_STEPS: how many steps each tenant trains (the script's default, 60, unset); a
-test of the README's commands (tests/test_newcomer.py) asserts no training curve, only that
-the tenants ran, so it trains a few.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -63,8 +58,6 @@ def main() -> None:
                               "--create", "keys", "create", "--tenant", name],
                              check=True, capture_output=True, text=True)
         keys[name] = out.stdout.strip().splitlines()[-1]
-    steps = os.environ.get("TWINKLE_DEMO_STEPS")
-    steps_args = ["--steps", steps] if steps else []
     port = _port()
     url = f"http://127.0.0.1:{port}"
     log = open(work / "twinkled.log", "wb")  # noqa: SIM115 - open for the daemon's life
@@ -80,7 +73,7 @@ def main() -> None:
         procs = [subprocess.Popen(
             [sys.executable, str(ROOT / "examples" / "tinker_tenant.py"), "--base-url", url,
              "--api-key", keys[name], "--base-model", model.name, "--name", name,
-             "--rank", rank, "--loss", loss, "--lr", lr, "--answer", answer, *steps_args],
+             "--rank", rank, "--loss", loss, "--lr", lr, "--answer", answer],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for name, rank, loss, lr, answer in TENANTS]
         failed = False
