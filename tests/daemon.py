@@ -159,3 +159,43 @@ def run_ctl(data_dir: Path, *args: str, check: bool = True) -> subprocess.Comple
     if check:
         done.check_returncode()
     return done
+
+
+# -- stray bytes on a starting daemon's worker socket (suiteA2) -----------------------------
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on (from /proc: its sockets' inodes)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def send_stray_bytes_while_starting(d: Daemon, timeout: float = 60) -> set[int]:
+    """Bytes from a stray local client on every port a daemon started with wait=False opens
+    beside its HTTP one (its workers' socket), while the workers load the model: the ports
+    written to. Any local process can connect there; a stray HTTP client's bytes (seen in the
+    suite: a tinker client still heartbeating to a port a new daemon's worker socket had
+    taken) arrive as a message of several parts, which once failed the start."""
+    sent, deadline = set(), time.time() + timeout
+    while not sent and time.time() < deadline:
+        for port in listening_ports(d.proc.pid) - {d.port}:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                # As ZeroMQ reads bytes with no greeting (its unversioned framing: a length
+                # byte, a flags byte, the body): an identity, then a message of three parts
+                s.sendall(b"\x01\x00" + b"\x02\x01a" + b"\x02\x01b" + b"\x02\x00c")
+                time.sleep(0.3)
+            sent.add(port)
+        time.sleep(0.02)
+    return sent

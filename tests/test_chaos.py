@@ -37,6 +37,11 @@ tinker = pytest.importorskip("tinker")
 CHAOS_S = float(os.environ.get("TWINKLE_CHAOS_S", "8"))
 SEED = int(os.environ.get("TWINKLE_CHAOS_SEED", "28"))
 T = 180  # no call may wait longer than this for its answer (a restart takes ~15 s here)
+# Each tenant rests this long after a step: back to back, the three busy ones acknowledged
+# ~80 steps each in a default run, and this test's CPU went with that count (the steps, their
+# saves and samples, and the twins' replay of every step at the end); kills still land while
+# five tenants' requests are in flight.
+PACE_S = 0.15
 IDLE_S = 2.0  # idle_unload_s: two tenants stay away longer than this now and then
 TENANTS = 5
 TEXTS = ["the sun and the sea are big.", "a cat.", "one two three four five six seven",
@@ -96,6 +101,7 @@ def _train(url: str, base: str, tenant: Tenant, stop: threading.Event, away: boo
     while not stop.is_set():
         if not _step(tc, tok, tenant, adam):
             return
+        stop.wait(PACE_S)
         if away and rng.random() < 0.3:
             time.sleep(IDLE_S * 1.5)  # longer than idle_unload_s: the run is unloaded
     if away:  # once more after the kills: back after the run was unloaded while idle

@@ -1,8 +1,8 @@
 """The join port before authentication (issue 28 item 8): a frame bigger than any join
 message is cut off by ZeroMQ as it arrives, and a flood of hellos is refused rather than
 evicting a real host's pending challenge. The head's HostRegistry on a real socket, with
-DEALERs speaking the agent's messages (torch-free, no daemon). And the workers' own socket:
-stray bytes on it at start-up are ignored (a real daemon)."""
+DEALERs speaking the agent's messages (torch-free, no daemon). (The workers' own socket:
+stray bytes on it at start-up are ignored: test_operator_logs.py, on its daemon.)"""
 
 from __future__ import annotations
 
@@ -91,53 +91,3 @@ def test_a_flood_of_hellos_does_not_evict_a_real_hosts_challenge(tmp_path):
         assert [h.name for h in registry.hosts.values()] == ["real"]
 
     _run(tmp_path, scenario)
-
-
-def _listening_ports(pid: int) -> set[int]:
-    """The TCP ports process `pid` listens on (from /proc: its sockets' inodes)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
-                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
-def test_stray_bytes_on_the_worker_socket_do_not_end_the_start(tiny_dir, tmp_path):
-    """Any local process can connect to the port the workers report on. A stray HTTP
-    client's bytes (seen in the suite: a tinker client still heartbeating to a port a new
-    daemon's worker socket had taken) arrive as a message of several parts; before, the
-    start failed on them and the daemon served nothing."""
-    import socket
-    import time
-
-    from daemon import Daemon
-
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", wait=False)
-    try:
-        sent, deadline = set(), time.time() + 60
-        while not sent and time.time() < deadline:  # while the workers load the model
-            for port in _listening_ports(d.proc.pid) - {d.port}:
-                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-                    # As ZeroMQ reads bytes with no greeting (its unversioned framing: a
-                    # length byte, a flags byte, the body): an identity, then a message of
-                    # three parts
-                    s.sendall(b"\x01\x00" + b"\x02\x01a" + b"\x02\x01b" + b"\x02\x00c")
-                    time.sleep(0.3)
-                sent.add(port)
-            time.sleep(0.02)
-        assert sent, "the daemon opened no port beside its HTTP one"
-        d.wait_ready()
-        assert "ignored a message of" in d.log_path.read_text()
-    finally:
-        d.stop()

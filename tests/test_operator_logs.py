@@ -2,7 +2,8 @@
 too) is a JSON object, through a start, requests (a 4xx among them) and a stop. The lines
 say what an operator looks for: where the data and the admin key are, the base URLs, each
 run and checkpoint, a periodic summary, and why a request was refused; health checks are
-not logged."""
+not logged. The same daemon takes stray bytes on its workers' socket while it starts
+(tests/daemon.py, send_stray_bytes_while_starting): they are ignored, and logged as JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import logging
 
 import httpx
 import pytest
-from daemon import Daemon, make_key
+from daemon import Daemon, make_key, send_stray_bytes_while_starting
 
 tinker = pytest.importorskip("tinker")
 T = 120
@@ -22,8 +23,11 @@ def test_json_mode_emits_only_json_lines(tiny_dir, tmp_path):
     key = make_key(tmp_path, "jo")
     cfg = tmp_path / "twinkled.toml"
     cfg.write_text("log_summary_s = 0.2\n")
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--log-format", "json", "--config", str(cfg))
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--log-format", "json", "--config", str(cfg),
+               wait=False)
     try:
+        assert send_stray_bytes_while_starting(d), "the daemon opened no port beside its HTTP one"
+        d.wait_ready()  # the stray bytes did not end the start
         tc = tinker.ServiceClient(base_url=d.url, api_key=key).create_lora_training_client(
             base_model=tiny_dir.name, rank=4).result(timeout=T)
         data = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5, 6, 7]),
@@ -57,6 +61,7 @@ def test_json_mode_emits_only_json_lines(tiny_dir, tmp_path):
     refused = [r for r in http if r["status"] == bad.status_code]
     assert refused and refused[0].get("reason"), refused
     assert records[-1]["message"] == "stopped"
+    assert any("ignored a message of" in r["message"] for r in records)  # the stray bytes
 
 
 def test_relay_makes_json_of_a_ranks_other_output(capsys):
