@@ -309,3 +309,13 @@ def checkpoint_tensors(data_dir, path: str) -> dict:
     for name in ("adapter_model.safetensors", "optimizer.safetensors"):
         tensors.update({f"{name}:{k}": v for k, v in load_file(f"{directory}/{name}").items()})
     return tensors
+
+
+def hold_workers(tc, data):
+    """A forward that holds the workers (TWINKLED_TEST_STEP_DELAY): what is sent while it
+    runs shares the next step."""
+    import time
+
+    slow = tc.forward(data, "cross_entropy")
+    time.sleep(0.1)
+    return slow

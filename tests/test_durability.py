@@ -11,7 +11,7 @@ import time
 
 import pytest
 from daemon import Daemon, make_key
-from helpers import tinker_datums
+from helpers import hold_workers, tinker_datums
 
 tinker = pytest.importorskip("tinker")
 T = 120
@@ -189,14 +189,6 @@ def _restarts(d) -> float:
                if line.startswith("twinkle_worker_restarts_total"))
 
 
-def _hold_workers(tc, data):
-    """A forward that holds the workers (TWINKLED_TEST_STEP_DELAY): what is sent while it
-    runs shares the next step."""
-    slow = tc.forward(data, "cross_entropy")
-    time.sleep(0.1)
-    return slow
-
-
 @pytest.fixture(scope="module")
 def faulty(tiny_dir, tmp_path_factory):
     """One worker whose steps take 0.6 s, and any pass over a datum of 13 tokens fails after
@@ -236,7 +228,7 @@ def test_a_failed_shared_pass_fails_only_the_request_at_fault(faulty, tiny_dir):
     want = _logprobs(control, data)
     restarts = _restarts(d)
 
-    slow = _hold_workers(good, data)
+    slow = hold_workers(good, data)
     fut_good = good.forward_backward(data, "cross_entropy")  # ... so these two share
     fut_bad = bad.forward_backward(POISON, "cross_entropy")  # the next step
     slow.result(timeout=T)

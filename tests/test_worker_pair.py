@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 from daemon import Daemon, ctl_status, make_key
-from helpers import checkpoint_tensors, lora_client, tinker_datums, tinker_logprobs, tinker_step
+from helpers import (
+    checkpoint_tensors,
+    hold_workers,
+    lora_client,
+    tinker_datums,
+    tinker_logprobs,
+    tinker_step,
+)
 
 tinker = pytest.importorskip("tinker")
 T = 120
@@ -45,14 +52,6 @@ def _fb(tc, data):
 
 def _flat(rows: list[list[float]]) -> list[float]:
     return [x for row in rows for x in row]
-
-
-def _hold_workers(tc, data):
-    """A forward that holds the workers (TWINKLED_TEST_STEP_DELAY): what is sent while it
-    runs shares the next step."""
-    slow = tc.forward(data, "cross_entropy")
-    time.sleep(0.1)
-    return slow
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +270,7 @@ def test_a_pass_that_fails_on_one_data_parallel_rank_fails_alone(slow_pair, tiny
     want = _flat(_logprobs(control, data))
     restarts = d.metric("twinkle_worker_restarts_total")
 
-    slow = _hold_workers(good, data)
+    slow = hold_workers(good, data)
     fut_good = good.forward_backward(data, "cross_entropy")  # ... so these three
     fut_opt = good.optim_step(tinker.types.AdamParams(learning_rate=1e-2))  # share
     fut_bad = bad.forward_backward(POISON, "cross_entropy")  # the next step
@@ -305,7 +304,7 @@ def _rank_died_after_its_step(d, tiny_dir) -> None:
 
     old = d.workers()
     trigger.touch()
-    slow = _hold_workers(tc, data)
+    slow = hold_workers(tc, data)
     fut_fb = tc.forward_backward(data, "cross_entropy")  # these two share the next step
     fut_opt = tc.optim_step(tinker.types.AdamParams(learning_rate=5e-2))
     slow.result(timeout=T)
