@@ -453,6 +453,7 @@ def test_housekeeping_deletes_expired_checkpoints_and_their_files(store, tmp_pat
     not yet expired, or without a ttl, stays."""
     from twinkled.core.futures import Futures
     from twinkled.core.housekeeping import Housekeeping
+    from twinkled.protocol.blobs import Blobs
     from twinkled.protocol.config import Config
 
     sid = store.sessions.create("alice", None, None)
@@ -465,8 +466,9 @@ def test_housekeeping_deletes_expired_checkpoints_and_their_files(store, tmp_pat
         paths[name] = store.checkpoints.begin(run, "alice", "weights", name, str(d),
                                               expires_at=expires)
         store.checkpoints.finish(paths[name], 1, "ab" * 32)
-    house = Housekeeping(Config(model=tmp_path, data_dir=tmp_path), store, Futures(store),
-                         adapters=None, status=dict, refresh_tenants=lambda: None,
+    config = Config(model=tmp_path, data_dir=tmp_path)
+    house = Housekeeping(config, store, Futures(store), adapters=None,
+                         blobs=Blobs.from_config(config), status=dict, refresh_tenants=lambda: None,
                          may_unload=lambda: False)
     house.tick(minute=False)  # the few-seconds tick does not collect
     assert store.checkpoints.get(paths["old"]) is not None

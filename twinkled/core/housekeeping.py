@@ -27,12 +27,12 @@ class Idle(Protocol):
 
 class Housekeeping:
     def __init__(self, config: Config, store, futures: Futures, adapters: Idle, *,
-                 status: Callable[[], dict], refresh_tenants: Callable[[], None],
+                 blobs: Blobs, status: Callable[[], dict], refresh_tenants: Callable[[], None],
                  may_unload: Callable[[], bool]):
-        """`status`: the row `twinkled ctl status` reads; `may_unload`: whether idle
-        adapters may leave now (not while loading or draining)."""
-        self._config, self._store = config, store
-        self._blobs = Blobs.from_config(config)  # where checkpoint files live
+        """`blobs`: where checkpoint files live (the service's); `status`: the row
+        `twinkled ctl status` reads; `may_unload`: whether idle adapters may leave now (not
+        while loading or draining)."""
+        self._config, self._store, self._blobs = config, store, blobs
         self._futures, self._adapters = futures, adapters
         self._status, self._refresh_tenants = status, refresh_tenants
         self._may_unload = may_unload

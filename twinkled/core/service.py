@@ -132,7 +132,8 @@ class Service:
         self._tasks.append(loop.create_task(self._run()))
         if housekeeping:
             chores = Housekeeping(self.config, self.store, self.futures, self.lanes,
-                                  status=self.status, refresh_tenants=self.refresh_tenants,
+                                  blobs=self.blobs, status=self.status,
+                                  refresh_tenants=self.refresh_tenants,
                                   may_unload=lambda: self.state == "ready"
                                   and not self.intake_paused)
             self._tasks.append(loop.create_task(chores.run()))
