@@ -136,8 +136,8 @@ class RemoteLanes:
     async def _drain(self, dead: Lane) -> None:
         """Close the lost lane's queues once their last ops are answered (they fail)."""
         while True:
-            for model in list(dead.planner.model_tenant):
+            for model in list(dead.planner.model_seqs()):
                 dead.planner.forget_model(model)  # (not while it has ops queued or running)
-            if not dead.planner.model_tenant:
+            if not dead.planner.model_count():
                 return
             await asyncio.sleep(DRAIN_POLL_S)
