@@ -294,7 +294,7 @@ def test_a_worker_process_answers_a_join_before_the_step_it_joined(tiny_dir, tmp
     them), and both steps' ops succeed. (The old group had no joins.)"""
     import random
 
-    from twinkled.core.executor import zmq_executor
+    from twinkled.core.make_executor import zmq_executor
     from twinkled.protocol.config import Config
     from twinkled.protocol.frames import CreateF, DatumF, StepF, TrainF, buf
     from twinkled.protocol.types import LoraConfig

@@ -121,7 +121,7 @@ def test_the_start_up_line_names_the_grouping_and_suggests_lanes_where_they_appl
 
 
 def test_cpu_workers_take_omp_num_threads_when_it_is_set(monkeypatch):
-    from twinkled.core.executor import GPU_WORKER_THREADS, default_threads
+    from twinkled.core.make_executor import GPU_WORKER_THREADS, default_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert default_threads(["cpu", "cpu"]) == 3

@@ -42,7 +42,7 @@ def train_one_step(url: str, key: str, base_model: str) -> None:
 async def serve_and_train(tiny_dir, data_dir) -> None:
     from aiohttp.test_utils import TestServer
 
-    from twinkled.core.executor import in_process_executor
+    from twinkled.core.make_executor import in_process_executor
     from twinkled.core.service import Service
     from twinkled.protocol.config import Config
     from twinkled.server.app import make_app

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from twinkled.core.executor import in_process_executor
+from twinkled.core.make_executor import in_process_executor
 from twinkled.core.service import Service
 from twinkled.protocol.config import Config
 from twinkled.protocol.errors import UserError

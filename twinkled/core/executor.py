@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -25,8 +24,6 @@ from twinkled.core.ops import Outcome
 from twinkled.core.recovery import Restorer
 from twinkled.core.replies import merge_replies
 from twinkled.core.transport import Transport
-from twinkled.protocol.blobs import store_spec
-from twinkled.protocol.config import Config
 from twinkled.protocol.frames import (
     RETRY,
     CreateF,
@@ -42,8 +39,7 @@ from twinkled.protocol.frames import (
 )
 from twinkled.protocol.types import LoraConfig
 from twinkled.workers.gaps import GapWindow
-from twinkled.workers.hosts import HostRegistry, join_settings
-from twinkled.workers.supervisor import WorkerGroup, WorkerLost
+from twinkled.workers.supervisor import WorkerLost
 
 log = logging.getLogger("twinkled")
 
@@ -69,57 +65,6 @@ class LiveAdapters(Protocol):
 
     def live_configs(self) -> dict[str, LoraConfig]: ...
     def lost(self, model: str, why: str) -> None: ...
-
-
-# A GPU worker's host work is launching kernels and moving small arrays: one thread does it.
-# torch's default, a thread per core in every worker, gives N workers N x cores threads
-# on one box's cores. Measured on 2 x H100 (bench_workers, 2 vs 32 threads per worker):
-# no difference beyond the run-to-run spread, so this is hygiene, not a speed-up.
-GPU_WORKER_THREADS = 2
-
-
-def default_threads(devices: list[str], groups: int = 1) -> int:
-    """torch threads per worker of `groups` groups of `devices` each: CPU workers share
-    the cores (or take OMP_NUM_THREADS, the usual knob of a shared CPU box, when it is
-    set); GPU workers need few."""
-    if all(d.startswith("cuda") for d in devices):
-        return GPU_WORKER_THREADS
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    if omp.isdigit() and int(omp) > 0:
-        return int(omp)
-    return max(1, (os.cpu_count() or 1) // (len(devices) * groups))
-
-
-def zmq_executor(config: Config, devices: list[str], hosts: HostRegistry | None = None
-                 ) -> Executor:
-    """The daemon's executor for one lane (`Config.lane_devices`): a worker process per
-    device of `devices`, driven over ZeroMQ; with `hosts`, the daemon's registry of joined
-    hosts, also ranks on the hosts that bring ranks (not lanes)."""
-    group = WorkerGroup(devices, worker_options(config, devices),
-                        step_timeout=config.step_timeout_s,
-                        join=join_settings(config) if hosts else None, hosts=hosts)
-    return Executor(group, Path(config.data_dir) / "live", config.persist_every,
-                    config.journal_fsync)
-
-
-def worker_options(config: Config, devices: list[str]) -> dict:
-    """What every worker of a lane on `devices` is started with (worker.py)."""
-    threads = config.worker_threads or default_threads(devices, config.lanes)
-    live_dir = Path(config.data_dir) / "live"
-    return {"model": str(config.model), "dtype": config.dtype,
-               "max_rank": config.max_rank, "token_budget": config.token_budget,
-               "sample_kv_mb": config.sample_kv_mb, "sample_rows": config.sample_rows,
-               "sample_prefix_cache": config.sample_prefix_cache,
-               "packing": config.packing, "shared_prefix": config.shared_prefix,
-               "fused_kernels": config.fused_kernels,
-               "tp": config.tp, "ep": config.ep, "cp": config.cp,
-               "cp_min_tokens": config.cp_min_tokens,
-               "max_seq_len": config.max_seq_len, "rope_scaling": config.rope_scaling,
-               "activation_checkpointing": config.activation_checkpointing,
-               "live_dir": str(live_dir), "persist_every": config.persist_every,
-               "logprob_gap_every": config.logprob_gap_every,
-               "threads": threads, "log_format": config.log_format,
-               "checkpoint_store": store_spec(config)}
 
 
 class Executor:
@@ -446,24 +391,3 @@ class Executor:
     def gaps(self) -> GapWindow:
         """The sampler vs trainer logprob gaps the group's workers measured."""
         return self.group.gaps
-
-
-def in_process_executor(config: Config) -> Executor:
-    """The engine in this process (one rank, no ZeroMQ): tests, and a box without workers."""
-    from twinkled.workers.inprocess import InProcessGroup
-
-    live_dir = Path(config.data_dir) / "live"
-    device = config.worker_devices()[0]
-    # bf16 matmuls on a CPU are slow and gain nothing here (as a worker process decides)
-    dtype = "float32" if device == "cpu" and config.dtype == "bfloat16" else config.dtype
-    group = InProcessGroup(config.model, device=device, dtype=dtype, max_rank=config.max_rank,
-                           token_budget=config.token_budget, packing=config.packing,
-                           shared_prefix=config.shared_prefix,
-                           fused_kernels=config.fused_kernels,
-                           max_seq_len=config.max_seq_len, rope_scaling=config.rope_scaling,
-                           sample_kv_mb=config.sample_kv_mb, sample_rows=config.sample_rows,
-                           live_dir=live_dir, persist_every=config.persist_every,
-                           sample_prefix_cache=config.sample_prefix_cache,
-                           logprob_gap_every=config.logprob_gap_every,
-                           checkpoint_store=store_spec(config))
-    return Executor(group, live_dir, config.persist_every, config.journal_fsync)

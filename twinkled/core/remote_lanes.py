@@ -29,8 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from twinkled.core.executor import Executor, worker_options
+from twinkled.core.executor import Executor
 from twinkled.core.lanes import Lane, Lanes
+from twinkled.core.make_executor import worker_options
 from twinkled.core.residency import stored_config
 from twinkled.protocol.config import Config
 from twinkled.workers.hosts import HostRegistry, RemoteHost, join_settings

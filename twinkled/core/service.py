@@ -27,10 +27,11 @@ from twinkled.core import otel
 from twinkled.core.adapter_room import adapter_room, host_room
 from twinkled.core.engine_core import RateLimited  # noqa: F401  (re-exported)
 from twinkled.core.exclusive import full_run_lane
-from twinkled.core.executor import Executor, zmq_executor
+from twinkled.core.executor import Executor
 from twinkled.core.futures import Encoder, Future, Futures, empty_json
 from twinkled.core.housekeeping import Housekeeping
 from twinkled.core.lanes import Lane, Lanes, make_lane
+from twinkled.core.make_executor import zmq_executor
 from twinkled.core.metrics import Metrics
 from twinkled.core.ops import After, Op
 from twinkled.core.recent_samples import RecentSamples
