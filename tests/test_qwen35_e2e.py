@@ -5,8 +5,6 @@ tinker-cookbook's RL loop (its `rl_loop` defaults to Qwen3.5) raises the reward.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 tinker = pytest.importorskip("tinker")
@@ -66,8 +64,6 @@ def test_two_tenants_train_and_sample_qwen35(q35_daemon):
         assert s.logprobs == pytest.approx(scored, abs=1e-4)
 
 
-@pytest.mark.skipif(not os.environ.get("TWINKLE_QWEN35_COOKBOOK"),
-                    reason="11 s more than make test's budget: TWINKLE_QWEN35_COOKBOOK=1 runs it")
 def test_cookbook_rl_loop_on_qwen35_raises_the_reward(q35_daemon, tmp_path, monkeypatch):
     """The cookbook test's toy task (tests/test_cookbook_rl.py) on the tiny Qwen3.5."""
     pytest.importorskip("tinker_cookbook")
