@@ -164,6 +164,7 @@ LONGEST_FIRST = [
     "test_dp_reduce.py",  # 23
     "test_durability.py::test_a_hung_step_restarts_the_group_keeping_loads_and_saying_what_was_lost",
     "test_admin.py::test_status_of_a_stopped_daemon_is_its_last_one",  # 21
+    "test_full_param_dp.py",  # 20: two gloo ranks against one
     "test_sample_slices.py",  # 20
     "test_tinker_exports.py",  # 20
     "test_hygiene.py::test_ctl_tenants_list_shows_storage_without_a_daemon",  # 19

@@ -83,6 +83,10 @@ class BaseModel:
         self.max_seq_len = extend_context(config, rope_scaling, max_seq_len)
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.dtype == torch.float32:
+            # cuDNN's convolutions (a VL tower's patch embedding) default to TF32 on Ampere
+            # and later (~1e-3 relative): a float32 model is one asked to compute in float32
+            torch.backends.cudnn.allow_tf32 = False
         self.dir = model_dir
         self.config = config
         # Tensor parallelism (tp.py): `tp` is this rank's TensorParallel; `shard` says
