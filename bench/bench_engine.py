@@ -109,7 +109,7 @@ def seed_all(seed: int) -> None:
 
 
 def sync(device: str) -> None:
-    if device == "cuda":
+    if device.startswith("cuda"):  # "cuda" or one rank's "cuda:N"
         torch.cuda.synchronize()
 
 
@@ -122,7 +122,8 @@ def free(device: str) -> None:
 def measure(test: str, tokens: int, fn: Callable[[], None], warmup: int, reps: int,
             device: str) -> Row:
     """Median wall time of `fn` over `reps` runs after `warmup` runs, and peak GPU memory."""
-    if device == "cuda":
+    cuda = device.startswith("cuda")
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
         fn()
@@ -133,7 +134,7 @@ def measure(test: str, tokens: int, fn: Callable[[], None], warmup: int, reps: i
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    peak = (torch.cuda.max_memory_allocated() if device == "cuda"
+    peak = (torch.cuda.max_memory_allocated() if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
     return Row(test, tokens, statistics.median(times), peak)
 
