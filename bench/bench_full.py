@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 from bench_engine import PEAK_BF16, Row, build_model, free, measure, seed_all
-from full_daemon import daemon_row
+from full_daemon import daemon_row, layout_note
 from output import emit, section_path
 
 from twinkled.engine.engine import Engine
@@ -192,7 +192,8 @@ def main() -> None:
                      f"{'-' if r.peak_gib is None else f'{r.peak_gib:.1f}'} |")
     if args.daemon and len(rows) == 2:
         ratio = rows[0].tokens / rows[0].seconds / (rows[1].tokens / rows[1].seconds)
-        lines += ["", f"Through the daemon / plain: **{ratio:.2f}x** the plain loop's tok/s."]
+        lines += ["", f"Through the daemon / plain: **{ratio:.2f}x** the plain loop's tok/s. "
+                  f"{layout_note(args.device, args.ranks)}"]
     emit("\n".join(lines) + "\n", section_path("full") if args.out is None else args.out)
 
 

@@ -2,13 +2,18 @@
 unmodified tinker client (issue 37), beside the plain FSDP2 loop of the same invocation.
 
 The daemon refuses a full run on a one-lane daemon (core/exclusive.py: the run would take
-the only lane from LoRA tenants), so a box of R cards serves two lanes: lane 0 the R cards
-(the run's lane, its masters and moments split over them, ZeRO-1) and lane 1 the same R cards
-again, holding only a second copy of the bf16 weights (nothing is ever placed there in this
-bench; each lane is its own process group, so no NCCL communicator sees a card twice). On a
-CPU box the two lanes are 2R gloo workers. The sizing estimate does not know lane 1 shares
-the cards: the run's admission is the daemon's own, and lane 1 costs the weights once more
-per card (16 GiB for Qwen3-8B).
+the only lane from LoRA tenants), and lists a GPU once (config.py), so a box of R cards
+serves two lanes: lane 0 the R cards (the run's lane, its fp32 masters and moments split
+over them, ZeRO-1) and lane 1 R CPU workers, the lane a one-lane daemon lacks; nothing is
+placed there in this bench, but each of its ranks holds the model in fp32 in host memory
+(33 GB for Qwen3-8B: 66 GB at R = 2). The full run takes the first empty lane, the GPUs'.
+On a CPU box the two lanes are 2R gloo workers.
+
+The daemon runs with `sample_kv_mb = 4096` (KV_MB): by default the sizing estimate sets
+30% of what a card has left after the weights aside for the sampler's KV pool, and on
+2 x H200 (139.8 GiB) that leaves 60.9 GiB a card for an 8B full run that needs 61.0 (gradients
+16.4 GB + half of the fp32 masters and moments, 8 bytes a parameter): refused by 0.1 GiB.
+This bench samples nothing, so the pool is never made either way.
 
 Each timed step is one `forward_backward` of R x `--batch` rows of `--seq` tokens (the lane
 spreads the rows over its ranks: `--batch` a rank, as the plain loop) with its `optim_step`
@@ -18,6 +23,7 @@ sent right behind it, as a training loop does; tok/s is the median step's.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -28,7 +34,8 @@ from pathlib import Path
 
 from bench_engine import Row
 
-START_S = 900  # the daemon loading an 8B on its cards (twice, one copy a lane)
+START_S = 900  # the daemon loading an 8B on its cards and on the CPU lane
+KV_MB = 4096  # the sampler's KV pool the estimate sets aside (see above)
 STEP_S = 600  # one step's result (the first one compiles and warms the allocator)
 
 
@@ -48,14 +55,19 @@ def _start(model_dir: Path, work: Path, device: str, ranks: int) -> tuple:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cuda = device.startswith("cuda")
-    layout = (["--devices", ",".join([f"cuda:{i}" for i in range(ranks)] * 2)] if cuda
+    layout = (["--devices", ",".join([f"cuda:{i}" for i in range(ranks)] + ["cpu"] * ranks)]
+              if cuda
               else ["--device", "cpu", "--workers", str(2 * ranks)])
     log = work / "twinkled.log"
+    config = work / "twinkled.toml"
+    config.write_text(f"sample_kv_mb = {KV_MB}\n")
     cmd = [sys.executable, "-m", "twinkled", "serve", "--model", str(model_dir),
            "--data-dir", str(work / "data"), "--port", str(port), "--lanes", "2", *layout,
+           "--config", str(config),
            "--dtype", "bfloat16" if cuda else "float32"]
     with log.open("ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, HF_HUB_OFFLINE="1"))
     deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -91,8 +103,8 @@ def _key(data: Path) -> str:
 
 
 def _peak_gib(data: Path) -> float | None:
-    """The largest peak GPU memory of the daemon's workers (lane 0's: lane 1 holds only
-    weights), from `twinkled ctl status --json`."""
+    """The largest peak GPU memory of the daemon's workers (lane 0's: lane 1 is on the
+    CPU), from `twinkled ctl status --json`."""
     try:
         out = subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data),
                               "status", "--json"], capture_output=True, text=True,
@@ -106,8 +118,6 @@ def _peak_gib(data: Path) -> float | None:
 def _train(url: str, key: str, name: str, vocab: int, rows: int, seq: int, warmup: int,
            reps: int) -> float:
     """The median seconds of `reps` steps (after `warmup`) of a rank-0 run."""
-    import os
-
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import tinker
 
@@ -130,6 +140,15 @@ def _train(url: str, key: str, name: str, vocab: int, rows: int, seq: int, warmu
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def layout_note(device: str, ranks: int) -> str:
+    """What the section says of the daemon's layout."""
+    spare = f"{ranks} CPU workers" if device.startswith("cuda") else f"{ranks} more gloo ranks"
+    return (f"The daemon: `--lanes 2`, lane 0 the run's {ranks} rank(s) (ZeRO-1: fp32 masters "
+            f"and moments split over them), lane 1 {spare} (a one-lane daemon refuses a full "
+            f"run), `sample_kv_mb = {KV_MB}` (bench/full_daemon.py says why); each step one "
+            "forward_backward + optim_step from the unmodified tinker client.")
 
 
 def daemon_row(model_dir: Path, device: str, ranks: int, batch: int, seq: int, warmup: int,
