@@ -168,8 +168,14 @@ def main() -> None:
         params = weight_bytes(json.loads((model_dir / "config.json").read_text()), 1)
         batch = [torch.randint(0, vocab, (args.seq + 1,)) for _ in range(args.batch)]
         free(args.device)
-        first = [daemon_row(model_dir, args.device, args.ranks, args.batch, args.seq,
-                            args.warmup, args.reps)] if args.daemon else []
+        first, failed = [], None
+        if args.daemon:  # a failure (a refusal, a load error) still leaves the plain row
+            try:
+                first = [daemon_row(model_dir, args.device, args.ranks, args.batch, args.seq,
+                                    args.warmup, args.reps)]
+            except (Exception, SystemExit) as e:
+                print(f"--daemon failed: {e}", file=sys.stderr)
+                failed = f"{type(e).__name__}: {e}".splitlines()[0]
         if args.ranks > 1:
             rows = first + _spread(args, model_dir)
         else:
@@ -190,6 +196,8 @@ def main() -> None:
         lines.append(f"| {r.test} | {r.tokens / r.seconds:,.0f} | "
                      f"{'-' if m is None else f'{m:.1%}'} | "
                      f"{'-' if r.peak_gib is None else f'{r.peak_gib:.1f}'} |")
+    if failed:
+        lines += ["", f"Through the daemon: **failed**: {failed} (the daemon's log tail above)."]
     if args.daemon and len(rows) == 2:
         ratio = rows[0].tokens / rows[0].seconds / (rows[1].tokens / rows[1].seconds)
         lines += ["", f"Through the daemon / plain: **{ratio:.2f}x** the plain loop's tok/s. "

@@ -29,14 +29,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 from bench_engine import Row
 
-START_S = 900  # the daemon loading an 8B on its cards and on the CPU lane
+START_S = 420  # the daemon loading an 8B on its cards and on the CPU lane (~1-2 min)
 KV_MB = 4096  # the sampler's KV pool the estimate sets aside (see above)
-STEP_S = 600  # one step's result (the first one compiles and warms the allocator)
+STEP_S = 300  # one step's result (the first one compiles and warms the allocator)
 
 
 def _log_tail(log: Path, lines: int = 40) -> str:
@@ -75,10 +76,19 @@ def _start(model_dir: Path, work: Path, device: str, ranks: int) -> tuple:
                              f"{_log_tail(log)}")
         try:
             with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=5) as r:
-                if json.loads(r.read()).get("status") == "ok":
-                    return proc, url, log
+                health = json.loads(r.read()).get("status")
+        except urllib.error.HTTPError as e:  # 503 while loading, with the state
+            try:
+                health = json.loads(e.read()).get("status")
+            except ValueError:
+                health = None
         except OSError:
-            pass
+            health = None
+        if health == "ok":
+            return proc, url, log
+        if health == "failed":  # the model did not load: it never will
+            _stop(proc)
+            raise SystemExit(f"twinkled failed to load the model:\n{_log_tail(log)}")
         time.sleep(1)
     _stop(proc)
     raise SystemExit(f"twinkled not up after {START_S} s:\n{_log_tail(log)}")
