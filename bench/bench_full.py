@@ -19,6 +19,14 @@ parameter each), or `--layers N` to cut its depth.
     python bench/bench_full.py --shape tiny --device cpu [--ranks 2]
     python bench/bench_full.py --shape qwen3-8b --layers 12 --seq 2048 --batch 2
     python bench/bench_full.py --shape qwen3-8b --ranks 4 --seq 2048 --batch 2
+
+With `--daemon` the first row is the full run through a real `twinkled serve` and the
+unmodified tinker client (full_daemon.py: how the lane is laid out), the daemon is stopped,
+and the plain loop (FSDP2 with `--ranks N`) runs on the same checkpoint; the table adds
+their ratio:
+
+    python bench/bench_full.py --shape tiny --device cpu --ranks 2 --daemon
+    python bench/bench_full.py --shape qwen3-8b --ranks 2 --daemon --seq 2048 --batch 2
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from pathlib import Path
 
 import torch
 from bench_engine import PEAK_BF16, Row, build_model, free, measure, seed_all
+from full_daemon import daemon_row, layout_note
 from output import emit, section_path
 
 from twinkled.engine.engine import Engine
@@ -97,6 +106,11 @@ def plain(model_dir: Path, device: str, batch: list[torch.Tensor], warmup: int,
     return measure(name, ids[:, :-1].numel(), step, warmup, reps, device)
 
 
+def _benches(args) -> tuple:
+    """The in-process rows: the plain loop alone beside the daemon's row (--daemon)."""
+    return (plain,) if args.daemon else (ours, plain)
+
+
 def _rank(rank: int, args, model_dir: Path, port: int, out) -> None:
     """One GPU of an `--ranks N` run: both benches on its share of the rows."""
     import torch.distributed as dist
@@ -111,7 +125,7 @@ def _rank(rank: int, args, model_dir: Path, port: int, out) -> None:
     g = torch.Generator().manual_seed(rank)
     batch = [torch.randint(0, vocab, (args.seq + 1,), generator=g) for _ in range(args.batch)]
     rows = []
-    for bench in (ours, plain):
+    for bench in _benches(args):
         rows.append(bench(model_dir, device, batch, args.warmup, args.reps, dist.group.WORLD))
         free(args.device)
     if rank == 0:  # tokens of every rank
@@ -143,6 +157,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=1, help="GPUs (processes) of the lane")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--daemon", action="store_true",
+                    help="the full run through a real twinkled and the tinker client")
     ap.add_argument("--out", default=None, help="section file ('' : print only)")
     args = ap.parse_args()
     seed_all(0)
@@ -151,15 +167,25 @@ def main() -> None:
         vocab = build_model(args.shape, model_dir, torch.bfloat16, args.device, args.layers)
         params = weight_bytes(json.loads((model_dir / "config.json").read_text()), 1)
         batch = [torch.randint(0, vocab, (args.seq + 1,)) for _ in range(args.batch)]
+        free(args.device)
+        first, failed = [], None
+        if args.daemon:  # a failure (a refusal, a load error) still leaves the plain row
+            try:
+                first = [daemon_row(model_dir, args.device, args.ranks, args.batch, args.seq,
+                                    args.warmup, args.reps)]
+            except (Exception, SystemExit) as e:
+                print(f"--daemon failed: {e}", file=sys.stderr)
+                failed = f"{type(e).__name__}: {e}".splitlines()[0]
         if args.ranks > 1:
-            rows = _spread(args, model_dir)
+            rows = first + _spread(args, model_dir)
         else:
-            rows = []
-            for bench in (ours, plain):  # one at a time on the card: freed in between
+            rows = first
+            for bench in _benches(args):  # one at a time on the card: freed in between
                 rows.append(bench(model_dir, args.device, batch, args.warmup, args.reps))
                 free(args.device)
     card = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor()
-    lines = [f"## Full-parameter run vs plain PyTorch: {args.shape}"
+    lines = [f"## Full-parameter run{' through the daemon' if args.daemon else ''} vs plain "
+             f"PyTorch: {args.shape}"
              f"{'' if args.layers is None else f' ({args.layers} layers)'}, "
              f"{params / 1e9:.2f}B parameters, {args.ranks} x {args.batch} x {args.seq} "
              f"tokens, {args.ranks} x {card}", "",
@@ -170,6 +196,12 @@ def main() -> None:
         lines.append(f"| {r.test} | {r.tokens / r.seconds:,.0f} | "
                      f"{'-' if m is None else f'{m:.1%}'} | "
                      f"{'-' if r.peak_gib is None else f'{r.peak_gib:.1f}'} |")
+    if failed:
+        lines += ["", f"Through the daemon: **failed**: {failed} (the daemon's log tail above)."]
+    if args.daemon and len(rows) == 2:
+        ratio = rows[0].tokens / rows[0].seconds / (rows[1].tokens / rows[1].seconds)
+        lines += ["", f"Through the daemon / plain: **{ratio:.2f}x** the plain loop's tok/s. "
+                  f"{layout_note(args.device, args.ranks)}"]
     emit("\n".join(lines) + "\n", section_path("full") if args.out is None else args.out)
 
 
