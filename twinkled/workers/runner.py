@@ -42,11 +42,11 @@ from twinkled.protocol.frames import (
     UnloadF,
     UnparkF,
 )
-from twinkled.protocol.images import prepared_image
 from twinkled.protocol.prefixes import datum_costs
 from twinkled.protocol.types import Datum, ForwardBackwardRequest, LogprobGap
 
 from .parked import HostTier
+from .patch_cache import PATCHES
 from .persist import Persister, SplitPersistence, latest_version
 from .rank_io import anywhere, category, fatal, release, to_buf, to_tensor
 from .sampling import SampleRunner
@@ -72,7 +72,7 @@ def _without(result, datums: list[int], drop: set[int]):
 
 def _datum(d: DatumF) -> Datum:
     return Datum(to_tensor(d.tokens), {k: to_tensor(v) for k, v in d.inputs.items()},
-                 images=[prepared_image(i) for i in d.images])
+                 images=[PATCHES.get(i) for i in d.images])
 
 
 class StepRunner:
@@ -167,6 +167,7 @@ class StepRunner:
     def _train(self, ops: list[OpF], indices: list[int], micro_tokens: int = 0,
                between: Callable[[], None] | None = None) -> list[OutcomeF]:
         outcomes, good = [], []
+        PATCHES.warm(im for i in indices for d in ops[i].data for im in d.images)
         for i in indices:
             f = ops[i]
             if f.adapter_id is not None and not self.engine.has_adapter(f.adapter_id):

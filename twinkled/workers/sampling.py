@@ -10,11 +10,11 @@ from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.parallel import split_rows
 from twinkled.protocol.blobs import Blobs, unversioned
 from twinkled.protocol.frames import OpF, OutcomeF, SampleF, SlicedF, StepF
-from twinkled.protocol.images import prepared_image
 from twinkled.protocol.types import SampleRequest, SamplingParams
 
 from .gaps import GapChecks
 from .parked import HostTier
+from .patch_cache import PATCHES
 from .rank_io import category, fatal, release, to_tensor
 from .share import readable
 
@@ -121,6 +121,7 @@ class SampleRunner:
                     if fatal(e, self.split):
                         raise
                     failed[i] = e
+        PATCHES.warm(f for i in mine for f in ops[i].images)
         for i in mine:
             s = ops[i]
             p = s.params
@@ -137,7 +138,7 @@ class SampleRunner:
             try:
                 if i in failed:
                     raise failed[i]
-                req.images = tuple(prepared_image(f) for f in s.images)  # (its patches)
+                req.images = tuple(PATCHES.get(f) for f in s.images)  # (its patches)
                 if not self.spans_hosts:
                     self._load_sampler(s)
                 if s.adapter_id is not None and not self.engine.has_adapter(s.adapter_id):
