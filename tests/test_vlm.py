@@ -1,12 +1,14 @@
-"""Qwen2.5-VL: images at the door (protocol/images.py), mRoPE positions (engine/mrope.py)
-and the engine's forward with the frozen tower spliced in (engine/vision.py), each against
-transformers' own Qwen2.5-VL on a tiny random-weight model (fp32)."""
+"""Qwen2.5-VL and Qwen3-VL: images at the door (protocol/images.py), mRoPE positions
+(engine/mrope.py) and the engine's forward with the frozen tower spliced in (engine/vision.py;
+Qwen3-VL's DeepStack: engine/deepstack.py), each against transformers' own model on a tiny
+random-weight one of each (fp32)."""
 
 from __future__ import annotations
 
 import io
 import struct
 import zlib
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -38,9 +40,11 @@ def _png_header_only(w: int, h: int) -> bytes:
             + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
 
 
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("vl"), arch="qwen2_5_vl")
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vl_dir(request, tmp_path_factory):
+    # (Qwen3-VL: three text layers, two with DeepStack features added and one without)
+    return build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param,
+                            num_layers=3 if request.param == "qwen3_vl" else 2)
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +54,9 @@ def spec(vl_dir):
 
 @pytest.fixture(scope="module")
 def hf(vl_dir):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    return AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32).eval()
 
 
 def test_patches_equal_the_models_own_image_processor(vl_dir, spec):
@@ -163,9 +167,10 @@ def test_engine_forward_with_an_image_equals_transformers(vl_dir, spec, hf):
     assert (plain[-1] - logits[len(row) - 1]).abs().max() > 1e-3
 
 
-def _peft_grads(hf, adapter, data, image_pad):
-    """peft on transformers' Qwen2.5-VL with `adapter`'s weights: each datum's summed target
-    logprob's loss, backward; the LoRA gradients by our keys."""
+@contextmanager
+def _peft(hf, adapter):
+    """transformers' VL model with peft holding `adapter`'s weights (unloaded after):
+    (the peft model, {our key: its (A, B) parameters})."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -182,6 +187,15 @@ def _peft_grads(hf, adapter, data, image_pad):
             pa.data.copy_(adapter.bank.A[key][adapter.slot])
             pb.data.copy_(adapter.bank.B[key][adapter.slot])
             params[key] = (pa, pb)
+        yield pm, params
+    finally:
+        pm.unload()
+
+
+def _peft_grads(hf, adapter, data, image_pad):
+    """peft on transformers' VL model with `adapter`'s weights: each datum's summed target
+    logprob's loss, backward; the LoRA gradients by our keys."""
+    with _peft(hf, adapter) as (pm, params):
         lps = []
         for d in data:
             ids = torch.as_tensor(d.tokens)[None]
@@ -194,8 +208,6 @@ def _peft_grads(hf, adapter, data, image_pad):
         loss = -sum((lp * d.loss_inputs["weights"]).sum() for lp, d in zip(lps, data, strict=True))
         loss.backward()
         return [lp.detach() for lp in lps], {k: (a.grad, b.grad) for k, (a, b) in params.items()}
-    finally:
-        pm.unload()
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -326,6 +338,37 @@ def test_sampling_with_images_equals_the_trainer(vl_dir, spec, prefill, chunk):
     (again,) = sampler.generate(eng.model, [SampleRequest("a", row, greedy, images=(img,))],
                                 [a], batch=batch)
     assert again.cached_tokens == 16 and check(again, img) == toks
+
+
+def test_greedy_sampling_with_an_image_equals_transformers_generate(vl_dir, spec, hf):
+    """An adapter samples an image prompt greedily, its prefill chunked across the image (a
+    piece takes its placeholders' rows of the tower's output, DeepStack levels included):
+    the tokens are transformers' `generate` with peft, the logprobs its scores."""
+    from helpers import make_engine, randomize_b
+
+    from twinkled.engine import sampler
+    from twinkled.engine.running import RunningBatch
+    from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
+
+    eng = make_engine(vl_dir)
+    eng.add_adapter("a", LoraConfig(rank=4, seed=1))
+    randomize_b(eng, "a", seed=3, std=0.3)
+    a = eng.pool.get("a")
+    row, img, pad = _image_prompt(vl_dir, spec, [5, 6, 7], list(range(30, 40)))
+    batch = RunningBatch(eng.model, 4, prefill="varlen", prefill_tokens=5)
+    (got,) = sampler.generate(eng.model, [SampleRequest("a", row, SamplingParams(6, 0.0),
+                                                        images=(img,))], [a], batch=batch)
+    ids = torch.tensor([row])
+    with _peft(hf, a) as (pm, _), torch.no_grad():
+        out = pm.generate(input_ids=ids, mm_token_type_ids=(ids == pad).int(),
+                          pixel_values=torch.from_numpy(img.pixel_values),
+                          image_grid_thw=torch.tensor([img.grid_thw]), max_new_tokens=6,
+                          do_sample=False, output_scores=True, return_dict_in_generate=True)
+    want = out.sequences[0, len(row):]
+    assert got.sequences[0].tokens == want.tolist()
+    assert len(set(want.tolist())) > 1  # (not a degenerate repeat of one token)
+    lps = [s[0].log_softmax(-1)[t].item() for s, t in zip(out.scores, want, strict=True)]
+    assert got.sequences[0].logprobs == pytest.approx(lps, abs=1e-4)
 
 
 def test_twinkle_sdk_rows_and_prompts_with_images(vl_dir, spec):

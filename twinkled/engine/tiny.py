@@ -124,8 +124,8 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, vocab_size)
-    if arch == "qwen2_5_vl":  # its vision tokens, ids past the BPE vocabulary (tiny_vl.py)
-        tiny_vl.add_vision_tokens(tokenizer, out)
+    if arch in tiny_vl.ARCHS:  # its vision tokens, ids past the BPE vocabulary (tiny_vl.py)
+        tiny_vl.add_vision_tokens(tokenizer, out, arch)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -167,17 +167,17 @@ def build_tiny_model(
         from .tiny_gpt_oss import gpt_oss_config
 
         config = gpt_oss_config(common, hidden_size // num_heads, num_experts, experts_per_token)
-    elif arch == "qwen2_5_vl":
-        config = tiny_vl.qwen25vl_config(common, tokenizer)
+    elif arch in tiny_vl.ARCHS:
+        config = tiny_vl.vl_config(arch, common, tokenizer)
     else:
         raise ValueError("arch must be qwen3, qwen2, llama, qwen3_moe, qwen3_5, qwen3_5_moe, "
-                         f"qwen3_next, deepseek_v3, gpt_oss or qwen2_5_vl, not {arch!r}")
+                         f"qwen3_next, deepseek_v3, gpt_oss, qwen2_5_vl or qwen3_vl, not {arch!r}")
     torch.manual_seed(seed)
     if arch.startswith("qwen3_5"):  # the whole checkpoint, vision tower included, as released
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_config(config).to(torch.float32)
-    elif arch == "qwen2_5_vl":
+    elif arch in tiny_vl.ARCHS:
         model = tiny_vl.build_model(config).to(torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

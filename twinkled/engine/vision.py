@@ -1,5 +1,6 @@
-"""The vision tower of a vision-language model (Qwen2.5-VL), run frozen, and the splice of its
-embeddings into the text embeddings at the image-placeholder positions.
+"""The vision tower of a vision-language model (Qwen2.5-VL, Qwen3-VL), run frozen, and the
+splice of its embeddings into the text embeddings at the image-placeholder positions (and,
+for Qwen3-VL, its DeepStack features into the first layers' outputs: deepstack.py).
 
 The checkpoint loads whole (transformers' own modules); `split` keeps its language model as
 the engine's decoder (named as a text model's: `model.layers.N...`, so LoRA targets and
@@ -18,6 +19,8 @@ from torch import nn
 from twinkled.protocol.images import VL_ARCHS as ARCHS
 from twinkled.protocol.images import guard_torchvision
 
+from . import deepstack
+
 
 class TextOnly(nn.Module):
     """The language model of a VL checkpoint, shaped as a causal LM: `.model`, `.lm_head`."""
@@ -34,11 +37,12 @@ class Images:
     flat token indices (into the [B, S] input) of their placeholders, in image order.
     `embeddings`: the tower's output for exactly those placeholders, already computed (the
     sampler's prefill embeds a prompt's images once for all its pieces: vision_prefill.py);
-    then the patches are not read."""
+    then the patches are not read. Level 0 is what replaces the placeholders' embeddings,
+    levels 1.. are DeepStack's (deepstack.py; Qwen2.5-VL has none)."""
     pixel_values: torch.Tensor | None  # [patches, C * temporal * patch * patch]
     grids: Sequence[tuple[int, int, int]]
     index: torch.Tensor  # [image tokens] long
-    embeddings: torch.Tensor | None = None  # [image tokens, hidden]
+    embeddings: torch.Tensor | None = None  # [image tokens, 1 + levels, hidden]
 
 
 class VisionTower:
@@ -52,23 +56,29 @@ class VisionTower:
     @torch.no_grad()
     def embed(self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]
               ) -> torch.Tensor:
-        """[image tokens, hidden]: every image's merged patch embeddings, in order."""
+        """[image tokens, 1 + levels, hidden]: every image's merged patch embeddings (and
+        DeepStack features), in order."""
         p = next(self.visual.parameters())
         grid = torch.as_tensor([list(g) for g in grids], dtype=torch.long, device=p.device)
         out = self.visual(pixel_values.to(device=p.device, dtype=p.dtype), grid_thw=grid)
-        return out.pooler_output if hasattr(out, "pooler_output") else out
+        return deepstack.features(out)
 
-    def splice(self, h: torch.Tensor, images: Images) -> torch.Tensor:
-        """The text embeddings `h` [B, S, H] with the image tokens' rows replaced (out of
-        place: the embedding table's gradient path stays intact for the other tokens)."""
+    def features(self, images: Images) -> torch.Tensor:
+        """[image tokens, 1 + levels, hidden] for `images`' placeholders."""
         emb = images.embeddings
         if emb is None:
             emb = self.embed(images.pixel_values, images.grids)
-        emb = emb.to(h.dtype)
         if emb.shape[0] != images.index.numel():
             raise ValueError(f"{images.index.numel()} image placeholder tokens but the images "
                              f"make {emb.shape[0]}")
-        flat = h.reshape(-1, h.shape[-1]).index_copy(0, images.index.to(h.device), emb)
+        return emb
+
+    @staticmethod
+    def splice(h: torch.Tensor, index: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """The text embeddings `h` [B, S, H] with the rows at flat `index` replaced by `emb`
+        (out of place: the embedding table's gradient path stays intact for the other
+        tokens)."""
+        flat = h.reshape(-1, h.shape[-1]).index_copy(0, index.to(h.device), emb.to(h.dtype))
         return flat.view_as(h)
 
 

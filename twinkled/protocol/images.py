@@ -1,5 +1,6 @@
 """Images at the door: decode a chunk's bytes under limits, and turn it into a vision model's
-patches and placeholder-token count (Qwen2-VL / Qwen2.5-VL's image processor).
+patches and placeholder-token count (Qwen2-VL's image processor, which Qwen2.5-VL and Qwen3-VL
+use too, with their own patch sizes and normalisation).
 
 Everything here runs before a request is queued (off the event loop: `asyncio.to_thread`), so
 a corrupt file, an unknown format or a decompression bomb is a 400 naming what is wrong and
@@ -24,7 +25,10 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 
 # Vision-language architectures (engine/vision.py), named here for the torch-free door.
-VL_ARCHS = ("qwen2_5_vl",)
+VL_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+# The processor's default normalisation (CLIP's), which Qwen2.5-VL's files also name.
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # The bytes a format's files begin with: a chunk's declared format must match its content.
 _MAGIC = {"png": (b"\x89PNG\r\n\x1a\n",), "jpeg": (b"\xff\xd8\xff",)}
 _PIL_FORMAT = {"png": "PNG", "jpeg": "JPEG"}
@@ -72,12 +76,15 @@ def guard_torchvision() -> None:
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """What the model's image processor needs (its preprocessor_config.json)."""
+    """What the model's image processor needs (its preprocessor_config.json). Travels to the
+    workers inside each image's frame (protocol/frames.ImageF)."""
     patch_size: int = 14
     merge_size: int = 2
     temporal_patch_size: int = 2
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
+    image_mean: tuple[float, float, float] = _CLIP_MEAN
+    image_std: tuple[float, float, float] = _CLIP_STD
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> VisionSpec:
@@ -87,7 +94,9 @@ class VisionSpec:
         return cls(patch_size=raw.get("patch_size", 14), merge_size=raw.get("merge_size", 2),
                    temporal_patch_size=raw.get("temporal_patch_size", 2),
                    min_pixels=raw.get("min_pixels") or size.get("shortest_edge", 56 * 56),
-                   max_pixels=raw.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280))
+                   max_pixels=raw.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280),
+                   image_mean=tuple(raw.get("image_mean", _CLIP_MEAN)),
+                   image_std=tuple(raw.get("image_std", _CLIP_STD)))
 
     @cache  # noqa: B019 - a frozen spec per model: its one processor lives as long
     def processor(self):  # -> Qwen2VLImageProcessorPil
@@ -98,7 +107,8 @@ class VisionSpec:
         return Qwen2VLImageProcessorPil(
             patch_size=self.patch_size, merge_size=self.merge_size,
             temporal_patch_size=self.temporal_patch_size,
-            size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels})
+            size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+            image_mean=list(self.image_mean), image_std=list(self.image_std))
 
 
 @cache
@@ -255,4 +265,4 @@ def check_request(images: list[CheckedImage | PreparedImage], limits: ImageLimit
 def prepared_image(frame) -> PreparedImage:
     """A worker's PreparedImage from its frame (protocol/frames.ImageF)."""
     image = CheckedImage(frame.data, frame.format, tuple(frame.grid), frame.tokens, frame.digest)
-    return patches(image, VisionSpec(*frame.spec))
+    return patches(image, frame.spec)
