@@ -261,17 +261,26 @@ def test_a_text_model_given_an_image_names_the_model(tiny_dir):
         door.expand([datum], config, "tiny-qwen3")
 
 
-def test_a_placeholder_token_in_text_is_refused(vl_dir):
+def test_the_door_expands_images_and_refuses_a_placeholder_in_text(vl_dir, spec):
+    """The tinker door counts an image's tokens as the model's processor does, and its
+    frame (the model's own processor settings inside) patchifies in a worker as here."""
+    import msgspec
+
     from tinker_shim import images as door
     from tinker_shim.codec import DatumIn, ImageIn
     from twinkled.protocol.config import Config
     from twinkled.protocol.errors import UserError
+    from twinkled.protocol.frames import ImageF
 
     _, pad = door.model_vision(str(vl_dir))
     config = Config(model=vl_dir)
     ok = DatumIn([1, 2], {}, images=[ImageIn(1, _png(56, 56), "png")])
     out, images = door.expand([ok], config, "vl")
     assert out[0].tokens == [1, pad, pad, pad, pad, 2] and images[0][0].tokens == 4
+    (frame,) = door.image_frames(images[0], config)
+    worker = im.prepared_image(msgspec.msgpack.decode(msgspec.msgpack.encode(frame), type=ImageF))
+    np.testing.assert_array_equal(worker.pixel_values,
+                                  im.prepare(_png(56, 56), "png", spec, im.ImageLimits()).pixel_values)
     bad = DatumIn([1, pad], {}, images=[ImageIn(1, _png(56, 56), "png")])
     with pytest.raises(UserError, match=f"holds the image placeholder token \\({pad}\\)"):
         door.expand([bad], config, "vl")
