@@ -40,11 +40,12 @@ def _png_header_only(w: int, h: int) -> bytes:
             + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def vl_dir(request, tmp_path_factory):
-    # (Qwen3-VL: three text layers, two with DeepStack features added and one without)
+    # (Qwen3-VL: three text layers, two with DeepStack features added and one without;
+    # Qwen3.5: a linear-attention layer and a full one, with its image processor's files)
     return build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param,
-                            num_layers=3 if request.param == "qwen3_vl" else 2)
+                            num_layers=3 if request.param == "qwen3_vl" else 2, images=True)
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +307,10 @@ def test_sampling_with_images_equals_the_trainer(vl_dir, spec, prefill, chunk):
     )
 
     eng = make_engine(vl_dir)
+    # Qwen3.5's sampler prefills varlen only and keeps no prefix cache (running.py)
+    hybrid = eng.model.hybrid is not None
+    if hybrid and prefill == "padded":
+        pytest.skip("Qwen3.5 prefills varlen only")
     eng.add_adapter("a", LoraConfig(rank=4, seed=1))
     randomize_b(eng, "a", seed=3, std=0.3)
     row, img, _ = _image_prompt(vl_dir, spec, [5, 6, 7], list(range(30, 50)))  # 31 tokens
@@ -323,7 +328,8 @@ def test_sampling_with_images_equals_the_trainer(vl_dir, spec, prefill, chunk):
         toks = result.sequences[0].tokens
         got = torch.tensor(result.sequences[0].logprobs)
         want = trainer(prompt + toks, *images)[n - 1:]
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        # (rtol: Qwen3.5's recurrent decode and chunked training drift ~1e-4 apart)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         return toks
 
     batch = RunningBatch(eng.model, 8, prefix_cache=0.5, prefill=prefill, prefill_tokens=chunk)
@@ -337,7 +343,7 @@ def test_sampling_with_images_equals_the_trainer(vl_dir, spec, prefill, chunk):
     check(first[2], other, img, prompt=two)  # two images: the delta counts both
     assert first[0].sequences[1].tokens == toks
     torch.testing.assert_close(torch.tensor(first[0].prompt_logprobs[1:]),
-                               trainer(row + toks, img)[:len(row) - 1], atol=1e-4, rtol=0)
+                               trainer(row + toks, img)[:len(row) - 1], atol=1e-4, rtol=1e-4)
     alone = sampler.generate(eng.model, [SampleRequest(None, [12, 13, 14], greedy)], [None])
     assert first[1].sequences[0].tokens == alone[0].sequences[0].tokens
     # The same text with another image: never the first image's cached pages.
@@ -346,7 +352,7 @@ def test_sampling_with_images_equals_the_trainer(vl_dir, spec, prefill, chunk):
     assert second.cached_tokens == 0 and check(second, other) != toks
     (again,) = sampler.generate(eng.model, [SampleRequest("a", row, greedy, images=(img,))],
                                 [a], batch=batch)
-    assert again.cached_tokens == 16 and check(again, img) == toks
+    assert again.cached_tokens == (0 if hybrid else 16) and check(again, img) == toks
 
 
 def test_greedy_sampling_with_an_image_equals_transformers_generate(vl_dir, spec, hf):

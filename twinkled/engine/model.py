@@ -76,7 +76,8 @@ class BaseModel:
             config = qwen35.text_config(config)  # (the nested object itself: scaled below)
         if config.model_type in mla.ARCHS:  # DeepSeek-V3, Kimi-K2 (mla.py, deepseek_moe.py)
             mla.check(config, tp)
-        if loaded.model_type in vision.ARCHS:  # a VL checkpoint: the text stack's config
+        vl = vision.takes_images(model_dir)  # (Qwen3.5: with its image processor's files)
+        if vl:  # a VL checkpoint: the text stack's config
             vision.check(tp)
             config = loaded.get_text_config()
         # Before the model is built: its rotary module computes the scaled frequencies.
@@ -104,9 +105,9 @@ class BaseModel:
             if mxfp4.quantized(loaded):  # gpt-oss as released: experts in MXFP4
                 self.hf = mxfp4.load_dequantized(model_dir, loaded, self.dtype)
             else:
-                auto = vision.auto_class(loaded) or AutoModelForCausalLM
+                auto = vision.auto_class(model_dir) or AutoModelForCausalLM
                 self.hf = auto.from_pretrained(model_dir, config=loaded, dtype=self.dtype)
-            if loaded.model_type in vision.ARCHS:  # the tower beside the text stack
+            if vl:  # the tower beside the text stack
                 self.hf, self.vision = vision.split(self.hf, loaded, self.device)
             if self.shard is not None:  # attention split as for a dense model
                 from .tp_load import shard_loaded

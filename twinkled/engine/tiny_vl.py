@@ -1,5 +1,5 @@
-"""A tiny random-weight Qwen2.5-VL or Qwen3-VL, from its real config classes, for offline
-tests: the text stack at the tiny text models' widths, a small vision tower, a tokenizer with
+"""A tiny random-weight Qwen2.5-VL or Qwen3-VL (or the files that let a tiny Qwen3.5 take
+images: tiny.py), from its real config classes, for offline tests: the text stack at the tiny text models' widths, a small vision tower, a tokenizer with
 the vision special tokens, and the image processor's preprocessor_config.json (small images:
 at most 8 x 8 merge units of 28 pixels (Qwen2.5-VL's 14-pixel patches) or 32 (Qwen3-VL's
 16-pixel ones))."""
@@ -29,11 +29,18 @@ CHAT_TEMPLATE = (
 )
 
 
+def token_ids(tokenizer) -> dict:
+    """A VL config's vision token ids, as add_vision_tokens gave them."""
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"],
+                vision_end_token_id=ids["<|vision_end|>"])
+
+
 def vl_config(arch: str, common: dict, tokenizer):
     """The nested config of a tiny `arch` (ARCHS) model."""
     from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     head_dim = common["hidden_size"] // common["num_attention_heads"]
     half = head_dim // 2  # mRoPE's three sections split the rotary half: t, h, w
     section = [half - 2 * (half // 3), half // 3, half // 3]
@@ -52,10 +59,7 @@ def vl_config(arch: str, common: dict, tokenizer):
         vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
                       out_hidden_size=common["hidden_size"], num_position_embeddings=16,
                       deepstack_visual_indexes=[0, 2])
-    return make(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                video_token_id=ids["<|video_pad|>"],
-                vision_start_token_id=ids["<|vision_start|>"],
-                vision_end_token_id=ids["<|vision_end|>"],
+    return make(text_config=text, vision_config=vision, **token_ids(tokenizer),
                 tie_word_embeddings=common["tie_word_embeddings"],
                 eos_token_id=common["eos_token_id"])
 
@@ -63,7 +67,7 @@ def vl_config(arch: str, common: dict, tokenizer):
 def add_vision_tokens(tokenizer, out: Path, arch: str = "qwen2_5_vl") -> None:
     """The vision special tokens (new ids past the BPE vocabulary) and the processor config
     (as the released checkpoints' preprocessor_config.json: Qwen2.5-VL's CLIP normalisation,
-    Qwen3-VL's 0.5s and 16-pixel patches)."""
+    Qwen3-VL's and Qwen3.5's 0.5s and 16-pixel patches)."""
     tokenizer.add_tokens(VISION_TOKENS, special_tokens=True)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out))

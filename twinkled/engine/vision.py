@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from twinkled.protocol.images import VL_ARCHS as ARCHS
-from twinkled.protocol.images import guard_torchvision
+from twinkled.protocol.images import VL_ARCHS as ARCHS  # noqa: F401 - model.py lists them
+from twinkled.protocol.images import guard_torchvision, takes_images
 
 from . import deepstack
 
@@ -90,9 +90,10 @@ def check(tp) -> None:
                                "model yet; run it with --tp 1")
 
 
-def auto_class(config):
-    """The transformers auto class a VL checkpoint loads with (None: a text model's)."""
-    if config.model_type not in ARCHS:
+def auto_class(model_dir):
+    """The transformers auto class a VL checkpoint (protocol/images.takes_images) loads with
+    (None: a text model's)."""
+    if not takes_images(model_dir):
         return None
     # The VL model's module imports torchvision where it looks installed: a broken one
     # (a +cpu torch beside the index's torchvision) must look absent first.
@@ -103,8 +104,8 @@ def auto_class(config):
 
 
 def split(hf: nn.Module, config, device: torch.device) -> tuple[TextOnly, VisionTower]:
-    """A loaded Qwen2_5_VLForConditionalGeneration -> (its language model as a causal LM, its
-    frozen tower on `device`)."""
+    """A loaded VL model (Qwen2_5_VL-, Qwen3VL-, Qwen3_5(Moe)ForConditionalGeneration) ->
+    (its language model as a causal LM, its frozen tower on `device`)."""
     text = TextOnly(hf.model.language_model, hf.lm_head)
     tower = VisionTower(hf.model.visual.to(device), config.image_token_id,
                         config.vision_config.spatial_merge_size)

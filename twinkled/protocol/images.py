@@ -26,6 +26,9 @@ import numpy as np
 
 # Vision-language architectures (engine/vision.py), named here for the torch-free door.
 VL_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+# Natively multimodal ones (Qwen3.5): their checkpoints hold a vision tower; with its image
+# processor's files (preprocessor_config.json) they take images, without them text only.
+NATIVE_VL_ARCHS = ("qwen3_5", "qwen3_5_moe")
 # The processor's default normalisation (CLIP's), which Qwen2.5-VL's files also name.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -111,12 +114,22 @@ class VisionSpec:
             image_mean=list(self.image_mean), image_std=list(self.image_std))
 
 
+def takes_images(model_dir: str | Path) -> bool:
+    """Whether the checkpoint in `model_dir` is run as a vision-language model (the engine
+    loads its tower, the door takes images for it)."""
+    model_dir = Path(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    kind = raw.get("model_type")
+    return kind in VL_ARCHS or (kind in NATIVE_VL_ARCHS and "vision_config" in raw
+                                and (model_dir / "preprocessor_config.json").is_file())
+
+
 @cache
 def model_vision(model_dir: str) -> tuple[VisionSpec, int] | None:
     """The model's image processor spec and <|image_pad|> id; None for a text model."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    if raw.get("model_type") not in VL_ARCHS:
+    if not takes_images(model_dir):
         return None
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
     return VisionSpec.from_dir(Path(model_dir)), int(raw["image_token_id"])
 
 
