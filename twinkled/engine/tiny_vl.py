@@ -1,8 +1,9 @@
-"""A tiny random-weight Qwen2.5-VL or Qwen3-VL (or the files that let a tiny Qwen3.5 take
-images: tiny.py), from its real config classes, for offline tests: the text stack at the tiny text models' widths, a small vision tower, a tokenizer with
-the vision special tokens, and the image processor's preprocessor_config.json (small images:
-at most 8 x 8 merge units of 28 pixels (Qwen2.5-VL's 14-pixel patches) or 32 (Qwen3-VL's
-16-pixel ones))."""
+"""A tiny random-weight Qwen2.5-VL or Qwen3-VL (and the files that let a tiny Qwen3.5 take
+images: tiny.py), from its real config classes, for offline tests: the text stack at the
+tiny text models' widths, a small vision tower, a tokenizer with the vision special tokens,
+and the image processor's preprocessor_config.json (small images: at most 8 x 8 merge units
+of 28 pixels (Qwen2.5-VL's 14-pixel patches) or 32 (Qwen3-VL's and Qwen3.5's 16-pixel
+ones))."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The vision tower of a vision-language model (Qwen2.5-VL, Qwen3-VL), run frozen, and the
-splice of its embeddings into the text embeddings at the image-placeholder positions (and,
-for Qwen3-VL, its DeepStack features into the first layers' outputs: deepstack.py).
+"""The vision tower of a vision-language model (Qwen2.5-VL, Qwen3-VL, Qwen3.5 with its image
+processor's files: protocol/images.takes_images), run frozen, and the splice of its
+embeddings into the text embeddings at the image-placeholder positions (and, for Qwen3-VL,
+its DeepStack features into the first layers' outputs: deepstack.py).
 
 The checkpoint loads whole (transformers' own modules); `split` keeps its language model as
 the engine's decoder (named as a text model's: `model.layers.N...`, so LoRA targets and
