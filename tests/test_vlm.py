@@ -6,6 +6,7 @@ random-weight one of each (fp32)."""
 from __future__ import annotations
 
 import io
+import json
 import struct
 import zlib
 from contextlib import contextmanager
@@ -40,12 +41,22 @@ def _png_header_only(w: int, h: int) -> bytes:
             + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
 def vl_dir(request, tmp_path_factory):
     # (Qwen3-VL: three text layers, two with DeepStack features added and one without;
     # Qwen3.5: a linear-attention layer and a full one, with its image processor's files)
     return build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param,
-                            num_layers=3 if request.param == "qwen3_vl" else 2, images=True)
+                            num_layers=3 if request.param.startswith("qwen3_vl") else 2,
+                            images=True)
+
+
+def _lora(vl_dir, seed: int):
+    """A test adapter's config. An MoE model's experts take none here: peft's form of
+    expert LoRA (target_parameters) is checked against ours by tests/test_engine_moe.py."""
+    from twinkled.protocol.types import LoraConfig
+
+    moe = json.loads((vl_dir / "config.json").read_text())["model_type"].endswith("_moe")
+    return LoraConfig(rank=4, seed=seed, train_mlp=not moe)
 
 
 @pytest.fixture(scope="module")
@@ -218,11 +229,11 @@ def test_training_with_an_image_equals_transformers_and_peft(vl_dir, spec, hf, p
     those it gets alone. Image positions carry weight 0."""
     from helpers import grads, make_engine, randomize_b, rel_diff
 
-    from twinkled.protocol.types import Datum, ForwardBackwardRequest, LoraConfig
+    from twinkled.protocol.types import Datum, ForwardBackwardRequest
 
     eng = make_engine(vl_dir, packed=packed)
     for i, name in enumerate(("vis", "txt")):
-        eng.add_adapter(name, LoraConfig(rank=4, seed=i + 1))
+        eng.add_adapter(name, _lora(vl_dir, i + 1))
         randomize_b(eng, name, seed=10 + i, std=0.2)
     row, img, pad = _image_prompt(vl_dir, spec, [5, 6, 7], [8, 9, 10, 11])
     targets = torch.tensor(row[1:] + [12])
@@ -301,17 +312,17 @@ def test_sampling_with_images_equals_the_trainer(vl_dir, spec, prefill, chunk):
     from twinkled.protocol.types import (
         Datum,
         ForwardBackwardRequest,
-        LoraConfig,
         SampleRequest,
         SamplingParams,
     )
 
     eng = make_engine(vl_dir)
-    # Qwen3.5's sampler prefills varlen only and keeps no prefix cache (running.py)
+    # Qwen3.5's and MoE models' running batch prefills varlen only, Qwen3.5's keeps no
+    # prefix cache (running.py)
     hybrid = eng.model.hybrid is not None
-    if hybrid and prefill == "padded":
-        pytest.skip("Qwen3.5 prefills varlen only")
-    eng.add_adapter("a", LoraConfig(rank=4, seed=1))
+    if (hybrid or eng.model.moe) and prefill == "padded":
+        pytest.skip("Qwen3.5 and MoE models prefill varlen only")
+    eng.add_adapter("a", _lora(vl_dir, 1))
     randomize_b(eng, "a", seed=3, std=0.3)
     row, img, _ = _image_prompt(vl_dir, spec, [5, 6, 7], list(range(30, 50)))  # 31 tokens
     other = im.prepare(_png(90, 61, 7), "png", spec, im.ImageLimits())
@@ -363,10 +374,10 @@ def test_greedy_sampling_with_an_image_equals_transformers_generate(vl_dir, spec
 
     from twinkled.engine import sampler
     from twinkled.engine.running import RunningBatch
-    from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
+    from twinkled.protocol.types import SampleRequest, SamplingParams
 
     eng = make_engine(vl_dir)
-    eng.add_adapter("a", LoraConfig(rank=4, seed=1))
+    eng.add_adapter("a", _lora(vl_dir, 1))
     randomize_b(eng, "a", seed=3, std=0.3)
     a = eng.pool.get("a")
     row, img, pad = _image_prompt(vl_dir, spec, [5, 6, 7], list(range(30, 40)))

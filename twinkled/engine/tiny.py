@@ -112,7 +112,7 @@ def build_tiny_model(
     `qwen3_next_config`) plus tokenizer.
 
     head_dim is hidden/heads (64 by default), which vLLM's CPU build also accepts.
-    Vision-language: qwen2_5_vl, qwen3_vl (tiny_vl.py), and qwen3_5 / qwen3_5_moe with
+    Vision-language: qwen2_5_vl, qwen3_vl, qwen3_vl_moe (tiny_vl.py), and qwen3_5 / qwen3_5_moe with
     `images` (the vision tokens and image processor files that make it take images).
     """
     import torch
@@ -174,10 +174,13 @@ def build_tiny_model(
 
         config = gpt_oss_config(common, hidden_size // num_heads, num_experts, experts_per_token)
     elif arch in tiny_vl.ARCHS:
-        config = tiny_vl.vl_config(arch, common, tokenizer)
+        config = tiny_vl.vl_config(arch, common, tokenizer, moe=dict(
+            num_experts=num_experts, num_experts_per_tok=experts_per_token,
+            moe_intermediate_size=intermediate_size // 4) if arch.endswith("_moe") else None)
     else:
         raise ValueError("arch must be qwen3, qwen2, llama, qwen3_moe, qwen3_5, qwen3_5_moe, "
-                         f"qwen3_next, deepseek_v3, gpt_oss, qwen2_5_vl or qwen3_vl, not {arch!r}")
+                         f"qwen3_next, deepseek_v3, gpt_oss, qwen2_5_vl, qwen3_vl or qwen3_vl_moe, "
+                         f"not {arch!r}")
     torch.manual_seed(seed)
     if arch.startswith("qwen3_5"):  # the whole checkpoint, vision tower included, as released
         from transformers import AutoModelForImageTextToText

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-ARCHS = ("qwen2_5_vl", "qwen3_vl")
+ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Qwen2-VL / Qwen2.5-VL's chat template (as its checkpoints ship it): one <|image_pad|> per
 # image part, which the processor (here: the OpenAI face, openai_shim/images.py) expands to
 # the image's token count.
@@ -38,9 +38,10 @@ def token_ids(tokenizer) -> dict:
                 vision_end_token_id=ids["<|vision_end|>"])
 
 
-def vl_config(arch: str, common: dict, tokenizer):
-    """The nested config of a tiny `arch` (ARCHS) model."""
-    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+def vl_config(arch: str, common: dict, tokenizer, moe: dict | None = None):
+    """The nested config of a tiny `arch` (ARCHS) model; `moe`: qwen3_vl_moe's expert
+    sizes (every layer sparse, as the released ones)."""
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
     head_dim = common["hidden_size"] // common["num_attention_heads"]
     half = head_dim // 2  # mRoPE's three sections split the rotary half: t, h, w
@@ -52,8 +53,8 @@ def vl_config(arch: str, common: dict, tokenizer):
                       out_hidden_size=common["hidden_size"], fullatt_block_indexes=[1],
                       window_size=56, tokens_per_second=2)
     else:  # Qwen3-VL: q/k norms, interleaved mRoPE, 16-pixel patches, DeepStack
-        make = Qwen3VLConfig
-        text = dict(common, head_dim=head_dim,
+        make = Qwen3VLConfig if arch == "qwen3_vl" else Qwen3VLMoeConfig
+        text = dict(common, head_dim=head_dim, **(moe or {}),
                     rope_parameters=dict(rope, rope_theta=5_000_000.0, mrope_interleaved=True))
         # DeepStack from two of the three blocks: the first two text layers get features
         # added, a third (where the model has one) none, as the 8B's 3 of 36.

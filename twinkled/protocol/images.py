@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 
 # Vision-language architectures (engine/vision.py), named here for the torch-free door.
-VL_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+VL_ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Natively multimodal ones (Qwen3.5): their checkpoints hold a vision tower; with its image
 # processor's files (preprocessor_config.json) they take images, without them text only.
 NATIVE_VL_ARCHS = ("qwen3_5", "qwen3_5_moe")
