@@ -1,5 +1,5 @@
-"""The vision tower of a vision-language model (Qwen2.5-VL, Qwen3-VL, Qwen3.5 with its image
-processor's files: protocol/images.takes_images), run frozen, and the splice of its
+"""The vision tower of a vision-language model (Qwen2.5-VL, Qwen3-VL (-MoE), Qwen3.5 with its
+image processor's files: protocol/images.takes_images), run frozen, and the splice of its
 embeddings into the text embeddings at the image-placeholder positions (and, for Qwen3-VL,
 its DeepStack features into the first layers' outputs: deepstack.py).
 
