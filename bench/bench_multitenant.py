@@ -15,7 +15,8 @@ running the unmodified tinker 0.38 client: per step, forward_backward on a batch
     python bench/bench_multitenant.py --shape tiny                 # CPU
     python bench/bench_multitenant.py --shape qwen2.5-0.5b --packed-baseline   # GPU
     python bench/bench_multitenant.py --shape qwen2.5-vl-7b --tenants 1,8 --packed-baseline
-        # GPU: each datum 1 image (256 tokens) + S text tokens (bench_vlm.py)
+        # GPU: each datum 1 image (256 tokens) + S text tokens (bench_vlm.py);
+        # --shape qwen3-vl-8b: Qwen3-VL-8B's sizes, 196 image tokens a datum
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b", "qwen3.5-9b",
                                                          "qwen3.5-35b-a3b", "gpt-oss-20b",
-                                                         "deepseek-v3", "qwen2.5-vl-7b"))
+                                                         "deepseek-v3", "qwen2.5-vl-7b",
+                                                         "qwen3-vl-8b"))
     ap.add_argument("--image-tokens", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, default=None, help="tokens per datum (S)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per tenant")
@@ -193,10 +195,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_mt_"))
     model_dir = work / "model"
     image_tokens = 0
-    if args.shape == "qwen2.5-vl-7b":
+    if args.shape in ("qwen2.5-vl-7b", "qwen3-vl-8b"):  # (bench_vlm.py)
         from bench_vlm import build
 
-        vocab, image_tokens = build(model_dir, dtype, device)
+        vocab, image_tokens = build(model_dir, dtype, device, args.shape)
     else:
         vocab = build_model(args.shape, model_dir, dtype, device)
     data = work / "data"

@@ -1,8 +1,10 @@
-"""The Qwen2.5-VL-7B shape for bench_multitenant.py (`--shape qwen2.5-vl-7b`): a random-weight
-checkpoint of its sizes, each tenant's datums one image + S text tokens, and plain
-transformers + peft on the same 8 datums in-process (the bound the daemon is held to).
+"""The Qwen2.5-VL-7B and Qwen3-VL-8B shapes for bench_multitenant.py (`--shape qwen2.5-vl-7b`,
+`--shape qwen3-vl-8b`): a random-weight checkpoint of its sizes, each tenant's datums one
+image + S text tokens, and plain transformers + peft on the same 8 datums in-process (the
+bound the daemon is held to).
 
     python bench/bench_multitenant.py --shape qwen2.5-vl-7b --tenants 1,8 --packed-baseline
+    python bench/bench_multitenant.py --shape qwen3-vl-8b --tenants 1,8 --packed-baseline
 """
 
 from __future__ import annotations
@@ -11,16 +13,47 @@ import io
 import time
 from pathlib import Path
 
-IMAGE_PX = 448  # 448 x 448 pixels: 16 x 16 merged patches, 256 image tokens
+# 448 x 448 pixels: 16 x 16 merged patches of 28 px (256 image tokens) on Qwen2.5-VL,
+# 14 x 14 of 32 px (196) on Qwen3-VL
+IMAGE_PX = 448
 TEXT_FLOOR = 2048  # random text ids start here: clear of the tokenizer's special ids
 
 
-def build(out: Path, dtype, device: str) -> tuple[int, int]:
+def _config(shape: str, ids: dict, eos: int):
+    """The released model's sizes (its config.json), with the tiny tokenizer's vision ids."""
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+
+    if shape == "qwen2.5-vl-7b":
+        make = Qwen2_5_VLConfig
+        text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                    num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                    max_position_embeddings=32768, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                     "mrope_section": [16, 24, 24]})
+        vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                      out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31],
+                      window_size=112, tokens_per_second=2)
+    else:
+        make = Qwen3VLConfig
+        text = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                    num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                     "mrope_section": [24, 20, 20],
+                                     "mrope_interleaved": True})
+        vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                      patch_size=16, out_hidden_size=4096, num_position_embeddings=2304,
+                      deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh")
+    return make(text_config=text, vision_config=vision, **ids, tie_word_embeddings=False,
+                eos_token_id=eos)
+
+
+def build(out: Path, dtype, device: str, shape: str = "qwen2.5-vl-7b") -> tuple[int, int]:
     """Write the checkpoint (+ tokenizer, processor config); return (vocab, image tokens)."""
     import json
 
     import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from twinkled.engine import tiny_vl
     from twinkled.engine.tiny import build_tokenizer
@@ -28,31 +61,22 @@ def build(out: Path, dtype, device: str) -> tuple[int, int]:
 
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out)
-    tiny_vl.add_vision_tokens(tok, out)
+    arch = "qwen2_5_vl" if shape == "qwen2.5-vl-7b" else "qwen3_vl"
+    tiny_vl.add_vision_tokens(tok, out, arch)
     raw = json.loads((out / "preprocessor_config.json").read_text())
-    raw["max_pixels"] = 28 * 28 * 1280  # the released checkpoint's
+    if arch == "qwen2_5_vl":
+        raw["max_pixels"] = 28 * 28 * 1280  # the released checkpoint's
+    else:
+        raw["size"] = {"shortest_edge": 65536, "longest_edge": 16777216}
     (out / "preprocessor_config.json").write_text(json.dumps(raw))
-    ids = {t: tok.convert_tokens_to_ids(t) for t in tiny_vl.VISION_TOKENS}
-    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                max_position_embeddings=32768, rms_norm_eps=1e-6,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                 "mrope_section": [16, 24, 24]})
-    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                  out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31],
-                  window_size=112, tokens_per_second=2)
-    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision,
-                           image_token_id=ids["<|image_pad|>"],
-                           video_token_id=ids["<|video_pad|>"],
-                           vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"],
-                           tie_word_embeddings=False, eos_token_id=tok.eos_token_id)
+    cfg = _config(shape, tiny_vl.token_ids(tok), tok.eos_token_id)
     with torch.device(device):  # random init on the card: fast for 8B
-        model = Qwen2_5_VLForConditionalGeneration(cfg).to(dtype)
+        model = AutoModelForImageTextToText.from_config(cfg).to(dtype)
     model.save_pretrained(str(out))
     del model
-    grid = image_tokens(IMAGE_PX, IMAGE_PX, VisionSpec.from_dir(out))
-    return 152064, grid[0] * grid[1] * grid[2] // 4
+    spec = VisionSpec.from_dir(out)
+    grid = image_tokens(IMAGE_PX, IMAGE_PX, spec)
+    return cfg.text_config.vocab_size, grid[0] * grid[1] * grid[2] // spec.merge_size**2
 
 
 def image_bytes(seed: int) -> bytes:
@@ -86,10 +110,10 @@ def peft_baseline(model_dir: Path, dtype, device: str, seq: int, rows: int = 8,
     import torch
     from peft import LoraConfig, get_peft_model
     from PIL import Image
-    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype,
-                                                            attn_implementation="sdpa")
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype,
+                                                     attn_implementation="sdpa")
     targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
     model = get_peft_model(hf.to(device), LoraConfig(r=32, lora_alpha=32,
                                                      target_modules=targets))

@@ -5,7 +5,6 @@ used out under the byte budget, and a bad image failing its own op, not the warm
 from __future__ import annotations
 
 import io
-from dataclasses import astuple
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ def _frame(spec: im.VisionSpec, seed: int, w: int = 90, h: int = 61) -> ImageF:
     rng = np.random.default_rng(seed)
     Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
     c = im.check(buf.getvalue(), "png", spec, im.ImageLimits())
-    return ImageF(c.data, c.format, list(c.grid_thw), c.tokens, c.digest, list(astuple(spec)))
+    return ImageF(c.data, c.format, list(c.grid_thw), c.tokens, c.digest, spec)
 
 
 @pytest.fixture(scope="module")

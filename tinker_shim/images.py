@@ -4,8 +4,6 @@ Runs in a thread (`asyncio.to_thread`): decoding and resizing never hold the eve
 
 from __future__ import annotations
 
-from dataclasses import astuple
-
 import msgspec
 
 from twinkled.protocol.errors import UserError
@@ -87,6 +85,6 @@ def image_frames(images: list[CheckedImage], config) -> list[ImageF]:
     """A datum's checked images as frames, with the spec the workers patchify them by."""
     if not images:
         return []
-    spec = list(astuple(model_vision(str(config.model))[0]))
+    spec = model_vision(str(config.model))[0]
     return [ImageF(im.data, im.format, list(im.grid_thw), im.tokens, im.digest, spec)
             for im in images]

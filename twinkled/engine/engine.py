@@ -94,9 +94,10 @@ class Engine:
         # and its decode graphs no expert routing: those models sample with the padded
         # sampler, over a LoraBatch; but Qwen3.5-MoE's linear-attention state needs the
         # running batch (eager there; its experts' LoRA: moe.ExpertRows; under --ep its
-        # samples run to the end, not in slices: workers/sampling.py).
-        self.padded_sampling = self.shard is not None or (bool(self.model.moe)
-                                                          and self.model.hybrid is None)
+        # samples run to the end, not in slices: workers/sampling.py), and so do an MoE
+        # vision-language model's images (Qwen3-VL-MoE: the padded sampler takes none).
+        self.padded_sampling = self.shard is not None or (
+            bool(self.model.moe) and self.model.hybrid is None and self.model.vision is None)
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
         # Adapters whose gradients this rank holds parts of split rows of (context

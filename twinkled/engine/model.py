@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from twinkled.protocol.types import MLP_MODULES, EngineInputError
 
-from . import chunked_logprobs, fused_ops, gpt_oss, mla, mxfp4, qwen35, sparse, vision
+from . import chunked_logprobs, deepstack, fused_ops, gpt_oss, mla, mxfp4, qwen35, sparse, vision
 from .fused_ops import Fused, Joint
 from .kv_cache import KVCache
 from .long_context import extend_context
@@ -76,7 +76,8 @@ class BaseModel:
             config = qwen35.text_config(config)  # (the nested object itself: scaled below)
         if config.model_type in mla.ARCHS:  # DeepSeek-V3, Kimi-K2 (mla.py, deepseek_moe.py)
             mla.check(config, tp)
-        if loaded.model_type in vision.ARCHS:  # a VL checkpoint: the text stack's config
+        vl = vision.takes_images(model_dir)  # (Qwen3.5: with its image processor's files)
+        if vl:  # a VL checkpoint: the text stack's config
             vision.check(tp)
             config = loaded.get_text_config()
         # Before the model is built: its rotary module computes the scaled frequencies.
@@ -108,9 +109,9 @@ class BaseModel:
             if mxfp4.quantized(loaded):  # gpt-oss as released: experts in MXFP4
                 self.hf = mxfp4.load_dequantized(model_dir, loaded, self.dtype)
             else:
-                auto = vision.auto_class(loaded) or AutoModelForCausalLM
+                auto = vision.auto_class(model_dir) or AutoModelForCausalLM
                 self.hf = auto.from_pretrained(model_dir, config=loaded, dtype=self.dtype)
-            if loaded.model_type in vision.ARCHS:  # the tower beside the text stack
+            if vl:  # the tower beside the text stack
                 self.hf, self.vision = vision.split(self.hf, loaded, self.device)
             if self.shard is not None:  # attention split as for a dense model
                 from .tp_load import shard_loaded
@@ -196,14 +197,17 @@ class BaseModel:
         """Final hidden states [B, S, H]. Without `mask`, attention is causal within the row
         (right padding needs no mask: real tokens never attend to later pads). With
         `packing`, the one row [1, T] holds several sequences end to end (packed.py). With
-        `images` (a VL model) their embeddings replace the placeholders' and `positions` are
-        multimodal RoPE's [3, B, S] (mrope.py)."""
+        `images` (a VL model) their embeddings replace the placeholders' (Qwen3-VL's DeepStack
+        features add to the first layers' outputs there) and `positions` are multimodal
+        RoPE's [3, B, S] (mrope.py)."""
         if self.shard is not None and self.shard.vocab_split:
             h = self.shard.embed(self.decoder.embed_tokens.weight, input_ids)
         else:
             h = self.decoder.embed_tokens(input_ids)
-        if images is not None:
-            h = self.vision.splice(h, images)
+        feats = None
+        if images is not None:  # [image tokens, 1 + DeepStack levels, H] (deepstack.py)
+            feats = self.vision.features(images)
+            h = self.vision.splice(h, images.index, feats[:, 0])
         if hasattr(self.decoder.rotary_emb, "mrope_section") and positions.dim() == 2:
             # Qwen3.5's rotary is multimodal (t, h, w sections); text has the same position in
             # all three, and transformers before 5.2x indexes a 3-D tensor without expanding
@@ -217,6 +221,8 @@ class BaseModel:
         for i, layer in enumerate(self.layers):
             args = (i, layer, h, cos, sin, lora, cache, mask, packing, banks)
             h = checkpoint(self._layer, *args, use_reentrant=False) if again else self._layer(*args)
+            if feats is not None and i + 1 < feats.shape[1]:  # Qwen3-VL's DeepStack
+                h = deepstack.add(h, images.index, feats[:, i + 1])
         return self._norm(self.decoder.norm, h)
 
     def _layer(self, i, layer, h, cos, sin, lora, cache, mask, packing, banks) -> torch.Tensor:

@@ -40,8 +40,10 @@ from .packed import PackedLora, grouped_mm, grouped_weight_grad
 MAX_GROUPS = 1023
 
 # model_type -> whether the top-k weights are renormalised (None: the config says).
-# Qwen3.5-MoE's text model (qwen35_moe.py) always renormalises, Qwen3-Next as its config says.
+# Qwen3.5-MoE's text model (qwen35_moe.py) and Qwen3-VL-MoE's (vision.py) always
+# renormalise, Qwen3-Next as its config says.
 MOE_ARCHS = {"qwen3_moe": None, "mixtral": True, "qwen3_5_moe_text": True, "qwen3_next": None,
+             "qwen3_vl_moe_text": True,
              "deepseek_v3": None, "kimi_k2": None}  # DeepSeek's routing: deepseek_moe.py
 # Sparse blocks that also hold a gated shared expert (run beside the routed experts by
 # qwen35_moe.py), and its parameters.

@@ -2,7 +2,8 @@
 
 The checkpoint is Qwen3_5ForConditionalGeneration (config `qwen3_5`, the text model's
 config nested as `text_config`, weights under model.language_model.*); transformers loads
-its text part as Qwen3_5ForCausalLM and we run the layers here, BaseModel (model.py)
+its text part as Qwen3_5ForCausalLM (or, with the image processor's files, the whole model,
+its vision tower kept beside: vision.py) and we run the layers here, BaseModel (model.py)
 calling `HybridLayers.layer` for each.
 
 What differs from the Llama family:

@@ -104,6 +104,7 @@ def build_tiny_model(
     num_experts: int = 8,
     experts_per_token: int = 2,
     vocab_size: int = 1024,
+    images: bool = False,
 ) -> Path:
     """Write a tiny random-weight model of `arch` (qwen3, qwen2, llama, qwen3_moe with
     `num_experts` experts of which each token uses `experts_per_token`, qwen3_5 /
@@ -111,6 +112,8 @@ def build_tiny_model(
     `qwen3_next_config`) plus tokenizer.
 
     head_dim is hidden/heads (64 by default), which vLLM's CPU build also accepts.
+    Vision-language: qwen2_5_vl, qwen3_vl, qwen3_vl_moe (tiny_vl.py), and qwen3_5 / qwen3_5_moe with
+    `images` (the vision tokens and image processor files that make it take images).
     """
     import torch
     from transformers import (
@@ -124,8 +127,9 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, vocab_size)
-    if arch == "qwen2_5_vl":  # its vision tokens, ids past the BPE vocabulary (tiny_vl.py)
-        tiny_vl.add_vision_tokens(tokenizer, out)
+    images = arch in tiny_vl.ARCHS or (images and arch.startswith("qwen3_5"))
+    if images:  # its vision tokens, ids past the BPE vocabulary (tiny_vl.py)
+        tiny_vl.add_vision_tokens(tokenizer, out, arch)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -150,12 +154,14 @@ def build_tiny_model(
     elif arch == "llama":
         config = LlamaConfig(head_dim=hidden_size // num_heads, **common)
     elif arch == "qwen3_5":
-        config = qwen35_config(common, hidden_size // num_heads)
+        config = qwen35_config(common, hidden_size // num_heads,
+                               vision=tokenizer if images else None)
     elif arch == "qwen3_5_moe":  # Qwen3.5-35B-A3B's: routed experts and a gated shared one
         config = qwen35_config(common, hidden_size // num_heads, moe=dict(
             num_experts=num_experts, num_experts_per_tok=experts_per_token,
             moe_intermediate_size=intermediate_size // 4,
-            shared_expert_intermediate_size=intermediate_size // 2))
+            shared_expert_intermediate_size=intermediate_size // 2),
+            vision=tokenizer if images else None)
     elif arch == "qwen3_next":  # Qwen3-Next's: text only, layer 1 dense (mlp_only_layers)
         config = qwen3_next_config(common, hidden_size // num_heads, num_experts,
                                    experts_per_token)
@@ -167,17 +173,20 @@ def build_tiny_model(
         from .tiny_gpt_oss import gpt_oss_config
 
         config = gpt_oss_config(common, hidden_size // num_heads, num_experts, experts_per_token)
-    elif arch == "qwen2_5_vl":
-        config = tiny_vl.qwen25vl_config(common, tokenizer)
+    elif arch in tiny_vl.ARCHS:
+        config = tiny_vl.vl_config(arch, common, tokenizer, moe=dict(
+            num_experts=num_experts, num_experts_per_tok=experts_per_token,
+            moe_intermediate_size=intermediate_size // 4) if arch.endswith("_moe") else None)
     else:
         raise ValueError("arch must be qwen3, qwen2, llama, qwen3_moe, qwen3_5, qwen3_5_moe, "
-                         f"qwen3_next, deepseek_v3, gpt_oss or qwen2_5_vl, not {arch!r}")
+                         f"qwen3_next, deepseek_v3, gpt_oss, qwen2_5_vl, qwen3_vl or qwen3_vl_moe, "
+                         f"not {arch!r}")
     torch.manual_seed(seed)
     if arch.startswith("qwen3_5"):  # the whole checkpoint, vision tower included, as released
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_config(config).to(torch.float32)
-    elif arch == "qwen2_5_vl":
+    elif arch in tiny_vl.ARCHS:
         model = tiny_vl.build_model(config).to(torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -201,12 +210,14 @@ def build_tiny_model(
     return out
 
 
-def qwen35_config(common: dict, head_dim: int, moe: dict | None = None):
+def qwen35_config(common: dict, head_dim: int, moe: dict | None = None, vision=None):
     """Qwen3.5's nested config (text_config + a vision tower), at tiny widths: the real
     layer pattern (full attention every 4th layer; the last one where there are fewer than
     4), linear attention with twice as many value heads as key heads (as the 9B has), and
     Qwen3.5's partial rotary and multimodal rope parameters. `moe`: Qwen3.5-MoE's config
-    (qwen3_5_moe) with these expert sizes, every layer's MLP sparse."""
+    (qwen3_5_moe) with these expert sizes, every layer's MLP sparse. `vision`: the tokenizer
+    holding the vision tokens (tiny_vl.py) of a model that takes images: their ids, and the
+    released models' 16-pixel patches."""
     from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     n = common["num_hidden_layers"]
@@ -219,13 +230,15 @@ def qwen35_config(common: dict, head_dim: int, moe: dict | None = None):
                 rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
                                  "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
                                  "mrope_interleaved": True})
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
-                  out_hidden_size=common["hidden_size"], num_position_embeddings=16)
+    tower = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                 patch_size=4 if vision is None else 16,
+                 out_hidden_size=common["hidden_size"], num_position_embeddings=16)
     if moe is not None:
         text = {k: v for k, v in text.items() if k != "intermediate_size"} | moe
+    ids = {} if vision is None else tiny_vl.token_ids(vision)
     return (Qwen3_5Config if moe is None else Qwen3_5MoeConfig)(
-        text_config=text, vision_config=vision, tie_word_embeddings=common["tie_word_embeddings"],
-        eos_token_id=common["eos_token_id"])
+        text_config=text, vision_config=tower, tie_word_embeddings=common["tie_word_embeddings"],
+        eos_token_id=common["eos_token_id"], **ids)
 
 
 def qwen3_next_config(common: dict, head_dim: int, experts: int, top_k: int):

@@ -1,5 +1,7 @@
-"""The vision tower of a vision-language model (Qwen2.5-VL), run frozen, and the splice of its
-embeddings into the text embeddings at the image-placeholder positions.
+"""The vision tower of a vision-language model (Qwen2.5-VL, Qwen3-VL (-MoE), Qwen3.5 with its
+image processor's files: protocol/images.takes_images), run frozen, and the splice of its
+embeddings into the text embeddings at the image-placeholder positions (and, for Qwen3-VL,
+its DeepStack features into the first layers' outputs: deepstack.py).
 
 The checkpoint loads whole (transformers' own modules); `split` keeps its language model as
 the engine's decoder (named as a text model's: `model.layers.N...`, so LoRA targets and
@@ -15,8 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from twinkled.protocol.images import VL_ARCHS as ARCHS
-from twinkled.protocol.images import guard_torchvision
+from twinkled.protocol.images import VL_ARCHS as ARCHS  # noqa: F401 - model.py lists them
+from twinkled.protocol.images import guard_torchvision, takes_images
+
+from . import deepstack
 
 
 class TextOnly(nn.Module):
@@ -34,11 +38,12 @@ class Images:
     flat token indices (into the [B, S] input) of their placeholders, in image order.
     `embeddings`: the tower's output for exactly those placeholders, already computed (the
     sampler's prefill embeds a prompt's images once for all its pieces: vision_prefill.py);
-    then the patches are not read."""
+    then the patches are not read. Level 0 is what replaces the placeholders' embeddings,
+    levels 1.. are DeepStack's (deepstack.py; Qwen2.5-VL has none)."""
     pixel_values: torch.Tensor | None  # [patches, C * temporal * patch * patch]
     grids: Sequence[tuple[int, int, int]]
     index: torch.Tensor  # [image tokens] long
-    embeddings: torch.Tensor | None = None  # [image tokens, hidden]
+    embeddings: torch.Tensor | None = None  # [image tokens, 1 + levels, hidden]
 
 
 class VisionTower:
@@ -52,23 +57,29 @@ class VisionTower:
     @torch.no_grad()
     def embed(self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]
               ) -> torch.Tensor:
-        """[image tokens, hidden]: every image's merged patch embeddings, in order."""
+        """[image tokens, 1 + levels, hidden]: every image's merged patch embeddings (and
+        DeepStack features), in order."""
         p = next(self.visual.parameters())
         grid = torch.as_tensor([list(g) for g in grids], dtype=torch.long, device=p.device)
         out = self.visual(pixel_values.to(device=p.device, dtype=p.dtype), grid_thw=grid)
-        return out.pooler_output if hasattr(out, "pooler_output") else out
+        return deepstack.features(out)
 
-    def splice(self, h: torch.Tensor, images: Images) -> torch.Tensor:
-        """The text embeddings `h` [B, S, H] with the image tokens' rows replaced (out of
-        place: the embedding table's gradient path stays intact for the other tokens)."""
+    def features(self, images: Images) -> torch.Tensor:
+        """[image tokens, 1 + levels, hidden] for `images`' placeholders."""
         emb = images.embeddings
         if emb is None:
             emb = self.embed(images.pixel_values, images.grids)
-        emb = emb.to(h.dtype)
         if emb.shape[0] != images.index.numel():
             raise ValueError(f"{images.index.numel()} image placeholder tokens but the images "
                              f"make {emb.shape[0]}")
-        flat = h.reshape(-1, h.shape[-1]).index_copy(0, images.index.to(h.device), emb)
+        return emb
+
+    @staticmethod
+    def splice(h: torch.Tensor, index: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """The text embeddings `h` [B, S, H] with the rows at flat `index` replaced by `emb`
+        (out of place: the embedding table's gradient path stays intact for the other
+        tokens)."""
+        flat = h.reshape(-1, h.shape[-1]).index_copy(0, index.to(h.device), emb.to(h.dtype))
         return flat.view_as(h)
 
 
@@ -80,9 +91,10 @@ def check(tp) -> None:
                                "model yet; run it with --tp 1")
 
 
-def auto_class(config):
-    """The transformers auto class a VL checkpoint loads with (None: a text model's)."""
-    if config.model_type not in ARCHS:
+def auto_class(model_dir):
+    """The transformers auto class a VL checkpoint (protocol/images.takes_images) loads with
+    (None: a text model's)."""
+    if not takes_images(model_dir):
         return None
     # The VL model's module imports torchvision where it looks installed: a broken one
     # (a +cpu torch beside the index's torchvision) must look absent first.
@@ -93,8 +105,8 @@ def auto_class(config):
 
 
 def split(hf: nn.Module, config, device: torch.device) -> tuple[TextOnly, VisionTower]:
-    """A loaded Qwen2_5_VLForConditionalGeneration -> (its language model as a causal LM, its
-    frozen tower on `device`)."""
+    """A loaded VL model (Qwen2_5_VL-, Qwen3VL-, Qwen3_5(Moe)ForConditionalGeneration) ->
+    (its language model as a causal LM, its frozen tower on `device`)."""
     text = TextOnly(hf.model.language_model, hf.lm_head)
     tower = VisionTower(hf.model.visual.to(device), config.image_token_id,
                         config.vision_config.spatial_merge_size)

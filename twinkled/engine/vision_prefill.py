@@ -53,7 +53,8 @@ class PromptVision:
                    int(pos.max()) + 1 - len(prompt))
 
     def embed(self, model) -> torch.Tensor:
-        """[image tokens, hidden] of all the prompt's images, computed once."""
+        """[image tokens, 1 + levels, hidden] of all the prompt's images (vision.Images),
+        computed once."""
         if self.embeddings is None:
             pixels = torch.cat([torch.from_numpy(im.pixel_values) for im in self.images])
             self.embeddings = model.vision.embed(pixels, [im.grid_thw for im in self.images])

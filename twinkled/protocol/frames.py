@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from twinkled.protocol.images import VisionSpec
 from twinkled.protocol.types import (
     AdamParams,
     AdapterInfo,
@@ -67,7 +68,7 @@ class ImageF(msgspec.Struct, array_like=True):
     grid: list[int]  # (t, h, w) patches
     tokens: int  # its placeholder tokens
     digest: bytes  # its encoded bytes' hash
-    spec: list[int]  # the model's VisionSpec, in its field order
+    spec: VisionSpec  # the model's image processor settings
 
 
 class DatumF(msgspec.Struct, array_like=True):

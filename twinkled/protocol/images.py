@@ -1,5 +1,6 @@
 """Images at the door: decode a chunk's bytes under limits, and turn it into a vision model's
-patches and placeholder-token count (Qwen2-VL / Qwen2.5-VL's image processor).
+patches and placeholder-token count (Qwen2-VL's image processor, which Qwen2.5-VL and Qwen3-VL
+use too, with their own patch sizes and normalisation).
 
 Everything here runs before a request is queued (off the event loop: `asyncio.to_thread`), so
 a corrupt file, an unknown format or a decompression bomb is a 400 naming what is wrong and
@@ -24,7 +25,13 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 
 # Vision-language architectures (engine/vision.py), named here for the torch-free door.
-VL_ARCHS = ("qwen2_5_vl",)
+VL_ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Natively multimodal ones (Qwen3.5): their checkpoints hold a vision tower; with its image
+# processor's files (preprocessor_config.json) they take images, without them text only.
+NATIVE_VL_ARCHS = ("qwen3_5", "qwen3_5_moe")
+# The processor's default normalisation (CLIP's), which Qwen2.5-VL's files also name.
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # The bytes a format's files begin with: a chunk's declared format must match its content.
 _MAGIC = {"png": (b"\x89PNG\r\n\x1a\n",), "jpeg": (b"\xff\xd8\xff",)}
 _PIL_FORMAT = {"png": "PNG", "jpeg": "JPEG"}
@@ -72,12 +79,15 @@ def guard_torchvision() -> None:
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """What the model's image processor needs (its preprocessor_config.json)."""
+    """What the model's image processor needs (its preprocessor_config.json). Travels to the
+    workers inside each image's frame (protocol/frames.ImageF)."""
     patch_size: int = 14
     merge_size: int = 2
     temporal_patch_size: int = 2
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
+    image_mean: tuple[float, float, float] = _CLIP_MEAN
+    image_std: tuple[float, float, float] = _CLIP_STD
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> VisionSpec:
@@ -87,7 +97,9 @@ class VisionSpec:
         return cls(patch_size=raw.get("patch_size", 14), merge_size=raw.get("merge_size", 2),
                    temporal_patch_size=raw.get("temporal_patch_size", 2),
                    min_pixels=raw.get("min_pixels") or size.get("shortest_edge", 56 * 56),
-                   max_pixels=raw.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280))
+                   max_pixels=raw.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280),
+                   image_mean=tuple(raw.get("image_mean", _CLIP_MEAN)),
+                   image_std=tuple(raw.get("image_std", _CLIP_STD)))
 
     @cache  # noqa: B019 - a frozen spec per model: its one processor lives as long
     def processor(self):  # -> Qwen2VLImageProcessorPil
@@ -98,15 +110,26 @@ class VisionSpec:
         return Qwen2VLImageProcessorPil(
             patch_size=self.patch_size, merge_size=self.merge_size,
             temporal_patch_size=self.temporal_patch_size,
-            size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels})
+            size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+            image_mean=list(self.image_mean), image_std=list(self.image_std))
+
+
+def takes_images(model_dir: str | Path) -> bool:
+    """Whether the checkpoint in `model_dir` is run as a vision-language model (the engine
+    loads its tower, the door takes images for it)."""
+    model_dir = Path(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    kind = raw.get("model_type")
+    return kind in VL_ARCHS or (kind in NATIVE_VL_ARCHS and "vision_config" in raw
+                                and (model_dir / "preprocessor_config.json").is_file())
 
 
 @cache
 def model_vision(model_dir: str) -> tuple[VisionSpec, int] | None:
     """The model's image processor spec and <|image_pad|> id; None for a text model."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    if raw.get("model_type") not in VL_ARCHS:
+    if not takes_images(model_dir):
         return None
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
     return VisionSpec.from_dir(Path(model_dir)), int(raw["image_token_id"])
 
 
@@ -255,4 +278,4 @@ def check_request(images: list[CheckedImage | PreparedImage], limits: ImageLimit
 def prepared_image(frame) -> PreparedImage:
     """A worker's PreparedImage from its frame (protocol/frames.ImageF)."""
     image = CheckedImage(frame.data, frame.format, tuple(frame.grid), frame.tokens, frame.digest)
-    return patches(image, VisionSpec(*frame.spec))
+    return patches(image, frame.spec)

@@ -76,7 +76,7 @@ def _cut(frame: ImageF) -> PreparedImage | None:
 def _key(frame: ImageF) -> tuple:
     # the encoded bytes' hash and the processor's settings: the same bytes cut for another
     # model's processor are other patches
-    return frame.digest, tuple(frame.spec)
+    return frame.digest, frame.spec  # (a frozen dataclass: hashable)
 
 
 PATCHES = PatchCache()  # one a worker process: its training and its sampling share it
