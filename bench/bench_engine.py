@@ -289,6 +289,7 @@ def bench_peft(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
                               target_parameters=experts or None)
 
     names = [f"a{i}" for i in range(K)]
+    shape_qwen35.torch_rule_for_peft()
     base = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, attn_implementation=shape_gpt_oss.attn_implementation(model_dir))
     experts = shape_gpt_oss.peft_kwargs(model_dir).get("target_parameters") or sorted(
@@ -353,6 +354,12 @@ def bench_peft(model_dir: Path, dtype: torch.dtype, device: str, sz: Sizes,
     return rows  # the caller frees the model
 
 
+def _progress(rows: list[Row]) -> None:
+    for r in rows:
+        print(f"-- {r.test}: {r.throughput:,.0f} tok/s, {r.seconds:.3f} s, peak "
+              f"{r.peak_gib or 0:.1f} GiB", flush=True)
+
+
 def run_shape(shape: str, device: str, sample: bool, peft: bool = True,
               heads: tuple[str, ...] = ("auto",), unembeds: tuple[bool, ...] = (False,),
               layers: int | None = None, fuses: tuple[bool, ...] = (True,)) -> str:
@@ -369,9 +376,12 @@ def run_shape(shape: str, device: str, sample: bool, peft: bool = True,
         prompts = ([torch.randint(0, vocab, (sz.prompt_len,)).tolist()
                     for _ in range(K * sz.prompts)] if sample else None)
         rows = bench_ours(model_dir, dtype, device, sz, train, prompts, heads, unembeds, fuses)
+        _progress(rows)  # (as it comes: a call that runs out of time keeps these)
         free(device)
         if peft:
-            rows += bench_peft(model_dir, dtype, device, sz, train, prompts)
+            theirs = bench_peft(model_dir, dtype, device, sz, train, prompts)
+            _progress(theirs)
+            rows += theirs
         free(device)
     rows.sort(key=lambda r: r.test.startswith("sampling"))  # training (a, b, c) first
     by = {r.test[:3]: r.throughput for r in rows}  # (a): the last head timed

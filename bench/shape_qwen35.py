@@ -36,3 +36,25 @@ def qwen35_35b_a3b(layers: int):
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
                          "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
                          "mrope_interleaved": True})
+
+
+def torch_rule_for_peft() -> None:
+    """Plain peft's Qwen3.5 (transformers' own modules) trains by transformers' torch delta
+    rule where fla-core refuses its gated backward (Hopper under Triton < 3.7.1, as the
+    engine does: twinkled/engine/linear_attn.py): transformers binds fla's kernel when its
+    module is imported, and on such a card the baseline spent minutes autotuning that
+    kernel's forward only to have its backward refused. Elsewhere both keep fla."""
+    import importlib
+
+    from twinkled.engine.linear_attn import fla_backward_broken
+
+    if not fla_backward_broken():
+        return
+    for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        try:
+            m = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:
+            continue
+        rule = getattr(m, "torch_chunk_gated_delta_rule", None)
+        if rule is not None and hasattr(rule, "__wrapped__"):  # (the hub/fla wrapper)
+            m.torch_chunk_gated_delta_rule = rule.__wrapped__
