@@ -1,0 +1,157 @@
+"""A small tenant next to a long-context one, through a real `twinkled serve` (issue 38).
+
+bench_long.py measures the engine: a small tenant co-batched with a 131,072-token row waits
+that row's whole step. What a user feels is the daemon's answer: its planner sees the long
+row's cost, and the small tenant's steps run in the steps around it (or, with preemptible
+steps, between its micro-batches). This runs one daemon on `--ranks` GPUs with `--cp`, and
+the unmodified tinker client:
+
+- alone: the small tenant (`--small-rows` x 512 tokens a step) for `--small-steps` steps;
+- beside: the same, while another tenant (a process of its own) trains one row of S tokens
+  a step, for each S of `--seq`; the small tenant's p50/p99 and the long tenant's tok/s.
+
+    python bench/long_daemon.py --shape qwen3-8b --seq 65536,131072 --ranks 2 --cp 2
+    python bench/long_daemon.py --shape tiny --device cpu --seq 512 --ranks 2 --cp 2  # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_multitenant import make_keys, pct, start_daemon  # noqa: E402
+from output import emit, section_path  # noqa: E402
+
+T = 900  # one step's result, at most (a 131,072-token row takes ~40 s on 2 H200s)
+SMALL_SEQ = 512
+
+
+def _datum(rng: random.Random, vocab: int, n: int):
+    import tinker
+
+    ids = [rng.randrange(vocab) for _ in range(n + 1)]
+    return tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+                              loss_fn_inputs={"target_tokens": ids[1:]})
+
+
+def _steps(url: str, key: str, model: str, vocab: int, rows: int, seq: int, steps: int,
+           until: Path | None = None) -> list[tuple[float, float]]:
+    """(start, seconds) of each forward_backward + optim_step; with `until`, steps go on
+    until that file exists (the small tenant's run beside this one is over)."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    import tinker
+
+    rng = random.Random(seq)
+    data = [_datum(rng, vocab, seq) for _ in range(rows)]
+    adam = tinker.types.AdamParams(learning_rate=1e-5)
+    tc = tinker.ServiceClient(base_url=url, api_key=key).create_lora_training_client(
+        base_model=model, rank=32).result(timeout=T)
+    out = []
+    while len(out) < steps or (until is not None and not until.exists()):
+        t0 = time.perf_counter()
+        fb = tc.forward_backward(data, "cross_entropy")
+        opt = tc.optim_step(adam)
+        fb.result(timeout=T)
+        opt.result(timeout=T)
+        out.append((t0, time.perf_counter() - t0))
+    return out
+
+
+def client(args: argparse.Namespace) -> None:
+    """The long tenant's process: steps until `--until` exists; prints its steps as JSON."""
+    got = _steps(args.url, args.key, args.model, args.vocab, 1, args.long, 1, Path(args.until))
+    print(json.dumps(got), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seq", default="65536,131072", help="the long tenant's row lengths")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--small-rows", type=int, default=8)
+    ap.add_argument("--small-steps", type=int, default=10)
+    ap.add_argument("--out", default=None, help="the section's file (default bench/results/)")
+    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    for name in ("url", "key", "model", "until"):
+        ap.add_argument(f"--{name}", help=argparse.SUPPRESS)
+    ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--long", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.client:
+        return client(args)
+    import torch
+    from bench_engine import build_model
+
+    seqs = [int(s) for s in args.seq.split(",")]
+    cuda = args.device.startswith("cuda")
+    work = Path(tempfile.mkdtemp(prefix="bench_long_daemon_"))
+    model = work / "model"
+    vocab = build_model(args.shape, model, torch.bfloat16 if cuda else torch.float32,
+                        args.device, None)
+    data = work / "data"
+    small_key, long_key = make_keys(data, 2)
+    daemon, url, log = start_daemon(model, data, work, "cuda" if cuda else "cpu",
+                                    "--workers", str(args.ranks),
+                                    "--cp", str(args.cp), "--max-seq-len", str(max(seqs)))
+    lines = []
+    try:
+        def small(until_file: Path | None = None) -> list[float]:
+            steps = _steps(url, small_key, model.name, vocab, args.small_rows, SMALL_SEQ,
+                           args.small_steps)
+            if until_file is not None:
+                until_file.touch()
+            return [s for _, s in steps]
+
+        alone = small()
+        lines.append(("alone", alone, None))
+        print(f"-- small tenant alone: p50 {pct(alone, .5):.3f} s, p99 {pct(alone, .99):.3f} s",
+              flush=True)
+        for S in seqs:
+            until = work / f"done-{S}"
+            long = subprocess.Popen(
+                [sys.executable, __file__, "--client", "--url", url, "--key", long_key,
+                 "--model", model.name, "--vocab", str(vocab), "--long", str(S),
+                 "--until", str(until)], stdout=subprocess.PIPE, text=True)
+            time.sleep(2.0)  # its first step in flight before the small tenant's
+            beside = small(until)
+            out, _ = long.communicate(timeout=3 * T)
+            long_steps = json.loads(out.strip().splitlines()[-1])
+            lines.append((f"beside one row of {S:,} tokens", beside, long_steps))
+            print(f"-- beside {S}: small p50 {pct(beside, .5):.3f} s, p99 "
+                  f"{pct(beside, .99):.3f} s; the long tenant's steps: "
+                  f"{[round(s, 2) for _, s in long_steps]}", flush=True)
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=120)
+        log.close()
+    card = torch.cuda.get_device_name() if cuda else f"CPU ranks ({os.cpu_count()} cores)"
+    text = (f"### A small tenant beside a long-context one, through the daemon: {args.shape}, "
+            f"{args.ranks} x {card}, --cp {args.cp}\n\n"
+            f"`{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`: the small tenant "
+            f"{args.small_rows} x {SMALL_SEQ} tokens a step, {args.small_steps} steps; the "
+            "long tenant one row a step; LoRA r=32, the unmodified tinker client\n\n"
+            "| the small tenant | step p50 (s) | step p99 (s) | the long tenant's tok/s |\n"
+            "|---|---:|---:|---:|\n")
+    for label, small_s, long_steps in lines:
+        tps = "-"
+        if long_steps:
+            S = int(label.split("of ")[1].split(" ")[0].replace(",", ""))
+            tps = f"{S / sorted(s for _, s in long_steps)[len(long_steps) // 2]:,.0f}"
+        text += f"| {label} | {pct(small_s, .5):.3f} | {pct(small_s, .99):.3f} | {tps} |\n"
+    emit(text, args.out if args.out is not None else section_path("long_daemon"))
+
+
+if __name__ == "__main__":
+    main()
