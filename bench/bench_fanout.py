@@ -41,14 +41,20 @@ def main() -> None:
         eng = Engine(Path(tmp) / "model", dtype=dtype, device=dev)
         eng.add_adapter("a", LoraConfig(rank=32, alpha=32, seed=0))
         gen = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, eng.model.vocab_size, (args.prompt,), generator=gen).tolist()
+        # A new prompt each repetition, as an RL step's are: the prefix cache would otherwise
+        # serve every repetition after the first without a prefill (the "cached" rows).
+        prompts = [torch.randint(0, eng.model.vocab_size, (args.prompt,), generator=gen).tolist()
+                   for _ in range(args.repeats + 1)]
         adapter = [eng.pool.get("a")]
 
-        def timed(n: int, share: bool) -> float:
+        def timed(n: int, share: bool, fresh: bool = True) -> float:
             params = SamplingParams(max_tokens=args.new, temperature=1.0, seed=1, stop=[])
-            req = [SampleRequest("a", prompt, params, num_samples=n)]
             out = []
-            for _ in range(args.repeats + 1):
+            for r in range(args.repeats + 1):
+                prompt = prompts[r] if fresh else prompts[0]
+                # (a different first token: this configuration's prompt is not cached yet)
+                prompt = [(prompt[0] + n + 2 * share) % eng.model.vocab_size, *prompt[1:]]
+                req = [SampleRequest("a", prompt, params, num_samples=n)]
                 sync()
                 t0 = time.perf_counter()
                 if share:
@@ -62,10 +68,14 @@ def main() -> None:
         one = timed(1, True)
         rows = [(f"{args.samples} samples, prefilled once", timed(args.samples, True)),
                 (f"{args.samples} samples, prefilled per sample", timed(args.samples, False))]
+        cached = timed(1, True, fresh=False)  # the prompt's KV from the prefix cache
+        rows += [("1 sample, the prompt cached", cached),
+                 (f"{args.samples} samples, the prompt cached",
+                  timed(args.samples, True, fresh=False))]
     text = header(args.device).replace("Engine vs peft", "Sampling fan-out")
     text += (f"\n### {args.shape} ({args.device}, {str(dtype).split('.')[-1]}), prompt "
              f"{args.prompt} tokens, {args.new} new tokens per sample, temperature 1, median "
-             f"of {args.repeats}\n\n| run | seconds | vs 1 sample |\n|---|---:|---:|\n"
+             f"of {args.repeats}, a new prompt each (cached rows: the same prompt again)\n\n| run | seconds | vs 1 sample |\n|---|---:|---:|\n"
              f"| 1 sample | {one:.3f} | 1.00x |\n")
     for name, t in rows:
         text += f"| {name} | {t:.3f} | {t / one:.2f}x |\n"
