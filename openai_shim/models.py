@@ -68,3 +68,12 @@ def listing(request: web.Request, limit: int = 1000) -> dict:
                          "created": int(c["created"] or 0), "owned_by": request["tenant"],
                          "root": svc.config.served_name, "parent": svc.config.served_name})
     return {"object": "list", "data": data}
+
+
+def one(request: web.Request, name: str) -> dict:
+    """`GET /models/{model}`: the listing's entry of that id (the served model, or the
+    caller's own ready sampler weights), else a 404 as OpenAI gives."""
+    found = next((m for m in listing(request)["data"] if m["id"] == name), None)
+    if found is None:
+        raise model_not_found(name)
+    return found

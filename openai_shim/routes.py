@@ -30,7 +30,7 @@ from .messages import (
     decode,
     prompts,
 )
-from .models import listing
+from .models import listing, one
 from .sampling import (
     Deltas,
     Job,
@@ -53,6 +53,10 @@ CHAT_MAX_TOKENS = 4096
 
 async def models(request: web.Request) -> web.Response:
     return web.json_response(listing(request))
+
+
+async def model(request: web.Request) -> web.Response:
+    return web.json_response(one(request, request.match_info["model"]))
 
 
 async def _door(request, message: type, check) -> tuple:
@@ -195,5 +199,7 @@ def add_routes(app: web.Application) -> None:
     app["oai_text"] = TextSideSlot(cfg and cfg.model, cfg.model_config if cfg else {})
     r = app.router
     r.add_get(f"{V1}/models", openai_errors(models))
+    # (a sampler path holds slashes: tinker://<run>/sampler_weights/<name>)
+    r.add_get(f"{V1}/models/{{model:.+}}", openai_errors(model))
     r.add_post(f"{V1}/completions", openai_errors(completions))
     r.add_post(f"{V1}/chat/completions", openai_errors(chat_completions))

@@ -46,8 +46,13 @@ def tok(tiny_dir):
 
 
 def test_models_list_the_base_model(daemon, tiny_dir):
-    ids = [m.id for m in client(daemon).models.list().data]
+    c = client(daemon)
+    ids = [m.id for m in c.models.list().data]
     assert ids[0] == tiny_dir.name
+    assert c.models.retrieve(tiny_dir.name).id == tiny_dir.name
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
 
 
 def test_completion_whole_and_streamed_agree(daemon, tiny_dir, tok):
@@ -198,6 +203,7 @@ def test_a_trained_adapter_answers_as_tinker_samples_it(daemon, tiny_dir):
     assert got.logprobs.token_logprobs == pytest.approx(want.logprobs[:len(got.logprobs.tokens)],
                                                         abs=1e-4)
     assert path in [m.id for m in c.models.list().data]
+    assert c.models.retrieve(path).id == path  # (its slashes and all)
     # The sampling session the Tinker client made on that path names the same weights.
     session = tc.model_id.split(":train:")[0]
     rest = tinker.RestClient(base_url=daemon.url, api_key=daemon.keys["alice"])
@@ -212,6 +218,8 @@ def test_a_trained_adapter_answers_as_tinker_samples_it(daemon, tiny_dir):
         client(daemon, "bob").completions.create(model=path, **kw)
     assert e.value.body["code"] == "model_not_found"
     assert path not in [m.id for m in client(daemon, "bob").models.list().data]
+    with pytest.raises(openai.NotFoundError):
+        client(daemon, "bob").models.retrieve(path)
 
 
 def test_top_k_one_is_greedy(daemon, tiny_dir):
