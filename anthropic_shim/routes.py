@@ -18,7 +18,7 @@ from aiohttp import web
 from openai_shim.choices import ChoiceText
 from openai_shim.images import chat_prompt
 from openai_shim.messages import decode
-from openai_shim.models import listing
+from openai_shim.models import listing, one
 from openai_shim.sampling import (
     Deltas,
     Job,
@@ -76,12 +76,21 @@ async def count_tokens(request: web.Request) -> web.Response:
     return web.json_response({"input_tokens": len(prompt)})
 
 
+def _model(m: dict) -> dict:
+    return {"type": "model", "id": m["id"], "display_name": m["id"],
+            "created_at": iso_time(m["created"])}
+
+
 async def models(request: web.Request) -> web.Response:
     """The served model, then the key's sampler weights (what `model` may name)."""
-    data = [{"type": "model", "id": m["id"], "display_name": m["id"],
-             "created_at": iso_time(m["created"])} for m in listing(request)["data"]]
+    data = [_model(m) for m in listing(request)["data"]]
     return web.json_response({"data": data, "has_more": False, "first_id": data[0]["id"],
                               "last_id": data[-1]["id"]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """One entry of `models` by its id (a sampler path's slashes and all); else a 404."""
+    return web.json_response(_model(one(request, request.match_info["model"])))
 
 
 def _stop(choice: ChoiceText) -> dict:
@@ -145,3 +154,4 @@ def add_routes(app: web.Application) -> None:
     r.add_post(f"{V1}/messages", anthropic_errors(messages))
     r.add_post(f"{V1}/messages/count_tokens", anthropic_errors(count_tokens))
     r.add_get(f"{V1}/models", anthropic_errors(models))
+    r.add_get(f"{V1}/models/{{model:.+}}", anthropic_errors(model))

@@ -69,6 +69,7 @@ def test_a_chat_with_a_trained_adapter_is_what_tinker_samples(daemon, tiny_dir, 
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert [m.id for m in client(daemon).models.list()][:1] == [tiny_dir.name]
     assert path in [m.id for m in client(daemon).models.list()]
+    assert client(daemon).models.retrieve(path).id == path
     # count_tokens counts what messages samples from.
     assert client(daemon).messages.count_tokens(
         model=path, system=system, messages=HELLO).input_tokens == len(prompt)
@@ -122,6 +123,9 @@ def test_errors_in_anthropic_shape(daemon, tiny_dir, trained):
     # Another tenant's adapter is "not found", like an unknown model.
     with pytest.raises(anthropic.NotFoundError):
         client(daemon, "bob").messages.create(model=trained[0], max_tokens=2, messages=HELLO)
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client(daemon, "bob").models.retrieve(trained[0])
+    assert e.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.AuthenticationError) as e:
         client(daemon, key="tml-not-a-key").messages.create(model=tiny_dir.name, max_tokens=2,
                                                             messages=HELLO)
