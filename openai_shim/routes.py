@@ -31,6 +31,7 @@ from .messages import (
     prompts,
 )
 from .models import listing, one
+from .responses import responses
 from .sampling import (
     Deltas,
     Job,
@@ -203,3 +204,4 @@ def add_routes(app: web.Application) -> None:
     r.add_get(f"{V1}/models/{{model:.+}}", openai_errors(model))
     r.add_post(f"{V1}/completions", openai_errors(completions))
     r.add_post(f"{V1}/chat/completions", openai_errors(chat_completions))
+    r.add_post(f"{V1}/responses", openai_errors(responses))

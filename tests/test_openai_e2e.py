@@ -100,6 +100,42 @@ def test_chat_whole_and_streamed_agree_with_n_and_seed(daemon, tiny_dir, tok):
     assert "libtorch" not in open(f"/proc/{daemon.proc.pid}/maps").read()
 
 
+def test_responses_api_answers_as_the_chat_does_whole_and_streamed(daemon, tiny_dir, tok):
+    """`client.responses.create`: instructions and input items are the chat's system and
+    user messages; the answer (greedy) is the chat completion's, whole and streamed."""
+    c = client(daemon)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    chat = c.chat.completions.create(model=tiny_dir.name, messages=messages, max_tokens=6,
+                                     temperature=0)
+    kw = dict(model=tiny_dir.name, instructions="be brief", max_output_tokens=6, temperature=0,
+              input=[{"role": "user", "content": [{"type": "input_text", "text": "hello"}]}])
+    r = c.responses.create(**kw)
+    assert r.object == "response" and r.output_text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (len(tok.chat(messages)), 6)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    events = list(c.responses.create(**kw, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        r.output_text == events[-1].response.output_text
+    # A plain string input is one user message.
+    one = c.responses.create(model=tiny_dir.name, input="hello", max_output_tokens=6,
+                             temperature=0)
+    assert one.output_text == c.chat.completions.create(
+        model=tiny_dir.name, messages=messages[1:], max_tokens=6,
+        temperature=0).choices[0].message.content
+    for bad, param in ((dict(tools=[{"type": "function", "name": "f", "parameters": {}}]),
+                        "tools"),
+                       (dict(previous_response_id="resp_x"), "previous_response_id"),
+                       (dict(text={"format": {"type": "json_object"}}), "text.format"),
+                       (dict(input=[{"type": "function_call_output", "call_id": "x",
+                                     "output": "y"}]), "input[0]"),
+                       (dict(max_output_tokens=0), "max_output_tokens")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(**{**kw, **bad})
+        assert e.value.body["param"] == param, e.value.body
+
+
 def test_completion_logprobs_and_several_prompts(daemon, tiny_dir):
     c = client(daemon)
     r = c.completions.create(model=tiny_dir.name, prompt=["hello world", PROMPT], n=2,
