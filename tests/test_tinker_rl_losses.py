@@ -1,7 +1,8 @@
 """stable_reinforce, gspo and dro through a real `twinkled serve`, driven by the unmodified
 tinker 0.38 client the way the tinker-cookbook 0.6.1 RL loop drives them: sampling with
 record_stability_info=True, datums with provenance spans, losses checked against their
-formulas on the logprobs the server returns."""
+formulas on the logprobs the server returns; and the SDK's client-side custom loss
+(forward_backward_custom, as a DPO recipe uses it)."""
 
 from __future__ import annotations
 
@@ -180,3 +181,38 @@ def test_gspo_and_dro_follow_their_formulas(daemon, tiny_dir):
     with pytest.raises(REFUSED, match=r"sequence_ratio_mask: marks no token"):
         tc.forward_backward(unmarked, "gspo").result(timeout=T)
     sc.close("success")
+
+
+def test_forward_backward_custom_dpo_is_the_cross_entropy_its_gradients_make(daemon, tiny_dir):
+    """The SDK's forward_backward_custom (a DPO loss on the client: negative weights for the
+    rejected sequence) trains as forward_backward of cross_entropy with those weights does,
+    and the preference margin grows."""
+    tc = [service(daemon).create_lora_training_client(base_model=tiny_dir.name, rank=4, seed=3)
+          .result(timeout=T) for _ in range(2)]
+
+    def datum(ids, weights=None):
+        return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
+            "target_tokens": ids[1:], "weights": weights or [1.0] * (len(ids) - 1)})
+
+    chosen, rejected = [5, 6, 7, 8, 9], [5, 6, 7, 10, 11]
+
+    def dpo(data, lps):
+        return -torch.nn.functional.logsigmoid(0.5 * (lps[0].sum() - lps[1].sum())), {}
+
+    adam = types.AdamParams(learning_rate=1e-2)
+    before = [sum(tc[0].forward([datum(s)], "cross_entropy").result(timeout=T)
+                  .loss_fn_outputs[0]["logprobs"].tolist()) for s in (chosen, rejected)]
+    tc[0].forward_backward_custom([datum(chosen), datum(rejected)], dpo).result(timeout=T)
+    tc[0].optim_step(adam).result(timeout=T)
+    # By hand: d loss / d lp_chosen = -0.5 sigmoid(-m), and the opposite for rejected; the
+    # server's cross_entropy is sum(-lp * w), so w = -grad.
+    m = torch.tensor(0.5 * (before[0] - before[1]))
+    w = float(0.5 * torch.sigmoid(-m))
+    tc[1].forward_backward([datum(chosen, [w] * 4), datum(rejected, [-w] * 4)],
+                           "cross_entropy").result(timeout=T)
+    tc[1].optim_step(adam).result(timeout=T)
+    after = [[sum(c.forward([datum(s)], "cross_entropy").result(timeout=T)
+                  .loss_fn_outputs[0]["logprobs"].tolist()) for s in (chosen, rejected)]
+             for c in tc]
+    assert after[0] == pytest.approx(after[1], abs=1e-4)
+    assert after[0][0] - after[0][1] > before[0] - before[1]
