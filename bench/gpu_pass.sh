@@ -18,6 +18,9 @@
 #   bash bench/gpu_pass.sh qwen35                  # issue 34: Qwen3.5 GPU tests, 9B figures
 #   bash bench/gpu_pass.sh rlstep                  # issue 31: the cookbook RL step, 8B
 #   bash bench/gpu_pass.sh tenants05; ... tenants8b  # issue 33: 1,000 / 200 runs (a call each)
+#   bash bench/gpu_pass.sh vl                      # issue 35: Qwen2.5-VL-7B, Qwen3-VL-8B through the daemon
+#   bash bench/gpu_pass.sh arch                    # issue 34: gpt-oss-20b, DeepSeek-V3 (reduced) shapes
+#   bash bench/gpu_pass.sh fulld longd             # issues 37, 38 through the daemon (2 GPUs, a call each)
 #   bash bench/gpu_pass.sh gpucheck                # the GPU-only tests of the fast paths (fused
 #                                                  #   layer, overlapped decode, direct LoRA,
 #                                                  #   cascade, flash varlen): run before timing them
@@ -133,7 +136,24 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
                        --write "$out/tenants05.md" > "$out/tenants05.log" 2>&1; tail -20 "$out/tenants05.log" ;;
         tenants8b) "$py" bench_tenants.py --shape qwen3-8b --runs 200 --active 16 \
                        --write "$out/tenants8b.md" > "$out/tenants8b.log" 2>&1; tail -20 "$out/tenants8b.log" ;;
-        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, rlstep, tenants05, tenants8b)"; exit 2 ;;
+        # issue 35: the VL shapes through the daemon beside plain peft (2.5 after the patch cache)
+        vl) for s in qwen2.5-vl-7b qwen3-vl-8b; do
+                "$py" bench_multitenant.py --shape "$s" --tenants 1,8 --packed-baseline \
+                    --skip-fairness --steps 10 --write "$out/mt_$s.md" > "$out/mt_$s.log" 2>&1
+                tail -6 "$out/mt_$s.log"; done ;;
+        # issue 34: gpt-oss and DeepSeek-V3 (reduced depth) shapes, engine and daemon
+        arch) for s in gpt-oss-20b deepseek-v3; do
+                  "$py" bench_engine.py --shape "$s" --device cuda $([ "$s" = deepseek-v3 ] && echo --skip-peft) \
+                      --write "$out/engine_$s.md" > "$out/engine_$s.log" 2>&1; grep -a "^--" "$out/engine_$s.log"
+                  "$py" bench_multitenant.py --shape "$s" --tenants 8 --skip-fairness \
+                      --write "$out/mt_$s.md" > "$out/mt_$s.log" 2>&1; tail -6 "$out/mt_$s.log"; done ;;
+        # issues 37 and 38 through the daemon, on 2 GPUs (nvidia-h200-x2)
+        fulld) "$py" bench_full.py --shape qwen3-8b --ranks 2 --daemon --seq 2048 --batch 2 \
+                   --out "$out/full_daemon.md" > "$out/full_daemon.log" 2>&1; tail -12 "$out/full_daemon.log" ;;
+        longd) "$py" long_daemon.py --shape qwen3-8b --seq 65536,131072 --ranks 2 --cp 2 \
+                   --small-steps 6 --out "$out/long_daemon.md" > "$out/long_daemon.log" 2>&1
+               grep -a "^--\|^|" "$out/long_daemon.log" ;;
+        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, rlstep, tenants05, tenants8b, vl, arch, fulld, longd)"; exit 2 ;;
     esac
 done
 echo "== done $(date +%T)"
