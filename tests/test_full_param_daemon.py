@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 import torch
-from daemon import Daemon, ctl_status, make_key
+from daemon import Daemon, ctl_status, make_key, run_ctl
 from test_workers import _data
 
 from twinkled.server.ctl import Target
@@ -232,6 +232,7 @@ def test_a_full_run_takes_a_one_lane_daemon_when_allowed_and_gives_it_back(one_l
     status = ctl_status(d.data_dir)
     [held] = status["full_runs"]
     assert (held["lane"], held["tenant"]) == (0, "alice") and len(status["workers"]) == 2
+    assert "lane 0 held by the full-parameter run" in run_ctl(d.data_dir, "status").stdout
 
     # Meanwhile LoRA runs and base-model samples are 400s (never retried) naming the holder
     bob = _client(d, "bob")

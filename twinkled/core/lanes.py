@@ -141,7 +141,7 @@ class Lanes:
         up = self.up() or self.all
         run = _run_of(adapter) if adapter is not None else None
         home = self._home.get(run) if run is not None else None
-        if home is not None and self.exclusive.open_to(home, run):
+        if home is not None and not home.down and self.exclusive.open_to(home, run):
             return home  # (a full run's samplers: its own lane)
         # Never a lane whose base model a full run is training (no lane: a clear 400).
         shared = self.exclusive.shared(up)
