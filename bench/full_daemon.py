@@ -1,19 +1,14 @@
 """bench_full.py --daemon: the full-parameter run through a real `twinkled serve` and the
 unmodified tinker client (issue 37), beside the plain FSDP2 loop of the same invocation.
 
-The daemon refuses a full run on a one-lane daemon (core/exclusive.py: the run would take
-the only lane from LoRA tenants), and lists a GPU once (config.py), so a box of R cards
-serves two lanes: lane 0 the R cards (the run's lane, its fp32 masters and moments split
-over them, ZeRO-1) and lane 1 R CPU workers, the lane a one-lane daemon lacks; nothing is
-placed there in this bench, but each of its ranks holds the model in fp32 in host memory
-(33 GB for Qwen3-8B: 66 GB at R = 2). The full run takes the first empty lane, the GPUs'.
-On a CPU box the two lanes are 2R gloo workers.
-
-The daemon runs with `sample_kv_mb = 4096` (KV_MB): by default the sizing estimate sets
-30% of what a card has left after the weights aside for the sampler's KV pool, and on
-2 x H200 (139.8 GiB) that leaves 60.9 GiB a card for an 8B full run that needs 61.0 (gradients
-16.4 GB + half of the fp32 masters and moments, 8 bytes a parameter): refused by 0.1 GiB.
-This bench samples nothing, so the pool is never made either way.
+The daemon is one lane of the R cards (`--devices cuda:0,...`; on a CPU box R gloo
+workers) with `full_run_only_lane = true`: the operator's choice that lets a full run take
+a one-lane daemon's lane while no LoRA run is there (core/exclusive.py), its fp32 masters
+and moments split over the R ranks (ZeRO-1). Default settings otherwise: the sizing
+estimate counts the KV pool the run's lane will hold (made at the first sample, at most
+4 GiB while a full run lives: sizing.FULL_RUN_KV_BYTES), not the 30% of each card LoRA
+tenants' sampling gets, so an 8B run on 2 x H200 (8 bytes a parameter: 61.0 GiB a card)
+is admitted without `sample_kv_mb`.
 
 Each timed step is one `forward_backward` of R x `--batch` rows of `--seq` tokens (the lane
 spreads the rows over its ranks: `--batch` a rank, as the plain loop) with its `optim_step`
@@ -35,8 +30,7 @@ from pathlib import Path
 
 from bench_engine import Row
 
-START_S = 420  # the daemon loading an 8B on its cards and on the CPU lane (~1-2 min)
-KV_MB = 4096  # the sampler's KV pool the estimate sets aside (see above)
+START_S = 420  # the daemon loading an 8B on its cards (~1-2 min)
 STEP_S = 300  # one step's result (the first one compiles and warms the allocator)
 
 
@@ -48,22 +42,21 @@ def _log_tail(log: Path, lines: int = 40) -> str:
 
 
 def _start(model_dir: Path, work: Path, device: str, ranks: int) -> tuple:
-    """`twinkled serve` with two lanes of `ranks` workers; returns (process, url, log path)
-    once /healthz says "ok", or exits with the log's tail."""
+    """`twinkled serve`, one lane of `ranks` workers that a full run may take; returns
+    (process, url, log path) once /healthz says "ok", or exits with the log's tail."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from daemon import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cuda = device.startswith("cuda")
-    layout = (["--devices", ",".join([f"cuda:{i}" for i in range(ranks)] + ["cpu"] * ranks)]
-              if cuda
-              else ["--device", "cpu", "--workers", str(2 * ranks)])
+    layout = (["--devices", ",".join(f"cuda:{i}" for i in range(ranks))] if cuda
+              else ["--device", "cpu", "--workers", str(ranks)])
     log = work / "twinkled.log"
     config = work / "twinkled.toml"
-    config.write_text(f"sample_kv_mb = {KV_MB}\n")
+    config.write_text("full_run_only_lane = true\n")
     cmd = [sys.executable, "-m", "twinkled", "serve", "--model", str(model_dir),
-           "--data-dir", str(work / "data"), "--port", str(port), "--lanes", "2", *layout,
+           "--data-dir", str(work / "data"), "--port", str(port), "--lanes", "1", *layout,
            "--config", str(config),
            "--dtype", "bfloat16" if cuda else "float32"]
     with log.open("ab") as out:
@@ -113,8 +106,8 @@ def _key(data: Path) -> str:
 
 
 def _peak_gib(data: Path) -> float | None:
-    """The largest peak GPU memory of the daemon's workers (lane 0's: lane 1 is on the
-    CPU), from `twinkled ctl status --json`."""
+    """The largest peak GPU memory of the daemon's workers, from `twinkled ctl status
+    --json`."""
     try:
         out = subprocess.run([sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(data),
                               "status", "--json"], capture_output=True, text=True,
@@ -154,11 +147,11 @@ def _train(url: str, key: str, name: str, vocab: int, rows: int, seq: int, warmu
 
 def layout_note(device: str, ranks: int) -> str:
     """What the section says of the daemon's layout."""
-    spare = f"{ranks} CPU workers" if device.startswith("cuda") else f"{ranks} more gloo ranks"
-    return (f"The daemon: `--lanes 2`, lane 0 the run's {ranks} rank(s) (ZeRO-1: fp32 masters "
-            f"and moments split over them), lane 1 {spare} (a one-lane daemon refuses a full "
-            f"run), `sample_kv_mb = {KV_MB}` (bench/full_daemon.py says why); each step one "
-            "forward_backward + optim_step from the unmodified tinker client.")
+    ranks_are = f"{ranks} GPU(s)" if device.startswith("cuda") else f"{ranks} gloo rank(s)"
+    return (f"The daemon: one lane of {ranks_are}, `full_run_only_lane = true` (the run takes "
+            "the lane; ZeRO-1: fp32 masters and moments split over its ranks), default KV "
+            "settings (the estimate counts the 4 GiB pool a full run's lane samples with); "
+            "each step one forward_backward + optim_step from the unmodified tinker client.")
 
 
 def daemon_row(model_dir: Path, device: str, ranks: int, batch: int, seq: int, warmup: int,

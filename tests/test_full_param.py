@@ -12,6 +12,9 @@ from transformers import AutoModelForCausalLM
 from twinkled.protocol.types import AdamParams, EngineInputError, ForwardBackwardRequest, LoraConfig
 
 PARAMS = AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
+QWEN3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "intermediate_size": 12288, "num_hidden_layers": 36,
+            "vocab_size": 151936}
 
 
 def _batch(vocab: int) -> list:
@@ -101,15 +104,36 @@ def test_the_base_model_comes_back_when_the_run_ends(trained):
 def test_memory_estimate_refuses_an_8b_full_run_on_one_card_and_says_what_fits():
     from twinkled.protocol.sizing import GiB, full_run_problem
 
-    qwen3_8b = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
-                "head_dim": 128, "intermediate_size": 12288, "num_hidden_layers": 36,
-                "vocab_size": 151936}
+    qwen3_8b = QWEN3_8B
     why = full_run_problem(qwen3_8b, 2, 50 * GiB)  # what an 80 GB card leaves after bf16 weights
     assert why is not None and "8.19B parameters" in why and "14 bytes a parameter" in why
     assert "at most 3.83B parameters would fit, or a lane of 3 GPUs" in why
     assert full_run_problem(qwen3_8b, 2, 50 * GiB, ranks=4) is None  # 5 bytes a parameter
     assert full_run_problem(qwen3_8b, 2, 200 * GiB) is None
     assert full_run_problem(qwen3_8b, 2, None) is None  # no limit known (CPUs)
+
+
+def test_an_8b_full_run_on_one_lane_of_two_h200s_is_admitted_with_default_settings(tmp_path):
+    """The room counts the KV pool the run's lane will hold (made at the first sample and
+    capped at FULL_RUN_KV_BYTES while a full run lives), not the configured pool: 30% of
+    what an H200 has left (26 GiB) left an 8B run 60.9 GiB against 61.0 needed."""
+    import json
+
+    from twinkled.protocol.config import Config
+    from twinkled.protocol.sizing import GiB, full_run_problem
+    from twinkled.server.layout import adapters_budget, full_run_room, kv_pool_mb
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
+    cfg = Config(model=tmp_path, devices=["cuda:0", "cuda:1"], dtype="bfloat16")
+    memory = [int(139.8 * GiB)] * 2
+    cfg.sample_kv_mb = kv_pool_mb(cfg, memory)  # as `twinkled serve` sets it
+    assert cfg.sample_kv_mb > 20 * 1024  # the LoRA tenants' pool is untouched
+    old = full_run_problem(QWEN3_8B, 2, adapters_budget(cfg, memory), ranks=2)
+    assert old is not None and "60.9 GiB left" in old  # the adapters' room: refused
+    room = full_run_room(cfg, memory)
+    assert full_run_problem(QWEN3_8B, 2, room, ranks=2) is None
+    assert room == adapters_budget(cfg, memory) + (cfg.sample_kv_mb << 20) - 4 * GiB
+    assert full_run_problem(QWEN3_8B, 2, room, ranks=1) is not None  # one card: still no
 
 
 def test_twinkle_sdk_r0_is_a_full_parameter_run(tiny_dir):
@@ -148,28 +172,49 @@ def test_a_full_run_takes_only_an_empty_lane_and_gives_it_back():
     assert [x.index for x in ex.shared(lanes)] == [0, 1] and ex.count("alice") == 1
     with pytest.raises(UserError, match="of 3 lanes, 1 hold full runs and 2 have LoRA runs"):
         ex.reserve(lanes, "run-b", "bob")  # a lane with parked adapters is not empty either
-    with pytest.raises(UserError, match="--lanes 2"):
+    with pytest.raises(UserError, match="--lanes 2 or more, or .*full_run_only_lane = true"):
         ex.free_lane(lanes[:1])
     ex.release("run-a")
     assert ex.count() == 0 and len(ex.shared(lanes)) == 3
 
+    one = Exclusive(only_lane=True)  # full_run_only_lane: the one lane, when it is empty
+    with pytest.raises(UserError, match="only lane has LoRA runs"):
+        one.reserve(lanes[:1], "run-c", "carol")
+    assert one.reserve(lanes[2:], "run-c", "carol").index == 2 and not one.shared(lanes[2:])
+    with pytest.raises(UserError, match="only lane is held by a full-parameter run of tenant "
+                                        "'carol'; try again when it ends"):
+        one.reserve(lanes[2:], "run-d", "dave")
+    assert one.status() == [{"lane": 2, "run": "run-c", "tenant": "carol"}]
+    one.release("run-c")
+    assert one.shared(lanes[2:]) and not one.status()
 
-def test_sampler_views_of_a_full_run_sample_its_weights_and_go_quietly(tiny_dir):
+
+def test_sampler_views_of_a_full_run_sample_its_weights_and_go_quietly(tiny_dir, monkeypatch):
+    import twinkled.engine.engine as engine_module
+    from twinkled.engine.running import pool_pages
     from twinkled.protocol.types import SampleRequest, SamplingParams
 
     eng = make_engine(tiny_dir)
+    eng.kv_bytes, cap = 4 << 20, 1 << 20  # (the configured pool, and a small cap)
+    monkeypatch.setattr(engine_module, "FULL_RUN_KV_BYTES", cap)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    eng.sample([SampleRequest(None, [5, 6, 7], greedy)])
+    assert eng.kv_pages == pool_pages(eng.model, 4 << 20)  # made at the first sample
     eng.add_adapter("run", LoraConfig(rank=0))
+    assert eng.kv_pages == 0  # the idle pool made before the run is let go
     eng.copy_adapter("run", "view")  # what save_weights_for_sampler keeps on the device
     data = _batch(eng.model.vocab_size)
     _losses(eng, "run", data, 1)
-    greedy = SamplingParams(max_tokens=3, temperature=0.0)
     got = eng.sample([SampleRequest("view", [5, 6, 7], greedy)])[0].sequences[0].tokens
+    assert eng.kv_pages == pool_pages(eng.model, cap)  # the room the estimate left it
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():  # the run's current weights, as transformers runs them
         want = eng.model.hf.generate(ids, max_new_tokens=3, do_sample=False)[0, 3:].tolist()
     assert got == want[:len(got)] and got
     eng.remove_adapter("run")
     assert not eng.has_adapter("view")
+    eng.sample([SampleRequest(None, [5, 6, 7], greedy)])
+    assert eng.kv_pages == pool_pages(eng.model, 4 << 20)  # the run gone: the configured pool
     eng.remove_adapter("view")  # a stale view (the sampler cache lets go later): no error
     with pytest.raises(EngineInputError):
         eng.remove_adapter("view")

@@ -2,7 +2,9 @@
 `twinkled serve` of two lanes: the run holds one lane alone and trains as plain torch AdamW
 does, a LoRA tenant trains on the other lane meanwhile, save_state/load_state round trip,
 sampling from the run's weights, the external export loads in transformers; and the
-refusals (policy, no free lane, one lane) are clear 400s."""
+refusals (policy, no free lane, one lane) are clear 400s. A one-lane daemon whose operator
+lets a full run take its lane (full_run_only_lane) lends it to one, over both its workers
+(2 ranks, gloo), and shares it again once the run ends."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import urllib.request
 
 import pytest
 import torch
-from daemon import Daemon, ctl_status, make_key
+from daemon import Daemon, ctl_status, make_key, run_ctl
 from test_workers import _data
 
 from twinkled.server.ctl import Target
@@ -204,5 +206,58 @@ def test_full_run_trains_alone_on_its_lane_beside_a_lora_tenant(two_lanes, tiny_
 
 def test_one_lane_daemon_refuses_a_full_run_saying_what_to_do(daemon, tiny_dir):
     sc = tinker.ServiceClient(base_url=daemon.url, api_key=daemon.keys["alice"])
-    with pytest.raises(tinker.BadRequestError, match="--lanes 2"):
+    with pytest.raises(tinker.BadRequestError, match="--lanes 2 or more, or .*"
+                                                     "full_run_only_lane = true"):
         sc.create_lora_training_client(base_model=tiny_dir.name, rank=0).result(timeout=T)
+
+
+@pytest.fixture(scope="module")
+def one_lane(tiny_dir, tmp_path_factory):
+    """One lane of two CPU workers (data parallel, gloo); full runs may take it."""
+    data = tmp_path_factory.mktemp("onelane")
+    cfg = data / "twinkled.toml"
+    cfg.write_text("full_run_only_lane = true\n")
+    keys = {t: make_key(data, t) for t in ("alice", "bob")}
+    d = Daemon(tiny_dir, data, data / "log", "--workers", "2", "--config", str(cfg))
+    d.keys = keys
+    yield d
+    d.stop()
+
+
+def test_a_full_run_takes_a_one_lane_daemon_when_allowed_and_gives_it_back(one_lane, tiny_dir):
+    d = one_lane
+    alice = _client(d, "alice")
+    full = alice.create_lora_training_client(base_model=tiny_dir.name, rank=0).result(timeout=T)
+    data = _data(full.get_tokenizer(), TEXTS)
+    status = ctl_status(d.data_dir)
+    [held] = status["full_runs"]
+    assert (held["lane"], held["tenant"]) == (0, "alice") and len(status["workers"]) == 2
+    assert "lane 0 held by the full-parameter run" in run_ctl(d.data_dir, "status").stdout
+
+    # Meanwhile LoRA runs and base-model samples are 400s (never retried) naming the holder
+    bob = _client(d, "bob")
+    with pytest.raises(tinker.BadRequestError, match="only lane is held by a full-parameter "
+                                                     "run .* of tenant 'alice'; LoRA runs"):
+        bob.create_lora_training_client(base_model=tiny_dir.name, rank=4).result(timeout=T)
+    base = bob.create_sampling_client(base_model=tiny_dir.name)
+    base = base.result(timeout=T) if hasattr(base, "result") else base
+    prompt = tinker.types.ModelInput.from_ints(data[0].model_input.to_ints())
+    greedy = tinker.types.SamplingParams(max_tokens=2, temperature=0.0)
+    with pytest.raises(tinker.BadRequestError, match="'alice'; base-model samples can resume"):
+        base.sample(prompt, 1, greedy).result(timeout=T)
+
+    # The run trains over both workers as plain torch AdamW does on one process
+    losses = [_step(full, data) for _ in range(3)]
+    assert losses == pytest.approx(_plain(tiny_dir, data, 3), rel=1e-5, abs=1e-4)
+    assert losses[-1] < losses[0]
+
+    # Its session ends: the lane is shared again, a LoRA run trains there, the base samples
+    alice.close("success").result(timeout=T)
+    deadline = time.monotonic() + 30
+    while ctl_status(d.data_dir)["full_runs"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    lora = bob.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                           seed=1).result(timeout=T)
+    bob_losses = [_step(lora, data) for _ in range(3)]
+    assert bob_losses[-1] < bob_losses[0]
+    assert base.sample(prompt, 1, greedy).result(timeout=T).sequences[0].tokens

@@ -36,7 +36,8 @@ async def balance(lanes: Lanes) -> int:
     """Move idle runs from the most loaded lane to the least until they differ by less
     than SPREAD (or MOVES_PER_ROUND moved, or none can move now); how many moved."""
     moved = 0
-    while moved < MOVES_PER_ROUND and len(up := lanes.up()) > 1:  # (not a gone host's)
+    # (not a gone host's lane, nor one a full run holds: no LoRA run goes there)
+    while moved < MOVES_PER_ROUND and len(up := lanes.exclusive.shared(lanes.up())) > 1:
         light = min(up, key=lambda lane: (load(lane), lane.index))
         heavy = max(up, key=lambda lane: (load(lane), -lane.index))
         if load(heavy) - load(light) < SPREAD:

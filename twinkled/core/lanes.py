@@ -85,7 +85,7 @@ def make_lane(index: int, planner: Planner, executor: Executor, store: Any,
 
 
 class Lanes:
-    def __init__(self, lanes: list[Lane], store: Any):
+    def __init__(self, lanes: list[Lane], store: Any, exclusive: Exclusive | None = None):
         self.all = lanes
         self._own = list(lanes)  # this host's (`add`ed lanes run their loops themselves)
         self.planners = [lane.planner for lane in lanes]  # (Tenants sets quotas on each)
@@ -96,7 +96,8 @@ class Lanes:
         self._samplers: dict[str, Lane] = {}  # sampler adapter -> the lane that holds it
         self._turn = 0  # round robin for base-model samples
         self._reloading: dict[str, asyncio.Lock] = {}  # model -> one reload at a time
-        self.exclusive = Exclusive()  # lanes held by full-parameter runs (exclusive.py)
+        # lanes held by full-parameter runs (exclusive.py)
+        self.exclusive = exclusive or Exclusive()
         self.moved_runs = 0  # runs moved between lanes to balance them (balance.py)
 
     # -- where things go ----------------------------------------------------------------
@@ -119,12 +120,11 @@ class Lanes:
         those with room for it (lowest index first). No room anywhere: the refusal of the
         lane with the most room left, which says why."""
         up = self.up() or self.all
-        if len(up) == 1:
-            return up[0]
         shared = self.exclusive.shared(up)
-        if not shared:
-            raise UserError(f"every one of the {len(up)} lanes holds a full-parameter "
-                            "run; LoRA runs can start when one of those ends")
+        if not shared:  # (one lane, held: full_run_only_lane)
+            raise self.exclusive.none_shared(up, "LoRA runs (new or loaded)")
+        if len(shared) == 1:
+            return shared[0]
         fits = [lane for lane in shared if lane.residency.room.fits(config)]
         if fits:
             return min(fits, key=lambda lane: (lane.planner.model_count(), lane.index))
@@ -139,21 +139,25 @@ class Lanes:
         lane kept for that adapter (its workers load it once); the base model's samples
         take turns."""
         up = self.up() or self.all
-        if len(up) == 1:
-            return up[0]
-        if adapter is None:  # never a lane whose base model a full run is training
-            shared = self.exclusive.shared(up) or up
+        run = _run_of(adapter) if adapter is not None else None
+        home = self._home.get(run) if run is not None else None
+        if home is not None and not home.down and self.exclusive.open_to(home, run):
+            return home  # (a full run's samplers: its own lane)
+        # Never a lane whose base model a full run is training (no lane: a clear 400).
+        shared = self.exclusive.shared(up)
+        if not shared:
+            raise self.exclusive.none_shared(
+                up, "base-model samples" if adapter is None else "samples of saved weights")
+        if adapter is None:
             self._turn = (self._turn + 1) % len(shared)
             return shared[self._turn]
-        run = _run_of(adapter)
-        if run in self._home:
-            return self._home[run]
-        if adapter not in self._samplers or self._samplers[adapter].down:
+        known = self._samplers.get(adapter)
+        if known is None or known.down or known.index not in {s.index for s in shared}:
             if len(self._samplers) >= SAMPLERS_KEPT:  # forget the oldest half
                 for key in list(self._samplers)[:SAMPLERS_KEPT // 2]:
                     del self._samplers[key]
-            self._turn = (self._turn + 1) % len(up)
-            self._samplers[adapter] = up[self._turn]
+            self._turn = (self._turn + 1) % len(shared)
+            self._samplers[adapter] = shared[self._turn]
         return self._samplers[adapter]
 
     def model_info(self) -> dict:
@@ -196,7 +200,11 @@ class Lanes:
                 shares[lane.index].append(run)
                 continue
             # what was live comes back, room or not: spread evenly
-            shared = self.exclusive.shared(mine) or mine
+            shared = self.exclusive.shared(mine)
+            if not shared:  # one lane, a full run's (full_run_only_lane): on its next request
+                self._store.runs.set_live(run["id"], False, next_seq=run["next_seq"],
+                                          idle_unloaded=True)
+                continue
             lane = min(shared, key=lambda lane: (len(shares[lane.index]), lane.index))
             self.place(run["id"], lane)
             shares[lane.index].append(run)
@@ -345,7 +353,8 @@ class Lanes:
                   "tiers": self.tiers(),
                   # decoding across steps
                   "samples_running": sum(len(lane.core.samples) for lane in self.all),
-                  "logprob_gap": self.logprob_gap()}
+                  "logprob_gap": self.logprob_gap(),
+                  "full_runs": self.exclusive.status()}  # the lanes they hold
         if len(self.all) > 1:
             here = socket.gethostname()
             status["lanes"] = [

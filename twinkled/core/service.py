@@ -26,7 +26,7 @@ from scheduler import Ledger, Planner
 from twinkled.core import otel
 from twinkled.core.adapter_room import adapter_room, host_room
 from twinkled.core.engine_core import RateLimited  # noqa: F401  (re-exported)
-from twinkled.core.exclusive import full_run_lane
+from twinkled.core.exclusive import Exclusive, full_run_lane
 from twinkled.core.executor import Executor
 from twinkled.core.futures import Encoder, Future, Futures, empty_json
 from twinkled.core.housekeeping import Housekeeping
@@ -74,11 +74,12 @@ class Draining(Exception):
 
 class Service:
     def __init__(self, config: Config, store, executor: Executor | list[Executor] | None = None,
-                 adapter_budget: int | None = None):
+                 adapter_budget: int | None = None, full_run_room: int | None = None):
         """`executor`: where steps run, one per lane (`config.lanes`); by default a worker
         group over ZeroMQ per lane (tests pass in-process ones, `workers/inprocess.py`).
         `adapter_budget`: bytes per rank for adapters (`layout.adapters_budget`; None: no
-        limit), unless the config sets one."""
+        limit), unless the config sets one. `full_run_room`: bytes per rank a full-parameter
+        run's state has on its lane (`layout.full_run_room`; None: no limit)."""
         self.config = config
         self.store = store
         self.blobs = Blobs.from_config(config)  # where checkpoint files live (protocol/blobs.py)
@@ -108,7 +109,8 @@ class Service:
                              self.metrics, config.gather_ms / 1000,
                              config.sample_slice_ms / 1000, host_room(config),
                              config.resident_cap, on)
-        self.lanes = Lanes([lane(i, ex) for i, ex in enumerate(executors)], store)
+        self.lanes = Lanes([lane(i, ex) for i, ex in enumerate(executors)], store,
+                           Exclusive(config.full_run_only_lane, full_run_room))
         if hosts is not None:  # and the lanes other hosts bring (remote_lanes.py)
             self.lanes.hosts = RemoteLanes.of_config(config, hosts, self.lanes, store, lane)
         self.tenants = Tenants(config, store, self.lanes.planners)
@@ -480,6 +482,7 @@ class Service:
                stream: Callable[[list], None] | None = None) -> Future:
         """Sample from a sampler's weights. `record`: (sequence ids, prompt) to keep the
         sampled sequences under, for stable_reinforce; `stream`: fed the new tokens."""
+        lane = self.lanes.for_sample(frame.adapter_id)  # (a 400 before any future is made)
         f = self.futures.new(tenant, "sample", encode)
         after: After | None = None
         if record is not None:
@@ -493,8 +496,7 @@ class Service:
         after = self.recent_samples.recorder(  # the console's view of the run's samples
             tenant, sampler.get("model_path") or sampler["id"], sampler["id"], frame, after)
         cost = frame.prompt.shape[0] + frame.params.max_tokens * frame.num_samples
-        f = self.submit(Op(None, None, frame, f, cost, after=after, stream=stream),
-                        self.lanes.for_sample(frame.adapter_id))
+        f = self.submit(Op(None, None, frame, f, cost, after=after, stream=stream), lane)
         self.futures.tag(f.id, sampler["id"])  # a session's trace shows it
         return f
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from twinkled.protocol.checks import check_optim_params, check_optimizer
+from twinkled.protocol.sizing import FULL_RUN_KV_BYTES
 from twinkled.protocol.types import (
     AdamParams,
     AdapterInfo,
@@ -38,7 +39,7 @@ from .model import BaseModel
 from .moe_parallel import ExpertSplit, reduce_split_gradients
 from .optim import optimizer_steps
 from .parallel import reduce_gradients
-from .running import Finished, RunningBatch, pool_tokens
+from .running import KV_BYTES, Finished, RunningBatch, pool_tokens
 from .shared_prefix import MIN_SHARED
 from .validate import check_forward_backward, check_sample
 
@@ -120,7 +121,9 @@ class Engine:
     def add_adapter(self, adapter_id: str, config: LoraConfig | None = None) -> AdapterInfo:
         config = config or LoraConfig()
         if config.rank == 0:
-            return self._full.start(adapter_id, config, self.pool.adapters)
+            info = self._full.start(adapter_id, config, self.pool.adapters)
+            self._pool_for_full_run()
+            return info
         if self.full is not None:
             raise EngineInputError("lora_config.rank", "this lane trains a full-parameter run; "
                                    "its base model is not the one LoRA adapters train on")
@@ -302,6 +305,23 @@ class Engine:
             self._running = None  # rows may be left holding pages: start afresh next time
             raise
 
+    def _pool_bytes(self) -> int | None:
+        """The KV pool a new running batch gets: the configured one (None: the device's
+        default), but while a full run lives at most FULL_RUN_KV_BYTES, the pool the
+        daemon's memory estimate leaves beside the run's state (sizing.full_run_problem);
+        a request that needs more still grows it (RunningBatch.sized_for)."""
+        if self.full is None:
+            return self.kv_bytes
+        default = KV_BYTES.get(self.model.device.type, KV_BYTES["cuda"])
+        return min(self.kv_bytes or default, FULL_RUN_KV_BYTES)
+
+    def _pool_for_full_run(self) -> None:
+        """A full run began: an idle pool made before it (of the configured size, and of
+        the base weights' prefixes) goes, so that its memory is the run's; the next sample
+        makes one of `_pool_bytes`."""
+        if self.full is not None and self._running is not None and self._running.idle:
+            self._running = None
+
     @property
     def kv_tokens(self) -> int:
         """The longest sequence the sampler's KV pool holds at its configured size (0: no
@@ -381,7 +401,8 @@ class Engine:
         if self.padded_sampling:
             raise EngineInputError("sample", "queued sampling (the running batch) does not run "
                                    "under tensor parallelism or for MoE models yet")
-        batch = self._running or RunningBatch(self.model, self.sample_rows, kv_bytes=self.kv_bytes,
+        batch = self._running or RunningBatch(self.model, self.sample_rows,
+                                              kv_bytes=self._pool_bytes(),
                                               prefix_cache=self.prefix_cache)
         if batch.idle:  # (a batch in use cannot grow; admit refuses what it cannot hold)
             batch = batch.sized_for(requests)
@@ -421,7 +442,9 @@ class Engine:
         if optimizer_type is not None:
             check_optimizer(optimizer_type)
         if is_full_checkpoint(path) or self.is_full(adapter_id):
-            return self._full.load(adapter_id, path, optimizer, new_full, self.pool.adapters)
+            info = self._full.load(adapter_id, path, optimizer, new_full, self.pool.adapters)
+            self._pool_for_full_run()
+            return info
         if live.is_live(path):  # a worker's persisted state (see workers/persist.py)
             config, weights, moments, steps = live.read_live(path)
         else:
@@ -443,6 +466,9 @@ class Engine:
                     "path", f"checkpoint holds {config.optimizer!r} optimizer state; adapter "
                     f"{adapter_id!r} was created with {current.optimizer!r}")
             config = current
+        elif self.full is not None:  # (the daemon sends no LoRA weights here: core/lanes.py)
+            raise EngineInputError("path", "this lane trains a full-parameter run; its base "
+                                   "model is not the one LoRA adapters apply to")
         else:
             self.pool.add(adapter_id, config)
         state.write_into(self.pool.get(adapter_id), weights, moments, steps if optimizer else 0,

@@ -117,6 +117,10 @@ class Config:
     # "all" tenants, "marked" ones only (a max_full_runs set for them: `twinkled ctl
     # tenants set NAME --max-full-runs N` or [tenants.NAME]), or "none".
     full_runs: str = "all"
+    # On a daemon of one lane, a full run may take that lane while no LoRA run is there
+    # (live, queued or parked); while it lives, LoRA runs and base-model samples are refused
+    # (a 400 naming its tenant) and resume once it ends. false: full runs need --lanes 2+.
+    full_run_only_lane: bool = False
     # Bytes of a tenant's adapters in one lane's GPU bank at once (None: no cap): beyond it
     # its own least recently used idle adapters are parked (core/residency.py).
     tenant_max_resident_bytes: int | None = None

@@ -20,6 +20,12 @@ import math
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The sampler's KV pool on a lane a full-parameter run holds, at most (the engine makes the
+# pool at the first sample, not at start: engine.py caps it at this while a full run
+# lives). The configured pool (`sample_kv_mb`, by default 30% of what a card has left) is
+# sized for many LoRA tenants' RL batches; a full run's own samples need far less, and
+# its state (8+ bytes a parameter) needs the room.
+FULL_RUN_KV_BYTES = 4 * GiB
 
 
 def _dims(cfg: dict) -> tuple[int, int, int, int, int, int, int]:

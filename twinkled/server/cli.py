@@ -12,6 +12,7 @@ from twinkled.server.ctl import ctl
 from twinkled.server.layout import (
     adapters_budget,
     expand_devices,
+    full_run_room,
     gpu_memory,
     kv_pool_mb,
     layout_problems,
@@ -101,7 +102,8 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
         pass
     # auto_decompress off: forward_backward bodies may be zstd (Content-Encoding: zstd),
     # which the Tinker codec decodes itself, with a size limit.
-    service = Service(cfg, store, adapter_budget=adapters_budget(cfg, memory))
+    service = Service(cfg, store, adapter_budget=adapters_budget(cfg, memory),
+                      full_run_room=full_run_room(cfg, memory))
     # print=None: aiohttp's banner is plain text; _log_start said where we listen.
     web.run_app(make_app(service, store, admin_key), host=cfg.host, port=cfg.port,
                 print=None, auto_decompress=False)

@@ -333,6 +333,9 @@ def status(target: Target, as_json: bool) -> None:
             click.echo(f"  lane {lane['lane']} on {lane.get('host', '?')} "
                        f"({', '.join(lane['devices'])}): {state}, {lane['adapters']} adapters, "
                        f"{lane['queued_requests']} queued")
+        for held in s.get("full_runs", []):
+            click.echo(f"  lane {held['lane']} held by the full-parameter run {held['run']} "
+                       f"of tenant {held['tenant']} (no LoRA runs or base-model samples there)")
         gap = s.get("logprob_gap") or {}
         if gap.get("mean") is not None:
             click.echo(f"logprob gap, sampler vs trainer: mean {gap['mean']:.2g}, max "

@@ -16,6 +16,7 @@ import sys
 from twinkled.protocol.config import Config
 from twinkled.protocol.sizing import (
     DTYPE_BYTES,
+    FULL_RUN_KV_BYTES,
     GiB,
     adapter_budget,
     split_problem,
@@ -74,23 +75,35 @@ def kv_pool_mb(cfg: Config, memory: list[int]) -> int:
     that holds few rows caps decode at a few dozen sequences at once on an 8B (4 GiB: ~37
     rows of 768 tokens), however many the card could run; 0 on CPUs (the worker's own
     default)."""
-    gpus, model = _gpus(cfg.worker_devices()), cfg.model_config
-    if cfg.sample_kv_mb or not gpus or not model or any(g >= len(memory) for g in gpus):
-        return cfg.sample_kv_mb
-    free = adapter_budget(model, min(memory[g] for g in gpus), DTYPE_BYTES.get(cfg.dtype, 2),
-                          cfg.token_budget, cfg.tp, 0, HEADROOM)
-    return max(KV_FLOOR_MB, int(KV_SHARE * free) >> 20)
+    free = None if cfg.sample_kv_mb else _left(cfg, memory, 0)
+    return cfg.sample_kv_mb if free is None else max(KV_FLOOR_MB, int(KV_SHARE * free) >> 20)
 
 
 def adapters_budget(cfg: Config, memory: list[int]) -> int | None:
     """Bytes per rank that loaded adapters may take (`AdapterRoom`): what the sizing
     estimate leaves of the smallest card in use; None (no limit) without GPUs."""
+    return _left(cfg, memory, (cfg.sample_kv_mb or KV_FLOOR_MB) << 20)
+
+
+def full_run_room(cfg: Config, memory: list[int]) -> int | None:
+    """Bytes per rank a full-parameter run's state may take on its lane (core/exclusive.py):
+    the smallest card in use less the base weights, a micro-batch and the KV pool its lane
+    samples with while it lives, which the engine makes at the first sample (not at start)
+    and caps at FULL_RUN_KV_BYTES then: not the configured pool, which is sized for many
+    LoRA tenants (an 8B full run on 2 x H200 fits beside 4 GiB, not beside 26 GiB). The
+    lane holds no adapters meanwhile. None (no limit) without GPUs."""
+    return _left(cfg, memory, min((cfg.sample_kv_mb or KV_FLOOR_MB) << 20, FULL_RUN_KV_BYTES))
+
+
+def _left(cfg: Config, memory: list[int], kv_bytes: int) -> int | None:
+    """What the sizing estimate leaves of the smallest card in use after the base weights,
+    a recomputed `token_budget` micro-batch and a KV pool of `kv_bytes` (None: no GPUs,
+    or their sizes unknown)."""
     gpus, model = _gpus(cfg.worker_devices()), cfg.model_config
     if not gpus or not model or any(g >= len(memory) for g in gpus):
         return None
-    kv = (cfg.sample_kv_mb or 4096) * 2**20
     return adapter_budget(model, min(memory[g] for g in gpus), DTYPE_BYTES.get(cfg.dtype, 2),
-                          cfg.token_budget, cfg.tp, kv, HEADROOM)
+                          cfg.token_budget, cfg.tp, kv_bytes, HEADROOM)
 
 
 def _cp_problems(cfg: Config, lane_ranks: int, ranks: int) -> list[str]:
