@@ -93,7 +93,7 @@ class RunningBatch:
         if model.hybrid is not None:  # only the paths that carry a recurrent state (recurrent.py)
             prefill, decode, overlap, prefix_cache, cascade = "varlen", "eager", False, 0.0, False
         elif model.moe:  # (an MoE VL model's) the experts' LoRA rides these only (moe.ExpertRows)
-            prefill, decode = "varlen", "eager"
+            decode = "eager"
         prefill = prefill or ("padded" if dev.type == "cuda" else "varlen")
         if prefill not in PREFILLS:
             raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
