@@ -95,9 +95,9 @@ class Engine:
         # other model, MoE ones included (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3,
         # Qwen3.5-MoE, Qwen3-VL-MoE), samples in the running batch: its experts' LoRA per row
         # (moe.ExpertRows), its decode eager (no CUDA graph captures the data-dependent
-        # routing: running.py); under --ep its samples run to the end, not in slices
-        # (workers/sampling.py).
-        self.padded_sampling = self.shard is not None or self.model.latent is not None
+        # routing: running.py); DeepSeek's pages hold its MLA latents (mla.py); under --ep
+        # its samples run to the end, not in slices (workers/sampling.py).
+        self.padded_sampling = self.shard is not None
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
         # Adapters whose gradients this rank holds parts of split rows of (context
@@ -380,8 +380,7 @@ class Engine:
         adapters = self._sample_adapters(requests, checked)
         if self.padded_sampling:
             raise EngineInputError("sample", "queued sampling (the running batch) does not run "
-                                   "under tensor parallelism or for DeepSeek-V3's latent "
-                                   "attention yet")
+                                   "under tensor parallelism yet")
         batch = self._running or RunningBatch(self.model, self.sample_rows, kv_bytes=self.kv_bytes,
                                               prefix_cache=self.prefix_cache)
         if batch.idle:  # (a batch in use cannot grow; admit refuses what it cannot hold)

@@ -71,6 +71,9 @@ class LatentAttention:
         self.nope, self.rope = c.qk_nope_head_dim, c.qk_rope_head_dim
         self.v_dim, self.rank = c.v_head_dim, c.kv_lora_rank
         self.interleave = bool(getattr(c, "rope_interleave", True))
+        # What the caches keep per token and layer: one "head" of [latent | rotated shared
+        # key], no values (the running batch's pages as the padded sampler's cache).
+        self.kv_shape = (1, self.rank + self.rope, 0)
 
     def attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing) -> torch.Tensor:
         m = self.model
@@ -89,15 +92,21 @@ class LatentAttention:
         turn = rotate_interleaved if self.interleave else rotate
         q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot.view(B, 1, S, self.rope), cos, sin)
         q = torch.cat([q_nope, q_rot], dim=-1)
+        H = q.shape[1]
         if getattr(cache, "latent", False):  # the sampler: store the latent, expand it all
             c, _ = cache.write(i, torch.cat([latent[:, None], k_rot], dim=-1), latent[:, None, :, :0])
             latent, k_rot = c[:, 0].split([self.rank, self.rope], dim=-1)
-            k, v = self._expand(attn, keys, lora, latent, k_rot[:, None])
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=m.scaling)
+            # (a packed prefill's keys read back are laid out apart from its queries)
+            kv_lora = lora if getattr(packing, "key_lora", None) is None else packing.key_lora
+            k, v = self._expand(attn, keys, kv_lora, latent, k_rot[:, None])
+            if packing is None:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=m.scaling)
+            else:  # the running batch's varlen prefill: each piece over its own keys
+                v = F.pad(v, (0, self.nope + self.rope - self.v_dim))
+                out = packing.attend(q, k, v, m.scaling, False)[..., :self.v_dim]
             out = out.transpose(1, 2).reshape(B, S, -1)
             return m.linear(attn.o_proj, keys["o_proj"], out, lora)
         k, v = self._expand(attn, keys, lora, latent, k_rot)
-        H = q.shape[1]
         # Values padded to the key width: one cache shape (see the module's docstring).
         v = F.pad(v, (0, self.nope + self.rope - self.v_dim))
         out = m.attend(i, q, k, v, cache, mask, packing).view(B, S, H, -1)[..., :self.v_dim]
