@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import all_close, ce_request, grads, make_engine, randomize_b, weights
-from running_checks import assert_running_batch_equals_padded
+from running_checks import assert_running_batch_equals_padded, assert_same_samples, mixed_requests
 
 from twinkled.engine.lora import LoraBatch
 from twinkled.engine.moe_peft import from_peft, peft_module
@@ -172,6 +172,17 @@ def test_running_batch_samples_as_the_padded_sampler(moe_dir):
     eng = _engine(moe_dir)
     assert not eng.padded_sampling
     assert_running_batch_equals_padded(eng)
+    # Decode slices (workers/sampling.py's between training steps): submitted in two
+    # parts, run 2 steps at a time, they give what one blocking `sample` gives.
+    reqs = mixed_requests(eng.model.vocab_size, ("a", "c"))
+    want = eng.sample(reqs)
+    tickets = eng.sample_submit(reqs[:2])
+    assert eng.sample_slice(max_steps=2) == []
+    tickets += eng.sample_submit(reqs[2:])
+    done = {}
+    while len(done) < len(tickets):
+        done.update((f.ticket, f.result) for f in eng.sample_slice(max_steps=2))
+    assert_same_samples([done[t] for t in tickets], want)
 
 
 def test_unknown_moe_layouts_are_refused(tmp_path):
