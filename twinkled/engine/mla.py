@@ -13,16 +13,17 @@ linear carries its LoRA deltas):
 - softmax scale: qk_head_dim**-0.5 times YaRN's mscale squared where the rope is scaled
   (transformers computes it on the module as `scaling`; BaseModel takes it from there).
 
-Cache: the padded sampler (every MoE model's, DeepSeek-V3's included) keeps the LATENT,
-`LatentAttention.new_cache`: per token and layer the normed latent and the rotated shared key
-(kv_lora_rank + qk_rope_head_dim, one "head": 576 values on the real model against
-2 * 128 * 192 expanded), and each step expands the cached latents through kv_b_proj (its
-LoRA in) and attends in torch: the reference decode path, O(context) kv_b work a step;
-absorbing kv_b_proj into the query and the output (attention over the latent itself) is
-the next step. Where no latent cache is given (packed training, the paged pool's
-`attend`), keys and values are expanded per head, the values zero-padded to the key width
-(qk_head_dim) so one pool shape serves both and the kernels run unchanged; the output's
-padded columns are dropped.
+Cache: the samplers keep the LATENT, per token and layer the normed latent and the rotated
+shared key (kv_lora_rank + qk_rope_head_dim, one "head": 576 values on the real model
+against 2 * 128 * 192 expanded): the running batch's KV pages (`kv_shape`, a latent
+PagePool with zero-wide values) and the padded sampler's cache (`new_cache`). Each pass
+expands a row's cached latents through kv_b_proj (its LoRA in; a packed prefill's keys
+read back take their own piece's LoRA, `key_lora`) and attends in torch, never the fused
+paged decode: O(context) kv_b work a step; absorbing kv_b_proj into the query and the
+output (attention over the latent itself) is the next step. Where no latent cache is given
+(packed training), keys and values are expanded per head, the values zero-padded to the
+key width (qk_head_dim) so packed rows and the flash kernels take them unchanged; the
+output's padded columns are dropped.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class RunningBatch:
         dev = model.device
         if model.hybrid is not None:  # only the paths that carry a recurrent state (recurrent.py)
             prefill, decode, overlap, prefix_cache, cascade = "varlen", "eager", False, 0.0, False
-        elif model.moe:  # (an MoE VL model's) the experts' LoRA rides these only (moe.ExpertRows)
+        elif model.moe:  # no CUDA graph captures the routing (its pairs are data-dependent)
             decode = "eager"
         prefill = prefill or ("padded" if dev.type == "cuda" else "varlen")
         if prefill not in PREFILLS:
