@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from helpers import grads, hf_logprobs, random_datum, two_adapter_engine
+from running_checks import assert_running_batch_equals_padded
 
 from twinkled.engine.moe_peft import from_peft, peft_module
 from twinkled.engine.packed import Packing
@@ -137,9 +138,9 @@ def test_checkpoint_loads_in_peft_same_logits_and_gradients(eng, ds_dir, tmp_pat
 
 
 def test_greedy_equals_transformers_generate(eng):
-    """The padded sampler (an MoE model's: engine.padded_sampling) over the latent cache
-    (each step expands it through kv_b_proj), a 2-sample fan-out sharing its prompt's
-    prefill, gives transformers' greedy tokens."""
+    """The engine's sampler (the running batch, its pages holding the latent) and the padded
+    sampler over its latent cache (each step expands it through kv_b_proj), a 2-sample
+    fan-out sharing its prompt's prefill, give transformers' greedy tokens."""
     m = eng.model
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, m.vocab_size, (n,), generator=gen).tolist() for n in (7, 30)]
@@ -148,12 +149,23 @@ def test_greedy_equals_transformers_generate(eng):
     wants = [m.hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
              for p in prompts]
-    assert eng.padded_sampling
+    assert not eng.padded_sampling
     c = m.new_cache(2, 8)  # the latent (kv_lora_rank + qk_rope_head_dim), one "head"
     assert c.k.shape[2:] == (1, 8, 32 + 8) and c.v.numel() == 0
-    out = generate_padded(m, reqs, [None, None])
-    for want, r in zip(wants, out, strict=True):
-        assert [s.tokens for s in r.sequences] == [want] * len(r.sequences)
+    for out in (generate_padded(m, reqs, [None, None]), eng.sample(reqs)):
+        for want, r in zip(wants, out, strict=True):
+            assert [s.tokens for s in r.sequences] == [want] * len(r.sequences)
+
+
+def test_running_batch_samples_as_the_padded_sampler(eng):
+    """The running batch's pages hold the latent (one "head" of kv_lora_rank +
+    qk_rope_head_dim, no values), both prefills expand it per head, and with each row's
+    expert LoRA it samples as the padded sampler does."""
+    from twinkled.engine.running import RunningBatch
+
+    pool = RunningBatch(eng.model, rows=2, pages=4).pool
+    assert pool.k.shape[2:] == (1, 32 + 8) and pool.v.numel() == 0
+    assert_running_batch_equals_padded(eng)
 
 
 def test_seeded_samples_score_as_peft_with_the_adapter(eng, ds_dir, tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """DeepSeek-V3 on a GPU in bf16: packed training rows go through flash attention's varlen
 kernel with MLA's key width (nope + rope) and the values padded to it; the padded
 sampler's greedy tokens (the latent cache, expanded each step) follow the bf16 model.
-Against transformers on the same card. Skips without CUDA.
+Against transformers on the same card (the running batch's latent pages:
+tests/test_moe_running_gpu.py). Skips without CUDA.
 Run: `pytest -q tests/test_deepseek_gpu.py`."""
 
 from __future__ import annotations

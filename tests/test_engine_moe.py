@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import all_close, ce_request, grads, make_engine, randomize_b, weights
+from running_checks import assert_running_batch_equals_padded, assert_same_samples, mixed_requests
 
 from twinkled.engine.lora import LoraBatch
 from twinkled.engine.moe_peft import from_peft, peft_module
@@ -163,6 +164,27 @@ def test_greedy_samples_follow_the_adapter(moe_dir):
     assert together[0].sequences[0].logprobs != together[2].sequences[0].logprobs  # adapter used
 
 
+def test_running_batch_samples_as_the_padded_sampler(moe_dir):
+    """Qwen3-MoE samples in the running batch (eager decode: its routing is data-dependent)
+    with each row's expert LoRA; both prefill layouts (the padded one once crashed:
+    bank_tokens took its RowLora for a packed batch) and a prefix-cache hit give the padded
+    sampler's samples."""
+    eng = _engine(moe_dir)
+    assert not eng.padded_sampling
+    assert_running_batch_equals_padded(eng)
+    # Decode slices (workers/sampling.py's between training steps): submitted in two
+    # parts, run 2 steps at a time, they give what one blocking `sample` gives.
+    reqs = mixed_requests(eng.model.vocab_size, ("a", "c"))
+    want = eng.sample(reqs)
+    tickets = eng.sample_submit(reqs[:2])
+    assert eng.sample_slice(max_steps=2) == []
+    tickets += eng.sample_submit(reqs[2:])
+    done = {}
+    while len(done) < len(tickets):
+        done.update((f.ticket, f.result) for f in eng.sample_slice(max_steps=2))
+    assert_same_samples([done[t] for t in tickets], want)
+
+
 def test_unknown_moe_layouts_are_refused(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
@@ -186,7 +208,8 @@ def test_ep_must_divide_the_experts(moe_dir):
 
 
 def test_mixtral_shares_the_layout(tmp_path):
-    """Mixtral's router always renormalises its top-k; no q/k norms. Same logits as HF."""
+    """Mixtral's router always renormalises its top-k; no q/k norms. Same logits as HF;
+    its running batch samples as the padded sampler."""
     from transformers import AutoModelForCausalLM, MixtralConfig
 
     from twinkled.engine.tiny import build_tokenizer
@@ -208,6 +231,10 @@ def test_mixtral_shares_the_layout(tmp_path):
     with torch.no_grad():
         want = hf(input_ids=ids).logits
     assert (_logits(eng, None, ids) - want).abs().max() <= 1e-5
+    for seed, name in enumerate("ab"):
+        eng.add_adapter(name, LoraConfig(rank=4, alpha=8, seed=seed))
+        randomize_b(eng, name, seed=10 + seed, std=0.2)
+    assert_running_batch_equals_padded(eng, prefills=("varlen",))
 
 
 def test_an_unknown_expert_layout_is_refused():

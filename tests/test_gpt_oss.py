@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from helpers import grads, hf_logprobs, random_datum, two_adapter_engine
+from running_checks import assert_running_batch_equals_padded
 
 from twinkled.engine.moe_peft import from_peft, peft_module
 from twinkled.engine.packed import Packing
@@ -122,9 +123,10 @@ def test_two_adapters_cobatched_equal_each_alone_and_peft(eng, oss_dir, tmp_path
 
 
 def test_greedy_equals_transformers_generate(eng, oss_dir):
-    """The engine's sampler (MoE models sample padded: left-padded rows of two lengths, a
-    fan-out of 2 sharing its prompt's cache; decode well past the window) gives
-    transformers' greedy tokens and logprobs."""
+    """The engine's sampler (the running batch: rows of two lengths, a fan-out of 2 sharing
+    its prompt's pages; decode well past the window) gives transformers' greedy tokens and
+    logprobs."""
+    assert not eng.padded_sampling
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(oss_dir, dtype=torch.float32)
@@ -144,7 +146,7 @@ def test_greedy_equals_transformers_generate(eng, oss_dir):
 
 
 def test_adapter_samples_equal_peft(eng, oss_dir, tmp_path):
-    """Through adapter b (the engine's sampler, left-padded rows of two lengths): greedy =
+    """Through adapter b (the engine's sampler, rows of two lengths): greedy =
     peft's generate; seeded samples at temperature 1 score as peft scores them."""
     pm = _peft(oss_dir, eng, "b", tmp_path)
     gen = torch.Generator().manual_seed(2)
@@ -163,6 +165,13 @@ def test_adapter_samples_equal_peft(eng, oss_dir, tmp_path):
         for seq in s:
             lp = hf_logprobs(pm, prompts[1] + seq.tokens)[len(prompts[1]) - 1:]
             assert (torch.tensor(seq.logprobs) - lp).abs().max() < 1e-4
+
+
+def test_running_batch_samples_as_the_padded_sampler(eng):
+    """Sinks and windows over the KV pages (prefill pieces of 16 past the window of 8, a
+    cached prefix, decode through the gathered pages) with each row's expert LoRA: the
+    padded sampler's samples."""
+    assert_running_batch_equals_padded(eng)
 
 
 def test_mxfp4_dequantises_as_transformers(oss_dir, eng, tmp_path):
@@ -207,8 +216,7 @@ def test_mxfp4_dequantises_as_transformers(oss_dir, eng, tmp_path):
 def test_prefill_pieces_attend_as_whole_rows():
     """The sampler's packed prefill layout (a piece continuing a cached prefix: queries
     6..19 over keys 0..19; a fresh piece of 7) gives each query what its whole row gives
-    it, window and sinks included (MoE models sample padded today; this is the paged path's
-    attention for when they do not)."""
+    it, window and sinks included (the running batch's varlen prefill)."""
     from types import SimpleNamespace
 
     from twinkled.engine.gpt_oss import SinkAttention

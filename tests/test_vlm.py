@@ -317,11 +317,10 @@ def test_sampling_with_images_equals_the_trainer(vl_dir, spec, prefill, chunk):
     )
 
     eng = make_engine(vl_dir)
-    # Qwen3.5's and MoE models' running batch prefills varlen only, Qwen3.5's keeps no
-    # prefix cache (running.py)
+    # Qwen3.5's running batch prefills varlen only and keeps no prefix cache (running.py)
     hybrid = eng.model.hybrid is not None
-    if (hybrid or eng.model.moe) and prefill == "padded":
-        pytest.skip("Qwen3.5 and MoE models prefill varlen only")
+    if hybrid and prefill == "padded":
+        pytest.skip("Qwen3.5 prefills varlen only")
     eng.add_adapter("a", _lora(vl_dir, 1))
     randomize_b(eng, "a", seed=3, std=0.3)
     row, img, _ = _image_prompt(vl_dir, spec, [5, 6, 7], list(range(30, 50)))  # 31 tokens

@@ -91,14 +91,14 @@ class Engine:
         # rows (per-row KV, LoRA and sampling work, not the weights, bound it on an 8B), so
         # more rows buy throughput for large RL batches at the cost of each token's latency.
         self.sample_rows = sample_rows
-        # The running batch's stacked LoRA (lora_rows.py) follows no tensor-parallel split,
-        # and its decode graphs no expert routing: those models sample with the padded
-        # sampler, over a LoraBatch; but Qwen3.5-MoE's linear-attention state needs the
-        # running batch (eager there; its experts' LoRA: moe.ExpertRows; under --ep its
-        # samples run to the end, not in slices: workers/sampling.py), and so do an MoE
-        # vision-language model's images (Qwen3-VL-MoE: the padded sampler takes none).
-        self.padded_sampling = self.shard is not None or (
-            bool(self.model.moe) and self.model.hybrid is None and self.model.vision is None)
+        # The running batch's stacked LoRA (lora_rows.py) follows no tensor-parallel split:
+        # a tensor-parallel model samples with the padded sampler, over a LoraBatch. Every
+        # other model, MoE ones included (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3,
+        # Qwen3.5-MoE, Qwen3-VL-MoE), samples in the running batch: its experts' LoRA per row
+        # (moe.ExpertRows), its decode eager (no CUDA graph captures the data-dependent
+        # routing: running.py); DeepSeek's pages hold its MLA latents (mla.py); under --ep
+        # its samples run to the end, not in slices (workers/sampling.py).
+        self.padded_sampling = self.shard is not None
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
         # Adapters whose gradients this rank holds parts of split rows of (context
@@ -400,7 +400,7 @@ class Engine:
         adapters = self._sample_adapters(requests, checked)
         if self.padded_sampling:
             raise EngineInputError("sample", "queued sampling (the running batch) does not run "
-                                   "under tensor parallelism or for MoE models yet")
+                                   "under tensor parallelism yet")
         batch = self._running or RunningBatch(self.model, self.sample_rows,
                                               kv_bytes=self._pool_bytes(),
                                               prefix_cache=self.prefix_cache)

@@ -39,12 +39,17 @@ class PagePool:
     """The pages, their reference counts and the free list."""
 
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, pages: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, v_dim: int | None = None,
+                 latent: bool = False):
+        # `v_dim` (None: head_dim): the values' width. `latent`: the pool holds DeepSeek's
+        # MLA latents (mla.py) as one "head" of keys, its values zero-wide.
         if pages < 2:
             raise ValueError("a page pool needs at least 2 pages (page 0 is reserved)")
         shape = (n_layers, pages * page_size, n_kv, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros((*shape[:3], head_dim if v_dim is None else v_dim), dtype=dtype,
+                             device=device)
+        self.latent = latent
         self.pages = pages
         self.page_size = page_size
         self._refs = [0] * pages
@@ -129,11 +134,17 @@ class PagedView:
     def fused(self) -> bool:
         return self.lengths is not None
 
+    @property
+    def latent(self) -> bool:
+        """Keys are MLA latents (mla.py: the attention expands them)."""
+        return self.pool.latent
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new keys/values [B, kv, S, dim] into their slots."""
-        B, H, S, D = k.shape
+        B, H, S, _ = k.shape
         for pool, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
-            pool.index_copy_(0, self.write_slots, new.transpose(1, 2).reshape(B * S, H, D))
+            pool.index_copy_(0, self.write_slots,
+                             new.transpose(1, 2).reshape(B * S, H, new.shape[-1]))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -148,9 +159,12 @@ class PagedView:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store the new keys/values [B, kv, S, dim]; return each row's [B, kv, L, dim]."""
         self.store(layer, k, v)
-        H, D = k.shape[1], k.shape[3]
-        keys, values, pages = self.pool.k[layer], self.pool.v[layer], self.table.reshape(-1)
-        paged = (-1, self.pool.page_size, H, D)
-        shape = (self.batch, self.length, H, D)
-        return (keys.view(paged).index_select(0, pages).view(shape).transpose(1, 2),
-                values.view(paged).index_select(0, pages).view(shape).transpose(1, 2))
+        pages = self.table.reshape(-1)
+        return tuple(self._gather(t[layer], pages) for t in (self.pool.k, self.pool.v))
+
+    def _gather(self, slots: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """One layer's [pages * page_size, H, D] -> the rows' pages [B, H, L, D]."""
+        H, D = slots.shape[1], slots.shape[2]
+        # (the pool's page count, not -1: a latent pool's values hold no element to count)
+        paged = slots.view(self.pool.pages, self.pool.page_size, H, D)
+        return paged.index_select(0, pages).view(self.batch, self.length, H, D).transpose(1, 2)

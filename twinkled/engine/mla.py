@@ -13,16 +13,17 @@ linear carries its LoRA deltas):
 - softmax scale: qk_head_dim**-0.5 times YaRN's mscale squared where the rope is scaled
   (transformers computes it on the module as `scaling`; BaseModel takes it from there).
 
-Cache: the padded sampler (every MoE model's, DeepSeek-V3's included) keeps the LATENT,
-`LatentAttention.new_cache`: per token and layer the normed latent and the rotated shared key
-(kv_lora_rank + qk_rope_head_dim, one "head": 576 values on the real model against
-2 * 128 * 192 expanded), and each step expands the cached latents through kv_b_proj (its
-LoRA in) and attends in torch: the reference decode path, O(context) kv_b work a step;
-absorbing kv_b_proj into the query and the output (attention over the latent itself) is
-the next step. Where no latent cache is given (packed training, the paged pool's
-`attend`), keys and values are expanded per head, the values zero-padded to the key width
-(qk_head_dim) so one pool shape serves both and the kernels run unchanged; the output's
-padded columns are dropped.
+Cache: the samplers keep the LATENT, per token and layer the normed latent and the rotated
+shared key (kv_lora_rank + qk_rope_head_dim, one "head": 576 values on the real model
+against 2 * 128 * 192 expanded): the running batch's KV pages (`kv_shape`, a latent
+PagePool with zero-wide values) and the padded sampler's cache (`new_cache`). Each pass
+expands a row's cached latents through kv_b_proj (its LoRA in; a packed prefill's keys
+read back take their own piece's LoRA, `key_lora`) and attends in torch, never the fused
+paged decode: O(context) kv_b work a step; absorbing kv_b_proj into the query and the
+output (attention over the latent itself) is the next step. Where no latent cache is given
+(packed training), keys and values are expanded per head, the values zero-padded to the
+key width (qk_head_dim) so packed rows and the flash kernels take them unchanged; the
+output's padded columns are dropped.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class LatentAttention:
         self.nope, self.rope = c.qk_nope_head_dim, c.qk_rope_head_dim
         self.v_dim, self.rank = c.v_head_dim, c.kv_lora_rank
         self.interleave = bool(getattr(c, "rope_interleave", True))
+        # What the caches keep per token and layer: one "head" of [latent | rotated shared
+        # key], no values (the running batch's pages as the padded sampler's cache).
+        self.kv_shape = (1, self.rank + self.rope, 0)
 
     def attention(self, i, attn, x, cos, sin, keys, lora, cache, mask, packing) -> torch.Tensor:
         m = self.model
@@ -89,15 +93,21 @@ class LatentAttention:
         turn = rotate_interleaved if self.interleave else rotate
         q_rot, k_rot = turn(q_rot, cos, sin), turn(k_rot.view(B, 1, S, self.rope), cos, sin)
         q = torch.cat([q_nope, q_rot], dim=-1)
+        H = q.shape[1]
         if getattr(cache, "latent", False):  # the sampler: store the latent, expand it all
             c, _ = cache.write(i, torch.cat([latent[:, None], k_rot], dim=-1), latent[:, None, :, :0])
             latent, k_rot = c[:, 0].split([self.rank, self.rope], dim=-1)
-            k, v = self._expand(attn, keys, lora, latent, k_rot[:, None])
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=m.scaling)
+            # (a packed prefill's keys read back are laid out apart from its queries)
+            kv_lora = lora if getattr(packing, "key_lora", None) is None else packing.key_lora
+            k, v = self._expand(attn, keys, kv_lora, latent, k_rot[:, None])
+            if packing is None:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=m.scaling)
+            else:  # the running batch's varlen prefill: each piece over its own keys
+                v = F.pad(v, (0, self.nope + self.rope - self.v_dim))
+                out = packing.attend(q, k, v, m.scaling, False)[..., :self.v_dim]
             out = out.transpose(1, 2).reshape(B, S, -1)
             return m.linear(attn.o_proj, keys["o_proj"], out, lora)
         k, v = self._expand(attn, keys, lora, latent, k_rot)
-        H = q.shape[1]
         # Values padded to the key width: one cache shape (see the module's docstring).
         v = F.pad(v, (0, self.nope + self.rope - self.v_dim))
         out = m.attend(i, q, k, v, cache, mask, packing).view(B, S, H, -1)[..., :self.v_dim]

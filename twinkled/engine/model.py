@@ -161,6 +161,9 @@ class BaseModel:
         self.latent = mla.LatentAttention(self) if config.model_type in mla.ARCHS else None
         # Layers whose keys and values the sampler's pages hold (Qwen3.5: the full ones).
         self.kv_layers = len(self.layers) if self.hybrid is None else len(self.hybrid.kv)
+        # What a token keeps per such layer: (heads, key width, value width); MLA: its latent.
+        self.kv_shape = ((self.n_kv, self.head_dim, self.head_dim) if self.latent is None
+                         else self.latent.kv_shape)
         self.joints = self._concat_linears()
         self.recompute = Recompute(config.to_dict(), self.dtype, self.device, self.tp.size,
                                    self.tp.group)

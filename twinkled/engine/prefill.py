@@ -21,7 +21,7 @@ columns (the masked path), or per-token (start, rank, scale) for the kernels
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +132,15 @@ class _PackedPages:
         self.cu_k = _offsets(self.k_lens, device) if self.reread else self.cu_q
         self.recurrent = (PieceStates([p.state for p in pieces])
                           if pieces[0].state is not None else None)
+        # The LoRA of the keys read back (each piece's 0..k_len, its adapter's), where they
+        # go through a linear: MLA expands its latents through kv_b_proj (mla.py). None:
+        # the keys are the pass's own tokens (the pass's LoRA serves).
+        self.key_lora = None
+
+    @property
+    def latent(self) -> bool:
+        """Keys are MLA latents (mla.py: the attention expands them)."""
+        return self.pool.latent
 
     @property
     def lengths(self) -> list[int]:
@@ -187,6 +196,9 @@ def prefill_varlen(model, pool: PagePool, stack: AdapterStack, kernels: bool,
     positions = torch.cat([torch.arange(p.start, p.end) for p in pieces]).to(dev)
     pages = _PackedPages(pool, pieces, dev)
     lora = token_lora(stack, pieces, kernels)
+    if pool.latent and pages.reread:
+        pages.key_lora = token_lora(stack, [replace(p, start=0, end=L) for p, L in zip(
+            pieces, pages.k_lens, strict=True)], kernels)
     if model.moe:  # the experts' LoRA: each piece's tokens through its adapter's bank
         lora = ExpertRows(lora, run_tokens([(p.adapter, p.tokens) for p in pieces],
                                            model.dtype, dev))

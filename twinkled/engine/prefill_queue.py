@@ -28,6 +28,7 @@ import torch
 from .kv_pages import PagePool
 from .lora import Adapter
 from .lora_rows import AdapterStack, row_lora
+from .moe import ExpertRows, run_tokens
 from .prefill import Piece, prefill_varlen
 from .prefix_cache import prefill
 from .recurrent import PromptState
@@ -129,6 +130,10 @@ class PrefillQueue:
 
     def _padded(self, pieces: list[Piece]) -> tuple[list[torch.Tensor], torch.Tensor]:
         lora = row_lora(self.stack, [p.adapter for p in pieces], self.kernels)
+        if self.model.moe:  # the experts' LoRA: row i's flat tokens i*S..(i+1)*S (padded)
+            width = max(p.tokens for p in pieces)
+            lora = ExpertRows(lora, run_tokens([(p.adapter, width) for p in pieces],
+                                               self.model.dtype, self.model.device))
         # A piece of a cut prompt writes and reads only the pages up to its end.
         hidden, logits = prefill(self.model, self.pool, lora, [p.prompt[:p.end] for p in pieces],
                                  [p.start for p in pieces],

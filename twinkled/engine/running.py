@@ -54,7 +54,8 @@ PREFILLS = ("varlen", "padded")
 
 def pool_pages(model, kv_bytes: int | None, page_size: int = PAGE_SIZE) -> int:
     """Pages of a KV pool of `kv_bytes` (None: the device's default) for `model`."""
-    per_token = 2 * model.kv_layers * model.n_kv * model.head_dim * model.dtype.itemsize
+    heads, k_dim, v_dim = model.kv_shape
+    per_token = model.kv_layers * heads * (k_dim + v_dim) * model.dtype.itemsize
     kv_bytes = kv_bytes or KV_BYTES.get(model.device.type, KV_BYTES["cuda"])
     return max(2, kv_bytes // (per_token * page_size))
 
@@ -92,8 +93,8 @@ class RunningBatch:
         dev = model.device
         if model.hybrid is not None:  # only the paths that carry a recurrent state (recurrent.py)
             prefill, decode, overlap, prefix_cache, cascade = "varlen", "eager", False, 0.0, False
-        elif model.moe:  # (an MoE VL model's) the experts' LoRA rides these only (moe.ExpertRows)
-            prefill, decode = "varlen", "eager"
+        elif model.moe:  # no CUDA graph captures the routing (its pairs are data-dependent)
+            decode = "eager"
         prefill = prefill or ("padded" if dev.type == "cuda" else "varlen")
         if prefill not in PREFILLS:
             raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
@@ -108,8 +109,9 @@ class RunningBatch:
         if pages is None:
             pages = pool_pages(model, kv_bytes, page_size)
         self.model, self.rows = model, rows
-        self.pool = PagePool(model.kv_layers, model.n_kv, model.head_dim, pages, page_size,
-                             model.dtype, dev)
+        heads, k_dim, v_dim = model.kv_shape
+        self.pool = PagePool(model.kv_layers, heads, k_dim, pages, page_size, model.dtype, dev,
+                             v_dim, latent=model.latent is not None)
         self.stack = AdapterStack(model.dtype, dev)
         self.cache = PrefixCache(self.pool, prefix_cache)
         max_pages = min(self.pool.usable, self.pool.pages_for(model.max_seq_len))
