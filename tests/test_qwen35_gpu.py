@@ -4,6 +4,8 @@ installed, pip extra `gpu`, against the torch rule). Skips without CUDA."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from helpers import delta_rule_inputs
@@ -66,6 +68,8 @@ def test_model_on_cuda_trains_and_samples_as_the_reference(tmp_path, heads):
     d = build_tiny_model(tmp_path / "q35", arch="qwen3_5", num_layers=4, num_heads=heads,
                          hidden_size=hidden, embed_std=0.05)
     m = BaseModel(d, dtype="float32", device="cuda")
+    # (fla's kernels were autotuned at load, on this model's head sizes: qwen35.warm)
+    assert m.hybrid.warm() == (importlib.util.find_spec("fla") is not None)
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, m.vocab_size, (n,), generator=gen).tolist() for n in (70, 9, 150)]
     pk = Packing.of([len(r) for r in rows], "cuda")

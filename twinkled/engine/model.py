@@ -188,6 +188,7 @@ class BaseModel:
             self.targets.update(block.targets())
         if self.hybrid is not None:  # (Qwen3-Next's MLP linears: qwen35_moe.py)
             qwen35.trim_targets(config, self.targets)
+            self.hybrid.warm()  # fla's autotuning now, not in a tenant's first request
         if self.shard is not None:
             self.shard.full_shapes = self.targets
 

@@ -80,6 +80,45 @@ class HybridLayers:
         # delta rule everywhere (the reference tests/test_qwen35_gpu.py compares it with).
         self.fla = True
 
+    def warm(self) -> bool:
+        """Run fla-core's kernels once on the model's own head sizes, so that their Triton
+        autotuning (every config of every kernel compiled and timed: ~40 s on an H200 for
+        one set of head sizes) happens while the model loads, before the daemon answers
+        healthz, and not in the first sample or training step a tenant sends. False where
+        fla does not run (a CPU, no fla-core)."""
+        m = self.model
+        if not self.linear or not self.fla:
+            return False
+        mod = m.layers[self.linear[0]].linear_attn
+        x = torch.zeros(1, 1, device=m.device, dtype=m.dtype)
+        if not la.fla_usable(x):
+            return False
+        gen = torch.Generator(device=m.device).manual_seed(0)
+        L, hk, hv = 64, mod.num_k_heads, mod.num_v_heads
+        train = la.fla_usable(x, backward=True)
+        for n in (L, 1):  # a prefill (varlen chunks) and a decode step (fused recurrent)
+            q, k = (torch.randn(1, n, hk, mod.head_k_dim, device=m.device, dtype=m.dtype,
+                                generator=gen) for _ in range(2))
+            v = torch.randn(1, n, hv, mod.head_v_dim, device=m.device, dtype=m.dtype,
+                            generator=gen)
+            g = -torch.rand(1, n, hv, device=m.device, generator=gen)
+            beta = torch.rand(1, n, hv, device=m.device, generator=gen)
+            if n > 1 and train:  # the training step's backward kernels too, where fla's is used
+                with torch.enable_grad():
+                    for t in (q, k, v):
+                        t.requires_grad_(True)
+                    o, _ = la.fla_rule(q, k, v, g, beta, None, [n])
+                    o.float().sum().backward()
+            with torch.no_grad():
+                if n > 1:
+                    la.fla_rule(q.detach(), k.detach(), v.detach(), g, beta, None, [n])
+                else:  # (a decode step carries its sequence's state, as here)
+                    state = torch.zeros(1, hv, mod.head_k_dim, mod.head_v_dim,
+                                        device=m.device)
+                    la.fla_step(q, k, v, g, beta, state)
+        torch.cuda.synchronize(m.device)
+        return True
+
     def layer(self, i, layer, h, cos, sin, lora, cache, mask, packing, banks) -> torch.Tensor:
         m, keys = self.model, self.model.layer_keys[i]
         x = layer.input_layernorm(h)
