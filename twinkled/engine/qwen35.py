@@ -26,6 +26,8 @@ state lives in `cache.recurrent` (recurrent.py): per prefill piece or per decode
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +36,9 @@ from twinkled.protocol.types import ATTN_MODULES, LINEAR_ATTN_MODULES, EngineInp
 from . import linear_attn as la
 from . import qwen35_moe
 from .fused_ops import rotate
+
+log = logging.getLogger(__name__)
+
 
 # Dense, and Qwen3.5-MoE's (qwen35_moe.py: the same layers with a sparse MLP).
 ARCHS = ("qwen3_5", "qwen3_5_text", *qwen35_moe.ARCHS)
@@ -86,6 +91,13 @@ class HybridLayers:
         one set of head sizes) happens while the model loads, before the daemon answers
         healthz, and not in the first sample or training step a tenant sends. False where
         fla does not run (a CPU, no fla-core)."""
+        try:
+            return self._warm()
+        except Exception:  # an optimisation: the model still loads, and says why
+            log.exception("warming fla-core's kernels failed; they autotune on first use")
+            return False
+
+    def _warm(self) -> bool:
         m = self.model
         if not self.linear or not self.fla:
             return False
