@@ -38,10 +38,17 @@ from .messages import (
     check_sampling,
     decode,
 )
-from .sampling import Deltas, Job, Knobs, budgets, queue, target_and_side, whole
+from .sampling import (
+    CHAT_MAX_TOKENS,
+    Deltas,
+    Job,
+    Knobs,
+    budgets,
+    queue,
+    target_and_side,
+    whole,
+)
 from .streaming import EventStream, freed_if_gone, merged
-
-MAX_OUTPUT_TOKENS = 4096  # when the request names none (the chat face's default)
 
 
 class InputPart(Struct, kw_only=True):
@@ -153,7 +160,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     ids = [prompt]
     job = Job(body, Knobs(body.temperature, body.top_p), True, target, side, [], ids,
               budgets(request, ids, body.max_output_tokens, "max_output_tokens", "input",
-                      MAX_OUTPUT_TOKENS), images=images)
+                      CHAT_MAX_TOKENS), images=images)
     answer = _Answer(job)
     if body.stream:
         return await _stream(request, job, answer)

@@ -33,6 +33,7 @@ from .messages import (
 from .models import listing, one
 from .responses import responses
 from .sampling import (
+    CHAT_MAX_TOKENS,
     Deltas,
     Job,
     Knobs,
@@ -47,9 +48,6 @@ from .tokens import TextSideSlot
 
 V1 = "/oai/api/v1"
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /completions
-# Chat's default in OpenAI's API is the rest of the context; the sampler reserves its KV
-# cache for max_tokens up front, so a client that leaves it out gets at most this.
-CHAT_MAX_TOKENS = 4096
 
 
 async def models(request: web.Request) -> web.Response:

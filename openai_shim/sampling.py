@@ -34,6 +34,10 @@ from .streaming import freed_if_gone, merged
 from .tokens import TextSide
 
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy sampling
+# A chat's (and a response's) default in OpenAI's API is the rest of the context; the
+# sampler reserves its KV cache for max_tokens up front, so a client that leaves it out
+# gets at most this.
+CHAT_MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,9 @@ class PatchCache:
 
     def warm(self, frames: Iterable[ImageF]) -> None:
         """Cut the frames not kept yet, in parallel, so that `get` finds them all."""
+        keyed = {_key(f): f for f in frames}
         with self._lock:
-            todo = {_key(f): f for f in frames if _key(f) not in self._kept}
+            todo = {k: f for k, f in keyed.items() if k not in self._kept}
         if len(todo) < 2:  # (one image: no thread hop)
             return
         for key, image in zip(todo, self._pool.map(_cut, todo.values()), strict=True):
