@@ -246,3 +246,19 @@ def test_kimi_k2_checkpoint_with_q_proj_and_halves_rope(ds_dir, tmp_path):
         got = m.logits(m.forward(ids, torch.arange(17)[None].expand(2, -1)))
         want = hf(input_ids=ids).logits
     assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max().item())
+
+
+def test_router_bias_follows_the_model_when_it_moves(ds_dir):
+    """e_score_correction_bias is a buffer: moving the model (to CUDA, after the blocks are
+    built) replaces it, and a block that kept the old one routed with a host tensor (found on
+    a GPU). A dtype move replaces buffers the same way."""
+    from twinkled.engine.model import BaseModel
+
+    m = BaseModel(ds_dir)
+    m.hf.to(torch.float64)
+    x = torch.randn(5, m.hf.config.hidden_size, dtype=torch.float64)
+    for block in m.moe.values():
+        block.gate.e_score_correction_bias.fill_(1e4)  # the last expert group wins everything
+        block.gate.e_score_correction_bias[-1] = 2e4
+        experts, _ = block.route(x)
+        assert (experts == block.n_experts - 1).any(dim=-1).all()

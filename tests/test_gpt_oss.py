@@ -253,3 +253,16 @@ def test_sdpa_sinks_equal_the_eager_formula():
     assert torch.allclose(outs[0], outs[1], atol=1e-6)
     grads_ = [torch.autograd.grad(o.square().sum(), (q, k, v)) for o in outs]
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads_, strict=True))
+
+
+def test_sparse_blocks_follow_the_model_when_it_moves(oss_dir):
+    """The blocks are built before the model goes to its device; on CUDA a view or buffer
+    kept from then read the host copy (found on a GPU). A dtype move swaps tensors the same
+    way, so it shows the blocks read the module's current tensors on the CPU too."""
+    from twinkled.engine.model import BaseModel
+
+    m = BaseModel(oss_dir)
+    m.hf.to(torch.float64)
+    for block in m.moe.values():
+        assert block.gate_up.dtype == block.down.dtype == torch.float64
+        assert block.router.dtype == block.gate_up_bias.dtype == torch.float64

@@ -31,14 +31,16 @@ class DeepseekMoeBlock(MoeBlock):
     def __init__(self, index: int, mlp, config, split=None):
         super().__init__(index, mlp, bool(config.norm_topk_prob), int(config.num_experts_per_tok),
                          split)
-        self.bias = mlp.gate.e_score_correction_bias  # [E], fp32
+        self.gate = mlp.gate
         self.groups, self.top_groups = int(config.n_group or 1), int(config.topk_group or 1)
         self.scale = float(config.routed_scaling_factor)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         E, G = self.n_experts, self.groups
         scores = F.linear(x.float(), self.router.float()).sigmoid()  # [T, E]
-        choice = scores + self.bias.float()
+        # read from the module at each use: it is a buffer, and moving the model to its
+        # device (after the blocks are built) replaces buffers rather than their data
+        choice = scores + self.gate.e_score_correction_bias.float()
         group_score = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
         top = group_score.topk(self.top_groups, dim=-1)[1]
         keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, top, True)

@@ -29,12 +29,11 @@ class GptOssMoeBlock(MoeBlock):
         experts = mlp.experts
         self.index = index
         self.router, self.router_bias = mlp.router.weight, mlp.router.bias
-        # moe.py's [E, out, in] as views of transformers' [E, in, out] (its module stays
-        # runnable): the grouped matmul then reads the weights as stored, row-major [in, out].
-        self.gate_up = experts.gate_up_proj.transpose(1, 2)
-        self.down = experts.down_proj.transpose(1, 2)
+        self.experts = experts
         self.gate_up_bias, self.down_bias = experts.gate_up_proj_bias, experts.down_proj_bias
-        self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
+        # transformers' own module's constants (older releases hard-code alpha, newer read
+        # the config's swiglu_alpha): what its forward computes is the reference
+        self.alpha, self.limit = float(experts.alpha), float(experts.limit)
         self.n_experts = self.router.shape[0]
         self.split = None
         self.owned = slice(0, self.n_experts)
@@ -42,6 +41,18 @@ class GptOssMoeBlock(MoeBlock):
         self.normalize = False
         prefix = f"model.layers.{index}.mlp.experts."
         self.keys = {p: prefix + p for p in ("gate_up_proj", "down_proj")}
+
+    # moe.py's [E, out, in] as views of transformers' [E, in, out] (its module stays
+    # runnable): the grouped matmul then reads the weights as stored, row-major [in, out].
+    # Taken at each use, not kept: the blocks are built before the model moves to its device,
+    # and a view kept from then would still read the host copy.
+    @property
+    def gate_up(self) -> torch.Tensor:
+        return self.experts.gate_up_proj.transpose(1, 2)
+
+    @property
+    def down(self) -> torch.Tensor:
+        return self.experts.down_proj.transpose(1, 2)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.router, self.router_bias)
