@@ -18,20 +18,17 @@ from collections.abc import Callable
 from dataclasses import astuple, replace
 from typing import Any
 
-from scheduler import Ledger, Planner
 from twinkled.core import otel
-from twinkled.core.adapter_room import adapter_room, host_room
 from twinkled.core.engine_core import RateLimited  # noqa: F401  (re-exported)
-from twinkled.core.exclusive import Exclusive, full_run_lane
+from twinkled.core.exclusive import full_run_lane
 from twinkled.core.executor import Executor
 from twinkled.core.futures import Encoder, Future, Futures, empty_json
-from twinkled.core.lanes import Lane, Lanes, make_lane
+from twinkled.core.lanes import Lane
 from twinkled.core.lifecycle import Draining, LifeCycle  # noqa: F401  (Draining re-exported)
-from twinkled.core.make_executor import zmq_executor
+from twinkled.core.make_lanes import make_lanes
 from twinkled.core.metrics import Metrics
 from twinkled.core.ops import After, Op
 from twinkled.core.recent_samples import RecentSamples
-from twinkled.core.remote_lanes import RemoteLanes, no_workers
 from twinkled.core.residency import stored_config
 from twinkled.core.stability import StabilityRecords
 from twinkled.core.streams import SampleStream
@@ -46,7 +43,6 @@ from twinkled.protocol.prefixes import datum_costs
 from twinkled.protocol.types import LoraConfig
 from twinkled.store.checkpoints import Version
 from twinkled.store.runs import Runs
-from twinkled.workers.hosts import host_registry
 
 # How a command that makes something answers, given the id of what it made (a model, a
 # checkpoint path, a sampler): the protocol layer's choice, like an Encoder.
@@ -77,25 +73,9 @@ class Service:
         self.recent_samples = RecentSamples()  # the console's last sampling calls of a run
         self.metrics = Metrics(self)
         self.futures = Futures(store)
-        hosts = host_registry(config) if executor is None else None  # (if hosts may join)
-        if executor is None:  # (one lane: hosts without lanes bring ranks to its group)
-            executor = [zmq_executor(config, devices, hosts if config.lanes == 1 else None)
-                        for devices in config.lane_devices()] or [no_workers(config)]
-        executors = executor if isinstance(executor, list) else [executor]
-        ledger = Ledger()  # tenants' fair-share clocks, one for all lanes (fairness.py)
-
-        def lane(i: int, ex: Executor, on: str = "") -> Lane:
-            return make_lane(i, Planner(config.token_budget, config.sample_budget,
-                                        config.target_step_s, preempt_s=config.preempt_s,
-                                        ledger=ledger),
-                             ex, store, adapter_room(config, adapter_budget), self.futures,
-                             self.metrics, config.gather_ms / 1000,
-                             config.sample_slice_ms / 1000, host_room(config),
-                             config.resident_cap, on)
-        self.lanes = Lanes([lane(i, ex) for i, ex in enumerate(executors)], store,
-                           Exclusive(config.full_run_only_lane, full_run_room))
-        if hosts is not None:  # and the lanes other hosts bring (remote_lanes.py)
-            self.lanes.hosts = RemoteLanes.of_config(config, hosts, self.lanes, store, lane)
+        # One lane per executor (by default a worker group per `config.lanes`; make_lanes.py)
+        self.lanes = make_lanes(config, store, self.futures, self.metrics, executor,
+                                adapter_budget, full_run_room)
         self.tenants = Tenants(config, store, self.lanes.planners)
         self._limits: RequestLimits | None = None
         self._limits_from: dict | None = None
