@@ -243,6 +243,8 @@ def test_a_tenant_sees_only_its_own_runs(daemon, runs):
     assert not any(alice in s["runs"] for s in sessions)
     op = get_json(daemon, "api/operator", daemon.keys["bob"])
     assert set(op["tenants"]) <= {"bob"} and "workers" not in op
+    assert op["state"] == "ready"  # the daemon's life cycle, as the page shows it
+    assert get_json(daemon, "api/me", daemon.keys["bob"])["state"] == "ready"
     # the admin key sees both tenants' runs and the whole status
     admin = admin_key(daemon)
     every = {r["id"] for r in get_json(daemon, "api/runs", admin)["runs"]}

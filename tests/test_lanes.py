@@ -37,7 +37,7 @@ def test_models_spread_over_lanes_and_train_as_on_one(tiny_dir, tmp_path):
             assert {lane_of(box, a), lane_of(box, b)} == {0, 1}  # one each
             got = await asyncio.gather(train(box, "alice", a, 3), train(box, "bob", b, 3))
             steps = [lane.planner.steps for lane in box.svc.lanes.all]
-            status = box.svc.status()
+            status = box.svc.life.status()
             return got, steps, status
 
     async def one_lane():
@@ -249,7 +249,7 @@ def test_a_run_moved_to_a_less_loaded_lane_trains_on_where_it_left_off(tiny_dir,
                     await asyncio.sleep(0.01)
                 assert await balance(box.svc.lanes) == 1
                 moved = [t for t in "ac" if lane_of(box, runs[t]) == 1]
-                status = box.svc.status()
+                status = box.svc.life.status()
                 assert status["lane_moves"] == 1 and [ln["load"] for ln in status["lanes"]] \
                     == [1, 1]
             for t in "ac":

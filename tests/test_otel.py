@@ -56,7 +56,7 @@ async def serve_and_train(tiny_dir, data_dir) -> None:
     server = TestServer(make_app(svc, store, "admin"), host="127.0.0.1")
     await server.start_server()
     try:
-        await asyncio.wait_for(svc.ready(), T)
+        await asyncio.wait_for(svc.life.settled(), T)
         await asyncio.to_thread(train_one_step, str(server.make_url("")).rstrip("/"), key,
                                 tiny_dir.name)
     finally:

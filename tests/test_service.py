@@ -81,17 +81,17 @@ async def service(tiny_dir, tmp_path, **overrides):
                  **{"gather_ms": 0, "worker_threads": 1, **overrides})
     store = Store(tmp_path / "twinkled.store.db")
     svc = Service(cfg, store, executor=[in_process_executor(cfg) for _ in range(cfg.lanes)])
-    await svc.start(housekeeping=False)
-    await asyncio.wait_for(svc.ready(), WAIT)
-    assert svc.state == "ready", svc.load_error
+    await svc.life.start(housekeeping=False)
+    await asyncio.wait_for(svc.life.settled(), WAIT)
+    assert svc.life.state == "ready", svc.life.error
     box = Box(svc, store)
     box.vocab = svc.model_info["vocab_size"]
     try:
         yield box
     finally:
-        if svc.state != "draining":
-            await svc.shutdown()
-        await svc.close()
+        if not svc.life.stopping:
+            await svc.life.shutdown()
+        await svc.life.close()
         store.close()
 
 
@@ -254,7 +254,7 @@ def test_futures_fail_cleanly_and_the_loop_goes_on(tiny_dir, tmp_path):
             assert h.error is None
             # Shutdown fails what is still waiting (seq 5 waits for seq 4, never sent).
             stuck = box.optim("alice", m, 5)
-            await svc.shutdown()
+            await svc.life.shutdown()
             assert stuck.done.is_set() and stuck.error[1] == "server"
             assert "stopped" in stuck.error[0]
 

@@ -53,9 +53,9 @@ async def dynamic_config(request):
 
 async def healthz(request):
     svc = service(request)
-    body = {"status": svc.health, "model": svc.config.served_name}
-    if svc.load_error:
-        body["error"] = svc.load_error
+    body = {"status": svc.life.health, "model": svc.config.served_name}
+    if svc.life.error:
+        body["error"] = svc.life.error
     return web.json_response(body)
 
 
@@ -103,7 +103,7 @@ async def retrieve_future(request):
     body = await body_of(request, RetrieveFuture)
     svc = service(request)
     f = svc.get_future(request["tenant"], body.request_id)
-    done, stop = asyncio.ensure_future(f.done.wait()), asyncio.ensure_future(svc.stopping.wait())
+    done, stop = asyncio.ensure_future(f.done.wait()), asyncio.ensure_future(svc.life.polls_stopped())
     await asyncio.wait([done, stop], timeout=svc.config.poll_seconds,
                        return_when=asyncio.FIRST_COMPLETED)
     done.cancel()

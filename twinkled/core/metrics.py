@@ -58,7 +58,7 @@ class _Live:
         self.service = service
 
     def collect(self):
-        g = self.service.gauges()
+        g = self.service.life.gauges()
         depth = GaugeMetricFamily("twinkle_queue_depth", "Requests queued (or held back by "
                                   "quota), per tenant", labels=["tenant"])
         for name, n in g["queued"].items():

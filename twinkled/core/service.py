@@ -3,39 +3,32 @@
 The Tinker routes (tinker_shim/) decode a request, call one command here, and encode its
 answer. A command checks what can be known at once, records what the store must keep, and
 queues an op on the engine core (core.py), returning the future the client polls. The
-service also owns the daemon's life cycle: start (load the model, restore adapters),
-housekeeping, drain, shutdown. Nothing here imports torch.
+daemon's life cycle (start, drain, shutdown, what healthz and status report) is a composed
+object, `service.life` (lifecycle.py), which every command asks whether the daemon takes
+work now. Nothing here imports torch.
 
-Why one file of ~530 lines: it is the daemon's list of commands (a short method each, read
-top to bottom to see what a request does), with the intake checks they share (`submit`,
-`_check_intake`, `_admit`, `_created`: a refusal records nothing). The next split, when a
-command is added: the life cycle (start, drain, shutdown, status) into an object of its own.
+Read top to bottom, it is the daemon's list of commands (a short method each), with the
+intake checks they share (`submit`, `_admit`, `_created`: a refusal records nothing).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import astuple, replace
 from typing import Any
 
-from scheduler import Ledger, Planner
 from twinkled.core import otel
-from twinkled.core.adapter_room import adapter_room, host_room
 from twinkled.core.engine_core import RateLimited  # noqa: F401  (re-exported)
-from twinkled.core.exclusive import Exclusive, full_run_lane
+from twinkled.core.exclusive import full_run_lane
 from twinkled.core.executor import Executor
 from twinkled.core.futures import Encoder, Future, Futures, empty_json
-from twinkled.core.housekeeping import Housekeeping
-from twinkled.core.lanes import Lane, Lanes, make_lane
-from twinkled.core.make_executor import zmq_executor
+from twinkled.core.lanes import Lane
+from twinkled.core.lifecycle import Draining, LifeCycle  # noqa: F401  (Draining re-exported)
+from twinkled.core.make_lanes import make_lanes
 from twinkled.core.metrics import Metrics
 from twinkled.core.ops import After, Op
 from twinkled.core.recent_samples import RecentSamples
-from twinkled.core.remote_lanes import RemoteLanes, no_workers
 from twinkled.core.residency import stored_config
 from twinkled.core.stability import StabilityRecords
 from twinkled.core.streams import SampleStream
@@ -50,11 +43,6 @@ from twinkled.protocol.prefixes import datum_costs
 from twinkled.protocol.types import LoraConfig
 from twinkled.store.checkpoints import Version
 from twinkled.store.runs import Runs
-from twinkled.store.verify import verify_checkpoints
-from twinkled.workers.hosts import host_registry
-
-log = logging.getLogger("twinkled")
-
 
 # How a command that makes something answers, given the id of what it made (a model, a
 # checkpoint path, a sampler): the protocol layer's choice, like an Encoder.
@@ -68,10 +56,6 @@ def _same_lora(stored: dict | None, asked: dict) -> bool:
     return plain(stored) == plain(asked)
 
 
-class Draining(Exception):
-    """The daemon is stopping (hot restart): come back shortly (HTTP 503, retried)."""
-
-
 class Service:
     def __init__(self, config: Config, store, executor: Executor | list[Executor] | None = None,
                  adapter_budget: int | None = None, full_run_room: int | None = None):
@@ -83,117 +67,21 @@ class Service:
         self.config = config
         self.store = store
         self.blobs = Blobs.from_config(config)  # where checkpoint files live (protocol/blobs.py)
-        self.state = "loading"
-        self.load_error: str | None = None
-        self.stopping = asyncio.Event()  # set at shutdown: long polls return at once
-        self.intake_paused = False  # `twinkled ctl drain`: new work gets a 503
-        self.damaged: list[dict] = []  # checkpoints found damaged at start-up
         # What samplers produced, for stable_reinforce (filled by `sample`, read by the
         # forward_backward that names it).
         self.stability = StabilityRecords(config.stability_bytes, config.stability_tenant_bytes)
         self.recent_samples = RecentSamples()  # the console's last sampling calls of a run
         self.metrics = Metrics(self)
         self.futures = Futures(store)
-        hosts = host_registry(config) if executor is None else None  # (if hosts may join)
-        if executor is None:  # (one lane: hosts without lanes bring ranks to its group)
-            executor = [zmq_executor(config, devices, hosts if config.lanes == 1 else None)
-                        for devices in config.lane_devices()] or [no_workers(config)]
-        executors = executor if isinstance(executor, list) else [executor]
-        ledger = Ledger()  # tenants' fair-share clocks, one for all lanes (fairness.py)
-
-        def lane(i: int, ex: Executor, on: str = "") -> Lane:
-            return make_lane(i, Planner(config.token_budget, config.sample_budget,
-                                        config.target_step_s, preempt_s=config.preempt_s,
-                                        ledger=ledger),
-                             ex, store, adapter_room(config, adapter_budget), self.futures,
-                             self.metrics, config.gather_ms / 1000,
-                             config.sample_slice_ms / 1000, host_room(config),
-                             config.resident_cap, on)
-        self.lanes = Lanes([lane(i, ex) for i, ex in enumerate(executors)], store,
-                           Exclusive(config.full_run_only_lane, full_run_room))
-        if hosts is not None:  # and the lanes other hosts bring (remote_lanes.py)
-            self.lanes.hosts = RemoteLanes.of_config(config, hosts, self.lanes, store, lane)
+        # One lane per executor (by default a worker group per `config.lanes`; make_lanes.py)
+        self.lanes = make_lanes(config, store, self.futures, self.metrics, executor,
+                                adapter_budget, full_run_room)
         self.tenants = Tenants(config, store, self.lanes.planners)
         self._limits: RequestLimits | None = None
         self._limits_from: dict | None = None
-        self._tasks: list[asyncio.Task] = []
-
-    # -- life cycle -------------------------------------------------------------------
-
-    async def start(self, housekeeping: bool = True) -> None:
-        """Start the workers (they load the model); the HTTP server answers meanwhile.
-
-        Work cut short by the last stop is settled first: its futures fail with a clear
-        error when polled, and half-written checkpoints are marked and never served."""
-        self.lanes.settle_last_stop()
-        self._advertise()
-        loop = asyncio.get_running_loop()
-        # Hashing can take a while on a big data dir: in a thread, while the workers load
-        # the model and the HTTP server answers; no step runs before it is done.
-        self._verified = loop.run_in_executor(None, verify_checkpoints, self.store,
-                                              self.config.data_dir, self.blobs)
-        self._tasks.append(loop.create_task(self._run()))
-        if housekeeping:
-            chores = Housekeeping(self.config, self.store, self.futures, self.lanes,
-                                  blobs=self.blobs, status=self.status,
-                                  refresh_tenants=self.refresh_tenants,
-                                  may_unload=lambda: self.state == "ready"
-                                  and not self.intake_paused)
-            self._tasks.append(loop.create_task(chores.run()))
-
-    async def ready(self) -> None:
-        """Wait until the model is loaded (or failed to load)."""
-        while self.state == "loading":
-            await asyncio.sleep(0.01)
-
-    def _advertise(self) -> None:
-        """<data_dir>/daemon.json tells `twinkled ctl` where this daemon answers."""
-        import os
-
-        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        host = f"[{host}]" if ":" in host else host
-        info = {"url": f"http://{host}:{self.config.port}", "pid": os.getpid()}
-        (self.config.data_dir / "daemon.json").write_text(json.dumps(info))
-
-    async def _run(self) -> None:
-        await self._load()
-        try:
-            self.damaged = await self._verified
-        except Exception:  # a verification bug must not stop the daemon from serving
-            log.exception("verifying checkpoints failed")
-        await self.lanes.run()
-
-    async def _load(self) -> None:
-        """Start the worker groups (they load the model) and bring back the live adapters."""
-        try:
-            await self.lanes.start()
-            loop = asyncio.get_running_loop()
-            self._tasks += [loop.create_task(w) for w in self.lanes.watchers()]
-            self.state = "ready"
-            log.info("model %s loaded", self.config.served_name)
-        except Exception as e:  # the daemon keeps answering healthz with the reason
-            self.state, self.load_error = "failed", f"{type(e).__name__}: {e}"
-            log.exception("model load failed")
-
-    def status(self) -> dict:
-        return {"model": self.config.served_name, "state": self.state, **self.lanes.status(),
-                "damaged_checkpoints": self.damaged, "time": time.time()}
-
-    def gauges(self) -> dict:
-        """What /metrics reads at scrape time."""
-        queued = {t: s["queued_requests"] for t, s in self.lanes.tenant_status().items()}
-        return {"queued": queued, "adapters": self.lanes.model_count(),
-                "workers": self.lanes.workers(), "up": self.health == "ok",
-                "logprob_gap": self.lanes.logprob_gap(), "tiers": self.lanes.tiers()}
-
-    @property
-    def health(self) -> str:
-        """healthz's status: "ok" when requests run now ("restarting" while workers do)."""
-        if self.state == "ready" and self.lanes.recovering:
-            return "restarting"
-        if self.state == "ready" and self.intake_paused:
-            return "draining"
-        return "ok" if self.state == "ready" else self.state
+        # loading/ready/failed/draining, start and stop, what healthz says (lifecycle.py)
+        self.life = LifeCycle(config, store, self.blobs, self.lanes, self.futures,
+                              self.refresh_tenants)
 
     @property
     def model_info(self) -> dict:
@@ -208,58 +96,14 @@ class Service:
             self._limits, self._limits_from = self.config.request_limits(info), info
         return self._limits
 
-    async def _until_idle(self, timeout: float) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not self.lanes.idle() and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        return self.lanes.idle()
-
-    async def shutdown(self) -> None:
-        """SIGTERM: stop taking work, let queued work run (up to `drain_timeout_s`), fail
-        the rest, persist every live adapter with its optimizer state, stop the workers."""
-        self.state = "draining"
-        await self._until_idle(self.config.drain_timeout_s)
-        self._cancel_tasks()
-        self.futures.fail_unfinished("the daemon was stopped (restarted) before this "
-                                     "request ran; submit it again", "server")
-        self.stopping.set()
-        if self.load_error is None and self.model_info:
-            try:
-                live = await self.lanes.persist_all()
-                log.info("persisted %d live adapter(s)", live)
-            except Exception:
-                log.exception("persisting live adapters at shutdown failed")
-        await self.lanes.stop()
-        (self.config.data_dir / "daemon.json").unlink(missing_ok=True)
-        log.info("workers stopped; closing connections")
-
-    async def drain(self, timeout: float = 600.0, undo: bool = False) -> dict:
-        """Stop taking new work and wait (up to `timeout`) until nothing queued can run."""
-        self.intake_paused = not undo
-        if undo:
-            return {"drained": False, "queued": 0}
-        drained = await self._until_idle(timeout)
-        queued = sum(t["queued_requests"] for t in self.lanes.tenant_status().values())
-        return {"drained": drained, "queued": queued}
-
-    def _cancel_tasks(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-
-    async def close(self) -> None:
-        self._cancel_tasks()
-        if self.state != "draining":
-            await self.lanes.stop()
-
     # -- commands ---------------------------------------------------------------------
 
     def submit(self, op: Op, lane: Lane | None = None) -> Future:
         """Queue `op` on its lane's core (see EngineCore.add), if the daemon takes work now.
         `lane`: where a sample goes (`Lanes.for_sample`); a model's ops go to its lane."""
         try:
-            self._check_intake()
-            self._check_loaded(op.model_id)
+            self.life.check_intake()
+            self.life.check_loaded(op.model_id)
         except (UserError, Draining) as e:
             self.futures.drop(op.future, str(e))
             raise
@@ -267,30 +111,12 @@ class Service:
             otel.submitted(op)
         return (lane or self.lanes.of(op.model_id)).core.add(op)
 
-    def _check_intake(self) -> None:
-        """Raise if the daemon takes no work now: a command asks this before it records
-        anything, so that a refusal (a 503 the client retries) leaves nothing behind."""
-        if self.state == "failed":
-            raise UserError(f"the model failed to load: {self.load_error}")
-        if self.state == "draining" or self.intake_paused:
-            raise Draining("the daemon is draining for maintenance or a restart; retry shortly")
-        if not self.lanes.up():  # (a head with no workers of its own: remote_lanes.py)
-            raise Draining("no lane is up: no host that brings lanes is joined; retry shortly")
-
-    def _check_loaded(self, model_id: str | None) -> None:
-        """A hot restart: the run comes back once the model is loaded, so its client's
-        requests meanwhile get a 503 they retry, not the 400 of a run not here."""
-        if self.state == "loading" and model_id is not None and \
-                not self.lanes.is_open(model_id):
-            raise Draining("the daemon is starting (loading the model, restoring adapters); "
-                           "retry shortly")
-
     def _admit(self, tenant: str, model: str, seq_id: int, kind: str) -> Future | None:
         """Before a command records anything for op `seq_id` of `model`: the original
         future if the client retries a request already taken (nothing is done again), None
         if the op would be queued; raises what the op would be refused with."""
-        self._check_intake()
-        self._check_loaded(model)
+        self.life.check_intake()
+        self.life.check_loaded(model)
         return self.lanes.of(model).core.admit(tenant, model, seq_id, kind)
 
     def _created(self, tenant: str, session_id: str, model_seq: int | None,
@@ -300,7 +126,7 @@ class Service:
         made with the same config, whose create is still known. None otherwise (a new
         model, or a different request for a taken id: refused). Raises if the daemon takes
         no work now (a 503's retry must find no run)."""
-        self._check_intake()
+        self.life.check_intake()
         if model_seq is None:  # the store numbers it: a new model
             return None
         model = Runs.id_of(session_id, model_seq)
@@ -323,10 +149,10 @@ class Service:
         """Bring back a run's adapter if it was unloaded while idle (not while the daemon
         takes no work: its request would be refused after the reload)."""
         if not self.lanes.of(run["id"]).residency.is_open(run["id"]):
-            self._check_intake()
+            self.life.check_intake()
             # Starting: the runs live at the last stop are being restored, and one reloaded
             # here meanwhile would be restored again over its queued requests (they hung).
-            self._check_loaded(run["id"])
+            self.life.check_loaded(run["id"])
         await self.lanes.ensure_loaded(run)
 
     def create_model(self, tenant: str, session_id: str, model_seq: int | None,
@@ -514,7 +340,7 @@ class Service:
         """A client ended its session: its adapters go once their queued work has run."""
         runs, _ = self.store.sessions.children(session_id)
         if any(self.lanes.of(model).residency.is_open(model) for model in runs):
-            self._check_intake()  # the unloads would be refused: record nothing either
+            self.life.check_intake()  # the unloads would be refused: record nothing either
         self.store.sessions.finish(session_id, reason)
         self.unload_models(tenant, runs)
 

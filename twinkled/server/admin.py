@@ -144,7 +144,7 @@ class Admin:
         """The daemon's status; with none answering, the last one it wrote (every 2 s),
         marked `running: false` with its age, so a crashed daemon's last state shows."""
         if self.service is not None:
-            return {**self.service.status(), "running": True}
+            return {**self.service.life.status(), "running": True}
         row = self.store.status.get()
         if row is None:
             raise AdminError("no daemon answers, and none has run on this data directory: "
@@ -169,7 +169,7 @@ def routes(app) -> None:
         service = app["service"]
         admin = Admin(app["store"], service.config.data_dir, service)
         if command == "drain":  # waits for the queues
-            result = await service.drain(**parse(command, args))
+            result = await service.life.drain(**parse(command, args))
         elif command == "checkpoints_verify":  # hashes files: off the event loop
             loop = asyncio.get_running_loop()
             result = await loop.run_in_executor(None, admin.run, command, args)

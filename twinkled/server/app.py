@@ -164,10 +164,10 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
         # SIGUSR2: every task's stack into the log, for an operator (or a test) to see
         # what a daemon that answers but makes no progress is waiting for.
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, _log_tasks)
-        await service.start()
+        await service.life.start()
         if service.config.log_summary_s > 0:
             app["summary"] = asyncio.create_task(
-                log_summaries(service.status, service.config.log_summary_s))
+                log_summaries(service.life.status, service.config.log_summary_s))
 
     async def on_shutdown(app):  # SIGTERM / SIGINT: drain, persist, stop the workers
         if "summary" in app:
@@ -175,10 +175,10 @@ def make_app(service: Service, store, admin_key: str = "") -> web.Application:
         logging.getLogger("twinkled").info(
             "stopping: no new work; queued work drains (up to %g s)",
             service.config.drain_timeout_s)
-        await service.shutdown()
+        await service.life.shutdown()
 
     async def on_cleanup(app):
-        await service.close()
+        await service.life.close()
         otel.shutdown()  # what is buffered goes out
 
     app.on_startup.append(on_startup)

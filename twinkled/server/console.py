@@ -79,7 +79,7 @@ async def me(request: web.Request) -> web.Response:
     viewer = _viewer(request)
     service = request.app["service"]
     return web.json_response({"tenant": viewer, "admin": viewer is None,
-                              "model": service.config.served_name, "state": service.state})
+                              "model": service.config.served_name, "state": service.life.state})
 
 
 async def runs(request: web.Request) -> web.Response:
@@ -160,7 +160,7 @@ async def sessions(request: web.Request) -> web.Response:
 async def operator(request: web.Request) -> web.Response:
     """The daemon's status (`ctl status --json`) for the admin; a tenant sees the model,
     its state and its own row of the shares."""
-    status = request.app["service"].status()
+    status = request.app["service"].life.status()
     viewer = _viewer(request)
     if viewer is not None:
         own = status.get("tenants", {}).get(viewer)
