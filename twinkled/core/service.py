@@ -110,7 +110,7 @@ class Service:
                              config.sample_slice_ms / 1000, host_room(config),
                              config.resident_cap, on)
         self.lanes = Lanes([lane(i, ex) for i, ex in enumerate(executors)], store,
-                           Exclusive(config.full_run_only_lane, full_run_room))
+                           Exclusive(config.full_run_only_lane, full_run_room), config.long_row_tokens)
         if hosts is not None:  # and the lanes other hosts bring (remote_lanes.py)
             self.lanes.hosts = RemoteLanes.of_config(config, hosts, self.lanes, store, lane)
         self.tenants = Tenants(config, store, self.lanes.planners)
@@ -368,6 +368,7 @@ class Service:
         f = self.futures.new(tenant, "forward_backward", encode, run=model)
         kind = "forward" if frame.forward_only else "forward_backward"
         tokens = sum(d.tokens.shape[0] for d in frame.data)
+        self.lanes.long.saw(model, tenant, max((d.tokens.shape[0] for d in frame.data), default=0))
         f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts,
                            after=self.store.steps.recorder(model, seq_id, kind, tokens)))
         self.store.runs.touch(model)
