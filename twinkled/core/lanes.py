@@ -101,8 +101,7 @@ class Lanes:
         # lanes held by full-parameter runs (exclusive.py)
         self.exclusive = exclusive or Exclusive()
         self.moved_runs = 0  # runs moved between lanes to balance them (balance.py)
-        # runs that sent rows over long_row_tokens, kept apart from short ones (long_rows.py)
-        self.long = LongRuns(long_row_tokens)
+        self.long = LongRuns(long_row_tokens)  # long-context runs, kept apart (long_rows.py)
 
     # -- where things go ----------------------------------------------------------------
 
@@ -291,8 +290,7 @@ class Lanes:
             if run["lora_rank"] == 0:  # a full run: its lane (kept while idle unloaded)
                 lane = self.exclusive.reserve(self.up(), model, run["tenant"])
             else:
-                lane = here if here.residency.keeps(model) \
-                    else self.choose(stored_config(run), model)
+                lane = here if here.residency.keeps(model) else self.choose(stored_config(run), model)
             if lane is not here:  # its journal goes on in the other lane's executor
                 here.executor.journal.release(model)
             self.place(model, lane)
