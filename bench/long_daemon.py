@@ -10,7 +10,13 @@ the unmodified tinker client:
 - beside: the same, while another tenant (a process of its own) trains one row of S tokens
   a step, for each S of `--seq`; the small tenant's p50/p99 and the long tenant's tok/s.
 
+With `--lanes N` the daemon splits the ranks into N lanes (`twinkled serve --lanes N`): the
+long run's first row over `long_row_tokens` makes it long-context, and the small tenant's run
+goes to a lane without it (core/long_rows.py); the table says where it went. Each phase's
+runs end with their session (the client's close), so the next phase places its own afresh.
+
     python bench/long_daemon.py --shape qwen3-8b --seq 65536,131072 --ranks 2 --cp 2
+    python bench/long_daemon.py --shape qwen3-8b --seq 65536 --ranks 2 --cp 1 --lanes 2
     python bench/long_daemon.py --shape tiny --device cpu --seq 512 --ranks 2 --cp 2  # a smoke run
 """
 
@@ -33,7 +39,7 @@ from bench_multitenant import make_keys, pct, start_daemon  # noqa: E402
 from output import emit, section_path  # noqa: E402
 
 T = 900  # one step's result, at most (a 131,072-token row takes ~40 s on 2 H200s)
-SMALL_SEQ = 512
+SMALL_SEQ = 512  # the small tenant's rows (at most half the shortest --seq: a smoke run's)
 
 
 def _datum(rng: random.Random, vocab: int, n: int):
@@ -45,17 +51,18 @@ def _datum(rng: random.Random, vocab: int, n: int):
 
 
 def _steps(url: str, key: str, model: str, vocab: int, rows: int, seq: int, steps: int,
-           until: Path | None = None) -> list[tuple[float, float]]:
+           until: Path | None = None, before_close=None) -> list[tuple[float, float]]:
     """(start, seconds) of each forward_backward + optim_step; with `until`, steps go on
-    until that file exists (the small tenant's run beside this one is over)."""
+    until that file exists (the small tenant's run beside this one is over). The session
+    ends after (its run leaves the daemon), `before_close()` called just before."""
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import tinker
 
     rng = random.Random(seq)
     data = [_datum(rng, vocab, seq) for _ in range(rows)]
     adam = tinker.types.AdamParams(learning_rate=1e-5)
-    tc = tinker.ServiceClient(base_url=url, api_key=key).create_lora_training_client(
-        base_model=model, rank=32).result(timeout=T)
+    sc = tinker.ServiceClient(base_url=url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=model, rank=32).result(timeout=T)
     out = []
     while len(out) < steps or (until is not None and not until.exists()):
         t0 = time.perf_counter()
@@ -64,7 +71,36 @@ def _steps(url: str, key: str, model: str, vocab: int, rows: int, seq: int, step
         fb.result(timeout=T)
         opt.result(timeout=T)
         out.append((t0, time.perf_counter() - t0))
+    if before_close is not None:
+        before_close()
+    sc.close("success").result(timeout=T)
     return out
+
+
+def _placement(data: Path) -> str:
+    """Where the daemon's runs are now (`ctl status`): each lane's adapters, the long
+    lanes marked, and whether a short run shares a long run's lane."""
+    from twinkled.server.ctl import Target
+
+    s = Target(data, None, None).call("status")
+    if "lanes" not in s:
+        return "one lane"
+    longs = {r["lane"] for r in s.get("long_runs", [])}
+    shared = sum(lane["adapters"] - sum(r["lane"] == lane["lane"] for r in s["long_runs"])
+                 for lane in s["lanes"] if lane["lane"] in longs)
+    lanes = ", ".join(f"lane {lane['lane']}: {lane['adapters']}{' (long)' * lane['long']}"
+                      for lane in s["lanes"])
+    return f"{lanes}; {'SHARED' if shared else 'apart'}"
+
+
+def _wait_long(data: Path, timeout: float = 300) -> None:
+    """Until the daemon counts a run as long-context (its first long row submitted)."""
+    from twinkled.server.ctl import Target
+
+    deadline = time.monotonic() + timeout
+    while not Target(data, None, None).call("status").get("long_runs") \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def client(args: argparse.Namespace) -> None:
@@ -80,6 +116,13 @@ def main() -> None:
     ap.add_argument("--seq", default="65536,131072", help="the long tenant's row lengths")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--lanes", type=int, default=1, help="twinkled serve --lanes N")
+    ap.add_argument("--long-row-tokens", type=int, default=None,
+                    help="the daemon's long_row_tokens (default: its own, unless the shortest "
+                    "--seq is not over it: then the small rows' length)")
+    ap.add_argument("--small-seq", type=int, default=None,
+                    help=f"the small tenant's rows (default {SMALL_SEQ}, at most half the "
+                    "shortest --seq)")
     ap.add_argument("--small-rows", type=int, default=8)
     ap.add_argument("--small-steps", type=int, default=10)
     ap.add_argument("--out", default=None, help="the section's file (default bench/results/)")
@@ -94,9 +137,17 @@ def main() -> None:
     import torch
     from bench_engine import build_model
 
+    from twinkled.protocol.config import Config
+
     seqs = [int(s) for s in args.seq.split(",")]
+    small_seq = args.small_seq or min(SMALL_SEQ, min(seqs) // 2)
+    long_rows = args.long_row_tokens
+    if long_rows is None:  # a smoke run's short rows must still count as long
+        long_rows = Config.long_row_tokens if min(seqs) > Config.long_row_tokens else small_seq
     cuda = args.device.startswith("cuda")
     work = Path(tempfile.mkdtemp(prefix="bench_long_daemon_"))
+    config = work / "twinkled.toml"
+    config.write_text(f"long_row_tokens = {long_rows}\n")
     model = work / "model"
     vocab = build_model(args.shape, model, torch.bfloat16 if cuda else torch.float32,
                         args.device, None)
@@ -104,18 +155,21 @@ def main() -> None:
     small_key, long_key = make_keys(data, 2)
     daemon, url, log = start_daemon(model, data, work, "cuda" if cuda else "cpu",
                                     "--workers", str(args.ranks),
-                                    "--cp", str(args.cp), "--max-seq-len", str(max(seqs)))
+                                    "--cp", str(args.cp), "--max-seq-len", str(max(seqs)),
+                                    "--lanes", str(args.lanes), "--config", str(config))
     lines = []
     try:
+        where = []
+
         def small(until_file: Path | None = None) -> list[float]:
-            steps = _steps(url, small_key, model.name, vocab, args.small_rows, SMALL_SEQ,
-                           args.small_steps)
+            steps = _steps(url, small_key, model.name, vocab, args.small_rows, small_seq,
+                           args.small_steps, before_close=lambda: where.append(_placement(data)))
             if until_file is not None:
                 until_file.touch()
             return [s for _, s in steps]
 
         alone = small()
-        lines.append(("alone", alone, None))
+        lines.append(("alone", alone, None, where[-1]))
         print(f"-- small tenant alone: p50 {pct(alone, .5):.3f} s, p99 {pct(alone, .99):.3f} s",
               flush=True)
         for S in seqs:
@@ -124,32 +178,38 @@ def main() -> None:
                 [sys.executable, __file__, "--client", "--url", url, "--key", long_key,
                  "--model", model.name, "--vocab", str(vocab), "--long", str(S),
                  "--until", str(until)], stdout=subprocess.PIPE, text=True)
-            time.sleep(2.0)  # its first step in flight before the small tenant's
+            if args.lanes > 1 and S > long_rows:  # its first long row submitted first
+                _wait_long(data)
+            else:
+                time.sleep(2.0)  # its first step in flight before the small tenant's
             beside = small(until)
             out, _ = long.communicate(timeout=3 * T)
             long_steps = json.loads(out.strip().splitlines()[-1])
-            lines.append((f"beside one row of {S:,} tokens", beside, long_steps))
+            lines.append((f"beside one row of {S:,} tokens", beside, long_steps, where[-1]))
             print(f"-- beside {S}: small p50 {pct(beside, .5):.3f} s, p99 "
                   f"{pct(beside, .99):.3f} s; the long tenant's steps: "
-                  f"{[round(s, 2) for _, s in long_steps]}", flush=True)
+                  f"{[round(s, 2) for _, s in long_steps]}; runs: {where[-1]}", flush=True)
     finally:
         daemon.terminate()
         daemon.wait(timeout=120)
         log.close()
     card = torch.cuda.get_device_name() if cuda else f"CPU ranks ({os.cpu_count()} cores)"
     text = (f"### A small tenant beside a long-context one, through the daemon: {args.shape}, "
-            f"{args.ranks} x {card}, --cp {args.cp}\n\n"
+            f"{args.ranks} x {card}, --cp {args.cp}, --lanes {args.lanes}\n\n"
             f"`{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`: the small tenant "
-            f"{args.small_rows} x {SMALL_SEQ} tokens a step, {args.small_steps} steps; the "
-            "long tenant one row a step; LoRA r=32, the unmodified tinker client\n\n"
-            "| the small tenant | step p50 (s) | step p99 (s) | the long tenant's tok/s |\n"
-            "|---|---:|---:|---:|\n")
-    for label, small_s, long_steps in lines:
+            f"{args.small_rows} x {small_seq} tokens a step, {args.small_steps} steps; the "
+            f"long tenant one row a step (long_row_tokens {long_rows}); LoRA r=32, the "
+            "unmodified tinker client; runs: adapters per lane at the small tenant's last "
+            "step, and whether it shared the long run's lane\n\n"
+            "| the small tenant | step p50 (s) | step p99 (s) | the long tenant's tok/s "
+            "| runs |\n|---|---:|---:|---:|---|\n")
+    for label, small_s, long_steps, placed in lines:
         tps = "-"
         if long_steps:
             S = int(label.split("of ")[1].split(" ")[0].replace(",", ""))
             tps = f"{S / sorted(s for _, s in long_steps)[len(long_steps) // 2]:,.0f}"
-        text += f"| {label} | {pct(small_s, .5):.3f} | {pct(small_s, .99):.3f} | {tps} |\n"
+        text += (f"| {label} | {pct(small_s, .5):.3f} | {pct(small_s, .99):.3f} | {tps} "
+                 f"| {placed} |\n")
     emit(text, args.out if args.out is not None else section_path("long_daemon"))
 
 

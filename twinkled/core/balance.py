@@ -9,6 +9,10 @@ journal's ops after the persisted mark), and the light lane brings it in from th
 seq_ids where they were; its next requests go to the light lane. Only idle runs move
 (nothing queued or in flight), least recently used first, a few at a time: the
 daemon's housekeeping asks every few seconds.
+
+Long-context runs (core/long_rows.py) come first: while short runs are open too, idle long
+runs gather on one lane and idle short runs leave the lanes holding long runs; the lanes
+holding none are then evened out among themselves.
 """
 
 from __future__ import annotations
@@ -33,11 +37,14 @@ def load(lane: Lane) -> int:
 
 
 async def balance(lanes: Lanes) -> int:
-    """Move idle runs from the most loaded lane to the least until they differ by less
-    than SPREAD (or MOVES_PER_ROUND moved, or none can move now); how many moved."""
-    moved = 0
+    """Keep long and short runs apart (long_rows.py), then move idle runs from the most
+    loaded lane to the least until they differ by less than SPREAD (or MOVES_PER_ROUND
+    moved, or none can move now); how many moved."""
     # (not a gone host's lane, nor one a full run holds: no LoRA run goes there)
-    while moved < MOVES_PER_ROUND and len(up := lanes.exclusive.shared(lanes.up())) > 1:
+    moved = await lanes.long.keep_apart(lanes.exclusive.shared(lanes.up()), lanes.move,
+                                        MOVES_PER_ROUND)
+    while moved < MOVES_PER_ROUND and \
+            len(up := lanes.long.even_among(lanes.exclusive.shared(lanes.up()))) > 1:
         light = min(up, key=lambda lane: (load(lane), lane.index))
         heavy = max(up, key=lambda lane: (load(lane), -lane.index))
         if load(heavy) - load(light) < SPREAD:

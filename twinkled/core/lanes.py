@@ -29,6 +29,7 @@ from twinkled.core.engine_core import EngineCore
 from twinkled.core.exclusive import Exclusive
 from twinkled.core.executor import Executor
 from twinkled.core.futures import Future, Futures
+from twinkled.core.long_rows import LongRuns
 from twinkled.core.metrics import Metrics
 from twinkled.core.residency import Residency, stored_config
 from twinkled.protocol import trace
@@ -85,7 +86,8 @@ def make_lane(index: int, planner: Planner, executor: Executor, store: Any,
 
 
 class Lanes:
-    def __init__(self, lanes: list[Lane], store: Any, exclusive: Exclusive | None = None):
+    def __init__(self, lanes: list[Lane], store: Any, exclusive: Exclusive | None = None,
+                 long_row_tokens: int = 0):
         self.all = lanes
         self._own = list(lanes)  # this host's (`add`ed lanes run their loops themselves)
         self.planners = [lane.planner for lane in lanes]  # (Tenants sets quotas on each)
@@ -99,6 +101,7 @@ class Lanes:
         # lanes held by full-parameter runs (exclusive.py)
         self.exclusive = exclusive or Exclusive()
         self.moved_runs = 0  # runs moved between lanes to balance them (balance.py)
+        self.long = LongRuns(long_row_tokens)  # long-context runs, kept apart (long_rows.py)
 
     # -- where things go ----------------------------------------------------------------
 
@@ -115,10 +118,11 @@ class Lanes:
         """Whether `model` takes operations on its lane now (created, restored, reloaded)."""
         return self.of(model).residency.is_open(model)
 
-    def choose(self, config: LoraConfig) -> Lane:
-        """A lane for a new adapter of `config`: the one with the fewest models among
-        those with room for it (lowest index first). No room anywhere: the refusal of the
-        lane with the most room left, which says why."""
+    def choose(self, config: LoraConfig, model: str | None = None) -> Lane:
+        """A lane for a new adapter of `config` (or run `model`'s, brought back): the one
+        with the fewest models among those with room for it (lowest index first), of
+        those its kind goes to (a long run's lanes or the others: long_rows.py). No room
+        anywhere: the refusal of the lane with the most room left, which says why."""
         up = self.up() or self.all
         shared = self.exclusive.shared(up)
         if not shared:  # (one lane, held: full_run_only_lane)
@@ -127,7 +131,8 @@ class Lanes:
             return shared[0]
         fits = [lane for lane in shared if lane.residency.room.fits(config)]
         if fits:
-            return min(fits, key=lambda lane: (lane.planner.model_count(), lane.index))
+            return min(self.long.prefer(fits, model),
+                       key=lambda lane: (lane.planner.model_count(), lane.index))
         return min(shared, key=lambda lane: (lane.residency.room.used(), lane.index))
 
     def place(self, model: str, lane: Lane) -> None:
@@ -285,7 +290,7 @@ class Lanes:
             if run["lora_rank"] == 0:  # a full run: its lane (kept while idle unloaded)
                 lane = self.exclusive.reserve(self.up(), model, run["tenant"])
             else:
-                lane = here if here.residency.keeps(model) else self.choose(stored_config(run))
+                lane = here if here.residency.keeps(model) else self.choose(stored_config(run), model)
             if lane is not here:  # its journal goes on in the other lane's executor
                 here.executor.journal.release(model)
             self.place(model, lane)
@@ -363,8 +368,10 @@ class Lanes:
                  "steps": lane.planner.steps, "adapters": lane.planner.model_count(),
                  "step_target_ms": _ms(lane.planner.step_target()),
                  "restarts": restarts[lane.index], **lane_load(lane),
+                 "long": bool(self.long.on(lane)),  # a lane of long-context runs
                  "tiers": lane.residency.tiers.status()} for lane in self.all]
             status["lane_moves"] = self.moved_runs
+            status["long_runs"] = self.long.status(self.all)  # (admin only: names runs)
         return status
 
     def tiers(self) -> dict:

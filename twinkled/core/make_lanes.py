@@ -40,7 +40,7 @@ def make_lanes(config: Config, store: Any, futures: Futures, metrics: Metrics,
                          config.sample_slice_ms / 1000, host_room(config),
                          config.resident_cap, on)
     lanes = Lanes([lane(i, ex) for i, ex in enumerate(executors)], store,
-                  Exclusive(config.full_run_only_lane, full_run_room))
+                  Exclusive(config.full_run_only_lane, full_run_room), config.long_row_tokens)
     if hosts is not None:  # and the lanes other hosts bring (remote_lanes.py)
         lanes.hosts = RemoteLanes.of_config(config, hosts, lanes, store, lane)
     return lanes

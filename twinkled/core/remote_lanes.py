@@ -127,7 +127,7 @@ class RemoteLanes:
             dead.executor.journal.release(model)  # the next lane's journal goes on with it
             self._lanes.exclusive.release(model)  # (a full run reserves a lane anew)
             if run is not None and run["lora_rank"] and self._lanes.up():
-                self._lanes.place(model, self._lanes.choose(stored_config(run)))
+                self._lanes.place(model, self._lanes.choose(stored_config(run), model))
             moved.append(model)
         task = asyncio.get_running_loop().create_task(self._drain(dead))
         self._draining.add(task)

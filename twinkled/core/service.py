@@ -194,6 +194,7 @@ class Service:
         f = self.futures.new(tenant, "forward_backward", encode, run=model)
         kind = "forward" if frame.forward_only else "forward_backward"
         tokens = sum(d.tokens.shape[0] for d in frame.data)
+        self.lanes.long.saw(model, tenant, max((d.tokens.shape[0] for d in frame.data), default=0))
         f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts,
                            after=self.store.steps.recorder(model, seq_id, kind, tokens)))
         self.store.runs.touch(model)

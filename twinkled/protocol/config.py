@@ -50,6 +50,13 @@ class Config:
     # Independent worker groups the devices are split into, each with its own step loop;
     # a model lives on one (docs/internals.md, "Scaling over GPUs"). 1: one group.
     lanes: int = 1
+    # A run that sends a training row longer than this is long-context: with 2+ lanes it is
+    # kept on a lane apart from short runs (core/long_rows.py), since no step can be cut
+    # inside one pass and a short tenant beside it would wait the whole long row. 16384:
+    # the default token_budget, a row that fills a micro-batch alone (preemptible steps,
+    # preempt_ms, cut steps between micro-batches only); 2.5 s a pass of an 8B on an H200,
+    # ~10 short tenant steps. 0: off.
+    long_row_tokens: int = 16384
     # Recompute activations per layer in the backward: auto (when a step would not fit
     # otherwise), on, off.
     activation_checkpointing: str = "auto"

@@ -35,7 +35,7 @@ RANGES = {
     "device": (lambda v: v == "auto" or DEVICE.fullmatch(v),
                "must be cpu, cuda, cuda:N or auto"),
     "workers": _POSITIVE, "tp": _POSITIVE, "lanes": _NON_NEGATIVE, "ep": _POSITIVE, "cp": _POSITIVE,
-    "cp_min_tokens": _POSITIVE, "max_seq_len": _NON_NEGATIVE,
+    "cp_min_tokens": _POSITIVE, "max_seq_len": _NON_NEGATIVE, "long_row_tokens": _NON_NEGATIVE,
     "rope_scaling": (rope_scaling_ok, RULE),
     "activation_checkpointing": (lambda v: v in ("auto", "on", "off"),
                                  "must be auto, on or off"),

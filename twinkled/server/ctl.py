@@ -332,7 +332,8 @@ def status(target: Target, as_json: bool) -> None:
             state = f"DOWN: {lane['down']}" if lane.get("down") else "up"
             click.echo(f"  lane {lane['lane']} on {lane.get('host', '?')} "
                        f"({', '.join(lane['devices'])}): {state}, {lane['adapters']} adapters, "
-                       f"{lane['queued_requests']} queued")
+                       f"{lane['queued_requests']} queued"
+                       + (", long lane (long-context runs)" if lane.get("long") else ""))
         for held in s.get("full_runs", []):
             click.echo(f"  lane {held['lane']} held by the full-parameter run {held['run']} "
                        f"of tenant {held['tenant']} (no LoRA runs or base-model samples there)")

@@ -200,7 +200,7 @@ const pages = {
         tiers: st.tiers}];
       html += `<h2>Lanes</h2>` + table([
         ["lane", (l) => l.lane, "num"], ["devices", (l) => esc(l.devices.join(", "))],
-        ["host", (l) => esc(l.host ?? "")], ["state", (l) => esc(l.down ? `down: ${l.down}` : "up")],
+        ["host", (l) => esc(l.host ?? "")], ["state", (l) => esc(l.down ? `down: ${l.down}` : l.long ? "up, long lane" : "up")],
         ["steps", (l) => l.steps, "num"], ["adapters", (l) => l.adapters, "num"],
         ["step target ms", (l) => l.step_target_ms ?? "none", "num"],
         ["on GPU", (l) => l.tiers?.gpu, "num"], ["on host", (l) => l.tiers?.host, "num"],
