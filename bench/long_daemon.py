@@ -40,6 +40,7 @@ from output import emit, section_path  # noqa: E402
 
 T = 900  # one step's result, at most (a 131,072-token row takes ~40 s on 2 H200s)
 SMALL_SEQ = 512  # the small tenant's rows (at most half the shortest --seq: a smoke run's)
+SMALL_WARMUP = 2  # the small tenant's first steps, not counted (compiles, graph captures)
 
 
 def _datum(rng: random.Random, vocab: int, n: int):
@@ -51,9 +52,13 @@ def _datum(rng: random.Random, vocab: int, n: int):
 
 
 def _steps(url: str, key: str, model: str, vocab: int, rows: int, seq: int, steps: int,
-           until: Path | None = None, before_close=None) -> list[tuple[float, float]]:
+           until: Path | None = None, before_close=None, warmup: int = 0,
+           progress: Path | None = None, more=None) -> list[tuple[float, float]]:
     """(start, seconds) of each forward_backward + optim_step; with `until`, steps go on
-    until that file exists (the small tenant's run beside this one is over). The session
+    until that file exists (the small tenant's run beside this one is over), and while
+    `more()` says so. The first `warmup` steps are not counted (compiles, captures). With
+    `progress`, the count of finished steps is written there after each step, and
+    `progress`.sent once the first forward_backward is submitted. The session
     ends after (its run leaves the daemon), `before_close()` called just before."""
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import tinker
@@ -64,13 +69,19 @@ def _steps(url: str, key: str, model: str, vocab: int, rows: int, seq: int, step
     sc = tinker.ServiceClient(base_url=url, api_key=key)
     tc = sc.create_lora_training_client(base_model=model, rank=32).result(timeout=T)
     out = []
-    while len(out) < steps or (until is not None and not until.exists()):
+    while (len(out) < steps + warmup or (until is not None and not until.exists())
+           or (more is not None and more())):
         t0 = time.perf_counter()
         fb = tc.forward_backward(data, "cross_entropy")
         opt = tc.optim_step(adam)
+        if progress is not None and not out:
+            progress.with_suffix(".sent").touch()
         fb.result(timeout=T)
         opt.result(timeout=T)
         out.append((t0, time.perf_counter() - t0))
+        if progress is not None:
+            progress.write_text(str(len(out)))
+    out = out[warmup:]
     if before_close is not None:
         before_close()
     sc.close("success").result(timeout=T)
@@ -105,7 +116,8 @@ def _wait_long(data: Path, timeout: float = 300) -> None:
 
 def client(args: argparse.Namespace) -> None:
     """The long tenant's process: steps until `--until` exists; prints its steps as JSON."""
-    got = _steps(args.url, args.key, args.model, args.vocab, 1, args.long, 1, Path(args.until))
+    got = _steps(args.url, args.key, args.model, args.vocab, 1, args.long, 1, Path(args.until),
+                 progress=Path(args.until + ".n"))
     print(json.dumps(got), flush=True)
 
 
@@ -162,8 +174,15 @@ def main() -> None:
         where = []
 
         def small(until_file: Path | None = None) -> list[float]:
+            # beside a long tenant: its steps go on until the long tenant has finished two
+            # steps, so that some of them arrive while a long step is in flight (a 131,072-token
+            # row is ~40 s; the small tenant's steps alone ~0.3 s)
+            count = None if until_file is None else Path(str(until_file) + ".n")
+            more = None if count is None else (
+                lambda: int((count.read_text() or "0") if count.exists() else 0) < 2)
             steps = _steps(url, small_key, model.name, vocab, args.small_rows, small_seq,
-                           args.small_steps, before_close=lambda: where.append(_placement(data)))
+                           args.small_steps, before_close=lambda: where.append(_placement(data)),
+                           warmup=SMALL_WARMUP, more=more)
             if until_file is not None:
                 until_file.touch()
             return [s for _, s in steps]
@@ -178,10 +197,11 @@ def main() -> None:
                 [sys.executable, __file__, "--client", "--url", url, "--key", long_key,
                  "--model", model.name, "--vocab", str(vocab), "--long", str(S),
                  "--until", str(until)], stdout=subprocess.PIPE, text=True)
-            if args.lanes > 1 and S > long_rows:  # its first long row submitted first
+            sent = Path(str(until) + ".n").with_suffix(".sent")
+            while not sent.exists() and long.poll() is None:  # its first step submitted first
+                time.sleep(0.1)
+            if args.lanes > 1 and S > long_rows:  # ... and counted as long
                 _wait_long(data)
-            else:
-                time.sleep(2.0)  # its first step in flight before the small tenant's
             beside = small(until)
             out, _ = long.communicate(timeout=3 * T)
             long_steps = json.loads(out.strip().splitlines()[-1])
@@ -197,7 +217,7 @@ def main() -> None:
     text = (f"### A small tenant beside a long-context one, through the daemon: {args.shape}, "
             f"{args.ranks} x {card}, --cp {args.cp}, --lanes {args.lanes}\n\n"
             f"`{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`: the small tenant "
-            f"{args.small_rows} x {small_seq} tokens a step, {args.small_steps} steps; the "
+            f"{args.small_rows} x {small_seq} tokens a step, {args.small_steps} timed steps after {SMALL_WARMUP} warm-up ones (beside a long tenant, until it has finished two steps); the "
             f"long tenant one row a step (long_row_tokens {long_rows}); LoRA r=32, the "
             "unmodified tinker client; runs: adapters per lane at the small tenant's last "
             "step, and whether it shared the long run's lane\n\n"
