@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -213,6 +214,9 @@ def main() -> None:
         daemon.terminate()
         daemon.wait(timeout=120)
         log.close()
+        if args.out:  # the daemon's log beside the section (a device run returns only $OUT)
+            shutil.copy(work / "twinkled.log",
+                        Path(args.out).with_name(f"twinkled-lanes{args.lanes}-cp{args.cp}.log"))
     card = torch.cuda.get_device_name() if cuda else f"CPU ranks ({os.cpu_count()} cores)"
     text = (f"### A small tenant beside a long-context one, through the daemon: {args.shape}, "
             f"{args.ranks} x {card}, --cp {args.cp}, --lanes {args.lanes}\n\n"
