@@ -44,12 +44,23 @@ def test_cuda_training_equals_cpu(oss_dir, dtype, tol):
     want, got = cpu.forward_backward(reqs), gpu.forward_backward(reqs)
     for w, g in zip(want, got, strict=True):
         assert g.metrics["loss:sum"] == pytest.approx(w.metrics["loss:sum"], rel=tol)
+    # bf16 alone moves this tiny model's gradients far (the same engine on the CPU in bf16 is
+    # up to ~0.28 off its fp32 in adapter b's 21-token row: routing and attention in 8 bits of
+    # mantissa), so in bf16 the GPU may be as far off as the CPU's own bf16 run, not further
+    ref = None if dtype == "float32" else _engine(oss_dir, device="cpu", dtype=dtype)
+    if ref is not None:
+        ref.forward_backward(reqs)
     for n in data:
         a, b = grads(cpu, n), grads(gpu, n)
+        c = None if ref is None else grads(ref, n)
         for key in a:
-            for x, y in zip(a[key], b[key], strict=True):
+            for i, (x, y) in enumerate(zip(a[key], b[key], strict=True)):
                 rel = (x - y.float().cpu()).norm() / x.norm().clamp(min=1e-12)
-                assert rel < 2 * tol, (n, key, rel.item())  # (relative to the whole tensor)
+                bound = 2 * tol  # (relative to the whole tensor)
+                if c is not None:
+                    bound = max(bound, 2 * float((x - c[key][i].float()).norm()
+                                                 / x.norm().clamp(min=1e-12)))
+                assert rel < bound, (n, key, rel.item(), bound)
 
 
 def test_cuda_greedy_samples_equal_cpu(oss_dir):
