@@ -16,6 +16,8 @@
 #   bash bench/gpu_pass.sh sampling slices         # issue 16 (one GPU: $SAMPLING_GPU, default 0)
 #   bash bench/gpu_pass.sh gap                     # issue 31: sampler vs trainer logprob gap
 #   bash bench/gpu_pass.sh qwen35                  # issue 34: Qwen3.5 GPU tests, 9B figures
+#   bash bench/gpu_pass.sh q35prof                 # issue 34: where the 9B's training step goes
+#                                                  #   (through the daemon 0.25x peft, session 9)
 #   bash bench/gpu_pass.sh rlstep                  # issue 31: the cookbook RL step, 8B
 #   bash bench/gpu_pass.sh tenants05; ... tenants8b  # issue 33: 1,000 / 200 runs (a call each)
 #   bash bench/gpu_pass.sh vl                      # issue 35: Qwen2.5-VL-7B, Qwen3-VL-8B through the daemon
@@ -127,6 +129,12 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
                     > "$out/engine_q35.log" 2>&1; tail -25 "$out/engine_q35.log"
                 "$py" bench_multitenant.py --shape qwen3.5-9b --write "$out/mt_q35.md" \
                     > "$out/mt_q35.log" 2>&1; tail -20 "$out/mt_q35.log" ;;
+        # issue 34: the 9B's training step, engine alone against peft (is the 0.25x the daemon's
+        # or the engine's?), then a profiled round of 8 adapters (top kernels and ops)
+        q35prof) "$py" bench_engine.py --shape qwen3.5-9b --device cuda --skip-sampling \
+                     --write "$out/engine_q35.md" > "$out/engine_q35.log" 2>&1; grep -a "^--\|^|" "$out/engine_q35.log"
+                 "$py" profile_engine.py --shape qwen3.5-9b --adapters 8 > "$out/prof_q35.txt" 2>&1
+                 head -60 "$out/prof_q35.txt" ;;
         # issue 31: the cookbook rl_loop default step (128 x 16, 512 + 256) through the daemon
         rlstep) "$py" bench_rl_step.py --shape qwen3-8b --model-dir "$ckpt/q8b" --warmup 1 \
                     --steps 1 --write "$out/rl_step.md" > "$out/rl_step.log" 2>&1
@@ -153,7 +161,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         longd) "$py" long_daemon.py --shape qwen3-8b --seq 65536,131072 --ranks 2 --cp 2 \
                    --small-steps 6 --out "$out/long_daemon.md" > "$out/long_daemon.log" 2>&1
                grep -a "^--\|^|" "$out/long_daemon.log" ;;
-        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, rlstep, tenants05, tenants8b, vl, arch, fulld, longd)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants8b, vl, arch, fulld, longd)"; exit 2 ;;
     esac
 done
 echo "== done $(date +%T)"
