@@ -131,7 +131,14 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
                     > "$out/mt_q35.log" 2>&1; tail -20 "$out/mt_q35.log" ;;
         # issue 34: the 9B's training step, engine alone against peft (is the 0.25x the daemon's
         # or the engine's?), then a profiled round of 8 adapters (top kernels and ops)
-        q35prof) "$py" bench_engine.py --shape qwen3.5-9b --device cuda --skip-sampling \
+        q35prof) "$py" bench_delta_rule.py --write "$out/delta_rule.md" 2>&1 | grep -a "^--"
+                 # is the daemon's 0.25x its micro-batches? (each pass pays the torch rule's
+                 # launch-bound chunk loop whatever its rows)
+                 printf 'preempt_ms = 0\n' > /tmp/gpu_pass_np.toml
+                 "$py" bench_multitenant.py --shape qwen3.5-9b --tenants 8 --skip-fairness --steps 10 \
+                     --config /tmp/gpu_pass_np.toml --write "$out/mt_q35_np.md" > "$out/mt_q35_np.log" 2>&1
+                 tail -4 "$out/mt_q35_np.log"
+                 "$py" bench_engine.py --shape qwen3.5-9b --device cuda --skip-sampling \
                      --write "$out/engine_q35.md" > "$out/engine_q35.log" 2>&1; grep -a "^--\|^|" "$out/engine_q35.log"
                  "$py" profile_engine.py --shape qwen3.5-9b --adapters 8 > "$out/prof_q35.txt" 2>&1
                  head -60 "$out/prof_q35.txt" ;;

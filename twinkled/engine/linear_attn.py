@@ -92,19 +92,25 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     # (I + A) u = beta v - beta exp(gc) k S0, A strictly lower: A[t, s] = beta_t decay[t, s] k_t.k_s
     system = torch.eye(C, device=q.device) + (beta[..., None] * kk).masked_fill(~later.t() | torch.eye(
         C, dtype=torch.bool, device=q.device), 0.0)
-    w = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
-    kd = torch.linalg.solve_triangular(system, (beta * gc.exp())[..., None] * k, upper=False,
-                                       unitriangular=True)
+    # one triangular solve for both right-hand sides (one kernel, one backward)
+    wkd = torch.linalg.solve_triangular(
+        system, torch.cat([beta[..., None] * v, (beta * gc.exp())[..., None] * k], dim=-1),
+        upper=False, unitriangular=True)
+    w, kd = wkd.split([dv, dk], dim=-1)
     qk = (q @ k.transpose(-1, -2)) * decay  # causal within the chunk (decay is 0 above)
     q_in = q * gc.exp()[..., None]  # reads of the chunk's initial state
     k_out = k * (gc[..., -1:] - gc).exp()[..., None]  # writes, decayed to the chunk's end
     end = gc[..., -1].exp()[..., None, None]
     S = q.new_zeros(N, H, dk, dv) if state is None else state.float()
     outs = []
-    for i in range(q.shape[2]):
-        u = w[:, :, i] - kd[:, :, i] @ S
-        outs.append(q_in[:, :, i] @ S + qk[:, :, i] @ u)
-        S = S * end[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ u
+    # The chunks by unbind, not by indexing each: an index's backward writes its gradient
+    # into a zero tensor of the whole input, once per chunk (measured on an H200: copies,
+    # fills and adds were ~half of the rule's device time at 8 chunks); unbind's stacks once.
+    chunks = zip(*(t.unbind(2) for t in (w, kd, q_in, qk, k_out, end)), strict=True)
+    for w_i, kd_i, q_i, qk_i, k_i, end_i in chunks:
+        u = w_i - kd_i @ S
+        outs.append(q_i @ S + qk_i @ u)
+        S = S * end_i + k_i.transpose(-1, -2) @ u
     o = torch.stack(outs, 2).reshape(N, H, -1, dv)[:, :, :L].transpose(1, 2)
     return o.to(dtype), S
 
