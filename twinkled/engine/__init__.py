@@ -4,14 +4,7 @@
 used by the daemon's HTTP process, which must not import torch.
 """
 
-import os
 from typing import TYPE_CHECKING
-
-# Triton keeps the configs its autotuning picks on disk (beside its compiled kernels), so a
-# restarted worker does not time every config of every kernel again: fla-core's kernels alone
-# take ~40 s a set of head sizes on an H200 (measured, session 8). Read when a kernel module
-# is imported, hence here, before any is; an operator's own setting wins.
-os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 from twinkled.protocol.types import (
     AdamParams,
