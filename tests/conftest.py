@@ -169,6 +169,7 @@ LONGEST_FIRST = [
     "test_tinker_exports.py",  # 20
     "test_hygiene.py::test_ctl_tenants_list_shows_storage_without_a_daemon",  # 19
     "test_tinker_records.py",  # 17
+    "test_long_lane_daemon.py",  # 17: two lanes, a long run kept apart
     "test_tinker_restart.py::test_restart_keeps_runs_and_checkpoints",  # 33 (Dimuon's lineage too)
     "test_vlm_e2e.py",  # 30
     "test_tinker_retries.py::test_after_a_crash_retried_steps_and_saves_and_idle_unloaded_runs_resume",  # noqa: E501
