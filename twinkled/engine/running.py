@@ -73,8 +73,9 @@ class RunningBatch:
     prompts may hold. `kernels`: the Triton paths (decode attention straight from the pages,
     kernels/paged_decode.py; LoRA rows, kernels/lora_decode.py); None: where
     `kernels.available` (CUDA); True on CPU needs the interpreter (`kernels.runnable`);
-    False keeps the reference paths (gather + SDPA, masked LoRA stack). `cascade` (None: as
-    `kernels`): samples read their shared prompt pages once a step (decode_step.py).
+    False keeps the reference paths (gather + SDPA, masked LoRA stack). `cascade`: samples read
+    their shared prompt pages once a step (decode_step.py; None: with the kernels, and
+    without them on CPU in eager mode, in torch: shared_decode.py).
     `overlap`: launch each decode step before the host records the previous one
     (decode_loop.py; default on CUDA devices); False: the synchronous loop, the reference.
     `prefill`: "varlen" (admitted prompts packed end to end, chunked: at most
@@ -117,7 +118,7 @@ class RunningBatch:
         max_pages = min(self.pool.usable, self.pool.pages_for(model.max_seq_len))
         self.decode = DecodeStep(model, self.pool, self.stack, rows, max_pages,
                                  decode or ("graphs" if dev.type == "cuda" else "eager"), kernels,
-                                 kernels if cascade is None else cascade)
+                                 cascade)
         self.prefill_tokens = prefill_tokens or PREFILL_TOKENS.get(dev.type, 16384)
         self.prefilling = PrefillQueue(model, self.pool, self.stack, kernels,
                                        self.prefill_tokens, prefill == "varlen")
