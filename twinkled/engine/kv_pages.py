@@ -93,11 +93,16 @@ class PagePool:
             if self._refs[p] == 0:
                 self._free.append(p)
 
-    def copy_page(self, src: int, dst: int) -> None:
-        """Every layer's keys and values of page `src` into page `dst`."""
-        a, b = src * self.page_size, dst * self.page_size
-        self.k[:, b:b + self.page_size] = self.k[:, a:a + self.page_size]
-        self.v[:, b:b + self.page_size] = self.v[:, a:a + self.page_size]
+    def copy_page(self, src: int, dst: list[int]) -> None:
+        """Every layer's keys and values of page `src` into each page of `dst`: one copy
+        per pool tensor (a fan-out of 256 samples copying its prompt's partial page a
+        sample at a time cost 510 small copies)."""
+        if not dst:
+            return
+        to = torch.tensor(dst, device=self.k.device)
+        for t in (self.k, self.v):
+            pages = t.view(t.shape[0], self.pages, self.page_size, *t.shape[2:])
+            pages.index_copy_(1, to, pages[:, src:src + 1].expand(-1, len(dst), *pages.shape[2:]))
 
     def slots(self, table: torch.Tensor) -> torch.Tensor:
         """Block tables [B, n] -> the token slots they cover [B, n * page_size]."""

@@ -316,7 +316,7 @@ class RunningBatch:
                 partial = spare[r.key][full:]
                 spare[r.key] = spare[r.key][:full]
                 own = partial + pool.allocate(want - len(partial))
-                r.seqs.append(Seq(r, p.pages[:full] + own, n))
+                r.seqs.append(Seq(r, p.pages[:full] + own, n, len(r.seqs)))
             r.result.cached_tokens = cached[r.key]
             r.running = r.req.num_samples
             p.requests.append(r)
@@ -332,20 +332,19 @@ class RunningBatch:
         rows: list[int] = []  # each sample's row of the prompts' logits
         for i, rd in enumerate(ready):
             p, n = rd.prompt, len(rd.prompt.prompt)
-            full, holders = n // P, 0
+            full, holders, copies = n // P, 0, []  # copies: its partial page's
             for r in p.requests:
                 self._seating -= r.req.num_samples
                 if wants_scores(r.req):  # (its prefill started at 0)
                     ids = torch.tensor(p.prompt, device=self.model.device)
                     score_prompt(self.model, r.req, r.adapter, rd.hidden, ids, r.result)
-                for s in r.seqs:
-                    if n % P and s.pages[full] != p.pages[full]:
-                        pool.copy_page(p.pages[full], s.pages[full])
-                    holders += 1
-                if r.cancelled:  # (after the copies: its first sample may hold the partial page)
+                holders += len(r.seqs)
+                copies += [s.pages[full] for s in r.seqs if n % P and s.pages[full] != p.pages[full]]
+                if r.cancelled:
                     continue
                 seqs += r.seqs
                 rows += [i] * len(r.seqs)
+            pool.copy_page(p.pages[full] if copies else 0, copies)  # (before `_drop`s)
             pool.share(p.pages[:full], holders - 1)  # the shared pages' holders are the samples
             self.cache.insert(cache_key(weights_key(self.stack, p.adapter), p.requests[0].req.images),
                               p.prompt, p.pages[:full])
@@ -412,7 +411,7 @@ class RunningBatch:
         for slot, s in enumerate(seqs):
             if s.request.req.params.temperature > 0:
                 r = s.request
-                by_req.setdefault(r.ticket, (r, []))[1].append((r.seqs.index(s), slot))
+                by_req.setdefault(r.ticket, (r, []))[1].append((s.index, slot))
         groups = [([slot for _, slot in sorted(idx)], r.gen) for r, idx in by_req.values()]
         return RowChoice.of([s.request.req.params for s in seqs], groups, self.model.device)
 
