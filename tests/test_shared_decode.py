@@ -9,6 +9,7 @@ from helpers import one_adapter_engine
 from test_engine_kernels import _GROUPED, _GROUPS, _LENGTHS, _SHARED, _case, _reference
 
 from twinkled.engine import shared_decode
+from twinkled.engine.kv_pages import PagePool
 from twinkled.engine.running import RunningBatch
 from twinkled.engine.sampler import generate
 from twinkled.protocol.types import SampleRequest, SamplingParams
@@ -31,6 +32,23 @@ def test_shared_prefix_attention_matches_gather_and_sdpa(heads, kv):
 def test_no_plan_where_no_two_rows_share():
     """A lone sample (shared 0) and a group's last row left: the gather serves them."""
     assert shared_decode.plan([1, 2, 3], [0, 8, 0], 4, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("dst", [[5], [5, 7, 2]])
+def test_copy_page_fans_a_prompt_page_out(dst):
+    """A prompt's partial page into its samples' pages, every layer's keys and values, in
+    one copy (one destination too: its source then reads as a plain slice of the pool);
+    other pages untouched. A latent pool's zero-wide values too."""
+    for latent in (False, True):
+        pool = PagePool(2, 1, 8, 10, 4, torch.float32, torch.device("cpu"),
+                        v_dim=0 if latent else None, latent=latent)
+        pool.k.normal_(), pool.v.normal_()
+        want = [t.clone() for t in (pool.k, pool.v)]
+        for t in want:
+            for d in dst:
+                t[:, d * 4:d * 4 + 4] = t[:, 12:16]
+        pool.copy_page(3, dst)
+        assert torch.equal(pool.k, want[0]) and torch.equal(pool.v, want[1])
 
 
 @pytest.fixture(scope="module")

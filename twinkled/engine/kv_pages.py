@@ -102,7 +102,8 @@ class PagePool:
         to = torch.tensor(dst, device=self.k.device)
         for t in (self.k, self.v):
             pages = t.view(t.shape[0], self.pages, self.page_size, *t.shape[2:])
-            pages.index_copy_(1, to, pages[:, src:src + 1].expand(-1, len(dst), *pages.shape[2:]))
+            page = pages[:, src:src + 1].clone()  # (a source inside the target is refused)
+            pages.index_copy_(1, to, page.expand(-1, len(dst), *pages.shape[2:]))
 
     def slots(self, table: torch.Tensor) -> torch.Tensor:
         """Block tables [B, n] -> the token slots they cover [B, n * page_size]."""
