@@ -34,13 +34,14 @@ def test_no_plan_where_no_two_rows_share():
     assert shared_decode.plan([1, 2, 3], [0, 8, 0], 4, torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("dst", [[5], [5, 7, 2]])
-def test_copy_page_fans_a_prompt_page_out(dst):
+@pytest.mark.parametrize("layers,dst", [(2, [5, 7, 2]), (1, [5])])
+def test_copy_page_fans_a_prompt_page_out(layers, dst):
     """A prompt's partial page into its samples' pages, every layer's keys and values, in
-    one copy (one destination too: its source then reads as a plain slice of the pool);
-    other pages untouched. A latent pool's zero-wide values too."""
+    one copy; other pages untouched. One layer, one destination: the source is then a
+    contiguous piece of the pool (index_copy_ refuses it uncloned; Qwen3.5's pool). A
+    latent pool's zero-wide values too."""
     for latent in (False, True):
-        pool = PagePool(2, 1, 8, 10, 4, torch.float32, torch.device("cpu"),
+        pool = PagePool(layers, 1, 8, 10, 4, torch.float32, torch.device("cpu"),
                         v_dim=0 if latent else None, latent=latent)
         pool.k.normal_(), pool.v.normal_()
         want = [t.clone() for t in (pool.k, pool.v)]
