@@ -29,6 +29,8 @@ nothing: a group is whatever rows still carry its id. While no seated row shares
 (the host keeps which slots share; it never reads the device). One H200, the 8B, that
 fan-out: 23.0 -> 20.8 ms a decode step (kernels/paged_decode.py has the details); the wide
 workload (256 x 1) never takes the cascade graphs (24.1 ms a step either way).
+Without the kernels (`cascade` on, the default on CPU in eager mode, fp32) the grouping runs
+in torch, shared_decode.py, from a host plan of the slots' groups (never in a graph).
 """
 
 from __future__ import annotations
@@ -55,12 +57,18 @@ class DecodeStep:
     MODES = ("eager", "buckets", "graphs")
 
     def __init__(self, model, pool: PagePool, stack: AdapterStack, rows: int, max_pages: int,
-                 mode: str, kernels: bool = False, cascade: bool = False):
+                 mode: str, kernels: bool = False, cascade: bool | None = False):
         if mode not in self.MODES:
             raise ValueError(f"decode mode must be one of {self.MODES}, got {mode!r}")
-        if cascade and not kernels:
-            raise ValueError("cascade attention needs the paged kernel (kernels=True)")
         dev = model.device
+        if cascade is None:  # the kernels' where they run, else torch's on CPU, eagerly, in
+            # fp32 (in bf16 the gather's SDPA rounds as the trainer's does, the two parts'
+            # merge does not: sampler/trainer gap 0.0030 -> 0.0060 nats, test_logprob_gap)
+            cascade = kernels or (mode == "eager" and dev.type == "cpu"
+                                  and model.dtype == torch.float32)
+        if cascade and not kernels and (mode == "graphs" or dev.type != "cpu"):
+            raise ValueError("cascade attention needs the paged kernel (kernels=True) "
+                             "but on CPU in eager or buckets mode (shared_decode.py)")
         self.model, self.pool, self.stack = model, pool, stack
         self.rows, self.max_pages = rows, max_pages
         self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -72,7 +80,10 @@ class DecodeStep:
         # is its KV index + delta (vision_prefill.py). None: text models (position = index).
         self.delta = (torch.zeros(rows, dtype=torch.long, device=dev)
                       if getattr(model, "vision", None) is not None else None)
-        self._sharing = [False] * rows  # host mirror: which slots share (picks the graph)
+        # Host mirrors of `group` and `shared` (which slots share picks the graph; the
+        # torch cascade plans from them), and a count of slot changes (`_plan`).
+        self._groups, self._sharing = [0] * rows, [0] * rows
+        self._layout, self._shared_plan = 0, None
         self.lora = RowBuffers(stack, rows, kernels)
         self.adapters: list = [None] * rows  # each slot's adapter, on the host (MoE experts)
         # Linear-attention states per slot (Qwen3.5, recurrent.py): updated in place by
@@ -120,18 +131,21 @@ class DecodeStep:
         self.adapters[first:end] = adapters
         if self.states is not None:
             self.states.seat(first, prompts)
+        self._layout += 1
         if self.cascade:
-            shared = shared or [0] * n
-            self.group[first:end] = torch.tensor(groups or [0] * n).to(self.group.device)
+            shared, groups = shared or [0] * n, groups or [0] * n
+            self.group[first:end] = torch.tensor(groups).to(self.group.device)
             self.shared[first:end] = torch.tensor(shared).to(self.shared.device)
-            self._sharing[first:end] = [t > 0 for t in shared]
+            self._sharing[first:end], self._groups[first:end] = shared, groups
 
     def move_slot(self, src: int, dst: int) -> None:
         """Slot `src`'s inputs into `dst`, and `src` made inert."""
         for buf in self._buffers():
             buf[dst] = buf[src]
             buf[src] = 0
-        self._sharing[dst], self._sharing[src] = self._sharing[src], False
+        self._sharing[dst], self._sharing[src] = self._sharing[src], 0
+        self._groups[dst], self._groups[src] = self._groups[src], 0
+        self._layout += 1
         self.adapters[dst], self.adapters[src] = self.adapters[src], None
         self.lora.move(src, dst)
         if self.states is not None:
@@ -140,7 +154,8 @@ class DecodeStep:
     def clear_slot(self, i: int) -> None:
         for buf in self._buffers():
             buf[i] = 0
-        self._sharing[i] = False
+        self._sharing[i], self._groups[i] = 0, 0
+        self._layout += 1
         self.adapters[i] = None
         self.lora.clear(i)
         if self.states is not None:
@@ -194,13 +209,17 @@ class DecodeStep:
         if self.model.moe:  # the experts' LoRA reads each slot's adapter's bank (moe.py)
             lora = ExpertRows(lora, run_tokens([(a, 1) for a in self.adapters[:rows]],
                                                self.model.dtype, pos.device))
-        prefix = None
-        if cascade:
+        prefix = shared = None
+        if cascade and self.kernels:
             from .kernels.paged_decode import prefix_groups
 
             prefix = prefix_groups(self.group[:rows], self.shared[:rows], self._chunk)
-        view = self.pool.view(write, table, pos + 1 if self.kernels else None, prefix,
-                              None if self.states is None else self.states.bound(rows))
+        elif cascade:  # (None: no two rows share)
+            plan = self._plan(rows)
+            shared = plan and plan.at(table, pos, size)
+        view = self.pool.view(write, table, pos + 1 if self.kernels else None,
+                              prefix, None if self.states is None else self.states.bound(rows),
+                              shared)
         rope = pos if self.delta is None else pos + self.delta[:rows]
         hidden = self.model.forward(self.tok[:rows, None], rope[:, None], lora, view, mask)
         return self.model.logits(hidden, lora)[:, 0]
@@ -218,6 +237,18 @@ class DecodeStep:
         with torch.cuda.graph(graph, pool=self._mempool):
             out = self._run(rows, pages, cascade)
         return graph, out
+
+    def _plan(self, rows: int):
+        """The torch cascade's plan of slots 0..rows-1 (shared_decode.plan), kept until a
+        slot changes."""
+        from . import shared_decode
+
+        key = (self._layout, rows)
+        if self._shared_plan is None or self._shared_plan[0] != key:
+            self._shared_plan = (key, shared_decode.plan(
+                self._groups[:rows], self._sharing[:rows], self.pool.page_size,
+                self.pos.device))
+        return self._shared_plan[1]
 
     def _follow_stack(self) -> None:
         """The adapter stack grew (or its rank block did): the LoRA buffers follow; the

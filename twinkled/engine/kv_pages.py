@@ -33,6 +33,7 @@ import torch
 
 if TYPE_CHECKING:
     from .kernels.paged_decode import Prefix
+    from .shared_decode import SharedStep
 
 
 class PagePool:
@@ -92,11 +93,17 @@ class PagePool:
             if self._refs[p] == 0:
                 self._free.append(p)
 
-    def copy_page(self, src: int, dst: int) -> None:
-        """Every layer's keys and values of page `src` into page `dst`."""
-        a, b = src * self.page_size, dst * self.page_size
-        self.k[:, b:b + self.page_size] = self.k[:, a:a + self.page_size]
-        self.v[:, b:b + self.page_size] = self.v[:, a:a + self.page_size]
+    def copy_page(self, src: int, dst: list[int]) -> None:
+        """Every layer's keys and values of page `src` into each page of `dst`: one copy
+        per pool tensor (a fan-out of 256 samples copying its prompt's partial page a
+        sample at a time cost 510 small copies)."""
+        if not dst:
+            return
+        to = torch.tensor(dst, device=self.k.device)
+        for t in (self.k, self.v):
+            pages = t.view(t.shape[0], self.pages, self.page_size, *t.shape[2:])
+            page = pages[:, src:src + 1].clone()  # (a source inside the target is refused)
+            pages.index_copy_(1, to, page.expand(-1, len(dst), *pages.shape[2:]))
 
     def slots(self, table: torch.Tensor) -> torch.Tensor:
         """Block tables [B, n] -> the token slots they cover [B, n * page_size]."""
@@ -104,8 +111,8 @@ class PagePool:
 
     def view(self, write: torch.Tensor, table: torch.Tensor,
              lengths: torch.Tensor | None = None, prefix: Prefix | None = None,
-             recurrent=None) -> PagedView:
-        return PagedView(self, write, table, lengths, prefix, recurrent)
+             recurrent=None, shared: SharedStep | None = None) -> PagedView:
+        return PagedView(self, write, table, lengths, prefix, recurrent, shared)
 
 
 class PagedView:
@@ -120,19 +127,21 @@ class PagedView:
     one-token step attends through `attend`, the Triton kernel reading the pages in place
     (kernels/paged_decode.py), and nothing is gathered. With `prefix` too
     (paged_decode.prefix_groups) the rows' shared prompt pages are read once per group.
-    `recurrent`: the rows' linear-attention states (recurrent.py; Qwen3.5), else None."""
+    With `shared` instead (shared_decode.SharedStep) `attend` is the torch
+    cascade of shared_decode.py (no Triton: the CPU's). `recurrent`: the rows' linear-attention
+    states (recurrent.py; Qwen3.5), else None."""
 
     def __init__(self, pool: PagePool, write: torch.Tensor, table: torch.Tensor,
                  lengths: torch.Tensor | None = None, prefix: Prefix | None = None,
-                 recurrent=None):
-        self.pool, self.recurrent = pool, recurrent
+                 recurrent=None, shared: SharedStep | None = None):
+        self.pool, self.recurrent, self.shared = pool, recurrent, shared
         self.write_slots = write
         self.table, self.lengths, self.prefix = table, lengths, prefix
         self.batch, self.length = table.shape[0], table.shape[1] * pool.page_size
 
     @property
     def fused(self) -> bool:
-        return self.lengths is not None
+        return self.lengths is not None or self.shared is not None
 
     @property
     def latent(self) -> bool:
@@ -149,9 +158,14 @@ class PagedView:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """Store the new token's keys/values and attend: q [B, heads, 1, dim] -> the same."""
+        self.store(layer, k, v)
+        if self.shared is not None:
+            from . import shared_decode
+
+            return shared_decode.attend(q, self.pool.k[layer], self.pool.v[layer],
+                                        self.shared, self.pool.page_size, scale)
         from .kernels.paged_decode import paged_decode
 
-        self.store(layer, k, v)
         out = paged_decode(q[:, :, 0], self.pool.k[layer], self.pool.v[layer], self.table,
                            self.lengths, self.pool.page_size, scale, prefix=self.prefix)
         return out[:, :, None]

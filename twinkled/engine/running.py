@@ -73,8 +73,9 @@ class RunningBatch:
     prompts may hold. `kernels`: the Triton paths (decode attention straight from the pages,
     kernels/paged_decode.py; LoRA rows, kernels/lora_decode.py); None: where
     `kernels.available` (CUDA); True on CPU needs the interpreter (`kernels.runnable`);
-    False keeps the reference paths (gather + SDPA, masked LoRA stack). `cascade` (None: as
-    `kernels`): samples read their shared prompt pages once a step (decode_step.py).
+    False keeps the reference paths (gather + SDPA, masked LoRA stack). `cascade`: samples read
+    their shared prompt pages once a step (decode_step.py; None: with the kernels, and
+    without them on CPU in eager mode, in torch: shared_decode.py).
     `overlap`: launch each decode step before the host records the previous one
     (decode_loop.py; default on CUDA devices); False: the synchronous loop, the reference.
     `prefill`: "varlen" (admitted prompts packed end to end, chunked: at most
@@ -117,7 +118,7 @@ class RunningBatch:
         max_pages = min(self.pool.usable, self.pool.pages_for(model.max_seq_len))
         self.decode = DecodeStep(model, self.pool, self.stack, rows, max_pages,
                                  decode or ("graphs" if dev.type == "cuda" else "eager"), kernels,
-                                 kernels if cascade is None else cascade)
+                                 cascade)
         self.prefill_tokens = prefill_tokens or PREFILL_TOKENS.get(dev.type, 16384)
         self.prefilling = PrefillQueue(model, self.pool, self.stack, kernels,
                                        self.prefill_tokens, prefill == "varlen")
@@ -315,7 +316,7 @@ class RunningBatch:
                 partial = spare[r.key][full:]
                 spare[r.key] = spare[r.key][:full]
                 own = partial + pool.allocate(want - len(partial))
-                r.seqs.append(Seq(r, p.pages[:full] + own, n))
+                r.seqs.append(Seq(r, p.pages[:full] + own, n, len(r.seqs)))
             r.result.cached_tokens = cached[r.key]
             r.running = r.req.num_samples
             p.requests.append(r)
@@ -331,20 +332,19 @@ class RunningBatch:
         rows: list[int] = []  # each sample's row of the prompts' logits
         for i, rd in enumerate(ready):
             p, n = rd.prompt, len(rd.prompt.prompt)
-            full, holders = n // P, 0
+            full, holders, copies = n // P, 0, []  # copies: its partial page's
             for r in p.requests:
                 self._seating -= r.req.num_samples
                 if wants_scores(r.req):  # (its prefill started at 0)
                     ids = torch.tensor(p.prompt, device=self.model.device)
                     score_prompt(self.model, r.req, r.adapter, rd.hidden, ids, r.result)
-                for s in r.seqs:
-                    if n % P and s.pages[full] != p.pages[full]:
-                        pool.copy_page(p.pages[full], s.pages[full])
-                    holders += 1
-                if r.cancelled:  # (after the copies: its first sample may hold the partial page)
+                holders += len(r.seqs)
+                copies += [s.pages[full] for s in r.seqs if n % P and s.pages[full] != p.pages[full]]
+                if r.cancelled:
                     continue
                 seqs += r.seqs
                 rows += [i] * len(r.seqs)
+            pool.copy_page(p.pages[full] if copies else 0, copies)  # (before `_drop`s)
             pool.share(p.pages[:full], holders - 1)  # the shared pages' holders are the samples
             self.cache.insert(cache_key(weights_key(self.stack, p.adapter), p.requests[0].req.images),
                               p.prompt, p.pages[:full])
@@ -411,7 +411,7 @@ class RunningBatch:
         for slot, s in enumerate(seqs):
             if s.request.req.params.temperature > 0:
                 r = s.request
-                by_req.setdefault(r.ticket, (r, []))[1].append((r.seqs.index(s), slot))
+                by_req.setdefault(r.ticket, (r, []))[1].append((s.index, slot))
         groups = [([slot for _, slot in sorted(idx)], r.gen) for r, idx in by_req.values()]
         return RowChoice.of([s.request.req.params for s in seqs], groups, self.model.device)
 

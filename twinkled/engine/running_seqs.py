@@ -38,8 +38,9 @@ class Request:
 class Seq:
     """One sample: its pages (the prompt's shared ones first) and what it generated."""
 
-    def __init__(self, request: Request, pages: list[int], length: int):
+    def __init__(self, request: Request, pages: list[int], length: int, index: int = 0):
         self.request, self.pages = request, pages
+        self.index = index  # its place in request.seqs (its sample number)
         self.length = length  # positions in the KV cache (written, or by a step in flight)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
