@@ -86,3 +86,25 @@ def test_relay_makes_json_of_a_ranks_other_output(capsys):
                                              "Loading 100%"]
     assert lines[0]["rank"] == 3 and lines[0]["logger"] == "twinkled.worker"
     assert lines[1] == {"level": "INFO", "message": "m"}
+
+
+def test_summary_outlives_a_status_that_fails_at_first(caplog):
+    """The periodic summary's first status reading may come while the daemon starts; one
+    that raises must not end the task (it used to: no summary line ever after)."""
+    from twinkled.server.summary import log_summaries
+
+    readings = iter([RuntimeError("loading"), {"steps": 1, "tenants": {}},
+                     {"steps": 3, "tenants": {"t": {"served_tokens": 64}}}])
+
+    def status() -> dict:
+        r = next(readings, None)
+        if r is None:
+            raise asyncio.CancelledError
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    with caplog.at_level(logging.INFO, logger="twinkled"), pytest.raises(asyncio.CancelledError):
+        asyncio.run(log_summaries(status, 0.001))
+    lines = [r for r in caplog.records if getattr(r, "event", None) == "summary"]
+    assert len(lines) == 1 and lines[0].steps == 2 and lines[0].tenants_active == 1

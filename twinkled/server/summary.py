@@ -36,18 +36,20 @@ def summary_line(before: dict, after: dict, seconds: float) -> dict | None:
 
 async def log_summaries(status: Callable[[], dict], every_s: float) -> None:
     """Every `every_s` seconds, one line of what ran (until cancelled)."""
-    before, then = status(), time.monotonic()
+    before, then = None, time.monotonic()
     while True:
-        await asyncio.sleep(every_s)
         try:
             after, now = status(), time.monotonic()
-        except Exception:  # a status mid-restart: the next interval reads again
+        except Exception:  # a status mid-start or mid-restart: the next interval reads again
             log.debug("summary skipped", exc_info=True)
+            await asyncio.sleep(every_s)
             continue
-        fields = summary_line(before, after, now - then)
+        # (the first reading is only a start: one that raised used to end the task for good)
+        fields = None if before is None else summary_line(before, after, now - then)
         if fields is not None:
             log.info("summary: %.1f tok/s, %d steps, %d queued, %d tenant(s) active, "
                      "%d adapter(s) in %.3g s", fields["tok_s"], fields["steps"],
                      fields["queued"], fields["tenants_active"], fields["adapters"],
                      fields["interval_s"], extra={"event": "summary", **fields})
         before, then = after, now
+        await asyncio.sleep(every_s)
