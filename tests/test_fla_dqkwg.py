@@ -104,3 +104,37 @@ def test_the_verifier_leaves_other_calls_to_fla():
     assert not fla_dqkwg.verifier(*args, w=None, g=x["step"], dv=None)[0]  # not the delta rule
     assert not fla_dqkwg.verifier(*args, w=x["w"], g=x["step"], dv=x["dv"],
                                   g_gamma=torch.zeros(4))[0]
+
+
+def test_fla_dispatches_its_refused_kernel_here_while_the_switch_is_on(monkeypatch):
+    """On a card where fla refuses its kernel (the Hopper/Triton flags faked), the switch
+    registers this function with fla's dispatch: fla's own entry point returns our result,
+    and fla's backward counts as usable; switched off, fla refuses again (the torch rule
+    trains). Runs where fla-core is installed (not CI's test extra)."""
+    chunk_o = pytest.importorskip("fla.ops.common.chunk_o")
+    import fla.utils
+
+    from twinkled.engine import linear_attn as la
+
+    for mod in (fla.utils, chunk_o):
+        monkeypatch.setattr(mod, "IS_NVIDIA_HOPPER", True)
+        monkeypatch.setattr(mod, "TRITON_ABOVE_3_4_0", True)
+        monkeypatch.setattr(mod, "TRITON_ABOVE_3_7_1", False)
+    x = {n: t.float() for n, t in _inputs(1, 20, NT=1).items()}
+    kw = dict(q=x["q"], k=x["k"], v=x["v"], w=x["w"], g=x["step"].cumsum(1), h=x["h"],
+              dv=x["dv"], do=x["do"], dh=x["dh"], scale=0.3, chunk_size=64)
+    la.fla_backward_broken.cache_clear()
+    try:
+        assert la.fla_backward_broken()  # switch off: fla's backward is refused here
+        with pytest.raises(RuntimeError):
+            chunk_o.chunk_bwd_dqkwg(**kw)
+        monkeypatch.setattr(la, "TORCH_DQKWG", True)
+        la.fla_backward_broken.cache_clear()
+        assert not la.fla_backward_broken()
+        for a, b in zip(chunk_o.chunk_bwd_dqkwg(**kw), fla_dqkwg.chunk_bwd_dqkwg(**kw), strict=True):
+            assert torch.equal(a, b)
+        monkeypatch.setattr(la, "TORCH_DQKWG", False)  # registered, but the switch still rules
+        with pytest.raises(RuntimeError):
+            chunk_o.chunk_bwd_dqkwg(**kw)
+    finally:
+        la.fla_backward_broken.cache_clear()
