@@ -138,3 +138,81 @@ def test_fla_dispatches_its_refused_kernel_here_while_the_switch_is_on(monkeypat
             chunk_o.chunk_bwd_dqkwg(**kw)
     finally:
         la.fla_backward_broken.cache_clear()
+
+
+def test_fla_backward_composed_with_it_equals_the_torch_rule_gradient():
+    """A second check, on the whole rule: fla's backward orchestration (gated_delta_rule/
+    chunk.py: state gradients dh, dv from its other kernels, then dqkwg, then the WY part's
+    gradient added to dk and dg, then the reverse in-chunk cumsum of dg) composed with
+    this function, the other kernels' results taken from autograd of the chunked graph,
+    equals autograd of engine/linear_attn.py's `delta_rule` for q, k, v, g and beta."""
+    from twinkled.engine import linear_attn as la
+
+    gen = torch.Generator().manual_seed(2)
+    B, T, H, K, V, BT = 2, 40, 2, 8, 6, 16
+    scale = K**-0.5
+    q, k = (la.l2norm(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)) for _ in "qk")
+    v = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.5
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    s0 = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64) * 0.1
+    do, dS = torch.randn_like(v), torch.randn_like(s0)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+    o, S = la.delta_rule(leaves[0] * scale, *leaves[1:], s0, chunk=BT)
+    want = torch.autograd.grad((o * do).sum() + (S * dS).sum(), leaves)
+
+    spans = [slice(s, min(s + BT, T)) for s in range(0, T, BT)]
+    G = torch.cat([g[:, sl].cumsum(1) for sl in spans], 1)  # in-chunk cumulative log decay
+
+    def wy(k, v, beta, G):
+        """fla's w, u per chunk: (I + strictly lower beta_t k_t.k_j e^(G_t - G_j)) [w, u]
+        = [beta e^G k, beta v]; then v_new = u - w h."""
+        ws, us = [], []
+        for sl in spans:
+            kc, vc, bc, Gc = (t[:, sl].transpose(1, 2) for t in (k, v, beta, G))  # [B, H, n]
+            n = kc.shape[2]
+            lower = torch.ones(n, n, dtype=torch.bool).tril(-1)
+            A = torch.eye(n, dtype=kc.dtype) + torch.where(
+                lower, bc[..., None] * (kc @ kc.transpose(-1, -2))
+                * (Gc[..., :, None] - Gc[..., None, :]).masked_fill(~lower, 0).exp(), 0.0)
+            rhs = torch.cat([(bc * Gc.exp())[..., None] * kc, bc[..., None] * vc], -1)
+            wu = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+            ws.append(wu[..., :K].transpose(1, 2))
+            us.append(wu[..., K:].transpose(1, 2))
+        return torch.cat(ws, 1), torch.cat(us, 1)
+
+    # forward as fla's kernels compute it (chunk_gated_delta_rule_fwd_h, chunk_fwd_o), every
+    # input held: the states' and v_new's total gradients are what fla's dhu kernel hands on
+    w, u = (t.detach() for t in wy(k, v, beta, G))
+    Sc, hs, nexts, vns, loss = s0.clone().requires_grad_(True), [], [], [], 0.0
+    for sl in spans:
+        qc, kc, Gc, wc, uc, doc = (t[:, sl].transpose(1, 2) for t in (q, k, G, w, u, do))
+        vc = uc - wc @ Sc
+        vc.retain_grad()
+        n = qc.shape[2]
+        decay = (Gc[..., :, None] - Gc[..., None, :]).masked_fill(
+            torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).exp()
+        oc = scale * (Gc.exp()[..., None] * (qc @ Sc) + ((qc @ kc.transpose(-1, -2)) * decay) @ vc)
+        loss = loss + (oc * doc).sum()
+        hs.append(Sc)
+        vns.append(vc)
+        Sc = Gc[..., -1:, None].exp() * Sc + (kc * (Gc[..., -1:] - Gc).exp()[..., None]
+                                              ).transpose(-1, -2) @ vc
+        Sc.retain_grad()
+        nexts.append(Sc)
+    (loss + (Sc * dS).sum()).backward()
+
+    def flat(ts):  # per chunk [B, H, ...] -> fla's [B, NT, H, ...]
+        return torch.stack([t.detach() for t in ts], 1)
+    v_new = torch.cat([t.detach().transpose(1, 2) for t in vns], 1)
+    dv = torch.cat([t.grad.transpose(1, 2) for t in vns], 1)
+    dq, dk, dw, dG = fla_dqkwg.chunk_bwd_dqkwg(
+        q=q, k=k, v=v_new, do=do, h=flat(hs), dh=flat([t.grad for t in nexts]), w=w,
+        g=G / math.log(2), dv=dv, scale=scale, chunk_size=BT)
+    # prepare_wy_repr_bwd's part: (w, u)'s gradients (dw, du = dv) onto k, v, beta and G
+    wy_leaves = [t.clone().requires_grad_(True) for t in (k, v, beta, G)]
+    dk2, dv_in, dbeta, dG2 = torch.autograd.grad(wy(*wy_leaves), wy_leaves, (dw, dv))
+    dG = dG + dG2  # then chunk_local_cumsum(reverse=True): G is g's in-chunk cumsum
+    dg = torch.cat([dG[:, sl].flip(1).cumsum(1).flip(1) for sl in spans], 1)
+    for name, a, b in zip("q k v g beta".split(), (dq, dk + dk2, dv_in, dg, dbeta), want, strict=True):
+        assert (a - b).abs().max() < 1e-5 * max(1.0, b.abs().max().item()), name
