@@ -52,12 +52,15 @@ def test_fla_rule_equals_the_torch_rule(dtype, tol):
     assert (o.float() - o2.float()).abs().max() < tol and (s - s2).abs().max() < tol
 
 
-def _same_grads(o, o2, inputs, m, tol):
+def _same_grads(o, o2, inputs, m, tol, relative=False):
+    """Gradients of o and o2 for a random upstream (real positions only) agree within tol
+    (relative: a fraction of each input's largest gradient)."""
     w = torch.randn_like(o.float()) * m
     g1 = torch.autograd.grad((o.float() * w).sum(), inputs, retain_graph=True)
     g2 = torch.autograd.grad((o2.float() * w).sum(), inputs, retain_graph=True)
     for a, b in zip(g1, g2, strict=True):
-        assert (a.float() - b.float()).abs().max() < tol
+        top = b.float().abs().max() if relative else 1.0
+        assert (a.float() - b.float()).abs().max() < tol * top
 
 
 @pytest.fixture
@@ -88,7 +91,8 @@ def test_torch_dqkwg_fla_rule_gradients_equal_the_torch_rule(dtype, tol, torch_d
     assert la.fla_usable(q, backward=True)  # training takes fla_rule
     o, s = la.fla_rule(q, k, v, gate, beta, s0, lengths)
     o2, s2 = _torch_rule(q, k, v, gate, beta, s0)
-    _same_grads(o, o2, inputs, real[..., None].cuda(), tol * 10)
+    # (relative: gate's and beta's gradients reach ~0.7 here, where bf16's tol * 10 is 0.5)
+    _same_grads(o, o2, inputs, real[..., None].cuda(), tol * 5, relative=True)
     assert torch_dqkwg  # through our kernel, not fla's
 
 
