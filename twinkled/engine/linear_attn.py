@@ -161,9 +161,13 @@ def fla_backward_broken() -> bool:
     if broken and TORCH_DQKWG:  # the one wrong kernel replaced: the rest of fla's backward is right
         from twinkled.engine import fla_dqkwg
 
-        fla_dqkwg.register()
-        log.info("fla-core's gated delta-rule backward on this Hopper/Triton: torch chunk_bwd_dqkwg")
-        return False
+        try:
+            fla_dqkwg.register()
+        except ImportError:  # an fla without its backend registry: the torch rule trains
+            log.exception("registering the torch chunk_bwd_dqkwg with fla-core failed")
+        else:
+            log.info("fla-core's gated delta-rule backward on this Hopper/Triton: torch chunk_bwd_dqkwg")
+            return False
     if broken:
         log.warning("fla-core's gated delta-rule backward is wrong on Hopper under this "
                     "Triton (< 3.7.1): Qwen3.5 linear attention trains with the torch rule")
