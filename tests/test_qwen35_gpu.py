@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import delta_rule_inputs
 
+from twinkled.engine import fla_dqkwg
 from twinkled.engine import linear_attn as la
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -41,11 +42,7 @@ def test_fla_rule_equals_the_torch_rule(dtype, tol):
     if la.fla_backward_broken():  # fla refuses its gated backward here (Hopper, Triton
         assert not la.fla_usable(o, backward=True)  # < 3.7.1): training takes the torch rule
     else:
-        w = torch.randn_like(o.float()) * m
-        g1 = torch.autograd.grad((o.float() * w).sum(), (q, k, v))
-        g2 = torch.autograd.grad((o2.float() * w).sum(), (q, k, v))
-        for a, b in zip(g1, g2, strict=True):
-            assert (a.float() - b.float()).abs().max() < tol * 10
+        _same_grads(o, o2, (q, k, v), m, tol * 10)
     # one token per row (decode): the fused recurrent kernel against delta_step
     one = [t[:, :1].contiguous() for t in (q.detach(), k.detach(), v.detach(), gate, beta)]
     o, s = la.fla_step(*one, s0)
@@ -53,6 +50,79 @@ def test_fla_rule_equals_the_torch_rule(dtype, tol):
     q1, k1 = (la.l2norm(t.float().repeat_interleave(rep, dim=2)) for t in one[:2])
     o2, s2 = la.delta_step(q1 * q1.shape[-1]**-0.5, k1, *one[2:], s0)
     assert (o.float() - o2.float()).abs().max() < tol and (s - s2).abs().max() < tol
+
+
+def _same_grads(o, o2, inputs, m, tol, relative=False):
+    """Gradients of o and o2 for a random upstream (real positions only) agree within tol
+    (relative: a fraction of each input's largest gradient)."""
+    w = torch.randn_like(o.float()) * m
+    g1 = torch.autograd.grad((o.float() * w).sum(), inputs, retain_graph=True)
+    g2 = torch.autograd.grad((o2.float() * w).sum(), inputs, retain_graph=True)
+    for a, b in zip(g1, g2, strict=True):
+        top = b.float().abs().max() if relative else 1.0
+        assert (a.float() - b.float()).abs().max() < tol * top
+
+
+@pytest.fixture
+def torch_dqkwg(monkeypatch):
+    """la.TORCH_DQKWG on, on a card where fla refuses its gated backward (Hopper, Triton <
+    3.7.1): fla's backward runs with engine/fla_dqkwg.py in place of its one wrong kernel.
+    Yields the calls that reached our kernel."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    la.fla_backward_broken.cache_clear()
+    if not la.fla_backward_broken():
+        pytest.skip("fla's own gated backward runs on this card: nothing to replace")
+    monkeypatch.setattr(la, "TORCH_DQKWG", True)
+    la.fla_backward_broken.cache_clear()
+    calls, ours = [], fla_dqkwg.chunk_bwd_dqkwg
+    monkeypatch.setattr(fla_dqkwg, "chunk_bwd_dqkwg",
+                        lambda *a, **kw: calls.append(1) or ours(*a, **kw))
+    yield calls
+    la.fla_backward_broken.cache_clear()  # (the switch goes back off with monkeypatch)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 5e-2)])
+def test_torch_dqkwg_fla_rule_gradients_equal_the_torch_rule(dtype, tol, torch_dqkwg):
+    lengths = [37, 200, 5, 64]
+    (q, k, v, gate, beta, s0), real = _inputs(dtype, lengths)
+    inputs = (q, k, v, gate, beta, s0)
+    for t in inputs:
+        t.requires_grad_(True)
+    assert la.fla_usable(q, backward=True)  # training takes fla_rule
+    o, s = la.fla_rule(q, k, v, gate, beta, s0, lengths)
+    o2, s2 = _torch_rule(q, k, v, gate, beta, s0)
+    # (relative: gate's and beta's gradients reach ~0.7 here, where bf16's tol * 10 is 0.5)
+    _same_grads(o, o2, inputs, real[..., None].cuda(), tol * 5, relative=True)
+    assert torch_dqkwg  # through our kernel, not fla's
+
+
+def test_torch_dqkwg_tiny_model_trains_through_fla_as_the_torch_rule(tmp_path, torch_dqkwg):
+    from twinkled.engine.model import BaseModel
+    from twinkled.engine.packed import Packing
+    from twinkled.engine.tiny import build_tiny_model
+
+    d = build_tiny_model(tmp_path / "q35", arch="qwen3_5", num_layers=4, num_heads=2,
+                         hidden_size=128, embed_std=0.05)
+    m = BaseModel(d, dtype="float32", device="cuda")
+    # the linear-attention layers' own weights: their gradients pass through q, k, v, g, beta
+    params = [p for i in m.hybrid.linear for p in (
+        m.layers[i].linear_attn.A_log, m.layers[i].linear_attn.dt_bias,
+        m.layers[i].linear_attn.conv1d.weight)]
+    for p in params:
+        p.requires_grad_(True)
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, m.vocab_size, (n,), generator=gen).tolist() for n in (70, 9, 150)]
+    pk = Packing.of([len(r) for r in rows], "cuda")
+    ids = torch.tensor([t for r in rows for t in r], device="cuda")[None]
+    got = []
+    for fla in (True, False):  # fla_rule with our kernel, then the torch rule
+        m.hybrid.fla = fla
+        lp = m.logits(m.forward(ids, pk.positions, packing=pk)).float().log_softmax(-1)
+        got.append(torch.autograd.grad(lp[0, torch.arange(ids.shape[1]), ids[0]].sum(), params))
+    m.hybrid.fla = True
+    assert torch_dqkwg
+    for a, b in zip(*got, strict=True):  # (relative: A_log's gradients are ~1e-3 here)
+        assert b.abs().max() > 0 and (a - b).abs().max() < 2e-2 * b.abs().max()
 
 
 @pytest.mark.parametrize("heads", [2, 1])  # head_dim 64, and 256 as Qwen3.5-9B has

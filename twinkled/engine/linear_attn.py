@@ -29,6 +29,10 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 CHUNK = 64
+# fla-core's gated backward on Hopper under Triton < 3.7.1 with our torch `chunk_bwd_dqkwg`
+# (engine/fla_dqkwg.py) in place of its one wrong kernel. Off until tests/test_qwen35_gpu.py
+# (-k torch_dqkwg) has passed on such a card; off, training there takes the torch rule.
+TORCH_DQKWG = False
 
 
 def to_rows(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -146,12 +150,24 @@ def fla_usable(x: torch.Tensor, backward: bool = False) -> bool:
 def fla_backward_broken() -> bool:
     """fla-core refuses its gated chunked backward on Hopper under Triton >= 3.4, < 3.7.1
     (wrong results there: fla issue 640) by raising in the middle of a step; the torch rule
-    trains instead (slower, right), and the forward passes (sampling, prefill) keep fla."""
+    trains instead (slower, right), and the forward passes (sampling, prefill) keep fla.
+    With TORCH_DQKWG on, our torch version of that kernel is registered with fla there and
+    fla's backward is usable. (Cached: clear it after changing the switch.)"""
     try:
         from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
     except ImportError:  # a later fla without these flags: trust it
         return False
     broken = bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
+    if broken and TORCH_DQKWG:  # the one wrong kernel replaced: the rest of fla's backward is right
+        from twinkled.engine import fla_dqkwg
+
+        try:
+            fla_dqkwg.register()
+        except ImportError:  # an fla without its backend registry: the torch rule trains
+            log.exception("registering the torch chunk_bwd_dqkwg with fla-core failed")
+        else:
+            log.info("fla-core's gated delta-rule backward on this Hopper/Triton: torch chunk_bwd_dqkwg")
+            return False
     if broken:
         log.warning("fla-core's gated delta-rule backward is wrong on Hopper under this "
                     "Triton (< 3.7.1): Qwen3.5 linear attention trains with the torch rule")
