@@ -74,12 +74,19 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128, help="head size of keys and values")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--torch-dqkwg", action="store_true",
+                    help="fla's backward with our torch chunk_bwd_dqkwg where fla refuses its "
+                    "own (linear_attn.TORCH_DQKWG; Hopper under Triton < 3.7.1)")
     ap.add_argument("--write", default=section_path("delta_rule"))
     args = ap.parse_args()
+    if args.torch_dqkwg:
+        la.TORCH_DQKWG = True
+        la.fla_backward_broken.cache_clear()
     rules = [("ours (engine/linear_attn.delta_rule)", ours, True),
              ("transformers' torch_chunk_gated_delta_rule", transformers_rule, True)]
     if la.fla_usable(torch.zeros(1, device=args.device)):
-        rules.append(("fla-core's chunk_gated_delta_rule", fla_rule,
+        patched = " (our torch dqkwg)" if args.torch_dqkwg else ""
+        rules.append((f"fla-core's chunk_gated_delta_rule{patched}", fla_rule,
                       not la.fla_backward_broken()))
     card = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     text = (f"### The gated delta rule alone: {args.rows} rows x {args.seq} tokens, "

@@ -132,6 +132,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         # issue 34: the 9B's training step, engine alone against peft (is the 0.25x the daemon's
         # or the engine's?), then a profiled round of 8 adapters (top kernels and ops)
         q35prof) "$py" bench_delta_rule.py --write "$out/delta_rule.md" 2>&1 | grep -a "^--"
+                 "$py" bench_delta_rule.py --torch-dqkwg --write "$out/delta_rule.md" 2>&1 | grep -a "^--"
                  # is the daemon's 0.25x its micro-batches? (each pass pays the torch rule's
                  # launch-bound chunk loop whatever its rows)
                  printf 'preempt_ms = 0\n' > /tmp/gpu_pass_np.toml
