@@ -22,6 +22,7 @@ All chunks at once: gathered into [chunks, heads, BT, ...] blocks, masked past a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -130,10 +131,11 @@ def verifier(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     return True, None
 
 
-def register() -> None:
+def register(enabled: Callable[[], bool]) -> None:
     """Make fla's `common` dispatch route `chunk_bwd_dqkwg` here (registering again replaces,
-    by backend type). Enabled while linear_attn.TORCH_DQKWG is on, so the switch stays the
-    one truth after registration; TileLang, where fla finds it usable, keeps precedence."""
+    by backend type). Enabled while `enabled()` says so (linear_attn's TORCH_DQKWG), so the
+    switch stays the one truth after registration; TileLang, where fla finds it usable, keeps
+    precedence."""
     from fla.backends import BaseBackend
     from fla.backends import register as fla_register
 
@@ -142,9 +144,7 @@ def register() -> None:
         priority = 6  # after fla's own backends (5)
 
         def is_enabled(self) -> bool:
-            from twinkled.engine import linear_attn
-
-            return linear_attn.TORCH_DQKWG
+            return enabled()
 
         def chunk_bwd_dqkwg_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
             return verifier(*args, **kwargs)

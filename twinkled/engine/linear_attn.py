@@ -162,7 +162,7 @@ def fla_backward_broken() -> bool:
         from twinkled.engine import fla_dqkwg
 
         try:
-            fla_dqkwg.register()
+            fla_dqkwg.register(lambda: TORCH_DQKWG)
         except ImportError:  # an fla without its backend registry: the torch rule trains
             log.exception("registering the torch chunk_bwd_dqkwg with fla-core failed")
         else:
