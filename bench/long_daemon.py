@@ -52,6 +52,11 @@ def _datum(rng: random.Random, vocab: int, n: int):
                               loss_fn_inputs={"target_tokens": ids[1:]})
 
 
+def _progress(until: Path) -> Path:
+    """Where the long tenant writes how many steps it has finished (`_steps`' progress)."""
+    return until.with_name(until.name + ".n")
+
+
 def _steps(url: str, key: str, model: str, vocab: int, rows: int, seq: int, steps: int,
            until: Path | None = None, before_close=None, warmup: int = 0,
            progress: Path | None = None, more=None) -> list[tuple[float, float]]:
@@ -118,7 +123,7 @@ def _wait_long(data: Path, timeout: float = 300) -> None:
 def client(args: argparse.Namespace) -> None:
     """The long tenant's process: steps until `--until` exists; prints its steps as JSON."""
     got = _steps(args.url, args.key, args.model, args.vocab, 1, args.long, 1, Path(args.until),
-                 progress=Path(args.until + ".n"))
+                 progress=_progress(Path(args.until)))
     print(json.dumps(got), flush=True)
 
 
@@ -178,7 +183,7 @@ def main() -> None:
             # beside a long tenant: its steps go on until the long tenant has finished two
             # steps, so that some of them arrive while a long step is in flight (a 131,072-token
             # row is ~40 s; the small tenant's steps alone ~0.3 s)
-            count = None if until_file is None else Path(str(until_file) + ".n")
+            count = None if until_file is None else _progress(until_file)
             more = None if count is None else (
                 lambda: int((count.read_text() or "0") if count.exists() else 0) < 2)
             steps = _steps(url, small_key, model.name, vocab, args.small_rows, small_seq,
@@ -198,7 +203,7 @@ def main() -> None:
                 [sys.executable, __file__, "--client", "--url", url, "--key", long_key,
                  "--model", model.name, "--vocab", str(vocab), "--long", str(S),
                  "--until", str(until)], stdout=subprocess.PIPE, text=True)
-            sent = Path(str(until) + ".n").with_suffix(".sent")
+            sent = _progress(until).with_suffix(".sent")
             while not sent.exists() and long.poll() is None:  # its first step submitted first
                 time.sleep(0.1)
             if args.lanes > 1 and S > long_rows:  # ... and counted as long
