@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -104,6 +103,16 @@ def run_tenants(url: str, keys: list[str], model: str, vocab: int, seq: int, ste
     return out
 
 
+def _free_port() -> int:
+    """A port the kernel says is free now: benches run side by side on one machine (one per
+    GPU), and a port derived from the pid could collide and answer for the other daemon."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_daemon(model_dir: Path, data: Path, work: Path, device: str,
                  *extra: str, launcher: tuple[str, ...] = (), port: int | None = None
                  ) -> tuple[subprocess.Popen, str, object]:
@@ -111,7 +120,7 @@ def start_daemon(model_dir: Path, data: Path, work: Path, device: str,
     python options that run it under a wrapper, e.g. ("-m", "cProfile", "-o", PATH)."""
     import urllib.request
 
-    port = port or 18000 + (os.getpid() + len(extra)) % 1000
+    port = port or _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(work / "twinkled.log", "ab")  # noqa: SIM115
     daemon = subprocess.Popen(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,8 @@ CHUNK = 64
 # fla-core's gated backward on Hopper under Triton < 3.7.1 with our torch `chunk_bwd_dqkwg`
 # (engine/fla_dqkwg.py) in place of its one wrong kernel. Off until tests/test_qwen35_gpu.py
 # (-k torch_dqkwg) has passed on such a card; off, training there takes the torch rule.
-TORCH_DQKWG = False
+# TWINKLE_TORCH_DQKWG=1 turns it on for a process and its workers (the GPU bench's A/B).
+TORCH_DQKWG = os.environ.get("TWINKLE_TORCH_DQKWG") == "1"
 
 
 def to_rows(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
