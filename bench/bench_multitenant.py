@@ -38,7 +38,7 @@ def random_data(args: argparse.Namespace, rng) -> list:
     """`args.batch` datums of `args.seq` random tokens (tinker's types)."""
     import tinker
 
-    if args.image_tokens:  # a VL shape: one image + S text tokens a datum
+    if getattr(args, "image_tokens", 0):  # a VL shape: one image + S text tokens a datum
         from bench_vlm import datum
 
         return [datum(rng, args.vocab, args.seq, args.image_tokens, args.seed)
