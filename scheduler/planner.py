@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from .admission import Admission
 from .cost import CostModel, StepShape
 from .fairness import Fairness, Ledger, Limits, Tenant
-from .joins import fit_join, join_candidates, micro_tokens
+from .joins import fit_join, join_candidates, join_charges, micro_tokens
 from .packing import MIN_SHARED_STEP, fills_step, fit_work, is_probe, pack_samples
 from .queues import OPTIM, SAMPLE, TRAIN, ModelQueue, Work
 
@@ -52,6 +52,7 @@ class Step:
     predicted_s: float = 0.0  # what the cost model predicted it takes
     micro_tokens: int = 0  # micro-batches of at most this many tokens (0: token_budget)
     joined: bool = False  # runs inside the training step in flight (Planner.join_step)
+    join_left_s: float | None = None  # how much more its joins may delay it (join_step)
 
 
 # A preemptible step's micro-batches take about this share of the step target (preempt_s
@@ -59,7 +60,8 @@ class Step:
 # micro-batch pays a pass's overhead: on the CPU tiny model next to a flooder, a quarter
 # (4 passes a step) left the flooder 0.42-0.71x of its throughput alone.
 PREEMPT_SHARE = 0.5
-# A join may hold up to this share of the step in flight's predicted time (join_step).
+# The joins inside one step may together delay it by this share of its predicted time
+# (join_step).
 JOIN_SHARE = 0.5
 # A tenant served in this many recent training steps may join the next ones (_may_be_joined).
 JOIN_MEMORY = 4
@@ -411,33 +413,36 @@ class Planner:
     def join_step(self, running: Step, ready=lambda model: True) -> Step | None:
         """Small work that may run inside `running` (a training step in flight), between
         two of its micro-batches: whole forward_backwards (and the optim_step behind them)
-        of models not in it, of tenants within their fair share, up to about one
-        micro-batch (or JOIN_SHARE of the step's) of predicted time (joins.py);
-        None if there is none. `ready(model)`:
+        of models not in it, of tenants within their fair share, in one pass that costs
+        (its fixed cost included) no more than what is left of the step's join allowance,
+        JOIN_SHARE of its predicted time (joins.py); None if there is none. `ready(model)`:
         whether the model's work may go now (a pipelining client's optim_step may still be
         on its way). Completed like any step (`complete`, without seconds: a join's time
         is not a step's)."""
-        limit = self.preempt_limit()
-        if limit <= 0 or running.kind != "train" or running.joined:
+        if self.preempt_limit() <= 0 or running.kind != "train" or running.joined:
             return None
-        # What it may delay the step in flight by: a micro-batch's time, or half the step's
-        # (the fitted costs of one small row are noisy; fair share bounds the rest)
-        limit = max(limit, JOIN_SHARE * running.predicted_s)
+        if running.join_left_s is None:
+            running.join_left_s = JOIN_SHARE * running.predicted_s
+        limit = running.join_left_s
+        if limit <= self.cost.fixed_cost:  # not even a pass fits
+            return None
         self._admit_held()
         candidates = join_candidates(self.models, self.model_tenant, self.fair, running.work,
                                      running.predicted_s, ready)
-        taken, shape, charged = fit_join(self.cost, candidates, limit)
+        taken, shape, added = fit_join(self.cost, candidates, limit)
         if not taken:
             return None
         for w in taken:
             self.models[w.model].take(w)
             self._dequeued(w)
-        for name, added in charged.items():
-            self.fair.tenant(name).charge(added, sum(w.tokens for w in taken
-                                                     if w.tenant == name))
+        for name, paid in join_charges(self.cost, added).items():
+            self.fair.tenant(name).charge(paid, sum(w.tokens for w in taken
+                                                    if w.tenant == name))
             self._last_served[name] = self._train_steps
         self.steps += 1
-        return Step("train", taken, shape, self.cost.predict(shape), joined=True)
+        predicted = self.cost.predict(shape)
+        running.join_left_s -= predicted
+        return Step("train", taken, shape, predicted, joined=True)
 
     def _sample_step(self) -> Step | None:
         taken = pack_samples(self.samples, self.fair, self.sample_budget)

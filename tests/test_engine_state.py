@@ -241,6 +241,47 @@ def test_live_state_resumes_exactly_and_persister_keeps_the_newest(tiny_dir, tmp
     assert latest_version(tmp_path / "live", "a") is None
 
 
+def test_the_persister_rests_between_writes_and_a_flush_does_not_wait(tiny_dir, tmp_path,
+                                                                      monkeypatch):
+    """The writer keeps the disk busy at most DUTY of the time: after a write it hands
+    nothing new for three times as long (a large adapter's states written back to back
+    stalled the journal's fsync behind them); a flush writes the newest state at once."""
+    import time
+
+    from twinkled.workers import persist
+    from twinkled.workers.persist import Persister, latest_version
+
+    eng = make_engine(tiny_dir)
+    eng.add_adapter("a", LoraConfig(rank=4, alpha=8, seed=1, train_unembed=False))
+    persister = Persister(tmp_path / "live")
+    write = persist.write_live
+
+    def slow_write(*args, **kwargs):  # a disk that takes 0.3 s a version
+        time.sleep(0.3)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(persist, "write_live", slow_write)
+    gen = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        eng.forward_backward([ce_request("a", gen, eng.model.vocab_size, [9, 13])])
+        eng.optim_step("a", PARAMS)
+        persister.after_step("a", eng.pool.get("a"))
+        persister.pump(eng.pool.adapters, {})
+
+    step()
+    deadline = time.monotonic() + 30
+    while not persister.idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert persister.written == 1
+    step()  # within the rest: nothing handed to the writer
+    assert not persister.free() and persister.idle() and persister.written == 1
+    assert persister.flush(eng.pool.adapters, {})  # the newest state, at once
+    assert persister.written == 2
+    info = make_engine(tiny_dir).load("a", latest_version(tmp_path / "live", "a"))
+    assert info.steps == 2
+
+
 def test_a_copied_adapter_has_the_weights_at_the_copy_and_nothing_else(tiny_dir, tmp_path):
     # What a sampler of a just-saved adapter is made of (runner: SaveF.sampler): the same
     # weights as the files of that save, none of the optimizer state, and independent of

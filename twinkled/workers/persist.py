@@ -42,6 +42,13 @@ _TEST_DELAY = float(os.environ.get("TWINKLED_TEST_PERSIST_DELAY", "0"))
 
 
 HIDDEN = ".t"  # the name prefix of a version not yet confirmed (see the module's docstring)
+# The writer keeps the disk busy at most this share of the time: after a write that took
+# W seconds it rests W * (1 / DUTY - 1) before the next (a flush does not wait). Written
+# back to back, Qwen3.5-9B's eight 1 GiB adapter states (weights and moments) saturated the
+# disk, and the journal's fsync before each answer waited behind them: 3-6 s stalls between
+# 0.65 s steps. A rest only makes versions further apart; the journal covers the steps
+# between (a restart replays more of them).
+DUTY = 0.25
 
 
 
@@ -77,6 +84,7 @@ class Persister:
         self._written: dict[str, int] = {}  # adapter -> mark, since `take_written`
         self._cond = threading.Condition()
         self._busy = False
+        self._rest_until = 0.0  # monotonic time before which `pump` hands nothing (DUTY)
         self.written = 0
         self._thread = threading.Thread(target=self._loop, name="persist", daemon=True)
         self._thread.start()
@@ -95,7 +103,7 @@ class Persister:
 
     def free(self) -> bool:
         """Nothing waits to be written: a new snapshot would go to the disk at once."""
-        return not self.dirty and self.idle()
+        return not self.dirty and self.idle() and time.monotonic() >= self._rest_until
 
     def forget(self, adapter_id: str) -> None:
         self.dirty.pop(adapter_id, None)
@@ -129,7 +137,8 @@ class Persister:
         """Hand up to `limit` changed adapters to the writer, if it is free. One at a time
         between steps keeps the snapshot's host time off the next step's start. `marks`:
         each adapter's journal position as of its state without pending gradients."""
-        if not self.dirty or not self.idle():
+        if not self.dirty or not self.idle() or (
+                not final and time.monotonic() < self._rest_until):
             return
         chosen = list(self.dirty)[:limit]
         for a in chosen:
@@ -173,7 +182,10 @@ class Persister:
             try:
                 if adapter_id:
                     time.sleep(_TEST_DELAY)
+                    began = time.monotonic()
                     self._write(adapter_id, snap, mark, final)
+                    took = time.monotonic() - began
+                    self._rest_until = time.monotonic() + took * (1 / DUTY - 1)
                 else:
                     self._confirm()
             except Exception:  # a full disk must not kill the worker; the next step retries
