@@ -17,7 +17,8 @@ What keeps it right:
   its rows cost like any step's;
 - a join is a pass of its own: it delays the step in flight by all it costs, the fixed
   cost of a pass included, and its tenants are charged that whole cost. The joins of one
-  step together delay it by at most JOIN_SHARE of its predicted time (planner.py). Where
+  step together delay it by at most a micro-batch's time (or JOIN_SHARE of its predicted
+  time) divided by its tenants, each of whom waits the whole delay (planner.py). Where
   a pass's fixed cost is large against its rows (Qwen3.5's launch-bound delta rule: 0.45 s
   for one row of 512, 0.65 s for eight), equal tenants then ride steps together instead of
   one pass each (before: 17 joins inside one step, 9.7 s where the step's own passes took

@@ -60,8 +60,8 @@ class Step:
 # micro-batch pays a pass's overhead: on the CPU tiny model next to a flooder, a quarter
 # (4 passes a step) left the flooder 0.42-0.71x of its throughput alone.
 PREEMPT_SHARE = 0.5
-# The joins inside one step may together delay it by this share of its predicted time
-# (join_step).
+# The joins inside one step may together delay it by a micro-batch's time or this share of
+# its predicted time, whichever is more, shared among its tenants (join_step).
 JOIN_SHARE = 0.5
 # A tenant served in this many recent training steps may join the next ones (_may_be_joined).
 JOIN_MEMORY = 4
@@ -414,15 +414,23 @@ class Planner:
         """Small work that may run inside `running` (a training step in flight), between
         two of its micro-batches: whole forward_backwards (and the optim_step behind them)
         of models not in it, of tenants within their fair share, in one pass that costs
-        (its fixed cost included) no more than what is left of the step's join allowance,
-        JOIN_SHARE of its predicted time (joins.py); None if there is none. `ready(model)`:
+        (its fixed cost included) no more than what is left of the step's join allowance
+        (a micro-batch's time or JOIN_SHARE of its predicted time, shared among the step's
+        tenants; joins.py); None if there is none. `ready(model)`:
         whether the model's work may go now (a pipelining client's optim_step may still be
         on its way). Completed like any step (`complete`, without seconds: a join's time
         is not a step's)."""
         if self.preempt_limit() <= 0 or running.kind != "train" or running.joined:
             return None
         if running.join_left_s is None:
-            running.join_left_s = JOIN_SHARE * running.predicted_s
+            # Every tenant of the step waits the whole of each join: the allowance (a
+            # micro-batch's time or half the step's) is shared among them. Next to one
+            # flooder a small tenant joins (8B: a 0.18 s pass in a 0.31 s step); among
+            # equal tenants of a model whose pass is mostly fixed cost none does, and they
+            # ride the next step together.
+            tenants = len({w.tenant for w in running.work}) or 1
+            running.join_left_s = max(self.preempt_limit(),
+                                      JOIN_SHARE * running.predicted_s) / tenants
         limit = running.join_left_s
         if limit <= self.cost.fixed_cost:  # not even a pass fits
             return None
