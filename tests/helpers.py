@@ -103,7 +103,13 @@ def assert_same_results(want: list, got: list, tol: float = 1e-5) -> None:
     import pytest
 
     for w, g in zip(want, got, strict=True):
-        assert g.metrics["loss:sum"] == pytest.approx(w.metrics["loss:sum"], rel=tol, abs=tol)
+        # A sum's rounding follows the size of what it adds, not of the result: a PPO loss
+        # of 2.1 differed by 3e-5 between the chunked and whole-logits heads on one CPU
+        # (fp32 order of operations), where CI's agreed to 1e-5.
+        size = sum(float(o["elementwise_loss"].abs().sum()) for o in w.outputs
+                   if "elementwise_loss" in o)
+        assert g.metrics["loss:sum"] == pytest.approx(w.metrics["loss:sum"], rel=tol,
+                                                      abs=tol * max(1.0, size))
         for wo, go in zip(w.outputs, g.outputs, strict=True):
             for key in ("logprobs", "elementwise_loss"):
                 assert wo[key].shape == go[key].shape
