@@ -35,8 +35,13 @@
 # Each bench writes its section under $OUT (the device's returned folder) or bench/results/.
 set -uo pipefail
 cd "$(dirname "$0")"
-out="${OUT:-results}"
+# The device tool returns at most 8 files from $OUT: the logs and sections are written to a
+# folder of their own and come back as one archive, $OUT/gpu_pass.tgz, packed again after
+# each part (a call cut off at its limit still returns the parts before).
+out="${OUT:+/tmp/gpu_pass_out}"
+out="${out:-results}"
 mkdir -p "$out"
+pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/gpu_pass.tgz" -C "$out" . 2>/dev/null; return 0; }
 printf 'persist_every = 0\n' > /tmp/gpu_pass_p0.toml
 ckpt="${GPU_PASS_CKPT:-/tmp/gpu_pass}"
 py="$(command -v python3 || command -v python)"
@@ -131,10 +136,11 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
                     > "$out/mt_q35.log" 2>&1; tail -20 "$out/mt_q35.log" ;;
         # issue 34: the 9B's training step, engine alone against peft (is the 0.25x the daemon's
         # or the engine's?), then a profiled round of 8 adapters (top kernels and ops)
-        q35prof) "$py" bench_delta_rule.py --write "$out/delta_rule.md" 2>&1 | grep -a "^--"
-                 "$py" bench_delta_rule.py --torch-dqkwg --write "$out/delta_rule.md" 2>&1 | grep -a "^--"
-                 # is the daemon's 0.25x its micro-batches? (each pass pays the torch rule's
-                 # launch-bound chunk loop whatever its rows)
+        q35prof) timeout 300 "$py" bench_delta_rule.py --write "$out/delta_rule.md" > "$out/delta_rule.log" 2>&1
+                 timeout 300 "$py" bench_delta_rule.py --torch-dqkwg --write "$out/delta_rule.md" \
+                     > "$out/delta_rule_dq.log" 2>&1; grep -a "^--" "$out"/delta_rule*.log
+                 # without joins (session 10: joins were the daemon's 0.25x; a pass pays the
+                 # torch rule's launch-bound chunk loop whatever its rows)
                  printf 'preempt_ms = 0\n' > /tmp/gpu_pass_np.toml
                  "$py" bench_multitenant.py --shape qwen3.5-9b --tenants 8 --skip-fairness --steps 10 \
                      --config /tmp/gpu_pass_np.toml --write "$out/mt_q35_np.md" > "$out/mt_q35_np.log" 2>&1
@@ -171,5 +177,6 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
                grep -a "^--\|^|" "$out/long_daemon.log" ;;
         *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants8b, vl, arch, fulld, longd)"; exit 2 ;;
     esac
+    pack
 done
 echo "== done $(date +%T)"
