@@ -103,7 +103,11 @@ class Persister:
 
     def free(self) -> bool:
         """Nothing waits to be written: a new snapshot would go to the disk at once."""
-        return not self.dirty and self.idle() and time.monotonic() >= self._rest_until
+        return not self.dirty and self.idle() and not self._resting()
+
+    def _resting(self) -> bool:
+        """The writer rests after its last write (DUTY)."""
+        return time.monotonic() < self._rest_until
 
     def forget(self, adapter_id: str) -> None:
         self.dirty.pop(adapter_id, None)
@@ -137,8 +141,7 @@ class Persister:
         """Hand up to `limit` changed adapters to the writer, if it is free. One at a time
         between steps keeps the snapshot's host time off the next step's start. `marks`:
         each adapter's journal position as of its state without pending gradients."""
-        if not self.dirty or not self.idle() or (
-                not final and time.monotonic() < self._rest_until):
+        if not self.dirty or not self.idle() or (not final and self._resting()):
             return
         chosen = list(self.dirty)[:limit]
         for a in chosen:
@@ -184,8 +187,8 @@ class Persister:
                     time.sleep(_TEST_DELAY)
                     began = time.monotonic()
                     self._write(adapter_id, snap, mark, final)
-                    took = time.monotonic() - began
-                    self._rest_until = time.monotonic() + took * (1 / DUTY - 1)
+                    ended = time.monotonic()
+                    self._rest_until = ended + (ended - began) * (1 / DUTY - 1)
                 else:
                     self._confirm()
             except Exception:  # a full disk must not kill the worker; the next step retries
