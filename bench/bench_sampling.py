@@ -46,6 +46,7 @@ from output import emit, section_path
 
 from twinkled.engine.engine import Engine
 from twinkled.engine.fused_ops import Fused
+from twinkled.engine.recurrent import SlotStates
 from twinkled.engine.running import PAGE_SIZE, RunningBatch
 from twinkled.engine.sampler import generate_padded
 from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
@@ -94,7 +95,15 @@ def kv_bytes(eng: Engine, reqs: list[SampleRequest], args) -> int:
     per_token = 2 * m.kv_layers * m.n_kv * m.head_dim * m.dtype.itemsize
     pages = sum(1 + args.prompt // args.page_size + r.num_samples * (
         2 + args.new // args.page_size) for r in reqs)
-    return pages * args.page_size * per_token
+    # Qwen3.5: every row's linear-attention state comes out of the same budget, at most
+    # half of it (SlotStates.fit); without them here the batch ran one row at a time
+    states = 0 if m.hybrid is None else batch_rows(reqs) * SlotStates.row_bytes(m)
+    return max(pages * args.page_size * per_token + states, 2 * states)
+
+
+def batch_rows(reqs: list[SampleRequest]) -> int:
+    """The running batch's rows: every sample of the workload at once, 256 at least."""
+    return max(256, sum(r.num_samples for r in reqs))
 
 
 def profile_steps(batch: RunningBatch, reqs, adapters, tickets_of: int, steps: int = 4) -> str:
@@ -120,7 +129,7 @@ def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, path: str,
     adapters = [eng.pool.get(r.adapter_id) for r in reqs]
     rows = sum(r.num_samples for r in reqs)
     new = rows * args.new
-    batch = RunningBatch(eng.model, rows=max(256, rows), page_size=args.page_size,
+    batch = RunningBatch(eng.model, rows=batch_rows(reqs), page_size=args.page_size,
                          kv_bytes=kv_bytes(eng, reqs, args), kernels=kernels, cascade=cascade,
                          overlap=overlap, prefill=prefill, prefill_tokens=args.prefill_tokens)
     calls, pure = [], []  # pure: (seconds, rows) of decode steps that admitted nothing
