@@ -7,7 +7,9 @@ those files before any client hears its op is done (twinkled/core/journal.py). T
 the disk that holds `--dir` (default: the system's temporary folder; point it at the data
 dir's disk to measure that one). `--background-mb N` keeps a thread writing N MiB files
 and fsyncing each meanwhile, as the workers' persister writes adapter states (where the
-GPU machines' journal commits waited 0.3-2 s). No GPU, no daemon.
+GPU machines' journal commits waited 0.3-2 s); `--background-fsyncs N` keeps N threads
+appending 4 KiB and fsyncing, as other daemons' journals and databases on a shared disk do.
+No GPU, no daemon.
 
     python bench/bench_journal.py
     python bench/bench_journal.py --dir /var/lib/twinkle --steps 100 --background-mb 1024
@@ -67,6 +69,21 @@ class Writer(threading.Thread):
             path.unlink()
 
 
+class Syncer(threading.Thread):
+    """Appends 4 KiB to a file of its own and fsyncs it, until stopped."""
+
+    def __init__(self, path: Path, stop: threading.Event):
+        super().__init__(daemon=True)
+        self.path, self.stop = path, stop
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            with open(self.path, "ab") as f:
+                f.write(b"y" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=None, help="a folder on the disk to measure")
@@ -75,6 +92,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the two ways")
     ap.add_argument("--background-mb", type=int, default=0,
                     help="a writer of files this large beside the journal (0: none)")
+    ap.add_argument("--background-fsyncs", type=int, default=0,
+                    help="threads appending 4 KiB and fsyncing beside the journal")
     ap.add_argument("--write", default=section_path("journal"))
     args = ap.parse_args()
     results: dict[tuple[int, int], list[float]] = {}
@@ -83,12 +102,19 @@ def main() -> None:
         if args.background_mb:
             writer = Writer(Path(tmp), args.background_mb)
             writer.start()
+        quiet = threading.Event()
+        syncers = [Syncer(Path(tmp) / f"other-{i}", quiet) for i in range(args.background_fsyncs)]
+        for t in syncers:
+            t.start()
         for r in range(args.rounds):
             for n in map(int, args.adapters.split(",")):
                 for threads in (1, 8):
                     folder = Path(tmp) / f"r{r}-n{n}-t{threads}"
                     results.setdefault((n, threads), []).extend(
                         time_flushes(folder, n, threads, args.steps))
+        quiet.set()
+        for t in syncers:
+            t.join()
         if writer is not None:
             writer.stop.set()
             writer.join()
@@ -99,7 +125,8 @@ def main() -> None:
             f"{args.rounds} x {args.steps} flushes a row, alternating; a record of "
             f"{len(RECORD)} bytes an adapter a step; "
             + (f"beside a writer of {args.background_mb} MiB files ({writer.written:,} MiB "
-               "written)" if writer else "no other writes") + "\n\n"
+               "written)" if writer else "no large writer")
+            + f", {args.background_fsyncs} threads appending 4 KiB + fsync\n\n"
             "| adapters a step | one after another p50 / p90 (ms) | at once p50 / p90 (ms) | p50 ratio |\n"
             "|---:|---|---|---:|\n")
     for n in map(int, args.adapters.split(",")):

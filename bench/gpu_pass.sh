@@ -21,7 +21,8 @@
 #   bash bench/gpu_pass.sh rlstep                  # issue 31: the cookbook RL step, 8B
 #   bash bench/gpu_pass.sh tenants05; ... tenants8b  # issue 33: 1,000 / 200 runs (a call each)
 #   bash bench/gpu_pass.sh vl                      # issue 35: Qwen2.5-VL-7B, Qwen3-VL-8B through the daemon
-#   bash bench/gpu_pass.sh arch                    # issue 34: gpt-oss-20b, DeepSeek-V3 (reduced) shapes
+#   bash bench/gpu_pass.sh arch archsamp           # issue 34: gpt-oss-20b, DeepSeek-V3 (reduced) shapes
+#   bash bench/gpu_pass.sh journal                 # the journal's fsyncs on the machine's disk
 #   bash bench/gpu_pass.sh fulld longd             # issues 37, 38 through the daemon (2 GPUs, a call each)
 #   bash bench/gpu_pass.sh gpucheck                # the GPU-only tests of the fast paths (fused
 #                                                  #   layer, overlapped decode, direct LoRA,
@@ -173,13 +174,21 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
                   "$py" bench_multitenant.py --shape "$s" --tenants 8 --skip-fairness --steps 30 \
                       $([ "$s" = gpt-oss-20b ] && echo --packed-baseline --config /tmp/gpu_pass_tb4k.toml) \
                       --write "$out/mt_$s.md" > "$out/mt_$s.log" 2>&1; tail -6 "$out/mt_$s.log"; done ;;
+        # issue 34: the RL fan-out sampling figure of the same shapes (engine alone)
+        archsamp) for s in gpt-oss-20b deepseek-v3; do
+                      timeout 280 "$py" bench_sampling.py --shape "$s" --paths new --no-baseline \
+                          --workloads fanout --repeats 1 --write "$out/sampling_$s.md" \
+                          > "$out/sampling_$s.log" 2>&1; grep -a "^| fan" "$out/sampling_$s.log"; done ;;
+        # the journal's group commit on this machine's disk, alone and beside a state writer
+        journal) for bg in 0 1024; do "$py" bench_journal.py --dir /tmp --background-mb $bg \
+                     --write "$out/journal.md" | grep -a "^| "; done ;;
         # issues 37 and 38 through the daemon, on 2 GPUs (nvidia-h200-x2)
         fulld) "$py" bench_full.py --shape qwen3-8b --ranks 2 --daemon --seq 2048 --batch 2 \
                    --out "$out/full_daemon.md" > "$out/full_daemon.log" 2>&1; tail -12 "$out/full_daemon.log" ;;
         longd) "$py" long_daemon.py --shape qwen3-8b --seq 65536,131072 --ranks 2 --cp 2 \
                    --small-steps 6 --out "$out/long_daemon.md" > "$out/long_daemon.log" 2>&1
                grep -a "^--\|^|" "$out/long_daemon.log" ;;
-        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants8b, vl, arch, fulld, longd)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants8b, vl, arch, archsamp, journal, fulld, longd)"; exit 2 ;;
     esac
     pack
 done
