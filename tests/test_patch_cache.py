@@ -45,6 +45,34 @@ def test_kept_patches_equal_fresh_ones_and_are_cut_once(spec):
     assert cache.get(other).pixel_values.shape != cache.get(frames[0]).pixel_values.shape
 
 
+def test_warm_builds_each_processor_once_before_its_threads(monkeypatch):
+    """A processor's first build (transformers' lazy import) is not safe to race: here a
+    build that two threads enter at once fails, as the import did now and then (one image
+    of a step then cut again on the step's path)."""
+    import threading
+    import time
+
+    real, built, building = im.VisionSpec.processor, {}, threading.Lock()
+
+    def processor(self):
+        if self not in built:
+            assert building.acquire(blocking=False), "two threads built one processor"
+            time.sleep(0.05)
+            built[self] = real(self)
+            building.release()
+        return built[self]
+
+    monkeypatch.setattr(im.VisionSpec, "processor", processor)
+    spec = im.VisionSpec(patch_size=7)
+    frames = [_frame(spec, s) for s in range(4)]
+    built.clear()  # (checking the frames built it: warm's threads now find none)
+    cache = PatchCache()
+    cache.warm(frames)
+    for f in frames:
+        cache.get(f)
+    assert (cache.hits, cache.misses) == (4, 0)
+
+
 def test_the_least_recently_used_goes_first_under_the_budget(spec):
     frames = [_frame(spec, s) for s in range(3)]
     size = im.prepared_image(frames[0]).pixel_values.nbytes
