@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 from test_service import done, logprobs, result, run, service
 
+from twinkled.core.adapter_room import AdapterRoom
+from twinkled.core.tiers import CHURN_WARN
 from twinkled.protocol.config import Config
 from twinkled.protocol.sizing import GiB, adapter_bytes
 
@@ -57,7 +59,7 @@ async def _create(box, n: int) -> list[str]:
 
 
 def test_3n_runs_train_round_robin_through_host_and_disk_to_the_weights_alone(tiny_dir,
-                                                                             tmp_path):
+                                                                             tmp_path, caplog):
     one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
     tiers = {"adapter_memory_gb": (N + 0.5) * one / GiB,
              "host_adapter_memory_gb": (N + 0.5) * one * 16 / 18 / GiB}
@@ -82,6 +84,12 @@ def test_3n_runs_train_round_robin_through_host_and_disk_to_the_weights_alone(ti
             assert residency.count() <= N and status["host"] <= N
             for move in ("to_host", "to_disk", "from_host", "from_disk"):
                 assert status["moves"].get(move, 0) > 0, status
+            # 3N runs taking turns in a bank of N: each park is of a run that just trained,
+            # and the operator is told what to change
+            assert status["churn"] >= CHURN_WARN, status
+            assert any("the GPU bank is too small for the runs training now" in r.message
+                       and "adapter_memory_gb" in r.message for r in caplog.records
+                       if r.levelname == "WARNING")
             # The worker group restarts while N runs are parked in its host memory: they
             # come back from disk (persisted state, then the journal), at their step.
             assert status["host"] == N
@@ -107,6 +115,31 @@ def test_3n_runs_train_round_robin_through_host_and_disk_to_the_weights_alone(ti
         for want, have in zip(phase, got, strict=True):
             for x, y in zip(want, have, strict=True):
                 assert y == pytest.approx(x, abs=1e-4)
+
+
+def test_parks_of_recently_used_adapters_are_churn_and_warned_of_once(monkeypatch):
+    """A park counts as churn only if its adapter ran or was asked for within CHURN_RECENT_S;
+    CHURN_WARN of them within CHURN_WINDOW_S warn, then not again for CHURN_QUIET_S."""
+    import twinkled.core.tiers as tiers_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(tiers_mod.time, "monotonic", lambda: now[0])
+    tiers = tiers_mod.Tiers(AdapterRoom(None, lambda c: 1), AdapterRoom(8, lambda c: 1))
+    tiers.touch("idle")
+    now[0] += tiers_mod.CHURN_RECENT_S + 1
+    assert not tiers.parked("idle") and tiers.churn == 0  # an idle run parked: as it should
+    warned = []
+    for i in range(2 * tiers_mod.CHURN_WARN):
+        tiers.touch(f"m{i}")
+        now[0] += 1
+        warned.append(tiers.parked(f"m{i}"))
+    assert tiers.churn == 2 * tiers_mod.CHURN_WARN
+    assert warned.index(True) == tiers_mod.CHURN_WARN - 1 and warned.count(True) == 1
+    now[0] += tiers_mod.CHURN_QUIET_S
+    tiers.touch("again")
+    assert not tiers.parked("again")  # (the window is empty again: one is not churn enough)
+    text = tiers.churn_warning(resident=3)
+    assert "holds 3" in text and "no limit" in text and "token_budget" in text
 
 
 def test_an_adapter_larger_than_the_whole_gpu_budget_is_refused_with_the_numbers(tiny_dir,

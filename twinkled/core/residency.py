@@ -337,6 +337,8 @@ class Residency:
             log.error("parking adapter %s failed: %s", model, error)
             self.open(model, self._store.runs.get(model)["tenant"], next_seq)
             return False
+        if self.tiers.parked(model):
+            log.warning(self.tiers.churn_warning(len(self._live)))
         self._live.pop(model, None)
         self.room.release(model)
         if host:

@@ -27,7 +27,18 @@ from collections import Counter
 from collections.abc import Iterable
 
 from twinkled.core.adapter_room import AdapterRoom
+from twinkled.protocol.sizing import human_size
 from twinkled.protocol.types import LoraConfig
+
+# A park of an adapter that ran or was asked for this recently is churn: the runs training at
+# the same moment do not fit the bank, and steps move adapters instead of training. Measured:
+# gpt-oss-20b's 6 GiB adapters, 8 tinker tenants, a bank of 7, 245 tok/s against 4,205 with
+# room for all 8 (BENCHMARKS.md row 40). The operator hears of it (Residency logs a warning)
+# when CHURN_WARN such parks fall within CHURN_WINDOW_S, at most once per CHURN_QUIET_S.
+CHURN_RECENT_S = 10.0
+CHURN_WARN = 4
+CHURN_WINDOW_S = 60.0
+CHURN_QUIET_S = 600.0
 
 
 class Tiers:
@@ -40,6 +51,9 @@ class Tiers:
         # Bring-ins that held up no step (inside the step in flight, or while no other work
         # waited) and those that did: the prefetch hit rate.
         self.prefetch: Counter[str] = Counter()  # "hits", "misses"
+        self.churn = 0  # parks of adapters used within CHURN_RECENT_S
+        self._churned: list[float] = []  # when, within the last CHURN_WINDOW_S
+        self._warned = -CHURN_QUIET_S
 
     def touch(self, model: str) -> None:
         """The model was asked for or ran: the last to be parked."""
@@ -53,6 +67,33 @@ class Tiers:
         return self._used.get(model, 0.0)
 
     # -- the GPU bank ---------------------------------------------------------------------
+
+    def parked(self, model: str) -> bool:
+        """Count `model`'s park out of the bank (before it is forgotten); True when the bank
+        churns enough that the operator should hear of it (at most once per CHURN_QUIET_S)."""
+        now = time.monotonic()
+        if model not in self._used or now - self._used[model] > CHURN_RECENT_S:
+            return False
+        self.churn += 1
+        self._churned = [t for t in self._churned if now - t < CHURN_WINDOW_S] + [now]
+        if len(self._churned) < CHURN_WARN or now - self._warned < CHURN_QUIET_S:
+            return False
+        self._warned = now
+        return True
+
+    def churn_warning(self, resident: int) -> str:
+        """What the operator reads when the bank churns (`resident`: adapters in it)."""
+        def size(n: int | None) -> str:
+            return "no limit" if n is None else human_size(n)
+
+        return (f"the GPU bank is too small for the runs training now: {self.churn} parks so "
+                f"far of adapters used within {CHURN_RECENT_S:.0f} s (the bank holds "
+                f"{resident}, {size(self.gpu.used())} of adapter_memory_gb's "
+                f"{size(self.gpu.budget)}; host memory {size(self.host.used())} of "
+                f"{size(self.host.budget)}). Steps move adapters instead of training: raise "
+                "adapter_memory_gb, lower token_budget to the most tokens one step holds (the "
+                "default bank is what is left beside a micro-batch of token_budget), or raise "
+                "host_adapter_memory_gb so that parks stay off the disk (docs/operator.md 5d)")
 
     def coldest(self, resident: Iterable[str], exclude: str | None = None) -> list[str]:
         """Resident models, least recently used first: the order they are parked in."""
@@ -93,4 +134,5 @@ class Tiers:
         return {"gpu_bytes": self.gpu.used(), "gpu_budget": self.gpu.budget,
                 "host": len(self._on_host), "host_bytes": self.host.used(),
                 "host_budget": self.host.budget, "moves": dict(self.moves),
-                "moved_bytes": self.moved_bytes, "prefetch": dict(self.prefetch)}
+                "moved_bytes": self.moved_bytes, "prefetch": dict(self.prefetch),
+                "churn": self.churn}
