@@ -96,6 +96,54 @@ def test_varlen_chunks_never_cross_a_sequence():
     _check(x, spans, BT, cu=cu)
 
 
+def _dv_local_reference(x, spans, scale):
+    """dL/dv of the in-chunk part of o alone, L = <o_intra, do>, by autograd:
+    o_intra_t = s sum_{j<=t} exp(G_t - G_j) (q_t . k_j) v_j."""
+    HV, H = x["v"].shape[2], x["q"].shape[2]
+    v = x["v"].clone().requires_grad_(True)
+    loss = 0.0
+    for b, s, n in spans:
+        sl = slice(s, s + n)
+        qc, kc = (x[t][b, sl].repeat_interleave(HV // H, dim=1).transpose(0, 1) for t in "qk")
+        Gc = x["step"][b, sl].cumsum(0).transpose(0, 1)
+        later = torch.ones(n, n, dtype=torch.bool).triu(1)
+        decay = (Gc[:, :, None] - Gc[:, None, :]).masked_fill(later, float("-inf")).exp()
+        o = scale * ((qc @ kc.transpose(1, 2)) * decay) @ v[b, sl].transpose(0, 1)
+        loss = loss + (o * x["do"][b, sl].transpose(0, 1)).sum()
+    return torch.autograd.grad(loss, v)[0]
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_dv_local_equals_autograd_of_the_in_chunk_output(varlen):
+    """fla's `chunk_bwd_dv_local` (the kernel its gated backward runs before dqkwg; on an
+    H200 under Triton 3.6 it faulted on a varlen batch), in torch: fixed-length rows with a
+    partial last chunk, or varlen sequences whose chunks never cross a sequence."""
+    BT, scale = 8, 0.3
+    if varlen:
+        lengths = [5, 17, 8]
+        x = _inputs(1, sum(lengths), NT=1)  # (h, dh unused here)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        spans = [(0, int(cu[i]) + c * BT, min(BT, n - c * BT))
+                 for i, n in enumerate(lengths) for c in range(-(-n // BT))]
+    else:
+        x, cu = _inputs(2, 19, NT=1), None
+        spans = [(b, c * BT, min(BT, 19 - c * BT)) for b in range(2) for c in range(3)]
+    want = _dv_local_reference(x, spans, scale)
+    G = torch.zeros_like(x["step"])
+    for b, s, n in spans:
+        G[b, s:s + n] = x["step"][b, s:s + n].cumsum(0)
+    f32 = {n: t.float() for n, t in x.items()}
+    got = fla_dqkwg.chunk_bwd_dv_local(q=f32["q"], k=f32["k"], do=f32["do"],
+                                       g=(G / math.log(2)).float(), scale=scale,
+                                       cu_seqlens=cu, chunk_size=BT)
+    assert got.shape == x["do"].shape and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() < 1e-5 * max(1.0, want.abs().max().item())
+    ok = fla_dqkwg.dv_local_verifier
+    assert ok(f32["q"], f32["k"], f32["do"], g=G)[0]
+    assert not ok(f32["q"], f32["k"], f32["do"], g=None)[0]  # ungated
+    assert not ok(f32["q"], f32["k"], f32["do"], g=G, A=torch.zeros(1))[0]  # scores given
+
+
 def test_the_verifier_leaves_other_calls_to_fla():
     x = {n: t.float() for n, t in _inputs(1, 8, NT=1).items()}
     args = (x["q"], x["k"], x["v"], x["do"], x["h"], x["dh"])
@@ -133,6 +181,9 @@ def test_fla_dispatches_its_refused_kernel_here_while_the_switch_is_on(monkeypat
         assert not la.fla_backward_broken()
         for a, b in zip(chunk_o.chunk_bwd_dqkwg(**kw), fla_dqkwg.chunk_bwd_dqkwg(**kw), strict=True):
             assert torch.equal(a, b)
+        local = dict(q=kw["q"], k=kw["k"], do=kw["do"], g=kw["g"], scale=0.3, chunk_size=64)
+        assert torch.equal(chunk_o.chunk_bwd_dv_local(**local),
+                           fla_dqkwg.chunk_bwd_dv_local(**local))
         monkeypatch.setattr(la, "TORCH_DQKWG", False)  # registered, but the switch still rules
         with pytest.raises(RuntimeError):
             chunk_o.chunk_bwd_dqkwg(**kw)

@@ -1,4 +1,5 @@
-"""fla-core's `chunk_bwd_dqkwg` in torch, for Hopper under Triton >= 3.4, < 3.7.1.
+"""fla-core's `chunk_bwd_dqkwg` (and `chunk_bwd_dv_local`) in torch, for Hopper under
+Triton >= 3.4, < 3.7.1.
 
 fla-core's gated chunked backward is wrong there in one Triton kernel only (fla issue 640), and
 fla raises rather than run it. Registered as a backend of fla's `common` dispatch (`register`),
@@ -46,6 +47,36 @@ def _chunks(B: int, T: int, BT: int, cu_seqlens: torch.Tensor | None,
     return cu[seq] + i * BT, cu[seq + 1]
 
 
+class _Blocks:
+    """Tokens [B, T, heads, ...] to fp32 chunk blocks [C, HV, BT, ...] in fla's chunk order
+    (zero past a sequence's end) and back: the layout both kernels here compute in."""
+
+    def __init__(self, B: int, T: int, HV: int, BT: int, cu_seqlens: torch.Tensor | None,
+                 chunk_indices: torch.Tensor | None, dev):
+        self.B, self.T, self.HV = B, T, HV
+        self.start, self.end = _chunks(B, T, BT, cu_seqlens, chunk_indices, dev)
+        self.pos = self.start[:, None] + torch.arange(BT, device=dev)  # [C, BT]
+        self.real = self.pos < self.end[:, None]
+        self._at = self.pos.clamp(max=B * T - 1)
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(self.B * self.T, *x.shape[2:])
+        if x.shape[1] != self.HV:  # a key head serves HV // H value heads (fla: i_h // (HV // H))
+            x = x.repeat_interleave(self.HV // x.shape[1], dim=1)
+        x = x[self._at].float()
+        x = x * self.real.view(*self.real.shape, *[1] * (x.dim() - 2))
+        return x.transpose(1, 2)
+
+    def unblock(self, x: torch.Tensor, like: torch.Tensor, heads: int) -> torch.Tensor:
+        """The inverse of `block` (real positions only), summed back onto `heads` heads."""
+        x = x.transpose(1, 2)[self.real]  # [positions, HV, ...] in chunk order
+        if heads != self.HV:
+            x = x.view(x.shape[0], heads, self.HV // heads, *x.shape[2:]).sum(2)
+        out = torch.zeros(self.B * self.T, *x.shape[1:], dtype=x.dtype, device=x.device)
+        out[self.pos[self.real]] = x
+        return out.view(*like.shape[:2], *x.shape[1:]).to(like.dtype)
+
+
 def chunk_bwd_dqkwg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
                     h: torch.Tensor, dh: torch.Tensor, w: torch.Tensor | None = None,
                     g: torch.Tensor | None = None, g_gamma: torch.Tensor | None = None,
@@ -66,20 +97,9 @@ def chunk_bwd_dqkwg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     BT = chunk_size
     scale = K**-0.5 if scale is None else scale
     dev = q.device
-    start, end = _chunks(B, T, BT, cu_seqlens, chunk_indices, dev)
-    pos = start[:, None] + torch.arange(BT, device=dev)  # [C, BT]
-    real = pos < end[:, None]
-    at = pos.clamp(max=B * T - 1)
-
-    def block(x: torch.Tensor) -> torch.Tensor:
-        """[B, T, heads, ...] -> fp32 [C, HV, BT, ...], zero past a sequence's end."""
-        x = x.reshape(B * T, *x.shape[2:])
-        if x.shape[1] != HV:  # a key head serves HV // H value heads (fla: i_h // (HV // H))
-            x = x.repeat_interleave(HV // x.shape[1], dim=1)
-        x = x[at].float()
-        x = x * real.view(*real.shape, *[1] * (x.dim() - 2))
-        return x.transpose(1, 2)
-
+    blocks = _Blocks(B, T, HV, BT, cu_seqlens, chunk_indices, dev)
+    block, unblock, real = blocks.block, blocks.unblock, blocks.real
+    start, end = blocks.start, blocks.end
     qb, kb, vb, dob, dvb, Gb = (block(t) for t in (q, k, v, do, dv, g[..., None]))
     G = Gb[..., 0] * math.log(2)  # [C, HV, BT], natural log
     h, dh = (t.reshape(-1, HV, *t.shape[-2:]).float() for t in (h, dh))
@@ -103,18 +123,49 @@ def chunk_bwd_dqkwg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     dG = (dq * qb).sum(-1) - (dk * kb).sum(-1)
     dG = dG.scatter_add(-1, last[:, None, None].expand(-1, HV, 1), dG_last)
     dw = -(dvb @ h.transpose(-1, -2))
-
-    def unblock(x: torch.Tensor, like: torch.Tensor, heads: int) -> torch.Tensor:
-        """The inverse of `block` (real positions only), summed back onto `heads` heads."""
-        x = x.transpose(1, 2)[real]  # [positions, HV, ...] in chunk order
-        if heads != HV:
-            x = x.view(x.shape[0], heads, HV // heads, *x.shape[2:]).sum(2)
-        out = torch.zeros(B * T, *x.shape[1:], dtype=x.dtype, device=dev)
-        out[pos[real]] = x
-        return out.view(*like.shape[:2], *x.shape[1:]).to(like.dtype)
-
     return (unblock(dq, q, H), unblock(dk, k, H), unblock(dw, w, HV),
             unblock(dG, g.float(), HV))
+
+
+def chunk_bwd_dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor,
+                       g: torch.Tensor | None = None, g_gamma: torch.Tensor | None = None,
+                       A: torch.Tensor | None = None, scale: float | None = None,
+                       cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64,
+                       chunk_indices: torch.Tensor | None = None) -> torch.Tensor:
+    """fla's `chunk_bwd_dv_local`, the kernel the gated backward runs just before
+    `chunk_bwd_dqkwg`: dL/dv of the in-chunk part of o alone, dv_j = sum over t >= j in j's
+    chunk of s exp(G_t - G_j) (q_t . k_j) do_t. q, k [B, T, H, K]; do [B, T, HV, V]; g
+    [B, T, HV] (in-chunk cumulative, log2). Returns dv in do's shape and dtype. On an H200
+    under Triton 3.6 fla's kernel faulted (an illegal address) on one of
+    tests/test_qwen35_gpu.py's varlen batches, once its refused backward was let run."""
+    ok, why = dv_local_verifier(q, k, do, g, g_gamma, A)
+    if not ok:
+        raise ValueError(why)
+    B, T, H, K = k.shape
+    HV = do.shape[2]
+    scale = K**-0.5 if scale is None else scale
+    blocks = _Blocks(B, T, HV, chunk_size, cu_seqlens, chunk_indices, q.device)
+    real = blocks.real
+    qb, kb, dob, Gb = (blocks.block(t) for t in (q, k, do, g[..., None]))
+    G = Gb[..., 0] * math.log(2)  # [C, HV, BT], natural log
+    # A[j, t] for key position j, query position t >= j, both real (masked before the exp)
+    later = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu() \
+        & real[:, None, :, None] & real[:, None, None, :]
+    decay = (G[..., None, :] - G[..., :, None]).masked_fill(~later, float("-inf")).exp()
+    A = (kb @ qb.transpose(-1, -2)) * decay * scale
+    return blocks.unblock(A @ dob, do, HV)
+
+
+def dv_local_verifier(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor,
+                      g: torch.Tensor | None = None, g_gamma: torch.Tensor | None = None,
+                      A: torch.Tensor | None = None, *args, **kwargs
+                      ) -> tuple[bool, str | None]:
+    """The gated delta rule's call (g given, no A, no g_gamma); anything else stays fla's."""
+    if g is None or g_gamma is not None or A is not None:
+        return False, "the torch dv_local covers the gated call only (g given, no A, no g_gamma)"
+    if do.shape[2] % k.shape[2]:
+        return False, f"value heads {do.shape[2]} not a multiple of key heads {k.shape[2]}"
+    return True, None
 
 
 def verifier(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
@@ -132,8 +183,8 @@ def verifier(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
 
 
 def register(enabled: Callable[[], bool]) -> None:
-    """Make fla's `common` dispatch route `chunk_bwd_dqkwg` here (registering again replaces,
-    by backend type). Enabled while `enabled()` says so (linear_attn's TORCH_DQKWG), so the
+    """Make fla's `common` dispatch route `chunk_bwd_dqkwg` and `chunk_bwd_dv_local` here
+    (registering again replaces, by backend type). Enabled while `enabled()` says so (linear_attn's TORCH_DQKWG), so the
     switch stays the one truth after registration; TileLang, where fla finds it usable, keeps
     precedence."""
     from fla.backends import BaseBackend
@@ -151,5 +202,11 @@ def register(enabled: Callable[[], bool]) -> None:
 
         def chunk_bwd_dqkwg(self, *args, **kwargs):
             return chunk_bwd_dqkwg(*args, **kwargs)
+
+        def chunk_bwd_dv_local_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
+            return dv_local_verifier(*args, **kwargs)
+
+        def chunk_bwd_dv_local(self, *args, **kwargs):
+            return chunk_bwd_dv_local(*args, **kwargs)
 
     fla_register("common")(TorchDqkwg)
