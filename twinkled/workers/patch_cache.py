@@ -51,11 +51,15 @@ class PatchCache:
             todo = {k: f for k, f in keyed.items() if k not in self._kept}
         if len(todo) < 2:  # (one image: no thread hop)
             return
-        for spec in {f.spec for f in todo.values()}:
-            # Each model's processor is built here, once, before the threads share it: its
-            # first build imports transformers' processor module, and threads racing on that
-            # failed one image now and then (a miss: its op cut it again on the step's path).
-            spec.processor()
+        try:
+            for spec in {f.spec for f in todo.values()}:
+                # Each model's processor is built here, once, before the threads share it:
+                # its first build imports transformers' processor module, and threads racing
+                # on that failed one image now and then (a miss: its op cut it again on the
+                # step's path).
+                spec.processor()
+        except Exception:  # noqa: BLE001 (each op's own `get` meets it and fails that op alone)
+            return
         for key, image in zip(todo, self._pool.map(_cut, todo.values()), strict=True):
             if image is not None:
                 self._put(key, image)
