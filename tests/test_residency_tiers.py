@@ -196,6 +196,13 @@ def test_tinker_clients_beyond_the_gpu_budget_train_in_a_daemon(tiny_dir, tmp_pa
         assert tiers["gpu"] == 1 and tiers["host"] == 1
         assert all(tiers["moves"].get(k) for k in ("to_host", "to_disk", "from_host",
                                                    "from_disk")), tiers
+        # each was parked seconds after its step: churn, in ctl status and in /metrics
+        import urllib.request
+
+        assert tiers["churn"] >= 2, tiers
+        with urllib.request.urlopen(f"{d.url}/metrics", timeout=T) as r:
+            metrics = r.read().decode()
+        assert f"twinkle_adapter_churn_total {float(tiers['churn'])}" in metrics
         for tc in clients:  # and they train on
             _step(tc, data)
         sc.close("success").result(timeout=T)

@@ -385,7 +385,8 @@ class Lanes:
                 "host": sum(lane.residency.tiers.status()["host"] for lane in self.all),
                 "moves": dict(moves),
                 "moved_bytes": sum(lane.residency.tiers.moved_bytes for lane in self.all),
-                "prefetch": {"hits": prefetch["hits"], "misses": prefetch["misses"]}}
+                "prefetch": {"hits": prefetch["hits"], "misses": prefetch["misses"]},
+                "churn": sum(lane.residency.tiers.churn for lane in self.all)}
 
     def logprob_gap(self) -> dict:
         """Sampler vs trainer logprobs of recently checked samples, over every lane

@@ -118,6 +118,9 @@ def _tier_metrics(tiers: dict):
     for result in ("hits", "misses"):
         prefetch.add_metric([result.rstrip("s")], tiers["prefetch"][result])
     yield prefetch
+    yield CounterMetricFamily("twinkle_adapter_churn", "Adapters parked out of the GPU bank "
+                              "within 10 s of their last use: the runs training at once do "
+                              "not fit it", value=tiers["churn"])
 
 
 def _gap_metrics(gap: dict):
