@@ -102,6 +102,28 @@ def test_adapter_budget_follows_the_card_and_the_split(tmp_path):
     assert adapter_bytes(QWEN3_32B, 32, mlp=False, unembed=False, tp=2) < one / 2
 
 
+def test_the_chunked_head_caps_the_logits_a_micro_batch_is_counted_for(tmp_path):
+    """A LoRA pass at tp 1 runs the chunked head above FULL_LOGITS_MAX of logits (engine/
+    chunked_logprobs.py), so the bank is not sized for [tokens, vocab]: gpt-oss-20b's
+    16K-token micro-batch of its 201K vocabulary was counted at 26 GiB of logits and left
+    room for 7 of 8 tenants' 6 GiB adapters. A full-parameter run's head keeps the whole
+    logits, and a vocabulary split (tp > 1) does too: both still count every logit."""
+    from twinkled.protocol.sizing import FULL_LOGITS_MAX, GiB, activation_bytes
+    from twinkled.server.layout import adapters_budget, full_run_room
+
+    big = {**QWEN3_32B, "vocab_size": 201_088}
+    whole = activation_bytes(big, 2, 16384, recompute=True, chunked_head=False)
+    capped = activation_bytes(big, 2, 16384, recompute=True)
+    assert whole - capped == 8 * (16384 * 201_088 - FULL_LOGITS_MAX // 2)
+    assert activation_bytes(big, 2, 1024, recompute=True) == activation_bytes(
+        big, 2, 1024, recompute=True, chunked_head=False)  # (under the switch: whole)
+    assert activation_bytes(big, 2, 16384, tp=2, chunked_head=True) == activation_bytes(
+        big, 2, 16384, tp=2, chunked_head=False)
+    cfg = _config(tmp_path, big, devices=["cuda:0"], token_budget=16384)
+    card = 141 * GiB
+    assert adapters_budget(cfg, [card]) - full_run_room(cfg, [card]) > 15 * GiB
+
+
 def test_the_start_up_line_names_the_grouping_and_suggests_lanes_where_they_apply(tmp_path):
     """Four local GPUs as one data-parallel group: the log says so and names --lanes 4
     (the grouping that scales for many small tenants); not once lanes are set, not with a

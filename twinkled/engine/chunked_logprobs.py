@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from twinkled.protocol.sizing import FULL_LOGITS_MAX  # (protocol/sizing.py counts it too)
+
 # fp32 bytes of one chunk of logits: bounds the transient memory of the head; big enough
 # that each chunk's matmul runs at the card's rate (440 tokens of a 152k vocabulary).
 CHUNK_BYTES = 256 * 2**20
@@ -41,7 +43,7 @@ CHUNK_BYTES = 256 * 2**20
 # backward; past it, chunks recompute their logits there. 8 x 512 tokens of a 152k
 # vocabulary keep 1.2 GB in bf16; a 32k-token row recomputes most of its chunks.
 KEEP_BYTES = 2 * 2**30
-# "auto" (the default) takes the whole logits while they stay under this size in the
+# "auto" (the default) takes the whole logits while they stay under FULL_LOGITS_MAX in the
 # compute dtype, the chunked head above it. Measured on an H200 (bench_engine.py --head
 # both, 8 adapters x 1 x 512, r=32): the chunked head was level on the 8B shape (10,537 vs
 # 10,473 tok/s) but 14% slower on the 0.5B (23,200 vs 27,129: its lm_head is a quarter of
@@ -49,7 +51,6 @@ KEEP_BYTES = 2 * 2**30
 # rate), while the memory it saves grows with the tokens: 2.3 GiB at 4096 tokens on the
 # 8B; one row of 16k (32k) tokens on the 8B's widths with 12 layers, adapters on lm_head
 # too: 11 (21) GiB, the peak 46.6 against 57.7 (19.5 against 40.6), for 2.7% of tok/s.
-FULL_LOGITS_MAX = 2 * 2**30
 HEADS = ("auto", "chunked", "full")
 
 

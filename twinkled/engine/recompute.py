@@ -53,8 +53,11 @@ class Recompute:
         return on
 
     def need(self, tokens: int) -> int:
-        """Bytes a pass of `tokens` keeps for its backward without recomputing."""
-        return activation_bytes(self.sizes, self.dtype_bytes, tokens, self.tp)
+        """Bytes a pass of `tokens` keeps for its backward without recomputing (every
+        logit counted: a full-parameter run's whole-logits head too, and erring towards
+        recomputing costs a forward, not an out-of-memory step)."""
+        return activation_bytes(self.sizes, self.dtype_bytes, tokens, self.tp,
+                                chunked_head=False)
 
     def free(self) -> int:
         """Device memory free now, counting what torch's allocator holds but does not use."""

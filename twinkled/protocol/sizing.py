@@ -109,13 +109,26 @@ def lora_bytes(cfg: dict, rank: int, adapters: int, tp: int = 1) -> int:
     return 16 * rank * adapters * (layers * per_layer + h + _vocab(vocab, tp))
 
 
+# Logits of a pass beyond this many bytes (compute dtype) run the chunked head (engine/
+# chunked_logprobs.py), which never holds [tokens, vocab]; below it the whole logits are kept.
+FULL_LOGITS_MAX = 2 * 2**30
+
+
 def activation_bytes(cfg: dict, dtype_bytes: int, tokens: int, tp: int = 1,
-                     recompute: bool = False) -> int:
-    """A training micro-batch of `tokens`: what its backward keeps, plus the logits."""
+                     recompute: bool = False, chunked_head: bool = True) -> int:
+    """A training micro-batch of `tokens`: what its backward keeps, plus the logits (8
+    bytes a logit: the compute-dtype logits, their fp32 log-softmax and gradient). With
+    the chunked head (a LoRA pass at tp 1) the logits held are at most the whole-logits
+    path's at its switch point, FULL_LOGITS_MAX: counting every logit of a 16K-token
+    micro-batch of gpt-oss-20b's 201K vocabulary (26 GiB) left its bank room for 7 of 8
+    tenants' adapters, and they thrashed (BENCHMARKS.md row 40)."""
     h, _, _, _, inter, layers, vocab = _dims(cfg)
     layer = dtype_bytes * tokens * (8 * h + (6 * h + 4 * inter) // tp)
     kept = layers * dtype_bytes * tokens * h + layer if recompute else layers * layer
-    return kept + 2 * 4 * tokens * _vocab(vocab, tp)
+    logits = tokens * _vocab(vocab, tp)
+    if chunked_head and tp == 1:  # (a vocabulary split keeps its whole-logits path: tp.py)
+        logits = min(logits, FULL_LOGITS_MAX // dtype_bytes)
+    return kept + 2 * 4 * logits
 
 
 def step_bytes(cfg: dict, dtype_bytes: int, tokens: int, tp: int = 1,
@@ -140,12 +153,14 @@ def adapter_bytes(cfg: dict, rank: int, attn: bool = True, mlp: bool = True,
 
 
 def adapter_budget(cfg: dict, card: int, dtype_bytes: int, tokens: int, tp: int = 1,
-                   sampler_bytes: int = 0, headroom: float = 0.92) -> int:
+                   sampler_bytes: int = 0, headroom: float = 0.92,
+                   chunked_head: bool = True) -> int:
     """What one rank of `card` bytes has for adapters once the base weights, a training
     micro-batch of `tokens` (recomputed: the least a step takes) and the sampler's KV pool
     are counted, with `headroom` of the card usable."""
     taken = (weight_bytes(cfg, dtype_bytes, tp)
-             + activation_bytes(cfg, dtype_bytes, tokens, tp, recompute=True) + sampler_bytes)
+             + activation_bytes(cfg, dtype_bytes, tokens, tp, recompute=True,
+                                chunked_head=chunked_head) + sampler_bytes)
     return max(0, int(headroom * card) - taken)
 
 

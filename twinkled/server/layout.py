@@ -92,10 +92,12 @@ def full_run_room(cfg: Config, memory: list[int]) -> int | None:
     and caps at FULL_RUN_KV_BYTES then: not the configured pool, which is sized for many
     LoRA tenants (an 8B full run on 2 x H200 fits beside 4 GiB, not beside 26 GiB). The
     lane holds no adapters meanwhile. None (no limit) without GPUs."""
-    return _left(cfg, memory, min((cfg.sample_kv_mb or KV_FLOOR_MB) << 20, FULL_RUN_KV_BYTES))
+    return _left(cfg, memory, min((cfg.sample_kv_mb or KV_FLOOR_MB) << 20, FULL_RUN_KV_BYTES),
+                 chunked_head=False)  # (a full run's head keeps the whole logits: full_param.py)
 
 
-def _left(cfg: Config, memory: list[int], kv_bytes: int) -> int | None:
+def _left(cfg: Config, memory: list[int], kv_bytes: int, chunked_head: bool = True
+          ) -> int | None:
     """What the sizing estimate leaves of the smallest card in use after the base weights,
     a recomputed `token_budget` micro-batch and a KV pool of `kv_bytes` (None: no GPUs,
     or their sizes unknown)."""
@@ -103,7 +105,7 @@ def _left(cfg: Config, memory: list[int], kv_bytes: int) -> int | None:
     if not gpus or not model or any(g >= len(memory) for g in gpus):
         return None
     return adapter_budget(model, min(memory[g] for g in gpus), DTYPE_BYTES.get(cfg.dtype, 2),
-                          cfg.token_budget, cfg.tp, kv_bytes, HEADROOM)
+                          cfg.token_budget, cfg.tp, kv_bytes, HEADROOM, chunked_head)
 
 
 def _cp_problems(cfg: Config, lane_ranks: int, ranks: int) -> list[str]:
