@@ -116,23 +116,28 @@ def test_memory_estimate_refuses_an_8b_full_run_on_one_card_and_says_what_fits()
 def test_an_8b_full_run_on_one_lane_of_two_h200s_is_admitted_with_default_settings(tmp_path):
     """The room counts the KV pool the run's lane will hold (made at the first sample and
     capped at FULL_RUN_KV_BYTES while a full run lives), not the configured pool: 30% of
-    what an H200 has left (26 GiB) left an 8B run 60.9 GiB against 61.0 needed."""
+    what an H200 has left (26-29 GiB) left an 8B run under the 61.0 GiB it needs. A full
+    run's head keeps the whole logits, so its micro-batch counts every logit (a LoRA
+    tenant's chunked head does not: the adapters' bank counts less)."""
     import json
 
     from twinkled.protocol.config import Config
-    from twinkled.protocol.sizing import GiB, full_run_problem
-    from twinkled.server.layout import adapters_budget, full_run_room, kv_pool_mb
+    from twinkled.protocol.sizing import GiB, adapter_budget, full_run_problem
+    from twinkled.server.layout import HEADROOM, adapters_budget, full_run_room, kv_pool_mb
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
     cfg = Config(model=tmp_path, devices=["cuda:0", "cuda:1"], dtype="bfloat16")
     memory = [int(139.8 * GiB)] * 2
     cfg.sample_kv_mb = kv_pool_mb(cfg, memory)  # as `twinkled serve` sets it
     assert cfg.sample_kv_mb > 20 * 1024  # the LoRA tenants' pool is untouched
-    old = full_run_problem(QWEN3_8B, 2, adapters_budget(cfg, memory), ranks=2)
-    assert old is not None and "60.9 GiB left" in old  # the adapters' room: refused
+    beside_pool = adapter_budget(QWEN3_8B, memory[0], 2, cfg.token_budget, 1,
+                                 cfg.sample_kv_mb << 20, HEADROOM, chunked_head=False)
+    old = full_run_problem(QWEN3_8B, 2, beside_pool, ranks=2)
+    assert old is not None and "GiB left" in old  # beside the tenants' pool: refused
     room = full_run_room(cfg, memory)
     assert full_run_problem(QWEN3_8B, 2, room, ranks=2) is None
-    assert room == adapters_budget(cfg, memory) + (cfg.sample_kv_mb << 20) - 4 * GiB
+    assert room == beside_pool + (cfg.sample_kv_mb << 20) - 4 * GiB
+    assert room < adapters_budget(cfg, memory) + (cfg.sample_kv_mb << 20) - 4 * GiB
     assert full_run_problem(QWEN3_8B, 2, room, ranks=1) is not None  # one card: still no
 
 
