@@ -284,3 +284,29 @@ def test_a_request_cut_into_pieces_fails_whole_on_one_bad_datum(daemon, tiny_dir
     assert res.metrics.get("skipped:sum") == 1.0  # no gradients were left behind
     after = tc.forward(good, "cross_entropy").result(timeout=T).metrics["loss:sum"]
     assert after == pytest.approx(before)
+
+
+def test_a_client_gone_mid_body_is_a_499_not_a_server_error(daemon):
+    """A client killed while sending its request (a body shorter than its Content-Length,
+    then the connection closed): the daemon logs a 499 for it, no traceback, and serves on."""
+    import socket
+    import time
+    import urllib.request
+
+    start = len(daemon.log_path.read_text(errors="replace"))  # (a daemon other tests share)
+
+    def new_log() -> str:
+        return daemon.log_path.read_text(errors="replace")[start:]
+
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as s:
+        s.sendall(b"POST /api/v1/retrieve_future HTTP/1.1\r\nHost: x\r\n"
+                  b"X-API-Key: " + daemon.keys["alice"].encode() + b"\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"requ")
+        time.sleep(0.5)  # (the handler is reading the body)
+    deadline = time.time() + 30
+    while " 499 " not in new_log():
+        assert time.time() < deadline, "no 499 logged for the cut request"
+        time.sleep(0.2)
+    assert "Error handling request" not in new_log() and "ConnectionResetError" not in new_log()
+    with urllib.request.urlopen(f"{daemon.url}/api/v1/healthz", timeout=10) as r:
+        assert r.status == 200

@@ -93,6 +93,12 @@ async def auth_and_errors(request: web.Request, handler):
     except UserError as e:
         status, reason = 400, str(e)
         return web.json_response({"detail": str(e)}, status=400)
+    except ConnectionResetError:
+        # The client went away before its request's body was read (a killed client, a
+        # dropped network): nobody to answer, and nothing wrong here; logged as nginx's 499
+        # (before: a 500 and aiohttp's traceback, which read as a server fault).
+        status, reason = 499, "the client closed the connection before its request was read"
+        return web.Response(status=499)
     finally:
         ms = round(1000 * (time.perf_counter() - started), 1)
         resource = request.match_info.route.resource
