@@ -32,7 +32,7 @@ from twinkled.protocol.types import LoraConfig
 
 # A park of an adapter that ran or was asked for this recently is churn: the runs training at
 # the same moment do not fit the bank, and steps move adapters instead of training. Measured:
-# gpt-oss-20b's 6 GiB adapters, 8 tinker tenants, a bank of 7, 245 tok/s against 4,205 with
+# gpt-oss-20b's 6 GiB adapters, 8 tinker tenants, a bank of 6-7, 245 tok/s against 4,205 with
 # room for all 8 (BENCHMARKS.md row 40). The operator hears of it (Residency logs a warning)
 # when CHURN_WARN such parks fall within CHURN_WINDOW_S, at most once per CHURN_QUIET_S.
 CHURN_RECENT_S = 10.0
