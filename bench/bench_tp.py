@@ -18,6 +18,11 @@ peak memory from `twinkled ctl status`.
 
     python bench/bench_tp.py --shape qwen3-32b --tp 2 --daemon
     python bench/bench_tp.py --shape llama3-70b --tp 4 --daemon
+
+With `--sample`, RL fan-out sampling on the engine alone at each tp: the running batch
+against the padded sampler, the same requests in the same run.
+
+    python bench/bench_tp.py --shape qwen3-8b --tp 1,2 --sample
 """
 
 from __future__ import annotations
@@ -112,6 +117,8 @@ def worker(args: dict) -> None:
     names = [f"a{i}" for i in range(args["adapters"])]
     for i, n in enumerate(names):
         eng.add_adapter(n, LoraConfig(rank=args["rank_lora"], alpha=32, seed=i))
+    if args.get("sample"):
+        return sample_worker(eng, names, args)
     gen = torch.Generator().manual_seed(0)
     vocab, seq = eng.model.vocab_size, args["seq"]
     reqs = []
@@ -149,6 +156,44 @@ def worker(args: dict) -> None:
     dist.destroy_process_group()
 
 
+def sample_worker(eng, names: list[str], args: dict) -> None:
+    """RL fan-out sampling on this rank's share: `--prompts` prompts of `--seq` tokens x
+    `--samples` samples of `--new-tokens` tokens at T=1, the adapters in turn, through the
+    running batch and then the padded sampler (`Engine.padded_sampling`, what tensor-parallel
+    groups sampled with before): new tokens/s of each, the same requests."""
+    import torch
+    import torch.distributed as dist
+
+    from twinkled.protocol.types import SampleRequest, SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = eng.model.vocab_size
+    reqs = [SampleRequest(names[i % len(names)],
+                          torch.randint(0, vocab, (args["seq"],), generator=gen).tolist(),
+                          SamplingParams(max_tokens=args["new_tokens"], temperature=1.0,
+                                         seed=i, stop=[]),
+                          num_samples=args["samples"]) for i in range(args["prompts"])]
+    cuda = eng.model.device.type == "cuda"
+    out = {}
+    for path in ("running", "padded"):
+        eng.padded_sampling = path == "padded"
+        eng.sample(reqs[:1])  # warm-up (kernels, the pool)
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        res = eng.sample(reqs)
+        if cuda:
+            torch.cuda.synchronize()
+        new = sum(len(q.tokens) for r in res for q in r.sequences)
+        out[path] = new / (time.perf_counter() - t0)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"tp": args["tp"], "gpus": args["world"], "sample": out,
+                                      "card": torch.cuda.get_device_name(0) if cuda else "cpu"}),
+              flush=True)
+    dist.destroy_process_group()
+
+
 def run_config(model: Path, tp: int, a) -> dict | None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -156,7 +201,8 @@ def run_config(model: Path, tp: int, a) -> dict | None:
     common = {"model": str(model), "world": tp, "tp": tp, "device": a.device,
               "url": f"tcp://127.0.0.1:{port}", "adapters": a.adapters, "seq": a.seq,
               "rank_lora": a.lora_rank, "token_budget": a.token_budget, "steps": a.steps,
-              "warmup": a.warmup, "recompute": a.recompute}
+              "warmup": a.warmup, "recompute": a.recompute, "sample": a.sample,
+              "prompts": a.prompts, "samples": a.samples, "new_tokens": a.new_tokens}
     path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
     procs = [subprocess.Popen([sys.executable, __file__, "--worker",
@@ -256,6 +302,12 @@ def main() -> None:
                          "(device_map=auto, tenants one at a time)")
     ap.add_argument("--prepare-only", action="store_true",
                     help="write the random checkpoint into --model-dir and stop")
+    ap.add_argument("--sample", action="store_true",
+                    help="RL fan-out sampling instead of training: the running batch against "
+                    "the padded sampler, the same requests (engine alone, CUDA)")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -269,6 +321,20 @@ def main() -> None:
             write_random_checkpoint(a.shape, model)
             print(f"wrote a random {a.shape} checkpoint in {time.perf_counter() - t0:.0f} s")
         if a.prepare_only:
+            return
+        if a.sample:
+            print(f"{a.shape}: {a.prompts} prompts of {a.seq} tokens x {a.samples} samples x "
+                  f"{a.new_tokens} new tokens, T=1, {a.adapters} adapters r={a.lora_rank}")
+            print("| tp | GPUs | running batch new tok/s | padded sampler new tok/s | ratio |")
+            print("|---:|---:|---:|---:|---:|")
+            for tp in (int(t) for t in a.tp.split(",")):
+                r = run_config(model, tp, a)
+                s = (r or {}).get("sample", {})
+                if not s:
+                    print(f"| {tp} | {tp} | failed | | |", flush=True)
+                    continue
+                print(f"| {tp} | {tp} | {s['running']:,.0f} | {s['padded']:,.0f} | "
+                      f"{s['running'] / s['padded']:.2f}x |", flush=True)
             return
         print(f"{a.shape}: {a.adapters} adapters x {a.seq} tokens per step, LoRA r={a.lora_rank} "
               f"on every module, recompute={a.recompute}, "

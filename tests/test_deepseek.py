@@ -16,7 +16,6 @@ from twinkled.engine.moe_peft import from_peft, peft_module
 from twinkled.engine.packed import Packing
 from twinkled.engine.sampler import generate_padded
 from twinkled.protocol.types import (
-    EngineInputError,
     ForwardBackwardRequest,
     SampleRequest,
     SamplingParams,
@@ -187,18 +186,17 @@ def test_seeded_samples_score_as_peft_with_the_adapter(eng, ds_dir, tmp_path, mo
         assert (torch.tensor(s.logprobs) - want).abs().max() < 1e-4
 
 
-def test_tp_is_refused_by_name(tmp_path, ds_dir):
-    from twinkled.engine.model import BaseModel
+def test_tp_splits_that_do_not_divide_are_refused_with_the_numbers(ds_dir):
+    """--tp splits MLA by heads and the experts over the group (test_engine_tp.py runs it);
+    a size that divides neither is refused before anything loads, naming what."""
     from twinkled.protocol.sizing import split_problem
 
     cfg = json.loads((ds_dir / "config.json").read_text())
-    assert "latent attention" in split_problem(cfg, 2)
-
-    class Two:
-        size, rank, group = 2, 0, None
-
-    with pytest.raises(EngineInputError, match="deepseek_v3"):
-        BaseModel(ds_dir, tp=Two())
+    assert split_problem(cfg, 2) is None
+    assert split_problem(dict(cfg, n_routed_experts=6), 4) == (
+        "tp 4 does not divide the model's 6 experts")
+    assert split_problem(dict(cfg, moe_intermediate_size=30), 4) == (
+        "tp 4 does not divide the width 30 of the model's shared experts")
 
 
 def test_kimi_k2_config_loads_as_deepseek_v3(ds_dir, tmp_path):

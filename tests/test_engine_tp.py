@@ -37,7 +37,10 @@ def tp_run(tmp_path_factory):
     """Tiny models (qwen3: 2 heads, 1 KV head, replicated, tied embeddings split over the
     vocabulary; qwen2: 4 heads, 2 KV heads, split, with qkv biases, an untied lm_head;
     llama: 4 heads, 1 KV head, an odd vocabulary that stays whole; qwen3_moe: 8 experts,
-    4 on each rank, LoRA on them) and the group's results on them."""
+    4 on each rank, LoRA on them; gpt_oss: 4 heads with their sinks, 2 KV heads, biases,
+    sliding windows, 8 biased experts, 4 on each rank; deepseek_v3: multi-head latent
+    attention over 4 heads, a dense layer, then grouped routing and a shared expert) and the
+    group's results on them."""
     root = tmp_path_factory.mktemp("tp")
     models = {
         "qwen3": str(build_tiny_model(root / "qwen3", arch="qwen3")),
@@ -46,6 +49,16 @@ def tp_run(tmp_path_factory):
         "llama": str(build_tiny_model(root / "llama", arch="llama", num_heads=4, num_kv_heads=1,
                                       vocab_size=1023)),
         "qwen3_moe": str(build_tiny_model(root / "qwen3_moe", arch="qwen3_moe")),
+        "gpt_oss": str(build_tiny_model(root / "gpt_oss", arch="gpt_oss", hidden_size=64,
+                                        num_heads=4, num_kv_heads=2, intermediate_size=64,
+                                        num_experts=8, experts_per_token=4,
+                                        tie_word_embeddings=False)),
+        "deepseek_v3": str(build_tiny_model(root / "deepseek_v3", arch="deepseek_v3",
+                                            num_heads=4)),
+        "qwen3_5": str(build_tiny_model(root / "qwen3_5", arch="qwen3_5", num_heads=4,
+                                        num_kv_heads=2)),
+        "qwen3_next": str(build_tiny_model(root / "qwen3_next", arch="qwen3_next",
+                                           num_heads=4, num_kv_heads=2)),
     }
     url = f"tcp://127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, str(HERE / "tp_scenario.py"), json.dumps(
@@ -61,7 +74,8 @@ def tp_run(tmp_path_factory):
     return root, models, torch.load(root / "results.pt")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "qwen3_moe", "gpt_oss", "deepseek_v3",
+                                  "qwen3_5", "qwen3_next"])
 def test_tp2_matches_one_rank(tp_run, arch):
     root, models, results = tp_run
     got, ref = results[arch], run(Engine(models[arch]), None)

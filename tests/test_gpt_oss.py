@@ -49,10 +49,12 @@ def test_layers_windows_and_targets(eng):
             EXPERT} <= set(shapes)
     from twinkled.engine.moe_parallel import ExpertSplit
     from twinkled.engine.sparse import sparse_blocks
-    from twinkled.protocol.types import EngineInputError
 
-    with pytest.raises(EngineInputError, match="gpt_oss.*--ep 1"):  # refused by name
-        sparse_blocks("gpt_oss", m.config, m.layers, ExpertSplit(0, 2, None))
+    # Expert parallelism: rank 1 of 2 computes experts 4-7, and what it keeps of them is
+    # every per-expert tensor, the biases too (test_engine_tp.py runs the split).
+    block = sparse_blocks("gpt_oss", m.config, m.layers, ExpertSplit(1, 2, None))[0]
+    assert block.owned == slice(4, 8)
+    assert [p.shape[0] for p in block.expert_parameters()] == [8] * 4
 
 
 def test_logprobs_equal_transformers_single_and_packed(eng):

@@ -2,15 +2,11 @@
 Tinker names it ("openai/gpt-oss-20b"): two tenants' adapters co-batched train alike
 (same seed, same data: the same losses, step by step, so neither leaks into the other)
 and the loss falls; seeded samples score as the trainer scores them (the sampler's sinks
-and windows are the trainer's); --tp 2 is refused by name before anything loads."""
+and windows are the trainer's); two expert-parallel ranks train as one."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-
-from twinkled.protocol.types import EngineInputError
 
 tinker = pytest.importorskip("tinker")
 
@@ -74,8 +70,43 @@ def test_two_tenants_train_and_sample_gpt_oss(oss_daemon):
         assert s.logprobs == pytest.approx(scored, abs=1e-4)
 
 
-def test_tp2_is_refused_by_name(oss_daemon):
-    from twinkled.engine.model import BaseModel
+def _three_steps(d, key: str) -> dict:
+    """Three SFT steps of one tenant and a greedy sample of its adapter."""
+    from transformers import AutoTokenizer
 
-    with pytest.raises(EngineInputError, match="gpt_oss.*--tp 1"):
-        BaseModel(oss_daemon.model, tp=SimpleNamespace(size=2))
+    sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=NAME, rank=4, seed=2).result(timeout=T)
+    ids = AutoTokenizer.from_pretrained(d.model)(TEXT).input_ids
+    datum = tinker.types.Datum(
+        model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
+    losses = []
+    for _ in range(3):
+        losses.append(tc.forward_backward([datum], "cross_entropy").result(timeout=T)
+                      .metrics["loss:sum"])
+        tc.optim_step(tinker.types.AdamParams(learning_rate=2e-2)).result(timeout=T)
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=T)
+    seq = sampler.sample(tinker.types.ModelInput.from_ints(ids[:3]), 1,
+                         tinker.types.SamplingParams(max_tokens=8, temperature=0.0)
+                         ).result(timeout=T).sequences[0]
+    return {"losses": losses, "tokens": seq.tokens, "lp": seq.logprobs}
+
+
+def test_expert_parallel_ranks_train_as_one(oss_daemon, tmp_path):
+    """--workers 2 --ep 2: each rank holds half of every layer's biased experts; the pair
+    trains and samples as the one-rank daemon does (engine-level --tp 2, which splits the
+    heads and their sinks too, is tests/test_engine_tp.py's)."""
+    from daemon import Daemon, make_key
+
+    one = _three_steps(oss_daemon, oss_daemon.keys["alice"])
+    d = Daemon(oss_daemon.model, tmp_path, tmp_path / "twinkled.log", "--model-name", NAME,
+               "--workers", "2", "--ep", "2")
+    try:
+        d.model = oss_daemon.model
+        split = _three_steps(d, make_key(tmp_path, "carol"))
+    finally:
+        d.stop()
+    assert one["losses"][-1] < one["losses"][0]
+    assert split["losses"] == pytest.approx(one["losses"], rel=1e-4)
+    assert split["tokens"] == one["tokens"]
+    assert split["lp"] == pytest.approx(one["lp"], abs=1e-4)

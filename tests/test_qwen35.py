@@ -205,6 +205,12 @@ def test_daemon_sizes_the_nested_config(tmp_path):
     cfg = Config(model=tmp_path, data_dir=tmp_path / "data", devices=["cuda:0"])
     assert cfg.model_config["vocab_size"] == 248320
     assert layout_problems(cfg, gpu_memory=[80 * 10**9]) == []
+    text |= {"linear_num_key_heads": 16, "linear_num_value_heads": 32}
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_5", "tie_word_embeddings": False, "text_config": text,
+         "vision_config": {"depth": 27}}))
     cfg = Config(model=tmp_path, data_dir=tmp_path / "data", devices=["cuda:0", "cuda:1"], tp=2)
-    assert layout_problems(cfg, gpu_memory=[80 * 10**9] * 2) == [
-        "tp: tensor parallelism does not split linear-attention layers (Qwen3.5) yet"]
+    assert layout_problems(cfg, gpu_memory=[80 * 10**9] * 2) == []  # (tests/test_engine_tp.py)
+    cfg = Config(model=tmp_path, data_dir=tmp_path / "data", devices=["cuda:0"] * 64, tp=64)
+    assert ("tp: tp 64 does not divide the model's 16 linear-attention key heads and 32 value "
+            "heads") in layout_problems(cfg, gpu_memory=[80 * 10**9] * 64)

@@ -180,15 +180,15 @@ def test_checkpoint_loads_in_peft_and_back(eng, q35moe_dir, tmp_path):
     assert_export_round_trip(eng, q35moe_dir, "a", tmp_path / "a")
 
 
-def test_tp_is_refused_by_name_and_ep_is_not(q35moe_dir, tmp_path):
-    """Tensor parallelism splits no linear-attention layer: refused before any worker
-    starts; expert parallelism splits the experts (tests/test_qwen35_moe_e2e.py runs it)."""
+def test_tp_and_ep_layouts_are_accepted(q35moe_dir, tmp_path):
+    """Tensor parallelism splits the linear-attention heads (tests/test_engine_tp.py runs
+    it on Qwen3.5 and Qwen3-Next); expert parallelism the experts
+    (tests/test_qwen35_moe_e2e.py runs it)."""
     from twinkled.protocol.config import Config
     from twinkled.server.layout import layout_problems
 
     cfg = Config(model=q35moe_dir, data_dir=tmp_path, devices=["cpu", "cpu"], tp=2)
-    assert any("tp: tensor parallelism does not split linear-attention layers" in p
-               for p in layout_problems(cfg))
+    assert layout_problems(cfg) == []
     assert layout_problems(Config(model=q35moe_dir, data_dir=tmp_path, devices=["cpu", "cpu"],
                                   ep=2)) == []
 

@@ -91,14 +91,16 @@ class Engine:
         # rows (per-row KV, LoRA and sampling work, not the weights, bound it on an 8B), so
         # more rows buy throughput for large RL batches at the cost of each token's latency.
         self.sample_rows = sample_rows
-        # The running batch's stacked LoRA (lora_rows.py) follows no tensor-parallel split:
-        # a tensor-parallel model samples with the padded sampler, over a LoraBatch. Every
-        # other model, MoE ones included (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3,
-        # Qwen3.5-MoE, Qwen3-VL-MoE), samples in the running batch: its experts' LoRA per row
+        # Every model samples in the running batch, MoE ones included (Qwen3-MoE, Mixtral,
+        # gpt-oss, DeepSeek-V3, Qwen3.5-MoE, Qwen3-VL-MoE): its experts' LoRA per row
         # (moe.ExpertRows), its decode eager (no CUDA graph captures the data-dependent
-        # routing: running.py); DeepSeek's pages hold its MLA latents (mla.py); under --ep
-        # its samples run to the end, not in slices (workers/sampling.py).
-        self.padded_sampling = self.shard is not None
+        # routing: running.py); DeepSeek's pages hold its MLA latents (mla.py). Under tensor
+        # parallelism each rank's pages hold its heads, its stacked LoRA (lora_rows.py) its
+        # slices (a row-parallel module's partial x A^T times B sums over the group as the
+        # base output does), and decode is eager; under --ep or --tp its samples run to the
+        # end, not in slices cut by time (workers/sampling.py). True: the padded sampler
+        # (sampler.generate_padded), the reference the running batch is tested against.
+        self.padded_sampling = False
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
         # Adapters whose gradients this rank holds parts of split rows of (context
@@ -398,9 +400,8 @@ class Engine:
     def _sampling_batch(self, requests: list[SampleRequest], checked: bool
                         ) -> tuple[RunningBatch, list[Adapter | None]]:
         adapters = self._sample_adapters(requests, checked)
-        if self.padded_sampling:
-            raise EngineInputError("sample", "queued sampling (the running batch) does not run "
-                                   "under tensor parallelism yet")
+        if self.shard is not None:  # unseeded draws must agree over the group
+            torch.manual_seed(self.shard.tp.broadcast_seed())
         batch = self._running or RunningBatch(self.model, self.sample_rows,
                                               kv_bytes=self._pool_bytes(),
                                               prefix_cache=self.prefix_cache)

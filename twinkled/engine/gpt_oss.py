@@ -17,6 +17,11 @@ pieces, and decode, which takes the gathered pages (`cache.write`) even where th
 paged kernel would run (it has no sink term or window yet). Released checkpoints store the
 experts in MXFP4 (mxfp4.py dequantises them on load).
 
+Tensor parallelism splits attention as for the Llama family (tp.py: whole heads per rank,
+q/k/v biases with their rows, o_proj's bias added once) and each rank keeps the sinks of
+its own heads (tp_load.py); the experts are split over the same group, whole, as --ep
+splits them (gpt_oss_moe.py, moe_parallel.py).
+
 LoRA targets: q_proj, k_proj, v_proj, o_proj (train_attn); the experts' gate_up_proj and
 down_proj, one pair per expert (train_mlp; moe.py); lm_head (train_unembed). The router
 and sinks stay frozen.
@@ -32,13 +37,6 @@ from . import attn_sinks, sliding_window
 from .packed import Packing
 
 ARCHS = ("gpt_oss",)
-
-
-def check(config, tp) -> None:
-    """Refuse what the engine does not split for gpt-oss yet, by name, at startup."""
-    if tp is not None and tp.size > 1:
-        raise EngineInputError("tp", "tensor parallelism does not split 'gpt_oss' (attention "
-                               "sinks, biased experts) yet; run it with --tp 1")
 
 
 class _FullRotary(torch.nn.Module):

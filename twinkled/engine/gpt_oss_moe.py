@@ -8,6 +8,10 @@ up = [..., 1::2]), `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, H], `down_pro
 views in moe.py's [E, out, in], so the grouped matmuls and the LoRA pairs are moe.py's; the output order of gate_up stays interleaved, so an adapter's
 B rows index the same outputs as transformers'.
 
+Expert parallelism (moe_parallel.py) as for the common block: a rank keeps its experts'
+weights and biases (`expert_parameters`) and computes only their (token, expert) pairs; each
+pair carries its own expert's biases, so the ranks' partial sums add up to the whole.
+
 Routing: top-k of the router logits (bias included), softmax over those k.
 Activation (clamped SwiGLU): gate clamped above at `limit`, up to [-limit, limit],
 out = (up + 1) * gate * sigmoid(alpha * gate).
@@ -25,7 +29,7 @@ from .moe_parallel import ExpertSplit
 
 
 class GptOssMoeBlock(MoeBlock):
-    def __init__(self, index: int, mlp, config):
+    def __init__(self, index: int, mlp, config, split: ExpertSplit | None = None):
         experts = mlp.experts
         self.index = index
         self.router, self.router_bias = mlp.router.weight, mlp.router.bias
@@ -35,8 +39,9 @@ class GptOssMoeBlock(MoeBlock):
         # the config's swiglu_alpha): what its forward computes is the reference
         self.alpha, self.limit = float(experts.alpha), float(experts.limit)
         self.n_experts = self.router.shape[0]
-        self.split = None
-        self.owned = slice(0, self.n_experts)
+        self.split = split  # expert parallelism: this rank computes the pairs of `owned`
+        self.owned = (slice(0, self.n_experts) if split is None
+                      else split.owned(self.n_experts, index))
         self.top_k = int(config.num_experts_per_tok)
         self.normalize = False
         prefix = f"model.layers.{index}.mlp.experts."
@@ -54,6 +59,11 @@ class GptOssMoeBlock(MoeBlock):
     def down(self) -> torch.Tensor:
         return self.experts.down_proj.transpose(1, 2)
 
+    def expert_parameters(self) -> list[torch.nn.Parameter]:
+        """The experts' weights and their biases, experts first (transformers' own)."""
+        e = self.experts
+        return [e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias]
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.router, self.router_bias)
         top, experts = torch.topk(logits, self.top_k, dim=-1)
@@ -69,10 +79,7 @@ class GptOssMoeBlock(MoeBlock):
 
 def gpt_oss_blocks(config, layers, split: ExpertSplit | None = None
                    ) -> dict[int, GptOssMoeBlock]:
-    """Every layer's sparse MLP; expert parallelism is refused by name (not split yet)."""
-    if split is not None:
-        raise EngineInputError("ep", "expert parallelism does not split 'gpt_oss' experts "
-                               "yet; run it with --ep 1")
+    """Every layer's sparse MLP; with `split`, each block computes its rank's experts."""
     blocks = {}
     for i, layer in enumerate(layers):
         found = sorted(n for n, _ in layer.mlp.named_parameters())
@@ -80,5 +87,5 @@ def gpt_oss_blocks(config, layers, split: ExpertSplit | None = None
                      "experts.gate_up_proj_bias", "router.bias", "router.weight"]:
             raise EngineInputError("model", f"layer {i}: gpt-oss MoE layout {found} is not "
                                    "supported")
-        blocks[i] = GptOssMoeBlock(i, layer.mlp, config)
+        blocks[i] = GptOssMoeBlock(i, layer.mlp, config, split)
     return blocks

@@ -24,6 +24,10 @@ output (attention over the latent itself) is the next step. Where no latent cach
 (packed training), keys and values are expanded per head, the values zero-padded to the
 key width (qk_head_dim) so packed rows and the flash kernels take them unchanged; the
 output's padded columns are dropped.
+
+Tensor parallelism (tp.py) splits the heads: each rank expands the whole latent through its
+heads' rows of kv_b_proj, so the cache, and the down-projections that make it, are whole
+on every rank.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from twinkled.protocol.types import MLA_MODULES, EngineInputError
+from twinkled.protocol.types import MLA_MODULES
 
 from .fused_ops import rotate
 from .kv_cache import KVCache
@@ -39,12 +43,6 @@ from .kv_cache import KVCache
 ARCHS = ("deepseek_v3", "kimi_k2")
 # The linears of an MLA layer a LoRA may target (peft names; q_proj where q_lora_rank is None).
 LINEARS = ("q_proj", *MLA_MODULES, "o_proj")
-
-
-def check(config, tp) -> None:
-    if tp is not None and tp.size > 1:
-        raise EngineInputError("tp", f"tensor parallelism does not split {config.model_type!r} "
-                               "(multi-head latent attention) yet; run it with --tp 1")
 
 
 def layer_keys(i: int, attn) -> dict[str, str]:

@@ -63,19 +63,14 @@ class BaseModel:
                 "model", f"architecture {config.model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHS)}")
         sinks = config.model_type in gpt_oss.ARCHS  # (gpt-oss: windows of its own, gpt_oss.py)
-        if sinks:
-            gpt_oss.check(config, tp)
-        elif getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+        if not sinks and (getattr(config, "use_sliding_window", False) or "sliding_attention" in (
                 getattr(config, "layer_types", None) or ()) or (
-                config.model_type == "mixtral" and getattr(config, "sliding_window", None)):
+                config.model_type == "mixtral" and getattr(config, "sliding_window", None))):
             raise EngineInputError("model", "sliding-window attention is not supported")
         loaded = config  # what from_pretrained builds from (a Qwen3.5 checkpoint's nests)
         hybrid = config.model_type in qwen35.ARCHS
         if hybrid:
-            qwen35.check(config, tp)
             config = qwen35.text_config(config)  # (the nested object itself: scaled below)
-        if config.model_type in mla.ARCHS:  # DeepSeek-V3, Kimi-K2 (mla.py, deepseek_moe.py)
-            mla.check(config, tp)
         vl = vision.takes_images(model_dir)  # (Qwen3.5: with its image processor's files)
         if vl:  # a VL checkpoint: the text stack's config
             vision.check(tp)
@@ -99,13 +94,14 @@ class BaseModel:
             from .tp import ShardPlan
 
             self.tp, self.shard = tp, ShardPlan(config, tp)
-        if self.shard is not None and config.model_type not in MOE_ARCHS:
+        if self.shard is not None and config.model_type not in MOE_ARCHS and not (
+                sinks or hybrid):
             from .tp_load import load_sharded
 
             self.hf = load_sharded(model_dir, config, self.dtype, self.device, self.shard)
         else:
             # Read whole on the host; an MoE model's files hold its experts one by one, and
-            # transformers fuses them as it loads.
+            # transformers fuses them as it loads (gpt-oss's may be MXFP4 too).
             if mxfp4.quantized(loaded):  # gpt-oss as released: experts in MXFP4
                 self.hf = mxfp4.load_dequantized(model_dir, loaded, self.dtype)
             else:

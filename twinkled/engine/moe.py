@@ -159,6 +159,10 @@ class MoeBlock:
         prefix = f"model.layers.{index}.mlp.experts."
         self.keys = {p: prefix + p for p in EXPERT_MODULES}
 
+    def expert_parameters(self) -> list[torch.nn.Parameter]:
+        """The module's per-expert parameters, experts first: what expert parallelism splits."""
+        return [self.gate_up, self.down]
+
     def targets(self) -> dict[str, tuple[int, int, int]]:
         """The LoRA targets: key -> (in, out, experts); the banks keep every expert."""
         _, two_i, H = self.gate_up.shape
@@ -333,7 +337,7 @@ class _ExpertMM(torch.autograd.Function):
 def shard_experts(blocks: dict[int, MoeBlock], split: ExpertSplit) -> None:
     """Keep only this rank's experts of every layer (before the model goes to its device)."""
     for block in blocks.values():
-        for param in (block.gate_up, block.down):
+        for param in block.expert_parameters():
             param.data = param.data[block.owned].clone()
 
 

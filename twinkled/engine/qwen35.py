@@ -31,7 +31,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from twinkled.protocol.types import ATTN_MODULES, LINEAR_ATTN_MODULES, EngineInputError
+from twinkled.protocol.types import ATTN_MODULES, LINEAR_ATTN_MODULES
 
 from . import linear_attn as la
 from . import qwen35_moe
@@ -47,12 +47,6 @@ ARCHS = ("qwen3_5", "qwen3_5_text", *qwen35_moe.ARCHS)
 def text_config(config):
     """The text model's config of a Qwen3.5 checkpoint (nested under text_config)."""
     return config.get_text_config() if config.model_type in ("qwen3_5", "qwen3_5_moe") else config
-
-
-def check(config, tp) -> None:
-    if tp is not None and tp.size > 1:
-        raise EngineInputError("tp", f"tensor parallelism does not split {config.model_type!r} "
-                               "(linear-attention layers) yet; run it with --tp 1")
 
 
 def trim_targets(config, targets: dict) -> None:
@@ -133,12 +127,12 @@ class HybridLayers:
 
     def layer(self, i, layer, h, cos, sin, lora, cache, mask, packing, banks) -> torch.Tensor:
         m, keys = self.model, self.model.layer_keys[i]
-        x = layer.input_layernorm(h)
+        x = m.tp.enter(layer.input_layernorm(h))  # (tensor parallelism: tp.py, tp_linear.py)
         if i in self.linear:
             a = self._linear_attention(i, layer.linear_attn, x, keys, lora, cache, packing)
         else:
             a = self._attention(i, layer.self_attn, x, cos, sin, keys, lora, cache, mask, packing)
-        h = h + a
+        h = h + m.tp.leave(a)
         x = layer.post_attention_layernorm(h)
         if i in m.moe:  # Qwen3.5-MoE (`banks`: the tokens each bank's adapters own, moe.py)
             return h + qwen35_moe.sparse_mlp(m, i, layer.mlp, x, keys, lora, banks)

@@ -3,7 +3,10 @@
 Megatron's layout. In every decoder layer q/k/v and gate/up are column-parallel (each rank
 holds a slice of the output features: whole attention heads, a slice of the MLP) and
 o_proj/down_proj are row-parallel (the matching slice of the input features); the
-residual stream and norms are replicated. The embedding and lm_head are split over the
+residual stream and norms are replicated. Multi-head latent attention (DeepSeek-V3, mla.py)
+splits the same way by heads: q_b_proj (or q_proj) and kv_b_proj column-parallel, o_proj
+row-parallel; its down-projections to the latents and their norms are whole on every
+rank, and the sampler's latent cache is the same on every rank. The embedding and lm_head are split over the
 vocabulary when the group divides it (Qwen's 151,936 and Llama-3's 128,256 rows do, for
 2, 4 and 8 ranks; otherwise both stay whole): a rank looks up the ids in its rows and the
 group sums, and lm_head is column-parallel, so a rank holds only its share of the logits
@@ -44,10 +47,17 @@ from twinkled.protocol.types import EngineInputError
 
 from .losses import logprob_grad
 from .moe_peft import is_expert
+from .tp_linear import EVEN, LinearAttnSplit
 
-COLUMN = ("q_proj", "gate_proj", "up_proj")
+# MLA (mla.py): q_b_proj and kv_b_proj give whole heads, as q_proj does; Gated DeltaNet
+# (tp_linear.py): its input projections give whole heads, out_proj reads them.
+COLUMN = ("q_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "in_proj_qkv", *EVEN)
 KV = ("k_proj", "v_proj")
-ROW = ("o_proj", "down_proj")
+ROW = ("o_proj", "down_proj", "out_proj")
+# MLA's down-projections to the latents: whole on every rank (the latent is small and
+# every head reads it), but inside the split region, so each rank's gradient is only its
+# heads' share of the whole: both A's and B's are summed over the group.
+SHARED_IN_SPLIT = ("q_a_proj", "kv_a_proj_with_mqa")
 
 
 class NoSplit:
@@ -129,11 +139,19 @@ class ShardPlan:
             self.kv_heads = range(head, head + 1)
         self.local_heads = self.n_heads // self.size
         self.local_kv = len(self.kv_heads)
+        # Gated DeltaNet layers (Qwen3.5): their heads' rows (tp_linear.py); None: none.
+        self.linear = (LinearAttnSplit(config, self.size) if "linear_attention" in (
+            getattr(config, "layer_types", None) or ()) else None)
         self.vocab = config.vocab_size
         self.vocab_split = self.vocab % self.size == 0
         self.vocab_rows = self._even(self.vocab) if self.vocab_split else slice(0, self.vocab)
         # Every adaptable module's whole (in, out): set by the model once it has them.
         self.full_shapes: dict[str, tuple[int, int]] = {}
+
+    def head_slice(self) -> slice:
+        """The query heads this rank holds (whole heads: q_proj's rows come in blocks of
+        them)."""
+        return self._even(self.n_heads)
 
     def _even(self, n: int) -> slice:
         per = n // self.size
@@ -143,12 +161,18 @@ class ShardPlan:
         """A module whose output features are split (lm_head: over the vocabulary)."""
         return name in COLUMN or (name == "lm_head" and self.vocab_split)
 
-    def slices(self, key: str, shape: tuple[int, int]) -> tuple[slice | None, slice | None]:
-        """(rows of the weight [out, in] this rank holds, its columns); None = all. An
+    def slices(self, key: str, shape: tuple[int, int], rank: int | None = None
+               ) -> tuple[slice | torch.Tensor | None, slice | None]:
+        """(rows of the weight [out, in] rank `rank` (default: this one) holds, its
+        columns); None = all; the rows of Gated DeltaNet's in_proj_qkv are an index. An
         MoE expert pair is whole: its experts, not its rows, are split (moe.py)."""
         if is_expert(key):
             return None, None
         name = key.rsplit(".", 1)[-1]
+        if name == "in_proj_qkv":
+            return self.linear.rows(self.rank if rank is None else rank), None
+        if rank is not None and rank != self.rank:
+            raise ValueError("another rank's slices are asked only of in_proj_qkv")
         fin, fout = shape
         if self._column(name):
             return self._even(fout), None
@@ -174,7 +198,8 @@ class ShardPlan:
         rows, cols = self.slices(key, shape)
         fin, fout = shape
         return (fin if cols is None else cols.stop - cols.start,
-                fout if rows is None else rows.stop - rows.start)
+                fout if rows is None else rows.stop - rows.start if isinstance(rows, slice)
+                else len(rows))
 
     def local_lora(self, key: str, part: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a whole LoRA tensor: A [r, in] or B [out, r] of `key`."""
@@ -187,7 +212,8 @@ class ShardPlan:
 
     def reduce_grads(self, adapters: list) -> None:
         """Sum, over the group, the gradient parts each rank computed only a share of:
-        A of split-output modules (and kv modules), B of split-input ones. One all-reduce
+        A of split-output modules (and kv modules), B of split-input ones, both of MLA's
+        latent projections. One all-reduce
         for all of them; a replicated kv head's B is summed over the ranks that hold it."""
         summed, kv_b = [], []
         for a in adapters:
@@ -200,6 +226,8 @@ class ShardPlan:
                     summed.append(bank.gA[key][a.slot])
                 elif name in ROW:
                     summed.append(bank.gB[key][a.slot])
+                elif name in SHARED_IN_SPLIT:
+                    summed += [bank.gA[key][a.slot], bank.gB[key][a.slot]]
                 if name in KV and self.holders(key) > 1:
                     kv_b.append(bank.gB[key][a.slot])
         if summed:
@@ -288,7 +316,12 @@ class ShardPlan:
             dist.all_gather(parts, v.contiguous(), group=self.tp.group)
             if key.rsplit(".", 1)[-1] in KV and self.holders(key) > 1:
                 parts = [parts[r] for r in range(0, self.size, self.holders(key))]
-            out.append(torch.cat(parts, dim))
+            whole = torch.cat(parts, dim)
+            if isinstance(rows, torch.Tensor) and dim == 0:  # each rank's rows, in place
+                order = torch.cat([self.slices(key, self.full_shapes[key], r)[0]
+                                   for r in range(self.size)]).to(whole.device)
+                whole = torch.empty_like(whole).index_copy_(0, order, whole)
+            out.append(whole)
         return out
 
 

@@ -2,8 +2,9 @@
 
 A dense model's slices are read straight from the safetensors files, never whole
 (`load_sharded`). A mixture-of-experts model is read whole on the host, because its files
-hold the experts one by one and transformers fuses them as it loads; each rank then keeps
-its slices of the dense modules and its share of the experts (`shard_loaded`, moe.py's
+hold the experts one by one and transformers fuses them as it loads (gpt-oss's may be
+MXFP4, Qwen3.5's are nested under a multimodal model's names: read whole too); each rank
+then keeps its slices of the dense modules and its share of the experts (`shard_loaded`, moe.py's
 `shard_experts`) before anything goes to the device.
 """
 
@@ -17,6 +18,7 @@ import torch
 from twinkled.protocol.types import EngineInputError
 
 from .tp import ShardPlan
+from .tp_linear import PER_V_HEAD
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:
@@ -83,6 +85,10 @@ def shard_loaded(hf, plan: ShardPlan) -> None:
             setattr(module, leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
     if hf.config.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
+    if plan.linear is not None:  # its head counts and widths now the rank's
+        for layer in hf.model.layers:
+            if hasattr(layer, "linear_attn"):
+                plan.linear.localize(layer.linear_attn)
 
 
 def _share(source, module, owner: str, leaf: str, plan: ShardPlan):
@@ -93,6 +99,12 @@ def _share(source, module, owner: str, leaf: str, plan: ShardPlan):
         rows, cols = plan.slices(owner, (module.in_features, module.out_features))
     elif isinstance(module, torch.nn.Embedding) and plan.vocab_split:
         rows = plan.vocab_rows
+    elif leaf == "sinks":  # gpt-oss: one logit per attention head, kept with its head
+        return source[plan.head_slice()]
+    elif isinstance(module, torch.nn.Conv1d) and plan.linear is not None:  # Gated DeltaNet's
+        return source[plan.linear.rows(plan.rank)]  # channels: in_proj_qkv's rows
+    elif leaf in PER_V_HEAD and plan.linear is not None:
+        return source[plan.linear.v_heads(plan.rank)]
     if leaf == "bias":
         t = source[rows] if rows is not None else source[:]
         if cols is not None and plan.rank != 0:

@@ -76,19 +76,24 @@ def _vocab(vocab: int, tp: int) -> int:
 def split_problem(cfg: dict, tp: int) -> str | None:
     """Why the model cannot be split over `tp` ranks (None: it can)."""
     _, heads, kv, _, inter, _, _ = _dims(cfg)
-    if "linear_attention" in (cfg.get("layer_types") or ()):
-        return "tensor parallelism does not split linear-attention layers (Qwen3.5) yet"
-    if cfg.get("kv_lora_rank"):  # DeepSeek-V3, Kimi-K2 (engine/mla.py)
-        return "tensor parallelism does not split multi-head latent attention (DeepSeek-V3) yet"
+    if "linear_attention" in (cfg.get("layer_types") or ()):  # Qwen3.5 (engine/tp_linear.py)
+        nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+        if nk % tp or nv % tp:
+            return (f"tp {tp} does not divide the model's {nk} linear-attention key heads "
+                    f"and {nv} value heads")
     if heads % tp:
         return f"tp {tp} does not divide the model's {heads} attention heads"
     if kv % tp and tp % kv:
         return f"tp {tp} and the model's {kv} KV heads: one must divide the other"
     if inter % tp:
         return f"tp {tp} does not divide the model's MLP width {inter}"
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts")
+                  or cfg.get("n_routed_experts") or 0)
     if experts % tp:
         return f"tp {tp} does not divide the model's {experts} experts"
+    shared = int(cfg.get("moe_intermediate_size") or 0) * int(cfg.get("n_shared_experts") or 0)
+    if shared % tp:  # DeepSeek's shared experts: a dense MLP, split as one
+        return f"tp {tp} does not divide the width {shared} of the model's shared experts"
     return None
 
 

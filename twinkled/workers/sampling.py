@@ -70,10 +70,11 @@ class SampleRunner:
         for key in step.cancel:
             self._cancel(key)
         good, outcomes = self._requests(ops)
-        # (An expert group's ranks run one running batch in step, its MoE layers' collectives
-        # between them: slices cut by time would part them. Its samples run to the end.)
+        # (An expert or tensor-parallel group's ranks run one running batch in step, its
+        # layers' collectives between them: slices cut by time would part them. Its samples
+        # run to the end.)
         sliced = (step.slice_s > 0 and not self.engine.padded_sampling
-                  and self.engine.experts is None)
+                  and self.engine.experts is None and self.engine.shard is None)
         if sliced:
             if self.deferred and self.engine.sample_idle:
                 deferred, self.deferred = self.deferred, []
