@@ -173,20 +173,35 @@ def sample_worker(eng, names: list[str], args: dict) -> None:
                           SamplingParams(max_tokens=args["new_tokens"], temperature=1.0,
                                          seed=i, stop=[]),
                           num_samples=args["samples"]) for i in range(args["prompts"])]
+    from twinkled.engine.running import RunningBatch
+    from twinkled.engine.sampler import generate
+
     cuda = eng.model.device.type == "cuda"
-    out = {}
-    for path in ("running", "padded"):
+    adapters = [eng.pool.get(r.adapter_id) for r in reqs]
+    # "graphs": a running batch whose decode steps are CUDA graphs with the group's
+    # collectives captured in them (on trial: the engine decodes eagerly under tp)
+    graphs = RunningBatch(eng.model, decode="graphs", overlap=False) if cuda else None
+
+    def sample(path: str, some: list):
         eng.padded_sampling = path == "padded"
-        eng.sample(reqs[:1])  # warm-up (kernels, the pool)
+        if path == "graphs":
+            return generate(eng.model, some, adapters[:len(some)], batch=graphs)
+        return eng.sample(some)
+
+    out = {}
+    for path in ("running", "padded", "graphs")[:3 if cuda else 2]:
+        sample(path, reqs[:1])  # warm-up (kernels, the pool, the graphs)
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        res = eng.sample(reqs)
+        res = sample(path, reqs)
         if cuda:
             torch.cuda.synchronize()
         new = sum(len(q.tokens) for r in res for q in r.sequences)
         out[path] = new / (time.perf_counter() - t0)
+        if dist.get_rank() == 0:  # after each path: a later one that hangs loses nothing
+            print(f"PATH {path} {out[path]:.0f} new tok/s", flush=True)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"tp": args["tp"], "gpus": args["world"], "sample": out,
                                       "card": torch.cuda.get_device_name(0) if cuda else "cpu"}),
@@ -210,10 +225,12 @@ def run_config(model: Path, tp: int, a) -> dict | None:
                               stdout=subprocess.PIPE, text=True) for r in range(tp)]
     result = None
     for p in procs:
-        out, _ = p.communicate()
-        for line in out.splitlines():
+        for line in p.stdout:  # (as they come: a rank that hangs later loses none of them)
             if line.startswith("RESULT "):
                 result = json.loads(line[7:])
+            elif line.startswith("PATH "):
+                print(line.rstrip(), flush=True)
+        p.wait()
     if any(p.returncode for p in procs):
         print(f"tp={tp}: a rank failed (exit codes {[p.returncode for p in procs]})")
     return result
@@ -325,16 +342,18 @@ def main() -> None:
         if a.sample:
             print(f"{a.shape}: {a.prompts} prompts of {a.seq} tokens x {a.samples} samples x "
                   f"{a.new_tokens} new tokens, T=1, {a.adapters} adapters r={a.lora_rank}")
-            print("| tp | GPUs | running batch new tok/s | padded sampler new tok/s | ratio |")
-            print("|---:|---:|---:|---:|---:|")
+            print("| tp | GPUs | running batch new tok/s | padded sampler new tok/s | ratio | "
+                  "running batch, CUDA graphs |")
+            print("|---:|---:|---:|---:|---:|---:|")
             for tp in (int(t) for t in a.tp.split(",")):
                 r = run_config(model, tp, a)
                 s = (r or {}).get("sample", {})
                 if not s:
                     print(f"| {tp} | {tp} | failed | | |", flush=True)
                     continue
+                g = f"{s['graphs']:,.0f}" if "graphs" in s else "-"
                 print(f"| {tp} | {tp} | {s['running']:,.0f} | {s['padded']:,.0f} | "
-                      f"{s['running'] / s['padded']:.2f}x |", flush=True)
+                      f"{s['running'] / s['padded']:.2f}x | {g} |", flush=True)
             return
         print(f"{a.shape}: {a.adapters} adapters x {a.seq} tokens per step, LoRA r={a.lora_rank} "
               f"on every module, recompute={a.recompute}, "

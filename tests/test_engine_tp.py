@@ -92,6 +92,8 @@ def test_tp2_matches_one_rank(tp_run, arch):
     assert max(rel_diff(x, y) for x, y in zip(got["top_k"], ref["top_k"], strict=True)) <= RTOL
     assert got["greedy"] == ref["greedy"] and got["seeded"] == ref["seeded"]
     assert rel_diff(got["greedy_lp"], ref["greedy_lp"]) <= RTOL
+    assert got["running"] == ref["running"]
+    assert rel_diff(got["running_lp"], ref["running_lp"]) <= RTOL
 
 
 

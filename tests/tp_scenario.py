@@ -116,6 +116,16 @@ def run(engine, save_dir: Path | None) -> dict:
     out["greedy"] = sampled[0].sequences[0].tokens
     out["seeded"] = [s.tokens for s in sampled[1].sequences]
     out["greedy_lp"] = sampled[0].sequences[0].logprobs
+    # The running batch whatever the engine samples with (a tp engine of a dense model
+    # takes the padded sampler): the ranks' pages, stacked LoRA slices and shared seed
+    padded, engine.padded_sampling = engine.padded_sampling, False
+    running = engine.sample([
+        SampleRequest("a", prompt, SamplingParams(max_tokens=8, temperature=0.0, stop=[])),
+        SampleRequest("b", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=5,
+                                                  stop=[]), num_samples=2)])
+    engine.padded_sampling = padded
+    out["running"] = [s.tokens for r in running for s in r.sequences]
+    out["running_lp"] = running[0].sequences[0].logprobs
     # Dimuon: the matrix sign of each whole LoRA matrix (gathered under tp), two steps so
     # that its momentum counts; grad clipping on.
     engine.add_adapter("d", LoraConfig(rank=4, alpha=8, seed=5, optimizer="dimuon"))

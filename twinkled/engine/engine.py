@@ -91,16 +91,18 @@ class Engine:
         # rows (per-row KV, LoRA and sampling work, not the weights, bound it on an 8B), so
         # more rows buy throughput for large RL batches at the cost of each token's latency.
         self.sample_rows = sample_rows
-        # Every model samples in the running batch, MoE ones included (Qwen3-MoE, Mixtral,
+        # Models sample in the running batch, MoE ones included (Qwen3-MoE, Mixtral,
         # gpt-oss, DeepSeek-V3, Qwen3.5-MoE, Qwen3-VL-MoE): its experts' LoRA per row
         # (moe.ExpertRows), its decode eager (no CUDA graph captures the data-dependent
-        # routing: running.py); DeepSeek's pages hold its MLA latents (mla.py). Under tensor
-        # parallelism each rank's pages hold its heads, its stacked LoRA (lora_rows.py) its
-        # slices (a row-parallel module's partial x A^T times B sums over the group as the
-        # base output does), and decode is eager; under --ep or --tp its samples run to the
-        # end, not in slices cut by time (workers/sampling.py). True: the padded sampler
-        # (sampler.generate_padded), the reference the running batch is tested against.
-        self.padded_sampling = False
+        # routing: running.py); DeepSeek's pages hold its MLA latents (mla.py). Under --ep
+        # or --tp its samples run to the end, not in slices cut by time (workers/sampling.py).
+        # A tensor-parallel model samples with the padded sampler (sampler.generate_padded):
+        # the running batch runs under tp (each rank's pages hold its heads, its stacked LoRA
+        # its slices: a row-parallel module's partial x A^T times B sums over the group as
+        # the base output does) but decodes eagerly there, and at 8B tp 2 that was 0.70x the
+        # padded sampler's new tokens/s (BENCHMARKS.md, session 12). Qwen3.5's linear
+        # attention samples only in the running batch (its recurrent states), so it does.
+        self.padded_sampling = self.shard is not None and self.model.hybrid is None
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
         # Adapters whose gradients this rank holds parts of split rows of (context

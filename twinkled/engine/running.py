@@ -96,8 +96,9 @@ class RunningBatch:
             prefill, decode, overlap, prefix_cache, cascade = "varlen", "eager", False, 0.0, False
         elif model.moe:  # no CUDA graph captures the routing (its pairs are data-dependent)
             decode = "eager"
-        if model.tp.size > 1:  # a tensor-parallel group's collectives: eager, one step at a
-            decode, overlap = "eager", False  # time, every rank in the same order
+        if model.tp.size > 1 and decode is None:  # a tensor-parallel group's collectives:
+            decode, overlap = "eager", False  # eager, every rank in the same order (graphs
+            # that capture them: on trial, bench_tp.py --sample)
         prefill = prefill or ("padded" if dev.type == "cuda" else "varlen")
         if prefill not in PREFILLS:
             raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
