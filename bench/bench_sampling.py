@@ -79,10 +79,12 @@ def step_bytes(eng: Engine, rows: int, mean_len: float, adapters: int) -> float:
     its rows), the `adapters` in use, and each row's keys and values."""
     m = eng.model
     size = m.dtype.itemsize
-    weights = sum(fin * fout for fin, fout in m.targets.values()) * size
-    lora = adapters * RANK * sum(fin + fout for key, (fin, fout) in m.targets.items()
-                                 if key != "lm_head") * size
-    kv = 2 * m.kv_layers * m.n_kv * m.head_dim * size
+    # (an MoE target is (in, out, experts): at a few hundred rows every expert is read)
+    weights = sum(t[0] * t[1] * (t[2] if len(t) == 3 else 1) for t in m.targets.values()) * size
+    lora = adapters * RANK * sum((t[0] + t[1]) * (t[2] if len(t) == 3 else 1)
+                                 for key, t in m.targets.items() if key != "lm_head") * size
+    heads, k_dim, v_dim = m.kv_shape  # (MLA: one latent "head", no values)
+    kv = m.kv_layers * heads * (k_dim + v_dim) * size
     return weights + lora + rows * mean_len * kv
 
 

@@ -83,6 +83,13 @@ class BaseModel:
             # cuDNN's convolutions (a VL tower's patch embedding) default to TF32 on Ampere
             # and later (~1e-3 relative): a float32 model is one asked to compute in float32
             torch.backends.cudnn.allow_tf32 = False
+        if self.device.type == "cuda":
+            # SDPA's cuDNN backend, first choice on H100/H200 since torch 2.11: it failed
+            # with CUDNN_STATUS_INTERNAL_ERROR on DeepSeek's latent attention (key width 192,
+            # value 128) decoding 256 rows, and upstream it gives NaN query gradients with a
+            # mask at lengths of 64 mod 128 (pytorch#196678). Flash / memory-efficient /
+            # math instead: the kernels the CPU-checked paths were measured with.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.dir = model_dir
         self.config = config
         # Tensor parallelism (tp.py): `tp` is this rank's TensorParallel; `shard` says
