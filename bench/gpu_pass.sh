@@ -24,6 +24,7 @@
 #   bash bench/gpu_pass.sh arch archsamp           # issue 34: gpt-oss-20b, DeepSeek-V3 (reduced) shapes
 #   bash bench/gpu_pass.sh journal                 # the journal's fsyncs on the machine's disk
 #   bash bench/gpu_pass.sh fulld longd             # issues 37, 38 through the daemon (2 GPUs, a call each)
+#   bash bench/gpu_pass.sh tpsamp; ... gpttp2      # tp sampling paths; gpt-oss --tp 2 (2 GPUs, a call each)
 #   bash bench/gpu_pass.sh gpucheck                # the GPU-only tests of the fast paths (fused
 #                                                  #   layer, overlapped decode, direct LoRA,
 #                                                  #   cascade, flash varlen): run before timing them
@@ -186,6 +187,16 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
                       timeout 280 "$py" bench_sampling.py --shape "$s" --paths new --no-baseline \
                           --workloads fanout --repeats 1 --write "$out/sampling_$s.md" \
                           > "$out/sampling_$s.log" 2>&1; grep -a "^| fan" "$out/sampling_$s.log"; done ;;
+        # sampling under --tp 2: the running batch (eager, and with graphs on trial) against
+        # the padded sampler, the same requests (2 GPUs; session 12: 0.62-0.70x, graphs crashed)
+        tpsamp) timeout 500 "$py" bench_tp.py --shape qwen3-8b --tp 2 --sample --model-dir "$ckpt/q8b" \
+                    > "$out/tpsamp.log" 2>&1; grep -a "^|\|^PATH" "$out/tpsamp.log" ;;
+        # gpt-oss-20b at --tp 2 through the daemon (2 GPUs; session 12: 0.91x its 1-GPU figure)
+        gpttp2) printf 'devices = ["cuda:0", "cuda:1"]\ntp = 2\ntoken_budget = 4096\nhost_adapter_memory_gb = 64\n' \
+                    > /tmp/gpu_pass_gtp2.toml
+                "$py" bench_multitenant.py --shape gpt-oss-20b --tenants 8 --skip-fairness --steps 6 \
+                    --config /tmp/gpu_pass_gtp2.toml --write "$out/mt_gpt_tp2.md" > "$out/mt_gpt_tp2.log" 2>&1
+                tail -4 "$out/mt_gpt_tp2.log" ;;
         # the journal's group commit on this machine's disk, alone and beside a state writer
         journal) for bg in 0 1024; do "$py" bench_journal.py --dir /tmp --background-mb $bg \
                      --write "$out/journal.md" | grep -a "^| "; done ;;
@@ -195,7 +206,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         longd) "$py" long_daemon.py --shape qwen3-8b --seq 65536,131072 --ranks 2 --cp 2 \
                    --small-steps 6 --out "$out/long_daemon.md" > "$out/long_daemon.log" 2>&1
                grep -a "^--\|^|" "$out/long_daemon.log" ;;
-        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants8b, vl, arch, archsamp, journal, fulld, longd)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants8b, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
     esac
     pack
 done
