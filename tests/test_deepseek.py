@@ -156,6 +156,26 @@ def test_greedy_equals_transformers_generate(eng):
             assert [s.tokens for s in r.sequences] == [want] * len(r.sequences)
 
 
+def test_decode_attention_in_blocks_equals_one_call(eng, monkeypatch):
+    """The latent decode attention split into blocks of rows and heads (as a wide batch of
+    a long context is on the real model) samples what one call over everything samples."""
+    from twinkled.engine import mla
+
+    m = eng.model
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, m.vocab_size, (n,), generator=gen).tolist() for n in (9, 21)]
+    reqs = [SampleRequest(None, p, SamplingParams(max_tokens=5, temperature=0.0, stop=[]),
+                          num_samples=2) for p in prompts]
+    whole = generate_padded(m, reqs, [None, None])
+    # one row and one head of one row's keys a call
+    monkeypatch.setattr(mla, "SDPA_ELEMENTS", 40 * (m.latent.nope + m.latent.rope))
+    blocks = generate_padded(m, reqs, [None, None])
+    for a, b in zip(whole, blocks, strict=True):
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            assert x.tokens == y.tokens
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
 def test_running_batch_samples_as_the_padded_sampler(eng):
     """The running batch's pages hold the latent (one "head" of kv_lora_rank +
     qk_rope_head_dim, no values), both prefills expand it per head, and with each row's

@@ -41,6 +41,9 @@ from .fused_ops import rotate
 from .kv_cache import KVCache
 
 ARCHS = ("deepseek_v3", "kimi_k2")
+# The most values one decode attention call expands keys into (LatentAttention._decode):
+# well under 2**31, what SDPA's CUDA kernels index safely.
+SDPA_ELEMENTS = 2**30
 # The linears of an MLA layer a LoRA may target (peft names; q_proj where q_lora_rank is None).
 LINEARS = ("q_proj", *MLA_MODULES, "o_proj")
 
@@ -97,10 +100,10 @@ class LatentAttention:
             latent, k_rot = c[:, 0].split([self.rank, self.rope], dim=-1)
             # (a packed prefill's keys read back are laid out apart from its queries)
             kv_lora = lora if getattr(packing, "key_lora", None) is None else packing.key_lora
-            k, v = self._expand(attn, keys, kv_lora, latent, k_rot[:, None])
-            if packing is None:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=m.scaling)
+            if packing is None:  # decode (or the padded sampler's rows)
+                out = self._decode(attn, keys, kv_lora, q, latent, k_rot, mask)
             else:  # the running batch's varlen prefill: each piece over its own keys
+                k, v = self._expand(attn, keys, kv_lora, latent, k_rot[:, None])
                 v = F.pad(v, (0, self.nope + self.rope - self.v_dim))
                 out = packing.attend(q, k, v, m.scaling, False)[..., :self.v_dim]
             out = out.transpose(1, 2).reshape(B, S, -1)
@@ -110,6 +113,33 @@ class LatentAttention:
         v = F.pad(v, (0, self.nope + self.rope - self.v_dim))
         out = m.attend(i, q, k, v, cache, mask, packing).view(B, S, H, -1)[..., :self.v_dim]
         return m.linear(attn.o_proj, keys["o_proj"], out.reshape(B, S, -1), lora)
+
+    def _decode(self, attn, keys, lora, q, latent, k_rot, mask) -> torch.Tensor:
+        """Attention of q [B, H, S, nope + rope] over every row's cached latents [B, L,
+        rank] and rotated shared keys [B, L, rope] -> [B, H, S, v], by blocks of rows and
+        heads whose expanded keys stay under SDPA_ELEMENTS (a row's expansion is all its
+        heads' keys over its whole context: 256 rows of 768 tokens on the real model are
+        4.8e9 values, past what SDPA's CUDA kernels index; one such call failed in cuDNN,
+        the next backend with an illegal address)."""
+        B, H, S, width = q.shape
+        L = latent.shape[1]
+        kv = self.model.linear(attn.kv_b_proj, keys["kv_b_proj"], latent, lora)
+        kv = kv.view(B, L, H, self.nope + self.v_dim)
+        rows = max(1, min(B, SDPA_ELEMENTS // (L * width)))
+        heads = max(1, min(H, SDPA_ELEMENTS // (rows * L * width)))
+        out = q.new_empty(B, H, S, self.v_dim)
+        for r in range(0, B, rows):
+            rs = slice(r, r + rows)
+            m_r = mask if mask is None or mask.shape[0] == 1 else mask[rs]
+            for h in range(0, H, heads):
+                hs = slice(h, h + heads)
+                part = kv[rs, :, hs].transpose(1, 2)  # [b, h, L, nope + v]
+                k_nope, v = part.split([self.nope, self.v_dim], dim=-1)
+                k_r = k_rot[rs, None].expand(-1, k_nope.shape[1], -1, -1)
+                k = torch.cat([k_nope, k_r], dim=-1)
+                out[rs, hs] = F.scaled_dot_product_attention(q[rs, hs], k, v, attn_mask=m_r,
+                                                             scale=self.model.scaling)
+        return out
 
     def _expand(self, attn, keys, lora, latent, k_rot) -> tuple[torch.Tensor, torch.Tensor]:
         """Each head's keys [B, H, L, nope + rope] and values [B, H, L, v] from the normed
