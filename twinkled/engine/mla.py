@@ -119,8 +119,7 @@ class LatentAttention:
         rank] and rotated shared keys [B, L, rope] -> [B, H, S, v], by blocks of rows and
         heads whose expanded keys stay under SDPA_ELEMENTS (a row's expansion is all its
         heads' keys over its whole context: 256 rows of 768 tokens on the real model are
-        4.8e9 values, past what SDPA's CUDA kernels index; one such call failed in cuDNN,
-        the next backend with an illegal address)."""
+        4.8e9 values, 9.7 GB in bf16, past what SDPA's CUDA kernels index with 32 bits)."""
         B, H, S, width = q.shape
         L = latent.shape[1]
         kv = self.model.linear(attn.kv_b_proj, keys["kv_b_proj"], latent, lora)

@@ -136,8 +136,9 @@ def _shrink_one(acc, s, seg, start, rank, row, x_ptr, a_ptr, stride_x, stride_a,
                 RB: tl.constexpr, PRECISION: tl.constexpr):
     mine, st, rk = _columns(s, seg, start, rank)
     r = tl.arange(0, RB)
-    xt = tl.load(x_ptr + row[:, None] * stride_x + kk[None, :], mask=mine[:, None] & km[None, :],
-                 other=0.0)
+    # (int64 offsets: a prefill's tokens x its width pass 2**31 on wide models)
+    xt = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + kk[None, :],
+                 mask=mine[:, None] & km[None, :], other=0.0)
     at = tl.load(a_ptr + (st + r)[None, :] * stride_a + kk[:, None],
                  mask=(r < rk)[None, :] & km[:, None], other=0.0)  # A^T chunk [CHUNK, RB]
     return acc + tl.dot(xt, at, input_precision=PRECISION)
@@ -207,7 +208,9 @@ def _expand(h_ptr, b_ptr, y_ptr, order_ptr, seg_ptr, start_ptr, rank_ptr, n, out
                                   PRECISION)
                 s += 1
         live = seg >= 0
-        ptrs = y_ptr + row[:, None] * stride_y + cols[None, :]
+        # int64: rows x width pass 2**31 where a wide batch's every cached token goes
+        # through a wide linear (DeepSeek's kv_b_proj: 196,608 tokens x 32,768 outputs)
+        ptrs = y_ptr + row.to(tl.int64)[:, None] * stride_y + cols[None, :]
         m = live[:, None] & cm[None, :]
         y = tl.load(ptrs, mask=m, other=0.0)
         # y + delta rounded once, as RowLora's and the trainer's matmul-adds round it (a
