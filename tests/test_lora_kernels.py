@@ -125,3 +125,18 @@ def test_kernels_on_a_cpu_without_the_interpreter_are_refused(eng, monkeypatch):
     assert not RunningBatch(eng.model, rows=2, pages=8, page_size=4).kernels  # CPU default
     assert isinstance(row_lora(AdapterStack(torch.float32, torch.device("cpu")), [None], False),
                       RowLora)
+
+
+def test_kernel_rows_give_the_masked_rows_factors():
+    """A caller that applies a row's LoRA in pieces of its own (mla.py's absorbed decode)
+    gets the same factors from the kernels' rows as from the masked reference's."""
+    stack = AdapterStack(torch.float32, torch.device("cpu"), width=128)
+    gen = torch.Generator().manual_seed(2)
+    stack.A["m"] = torch.randn((128, 16), generator=gen)
+    stack.B["m"] = torch.randn((24, 128), generator=gen)
+    start, rank, scale = _rows(9, gen)
+    masked = RowLora(stack, _masked(start, rank, scale, 128))
+    kernel = KernelRowLora(stack, start, rank, scale)
+    for got, want in zip(kernel.row_factors("m"), masked.row_factors("m"), strict=True):
+        assert torch.equal(got, want)
+    assert kernel.row_factors("other") is None and masked.row_factors("other") is None

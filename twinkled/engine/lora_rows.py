@@ -149,6 +149,14 @@ class RowLora:
         return y
 
 
+    def row_factors(self, key: str):
+        """(A [width, in], B [out, width], each row's column mask with its scale [rows,
+        width]) of `key`, None where no adapter in the stack targets it: what a caller that
+        applies the LoRA in pieces of its own needs (mla.py's absorbed decode)."""
+        a = self.stack.A.get(key)
+        return None if a is None else (a, self.stack.B[key], self.mask)
+
+
 class KernelRowLora:
     """`RowLora` through the kernels: row b reads only the columns start[b] to start[b] +
     rank[b] (rank 0: the base model), scaled by scale[b]. Rows of several tokens (prefill)
@@ -172,6 +180,17 @@ class KernelRowLora:
         lora_decode.apply(plan, x.reshape(-1, x.shape[-1]), a, self.stack.B[key],
                           y.view(-1, y.shape[-1]), self.stack.rank_block)
         return y
+
+
+    def row_factors(self, key: str):
+        """RowLora.row_factors: the mask built from each row's (start, rank, scale)."""
+        a = self.stack.A.get(key)
+        if a is None:
+            return None
+        start, rank, scale = self.rows
+        cols = torch.arange(self.stack.width, device=start.device)
+        mine = (cols[None] >= start[:, None]) & (cols[None] < (start + rank)[:, None])
+        return a, self.stack.B[key], (mine * scale[:, None]).to(a.dtype)
 
 
 def row_lora(stack: AdapterStack, adapters: list[Adapter | None],

@@ -16,11 +16,12 @@ linear carries its LoRA deltas):
 Cache: the samplers keep the LATENT, per token and layer the normed latent and the rotated
 shared key (kv_lora_rank + qk_rope_head_dim, one "head": 576 values on the real model
 against 2 * 128 * 192 expanded): the running batch's KV pages (`kv_shape`, a latent
-PagePool with zero-wide values) and the padded sampler's cache (`new_cache`). Each pass
-expands a row's cached latents through kv_b_proj (its LoRA in; a packed prefill's keys
-read back take their own piece's LoRA, `key_lora`) and attends in torch, never the fused
-paged decode: O(context) kv_b work a step; absorbing kv_b_proj into the query and the
-output (attention over the latent itself) is the next step. Where no latent cache is given
+PagePool with zero-wide values) and the padded sampler's cache (`new_cache`). The running
+batch's decode attends over the latents themselves, kv_b_proj absorbed into the queries
+and the output, each row's LoRA of it in pieces (`_absorbed`: O(rank) work a cached token).
+A prefill, and the padded sampler, expand a row's cached latents through kv_b_proj (its
+LoRA in; a packed prefill's keys read back take their own piece's LoRA, `key_lora`) and
+attend in torch (O(context x heads x rank) a step), never the fused paged decode. Where no latent cache is given
 (packed training), keys and values are expanded per head, the values zero-padded to the
 key width (qk_head_dim) so packed rows and the flash kernels take them unchanged; the
 output's padded columns are dropped.
@@ -41,6 +42,9 @@ from .fused_ops import rotate
 from .kv_cache import KVCache
 
 ARCHS = ("deepseek_v3", "kimi_k2")
+# The running batch's decode attends over the latent itself (LatentAttention._absorbed);
+# False: it expands every cached latent through kv_b_proj each step (the reference).
+ABSORB = True
 # The most values one decode attention call expands keys into (LatentAttention._decode):
 # well under 2**31, what SDPA's CUDA kernels index safely.
 SDPA_ELEMENTS = 2**30
@@ -100,7 +104,9 @@ class LatentAttention:
             latent, k_rot = c[:, 0].split([self.rank, self.rope], dim=-1)
             # (a packed prefill's keys read back are laid out apart from its queries)
             kv_lora = lora if getattr(packing, "key_lora", None) is None else packing.key_lora
-            if packing is None:  # decode (or the padded sampler's rows)
+            if packing is None and self._absorbs(attn, kv_lora):  # the running batch's decode
+                out = self._absorbed(attn, keys["kv_b_proj"], kv_lora, q, latent, k_rot, mask)
+            elif packing is None:  # (the padded sampler's rows)
                 out = self._decode(attn, keys, kv_lora, q, latent, k_rot, mask)
             else:  # the running batch's varlen prefill: each piece over its own keys
                 k, v = self._expand(attn, keys, kv_lora, latent, k_rot[:, None])
@@ -113,6 +119,46 @@ class LatentAttention:
         v = F.pad(v, (0, self.nope + self.rope - self.v_dim))
         out = m.attend(i, q, k, v, cache, mask, packing).view(B, S, H, -1)[..., :self.v_dim]
         return m.linear(attn.o_proj, keys["o_proj"], out.reshape(B, S, -1), lora)
+
+    def _absorbs(self, attn, lora) -> bool:
+        """Whether this pass attends over the latent itself (`_absorbed`): its LoRA gives
+        its factors per row (the running batch's; a LoraBatch does not), and kv_b_proj has
+        no bias (DeepSeek's has none)."""
+        return (ABSORB and attn.kv_b_proj.bias is None
+                and (lora is None or hasattr(lora, "row_factors")))
+
+    def _absorbed(self, attn, key, lora, q, latent, k_rot, mask) -> torch.Tensor:
+        """Attention over the cached latents without expanding them (the matrix absorption
+        of DeepSeek-V2's paper): head h's key is W_k[h] c + s B_k[h] (A c) and its value
+        W_v[h] c + s B_v[h] (A c), so q . k = (W_k[h]^T q) . c + (B_k[h]^T q) . (s A c) and
+        the output is W_v[h] (sum p c) + B_v[h] (sum p s A c). Every head then reads the same
+        keys [c | s A c | rotated key] (s A c is zero outside the row's adapter's columns),
+        one "head" of keys for H x S queries: O(rank) a cached token a step, where expanding
+        it costs H x (nope + v) x rank. q [B, H, S, nope + rope], latent [B, L, rank],
+        k_rot [B, L, rope] -> [B, H, S, v]."""
+        B, H, S, _ = q.shape
+        w = attn.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
+        w_k, w_v = w.split([self.nope, self.v_dim], dim=1)
+        q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
+        qs, ks = [torch.einsum("bhsn,hnr->bhsr", q_nope, w_k)], [latent]
+        factors = None if lora is None else lora.row_factors(key)
+        if factors is not None:  # A [width, rank], B [H (nope + v), width], mask [B, width]
+            a_w, b_w, rows = factors
+            b_k, b_v = b_w.view(H, self.nope + self.v_dim, -1).split([self.nope, self.v_dim], 1)
+            ks.append(F.linear(latent, a_w) * rows[:, None, :])  # s A c: the row's columns
+            qs.append(torch.einsum("bhsn,hnw->bhsw", q_nope, b_k))
+        values = torch.cat(ks, dim=-1)[:, None]  # [B, 1, L, rank (+ width)]
+        keys_ = torch.cat([values[:, 0], k_rot], dim=-1)[:, None]
+        # the H x S queries as one head's (h-major), the mask's rows repeated to match
+        queries = torch.cat([*qs, q_rot], dim=-1).reshape(B, 1, H * S, -1)
+        if mask is not None and mask.shape[2] > 1:
+            mask = mask.repeat(1, 1, H, 1)
+        o = F.scaled_dot_product_attention(queries, keys_, values, attn_mask=mask,
+                                           scale=self.model.scaling).view(B, H, S, -1)
+        out = torch.einsum("bhsr,hvr->bhsv", o[..., :self.rank], w_v)
+        if factors is not None:
+            out = out + torch.einsum("bhsw,hvw->bhsv", o[..., self.rank:], b_v)
+        return out
 
     def _decode(self, attn, keys, lora, q, latent, k_rot, mask) -> torch.Tensor:
         """Attention of q [B, H, S, nope + rope] over every row's cached latents [B, L,

@@ -77,6 +77,9 @@ class ExpertRows:
     def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.lora.apply(key, x, y)
 
+    def row_factors(self, key: str):
+        return self.lora.row_factors(key)
+
 
 def run_tokens(runs: list[tuple[Adapter | None, int]], dtype: torch.dtype, device
                ) -> list[BankTokens]:
