@@ -100,9 +100,12 @@ class Engine:
         # the running batch runs under tp (each rank's pages hold its heads, its stacked LoRA
         # its slices: a row-parallel module's partial x A^T times B sums over the group as
         # the base output does) but decodes eagerly there, and at 8B tp 2 that was 0.70x the
-        # padded sampler's new tokens/s (BENCHMARKS.md, session 12). Qwen3.5's linear
-        # attention samples only in the running batch (its recurrent states), so it does.
-        self.padded_sampling = self.shard is not None and self.model.hybrid is None
+        # padded sampler's new tokens/s (BENCHMARKS.md, session 12). Where the running batch
+        # decodes eagerly at tp 1 too it keeps it under tp: Qwen3.5's linear attention (its
+        # recurrent states live only there) and MoE models (routing; DeepSeek's latent
+        # attention is absorbed only there).
+        self.padded_sampling = (self.shard is not None and self.model.hybrid is None
+                                and not self.model.moe)
         self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
         # Adapters whose gradients this rank holds parts of split rows of (context
