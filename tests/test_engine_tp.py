@@ -98,6 +98,21 @@ def test_tp2_matches_one_rank(tp_run, arch):
 
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "gpt_oss", "deepseek_v3"])
+def test_tp2_checkpoints_of_the_new_architectures_load_whole(tp_run, arch):
+    """Saved from two ranks (Qwen3.5's in_proj_qkv rows gathered back into their three
+    blocks, gpt-oss's and DeepSeek's split heads), a checkpoint loads on one rank as the
+    weights the split run stepped to (which test_tp2_matches_one_rank holds to one rank's)."""
+    root, models, results = tp_run
+    eng = Engine(models[arch])
+    eng.load("a", root / f"{arch}-ckpt", optimizer=True)
+    a = eng.pool.get("a")
+    stepped = results[arch]["stepped"]
+    for k in a.bank.shapes:
+        assert rel_diff(a.bank.A[k][a.slot], stepped[f"A:{k}"]) <= RTOL
+        assert rel_diff(a.bank.B[k][a.slot], stepped[f"B:{k}"]) <= RTOL
+
+
 def test_tp2_checkpoint_loads_whole_and_in_peft(tp_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
