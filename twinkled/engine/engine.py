@@ -96,14 +96,10 @@ class Engine:
         # (moe.ExpertRows), its decode eager (no CUDA graph captures the data-dependent
         # routing: running.py); DeepSeek's pages hold its MLA latents (mla.py). Under --ep
         # or --tp its samples run to the end, not in slices cut by time (workers/sampling.py).
-        # A tensor-parallel model samples with the padded sampler (sampler.generate_padded):
-        # the running batch runs under tp (each rank's pages hold its heads, its stacked LoRA
-        # its slices: a row-parallel module's partial x A^T times B sums over the group as
-        # the base output does) but decodes eagerly there, and at 8B tp 2 that was 0.70x the
-        # padded sampler's new tokens/s (BENCHMARKS.md, session 12). Where the running batch
-        # decodes eagerly at tp 1 too it keeps it under tp: Qwen3.5's linear attention (its
-        # recurrent states live only there) and MoE models (routing; DeepSeek's latent
-        # attention is absorbed only there).
+        # A dense tensor-parallel model samples with the padded sampler: the running batch
+        # runs under tp but decodes eagerly there, 0.70x the padded sampler at 8B tp 2
+        # (BENCHMARKS.md, session 12; docs/internals.md). Where it decodes eagerly at tp 1
+        # too (Qwen3.5, MoE models) it keeps the running batch under tp.
         self.padded_sampling = (self.shard is not None and self.model.hybrid is None
                                 and not self.model.moe)
         self._finished: list[Finished] = []  # submitted requests done during `sample`

@@ -148,7 +148,6 @@ class RowLora:
         y.view(-1, y.shape[-1]).addmm_(h.view(-1, h.shape[-1]), self.stack.B[key].t())
         return y
 
-
     def row_factors(self, key: str):
         """(A [width, in], B [out, width], each row's column mask with its scale [rows,
         width]) of `key`, None where no adapter in the stack targets it: what a caller that
@@ -180,7 +179,6 @@ class KernelRowLora:
         lora_decode.apply(plan, x.reshape(-1, x.shape[-1]), a, self.stack.B[key],
                           y.view(-1, y.shape[-1]), self.stack.rank_block)
         return y
-
 
     def row_factors(self, key: str):
         """RowLora.row_factors: the mask built from each row's (start, rank, scale)."""

@@ -21,8 +21,8 @@ batch's decode attends over the latents themselves, kv_b_proj absorbed into the 
 and the output, each row's LoRA of it in pieces (`_absorbed`: O(rank) work a cached token).
 A prefill, and the padded sampler, expand a row's cached latents through kv_b_proj (its
 LoRA in; a packed prefill's keys read back take their own piece's LoRA, `key_lora`) and
-attend in torch (O(context x heads x rank) a step), never the fused paged decode. Where no latent cache is given
-(packed training), keys and values are expanded per head, the values zero-padded to the
+attend in torch (O(context x heads x rank) a step), never the fused paged decode. Where no
+latent cache is given (packed training), keys and values are expanded per head, the values zero-padded to the
 key width (qk_head_dim) so packed rows and the flash kernels take them unchanged; the
 output's padded columns are dropped.
 
@@ -42,9 +42,6 @@ from .fused_ops import rotate
 from .kv_cache import KVCache
 
 ARCHS = ("deepseek_v3", "kimi_k2")
-# The running batch's decode attends over the latent itself (LatentAttention._absorbed);
-# False: it expands every cached latent through kv_b_proj each step (the reference).
-ABSORB = True
 # The most values one decode attention call expands keys into (LatentAttention._decode):
 # well under 2**31, what SDPA's CUDA kernels index safely.
 SDPA_ELEMENTS = 2**30
@@ -124,8 +121,7 @@ class LatentAttention:
         """Whether this pass attends over the latent itself (`_absorbed`): its LoRA gives
         its factors per row (the running batch's; a LoraBatch does not), and kv_b_proj has
         no bias (DeepSeek's has none)."""
-        return (ABSORB and attn.kv_b_proj.bias is None
-                and (lora is None or hasattr(lora, "row_factors")))
+        return attn.kv_b_proj.bias is None and (lora is None or hasattr(lora, "row_factors"))
 
     def _absorbed(self, attn, key, lora, q, latent, k_rot, mask) -> torch.Tensor:
         """Attention over the cached latents without expanding them (the matrix absorption
@@ -143,17 +139,17 @@ class LatentAttention:
         qs, ks = [torch.einsum("bhsn,hnr->bhsr", q_nope, w_k)], [latent]
         factors = None if lora is None else lora.row_factors(key)
         if factors is not None:  # A [width, rank], B [H (nope + v), width], mask [B, width]
-            a_w, b_w, rows = factors
+            a_w, b_w, row_cols = factors
             b_k, b_v = b_w.view(H, self.nope + self.v_dim, -1).split([self.nope, self.v_dim], 1)
-            ks.append(F.linear(latent, a_w) * rows[:, None, :])  # s A c: the row's columns
+            ks.append(F.linear(latent, a_w) * row_cols[:, None, :])  # s A c: the row's columns
             qs.append(torch.einsum("bhsn,hnw->bhsw", q_nope, b_k))
         values = torch.cat(ks, dim=-1)[:, None]  # [B, 1, L, rank (+ width)]
-        keys_ = torch.cat([values[:, 0], k_rot], dim=-1)[:, None]
+        shared = torch.cat([*ks, k_rot], dim=-1)[:, None]  # every head's keys
         # the H x S queries as one head's (h-major), the mask's rows repeated to match
         queries = torch.cat([*qs, q_rot], dim=-1).reshape(B, 1, H * S, -1)
         if mask is not None and mask.shape[2] > 1:
             mask = mask.repeat(1, 1, H, 1)
-        o = F.scaled_dot_product_attention(queries, keys_, values, attn_mask=mask,
+        o = F.scaled_dot_product_attention(queries, shared, values, attn_mask=mask,
                                            scale=self.model.scaling).view(B, H, S, -1)
         out = torch.einsum("bhsr,hvr->bhsv", o[..., :self.rank], w_v)
         if factors is not None:

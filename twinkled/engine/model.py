@@ -63,9 +63,10 @@ class BaseModel:
                 "model", f"architecture {config.model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHS)}")
         sinks = config.model_type in gpt_oss.ARCHS  # (gpt-oss: windows of its own, gpt_oss.py)
-        if not sinks and (getattr(config, "use_sliding_window", False) or "sliding_attention" in (
-                getattr(config, "layer_types", None) or ()) or (
-                config.model_type == "mixtral" and getattr(config, "sliding_window", None))):
+        sliding = (getattr(config, "use_sliding_window", False)
+                   or "sliding_attention" in (getattr(config, "layer_types", None) or ())
+                   or (config.model_type == "mixtral" and getattr(config, "sliding_window", None)))
+        if sliding and not sinks:
             raise EngineInputError("model", "sliding-window attention is not supported")
         loaded = config  # what from_pretrained builds from (a Qwen3.5 checkpoint's nests)
         hybrid = config.model_type in qwen35.ARCHS

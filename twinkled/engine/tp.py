@@ -6,7 +6,8 @@ o_proj/down_proj are row-parallel (the matching slice of the input features); th
 residual stream and norms are replicated. Multi-head latent attention (DeepSeek-V3, mla.py)
 splits the same way by heads: q_b_proj (or q_proj) and kv_b_proj column-parallel, o_proj
 row-parallel; its down-projections to the latents and their norms are whole on every
-rank, and the sampler's latent cache is the same on every rank. The embedding and lm_head are split over the
+rank, and the sampler's latent cache is the same on every rank; Gated DeltaNet
+(tp_linear.py) splits by its heads too. The embedding and lm_head are split over the
 vocabulary when the group divides it (Qwen's 151,936 and Llama-3's 128,256 rows do, for
 2, 4 and 8 ranks; otherwise both stay whole): a rank looks up the ids in its rows and the
 group sums, and lm_head is column-parallel, so a rank holds only its share of the logits
@@ -161,18 +162,16 @@ class ShardPlan:
         """A module whose output features are split (lm_head: over the vocabulary)."""
         return name in COLUMN or (name == "lm_head" and self.vocab_split)
 
-    def slices(self, key: str, shape: tuple[int, int], rank: int | None = None
+    def slices(self, key: str, shape: tuple[int, int]
                ) -> tuple[slice | torch.Tensor | None, slice | None]:
-        """(rows of the weight [out, in] rank `rank` (default: this one) holds, its
-        columns); None = all; the rows of Gated DeltaNet's in_proj_qkv are an index. An
-        MoE expert pair is whole: its experts, not its rows, are split (moe.py)."""
+        """(rows of the weight [out, in] this rank holds, its columns); None = all; the
+        rows of Gated DeltaNet's in_proj_qkv are an index (tp_linear.py). An MoE expert
+        pair is whole: its experts, not its rows, are split (moe.py)."""
         if is_expert(key):
             return None, None
         name = key.rsplit(".", 1)[-1]
         if name == "in_proj_qkv":
-            return self.linear.rows(self.rank if rank is None else rank), None
-        if rank is not None and rank != self.rank:
-            raise ValueError("another rank's slices are asked only of in_proj_qkv")
+            return self.linear.rows(self.rank), None
         fin, fout = shape
         if self._column(name):
             return self._even(fout), None
@@ -318,8 +317,8 @@ class ShardPlan:
                 parts = [parts[r] for r in range(0, self.size, self.holders(key))]
             whole = torch.cat(parts, dim)
             if isinstance(rows, torch.Tensor) and dim == 0:  # each rank's rows, in place
-                order = torch.cat([self.slices(key, self.full_shapes[key], r)[0]
-                                   for r in range(self.size)]).to(whole.device)
+                order = torch.cat([self.linear.rows(r) for r in range(self.size)]
+                                  ).to(whole.device)
                 whole = torch.empty_like(whole).index_copy_(0, order, whole)
             out.append(whole)
         return out

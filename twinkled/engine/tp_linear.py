@@ -54,4 +54,3 @@ class LinearAttnSplit:
         module.key_dim = module.num_k_heads * self.dk
         module.value_dim = module.num_v_heads * self.dv
         module.conv_dim = 2 * module.key_dim + module.value_dim
-

@@ -4,8 +4,8 @@ A dense model's slices are read straight from the safetensors files, never whole
 (`load_sharded`). A mixture-of-experts model is read whole on the host, because its files
 hold the experts one by one and transformers fuses them as it loads (gpt-oss's may be
 MXFP4, Qwen3.5's are nested under a multimodal model's names: read whole too); each rank
-then keeps its slices of the dense modules and its share of the experts (`shard_loaded`, moe.py's
-`shard_experts`) before anything goes to the device.
+then keeps its slices of the dense modules and its share of the experts (`shard_loaded`,
+moe.py's `shard_experts`) before anything goes to the device.
 """
 
 from __future__ import annotations
