@@ -301,3 +301,32 @@ def test_an_optim_step_queued_behind_a_lost_forward_backward_fails_with_it(fault
     _fb(tc, data)  # the client redoes both
     _optim(tc, 5e-2)
     assert _logprobs(tc, data) == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_an_optim_step_that_arrives_after_its_forward_backward_failed_fails_too(faulty,
+                                                                               tiny_dir):
+    """The pipelined optim_step's request may reach the daemon only after the
+    forward_backward ahead of it failed (a slow client, a loaded box: seen in CI's chaos
+    test). It was still sent blind: it fails, applying nothing; the client's redo of the
+    forward_backward clears the failure, and the run lands where a twin's one step did."""
+    d = faulty
+    key = make_key(d.data_dir, "late")
+    sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+    tc, twin = (sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                               seed=9).result(timeout=T) for _ in range(2))
+    data = _data(tc.get_tokenizer())
+    _fb(twin, data)
+    _optim(twin, 5e-2)
+    want = _logprobs(twin, data)
+
+    fut_fb = tc.forward_backward(POISON, "cross_entropy")  # fails in the engine ...
+    _logprobs(twin, data)  # ... before this forward of another run is answered
+    fut_opt = tc.optim_step(tinker.types.AdamParams(learning_rate=5e-2))  # then this arrives
+    with pytest.raises(tinker.RequestFailedError, match="did not run") as skipped:
+        fut_opt.result(timeout=T)
+    with pytest.raises(tinker.RequestFailedError, match="failed in the engine") as failed:
+        fut_fb.result(timeout=T)
+    assert str(skipped.value.category) == str(failed.value.category)
+    _fb(tc, data)  # the client redoes both
+    _optim(tc, 5e-2)
+    assert _logprobs(tc, data) == pytest.approx(want, rel=1e-4, abs=1e-5)

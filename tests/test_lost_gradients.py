@@ -1,6 +1,6 @@
 """Which optim_step fails with a forward_backward that failed after it was queued
-(twinkled/core/lost_gradients.py): the first one its client sent before it could hear of the
-failure, once; not one sent after, nor one already answered in the same step."""
+(twinkled/core/lost_gradients.py): the model's next one, once, however late it arrives;
+not one behind a redo of the forward_backward, nor once one was answered in the same step."""
 
 from __future__ import annotations
 
@@ -16,10 +16,26 @@ def test_the_optim_step_queued_behind_fails_once_with_the_same_category():
     assert lost.check("other", 6) is None
 
 
-def test_an_optim_step_sent_after_the_failure_was_answered_runs():
+def test_an_optim_step_that_arrives_after_the_failure_still_fails():
+    # The pipelined optim_step's request reached the daemon only after the forward_backward
+    # failed (nothing was queued behind it then): it was sent blind all the same.
+    lost = LostGradients()
+    lost.failed("m", 5, last_queued=5, why="worker lost", category="server")
+    assert lost.check("m", 6)[1] == "server"
+
+
+def test_an_optim_step_behind_a_redone_forward_backward_runs():
     lost = LostGradients()
     lost.failed("m", 5, last_queued=5, why="x", category="server")  # nothing queued behind
-    assert lost.check("m", 7) is None  # the client redid the forward_backward (6) first
+    lost.trained("m", 6)  # the client heard, and redid the forward_backward
+    assert lost.check("m", 7) is None
+
+
+def test_a_blind_forward_backward_queued_behind_the_failure_does_not_clear_it():
+    lost = LostGradients()
+    lost.failed("m", 5, last_queued=7, why="x", category="server")
+    lost.trained("m", 6)  # accumulated on top of the lost one: its gradients are still gone
+    assert lost.check("m", 7) is not None
 
 
 def test_an_optim_step_answered_in_the_same_step_settles_the_failure():

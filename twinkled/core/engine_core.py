@@ -400,7 +400,10 @@ class EngineCore:
             return
         if isinstance(op.frame, OptimF):
             self._lost.settled(op.model_id, op.seq_id)
-        elif isinstance(op.frame, TrainF) and changes_adapter(op.frame) and outcome[1]:
+        elif isinstance(op.frame, TrainF) and changes_adapter(op.frame):
+            if outcome[1] is None:
+                self._lost.trained(op.model_id, op.seq_id)
+                return
             last = self.planner.seq_after_queued(op.model_id) - 1
             self._lost.failed(op.model_id, op.seq_id, last, outcome[1], outcome[2] or "server")
 

@@ -7,10 +7,14 @@ the adapter is back at its acknowledged state. The optim_step queued behind it w
 what is left (nothing, most often) and be answered as done, and the client, told only that
 its forward_backward failed, would redo that alone: a step of its run silently lost.
 
-So the first optim_step of that model that was already queued when the forward_backward
-failed fails with it (same category: "server" when a worker was lost, so the client redoes
-both). An optim_step sent after the failure was answered is the client's own choice and runs.
-Torch-free; the core (core.py) asks it of each planned optim_step.
+So the model's next optim_step fails with it (same category: "server" when a worker was lost,
+so the client redoes both), whenever it arrives: the client's HTTP request for it may reach
+the daemon well after the forward_backward failed (seen under load in CI), and it was still
+sent blind. What clears the failure is a training forward_backward that arrived after it
+failed and succeeded (the client heard, and redid it): the optim_step behind that runs.
+(A client that heard and sends an optim_step with no forward_backward before it is told to
+submit the forward_backward again: Adam's step on no gradients is not what anyone meant.)
+Torch-free; the core (engine_core.py) asks it of each planned optim_step.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 @dataclass
 class _Failed:
     seq: int  # the forward_backward that failed
-    last_queued: int  # the model's last seq_id queued when it failed
+    last_queued: int  # the model's last seq_id queued when it failed (all sent blind)
     why: str
     category: str
 
@@ -55,11 +59,19 @@ class LostGradients:
             return
         self._failed[model] = _Failed(seq, last_queued, why, category)
 
-    def check(self, model: str, seq: int) -> tuple[str, str] | None:
-        """(message, category) if optim_step `seq` of `model` must fail: it was queued
-        behind a forward_backward that failed (once per failure)."""
+    def trained(self, model: str, seq: int) -> None:
+        """Training forward_backward `seq` of `model` succeeded. One that arrived after the
+        failure (the client's redo) clears it; one queued before it (a blind one of the same
+        batch) does not: the gradients of the failed one are still missing."""
         known = self._failed.get(model)
-        if known is None or not known.seq < seq <= known.last_queued:
+        if known is not None and seq > known.last_queued:
+            del self._failed[model]
+
+    def check(self, model: str, seq: int) -> tuple[str, str] | None:
+        """(message, category) if optim_step `seq` of `model` must fail: it comes behind a
+        forward_backward that failed, with no redo of it in between (once per failure)."""
+        known = self._failed.get(model)
+        if known is None or seq <= known.seq:
             return None
         del self._failed[model]
         # The action first: clients and logs may show only the start of a message.
