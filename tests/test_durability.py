@@ -270,20 +270,24 @@ def test_with_persistence_off_a_worker_kill_brings_an_adapter_back_as_created(ti
         d.stop()
 
 
+def _run_and_twin(d, tiny_dir, tenant: str, seed: int):
+    """A run, its twin (same seed) after one step, the data and the twin's logprobs."""
+    sc = tinker.ServiceClient(base_url=d.url, api_key=make_key(d.data_dir, tenant))
+    tc, twin = (sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
+                                               seed=seed).result(timeout=T) for _ in range(2))
+    data = _data(tc.get_tokenizer())
+    _fb(twin, data)
+    _optim(twin, 5e-2)
+    return tc, twin, data, _logprobs(twin, data)
+
+
 def test_an_optim_step_queued_behind_a_lost_forward_backward_fails_with_it(faulty, tiny_dir):
     """A pipelining client's optim_step waits behind its forward_backward when the worker
     running that forward_backward is killed. The gradients died with the worker, so the
     optim_step must fail too (category server: redo both), not be answered as done having
     applied nothing; redone, the run lands exactly where a twin's one step did."""
     d = faulty
-    key = make_key(d.data_dir, "ann")
-    sc = tinker.ServiceClient(base_url=d.url, api_key=key)
-    tc, twin = (sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                               seed=5).result(timeout=T) for _ in range(2))
-    data = _data(tc.get_tokenizer())
-    _fb(twin, data)
-    _optim(twin, 5e-2)
-    want = _logprobs(twin, data)
+    tc, twin, data, want = _run_and_twin(d, tiny_dir, "ann", 5)
 
     fut_fb = tc.forward_backward(data, "cross_entropy")
     time.sleep(0.25)  # its step is in the worker (held by the injected delay) ...
@@ -310,14 +314,7 @@ def test_an_optim_step_that_arrives_after_its_forward_backward_failed_fails_too(
     test). It was still sent blind: it fails, applying nothing; the client's redo of the
     forward_backward clears the failure, and the run lands where a twin's one step did."""
     d = faulty
-    key = make_key(d.data_dir, "late")
-    sc = tinker.ServiceClient(base_url=d.url, api_key=key)
-    tc, twin = (sc.create_lora_training_client(base_model=tiny_dir.name, rank=4,
-                                               seed=9).result(timeout=T) for _ in range(2))
-    data = _data(tc.get_tokenizer())
-    _fb(twin, data)
-    _optim(twin, 5e-2)
-    want = _logprobs(twin, data)
+    tc, twin, data, want = _run_and_twin(d, tiny_dir, "late", 9)
 
     fut_fb = tc.forward_backward(POISON, "cross_entropy")  # fails in the engine ...
     _logprobs(twin, data)  # ... before this forward of another run is answered
