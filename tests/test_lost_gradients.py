@@ -51,14 +51,3 @@ def test_a_second_failure_sent_blind_keeps_the_first():
     lost.failed("m", 6, last_queued=8, why="second", category="server")
     message, category = lost.check("m", 8)
     assert "seq_id 5" in message and category == "user"
-
-
-def test_after_a_crash_the_optim_step_resent_first_fails_a_forward_backward_first_clears():
-    lost = LostGradients()
-    lost.crashed("m", "the daemon restarted")
-    lost.arrived("m", 7, optim=True, trains=False)  # resent right behind the lost one
-    assert lost.check("m", 7)[1] == "server"
-    lost.crashed("n", "the daemon restarted")
-    lost.arrived("n", 7, optim=False, trains=True)  # the client redid the forward_backward
-    lost.arrived("n", 8, optim=True, trains=False)
-    assert lost.check("n", 8) is None

@@ -396,6 +396,31 @@ def test_pending_futures_fail_after_restart(store, db_path):
     store.close()
 
 
+def test_failed_training_names_runs_whose_last_training_op_failed(store):
+    f = store.futures
+    # r1: its forward_backward failed, nothing after it but a forward: lost gradients
+    f.create("a1", "alice", "forward_backward", "r1", 4)
+    f.fail("a1", "worker lost", "server")
+    f.create("a2", "alice", "forward", "r1", 5)
+    f.complete("a2", b"{}", "application/json")
+    # r2: failed, then the optim_step behind it failed too: accounted for
+    f.create("b1", "alice", "forward_backward", "r2", 1)
+    f.fail("b1", "x", "server")
+    f.create("b2", "alice", "optim_step", "r2", 2)
+    f.fail("b2", "x", "server")
+    # r3: failed, then redone: trained
+    f.create("c1", "alice", "forward_backward", "r3", 1)
+    f.fail("c1", "x", "user")
+    f.create("c2", "alice", "forward_backward", "r3", 2)
+    f.complete("c2", b"{}", "application/json")
+    # r4: a forward that failed loses no gradients; r5: refused at the door (no seq_id)
+    f.create("d1", "alice", "forward", "r4", 1)
+    f.fail("d1", "x", "server")
+    f.create("e1", "alice", "forward_backward", "r5")
+    f.fail("e1", "bad datum", "user")
+    assert f.failed_training() == [("r1", 4, "worker lost", "server")]
+
+
 def test_purge_futures_keeps_recent_and_pending(store):
     store.futures.create("old", "alice", "optim_step", "r", 1)
     store.futures.create("new", "alice", "optim_step", "r", 2)

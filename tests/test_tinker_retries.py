@@ -248,6 +248,19 @@ def _saves_before_the_crash(d: Daemon, key: str, base_model: str) -> dict:
     return {"sc": sc, "tc": tc, "data": data, "path": path}
 
 
+def _failed_before_the_crash(d: Daemon, key: str, base: str) -> dict:
+    """A run whose last forward_backward failed in the engine (its client heard)."""
+    sc = tinker.ServiceClient(base_url=d.url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=base, rank=4, seed=3).result(timeout=T)
+    data = _data(tc)
+    before = tc.forward(data, "cross_entropy").result(timeout=T).loss_fn_outputs
+    poison = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5] * 13),
+                                 loss_fn_inputs={"target_tokens": [6] * 13})]
+    with pytest.raises(tinker.RequestFailedError, match="failed in the engine"):
+        tc.forward_backward(poison, "cross_entropy").result(timeout=T)
+    return {"tc": tc, "data": data, "before": [o["logprobs"].tolist() for o in before]}
+
+
 def test_after_a_crash_retried_steps_and_saves_and_idle_unloaded_runs_resume(
         tiny_dir, tmp_path):
     """One SIGKILL and restart, two clients (one daemon lineage for both: a start each
@@ -263,21 +276,29 @@ def test_after_a_crash_retried_steps_and_saves_and_idle_unloaded_runs_resume(
     dora's run, live at the crash, is restored, unloaded while her client is away, and her
     client's next request (its own next seq_id) is answered. Saves retried before the
     crash, and one queued behind a gap when it came, leave the checkpoint they replace
-    ready across the restart."""
+    ready across the restart.
+
+    fay's forward_backward failed (injected: a datum of 13 tokens) before the crash, and
+    the optim_step her client sent behind it never reached that daemon: resent to the new
+    one, it fails (its gradients are not there) rather than be answered done having
+    applied nothing; her redo of both trains."""
     cfg = tmp_path / "twinkled.toml"
     cfg.write_text("idle_unload_s = 1.0\n")
-    keys = {t: make_key(tmp_path, t) for t in ("dora", "erin")}
-    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--config", str(cfg))
+    keys = {t: make_key(tmp_path, t) for t in ("dora", "erin", "fay")}
+    env = {"TWINKLED_TEST_FAIL_TOKENS": "13"}
+    d = Daemon(tiny_dir, tmp_path, tmp_path / "log1", "--config", str(cfg), env=env)
     try:
         erin = _idle_before_the_crash(d, keys["erin"], tiny_dir.name)
         dora = _saves_before_the_crash(d, keys["dora"], tiny_dir.name)
+        fay = _failed_before_the_crash(d, keys["fay"], tiny_dir.name)
     except BaseException:
         d.stop()
         raise
     d.stop(signal.SIGKILL)
 
     log = tmp_path / "log2"
-    d2 = Daemon(tiny_dir, tmp_path, log, "--config", str(cfg), port=d.port, wait=False)
+    d2 = Daemon(tiny_dir, tmp_path, log, "--config", str(cfg), port=d.port, wait=False,
+                env=env)
     try:
         while d2.health() is None:  # answering HTTP, the workers still loading the model
             threading.Event().wait(0.05)
@@ -319,5 +340,14 @@ def test_after_a_crash_retried_steps_and_saves_and_idle_unloaded_runs_resume(
         out = tc.forward_backward(dora["data"], "cross_entropy").result(timeout=T)  # before: hung
         assert out.metrics["loss:sum"] > 0
         tc.optim_step(adam).result(timeout=T)
+
+        tc = fay["tc"]
+        with pytest.raises(tinker.RequestFailedError, match="did not run") as lost:
+            tc.optim_step(adam).result(timeout=T)
+        assert str(lost.value.category) == "user"  # as its forward_backward's failure
+        tc.forward_backward(fay["data"], "cross_entropy").result(timeout=T)
+        tc.optim_step(adam).result(timeout=T)
+        moved = tc.forward(fay["data"], "cross_entropy").result(timeout=T).loss_fn_outputs
+        assert [o["logprobs"].tolist() for o in moved] != fay["before"]  # the redo trained
     finally:
         d2.stop()

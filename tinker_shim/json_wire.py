@@ -213,4 +213,5 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _FLOAT32_MAX = 3.4028234663852886e38
 _DTYPES = {1: ("float32", "f"), 2: ("int64", "q")}  # the wire enum: codec._DTYPE_OUT
 _STOP_REASONS = {0: "stop", 1: "length"}
-_RESULTS = {"forward_backward": _forward_backward_output, "sample": _sample_response}
+_RESULTS = {"forward_backward": _forward_backward_output, "forward": _forward_backward_output,
+            "sample": _sample_response}

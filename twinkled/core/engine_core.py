@@ -100,8 +100,6 @@ class EngineCore:
             self._seq_index[(model, op.seq_id)] = op.future.id
             self.futures.bind(op.future, model, op.seq_id)
             self.gather.arrived(model, op.kind)
-            self._lost.arrived(model, op.seq_id, isinstance(op.frame, OptimF),
-                               isinstance(op.frame, TrainF) and changes_adapter(op.frame))
         self.planner.submit(Work(op.future.id, tenant, op.kind, op.tokens, op.model_id,
                                  op.seq_id, op, parts=op.parts))
         if trace.enabled():
@@ -148,11 +146,12 @@ class EngineCore:
                     f"{next_seq} (at most {SEQ_WINDOW} ahead)")
         return None
 
-    def cut_short(self, model: str) -> None:
-        """A forward_backward of `model` was cut short by a crash of the daemon: the
-        optim_step its client sent right behind it, resent to this daemon, must not run
-        without its gradients (lost_gradients.py)."""
-        self._lost.crashed(model, "the daemon restarted before it finished")
+    def lost_before_restart(self, model: str, seq: int, why: str, category: str) -> None:
+        """Before the last stop, training forward_backward `seq` of `model` failed (or was
+        cut short by the stop) and nothing of the model came after it: the optim_step its
+        client sent behind it, resent to this daemon, must not run without its gradients
+        (lost_gradients.py)."""
+        self._lost.failed(model, seq, seq, why, category)
 
     def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
         """A request refused at the door still takes its seq_id: the client counts on past

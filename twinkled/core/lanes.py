@@ -268,11 +268,11 @@ class Lanes:
         cut = store.futures.pending_ids()
         for lane in self.all:
             lane.executor.journal.void(cut)
-        for model in store.futures.pending("forward_backward"):
-            for lane in self.all:
-                lane.core.cut_short(model)
         failed = store.futures.fail_pending(
             "the daemon restarted before this request finished; submit it again")
+        for model, seq, why, category in store.futures.failed_training():
+            for lane in self.all:
+                lane.core.lost_before_restart(model, seq, why, category)
         for c in store.checkpoints.abandon_writing("the daemon stopped while writing it"):
             log.warning("checkpoint %s was cut short by a stop; marked corrupt", c["tinker_path"])
         if failed:

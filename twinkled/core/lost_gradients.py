@@ -14,6 +14,8 @@ sent blind. What clears the failure is a training forward_backward that arrived 
 failed and succeeded (the client heard, and redid it): the optim_step behind that runs.
 (A client that heard and sends an optim_step with no forward_backward before it is told to
 submit the forward_backward again: Adam's step on no gradients is not what anyone meant.)
+A stop of the daemon forgets none of it: at start-up each run whose last training op failed
+(or was cut short by the stop) is failed here again (store/futures.py, failed_training).
 Torch-free; the core (engine_core.py) asks it of each planned optim_step.
 """
 
@@ -33,21 +35,6 @@ class _Failed:
 class LostGradients:
     def __init__(self) -> None:
         self._failed: dict[str, _Failed] = {}  # model -> its latest failed forward_backward
-        self._crashed: dict[str, str] = {}  # model -> why its forward_backward was cut short
-
-    def crashed(self, model: str, why: str) -> None:
-        """A forward_backward of `model` was cut short by a crash of the daemon (its seq_id
-        is not known). If the first training op of `model` to arrive now is an optim_step,
-        it is the one its client sent right behind it (resent to this daemon): it fails."""
-        self._crashed[model] = why
-
-    def arrived(self, model: str, seq: int, optim: bool, trains: bool) -> None:
-        """An op of `model` arrived (an optim_step, or a forward_backward that trains)."""
-        if model not in self._crashed or not (optim or trains):
-            return
-        why = self._crashed.pop(model)
-        if optim:
-            self.failed(model, seq - 1, seq, why, "server")
 
     def failed(self, model: str, seq: int, last_queued: int, why: str, category: str) -> None:
         """Training forward_backward `seq` of `model` failed after it was queued; the model

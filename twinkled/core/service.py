@@ -191,8 +191,10 @@ class Service:
         # Where the planner may cut it, and what each datum costs a step (a shared prefix
         # is computed once: protocol/prefixes.py)
         parts = datum_costs(frame, self.config.shared_prefix if self.config.packing else 0)
-        f = self.futures.new(tenant, "forward_backward", encode, run=model)
+        # A forward is a future of its own kind: a failed one loses no gradients, and a
+        # restart tells them apart (store/futures.py, failed_training).
         kind = "forward" if frame.forward_only else "forward_backward"
+        f = self.futures.new(tenant, kind, encode, run=model)
         tokens = sum(d.tokens.shape[0] for d in frame.data)
         self.lanes.long.saw(model, tenant, max((d.tokens.shape[0] for d in frame.data), default=0))
         f = self.submit(Op(model, seq_id, frame, f, sum(parts), parts=parts,

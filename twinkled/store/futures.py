@@ -4,6 +4,8 @@ so a result can still be read after a restart."""
 
 from __future__ import annotations
 
+import json
+
 from twinkled.store.db import Db
 from twinkled.store.schema import MIN_FUTURE_TTL_S, Row, error_body, now
 
@@ -74,12 +76,23 @@ class FutureRows:
                            [model_id, seq_id])
         return row["id"] if row and kind in (None, row["kind"]) else None
 
-    def pending(self, kind: str) -> set[str]:
-        """The runs with a pending future of `kind` (at start-up: what a crash cut short,
-        before `fail_pending`); futures not yet tagged with their run are not known."""
-        rows = self._db.all("SELECT DISTINCT model_id FROM futures WHERE status = 'pending' "
-                            "AND kind = ? AND model_id IS NOT NULL", (kind,))
-        return {r["model_id"] for r in rows}
+    def failed_training(self) -> list[tuple[str, int, str, str]]:
+        """(run, seq_id, error, category) of each run whose latest forward_backward or
+        optim_step is a forward_backward that failed (at start-up, after `fail_pending`:
+        the optim_step its client sent behind it was not received, and a resend of it must
+        not run without those gradients; core/lost_gradients.py). Forward-only requests
+        are futures of kind "forward" and lose no gradients."""
+        rows = self._db.all(
+            "SELECT f.model_id, f.seq_id, f.result FROM futures f JOIN "
+            "(SELECT model_id, MAX(seq_id) AS last FROM futures WHERE seq_id IS NOT NULL "
+            "AND kind IN ('forward_backward', 'optim_step') GROUP BY model_id) m "
+            "ON f.model_id = m.model_id AND f.seq_id = m.last "
+            "WHERE f.kind = 'forward_backward' AND f.status = 'error'")
+        out = []
+        for r in rows:
+            body = json.loads(r["result"])
+            out.append((r["model_id"], r["seq_id"], body["error"], body["category"]))
+        return out
 
     def pending_ids(self) -> set[str]:
         """The ids of the pending futures (at start-up: what a crash cut short)."""
