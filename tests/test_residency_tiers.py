@@ -409,5 +409,5 @@ def test_a_node_whose_disk_cannot_hold_the_adapter_refuses_it_with_the_numbers(t
 
     free = shutil.disk_usage(tmp_path).free
     check_disk(tmp_path / "live" / "not-yet", 1)
-    with pytest.raises(NoRoom, match=r"no disk room.*GiB free"):
+    with pytest.raises(NoRoom, match=r"no disk room.*iB free"):
         check_disk(tmp_path / "live", free + 2**40)

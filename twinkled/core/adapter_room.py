@@ -19,7 +19,7 @@ from pathlib import Path
 
 from twinkled.protocol.config import Config
 from twinkled.protocol.errors import UserError
-from twinkled.protocol.sizing import GiB, adapter_bytes
+from twinkled.protocol.sizing import GiB, adapter_bytes, human_size
 from twinkled.protocol.types import LoraConfig
 
 
@@ -62,8 +62,8 @@ class AdapterRoom:
             return
         raise NoRoom(
             f"no GPU memory for this adapter: a rank-{config.rank} adapter needs about "
-            f"{self._size_of(config) / GiB:.2f} GiB per GPU, more than the "
-            f"{self.budget / GiB:.2f} GiB this daemon gives adapters (adapter_memory_gb) "
+            f"{human_size(self._size_of(config))} per GPU, more than the "
+            f"{human_size(self.budget)} this daemon gives adapters (adapter_memory_gb) "
             "even with every other adapter parked; use a lower rank or fewer target modules")
 
     def hold(self, model: str, config: LoraConfig) -> None:
@@ -86,16 +86,16 @@ def check_disk(path: Path, need: int) -> None:
         path = path.parent
     free = shutil.disk_usage(path).free
     if need > free:
-        raise NoRoom(f"no disk room for this adapter: its state needs about {need / GiB:.2f} "
-                     f"GiB and {path} has {free / GiB:.2f} GiB free; free some disk (old "
+        raise NoRoom(f"no disk room for this adapter: its state needs about {human_size(need)} "
+                     f"and {path} has {human_size(free)} free; free some disk (old "
                      "checkpoints) or use a lower rank")
 
 
 def check_cap(config: LoraConfig, size: int, tenant: str, cap: int | None) -> None:
     """Refuse, with the numbers, an adapter larger than `tenant`'s resident cap by itself."""
     if cap is not None and size > cap:
-        raise NoRoom(f"a rank-{config.rank} adapter needs about {size / GiB:.3f} GiB per GPU, "
-                     f"more than tenant {tenant!r}'s cap of {cap / GiB:.3f} GiB of adapters "
+        raise NoRoom(f"a rank-{config.rank} adapter needs about {human_size(size)} per GPU, "
+                     f"more than tenant {tenant!r}'s cap of {human_size(cap)} of adapters "
                      "in a GPU bank (max_resident_bytes / tenant_max_resident_bytes); use a "
                      "lower rank or fewer target modules")
 
