@@ -411,3 +411,46 @@ def test_a_node_whose_disk_cannot_hold_the_adapter_refuses_it_with_the_numbers(t
     check_disk(tmp_path / "live" / "not-yet", 1)
     with pytest.raises(NoRoom, match=r"no disk room.*iB free"):
         check_disk(tmp_path / "live", free + 2**40)
+
+
+def test_an_adapter_coming_in_from_host_memory_is_never_spilled_to_disk_meanwhile(tiny_dir,
+                                                                                   tmp_path):
+    """Two runs come back at once: X from host memory, Y from disk. X's unpark is in flight
+    when Y's room is made: a resident run is parked to host memory, and the one there to
+    make room for it is X itself. Spilled to disk then, X left the bank the moment it came
+    back, and its next request failed with "no adapter loaded" (seen at 1,000 runs on the
+    CPU). A run being brought in is not a candidate."""
+    import asyncio
+
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+    tiers = {"adapter_memory_gb": 2.5 * one / GiB,
+             "host_adapter_memory_gb": 1.5 * one * 16 / 18 / GiB}
+
+    async def go():
+        async with service(tiny_dir, tmp_path, **tiers) as box:
+            x, y, r1, r2 = await _create(box, 4)
+            tenant = {x: "t0", y: "t1", r1: "t2", r2: "t3"}
+            for m in (y, x, r1, r2):  # y, then x, then r1 and r2 trained last
+                await _op(box, tenant[m], m, lambda m=m: box.fwdbwd(tenant[m], m, 1, [5, 7]))
+                await _op(box, tenant[m], m, lambda m=m: box.optim(tenant[m], m, 2))
+            residency = box.svc.lanes.all[0].residency
+            assert residency.tiers.on_host_models() == [x]  # y went on to disk
+            assert await residency.send_away(r1)  # a free slot in the bank: x needs no park
+            # Each move answers after a round trip, as a worker process's does (in
+            # process it would answer at once, before anything else could run).
+            executor = box.svc.lanes.all[0].executor
+            moved = executor.move
+
+            async def round_trip(frame, overlap=False):
+                await asyncio.sleep(0.05)
+                return await moved(frame, overlap=overlap)
+
+            executor.move = round_trip
+            await asyncio.gather(*(box.svc.ensure_loaded(box.store.runs.get(m))
+                                   for m in (x, y)))
+            for m in (x, y):  # each answers where it left off
+                f = box.fwdbwd(tenant[m], m, 3, [6])
+                await done(f)
+                assert f.error is None, f.error
+
+    run(go())

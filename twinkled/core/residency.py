@@ -203,7 +203,8 @@ class Residency:
                     log.info("adapter %s unloaded after %.0f s idle", model, idle_s)
         async with self._admitting:
             for model in self.tiers.on_host_models():
-                if time.monotonic() - self.tiers.last_used(model) >= idle_s:
+                if (time.monotonic() - self.tiers.last_used(model) >= idle_s
+                        and not self._moving(model)):
                     await self._host_to_disk(model)
 
     async def ensure_loaded(self, run: dict) -> None:
@@ -239,7 +240,12 @@ class Residency:
         """Resident adapters with nothing queued or in flight and no move under way, least
         recently used first: those that may go to another lane (core/balance.py)."""
         return [m for m in self.tiers.coldest(self._live) if not self._planner.busy(m)
-                and not (m in self._locks and self._locks[m].locked())]
+                and not self._moving(m)]
+
+    def _moving(self, model: str) -> bool:
+        """A move of `model` is under way (parked, brought in, sent away): its lock is held."""
+        lock = self._locks.get(model)
+        return lock is not None and lock.locked()
 
     async def send_away(self, model: str) -> bool:
         """Out of this lane for another (core/balance.py): persisted to disk and closed,
@@ -357,7 +363,10 @@ class Residency:
         if not self.tiers.host.fits_ever(config):
             return False
         while not self.tiers.host.fits(config, leaving=incoming):
-            coldest = [m for m in self.tiers.on_host_models() if m != incoming]
+            # Never one being brought in (its lock held, its unpark perhaps in flight:
+            # spilled now, it would leave the bank the moment it came back)
+            coldest = [m for m in self.tiers.on_host_models()
+                       if m != incoming and not self._moving(m)]
             if not coldest or not await self._host_to_disk(coldest[0], needer):
                 return False
         return True
