@@ -16,7 +16,8 @@ step (its logprobs are those of a twin trained, without crashes, on exactly the 
 client was told are done); every checkpoint a client was told is ready loads and samples.
 
 TWINKLE_CHAOS_S (default 8) is how long the kills go on; TWINKLE_CHAOS_SEED picks the
-schedule. The default run is short enough for the suite (about a minute on a
+schedule; TWINKLE_CHAOS_TIERS=1 gives the daemon a GPU bank of 2 adapters and host memory for
+2 more, so that the five runs are parked and brought back between their steps as well. The default run is short enough for the suite (about a minute on a
 2-core box); set TWINKLE_CHAOS_S=300 for a soak.
 """
 
@@ -36,6 +37,10 @@ tinker = pytest.importorskip("tinker")
 
 CHAOS_S = float(os.environ.get("TWINKLE_CHAOS_S", "8"))
 SEED = int(os.environ.get("TWINKLE_CHAOS_SEED", "28"))
+# Budgets of about 2.5 rank-4 adapters of the tiny model (0.35 MiB each, gradients and
+# moments included) in the GPU bank and in host memory (TWINKLE_CHAOS_TIERS)
+TIERS = ("adapter_memory_gb = 0.00088\nhost_adapter_memory_gb = 0.00078\n"
+         if os.environ.get("TWINKLE_CHAOS_TIERS") == "1" else "")
 T = 180  # no call may wait longer than this for its answer (a restart takes ~15 s here)
 # Each tenant rests this long after a step: back to back, the three busy ones acknowledged
 # ~80 steps each in a default run, and this test's CPU went with that count (the steps, their
@@ -213,7 +218,7 @@ class Chaos:
 def test_random_kills_lose_no_acknowledged_step_and_leave_no_request_unanswered(
         tiny_dir, tmp_path):
     cfg = tmp_path / "twinkled.toml"
-    cfg.write_text(f"persist_every = 3\nidle_unload_s = {IDLE_S}\n")
+    cfg.write_text(f"persist_every = 3\nidle_unload_s = {IDLE_S}\n{TIERS}")
     keys = [make_key(tmp_path, f"t{i}") for i in range(TENANTS)]
     logs = iter(range(1000))
 
