@@ -39,7 +39,7 @@ test: install
 # The edit loop's tier: the tests that start no daemon (engine, scheduler, store, codecs,
 # layers), in about a minute.
 FAST_TESTS = tests/test_scheduler.py tests/test_scheduler_time.py tests/test_layers.py \
-	tests/test_store.py tests/test_journal.py tests/test_lost_gradients.py \
+	tests/test_store.py tests/test_journal.py tests/test_lost_gradients.py tests/test_step_runner.py \
 	tests/test_tinker_codec.py tests/test_stability.py tests/test_sdk_data.py \
 	tests/test_layout.py tests/test_engine_bad_input.py tests/test_engine_lora.py \
 	tests/test_engine_losses.py tests/test_engine_optim.py tests/test_engine_sampling.py \

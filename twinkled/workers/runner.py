@@ -171,8 +171,11 @@ class StepRunner:
         for i in indices:
             f = ops[i]
             if f.adapter_id is not None and not self.engine.has_adapter(f.adapter_id):
+                # The daemon sends only what it checked is loaded (ensure_loaded): here its
+                # bookkeeping and this worker's disagree, a fault of ours, not the client's.
                 outcomes.append(OutcomeF(i, error=f"adapter_id: no adapter {f.adapter_id!r} "
-                                         "is loaded", category="user"))
+                                         "is loaded on the worker (a server fault); submit "
+                                         "the request again", category="server"))
                 continue
             good.append((i, ForwardBackwardRequest(f.adapter_id, [_datum(d) for d in f.data],
                                                    f.loss_fn, f.loss_config, f.forward_only)))
