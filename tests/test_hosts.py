@@ -72,7 +72,9 @@ def two_hosts(tiny_dir, tmp_path_factory):
     port = free_port()
     cfg = data_dir.parent / "head.toml"
     cfg.write_text(f'join_listen = "tcp://127.0.0.1:{port}"\njoin_token_file = "{token}"\n'
-                   f"remote_ranks = 1\njoin_timeout_s = 3\njoin_heartbeat_s = 3\n"
+                   # heartbeat: a lost host is noticed after this long; 3 s was seen
+                   # to lose a live host starved of CPU by the suite's other processes
+                   f"remote_ranks = 1\njoin_timeout_s = 3\njoin_heartbeat_s = 8\n"
                    f"worker_threads = 1\n")
     key = make_key(data_dir, "alice")
     d = Daemon(tiny_dir, data_dir, data_dir / "log", "--config", str(cfg), wait=False)
