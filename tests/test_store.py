@@ -398,26 +398,26 @@ def test_pending_futures_fail_after_restart(store, db_path):
 
 def test_failed_training_names_runs_whose_last_training_op_failed(store):
     f = store.futures
-    # r1: its forward_backward failed, nothing after it but a forward: lost gradients
-    f.create("a1", "alice", "forward_backward", "r1", 4)
-    f.fail("a1", "worker lost", "server")
-    f.create("a2", "alice", "forward", "r1", 5)
-    f.complete("a2", b"{}", "application/json")
-    # r2: failed, then the optim_step behind it failed too: accounted for
-    f.create("b1", "alice", "forward_backward", "r2", 1)
-    f.fail("b1", "x", "server")
-    f.create("b2", "alice", "optim_step", "r2", 2)
-    f.fail("b2", "x", "server")
-    # r3: failed, then redone: trained
-    f.create("c1", "alice", "forward_backward", "r3", 1)
-    f.fail("c1", "x", "user")
-    f.create("c2", "alice", "forward_backward", "r3", 2)
-    f.complete("c2", b"{}", "application/json")
-    # r4: a forward that failed loses no gradients; r5: refused at the door (no seq_id)
-    f.create("d1", "alice", "forward", "r4", 1)
-    f.fail("d1", "x", "server")
-    f.create("e1", "alice", "forward_backward", "r5")
-    f.fail("e1", "bad datum", "user")
+    history = [  # (future, kind, run, seq_id, error and category; None: done)
+        # r1: its forward_backward failed, nothing after it but a forward: lost gradients
+        ("a1", "forward_backward", "r1", 4, ("worker lost", "server")),
+        ("a2", "forward", "r1", 5, None),
+        # r2: failed, then the optim_step behind it failed too: accounted for
+        ("b1", "forward_backward", "r2", 1, ("x", "server")),
+        ("b2", "optim_step", "r2", 2, ("x", "server")),
+        # r3: failed, then redone: trained
+        ("c1", "forward_backward", "r3", 1, ("x", "user")),
+        ("c2", "forward_backward", "r3", 2, None),
+        # r4: a forward that failed loses no gradients; r5: refused at the door (no seq_id)
+        ("d1", "forward", "r4", 1, ("x", "server")),
+        ("e1", "forward_backward", "r5", None, ("bad datum", "user")),
+    ]
+    for fid, kind, run, seq, error in history:
+        f.create(fid, "alice", kind, run, seq)
+        if error is None:
+            f.complete(fid, b"{}", "application/json")
+        else:
+            f.fail(fid, *error)
     assert f.failed_training() == [("r1", 4, "worker lost", "server")]
 
 
