@@ -188,6 +188,13 @@ class Planner:
             return len(self.models)
         return sum(t == tenant for t in self.model_tenant.values())
 
+    def tenant_of(self, model: str) -> str | None:
+        return self.model_tenant.get(model)
+
+    def models_of(self, tenant: str) -> list[str]:
+        """The open models of `tenant`."""
+        return [m for m, t in self.model_tenant.items() if t == tenant]
+
     def model_seqs(self) -> dict[str, int]:
         """{model: the seq_id it waits for}, of every open model."""
         return {m: q.next_seq for m, q in self.models.items()}

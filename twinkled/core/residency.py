@@ -99,8 +99,7 @@ class Residency:
         cap = None if tenant is None else self._cap(tenant)
         if cap is None:
             return False
-        mine = sum(self.room.held(m) for m, t in self._planner.model_tenant.items()
-                   if t == tenant)
+        mine = sum(self.room.held(m) for m in self._planner.models_of(tenant))
         return mine + (self.room.size(config) if config is not None else 0) > cap
 
     # -- what steps did -----------------------------------------------------------------
@@ -310,7 +309,7 @@ class Residency:
         `only`, if given), to make room for `incoming` (if any); False if every one has
         work (or is being moved)."""
         for model in self.tiers.coldest(self._live, incoming):
-            if only is not None and self._planner.model_tenant.get(model) != only:
+            if only is not None and self._planner.tenant_of(model) != only:
                 continue
             lock = self._locks.setdefault(model, asyncio.Lock())
             if lock.locked() or self._planner.busy(model) or not self.is_open(model):
