@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from .cost import CostModel, StepShape
 from .fairness import Fairness
-from .queues import OPTIM, TRAIN, ModelQueue, Work
+from .queues import OPTIM, TRAIN, ModelQueues, Work
 
 
 def micro_tokens(shape: StepShape, predicted_s: float, preempt_s: float) -> int:
@@ -46,7 +46,7 @@ def micro_tokens(shape: StepShape, predicted_s: float, preempt_s: float) -> int:
     return max(1, math.ceil(shape.tokens * preempt_s / predicted_s))
 
 
-def join_candidates(models: dict[str, ModelQueue], model_tenant: dict[str, str],
+def join_candidates(queues: ModelQueues,
                     fair: Fairness, running: list[Work], predicted_s: float,
                     ready: Callable[[str], bool]) -> list[tuple[str, list[Work]]]:
     """(tenant, a model's ops) that may join the step running `running` (predicted to take
@@ -63,11 +63,11 @@ def join_candidates(models: dict[str, ModelQueue], model_tenant: dict[str, str],
     # while the step runs: it may be up to the step's time ahead of them.
     ahead = min((t.vtime for t in step_tenants), default=float("inf"))
     out = []
-    for model, q in models.items():
+    for model, q in queues.items():
         head = q.head()
         if model in in_step or head is None or head.taken or not ready(model):
             continue
-        tenant = fair.tenant(model_tenant[model])
+        tenant = fair.tenant(queues.tenant_of(model))
         if tenant.name in names or tenant.vtime > ahead + predicted_s / tenant.weight:
             continue  # past its share next to the step's tenants: it waits its turn
         if head.kind == TRAIN:

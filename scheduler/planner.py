@@ -41,7 +41,7 @@ from .cost import CostModel, StepShape
 from .fairness import Fairness, Ledger, Limits, Tenant
 from .joins import fit_join, join_candidates, join_charges, micro_tokens
 from .packing import MIN_SHARED_STEP, fills_step, fit_work, is_probe, pack_samples
-from .queues import OPTIM, SAMPLE, TRAIN, ModelQueue, Work
+from .queues import OPTIM, SAMPLE, TRAIN, ModelQueues, Work
 
 
 @dataclass
@@ -83,8 +83,7 @@ class Planner:
         self.target_step_s = target_step_s
         self.cost = cost or CostModel()
         self.fair = Fairness(ledger)
-        self.models: dict[str, ModelQueue] = {}
-        self.model_tenant: dict[str, str] = {}
+        self.queues = ModelQueues()  # the open models' ops (queues.py)
         self.samples: dict[str, deque[Work]] = {}  # tenant -> FIFO
         self.admission = Admission(self.fair)
         self.steps = 0
@@ -109,95 +108,31 @@ class Planner:
                    resync: bool = False) -> None:
         """`resync`: resume at the first seq_id that arrives (a model restored after a
         crash, whose client counted on past the state it was restored to)."""
-        self.models[model] = ModelQueue(next_seq=next_seq, resync=resync)
-        self.model_tenant[model] = tenant
+        self.queues.open(model, tenant, next_seq, resync)
 
     def idle(self) -> bool:
         """Nothing that can run is queued, held back or in flight (ops waiting on a seq_id
         gap cannot run until their client sends the missing one)."""
-        return (not any(q.head() is not None or q.in_flight for q in self.models.values())
+        return (not any(q.head() is not None or q.in_flight for q in self.queues.values())
                 and not any(self.samples.values()) and not self.admission.holds_any())
 
     def forget_model(self, model: str) -> None:
         """Drop a model whose ops have all run (its adapter was unloaded)."""
-        q = self.models.get(model)
-        if q is not None and not q.pending and not q.in_flight:
-            del self.models[model]
-            self.model_tenant.pop(model, None)
+        self.queues.forget(model)
 
-    # -- what the daemon may ask of a model's queue ---------------------------------------
-
-    def has_model(self, model: str) -> bool:
-        return model in self.models
-
-    def next_seq(self, model: str) -> int | None:
-        """The seq_id the model waits for (None: no such model)."""
-        q = self.models.get(model)
-        return None if q is None else q.next_seq
-
-    def seq_taken(self, model: str, seq: int) -> bool:
-        """`seq` of `model` already ran or is queued."""
-        q = self.models[model]
-        return seq < q.next_seq or seq in q.pending
-
-    def resyncing(self, model: str) -> bool:
-        """The model resumes at whatever seq_id arrives first (restored after a crash)."""
-        return self.models[model].resync
-
-    def has_pending(self, model: str) -> bool:
-        q = self.models.get(model)
-        return q is not None and bool(q.pending)
-
-    def awaits_barrier(self, model: str) -> bool:
-        """The model's last queued op is a forward/backward: a client that sends an
-        optim_step right behind each one has not sent it yet."""
-        q = self.models.get(model)
-        if q is None or not q.pending:
-            return False
-        return not q.pending[max(q.pending)].is_barrier
+    # -- what the daemon may ask of a model's queue (the rest: `queues`) --------------
 
     def optim_may_ride(self, model: str) -> bool:
         """Whether an optim_step the model's client sends next could still ride behind its
         rows: all its queued ops are forward/backwards that fit in one step. (A flooder's
         backlog runs over several steps: waiting for its optim_step gains nothing.)"""
-        q = self.models.get(model)
-        if q is None:
+        if model not in self.queues:
             return False
+        q = self.queues[model]
         run = q.run_of_train()
         if not run or len(run) != len(q.pending):
             return False
         return not fills_step([run], self.step_target(), self.token_budget + 1, self.cost)
-
-    def models_with_work(self) -> int:
-        """How many models have ops queued."""
-        return sum(1 for q in self.models.values() if q.pending)
-
-    def busy(self, model: str) -> bool:
-        """Something of the model is queued or running."""
-        q = self.models.get(model)
-        return q is not None and bool(q.pending or q.in_flight)
-
-    def seq_after_queued(self, model: str) -> int:
-        """The first seq_id after everything the model ran or has queued."""
-        q = self.models[model]
-        return max([q.next_seq - 1, *q.pending]) + 1
-
-    def model_count(self, tenant: str | None = None) -> int:
-        """How many models are open (of `tenant`, if given)."""
-        if tenant is None:
-            return len(self.models)
-        return sum(t == tenant for t in self.model_tenant.values())
-
-    def tenant_of(self, model: str) -> str | None:
-        return self.model_tenant.get(model)
-
-    def models_of(self, tenant: str) -> list[str]:
-        """The open models of `tenant`."""
-        return [m for m, t in self.model_tenant.items() if t == tenant]
-
-    def model_seqs(self) -> dict[str, int]:
-        """{model: the seq_id it waits for}, of every open model."""
-        return {m: q.next_seq for m, q in self.models.items()}
 
     def is_paused(self, work_id: str) -> bool:
         """The work is held back by its tenant's quota."""
@@ -215,10 +150,10 @@ class Planner:
 
     def submit(self, w: Work) -> bool:
         """Queue `w`; False if it is held back by its tenant's quota (paused)."""
-        if w.model is not None and w.model not in self.models:
+        if w.model is not None and w.model not in self.queues:
             raise KeyError(f"unknown model {w.model!r}")
         if w.model is not None:
-            q = self.models[w.model]
+            q = self.queues[w.model]
             if q.resync and not q.pending and not q.in_flight:
                 q.next_seq, q.resync = max(q.next_seq, w.seq), False
         if self.over_quota(w.tenant, w.tokens) and not self._fills_gap(w):
@@ -229,7 +164,7 @@ class Planner:
 
     def _fills_gap(self, w: Work) -> bool:
         # The op a model is waiting for is never held (admission.py)
-        return w.model is not None and w.seq == self.models[w.model].next_seq
+        return w.model is not None and w.seq == self.queues[w.model].next_seq
 
     def _enqueue(self, w: Work) -> None:
         t = self.fair.tenant(w.tenant)
@@ -241,7 +176,7 @@ class Planner:
         if w.kind == SAMPLE:
             self.samples.setdefault(w.tenant, deque()).append(w)
         else:
-            q = self.models[w.model]
+            q = self.queues[w.model]
             if w.seq in q.pending or w.seq < q.next_seq:
                 raise ValueError(f"seq_id {w.seq} of {w.model} is already queued or done")
             q.pending[w.seq] = w
@@ -269,14 +204,14 @@ class Planner:
         self._admit_held()
         has_samples = samples and any(self.samples.values())
         sampling = has_samples and (self._sample_turn or not train)
-        ready = [w for w in (q.head() for q in self.models.values())
+        ready = [w for w in (q.head() for q in self.queues.values())
                  if w is not None and w.is_barrier]
         step = None
         if ready and train and not sampling and self._foldable(ready):
             step = self._train_step(tail=ready)
         if step is None and ready:
             for w in ready:
-                self.models[w.model].take(w)
+                self.queues[w.model].take(w)
             step = Step("barrier", ready)
         if step is None:
             if sampling:
@@ -301,7 +236,7 @@ class Planner:
         queued behind them: running them first would unblock nothing now, and a barrier
         step costs a round trip of the workers and a gather for its models' clients. (Such
         an optim_step came too late to ride behind its model's rows.)"""
-        return all(w.kind == OPTIM and not self.models[w.model].rows_behind(w) for w in ready)
+        return all(w.kind == OPTIM and not self.queues[w.model].rows_behind(w) for w in ready)
 
     def step_target(self) -> float:
         """The time a training step is packed up to, in seconds (inf: no time bound)."""
@@ -313,10 +248,10 @@ class Planner:
         """A training step, or None if no rows can run; `tail`: ready barriers (of other
         models) that run after its rows (`_foldable`)."""
         runs: dict[str, list[list[Work]]] = {}  # tenant -> per-model runs of train ops
-        for model, q in self.models.items():
+        for model, q in self.queues.items():
             run = q.run_of_train()
             if run:
-                runs.setdefault(self.model_tenant[model], []).append(run)
+                runs.setdefault(self.queues.tenant_of(model), []).append(run)
         taken: list[Work] = []
         shape = StepShape()
         models: set[str] = set()
@@ -354,7 +289,7 @@ class Planner:
             t.rr += 1
             if piece.final:
                 model_runs[i].pop(0)
-                self.models[w.model].take(w)
+                self.queues[w.model].take(w)
             else:  # the rest of a cut op waits for the next step; its model stops here
                 model_runs[i].clear()
             if not model_runs[i]:
@@ -385,7 +320,7 @@ class Planner:
                 t.contended_s += added + self.cost.fixed_cost * share
         # Barriers right behind this step's ops run at its end (after all its rows).
         for model in dict.fromkeys(w.model for w in taken if w.final):
-            q = self.models[model]
+            q = self.queues[model]
             w = q.pending.get(q.next_seq)
             if w is not None and w.is_barrier:
                 q.pending.pop(w.seq)
@@ -393,7 +328,7 @@ class Planner:
                 q.in_flight += 1
                 taken.append(w)
         for w in tail:
-            self.models[w.model].take(w)
+            self.queues[w.model].take(w)
             taken.append(w)
         predicted = self.cost.predict(shape)
         micro = micro_tokens(shape, predicted, self.preempt_limit()) \
@@ -442,13 +377,13 @@ class Planner:
         if limit <= self.cost.fixed_cost:  # not even a pass fits
             return None
         self._admit_held()
-        candidates = join_candidates(self.models, self.model_tenant, self.fair, running.work,
+        candidates = join_candidates(self.queues, self.fair, running.work,
                                      running.predicted_s, ready)
         taken, shape, added = fit_join(self.cost, candidates, limit)
         if not taken:
             return None
         for w in taken:
-            self.models[w.model].take(w)
+            self.queues[w.model].take(w)
             self._dequeued(w)
         for name, paid in join_charges(self.cost, added).items():
             self.fair.tenant(name).charge(paid, sum(w.tokens for w in taken
@@ -475,8 +410,8 @@ class Planner:
         if seconds is not None and step.kind == "train" and step.shape is not None:
             self.cost.observe(step.shape, seconds)
         for w in step.work:
-            if w.model is not None and w.final and w.model in self.models:
-                self.models[w.model].in_flight -= 1
+            if w.model is not None and w.final and w.model in self.queues:
+                self.queues[w.model].in_flight -= 1
 
     # -- reporting ----------------------------------------------------------------------
 

@@ -105,7 +105,7 @@ def test_the_gather_does_not_hold_a_step_for_a_flooders_optim_step():
         gather.arrived("flood:0", OPTIM)
         gather.arrived("flood:0", TRAIN)
         p.submit(fwdbwd("flood", "flood:0", 6, ROWS))  # its last queued op: a fwdbwd
-        assert gather.is_paired("flood:0") and p.awaits_barrier("flood:0")
+        assert gather.is_paired("flood:0") and p.queues.awaits_barrier("flood:0")
         step = p.next_step()
         assert {w.tenant for w in step.work} == {"flood", "small"}
         p.complete(step, step.predicted_s)
@@ -168,7 +168,7 @@ def test_a_small_tenants_pair_joins_the_flooders_step_in_flight():
     assert p.join_step(running) is None  # the small model is in flight now
     p.complete(j)
     p.complete(running, running.predicted_s)
-    assert p.next_seq("small") == 3
+    assert p.queues.next_seq("small") == 3
 
 
 def test_a_tenants_other_models_do_not_join_its_own_step():
@@ -247,7 +247,7 @@ def test_the_joins_of_one_step_stay_within_its_allowance_and_pay_their_pass():
     assert joined
     allowance = max(p.preempt_limit(), JOIN_SHARE * running.predicted_s)  # one tenant
     assert sum(j.predicted_s for j in joined) <= allowance + 1e-9
-    waiting = [f"s{i}" for i in range(40) if p.next_seq(f"s{i}") == 1]
+    waiting = [f"s{i}" for i in range(40) if p.queues.next_seq(f"s{i}") == 1]
     assert waiting  # the allowance ran out before every small tenant joined
     fixed = p.cost.fixed_cost
     for j in joined:

@@ -247,8 +247,8 @@ def test_ten_thousand_random_arrivals_keep_order_and_finish():
     completed: dict[str, set[int]] = {m: set() for m in models}
     submitted_at, waits = {}, []
     arrivals, step_no = 0, 0
-    while arrivals < 10_000 or backlog or any(
-            q.pending for q in p.models.values()) or any(p.samples.values()) or p.paused:
+    while (arrivals < 10_000 or backlog or p.queues.with_work() or any(p.samples.values())
+           or p.paused):
         for _ in range(rng.randint(0, 6)):
             if arrivals >= 10_000:
                 break

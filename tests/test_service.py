@@ -183,12 +183,12 @@ def test_a_refused_request_takes_its_seq_id(tiny_dir, tmp_path):
             box.svc.refuse("alice", m, 1, "data[0]: bad")  # seq 1 was refused at the door
             await done(f2)  # seq 2 did not wait for seq 1 forever
             assert f2.error is None
-            assert box.svc.lanes.all[0].planner.next_seq(m) == 3
+            assert box.svc.lanes.all[0].planner.queues.next_seq(m) == 3
             # The refusal's future failed with its reason.
             assert refused(box.store) == ["error"]
             # A refused seq_id that already ran takes nothing.
             box.svc.refuse("alice", m, 2, "late")
-            assert box.svc.lanes.all[0].planner.next_seq(m) == 3
+            assert box.svc.lanes.all[0].planner.queues.next_seq(m) == 3
             assert refused(box.store) == ["error"]
 
     run(go())

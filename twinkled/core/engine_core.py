@@ -130,18 +130,18 @@ class EngineCore:
         future_id = self._seq_index.get((model, seq_id))
         if future_id is not None:
             return self.futures.find(future_id) or self.futures.get(tenant, future_id)
-        next_seq = self.planner.next_seq(model)
-        if next_seq is None or self.planner.resyncing(model) or seq_id < next_seq:
+        next_seq = self.planner.queues.next_seq(model)
+        if next_seq is None or self.planner.queues.resyncing(model) or seq_id < next_seq:
             # Restored after a crash (or an old seq_id): the index is gone, the store has
             # it. A retry of an op that ran before the crash must not run it twice.
             return self.futures.taken(tenant, model, seq_id, kind)
         return None
 
     def _out_of_order(self, model: str, seq: int) -> str | None:
-        next_seq = self.planner.next_seq(model)
+        next_seq = self.planner.queues.next_seq(model)
         if seq < next_seq:
             return f"seq_id {seq} of {model} has already run"
-        if seq > next_seq + SEQ_WINDOW and not self.planner.resyncing(model):
+        if seq > next_seq + SEQ_WINDOW and not self.planner.queues.resyncing(model):
             return (f"seq_id {seq} of {model} is too far ahead: the model waits for seq_id "
                     f"{next_seq} (at most {SEQ_WINDOW} ahead)")
         return None
@@ -158,7 +158,7 @@ class EngineCore:
         it, and its later requests must not wait for it forever. (A retried seq_id, one
         already run, or one beyond the window takes nothing.)"""
         if (seq_id is None or not self.residency.is_open(model_id)
-                or self.planner.seq_taken(model_id, seq_id)
+                or self.planner.queues.seq_taken(model_id, seq_id)
                 or (model_id, seq_id) in self._seq_index
                 or self._out_of_order(model_id, seq_id) is not None):
             return
@@ -350,7 +350,7 @@ class EngineCore:
         """A pipelining client's forward_backward joins with the optim_step it sends right
         behind it (the gather's view), not without it."""
         return self.executor.may_join(model) and not (
-            self.gather.is_paired(model) and self.planner.awaits_barrier(model))
+            self.gather.is_paired(model) and self.planner.queues.awaits_barrier(model))
 
     async def _joined(self, j: Step, ops: list[Op], sent) -> None:
         """A join's answer: its ops completed at once (their clients hear now)."""
@@ -403,7 +403,7 @@ class EngineCore:
             if outcome[1] is None:
                 self._lost.trained(op.model_id, op.seq_id)
                 return
-            last = self.planner.seq_after_queued(op.model_id) - 1
+            last = self.planner.queues.seq_after_queued(op.model_id) - 1
             self._lost.failed(op.model_id, op.seq_id, last, outcome[1], outcome[2] or "server")
 
     def _after(self, step: Step, seconds: float | None) -> None:

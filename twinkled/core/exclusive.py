@@ -125,5 +125,5 @@ def full_run_lane(lanes, tenants, config: Config, tenant: str):
 
 
 def _empty(lane) -> bool:
-    return (lane.planner.model_count() == 0 and lane.residency.count() == 0
+    return (lane.planner.queues.count() == 0 and lane.residency.count() == 0
             and not lane.residency.tiers.status()["host"])

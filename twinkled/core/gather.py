@@ -54,7 +54,7 @@ class Gather:
 
     def arrived(self, model: str, kind: str) -> None:
         """A training op of `model` is in (called before the planner queues it)."""
-        if kind == OPTIM and self.planner.busy(model):
+        if kind == OPTIM and self.planner.queues.busy(model):
             # Sent before the forward_backward ahead of it finished: a pipelining client.
             self._paired.add(model)
         elif kind == TRAIN and self._latest.get(model, ("",))[0] == TRAIN:
@@ -106,7 +106,7 @@ class Gather:
             now = time.monotonic()
             until = deadline
             if now >= deadline:  # past the window: only for the pairs half in
-                halves = {m for m in waiting if self.planner.has_pending(m)}
+                halves = {m for m in waiting if self.planner.queues.has_pending(m)}
                 until = self._half_pairs_until(halves, began)
                 if now >= until:
                     return
@@ -122,8 +122,8 @@ class Gather:
         it makes (see the module's docstring)."""
         if not self.preemptible or self.planner.preempt_limit() <= 0:
             return False
-        waited = sum(1 for m in recent if self.planner.has_pending(m))
-        return self.planner.models_with_work() > waited
+        waited = sum(1 for m in recent if self.planner.queues.has_pending(m))
+        return self.planner.queues.with_work() > waited
 
     def _half_pairs_until(self, halves: set[str], began: float) -> float:
         """How long the optim_steps of `halves` are worth waiting for: a window from the
@@ -133,7 +133,7 @@ class Gather:
         if not halves:
             return began
         arrived = max((self._latest[m][1] for m in halves if m in self._latest), default=began)
-        worth = len(halves) / max(1, self.planner.models_with_work()) * self._train_s
+        worth = len(halves) / max(1, self.planner.queues.with_work()) * self._train_s
         return min(began + HALF_PAIR_WINDOWS * self.window_s, arrived + self.window_s,
                    began + max(self.window_s, worth))
 
@@ -141,7 +141,7 @@ class Gather:
         """The models of `recent` whose client has not sent its next request yet (or the
         optim_step it sends right behind its forward_backward)."""
         return {m for m in recent if self.residency.is_open(m)
-                and (not self.planner.has_pending(m)
+                and (not self.planner.queues.has_pending(m)
                      or (m in self._paired and self._half_pair(m)))}
 
     def _half_pair(self, model: str) -> bool:
@@ -151,4 +151,4 @@ class Gather:
         flight) it could not: measured on the CPU, waiting for it anyway idled the worker a
         whole window before every step (a third of the flooder's throughput) and made a
         small tenant's request, already in, wait out the rest of the window."""
-        return self.planner.awaits_barrier(model) and self.planner.optim_may_ride(model)
+        return self.planner.queues.awaits_barrier(model) and self.planner.optim_may_ride(model)

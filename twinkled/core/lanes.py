@@ -132,7 +132,7 @@ class Lanes:
         fits = [lane for lane in shared if lane.residency.room.fits(config)]
         if fits:
             return min(self.long.prefer(fits, model),
-                       key=lambda lane: (lane.planner.model_count(), lane.index))
+                       key=lambda lane: (lane.planner.queues.count(), lane.index))
         return min(shared, key=lambda lane: (lane.residency.room.used(), lane.index))
 
     def place(self, model: str, lane: Lane) -> None:
@@ -365,7 +365,7 @@ class Lanes:
             status["lanes"] = [
                 {"lane": lane.index, "devices": lane.devices, "host": lane.host or here,
                  "remote": bool(lane.host), "down": lane.down or None,
-                 "steps": lane.planner.steps, "adapters": lane.planner.model_count(),
+                 "steps": lane.planner.steps, "adapters": lane.planner.queues.count(),
                  "step_target_ms": _ms(lane.planner.step_target()),
                  "restarts": restarts[lane.index], **lane_load(lane),
                  "long": bool(self.long.on(lane)),  # a lane of long-context runs
@@ -394,7 +394,7 @@ class Lanes:
         return GapWindow.summary(lane.executor.gaps for lane in self.all)
 
     def model_count(self) -> int:
-        return sum(lane.planner.model_count() for lane in self.all)
+        return sum(lane.planner.queues.count() for lane in self.all)
 
     def workers(self) -> list[dict]:
         """Every lane's worker ranks, each with its lane."""

@@ -79,7 +79,7 @@ class LongRuns:
 
     def shorts_on(self, lane: _Lane) -> int:
         """How many short runs are open on `lane`."""
-        return lane.planner.model_count() - len(self.on(lane))
+        return lane.planner.queues.count() - len(self.on(lane))
 
     # -- placement ----------------------------------------------------------------------
 

@@ -119,8 +119,8 @@ class RemoteLanes:
             run = self._store.runs.get(model)
             if model in live:
                 # its seq_ids go on after what its client sent (what is queued fails here)
-                resume = dead.planner.seq_after_queued(model) \
-                    if dead.planner.has_model(model) else None
+                resume = dead.planner.queues.seq_after_queued(model) \
+                    if dead.planner.queues.has(model) else None
                 dead.residency.lost(model, why)
                 dead.residency.tiers.forget(model)
                 self._store.runs.set_live(model, False, next_seq=resume, idle_unloaded=True)
@@ -137,8 +137,8 @@ class RemoteLanes:
     async def _drain(self, dead: Lane) -> None:
         """Close the lost lane's queues once their last ops are answered (they fail)."""
         while True:
-            for model in list(dead.planner.model_seqs()):
+            for model in list(dead.planner.queues.seqs()):
                 dead.planner.forget_model(model)  # (not while it has ops queued or running)
-            if not dead.planner.model_count():
+            if not dead.planner.queues.count():
                 return
             await asyncio.sleep(DRAIN_POLL_S)

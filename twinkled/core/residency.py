@@ -76,7 +76,7 @@ class Residency:
 
     def is_open(self, model: str) -> bool:
         """The model takes operations (created, restored or reloaded; not yet closed)."""
-        return self._planner.has_model(model)
+        return self._planner.queues.has(model)
 
     def live_configs(self) -> dict[str, LoraConfig]:
         return dict(self._live)
@@ -99,7 +99,7 @@ class Residency:
         cap = None if tenant is None else self._cap(tenant)
         if cap is None:
             return False
-        mine = sum(self.room.held(m) for m in self._planner.models_of(tenant))
+        mine = sum(self.room.held(m) for m in self._planner.queues.models_of(tenant))
         return mine + (self.room.size(config) if config is not None else 0) > cap
 
     # -- what steps did -----------------------------------------------------------------
@@ -238,7 +238,7 @@ class Residency:
     def movable(self) -> list[str]:
         """Resident adapters with nothing queued or in flight and no move under way, least
         recently used first: those that may go to another lane (core/balance.py)."""
-        return [m for m in self.tiers.coldest(self._live) if not self._planner.busy(m)
+        return [m for m in self.tiers.coldest(self._live) if not self._planner.queues.busy(m)
                 and not self._moving(m)]
 
     def _moving(self, model: str) -> bool:
@@ -266,7 +266,7 @@ class Residency:
             for model in self.tiers.on_host_models():  # host memory does not outlive us
                 await self._host_to_disk(model)
         await self._executor.persist_all()
-        for model in self._planner.model_seqs():
+        for model in self._planner.queues.seqs():
             self._store.runs.set_live(model, True, next_seq=self._resumes_at(model))
         return len(self._live)
 
@@ -309,10 +309,10 @@ class Residency:
         `only`, if given), to make room for `incoming` (if any); False if every one has
         work (or is being moved)."""
         for model in self.tiers.coldest(self._live, incoming):
-            if only is not None and self._planner.tenant_of(model) != only:
+            if only is not None and self._planner.queues.tenant_of(model) != only:
                 continue
             lock = self._locks.setdefault(model, asyncio.Lock())
-            if lock.locked() or self._planner.busy(model) or not self.is_open(model):
+            if lock.locked() or self._planner.queues.busy(model) or not self.is_open(model):
                 continue
             async with lock:  # free: taken at once
                 if await self._park(model, to_host=True, incoming=incoming, needer=needer):
@@ -325,8 +325,8 @@ class Residency:
         `to_host` and it has room there (the least recently parked go on to disk, never
         `incoming`, which leaves host memory next), else to disk. Its queue closes; its
         next request brings it back (`ensure_loaded`)."""
-        next_seq = self._planner.next_seq(model)
-        if next_seq is None or self._planner.busy(model):
+        next_seq = self._planner.queues.next_seq(model)
+        if next_seq is None or self._planner.queues.busy(model):
             return False
         config = self._live[model]
         resume = self._resumes_at(model)
@@ -422,4 +422,4 @@ class Residency:
         not asked since: its client counted on past the state it was restored to). Kept
         across an idle unload and a hot restart, or its client's next request would wait
         forever for a seq_id the client has long used."""
-        return None if self._planner.resyncing(model) else self._planner.next_seq(model)
+        return None if self._planner.queues.resyncing(model) else self._planner.queues.next_seq(model)

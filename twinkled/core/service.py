@@ -358,7 +358,7 @@ class Service:
                 continue
             f = self.futures.new(tenant, "unload", empty_json)
             # A full run's lane is free again once its base model is back (exclusive.py).
-            self.submit(Op(model, lane.planner.seq_after_queued(model), UnloadF(model), f,
+            self.submit(Op(model, lane.planner.queues.seq_after_queued(model), UnloadF(model), f,
                            after=lambda _r, _m, m=model: self.lanes.exclusive.release(m)))
 
     def refresh_tenants(self) -> None:

@@ -57,7 +57,7 @@ class Tenants:
         if lim.max_adapters is not None:
             # Its runs in the GPU banks, and those parked for room (host memory or disk):
             # parking is the daemon's doing and must not free a place under the cap.
-            mine = sum(planner.model_count(tenant) for planner in self._planners)
+            mine = sum(planner.queues.count(tenant) for planner in self._planners)
             idle_s = self._config.idle_unload_s or float("inf")
             mine += self._store.runs.parked(tenant, time.time() - idle_s)
             if mine >= lim.max_adapters:
