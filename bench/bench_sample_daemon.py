@@ -1,0 +1,196 @@
+"""Sampling through the daemon against the engine alone (issue 31, item 5): N tenants, half
+through the unmodified tinker 0.38 client and half through the official `openai` client
+(the OpenAI face's `/completions`), each sending the RL fan-out workload at once, share the
+daemon's running batch; the same requests then run in one `Engine.sample` call in-process
+on the same weights and card. Reported: each side's new tokens/s and their ratio (the issue
+asks >= 0.9x), and each tenant's seconds.
+
+Each tenant has its own rank-`--rank` adapter (created through tinker, published with
+`save_weights_for_sampler`; an OpenAI tenant names that path as its `model`), warms up with
+one small request, then all tenants send `--prompts` random prompts of `--prompt-len` tokens,
+`--samples` samples each, `--new` new tokens, temperature 1, together: a tinker tenant one
+`sample` per prompt (sent at once), an OpenAI tenant one `completions` call with every
+prompt (token ids) and `n = --samples`.
+
+    python bench/bench_sample_daemon.py                                  # CPU, tiny model
+    python bench/bench_sample_daemon.py --shape qwen3-8b --model-dir /tmp/q8b   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_multitenant import client_options, make_keys, start_daemon  # noqa: E402
+from output import emit, section_path  # noqa: E402
+
+T = 3600  # seconds any one client call may take
+
+
+def prompts_of(args: argparse.Namespace, seed: int) -> list[list[int]]:
+    """A tenant's prompts: the same for the daemon and the engine-alone run."""
+    rng = random.Random(seed)
+    return [[rng.randrange(5, args.vocab) for _ in range(args.prompt_len)]
+            for _ in range(args.prompts)]
+
+
+def tenant(args: argparse.Namespace) -> None:
+    """One tenant process: its adapter, a warm-up, "ready", wait for "go", the workload."""
+    import tinker
+
+    sc = tinker.ServiceClient(base_url=args.url, api_key=args.key)
+    tc = sc.create_lora_training_client(base_model=args.base_model, rank=args.rank,
+                                        train_unembed=False)
+    path = tc.save_weights_for_sampler(f"s{args.seed}").result(timeout=T).path
+    prompts = prompts_of(args, args.seed)
+    if args.face == "openai":
+        import openai
+
+        oai = openai.OpenAI(base_url=f"{args.url}/oai/api/v1", api_key=args.key, timeout=T)
+
+        def run(ps: list[list[int]], n: int, new: int) -> int:
+            r = oai.completions.create(model=path, prompt=ps, n=n, max_tokens=new,
+                                       temperature=1.0)
+            return r.usage.completion_tokens
+    else:
+        sampler = sc.create_sampling_client(model_path=path)
+
+        def run(ps: list[list[int]], n: int, new: int) -> int:
+            params = tinker.types.SamplingParams(max_tokens=new, temperature=1.0, stop=[])
+            futs = [sampler.sample(tinker.types.ModelInput.from_ints(p), num_samples=n,
+                                   sampling_params=params) for p in ps]
+            return sum(len(s.tokens) for f in futs for s in f.result(timeout=T).sequences)
+    run(prompts[:2], 2, 4)  # warm-up (graphs, the adapter in the sampler's bank)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.time()
+    tokens = run(prompts, args.samples, args.new)
+    print(json.dumps({"tokens": tokens, "t0": t0, "t1": time.time()}), flush=True)
+
+
+def through_daemon(args: argparse.Namespace, model: Path, work: Path, device: str) -> dict:
+    data = work / "data"
+    keys = make_keys(data, args.tenants)
+    daemon, url, log = start_daemon(model, data, work, device)
+    try:
+        faces = ["tinker" if i % 2 == 0 else "openai" for i in range(args.tenants)]
+        procs = [subprocess.Popen(
+            [sys.executable, __file__, "--tenant", "--url", url, "--key", key, "--base-model",
+             model.name, "--vocab", str(args.vocab), "--seed", str(i), "--face", face,
+             "--rank", str(args.rank), "--prompts", str(args.prompts), "--samples",
+             str(args.samples), "--prompt-len", str(args.prompt_len), "--new", str(args.new)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for i, (key, face) in enumerate(zip(keys, faces, strict=True))]
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise SystemExit(f"a tenant failed before its workload; see {work}/twinkled.log")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        res = [json.loads(p.communicate(timeout=T)[0].strip().splitlines()[-1]) for p in procs]
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=600)
+        log.close()
+    wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
+    return {"tokens": sum(r["tokens"] for r in res), "wall": wall, "faces": faces,
+            "each": [r["t1"] - r["t0"] for r in res]}
+
+
+def engine_alone(args: argparse.Namespace, model: Path, device: str) -> dict:
+    """The same requests (every tenant's prompts, each on its own adapter) in one call."""
+    import torch
+
+    from twinkled.engine.engine import Engine
+    from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    eng = Engine(model, dtype=dtype, device=torch.device(device))
+    params = SamplingParams(max_tokens=args.new, temperature=1.0, stop=[])
+    reqs = []
+    for i in range(args.tenants):
+        eng.add_adapter(f"a{i}", LoraConfig(rank=args.rank, seed=i, train_unembed=False))
+        reqs += [SampleRequest(f"a{i}", p, params, num_samples=args.samples)
+                 for p in prompts_of(args, i)]
+    eng.sample([SampleRequest(r.adapter_id, r.prompt[:8], SamplingParams(
+        max_tokens=4, temperature=1.0, stop=[]), num_samples=2) for r in reqs[:2]])  # warm-up
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = eng.sample(reqs)
+    sync()
+    wall = time.perf_counter() - t0
+    return {"tokens": sum(len(s.tokens) for r in out for s in r.sequences), "wall": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tenant", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--face", default="tinker", help=argparse.SUPPRESS)
+    client_options(ap)
+    ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen2.5-0.5b", "qwen3-8b"))
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="the random checkpoint here (reused if there, else written and kept)")
+    ap.add_argument("--tenants", type=int, default=8, help="half tinker, half OpenAI")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts a tenant (32; CPU 4)")
+    ap.add_argument("--samples", type=int, default=8, help="samples a prompt")
+    ap.add_argument("--prompt-len", type=int, default=None, help="tokens a prompt (512; CPU 32)")
+    ap.add_argument("--new", type=int, default=None, help="new tokens a sample (256; CPU 16)")
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--write", default=section_path("sample_daemon"))
+    args = ap.parse_args()
+    if args.tenant:
+        return tenant(args)
+
+    import torch
+    from bench_engine import build_model, header
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = device == "cuda"
+    args.prompts = args.prompts or (32 if gpu else 4)
+    args.prompt_len = args.prompt_len or (512 if gpu else 32)
+    args.new = args.new or (256 if gpu else 16)
+    work = Path(tempfile.mkdtemp(prefix="bench_sample_daemon_"))
+    model = args.model_dir or work / "model"
+    if (model / "config.json").exists():
+        args.vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    else:
+        args.vocab = build_model(args.shape, model, torch.bfloat16 if gpu else torch.float32,
+                                 device)
+    try:
+        daemon = through_daemon(args, model, work, device)
+        if gpu:
+            torch.cuda.empty_cache()
+        alone = engine_alone(args, model, device)
+    finally:
+        shutil.rmtree(work / "data", ignore_errors=True)
+        if args.model_dir is None:
+            shutil.rmtree(model, ignore_errors=True)
+    d_tps, e_tps = daemon["tokens"] / daemon["wall"], alone["tokens"] / alone["wall"]
+    faces = ", ".join(f"{f} {s:.2f} s" for f, s in zip(daemon["faces"], daemon["each"],
+                                                          strict=True))
+    text = header(device).replace("Engine vs peft", "Sampling through the daemon")
+    text += (f"\n### {args.shape} ({device}), {args.tenants} tenants (half tinker, half "
+             f"OpenAI), each {args.prompts} prompts x {args.samples} samples, "
+             f"{args.prompt_len} + {args.new} tokens, temperature 1, LoRA r={args.rank}\n\n"
+             "| run | new tokens | seconds | new tok/s | vs engine alone |\n"
+             "|---|---:|---:|---:|---:|\n"
+             f"| through the daemon | {daemon['tokens']:,} | {daemon['wall']:.2f} | "
+             f"{d_tps:,.0f} | **{d_tps / e_tps:.2f}x** |\n"
+             f"| engine alone, one call | {alone['tokens']:,} | {alone['wall']:.2f} | "
+             f"{e_tps:,.0f} | 1.00x |\n\nEach tenant's seconds: {faces}\n")
+    emit(text, args.write)
+
+
+if __name__ == "__main__":
+    main()
