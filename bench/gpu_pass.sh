@@ -20,6 +20,7 @@
 #                                                  #   (through the daemon 0.25x peft, session 9)
 #   bash bench/gpu_pass.sh rlstep                  # issue 31: the cookbook RL step, 8B
 #   bash bench/gpu_pass.sh tenants05; ... tenants8b  # issue 33: 1,000 / 200 runs (a call each)
+#   bash bench/gpu_pass.sh tenants05h sampdaemon     # issue 33 on one H200; issue 31's daemon sampling
 #   bash bench/gpu_pass.sh vl                      # issue 35: Qwen2.5-VL-7B, Qwen3-VL-8B through the daemon
 #   bash bench/gpu_pass.sh arch archsamp           # issue 34: gpt-oss-20b, DeepSeek-V3 (reduced) shapes
 #   bash bench/gpu_pass.sh journal                 # the journal's fsyncs on the machine's disk
@@ -163,11 +164,25 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         rlstep) "$py" bench_rl_step.py --shape qwen3-8b --model-dir "$ckpt/q8b" --warmup 1 \
                     --steps 1 --write "$out/rl_step.md" > "$out/rl_step.log" 2>&1
                 tail -12 "$out/rl_step.log" ;;
-        # issue 33, one shape a call (each is most of a call's 10 minutes)
+        # issue 33, one shape a call (each is most of a call's 10 minutes). The runs' states
+        # (0.21 GB a 0.5B run, 1.05 GB an 8B one) need the 4-GPU machines' memory and disk;
+        # on one H200 (128 GiB, 64 GiB disk) `tenants05h` keeps 192 runs' parked states in
+        # host memory (session 14: with 8 GiB of it the rotation was bound by the disk)
         tenants05) "$py" bench_tenants.py --shape qwen2.5-0.5b --runs 1000 --active 64 \
+                       --host-gb 240 --phase-s 150 --model-dir "$ckpt/q05" \
                        --write "$out/tenants05.md" > "$out/tenants05.log" 2>&1; tail -20 "$out/tenants05.log" ;;
+        tenants05h) printf 'adapter_memory_gb = 30\n' > /tmp/gpu_pass_t05.toml
+                    "$py" bench_tenants.py --shape qwen2.5-0.5b --runs 192 --active 64 \
+                       --config /tmp/gpu_pass_t05.toml --host-gb 64 --phase-s 120 \
+                       --write "$out/tenants05h.md" > "$out/tenants05h.log" 2>&1; tail -20 "$out/tenants05h.log" ;;
         tenants8b) "$py" bench_tenants.py --shape qwen3-8b --runs 200 --active 16 \
+                       --host-gb 240 --phase-s 150 --model-dir "$ckpt/q8b" \
                        --write "$out/tenants8b.md" > "$out/tenants8b.log" 2>&1; tail -20 "$out/tenants8b.log" ;;
+        # issue 31 item 5: 8 tenants (tinker and openai clients) sampling through the daemon
+        # against the same requests in one Engine.sample call
+        sampdaemon) "$py" bench_sample_daemon.py --shape qwen3-8b --model-dir "$ckpt/q8b" \
+                        --write "$out/sample_daemon.md" > "$out/sample_daemon.log" 2>&1
+                    grep -a "^|" "$out/sample_daemon.log" ;;
         # issue 35: the VL shapes through the daemon beside plain peft (2.5 after the patch cache)
         vl) for s in qwen2.5-vl-7b qwen3-vl-8b; do
                 "$py" bench_multitenant.py --shape "$s" --tenants 1,8 --packed-baseline \
@@ -206,7 +221,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         longd) "$py" long_daemon.py --shape qwen3-8b --seq 65536,131072 --ranks 2 --cp 2 \
                    --small-steps 6 --out "$out/long_daemon.md" > "$out/long_daemon.log" 2>&1
                grep -a "^--\|^|" "$out/long_daemon.log" ;;
-        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants8b, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
     esac
     pack
 done
