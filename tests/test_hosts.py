@@ -106,16 +106,12 @@ def _trained(url: str, key: str, tiny_dir: Path, data_dir: Path) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def one_rank(tiny_dir, tmp_path_factory) -> tuple:
-    """`_trained` on a daemon of one local rank: what a group over hosts (data or tensor
-    parallel) must train like, within float tolerance."""
-    data_dir = tmp_path_factory.mktemp("one")
-    key = make_key(data_dir, "alice")
-    local = Daemon(tiny_dir, data_dir, data_dir / "log", "--devices", "cpu")
-    try:
-        return _trained(local.url, key, tiny_dir, data_dir)
-    finally:
-        local.stop()
+def one_rank(daemon, tiny_dir) -> tuple:
+    """`_trained` on a daemon of one local rank (the session's: a daemon start less; its
+    small token budget cuts the batch into several passes, which sum to the same
+    gradients): what a group over hosts (data or tensor parallel) must train like, within
+    float tolerance."""
+    return _trained(daemon.url, daemon.keys["alice"], tiny_dir, daemon.data)
 
 
 def _same_training(got: tuple, want: tuple) -> None:
