@@ -109,9 +109,11 @@ def test_running_batch_with_the_kernel_samples_what_the_reference_samples(eng):
     def params(n, **kw):
         return SamplingParams(max_tokens=n, stop=[], **kw)
 
-    reqs = [SampleRequest("a", p, params(6, seed=5), num_samples=3),
-            SampleRequest(None, q, params(9, temperature=0.0)),
-            SampleRequest("a", q, params(4, temperature=0.8, seed=2), num_samples=2)]
+    # Few tokens each (every decode step runs the kernel in Triton's interpreter), each
+    # request's rows leaving at a step of their own
+    reqs = [SampleRequest("a", p, params(4, seed=5), num_samples=3),
+            SampleRequest(None, q, params(5, temperature=0.0)),
+            SampleRequest("a", q, params(2, temperature=0.8, seed=2), num_samples=2)]
     ads = [None if r.adapter_id is None else eng.pool.get(r.adapter_id) for r in reqs]
     out = {}
     for kernels in (False, True):
