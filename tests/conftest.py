@@ -121,66 +121,79 @@ def moe_dir(tmp_path_factory):
 # files last (test_newcomer.py, test_chaos.py: one test each), and the suite ended with one
 # process running them while the others sat idle. In the files of SPREAD, a test that
 # shares no module fixture is a unit of its own, so no one file is the suite's long pole.
-# Seconds: each file alone in one process on a busy 2-core box (2026-11-27), less the ~8 s
-# a process takes to start and collect; a unit not named here (all under ~15 s) runs
-# after these, in collection order.
+# Seconds: each unit's wall in a full `make test` run (4 processes on a busy 2-core box,
+# 2026-11-29); a unit not named here (all under ~15 s) runs after these, in collection
+# order. Longest first: the last units to start are short, so the processes end together.
 LONGEST_FIRST = [
     # (slow_pair, 2 ranks: the former test_workers.py group, test_durability.py's
     # data-parallel test and test_trace.py, on one daemon)
-    "test_worker_pair.py",  # 130
-    "test_newcomer.py",  # 97
-    "test_isolation.py",  # 90
-    "test_chaos.py",  # 86
-    "test_hosts.py",  # 150 (its tp test shares the module's one-rank reference)
-    "test_host_lanes.py",  # 70: a head and three host agents (lanes on every host)
-    "test_sdk_cookbook.py",  # 85 without the one below
-    "test_engine_tp.py",  # 63
-    "test_tinker_tp.py",
-    "test_engine_kernels.py",  # 50
-    "test_daemon_scheduling.py",  # 50
-    "test_workers.py::test_a_killed_lane_costs_only_its_own_tenants",  # 50
-    "test_fuzz.py",  # 48
-    # (the idle-unload test's daemon is this lineage's last: one start less)
-    "test_workers.py::test_sigterm_is_a_hot_restart_and_sigkill_rolls_back_to_persisted_state",  # 45
+    "test_worker_pair.py",  # 215
+    "test_newcomer.py",  # 190
+    "test_hosts.py",  # 135: two_hosts' tests, and the tp test (both use one_rank)
+    "test_chaos.py",  # 110
+    "test_host_lanes.py",  # 110: a head and three host agents (lanes on every host)
+    "test_isolation.py",  # 105
+    "test_sdk_cookbook.py",  # 100 without the one below
+    "test_fused_layer.py",  # 90 (liger's kernels in Triton's interpreter)
+    "test_engine_tp.py",  # 70
+    "test_engine_kernels.py",  # 70
+    "test_fuzz.py",  # 65
+    "test_tinker_restart.py::test_restart_keeps_runs_and_checkpoints",  # 60 (Dimuon's too)
+    "test_durability.py",  # 60: the tests that share the module's `faulty` daemon
+    "test_full_param_daemon.py",  # 55
     # (SIGINT and SIGTERM on one lineage: 3 daemon starts, not 4)
-    "test_operator_stop.py::test_a_signal_to_the_process_group_stops_cleanly",  # 45
-    "test_durability.py",  # 40: the tests that share the module's `faulty` daemon
-    "test_fused_layer.py",  # 36 (liger's kernels in Triton's interpreter)
-    "test_hygiene.py",  # 45 without the one below
-    "test_openai_e2e.py",  # 40
-    "test_tinker_moe.py",  # 40
-    "test_cookbook_rl.py",  # 38
-    "test_tinker_versions.py",  # 30: seven tinker SDKs, a process each
-    "test_sdk_cookbook.py::test_two_gloo_ranks_train_what_one_process_does",  # 35
+    "test_operator_stop.py::test_a_signal_to_the_process_group_stops_cleanly",  # 50
+    "test_sample_slices.py",  # 50
     # (a worker kill, then a daemon SIGKILL: the former 33 s and 20 s tests, one daemon)
     "test_durability.py::test_worker_kill_and_daemon_sigkill_keep_every_acknowledged_step",
-    "test_lora_kernels.py",  # 30
-    "test_admin.py",  # 30 without the ones below
-    "test_durability.py::test_with_persistence_off_a_worker_kill_brings_an_adapter_back_as_created",
-    "test_engine_state.py",  # 26
-    "test_limits.py",  # 25
-    "test_service.py",  # 25
-    "test_daemon_health.py::test_a_model_that_fails_to_load_is_reported_not_fatal",  # 24
-    "test_dp_reduce.py",  # 23
+    # (the idle-unload test's daemon is this lineage's last: one start less)
+    "test_workers.py::test_sigterm_is_a_hot_restart_and_sigkill_rolls_back_to_persisted_state",  # 45
+    "test_qwen35_e2e.py",  # 45
+    "test_tinker_moe.py",  # 40
+    "test_gpt_oss_e2e.py",  # 40
+    "test_lora_kernels.py",  # 35
+    "test_workers.py::test_a_killed_lane_costs_only_its_own_tenants",  # 35
     "test_durability.py::test_a_hung_step_restarts_the_group_keeping_loads_and_saying_what_was_lost",
-    "test_admin.py::test_status_of_a_stopped_daemon_is_its_last_one",  # 21
-    "test_full_param_dp.py",  # 20: two gloo ranks against one
-    "test_sample_slices.py",  # 20
-    "test_tinker_exports.py",  # 20
-    "test_hygiene.py::test_ctl_tenants_list_shows_storage_without_a_daemon",  # 19
-    "test_tinker_records.py",  # 17
-    "test_long_lane_daemon.py",  # 17: two lanes, a long run kept apart
-    "test_tinker_restart.py::test_restart_keeps_runs_and_checkpoints",  # 33 (Dimuon's lineage too)
-    "test_vlm_e2e.py",  # 30
+    "test_sdk_cookbook.py::test_two_gloo_ranks_train_what_one_process_does",  # 35
+    "test_tinker_versions.py",  # 35: seven tinker SDKs, a process each
+    "test_daemon_scheduling.py",  # 35
+    "test_tinker_retries.py",  # 35 without the one below
+    "test_full_param_dp.py",  # 30: two gloo ranks against one
+    "test_cookbook_rl.py",  # 30
+    "test_qwen35_moe_e2e.py",  # 30
+    "test_residency_tiers.py",  # 30
+    "test_vlm.py",  # 30
+    "test_cp.py",  # 28
+    "test_durability.py::test_with_persistence_off_a_worker_kill_brings_an_adapter_back_as_created",
+    "test_tinker_tp.py",  # 26
+    "test_vlm_e2e.py",  # 26
+    "test_long_lane_daemon.py",  # 24: two lanes, a long run kept apart
+    "test_admin.py",  # 23 without the two of its own
     "test_tinker_retries.py::test_after_a_crash_retried_steps_and_saves_and_idle_unloaded_runs_resume",  # noqa: E501
-    "test_ckpt_store.py",  # 20
+    "test_ckpt_store.py",  # 19
+    "test_tinker_e2e.py",  # 18
+    "test_openai_e2e.py",  # 17
+    "test_hygiene.py",  # 16 without the one below
     "test_operator_logs.py",  # 15
+    "test_daemon_health.py::test_a_model_that_fails_to_load_is_reported_not_fatal",  # 12
+    "test_hygiene.py::test_ctl_tenants_list_shows_storage_without_a_daemon",
+    "test_tinker_exports.py",
+    "test_tinker_records.py",
+    "test_engine_state.py",
+    "test_limits.py",
+    "test_service.py",
+    "test_dp_reduce.py",
 ]
 SPREAD = {"test_workers.py", "test_hosts.py", "test_durability.py", "test_admin.py",
           "test_tinker_dimuon.py", "test_tinker_retries.py", "test_tinker_restart.py",
           "test_operator_stop.py", "test_daemon_health.py", "test_sdk_cookbook.py",
           "test_hygiene.py"}
 _SHARED_SCOPES = {"module", "class", "package"}
+# Module fixtures every test has (autouse, above) that share no state between a file's
+# tests: each process that runs some of a file's tests runs its own. Counted as shared,
+# they had made every test of SPREAD part of its file's unit (measured: test_durability's
+# units one after another in one process, 166 s; test_workers' two long tests last).
+_PER_PROCESS = {"_close_tinker_clients"}
 
 
 def _unit(item: pytest.Item) -> str:
@@ -189,7 +202,8 @@ def _unit(item: pytest.Item) -> str:
     name = item.path.name
     if name in SPREAD:
         defs = getattr(item, "_fixtureinfo", None)
-        scopes = {d[-1].scope for d in defs.name2fixturedefs.values()} if defs else {"module"}
+        scopes = {d[-1].scope for n, d in defs.name2fixturedefs.items()
+                  if n not in _PER_PROCESS} if defs else {"module"}
         if not scopes & _SHARED_SCOPES and "daemon" not in item.fixturenames:
             return f"{name}::{item.name}"
     return name
