@@ -4,7 +4,6 @@ its own tenants. (Two ranks of one group: tests/test_worker_pair.py.)"""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,7 @@ import sys
 import time
 
 import pytest
-from daemon import Daemon, ctl_status, make_key
+from daemon import Daemon, ctl_status, make_key, run_ctl
 from helpers import lora_client, tinker_datums, tinker_logprobs, tinker_step
 
 tinker = pytest.importorskip("tinker")
@@ -101,9 +100,7 @@ def test_sigterm_is_a_hot_restart_and_sigkill_rolls_back_to_persisted_state(tiny
                    str(cfg), port=d.port)
         assert _logprobs(tc, data) == want  # same client, same model id, resumed
         _step(tc, data)
-        listed = subprocess.run(
-            [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(tmp_path), "checkpoints",
-             "list", "--status", "corrupt", "--json"], capture_output=True, text=True, check=True)
+        listed = run_ctl(tmp_path, "checkpoints", "list", "--status", "corrupt", "--json")
         assert ckpt in listed.stdout and "sha256" in listed.stdout
         assert not os.path.exists(directory)  # moved aside, never served
         with pytest.raises(Exception, match="corrupt"):
@@ -147,9 +144,7 @@ def test_a_killed_lane_costs_only_its_own_tenants(tiny_dir, tmp_path):
         data = _data(alice.get_tokenizer())[:2]
         _step(alice, data)
         _step(bob, data)
-        status = json.loads(subprocess.run(
-            [sys.executable, "-m", "twinkled", "ctl", "--data-dir", str(tmp_path), "status",
-             "--json"], capture_output=True, text=True, check=True).stdout)
+        status = ctl_status(tmp_path)
         assert [lane["adapters"] for lane in status["lanes"]] == [1, 1]
         lane1 = next(w["pid"] for w in status["workers"] if w["lane"] == 1)
         old = d.workers()
