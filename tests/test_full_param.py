@@ -166,7 +166,7 @@ def test_a_full_run_takes_only_an_empty_lane_and_gives_it_back():
     from twinkled.protocol.errors import UserError
 
     def lane(i, models=0, parked=0):
-        return NS(index=i, planner=NS(model_count=lambda: models),
+        return NS(index=i, planner=NS(queues=NS(count=lambda: models)),
                   residency=NS(count=lambda: models,
                                tiers=NS(status=lambda: {"host": parked})))
 

@@ -48,7 +48,7 @@ class _Residency:
 def _lane(index: int) -> SimpleNamespace:
     residency = _Residency()
     return SimpleNamespace(index=index, down="", residency=residency,
-                           planner=SimpleNamespace(model_count=residency.count),
+                           planner=SimpleNamespace(queues=SimpleNamespace(count=residency.count)),
                            executor=SimpleNamespace(journal=SimpleNamespace(
                                release=lambda _model: None)))
 
