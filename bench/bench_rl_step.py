@@ -41,6 +41,7 @@ import time
 import tomllib
 from pathlib import Path
 
+from bench_multitenant import model_dir_for
 from output import emit, section_path  # bench/ is the script's directory
 
 HERE = Path(__file__).resolve().parent
@@ -151,24 +152,6 @@ def daemon_config(args, work: Path) -> Path:
     path = work / "twinkled.toml"
     path.write_text(text)
     return path
-
-
-def model_dir_for(args, work: Path, device: str) -> tuple[Path, int]:
-    """The model's directory and vocabulary: `--model-dir` as it is when it holds a
-    checkpoint (an 8B takes minutes to write), else a random one of `--shape` built there."""
-    import torch
-    from bench_engine import build_model
-
-    path = Path(args.model_dir) if args.model_dir else work / "model"
-    if (path / "config.json").exists():
-        print(f"reusing the model in {path}", flush=True)
-        return path, int(json.loads((path / "config.json").read_text())["vocab_size"])
-    print(f"writing a random {args.shape} checkpoint to {path} ...", flush=True)
-    t0 = time.time()
-    vocab = build_model(args.shape, path, torch.bfloat16 if device == "cuda" else torch.float32,
-                        device)
-    print(f"  done in {time.time() - t0:.0f} s", flush=True)
-    return path, vocab
 
 
 def tenant_cmd(args, i: int, url: str, key: str, model: str, vocab: int, work: Path) -> list:

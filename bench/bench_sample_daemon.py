@@ -31,7 +31,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_multitenant import client_options, make_keys, start_daemon  # noqa: E402
+from bench_multitenant import (  # noqa: E402
+    client_options,
+    make_keys,
+    model_dir_for,
+    start_daemon,
+)
 from output import emit, section_path  # noqa: E402
 
 T = 3600  # seconds any one client call may take
@@ -153,7 +158,7 @@ def main() -> None:
         return tenant(args)
 
     import torch
-    from bench_engine import build_model, header
+    from bench_engine import header
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = device == "cuda"
@@ -161,12 +166,7 @@ def main() -> None:
     args.prompt_len = args.prompt_len or (512 if gpu else 32)
     args.new = args.new or (256 if gpu else 16)
     work = Path(tempfile.mkdtemp(prefix="bench_sample_daemon_"))
-    model = args.model_dir or work / "model"
-    if (model / "config.json").exists():
-        args.vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    else:
-        args.vocab = build_model(args.shape, model, torch.bfloat16 if gpu else torch.float32,
-                                 device)
+    model, args.vocab = model_dir_for(args, work, device)
     try:
         daemon = through_daemon(args, model, work, device)
         if gpu:

@@ -50,6 +50,7 @@ sys.path.insert(0, str(HERE))
 from bench_multitenant import (  # noqa: E402
     client_options,
     make_keys,
+    model_dir_for,
     pct,
     random_data,
     start_daemon,
@@ -184,15 +185,12 @@ def main() -> None:
 def one_shape(args: argparse.Namespace, first: bool) -> str:
     """Both phases on one model shape, in a daemon of its own: the table's markdown."""
     import torch
-    from bench_engine import build_model, header
+    from bench_engine import header
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     args.seq = args.seq or (512 if device == "cuda" else 32)
     work = Path(tempfile.mkdtemp(prefix="bench_tenants_"))
-    model = args.model_dir or work / "model"
-    vocab = (json.loads((model / "config.json").read_text())["vocab_size"]
-             if (model / "config.json").exists() else build_model(args.shape, model, dtype, device))
+    model, vocab = model_dir_for(args, work, device)
     if device == "cuda":
         torch.cuda.empty_cache()
     config = Path(args.config).read_text() if args.config else ""

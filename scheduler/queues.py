@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import ItemsView, ValuesView
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,14 +103,11 @@ class ModelQueues:
     def __getitem__(self, model: str) -> ModelQueue:
         return self._queues[model]
 
-    def items(self):
+    def items(self) -> ItemsView[str, ModelQueue]:
         return self._queues.items()
 
-    def values(self):
+    def values(self) -> ValuesView[ModelQueue]:
         return self._queues.values()
-
-    def has(self, model: str) -> bool:
-        return model in self._queues
 
     def tenant_of(self, model: str) -> str | None:
         return self._tenant.get(model)

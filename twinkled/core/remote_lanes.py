@@ -120,7 +120,7 @@ class RemoteLanes:
             if model in live:
                 # its seq_ids go on after what its client sent (what is queued fails here)
                 resume = dead.planner.queues.seq_after_queued(model) \
-                    if dead.planner.queues.has(model) else None
+                    if model in dead.planner.queues else None
                 dead.residency.lost(model, why)
                 dead.residency.tiers.forget(model)
                 self._store.runs.set_live(model, False, next_seq=resume, idle_unloaded=True)

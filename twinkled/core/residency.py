@@ -76,7 +76,7 @@ class Residency:
 
     def is_open(self, model: str) -> bool:
         """The model takes operations (created, restored or reloaded; not yet closed)."""
-        return self._planner.queues.has(model)
+        return model in self._planner.queues
 
     def live_configs(self) -> dict[str, LoraConfig]:
         return dict(self._live)
