@@ -13,7 +13,7 @@ names="msgspec sqlite-utils sqlite-fts4 click-default-group tabulate pluggy pyth
 pyzmq uvloop aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl
 prometheus-client zstandard protobuf tinker anyio distro httpx httpcore h11 orjson pydantic
 pydantic-core typing-inspection annotated-types pyqwest rich markdown-it-py mdurl pygments
-sniffio certifi idna click openai jiter tqdm h2 hpack hyperframe liger-kernel megatron-core"
+sniffio certifi idna click openai httpx2 httpcore2 truststore jiter tqdm h2 hpack hyperframe liger-kernel megatron-core"
 pins=()
 for n in $names; do
     v=$("$py" -m pip show "$n" 2>/dev/null | awk '/^Version:/{print $2}')

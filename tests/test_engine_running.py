@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_engine, randomize_b
+from helpers import DEVICE, make_engine, randomize_b
 
 from twinkled.engine.running import RunningBatch
 from twinkled.engine.sampler import generate, generate_padded
@@ -308,3 +308,25 @@ def test_a_running_row_keeps_decoding_while_a_long_prompt_is_chunk_prefilled(eng
     assert set(results) == {t_short, t_long} and batch.idle and batch.free_pages == free
     want = generate_padded(eng.model, [short, long], _adapters(eng, [short, long]))
     _assert_same([results[t_short], results[t_long]], want)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: a GPU")
+def test_graphs_are_recaptured_after_the_adapter_stack_grows(tiny_dir):
+    """Adapters arriving while the batch samples grow the stack (and its rank block), which
+    drops the captured graphs: their recapture must work (on 2026-11-29 it failed in the
+    daemon: the allocator's pool use_count assert, every tenant's sample failed) and sample
+    what eager decoding samples."""
+    e = make_engine(tiny_dir)
+    names = [f"g{i}" for i in range(6)]
+    for i, name in enumerate(names):  # rank 4 first, then rank 32s that widen the stack
+        e.add_adapter(name, LoraConfig(rank=4 if i == 0 else 32, alpha=16, seed=i))
+        randomize_b(e, name, seed=40 + i, std=0.3)
+    params = SamplingParams(max_tokens=6, stop=[], seed=3)
+    reqs = [SampleRequest(n, _prompt(e, 5 + i, i), params, num_samples=2)
+            for i, n in enumerate(names)]
+    ads = _adapters(e, reqs)
+    graphs = RunningBatch(e.model, rows=16, pages=64, page_size=4, decode="graphs")
+    eager = RunningBatch(e.model, rows=16, pages=64, page_size=4, decode="eager")
+    for k in range(1, len(reqs) + 1):  # each call brings one more adapter into the stack
+        _assert_same(generate(e.model, reqs[:k], ads[:k], batch=graphs),
+                     generate(e.model, reqs[:k], ads[:k], batch=eager))

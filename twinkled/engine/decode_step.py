@@ -257,4 +257,8 @@ class DecodeStep:
             return
         self.lora.follow()
         self._graphs.clear()
+        if self._mempool is not None:
+            # Freeing every graph of a private pool frees the pool; capturing into its old
+            # id again trips the allocator's use_count assert (torch 2.13): a fresh pool.
+            self._mempool = torch.cuda.graph_pool_handle()
         self._version = self.stack.version
