@@ -102,14 +102,32 @@ def through_daemon(args: argparse.Namespace, model: Path, work: Path, device: st
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
-        res = [json.loads(p.communicate(timeout=T)[0].strip().splitlines()[-1]) for p in procs]
+        res = [json.loads(p.communicate(timeout=args.timeout)[0].strip().splitlines()[-1])
+               for p in procs]
     finally:
+        keep_log(args, url, work)
         daemon.terminate()
         daemon.wait(timeout=600)
         log.close()
     wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
     return {"tokens": sum(r["tokens"] for r in res), "wall": wall, "faces": faces,
             "each": [r["t1"] - r["t0"] for r in res]}
+
+
+def keep_log(args: argparse.Namespace, url: str, work: Path) -> None:
+    """With `--log`: the daemon's /metrics now and its log so far, copied there (a run cut
+    off by its time limit still tells where the time went)."""
+    if not args.log:
+        return
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+    except OSError as e:
+        metrics = f"/metrics: {e}"
+    Path(args.log).write_text((work / "twinkled.log").read_text(errors="replace")
+                              + "\n--- /metrics ---\n" + metrics)
 
 
 def engine_alone(args: argparse.Namespace, model: Path, device: str) -> dict:
@@ -152,6 +170,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=None, help="tokens a prompt (512; CPU 32)")
     ap.add_argument("--new", type=int, default=None, help="new tokens a sample (256; CPU 16)")
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--timeout", type=float, default=T, help="seconds the tenants may take")
+    ap.add_argument("--log", default=None, help="copy the daemon's log and /metrics here")
     ap.add_argument("--write", default=section_path("sample_daemon"))
     args = ap.parse_args()
     if args.tenant:
