@@ -87,9 +87,12 @@ def tenant(args: argparse.Namespace) -> None:
 
 def through_daemon(args: argparse.Namespace, model: Path, work: Path, device: str) -> dict:
     data = work / "data"
+    t0 = time.time()
     keys = make_keys(data, args.tenants)
+    print(f"[{time.time() - t0:.0f} s] {args.tenants} keys made", flush=True)
     daemon, url, log = start_daemon(model, data, work, device,
                                     *(("--config", str(args.config)) if args.config else ()))
+    print(f"[{time.time() - t0:.0f} s] the daemon answers", flush=True)
     try:
         faces = ["tinker" if i % 2 == 0 else "openai" for i in range(args.tenants)]
         procs = [subprocess.Popen(
@@ -99,7 +102,10 @@ def through_daemon(args: argparse.Namespace, model: Path, work: Path, device: st
              str(args.samples), "--prompt-len", str(args.prompt_len), "--new", str(args.new)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             for i, (key, face) in enumerate(zip(keys, faces, strict=True))]
-        rounds = [one_round(procs, work) for _ in range(args.rounds)]
+        rounds = []
+        for i in range(args.rounds):
+            rounds.append(one_round(procs, work))
+            print(f"[{time.time() - t0:.0f} s] round {i + 1} through the daemon done", flush=True)
         for p in procs:
             p.stdin.write("done\n")
             p.stdin.flush()

@@ -180,7 +180,9 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
                        --write "$out/tenants8b.md" > "$out/tenants8b.log" 2>&1; tail -20 "$out/tenants8b.log" ;;
         # issue 31 item 5: 8 tenants (tinker and openai clients) sampling through the daemon
         # against the same requests in one Engine.sample call
+        # (two rounds of 524k new tokens each side: ~5 minutes with the checkpoint written)
         sampdaemon) "$py" bench_sample_daemon.py --shape qwen3-8b --model-dir "$ckpt/q8b" \
+                        --rounds 2 --log "$out/sample_daemon_twinkled.log" \
                         --write "$out/sample_daemon.md" > "$out/sample_daemon.log" 2>&1
                     grep -a "^|" "$out/sample_daemon.log" ;;
         # issue 35: the VL shapes through the daemon beside plain peft (2.5 after the patch cache)
