@@ -40,6 +40,7 @@ from .moe_parallel import ExpertSplit, reduce_split_gradients
 from .optim import optimizer_steps
 from .parallel import reduce_gradients
 from .running import KV_BYTES, Finished, RunningBatch, pool_tokens
+from .running_slot import RunningSlot
 from .shared_prefix import MIN_SHARED
 from .validate import check_forward_backward, check_sample
 
@@ -82,15 +83,12 @@ class Engine:
         # With expert parallelism (`experts`), expert gradients are summed over the world
         # and dp_group is the data-parallel group, or None if there is none.
         self.dp_group = dp_group
-        # Sampling's running batch: its KV page pool and decode CUDA graphs are made at the
-        # first sample call and kept for the next ones.
-        self._running: RunningBatch | None = None
+        # Sampling's running batch, kept from one call to the next (running_slot.py). Its
+        # rows: a decode step's time grows almost linearly with them (per-row KV, LoRA and
+        # sampling work, not the weights, bound it on an 8B), so more rows buy throughput
+        # for large RL batches at the cost of each token's latency.
+        self._running = RunningSlot(self.model, sample_rows, prefix_cache)
         self.kv_bytes = kv_bytes  # its page pool's size (None: running.KV_BYTES)
-        self.prefix_cache = prefix_cache  # the pool's share prompts stay cached in (0: off)
-        # Sequences it decodes at once. A decode step's time grows almost linearly with its
-        # rows (per-row KV, LoRA and sampling work, not the weights, bound it on an 8B), so
-        # more rows buy throughput for large RL batches at the cost of each token's latency.
-        self.sample_rows = sample_rows
         # Models sample in the running batch, MoE ones included (Qwen3-MoE, Mixtral,
         # gpt-oss, DeepSeek-V3, Qwen3.5-MoE, Qwen3-VL-MoE): its experts' LoRA per row
         # (moe.ExpertRows), its decode eager (no CUDA graph captures the data-dependent
@@ -102,7 +100,6 @@ class Engine:
         # too (Qwen3.5, MoE models) it keeps the running batch under tp.
         self.padded_sampling = (self.shard is not None and self.model.hybrid is None
                                 and not self.model.moe)
-        self._finished: list[Finished] = []  # submitted requests done during `sample`
         self.experts = experts
         # Adapters whose gradients this rank holds parts of split rows of (context
         # parallelism), until their optimizer step sums them over the group (parallel.py).
@@ -169,7 +166,7 @@ class Engine:
         if ended is None:
             self.pool.remove(adapter_id)
         elif ended:
-            self._running = None  # its pages and cached prefixes were of the run's weights
+            self._running.drop()  # its pages and cached prefixes were of the run's weights
 
     def has_adapter(self, adapter_id: str) -> bool:
         return adapter_id in self.pool.adapters or self.is_full(adapter_id)
@@ -265,8 +262,7 @@ class Engine:
             if len(items) != 1:
                 raise EngineInputError("adapter_id", "a full run steps alone")
             result = self.full.step(items[0][1])
-            if self._running is not None and self._running.idle:
-                self._running = None  # cached prefixes were of the weights before
+            self._running.drop(only_idle=True)  # cached prefixes were of the weights before
             return [result]
         adapters = [self.pool.get(i) for i in ids]
         for adapter, (_, params) in zip(adapters, items, strict=True):
@@ -301,12 +297,7 @@ class Engine:
                 torch.manual_seed(self.shard.tp.broadcast_seed())
             return sampler.generate_padded(self.model, requests, adapters)
         batch, adapters = self._sampling_batch(requests, checked)
-        try:
-            return sampler.generate(self.model, requests, adapters, batch=batch,
-                                    others=self._finished)
-        except BaseException:
-            self._running = None  # rows may be left holding pages: start afresh next time
-            raise
+        return self._running.generate(batch, requests, adapters)
 
     def _pool_bytes(self) -> int | None:
         """The KV pool a new running batch gets: the configured one (None: the device's
@@ -322,8 +313,8 @@ class Engine:
         """A full run began: an idle pool made before it (of the configured size, and of
         the base weights' prefixes) goes, so that its memory is the run's; the next sample
         makes one of `_pool_bytes`."""
-        if self.full is not None and self._running is not None and self._running.idle:
-            self._running = None
+        if self.full is not None:
+            self._running.drop(only_idle=True)
 
     @property
     def kv_tokens(self) -> int:
@@ -334,7 +325,7 @@ class Engine:
     @property
     def kv_pages(self) -> int:
         """Pages in the sampler's KV pool (0 before the first sample)."""
-        return 0 if self._running is None else self._running.pool.pages
+        return self._running.pages
 
     def sample_submit(self, requests: list[SampleRequest], checked: bool = False) -> list[int]:
         """Queue requests in the running batch; returns their tickets. They run, beside
@@ -348,45 +339,37 @@ class Engine:
         `until_done`, only until one finishes and `min_seconds` passed); returns those that
         finished. If a step fails, every queued request is lost (the batch starts afresh)
         and the error propagates."""
-        done, self._finished = self._finished, []
-        if self._running is None or (until_done and done):
-            return done
-        try:
-            return done + self._running.run(max_steps, max_seconds, until_done, min_seconds)
-        except BaseException:
-            self._running = None
-            raise
+        return self._running.run(max_steps, max_seconds, until_done, min_seconds)
 
     def sample_pieces(self) -> dict[int, list[list[int]]]:
         """Tokens each running ticket's samples generated since the last call."""
-        return {} if self._running is None else self._running.pieces()
+        return self._running.pieces()
 
     def sample_partials(self, tickets: list[int] | None = None
                         ) -> dict[int, list[SampledSequence]]:
         """`sample_pieces` with each token's logprob and top-k row (stop_reason ""), of
         `tickets` if given."""
-        return {} if self._running is None else self._running.partials(tickets)
+        return self._running.partials(tickets)
 
     def sample_cancel(self, ticket: int) -> bool:
         """Drop a submitted request (queued or running; its pages are freed at once);
         False if it already finished."""
-        return self._running is not None and self._running.cancel(ticket)
+        return self._running.cancel(ticket)
 
     def sample_fits(self, request: SampleRequest) -> bool:
         """Whether the running batch can take `request` now (it may wait there for room);
         False: only once the batch is idle (`sample_idle`: it then grows to hold it)."""
-        b = self._running
-        return b is None or b.idle or b.fits(request)
+        return self._running.fits(request)
 
     @property
     def sample_idle(self) -> bool:
         """No submitted request is queued or running."""
-        return self._running is None or self._running.idle
+        return self._running.idle
 
     @property
     def sample_waiting(self) -> int:
         """Submitted requests waiting for room in the running batch."""
-        return 0 if self._running is None else self._running.waiting_requests
+        return self._running.waiting
 
     def _sample_adapters(self, requests: list[SampleRequest], checked: bool
                          ) -> list[Adapter | None]:
@@ -403,13 +386,7 @@ class Engine:
         adapters = self._sample_adapters(requests, checked)
         if self.shard is not None:  # unseeded draws must agree over the group
             torch.manual_seed(self.shard.tp.broadcast_seed())
-        batch = self._running or RunningBatch(self.model, self.sample_rows,
-                                              kv_bytes=self._pool_bytes(),
-                                              prefix_cache=self.prefix_cache)
-        if batch.idle:  # (a batch in use cannot grow; admit refuses what it cannot hold)
-            batch = batch.sized_for(requests)
-        self._running = batch
-        return batch, adapters
+        return self._running.batch_for(requests, self._pool_bytes()), adapters
 
     # -- state ------------------------------------------------------------------------
 
