@@ -15,6 +15,8 @@
 #   bash bench/gpu_pass.sh tp70                    # issue 15: a 70B shape at tp 4 via the daemon
 #   bash bench/gpu_pass.sh sampling slices         # issue 16 (one GPU: $SAMPLING_GPU, default 0)
 #   bash bench/gpu_pass.sh gap                     # issue 31: sampler vs trainer logprob gap
+#   bash bench/gpu_pass.sh gappaths prof8b         # issue 31: the gap path by path; issue 32: the
+#                                                  #   8B training step profiled (1 and 8 adapters)
 #   bash bench/gpu_pass.sh qwen35                  # issue 34: Qwen3.5 GPU tests, 9B figures
 #   bash bench/gpu_pass.sh q35prof                 # issue 34: where the 9B's training step goes
 #                                                  #   (through the daemon 0.25x peft, session 9)
@@ -117,6 +119,12 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         # issue 31 item 4: sampler vs trainer logprobs, bf16, both paths, both shapes
         gap) for s in qwen2.5-0.5b qwen3-8b; do CUDA_VISIBLE_DEVICES="${SAMPLING_GPU:-0}" "$py" \
                  bench_gap.py --device cuda --shape "$s" --padded --write "$out/gap-$s.md"; done ;;
+        # where the 8B's gap comes from, path by path (session 15: ~3 minutes)
+        gappaths) "$py" bench_gap.py --device cuda --shape qwen3-8b --paths --reference \
+                      --write "$out/gap_paths.md" > "$out/gap_paths.log" 2>&1; grep -a "^|" "$out/gap_paths.log" ;;
+        # issue 32: where the 8B's training step goes (op table; host issuing vs device)
+        prof8b) "$py" profile_engine.py --shape qwen3-8b --device cuda --adapters 1 --adapters 8 \
+                    --model-dir "$ckpt/q8b" > "$out/prof8b.txt" 2>&1; grep -a "^forward_backward\|^profiled" "$out/prof8b.txt" ;;
         tp) "$py" bench_tp.py --shape qwen3-8b --tp 1,2 | tee -a "$out/tp.md" ;;
         # the daemon with its trace, the engine alone and plain peft, on the same two cards
         tp32) wait_for "$ckpt/qwen3-32b" && "$py" bench_tp.py --shape qwen3-32b --tp 2 --daemon \
@@ -223,7 +231,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         longd) "$py" long_daemon.py --shape qwen3-8b --seq 65536,131072 --ranks 2 --cp 2 \
                    --small-steps 6 --out "$out/long_daemon.md" > "$out/long_daemon.log" 2>&1
                grep -a "^--\|^|" "$out/long_daemon.log" ;;
-        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, gappaths, prof8b, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
     esac
     pack
 done
