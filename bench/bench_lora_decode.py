@@ -211,6 +211,21 @@ def _kernel_step(stacks, mods, x, y, rows, rb) -> None:
         lora_decode.apply(p, x[k], A, B, y[o], rb)
 
 
+GROUPS = [(0, 1, 2), (3,), (4, 5), (6,)]  # a layer's modules that read one x: q/k/v, gate/up
+
+
+def _grouped_step(stacks, mods, x, joint, rows, rb) -> None:
+    """The kernels as a decode step runs them since apply_group: one launch pair for q/k/v
+    and one for gate/up, their outputs views of one joint output each (fused_ops.Joint)."""
+    p = lora_decode.plan(*rows)
+    for layer in range(len(stacks) // len(mods)):
+        for g in GROUPS:
+            k = mods[g[0]][0]
+            ys = joint[g].split([mods[i][1] for i in g], dim=1)
+            lora_decode.apply_group(p, x[k], [stacks[layer * len(mods) + i][0] for i in g],
+                                    [stacks[layer * len(mods) + i][1] for i in g], list(ys), rb)
+
+
 def _time_paths(adapters: int, args, mods, x, y, dev) -> list[dict]:
     dtype, n, rank = torch.bfloat16, args.rows, args.rank
     width = adapters * rank
@@ -236,6 +251,12 @@ def _time_paths(adapters: int, args, mods, x, y, dev) -> list[dict]:
         for k, v in old.items():
             setattr(lora_decode, k, v)
         print(out[-1], flush=True)
+    joint = {g: torch.zeros((n, sum(mods[i][1] for i in g)), device=dev, dtype=dtype)
+             for g in GROUPS}
+    ms = graph_time(lambda: _grouped_step(stacks, mods, x, joint, rows, rb))
+    out.append({"path": "kernels grouped (q/k/v, gate/up: one launch pair each)",
+                "adapters": adapters, "ms": round(ms, 3), "GB/s": round(gb / ms * 1e3, 1)})
+    print(out[-1], flush=True)
     if adapters == max(args.adapters):
         out += _time_prefill(stacks[:4 * len(mods)], mods, adapters, rank, width, dev)
     return out

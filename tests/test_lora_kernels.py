@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_engine, randomize_b
+from helpers import DEVICE, make_engine, randomize_b
 
 from twinkled.engine.kernels import lora_decode
 from twinkled.engine.lora_rows import AdapterStack, KernelRowLora, RowLora, row_lora
@@ -74,6 +74,49 @@ def test_rows_of_many_tokens_use_their_rows_adapter(monkeypatch):
     lora = KernelRowLora(stack, start, rank, scale)
     torch.testing.assert_close(lora.apply("q", x, y.clone()), want, rtol=1e-5, atol=1e-5)
     assert lora.apply("k", x, y) is y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_modules_sharing_an_input_in_one_launch_add_the_same_bits(dtype, tokens, monkeypatch):
+    """apply_shared (q/k/v, gate/up: one shrink and one expand for the group) against the
+    modules one at a time, on views of one joint output as the fused GEMM leaves them:
+    the same bits, every module's columns written and no others; a key the stack does not
+    hold is left alone. Outputs that no column block divides (150, 40, 72); with 4 tokens a
+    row the partial sums are summed first (a prefill's path). On a GPU (TWINKLE_TEST_DEVICE
+    =cuda, TRITON_INTERPRET=0: gpu_pass.sh gpucheck) the compiled kernels."""
+    monkeypatch.setattr(lora_decode, "SUM_ROWS", 8)
+    gen, dev = torch.Generator().manual_seed(3), torch.device(DEVICE)
+    stack = AdapterStack(dtype, dev, width=128)
+    stack.rank_block = 64
+    outs = {"q": 150, "k": 40, "v": 72}
+    for key, out in outs.items():
+        stack.A[key] = (torch.randn((128, 200), generator=gen) / 14).to(dev, dtype)
+        stack.B[key] = (torch.randn((out, 128), generator=gen) / 8).to(dev, dtype)
+    start, rank, scale = (t.to(dev) for t in _rows(21, gen))
+    x = torch.randn((21, tokens, 200), generator=gen).to(dev, dtype)
+    joint = torch.randn((21, tokens, sum(outs.values())), generator=gen).to(dev, dtype)
+
+    def views(y):
+        return list(y.split(list(outs.values()), dim=-1))
+
+    for keys in (("q", "k", "v"), ("k", "v"), ("q", "absent", "v")):
+        want, got = joint.clone(), joint.clone()
+        one = KernelRowLora(stack, start, rank, scale)
+        for key, y in zip(("q", "k", "v"), views(want), strict=True):
+            if key in keys:
+                one.apply(key, x, y)
+        picked = [dict(zip(("q", "k", "v"), views(got), strict=True)).get(k, None)
+                  for k in keys]
+        if "absent" in keys:
+            picked[1] = torch.zeros((21, tokens, 5), dtype=dtype, device=dev)
+            untouched = picked[1].clone()
+        back = KernelRowLora(stack, start, rank, scale).apply_shared(keys, x, picked)
+        assert torch.equal(got, want), keys
+        assert not torch.equal(got, joint)  # the deltas went in
+        assert all(b is p for b, p in zip(back, picked, strict=True))
+        if "absent" in keys:
+            assert torch.equal(picked[1], untouched)
 
 
 @pytest.fixture(scope="module")

@@ -167,18 +167,23 @@ class KernelRowLora:
         self._plans: dict[int, object] = {}  # tokens per row -> the rows sorted by adapter
 
     def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        a = self.stack.A.get(key)
-        if a is None:
-            return y
-        from .kernels import lora_decode  # triton: only where the kernels run
+        return kernel_group(self.stack, lambda: self._plan(x.shape[1]), (key,), x, [y])[0]
 
-        S = x.shape[1]
-        plan = self._plans.get(S)
-        if plan is None:  # once per forward (every module shares it), inside the graph
-            plan = self._plans[S] = lora_decode.plan(*(t.repeat_interleave(S) for t in self.rows))
-        lora_decode.apply(plan, x.reshape(-1, x.shape[-1]), a, self.stack.B[key],
-                          y.view(-1, y.shape[-1]), self.stack.rank_block)
-        return y
+    def apply_shared(self, keys: tuple[str, ...], x: torch.Tensor,
+                     ys: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`apply` for modules that read the same x (q/k/v; gate/up): one launch pair."""
+        return kernel_group(self.stack, lambda: self._plan(x.shape[1]), keys, x, ys)
+
+    def _plan(self, tokens: int):
+        """The rows sorted by adapter for rows of `tokens` tokens: once per forward (every
+        module shares it), inside the graph."""
+        plan = self._plans.get(tokens)
+        if plan is None:
+            from .kernels import lora_decode  # triton: only where the kernels run
+
+            plan = self._plans[tokens] = lora_decode.plan(
+                *(t.repeat_interleave(tokens) for t in self.rows))
+        return plan
 
     def row_factors(self, key: str):
         """RowLora.row_factors: the mask built from each row's (start, rank, scale)."""
@@ -189,6 +194,24 @@ class KernelRowLora:
         cols = torch.arange(self.stack.width, device=start.device)
         mine = (cols[None] >= start[:, None]) & (cols[None] < (start + rank)[:, None])
         return a, self.stack.B[key], (mine * scale[:, None]).to(a.dtype)
+
+
+def kernel_group(stack: AdapterStack, plan, keys: tuple[str, ...], x: torch.Tensor,
+                 ys: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The LoRA deltas of modules that read the same x added to their outputs `ys` in place,
+    through the row kernels: one shrink and one expand for the group (lora_decode.apply_group,
+    the same bits as a module at a time). `plan()` gives the rows' plan (made on first use);
+    a module no held adapter targets is left as it is."""
+    mine = [i for i, k in enumerate(keys) if k in stack.A]
+    if mine:
+        from .kernels import lora_decode  # triton: only where the kernels run
+
+        lora_decode.apply_group(plan(), x.reshape(-1, x.shape[-1]),
+                                [stack.A[keys[i]] for i in mine],
+                                [stack.B[keys[i]] for i in mine],
+                                [ys[i].view(-1, ys[i].shape[-1]) for i in mine],
+                                stack.rank_block)
+    return list(ys)
 
 
 def row_lora(stack: AdapterStack, adapters: list[Adapter | None],

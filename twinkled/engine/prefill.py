@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .kv_pages import PagePool
 from .lora import Adapter
-from .lora_rows import AdapterStack, row_lora
+from .lora_rows import AdapterStack, kernel_group, row_lora
 from .moe import ExpertRows, run_tokens
 from .packed import varlen_attend
 from .recurrent import PieceStates, PromptState
@@ -75,16 +75,19 @@ class _TokenKernelLora:
         self.stack, self.rows, self._plan = stack, (start, rank, scale), None
 
     def apply(self, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        a = self.stack.A.get(key)
-        if a is None:
-            return y
-        from .kernels import lora_decode  # triton: only where the kernels run
+        return kernel_group(self.stack, self._rows_plan, (key,), x, [y])[0]
 
+    def apply_shared(self, keys: tuple[str, ...], x: torch.Tensor,
+                     ys: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`apply` for modules that read the same x (q/k/v; gate/up): one launch pair."""
+        return kernel_group(self.stack, self._rows_plan, keys, x, ys)
+
+    def _rows_plan(self):
         if self._plan is None:  # once a pass: every module shares it
+            from .kernels import lora_decode  # triton: only where the kernels run
+
             self._plan = lora_decode.plan(*self.rows)
-        lora_decode.apply(self._plan, x.reshape(-1, x.shape[-1]), a, self.stack.B[key],
-                          y.view(-1, y.shape[-1]), self.stack.rank_block)
-        return y
+        return self._plan
 
 
 def token_lora(stack: AdapterStack, pieces: list[Piece], kernels: bool):

@@ -26,6 +26,13 @@ same bits): by each expand program for a decode step's few rows (on an H200 that
 sum kernel first: 7.05 against 7.56 ms below), by one sum first for a prefill's many
 tokens (each expand program reading all the partials would read them out/BN times).
 
+Modules that read the same x (q/k/v; gate/up) go through one launch pair (`apply_group`,
+what KernelRowLora.apply_shared calls): the module is a program axis of the shrink and a
+range of the expand's column blocks, each computed exactly as alone (the same bits). A decode
+step of the 8B then launches 8 kernels a layer for its LoRA, not 14: at 256 rows and 8
+adapters the 504 launches of a step took 3.45 ms, ~7 us each, against ~0.4 ms of bytes
+(`bench_lora_decode.py` times both; the grouped figure is not measured yet).
+
 Measured (bench/bench_lora_decode.py, H200, bf16, the 8B's 7 target modules x 36 layers,
 256 rows, rank 32, one CUDA graph): 1 adapter 3.14 ms (masked 3.22), 8 adapters 3.45 ms
 (masked 3.75), 64 adapters 7.05 ms (masked 6.83); a prefill of 16 prompts x 256 tokens of
@@ -46,6 +53,7 @@ import triton
 import triton.language as tl
 
 BM = 16  # rows per window (tl.dot needs >= 16)
+GROUP = 3  # modules one launch takes (apply_group: q/k/v)
 BN = 128  # output columns per expand program
 CHUNK = {2: 256, 4: 128}  # the shrink's reduction length per program, by element size
 # The loop over a window's adapters: a `for` on the GPU (its loads pipeline); Triton's
@@ -89,24 +97,43 @@ def apply(p: RowPlan, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, y: torc
     A: [width, in], B: [out, width], y: [N, out] (written in place); every adapter's rank
     <= `rb` (a power of two >= 16). `chunk`: the shrink's reduction per program (a power
     of two; default by dtype)."""
+    apply_group(p, x, [A], [B], [y], rb, chunk)
+    return y
+
+
+def apply_group(p: RowPlan, x: torch.Tensor, As: list[torch.Tensor], Bs: list[torch.Tensor],
+                ys: list[torch.Tensor], rb: int, chunk: int | None = None) -> None:
+    """`apply` for up to GROUP modules that read the same x (q/k/v; gate/up), in one shrink
+    and one expand launch: a module is a program axis of the shrink and a range of the
+    expand's column blocks. Each module's delta is what `apply` adds (the same partial sums
+    in the same order: the same bits), so a decode step launches 2 kernels a group where it
+    launched 2 a module (the 8B: 8 a layer, not 14). The A's share x's width and the B's the
+    stack's; the outputs may be views of one joint output (fused_ops.Joint)."""
+    m = len(As)
+    assert 1 <= m <= GROUP and len(Bs) == m == len(ys)
     n, k = x.shape
-    out = y.shape[1]
     if x.stride(1) != 1:
         x = x.contiguous()
     chunk = chunk or CHUNK.get(x.element_size(), 128)
     split = triton.cdiv(k, chunk)
-    h = torch.empty((split, n, rb), dtype=torch.float32, device=x.device)
+    h = torch.empty((m, split, n, rb), dtype=torch.float32, device=x.device)
     windows = triton.cdiv(n, BM)
     exact = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit inputs
-    _shrink[(windows, split)](x, A, h, p.order, p.seg, p.start, p.rank, p.scale, n, k,
-                              x.stride(0), A.stride(0), CHUNK=chunk, BM=BM, RB=rb,
-                              PRECISION=exact, DYN_FOR=DYN_FOR)
+    a = [*As, *As[:1] * (GROUP - m)]  # (unused pointers: never read)
+    _shrink[(windows, split, m)](x, *a, h, p.order, p.seg, p.start, p.rank, p.scale, n, k,
+                                 x.stride(0), As[0].stride(0), CHUNK=chunk, BM=BM, RB=rb,
+                                 PRECISION=exact, DYN_FOR=DYN_FOR)
     if split > 1 and n > SUM_ROWS:
-        h, split = h.sum(0, keepdim=True), 1
-    _expand[(windows, triton.cdiv(out, BN))](h, B, y, p.order, p.seg, p.start, p.rank, n, out,
-                                             B.stride(0), y.stride(0), SPLIT=split, BM=BM,
-                                             BN=BN, RB=rb, PRECISION=exact, DYN_FOR=DYN_FOR)
-    return y
+        h, split = h.sum(1, keepdim=True), 1
+    blocks = [triton.cdiv(y.shape[1], BN) for y in ys]
+    pad = GROUP - m
+    b, y = [*Bs, *Bs[:1] * pad], [*ys, *ys[:1] * pad]
+    out, sb, sy = ([*v, *v[:1] * pad] for v in ([t.shape[1] for t in ys],
+                                                 [t.stride(0) for t in Bs],
+                                                 [t.stride(0) for t in ys]))
+    _expand[(windows, sum(blocks))](h, *b, *y, p.order, p.seg, p.start, p.rank, n, *out, *sb,
+                                    *sy, blocks[0], sum(blocks[:2]), SPLIT=split, BM=BM, BN=BN,
+                                    RB=rb, PRECISION=exact, DYN_FOR=DYN_FOR)
 
 
 @triton.jit
@@ -145,11 +172,17 @@ def _shrink_one(acc, s, seg, start, rank, row, x_ptr, a_ptr, stride_x, stride_a,
 
 
 @triton.jit
-def _shrink(x_ptr, a_ptr, h_ptr, order_ptr, seg_ptr, start_ptr, rank_ptr, scale_ptr, n, k,
-            stride_x, stride_a, CHUNK: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr,
-            PRECISION: tl.constexpr, DYN_FOR: tl.constexpr):
+def _shrink(x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr, order_ptr, seg_ptr, start_ptr, rank_ptr,
+            scale_ptr, n, k, stride_x, stride_a, CHUNK: tl.constexpr, BM: tl.constexpr,
+            RB: tl.constexpr, PRECISION: tl.constexpr, DYN_FOR: tl.constexpr):
     pos, valid, seg, row, start, rank, lo, hi = _window(seg_ptr, order_ptr, start_ptr,
                                                         rank_ptr, n, BM)
+    mod = tl.program_id(2)  # the group's module (apply_group)
+    a_ptr = a0_ptr
+    if mod == 1:
+        a_ptr = a1_ptr
+    elif mod == 2:
+        a_ptr = a2_ptr
     scale = tl.load(scale_ptr + pos, mask=valid, other=0.0)
     sp = tl.program_id(1)
     kk = sp * CHUNK + tl.arange(0, CHUNK)
@@ -167,7 +200,8 @@ def _shrink(x_ptr, a_ptr, h_ptr, order_ptr, seg_ptr, start_ptr, rank_ptr, scale_
             s += 1
     acc = acc * scale[:, None]
     r = tl.arange(0, RB)
-    tl.store(h_ptr + sp * n * RB + pos[:, None] * RB + r[None, :], acc, mask=valid[:, None])
+    base = (mod * tl.num_programs(1) + sp).to(tl.int64) * n * RB
+    tl.store(h_ptr + base + pos[:, None] * RB + r[None, :], acc, mask=valid[:, None])
 
 
 @triton.jit
@@ -183,18 +217,30 @@ def _expand_one(acc, s, seg, start, rank, h, b_ptr, stride_b, cols, cm, RB: tl.c
 
 
 @triton.jit
-def _expand(h_ptr, b_ptr, y_ptr, order_ptr, seg_ptr, start_ptr, rank_ptr, n, out,
-            stride_b, stride_y, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            RB: tl.constexpr, PRECISION: tl.constexpr, DYN_FOR: tl.constexpr):
+def _expand(h_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, order_ptr, seg_ptr,
+            start_ptr, rank_ptr, n, out0, out1, out2, sb0, sb1, sb2, sy0, sy1, sy2, end0, end1,
+            SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
+            PRECISION: tl.constexpr, DYN_FOR: tl.constexpr):
     pos, valid, seg, row, start, rank, lo, hi = _window(seg_ptr, order_ptr, start_ptr,
                                                         rank_ptr, n, BM)
+    # The group's module of this column block (apply_group): blocks [0, end0) are module
+    # 0's, [end0, end1) module 1's, the rest module 2's.
+    blk = tl.program_id(1)
+    mod = (blk >= end0).to(tl.int32) + (blk >= end1).to(tl.int32)
+    first = tl.where(blk >= end1, end1, tl.where(blk >= end0, end0, 0))
+    b_ptr, y_ptr, out, stride_b, stride_y = b0_ptr, y0_ptr, out0, sb0, sy0
+    if mod == 2:
+        b_ptr, y_ptr, out, stride_b, stride_y = b2_ptr, y2_ptr, out2, sb2, sy2
+    elif mod == 1:
+        b_ptr, y_ptr, out, stride_b, stride_y = b1_ptr, y1_ptr, out1, sb1, sy1
     if hi >= lo:  # a window of base-model rows (or padding) adds nothing
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cols = (blk - first) * BN + tl.arange(0, BN)
         cm = cols < out
         r = tl.arange(0, RB)
         h = tl.zeros((BM, RB), dtype=tl.float32)
         for sp in range(0, SPLIT):  # the shrink's partial sums, in a fixed order
-            h += tl.load(h_ptr + sp * n * RB + pos[:, None] * RB + r[None, :],
+            base = (mod * SPLIT + sp).to(tl.int64) * n * RB
+            h += tl.load(h_ptr + base + pos[:, None] * RB + r[None, :],
                          mask=valid[:, None], other=0.0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if DYN_FOR:
