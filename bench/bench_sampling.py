@@ -52,8 +52,10 @@ from twinkled.engine.sampler import generate_padded
 from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
 
 RANK = 32
-# path -> RunningBatch(kernels=, cascade=)
-PATHS = {"old": (False, False), "flat": (True, False), "new": (True, True)}
+# path -> RunningBatch(kernels=, cascade=), and whether modules that read one x run their
+# LoRA row kernels as one launch pair (lora_decode.apply_group; "ungrouped": one a module)
+PATHS = {"old": (False, False, False), "flat": (True, False, True), "new": (True, True, True),
+         "ungrouped": (True, True, False)}
 
 
 def workloads(args, vocab: int) -> dict[str, list[SampleRequest]]:
@@ -127,7 +129,8 @@ def profile_steps(batch: RunningBatch, reqs, adapters, tickets_of: int, steps: i
 
 def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, path: str,
                  overlap: bool, prefill: str = "varlen") -> dict[str, float]:
-    kernels, cascade = PATHS[path]
+    kernels, cascade, grouped = PATHS[path]
+    eng.model.fuse_lora = grouped  # (the sampler's forward reads it; training is not run here)
     adapters = [eng.pool.get(r.adapter_id) for r in reqs]
     rows = sum(r.num_samples for r in reqs)
     new = rows * args.new
@@ -199,8 +202,9 @@ def main() -> None:
                     help="skip the padded sampler")
     ap.add_argument("--paths", default=None,
                     help="decode attentions to run, comma-separated: old (gather + SDPA), new "
-                    "(paged Triton kernel, cascade), flat (paged kernel, no cascade) (old,new; "
-                    "CPU old)")
+                    "(paged Triton kernel, cascade), flat (paged kernel, no cascade), "
+                    "ungrouped (new with one LoRA launch pair a module, not a q/k/v or "
+                    "gate/up group) (old,new; CPU old)")
     ap.add_argument("--cascade-tune", default=None,
                     help="JSON of the cascade's launch knobs (kernels/paged_decode.TUNE; "
                     "check_paged_decode.py --cascade --sweep writes one)")

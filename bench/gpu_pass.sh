@@ -15,6 +15,8 @@
 #   bash bench/gpu_pass.sh tp70                    # issue 15: a 70B shape at tp 4 via the daemon
 #   bash bench/gpu_pass.sh sampling slices         # issue 16 (one GPU: $SAMPLING_GPU, default 0)
 #   bash bench/gpu_pass.sh gap                     # issue 31: sampler vs trainer logprob gap
+#   bash bench/gpu_pass.sh gpucheck grouped        # issue 31: the grouped LoRA launches, checked
+#                                                  #   compiled, then timed against one a module
 #   bash bench/gpu_pass.sh gappaths prof8b         # issue 31: the gap path by path; issue 32: the
 #                                                  #   8B training step profiled (1 and 8 adapters)
 #   bash bench/gpu_pass.sh qwen35                  # issue 34: Qwen3.5 GPU tests, 9B figures
@@ -100,6 +102,12 @@ for what in "$@"; do
                   " > "$ckpt/prewrite.log" 2>&1 < /dev/null & ;;
         sampling) CUDA_VISIBLE_DEVICES="${SAMPLING_GPU:-0}" "$py" bench_sampling.py --device cuda \
                       --shape qwen2.5-0.5b --write "$out/sampling.md" ;;
+        # issue 31: the grouped LoRA launches against one pair a module, both workloads, both
+        # shapes, the same weights (about 4 minutes)
+        grouped) for s in qwen3-8b qwen2.5-0.5b; do "$py" bench_sampling.py --device cuda \
+                     --shape "$s" --paths new,ungrouped --no-baseline --repeats 2 \
+                     --write "$out/grouped_$s.md" > "$out/grouped_$s.log" 2>&1
+                     grep -a "^|" "$out/grouped_$s.log"; done ;;
         slices) CUDA_VISIBLE_DEVICES="${SAMPLING_GPU:-0}" "$py" bench_slices.py \
                     --shape qwen2.5-0.5b --write "$out/slices.md" ;;
         # every fast path's GPU-only checks against its reference (compiled Triton, not the
@@ -232,7 +240,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         longd) "$py" long_daemon.py --shape qwen3-8b --seq 65536,131072 --ranks 2 --cp 2 \
                    --small-steps 6 --out "$out/long_daemon.md" > "$out/long_daemon.log" 2>&1
                grep -a "^--\|^|" "$out/long_daemon.log" ;;
-        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, gappaths, prof8b, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
+        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, gappaths, prof8b, grouped, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
     esac
     pack
 done

@@ -148,8 +148,9 @@ class BaseModel:
         # states, "full" through the whole logits (the reference path), "auto": chunked
         # where the whole logits would be big (chunked_logprobs.py).
         self.head = "auto"
-        # q/k/v and gate/up adapters' A matmuls one per group (lora_fused.py); False: one
-        # per module (the reference path).
+        # q/k/v and gate/up adapters' A matmuls one per group (lora_fused.py), and in the
+        # sampler's row kernels one launch pair per group (lora_decode.apply_group); False:
+        # one per module (the reference path).
         self.fuse_lora = True
         # Fused kernels of the layer (fused_ops.py), one lever each; Fused.off(): the
         # reference path, HF's modules op by op. The kernels are liger-kernel's (CUDA only);
