@@ -20,9 +20,11 @@ import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 # Vision-language architectures (engine/vision.py), named here for the torch-free door.
 VL_ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
@@ -229,6 +231,7 @@ def check(data: bytes, fmt: str, spec: VisionSpec, limits: ImageLimits,
 
 def patches(image: CheckedImage, spec: VisionSpec) -> PreparedImage:
     """The checked image's patches, by transformers' PIL image processor (in a worker)."""
+    import numpy as np  # (here: the daemon's door, which imports this module, needs none)
     from PIL import Image
 
     rgb = Image.open(io.BytesIO(image.data), formats=[_PIL_FORMAT[image.format]]).convert("RGB")

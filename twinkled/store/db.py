@@ -9,15 +9,37 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
-
 from twinkled.protocol.errors import Conflict
 from twinkled.store.schema import INDEXES, SCHEMA, Row, decode_row
+
+
+def _import_sqlite_utils():
+    """sqlite-utils, imported without pandas and numpy where neither is loaded yet. It
+    imports both when they are installed, only to map their scalar types (numpy.int64,
+    pandas.Timestamp) to column types; the store's columns are str, int and float (schema.py)
+    and the values it hands sqlite-utils plain Python, so it never needs them, and they cost
+    every daemon, host agent and `twinkled ctl` ~0.4 s of CPU at start (pandas pulls in
+    pyarrow). Where they are loaded already (a worker, a test process), sqlite-utils gets
+    them as usual."""
+    blocked = [name for name in ("pandas", "numpy") if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # `import name` raises ImportError: sqlite-utils does without
+    try:
+        import sqlite_utils
+    finally:
+        for name in blocked:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
+    return sqlite_utils
+
+
+sqlite_utils = _import_sqlite_utils()
 
 
 class Db:
