@@ -8,8 +8,9 @@ import json
 import os
 
 import pytest
+from helpers import importorskip_deferred
 
-anthropic = pytest.importorskip("anthropic")
+anthropic = importorskip_deferred("anthropic")
 tinker = pytest.importorskip("tinker")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 

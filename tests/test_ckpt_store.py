@@ -12,12 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import importorskip_deferred
 
 from twinkled.protocol.blobs import Blobs, StoreError, is_remote, versioned
 from twinkled.protocol.checkpoints import checkpoint_digest
 
-pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+importorskip_deferred("s3fs")
+moto_server = importorskip_deferred("moto.server")
 
 BUCKET = "ckpts"
 # moto accepts any credentials; botocore tries a dead endpoint once (not 5 times, with

@@ -16,49 +16,14 @@ tinker = pytest.importorskip("tinker")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-import chz  # noqa: E402  (after the skips: only there when the cookbook is)
-from tinker_cookbook import tokenizer_utils  # noqa: E402
-from tinker_cookbook.supervised import train  # noqa: E402
-from tinker_cookbook.supervised.common import datum_from_model_input_weights  # noqa: E402
-from tinker_cookbook.supervised.types import (  # noqa: E402
-    SupervisedDataset,
-    SupervisedDatasetBuilder,
-)
-
-LINES = ["the sun and the sea are big.", "hello world from twinkle, yes.",
-         "a tiny model learns these lines.", "twinkle trains many adapters at once."]
 EPOCHS = 6
-
-
-class Lines(SupervisedDataset):
-    """Every line a datum, weights on all of it; one batch of all lines per step."""
-
-    def __init__(self, model_name: str):
-        tok = tokenizer_utils.get_tokenizer(model_name)
-        self.data = [datum_from_model_input_weights(
-            tinker.ModelInput.from_ints(ids), torch.ones(len(ids)))
-            for ids in (tok(line).input_ids for line in LINES)]
-
-    def get_batch(self, index: int) -> list:
-        return self.data
-
-    def __len__(self) -> int:
-        return 1
-
-    def set_epoch(self, seed: int = 0) -> None:
-        pass
-
-
-@chz.chz
-class LinesBuilder(SupervisedDatasetBuilder):
-    model_name: str
-
-    def __call__(self):
-        return Lines(self.model_name), None
 
 
 def test_cookbook_sl_loop_lowers_the_loss_and_saves_a_resumable_state(daemon, tiny_dir,
                                                                      tmp_path, monkeypatch):
+    from cookbook_sl_data import Lines, LinesBuilder
+    from tinker_cookbook import tokenizer_utils
+    from tinker_cookbook.supervised import train
     from transformers import AutoTokenizer
 
     monkeypatch.setenv("TINKER_API_KEY", daemon.keys["alice"])

@@ -8,8 +8,9 @@ import os
 import time
 
 import pytest
+from helpers import importorskip_deferred
 
-openai = pytest.importorskip("openai")
+openai = importorskip_deferred("openai")
 tinker = pytest.importorskip("tinker")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
