@@ -49,7 +49,11 @@ def _track_tinker_clients() -> None:
     InternalClientHolder.__init__ = init
 
 
-_track_tinker_clients()
+def pytest_configure(config: pytest.Config) -> None:
+    # In the processes that run tests: not in pytest-xdist's controller, which runs none
+    # (importing the SDK, and torch with it, cost it ~3 s of CPU while its workers collect).
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        _track_tinker_clients()
 
 
 @pytest.fixture(autouse=True, scope="module")
