@@ -30,18 +30,20 @@ serve: install
 # other; the suite is CPU-bound). The longest files start first, in the order
 # tests/conftest.py gives (LONGEST_FIRST; xdist's own would start them last). TEST_WORKERS=0
 # runs it in one process; TESTS=tests/test_x.py runs one file.
-# The project's bytecode is written first (under a second in a fresh checkout, nothing after):
-# the suite starts some 250 Python processes that import the project (daemons, their workers,
-# ctl), and where PYTHONDONTWRITEBYTECODE is set (sandboxes, CI images) none of them writes
-# the bytecode it compiled, so each compiled the project again (measured: ~0.4 s of CPU at
-# every worker start). __pycache__ is git-ignored.
+# Bytecode caches are on for the suite, whatever PYTHONDONTWRITEBYTECODE says (some sandboxes
+# and CI images set it): the project's is written first (under a second in a fresh checkout,
+# nothing after), as the suite starts some 250 Python processes that import it (daemons,
+# their workers, ctl), each of which compiled it again (measured: ~0.4 s of CPU at every
+# worker start); and pytest keeps its assert-rewritten test modules, which each of its
+# processes otherwise rewrote at collection (12 -> 7 s of CPU a process, the suite's first
+# ~25 s). __pycache__ is git-ignored.
 TEST_WORKERS ?= 4
 TESTS ?= tests
 PACKAGES = twinkled scheduler tinker_shim openai_shim anthropic_shim twinkle_sdk
 test: install
 	@echo "make: running the test suite (pytest $(TESTS), $(TEST_WORKERS) processes)"
 	-$(PY) -m compileall -q $(PACKAGES)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(TESTS)
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(TESTS)
 
 # The edit loop's tier: the tests that start no daemon (engine, scheduler, store, codecs,
 # layers), in about a minute.
