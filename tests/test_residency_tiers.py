@@ -203,6 +203,10 @@ def test_tinker_clients_beyond_the_gpu_budget_train_in_a_daemon(tiny_dir, tmp_pa
         with urllib.request.urlopen(f"{d.url}/metrics", timeout=T) as r:
             metrics = r.read().decode()
         assert f"twinkle_adapter_churn_total {float(tiers['churn'])}" in metrics
+        prefetch = tiers["prefetch"]  # the labels reference.md documents
+        assert (f'twinkle_adapter_prefetch_total{{result="hit"}} {float(prefetch["hits"])}'
+                in metrics and f'twinkle_adapter_prefetch_total{{result="miss"}} '
+                f'{float(prefetch["misses"])}' in metrics), metrics
         for tc in clients:  # and they train on
             _step(tc, data)
         sc.close("success").result(timeout=T)

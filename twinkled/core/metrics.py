@@ -115,8 +115,8 @@ def _tier_metrics(tiers: dict):
                                    "bank: hit (inside the step in flight, or with no other "
                                    "work waiting) or miss (a step waited for the move)",
                                    labels=["result"])
-    for result in ("hits", "misses"):
-        prefetch.add_metric([result.rstrip("s")], tiers["prefetch"][result])
+    for label, key in (("hit", "hits"), ("miss", "misses")):
+        prefetch.add_metric([label], tiers["prefetch"][key])
     yield prefetch
     yield CounterMetricFamily("twinkle_adapter_churn", "Adapters parked out of the GPU bank "
                               "within 10 s of their last use: the runs training at once do "
