@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from twinkled.engine.choose import RowChoice
+from twinkled.engine.choose import RowChoice, exponential
 from twinkled.protocol.types import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -17,10 +17,10 @@ def test_a_slice_draws_what_a_fresh_tensor_draws(dev):
     vocab = 151936  # a real vocabulary's width: CUDA's launch shape follows the count
     for rows in (1, 3, 8):
         fresh = torch.Generator(device=dev).manual_seed(7)
-        want = torch.empty((rows, vocab), device=dev).exponential_(generator=fresh)
+        want = exponential(torch.empty((rows, vocab), device=dev), fresh)
         sliced = torch.Generator(device=dev).manual_seed(7)
         buf = torch.ones((rows + 5, vocab), device=dev)
-        buf[2:2 + rows].exponential_(generator=sliced)
+        exponential(buf[2:2 + rows], sliced)
         assert torch.equal(buf[2:2 + rows], want)
         assert torch.equal(fresh.get_state(), sliced.get_state())  # the stream goes on alike
 
@@ -53,8 +53,8 @@ def _reference(params, groups, logits):
     probs = (choice._filter(logp) if choice.filtered else logp).exp()
     noise = torch.ones_like(probs)
     for idx, gen in groups:
-        noise[torch.tensor(idx, device=dev)] = torch.empty(
-            (len(idx), probs.shape[1]), device=dev).exponential_(generator=gen)
+        noise[torch.tensor(idx, device=dev)] = exponential(torch.empty(
+            (len(idx), probs.shape[1]), device=dev), gen)
     tokens = torch.where(greedy, logp.argmax(-1), (probs / noise).argmax(-1))
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
@@ -80,3 +80,21 @@ def test_choose_picks_what_the_unabridged_choice_picks(dev, case):
         gens = [torch.Generator(device=dev).manual_seed(10 + i) for i in range(len(groups))]
         out.extend(fn(list(zip(groups, gens, strict=True))))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_draws_are_exp1_and_tokens_follow_the_distribution(dev):
+    """choose.py's noise is Exp(1) (the CPU makes it as -log U), so the argmax of probs /
+    noise draws each token with its probability."""
+    gen = torch.Generator(device=dev).manual_seed(5)
+    x = exponential(torch.empty(1 << 20, device=dev), gen)
+    assert x.min() >= 0
+    assert abs(x.mean().item() - 1) < 0.01 and abs(x.std().item() - 1) < 0.01
+    assert abs((x > 1).float().mean().item() - 0.36788) < 0.005  # P(X > 1) = 1/e
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], device=dev)
+    rows = 40000
+    choice = RowChoice.of([SamplingParams(seed=9)] * rows, [(list(range(rows)),
+                          torch.Generator(device=dev).manual_seed(9))], torch.device(dev))
+    tokens = choice.choose(probs.log().expand(rows, 4).contiguous())[0]
+    freq = torch.bincount(tokens, minlength=4).float() / rows
+    assert torch.allclose(freq, probs, atol=0.01), freq
