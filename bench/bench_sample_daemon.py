@@ -85,13 +85,16 @@ def tenant(args: argparse.Namespace) -> None:
     sys.stdin.readline()  # exit once every tenant is done: an exit is CPU the others lack
 
 
-def through_daemon(args: argparse.Namespace, model: Path, work: Path, device: str) -> dict:
+def through_daemon(args: argparse.Namespace, model: Path, work: Path, device: str,
+                   config: Path | None) -> list[dict]:
     data = work / "data"
+    shutil.rmtree(data, ignore_errors=True)  # (a run before, with another config)
     t0 = time.time()
     keys = make_keys(data, args.tenants)
     print(f"[{time.time() - t0:.0f} s] {args.tenants} keys made", flush=True)
-    daemon, url, log = start_daemon(model, data, work, device,
-                                    *(("--config", str(args.config)) if args.config else ()))
+    toml = work / "twinkled.toml"  # the config given, with the KV pool both sides use
+    toml.write_text((config.read_text() if config else "") + f"\nsample_kv_mb = {args.kv_mb}\n")
+    daemon, url, log = start_daemon(model, data, work, device, "--config", str(toml))
     print(f"[{time.time() - t0:.0f} s] the daemon answers", flush=True)
     try:
         faces = ["tinker" if i % 2 == 0 else "openai" for i in range(args.tenants)]
@@ -156,7 +159,7 @@ def engine_alone(args: argparse.Namespace, model: Path, device: str) -> dict:
     from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    eng = Engine(model, dtype=dtype, device=torch.device(device))
+    eng = Engine(model, dtype=dtype, device=torch.device(device), kv_bytes=args.kv_mb << 20)
     params = SamplingParams(max_tokens=args.new, temperature=1.0, stop=[])
     reqs = []
     for i in range(args.tenants):
@@ -191,7 +194,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=None, help="tokens a prompt (512; CPU 32)")
     ap.add_argument("--new", type=int, default=None, help="new tokens a sample (256; CPU 16)")
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--config", type=Path, default=None, help="the daemon's TOML config")
+    ap.add_argument("--config", type=Path, action="append", default=[],
+                    help="the daemon's TOML config; given again, one daemon run per config "
+                         "(beside the one engine-alone run)")
+    ap.add_argument("--kv-mb", type=int, default=None,
+                    help="the sampler's KV pool on both sides, MiB (the daemon's "
+                         "sample_kv_mb; GPU 32768, CPU 64): the engine alone would "
+                         "otherwise get its 4 GiB default, and fewer rows")
     ap.add_argument("--rounds", type=int, default=2, help="the workload this many times")
     ap.add_argument("--timeout", type=float, default=T, help="seconds the tenants may take")
     ap.add_argument("--log", default=None, help="copy the daemon's log and /metrics here")
@@ -208,10 +217,11 @@ def main() -> None:
     args.prompts = args.prompts or (32 if gpu else 4)
     args.prompt_len = args.prompt_len or (512 if gpu else 32)
     args.new = args.new or (256 if gpu else 16)
+    args.kv_mb = args.kv_mb or (32768 if gpu else 64)
     work = Path(tempfile.mkdtemp(prefix="bench_sample_daemon_"))
     model, args.vocab = model_dir_for(args, work, device)
     try:
-        daemon = through_daemon(args, model, work, device)
+        daemons = [through_daemon(args, model, work, device, c) for c in args.config or [None]]
         if gpu:
             torch.cuda.empty_cache()
         alone = engine_alone(args, model, device)
@@ -220,19 +230,24 @@ def main() -> None:
         if args.model_dir is None:
             shutil.rmtree(model, ignore_errors=True)
     rows = ""
-    for i, (d, e) in enumerate(zip(daemon, alone, strict=True)):
-        d_tps, e_tps = d["tokens"] / d["wall"], e["tokens"] / e["wall"]
-        rows += (f"| {i + 1} | through the daemon | {d['tokens']:,} | {d['wall']:.2f} | "
-                 f"{d_tps:,.0f} | **{d_tps / e_tps:.2f}x** |\n"
-                 f"| {i + 1} | engine alone, one call | {e['tokens']:,} | {e['wall']:.2f} | "
+    names = [f"through the daemon ({c.name})" for c in args.config] or ["through the daemon"]
+    for i, e in enumerate(alone):
+        e_tps = e["tokens"] / e["wall"]
+        for name, daemon in zip(names, daemons, strict=True):
+            d = daemon[i]
+            d_tps = d["tokens"] / d["wall"]
+            rows += (f"| {i + 1} | {name} | {d['tokens']:,} | {d['wall']:.2f} | "
+                     f"{d_tps:,.0f} | **{d_tps / e_tps:.2f}x** |\n")
+        rows += (f"| {i + 1} | engine alone, one call | {e['tokens']:,} | {e['wall']:.2f} | "
                  f"{e_tps:,.0f} | 1.00x |\n")
-    last = daemon[-1]
+    last = daemons[0][-1]
     faces = ", ".join(f"{f} {s:.2f} s" for f, s in zip(last["faces"], last["each"],
                                                           strict=True))
     text = header(device).replace("Engine vs peft", "Sampling through the daemon")
     text += (f"\n### {args.shape} ({device}), {args.tenants} tenants (half tinker, half "
              f"OpenAI), each {args.prompts} prompts x {args.samples} samples, "
-             f"{args.prompt_len} + {args.new} tokens, temperature 1, LoRA r={args.rank}\n\n"
+             f"{args.prompt_len} + {args.new} tokens, temperature 1, LoRA r={args.rank}, "
+             f"a KV pool of {args.kv_mb:,} MiB on both sides\n\n"
              "| round | run | new tokens | seconds | new tok/s | vs engine alone |\n"
              "|---:|---|---:|---:|---:|---:|\n" + rows +
              f"\nEach tenant's seconds, last round: {faces}. The first round of each side "
