@@ -211,3 +211,47 @@ def test_a_sampler_with_running_samples_is_not_evicted(tiny_dir, tmp_path, monke
     assert runner.run(StepF(0, "sample", [op("s2", dirs[1], 200, "gone")], 0.001)) == []
     assert runner.run(StepF(0, "slice", [], 5.0, cancel=["gone"])) == []
     assert runner.news().running == [] and engine.sample_idle
+
+
+def test_a_rank_is_stocked_once_a_batchs_worth_of_rows_waits(tiny_dir):
+    """A rank reports `stocked` (the daemon then holds new samples back) only once as many
+    rows wait for room as its running batch decodes at once, so a row that finishes is
+    replaced without a round trip to the daemon; a few waiting rows are not enough."""
+    from twinkled.core.pending_samples import PendingSamples, Sliced
+    from twinkled.protocol.frames import ReplyF, SlicedF, StepF
+    from twinkled.workers import sampling
+
+    engine = make_engine(tiny_dir, sample_rows=4)
+    runner = sampling.SampleRunner(engine, 0, 0, 1, True, False, None)
+    keys = iter(range(100))
+
+    def op(n: int) -> SampleF:
+        f = SampleF(None, buf([3, 1, 4], "int64"), SamplingF(300, 1.0, -1, 1.0, None, []),
+                    num_samples=n)
+        f.key = f"k{next(keys)}"
+        return f
+
+    runner.run(StepF(0, "sample", [op(2), op(2)], 0.001))  # 4 rows: the batch is full
+    news = runner.news()
+    assert news.waiting == 0 and not news.stocked
+    runner.run(StepF(0, "sample", [op(2)], 0.001))  # 2 rows wait: room for more
+    news = runner.news()
+    assert news.waiting == 1 and not news.stocked
+    runner.run(StepF(0, "sample", [op(1), op(1)], 0.001))  # 4 rows wait: a batch's worth
+    news = runner.news()
+    assert news.waiting == 3 and news.stocked
+
+    # The daemon's side: any rank stocked holds new samples back; waiting alone does not.
+    pending = PendingSamples(0.25)
+    pending.step([type("Op", (), {"frame": op(1), "future": type("F", (), {"id": "x"}),
+                                  "stream": None})()])
+
+    def settle(*ranks: SlicedF) -> bool:
+        pending.settle(Sliced.of([ReplyF(0, 0, [], sampling=s) for s in ranks]))
+        return pending.backlog
+
+    assert not settle(SlicedF(["x"], waiting=3))
+    assert settle(SlicedF(["x"], waiting=3, stocked=True), SlicedF([]))
+    assert not settle(SlicedF(["x"]))
+    while runner.news().running:  # the rest decode to the end
+        runner.run(StepF(0, "slice", [], 5.0))

@@ -42,6 +42,7 @@ class Sliced:
     finished: dict[str, Outcome] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)  # still decoding, on some rank
     waiting: int = 0  # requests the ranks hold that wait for room in their running batches
+    stocked: bool = False  # some rank holds a batch's worth of them (SlicedF.stocked)
     pieces: dict[str, list[SampledSequence]] = field(default_factory=dict)  # streamed ones
     lost: str | None = None  # the group failed: every sample it ran is gone, and why
 
@@ -59,6 +60,7 @@ class Sliced:
             if reply.sampling is not None:
                 out.running.update(reply.sampling.running)
                 out.waiting += reply.sampling.waiting
+                out.stocked |= reply.sampling.stocked
                 out.pieces.update(reply.sampling.pieces)
         return out
 
@@ -72,7 +74,7 @@ class PendingSamples:
         self.slice_s = slice_s  # a turn (0: a sampling step runs its samples to the end)
         self._ops: dict[str, Op] = {}  # key (future id) -> the op
         self._cancel: list[str] = []  # keys to drop at the next sampling step
-        self._waiting = 0  # the workers' requests waiting for room, at the last step
+        self._stocked = False  # a worker held a batch's worth of waiting rows, at the last step
         self._turn: float | None = None  # seconds of this turn used (None: it ended)
 
     @property
@@ -82,9 +84,14 @@ class PendingSamples:
 
     @property
     def backlog(self) -> bool:
-        """The workers hold samples they have no room to start yet: new ones had better
-        wait in the planner's queues (fair share, quotas, withdrawal) than in theirs."""
-        return self._waiting > 0 and bool(self._ops)
+        """A worker holds as many samples waiting for room as its running batch decodes at
+        once: new ones had better wait in the planner's queues (fair share, quotas,
+        withdrawal) than in its. Up to that many may wait there, so that a row that
+        finishes is replaced at once, without a round trip to the daemon: with new samples
+        held back as soon as any waited, the 8B's running batch ran part empty between
+        sampling steps (8 tenants' fan-out, H200: 0.81x the engine alone, against 0.91x
+        with three times the sample_budget a step)."""
+        return self._stocked and bool(self._ops)
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -132,7 +139,7 @@ class PendingSamples:
         the ops that finished (or that no worker holds any more) leave, with outcomes."""
         if sliced.lost is not None:
             return self.lose(sliced.lost)
-        self._waiting = sliced.waiting
+        self._stocked = sliced.stocked
         for key, partials in sliced.pieces.items():
             op = self._ops.get(key)
             if op is not None and op.stream is not None:
@@ -144,5 +151,5 @@ class PendingSamples:
 
     def lose(self, why: str) -> list[tuple[Op, Outcome]]:
         """Every pending op, failed with `why` (the worker group that ran them is gone)."""
-        ops, self._ops, self._cancel, self._waiting = self._ops, {}, [], 0
+        ops, self._ops, self._cancel, self._stocked = self._ops, {}, [], False
         return [(op, (None, why, "server")) for op in ops.values()]

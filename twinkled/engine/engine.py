@@ -371,6 +371,11 @@ class Engine:
         """Submitted requests waiting for room in the running batch."""
         return self._running.waiting
 
+    @property
+    def sample_stocked(self) -> bool:
+        """As many rows wait for room as the running batch decodes at once."""
+        return self._running.stocked
+
     def _sample_adapters(self, requests: list[SampleRequest], checked: bool
                          ) -> list[Adapter | None]:
         """Each request's adapter (None: the base model), after checking the requests."""

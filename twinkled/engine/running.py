@@ -203,6 +203,11 @@ class RunningBatch:
         """Admitted requests that wait for rows or pages (they start as others finish)."""
         return len(self.waiting)
 
+    @property
+    def waiting_rows(self) -> int:
+        """The rows (samples) of the waiting requests."""
+        return sum(r.req.num_samples for r in self.waiting)
+
     def cancel(self, ticket: int) -> bool:
         """Drop a queued or running request: its rows leave the batch at once and give
         their pages back. False if the ticket is neither (it finished, or never was)."""

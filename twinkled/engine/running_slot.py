@@ -80,6 +80,13 @@ class RunningSlot:
     def waiting(self) -> int:
         return 0 if self._batch is None else self._batch.waiting_requests
 
+    @property
+    def stocked(self) -> bool:
+        """Rows wait for room, as many as the batch decodes at once: whatever finishes
+        next, a waiting request takes its place."""
+        b = self._batch
+        return b is not None and b.waiting_rows >= b.rows
+
     def partials(self, tickets: list[int] | None = None) -> dict[int, list[SampledSequence]]:
         return {} if self._batch is None else self._batch.partials(tickets)
 

@@ -222,6 +222,9 @@ class SlicedF(msgspec.Struct, omit_defaults=True):
     running: list[str] = []  # keys of the samples it still decodes (or holds queued)
     waiting: int = 0  # of those, requests that wait for room in its running batch
     pieces: dict[str, list[SampledSequence]] = {}  # streamed keys: tokens since the last
+    # It holds a batch's worth of rows waiting (or a request that waits for the batch to
+    # empty): new samples had better wait in the daemon's queues (PendingSamples.backlog).
+    stocked: bool = False
 
 
 class FwdBwdOutF(msgspec.Struct):

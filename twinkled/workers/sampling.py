@@ -105,7 +105,8 @@ class SampleRunner:
         pieces = {self.queued[t][1]: seqs for t, seqs in self.engine.sample_partials(streamed).items()
                   if any(s.tokens for s in seqs)}
         running = [q[1] for q in self.queued.values()] + [q[1] for _, q in self.deferred]
-        return SlicedF(running, self.engine.sample_waiting + len(self.deferred), pieces)
+        return SlicedF(running, self.engine.sample_waiting + len(self.deferred), pieces,
+                       stocked=bool(self.deferred) or self.engine.sample_stocked)
 
     def _requests(self, ops: list[OpF]) -> tuple[list[tuple[int, SampleRequest]], list[OutcomeF]]:
         """This rank's share of `ops` as engine requests (their samplers loaded), and the
