@@ -116,6 +116,8 @@ def profile_steps(batch: RunningBatch, reqs, adapters, tickets_of: int, steps: i
 
     batch.admit(reqs, adapters)
     done = len(batch.step())
+    while batch.waiting_requests or batch.prefilling.pending:  # decode steps only
+        done += len(batch.step())
     activities = [ProfilerActivity.CPU] + (
         [ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
