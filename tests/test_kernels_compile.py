@@ -1,5 +1,5 @@
-"""The LoRA row kernels compile for a GPU (sm_90, Triton's own PTX backend, no GPU needed;
-in a process of its own, since the suite runs Triton's interpreter).
+"""The LoRA row kernels and the sampling kernel compile for a GPU (sm_90, Triton's own PTX
+backend, no GPU needed; in a process of its own, since the suite runs Triton's interpreter).
 
 The other kernel tests run them in Triton's interpreter, which accepts code the compiler
 rejects (a value whose type differs between the branches of an `if`, say): this catches that
@@ -46,11 +46,43 @@ print("compiled")
 """
 
 
-@pytest.mark.parametrize("dtype,precision", [("bf16", "tf32"), ("fp32", "ieee")])
-def test_the_lora_row_kernels_compile_for_sm90(dtype, precision):
+# kernels/sample_rows.py: bf16 or fp32 logits; B and the row stride 1 (one row of one
+# token's width) compiled as constants
+SAMPLE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from twinkled.engine.kernels import sample_rows as sr
+
+k = sr._sample_rows
+types = {"x_ptr": "*" + sys.argv[1], "tok_ptr": "*i64"}
+for consts in ({}, {"B": 1, "stride_row": 1}):
+    c = {"ROWS": sr.ROWS, "BLOCK": sr.BLOCK, **consts}
+    sig = {n: "constexpr" if n in c else types.get(n, "*fp32" if n.endswith("_ptr") else "i32")
+           for n in k.arg_names}
+    src = ASTSource(fn=k, signature=sig, constexprs=c)
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": sr.NUM_WARPS})
+    assert ".entry _sample_rows" in out.asm["ptx"]
+print("compiled")
+"""
+
+
+def _compile(script: str, *args: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, "-c", COMPILE, dtype, precision], env=env,
+    run = subprocess.run([sys.executable, "-c", script, *args], env=env,
                          capture_output=True, text=True, timeout=300)
     if run.returncode and "ptxas" in run.stderr and "not found" in run.stderr:
         pytest.skip("Triton without the NVIDIA backend's ptxas")
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype,precision", [("bf16", "tf32"), ("fp32", "ieee")])
+def test_the_lora_row_kernels_compile_for_sm90(dtype, precision):
+    _compile(COMPILE, dtype, precision)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_sampling_kernel_compiles_for_sm90(dtype):
+    _compile(SAMPLE, dtype)

@@ -3,6 +3,17 @@
 A row is greedy at temperature 0, else sampled after its top-k / top-p. Rows of a seeded
 request draw together from that request's own generator (one `multinomial` over its rows,
 in sample order), so a seed gives the same output whichever rows sit beside it.
+
+Two ways to choose. `choose` (the reference, and the only one for top-k / top-p rows or a
+caller that reads the distribution: top-k logprob rows) builds each row's log_softmax and
+draws by the exponential race. `pick` returns the tokens and their logprobs alone: on CUDA,
+without top-k / top-p, through one fused kernel (kernels/sample_rows.py: the logits read
+about twice, nothing of [rows, vocab] written, where `choose` moves ~1.5 GB a step at 256
+rows x 151,936 vocab, ~15% of a Qwen2.5-0.5B decode step on an H200; the kernel's speed on
+a card is not measured yet). It draws one uniform a row from the same generators (a
+request's rows together, in sample order) and samples by inverse CDF: the same distribution
+and the same guarantees (a seed's output does not depend on its neighbours; no host sync),
+other tokens than `choose` for the same seed. Elsewhere (CPU, FUSED off) `pick` is `choose`.
 """
 
 from __future__ import annotations
@@ -12,6 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from twinkled.protocol.types import SamplingParams
+
+from . import kernels
+
+# `pick` through the fused kernel where it applies (CUDA, no top-k / top-p); False: `choose`.
+FUSED = True
 
 
 @dataclass
@@ -75,6 +91,43 @@ class RowChoice:
             tokens = drawn if tokens is None else torch.where(greedy, tokens, drawn)
         return tokens, logp.gather(1, tokens[:, None]).squeeze(1), logp
 
+    def select(self, logits: torch.Tensor, k: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Tokens, logprobs, and the distribution where some row wants its top `k` logprobs
+        (`choose`); with k = 0 no distribution (None): `pick`, the fused kernel on CUDA."""
+        if k:
+            return self.choose(logits)
+        tokens, lps = self.pick(logits)
+        return tokens, lps, None
+
+    def pick(self, logits: torch.Tensor, fused: bool | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token and its logprob, for a caller that reads no distribution.
+        `fused`: None: the kernel where FUSED and on CUDA (kernels.available); True: the
+        kernel (on a CPU in Triton's interpreter: the tests); False: `choose`. A batch with
+        top-k / top-p rows always takes `choose` (the kernel samples the whole vocabulary)."""
+        if fused is None:
+            fused = FUSED and kernels.available(logits.device)
+        elif fused and not kernels.runnable(logits.device):
+            raise ValueError(f"the sampling kernel cannot run on {logits.device}")
+        if not fused or self.filtered:
+            tokens, lps, _ = self.choose(logits)
+            return tokens, lps
+        from .kernels import sample_rows  # (triton: imported where a kernel runs)
+        return sample_rows.sample(logits, self.temp, self.uniforms(logits.shape[0]))
+
+    def uniforms(self, rows: int) -> torch.Tensor:
+        """[rows] fp32: each group's rows draw torch.rand(len(rows), generator=gen), in sample
+        order (a slice draws in place what a fresh tensor would, as `exponential`); -1 for a
+        row in no group (greedy: the reference's noise there is 1, its argmax)."""
+        u = torch.full((rows,), -1.0, device=self.temp.device)
+        for idx, gen in self.groups:
+            if isinstance(idx, slice):
+                u[idx].uniform_(generator=gen)
+            else:
+                u[idx] = torch.rand(idx.shape[0], generator=gen, device=u.device)
+        return u
+
     def _filter(self, logp: torch.Tensor) -> torch.Tensor:
         sorted_lp, order = logp.sort(dim=-1, descending=True)
         rank = torch.arange(logp.shape[-1], device=logp.device)[None, :]
@@ -112,9 +165,10 @@ def request_generator(params: SamplingParams, dev: torch.device) -> torch.Genera
     return torch.Generator(device=dev).manual_seed(params.seed % 2**63)
 
 
-def top_rows(logp: torch.Tensor, k: int) -> tuple[list, list]:
-    """Every row's top-k (ids, logprobs) of the distribution its token was drawn from."""
-    if k == 0:
+def top_rows(logp: torch.Tensor | None, k: int) -> tuple[list, list]:
+    """Every row's top-k (ids, logprobs) of the distribution its token was drawn from
+    (`logp` None: k is 0, RowChoice.select)."""
+    if k == 0 or logp is None:
         return [], []
     values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
     return ids.tolist(), values.tolist()

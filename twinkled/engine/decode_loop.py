@@ -2,8 +2,9 @@
 overlapped with the next step's GPU work.
 
 A decode step is `launch` (the host enqueues the GPU work: the step's graph, the choice of
-each row's token (choose.py), the token buffers moved on, one packed copy of tokens,
-logprobs and top-k rows to pinned host memory) and `land` (the host waits for that copy,
+each row's token (choose.py: `RowChoice.select`, the fused kernel on CUDA unless a row asks
+for top-k logprobs), the token buffers moved on, one packed copy of tokens, logprobs and
+top-k rows to pinned host memory) and `land` (the host waits for that copy,
 then records every row's token, checks its stop rule and retires the rows that stopped).
 Synchronous (`overlap=False`, the reference): launch, land. Overlapped: launch step t + 1
 before landing step t, so the GPU runs t + 1 while the host lands t, and the GPU never
@@ -96,8 +97,10 @@ class Flight:
         return h[:, 0].long().tolist(), h[:, 1].tolist(), top
 
 
-def pack(tokens: torch.Tensor, lps: torch.Tensor, logp: torch.Tensor, k: int) -> torch.Tensor:
-    """[n, 2 + 2k] float64 (exact for token ids and float32 logprobs): one copy to the host."""
+def pack(tokens: torch.Tensor, lps: torch.Tensor, logp: torch.Tensor | None, k: int
+         ) -> torch.Tensor:
+    """[n, 2 + 2k] float64 (exact for token ids and float32 logprobs): one copy to the host;
+    `logp` is read only for k > 0."""
     cols = [tokens.double()[:, None], lps.double()[:, None]]
     if k:
         values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
@@ -165,7 +168,7 @@ class DecodeLoop:
             self._choice = self._rebuild(live)
         choice, k, split = self._choice
         snaps = [(g, g.get_state()) for g in split] if self.overlap else []
-        tokens, lps, logp = choice.choose(logits)
+        tokens, lps, logp = choice.select(logits, k)
         self.decode.advance(n, tokens)
         f = Flight(list(live), logits, tokens, pack(tokens, lps, logp, k), snaps)
         f.send()
@@ -217,10 +220,11 @@ class DecodeLoop:
                     gen.set_state(state)
             seqs = [live[b] for b in redo]
             logits = g.logits.index_select(0, torch.tensor([old[b] for b in redo], device=dev))
-            t, lp, logp = self._choice_of(seqs).choose(logits)
+            k = (g.packed.shape[1] - 2) // 2
+            t, lp, logp = self._choice_of(seqs).select(logits, k)  # (as the launch chose)
             rows = torch.tensor(redo, device=dev)
             tokens[rows] = t
-            packed[rows] = pack(t, lp, logp, (g.packed.shape[1] - 2) // 2)
+            packed[rows] = pack(t, lp, logp, k)
             self.decode.feed(len(live), tokens)
         f = Flight(list(live), g.logits, tokens, packed)
         f.send()

@@ -364,8 +364,9 @@ class RunningBatch:
             return
         choice = self._choice_of(seqs)
         logits = torch.stack([rd.logits for rd in ready])
-        tokens, lps, logp = choice.choose(logits.index_select(0, torch.tensor(rows, device=logits.device)))
-        top = top_rows(logp, max(s.request.req.topk_sample for s in seqs))
+        k = max(s.request.req.topk_sample for s in seqs)
+        tokens, lps, logp = choice.select(logits.index_select(0, torch.tensor(rows, device=logits.device)), k)
+        top = top_rows(logp, k)
         seated: list[Seq] = []
         for b, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), lps.tolist(), strict=True)):
             s.record(tok, lp, top, b)

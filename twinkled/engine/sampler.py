@@ -143,7 +143,7 @@ def generate_padded(model: BaseModel, requests: list[SampleRequest],
                       graph=dev.type == "cuda" and max_new > 8 and model.shard is None
                       and not model.moe)
     for t in range(max_new):
-        tokens, lps, logp = chooser.choose(logits)
+        tokens, lps, logp = chooser.select(logits, topk)
         top = top_rows(logp, topk)
         for b, (tok, lp) in enumerate(zip(tokens.tolist(), lps.tolist(), strict=True)):
             r = rows[b]
