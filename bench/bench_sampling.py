@@ -44,6 +44,7 @@ import torch
 from bench_engine import build_model, header
 from output import emit, section_path
 
+from twinkled.engine import choose
 from twinkled.engine.engine import Engine
 from twinkled.engine.fused_ops import Fused
 from twinkled.engine.recurrent import SlotStates
@@ -52,10 +53,11 @@ from twinkled.engine.sampler import generate_padded
 from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
 
 RANK = 32
-# path -> RunningBatch(kernels=, cascade=), and whether modules that read one x run their
-# LoRA row kernels as one launch pair (lora_decode.apply_group; "ungrouped": one a module)
-PATHS = {"old": (False, False, False), "flat": (True, False, True), "new": (True, True, True),
-         "ungrouped": (True, True, False)}
+# path: (LoRA and paged-attention kernels, cascade attention, grouped LoRA launches, the
+# fused token choice (choose.FUSED: kernels/sample_rows.py))
+PATHS = {"old": (False, False, False, False), "flat": (True, False, True, False),
+         "new": (True, True, True, True), "ungrouped": (True, True, False, True),
+         "unfused": (True, True, True, False)}
 
 
 def workloads(args, vocab: int) -> dict[str, list[SampleRequest]]:
@@ -131,8 +133,9 @@ def profile_steps(batch: RunningBatch, reqs, adapters, tickets_of: int, steps: i
 
 def run_workload(eng: Engine, reqs: list[SampleRequest], args, sync, path: str,
                  overlap: bool, prefill: str = "varlen") -> dict[str, float]:
-    kernels, cascade, grouped = PATHS[path]
+    kernels, cascade, grouped, fused_choice = PATHS[path]
     eng.model.fuse_lora = grouped  # (the sampler's forward reads it; training is not run here)
+    choose.FUSED = fused_choice
     adapters = [eng.pool.get(r.adapter_id) for r in reqs]
     rows = sum(r.num_samples for r in reqs)
     new = rows * args.new
@@ -206,7 +209,8 @@ def main() -> None:
                     help="decode attentions to run, comma-separated: old (gather + SDPA), new "
                     "(paged Triton kernel, cascade), flat (paged kernel, no cascade), "
                     "ungrouped (new with one LoRA launch pair a module, not a q/k/v or "
-                    "gate/up group) (old,new; CPU old)")
+                    "gate/up group), unfused (new with the reference token choice, not "
+                    "the fused kernel) (old,new; CPU old)")
     ap.add_argument("--cascade-tune", default=None,
                     help="JSON of the cascade's launch knobs (kernels/paged_decode.TUNE; "
                     "check_paged_decode.py --cascade --sweep writes one)")

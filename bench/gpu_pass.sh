@@ -17,6 +17,8 @@
 #   bash bench/gpu_pass.sh gap                     # issue 31: sampler vs trainer logprob gap
 #   bash bench/gpu_pass.sh gpucheck grouped        # issue 31: the grouped LoRA launches, checked
 #                                                  #   compiled, then timed against one a module
+#   bash bench/gpu_pass.sh gpucheck fusedpick      # issue 31: the fused token choice, checked
+#                                                  #   compiled, then timed against choose.py
 #   bash bench/gpu_pass.sh gappaths prof8b         # issue 31: the gap path by path; issue 32: the
 #                                                  #   8B training step profiled (1 and 8 adapters)
 #   bash bench/gpu_pass.sh qwen35                  # issue 34: Qwen3.5 GPU tests, 9B figures
@@ -108,6 +110,12 @@ for what in "$@"; do
                      --shape "$s" --paths new,ungrouped --no-baseline --repeats 2 \
                      --write "$out/grouped_$s.md" > "$out/grouped_$s.log" 2>&1
                      grep -a "^|" "$out/grouped_$s.log"; done ;;
+        # the fused token choice (kernels/sample_rows.py, choose.FUSED) against choose.py's
+        # reference, same call; run `gpucheck` first (its compiled results)
+        fusedpick) for s in qwen2.5-0.5b qwen3-8b; do "$py" bench_sampling.py --device cuda \
+                       --shape "$s" --paths new,unfused --no-baseline --repeats 2 \
+                       --write "$out/fusedpick_$s.md" > "$out/fusedpick_$s.log" 2>&1
+                       grep -a "^|" "$out/fusedpick_$s.log"; done ;;
         slices) CUDA_VISIBLE_DEVICES="${SAMPLING_GPU:-0}" "$py" bench_slices.py \
                     --shape qwen2.5-0.5b --write "$out/slices.md" ;;
         # every fast path's GPU-only checks against its reference (compiled Triton, not the
@@ -117,7 +125,8 @@ for what in "$@"; do
                       tests/test_lone_lora.py tests/test_engine_kernels.py \
                       tests/test_flash_varlen.py tests/test_shared_prefix.py \
                       tests/test_engine_packed.py tests/test_logprob_gap.py \
-                      "tests/test_lora_kernels.py::test_modules_sharing_an_input_in_one_launch_add_the_same_bits") \
+                      "tests/test_lora_kernels.py::test_modules_sharing_an_input_in_one_launch_add_the_same_bits" \
+                      tests/test_sample_kernel.py) \
                       2>&1 | tail -40 | tee "$out/gpucheck.txt"
                   (cd .. && TRITON_INTERPRET=0 TWINKLE_TEST_DEVICE=cuda "$py" -c "
 import sys, pytest, twinkled.engine.flash_varlen as f

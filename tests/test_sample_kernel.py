@@ -10,12 +10,22 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import DEVICE  # noqa: E402
+
 from twinkled.engine import choose as choose_mod  # noqa: E402
 from twinkled.engine.choose import RowChoice  # noqa: E402
 from twinkled.engine.kernels import sample_rows  # noqa: E402
 from twinkled.protocol.types import SamplingParams  # noqa: E402
 
 CPU = torch.device("cpu")
+
+
+def _sample(logits, temp, u, **kw):
+    """The kernel on the tests' device (TWINKLE_TEST_DEVICE=cuda: compiled, as gpu_pass.sh
+    gpucheck runs it), its answers on the CPU."""
+    dev = torch.device(DEVICE)
+    tokens, lps = sample_rows.sample(logits.to(dev), temp.to(dev), u.to(dev), **kw)
+    return tokens.cpu(), lps.cpu()
 
 
 def _reference(logits: torch.Tensor, temp: torch.Tensor, u: torch.Tensor):
@@ -53,7 +63,7 @@ def test_the_kernel_draws_the_reference_inverse_cdf_token(dtype, tile, monkeypat
     temp = torch.tensor([1, 0, 0.7, 1.5, 1, 0.3, 2.0, 0, 1, 0.9, 1, 1], dtype=torch.float32)
     u = torch.rand(12, generator=torch.Generator().manual_seed(1))
     u[10] = -1.0  # a row in no group: the argmax
-    tokens, lps = sample_rows.sample(logits, temp, u, block=1024)
+    tokens, lps = _sample(logits, temp, u, block=1024)
     want, logp, margin = _reference(logits, temp, u)
     clear = margin > 1e-6  # (u on a CDF boundary: either side is right)
     assert clear.sum() >= 11
@@ -74,7 +84,7 @@ def test_greedy_rows_take_the_first_argmax():
     logits[2, 2999] = top  # the last entry alone
     logits[3, :] = 0.0  # all alike: token 0
     temp = torch.zeros(4)
-    tokens, lps = sample_rows.sample(logits, temp, torch.rand(4), block=1024)
+    tokens, lps = _sample(logits, temp, torch.rand(4), block=1024)
     assert tokens.tolist() == [7, 300, 2999, 0] == logits.argmax(-1).tolist()
     want = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None])[:, 0]
     torch.testing.assert_close(lps.double(), want, rtol=0, atol=1e-5)
@@ -87,8 +97,8 @@ def test_a_draw_never_takes_a_token_of_probability_zero():
     logits = _logits(2, 3000, 3, torch.float32, pad=0).contiguous()
     logits[:, :40] = float("-inf")
     logits[:, 2100:] = float("-inf")
-    tokens, lps = sample_rows.sample(logits, torch.tensor([1.0, 0.6]), torch.tensor([0.0, 1.0]),
-                                     block=1024)
+    tokens, lps = _sample(logits, torch.tensor([1.0, 0.6]), torch.tensor([0.0, 1.0]),
+                          block=1024)
     assert tokens.tolist() == [40, 2099]
     want = torch.log_softmax(logits.double() / torch.tensor([[1.0], [0.6]]).double(), -1)
     torch.testing.assert_close(lps.double(), want.gather(1, tokens[:, None])[:, 0], rtol=0,
@@ -176,6 +186,7 @@ def test_pick_takes_the_kernel_only_where_it_applies(monkeypatch):
     """By default the kernel where FUSED and `kernels.available` (CUDA: patched in here),
     `choose` otherwise: on a CPU, with FUSED off, and for a batch with top-k / top-p rows,
     whose draws are choose's own. `select` hands back the distribution only for top-k."""
+    monkeypatch.setattr(choose_mod, "FUSED", True)  # (what a card will run once checked)
     logits = _logits(4, 500, 8, torch.float32)
 
     def run(params, **kw):
@@ -220,6 +231,7 @@ def test_a_running_batch_samples_through_the_kernel_alike_overlapped_or_not(tiny
     from twinkled.protocol.types import SampleRequest
 
     monkeypatch.setattr(choose_mod.kernels, "available", lambda dev: True)
+    monkeypatch.setattr(choose_mod, "FUSED", True)
     monkeypatch.setattr(sample_rows, "ROWS", 8)  # (one program a step in the interpreter)
     calls = []
     monkeypatch.setattr(sample_rows, "sample", lambda *a, _f=sample_rows.sample, **kw: (

@@ -27,7 +27,11 @@ from twinkled.protocol.types import SamplingParams
 from . import kernels
 
 # `pick` through the fused kernel where it applies (CUDA, no top-k / top-p); False: `choose`.
-FUSED = True
+# Off until it has run on a card: it passes its tests in Triton's interpreter and compiles
+# for sm_90 (session 16), but neither its results compiled nor its speed were checked on a
+# GPU yet (`gpu_pass.sh gpucheck` runs tests/test_sample_kernel.py there;
+# `bench_sampling.py --paths new,unfused` times it against `choose`).
+FUSED = False
 
 
 @dataclass
