@@ -149,6 +149,9 @@ def test_a_traced_pair_records_each_ranks_share_of_a_step(slow_pair, tiny_dir):
     assert {"train", "barrier"} <= {e["kind"] for e in loops}
     for e in loops:  # the loop's phases, in order
         assert e["planned"] <= e["executing"] <= e["completing"] <= e["done"]
+    # what the planner expected of a training step: its time, its tokens, its micro-batches
+    assert all(e["predicted"] > 0 and e["tokens"] > 0 and e["micro_tokens"] >= 0
+               for e in loops if e["kind"] == "train")
     train = [g for g in groups if g["kind"] == "train"]
     assert train and all(len(g["ranks"]) == 2 for g in groups)
     for g in train:

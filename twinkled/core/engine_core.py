@@ -230,7 +230,9 @@ class EngineCore:
                                  work=sorted({op.kind for op in ops}),
                                  tenants=_tenant_kinds(ops),
                                  executing=executing, completing=completing, done=time.time(),
-                                 queued=max(started - op.submitted for op in ops))
+                                 queued=max(started - op.submitted for op in ops),
+                                 predicted=step.predicted_s, micro_tokens=step.micro_tokens,
+                                 tokens=step.shape.tokens if step.shape else 0)
                 if len(ops) == len(planned) and all(c != "server" for _, _, c in outcomes):
                     # a step that ran whole; what joins took inside it is not its cost
                     seconds = time.monotonic() - started - (self.executor.joined_s - joined)

@@ -1,7 +1,9 @@
 """Per-step timing trace for profiling the host path (off unless TWINKLED_TRACE is set).
 
 `TWINKLED_TRACE=/path/trace.jsonl twinkled serve ...` appends one JSON line per event: the
-loop's view of a step (plan, execute, complete, the wait for clients before it) and the
+loop's view of a step (plan, execute, complete, the wait for clients before it; for a
+training step what the planner expected: `predicted` seconds, `tokens`, `micro_tokens`, 0
+where the step was not cut for joins) and the
 worker group's (when each rank got the frame, started, finished, and when its reply
 arrived), all in wall-clock seconds so that the worker processes' stamps line up with
 the daemon's. Each event names its lane (twinkled/core/lanes.py: each lane's loop runs in its
