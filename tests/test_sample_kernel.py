@@ -5,6 +5,8 @@ same logprobs for the chosen tokens; a seed's tokens whatever rows sit beside it
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,6 +20,11 @@ from twinkled.engine.kernels import sample_rows  # noqa: E402
 from twinkled.protocol.types import SamplingParams  # noqa: E402
 
 CPU = torch.device("cpu")
+# The tests below that run the kernel on CPU tensors need Triton's interpreter (CI); with it
+# off (gpu_pass.sh gpucheck, TWINKLE_TEST_DEVICE=cuda) the kernel's own tests run compiled on
+# the card instead (`_sample`).
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton's interpreter on a CPU")
 
 
 def _sample(logits, temp, u, **kw):
@@ -105,6 +112,7 @@ def test_a_draw_never_takes_a_token_of_probability_zero():
                                atol=1e-5)
 
 
+@interpreted
 def test_token_frequencies_follow_the_distribution(monkeypatch):
     """Through RowChoice.pick (each request's uniforms from its generator): 20,000 rows at
     T = 1 draw each token with its probability, 20,000 at T = 0.5 with p^2 renormalised
@@ -132,6 +140,7 @@ def _params():
             SamplingParams(), SamplingParams(temperature=0.7, seed=4), SamplingParams(seed=3)]
 
 
+@interpreted
 def test_pick_gives_the_reference_logprob_of_its_token():
     """The fused pick's logprob is what choose's distribution says of the same token; the
     greedy row (1) and a row at T = 0.8 in no group (7: choose's noise there is 1) pick
@@ -152,6 +161,7 @@ def test_pick_gives_the_reference_logprob_of_its_token():
         assert lps[b].item() == pytest.approx(ref_lps[b].item(), abs=1e-5)
 
 
+@interpreted
 def test_a_seeds_tokens_do_not_depend_on_their_neighbours():
     """Request A (seed 3, 3 samples) alone in slots 0..2, then scattered among other
     requests' rows (slots 1, 4, 6, as an index), then consecutive after others (a slice):
@@ -182,6 +192,7 @@ def test_a_seeds_tokens_do_not_depend_on_their_neighbours():
     assert len(set(alone[0].tolist())) > 1
 
 
+@interpreted
 def test_pick_takes_the_kernel_only_where_it_applies(monkeypatch):
     """By default the kernel where FUSED and `kernels.available` (CUDA: patched in here),
     `choose` otherwise: on a CPU, with FUSED off, and for a batch with top-k / top-p rows,
@@ -219,6 +230,7 @@ def test_the_kernel_on_a_cpu_without_the_interpreter_is_refused(monkeypatch):
         choice.pick(torch.zeros((1, 8)), fused=True)
 
 
+@interpreted
 def test_a_running_batch_samples_through_the_kernel_alike_overlapped_or_not(tiny_dir, monkeypatch):
     """The kernel as the decode loop's default (`kernels.available` patched, as on CUDA):
     seeded requests whose samples stop at different steps (a class of 1 in 8 ids) sample the
