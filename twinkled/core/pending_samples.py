@@ -41,8 +41,7 @@ class Sliced:
 
     finished: dict[str, Outcome] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)  # still decoding, on some rank
-    waiting: int = 0  # requests the ranks hold that wait for room in their running batches
-    stocked: bool = False  # some rank holds a batch's worth of them (SlicedF.stocked)
+    stocked: bool = False  # some rank holds a batch's worth of rows waiting (SlicedF.stocked)
     pieces: dict[str, list[SampledSequence]] = field(default_factory=dict)  # streamed ones
     lost: str | None = None  # the group failed: every sample it ran is gone, and why
 
@@ -59,7 +58,6 @@ class Sliced:
                     if o.error is not None else (as_result(o), None, None)
             if reply.sampling is not None:
                 out.running.update(reply.sampling.running)
-                out.waiting += reply.sampling.waiting
                 out.stocked |= reply.sampling.stocked
                 out.pieces.update(reply.sampling.pieces)
         return out
