@@ -269,14 +269,16 @@ def test_varlen_prefill_samples_what_the_padded_prefill_samples(eng):
 
 def test_chunked_prefill_samples_what_an_unchunked_prefill_samples(eng):
     """A budget of 7 tokens a step cuts prompts mid-page and spreads the long one over
-    7 steps; the results are those of one pass (from cached prefixes too)."""
+    7 steps; the results are those of one pass (from cached prefixes too). Varlen prefill
+    named: a card's default, padded, does not cut a prompt."""
     reqs = _requests(eng)
-    batch = RunningBatch(eng.model, rows=16, pages=128, page_size=4, prefill_tokens=7)
+    batch = RunningBatch(eng.model, rows=16, pages=128, page_size=4, prefill_tokens=7,
+                         prefill="varlen")
     (*_, t_long) = batch.admit(reqs, _adapters(eng, reqs))
     batch.step()  # every request admitted at once; the long prompt waits for its chunks
     assert batch.waiting_requests == 0 and batch.partials([t_long])[t_long][0].tokens == []
-    whole = _run_twice(eng, reqs, prefill_tokens=4096)
-    chunked = _run_twice(eng, reqs, prefill_tokens=7)
+    whole = _run_twice(eng, reqs, prefill_tokens=4096, prefill="varlen")
+    chunked = _run_twice(eng, reqs, prefill_tokens=7, prefill="varlen")
     for got, want in zip(chunked, whole, strict=True):
         _assert_same(got, want)
 
@@ -284,12 +286,15 @@ def test_chunked_prefill_samples_what_an_unchunked_prefill_samples(eng):
 def test_a_running_row_keeps_decoding_while_a_long_prompt_is_chunk_prefilled(eng):
     """A 60-token prompt at 16 tokens a step takes 4 steps to prefill; the running row
     gets a token at each of them, and the long request's first token comes at the 4th.
-    A request cancelled while its prompt prefills gives every page back."""
+    A request cancelled while its prompt prefills gives every page back. (Varlen prefill and
+    no overlap named: a card's defaults, padded and launching a step before the last lands,
+    count steps otherwise.)"""
     greedy = SamplingParams(max_tokens=30, temperature=0, stop=[])
     short = SampleRequest("a", _prompt(eng, 5, 8), greedy)
     long = SampleRequest(None, _prompt(eng, 60, 9), SamplingParams(max_tokens=4, seed=2, stop=[]))
     gone = SampleRequest("b", _prompt(eng, 50, 10), greedy)
-    batch = RunningBatch(eng.model, rows=4, pages=64, page_size=4, prefill_tokens=16)
+    batch = RunningBatch(eng.model, rows=4, pages=64, page_size=4, prefill_tokens=16,
+                         prefill="varlen", overlap=False)
     free = batch.free_pages
     (t_short,) = batch.admit([short], _adapters(eng, [short]))
     batch.step()

@@ -193,11 +193,46 @@ def test_a_seeds_tokens_do_not_depend_on_their_neighbours():
 
 
 @interpreted
+def test_a_top_k_or_top_logprobs_neighbour_changes_no_requests_draw():
+    """Request A (seed 3, 3 samples, the kernel's) beside B (seed 4, top-k 5, `choose`'s) and
+    a greedy row: A's tokens are those it gets alone, B's those it gets alone, whichever
+    rows sit between them; asking for top logprobs (select with k) changes no token, and
+    its distribution is choose's. (Before: one top-k row sent the whole batch to `choose`,
+    so a seed's tokens followed its neighbours.)"""
+    logits = _logits(6, 2000, 8, torch.float32)
+    a, b, cold = SamplingParams(seed=3), SamplingParams(seed=4, top_k=5), SamplingParams(
+        temperature=0.0)
+
+    def choice(params, groups):
+        seeds = {id(a): 3, id(b): 4}
+        return RowChoice.of(params, [(rows, torch.Generator().manual_seed(seeds[id(p)]))
+                                     for rows, p in groups], CPU)
+
+    def alone(p, n, rows):
+        return choice([p] * n, [(list(range(n)), p)]).pick(logits[rows], fused=True)
+
+    a_alone, b_alone = alone(a, 3, [0, 2, 5]), alone(b, 2, [1, 4])
+    def mixed():  # (fresh generators each time)
+        return choice([a, b, a, cold, b, a], [([0, 2, 5], a), ([1, 4], b)])
+
+    for tokens, lps, logp in (mixed().select(logits, 0, fused=True),
+                              mixed().select(logits, 2, fused=True)):
+        for rows, want in (([0, 2, 5], a_alone), ([1, 4], b_alone)):
+            assert torch.equal(tokens[rows], want[0])
+            torch.testing.assert_close(lps[rows], want[1], rtol=0, atol=1e-5)
+        assert tokens[3] == logits[3].argmax()
+    assert logp is not None and torch.equal(logp, mixed().choose(logits)[2])
+    assert mixed().select(logits, 0, fused=True)[2] is None
+    b_ref = choice([b] * 2, [([0, 1], b)]).choose(logits[[1, 4]])
+    assert torch.equal(b_alone[0], b_ref[0])  # (B's rows: choose's own draw)
+
+
+@interpreted
 def test_pick_takes_the_kernel_only_where_it_applies(monkeypatch):
     """By default the kernel where FUSED and `kernels.available` (CUDA: patched in here),
     `choose` otherwise: on a CPU, with FUSED off, and for a batch with top-k / top-p rows,
     whose draws are choose's own. `select` hands back the distribution only for top-k."""
-    monkeypatch.setattr(choose_mod, "FUSED", True)  # (what a card will run once checked)
+    monkeypatch.setattr(choose_mod, "FUSED", True)  # (the default; set for the test)
     logits = _logits(4, 500, 8, torch.float32)
 
     def run(params, **kw):

@@ -4,16 +4,17 @@ A row is greedy at temperature 0, else sampled after its top-k / top-p. Rows of 
 request draw together from that request's own generator (one `multinomial` over its rows,
 in sample order), so a seed gives the same output whichever rows sit beside it.
 
-Two ways to choose. `choose` (the reference, and the only one for top-k / top-p rows or a
-caller that reads the distribution: top-k logprob rows) builds each row's log_softmax and
-draws by the exponential race. `pick` returns the tokens and their logprobs alone: on CUDA,
-without top-k / top-p, through one fused kernel (kernels/sample_rows.py: the logits read
-about twice, nothing of [rows, vocab] written, where `choose` moves ~1.5 GB a step at 256
-rows x 151,936 vocab, ~15% of a Qwen2.5-0.5B decode step on an H200; the kernel's speed on
-a card is not measured yet). It draws one uniform a row from the same generators (a
-request's rows together, in sample order) and samples by inverse CDF: the same distribution
-and the same guarantees (a seed's output does not depend on its neighbours; no host sync),
-other tokens than `choose` for the same seed. Elsewhere (CPU, FUSED off) `pick` is `choose`.
+Two ways to choose. `choose` (the reference) builds each row's log_softmax and draws by the
+exponential race. `pick` (what `select` draws with) does that on a CPU; on CUDA one fused
+kernel (kernels/sample_rows.py) draws the rows of requests without top-k / top-p: the logits
+read about twice, nothing of [rows, vocab] written, where `choose` moves ~1.5 GB a step at
+256 rows x 151,936 vocab (~15% of a Qwen2.5-0.5B decode step on an H200; the kernel makes
+that step 14% shorter, BENCHMARKS.md session 17). It draws one uniform a row from the same
+generators (a request's rows together, in sample order) and samples by inverse CDF: the
+same distribution, other tokens than `choose` for the same seed. The rows of top-k / top-p
+requests take `choose` among themselves, and a row's top-k logprobs come from the same
+log_softmax whichever way its token was drawn: which way a request is drawn follows its own
+parameters, so its seeded output never depends on the rows beside it.
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ from twinkled.protocol.types import SamplingParams
 from . import kernels
 
 # `pick` through the fused kernel where it applies (CUDA, no top-k / top-p); False: `choose`.
-# Off until it has run on a card: it passes its tests in Triton's interpreter and compiles
-# for sm_90 (session 16), but neither its results compiled nor its speed were checked on a
-# GPU yet (`gpu_pass.sh gpucheck` runs tests/test_sample_kernel.py there;
-# `bench_sampling.py --paths new,unfused` times it against `choose`).
-FUSED = False
+# On since its tests passed compiled on an H200 (`gpu_pass.sh gpucheck`) and it paid there:
+# 0.5B fan-out 66.7k call tok/s against 57.2k with `choose`, 8B fan-out 1.04x
+# (`bench_sampling.py --paths new,unfused`, BENCHMARKS.md session 17).
+FUSED = True
 
 
 @dataclass
@@ -51,10 +51,26 @@ class RowChoice:
     unit_temp: bool = False
     no_greedy: bool = False
     covered: bool = False
+    # For `pick` through the kernel: the groups it draws uniforms for (those of requests
+    # without top-k / top-p), and the rows of requests with them (`sifted_rows`, a tensor)
+    # with their own RowChoice (`sifted`, its groups renumbered 0..n-1): those rows take
+    # `choose` among themselves. So the way a request's tokens are drawn follows its own
+    # parameters, never its neighbours' (a seeded request's tokens do not depend on them).
+    plain_groups: list[tuple[torch.Tensor | slice, torch.Generator | None]] | None = None
+    sifted: RowChoice | None = None
+    sifted_rows: torch.Tensor | None = None
 
     @classmethod
     def of(cls, params: list[SamplingParams], groups: list[tuple[list[int], torch.Generator | None]],
            dev: torch.device) -> RowChoice:
+        sifted = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+        plain, split = groups, None
+        if sifted and len(sifted) < len(params):  # (a request's rows share its parameters)
+            at = {row: j for j, row in enumerate(sifted)}
+            plain = [(idx, gen) for idx, gen in groups if idx and idx[0] not in at]
+            split = cls.of([params[i] for i in sifted],
+                           [([at[i] for i in idx], gen) for idx, gen in groups
+                            if idx and idx[0] in at], dev)
         return cls(
             temp=torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
             top_k=torch.tensor([max(p.top_k, 0) for p in params], device=dev),
@@ -64,15 +80,15 @@ class RowChoice:
             groups=[(_rows(idx, dev), gen) for idx, gen in groups if idx],
             unit_temp=all(p.temperature in (0, 1) for p in params),
             no_greedy=bool(params) and all(p.temperature > 0 for p in params),
-            covered=sum(len(idx) for idx, _ in groups) == len(params))
+            covered=sum(len(idx) for idx, _ in groups) == len(params),
+            plain_groups=[(_rows(idx, dev), gen) for idx, gen in plain if idx],
+            sifted=split,
+            sifted_rows=torch.tensor(sifted, device=dev) if split is not None else None)
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's token, its logprob, and the (temperature-scaled) distribution."""
-        logits = logits.float()
         greedy = self.temp == 0
-        if not self.unit_temp:  # (x / 1 is x: the division only where it changes something)
-            logits = logits / torch.where(greedy, torch.ones_like(self.temp), self.temp)[:, None]
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = self.distribution(logits)
         tokens = None if self.no_greedy else logp.argmax(dim=-1)
         if not self.all_greedy:
             probs_src = self._filter(logp) if self.filtered else logp
@@ -95,37 +111,58 @@ class RowChoice:
             tokens = drawn if tokens is None else torch.where(greedy, tokens, drawn)
         return tokens, logp.gather(1, tokens[:, None]).squeeze(1), logp
 
-    def select(self, logits: torch.Tensor, k: int
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] fp32: each row's log_softmax at its temperature (greedy rows: at 1)."""
+        logits = logits.float()
+        if not self.unit_temp:  # (x / 1 is x: the division only where it changes something)
+            greedy = self.temp == 0
+            logits = logits / torch.where(greedy, torch.ones_like(self.temp), self.temp)[:, None]
+        return torch.log_softmax(logits, dim=-1)
+
+    def select(self, logits: torch.Tensor, k: int, fused: bool | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Tokens, logprobs, and the distribution where some row wants its top `k` logprobs
-        (`choose`); with k = 0 no distribution (None): `pick`, the fused kernel on CUDA."""
-        if k:
-            return self.choose(logits)
-        tokens, lps = self.pick(logits)
-        return tokens, lps, None
+        """Tokens and logprobs (`pick`), and the distribution where some row wants its top
+        `k` logprobs (None with k = 0). The tokens are `pick`'s whatever k is: a request
+        asking for top logprobs changes no neighbour's draw."""
+        if not self._fused(logits, fused):
+            tokens, lps, logp = self.choose(logits)
+            return tokens, lps, logp if k else None
+        tokens, lps = self.pick(logits, fused=True)
+        return tokens, lps, self.distribution(logits) if k else None
 
     def pick(self, logits: torch.Tensor, fused: bool | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's token and its logprob, for a caller that reads no distribution.
-        `fused`: None: the kernel where FUSED and on CUDA (kernels.available); True: the
-        kernel (on a CPU in Triton's interpreter: the tests); False: `choose`. A batch with
-        top-k / top-p rows always takes `choose` (the kernel samples the whole vocabulary)."""
-        if fused is None:
-            fused = FUSED and kernels.available(logits.device)
-        elif fused and not kernels.runnable(logits.device):
-            raise ValueError(f"the sampling kernel cannot run on {logits.device}")
-        if not fused or self.filtered:
+        """Each row's token and its logprob. `fused`: None: the kernel where FUSED and on
+        CUDA (kernels.available); True: the kernel (on a CPU in Triton's interpreter: the
+        tests); False: `choose`. Through the kernel, the rows of top-k / top-p requests still
+        take `choose` among themselves (the kernel samples the whole vocabulary)."""
+        if not self._fused(logits, fused):
+            tokens, lps, _ = self.choose(logits)
+            return tokens, lps
+        if self.filtered and self.sifted is None:  # every row top-k / top-p
             tokens, lps, _ = self.choose(logits)
             return tokens, lps
         from .kernels import sample_rows  # (triton: imported where a kernel runs)
-        return sample_rows.sample(logits, self.temp, self.uniforms(logits.shape[0]))
+        tokens, lps = sample_rows.sample(logits, self.temp, self.uniforms(logits.shape[0]))
+        if self.sifted is not None:
+            at = self.sifted_rows
+            tokens[at], lps[at], _ = self.sifted.choose(logits.index_select(0, at))
+        return tokens, lps
+
+    def _fused(self, logits: torch.Tensor, fused: bool | None) -> bool:
+        if fused is None:
+            return FUSED and kernels.available(logits.device)
+        if fused and not kernels.runnable(logits.device):
+            raise ValueError(f"the sampling kernel cannot run on {logits.device}")
+        return fused
 
     def uniforms(self, rows: int) -> torch.Tensor:
         """[rows] fp32: each group's rows draw torch.rand(len(rows), generator=gen), in sample
         order (a slice draws in place what a fresh tensor would, as `exponential`); -1 for a
-        row in no group (greedy: the reference's noise there is 1, its argmax)."""
+        row in no group (greedy: the reference's noise there is 1, its argmax) and for the
+        rows of top-k / top-p requests (`choose` draws theirs)."""
         u = torch.full((rows,), -1.0, device=self.temp.device)
-        for idx, gen in self.groups:
+        for idx, gen in self.plain_groups if self.plain_groups is not None else self.groups:
             if isinstance(idx, slice):
                 u[idx].uniform_(generator=gen)
             else:
