@@ -116,6 +116,12 @@ class Planner:
         return (not any(q.head() is not None or q.in_flight for q in self.queues.values())
                 and not any(self.samples.values()) and not self.admission.holds_any())
 
+    def waiting(self, samples: bool = True) -> bool:
+        """Work is queued that a step could take now: training or barriers (or held by
+        admission), and samples unless `samples` is False."""
+        return (any(q.head() is not None for q in self.queues.values())
+                or self.admission.holds_any() or (samples and any(self.samples.values())))
+
     def forget_model(self, model: str) -> None:
         """Drop a model whose ops have all run (its adapter was unloaded)."""
         self.queues.forget(model)

@@ -121,6 +121,24 @@ def test_the_worker_checks_one_in_n_comparable_samples_while_their_weights_hold(
         eng.remove_adapter("g")
 
 
+def test_gap_checks_while_samples_decode_take_one_at_a_time_within_their_duty(eng):
+    """While the running batch decodes (`decoding`), a check is on the next decode step's
+    path: one runs, the next not before the last took DUTY of the time since; with the
+    batch idle the rest run at once."""
+    from twinkled.workers.gaps import GapChecks
+
+    checks = GapChecks(eng, every=1)
+    warm = SampleRequest("a", _prompt(eng, 5, 9), SamplingParams(max_tokens=4, seed=1))
+    for _ in range(3):
+        checks.sampled(warm, eng.sample([warm])[0].sequences)
+    checks.run(decoding=True)
+    assert len(checks.take()) == 1 and checks.waiting
+    checks.run(decoding=True)  # (at once: the last check's 99x its time has not passed)
+    assert checks.take() == [] and checks.waiting
+    checks.run()
+    assert len(checks.take()) == 2 and not checks.waiting
+
+
 def test_seed_gives_the_same_output(eng):
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, stop=[])
     req = SampleRequest("a", _prompt(eng, 4, 6), params, num_samples=3)

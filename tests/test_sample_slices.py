@@ -5,6 +5,7 @@ batch; a worker that dies fails the samples it was decoding instead of hanging t
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -13,7 +14,7 @@ import time
 import urllib.request
 
 import pytest
-from daemon import Daemon, make_key
+from daemon import Daemon, ctl_status, make_key
 from helpers import make_engine
 from test_service import done, run, service
 
@@ -30,7 +31,9 @@ LONG = 1500  # tokens of the long sample: many slices of 20 ms on a CPU
 def sliced(tiny_dir, tmp_path_factory):
     data = tmp_path_factory.mktemp("sliced")
     cfg = data / "twinkled.toml"
-    cfg.write_text("sample_slice_ms = 20\n")
+    # (Slices while nothing else waits: long enough that only a nudge from arriving work
+    # ends one before its samples finish.)
+    cfg.write_text("sample_slice_ms = 20\nsample_long_slice_ms = 600000\n")
     keys = {t: make_key(data, t) for t in ("alice", "bob", "carol")}
     d = Daemon(tiny_dir, data, data / "twinkled.log", "--config", str(cfg))
     d.keys = keys
@@ -64,6 +67,14 @@ def _slices(d) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def _wait_sent(d) -> None:
+    """Until a sample is in the worker's hands (the daemon's `samples_running`)."""
+    deadline = time.time() + T
+    while not ctl_status(d.data_dir)["samples_running"]:
+        assert time.time() < deadline
+        time.sleep(0.01)
+
+
 def test_a_long_sample_holds_back_neither_a_short_one_nor_training(sliced, tiny_dir):
     long_sampler = _sampler(sliced, "alice", tiny_dir)
     short_sampler = _sampler(sliced, "bob", tiny_dir)
@@ -76,6 +87,7 @@ def test_a_long_sample_holds_back_neither_a_short_one_nor_training(sliced, tiny_
     long_prompt, short_prompt = tok("the sun and").input_ids, tok("a cat").input_ids
 
     fa = long_sampler.sample(tinker.types.ModelInput.from_ints(long_prompt), 1, _greedy(LONG))
+    _wait_sent(sliced)  # alone: in a slice that only a nudge from what comes next cuts short
     fb = short_sampler.sample(tinker.types.ModelInput.from_ints(short_prompt), 1, _greedy(4))
     fc = tc.forward_backward([datum], "cross_entropy")
     fo = tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2))
@@ -88,7 +100,10 @@ def test_a_long_sample_holds_back_neither_a_short_one_nor_training(sliced, tiny_
     finished = _completed(sliced, "alice", "sample")
     assert _completed(sliced, "bob", "sample") < finished
     assert _completed(sliced, "carol", "optim_step") < finished
-    assert _slices(sliced) > 1
+    # Once nothing else waited, the long sample decoded on in slices of up to
+    # sample_long_slice_ms (far longer than it takes), not in slices of 20 ms; what
+    # arrived meanwhile cut its slice short at 20 ms (the order above).
+    assert 1 <= _slices(sliced) <= 3
     # Each is what the engine samples running it to completion, alone.
     engine = make_engine(tiny_dir)
     for got, prompt, n in ((a, long_prompt, LONG), (b, short_prompt, 4)):
@@ -101,12 +116,8 @@ def test_a_long_sample_holds_back_neither_a_short_one_nor_training(sliced, tiny_
 def test_a_killed_worker_fails_the_sample_it_was_decoding(sliced, tiny_dir):
     sampler = _sampler(sliced, "alice", tiny_dir)
     prompt = tinker.types.ModelInput.from_ints([5, 6, 7])
-    before = _slices(sliced)
     fut = sampler.sample(prompt, 1, _greedy(LONG))
-    deadline = time.time() + T
-    while _slices(sliced) <= before:  # a slice ran: the sample is in the worker's batch
-        assert time.time() < deadline
-        time.sleep(0.01)
+    _wait_sent(sliced)
     old = sliced.workers()
     os.kill(old[0], signal.SIGKILL)
     with pytest.raises(tinker.RequestFailedError, match="restarted"):
@@ -146,6 +157,31 @@ def test_streams_come_per_slice_and_a_gone_reader_leaves_the_running_batch(tiny_
     assert [x for p in pieces for x in p.logprobs] == pytest.approx(want.logprobs, abs=1e-5)
     assert [p.finish for p in pieces] == [None] * (len(pieces) - 1) + [want.stop_reason]
     assert pending == 0 and idle
+
+
+def test_in_process_a_nudge_ends_a_long_slice_for_a_sample_that_arrives(tiny_dir, tmp_path):
+    """The in-process group (InProcessGroup.nudge): a long sample alone decodes in a slice
+    of up to sample_long_slice_ms; a short one that arrives ends it at sample_slice_ms,
+    joins, and is answered first; the long one then goes on to its end in one more."""
+    async def go():
+        async with service(tiny_dir, tmp_path, sample_slice_ms=20,
+                           sample_long_slice_ms=600_000) as box:
+            box.store.tenants.ensure("ann")
+            svc, core = box.svc, box.svc.lanes.all[0].core
+            long = svc.sample("ann", {"id": "base"}, _frame([3, 1, 4], LONG), box.keep)
+            while not len(core.samples):  # in the running batch's hands
+                await asyncio.sleep(0.005)
+            short = svc.sample("ann", {"id": "base"}, _frame([2, 7], 4), box.keep)
+            await done(short)
+            running = not long.done.is_set()
+            await done(long)
+            return long, short, running
+
+    long, short, running = run(go())
+    import pickle
+
+    assert long.error is None and short.error is None and running
+    assert len(pickle.loads(long.payload).sequences[0].tokens) == LONG
 
 
 def test_a_sample_too_large_for_the_busy_batch_waits_for_it_to_drain(tiny_dir, tmp_path):

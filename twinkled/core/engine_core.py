@@ -56,7 +56,7 @@ class RateLimited(UserError):
 class EngineCore:
     def __init__(self, planner: Planner, executor: Executor, futures: Futures,
                  residency: Residency, metrics: Metrics, gather_s: float = 0.0,
-                 slice_s: float = 0.0):
+                 slice_s: float = 0.0, long_slice_s: float = 0.0):
         self.planner = planner
         self.executor = executor
         self.futures = futures
@@ -69,7 +69,8 @@ class EngineCore:
         self._seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
         self._pieces = Pieces()
         self._lost = LostGradients()  # optim_steps queued behind a failed forward_backward
-        self.samples = PendingSamples(slice_s)  # the samples the workers decode across steps
+        # the samples the workers decode across steps
+        self.samples = PendingSamples(slice_s, long_slice_s)
         executor.on_restart(self._samples_lost)
 
     # -- intake ---------------------------------------------------------------------------
@@ -105,6 +106,8 @@ class EngineCore:
         if trace.enabled():
             trace.record("arrive", tenant=tenant, kind=op.kind, tokens=op.tokens, at=time.time())
         self.wake.set()
+        if not (isinstance(op.frame, SampleF) and self.samples.backlog):  # (it could run)
+            self.executor.nudge()  # a long sampling slice in flight ends at its turn's end
         return op.future
 
     def admit(self, tenant: str, model: str, seq_id: int, kind: str) -> Future | None:
@@ -173,6 +176,7 @@ class EngineCore:
             return False
         self.futures.fail(f, why, "user")
         self.metrics.samples_cancelled.labels(f.tenant).inc()
+        self.executor.nudge()  # (its rows leave the running batch at the next step)
         return True
 
     def idle(self) -> bool:
@@ -281,7 +285,10 @@ class EngineCore:
         """A sampling step: `ops` join the workers' running batches (none: a "slice" step),
         which decode for the rest of sampling's turn, or until a sample finished; what
         finished is completed."""
-        frame = self.samples.step(ops)
+        # No other work waits (samples the workers have no room for do not count): the
+        # slice may run long, ended by a nudge when work arrives (`add`).
+        alone = not self.planner.waiting(samples=not self.samples.backlog)
+        frame = self.samples.step(ops, alone)
         self.stepping = True
         self.gather.sampling()
         started, began = time.monotonic(), time.time()

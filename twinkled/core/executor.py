@@ -175,6 +175,11 @@ class Executor:
         unsettled (it is brought back at its acknowledged state after the step)."""
         return model not in self._unsettled
 
+    def nudge(self) -> None:
+        """Work arrived: a sampling slice in flight that may run long ends soon
+        (Transport.nudge)."""
+        self.group.nudge()
+
     def join(self, ops: list) -> Awaitable[list[Outcome]]:
         """Send `ops` (a small training step: rows and the optim_steps behind them, of
         models not in the step in flight) into the training step in flight, now; await

@@ -76,12 +76,15 @@ class Lane:
 def make_lane(index: int, planner: Planner, executor: Executor, store: Any,
               room: AdapterRoom, futures: Futures, metrics: Metrics, gather_s: float,
               slice_s: float, host: AdapterRoom | None = None,
-              cap: Callable[[str], int | None] = lambda _: None, on: str = "") -> Lane:
+              cap: Callable[[str], int | None] = lambda _: None, on: str = "",
+              long_slice_s: float = 2.0) -> Lane:
     """`room`: the GPU bank's budget; `host`: the host tier's (core/tiers.py); `cap`: a
-    tenant's resident bytes cap (Residency); `on`: the joined host it runs on."""
+    tenant's resident bytes cap (Residency); `on`: the joined host it runs on; `slice_s`,
+    `long_slice_s`: sampling's slices (PendingSamples)."""
     residency = Residency(store, planner, executor, room, host, cap)
     executor.serve(residency, on_restart=metrics.worker_restarts.inc)
-    core = EngineCore(planner, executor, futures, residency, metrics, gather_s, slice_s)
+    core = EngineCore(planner, executor, futures, residency, metrics, gather_s, slice_s,
+                      long_slice_s)
     return Lane(index, planner, executor, residency, core, on)
 
 

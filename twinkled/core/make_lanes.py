@@ -38,7 +38,7 @@ def make_lanes(config: Config, store: Any, futures: Futures, metrics: Metrics,
                          ex, store, adapter_room(config, adapter_budget), futures,
                          metrics, config.gather_ms / 1000,
                          config.sample_slice_ms / 1000, host_room(config),
-                         config.resident_cap, on)
+                         config.resident_cap, on, config.sample_long_slice_ms / 1000)
     lanes = Lanes([lane(i, ex) for i, ex in enumerate(executors)], store,
                   Exclusive(config.full_run_only_lane, full_run_room), config.long_row_tokens)
     if hosts is not None:  # and the lanes other hosts bring (remote_lanes.py)

@@ -334,12 +334,13 @@ class Engine:
         return batch.admit(requests, adapters)
 
     def sample_slice(self, max_steps: int | None = None, max_seconds: float | None = None,
-                     until_done: bool = False, min_seconds: float = 0.0) -> list[Finished]:
+                     until_done: bool = False, min_seconds: float = 0.0,
+                     stop: Callable[[], bool] | None = None) -> list[Finished]:
         """Run the queued requests for up to `max_steps` decode steps / `max_seconds` (with
-        `until_done`, only until one finishes and `min_seconds` passed); returns those that
-        finished. If a step fails, every queued request is lost (the batch starts afresh)
-        and the error propagates."""
-        return self._running.run(max_steps, max_seconds, until_done, min_seconds)
+        `until_done`, only until one finishes and `min_seconds` passed; with `stop`, until
+        it says so, asked between steps); returns those that finished. If a step fails,
+        every queued request is lost (the batch starts afresh) and the error propagates."""
+        return self._running.run(max_steps, max_seconds, until_done, min_seconds, stop)
 
     def sample_pieces(self) -> dict[int, list[list[int]]]:
         """Tokens each running ticket's samples generated since the last call."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -164,15 +165,18 @@ class RunningBatch:
         return [r.ticket for r in new]
 
     def run(self, max_steps: int | None = None, max_seconds: float | None = None,
-            until_done: bool = False, min_seconds: float = 0.0) -> list[Finished]:
+            until_done: bool = False, min_seconds: float = 0.0,
+            stop: Callable[[], bool] | None = None) -> list[Finished]:
         """A decode slice: steps until the batch is idle, `max_steps` steps ran or
         `max_seconds` passed (checked between steps), or with `until_done` as soon as a
-        request finished and `min_seconds` passed; returns the requests that finished."""
+        request finished and `min_seconds` passed, or once `stop()` says so (asked between
+        steps); returns the requests that finished."""
         done: list[Finished] = []
         start, steps = time.monotonic(), 0
         while not self.idle and (max_steps is None or steps < max_steps) and (
                 max_seconds is None or time.monotonic() - start < max_seconds) and not (
-                until_done and done and time.monotonic() - start >= min_seconds):
+                until_done and done and time.monotonic() - start >= min_seconds) and not (
+                stop is not None and stop()):
             done += self.step()
             steps += 1
         return done

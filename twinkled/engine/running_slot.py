@@ -9,6 +9,8 @@ were computed with (the engine says when: `drop`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from twinkled.protocol.types import SampledSequence, SampleRequest, SampleResult
 
 from . import sampler
@@ -49,7 +51,7 @@ class RunningSlot:
             raise
 
     def run(self, max_steps: int | None, max_seconds: float | None, until_done: bool,
-            min_seconds: float) -> list[Finished]:
+            min_seconds: float, stop: Callable[[], bool] | None = None) -> list[Finished]:
         """A decode slice of the submitted requests (RunningBatch.run), with those that
         finished during a `generate` first. If a step fails, every queued request is lost
         (the batch starts afresh) and the error propagates."""
@@ -57,7 +59,8 @@ class RunningSlot:
         if self._batch is None or (until_done and done):
             return done
         try:
-            return done + self._batch.run(max_steps, max_seconds, until_done, min_seconds)
+            return done + self._batch.run(max_steps, max_seconds, until_done, min_seconds,
+                                          stop)
         except BaseException:
             self._batch = None
             raise

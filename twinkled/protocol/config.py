@@ -111,6 +111,9 @@ class Config:
     sample_budget: int = 65536  # prompt + new tokens per sampling step
     # Samples decode in slices of this long between other steps (0: each step's to the end)
     sample_slice_ms: float = 250.0
+    # While no other work waits, a slice decodes up to this long (work that arrives ends it
+    # at sample_slice_ms); 0: always slices of sample_slice_ms
+    sample_long_slice_ms: float = 2000.0
     gather_ms: float = 20.0  # wait for the last step's clients to send more, at most this
     # Default quotas for every tenant (None: unlimited); `ctl tenants set` overrides them.
     tenant_max_queued_requests: int | None = None

@@ -49,6 +49,7 @@ RANGES = {
     "logprob_gap_every": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE,
     "host_adapter_memory_gb": _NON_NEGATIVE, "fwdbwd_max_chunk_len": _POSITIVE,
     "sample_budget": _POSITIVE, "sample_slice_ms": _NON_NEGATIVE,
+    "sample_long_slice_ms": _NON_NEGATIVE,
     "poll_seconds": (lambda v: 0 <= v < 45,
                      "must be from 0 to under 45 (the tinker client gives up a poll at 45 s)"),
     "gather_ms": _NON_NEGATIVE, "stability_bytes": _NON_NEGATIVE,

@@ -198,11 +198,13 @@ def changes_adapter(op: OpF) -> bool:
 
 class StepF(msgspec.Struct, omit_defaults=True):
     id: int
-    kind: str  # "train" | "sample" | "barrier" (as the planner says) | "slice"
+    # "train" | "sample" | "barrier" (as the planner says) | "slice" | "nudge" (no step, and
+    # no answer: a rank decoding a slice with `slice_max_s` ends it once `slice_s` passed)
+    kind: str
     ops: list[OpF]
     # Sampling ("sample": new ops, "slice": none): decode for up to `slice_s` seconds, or
     # until a sample finished, then answer with those that finished (0: run this step's
-    # samples to completion).
+    # samples to completion). (`slice_max_s` below.)
     slice_s: float = 0.0
     cancel: list[str] = []  # keys of samples to drop (their clients went away)
     hold: list[str] = []  # sampler adapters that samples still use: never evicted now
@@ -214,6 +216,9 @@ class StepF(msgspec.Struct, omit_defaults=True):
     # A join (sent into the training step in flight): run inside it, or right after it if it
     # came too late, but never taken as the sign that the steps before it were answered.
     join: bool = False
+    # Sampling: (> slice_s) nothing else waited when this was sent, so decode on up to this
+    # long, unless a "nudge" comes (work arrived): then stop once `slice_s` passed.
+    slice_max_s: float = 0.0
 
 
 class SlicedF(msgspec.Struct, omit_defaults=True):

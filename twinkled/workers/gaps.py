@@ -6,7 +6,10 @@ status`; this module does not import torch, so the daemon's process may import i
 
 Off the step's path: a pick only notes what it needs when the request is admitted or
 finishes; the forward (one pass of prompt + completion) runs in `between_steps`, after the
-reply has gone. A sample is comparable only at temperature 1 or greedy (others' logprobs
+reply has gone. While samples decode in the running batch that is still on their path (the
+next decode step waits for it: 0.1-0.2 s a time on the 8B, ~4% of a sampling bench's
+round), so then one check runs at a time and checks take at most `DUTY` of the time;
+with the batch idle, every pending one runs. A sample is comparable only at temperature 1 or greedy (others' logprobs
 are of the temperature-scaled distribution), and only while its adapter holds the weights
 it was sampled with (a sampler checkpoint always does; a training adapter until its next
 optimizer step)."""
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -29,6 +33,7 @@ log = logging.getLogger("twinkled.worker")
 
 PENDING = 4  # picked samples waiting for their forward; older ones are dropped
 WINDOW = 64  # the daemon's recent figure is over this many checked samples (per group)
+DUTY = 0.01  # while samples decode: the share of the worker's time checks may take
 
 # (adapter id, prompt, the adapter's optimizer steps when it was sampled)
 _Pick = tuple[str | None, list[int], int]
@@ -44,6 +49,7 @@ class GapChecks:
         self.watched: dict[int, _Pick] = {}  # running-batch ticket -> its pick
         self.pending: deque[tuple[_Pick, SampledSequence]] = deque(maxlen=PENDING)
         self.done: list[LogprobGap] = []
+        self._next = 0.0  # (monotonic) while samples decode, no check before this
 
     def _pick(self, req: SampleRequest) -> _Pick | None:
         # (A prompt with images: the trainer's scoring here is of its tokens alone.)
@@ -73,12 +79,20 @@ class GapChecks:
         if pick is not None and sequences:
             self.pending.append((pick, sequences[0]))
 
-    def run(self) -> None:
-        """Score the picked samples (between steps)."""
-        if not self.pending:
+    @property
+    def waiting(self) -> bool:
+        """Picked samples wait for their check."""
+        return bool(self.pending)
+
+    def run(self, decoding: bool = False) -> None:
+        """Score the picked samples (between steps). `decoding`: samples are running (the
+        next decode step would wait): one check, and only if the last ones took at most
+        DUTY of the time since they began."""
+        if not self.pending or (decoding and time.monotonic() < self._next):
             return
         from twinkled.engine.step import HOST_TIME  # (torch: the worker's side only)
 
+        began = time.monotonic()
         while self.pending:
             (aid, prompt, steps), seq = self.pending.popleft()
             if not seq.tokens or (aid is not None and (
@@ -92,6 +106,10 @@ class GapChecks:
                 continue
             if math.isfinite(gap.mean):
                 self.done.append(gap)
+            if decoding:
+                break
+        now = time.monotonic()
+        self._next = now + (now - began) * (1 / DUTY - 1)
         HOST_TIME.take()  # the checks' passes are no part of the next step's trace
 
     def take(self) -> list[LogprobGap]:

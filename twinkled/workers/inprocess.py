@@ -59,6 +59,7 @@ class InProcessGroup:
         # "join" steps sent during a training step (`send_join`), run between its micro-batches
         self._joins: queue.SimpleQueue = queue.SimpleQueue()
         self._running = False
+        self._nudged = threading.Event()  # work arrived during a long sampling slice
 
     @property
     def exits(self) -> list[asyncio.Future]:
@@ -96,6 +97,7 @@ class InProcessGroup:
         frame = self._frame(step)
         loop = asyncio.get_running_loop()
         self._running = step.kind == "train"
+        self._nudged.clear()
         try:
             reply = await loop.run_in_executor(self._thread, self._run, frame, self._drain)
         finally:
@@ -127,6 +129,10 @@ class InProcessGroup:
         self._joins.put((self._frame(step), reply, loop))
         return reply
 
+    def nudge(self) -> None:
+        """Work arrived: a long sampling slice in flight ends (WorkerGroup.nudge)."""
+        self._nudged.set()
+
     def _drain(self) -> None:
         """On the engine thread, between micro-batches: run the joins sent meanwhile."""
         while not self._joins.empty():
@@ -139,7 +145,7 @@ class InProcessGroup:
 
     def _run(self, step: StepF, between=None, joined: bool = False) -> ReplyF:
         started = time.perf_counter()
-        outcomes = self._runner.run(step, between, joined)
+        outcomes = self._runner.run(step, between, joined, self._nudged.is_set)
         return ReplyF(step.id, 0, outcomes, 0, 0, self._runner.persisted(),
                       time.perf_counter() - started, sampling=self._runner.sampling_news(step),
                       gaps=self._runner.gaps())

@@ -137,6 +137,9 @@ class NoWorkers:
     def send_join(self, step: StepF) -> asyncio.Future:
         raise WorkerLost(self.down)
 
+    def nudge(self) -> None:
+        pass
+
     async def restart(self) -> None:
         pass
 

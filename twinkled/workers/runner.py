@@ -113,24 +113,26 @@ class StepRunner:
         self._grow = True  # an unpark may grow a bank (not inside a step in flight)
 
     def run(self, step: StepF, between: Callable[[], None] | None = None,
-            joined: bool = False) -> list[OutcomeF]:
+            joined: bool = False, nudged: Callable[[], bool] | None = None
+            ) -> list[OutcomeF]:
         """Every op gets an outcome; an exception leaves only if the rank cannot go on.
         `between`: called between a training step's micro-batches (the worker runs the
         "join" steps sent meanwhile there); `joined`: this step runs inside another one
         (whose ops are not answered yet: an adapter brought in there takes a free bank
-        slot only, so no buffer of that step moves)."""
+        slot only, so no buffer of that step moves); `nudged`: whether the daemon said
+        that work arrived (a long sampling slice then ends: SampleRunner.run)."""
         grow, self._grow = self._grow, not joined
         try:
-            return self._run(step, between, joined)
+            return self._run(step, between, joined, nudged)
         finally:
             self._grow = grow
 
-    def _run(self, step: StepF, between: Callable[[], None] | None,
-             joined: bool) -> list[OutcomeF]:
+    def _run(self, step: StepF, between: Callable[[], None] | None, joined: bool,
+             nudged: Callable[[], bool] | None = None) -> list[OutcomeF]:
         if self.persister is not None and not joined:  # the steps before were all answered
             self.persister.confirm()
         if step.kind in ("sample", "slice"):
-            return self.sampling.run(step)
+            return self.sampling.run(step, nudged)
         rows = [i for i, op in enumerate(step.ops) if isinstance(op, TrainF)]
         barriers = [i for i, op in enumerate(step.ops) if not isinstance(op, TrainF)]
         outcomes = self._train(step.ops, rows, step.micro_tokens, between) if rows else []
@@ -287,11 +289,12 @@ class StepRunner:
     def between_steps(self) -> bool:
         """Check the samples picked for the logprob gap (gaps.py), and persist what
         changed, if the writer is free; True while something waits."""
-        self.sampling.gaps.run()
+        gaps = self.sampling.gaps
+        gaps.run(decoding=not self.engine.sample_idle)
         if self.persister is None:
-            return False
+            return gaps.waiting
         self.persister.pump(self.engine.pool.adapters, self.marks)
-        return bool(self.persister.dirty)
+        return bool(self.persister.dirty) or gaps.waiting
 
     def _one(self, i: int, op: OpF) -> OutcomeF:
         """A barrier op, on every rank; its failure is its own (a save or load changed

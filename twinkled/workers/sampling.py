@@ -4,7 +4,9 @@ stay loaded."""
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from twinkled.engine import Engine, EngineInputError
 from twinkled.engine.parallel import split_rows
@@ -60,12 +62,13 @@ class SampleRunner:
         # they start, in order, once it is idle (it then grows to hold them).
         self.deferred: list[tuple[SampleRequest, tuple[str | None, str, bool]]] = []
 
-    def run(self, step: StepF) -> list[OutcomeF]:
+    def run(self, step: StepF, nudged: Callable[[], bool] | None = None) -> list[OutcomeF]:
         """This rank's share of the step's samples. Sliced (`step.slice_s` > 0, and an
         engine with a running batch): they join the running batch, it decodes for up to
-        `slice_s`, and the outcomes are of the samples that finished, of this step or of
-        earlier ones (`key` names them); the rest go on at the next "sample" or "slice"
-        step (`news` says which). Else this step's samples run to completion."""
+        `slice_s` (`slice_max_s` if given, ending after `slice_s` once `nudged()`), and the
+        outcomes are of the samples that finished, of this step or of earlier ones (`key`
+        names them); the rest go on at the next "sample" or "slice" step (`news` says
+        which). Else this step's samples run to completion."""
         ops = step.ops
         for key in step.cancel:
             self._cancel(key)
@@ -81,7 +84,7 @@ class SampleRunner:
                 outcomes += self._submit([(-1, req, meta) for req, meta in deferred])
             outcomes += self._submit([(i, req, (ops[i].adapter_id, ops[i].key, ops[i].stream))
                                       for i, req in good])
-            outcomes += self._slice(step.slice_s)
+            outcomes += self._slice(step.slice_s, step.slice_max_s, nudged)
         elif good:
             outcomes += self._batch(good)
         if not self.reports:  # the expert group's first rank answers for it
@@ -176,17 +179,31 @@ class SampleRunner:
             self.gaps.admitted(ticket, req)
         return outcomes
 
-    def _slice(self, seconds: float) -> list[OutcomeF]:
-        """Decode for up to `seconds`, or until a sample finished; the outcomes of the
-        samples that finished. If the batch fails, every sample it held fails (which one
-        was at fault is not known)."""
+    def _slice(self, seconds: float, longest: float = 0.0,
+               nudged: Callable[[], bool] | None = None) -> list[OutcomeF]:
+        """Decode for up to `seconds` (`longest`, if longer, unless `nudged()` after
+        `seconds`), or until a sample finished; the outcomes of the samples that finished.
+        If the batch fails, every sample it held fails (which one was at fault is not
+        known)."""
+        stop = None
+        if longest > seconds and nudged is not None:
+            # Nothing else waited when the daemon sent this: each slice's end costs the
+            # card a round trip to the daemon with nothing queued (8B, 8 tenants'
+            # fan-out: 0.82x the engine alone in turns of 250 ms, 0.90x in turns of 1 s).
+            # Work that arrives meanwhile still gets its turn when `seconds` would end.
+            ends = time.monotonic() + seconds
+
+            def stop() -> bool:
+                return time.monotonic() >= ends and nudged()
+            seconds = longest
         try:
             # Back soon after a sample finished: its client hears within EARLY_RETURN_S,
             # and the daemon goes on with the others (and new ones) if sampling's turn is
             # not over. Not at once: a rollout whose samples end one by one would pay a
             # round trip to the daemon per sample (measured on a CPU: 10-20% slower).
             finished = self.engine.sample_slice(max_seconds=seconds, until_done=True,
-                                                min_seconds=min(seconds, EARLY_RETURN_S))
+                                                min_seconds=min(seconds, EARLY_RETURN_S),
+                                                stop=stop)
         except Exception as e:
             if fatal(e, self.split):
                 raise

@@ -97,6 +97,7 @@ class WorkerGroup:
         # future of its reply, which that step's gather hands over (a one-rank group).
         self._joins: dict[int, asyncio.Future] = {}
         self._running = False  # a training step is in flight whose ranks may take joins
+        self._long_slice = False  # a sampling slice that may run long is in flight, un-nudged
         self.join = join
         self.hosts = hosts
         if hosts is not None:
@@ -264,6 +265,7 @@ class WorkerGroup:
             await self._sock.send_multipart([f"{self._group}:{w.rank}".encode(), data])
         arrived: dict[int, float] = {}
         self._running = step.kind == "train" and self.world == 1
+        self._long_slice = step.slice_max_s > step.slice_s
         try:
             replies = await self._gather(
                 self.step_timeout, lambda m: isinstance(m, ReplyF) and m.step == step.id,
@@ -280,6 +282,7 @@ class WorkerGroup:
             raise
         finally:
             self._running = False
+            self._long_slice = False
         for w, r in zip(self.workers, replies, strict=True):
             w.memory = r.memory
             w.peak_memory = r.peak_memory
@@ -300,6 +303,17 @@ class WorkerGroup:
     def can_join(self) -> bool:
         """Whether a "join" step may be sent now: a training step runs on one rank."""
         return self._running and not self._lost()
+
+    def nudge(self) -> None:
+        """Work arrived: the ranks of a sampling slice in flight that may run long
+        (`slice_max_s`) end it once its `slice_s` passed. Sent once a step, at once (as
+        `send_join`); a rank that already answered drops it."""
+        if not self._long_slice or self._lost():
+            return
+        self._long_slice = False
+        data = encoder.encode(StepF(0, "nudge", []))
+        for w in self.workers:
+            self._sock.send_multipart([f"{self._group}:{w.rank}".encode(), data])
 
     def send_join(self, step: StepF) -> asyncio.Future:
         """Send `step` into the training step in flight, now: its rank runs it between two

@@ -70,12 +70,15 @@ def main(args: dict) -> None:
             continue
         received = time.perf_counter()
         step = step_decoder.decode(sock.recv())
+        if step.kind == "nudge":  # (it came after the slice it was for had ended)
+            continue
         if delay:
             time.sleep(delay)
         try:
             _run_and_reply(sock, runner, rank, step, received, HOST_TIME,
                            between=lambda: _joins(sock, runner, rank, HOST_TIME),
-                           joined=step.join)  # (a join that came after its step ended)
+                           joined=step.join,  # (a join that came after its step ended)
+                           nudged=lambda: bool(sock.poll(0)))  # (only a nudge comes then)
         except Exception as e:
             # Only what leaves this rank unusable gets here (`rank_io.fatal`: a CUDA or
             # collective fault; a request's own failure is its outcome). The ranks may now
@@ -88,10 +91,10 @@ def main(args: dict) -> None:
 
 
 def _run_and_reply(sock, runner, rank: int, step, received: float, host_time,
-                   between=None, joined: bool = False) -> None:
-    """Run `step` and send its reply (`between`, `joined`: StepRunner.run)."""
+                   between=None, joined: bool = False, nudged=None) -> None:
+    """Run `step` and send its reply (`between`, `joined`, `nudged`: StepRunner.run)."""
     began, started = time.time(), time.perf_counter()
-    outcomes = runner.run(step, None if joined else between, joined)
+    outcomes = runner.run(step, None if joined else between, joined, nudged)
     if not joined:
         _test_die(rank, step)
     busy = time.perf_counter() - started
@@ -107,8 +110,9 @@ def _joins(sock, runner, rank: int, host_time) -> None:
     answered at once. The step's own gradients wait in their banks untouched."""
     while sock.poll(0):
         received = time.perf_counter()
-        _run_and_reply(sock, runner, rank, step_decoder.decode(sock.recv()), received,
-                       host_time, joined=True)
+        step = step_decoder.decode(sock.recv())
+        if step.kind != "nudge":  # (one late for the slice it was for)
+            _run_and_reply(sock, runner, rank, step, received, host_time, joined=True)
 
 
 def _start(args: dict):
