@@ -141,8 +141,9 @@ def budgets(request, ids: list[list[int]], asked: int | None, param: str, prompt
     return out
 
 
-def queue(request, job: Job) -> list[SampleStream]:
-    """One sample op per prompt, through the service's sample command."""
+def queue(request, job: Job, live: bool = True) -> list[SampleStream]:
+    """One sample op per prompt, through the service's sample command (`live` False: an
+    answer read whole, its pieces all at the end)."""
     k, svc = job.knobs, service(request)
     # Stop strings are cut out here (choices.py); the engine stops at them too, and at
     # the end-of-sequence tokens (which its stop-string check sees only as text).
@@ -162,7 +163,7 @@ def queue(request, job: Job) -> list[SampleStream]:
                             prompt_logprobs=scored, load_from=job.target.load_from,
                             topk_prompt=job.topk if scored else 0, topk_sample=job.topk,
                             images=image_frames(job.images, svc.config))
-            streams.append(svc.sample_stream(request["tenant"], job.target.owner, frame))
+            streams.append(svc.sample_stream(request["tenant"], job.target.owner, frame, live))
     except BaseException:
         for s in streams:
             s.cancel()
@@ -220,7 +221,7 @@ class Deltas:
 async def whole(request, job: Job) -> tuple[Deltas, list[str], list[list[TokenOut]]]:
     """Every choice's text and tokens, once all are done (the client's going away frees
     its samples)."""
-    streams = queue(request, job)
+    streams = queue(request, job, live=False)
     deltas = Deltas(job, streams)
     texts = [""] * len(deltas.choices)
     toks: list[list[TokenOut]] = [[] for _ in deltas.choices]

@@ -329,13 +329,16 @@ class Service:
         self.futures.tag(f.id, sampler["id"])  # a session's trace shows it
         return f
 
-    def sample_stream(self, tenant: str, owner: str, frame: SampleF) -> SampleStream:
+    def sample_stream(self, tenant: str, owner: str, frame: SampleF,
+                      live: bool = True) -> SampleStream:
         """`sample`, read as pieces of tokens (streams.py); `owner` (a sampler path, or the
-        base model's name) is recorded on its future."""
+        base model's name) is recorded on its future. `live` False: the reader wants the
+        pieces only once all are there (a whole answer), so none come before."""
         stream = SampleStream(self.lanes.withdraw)
         # Tokens as they come, unless the reader wants the prompt's scores before them
-        # (they come with the result).
-        live = None if frame.prompt_logprobs or frame.topk_prompt else stream.feed
+        # (they come with the result) or reads only the whole. (A sample fed as it runs
+        # keeps the workers' sampling slices short: PendingSamples.step.)
+        live = None if not live or frame.prompt_logprobs or frame.topk_prompt else stream.feed
         stream.future = self.sample(tenant, {"id": owner}, frame, stream.encode, stream=live)
         return stream
 
