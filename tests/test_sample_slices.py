@@ -184,6 +184,38 @@ def test_in_process_a_nudge_ends_a_long_slice_for_a_sample_that_arrives(tiny_dir
     assert len(pickle.loads(long.payload).sequences[0].tokens) == LONG
 
 
+def test_a_step_that_fails_to_plan_or_build_loses_only_its_own_samples(tiny_dir, tmp_path):
+    """A bug where a step is planned or built (injected once each): a sample whose step
+    could not be built fails with a server error, the planning failure costs nothing, and
+    the engine loop goes on serving (it used to die, and the daemon hung)."""
+    async def go():
+        async with service(tiny_dir, tmp_path) as box:
+            box.store.tenants.ensure("ann")
+            svc, lane = box.svc, box.svc.lanes.all[0]
+            real_step, real_next = lane.core.samples.step, lane.planner.next_step
+            left = {"build": 1, "plan": 1}
+
+            def once(what, real):
+                def call(*args, **kwargs):
+                    if left[what]:
+                        left[what] -= 1
+                        raise RuntimeError(f"injected {what}")
+                    return real(*args, **kwargs)
+                return call
+
+            lane.core.samples.step = once("build", real_step)
+            first = svc.sample("ann", {"id": "base"}, _frame([3, 1, 4], 5), box.keep)
+            await done(first)
+            lane.planner.next_step = once("plan", real_next)
+            second = svc.sample("ann", {"id": "base"}, _frame([3, 1, 4], 5), box.keep)
+            await asyncio.wait_for(done(second), 60)  # (a dead loop would never answer)
+            return first, second, left
+
+    first, second, left = run(go())
+    assert "server error: RuntimeError: injected build" in first.error
+    assert second.error is None and left == {"build": 0, "plan": 0}
+
+
 def test_a_sample_too_large_for_the_busy_batch_waits_for_it_to_drain(tiny_dir, tmp_path):
     """A 1 MiB KV pool holds ~1024 tokens of the tiny model: 4 samples of 400 tokens fit only
     a pool made for them, which the running batch can become only once it is idle. Sent

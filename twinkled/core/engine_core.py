@@ -190,7 +190,14 @@ class EngineCore:
         while True:
             if not self.samples.in_turn():  # (a slice gives the clients that moment anyway)
                 await self.gather.wait()
-            if not await self.step():
+            try:
+                stepped = await self.step()
+            except Exception:  # a bug: this loop is every tenant's, it must go on
+                log.exception("the engine loop could not plan or run a step; it goes on")
+                self.stepping = False
+                await asyncio.sleep(0.05)  # (not a hot loop if it fails again at once)
+                continue
+            if not stepped:
                 # Idle until a request arrives. The gather's clients are kept: it then
                 # gives the last step's other clients (and the optim_step a client POSTs
                 # right behind its forward_backward) a moment to join the next step.
@@ -287,8 +294,14 @@ class EngineCore:
         finished is completed."""
         # No other work waits (samples the workers have no room for do not count): the
         # slice may run long, ended by a nudge when work arrives (`add`).
-        alone = not self.planner.waiting(samples=not self.samples.backlog)
-        frame = self.samples.step(ops, alone)
+        try:
+            alone = not self.planner.waiting(samples=not self.samples.backlog)
+            frame = self.samples.step(ops, alone)
+        except Exception as e:  # a bug: what it would have run fails, the loop goes on
+            log.exception("a sampling step could not be built")
+            for op in ops:
+                self.futures.fail(op.future, f"server error: {type(e).__name__}: {e}", "server")
+            return
         self.stepping = True
         self.gather.sampling()
         started, began = time.monotonic(), time.time()
