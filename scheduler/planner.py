@@ -351,11 +351,11 @@ class Planner:
         return self.preempt_s
 
     def _may_be_joined(self, in_step: set[str]) -> bool:
-        """A tenant served in the last few training steps (JOIN_MEMORY), not in this one,
-        has nothing queued: its client is sending its next request, which would join this
-        step between its micro-batches. (Else the step runs in as few passes as it can.)"""
-        return any(name not in in_step and not self.fair.tenant(name).queued_requests
-                   and self._train_steps - last <= JOIN_MEMORY
+        """A tenant served in the last few training steps (JOIN_MEMORY) is not in this one:
+        its client is sending its next request, or its queued work did not fit (a flooder's
+        rows, ahead in fair share, filled the step), and either would join this step
+        between its micro-batches. (Else the step runs in as few passes as it can.)"""
+        return any(name not in in_step and self._train_steps - last <= JOIN_MEMORY
                    for name, last in self._last_served.items())
 
     def join_step(self, running: Step, ready=lambda model: True) -> Step | None:

@@ -355,6 +355,31 @@ def test_a_small_tenants_pair_is_answered_before_the_flooders_step_ends(tiny_dir
     asyncio.run(asyncio.wait_for(go(), 600))
 
 
+def test_a_small_pair_queued_before_a_full_step_joins_it_without_new_arrivals(tiny_dir,
+                                                                             tmp_path):
+    """The small tenant's pair, queued in the same moment as the flooder's request that
+    fills the next step (the token budget), joins that step in flight at a micro-batch
+    boundary, though nothing arrives afterwards to wake the loop: answered before the
+    flooder's step. (The old loop looked for joins only as the step began, before the
+    ranks had it, and then only when work arrived: the pair waited out the whole step.)"""
+    from test_service import done, service
+
+    async def go():
+        async with service(tiny_dir, tmp_path, target_step_ms=60_000, preempt_ms=1,
+                           token_budget=ROWS * SEQ) as box:
+            small, flood = await box.create("small"), await box.create("flood")
+            await done(box.fwdbwd("small", small, 1, [16], seed=1), box.optim("small", small, 2))
+            # (small is ahead in fair share now: the flooder's rows go first, filling it)
+            big = box.fwdbwd("flood", flood, 1, [SEQ] * ROWS, seed=3)
+            pair = [box.fwdbwd("small", small, 3, [16], seed=2), box.optim("small", small, 4)]
+            await asyncio.wait_for(done(*pair), 300)
+            assert not big.done.is_set()  # answered inside the flooder's step
+            await done(big)
+            assert all(f.error is None for f in (*pair, big))
+
+    asyncio.run(asyncio.wait_for(go(), 600))
+
+
 def test_a_worker_process_answers_a_join_before_the_step_it_joined(tiny_dir, tmp_path):
     """The worker process over ZeroMQ: a join sent while a training step of many
     micro-batches runs is answered before that step (its rank runs it between two of

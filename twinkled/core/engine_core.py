@@ -354,8 +354,10 @@ class EngineCore:
         of its micro-batches; each join is completed when its answer comes, not when the
         step's does. Returns when the step and its joins are done."""
         joins: list[asyncio.Task] = []
+        looks = 50  # until the ranks have the step (joins may go in from then on): 0.1 s
         while not run.done():
             if self.executor.can_join():
+                looks = 0
                 j = self.planner.join_step(step, self._may_join)
                 if j is not None:
                     ops = self._runnable([self._piece_op(w) for w in j.work])
@@ -363,7 +365,13 @@ class EngineCore:
                     joins.append(asyncio.ensure_future(self._joined(j, ops, sent)))
             self.wake.clear()
             woken = asyncio.ensure_future(self.wake.wait())
-            await asyncio.wait([run, woken], return_when=asyncio.FIRST_COMPLETED)
+            # Until the step is sent, look again soon: small work queued before it was
+            # planned (a step the flooder's rows filled) joins at its first micro-batch
+            # boundary, not only once more work arrives (on the CPU flood trace, the small
+            # tenant's slowest steps waited out a whole step so).
+            looks = max(0, looks - 1)
+            await asyncio.wait([run, woken], timeout=0.002 if looks else None,
+                               return_when=asyncio.FIRST_COMPLETED)
             woken.cancel()
         if joins:
             await asyncio.wait(joins)
