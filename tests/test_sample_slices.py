@@ -168,7 +168,7 @@ def test_in_process_a_nudge_ends_a_long_slice_for_a_sample_that_arrives(tiny_dir
                            sample_long_slice_ms=600_000) as box:
             box.store.tenants.ensure("ann")
             svc, core = box.svc, box.svc.lanes.all[0].core
-            long = svc.sample("ann", {"id": "base"}, _frame([3, 1, 4], LONG), box.keep)
+            long = svc.sample("ann", {"id": "base"}, _frame([3, 1, 4], 400), box.keep)
             while not len(core.samples):  # in the running batch's hands
                 await asyncio.sleep(0.005)
             short = svc.sample("ann", {"id": "base"}, _frame([2, 7], 4), box.keep)
@@ -181,7 +181,7 @@ def test_in_process_a_nudge_ends_a_long_slice_for_a_sample_that_arrives(tiny_dir
     import pickle
 
     assert long.error is None and short.error is None and running
-    assert len(pickle.loads(long.payload).sequences[0].tokens) == LONG
+    assert len(pickle.loads(long.payload).sequences[0].tokens) == 400
 
 
 def test_a_step_that_fails_to_plan_or_build_loses_only_its_own_samples(tiny_dir, tmp_path):
