@@ -12,8 +12,8 @@ the whole life of one step, top to bottom:
                that arrives meanwhile may join a training step between two of its
                micro-batches, answered when it is done (`_joins`, scheduler/joins.py);
   3. complete  each outcome goes to its future (the pieces of a cut op are merged first),
-               residency notes what changed which adapter, and the planner learns how long
-               the step took.
+               residency notes what changed which adapter (completion.py), and the planner
+               learns how long the step took.
 
 No HTTP here and no SQL of its own: futures, residency and the executor are composed
 objects. Nothing here imports torch.
@@ -30,18 +30,17 @@ import msgspec
 
 from scheduler import Planner, Step, Work
 from twinkled.core import otel
+from twinkled.core.completion import Completion
 from twinkled.core.executor import Executor
 from twinkled.core.futures import Future, Futures, empty_json
 from twinkled.core.gather import Gather
-from twinkled.core.lost_gradients import LostGradients
 from twinkled.core.metrics import Metrics
 from twinkled.core.ops import Op, Outcome, Skip
 from twinkled.core.pending_samples import LOST, PendingSamples, Sliced
-from twinkled.core.pieces import Pieces
 from twinkled.core.residency import Residency
 from twinkled.protocol import trace
 from twinkled.protocol.errors import UserError
-from twinkled.protocol.frames import OptimF, SampleF, TrainF, changes_adapter
+from twinkled.protocol.frames import SampleF
 
 log = logging.getLogger("twinkled")
 
@@ -67,8 +66,7 @@ class EngineCore:
                              preemptible=executor.preemptible)
         self.stepping = False
         self._seq_index: dict[tuple[str, int], str] = {}  # (model, seq) -> future id: retries
-        self._pieces = Pieces()
-        self._lost = LostGradients()  # optim_steps queued behind a failed forward_backward
+        self.completion = Completion(futures, residency, metrics, planner.queues)
         # the samples the workers decode across steps
         self.samples = PendingSamples(slice_s, long_slice_s)
         executor.on_restart(self._samples_lost)
@@ -154,7 +152,7 @@ class EngineCore:
         cut short by the stop) and nothing of the model came after it: the optim_step its
         client sent behind it, resent to this daemon, must not run without its gradients
         (lost_gradients.py)."""
-        self._lost.failed(model, seq, seq, why, category)
+        self.completion.lost_before_restart(model, seq, why, category)
 
     def refuse(self, tenant: str, model_id: str, seq_id: int | None, why: str) -> None:
         """A request refused at the door still takes its seq_id: the client counts on past
@@ -235,7 +233,7 @@ class EngineCore:
                 completing = time.time()
                 if otel.enabled():  # the ops' step spans (core/otel.py)
                     otel.stepped(self.planner.steps, step.kind, ops, executing, completing)
-                self._complete(ops, outcomes)  # 3. complete
+                self.completion.complete(ops, outcomes)  # 3. complete
                 if trace.enabled():
                     trace.record("loop", kind=step.kind, ops=len(ops), planned=planning,
                                  work=sorted({op.kind for op in ops}),
@@ -249,10 +247,7 @@ class EngineCore:
                     seconds = time.monotonic() - started - (self.executor.joined_s - joined)
             except Exception as e:  # never let the loop die: fail what the step held
                 log.exception("a %s step failed outside the engine", step.kind)
-                for op in ops:
-                    if not op.future.done.is_set():
-                        self.futures.fail(op.future, f"server error: {type(e).__name__}: "
-                                          f"{e}", "server")
+                self.completion.server_error(ops, e)
         self.planner.complete(step, seconds)
         self._after(step, seconds)
         return True
@@ -268,19 +263,10 @@ class EngineCore:
     def _runnable(self, planned: list[Op]) -> list[Op]:
         """What of a planned step goes to the engine: not the pieces of an op that already
         failed (nothing of it trains further), nor requests refused at the door (their
-        clients hear why now, in their seq_id's turn)."""
+        clients hear why now, in their seq_id's turn: `Completion.answered`)."""
         ops = []
         for op in planned:
-            if op.piece and op.future.done.is_set():
-                continue
-            if isinstance(op.frame, Skip):
-                self.futures.fail(op.future, op.frame.why, "user")
-                if op.after is not None:  # a save in its place: its row is not written
-                    op.after(None, op.frame.why)
-                continue
-            if isinstance(op.frame, OptimF) and (
-                    lost := self._lost.check(op.model_id, op.seq_id)) is not None:
-                self.futures.fail(op.future, *lost)
+            if (op.piece and op.future.done.is_set()) or self.completion.answered(op):
                 continue
             if op.seq_id is not None:
                 # A retry of a recent request still finds its future; older ones are let go.
@@ -317,18 +303,14 @@ class EngineCore:
             self.samples.spent(time.monotonic() - started)
             self.metrics.step_seconds.labels(frame.kind).observe(time.monotonic() - started)
         completing = time.time()
-        self._settle(self.samples.settle(sliced))
+        self.completion.settle(self.samples.settle(sliced))
         if trace.enabled():
             trace.record("loop", kind=frame.kind, ops=len(ops), planned=began, executing=began,
                          completing=completing, done=time.time(),
                          queued=max((started - op.submitted for op in ops), default=0.0))
 
     def _samples_lost(self, why: str) -> None:
-        self._settle(self.samples.lose(LOST.format(why=why)))
-
-    def _settle(self, done: list[tuple[Op, Outcome]]) -> None:
-        if done:
-            self._complete([op for op, _ in done], [outcome for _, outcome in done])
+        self.completion.settle(self.samples.lose(LOST.format(why=why)))
 
     async def _execute(self, step: Step, ops: list[Op]) -> list[Outcome]:
         kind = step.kind
@@ -387,77 +369,18 @@ class EngineCore:
         try:
             if sent is not None:
                 outcomes = await sent
-                self._complete(ops, outcomes)
+                self.completion.complete(ops, outcomes)
                 if trace.enabled():
                     trace.record("join", tenants=_tenant_kinds(ops), at=time.time())
         except Exception as e:  # a bug: fail what it held, keep serving
             log.exception("a joined step failed")
-            for op in ops:
-                if not op.future.done.is_set():
-                    self.futures.fail(op.future, f"server error: {type(e).__name__}: {e}",
-                                      "server")
+            self.completion.server_error(ops, e)
         finally:
             self.planner.complete(j)
 
-    def _complete(self, ops: list[Op], outcomes: list[Outcome]) -> None:
-        with self.futures.settling():  # one store commit for the step's results
-            for op, outcome in zip(ops, outcomes, strict=True):
-                self._settle_one(op, outcome)
-
-    def _settle_one(self, op: Op, outcome: Outcome) -> None:
-        self.residency.note(op.frame, outcome)
-        self._count_tokens(op, outcome)
-        self._note_gradients(op, outcome)
-        if op.piece is not None:
-            outcome = self._pieces.add(op, outcome)
-            if outcome is None:
-                return  # more pieces to come
-        if op.future.done.is_set():
-            return  # an earlier piece already failed it
-        result, message, category = outcome
-        if message is None:
-            self.futures.resolve(op.future, result)
-        else:
-            self.futures.fail(op.future, message, category)
-        if op.after is not None:
-            op.after(result, message)
-
-    def _note_gradients(self, op: Op, outcome: Outcome) -> None:
-        """A training forward_backward (or a piece of one) that failed takes the optim_step
-        queued behind it down too (lost_gradients.py)."""
-        if op.seq_id is None:
-            return
-        if isinstance(op.frame, OptimF):
-            self._lost.settled(op.model_id, op.seq_id)
-        elif isinstance(op.frame, TrainF) and changes_adapter(op.frame):
-            if outcome[1] is None:
-                self._lost.trained(op.model_id, op.seq_id)
-                return
-            last = self.planner.queues.seq_after_queued(op.model_id) - 1
-            self._lost.failed(op.model_id, op.seq_id, last, outcome[1], outcome[2] or "server")
-
     def _after(self, step: Step, seconds: float | None) -> None:
-        for w in step.work:
-            if w.kind == "unload":
-                self.residency.close(w.model)
-                self._lost.forget(w.model)
+        self.completion.unloaded(step)
         self.gather.stepped(step, seconds)
-
-    def _count_tokens(self, op: Op, outcome: Outcome) -> None:
-        result, message, _ = outcome
-        if message is not None:
-            return
-        tenant = op.future.tenant
-        if isinstance(op.frame, TrainF):
-            rows = op.frame.data
-            self.metrics.tokens_trained.labels(tenant).inc(sum(d.tokens.shape[0] for d in rows))
-        elif isinstance(op.frame, SampleF):
-            made = sum(len(s.tokens) for s in result.sequences)
-            self.metrics.tokens_sampled.labels(tenant).inc(made)
-            cached = result.cached_tokens
-            self.metrics.prompt_tokens.labels(tenant, "cached").inc(cached)
-            self.metrics.prompt_tokens.labels(tenant, "prefilled").inc(
-                op.frame.prompt.shape[0] - cached)
 
 
 def _tenant_kinds(ops: list[Op]) -> dict[str, list]:
