@@ -8,17 +8,18 @@ The rule, in order:
    behind their rows), they ride at the end of the next training step instead: a step of
    their own would unblock nothing, and costs a round trip and a gather.
 2. Samples and training alternate when both are waiting, so neither starves.
-3. A training step packs forward/backward ops of many models and tenants, tenant by tenant
-   in weighted-fair order by time (fairness.py); a tenant's models take turns. It is bounded
-   twice: by time (its predicted duration, from a cost model learned from measured steps
-   (cost.py), stays about `target_step_s`, so a request that arrives waits about one short
-   step) and by `token_budget` tokens (memory). A tenant whose whole work fits shortens
-   the step to about its own step x (waiting tenants' weights / its weight), as processor
-   sharing would: a small tenant next to a flooder gets its step back in about twice its
-   time alone (not in less than half the target: MIN_SHARED_STEP). An op that does not fit is cut between datums. A model whose next op is a
-   barrier (typically the optim_step a client sends right behind its forward_backward)
-   gets it appended to the step, to run after the step's rows: a whole training round of
-   every tenant is then one step, not two.
+3. A training step packs forward/backward ops of many models and tenants (train_rows.py),
+   tenant by tenant in weighted-fair order by time (fairness.py); a tenant's models take
+   turns. It is bounded twice: by time (its predicted duration, from a cost model learned
+   from measured steps (cost.py), stays about `target_step_s`, so a request that arrives
+   waits about one short step) and by `token_budget` tokens (memory). A tenant whose whole
+   work fits shortens the step to about its own step x (waiting tenants' weights / its
+   weight), as processor sharing would: a small tenant next to a flooder gets its step back
+   in about twice its time alone (not in less than half the target: MIN_SHARED_STEP). An op
+   that does not fit is cut between datums. A model whose next op is a barrier (typically
+   the optim_step a client sends right behind its forward_backward) gets it appended to the
+   step, to run after the step's rows: a whole training round of every tenant is then one
+   step, not two.
 4. A sampling step packs samples up to `sample_budget` tokens, tenants taking turns.
 5. Preemptible steps (`preempt_s`, joins.py): while a training step runs, a small tenant's
    work that arrives may *join* it, run between two of its micro-batches and answered at
@@ -40,8 +41,9 @@ from .admission import Admission
 from .cost import CostModel, StepShape
 from .fairness import Fairness, Ledger, Limits, Tenant
 from .joins import fit_join, join_candidates, join_charges, micro_tokens
-from .packing import MIN_SHARED_STEP, fills_step, fit_work, is_probe, pack_samples
+from .packing import MIN_SHARED_STEP, fills_step, is_probe, pack_samples
 from .queues import OPTIM, SAMPLE, TRAIN, ModelQueues, Work
+from .train_rows import share_fixed_cost, take_barriers_behind, take_rows, train_runs
 
 
 @dataclass
@@ -253,15 +255,7 @@ class Planner:
     def _train_step(self, tail: list[Work] = ()) -> Step | None:
         """A training step, or None if no rows can run; `tail`: ready barriers (of other
         models) that run after its rows (`_foldable`)."""
-        runs: dict[str, list[list[Work]]] = {}  # tenant -> per-model runs of train ops
-        for model, q in self.queues.items():
-            run = q.run_of_train()
-            if run:
-                runs.setdefault(self.queues.tenant_of(model), []).append(run)
-        taken: list[Work] = []
-        shape = StepShape()
-        models: set[str] = set()
-        charged: dict[str, float] = {}  # tenant -> seconds its rows add to the step
+        runs = train_runs(self.queues)  # tenant -> per-model runs of train ops
         target, budget = self.step_target(), self.token_budget
         floor = target * MIN_SHARED_STEP  # how short a step may get for a tenant's turn
         if not self.preempt_limit() and any(not self.fair.tenant(n).queued_requests
@@ -270,76 +264,26 @@ class Planner:
             # next request now (a small tenant's training loop). It should find a short
             # step in flight, not a whole target's worth of a flooder's rows.
             target = min(target, floor)
-        weights = sum(self.fair.tenant(n).weight for n in runs)  # of the tenants waiting
         self._train_steps += 1
         if is_probe(runs, target, budget, self.cost,
                     automatic=self.target_step_s is None, nth=self._train_steps):
             target, budget = target / 2, budget // 2  # see packing.is_probe
-        while runs:
-            t = self.fair.pick([self.fair.tenant(n) for n in runs])
-            model_runs = runs[t.name]
-            i = t.rr % len(model_runs)
-            w = model_runs[i][0]
-            new_model = w.model not in models
-            fit = fit_work(w, shape, new_model, target, budget, self.cost, first=not taken)
-            if fit is None:
-                break
-            piece, lengths = fit
-            before = self.cost.predict(shape)
-            shape.add(lengths, new_model)
-            models.add(w.model)
-            added = self.cost.predict(shape) - before
-            taken.append(piece)
-            t.charge(added, piece.tokens)
-            charged[t.name] = charged.get(t.name, 0.0) + added
-            t.rr += 1
-            if piece.final:
-                model_runs[i].pop(0)
-                self.queues[w.model].take(w)
-            else:  # the rest of a cut op waits for the next step; its model stops here
-                model_runs[i].clear()
-            if not model_runs[i]:
-                model_runs.pop(i)
-            if not model_runs:
-                del runs[t.name]
-                if piece.final and target < math.inf:
-                    # All this tenant has is in the step. As under processor sharing, it
-                    # should have it back after its own step's time x (weights waiting /
-                    # its weight), not after a whole target's worth of others' rows: a small
-                    # tenant next to a flooder rides a step about twice its own, not T.
-                    # Not below MIN_SHARED_STEP of the target, though: every step pays the
-                    # fixed cost again (see MIN_SHARED_STEP).
-                    own = self.cost.fixed_cost + charged[t.name]
-                    target = min(target, max(floor, own * weights / t.weight))
-        if not taken:
+        rows = take_rows(runs, self.queues, self.fair, self.cost, target, budget, floor)
+        if not rows.work:
             return None
-        self._served = set(charged)
-        for name in charged:
+        self._served = set(rows.charged)
+        for name in rows.charged:
             self._last_served[name] = self._train_steps
-        # The step's fixed cost is shared in proportion to what each tenant's rows add.
-        total = sum(charged.values())
-        for name, added in charged.items():
-            share = added / total if total > 0 else 1 / len(charged)
-            t = self.fair.tenant(name)
-            t.charge(self.cost.fixed_cost * share)
-            if runs:  # work is left over: the tenants contended for this step
-                t.contended_s += added + self.cost.fixed_cost * share
+        share_fixed_cost(self.fair, self.cost, rows)
         # Barriers right behind this step's ops run at its end (after all its rows).
-        for model in dict.fromkeys(w.model for w in taken if w.final):
-            q = self.queues[model]
-            w = q.pending.get(q.next_seq)
-            if w is not None and w.is_barrier:
-                q.pending.pop(w.seq)
-                q.next_seq += 1
-                q.in_flight += 1
-                taken.append(w)
+        taken = rows.work + take_barriers_behind(self.queues, rows.work)
         for w in tail:
             self.queues[w.model].take(w)
             taken.append(w)
-        predicted = self.cost.predict(shape)
-        micro = micro_tokens(shape, predicted, self.preempt_limit()) \
-            if self._may_be_joined(set(charged)) else 0
-        return Step("train", taken, shape, predicted, micro)
+        predicted = self.cost.predict(rows.shape)
+        micro = micro_tokens(rows.shape, predicted, self.preempt_limit()) \
+            if self._may_be_joined(set(rows.charged)) else 0
+        return Step("train", taken, rows.shape, predicted, micro)
 
     # -- preemptible steps (joins.py) ---------------------------------------------------
 
