@@ -9,11 +9,12 @@ stops gives its pages and its slot back at once, so a waiting request joins at t
 step, a short request never waits for a long one beside it, and a long prompt does not
 stall the rows decoding while it prefills.
 
-Admission takes a request whole: all its samples start together and hold, from the start,
-the pages their longest possible continuation needs (prompt + max_tokens), so a running
-row never waits for memory and nothing is ever preempted. A request's samples, and
-identical (adapter, prompt) pairs admitted together, prefill once and share the prompt's
-full pages (kv_pages.py); they stay cached for later prompts that start alike (prefix_cache.py).
+Admission takes a request whole (running_admission.py): all its samples start together and
+hold, from the start, the pages their longest possible continuation needs (prompt +
+max_tokens), so a running row never waits for memory and nothing is ever preempted. A
+request's samples, and identical (adapter, prompt) pairs admitted together, prefill once and
+share the prompt's full pages (kv_pages.py); they stay cached for later prompts that start
+alike (prefix_cache.py).
 
 Rows of many adapters (and the base model) run in one step, each through its own LoRA
 (lora_rows.py), with its own temperature, top-k, top-p, seed and stop rule (choose.py).
@@ -40,12 +41,13 @@ from .decode_step import DecodeStep
 from .kv_pages import PagePool
 from .lora import Adapter
 from .lora_rows import AdapterStack
-from .prefill_queue import Pending, PrefillQueue, Ready
+from .prefill_queue import PrefillQueue, Ready
 from .prefix_cache import PrefixCache, weights_key
 from .prompt_scores import score_prompt, wants_scores
 from .recurrent import SlotStates
+from .running_admission import Admission
 from .running_seqs import Finished, Request, Seq
-from .vision_prefill import PromptVision, cache_key, rope_delta
+from .vision_prefill import cache_key, rope_delta
 
 PAGE_SIZE = 16  # tokens per KV page
 KV_BYTES = {"cuda": 4 << 30, "cpu": 64 << 20}  # default page pool size per device type
@@ -126,6 +128,8 @@ class RunningBatch:
         self.prefill_tokens = prefill_tokens or PREFILL_TOKENS.get(dev.type, 16384)
         self.prefilling = PrefillQueue(model, self.pool, self.stack, kernels,
                                        self.prefill_tokens, prefill == "varlen")
+        self.admission = Admission(model, self.pool, self.cache, self.stack,
+                                   self.prefill_tokens, padded=prefill != "varlen")
         self._seating = 0  # rows of the requests being prefilled (they have their pages)
         self.waiting: deque[Request] = deque()
         self.live: list[Seq] = []  # slot order
@@ -147,7 +151,7 @@ class RunningBatch:
     def fits(self, req: SampleRequest) -> bool:
         """Whether `req` could run in this batch when it is empty."""
         length = len(req.prompt) + req.params.max_tokens
-        return (req.num_samples <= self.rows and self._pages(req) <= self.pool.usable
+        return (req.num_samples <= self.rows and self.admission.pages(req) <= self.pool.usable
                 and self.pool.pages_for(length) <= self.decode.max_pages)
 
     def admit(self, requests: list[SampleRequest], adapters: list[Adapter | None]) -> list[int]:
@@ -249,7 +253,7 @@ class RunningBatch:
         if all(self.fits(r) for r in requests):
             return self
         rows = max([self.rows, *(r.num_samples for r in requests)])
-        pages = max([self.pool.pages, *(self._pages(r) + 1 for r in requests)])
+        pages = max([self.pool.pages, *(self.admission.pages(r) + 1 for r in requests)])
         return RunningBatch(self.model, rows, pages, self.pool.page_size, self.prefill_tokens,
                             self.decode.mode, prefix_cache=self.cache.share,
                             kernels=self.kernels, cascade=self.decode.cascade,
@@ -257,14 +261,6 @@ class RunningBatch:
                             prefill="varlen" if self.prefilling.varlen else "padded")
 
     # -- admission and prefill ----------------------------------------------------------
-
-    def _pages(self, req: SampleRequest, shared: bool = False) -> int:
-        """Pages `req` takes: the prompt's full pages once (none if `shared` with a request
-        admitted beside it), and each sample's own pages."""
-        n, P = len(req.prompt), self.pool.page_size
-        full = n // P
-        own = self.pool.pages_for(n + req.params.max_tokens) - full
-        return (0 if shared else full) + req.num_samples * own
 
     def _joining(self) -> bool:
         """Whether rows may join at this step (requests to admit, prompts to prefill)."""
@@ -275,66 +271,15 @@ class RunningBatch:
         for _ in take:
             self.waiting.popleft()
         if take:
-            self._queue(take)
+            prompts = self.admission.queue(take)  # (their pages)
+            for r in take:
+                self._started[r.ticket] = r
+                self._seating += r.req.num_samples
+            self.prefilling.add(prompts)
 
     def _admission(self) -> list[Request]:
         """The waiting requests that join now (first come, first served, while they fit)."""
-        take: list[Request] = []
-        keys: dict[tuple, int] = {}  # key -> its prompt length
-        pages, rows = self.pool.free, self.rows - len(self.live) - self._seating
-        reclaimed, padded = False, not self.prefilling.varlen
-        for r in self.waiting:
-            shared = r.key in keys
-            cost = self._pages(r.req, shared)
-            if cost > pages and not reclaimed:  # pages only the prefix cache holds count too
-                pages, reclaimed = pages + self.cache.reclaimable(), True
-            longest = max([len(r.req.prompt), *keys.values()])
-            width = longest * (len(keys) + (not shared))  # of a padded pass
-            if (cost > pages or r.req.num_samples > rows
-                    or (padded and keys and width > self.prefill_tokens)):
-                break
-            take.append(r)
-            keys[r.key] = len(r.req.prompt)
-            pages -= cost
-            rows -= r.req.num_samples
-        return take
-
-    def _queue(self, take: list[Request]) -> None:
-        """Give `take` its pages (each distinct prompt's, cached ones first, and every
-        sample's own) and queue its distinct prompts for prefill."""
-        pool = self.pool
-        firsts: dict[tuple, Request] = {}
-        for r in take:
-            firsts.setdefault(r.key, r)
-            if r.adapter is not None:
-                for _ in range(r.req.num_samples):
-                    self.stack.acquire(r.adapter)
-        uniq = list(firsts.values())
-        prompt_pages, starts = self._prompt_pages(take, uniq)
-        cached = {u.key: starts[i] for i, u in enumerate(uniq)}
-        queued = {u.key: Pending(u.req.prompt, u.adapter, prompt_pages[i], starts[i],
-                                 any(wants_scores(r.req) for r in take if r.key == u.key),
-                                 vision=PromptVision.of(self.model, u.req.prompt, u.req.images))
-                  for i, u in enumerate(uniq)}
-        # Every sample's pages: the prompt's full pages shared, its own for the rest. The
-        # first sample of a prompt takes the prompt's partial page; the others copy it
-        # once it is prefilled (`_seat`).
-        spare = {k: p.pages for k, p in queued.items()}
-        for r in take:
-            p, n = queued[r.key], len(r.req.prompt)
-            full = n // pool.page_size
-            want = pool.pages_for(n + r.req.params.max_tokens) - full
-            for _ in range(r.req.num_samples):
-                partial = spare[r.key][full:]
-                spare[r.key] = spare[r.key][:full]
-                own = partial + pool.allocate(want - len(partial))
-                r.seqs.append(Seq(r, p.pages[:full] + own, n, len(r.seqs)))
-            r.result.cached_tokens = cached[r.key]
-            r.running = r.req.num_samples
-            p.requests.append(r)
-            self._started[r.ticket] = r
-            self._seating += r.req.num_samples
-        self.prefilling.add(list(queued.values()))
+        return self.admission.take(self.waiting, self.rows - len(self.live) - self._seating)
 
     def _seat(self, ready: list[Ready], done: list[Finished]) -> None:
         """The samples of the prompts now prefilled: their pages settled, their first
@@ -389,16 +334,6 @@ class RunningBatch:
                               [rope_delta(prompt_of[id(s.request)].vision) for s in seated])
         self.live += seated  # (shared: the prompt's full pages)
         self.loop.changed(self.live)
-
-    def _prompt_pages(self, take: list[Request], uniq: list[Request]
-                      ) -> tuple[list[list[int]], list[int]]:
-        """Each distinct prompt's pages (cached ones first) and where its prefill starts;
-        a prompt whose scores are asked prefills whole (they read every position)."""
-        scored = {r.key for r in take if wants_scores(r.req)}
-        firsts = {id(u) for u in uniq}
-        need = sum(self._pages(r.req, id(r) not in firsts) for r in take)
-        return self.cache.prompt_pages([(None if u.key in scored else cache_key(weights_key(
-            self.stack, u.adapter), u.req.images), u.req.prompt) for u in uniq], need)
 
     # -- decoding -----------------------------------------------------------------------
 
