@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from twinkled.protocol.checks import check_optim_params, check_optimizer
+from twinkled.protocol.checks import check_optimizer
 from twinkled.protocol.sizing import FULL_RUN_KV_BYTES
 from twinkled.protocol.types import (
     AdamParams,
@@ -30,15 +30,14 @@ from twinkled.protocol.types import (
     SampleResult,
 )
 
-from . import live, sampler, state, step
+from . import sampler, state, step
 from .context_parallel import ContextParallel
 from .full_param import FullRun, FullSlot, is_full_checkpoint
 from .fused_ops import Fused
 from .lora import Adapter, LoraPool
+from .lora_adapters import LoraAdapters
 from .model import BaseModel
-from .moe_parallel import ExpertSplit, reduce_split_gradients
-from .optim import optimizer_steps
-from .parallel import reduce_gradients
+from .moe_parallel import ExpertSplit
 from .running import KV_BYTES, Finished, RunningBatch, pool_tokens
 from .running_slot import RunningSlot
 from .shared_prefix import MIN_SHARED
@@ -101,6 +100,7 @@ class Engine:
         self.padded_sampling = (self.shard is not None and self.model.hybrid is None
                                 and not self.model.moe)
         self.experts = experts
+        self.lora = LoraAdapters(self.pool, self.model, self.shard, experts, dp_group)
         # Adapters whose gradients this rank holds parts of split rows of (context
         # parallelism), until their optimizer step sums them over the group (parallel.py).
         self.spread: set[str] = set()
@@ -127,16 +127,8 @@ class Engine:
         if self.full is not None:
             raise EngineInputError("lora_config.rank", "this lane trains a full-parameter run; "
                                    "its base model is not the one LoRA adapters train on")
-        if self.shard is not None:
-            config = self._split_config(config)
-        self.pool.add(adapter_id, config)
+        self.lora.add(adapter_id, config)
         return self.adapter_info(adapter_id)
-
-    def _split_config(self, config: LoraConfig) -> LoraConfig:
-        """Under tensor parallelism an unseeded adapter gets a seed all ranks share."""
-        if config.seed is None:
-            config = replace(config, seed=self.shard.tp.broadcast_seed())
-        return config
 
     def is_full(self, adapter_id: str | None) -> bool:
         """Whether `adapter_id` is the full run, or a sampler view of its weights."""
@@ -149,16 +141,7 @@ class Engine:
         Of a full run: a view of its current weights (nothing is copied)."""
         if self.is_full(src):
             return self._full.view(dst)
-        a = self.pool.get(src)
-        b = self.pool.add(dst, a.config)
-        try:
-            with torch.no_grad():
-                torch._foreach_copy_(b.bank.tensors(b.slot, "w"), a.bank.tensors(a.slot, "w"))
-        except BaseException:
-            self.pool.remove(dst)
-            raise
-        b.bank.changed(b.slot)  # its compute-dtype copy follows at the next use
-        b.steps = a.steps
+        self.lora.copy(src, dst)
         return self.adapter_info(dst)
 
     def remove_adapter(self, adapter_id: str) -> None:
@@ -174,10 +157,7 @@ class Engine:
     def adapter_info(self, adapter_id: str) -> AdapterInfo:
         if self.is_full(adapter_id):
             return self.full.info()
-        a = self.pool.get(adapter_id)
-        c = a.config
-        return AdapterInfo(adapter_id, c.rank, c.alpha, c.target_modules, a.steps, a.pending,
-                           c.optimizer)
+        return self.lora.info(adapter_id)
 
     # -- training ---------------------------------------------------------------------
 
@@ -264,26 +244,13 @@ class Engine:
             result = self.full.step(items[0][1])
             self._running.drop(only_idle=True)  # cached prefixes were of the weights before
             return [result]
-        adapters = [self.pool.get(i) for i in ids]
-        for adapter, (_, params) in zip(adapters, items, strict=True):
-            check_optim_params(adapter.config.optimizer, params)
-        if self.shard is not None:
-            self.shard.reduce_grads(adapters)
-        if self.experts is not None:
-            reduce_split_gradients(adapters, self.dp_group)
-        elif self.dp_group is not None:
-            reduce_gradients(adapters, self.dp_group, self.spread)
-        self.spread.difference_update(ids)
-        return optimizer_steps(list(zip(adapters, [p for _, p in items], strict=True)),
-                               self.shard)
+        return self.lora.step(items, self.spread)
 
     def zero_grad(self, adapter_id: str) -> None:
         if self.is_full(adapter_id):
             self.full.zero_grad()
             return
-        a = self.pool.get(adapter_id)
-        a.bank.zero_slot(a.slot)
-        a.pending = 0
+        self.lora.zero_grad(adapter_id)
         self.spread.discard(adapter_id)
 
     # -- sampling ---------------------------------------------------------------------
@@ -418,11 +385,8 @@ class Engine:
         """Load a checkpoint into `adapter_id`, creating it if needed (its shape is the file's).
         `new_full`: a training run's load, which a full run's checkpoint makes a full run
         of where this engine holds no run (a sampler's load only reads the live one).
-
-        With `optimizer`, the optimizer state and its family come from the checkpoint (as
-        Tinker's full-state resume keeps Dimuon), and an existing adapter must be of that
-        family. Without, a new adapter gets `optimizer_type` (default AdamW) and fresh state.
-        Everything is read and checked before the adapter changes.
+        `optimizer`: the optimizer state and its family come from the checkpoint; without,
+        a new adapter gets `optimizer_type` (default AdamW): LoraAdapters.load.
         """
         if optimizer_type is not None:
             check_optimizer(optimizer_type)
@@ -430,32 +394,5 @@ class Engine:
             info = self._full.load(adapter_id, path, optimizer, new_full, self.pool.adapters)
             self._pool_for_full_run()
             return info
-        if live.is_live(path):  # a worker's persisted state (see workers/persist.py)
-            config, weights, moments, steps = live.read_live(path)
-        else:
-            config, weights, moments, steps = state.read_adapter(
-                path, self.model.targets, self.pool.max_rank, optimizer)
-        if not optimizer:  # (a live state holds moments whatever was asked: drop them)
-            config, moments = replace(config, optimizer=optimizer_type or "adamw"), None
-        elif optimizer_type is not None and optimizer_type != config.optimizer:
-            raise EngineInputError("optimizer_config.type", f"the checkpoint's optimizer state "
-                                   f"is {config.optimizer!r}, not {optimizer_type!r}")
-        if self.has_adapter(adapter_id):
-            current = self.pool.get(adapter_id).config
-            if (current.rank, current.target_modules) != (config.rank, config.target_modules):
-                raise EngineInputError(
-                    "path", f"checkpoint has rank {config.rank} on {config.target_modules}, "
-                    f"adapter {adapter_id!r} has rank {current.rank} on {current.target_modules}")
-            if optimizer and current.optimizer != config.optimizer:
-                raise EngineInputError(
-                    "path", f"checkpoint holds {config.optimizer!r} optimizer state; adapter "
-                    f"{adapter_id!r} was created with {current.optimizer!r}")
-            config = current
-        elif self.full is not None:  # (the daemon sends no LoRA weights here: core/lanes.py)
-            raise EngineInputError("path", "this lane trains a full-parameter run; its base "
-                                   "model is not the one LoRA adapters apply to")
-        else:
-            self.pool.add(adapter_id, config)
-        state.write_into(self.pool.get(adapter_id), weights, moments, steps if optimizer else 0,
-                         self.shard)
+        self.lora.load(adapter_id, path, optimizer, optimizer_type, self.full is not None)
         return self.adapter_info(adapter_id)
