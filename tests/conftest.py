@@ -54,6 +54,28 @@ def pytest_configure(config: pytest.Config) -> None:
     # (importing the SDK, and torch with it, cost it ~3 s of CPU while its workers collect).
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         _track_tinker_clients()
+        _start_zygote()
+
+
+# -- one worker zygote a test process -------------------------------------------------------
+# The suite's ~90 worker starts each imported torch and transformers' modeling code, ~5 s of
+# CPU apiece: half of the suite's CPU. Every daemon a test starts forks its ranks from this
+# process's zygote instead (TWINKLED_ZYGOTE, twinkled/workers/launch.py), the way a daemon
+# forks them from its own; one started with other import-time settings starts its own.
+def _start_zygote() -> None:
+    import subprocess
+    import sys
+    import tempfile
+
+    if os.environ.get("TWINKLED_ZYGOTE"):
+        return
+    where = tempfile.mkdtemp(prefix="twinkle-test-zygote-")
+    path = os.path.join(where, "zygote.sock")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    subprocess.Popen([sys.executable, "-m", "twinkled.workers.zygote", path, "--parent",
+                      str(os.getpid()), "--preload", "transformers.models.qwen3.modeling_qwen3"],
+                     env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+    os.environ["TWINKLED_ZYGOTE"] = path
 
 
 @pytest.fixture(autouse=True, scope="module")

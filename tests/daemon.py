@@ -54,6 +54,16 @@ def ctl_status(data_dir: Path) -> dict:
     return Target(data_dir, None, None).call("status")
 
 
+def daemon_workers(data_dir: Path, what: str = "pid") -> list:
+    """`what` of each live local worker of the daemon running in `data_dir` (none if it
+    does not answer)."""
+    try:
+        workers = ctl_status(data_dir)["workers"]
+    except Exception:
+        return []
+    return [w[what] for w in workers if w["alive"] and not w["remote"]]
+
+
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 30) -> None:
     """Send `sig`, wait up to `grace` seconds, then SIGKILL; the process is reaped."""
     if proc.poll() is None:
@@ -111,9 +121,9 @@ class Daemon:
         raise TimeoutError("twinkled did not become ready")
 
     def workers(self) -> list[int]:
-        """Pids of the worker processes (the daemon's children)."""
-        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-        return [int(p) for p in path.read_text().split()]
+        """Pids of the daemon's live local worker processes, as `ctl status` says (forked
+        from a zygote, they are no children of the daemon's); none if it does not answer."""
+        return daemon_workers(self.data_dir)
 
     def wait_workers(self, n: int, old: set[int] = frozenset(), timeout: float = 120) -> list[int]:
         """Wait until `n` workers run, none of them in `old`, and the daemon is ready."""

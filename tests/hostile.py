@@ -43,13 +43,6 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except (FileNotFoundError, ProcessLookupError):
-        return []
-
-
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -67,18 +60,20 @@ class Watchdog(threading.Thread):
 
     def run(self) -> None:
         pid = self.d.proc.pid
+        workers, asked = [], 0.0
         while not self.stop.wait(0.05) and self.d.proc.poll() is None:
+            if time.monotonic() - asked > 0.5:  # (the daemon's account of its workers)
+                workers, asked = self.d.workers() or workers, time.monotonic()
             mb = rss_mb(pid)
             self.peak_daemon_mb = max(self.peak_daemon_mb, mb)
             if mb > DAEMON_MAX_MB:
-                workers = children(pid)
                 _kill(pid)
                 for w in workers:
                     _kill(w)
                 self.trips.append(f"the daemon's RSS reached {mb:.0f} MB (limit "
                                   f"{DAEMON_MAX_MB}): the test's watchdog killed it")
                 return
-            for w in children(pid):
+            for w in workers:
                 wmb = rss_mb(w)
                 if wmb > WORKER_MAX_MB:
                     _kill(w)

@@ -219,15 +219,12 @@ def test_frames_from_outside_the_worker_group_are_ignored(slow_pair, tiny_dir):
     """A process that is not a rank of this group (an orphaned worker of a daemon that died,
     reconnecting to a port this daemon reuses) is ignored: its frames, readable or not,
     neither fail a step nor pass for a rank's answer."""
-    import json as _json
-
     import msgspec
     import zmq
 
     from twinkled.protocol.frames import OutcomeF, ReplyF
 
-    args = _json.loads(open(f"/proc/{slow_pair.workers()[0]}/cmdline").read()
-                       .split("\0")[3])
+    args = ctl_status(slow_pair.data_dir)["workers"][0]  # its group and step socket
     tc = _client(slow_pair, "alice", tiny_dir, 4)
     data = _data(tc.get_tokenizer())
     pids = slow_pair.workers()

@@ -16,7 +16,7 @@ failed and succeeded (the client heard, and redid it): the optim_step behind tha
 submit the forward_backward again: Adam's step on no gradients is not what anyone meant.)
 A stop of the daemon forgets none of it: at start-up each run whose last training op failed
 (or was cut short by the stop) is failed here again (store/futures.py, failed_training).
-Torch-free; the core (engine_core.py) asks it of each planned optim_step.
+Torch-free; the core (completion.py) asks it of each planned optim_step.
 """
 
 from __future__ import annotations

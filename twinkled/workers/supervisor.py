@@ -21,9 +21,9 @@ import os
 import secrets
 import signal
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -35,6 +35,7 @@ from twinkled.protocol.logs import relay
 
 from .gaps import GapWindow
 from .hosts import HostRegistry, JoinSettings, RemoteHost
+from .launch import Forked, Launcher
 
 log = logging.getLogger("twinkled")
 
@@ -85,7 +86,8 @@ class WorkerGroup:
         self.model_info: dict = {}
         self.restarts = 0
         self.gaps = GapWindow()  # sampler vs trainer logprobs, as the replies report them
-        self._procs: list[asyncio.subprocess.Process] = []
+        self._launcher = Launcher(_arch_module(options.get("model")))
+        self._procs: list[asyncio.subprocess.Process | Forked] = []
         self._relays: list[asyncio.Future] = []  # copying the ranks' output (JSON logs)
         self._exits: list[asyncio.Future] = []  # local exits and remote losses
         self._ctx = zmq.asyncio.Context()
@@ -183,12 +185,9 @@ class WorkerGroup:
             # In JSON mode a rank's output comes through the daemon (logs.relay), which
             # makes JSON of any line that is not. Progress bars are off: a log is no tty.
             piped = self.options.get("log_format") == "json"
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "twinkled.workers.worker", json.dumps(args),
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"},
-                start_new_session=True, limit=1 << 20,
-                stdout=asyncio.subprocess.PIPE if piped else None,
-                stderr=asyncio.subprocess.STDOUT if piped else None)
+            # (Forked from a zygote, launch.py, with torch and transformers imported.)
+            proc = await self._launcher.spawn(
+                ["-m", "twinkled.workers.worker", json.dumps(args)], _worker_env(), piped)
             if piped:
                 self._relays.append(asyncio.ensure_future(
                     relay(proc.stdout, "twinkled.worker", rank=w.rank)))
@@ -402,6 +401,7 @@ class WorkerGroup:
             _, pending = await asyncio.wait(waits, timeout=grace)
             if pending:
                 await self.kill()
+        await self._launcher.stop()
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
@@ -419,8 +419,25 @@ class WorkerGroup:
             out.append({"rank": w.rank, "device": w.device, "host": w.host or here,
                         "remote": bool(w.host), "pid": w.pid, "memory_bytes": w.memory,
                         "peak_memory_bytes": w.peak_memory,
-                        "busy_s": round(w.busy_s, 3), "alive": alive, "up_s": round(time.time() - w.started, 1)})
+                        "busy_s": round(w.busy_s, 3), "alive": alive, "up_s": round(time.time() - w.started, 1),
+                        "group": self._group, "endpoint": self._endpoint})
         return out
+
+
+def _worker_env() -> dict[str, str]:
+    """A rank's environment: the daemon's, unbuffered, without progress bars (a log is no
+    tty). The worker zygote is started with the same (launch.py)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def _arch_module(model: str | None) -> list[str]:
+    """The transformers modeling module of the model's architecture (for the zygote to
+    import; a name that is not one is skipped there)."""
+    try:
+        kind = json.loads((Path(model) / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [f"transformers.models.{kind}.modeling_{kind}"] if str(kind).isidentifier() else []
 
 
 def _bind_host(join: JoinSettings | None) -> str:

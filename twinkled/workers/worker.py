@@ -38,7 +38,9 @@ def main(args: dict) -> None:
     rank = args["rank"]
     # The daemon's pid, as it said (a remote host's agent says none): a daemon that died
     # before the prctl below took effect is caught here, not at the first idle check.
-    parent = args.get("parent") or os.getppid()
+    # Forked by a zygote (zygote.py), the parent is the zygote, which kills this rank when
+    # the daemon's connection to it closes.
+    parent = int(os.environ.get("TWINKLED_FORKED_BY") or 0) or args.get("parent") or os.getppid()
     _die_with_parent()
     if os.getppid() != parent:
         sys.exit(0)
