@@ -16,8 +16,10 @@ the environment at import (fault-injection knobs, say), and a fork must read the
 environment its daemon gave it. Third-party modules that read the environment at import
 (`HF_*`, `TORCH*`, `TRITON*`, `CUDA*`, ...) are the reason a request whose environment
 differs from the zygote's there is refused (`IMPORT_ENV`): the daemon then starts a zygote
-of its own. Nothing here touches CUDA (a fork after CUDA's start cannot use it), and the
-process stays single-threaded, so forking is safe.
+of its own. Nothing here touches CUDA (a fork after CUDA's start cannot use it), and no
+thread of ours runs: the only other threads are the BLAS libraries' pools (OpenBLAS starts
+one as torch and scipy load), which stop and start again around a fork (pthread_atfork), so
+Python's warning about forking a threaded process is silenced.
 
 Protocol, one UNIX-socket connection per child: the client sends a JSON request (argv after
 the interpreter, environment, working directory, umask) with the child's stdin/stdout/stderr file
@@ -39,6 +41,7 @@ import signal
 import socket
 import sys
 import traceback
+import warnings
 
 # Import-time settings of the preloaded modules: a child must see what the zygote saw.
 IMPORT_ENV = ("HF_", "TRANSFORMERS", "TOKENIZERS", "TORCH", "PYTORCH", "TRITON", "CUDA",
@@ -122,7 +125,9 @@ class Zygote:
                 pass
             conn.close()
             return
-        pid = os.fork()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # (the module's docstring)
+            pid = os.fork()
         if pid == 0:
             self._child(conn, request, fds)  # never returns
         for fd in fds:
