@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import httpx
 import pytest
@@ -39,6 +40,11 @@ def test_json_mode_emits_only_json_lines(tiny_dir, tmp_path):
                          json={"model_id": tc.model_id, "seq_id": "x"})
         assert 400 <= bad.status_code < 500
         assert d.health()["status"] == "ok"
+        # The steps ran in well under a second: a summary (every 0.2 s, of an interval
+        # with steps) may not have been written yet.
+        deadline = time.time() + 10
+        while '"summary"' not in d.log_path.read_text() and time.time() < deadline:
+            time.sleep(0.05)
     finally:
         d.stop()
     lines = d.log_path.read_text().splitlines()

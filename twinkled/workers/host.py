@@ -31,6 +31,7 @@ from pathlib import Path
 
 import zmq
 
+from .addresses import free_port
 from .join import (
     AssignF,
     BeatF,
@@ -162,7 +163,7 @@ class Agent:
         threads = max(1, (os.cpu_count() or 1) // max(1, len(a.ranks), len(self.devices)))
         # A group wholly on this host (a lane) meets here: its rank 0 hosts the rendezvous,
         # which it could not on the head's address; its collectives never leave the host.
-        dist_url = f"tcp://127.0.0.1:{_free_port()}" if len(a.ranks) == a.world else \
+        dist_url = f"tcp://127.0.0.1:{free_port()}" if len(a.ranks) == a.world else \
             f"tcp://{self.head}:{a.dist_port}"
         for rank, device in zip(a.ranks, a.devices, strict=True):
             args = {**a.options, "rank": rank, "world": a.world, "device": device,
@@ -198,12 +199,6 @@ class Agent:
                 log.error("worker pid %d did not die", p.pid)
             del self.procs[key]
             self.reported.discard(key)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(join: str, devices: list[str], token_file: Path, model: str | None,

@@ -19,10 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from twinkled.protocol.logs import relay
+
 log = logging.getLogger("twinkled.workers")
 
 ENV = "TWINKLED_ZYGOTE"  # a shared zygote's socket; "off": spawn every worker afresh
 START_TIMEOUT_S = 120.0  # its imports take ~5 s of CPU; a loaded box may stretch that
+SHARED_WAIT_S = 30.0  # for a shared zygote's socket to appear (it binds once imported)
 
 
 class Forked:
@@ -72,6 +75,7 @@ class Launcher:
         self._shared = os.environ.get(ENV) or None
         self._own: asyncio.subprocess.Process | None = None
         self._own_path: str | None = None
+        self._relay: asyncio.Future | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
         self._failed = self._shared == "off"
 
@@ -84,7 +88,7 @@ class Launcher:
             except (OSError, ValueError) as e:
                 log.info("the shared worker zygote %s is not used: %s", self._shared, e)
                 self._shared = None
-        path = await self._own_zygote(env)
+        path = await self._own_zygote(env, piped)
         if path is not None:
             try:
                 return await self._fork(path, argv, env, piped)
@@ -99,7 +103,7 @@ class Launcher:
     async def _fork(self, path: str, argv: list[str], env: dict[str, str], piped: bool):
         loop = asyncio.get_running_loop()
         # A shared zygote that is still importing has no socket yet (it binds once ready).
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + SHARED_WAIT_S
         while not os.path.exists(path) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -140,9 +144,10 @@ class Launcher:
                                          os.fdopen(read_fd, "rb", 0))
         return Forked(int(answer["pid"]), conn, reader, writer, stdout)
 
-    async def _own_zygote(self, env: dict[str, str]) -> str | None:
+    async def _own_zygote(self, env: dict[str, str], piped: bool) -> str | None:
         """This daemon's zygote (with the workers' environment): started at the first
-        call, again if it died."""
+        call, again if it died. `piped`: its output comes through the daemon's log (JSON
+        mode), as its workers' does."""
         if self._failed:
             return None
         if self._own is not None and self._own.returncode is None:
@@ -154,7 +159,11 @@ class Launcher:
             self._own = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "twinkled.workers.zygote", self._own_path,
                 "--parent", str(os.getpid()), *extra, env=env, start_new_session=True,
-                stdin=asyncio.subprocess.DEVNULL)
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE if piped else None,
+                stderr=asyncio.subprocess.STDOUT if piped else None)
+            if piped:
+                self._relay = asyncio.ensure_future(relay(self._own.stdout, "twinkled.zygote"))
         except OSError as e:
             log.warning("worker zygote did not start (%s): starting workers afresh", e)
             self._failed = True
@@ -190,3 +199,18 @@ class Launcher:
             self._dir.cleanup()
             self._dir = None
 
+
+def worker_env() -> dict[str, str]:
+    """A rank's environment: the daemon's, unbuffered, without progress bars (a log is no
+    tty). A zygote of the daemon's own is started with the same."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def arch_preload(model: str | None) -> list[str]:
+    """The transformers modeling module of the model's architecture (for the zygote to
+    import; a name that is not one is skipped there)."""
+    try:
+        kind = json.loads((Path(model) / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [f"transformers.models.{kind}.modeling_{kind}"] if str(kind).isidentifier() else []

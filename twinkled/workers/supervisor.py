@@ -23,7 +23,6 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgspec
 import zmq
@@ -33,9 +32,10 @@ from twinkled.protocol import trace
 from twinkled.protocol.frames import HelloF, ReplyF, StepF, encoder, reply_decoder
 from twinkled.protocol.logs import relay
 
+from .addresses import bind_host, free_port, reachable
 from .gaps import GapWindow
 from .hosts import HostRegistry, JoinSettings, RemoteHost
-from .launch import Forked, Launcher
+from .launch import Forked, Launcher, arch_preload, worker_env
 
 log = logging.getLogger("twinkled")
 
@@ -57,18 +57,6 @@ class WorkerInfo:
     lost: asyncio.Future | None = None  # a remote rank: resolves when its host loses it
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _reachable(bind_host: str) -> str:
-    """The address local ranks use for a socket bound on `bind_host`."""
-    return "127.0.0.1" if bind_host in ("0.0.0.0", "*", "") else \
-        "[::1]" if bind_host in ("::", "[::]") else bind_host
-
-
 class WorkerGroup:
     """`devices`: one worker per entry ("cpu", "cuda:0", ...). `options` go to each worker
     (model, dtype, max_rank, token_budget, live_dir, persist_every, threads)."""
@@ -86,14 +74,14 @@ class WorkerGroup:
         self.model_info: dict = {}
         self.restarts = 0
         self.gaps = GapWindow()  # sampler vs trainer logprobs, as the replies report them
-        self._launcher = Launcher(_arch_module(options.get("model")))
+        self._launcher = Launcher(arch_preload(options.get("model")))
         self._procs: list[asyncio.subprocess.Process | Forked] = []
         self._relays: list[asyncio.Future] = []  # copying the ranks' output (JSON logs)
         self._exits: list[asyncio.Future] = []  # local exits and remote losses
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._endpoint = ""
-        self._bind_host = _bind_host(join)
+        self._bind_host = bind_host(join)
         self._step = 0
         # "join" steps sent during the training step in flight (`send_join`): step id -> the
         # future of its reply, which that step's gather hands over (a one-rank group).
@@ -166,8 +154,8 @@ class WorkerGroup:
             plan.append((host, ranks, devices))
             self.workers += [WorkerInfo(r, d, host=host.name)
                              for r, d in zip(ranks, devices, strict=True)]
-        dist_port = _free_port(self._bind_host)
-        local = _reachable(self._bind_host)
+        dist_port = free_port(self._bind_host)
+        local = reachable(self._bind_host)
         # Ranks on several hosts cannot read each other's files: rank 0 then hands out what
         # a load or a restore reads (runner.py).
         options = {**self.options, "world": self.world, "group": self._group,
@@ -187,7 +175,7 @@ class WorkerGroup:
             piped = self.options.get("log_format") == "json"
             # (Forked from a zygote, launch.py, with torch and transformers imported.)
             proc = await self._launcher.spawn(
-                ["-m", "twinkled.workers.worker", json.dumps(args)], _worker_env(), piped)
+                ["-m", "twinkled.workers.worker", json.dumps(args)], worker_env(), piped)
             if piped:
                 self._relays.append(asyncio.ensure_future(
                     relay(proc.stdout, "twinkled.worker", rank=w.rank)))
@@ -250,7 +238,7 @@ class WorkerGroup:
             self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes its name
             self._sock.setsockopt(zmq.LINGER, 0)
             port = self._sock.bind_to_random_port(f"tcp://{self._bind_host}")
-            self._endpoint = f"tcp://{_reachable(self._bind_host)}:{port}"
+            self._endpoint = f"tcp://{reachable(self._bind_host)}:{port}"
         if self.hosts is not None:
             await self.hosts.open()
 
@@ -422,28 +410,3 @@ class WorkerGroup:
                         "busy_s": round(w.busy_s, 3), "alive": alive, "up_s": round(time.time() - w.started, 1),
                         "group": self._group, "endpoint": self._endpoint})
         return out
-
-
-def _worker_env() -> dict[str, str]:
-    """A rank's environment: the daemon's, unbuffered, without progress bars (a log is no
-    tty). The worker zygote is started with the same (launch.py)."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-
-
-def _arch_module(model: str | None) -> list[str]:
-    """The transformers modeling module of the model's architecture (for the zygote to
-    import; a name that is not one is skipped there)."""
-    try:
-        kind = json.loads((Path(model) / "config.json").read_text())["model_type"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    return [f"transformers.models.{kind}.modeling_{kind}"] if str(kind).isidentifier() else []
-
-
-def _bind_host(join: JoinSettings | None) -> str:
-    """Where the step socket and the rendezvous listen: loopback unless hosts may join,
-    then the join address's interface (remote ranks connect to them too)."""
-    if join is None:
-        return "127.0.0.1"
-    host = join.bind_host
-    return "0.0.0.0" if host == "*" else host.strip("[]") if host.startswith("[") else host
