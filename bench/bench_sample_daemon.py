@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -94,6 +95,9 @@ def through_daemon(args: argparse.Namespace, model: Path, work: Path, device: st
     print(f"[{time.time() - t0:.0f} s] {args.tenants} keys made", flush=True)
     toml = work / "twinkled.toml"  # the config given, with the KV pool both sides use
     toml.write_text((config.read_text() if config else "") + f"\nsample_kv_mb = {args.kv_mb}\n")
+    trace = work / "trace.jsonl"  # the ranks' decode figures (decode_figures)
+    trace.unlink(missing_ok=True)
+    os.environ["TWINKLED_TRACE"] = str(trace)
     daemon, url, log = start_daemon(model, data, work, device, "--config", str(toml))
     print(f"[{time.time() - t0:.0f} s] the daemon answers", flush=True)
     try:
@@ -121,7 +125,40 @@ def through_daemon(args: argparse.Namespace, model: Path, work: Path, device: st
         log.close()
     return [{"tokens": sum(r["tokens"] for r in res),
              "wall": max(r["t1"] for r in res) - min(r["t0"] for r in res), "faces": faces,
-             "each": [r["t1"] - r["t0"] for r in res]} for res in rounds]
+             "each": [r["t1"] - r["t0"] for r in res],
+             "decode": decode_figures(trace, min(r["t0"] for r in res),
+                                      max(r["t1"] for r in res))} for res in rounds]
+
+
+def decode_figures(trace: Path, t0: float, t1: float) -> dict[str, float]:
+    """The running batch's figures (engine/step.py HostTime.note) summed over the ranks'
+    steps sent between `t0` and `t1`, from the daemon's trace: decode steps, their rows,
+    prefill and decode seconds, and the ranks' busy seconds."""
+    sums: dict[str, float] = {"busy s": 0.0}
+    if not trace.exists():
+        return sums
+    for line in trace.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") != "group" or not t0 <= event.get("sent", 0) <= t1:
+            continue
+        for rank in event["ranks"]:
+            sums["busy s"] += rank["busy"]
+            for k, v in rank.get("phases", {}).items():
+                sums[k] = sums.get(k, 0.0) + v
+    return sums
+
+
+def figures_line(name: str, f: dict[str, float]) -> str:
+    """One row of the decode figures' table."""
+    steps = f.get("decode steps", 0.0)
+    if not steps:
+        return f"| {name} | (no trace) | | | | |\n"
+    return (f"| {name} | {steps:,.0f} | {f.get('decode rows', 0.0) / steps:.1f} | "
+            f"{f.get('decode s', 0.0):.2f} ({1e3 * f.get('decode s', 0.0) / steps:.2f} ms a step) | "
+            f"{f.get('prefill s', 0.0):.2f} | {f.get('busy s', 0.0):.2f} |\n")
 
 
 def one_round(procs: list[subprocess.Popen], work: Path) -> list[dict]:
@@ -159,6 +196,7 @@ def engine_alone(args: argparse.Namespace, model: Path, device: str) -> list[dic
     import torch
 
     from twinkled.engine.engine import Engine
+    from twinkled.engine.step import HOST_TIME
     from twinkled.protocol.types import LoraConfig, SampleRequest, SamplingParams
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -180,11 +218,13 @@ def engine_alone(args: argparse.Namespace, model: Path, device: str) -> list[dic
         one = {}
         for name, reqs in orders.items():
             sync()
+            HOST_TIME.take()
             t0 = time.perf_counter()
             out = eng.sample(reqs)
             sync()
+            wall = time.perf_counter() - t0
             one[name] = {"tokens": sum(len(s.tokens) for r in out for s in r.sequences),
-                         "wall": time.perf_counter() - t0}
+                         "wall": wall, "decode": {**HOST_TIME.take(), "busy s": wall}}
         rounds.append(one)
     return rounds
 
@@ -263,7 +303,14 @@ def main() -> None:
              "| round | run | new tokens | seconds | new tok/s | vs engine alone | "
              "vs engine alone, interleaved |\n|---:|---|---:|---:|---:|---:|---:|\n" + rows +
              f"\nEach tenant's seconds, last round: {faces}. The first round of each side "
-             "captures the decode's CUDA graphs for the batch's sizes; compare the last.\n")
+             "captures the decode's CUDA graphs for the batch's sizes; compare the last.\n"
+             "\nThe running batch, last round (the daemon's from its ranks' trace):\n\n"
+             "| run | decode steps | rows a step | decode s | prefill s | busy s |\n"
+             "|---|---:|---:|---:|---:|---:|\n"
+             + "".join(figures_line(name, d[-1]["decode"]) for name, d in zip(
+                 names, daemons, strict=True))
+             + "".join(figures_line(f"engine alone, {k}", e["decode"])
+                       for k, e in alone[-1].items()))
     emit(text, args.write)
 
 

@@ -75,7 +75,8 @@ def main() -> None:
             add(f"    rank {i} delivery", r["began"] - g["sent"])
             add(f"    rank {i} busy", r["busy"])
             for phase, v in r.get("phases", {}).items():
-                add(f"      rank {i} {phase}", v)
+                if not phase.endswith(("steps", "rows")):  # (counts: the sampler's, below)
+                    add(f"      rank {i} {phase}", v)
             add(f"    rank {i} return", r["arrived"] - r["began"] - r["busy"])
         add("    skew (slowest - fastest finish)", max(ends) - min(ends))
         add("    executor after last reply", s["completing"] - max(r["arrived"] for r in g["ranks"]))

@@ -47,6 +47,7 @@ from .prompt_scores import score_prompt, wants_scores
 from .recurrent import SlotStates
 from .running_admission import Admission
 from .running_seqs import Finished, Request, Seq
+from .step import HOST_TIME
 from .vision_prefill import cache_key, rope_delta
 
 PAGE_SIZE = 16  # tokens per KV page
@@ -243,9 +244,16 @@ class RunningBatch:
         settled = self.loop.in_flight and self._joining() and self.loop.settle(
             self.live, done)
         self._admit_waiting()
+        began = time.perf_counter()
         self._seat(self.prefilling.run(), done)  # one prefill pass (chunked)
+        prefilled = time.perf_counter()
         if self.live:  # none ahead while rows wait to join next: they join as they would
+            rows = len(self.live)
             self.loop.step(self.live, done, land=not settled, ahead=not self._joining())
+            # (a trace's figures of a slice: how full its steps ran, where its time went)
+            HOST_TIME.note(**{"decode steps": 1, "decode rows": rows,
+                              "prefill s": prefilled - began,
+                              "decode s": time.perf_counter() - prefilled})
         return done
 
     def sized_for(self, requests: list[SampleRequest]) -> RunningBatch:

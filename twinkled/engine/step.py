@@ -47,18 +47,24 @@ class HostTime:
     """Host seconds spent issuing forward and backward passes and waiting for the device
     to finish them, summed until taken: the worker reports them for a step trace
     (twinkled/protocol/trace.py). Issuing near the waiting time means the pass is bound by kernel
-    launches; waiting much longer than issuing means it is bound by the device."""
+    launches; waiting much longer than issuing means it is bound by the device. The
+    running batch notes its decode steps, their rows and its prefill and decode seconds
+    here too (`note`), so a trace shows how full a sampling slice's steps were."""
+
+    KEYS = ("forward", "backward", "device wait")
 
     def __init__(self) -> None:
-        self._sums = [0.0, 0.0, 0.0]
+        self._sums = dict.fromkeys(self.KEYS, 0.0)
 
     def add(self, forward: float, backward: float, wait: float) -> None:
-        for i, v in enumerate((forward, backward, wait)):
-            self._sums[i] += v
+        self.note(forward=forward, backward=backward, **{"device wait": wait})
+
+    def note(self, **sums: float) -> None:
+        for k, v in sums.items():
+            self._sums[k] = self._sums.get(k, 0.0) + v
 
     def take(self) -> dict[str, float]:
-        out = dict(zip(("forward", "backward", "device wait"), self._sums, strict=True))
-        self._sums = [0.0, 0.0, 0.0]
+        out, self._sums = self._sums, dict.fromkeys(self.KEYS, 0.0)
         return out
 
 
