@@ -93,7 +93,10 @@ class Zygote:
         while True:
             for key, _ in self.sel.select(timeout=0.05):
                 if key.fileobj is self.listener:
-                    self._accept()
+                    try:
+                        self._accept()
+                    except Exception:  # one request's fault; the children live on with us
+                        traceback.print_exc()
                 else:
                     self._hung_up(key.fileobj)
             self._reap()
@@ -125,9 +128,19 @@ class Zygote:
                 pass
             conn.close()
             return
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # (the module's docstring)
-            pid = os.fork()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # (the module's docstring)
+                pid = os.fork()
+        except OSError as e:  # (out of memory or processes): this request fails, not us,
+            for fd in fds:    # whose death would take every child with it
+                os.close(fd)
+            try:
+                _send(conn, {"error": f"fork failed: {e}"})
+            except OSError:
+                pass
+            conn.close()
+            return
         if pid == 0:
             self._child(conn, request, fds)  # never returns
         for fd in fds:
