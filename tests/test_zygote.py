@@ -11,8 +11,10 @@ ranks from this test process's zygote (conftest.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -109,3 +111,25 @@ def test_zygote_off_spawns_afresh(monkeypatch):
     p, out, code, killed = asyncio.run(run())
     assert isinstance(p, asyncio.subprocess.Process) and code == 3
     assert out[:2] == ["False", "y"] and killed == -signal.SIGKILL
+
+
+def test_a_bad_request_is_refused_and_the_zygote_serves_on():
+    path = os.environ[launch.ENV]
+    for fds, body in (([0], {"argv": ["-c", "pass"], "env": dict(os.environ)}),  # 1 fd
+                      ([0, 1, 2], {"argv": ["-c", "pass"]}),  # no environment
+                      ([0, 1, 2], "not an object")):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+            socket.send_fds(s, [json.dumps(body).encode()], fds)
+            answer = json.loads(s.makefile().readline())
+        assert "pid" not in answer and answer["error"], answer
+
+    async def run():
+        launcher = Launcher()
+        p, out, code = await _probe(launcher, {**os.environ, "PROBE": "z"})
+        own = launcher._own  # (none started: the shared one answered)
+        await launcher.stop()
+        return p, out, code, own
+
+    p, out, code, own = asyncio.run(run())
+    assert isinstance(p, Forked) and code == 3 and out[1] == "z" and own is None

@@ -120,27 +120,13 @@ class Zygote:
                 raise ValueError("environment differs from the zygote's at import: "
                                  + ", ".join(differs))
         except (OSError, ValueError, KeyError, TypeError) as e:
-            for fd in fds:
-                os.close(fd)
-            try:
-                _send(conn, {"error": f"{type(e).__name__}: {e}"})
-            except OSError:
-                pass
-            conn.close()
-            return
+            return _refuse(conn, fds, f"{type(e).__name__}: {e}")
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)  # (the module's docstring)
                 pid = os.fork()
-        except OSError as e:  # (out of memory or processes): this request fails, not us,
-            for fd in fds:    # whose death would take every child with it
-                os.close(fd)
-            try:
-                _send(conn, {"error": f"fork failed: {e}"})
-            except OSError:
-                pass
-            conn.close()
-            return
+        except OSError as e:  # (out of memory or processes): this request fails, not the
+            return _refuse(conn, fds, f"fork failed: {e}")  # zygote, with every child
         if pid == 0:
             self._child(conn, request, fds)  # never returns
         for fd in fds:
@@ -245,6 +231,17 @@ def _run(argv: list[str]) -> int:
         sys.argv = ["-c", *argv[2:]]
         exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
     return 0
+
+
+def _refuse(conn: socket.socket, fds: list[int], why: str) -> None:
+    """Answer a request that gets no child with why, and let go of what it sent."""
+    for fd in fds:
+        os.close(fd)
+    try:
+        _send(conn, {"error": why})
+    except OSError:  # (its client is gone already)
+        pass
+    conn.close()
 
 
 def _send(conn: socket.socket, msg: dict) -> None:
