@@ -115,6 +115,9 @@ def test_zygote_off_spawns_afresh(monkeypatch):
 
 def test_a_bad_request_is_refused_and_the_zygote_serves_on():
     path = os.environ[launch.ENV]
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:  # (it binds once ready)
+        time.sleep(0.1)
     for fds, body in (([0], {"argv": ["-c", "pass"], "env": dict(os.environ)}),  # 1 fd
                       ([0, 1, 2], {"argv": ["-c", "pass"]}),  # no environment
                       ([0, 1, 2], "not an object")):
