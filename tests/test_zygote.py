@@ -20,7 +20,7 @@ import time
 import pytest
 
 from twinkled.workers import launch
-from twinkled.workers.launch import Forked, Launcher
+from twinkled.workers.launch import Forked, Launcher, worker_env
 
 PROBE = ("import os, random, sys; print('torch' in sys.modules, os.environ.get('PROBE'), "
          "os.getcwd(), os.environ.get('TWINKLED_FORKED_BY'), random.random()); sys.exit(3)")
@@ -49,14 +49,15 @@ def test_a_fork_runs_as_a_fresh_python_would_with_torch_imported(tmp_path, monke
 
     async def run():
         launcher = Launcher()
-        env = {**os.environ, "PROBE": "hello"}
+        env = {**worker_env(), "PROBE": "hello"}
         a, out_a, code_a = await _probe(launcher, env)
         b, out_b, _ = await _probe(launcher, env)
+        own = launcher._own  # (none: the shared zygote forked both)
         await launcher.stop()
-        return a, out_a, code_a, out_b
+        return a, out_a, code_a, out_b, own
 
-    a, out, code, other = asyncio.run(run())
-    assert isinstance(a, Forked) and code == 3
+    a, out, code, other, own = asyncio.run(run())
+    assert isinstance(a, Forked) and code == 3 and own is None
     assert out[:3] == ["True", "hello", str(tmp_path)]  # torch already there; env; cwd
     assert int(out[3]) != os.getpid()  # its parent: the zygote
     assert out[4] != other[4]  # each fork draws its own random numbers (os.fork reseeds)
@@ -65,14 +66,14 @@ def test_a_fork_runs_as_a_fresh_python_would_with_torch_imported(tmp_path, monke
 def test_a_fork_dies_when_its_daemon_goes_or_its_zygote_does(monkeypatch):
     async def run():
         launcher = Launcher()
-        p = await launcher.spawn(["-c", "import time; time.sleep(60)"], dict(os.environ),
+        p = await launcher.spawn(["-c", "import time; time.sleep(60)"], worker_env(),
                                  piped=False)
         p._writer.close()  # as a killed daemon's end closes
         closed = await asyncio.to_thread(_gone, p.pid)
         # A zygote of its own (the shared one refuses this environment), then stopped.
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         own = Launcher()
-        q = await own.spawn(["-c", "import time; time.sleep(60)"], dict(os.environ), False)
+        q = await own.spawn(["-c", "import time; time.sleep(60)"], worker_env(), False)
         await own.stop()
         return closed, q
 
@@ -86,7 +87,7 @@ def test_an_unsuited_environment_is_refused_by_name_then_forked_elsewhere(monkey
 
     async def run():
         launcher = Launcher()
-        env = {**os.environ, "TRITON_INTERPRET": "0", "PROBE": "x"}
+        env = {**worker_env(), "TRITON_INTERPRET": "0", "PROBE": "x"}
         with pytest.raises(ValueError, match="TRITON_INTERPRET"):
             await launcher._fork(shared, ["-c", "pass"], env, False)
         p, out, code = await _probe(launcher, env)  # falls back to a zygote of its own
@@ -102,8 +103,8 @@ def test_zygote_off_spawns_afresh(monkeypatch):
 
     async def run():
         launcher = Launcher()
-        p, out, code = await _probe(launcher, {**os.environ, "PROBE": "y"})
-        p2 = await launcher.spawn(["-c", "import time; time.sleep(60)"], dict(os.environ),
+        p, out, code = await _probe(launcher, {**worker_env(), "PROBE": "y"})
+        p2 = await launcher.spawn(["-c", "import time; time.sleep(60)"], worker_env(),
                                   False)
         p2.send_signal(signal.SIGKILL)
         return p, out, code, await p2.wait()
@@ -118,7 +119,7 @@ def test_a_bad_request_is_refused_and_the_zygote_serves_on():
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and time.monotonic() < deadline:  # (it binds once ready)
         time.sleep(0.1)
-    for fds, body in (([0], {"argv": ["-c", "pass"], "env": dict(os.environ)}),  # 1 fd
+    for fds, body in (([0], {"argv": ["-c", "pass"], "env": worker_env()}),  # 1 fd
                       ([0, 1, 2], {"argv": ["-c", "pass"]}),  # no environment
                       ([0, 1, 2], "not an object")):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -129,7 +130,7 @@ def test_a_bad_request_is_refused_and_the_zygote_serves_on():
 
     async def run():
         launcher = Launcher()
-        p, out, code = await _probe(launcher, {**os.environ, "PROBE": "z"})
+        p, out, code = await _probe(launcher, {**worker_env(), "PROBE": "z"})
         own = launcher._own  # (none started: the shared one answered)
         await launcher.stop()
         return p, out, code, own
