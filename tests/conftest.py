@@ -63,6 +63,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # process's zygote instead (TWINKLED_ZYGOTE, twinkled/workers/launch.py), the way a daemon
 # forks them from its own; one started with other import-time settings starts its own.
 def _start_zygote() -> None:
+    import atexit
+    import shutil
     import subprocess
     import sys
     import tempfile
@@ -70,6 +72,7 @@ def _start_zygote() -> None:
     if os.environ.get("TWINKLED_ZYGOTE"):
         return
     where = tempfile.mkdtemp(prefix="twinkle-test-zygote-")
+    atexit.register(shutil.rmtree, where, True)  # (the zygote dies with this process)
     path = os.path.join(where, "zygote.sock")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     subprocess.Popen([sys.executable, "-m", "twinkled.workers.zygote", path, "--parent",
