@@ -119,14 +119,18 @@ def test_a_bad_request_is_refused_and_the_zygote_serves_on():
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and time.monotonic() < deadline:  # (it binds once ready)
         time.sleep(0.1)
-    for fds, body in (([0], {"argv": ["-c", "pass"], "env": worker_env()}),  # 1 fd
-                      ([0, 1, 2], {"argv": ["-c", "pass"]}),  # no environment
-                      ([0, 1, 2], "not an object")):
+    ok = {"argv": ["-c", "pass"], "env": worker_env()}
+    for fds, body, why in (([0], ok, "file descriptors"),
+                           ([0, 1, 2], {"argv": ["-c", "pass"]}, "env"),
+                           ([0, 1, 2], "not an object", "TypeError"),
+                           # a caller in another network namespace: a fork would be in ours
+                           ([0, 1, 2], {**ok, "namespaces": {"net": "net:[1]"}},
+                            "namespaces differ from the zygote's: net")):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(path)
             socket.send_fds(s, [json.dumps(body).encode()], fds)
             answer = json.loads(s.makefile().readline())
-        assert "pid" not in answer and answer["error"], answer
+        assert "pid" not in answer and why in answer["error"], answer
 
     async def run():
         launcher = Launcher()

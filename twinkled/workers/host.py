@@ -25,7 +25,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -48,6 +47,8 @@ from .join import (
     proof,
     split_endpoint,
 )
+from .launch import arch_preload, worker_env
+from .launch_sync import AgentLauncher, ForkedSync
 
 log = logging.getLogger("twinkled.host")
 REFUSED = 2  # exit code: the head refused this host's token (retrying cannot help)
@@ -66,7 +67,9 @@ class Agent:
         # `lanes` equal slices of the devices (0: they join the head's group as ranks)
         per = len(devices) // lanes if lanes else 0
         self.lanes = [devices[i * per:(i + 1) * per] for i in range(lanes)]
-        self.procs: dict[tuple[str, int], subprocess.Popen] = {}  # (group, rank) -> process
+        # (group, rank) -> its process, forked from a zygote where one can be had (launch_sync)
+        self.procs: dict[tuple[str, int], subprocess.Popen | ForkedSync] = {}
+        self.launcher = AgentLauncher(arch_preload(model))
         self.reported: set[tuple[str, int]] = set()
         self.stopping = False
 
@@ -91,6 +94,7 @@ class Agent:
             return 0
         finally:
             self.kill()
+            self.launcher.stop()
             ctx.destroy(linger=0)
 
     def _sleep(self, seconds: float) -> None:
@@ -171,9 +175,8 @@ class Agent:
                     "endpoint": f"tcp://{self.head}:{a.step_port}", "dist_url": dist_url}
             if self.model:
                 args["model"] = self.model
-            self.procs[a.group, rank] = subprocess.Popen(
-                [sys.executable, "-m", "twinkled.workers.worker", json.dumps(args)],
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.procs[a.group, rank] = self.launcher.spawn(
+                ["-m", "twinkled.workers.worker", json.dumps(args)], worker_env())
         log.info("running rank(s) %s of %d (group %s)", a.ranks, a.world, a.group)
 
     def _report(self, send) -> None:

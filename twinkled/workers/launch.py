@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 from twinkled.protocol.logs import relay
+from twinkled.workers.launch_sync import ENV, exit_code, request_fork
 
 log = logging.getLogger("twinkled.workers")
 
-ENV = "TWINKLED_ZYGOTE"  # a shared zygote's socket; "off": spawn every worker afresh
 START_TIMEOUT_S = 120.0  # its imports take ~5 s of CPU; a loaded box may stretch that
 SHARED_WAIT_S = 30.0  # for a shared zygote's socket to appear (it binds once imported)
 
@@ -33,7 +33,7 @@ class Forked:
     code once it exited (the zygote reports it over the connection the request came on,
     which holds the child's life: closing it kills the child)."""
 
-    def __init__(self, pid: int, conn: socket.socket, reader: asyncio.StreamReader,
+    def __init__(self, pid: int, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, stdout: asyncio.StreamReader | None):
         self.pid = pid
         self.returncode: int | None = None
@@ -42,11 +42,7 @@ class Forked:
         self._exited = asyncio.ensure_future(self._watch(reader))
 
     async def _watch(self, reader: asyncio.StreamReader) -> None:
-        line = await reader.readline()
-        try:
-            self.returncode = int(json.loads(line)["exit"])
-        except (ValueError, KeyError, TypeError):  # the zygote died: so did the child
-            self.returncode = -signal.SIGKILL
+        self.returncode = exit_code(await reader.readline())
         self._writer.close()
 
     async def wait(self) -> int:
@@ -106,43 +102,28 @@ class Launcher:
         deadline = time.monotonic() + SHARED_WAIT_S
         while not os.path.exists(path) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        read_fd = write_fd = None
+        read_fd, write_fd = os.pipe() if piped else (None, None)
+        null = os.open(os.devnull, os.O_RDONLY)
         try:
-            conn.connect(path)
-            if piped:
-                read_fd, write_fd = os.pipe()
             out = write_fd if piped else sys.stdout.fileno()
             err = write_fd if piped else sys.stderr.fileno()
-            null = os.open(os.devnull, os.O_RDONLY)
-            try:
-                umask = os.umask(0o077)  # (read it: there is no other way)
-                os.umask(umask)
-                request = {"argv": argv, "env": env, "cwd": os.getcwd(), "umask": umask,
-                           "executable": sys.executable, "new_session": True}
-                socket.send_fds(conn, [json.dumps(request).encode()], [null, out, err])
-            finally:
-                os.close(null)
-                if write_fd is not None:
-                    os.close(write_fd)
-                    write_fd = None
-            conn.setblocking(False)
-            reader, writer = await asyncio.open_unix_connection(sock=conn, limit=1 << 16)
-            answer = json.loads(await asyncio.wait_for(reader.readline(), 30) or b"{}")
-            if "pid" not in answer:
-                writer.close()
-                raise ValueError(answer.get("error") or "the zygote closed the connection")
+            conn, pid = request_fork(path, argv, env, (null, out, err))  # (ms: it forks)
         except BaseException:
-            conn.close()
             if read_fd is not None:
                 os.close(read_fd)
             raise
+        finally:
+            os.close(null)
+            if write_fd is not None:
+                os.close(write_fd)
+        conn.setblocking(False)
+        reader, writer = await asyncio.open_unix_connection(sock=conn, limit=1 << 16)
         stdout = None
         if read_fd is not None:
             stdout = asyncio.StreamReader(limit=1 << 20, loop=loop)
             await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout),
                                          os.fdopen(read_fd, "rb", 0))
-        return Forked(int(answer["pid"]), conn, reader, writer, stdout)
+        return Forked(pid, reader, writer, stdout)
 
     async def _own_zygote(self, env: dict[str, str], piped: bool) -> str | None:
         """This daemon's zygote (with the workers' environment): started at the first

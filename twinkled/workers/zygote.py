@@ -43,6 +43,8 @@ import sys
 import traceback
 import warnings
 
+from twinkled.workers.launch_sync import namespaces  # (reads no settings at import)
+
 # Import-time settings of the preloaded modules: a child must see what the zygote saw.
 IMPORT_ENV = ("HF_", "TRANSFORMERS", "TOKENIZERS", "TORCH", "PYTORCH", "TRITON", "CUDA",
               "NCCL", "NVIDIA", "OMP_", "MKL", "KMP_", "OPENBLAS", "PYTHON", "LD_", "XDG_")
@@ -119,6 +121,10 @@ class Zygote:
             if differs:
                 raise ValueError("environment differs from the zygote's at import: "
                                  + ", ".join(differs))
+            theirs = request.get("namespaces", {})
+            apart = sorted(k for k, v in namespaces().items() if theirs.get(k, v) != v)
+            if apart:  # (a fork lives in ours: a caller in a network namespace of its own)
+                raise ValueError("namespaces differ from the zygote's: " + ", ".join(apart))
         except (OSError, ValueError, KeyError, TypeError) as e:
             return _refuse(conn, fds, f"{type(e).__name__}: {e}")
         try:
