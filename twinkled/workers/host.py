@@ -47,7 +47,7 @@ from .join import (
     proof,
     split_endpoint,
 )
-from .launch import arch_preload, worker_env
+from .launch import worker_env
 from .launch_sync import AgentLauncher, ForkedSync
 
 log = logging.getLogger("twinkled.host")
@@ -69,7 +69,7 @@ class Agent:
         self.lanes = [devices[i * per:(i + 1) * per] for i in range(lanes)]
         # (group, rank) -> its process, forked from a zygote where one can be had (launch_sync)
         self.procs: dict[tuple[str, int], subprocess.Popen | ForkedSync] = {}
-        self.launcher = AgentLauncher(arch_preload(model))
+        self.launcher = AgentLauncher()
         self.reported: set[tuple[str, int]] = set()
         self.stopping = False
 
@@ -94,7 +94,6 @@ class Agent:
             return 0
         finally:
             self.kill()
-            self.launcher.stop()
             ctx.destroy(linger=0)
 
     def _sleep(self, seconds: float) -> None:

@@ -12,8 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 log = logging.getLogger("twinkled.workers")
 
@@ -114,55 +112,22 @@ class ForkedSync:
 
 class AgentLauncher:
     """The host agent's ranks: from a shared zygote (`TWINKLED_ZYGOTE`) whose environment
-    suits them, else from one of the agent's own, started in the background at the first
-    spawn (ranks start afresh until it listens: the agent's loop never waits for it),
-    else afresh."""
+    and namespaces suit them, else afresh. No zygote of its own: until a rank restarts it
+    would only add its imports to the first rank's (a daemon's ranks restart more often,
+    and it keeps one, launch.py)."""
 
-    def __init__(self, preload: list[str]):
-        self.preload = preload
-        self._shared = os.environ.get(ENV) or None
-        self._off = self._shared == "off"
-        self._own: subprocess.Popen | None = None
-        self._dir: tempfile.TemporaryDirectory | None = None
+    def __init__(self) -> None:
+        shared = os.environ.get(ENV) or None
+        self._shared = None if shared == "off" else shared
 
     def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedSync | subprocess.Popen:
-        stdio = (os.open(os.devnull, os.O_RDONLY), sys.stdout.fileno(), sys.stderr.fileno())
-        try:
-            for path in (self._shared, self._own_path(env)):
-                if path and not self._off:
-                    try:
-                        return ForkedSync(*request_fork(path, argv, env, stdio))
-                    except (OSError, ValueError) as e:
-                        log.info("worker zygote %s not used: %s", path, e)
-                        if path == self._shared:
-                            self._shared = None
-                        else:
-                            self._off = True
-        finally:
-            os.close(stdio[0])
+        if self._shared and os.path.exists(self._shared):
+            stdio = (os.open(os.devnull, os.O_RDONLY), sys.stdout.fileno(), sys.stderr.fileno())
+            try:
+                return ForkedSync(*request_fork(self._shared, argv, env, stdio))
+            except (OSError, ValueError) as e:
+                log.info("the shared worker zygote %s is not used: %s", self._shared, e)
+                self._shared = None
+            finally:
+                os.close(stdio[0])
         return subprocess.Popen([sys.executable, *argv], env=env, start_new_session=True)
-
-    def _own_path(self, env: dict[str, str]) -> str | None:
-        """The agent's zygote's socket once it listens; started (again) if not running."""
-        if self._off or self._shared:
-            return None
-        if self._own is None or self._own.poll() is not None:
-            self._dir = self._dir or tempfile.TemporaryDirectory(prefix="twinkled-zygote-")
-            extra = [a for m in self.preload for a in ("--preload", m)]
-            self._own = subprocess.Popen(
-                [sys.executable, "-m", "twinkled.workers.zygote", self._socket(),
-                 "--parent", str(os.getpid()), *extra], env=env, start_new_session=True,
-                stdin=subprocess.DEVNULL)
-            return None
-        return self._socket() if os.path.exists(self._socket()) else None
-
-    def _socket(self) -> str:
-        return str(Path(self._dir.name) / "zygote.sock")  # type: ignore[union-attr]
-
-    def stop(self) -> None:
-        if self._own is not None and self._own.poll() is None:
-            self._own.kill()
-            self._own.wait()
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
