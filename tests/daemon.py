@@ -54,14 +54,14 @@ def ctl_status(data_dir: Path) -> dict:
     return Target(data_dir, None, None).call("status")
 
 
-def daemon_workers(data_dir: Path, what: str = "pid") -> list:
-    """`what` of each live local worker of the daemon running in `data_dir` (none if it
-    does not answer)."""
+def daemon_workers(data_dir: Path) -> list[int]:
+    """Pids of the live local workers of the daemon running in `data_dir` (none if it does
+    not answer)."""
     try:
         workers = ctl_status(data_dir)["workers"]
     except Exception:
         return []
-    return [w[what] for w in workers if w["alive"] and not w["remote"]]
+    return [w["pid"] for w in workers if w["alive"] and not w["remote"]]
 
 
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 30) -> None:

@@ -68,17 +68,18 @@ class Launcher:
 
     def __init__(self, preload: list[str] | None = None):
         self.preload = preload or []
-        self._shared = os.environ.get(ENV) or None
+        shared = os.environ.get(ENV) or None
+        self._shared = None if shared == "off" else shared
         self._own: asyncio.subprocess.Process | None = None
         self._own_path: str | None = None
-        self._relay: asyncio.Future | None = None
+        self._relay: asyncio.Future | None = None  # (held: a task nothing holds may go)
         self._dir: tempfile.TemporaryDirectory | None = None
-        self._failed = self._shared == "off"
+        self._failed = shared == "off"
 
     async def spawn(self, argv: list[str], env: dict[str, str], piped: bool):
         """Start `python argv...` with `env`, in a session of its own; `piped`: its
         stdout and stderr come back as one stream (`.stdout`)."""
-        if self._shared and self._shared != "off":
+        if self._shared:
             try:
                 return await self._fork(self._shared, argv, env, piped)
             except (OSError, ValueError) as e:
