@@ -70,7 +70,10 @@ def graph_time(fn, reps: int = 20) -> float:
 
 # Knobs of kernels/lora_decode.py the timing tries (name -> module attributes); the first
 # is the module's default.
-VARIANTS = {"default": {}, "while": {"DYN_FOR": False}, "chunk512": {"CHUNK": {2: 512, 4: 256}},
+# "before": the kernels before PARTIALS and NB (a chunk a partial sum, a tile a program).
+VARIANTS = {"default": {}, "while": {"DYN_FOR": False}, "before": {"PARTIALS": 1 << 30, "NB": 1},
+            "nb1": {"NB": 1}, "nb4": {"NB": 4}, "partials4": {"PARTIALS": 4},
+            "partials16": {"PARTIALS": 16}, "chunk512": {"CHUNK": {2: 512, 4: 256}},
             "chunk128": {"CHUNK": {2: 128, 4: 64}}, "bn64": {"BN": 64}, "bn256": {"BN": 256}}
 
 
@@ -240,23 +243,25 @@ def _time_paths(adapters: int, args, mods, x, y, dev) -> list[dict]:
     out = [{"path": "masked", "adapters": adapters, "ms": round(ms, 3), "adapter_GB": round(gb, 2),
             "GB/s": round(gb / ms * 1e3, 1)}]
     print(out[-1], flush=True)
-    for name in VARIANTS:
+    ms = graph_time(lambda: _kernel_step(stacks, mods, x, y, rows, rb))
+    out.append({"path": "kernels, a launch pair a module", "adapters": adapters,
+                "ms": round(ms, 3), "GB/s": round(gb / ms * 1e3, 1)})
+    print(out[-1], flush=True)
+    # the variants as a decode step runs them: grouped (q/k/v, gate/up: one launch pair each)
+    joint = {g: torch.zeros((n, sum(mods[i][1] for i in g)), device=dev, dtype=dtype)
+             for g in GROUPS}
+    for name in (v for v in VARIANTS if v != "while"):
         old = variant(name)
         try:
-            ms = graph_time(lambda: _kernel_step(stacks, mods, x, y, rows, rb))
-            out.append({"path": f"kernels {name}", "adapters": adapters, "ms": round(ms, 3),
-                        "GB/s": round(gb / ms * 1e3, 1)})
+            ms = graph_time(lambda: _grouped_step(stacks, mods, x, joint, rows, rb))
+            out.append({"path": f"kernels grouped, {name}", "adapters": adapters,
+                        "ms": round(ms, 3), "GB/s": round(gb / ms * 1e3, 1)})
         except Exception as e:  # noqa: BLE001 - report it, and go on to the next
-            out.append({"path": f"kernels {name}", "adapters": adapters, "error": repr(e)[:400]})
+            out.append({"path": f"kernels grouped, {name}", "adapters": adapters,
+                        "error": repr(e)[:400]})
         for k, v in old.items():
             setattr(lora_decode, k, v)
         print(out[-1], flush=True)
-    joint = {g: torch.zeros((n, sum(mods[i][1] for i in g)), device=dev, dtype=dtype)
-             for g in GROUPS}
-    ms = graph_time(lambda: _grouped_step(stacks, mods, x, joint, rows, rb))
-    out.append({"path": "kernels grouped (q/k/v, gate/up: one launch pair each)",
-                "adapters": adapters, "ms": round(ms, 3), "GB/s": round(gb / ms * 1e3, 1)})
-    print(out[-1], flush=True)
     if adapters == max(args.adapters):
         out += _time_prefill(stacks[:4 * len(mods)], mods, adapters, rank, width, dev)
     return out
@@ -271,10 +276,15 @@ def _time_prefill(stacks, mods, adapters: int, rank: int, width: int, dev) -> li
     y = {o: torch.zeros((n, o), device=dev, dtype=dtype) for o in {o for _, o in mods}}
     rb = lora_decode.rank_block(rank)
     out = []
-    for name, fn in (("masked", lambda: _masked_step(stacks, mods, x, y, mask)),
-                     ("kernels", lambda: _kernel_step(stacks, mods, x, y, rows, rb))):
+    for name, fn, knobs in (("masked", lambda: _masked_step(stacks, mods, x, y, mask), None),
+                            ("kernels", lambda: _kernel_step(stacks, mods, x, y, rows, rb), None),
+                            ("kernels before", lambda: _kernel_step(stacks, mods, x, y, rows, rb),
+                             "before")):
+        old = variant(knobs) if knobs else {}
         out.append({"path": f"prefill 4096 tokens, 4 layers, {name}", "adapters": adapters,
                     "ms": round(graph_time(fn), 3)})
+        for k, v in old.items():
+            setattr(lora_decode, k, v)
         print(out[-1], flush=True)
     return out
 

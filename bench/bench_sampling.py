@@ -232,7 +232,7 @@ def main() -> None:
                     help="KV page pool, GB (default: the whole workload at once)")
     ap.add_argument("--fused", default="all",
                     help="the layer's fused kernels (engine/fused_ops.py): all, none, or levers "
-                    "comma-separated of norm, rope, silu, gemm")
+                    "comma-separated of norm, rope, silu, gemm, prep (the decode step's q/k kernel)")
     ap.add_argument("--write", default=section_path("sampling"))
     args = ap.parse_args()
     if args.cascade_tune:

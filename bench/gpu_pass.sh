@@ -34,7 +34,8 @@
 #   bash bench/gpu_pass.sh tpsamp; ... gpttp2      # tp sampling paths; gpt-oss --tp 2 (2 GPUs, a call each)
 #   bash bench/gpu_pass.sh gpucheck                # the GPU-only tests of the fast paths (fused
 #                                                  #   layer, overlapped decode, direct LoRA,
-#                                                  #   cascade, flash varlen): run before timing them
+#                                                  #   cascade, flash varlen, q/k prep): run before
+#                                                  #   timing them
 #
 # `prewrite` starts writing the 32B and 70B random checkpoints in the background (its own
 # process session, on GPU 3), so the tp32 and tp70 steps, which wait for them, need not.
@@ -124,7 +125,7 @@ for what in "$@"; do
                       -p no:cacheprovider tests/test_fused_layer.py tests/test_engine_overlap.py \
                       tests/test_lone_lora.py tests/test_engine_kernels.py \
                       tests/test_flash_varlen.py tests/test_shared_prefix.py \
-                      tests/test_engine_packed.py tests/test_logprob_gap.py \
+                      tests/test_engine_packed.py tests/test_logprob_gap.py tests/test_qk_prep.py \
                       "tests/test_lora_kernels.py::test_modules_sharing_an_input_in_one_launch_add_the_same_bits" \
                       tests/test_sample_kernel.py) \
                       2>&1 | tail -40 | tee "$out/gpucheck.txt"

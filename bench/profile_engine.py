@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--after", type=Path, help="measure once this file exists (two versions "
                     "of the code load side by side, then take turns on the device)")
     ap.add_argument("--done", type=Path, help="a file to write when done")
-    ap.add_argument("--fused", default="all", help="all, none, or levers: norm,rope,silu,gemm")
+    ap.add_argument("--fused", default="all", help="all, none, or levers: norm,rope,silu,gemm,prep")
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

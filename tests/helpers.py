@@ -142,6 +142,18 @@ def assert_same_results(want: list, got: list, tol: float = 1e-5) -> None:
                 assert torch.allclose(wo[key], go[key], rtol=tol, atol=tol), key
 
 
+def assert_same_samples(ref: list, got: list, tol: float = 1e-4) -> None:
+    """Two sampling runs' SampleResults: the same tokens, logprobs within `tol`; and the
+    reference's logprobs not all near 0, so that the comparison means something."""
+    import pytest
+
+    assert min(lp for r in ref for s in r.sequences for lp in s.logprobs) < -0.1
+    for r, g in zip(ref, got, strict=True):
+        for x, y in zip(r.sequences, g.sequences, strict=True):
+            assert x.tokens == y.tokens
+            assert y.logprobs == pytest.approx(x.logprobs, abs=tol)
+
+
 def assert_bf16_runs_agree(engines: list, want: list, got: list, adapters) -> None:
     """Two engines' ForwardBackwardResults and gradients in bf16, run two ways (packed and
     padded, shared and not): equal to bf16's noise (loss sums 2%, logprobs 0.05 nats a

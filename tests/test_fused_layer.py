@@ -204,7 +204,9 @@ def test_joint_weights_are_the_modules_weights(engines, arch):
 
 def test_fused_parse_names_every_lever():
     assert Fused.parse("all") == Fused() and Fused.parse("none") == Fused.off()
-    assert Fused.parse("rope,gemm") == Fused(norm=False, rope=True, silu=False, gemm=True)
+    assert Fused.parse("rope,gemm") == Fused(norm=False, rope=True, silu=False, gemm=True,
+                                             prep=False)
+    assert Fused.parse("prep") == Fused(norm=False, rope=False, silu=False, gemm=False)
     with pytest.raises(ValueError, match="bogus"):
         Fused.parse("norm,bogus")
 

@@ -36,11 +36,16 @@ def _masked(start, rank, scale, width: int) -> torch.Tensor:
     return mask
 
 
+@pytest.mark.parametrize("partials", [8, 3, 1])
 @pytest.mark.parametrize("chunk", [None, 64, 32])
-def test_row_kernels_match_the_masked_reference(chunk):
+def test_row_kernels_match_the_masked_reference(chunk, partials, monkeypatch):
     """37 rows (two full windows of 16 and a partial one): four adapters of ranks 8, 20,
-    64 and 3 mixed with base-model rows; reduction and output sizes that no tile divides;
-    the shrink's reduction (200) in one chunk, in 4 and in 7 partial sums."""
+    64 and 3 mixed with base-model rows; reduction and output sizes that no tile divides
+    (the expand's program of NB column tiles, most of them past the 150 outputs); the
+    shrink's reduction (200) in chunks of 200, 64 and 32, a chunk a partial sum (PARTIALS
+    8), several a partial with the last program's chunks past the end (3: 7 chunks of 32
+    in partials of 3), or all in one (1)."""
+    monkeypatch.setattr(lora_decode, "PARTIALS", partials)
     gen = torch.Generator().manual_seed(0)
     n, k, out, width = 37, 200, 150, 128
     x = torch.randn((n, k), generator=gen)
@@ -54,6 +59,24 @@ def test_row_kernels_match_the_masked_reference(chunk):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     base = rank == 0
     assert torch.equal(got[base], y[base])  # the base model's rows are left as they were
+
+
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_a_rows_delta_does_not_depend_on_the_batch(chunk):
+    """The same rows alone (5), in a batch of 40 and of 200 (a prefill's size, its partial
+    sums summed before the expand): the same bits. A prefix cache's samples rely on it (a
+    cached prompt's rows meet other batches than the uncached run's)."""
+    gen = torch.Generator().manual_seed(4)
+    k, out, width = 200, 150, 128
+    A = torch.randn((width, k), generator=gen) / k ** 0.5
+    B = torch.randn((out, width), generator=gen) / 8
+    start, rank, scale = _rows(200, gen)
+    x, y = torch.randn((200, k), generator=gen), torch.randn((200, out), generator=gen)
+    got = {n: lora_decode.apply(lora_decode.plan(start[:n], rank[:n], scale[:n]), x[:n], A, B,
+                                y[:n].clone(), 64, chunk)[:5]
+           for n in (5, 40, 200)}
+    assert torch.equal(got[5], got[40]) and torch.equal(got[5], got[200])
+    assert not torch.equal(got[5], y[:5])
 
 
 def test_rows_of_many_tokens_use_their_rows_adapter(monkeypatch):

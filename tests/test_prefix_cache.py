@@ -50,11 +50,14 @@ def _run(eng, batch, reqs):
 
 
 def _same(got, want):
-    """Tokens equal, logprobs equal to fp32 rounding."""
+    """Tokens equal, logprobs equal to fp32 rounding: 1e-4 (issue 31's bound). A cached
+    prompt's prefill runs fewer tokens through the GEMMs than a full one, and the CPU's BLAS
+    blocks a product by its shape: a fresh environment's (torch 2.13.0+cpu, numpy 2.4) put
+    one logprob of -6.82 1.5e-5 (about 30 fp32 ulps) off, beyond the 1e-5 this held."""
     for g, w in zip(got, want, strict=True):
         assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
         for x, y in zip(g.sequences, w.sequences, strict=True):
-            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
 
 
 def _uncached(eng, reqs):

@@ -10,6 +10,9 @@ can be switched (and measured) alone; all off is the reference path.
 - silu: SiLU(gate) * up in one kernel, reading gate/up straight from the fused GEMM's output.
 - gemm: one GEMM for q/k/v and one for gate/up, on weights concatenated at load
   (`concat_linears`: the modules' weights become views of the one tensor, no extra memory).
+- prep: a decode step on the paged kernel's view (CUDA) norms and rotates q and k and stores
+  k and v in one Triton kernel of ours (kernels/qk_prep.py); off: the levers above, then
+  the KV store (the reference path).
 
 The kernels are liger-kernel's (Triton, forward and backward), used on CUDA. Elsewhere (and
 where liger is not installed) the same functions run eager torch with HF's math, so the
@@ -35,10 +38,11 @@ class Fused:
     rope: bool = True
     silu: bool = True
     gemm: bool = True
+    prep: bool = True
 
     @classmethod
     def off(cls) -> Fused:
-        return cls(norm=False, rope=False, silu=False, gemm=False)
+        return cls(**{n: False for n in LEVERS})
 
     @classmethod
     def parse(cls, spec: str) -> Fused:
@@ -46,10 +50,13 @@ class Fused:
         if spec == "all":
             return cls()
         names = set() if spec == "none" else set(spec.split(","))
-        bad = names - {"norm", "rope", "silu", "gemm"}
+        bad = names - set(LEVERS)
         if bad:
             raise ValueError(f"unknown fused levers {sorted(bad)}")
-        return cls(**{n: n in names for n in ("norm", "rope", "silu", "gemm")})
+        return cls(**{n: n in names for n in LEVERS})
+
+
+LEVERS = ("norm", "rope", "silu", "gemm", "prep")
 
 
 def liger_usable(device: torch.device) -> bool:

@@ -22,7 +22,8 @@ training path) untouched. The price is memory traffic: the keys a step reads are
 written and read again (about 3x what a fused paged kernel moves). So a decode step (one
 new token a row) on CUDA takes the fused path instead: a view given the rows' `lengths`
 stores the new keys and values and runs kernels/paged_decode.py, which reads each row's pages
-in place; the gather stays for prefill and as the reference path (`kernels=False`).
+in place (`attend_raw`: the norms, rotation and store as one kernel, kernels/qk_prep.py);
+the gather stays for prefill and as the reference path (`kernels=False`).
 """
 
 from __future__ import annotations
@@ -164,11 +165,24 @@ class PagedView:
 
             return shared_decode.attend(q, self.pool.k[layer], self.pool.v[layer],
                                         self.shared, self.pool.page_size, scale)
+        return self._paged(layer, q[:, :, 0], scale)[:, :, None]
+
+    def attend_raw(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, norms, scale: float) -> torch.Tensor:
+        """`attend` for the paged kernel's view (`lengths`) from the GEMM's q [B, 1, heads,
+        dim], k and v [B, 1, kv, dim] before their norms (`norms`: qk_prep's) and rotation:
+        one kernel (kernels/qk_prep.py) does those and the store -> [B, heads, dim]."""
+        from .kernels.qk_prep import qk_prep
+
+        q = qk_prep(q, k, v, cos, sin, norms, self.pool.k[layer], self.pool.v[layer],
+                    self.write_slots)
+        return self._paged(layer, q, scale)
+
+    def _paged(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         from .kernels.paged_decode import paged_decode
 
-        out = paged_decode(q[:, :, 0], self.pool.k[layer], self.pool.v[layer], self.table,
-                           self.lengths, self.pool.page_size, scale, prefix=self.prefix)
-        return out[:, :, None]
+        return paged_decode(q, self.pool.k[layer], self.pool.v[layer], self.table,
+                            self.lengths, self.pool.page_size, scale, prefix=self.prefix)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store the new keys/values [B, kv, S, dim]; return each row's [B, kv, L, dim]."""

@@ -24,6 +24,7 @@ from twinkled.protocol.types import MLP_MODULES, EngineInputError
 from . import chunked_logprobs, deepstack, fused_ops, gpt_oss, mla, mxfp4, qwen35, sparse, vision
 from .fused_ops import Fused, Joint
 from .kv_cache import KVCache
+from .kv_pages import PagedView
 from .long_context import extend_context
 from .lora import LoraBatch
 from .losses import target_logprobs
@@ -327,12 +328,26 @@ class BaseModel:
                                (keys["q_proj"], keys["k_proj"], keys["v_proj"]), x, lora,
                                self.joints[i].get("attn"))
         q, k, v = (t.view(B, S, -1, self.head_dim) for t in qkv)
+        if S == 1 and packing is None and self._prep(cache, cos):  # decode: one kernel for
+            # the norms, the rotation and the store (a packed prefill of one token: not here)
+            norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon,
+                     attn.k_norm.variance_epsilon) if hasattr(attn, "q_norm") else None
+            out = cache.attend_raw(i, q, k, v, cos, sin, norms, self.scaling).view(B, S, -1)
+            return self.linear(attn.o_proj, keys["o_proj"], out, lora)
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
             q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = fused_ops.rope(q, k, cos, sin, self.kernels and self.fused.rope)
         out = self.attend(i, q, k, v, cache, mask, packing)
         return self.linear(attn.o_proj, keys["o_proj"], out, lora)
+
+    def _prep(self, cache, cos: torch.Tensor) -> bool:
+        """A decode step's layer takes kernels/qk_prep.py (the `prep` lever): the paged
+        kernel's view (`lengths`), plain attention (not gpt-oss's sinks, not a VL model's
+        multimodal rotary) rotating whole heads."""
+        return (self.fused.prep and isinstance(cache, PagedView) and cache.lengths is not None
+                and self.sinks is None and self.vision is None
+                and cos.shape[-1] == self.head_dim)
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, mask,
                packing) -> torch.Tensor:

@@ -17,7 +17,7 @@ _URL = re.compile(r"https?://[^\s/]+(/\S*)?")
 
 
 def _fused_spec(v) -> bool:
-    levers = {"norm", "rope", "silu", "gemm"}
+    levers = {"norm", "rope", "silu", "gemm", "prep"}
     return isinstance(v, str) and (v in ("all", "none") or (
         bool(v) and set(v.split(",")) <= levers))
 
@@ -43,7 +43,7 @@ RANGES = {
     "step_timeout_s": _POSITIVE, "drain_timeout_s": _NON_NEGATIVE, "max_rank": _POSITIVE,
     "token_budget": _POSITIVE, "shared_prefix": _NON_NEGATIVE,
     "fused_kernels": (_fused_spec,
-                      "must be all, none or levers comma-separated of norm, rope, silu, gemm"),
+                      "must be all, none or levers comma-separated of norm, rope, silu, gemm, prep"),
     "sample_kv_mb": _NON_NEGATIVE, "sample_rows": _POSITIVE,
     "sample_prefix_cache": (lambda v: 0 <= v <= 1, "must be from 0 to 1"),
     "logprob_gap_every": _NON_NEGATIVE, "adapter_memory_gb": _NON_NEGATIVE,

@@ -274,7 +274,16 @@ def main() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         sys.exit("zygote: CUDA started during the imports; a fork could not use it")
-    Zygote(args.socket, env).serve()
+    try:
+        zygote = Zygote(args.socket, env)
+    except FileNotFoundError:
+        # A parent's zygote whose folder went during the imports: the parent is ending (a
+        # short test run removes the folder at exit, before the signal of its death comes).
+        # Nobody is left to serve. (One an operator started says what is wrong.)
+        if args.parent is not None:
+            sys.exit(0)
+        raise
+    zygote.serve()
 
 
 if __name__ == "__main__":

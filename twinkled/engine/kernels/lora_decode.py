@@ -25,6 +25,14 @@ the partial h's are summed in fp32 in a fixed order (no atomics: the same inputs
 same bits): by each expand program for a decode step's few rows (on an H200 that beat one
 sum kernel first: 7.05 against 7.56 ms below), by one sum first for a prefill's many
 tokens (each expand program reading all the partials would read them out/BN times).
+A shrink program sums several chunks into its partial (at most PARTIALS partials a
+module), and an expand program takes NB column tiles: a decode step of the 8B's 256 rows had
+each expand program read its window's 16-48 partials, from L2, for one tile of 128 columns,
+more bytes than its tile of B and y; now 8 partials for two tiles. The grouped LoRA work of
+a decode step (8 adapters, 36 layers) 2.96 -> 2.52 ms, 64 adapters 6.17 -> 6.12
+(bench_lora_decode.py, H200, session 19; NB 1 and 4, 8 or 16 partials at 256 rows through
+programs of other sizes, chunks of 128 and 512 and tiles of 64 and 256 columns all slower
+at 8 adapters).
 
 Modules that read the same x (q/k/v; gate/up) go through one launch pair (`apply_group`,
 what KernelRowLora.apply_shared calls): the module is a program axis of the shrink and a
@@ -54,8 +62,16 @@ import triton.language as tl
 
 BM = 16  # rows per window (tl.dot needs >= 16)
 GROUP = 3  # modules one launch takes (apply_group: q/k/v)
-BN = 128  # output columns per expand program
-CHUNK = {2: 256, 4: 128}  # the shrink's reduction length per program, by element size
+BN = 128  # output columns per expand tile
+NB = 2  # column tiles per expand program (it reads its window's h once for both)
+CHUNK = {2: 256, 4: 128}  # the shrink's reduction length per load, by element size
+# The most partial sums a module's shrink leaves: a program sums several chunks of the
+# reduction in one partial where there are more, so that the expand, which reads every
+# partial of its window, reads a few, not k / CHUNK of them (48 for the 8B's down
+# projection); a decode step of 256 rows still runs 128 programs a module. It depends on the
+# reduction's length alone: never on the rows (a row gets the same bits in any batch, which
+# the prefix cache's samples rely on) nor on the group (a module alone and grouped: the same).
+PARTIALS = 8
 # The loop over a window's adapters: a `for` on the GPU (its loads pipeline); Triton's
 # interpreter takes no loop bounds read from tensors, so there a `while`.
 SUM_ROWS = 256  # more rows than this: the partial h's are summed once, before the expand
@@ -115,25 +131,33 @@ def apply_group(p: RowPlan, x: torch.Tensor, As: list[torch.Tensor], Bs: list[to
     if x.stride(1) != 1:
         x = x.contiguous()
     chunk = chunk or CHUNK.get(x.element_size(), 128)
-    split = triton.cdiv(k, chunk)
-    h = torch.empty((m, split, n, rb), dtype=torch.float32, device=x.device)
     windows = triton.cdiv(n, BM)
+    iters, split = split_of(triton.cdiv(k, chunk))
+    h = torch.empty((m, split, n, rb), dtype=torch.float32, device=x.device)
     exact = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit inputs
     a = [*As, *As[:1] * (GROUP - m)]  # (unused pointers: never read)
     _shrink[(windows, split, m)](x, *a, h, p.order, p.seg, p.start, p.rank, p.scale, n, k,
-                                 x.stride(0), As[0].stride(0), CHUNK=chunk, BM=BM, RB=rb,
-                                 PRECISION=exact, DYN_FOR=DYN_FOR)
+                                 x.stride(0), As[0].stride(0), CHUNK=chunk, ITERS=iters, BM=BM,
+                                 RB=rb, PRECISION=exact, DYN_FOR=DYN_FOR)
     if split > 1 and n > SUM_ROWS:
         h, split = h.sum(1, keepdim=True), 1
-    blocks = [triton.cdiv(y.shape[1], BN) for y in ys]
+    # a module's programs: NB column tiles each; [0, end0) module 0's, [end0, end1) 1's
+    progs = [triton.cdiv(triton.cdiv(y.shape[1], BN), NB) for y in ys]
     pad = GROUP - m
     b, y = [*Bs, *Bs[:1] * pad], [*ys, *ys[:1] * pad]
     out, sb, sy = ([*v, *v[:1] * pad] for v in ([t.shape[1] for t in ys],
                                                  [t.stride(0) for t in Bs],
                                                  [t.stride(0) for t in ys]))
-    _expand[(windows, sum(blocks))](h, *b, *y, p.order, p.seg, p.start, p.rank, n, *out, *sb,
-                                    *sy, blocks[0], sum(blocks[:2]), SPLIT=split, BM=BM, BN=BN,
-                                    RB=rb, PRECISION=exact, DYN_FOR=DYN_FOR)
+    _expand[(windows, sum(progs))](h, *b, *y, p.order, p.seg, p.start, p.rank, n, *out, *sb,
+                                   *sy, progs[0], sum(progs[:2]), SPLIT=split, BM=BM, BN=BN,
+                                   NB=NB, RB=rb, PRECISION=exact, DYN_FOR=DYN_FOR)
+
+
+def split_of(chunks: int) -> tuple[int, int]:
+    """(chunks a shrink program sums, partial sums) for a reduction of `chunks` chunks: at
+    most PARTIALS partials."""
+    iters = triton.cdiv(chunks, PARTIALS)
+    return iters, triton.cdiv(chunks, iters)
 
 
 @triton.jit
@@ -159,22 +183,29 @@ def _columns(s, seg, start, rank):
 
 
 @triton.jit
-def _shrink_one(acc, s, seg, start, rank, row, x_ptr, a_ptr, stride_x, stride_a, kk, km,
-                RB: tl.constexpr, PRECISION: tl.constexpr):
+def _shrink_one(acc, s, seg, start, rank, row, x_ptr, a_ptr, stride_x, stride_a, k, first,
+                CHUNK: tl.constexpr, ITERS: tl.constexpr, RB: tl.constexpr,
+                PRECISION: tl.constexpr):
     mine, st, rk = _columns(s, seg, start, rank)
     r = tl.arange(0, RB)
-    # (int64 offsets: a prefill's tokens x its width pass 2**31 on wide models)
-    xt = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + kk[None, :],
-                 mask=mine[:, None] & km[None, :], other=0.0)
-    at = tl.load(a_ptr + (st + r)[None, :] * stride_a + kk[:, None],
-                 mask=(r < rk)[None, :] & km[:, None], other=0.0)  # A^T chunk [CHUNK, RB]
-    return acc + tl.dot(xt, at, input_precision=PRECISION)
+    for it in range(ITERS):  # this program's chunks of the reduction, in order (a loop the
+        # compiler pipelines: unrolled, a prefill's 48 chunks wanted 768 KB of shared memory)
+        kk = first + it * CHUNK + tl.arange(0, CHUNK)
+        km = kk < k
+        # (int64 offsets: a prefill's tokens x its width pass 2**31 on wide models)
+        xt = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + kk[None, :],
+                     mask=mine[:, None] & km[None, :], other=0.0)
+        at = tl.load(a_ptr + (st + r)[None, :] * stride_a + kk[:, None],
+                     mask=(r < rk)[None, :] & km[:, None], other=0.0)  # A^T chunk [CHUNK, RB]
+        acc = acc + tl.dot(xt, at, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
 def _shrink(x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr, order_ptr, seg_ptr, start_ptr, rank_ptr,
-            scale_ptr, n, k, stride_x, stride_a, CHUNK: tl.constexpr, BM: tl.constexpr,
-            RB: tl.constexpr, PRECISION: tl.constexpr, DYN_FOR: tl.constexpr):
+            scale_ptr, n, k, stride_x, stride_a, CHUNK: tl.constexpr, ITERS: tl.constexpr,
+            BM: tl.constexpr, RB: tl.constexpr, PRECISION: tl.constexpr,
+            DYN_FOR: tl.constexpr):
     pos, valid, seg, row, start, rank, lo, hi = _window(seg_ptr, order_ptr, start_ptr,
                                                         rank_ptr, n, BM)
     mod = tl.program_id(2)  # the group's module (apply_group)
@@ -185,18 +216,17 @@ def _shrink(x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr, order_ptr, seg_ptr, start_ptr,
         a_ptr = a2_ptr
     scale = tl.load(scale_ptr + pos, mask=valid, other=0.0)
     sp = tl.program_id(1)
-    kk = sp * CHUNK + tl.arange(0, CHUNK)
-    km = kk < k
+    first = sp * ITERS * CHUNK
     acc = tl.zeros((BM, RB), dtype=tl.float32)
     if DYN_FOR:  # the adapters in this window, each over its own rows
         for s in range(lo, hi + 1):
             acc = _shrink_one(acc, s, seg, start, rank, row, x_ptr, a_ptr, stride_x, stride_a,
-                              kk, km, RB, PRECISION)
+                              k, first, CHUNK, ITERS, RB, PRECISION)
     else:
         s = lo
         while s <= hi:
             acc = _shrink_one(acc, s, seg, start, rank, row, x_ptr, a_ptr, stride_x, stride_a,
-                              kk, km, RB, PRECISION)
+                              k, first, CHUNK, ITERS, RB, PRECISION)
             s += 1
     acc = acc * scale[:, None]
     r = tl.arange(0, RB)
@@ -217,48 +247,58 @@ def _expand_one(acc, s, seg, start, rank, h, b_ptr, stride_b, cols, cm, RB: tl.c
 
 
 @triton.jit
+def _expand_tile(h, b_ptr, y_ptr, stride_b, stride_y, out, tile, seg, start, rank, row, lo, hi,
+                 BM: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
+                 PRECISION: tl.constexpr, DYN_FOR: tl.constexpr):
+    """One column tile of a window: y[rows, cols] += its rows' h @ their adapter's B tile."""
+    cols = tile * BN + tl.arange(0, BN)
+    cm = cols < out
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if DYN_FOR:
+        for s in range(lo, hi + 1):
+            acc = _expand_one(acc, s, seg, start, rank, h, b_ptr, stride_b, cols, cm, RB,
+                              PRECISION)
+    else:
+        s = lo
+        while s <= hi:
+            acc = _expand_one(acc, s, seg, start, rank, h, b_ptr, stride_b, cols, cm, RB,
+                              PRECISION)
+            s += 1
+    live = seg >= 0
+    # int64: rows x width pass 2**31 where a wide batch's every cached token goes
+    # through a wide linear (DeepSeek's kv_b_proj: 196,608 tokens x 32,768 outputs)
+    ptrs = y_ptr + row.to(tl.int64)[:, None] * stride_y + cols[None, :]
+    m = live[:, None] & cm[None, :]
+    y = tl.load(ptrs, mask=m, other=0.0)
+    # y + delta rounded once, as RowLora's and the trainer's matmul-adds round it (a
+    # rounding that differs parts the two sides' logprobs: docs/reference.md)
+    tl.store(ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _expand(h_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr, order_ptr, seg_ptr,
             start_ptr, rank_ptr, n, out0, out1, out2, sb0, sb1, sb2, sy0, sy1, sy2, end0, end1,
-            SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
-            PRECISION: tl.constexpr, DYN_FOR: tl.constexpr):
+            SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+            RB: tl.constexpr, PRECISION: tl.constexpr, DYN_FOR: tl.constexpr):
     pos, valid, seg, row, start, rank, lo, hi = _window(seg_ptr, order_ptr, start_ptr,
                                                         rank_ptr, n, BM)
-    # The group's module of this column block (apply_group): blocks [0, end0) are module
-    # 0's, [end0, end1) module 1's, the rest module 2's.
-    blk = tl.program_id(1)
-    mod = (blk >= end0).to(tl.int32) + (blk >= end1).to(tl.int32)
-    first = tl.where(blk >= end1, end1, tl.where(blk >= end0, end0, 0))
+    # The group's module of this program (apply_group): programs [0, end0) are module 0's,
+    # [end0, end1) module 1's, the rest module 2's; each takes NB column tiles.
+    prog = tl.program_id(1)
+    mod = (prog >= end0).to(tl.int32) + (prog >= end1).to(tl.int32)
+    first = tl.where(prog >= end1, end1, tl.where(prog >= end0, end0, 0))
     b_ptr, y_ptr, out, stride_b, stride_y = b0_ptr, y0_ptr, out0, sb0, sy0
     if mod == 2:
         b_ptr, y_ptr, out, stride_b, stride_y = b2_ptr, y2_ptr, out2, sb2, sy2
     elif mod == 1:
         b_ptr, y_ptr, out, stride_b, stride_y = b1_ptr, y1_ptr, out1, sb1, sy1
     if hi >= lo:  # a window of base-model rows (or padding) adds nothing
-        cols = (blk - first) * BN + tl.arange(0, BN)
-        cm = cols < out
         r = tl.arange(0, RB)
         h = tl.zeros((BM, RB), dtype=tl.float32)
         for sp in range(0, SPLIT):  # the shrink's partial sums, in a fixed order
             base = (mod * SPLIT + sp).to(tl.int64) * n * RB
             h += tl.load(h_ptr + base + pos[:, None] * RB + r[None, :],
                          mask=valid[:, None], other=0.0)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if DYN_FOR:
-            for s in range(lo, hi + 1):
-                acc = _expand_one(acc, s, seg, start, rank, h, b_ptr, stride_b, cols, cm, RB,
-                                  PRECISION)
-        else:
-            s = lo
-            while s <= hi:
-                acc = _expand_one(acc, s, seg, start, rank, h, b_ptr, stride_b, cols, cm, RB,
-                                  PRECISION)
-                s += 1
-        live = seg >= 0
-        # int64: rows x width pass 2**31 where a wide batch's every cached token goes
-        # through a wide linear (DeepSeek's kv_b_proj: 196,608 tokens x 32,768 outputs)
-        ptrs = y_ptr + row.to(tl.int64)[:, None] * stride_y + cols[None, :]
-        m = live[:, None] & cm[None, :]
-        y = tl.load(ptrs, mask=m, other=0.0)
-        # y + delta rounded once, as RowLora's and the trainer's matmul-adds round it (a
-        # rounding that differs parts the two sides' logprobs: docs/reference.md)
-        tl.store(ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
+        for t in tl.static_range(NB):  # (tiles past the module's width write nothing)
+            _expand_tile(h, b_ptr, y_ptr, stride_b, stride_y, out, (prog - first) * NB + t,
+                         seg, start, rank, row, lo, hi, BM, BN, RB, PRECISION, DYN_FOR)
