@@ -161,6 +161,22 @@ class Joint:
         return y, parts
 
 
+def layer_joints(layers, moe, plain_attention: bool) -> list[dict[str, Joint]]:
+    """Each decoder layer's q/k/v ("attn", where `plain_attention`: not Qwen3.5's q_proj,
+    which holds a gate, nor MLA's) and dense gate/up ("mlp", not the layers in `moe`) as one
+    Joint each (concat_linears)."""
+    joints = []
+    for i, layer in enumerate(layers):
+        group = {}
+        if plain_attention:
+            a = layer.self_attn
+            group["attn"] = concat_linears([a.q_proj, a.k_proj, a.v_proj])
+        if i not in moe:
+            group["mlp"] = concat_linears([layer.mlp.gate_proj, layer.mlp.up_proj])
+        joints.append({k: v for k, v in group.items() if v is not None})
+    return joints
+
+
 def concat_linears(modules: list[torch.nn.Module]) -> Joint | None:
     """Concatenate the linears' weights (and biases) into one tensor and make each module's
     weight a view of it, so everything else that reads module.weight (LoRA shapes, tensor

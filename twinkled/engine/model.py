@@ -193,7 +193,10 @@ class BaseModel:
         # What a token keeps per such layer: (heads, key width, value width); MLA: its latent.
         self.kv_shape = ((self.n_kv, self.head_dim, self.head_dim) if self.latent is None
                          else self.latent.kv_shape)
-        self.joints = self._concat_linears()
+        # q/k/v and gate/up weights one tensor each (after loading, sharding and the move
+        # to the device, so every rank concatenates its own shards)
+        self.joints = fused_ops.layer_joints(
+            self.layers, self.moe, plain_attention=self.hybrid is None and self.latent is None)
         self.recompute = Recompute(config.to_dict(), self.dtype, self.device, self.tp.size,
                                    self.tp.group)
 
@@ -395,21 +398,6 @@ class BaseModel:
         if self.fuse_lora and hasattr(lora, "apply_shared"):
             return lora.apply_shared(keys, x, ys), y
         return [lora.apply(key, x, y) for key, y in zip(keys, ys, strict=True)], y
-
-    def _concat_linears(self) -> list[dict[str, Joint]]:
-        """Each layer's q/k/v and (dense) gate/up weights as one tensor, the modules' weights
-        views of it (fused_ops.concat_linears): after loading, sharding and the move to the
-        device, so every rank concatenates its own shards."""
-        joints = []
-        for i, layer in enumerate(self.layers):
-            group = {}
-            if self.hybrid is None and self.latent is None:  # (Qwen3.5's q_proj: a gate)
-                a = layer.self_attn
-                group["attn"] = fused_ops.concat_linears([a.q_proj, a.k_proj, a.v_proj])
-            if i not in self.moe:
-                group["mlp"] = fused_ops.concat_linears([layer.mlp.gate_proj, layer.mlp.up_proj])
-            joints.append({k: v for k, v in group.items() if v is not None})
-        return joints
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         if self.hybrid is not None:
