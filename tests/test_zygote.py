@@ -141,3 +141,23 @@ def test_a_bad_request_is_refused_and_the_zygote_serves_on():
 
     p, out, code, own = asyncio.run(run())
     assert isinstance(p, Forked) and code == 3 and out[1] == "z" and own is None
+
+
+@pytest.mark.parametrize("parent", [True, False])
+def test_a_zygote_whose_folder_is_gone_says_so_only_where_an_operator_started_it(tmp_path,
+                                                                                  parent):
+    """A zygote bound to a parent (a daemon's own, a test process's) whose socket folder went
+    while it imported (the parent ending) exits quietly, no traceback; one an operator started
+    (no --parent) fails with the error, naming the path."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "gone" / "zygote.sock")
+    argv = [sys.executable, "-m", "twinkled.workers.zygote", path, "--preload", "json"]
+    if parent:
+        argv += ["--parent", str(os.getpid())]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if parent:
+        assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]
+    else:
+        assert run.returncode != 0 and path in run.stderr and "does not exist" in run.stderr

@@ -282,7 +282,7 @@ def main() -> None:
         # Nobody is left to serve. (One an operator started says what is wrong.)
         if args.parent is not None:
             sys.exit(0)
-        raise
+        sys.exit(f"zygote: cannot listen at {args.socket}: its folder does not exist")
     zygote.serve()
 
 
