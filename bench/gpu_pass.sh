@@ -17,6 +17,8 @@
 #   bash bench/gpu_pass.sh gap                     # issue 31: sampler vs trainer logprob gap
 #   bash bench/gpu_pass.sh gpucheck grouped        # issue 31: the grouped LoRA launches, checked
 #                                                  #   compiled, then timed against one a module
+#   bash bench/gpu_pass.sh loradec prep            # issue 31: the LoRA row kernels' variants; the
+#                                                  #   q/k prep kernel on and off, both shapes
 #   bash bench/gpu_pass.sh gpucheck fusedpick      # issue 31: the fused token choice, checked
 #                                                  #   compiled, then timed against choose.py
 #   bash bench/gpu_pass.sh gappaths prof8b         # issue 31: the gap path by path; issue 32: the
@@ -111,6 +113,17 @@ for what in "$@"; do
                      --shape "$s" --paths new,ungrouped --no-baseline --repeats 2 \
                      --write "$out/grouped_$s.md" > "$out/grouped_$s.log" 2>&1
                      grep -a "^|" "$out/grouped_$s.log"; done ;;
+        # the LoRA row kernels (kernels/lora_decode.py): checked in a CUDA graph against the
+        # masked stack, then their knobs timed on one decode step's LoRA work (~1 minute)
+        loradec) "$py" bench_lora_decode.py --check --adapters 8,64 > "$out/loradec.log" 2>&1
+                 grep -a "^{'path" "$out/loradec.log" ;;
+        # a decode layer's q/k norms, rotation and KV store in one kernel (kernels/qk_prep.py,
+        # the `prep` lever) against the liger kernels and two stores, same call (~5 minutes)
+        prep) for s in qwen3-8b qwen2.5-0.5b; do for f in all norm,rope,silu,gemm; do
+                  "$py" bench_sampling.py --device cuda --shape "$s" --paths new --no-baseline \
+                      --repeats 2 --fused "$f" --write "$out/prep_${s}_$f.md" \
+                      > "$out/prep_${s}_$f.log" 2>&1
+                  grep -a "^| [fw]" "$out/prep_${s}_$f.log"; done; done ;;
         # the fused token choice (kernels/sample_rows.py, choose.FUSED) against choose.py's
         # reference, same call; run `gpucheck` first (its compiled results)
         fusedpick) for s in qwen2.5-0.5b qwen3-8b; do "$py" bench_sampling.py --device cuda \
@@ -250,7 +263,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         longd) "$py" long_daemon.py --shape qwen3-8b --seq 65536,131072 --ranks 2 --cp 2 \
                    --small-steps 6 --out "$out/long_daemon.md" > "$out/long_daemon.log" 2>&1
                grep -a "^--\|^|" "$out/long_daemon.log" ;;
-        *) echo "unknown: $what (workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, gappaths, prof8b, grouped, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
+        *) echo "unknown: $what (loradec, prep, workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, gappaths, prof8b, grouped, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
     esac
     pack
 done

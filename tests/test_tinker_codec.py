@@ -31,8 +31,8 @@ from tinker_shim.codec import (
     SpanIn,
     TensorIn,
     decode_forward_backward,
-    encode_forward_backward_output,
 )
+from tinker_shim.output_codec import encode_forward_backward_output
 from tinker_shim.sample_codec import SampledOut, encode_sample_response
 
 # ------------------------------------------------------------------ helpers
@@ -444,7 +444,7 @@ def test_sample_response_without_optional_parts() -> None:
 
 def test_future_encoders_for_engine_results() -> None:
     torch = pytest.importorskip("torch")
-    from tinker_shim.codec import fwdbwd_encoder
+    from tinker_shim.output_codec import fwdbwd_encoder
     from tinker_shim.sample_codec import sample_encoder
 
     result = SimpleNamespace(

@@ -24,9 +24,9 @@ from tinker_shim.codec import (
     CodecError,
     TensorIn,
     decode_forward_backward,
-    encode_forward_backward_output,
 )
 from tinker_shim.json_wire import decode_json_forward, json_result, wants_json
+from tinker_shim.output_codec import encode_forward_backward_output
 from tinker_shim.sample_codec import SampledOut, encode_sample_response
 
 TOKENS = [5, 17, 42, 99]

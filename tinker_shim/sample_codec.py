@@ -15,11 +15,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from .codec import PROTOBUF, CodecError, csr_consistent, message_class, pack
+from .codec import DT_FLOAT32, DT_INT64, PROTOBUF, CodecError, csr_consistent, message_class, pack
 
 _SampleResponsePb = message_class("SampleResponse")
 _STOP_REASONS = {"stop": 0, "length": 1}
-_DT_FLOAT32, _DT_INT64 = 1, 2
 # An empty cell of a top-k row (the client reads a row of these as None).
 EMPTY_ID, EMPTY_LOGPROB = 0, -99999.0
 
@@ -82,8 +81,8 @@ def encode_sample_response(
         _fill_target(msg.target_prompt_logprobs, target_prompt, target_layout)
     if alt_tokens is not None:
         ids, lps = alt_tokens
-        _fill_dense(msg.prompt_alt_tokens.tokens, ids, "q", _DT_INT64)
-        _fill_dense(msg.prompt_alt_tokens.logprobs, lps, "f", _DT_FLOAT32)
+        _fill_dense(msg.prompt_alt_tokens.tokens, ids, "q", DT_INT64)
+        _fill_dense(msg.prompt_alt_tokens.logprobs, lps, "f", DT_FLOAT32)
     return msg.SerializeToString()
 
 
@@ -119,9 +118,9 @@ def _fill_dense(msg: Any, rows: Sequence[Sequence[float]], typecode: str, dtype:
 def _fill_target(msg: Any, rows: Sequence[Sequence[float]], layout: Layout | None) -> None:
     """The same shape as the request's ids, and sparse in the same cells if it was."""
     if layout is None:
-        _fill_dense(msg, rows, "f", _DT_FLOAT32)
+        _fill_dense(msg, rows, "f", DT_FLOAT32)
         return
-    msg.dtype = _DT_FLOAT32
+    msg.dtype = DT_FLOAT32
     msg.shape.extend([len(rows), len(rows[0]) if rows else 0])
     values = [rows[r][layout.col[j]] for r in range(len(rows))
               for j in range(layout.crow[r], layout.crow[r + 1])]

@@ -23,7 +23,7 @@ from twinkled.protocol.errors import UserError
 from twinkled.protocol.frames import DatumF, OptimF, TrainF, buf
 from twinkled.protocol.types import AdamParams, DimuonParams, LoraConfig
 
-from . import codec, json_wire
+from . import codec, json_wire, output_codec
 from . import images as tinker_images
 from .common import (
     body_of,
@@ -180,7 +180,7 @@ async def _train(request, forward_only: bool | None):
     frame = TrainF(run["id"], data, call.loss_fn, call.loss_fn_config or {},
                    call.forward_only)
     f = svc.forward_backward(request["tenant"], run["id"], call.seq_id, frame,
-                             codec.fwdbwd_encoder)
+                             output_codec.fwdbwd_encoder)
     return future_response(f, run["id"])
 
 
