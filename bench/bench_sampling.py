@@ -233,8 +233,16 @@ def main() -> None:
     ap.add_argument("--fused", default="all",
                     help="the layer's fused kernels (engine/fused_ops.py): all, none, or levers "
                     "comma-separated of norm, rope, silu, gemm, prep (the decode step's q/k kernel)")
+    ap.add_argument("--direct", choices=("on", "off"), default=None,
+                    help="the paged decode's split kernel writes a row's output where it is "
+                    "the row's only part (kernels/paged_decode.DIRECT; default: the module's)")
     ap.add_argument("--write", default=section_path("sampling"))
     args = ap.parse_args()
+    if args.direct is not None:
+        from twinkled.engine.kernels import paged_decode
+
+        paged_decode.DIRECT = args.direct == "on"
+        print(f"paged decode: one part a row written directly {paged_decode.DIRECT}")
     if args.cascade_tune:
         import json
 

@@ -19,6 +19,8 @@
 #                                                  #   compiled, then timed against one a module
 #   bash bench/gpu_pass.sh loradec prep            # issue 31: the LoRA row kernels' variants; the
 #                                                  #   q/k prep kernel on and off, both shapes
+#   bash bench/gpu_pass.sh direct                  # issue 31: the paged decode writing a lone
+#                                                  #   part's output itself, checked, then timed
 #   bash bench/gpu_pass.sh gpucheck fusedpick      # issue 31: the fused token choice, checked
 #                                                  #   compiled, then timed against choose.py
 #   bash bench/gpu_pass.sh gappaths prof8b         # issue 31: the gap path by path; issue 32: the
@@ -124,6 +126,17 @@ for what in "$@"; do
                       --repeats 2 --fused "$f" --write "$out/prep_${s}_$f.md" \
                       > "$out/prep_${s}_$f.log" 2>&1
                   grep -a "^| [fw]" "$out/prep_${s}_$f.log"; done; done ;;
+        # paged_decode.DIRECT (off until this has run): its tests compiled on the card, then
+        # the 8B with it on and off, same call (~4 minutes); turn it on if they pass and pay
+        direct) (cd .. && TRITON_INTERPRET=0 TWINKLE_TEST_DEVICE=cuda "$py" -c "
+import sys, torch, pytest, twinkled.engine.kernels.paged_decode as pd
+pd.DIRECT = True
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_engine_running.py',
+                      'tests/test_qk_prep.py']))") 2>&1 | tail -5 | tee "$out/direct_check.txt"
+                for d in on off; do "$py" bench_sampling.py --device cuda --shape qwen3-8b \
+                    --paths new --no-baseline --repeats 2 --direct "$d" \
+                    --write "$out/direct_$d.md" > "$out/direct_$d.log" 2>&1
+                    grep -a "^| [fw]" "$out/direct_$d.log"; done ;;
         # the fused token choice (kernels/sample_rows.py, choose.FUSED) against choose.py's
         # reference, same call; run `gpucheck` first (its compiled results)
         fusedpick) for s in qwen2.5-0.5b qwen3-8b; do "$py" bench_sampling.py --device cuda \
@@ -263,7 +276,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         longd) "$py" long_daemon.py --shape qwen3-8b --seq 65536,131072 --ranks 2 --cp 2 \
                    --small-steps 6 --out "$out/long_daemon.md" > "$out/long_daemon.log" 2>&1
                grep -a "^--\|^|" "$out/long_daemon.log" ;;
-        *) echo "unknown: $what (loradec, prep, workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, gappaths, prof8b, grouped, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
+        *) echo "unknown: $what (loradec, prep, direct, workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, gappaths, prof8b, grouped, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
     esac
     pack
 done

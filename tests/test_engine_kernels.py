@@ -84,6 +84,32 @@ def test_paged_decode_tiles_span_pages_and_splits_hold_many_tiles(monkeypatch):
     torch.testing.assert_close(got, want[:, :, 0], atol=1e-4, rtol=0)
 
 
+def test_one_part_a_row_is_written_by_the_split_kernel_as_the_combine_writes_it(monkeypatch):
+    """Rows enough that each is one split (a card of 1 SM here): the split kernel writes the
+    output itself, no combine; the same bits as the combine of its one partial, and the
+    reference's values (an inert row among them). fp32: the interpreter's bf16 attention
+    is not the card's (tests/test_kernels_compile.py compiles the bf16 kernel)."""
+    dtype = torch.float32
+    monkeypatch.setattr(paged_decode_module, "_sms", lambda device: 1)
+    heads, kv, dim, page, tables, lengths = CASES["gqa"]
+    pool, q, k, v, table, lens = _case(heads, kv, dim, page, tables, lengths)
+    assert split_plan(len(tables), kv, table.shape[1] * page, q.device, 16)[0] == 1
+    want = _reference(pool, 1, q, k, v, table, lens, 0.3)[:, :, 0]
+    kk, vv, qq = pool.k[1].to(dtype), pool.v[1].to(dtype), q[:, :, 0].to(dtype)
+    combines = []
+    real = paged_decode_module._combine_kernel
+    monkeypatch.setattr(paged_decode_module, "_combine_kernel",
+                        type("Spy", (), {"__getitem__": lambda _, g: combines.append(g)
+                                         or real[g]})())
+    got = {}
+    for direct in (True, False):
+        monkeypatch.setattr(paged_decode_module, "DIRECT", direct)
+        got[direct] = paged_decode(qq, kk, vv, table, lens, page, 0.3, block_n=16)
+        assert len(combines) == (0 if direct else 1)
+    assert got[True].dtype == dtype and torch.equal(got[True], got[False])
+    torch.testing.assert_close(got[True], want, atol=1e-4, rtol=0)
+
+
 def test_split_plan_depends_on_the_shape_only():
     """CUDA graphs replay one launch per bucket: the plan is a function of (rows, kv heads,
     tokens); the splits cover every tile, and one split per row wastes no tile."""

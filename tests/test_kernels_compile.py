@@ -104,6 +104,34 @@ print("compiled")
 """
 
 
+# kernels/paged_decode.py's split kernel, writing partials or (DIRECT: one part a row) the
+# output in the model's dtype, alone and after a prefix (START)
+PAGED = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from twinkled.engine.kernels import paged_decode as pd
+
+k = pd._split_kernel
+dtype = sys.argv[1]
+for direct in (True, False):
+    for start in (False, True):
+        out = "*" + dtype if direct else "*fp32"
+        types = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype,
+                 "table_ptr": "*i32", "len_ptr": "*i32", "start_ptr": "*i32",
+                 "m_ptr": "*fp32", "l_ptr": "*fp32", "o_ptr": out, "scale_log2": "fp32"}
+        c = {"START": start, "G": 4, "G_PAD": 16, "D": 128, "BLOCK_D": 128,
+             "BLOCK_N": pd.BLOCK_N, "PAGE": 16, "TILES": 4, "IEEE": dtype == "fp32",
+             "TO_LENGTH": True, "DIRECT": direct}
+        sig = {n: "constexpr" if n in c else types.get(n, "i32") for n in k.arg_names}
+        got = triton.compile(ASTSource(fn=k, signature=sig, constexprs=c),
+                             target=GPUTarget("cuda", 90, 32), options={"num_stages": 3})
+        assert ".entry _split_kernel" in got.asm["ptx"]
+print("compiled")
+"""
+
+
 def _compile(script: str, *args: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     run = subprocess.run([sys.executable, "-c", script, *args], env=env,
@@ -126,3 +154,8 @@ def test_the_sampling_kernel_compiles_for_sm90(dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_qk_prep_kernel_compiles_for_sm90(dtype):
     _compile(QK_PREP, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_paged_decode_kernel_compiles_for_sm90(dtype):
+    _compile(PAGED, dtype)

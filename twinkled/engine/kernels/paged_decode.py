@@ -66,6 +66,12 @@ import triton
 import triton.language as tl
 
 BLOCK_N = 64  # tokens per tile (any power of two >= 16; independent of the page size)
+# One part a row (many rows, or short ones): the split kernel writes the row's output, no
+# partials and no combine kernel (the 8B's wide decode, 256 rows: 36 kernels a step fewer,
+# ~6 us each). The same bits as the combine (tests/test_engine_kernels.py); compiled for
+# sm_90 on a CPU, but not yet run on a card: off until `gpu_pass.sh direct` has checked and
+# timed it there.
+DIRECT = False
 MAX_SPLITS = 64
 # The cascade's launch: pipeline stages of the rows' own kernel (short loops then), the
 # prefix kernel's stages, warps, tile and how many times its programs fill the card. Swept
@@ -76,10 +82,10 @@ TUNE = {"suffix_stages": 2, "prefix_stages": 3, "prefix_warps": 4, "prefix_block
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, start_ptr, m_ptr, l_ptr, o_ptr,
-                  sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, st_b, scale_log2, PARTS,
+                  sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, st_b, scale_log2, PARTS, so_b, so_h,
                   START: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TILES: tl.constexpr,
-                  IEEE: tl.constexpr, TO_LENGTH: tl.constexpr):
+                  IEEE: tl.constexpr, TO_LENGTH: tl.constexpr, DIRECT: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -125,9 +131,15 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, start_ptr, m_ptr, l_p
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    # partials [B, Hq, PARTS(, D)], contiguous: this row's splits, then its prefix's
-    row = (b * (tl.num_programs(1) * G) + heads) * PARTS + s
-    _store_partial(m_ptr, l_ptr, o_ptr, row, gm, m_i, l_i, acc, d, dm, D)
+    if DIRECT:  # the row's only part: its output (o_ptr: [B, Hq, D] in q's dtype), as the
+        # combine of one partial computes it (acc * 1 / (l * 1): the same bits)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+    else:
+        # partials [B, Hq, PARTS(, D)], contiguous: this row's splits, then its prefix's
+        row = (b * (tl.num_programs(1) * G) + heads) * PARTS + s
+        _store_partial(m_ptr, l_ptr, o_ptr, row, gm, m_i, l_i, acc, d, dm, D)
 
 
 @triton.jit
@@ -340,9 +352,13 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         B, Hkv, tokens, q.device, chunk, pre_n)
     parts = splits + pre_splits
     dev, f32 = q.device, torch.float32
+    out = torch.empty((B, Hq, D), dtype=q.dtype, device=dev)
+    # One part a row (many rows, or short ones): the split kernel writes the output itself,
+    # no partials and no combine (a kernel a layer less: the 8B's wide decode, 256 rows).
+    direct = parts == 1 and DIRECT
     m = torch.empty((B, Hq, parts), dtype=f32, device=dev)
     l_ = torch.empty((B, Hq, parts), dtype=f32, device=dev)
-    o = torch.empty((B, Hq, parts, D), dtype=f32, device=dev)
+    o = out if direct else torch.empty((B, Hq, parts, D), dtype=f32, device=dev)
     block_d = triton.next_power_of_2(D)
     g_pad = triton.next_power_of_2(G)
     to_length = os.environ.get("TRITON_INTERPRET") != "1"
@@ -350,11 +366,13 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                values.stride(1), table.stride(0), scale * 1.4426950408889634)
     start = lengths if prefix is None else prefix.start
     _split_kernel[(B, Hkv, splits)](
-        q, keys, values, table, lengths, start, m, l_, o, *strides, parts,
-        START=prefix is not None, G=G, G_PAD=max(16, g_pad), D=D, BLOCK_D=block_d,
-        BLOCK_N=block_n, PAGE=page_size, TILES=per, IEEE=q.dtype == torch.float32,
-        TO_LENGTH=to_length, num_warps=warps,
+        q, keys, values, table, lengths, start, m, l_, o, *strides, parts, out.stride(0),
+        out.stride(1), START=prefix is not None, G=G, G_PAD=max(16, g_pad), D=D,
+        BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page_size, TILES=per,
+        IEEE=q.dtype == torch.float32, TO_LENGTH=to_length, DIRECT=direct, num_warps=warps,
         num_stages=stages if prefix is None else TUNE["suffix_stages"])
+    if direct:
+        return out
     if prefix is not None:
         _prefix_kernel[(programs, Hkv, pre_splits)](
             q, keys, values, table, prefix.start, prefix.order, prefix.count, prefix.starts,
@@ -365,7 +383,6 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             CHUNK_TRIPS=1 if to_length else triton.cdiv(B, programs),
             IEEE=q.dtype == torch.float32, TO_LENGTH=to_length,
             num_warps=TUNE["prefix_warps"], num_stages=TUNE["prefix_stages"])
-    out = torch.empty((B, Hq, D), dtype=q.dtype, device=dev)
     _combine_kernel[(B, Hq)](m, l_, o, out, start, out.stride(0), out.stride(1), parts,
                              splits, S_PAD=triton.next_power_of_2(parts), D=D,
                              BLOCK_D=block_d, START=prefix is not None)
