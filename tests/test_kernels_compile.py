@@ -19,11 +19,15 @@ import pytest
 
 pytest.importorskip("triton")
 
-COMPILE = """
+# Each script runs in a process of its own (the suite's runs Triton's interpreter).
+PRELUDE = """
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+"""
+
+COMPILE = PRELUDE + """
 from twinkled.engine.kernels import lora_decode as ld
 
 ROWS = ("order_ptr", "seg_ptr", "start_ptr", "rank_ptr")
@@ -57,11 +61,7 @@ print("compiled")
 
 # kernels/sample_rows.py: bf16 or fp32 logits; B and the row stride 1 (one row of one
 # token's width) compiled as constants
-SAMPLE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+SAMPLE = PRELUDE + """
 from twinkled.engine.kernels import sample_rows as sr
 
 k = sr._sample_rows
@@ -81,11 +81,7 @@ print("compiled")
 # kernels/qk_prep.py: bf16 or fp32 heads and pools, with and without q/k norms, head dims of
 # 128 and 64; the unit strides of the head dimension compiled as constants (as the launcher
 # does with the GEMM's views)
-QK_PREP = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+QK_PREP = PRELUDE + """
 from twinkled.engine.kernels import qk_prep as qp
 
 k = qp._qk_prep
@@ -106,11 +102,7 @@ print("compiled")
 
 # kernels/paged_decode.py's split kernel, writing partials or (DIRECT: one part a row) the
 # output in the model's dtype, alone and after a prefix (START)
-PAGED = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+PAGED = PRELUDE + """
 from twinkled.engine.kernels import paged_decode as pd
 
 k = pd._split_kernel

@@ -336,12 +336,12 @@ class BaseModel:
             norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon,
                      attn.k_norm.variance_epsilon) if hasattr(attn, "q_norm") else None
             out = cache.attend_raw(i, q, k, v, cos, sin, norms, self.scaling).view(B, S, -1)
-            return self.linear(attn.o_proj, keys["o_proj"], out, lora)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
-            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = fused_ops.rope(q, k, cos, sin, self.kernels and self.fused.rope)
-        out = self.attend(i, q, k, v, cache, mask, packing)
+        else:
+            if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
+                q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = fused_ops.rope(q, k, cos, sin, self.kernels and self.fused.rope)
+            out = self.attend(i, q, k, v, cache, mask, packing)
         return self.linear(attn.o_proj, keys["o_proj"], out, lora)
 
     def _prep(self, cache, cos: torch.Tensor) -> bool:

@@ -356,9 +356,12 @@ def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     # One part a row (many rows, or short ones): the split kernel writes the output itself,
     # no partials and no combine (a kernel a layer less: the 8B's wide decode, 256 rows).
     direct = parts == 1 and DIRECT
-    m = torch.empty((B, Hq, parts), dtype=f32, device=dev)
-    l_ = torch.empty((B, Hq, parts), dtype=f32, device=dev)
-    o = out if direct else torch.empty((B, Hq, parts, D), dtype=f32, device=dev)
+    if direct:  # (no partials: the kernel reads no m, l)
+        m = l_ = o = out
+    else:
+        m = torch.empty((B, Hq, parts), dtype=f32, device=dev)
+        l_ = torch.empty((B, Hq, parts), dtype=f32, device=dev)
+        o = torch.empty((B, Hq, parts, D), dtype=f32, device=dev)
     block_d = triton.next_power_of_2(D)
     g_pad = triton.next_power_of_2(G)
     to_length = os.environ.get("TRITON_INTERPRET") != "1"
