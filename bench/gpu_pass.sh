@@ -35,6 +35,8 @@
 #   bash bench/gpu_pass.sh arch archsamp           # issue 34: gpt-oss-20b, DeepSeek-V3 (reduced) shapes
 #   bash bench/gpu_pass.sh journal                 # the journal's fsyncs on the machine's disk
 #   bash bench/gpu_pass.sh fulld longd             # issues 37, 38 through the daemon (2 GPUs, a call each)
+#   bash bench/gpu_pass.sh long4 longd4            # issue 38 on 4 GPUs: cp 4 rows; a small tenant
+#                                                  #   beside a 128K row on two lanes of cp 2
 #   bash bench/gpu_pass.sh tpsamp; ... gpttp2      # tp sampling paths; gpt-oss --tp 2 (2 GPUs, a call each)
 #   bash bench/gpu_pass.sh gpucheck                # the GPU-only tests of the fast paths (fused
 #                                                  #   layer, overlapped decode, direct LoRA,
@@ -276,7 +278,14 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         longd) "$py" long_daemon.py --shape qwen3-8b --seq 65536,131072 --ranks 2 --cp 2 \
                    --small-steps 6 --out "$out/long_daemon.md" > "$out/long_daemon.log" 2>&1
                grep -a "^--\|^|" "$out/long_daemon.log" ;;
-        *) echo "unknown: $what (loradec, prep, direct, workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, gappaths, prof8b, grouped, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
+        # issue 38 on 4 GPUs (nvidia-h200-x4): one 8B row at cp 4 (engine), then through the
+        # daemon a small tenant on one lane of 2 GPUs beside a 131,072-token row on the other
+        long4) "$py" bench_long.py --shape qwen3-8b --seq 65536,131072 --cp 4 --rounds 2 \
+                   --out "$out/long_cp4.md" > "$out/long_cp4.log" 2>&1; grep -a "^|\|^rank 0" "$out/long_cp4.log" ;;
+        longd4) "$py" long_daemon.py --shape qwen3-8b --seq 131072 --ranks 4 --cp 2 --lanes 2 \
+                    --small-steps 6 --out "$out/long_daemon4.md" > "$out/long_daemon4.log" 2>&1
+                grep -a "^--\|^|" "$out/long_daemon4.log" ;;
+        *) echo "unknown: $what (long4, longd4, loradec, prep, direct, workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, gappaths, prof8b, grouped, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
     esac
     pack
 done

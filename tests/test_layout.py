@@ -85,7 +85,7 @@ def test_serve_names_a_flag_out_of_range(tiny_dir, tmp_path, flag, says):
 def test_adapter_budget_follows_the_card_and_the_split(tmp_path):
     """What adapters may take per rank: the card less the weights, a recomputed micro-batch
     and the sampler pool; more with a bigger split; no limit without GPUs. A rank-32
-    adapter of the 32B shape takes ~2.9 GiB a rank at tp 2 (18 bytes a parameter)."""
+    adapter of the 32B shape takes ~3.2 GiB a rank at tp 2 (20 bytes a parameter)."""
     from twinkled.protocol.sizing import GiB, adapter_bytes
     from twinkled.server.layout import adapters_budget
 
@@ -96,7 +96,7 @@ def test_adapter_budget_follows_the_card_and_the_split(tmp_path):
     assert adapters_budget(replace(cfg, devices=["cuda:0"], tp=1), [H100]) == 0  # no room
     assert adapters_budget(replace(cfg, devices=["cpu", "cpu"]), []) is None
     one = adapter_bytes(QWEN3_32B, 32, tp=2)
-    assert 2.5 * GiB < one < 3.2 * GiB
+    assert 2.9 * GiB < one < 3.5 * GiB
     assert adapter_bytes(QWEN3_32B, 16, tp=2) * 2 == one
     assert adapter_bytes(QWEN3_32B, 32, tp=1) > one  # the split parts halve under tp 2
     assert adapter_bytes(QWEN3_32B, 32, mlp=False, unembed=False, tp=2) < one / 2

@@ -100,11 +100,16 @@ def check_cap(config: LoraConfig, size: int, tenant: str, cap: int | None) -> No
                      "lower rank or fewer target modules")
 
 
+def gpu_budget(config: Config, budget: int | None) -> int | None:
+    """The bytes per rank adapters may take on GPUs: the config's `adapter_memory_gb` if
+    set, else `budget` (`layout.adapters_budget`; None: no limit)."""
+    return int(config.adapter_memory_gb * GiB) if config.adapter_memory_gb > 0 else budget
+
+
 def adapter_room(config: Config, budget: int | None) -> AdapterRoom:
-    """The adapters' share of GPU memory: the config's `adapter_memory_gb` if set, else
-    `budget` (None: no limit), counted with the sizing estimate of this model."""
-    if config.adapter_memory_gb > 0:
-        budget = int(config.adapter_memory_gb * GiB)
+    """The adapters' share of GPU memory (`gpu_budget`), counted with the sizing estimate
+    of this model."""
+    budget = gpu_budget(config, budget)
     model = config.model_config or {}
     if budget is None or not model:
         return AdapterRoom(None, lambda _: 0)
@@ -119,4 +124,4 @@ def host_room(config: Config) -> AdapterRoom:
     model = config.model_config or {}
     budget = int(config.host_adapter_memory_gb * GiB)
     return AdapterRoom(budget, lambda c: adapter_bytes(
-        model, c.rank, c.train_attn, c.train_mlp, c.train_unembed) * 16 // 18)
+        model, c.rank, c.train_attn, c.train_mlp, c.train_unembed) * 16 // 20)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from twinkled.core.adapter_room import gpu_budget
 from twinkled.core.executor import Executor
 from twinkled.protocol.blobs import store_spec
 from twinkled.protocol.config import Config
@@ -33,20 +34,24 @@ def default_threads(devices: list[str], groups: int = 1) -> int:
     return max(1, (os.cpu_count() or 1) // (len(devices) * groups))
 
 
-def zmq_executor(config: Config, devices: list[str], hosts: HostRegistry | None = None
-                 ) -> Executor:
+def zmq_executor(config: Config, devices: list[str], hosts: HostRegistry | None = None,
+                 adapter_budget: int | None = None) -> Executor:
     """The daemon's executor for one lane (`Config.lane_devices`): a worker process per
     device of `devices`, driven over ZeroMQ; with `hosts`, the daemon's registry of joined
-    hosts, also ranks on the hosts that bring ranks (not lanes)."""
-    group = WorkerGroup(devices, worker_options(config, devices),
+    hosts, also ranks on the hosts that bring ranks (not lanes). `adapter_budget`: as
+    `worker_options`'."""
+    group = WorkerGroup(devices, worker_options(config, devices, adapter_budget),
                         step_timeout=config.step_timeout_s,
                         join=join_settings(config) if hosts else None, hosts=hosts)
     return Executor(group, Path(config.data_dir) / "live", config.persist_every,
                     config.journal_fsync)
 
 
-def worker_options(config: Config, devices: list[str]) -> dict:
-    """What every worker of a lane on `devices` is started with (worker.py)."""
+def worker_options(config: Config, devices: list[str], adapter_budget: int | None = None
+                   ) -> dict:
+    """What every worker of a lane on `devices` is started with (worker.py).
+    `adapter_budget`: bytes per rank for adapters (`layout.adapters_budget`; None: no
+    limit): with `adapter_memory_gb` (`gpu_budget`), what caps the LoRA banks' growth."""
     threads = config.worker_threads or default_threads(devices, config.lanes)
     live_dir = Path(config.data_dir) / "live"
     return {"model": str(config.model), "dtype": config.dtype,
@@ -62,7 +67,8 @@ def worker_options(config: Config, devices: list[str]) -> dict:
                "live_dir": str(live_dir), "persist_every": config.persist_every,
                "logprob_gap_every": config.logprob_gap_every,
                "threads": threads, "log_format": config.log_format,
-               "checkpoint_store": store_spec(config)}
+               "checkpoint_store": store_spec(config),
+               "bank_max_bytes": gpu_budget(config, adapter_budget)}
 
 
 def in_process_executor(config: Config) -> Executor:
@@ -82,5 +88,6 @@ def in_process_executor(config: Config) -> Executor:
                            live_dir=live_dir, persist_every=config.persist_every,
                            sample_prefix_cache=config.sample_prefix_cache,
                            logprob_gap_every=config.logprob_gap_every,
-                           checkpoint_store=store_spec(config))
+                           checkpoint_store=store_spec(config),
+                           bank_max_bytes=gpu_budget(config, None))
     return Executor(group, live_dir, config.persist_every, config.journal_fsync)

@@ -26,7 +26,8 @@ def make_lanes(config: Config, store: Any, futures: Futures, metrics: Metrics,
     """The service's lanes; the arguments are the Service's (service.py)."""
     hosts = host_registry(config) if executor is None else None  # (if hosts may join)
     if executor is None:  # (one lane: hosts without lanes bring ranks to its group)
-        executor = [zmq_executor(config, devices, hosts if config.lanes == 1 else None)
+        executor = [zmq_executor(config, devices, hosts if config.lanes == 1 else None,
+                                 adapter_budget)
                     for devices in config.lane_devices()] or [no_workers(config)]
     executors = executor if isinstance(executor, list) else [executor]
     ledger = Ledger()  # tenants' fair-share clocks, one for all lanes (fairness.py)
@@ -42,5 +43,5 @@ def make_lanes(config: Config, store: Any, futures: Futures, metrics: Metrics,
     lanes = Lanes([lane(i, ex) for i, ex in enumerate(executors)], store,
                   Exclusive(config.full_run_only_lane, full_run_room), config.long_row_tokens)
     if hosts is not None:  # and the lanes other hosts bring (remote_lanes.py)
-        lanes.hosts = RemoteLanes.of_config(config, hosts, lanes, store, lane)
+        lanes.hosts = RemoteLanes.of_config(config, hosts, lanes, store, lane, adapter_budget)
     return lanes

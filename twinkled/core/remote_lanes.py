@@ -62,11 +62,14 @@ class RemoteLanes:
 
     @classmethod
     def of_config(cls, config: Config, registry: HostRegistry, lanes: Lanes, store: Any,
-                  lane: Callable[[int, Executor, str], Lane]) -> RemoteLanes:
-        """The daemon's: `lane(index, executor, host)` makes a lane as the head's are."""
+                  lane: Callable[[int, Executor, str], Lane],
+                  adapter_budget: int | None = None) -> RemoteLanes:
+        """The daemon's: `lane(index, executor, host)` makes a lane as the head's are
+        (`adapter_budget`: the head's, `worker_options`)."""
         def make(host: str, index: int, devices: list[str]) -> Lane:
             group = RemoteLaneGroup(registry, join_settings(config), host, index,
-                                    worker_options(config, devices), config.step_timeout_s)
+                                    worker_options(config, devices, adapter_budget),
+                                    config.step_timeout_s)
             executor = Executor(group, Path(config.data_dir) / "live", config.persist_every,
                                 config.journal_fsync)
             return lane(len(lanes.all), executor, host)

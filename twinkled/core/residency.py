@@ -70,6 +70,7 @@ class Residency:
         self._locks: dict[str, asyncio.Lock] = {}  # moves of one model, one at a time
         self._admitting = asyncio.Lock()  # one maker of room at a time
         self._rebalancing: asyncio.Task | None = None
+        self._waiting: set[asyncio.Task] = set()  # new models' waits for room (`when_room`)
         executor.on_restart(lambda _why: self.tiers.host_lost())
 
     # -- what is live -------------------------------------------------------------------
@@ -90,9 +91,9 @@ class Residency:
         state needs (the last tier). Anything else waits for room, never refused."""
         self.room.check(config)
         check_cap(config, self.room.size(config), tenant, self._cap(tenant))
-        # its state on disk: fp32 weights and two moments, 12 of the bank's 18 bytes a
+        # its state on disk: fp32 weights and two moments, 12 of the bank's 20 bytes a
         # parameter (0 where the bank is unbounded: no model numbers to size it by)
-        check_disk(Path(self._executor.live_dir), self.room.size(config) * 2 // 3)
+        check_disk(Path(self._executor.live_dir), self.room.size(config) * 3 // 5)
 
     def _over_cap(self, tenant: str | None, config: LoraConfig | None = None) -> bool:
         """`tenant`'s adapters in the bank (and one of `config` coming in) are over its cap."""
@@ -291,6 +292,24 @@ class Residency:
                 if not await self._park_coldest(incoming=model, needer=needer):
                     await asyncio.sleep(ROOM_POLL_S)
             self.room.hold(model, config)
+
+    def when_room(self, model: str, config: LoraConfig, tenant: str,
+                  then: Callable[[Exception | None], None]) -> None:
+        """Make room for a new model's adapter in the background (`make_room`, which holds
+        it), then call `then(None)` (which queues its op 0: Service._open), or `then(why)`
+        if no room could be made."""
+        async def wait() -> None:
+            try:
+                await self.make_room(model, config, tenant)
+            except Exception as e:  # (refused: it could never fit, or the lane went away)
+                log.warning("no room for new model %s: %s", model, e)
+                then(e)
+                return
+            then(None)
+
+        task = asyncio.get_running_loop().create_task(wait())
+        self._waiting.add(task)  # (held: a task only the loop refers to may be collected)
+        task.add_done_callback(self._waiting.discard)
 
     async def _rebalance(self, needer: str) -> None:
         """Park the least recently used idle adapters until the bank is within budget

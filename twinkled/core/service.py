@@ -179,8 +179,7 @@ class Service:
         if config.rank == 0:
             self.lanes.exclusive.hold(lane, model, tenant)
         f = self.futures.new(tenant, "create_model", lambda _: answer(model))
-        self._open(lane, model, tenant, config)
-        return model, self.submit(Op(model, 0, CreateF(model, config), f))
+        return model, self._open(lane, tenant, config, Op(model, 0, CreateF(model, config), f))
 
     def tag_future(self, future_id: str, owner: str) -> None:
         """Record the run or sampler a request's future belongs to (a session's trace)."""
@@ -295,16 +294,43 @@ class Service:
             raise UserError("that model_seq_id is already used in this session") from None
         if stored.rank == 0:
             self.lanes.exclusive.hold(lane, model, tenant)
-        self._open(lane, model, tenant, stored)
         f = self.futures.new(tenant, "load_weights", lambda _: answer(model))
-        return model, self.submit(Op(model, 0, LoadF(model, checkpoint["dir"], optimizer,
-                                                     family), f))
+        return model, self._open(lane, tenant, stored,
+                                 Op(model, 0, LoadF(model, checkpoint["dir"], optimizer,
+                                                    family), f))
 
-    def _open(self, lane: Lane, model: str, tenant: str, config: LoraConfig) -> None:
-        """A new model on `lane`: it holds its adapter's room and takes ops from op 0."""
+    def _open(self, lane: Lane, tenant: str, config: LoraConfig, op: Op) -> Future:
+        """A new model on `lane`, its create or load (`op`, op 0) queued once its adapter
+        has room in the GPU bank. With room now (or a full-parameter run, on a lane of its
+        own), at once; else op 0 waits, queued nowhere, while the least recently used idle
+        adapters are parked (Residency.make_room), and its client polls meanwhile. Holding
+        the room first and parking behind let a burst of creates grow the workers' bank
+        past its budget: 1,000 runs created by 64 clients ran an H200 out of memory
+        (BENCHMARKS.md, session 20)."""
+        model = op.model_id
         self.lanes.place(model, lane)
-        lane.residency.room.hold(model, config)
-        lane.residency.open(model, tenant, 0)
+        residency = lane.residency
+        if config.rank == 0 or residency.room.fits(config):
+            residency.room.hold(model, config)
+            residency.open(model, tenant, 0)
+            return self.submit(op)
+        self.life.check_intake()  # (refused now, not after the wait)
+        residency.open(model, tenant, 0)
+        residency.when_room(model, config, tenant,
+                            lambda why: self._submit_waited(lane, op, why))
+        return op.future
+
+    def _submit_waited(self, lane: Lane, op: Op, why: Exception | None) -> None:
+        """Op 0 of a new model that waited for room: queued, or its future failed with why
+        (no room could be made, or the daemon stopped taking work meanwhile)."""
+        try:
+            if why is not None:
+                raise why
+            self.submit(op)
+        except Exception as e:
+            lane.residency.room.release(op.model_id)  # (it never came to be)
+            self.futures.fail(op.future, f"{type(e).__name__}: {e}" if why else str(e),
+                              "user" if isinstance(e, UserError | Draining) else "server")
 
     def sample(self, tenant: str, sampler: dict, frame: SampleF, encode: Encoder,
                record: tuple[list[str], list[int]] | None = None,

@@ -58,18 +58,21 @@ class Engine:
                  recompute: str = "auto", kv_bytes: int | None = None,
                  experts: ExpertSplit | None = None, prefix_cache: float = 0.0,
                  shared_prefix: int = MIN_SHARED, fused: str = "all", sample_rows: int = 256,
-                 rope_scaling: dict | None = None, max_seq_len: int | None = None):
+                 rope_scaling: dict | None = None, max_seq_len: int | None = None,
+                 bank_max_bytes: int | None = None):
         # `tp` (tp.py: TensorParallel): this rank holds a slice of the base model and of
         # every adapter; `dp_group` is then the group across the replicas. `experts`
         # (moe_parallel.py): this rank's share of an MoE model's experts. `rope_scaling`,
         # `max_seq_len`: rows longer than the model's config (long_context.py).
+        # `bank_max_bytes`: the bytes adapters may take on this rank (the daemon's adapter
+        # budget): no LoRA bank grows past them; None: no cap.
         self.model = BaseModel(model_dir, dtype=dtype, device=device, tp=tp, experts=experts,
                                rope_scaling=rope_scaling, max_seq_len=max_seq_len)
         self.shard = self.model.shard  # None unless split
         self.model.recompute.set_mode(recompute)  # activation checkpointing (recompute.py)
         self.model.fused = Fused.parse(fused)  # the layer's fused kernels (fused_ops.py)
         self.pool = LoraPool(self.model.targets, max_rank, self.model.device, self.model.dtype,
-                             shard=self.shard)
+                             shard=self.shard, bank_max_bytes=bank_max_bytes)
         self.token_budget = token_budget
         self.packed = packed  # rows end to end in a micro-batch, not padded (packed.py)
         # Packed rows of one adapter whose first this many positions agree compute them

@@ -62,7 +62,8 @@ class LoraPool:
     """Adds, finds and removes adapters; the base model's weights are never touched."""
 
     def __init__(self, targets: dict[str, tuple[int, int]], max_rank: int, device,
-                 dtype: torch.dtype = torch.float32, shard=None):
+                 dtype: torch.dtype = torch.float32, shard=None,
+                 bank_max_bytes: int | None = None):
         # targets: every module the model can adapt, "model.layers.0.self_attn.q_proj" ->
         # (in, out); the suffix (q_proj ...) is what a LoraConfig selects.
         self.targets = targets
@@ -71,6 +72,9 @@ class LoraPool:
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
+        # The bytes this rank's adapters may take (the daemon's adapter budget): no bank
+        # grows past them (lora_bank.py: Bank's max_bytes). None: no cap.
+        self.bank_max_bytes = bank_max_bytes
         self.banks: dict[tuple, Bank] = {}
         self.adapters: dict[str, Adapter] = {}
 
@@ -88,7 +92,8 @@ class LoraPool:
         bank_key = (config.rank, tuple(sorted(keys)))
         bank = self.banks.get(bank_key)
         if bank is None:
-            bank = self.banks[bank_key] = Bank(config.rank, keys, self.device, self.dtype)
+            bank = self.banks[bank_key] = Bank(config.rank, keys, self.device, self.dtype,
+                                               max_bytes=self.bank_max_bytes)
         slot = bank.allocate()
         self._init_weights(bank, slot, config.seed)
         adapter = Adapter(adapter_id, config, bank, slot)

@@ -16,6 +16,11 @@ BIG_BANK_BYTES = 2 * 2**30
 # weights for good (the sampler's prefix cache keys KV pages on it).
 _VERSIONS = itertools.count(1)
 
+
+class BankGrowthError(torch.OutOfMemoryError):
+    """A bank ran out of memory growing; it is left as it was, at its old capacity."""
+
+
 class Bank:
     """Adapters of one (rank, targets) shape. Slots are reused after removal.
 
@@ -30,7 +35,11 @@ class Bank:
     KINDS = ("w", "g", "m", "v")
 
     def __init__(self, rank: int, targets: dict[str, tuple[int, int]], device,
-                 dtype: torch.dtype = torch.float32, capacity: int = 4):
+                 dtype: torch.dtype = torch.float32, capacity: int = 4,
+                 max_bytes: int | None = None):
+        """`max_bytes`: the bytes the daemon lets this rank's adapters take (its accounting
+        decides which are resident); growth stops there rather than overshoot it by a
+        doubling or a quarter, but always takes at least one more slot. None: no cap."""
         self.rank = rank
         # key -> (in_features, out_features), or (in, out, experts) for an MoE layer's expert
         # parameter: each expert has its own pair, A [experts, r, in] and B [experts, out, r].
@@ -70,49 +79,125 @@ class Bank:
         self.vA: dict[str, torch.Tensor] = {}  # AdamW second moments
         self.vB: dict[str, torch.Tensor] = {}
         self._views: dict[tuple, list[torch.Tensor]] = {}
-        self._grow(capacity)
+        self.max_bytes = max_bytes
+        self._grow(self._capped(capacity))
 
     def _stores(self, kind: str) -> tuple[dict, dict]:
         return {"w": (self.A, self.B), "g": (self.gA, self.gB), "w16": (self.A16, self.B16),
                 "m": (self.mA, self.mB), "v": (self.vA, self.vB)}[kind]
 
-    def _grow(self, capacity: int) -> None:
-        old = self.capacity
-        # Every view into the old buffers goes first, so that each kind's old buffer is
-        # freed as soon as its rows are copied: growing then holds one old kind beside the
-        # grown bank, not the whole old bank.
-        if old:
-            self.flush()
-        self._views.clear()
+    def slot_bytes(self) -> int:
+        """Bytes a slot takes: fp32 weights, gradients and moments, and two compute-dtype
+        buffers, the copy of the weights and the gradient scratch (`scratch`); none apart
+        in fp32, where both are fp32 kinds themselves. protocol/sizing.adapter_bytes
+        counts the same."""
+        copies = 0 if self.dtype == torch.float32 else 2 * self.dtype.itemsize
+        return self.slot_numel * (4 * len(self.KINDS) + copies)
+
+    def _capped(self, capacity: int) -> int:
+        """`capacity`, or fewer slots where `max_bytes` holds fewer: never fewer than one
+        more than now."""
+        if self.max_bytes is None:
+            return capacity
+        return min(capacity, max(self.capacity + 1, self.max_bytes // self.slot_bytes()))
+
+    def _zeros(self, capacity: int) -> torch.Tensor:
+        return torch.zeros((capacity, self.slot_numel), dtype=torch.float32,
+                           device=self.device)
+
+    def _view_stores(self, capacity: int) -> None:
+        """Every store's per-module views (A, gA, ... A16) into the flat buffers, which
+        hold `capacity` rows."""
         for kind in (*self.KINDS, "w16"):
-            for store in self._stores(kind):
-                store.clear()
-        self._flat.pop("w16", None)  # made again from the masters below
-        self._flat.pop("gs", None)  # made again at its next use (`scratch`)
-        if self.parks(old, capacity):  # not even that fits: through host memory
-            self._flat = {k: v.cpu() for k, v in self._flat.items()}
-        for kind in self.KINDS:
-            flat = torch.zeros((capacity, self.slot_numel), dtype=torch.float32,
-                               device=self.device)
-            if kind in self._flat:
-                flat[:old].copy_(self._flat[kind])
-            self._flat[kind] = flat  # the old rows of this kind are freed here
-            stores = self._stores(kind)
+            flat, stores = self._flat[kind], self._stores(kind)
             for part, key, shape, at in self._layout:
                 view = flat[:, at:at + math.prod(shape)].view(capacity, *shape)
                 stores[0 if part == "A" else 1][key] = view
-        # The compute-dtype copy is one buffer too, in the same layout: a step refreshes
-        # an adapter's copy in one kernel, and modules that read one x (q/k/v) find their
-        # A's side by side in it (`stacked`).
-        if self.dtype == torch.float32:
-            self._flat["w16"] = self._flat["w"]
-        else:
-            self._flat["w16"] = self._flat["w"].to(self.dtype)
-        for part, key, shape, at in self._layout:
-            view = self._flat["w16"][:, at:at + math.prod(shape)].view(capacity, *shape)
-            (self.A16 if part == "A" else self.B16)[key] = view
+
+    def _grow(self, capacity: int) -> None:
+        through_host = self.parks(self.capacity, capacity)
+        try:
+            self._grow_once(capacity, through_host)
+        except BankGrowthError:
+            if through_host or not self.capacity:
+                raise
+            # The card's free memory was counted but not in one piece (the allocator's
+            # cache, fragmented): a 0.5B bank of 406 slots failed to take a 27 GiB buffer
+            # with 27 GiB free. Through host memory the old rows free theirs first.
+            self._grow_once(capacity, True)
+
+    def _grow_once(self, capacity: int, through_host: bool) -> None:
+        old = self.capacity
+        grown: set[str] = set()
+        parked = False
+        try:
+            # Every view into the old buffers goes first, so that each kind's old buffer is
+            # freed as soon as its rows are copied: growing then holds one old kind beside
+            # the grown bank, not the whole old bank.
+            if old:
+                self.flush()
+            self._views.clear()
+            for kind in (*self.KINDS, "w16"):
+                for store in self._stores(kind):
+                    store.clear()
+            self._flat.pop("w16", None)  # made again from the masters below
+            self._flat.pop("gs", None)  # made again at its next use (`scratch`)
+            if through_host:  # not even that fits: through host memory
+                parked = True
+                self._flat = {k: v.cpu() for k, v in self._flat.items()}
+            for kind in self.KINDS:
+                # the old rows of this kind are freed here (no local holds the new buffer:
+                # a failure further on finds only the bank's buffers to restore from)
+                self._flat[kind] = self._regrown(kind, old, capacity)
+                grown.add(kind)
+            # The compute-dtype copy is one buffer too, in the same layout: a step refreshes
+            # an adapter's copy in one kernel, and modules that read one x (q/k/v) find
+            # their A's side by side in it (`stacked`).
+            self._copy16()
+        except BaseException as e:
+            self._restore(old, grown, parked)
+            if isinstance(e, torch.OutOfMemoryError):
+                raise BankGrowthError(
+                    f"out of memory growing a LoRA bank from {old} to {capacity} slots of "
+                    f"{self.slot_bytes()} bytes (rank {self.rank}); it stays at {old} "
+                    f"slots: {e}") from e
+            raise
+        self._view_stores(capacity)
         self.free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
+
+    def _regrown(self, kind: str, old: int, capacity: int) -> torch.Tensor:
+        flat = self._zeros(capacity)
+        if kind in self._flat:
+            flat[:old].copy_(self._flat[kind])
+        return flat
+
+    def _copy16(self) -> None:
+        self._flat["w16"] = (self._flat["w"] if self.dtype == torch.float32
+                             else self._flat["w"].to(self.dtype))
+
+    def _restore(self, old: int, grown: set[str], parked: bool) -> None:
+        """After a failed growth: every kind back to its `old` rows on the device (a grown
+        kind as a view of its first rows, a parked one copied back), the compute-dtype copy
+        made again, the stores' views rebuilt. Where that finds no room either, every kind
+        goes through host memory: the device then holds what it held before the growth."""
+        self._flat.pop("w16", None)
+        try:
+            for kind in self.KINDS:
+                if kind not in self._flat:  # (a first growth: there were no rows)
+                    self._flat[kind] = self._zeros(old)
+                elif kind in grown:
+                    self._flat[kind] = self._flat[kind][:old]
+                elif parked:
+                    self._flat[kind] = self._flat[kind].to(self.device)
+            self._copy16()
+        except torch.OutOfMemoryError:
+            self._flat.pop("w16", None)
+            self._flat = {k: self._flat[k][:old].cpu() for k in self.KINDS}
+            self._flat = {k: v.to(self.device) for k, v in self._flat.items()}
+            self._copy16()
+        self._views.clear()
+        self._view_stores(old)
 
     def big(self, slots: int) -> bool:
         """A bank on a GPU over BIG_BANK_BYTES: it grows by a quarter, not by doubling."""
@@ -139,8 +224,8 @@ class Bank:
             # Doubling keeps growth rare; a big bank (GiBs a slot on a 32B model) grows by a
             # quarter instead, so a ninth adapter does not reserve room for sixteen.
             big = self.big(self.capacity)
-            self._grow(self.capacity + max(4, self.capacity // 4) if big
-                       else max(4, 2 * self.capacity))
+            self._grow(self._capped(self.capacity + max(4, self.capacity // 4) if big
+                                    else max(4, 2 * self.capacity)))
         return self.free.pop()
 
     def release(self, slot: int) -> None:

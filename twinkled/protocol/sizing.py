@@ -145,8 +145,9 @@ def step_bytes(cfg: dict, dtype_bytes: int, tokens: int, tp: int = 1,
 
 def adapter_bytes(cfg: dict, rank: int, attn: bool = True, mlp: bool = True,
                   unembed: bool = True, tp: int = 1) -> int:
-    """One adapter on one rank: fp32 weights, gradients and two AdamW moments, and the
-    compute-dtype copy the passes read (18 bytes a parameter), for the modules it trains.
+    """One adapter on one rank: fp32 weights, gradients and two AdamW moments, the
+    compute-dtype copy the passes read and the compute-dtype gradient scratch a backward
+    adds to (20 bytes a parameter: engine/lora_bank.py), for the modules it trains.
     An MoE model's MLP adapter covers every expert (experts replace the dense MLP)."""
     h, heads, kv, d, inter, layers, vocab = _dims(cfg)
     per_layer = 0
@@ -154,7 +155,7 @@ def adapter_bytes(cfg: dict, rank: int, attn: bool = True, mlp: bool = True,
         per_layer += (h + heads * d // tp) * 2 + (h + kv * d // tp) * 2
     if mlp:
         per_layer += _mlp_lora(cfg, h, inter, tp)
-    return 18 * rank * (layers * per_layer + ((h + _vocab(vocab, tp)) if unembed else 0))
+    return 20 * rank * (layers * per_layer + ((h + _vocab(vocab, tp)) if unembed else 0))
 
 
 def adapter_budget(cfg: dict, card: int, dtype_bytes: int, tokens: int, tp: int = 1,

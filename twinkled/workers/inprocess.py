@@ -34,7 +34,7 @@ class InProcessGroup:
                  persist_every: int = 1,
                  sample_prefix_cache: float = 0.0, logprob_gap_every: int = 0,
                  max_seq_len: int = 0, rope_scaling: dict | None = None,
-                 checkpoint_store: dict | None = None):
+                 checkpoint_store: dict | None = None, bank_max_bytes: int | None = None):
         self.devices = [device]
         self.model_info: dict = {}
         self.restarts = 0
@@ -45,7 +45,8 @@ class InProcessGroup:
                              "kv_bytes": sample_kv_mb << 20 or None, "sample_rows": sample_rows,
                              "prefix_cache": sample_prefix_cache,
                              "max_seq_len": max_seq_len or None,
-                             "rope_scaling": rope_scaling or None}
+                             "rope_scaling": rope_scaling or None,
+                             "bank_max_bytes": bank_max_bytes}
         self._model = str(model)
         self._live_dir, self._persist_every = live_dir, persist_every
         self._gap_every = logprob_gap_every

@@ -169,7 +169,8 @@ def _start(args: dict):
                     dp_group=dp_group, tp=tp, experts=experts,
                     recompute=args.get("activation_checkpointing", "auto"),
                     max_seq_len=args.get("max_seq_len") or None,
-                    rope_scaling=args.get("rope_scaling") or None)
+                    rope_scaling=args.get("rope_scaling") or None,
+                    bank_max_bytes=args.get("bank_max_bytes"))
     if cp is not None and engine.model.sinks is not None:  # (gpt_oss.py: no split attention)
         raise ValueError("cp: context parallelism does not split 'gpt_oss' attention (sinks, "
                          "sliding windows) yet; run it with cp 1")

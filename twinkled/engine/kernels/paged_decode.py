@@ -68,10 +68,10 @@ import triton.language as tl
 BLOCK_N = 64  # tokens per tile (any power of two >= 16; independent of the page size)
 # One part a row (many rows, or short ones): the split kernel writes the row's output, no
 # partials and no combine kernel (the 8B's wide decode, 256 rows: 36 kernels a step fewer,
-# ~6 us each). The same bits as the combine (tests/test_engine_kernels.py); compiled for
-# sm_90 on a CPU, but not yet run on a card: off until `gpu_pass.sh direct` has checked and
-# timed it there.
-DIRECT = False
+# ~6 us each). The same bits as the combine (tests/test_engine_kernels.py); checked on an
+# H200 (`gpu_pass.sh direct`: the running and q/k prep tests compiled, 30 passed) and timed
+# there: the 8B wide step 16.23 -> 16.07 ms, the fan-out (several parts a row) unchanged.
+DIRECT = True
 MAX_SPLITS = 64
 # The cascade's launch: pipeline stages of the rows' own kernel (short loops then), the
 # prefix kernel's stages, warps, tile and how many times its programs fill the card. Swept

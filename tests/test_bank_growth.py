@@ -1,0 +1,185 @@
+"""A LoRA bank's growth (engine/lora_bank.py): one that runs out of memory part-way leaves
+the bank as it was, at its old capacity, and usable; `max_bytes` (the daemon's adapter
+budget, carried to the workers) stops a growth from overshooting it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from twinkled.core.make_executor import worker_options
+from twinkled.engine.lora_bank import Bank
+from twinkled.protocol.config import Config
+from twinkled.protocol.sizing import GiB
+from twinkled.protocol.types import LoraConfig
+
+TARGETS = {"q": (4, 6), "k": (4, 3), "up": (4, 8)}
+
+
+def _bank(dtype=torch.float32, **kw) -> Bank:
+    """A full bank of 4 slots, every kind of state random."""
+    bank = Bank(2, TARGETS, "cpu", dtype, **kw)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(bank.capacity):
+        slot = bank.allocate()
+        for kind in bank.KINDS:
+            bank.flat(slot, kind).copy_(torch.randn(bank.slot_numel, generator=gen))
+        bank.changed(slot)
+    bank.refresh()
+    assert not bank.free
+    return bank
+
+
+def _state(bank: Bank) -> dict:
+    return {(slot, kind): [t.clone() for t in bank.tensors(slot, kind)]
+            for slot in range(bank.capacity) for kind in (*bank.KINDS, "w16")}
+
+
+def _same(bank: Bank, state: dict) -> None:
+    for (slot, kind), want in state.items():
+        got = bank.tensors(slot, kind)
+        assert len(got) == len(want)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (slot, kind)
+    for part, key, _, _ in bank._layout:  # the per-module stores too, at the capacity
+        for kind in (*bank.KINDS, "w16"):
+            store = bank._stores(kind)[0 if part == "A" else 1][key]
+            assert store.shape[0] == bank.capacity
+            assert torch.equal(store, bank.part(kind, part, key))
+    assert all(f.shape[0] == bank.capacity for f in bank._flat.values())
+
+
+def _fail_on(monkeypatch, owner, name: str, nth: set[int], when=lambda *a, **k: True):
+    """`owner.name` raises out of memory at its calls numbered in `nth` (of those `when`
+    picks)."""
+    real, calls = getattr(owner, name), [0]
+
+    def fake(*args, **kwargs):
+        if when(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] in nth:
+                raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, fake)
+
+
+def _grow_fails_then_works(monkeypatch, bank: Bank) -> None:
+    state = _state(bank)
+    with pytest.raises(torch.OutOfMemoryError) as failed:
+        bank.allocate()
+    monkeypatch.undo()
+    assert bank.capacity == 4 and not bank.free
+    _same(bank, state)
+    slot = bank.allocate()  # grows now, keeping every old slot bit-exact
+    assert bank.capacity == 8 and slot == 4
+    _same(bank, state)
+    assert f"from 4 to 8 slots of {bank.slot_bytes()} bytes" in str(failed.value)
+    assert all(t.abs().sum() == 0 for kind in bank.KINDS for t in bank.tensors(slot, kind))
+
+
+@pytest.mark.parametrize("parked", [False, True])
+def test_growth_out_of_memory_at_a_kind_leaves_the_bank_as_it_was(monkeypatch, parked):
+    bank = _bank()
+    if parked:  # through host memory (a big bank on a full card): on a CPU, the same path
+        monkeypatch.setattr(bank, "parks", lambda old, capacity: True)
+    # the third kind's new buffer ("m") finds no room: "w" and "g" are grown already; a
+    # growth on the card is tried again through host memory, whose "m" fails too
+    _fail_on(monkeypatch, torch, "zeros", {3} if parked else {3, 6})
+    _grow_fails_then_works(monkeypatch, bank)
+
+
+def test_growth_out_of_memory_on_the_card_is_tried_through_host_memory(monkeypatch):
+    # (on the card: free memory counted, but not in one piece)
+    bank = _bank()
+    state, through = _state(bank), []
+    real = bank._grow_once
+    monkeypatch.setattr(bank, "_grow_once", lambda c, host: through.append(host) or real(c, host))
+    _fail_on(monkeypatch, torch, "zeros", {3})
+    assert bank.allocate() == 4 and bank.capacity == 8
+    assert through == [False, True]
+    _same(bank, state)
+
+
+def test_growth_out_of_memory_at_the_compute_copy(monkeypatch):
+    # the copy fails at 8 slots on the card and again through host memory
+    bank = _bank(torch.bfloat16)
+    _fail_on(monkeypatch, torch.Tensor, "to", {1, 3},
+             when=lambda self, *a, **k: torch.bfloat16 in a or k.get("dtype") == torch.bfloat16)
+    _grow_fails_then_works(monkeypatch, bank)
+
+
+def test_restore_goes_through_host_memory_when_the_card_is_full(monkeypatch):
+    # the compute copy fails at 8 slots, then again at 4 beside the grown kinds: the kinds
+    # are compacted through host memory and the copy made again (both tries)
+    bank = _bank(torch.bfloat16)
+    _fail_on(monkeypatch, torch.Tensor, "to", {1, 2, 4, 5},
+             when=lambda self, *a, **k: torch.bfloat16 in a or k.get("dtype") == torch.bfloat16)
+    _grow_fails_then_works(monkeypatch, bank)
+
+
+def test_max_bytes_caps_growth():
+    probe = Bank(2, TARGETS, "cpu")
+    assert probe.slot_bytes() == 16 * probe.slot_numel
+    assert Bank(2, TARGETS, "cpu", torch.bfloat16).slot_bytes() == 20 * probe.slot_numel
+    n = 5  # doubling from 4 would give 8
+    bank = Bank(2, TARGETS, "cpu", max_bytes=n * probe.slot_bytes() + 7)
+    slots = [bank.allocate() for _ in range(n)]
+    assert bank.capacity == n and sorted(slots) == list(range(n))
+    assert bank.allocate() == n and bank.capacity == n + 1  # past the cap: one more slot
+    small = Bank(2, TARGETS, "cpu", max_bytes=2 * probe.slot_bytes())
+    assert small.capacity == 2  # the first growth is capped too
+    assert Bank(2, TARGETS, "cpu", max_bytes=0).capacity == 1
+    assert Bank(2, TARGETS, "cpu").capacity == 4  # no cap: as before
+
+
+def test_adapter_budget_reaches_the_banks(tiny_dir, tmp_path):
+    cfg = Config(model=tiny_dir, data_dir=tmp_path, device="cpu", dtype="float32")
+    assert worker_options(cfg, ["cpu"])["bank_max_bytes"] is None
+    assert worker_options(cfg, ["cpu"], 12345)["bank_max_bytes"] == 12345
+    cfg = Config(model=tiny_dir, data_dir=tmp_path, device="cpu", dtype="float32",
+                 adapter_memory_gb=0.5)
+    assert worker_options(cfg, ["cpu"], 12345)["bank_max_bytes"] == GiB // 2
+    from helpers import make_engine
+
+    engine = make_engine(tiny_dir, bank_max_bytes=12345)
+    engine.add_adapter("a", LoraConfig(rank=4, seed=1))
+    (bank,) = engine.pool.banks.values()
+    assert bank.max_bytes == 12345 and bank.capacity == 1
+
+
+def test_a_burst_of_creates_past_the_budget_waits_for_room_not_a_bigger_bank(tiny_dir,
+                                                                              tmp_path):
+    """3N creates at once with a GPU budget of N adapters: every one is created (none
+    refused), the least recently used parked to make room, and the worker's bank never
+    grows past the budget (creates had held their room at once and parked behind: 64
+    clients creating 1,000 runs grew a 0.5B bank past an H200's memory)."""
+    import asyncio
+
+    from test_service import done, run, service
+
+    from twinkled.protocol.sizing import adapter_bytes
+
+    n = 2
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+
+    async def burst():
+        async with service(tiny_dir, tmp_path, adapter_memory_gb=(n + 0.5) * one / GiB,
+                           host_adapter_memory_gb=4 * one / GiB) as box:
+            futures = []
+            for i in range(3 * n):
+                tenant = f"t{i}"
+                box.store.tenants.ensure(tenant)
+                session = box.store.sessions.create(tenant)
+                futures.append(box.svc.create_model(
+                    tenant, session, None, LoraConfig(rank=4, alpha=8.0, seed=i), {},
+                    lambda model: (b"{}", "application/json"))[1])
+            await asyncio.gather(*(done(f) for f in futures))
+            assert [f.error for f in futures] == [None] * (3 * n)
+            residency = box.svc.lanes.all[0].residency
+            assert residency.count() <= n
+            assert residency.tiers.status()["moves"].get("to_host", 0) >= n
+            runner = box.svc.lanes.all[0].executor.group._runner
+            (bank,) = runner.engine.pool.banks.values()
+            assert bank.max_bytes == int((n + 0.5) * one)
+            assert bank.capacity <= bank.max_bytes // bank.slot_bytes(), bank.capacity
+
+    run(burst())
