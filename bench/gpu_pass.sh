@@ -155,7 +155,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_engine_running
                       tests/test_flash_varlen.py tests/test_shared_prefix.py \
                       tests/test_engine_packed.py tests/test_logprob_gap.py tests/test_qk_prep.py \
                       "tests/test_lora_kernels.py::test_modules_sharing_an_input_in_one_launch_add_the_same_bits" \
-                      tests/test_sample_kernel.py) \
+                      tests/test_sample_kernel.py tests/test_bank_growth.py) \
                       2>&1 | tail -40 | tee "$out/gpucheck.txt"
                   (cd .. && TRITON_INTERPRET=0 TWINKLE_TEST_DEVICE=cuda "$py" -c "
 import sys, pytest, twinkled.engine.flash_varlen as f

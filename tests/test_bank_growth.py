@@ -183,3 +183,43 @@ def test_a_burst_of_creates_past_the_budget_waits_for_room_not_a_bigger_bank(tin
             assert bank.capacity <= bank.max_bytes // bank.slot_bytes(), bank.capacity
 
     run(burst())
+
+
+def test_a_park_on_a_full_card_copies_view_by_view(tiny_dir, monkeypatch):
+    """On a GPU (TWINKLE_TEST_DEVICE=cuda): where the card has no room for a parked
+    adapter's flat copy (its snapshot's cat, its way back in), the park and the unpark go
+    view by view through host memory, bit for bit (the 1,000-run bench: a park failed for
+    want of 202 MiB beside a full bank)."""
+    from helpers import DEVICE, adapter_snapshot, ce_request, make_engine
+
+    from twinkled.protocol.types import AdamParams
+    from twinkled.workers.parked import HostTier
+
+    if DEVICE != "cuda":
+        pytest.skip("the device copies of a park: CUDA")
+    engine = make_engine(tiny_dir)
+    vocab, gen = engine.model.vocab_size, torch.Generator().manual_seed(0)
+    engine.add_adapter("a", LoraConfig(rank=4, seed=1))
+    engine.forward_backward([ce_request("a", gen, vocab, [5, 7])])
+    engine.optim_step("a", AdamParams(learning_rate=1e-2))
+    before = adapter_snapshot(engine, "a")
+    real_cat, real_empty = torch.cat, torch.empty
+
+    def cat(ts, *a, **k):
+        if ts and ts[0].is_cuda:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real_cat(ts, *a, **k)
+
+    def empty(*a, device=None, **k):
+        if device is not None and torch.device(device).type == "cuda":
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real_empty(*a, device=device, **k)
+
+    monkeypatch.setattr(torch, "cat", cat)
+    monkeypatch.setattr(torch, "empty", empty)
+    tier = HostTier(engine)
+    tier.park("a")
+    tier.unpark("a")
+    monkeypatch.undo()
+    after = adapter_snapshot(engine, "a")
+    assert all(before[k].equal(after[k]) for k in before)

@@ -112,7 +112,13 @@ def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
     device = views[0].device
     total = sum(v.numel() for v in views)
     host = torch.empty(total, dtype=views[0].dtype, pin_memory=True)
-    if total >= SMALL_SNAPSHOT:
+    flat = None
+    if total < SMALL_SNAPSHOT:
+        try:
+            flat = torch.cat([v.reshape(-1) for v in views])
+        except torch.OutOfMemoryError:  # a card near full (a bank at its budget): as a big one
+            flat = None
+    if flat is None:
         # A big adapter (a 32B model's, with its moments, is GiBs) is copied view by view
         # and waited for: a cat would need as much free GPU memory again beside a model
         # that fills the card, and so would keeping its gathered tensor-parallel slices
@@ -124,7 +130,6 @@ def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
             at += v.numel()
         torch.cuda.current_stream(device).synchronize()
         return Snapshot(adapter.config, adapter.steps, names, host)
-    flat = torch.cat([v.reshape(-1) for v in views])
     stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -146,7 +151,10 @@ def to_device(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
     stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
     compute = torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
-        out = torch.empty(flat.shape, dtype=flat.dtype, device=device)
+        try:
+            out = torch.empty(flat.shape, dtype=flat.dtype, device=device)
+        except torch.OutOfMemoryError:  # a card near full: from the host, as a big one
+            return flat
         out.copy_(flat, non_blocking=flat.is_pinned())
     compute.wait_stream(stream)
     out.record_stream(compute)  # allocated on the side stream, read on the compute one
