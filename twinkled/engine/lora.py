@@ -106,6 +106,15 @@ class LoraPool:
         return {k: s if self.shard is None else self.shard.local_shape(k, s)
                 for k, s in self.targets.items() if k.rsplit(".", 1)[-1] in modules}
 
+    def full_bank(self, config: LoraConfig) -> Bank | None:
+        """The bank an adapter of `config` goes into, if it has no free slot and holds all
+        its budget does (a new adapter would grow it past the budget); else None."""
+        bank = self.banks.get((config.rank, tuple(sorted(self._keys(config)))))
+        return bank if bank is not None and not bank.free and bank.at_cap() else None
+
+    def bank_of(self, adapter_id: str) -> Bank:
+        return self.get(adapter_id).bank
+
     def has_slot(self, config: LoraConfig) -> bool:
         """Whether adding an adapter of `config` takes a free slot of a bank that exists
         (grows no buffer: safe between two micro-batches of a step in flight)."""

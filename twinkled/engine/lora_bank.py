@@ -101,6 +101,10 @@ class Bank:
             return capacity
         return min(capacity, max(self.capacity + 1, self.max_bytes // self.slot_bytes()))
 
+    def at_cap(self) -> bool:
+        """Every slot the budget (`max_bytes`) holds is made: a growth goes past it."""
+        return self.max_bytes is not None and self.capacity >= self.max_bytes // self.slot_bytes()
+
     def _zeros(self, capacity: int) -> torch.Tensor:
         return torch.zeros((capacity, self.slot_numel), dtype=torch.float32,
                            device=self.device)

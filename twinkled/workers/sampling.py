@@ -61,6 +61,7 @@ class SampleRunner:
         # Requests too large for the running batch while it is busy, with the same three:
         # they start, in order, once it is idle (it then grows to hold them).
         self.deferred: list[tuple[SampleRequest, tuple[str | None, str, bool]]] = []
+        self._hold: set[str] = set()  # the last step's `hold`: samplers samples still use
 
     def run(self, step: StepF, nudged: Callable[[], bool] | None = None) -> list[OutcomeF]:
         """This rank's share of the step's samples. Sliced (`step.slice_s` > 0, and an
@@ -70,6 +71,7 @@ class SampleRunner:
         names them); the rest go on at the next "sample" or "slice" step (`news` says
         which). Else this step's samples run to completion."""
         ops = step.ops
+        self._hold = set(step.hold)
         for key in step.cancel:
             self._cancel(key)
         good, outcomes = self._requests(ops)
@@ -240,6 +242,32 @@ class SampleRunner:
                 break
             self.sampler_lru.pop(old)
             self._park(old)
+
+    def give_room(self, bank) -> None:
+        """A training adapter needs a slot of `bank`, which holds what the daemon's budget
+        does (`LoraPool.full_bank`): the budget counts training adapters, and samplers take
+        what is left. So the bank's fresh sampler copies leave it (their files will do),
+        then its least recently used samplers no sample uses (to host memory), until a slot
+        is free; else the bank grows past the budget, one slot at a time (a big bank's
+        growth copies it whole, and may find no room). Not where every rank must evict
+        alike (tensor-parallel, or over hosts): those samplers stay."""
+        if self.split or self.spans_hosts:
+            return
+        pool = self.engine.pool
+        for directory, name in list(self.fresh.items()):
+            if bank.free:
+                return
+            if pool.bank_of(name) is bank:
+                del self.fresh[directory]
+                self.engine.remove_adapter(name)
+        busy = {*self._hold, *(q[0] for q in self.queued.values()),
+                *(q[0] for _, q in self.deferred)}
+        for aid in list(self.sampler_lru):
+            if bank.free:
+                return
+            if aid not in busy and self.engine.has_adapter(aid) and pool.bank_of(aid) is bank:
+                self.sampler_lru.pop(aid)
+                self._park(aid)
 
     def _park(self, adapter_id: str) -> None:
         """An evicted sampler to host memory (its files stay the disk tier)."""
