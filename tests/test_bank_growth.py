@@ -225,21 +225,22 @@ def test_a_park_on_a_full_card_copies_view_by_view(tiny_dir, monkeypatch):
     assert all(before[k].equal(after[k]) for k in before)
 
 
-def test_samplers_give_their_bank_slots_to_training_adapters_at_the_budget(tiny_dir,
-                                                                          tmp_path):
-    """The daemon's budget counts training adapters; a bank that holds all of it and a
-    sampler makes room for the next training adapter by parking the sampler to host memory
-    (SampleRunner.give_room), rather than grow past the budget; the sampler's next sample
-    brings it back and draws the same tokens."""
+def test_samplers_take_only_what_the_budget_leaves_of_a_bank(tiny_dir, tmp_path):
+    """The daemon's budget counts training adapters; samplers take what it leaves. A bank
+    that holds all of the budget makes room by parking its least recently used idle
+    sampler to host memory (SampleRunner.give_room), for a training adapter and for another
+    sampler alike, rather than grow past the budget; a parked sampler's next sample brings
+    it back and draws the same tokens."""
     from helpers import make_engine
 
     from twinkled.protocol.frames import CreateF, SampleF, SamplingF, StepF, buf
     from twinkled.workers.runner import StepRunner
 
     probe = make_engine(tiny_dir)
-    probe.add_adapter("src", LoraConfig(rank=4, seed=7))
-    probe.save("src", tmp_path / "sampler")
-    slot = probe.pool.bank_of("src").slot_bytes()
+    for seed in (7, 8):
+        probe.add_adapter(f"src{seed}", LoraConfig(rank=4, seed=seed))
+        probe.save(f"src{seed}", tmp_path / f"sampler{seed}")
+    slot = probe.pool.bank_of("src7").slot_bytes()
     engine = make_engine(tiny_dir, bank_max_bytes=2 * slot)
     runner = StepRunner(engine, 0, 1, None)
 
@@ -247,20 +248,23 @@ def test_samplers_give_their_bank_slots_to_training_adapters_at_the_budget(tiny_
         [out] = runner.run(StepF(seed, "barrier", [CreateF(name, LoraConfig(rank=4, seed=seed))]))
         assert out.error is None, out.error
 
-    def tokens() -> list[int]:
-        f = SampleF("s", buf([3, 1, 4], "int64"), SamplingF(8, 0.0, -1, 1.0, None, []),
-                    load_from=str(tmp_path / "sampler"))
-        f.key = "s"
+    def tokens(sampler: str, seed: int) -> list[int]:
+        f = SampleF(sampler, buf([3, 1, 4], "int64"), SamplingF(8, 0.0, -1, 1.0, None, []),
+                    load_from=str(tmp_path / f"sampler{seed}"))
+        f.key = sampler
         [out] = runner.run(StepF(0, "sample", [f], 0.0))
         assert out.error is None, out.error
         return out.sample.sequences[0].tokens
 
     create("t1", 1)
-    first = tokens()
+    first = tokens("s7", 7)
     bank = engine.pool.bank_of("t1")
-    assert bank.capacity == 2 and not bank.free and engine.has_adapter("s")
-    create("t2", 2)  # the sampler leaves for host memory; the bank stays at the budget
-    assert bank.capacity == 2 and not engine.has_adapter("s")
-    assert "s" in runner.sampling.parked
-    assert tokens() == first  # back (past the budget: samplers are not budgeted)
-    assert engine.has_adapter("s") and bank.capacity == 3
+    assert bank.capacity == 2 and not bank.free and engine.has_adapter("s7")
+    other = tokens("s8", 8)  # s7 makes room for s8
+    assert bank.capacity == 2 and not engine.has_adapter("s7") and "s7" in runner.sampling.parked
+    assert tokens("s7", 7) == first and "s8" in runner.sampling.parked  # and back
+    create("t2", 2)  # a training adapter: s7 leaves; the bank stays at the budget
+    assert bank.capacity == 2 and not engine.has_adapter("s7")
+    assert engine.has_adapter("t1") and engine.has_adapter("t2")
+    assert tokens("s8", 8) == other  # past the budget now: samplers are not budgeted
+    assert engine.has_adapter("s8") and bank.capacity == 3

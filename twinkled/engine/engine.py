@@ -36,6 +36,7 @@ from .full_param import FullRun, FullSlot, is_full_checkpoint
 from .fused_ops import Fused
 from .lora import Adapter, LoraPool
 from .lora_adapters import LoraAdapters
+from .lora_bank import Bank
 from .model import BaseModel
 from .moe_parallel import ExpertSplit
 from .running import KV_BYTES, Finished, RunningBatch, pool_tokens
@@ -136,6 +137,11 @@ class Engine:
     def is_full(self, adapter_id: str | None) -> bool:
         """Whether `adapter_id` is the full run, or a sampler view of its weights."""
         return self._full.holds(adapter_id)
+
+    def when_bank_full(self, make_room: Callable[[Bank], None]) -> None:
+        """`make_room(bank)` runs before a new adapter would grow `bank` past the budget
+        (`bank_max_bytes`): the worker's samplers leave it (LoraPool.at_budget)."""
+        self.pool.at_budget = make_room
 
     def copy_adapter(self, src: str, dst: str) -> AdapterInfo:
         """A new adapter `dst` with `src`'s configuration and current weights, but none of

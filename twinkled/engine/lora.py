@@ -19,6 +19,7 @@ about half the LoRA ops of the gathered one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +78,10 @@ class LoraPool:
         self.bank_max_bytes = bank_max_bytes
         self.banks: dict[tuple, Bank] = {}
         self.adapters: dict[str, Adapter] = {}
+        # Called with a bank that a new adapter would grow past the budget (no free slot,
+        # every slot the budget holds made): the worker's samplers make room there
+        # (workers/sampling.py, SampleRunner.give_room). None: the bank grows.
+        self.at_budget: Callable[[Bank], None] | None = None
 
     def add(self, adapter_id: str, config: LoraConfig) -> Adapter:
         if adapter_id in self.adapters:
@@ -94,6 +99,8 @@ class LoraPool:
         if bank is None:
             bank = self.banks[bank_key] = Bank(config.rank, keys, self.device, self.dtype,
                                                max_bytes=self.bank_max_bytes)
+        if not bank.free and bank.at_cap() and self.at_budget is not None:
+            self.at_budget(bank)
         slot = bank.allocate()
         self._init_weights(bank, slot, config.seed)
         adapter = Adapter(adapter_id, config, bank, slot)
@@ -105,12 +112,6 @@ class LoraPool:
         modules = config.target_modules + (EXPERT_MODULES if config.train_mlp else ())
         return {k: s if self.shard is None else self.shard.local_shape(k, s)
                 for k, s in self.targets.items() if k.rsplit(".", 1)[-1] in modules}
-
-    def full_bank(self, config: LoraConfig) -> Bank | None:
-        """The bank an adapter of `config` goes into, if it has no free slot and holds all
-        its budget does (a new adapter would grow it past the budget); else None."""
-        bank = self.banks.get((config.rank, tuple(sorted(self._keys(config)))))
-        return bank if bank is not None and not bank.free and bank.at_cap() else None
 
     def bank_of(self, adapter_id: str) -> Bank:
         return self.get(adapter_id).bank

@@ -26,7 +26,7 @@ import torch
 from twinkled.engine import Engine
 from twinkled.engine.live import unflatten
 from twinkled.engine.state import Snapshot, snapshot, to_device, write_into
-from twinkled.protocol.types import AdapterInfo, EngineInputError, LoraConfig
+from twinkled.protocol.types import AdapterInfo, EngineInputError
 
 
 @dataclass
@@ -47,11 +47,6 @@ class HostTier:
 
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self._parked
-
-    def config(self, adapter_id: str) -> LoraConfig | None:
-        """A parked adapter's config (None: not parked here)."""
-        p = self._parked.get(adapter_id)
-        return None if p is None else p.snap.config
 
     def __len__(self) -> int:
         return len(self._parked)

@@ -43,7 +43,7 @@ from twinkled.protocol.frames import (
     UnparkF,
 )
 from twinkled.protocol.prefixes import datum_costs
-from twinkled.protocol.types import Datum, ForwardBackwardRequest, LogprobGap, LoraConfig
+from twinkled.protocol.types import Datum, ForwardBackwardRequest, LogprobGap
 
 from .parked import HostTier
 from .patch_cache import PATCHES
@@ -311,7 +311,6 @@ class StepRunner:
         engine, aid = self.engine, op.adapter_id
         match op:
             case CreateF(config=config):
-                self._bank_room(config)
                 engine.add_adapter(aid, config)
                 self.marks[aid] = op.mark
                 self._persist(aid)
@@ -374,8 +373,6 @@ class StepRunner:
                 self.parked.park(aid)
                 return OutcomeF(i)
             case UnparkF():
-                if (config := self.parked.config(aid)) is not None:
-                    self._bank_room(config)
                 return OutcomeF(i, info=self.parked.unpark(aid, grow=self._grow))
             case PersistF():  # a hot restart: everything on disk before we answer
                 if engine.has_adapter(aid):
@@ -397,13 +394,6 @@ class StepRunner:
             return OutcomeF(i, error="persisting timed out", category="server")
         return OutcomeF(i)
 
-    def _bank_room(self, config: LoraConfig) -> None:
-        """Before a training adapter takes a slot: where its bank holds all the daemon's
-        budget does, samplers in it make room (`SampleRunner.give_room`)."""
-        bank = self.engine.pool.full_bank(config)
-        if bank is not None:
-            self.sampling.give_room(bank)
-
     def _restore(self, aid: str, op: RestoreF):
         """An adapter from its last persisted state, or fresh if it never got one; and the
         journal position that state holds (the daemon replays what came after)."""
@@ -414,7 +404,6 @@ class StepRunner:
             if self.engine.has_adapter(aid):
                 self.engine.remove_adapter(aid)
             self.parked.drop(aid)  # what is restored replaces a parked copy
-            self._bank_room(op.config)
             if version is None:
                 info, mark = self.engine.add_adapter(aid, op.config), 0
             else:

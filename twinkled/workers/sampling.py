@@ -61,7 +61,11 @@ class SampleRunner:
         # Requests too large for the running batch while it is busy, with the same three:
         # they start, in order, once it is idle (it then grows to hold them).
         self.deferred: list[tuple[SampleRequest, tuple[str | None, str, bool]]] = []
-        self._hold: set[str] = set()  # the last step's `hold`: samplers samples still use
+        # Samplers in use besides the queued and deferred samples': the daemon's `hold`,
+        # and while a step runs, its samples' (`give_room` leaves them be)
+        self._hold: set[str] = set()
+        # A bank at the daemon's budget: its samplers make room for what comes in
+        engine.when_bank_full(self.give_room)
 
     def run(self, step: StepF, nudged: Callable[[], bool] | None = None) -> list[OutcomeF]:
         """This rank's share of the step's samples. Sliced (`step.slice_s` > 0, and an
@@ -71,7 +75,7 @@ class SampleRunner:
         names them); the rest go on at the next "sample" or "slice" step (`news` says
         which). Else this step's samples run to completion."""
         ops = step.ops
-        self._hold = set(step.hold)
+        self._hold = {*step.hold, *(op.adapter_id for op in ops)}
         for key in step.cancel:
             self._cancel(key)
         good, outcomes = self._requests(ops)
@@ -100,6 +104,7 @@ class SampleRunner:
             self._evict({*step.hold, *(q[0] for q in self.queued.values()),
                          *(q[0] for _, q in self.deferred),
                          *(ops[i].adapter_id for i, _ in good)})
+        self._hold = set(step.hold)  # (this step's own samples are done, or queued)
         return outcomes
 
     def news(self) -> SlicedF | None:
@@ -244,13 +249,13 @@ class SampleRunner:
             self._park(old)
 
     def give_room(self, bank) -> None:
-        """A training adapter needs a slot of `bank`, which holds what the daemon's budget
-        does (`LoraPool.full_bank`): the budget counts training adapters, and samplers take
-        what is left. So the bank's fresh sampler copies leave it (their files will do),
-        then its least recently used samplers no sample uses (to host memory), until a slot
-        is free; else the bank grows past the budget, one slot at a time (a big bank's
-        growth copies it whole, and may find no room). Not where every rank must evict
-        alike (tensor-parallel, or over hosts): those samplers stay."""
+        """An adapter (a training run's, or a sampler) needs a slot of `bank`, which holds
+        what the daemon's budget does (`LoraPool.at_budget`): the budget counts training
+        adapters, and samplers take what is left. So the bank's fresh sampler copies leave
+        it (their files will do), then its least recently used samplers no sample uses (to
+        host memory), until a slot is free; else the bank grows past the budget, one slot
+        at a time (a big bank's growth copies it whole, and may find no room). Not where
+        every rank must evict alike (tensor-parallel, or over hosts): those samplers stay."""
         if self.split or self.spans_hosts:
             return
         pool = self.engine.pool
