@@ -68,9 +68,11 @@ def client(args: argparse.Namespace) -> None:
 
     rng = random.Random(args.seed)
     sc = tinker.ServiceClient(base_url=args.url, api_key=args.key)
+    created = time.time()
     runs = [sc.create_lora_training_client(base_model=args.base_model, rank=args.rank,
                                            train_unembed=False).result(timeout=3600)
             for _ in range(args.runs_per_client)]
+    created = (created, time.time())  # (when this client's creates began, ended)
     data = random_data(args, rng)
     adam = tinker.types.AdamParams(learning_rate=1e-4)
     for tc in runs[:1]:  # warm-up: the first run's first step
@@ -96,7 +98,8 @@ def client(args: argparse.Namespace) -> None:
                 continue
             lat.append(time.perf_counter() - s)
     print(json.dumps({"lat": lat, "tokens": len(lat) * args.batch * args.seq,
-                      "errors": errors, "t0": t0, "t1": time.time()}), flush=True)
+                      "errors": errors, "t0": t0, "t1": time.time(), "created": created}),
+          flush=True)
 
 
 def phase(url: str, keys: list[str], args: argparse.Namespace, vocab: int, model: str,
@@ -132,7 +135,9 @@ def phase(url: str, keys: list[str], args: argparse.Namespace, vocab: int, model
     back = moves["from_host"] + moves["from_disk"]
     hits, misses = (after.get("prefetch", {}).get(k, 0) - before["prefetch"].get(k, 0)
                     for k in ("hits", "misses"))
-    return {"tps": sum(r["tokens"] for r in res) / wall, "p50": pct(lat, 0.5),
+    # the creates of every client, first begun to last done (they wait for room in the bank)
+    create_s = max(r["created"][1] for r in res) - min(r["created"][0] for r in res)
+    return {"create_s": create_s, "tps": sum(r["tokens"] for r in res) / wall, "p50": pct(lat, 0.5),
             "p99": pct(lat, 0.99), "errors": sum(r["errors"] for r in res), "wall": wall,
             "moves_s": sum(moves.values()) / wall,
             "gb_moved": (after["moved_bytes"] - before["moved_bytes"]) / 2**30,
@@ -229,7 +234,9 @@ def one_shape(args: argparse.Namespace, first: bool) -> str:
         text += (f"| {label} | {runs} | {r['tps']:,.0f} | {r['tps'] / resident['tps']:.2f}x | "
                  f"{r['p50']:.3f} | {r['p99']:.3f} | {r['errors']} | {r['moves_s']:.1f} | "
                  f"{r['gb_moved']:.2f} | {hits} | {prefetch} |\n")
-    return text + f"\ntiers moves: {tiers['moves']}\n"
+    runs = args.active * max(1, args.runs // args.active)
+    return text + (f"\ntiers moves: {tiers['moves']}; the tiers phase's {runs:,} creates took "
+                   f"{tiers['create_s']:.1f} s ({runs / tiers['create_s']:.1f} a second)\n")
 
 
 if __name__ == "__main__":
