@@ -1,6 +1,9 @@
-"""A LoRA bank's growth (engine/lora_bank.py): one that runs out of memory part-way leaves
-the bank as it was, at its old capacity, and usable; `max_bytes` (the daemon's adapter
-budget, carried to the workers) stops a growth from overshooting it."""
+"""A LoRA bank and the daemon's GPU budget for adapters (engine/lora_bank.py, core/
+residency.py, workers/sampling.py): a growth that runs out of memory part-way leaves the
+bank as it was, at its old capacity, and usable, or goes through host memory; `max_bytes`
+(the budget, carried to the workers) stops a growth from overshooting it; a burst of
+creates waits for room instead of growing the bank; samplers take only what the budget
+leaves; and a wait for room ends cleanly when the daemon stops."""
 
 from __future__ import annotations
 
@@ -268,3 +271,68 @@ def test_samplers_take_only_what_the_budget_leaves_of_a_bank(tiny_dir, tmp_path)
     assert engine.has_adapter("t1") and engine.has_adapter("t2")
     assert tokens("s8", 8) == other  # past the budget now: samplers are not budgeted
     assert engine.has_adapter("s8") and bank.capacity == 3
+
+
+def test_a_create_waiting_for_room_fails_cleanly_when_the_daemon_stops(tiny_dir, tmp_path):
+    """A create waiting for room (the bank holds one adapter, whose run has work queued, so
+    it cannot be parked) is answered when the daemon stops: its client hears to submit it
+    again, its room is not held, and nothing is left running."""
+    import asyncio
+
+    from test_service import run, service
+
+    from twinkled.protocol.sizing import adapter_bytes
+
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+
+    async def go():
+        async with service(tiny_dir, tmp_path, adapter_memory_gb=1.5 * one / GiB,
+                           drain_timeout_s=0.5) as box:
+            busy = await box.create("t0", seed=1)
+            box.fwdbwd("t0", busy, 5, [4])  # op 5 waits for ops 1-4: queued work, for good
+            box.store.tenants.ensure("t1")
+            session = box.store.sessions.create("t1")
+            _, f = box.svc.create_model("t1", session, None, LoraConfig(rank=4, seed=2), {},
+                                        lambda model: (b"{}", "application/json"))
+            await asyncio.sleep(0.3)
+            assert not f.done.is_set()  # waiting for room
+            residency = box.svc.lanes.all[0].residency
+            assert residency.count() == 1
+            await box.svc.life.shutdown()
+            assert f.done.is_set() and f.error is not None and "submit it again" in f.error[0]
+            assert residency.room.used() == residency.room.held(busy)
+            assert all(t.done() for t in residency._waiting)
+
+    run(go())
+
+
+def test_a_bring_in_waiting_for_room_ends_when_the_daemon_stops(tiny_dir, tmp_path):
+    """A request for a parked run that waits for room (the one resident run has work queued
+    that cannot run) hears "again" (Draining: a 503 the client retries) when the daemon
+    stops, and the stop goes on to persist every run (it had waited for that request's
+    hold on the bank for good)."""
+    import asyncio
+
+    from test_service import run, service
+
+    from twinkled.protocol.errors import Draining
+    from twinkled.protocol.sizing import adapter_bytes
+
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+
+    async def go():
+        async with service(tiny_dir, tmp_path, adapter_memory_gb=1.5 * one / GiB,
+                           drain_timeout_s=0.5) as box:
+            parked = await box.create("t0", seed=1)
+            busy = await box.create("t1", seed=2)  # parks t0's run to make room
+            residency = box.svc.lanes.all[0].residency
+            assert not residency.is_open(parked)
+            box.fwdbwd("t1", busy, 5, [4])  # op 5 waits for ops 1-4: queued work, for good
+            bring = asyncio.ensure_future(box.svc.ensure_loaded(box.store.runs.get(parked)))
+            await asyncio.sleep(0.3)
+            assert not bring.done()  # waiting for room
+            await asyncio.wait_for(box.svc.life.shutdown(), 30)
+            with pytest.raises(Draining, match="submit it again"):
+                await bring
+
+    run(go())

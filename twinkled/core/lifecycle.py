@@ -29,7 +29,7 @@ from twinkled.core.housekeeping import Housekeeping
 from twinkled.core.lanes import Lanes
 from twinkled.protocol.blobs import Blobs
 from twinkled.protocol.config import Config
-from twinkled.protocol.errors import UserError
+from twinkled.protocol.errors import Draining, UserError  # noqa: F401  (Draining re-exported)
 from twinkled.store.verify import verify_checkpoints
 
 log = logging.getLogger("twinkled")
@@ -37,10 +37,6 @@ log = logging.getLogger("twinkled")
 # The states each state may move to (see the module's docstring).
 _NEXT = {"loading": {"ready", "failed", "draining"}, "ready": {"draining"},
          "failed": {"draining"}, "draining": set()}
-
-
-class Draining(Exception):
-    """The daemon is stopping (hot restart): come back shortly (HTTP 503, retried)."""
 
 
 class IllegalTransition(RuntimeError):

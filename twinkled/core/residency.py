@@ -23,7 +23,7 @@ from twinkled.core.adapter_room import AdapterRoom, check_cap, check_disk
 from twinkled.core.executor import Executor, Moved
 from twinkled.core.ops import Outcome
 from twinkled.core.tiers import Tiers
-from twinkled.protocol.errors import UserError
+from twinkled.protocol.errors import Draining, UserError
 from twinkled.protocol.frames import CreateF, IdleUnloadF, LoadF, OpF, ParkF, UnloadF, UnparkF
 from twinkled.protocol.types import (
     ATTN_MODULES,
@@ -71,6 +71,7 @@ class Residency:
         self._admitting = asyncio.Lock()  # one maker of room at a time
         self._rebalancing: asyncio.Task | None = None
         self._waiting: set[asyncio.Task] = set()  # new models' waits for room (`when_room`)
+        self._stopping = False  # the daemon is stopping: no wait for room goes on
         executor.on_restart(lambda _why: self.tiers.host_lost())
 
     # -- what is live -------------------------------------------------------------------
@@ -263,6 +264,11 @@ class Residency:
     async def persist_all(self) -> int:
         """Every live adapter on disk, and where each model's seq_ids go on (a hot restart
         continues them exactly). Returns how many adapters were live."""
+        # Waits for room end first (each holds `_admitting` while every resident adapter
+        # has work queued, which at a stop may never run): their requests hear "again".
+        self._stopping = True
+        for task in self._waiting:
+            task.cancel()
         async with self._admitting:
             for model in self.tiers.on_host_models():  # host memory does not outlive us
                 await self._host_to_disk(model)
@@ -286,12 +292,20 @@ class Residency:
                     break
                 parked = await self._park_coldest(incoming=model, needer=needer, only=needer)
             if not parked:
-                await asyncio.sleep(ROOM_POLL_S)
+                await self._poll()
         async with self._admitting:
             while not self.room.fits(config):
                 if not await self._park_coldest(incoming=model, needer=needer):
-                    await asyncio.sleep(ROOM_POLL_S)
+                    await self._poll()
             self.room.hold(model, config)
+
+    async def _poll(self) -> None:
+        """Between two tries to make room; a stop ends the wait (`persist_all`)."""
+        if not self._stopping:
+            await asyncio.sleep(ROOM_POLL_S)
+        if self._stopping:
+            raise Draining("the daemon is stopping (restarting) before this request's "
+                           "adapter had room in the GPU bank; submit it again")
 
     def when_room(self, model: str, config: LoraConfig, tenant: str,
                   then: Callable[[Exception | None], None]) -> None:
@@ -318,7 +332,7 @@ class Residency:
             while self._over_cap(needer):  # (all its adapters busy: its next bring-in
                 if not await self._park_coldest(needer=needer, only=needer):  # parks)
                     break
-            while self.room.over():
+            while self.room.over() and not self._stopping:
                 if not await self._park_coldest(needer=needer):
                     await asyncio.sleep(ROOM_POLL_S)
 

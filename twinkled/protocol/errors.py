@@ -7,6 +7,10 @@ class UserError(ValueError):
     """The client's fault: answered as a 4xx at submit, or as category "user" later."""
 
 
+class Draining(Exception):
+    """The daemon is stopping (hot restart): come back shortly (HTTP 503, retried)."""
+
+
 class NotFound(UserError):
     pass
 
