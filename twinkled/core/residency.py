@@ -307,6 +307,11 @@ class Residency:
             raise Draining("the daemon is stopping (restarting) before this request's "
                            "adapter had room in the GPU bank; submit it again")
 
+    def has_room(self, config: LoraConfig) -> bool:
+        """An adapter of `config` fits the bank now, and no one is waiting for room (who
+        would otherwise see each room they make taken by the next new model)."""
+        return self.room.fits(config) and not self._admitting.locked()
+
     def when_room(self, model: str, config: LoraConfig, tenant: str,
                   then: Callable[[Exception | None], None]) -> None:
         """Make room for a new model's adapter in the background (`make_room`, which holds

@@ -310,7 +310,7 @@ class Service:
         model = op.model_id
         self.lanes.place(model, lane)
         residency = lane.residency
-        if config.rank == 0 or residency.room.fits(config):
+        if config.rank == 0 or residency.has_room(config):
             residency.room.hold(model, config)
             residency.open(model, tenant, 0)
             return self.submit(op)
