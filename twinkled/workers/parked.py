@@ -98,7 +98,8 @@ class HostTier:
             self.engine.remove_adapter(adapter_id)
             raise
         adapter.pending = p.pending
-        del self._parked[adapter_id]
+        # (pop: a sampler parked to make its room may have pushed it out of host memory)
+        self._parked.pop(adapter_id, None)
         return self.engine.adapter_info(adapter_id)
 
     def take(self, adapter_id: str) -> Snapshot:
