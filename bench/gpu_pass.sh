@@ -21,6 +21,8 @@
 #                                                  #   q/k prep kernel on and off, both shapes
 #   bash bench/gpu_pass.sh direct                  # issue 31: the paged decode writing a lone
 #                                                  #   part's output itself, checked, then timed
+#   bash bench/gpu_pass.sh done31                  # issue 31's done-when: old/new/padded paths,
+#                                                  #   both shapes and workloads, one call
 #   bash bench/gpu_pass.sh gpucheck fusedpick      # issue 31: the fused token choice, checked
 #                                                  #   compiled, then timed against choose.py
 #   bash bench/gpu_pass.sh gappaths prof8b         # issue 31: the gap path by path; issue 32: the
@@ -117,6 +119,12 @@ for what in "$@"; do
                      --shape "$s" --paths new,ungrouped --no-baseline --repeats 2 \
                      --write "$out/grouped_$s.md" > "$out/grouped_$s.log" 2>&1
                      grep -a "^|" "$out/grouped_$s.log"; done ;;
+        # issue 31's done-when in one call: the old and new decode paths and the padded sampler
+        # they replaced, on the same weights, both workloads, both shapes (bench_sampling's
+        # defaults on a GPU; the old path is slow: ~10 minutes, so a call of its own)
+        done31) for s in qwen3-8b qwen2.5-0.5b; do timeout 290 "$py" bench_sampling.py --device cuda \
+                    --shape "$s" --repeats 1 --write "$out/done31_$s.md" > "$out/done31_$s.log" 2>&1
+                    grep -a "^|" "$out/done31_$s.log"; done ;;
         # the LoRA row kernels (kernels/lora_decode.py): checked in a CUDA graph against the
         # masked stack, then their knobs timed on one decode step's LoRA work (~1 minute)
         loradec) "$py" bench_lora_decode.py --check --adapters 8,64 > "$out/loradec.log" 2>&1
@@ -287,7 +295,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         longd4) "$py" long_daemon.py --shape qwen3-8b --seq 131072 --ranks 4 --cp 2 --lanes 2 \
                     --small-steps 6 --out "$out/long_daemon4.md" > "$out/long_daemon4.log" 2>&1
                 grep -a "^--\|^|" "$out/long_daemon4.log" ;;
-        *) echo "unknown: $what (long4, longd4, loradec, prep, direct, workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, gappaths, prof8b, grouped, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
+        *) echo "unknown: $what (done31, long4, longd4, loradec, prep, direct, workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, sampdaemon, gappaths, prof8b, grouped, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
     esac
     pack
 done
