@@ -336,3 +336,40 @@ def test_a_bring_in_waiting_for_room_ends_when_the_daemon_stops(tiny_dir, tmp_pa
                 await bring
 
     run(go())
+
+
+def test_a_fresh_sampler_copy_is_the_first_to_give_its_slot(tiny_dir, tmp_path):
+    """A save for sampling keeps a device copy of the weights in the bank (its first sample
+    reads no files). At the budget, that copy is the first to go (its files will do): the
+    next training adapter takes its slot, and a sample from the save still draws what the
+    copy would have (from the files)."""
+    from helpers import make_engine
+
+    from twinkled.protocol.frames import CreateF, SampleF, SamplingF, SaveF, StepF, buf
+    from twinkled.protocol.types import SampleRequest, SamplingParams
+    from twinkled.workers.runner import StepRunner
+
+    probe = make_engine(tiny_dir)
+    probe.add_adapter("src", LoraConfig(rank=4, seed=7))
+    slot = probe.pool.bank_of("src").slot_bytes()
+    engine = make_engine(tiny_dir, bank_max_bytes=2 * slot)
+    runner = StepRunner(engine, 0, 1, None)
+
+    def run(step: StepF):
+        [out] = runner.run(step)
+        assert out.error is None, out.error
+        return out
+
+    run(StepF(1, "barrier", [CreateF("t1", LoraConfig(rank=4, seed=1))]))
+    run(StepF(2, "barrier", [SaveF("t1", str(tmp_path / "s1"), sampler=True)]))
+    bank = engine.pool.bank_of("t1")
+    assert len(runner.sampling.fresh) == 1 and bank.capacity == 2 and not bank.free
+    run(StepF(3, "barrier", [CreateF("t2", LoraConfig(rank=4, seed=2))]))
+    assert not runner.sampling.fresh and bank.capacity == 2  # the copy went, not the budget
+    f = SampleF("s1", buf([3, 1, 4], "int64"), SamplingF(8, 0.0, -1, 1.0, None, []),
+                load_from=str(tmp_path / "s1"))
+    f.key = "s1"
+    got = run(StepF(4, "sample", [f], 0.0)).sample.sequences[0].tokens
+    probe.load("want", tmp_path / "s1", optimizer=False)
+    want = probe.sample([SampleRequest("want", [3, 1, 4], SamplingParams(8, 0.0))])
+    assert len(got) == 8 and got == want[0].sequences[0].tokens
