@@ -59,8 +59,9 @@ def _lagging(tiny_dir, tmp_path, extra: str = "", tenants=("ann", "ben", "cat", 
 
 @pytest.fixture()
 def lagging(tiny_dir, tmp_path):
-    """A daemon whose write-behind persistence runs only every 1000th step: after the first
-    version (at create), everything a restore gets back comes from the journal."""
+    """A daemon whose write-behind persistence runs only every 1000th step: a create writes
+    no version (its seed makes it again), so everything a restore gets back comes from the
+    seed and the journal."""
     d = _lagging(tiny_dir, tmp_path)
     yield d
     d.stop()

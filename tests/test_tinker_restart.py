@@ -5,7 +5,6 @@ a Dimuon model's optimizer state survives a worker kill, a daemon SIGKILL and a 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 
@@ -91,14 +90,15 @@ def _after_crash(tc, data, want):
 
 
 def _recreated_fresh(d, key: str, tiny_dir, data_dir):
-    """With no persisted state to load (persist_every = 0, and the version written at
-    create gone), a killed worker's adapter comes back fresh from its config: still Dimuon,
-    so the client's next DimuonParams step is accepted."""
+    """With no persisted state to load (persist_every = 0, and a create writes none), a
+    killed worker's adapter comes back fresh from its config: still Dimuon, so the
+    client's next DimuonParams step is accepted."""
     sc = tinker.ServiceClient(base_url=d.url, api_key=key)
     tc = _client(sc, tiny_dir, seed=6)
     data = _dimuon_data(tc.get_tokenizer())
     _step(tc, data)
-    shutil.rmtree(data_dir / "live" / tc.model_id)
+    live = data_dir / "live" / tc.model_id
+    assert not live.exists() or not any(live.iterdir())
     old = d.workers()
     os.kill(old[0], signal.SIGKILL)
     d.wait_workers(1, old=set(old))

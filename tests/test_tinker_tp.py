@@ -54,7 +54,6 @@ def _scenario(daemon, tiny_dir) -> dict:
     resumed = sc.create_training_client_from_state_with_optimizer(path).result(timeout=T)
     again = resumed.forward(data, "cross_entropy").result(timeout=T)
     out["resumed"] = [o["logprobs"].tolist() for o in again.loss_fn_outputs]
-    out["live"] = _live_shapes(daemon.data_dir / "live" / tc.model_id)
     sc.close("success")
     return out
 
@@ -84,10 +83,7 @@ def test_tp2_daemon_matches_one_rank(tp_daemon, daemon, tiny_dir):
     assert got["greedy"] == want["greedy"]
     for a, b in zip(got["resumed"], got["logprobs"], strict=True):  # from the gathered files
         assert _close(a, b)
-    # The live state rank 0 persisted holds whole tensors, as one rank writes them.
-    assert got["live"] == want["live"]
-    q_b = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
-    assert got["live"][q_b] == [128, 8]  # 2 heads x 64, not one rank's head
+    # (The live state rank 0 persists holds whole tensors: the last test, at shutdown.)
 
 
 def test_tp_daemon_reports_every_rank_and_its_peak_memory(tp_daemon):
@@ -112,13 +108,13 @@ def test_tp_adapters_persist_behind_the_steps_and_at_shutdown(tp_daemon, tiny_di
         tc.forward_backward(batch, "cross_entropy").result(timeout=T)
         tc.optim_step(tinker.types.AdamParams(learning_rate=5e-3)).result(timeout=T)
     live = tp_daemon.data_dir / "live" / tc.model_id
-    _live_shapes(live)  # the new adapter's first state, written behind its creation
-    assert _live_steps(live) == 0  # the three optimizer steps were not persisted
+    # neither its creation (its seed makes it again) nor the three steps wrote a state
+    assert not list(live.glob("*/state.json"))
     # (no sc.close: closing the session unloads its model, and its live state with it)
     tp_daemon.stop()
     assert _live_steps(live) == 3  # the shutdown persisted the latest state, whole
     q_b = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
-    assert _live_shapes(live)[q_b] == [128, 8]
+    assert _live_shapes(live)[q_b] == [128, 8]  # 2 heads x 64, not one rank's head
 
 
 def _live_steps(root) -> int:

@@ -313,7 +313,8 @@ class StepRunner:
             case CreateF(config=config):
                 engine.add_adapter(aid, config)
                 self.marks[aid] = op.mark
-                self._persist(aid)
+                if config.seed is None:  # (else its seed makes it again: a restore's)
+                    self._persist(aid)
                 return OutcomeF(i, info=engine.adapter_info(aid))
             case RestoreF():
                 info, mark = self._restore(aid, op)
