@@ -20,11 +20,12 @@ from typing import Any
 
 from scheduler import Planner
 from twinkled.core.adapter_room import AdapterRoom, check_cap, check_disk
-from twinkled.core.executor import Executor, Moved
+from twinkled.core.executor import Executor
 from twinkled.core.ops import Outcome
+from twinkled.core.tier_moves import TierMoves
 from twinkled.core.tiers import Tiers
 from twinkled.protocol.errors import Draining, UserError
-from twinkled.protocol.frames import CreateF, IdleUnloadF, LoadF, OpF, ParkF, UnloadF, UnparkF
+from twinkled.protocol.frames import CreateF, IdleUnloadF, LoadF, OpF, ParkF, UnloadF
 from twinkled.protocol.types import (
     ATTN_MODULES,
     MLP_MODULES,
@@ -72,6 +73,8 @@ class Residency:
         self._rebalancing: asyncio.Task | None = None
         self._waiting: set[asyncio.Task] = set()  # new models' waits for room (`when_room`)
         self._stopping = False  # the daemon is stopping: no wait for room goes on
+        # the workers' moves between the tiers, each charged to the tenant that needs it
+        self.moves = TierMoves(executor, planner, self.tiers, self._moving)
         executor.on_restart(lambda _why: self.tiers.host_lost())
 
     # -- what is live -------------------------------------------------------------------
@@ -206,7 +209,7 @@ class Residency:
             for model in self.tiers.on_host_models():
                 if (time.monotonic() - self.tiers.last_used(model) >= idle_s
                         and not self._moving(model)):
-                    await self._host_to_disk(model)
+                    await self.moves.host_to_disk(model)
 
     async def ensure_loaded(self, run: dict) -> None:
         """Bring back a parked adapter (or one unloaded while idle) before a request for it
@@ -221,7 +224,7 @@ class Residency:
             config = stored_config(fresh)
             self.tiers.touch(model)
             await self.make_room(model, config, fresh["tenant"])
-            why = await self._bring_in(model, config, fresh["tenant"])
+            why = await self.moves.bring_in(model, config, fresh["tenant"])
             if why is not None:
                 self.room.release(model)
                 raise UserError(f"model {model} was parked and could not be brought back: "
@@ -271,7 +274,7 @@ class Residency:
             task.cancel()
         async with self._admitting:
             for model in self.tiers.on_host_models():  # host memory does not outlive us
-                await self._host_to_disk(model)
+                await self.moves.host_to_disk(model)
         await self._executor.persist_all()
         for model in self._planner.queues.seqs():
             self._store.runs.set_live(model, True, next_seq=self._resumes_at(model))
@@ -369,13 +372,13 @@ class Residency:
         config = self._live[model]
         resume = self._resumes_at(model)
         self._planner.forget_model(model)
-        host = to_host and await self._host_room(config, incoming, needer)
-        error = (await self._move(ParkF(model) if host else IdleUnloadF(model), needer)).error
+        host = to_host and await self.moves.host_room(config, incoming, needer)
+        error = (await self.moves.move(ParkF(model) if host else IdleUnloadF(model), needer)).error
         if error is not None and host:
             log.warning("parking %s in host memory failed (%s); parking it on disk",
                         model, error)
             host = False
-            error = (await self._move(IdleUnloadF(model), needer)).error
+            error = (await self.moves.move(IdleUnloadF(model), needer)).error
         if error is not None:  # still in the bank: it stays open
             log.error("parking adapter %s failed: %s", model, error)
             self.open(model, self._store.runs.get(model)["tenant"], next_seq)
@@ -391,68 +394,6 @@ class Residency:
         self._store.runs.set_live(model, False, next_seq=resume, idle_unloaded=True)
         log.debug("adapter %s parked to %s", model, "host memory" if host else "disk")
         return True
-
-    async def _host_room(self, config: LoraConfig, incoming: str | None,
-                         needer: str | None = None) -> bool:
-        """Whether an adapter of `config` can be parked in host memory, once the least
-        recently parked there have gone on to disk (`incoming` counted as gone: it is
-        brought in next, so an exchange of the two never spills it)."""
-        if not self.tiers.host.fits_ever(config):
-            return False
-        while not self.tiers.host.fits(config, leaving=incoming):
-            # Never one being brought in (its lock held, its unpark perhaps in flight:
-            # spilled now, it would leave the bank the moment it came back)
-            coldest = [m for m in self.tiers.on_host_models()
-                       if m != incoming and not self._moving(m)]
-            if not coldest or not await self._host_to_disk(coldest[0], needer):
-                return False
-        return True
-
-    async def _host_to_disk(self, model: str, needer: str | None = None) -> bool:
-        """A host-parked adapter on to disk (the caller holds `_admitting`)."""
-        error = (await self._move(IdleUnloadF(model), needer)).error
-        if error is not None:
-            log.error("moving parked adapter %s to disk failed: %s", model, error)
-            return False
-        config = self.tiers.left_host(model)
-        if config is not None:
-            self.tiers.moved(model, "to_disk", config)
-        return True
-
-    async def _bring_in(self, model: str, config: LoraConfig, needer: str) -> str | None:
-        """A parked adapter into the GPU bank (its room is held): from host memory as it
-        was (inside the training step in flight where it can: a prefetch), else from disk
-        (persisted state, then the journal). Why not, if it failed. A move between steps
-        while the lane had work is a prefetch miss (that work waited for it)."""
-        if self.tiers.on_host(model):
-            idle = self._planner.idle()
-            moved = await self._move(UnparkF(model), needer)
-            self.tiers.left_host(model)
-            if moved.error is None:
-                self.tiers.moved(model, "from_host", config)
-                self.tiers.prefetched(moved.overlapped or idle)
-                return None
-            log.warning("adapter %s was not in host memory (%s); restoring it from disk",
-                        model, moved.error)
-        idle = self._planner.idle()
-        moved = await self._executor.restore_one(model, config)
-        self._planner.charge(needer, moved.seconds)
-        if moved.error is None:
-            self.tiers.moved(model, "from_disk", config)
-            self.tiers.prefetched(idle)
-        return moved.error
-
-    async def _move(self, frame: OpF, needer: str | None = None) -> Moved:
-        """One move on the workers (ParkF and UnparkF inside the training step in flight
-        where they can), its time charged to `needer`'s fair share. A worker lost meanwhile
-        is a failure of the move (the group restarts; the caller keeps what it had)."""
-        try:
-            moved = await self._executor.move(frame, overlap=isinstance(frame, ParkF | UnparkF))
-        except Exception as e:
-            return Moved((None, f"{type(e).__name__}: {e}", "server"))
-        if needer is not None:
-            self._planner.charge(needer, moved.seconds)
-        return moved
 
     def _resumes_at(self, model: str) -> int | None:
         """Where a model's seq_ids go on when it comes back: the one it waits for, or None

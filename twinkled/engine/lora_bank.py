@@ -94,16 +94,20 @@ class Bank:
         copies = 0 if self.dtype == torch.float32 else 2 * self.dtype.itemsize
         return self.slot_numel * (4 * len(self.KINDS) + copies)
 
+    def _cap_slots(self) -> int | None:
+        """The slots `max_bytes` holds (None: no cap)."""
+        return None if self.max_bytes is None else self.max_bytes // self.slot_bytes()
+
     def _capped(self, capacity: int) -> int:
         """`capacity`, or fewer slots where `max_bytes` holds fewer: never fewer than one
         more than now."""
-        if self.max_bytes is None:
-            return capacity
-        return min(capacity, max(self.capacity + 1, self.max_bytes // self.slot_bytes()))
+        cap = self._cap_slots()
+        return capacity if cap is None else min(capacity, max(self.capacity + 1, cap))
 
     def at_cap(self) -> bool:
         """Every slot the budget (`max_bytes`) holds is made: a growth goes past it."""
-        return self.max_bytes is not None and self.capacity >= self.max_bytes // self.slot_bytes()
+        cap = self._cap_slots()
+        return cap is not None and self.capacity >= cap
 
     def _zeros(self, capacity: int) -> torch.Tensor:
         return torch.zeros((capacity, self.slot_numel), dtype=torch.float32,
@@ -133,7 +137,6 @@ class Bank:
     def _grow_once(self, capacity: int, through_host: bool) -> None:
         old = self.capacity
         grown: set[str] = set()
-        parked = False
         try:
             # Every view into the old buffers goes first, so that each kind's old buffer is
             # freed as soon as its rows are copied: growing then holds one old kind beside
@@ -147,7 +150,6 @@ class Bank:
             self._flat.pop("w16", None)  # made again from the masters below
             self._flat.pop("gs", None)  # made again at its next use (`scratch`)
             if through_host:  # not even that fits: through host memory
-                parked = True
                 self._flat = {k: v.cpu() for k, v in self._flat.items()}
             for kind in self.KINDS:
                 # the old rows of this kind are freed here (no local holds the new buffer:
@@ -159,7 +161,7 @@ class Bank:
             # their A's side by side in it (`stacked`).
             self._copy16()
         except BaseException as e:
-            self._restore(old, grown, parked)
+            self._restore(old, grown, through_host)
             if isinstance(e, torch.OutOfMemoryError):
                 raise BankGrowthError(
                     f"out of memory growing a LoRA bank from {old} to {capacity} slots of "
