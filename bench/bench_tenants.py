@@ -213,7 +213,10 @@ def one_shape(args: argparse.Namespace, first: bool) -> str:
         resident = phase(url, keys, args, vocab, name, 1, data)
         tiers = phase(url, keys, args, vocab, name, max(1, args.runs // args.active), data)
     finally:
-        daemon.terminate()
+        # Killed, not stopped: a stop writes every live run's state to disk (880 runs of the
+        # 0.5B: 185 GB, more than a GPU box's disk) only for the bench to delete it. Its
+        # workers die with it (worker.py).
+        daemon.kill()
         daemon.wait(timeout=600)
         log.close()
         # every run's state is on disk (0.2 GB a 0.5B run, 1 GB an 8B one): gone with the bench

@@ -59,7 +59,11 @@ cd "$(dirname "$0")"
 out="${OUT:+/tmp/gpu_pass_out}"
 out="${out:-results}"
 mkdir -p "$out"
-pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/gpu_pass.tgz" -C "$out" . 2>/dev/null; return 0; }
+# GPU_PASS_GPU=N: this pass on GPU N alone, its archive gpu_pass_N.tgz (two passes of one
+# call side by side on a 2-GPU machine: `GPU_PASS_GPU=1 bash gpu_pass.sh done31 &` beside
+# `GPU_PASS_GPU=0 bash gpu_pass.sh tenants05`)
+[ -n "${GPU_PASS_GPU:-}" ] && export CUDA_VISIBLE_DEVICES="$GPU_PASS_GPU"
+pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/gpu_pass${GPU_PASS_GPU:+_$GPU_PASS_GPU}.tgz" -C "$out" . 2>/dev/null; return 0; }
 printf 'persist_every = 0\n' > /tmp/gpu_pass_p0.toml
 printf 'token_budget = 4096\nhost_adapter_memory_gb = 64\n' > /tmp/gpu_pass_tb4k.toml
 ckpt="${GPU_PASS_CKPT:-/tmp/gpu_pass}"
@@ -229,20 +233,27 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
                 tail -12 "$out/rl_step.log" ;;
         # issue 33, one shape a call (each is most of a call's 10 minutes). The runs' states
         # (0.21 GB a 0.5B run, 1.05 GB an 8B one) need the 4-GPU machines' memory and disk;
+        # issue 33 on one GPU of a 2-GPU machine (256 GiB memory, 128 GiB disk), persistence
+        # off: 960 trained runs' states (200 GB of the 0.5B, 204 of the 8B) would not fit its
+        # disk; parks to disk still write theirs. Host memory (TENANTS_HOST_GB, default 160 /
+        # 140) holds what the GPU bank does not, the disk the rest. ~8 minutes each.
+        tenants05) "$py" bench_tenants.py --shape qwen2.5-0.5b --runs 1000 --active 64 \
+                       --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-160}" \
+                       --phase-s 150 --model-dir "$ckpt/q05" \
+                       --write "$out/tenants05.md" > "$out/tenants05.log" 2>&1; tail -20 "$out/tenants05.log"
+                   tail -c 30000000 /tmp/bench_tenants_*/twinkled.log > "$out/tenants05_twinkled.log" ;;
         # on one H200 (128 GiB, 64 GiB disk) `tenants05h` keeps 192 runs' parked states in
         # host memory (session 14: with 8 GiB of it the rotation was bound by the disk)
-        tenants05) "$py" bench_tenants.py --shape qwen2.5-0.5b --runs 1000 --active 64 \
-                       --host-gb 240 --phase-s 150 --model-dir "$ckpt/q05" \
-                       --write "$out/tenants05.md" > "$out/tenants05.log" 2>&1; tail -20 "$out/tenants05.log" ;;
         tenants05h) printf 'adapter_memory_gb = 30\n' > /tmp/gpu_pass_t05.toml
                     "$py" bench_tenants.py --shape qwen2.5-0.5b --runs 192 --active 64 \
                        --config /tmp/gpu_pass_t05.toml --host-gb 64 --phase-s 120 \
                        --write "$out/tenants05h.md" > "$out/tenants05h.log" 2>&1; tail -20 "$out/tenants05h.log" ;;
-        # (every run's persisted state is on disk, 200 x 1.02 GB of the 235 GB: the 16 GB
-        # checkpoint goes to memory, /dev/shm, instead)
+        # (the 16 GB checkpoint in memory, /dev/shm, so the disk holds only the runs' states)
         tenants8b) "$py" bench_tenants.py --shape qwen3-8b --runs 200 --active 16 \
-                       --host-gb 240 --phase-s 150 --model-dir /dev/shm/gpu_pass_q8b \
-                       --write "$out/tenants8b.md" > "$out/tenants8b.log" 2>&1; tail -20 "$out/tenants8b.log" ;;
+                       --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-140}" \
+                       --phase-s 150 --model-dir /dev/shm/gpu_pass_q8b \
+                       --write "$out/tenants8b.md" > "$out/tenants8b.log" 2>&1; tail -20 "$out/tenants8b.log"
+                   tail -c 30000000 /tmp/bench_tenants_*/twinkled.log > "$out/tenants8b_twinkled.log" ;;
         # issue 31 item 5: 8 tenants (tinker and openai clients) sampling through the daemon
         # against the same requests in one Engine.sample call
         # (two rounds of 524k new tokens each side: ~5 minutes with the checkpoint written)
