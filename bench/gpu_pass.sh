@@ -167,7 +167,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_engine_running
                       tests/test_flash_varlen.py tests/test_shared_prefix.py \
                       tests/test_engine_packed.py tests/test_logprob_gap.py tests/test_qk_prep.py \
                       "tests/test_lora_kernels.py::test_modules_sharing_an_input_in_one_launch_add_the_same_bits" \
-                      tests/test_sample_kernel.py tests/test_bank_growth.py) \
+                      tests/test_sample_kernel.py tests/test_bank_growth.py tests/test_host_memory.py) \
                       2>&1 | tail -40 | tee "$out/gpucheck.txt"
                   (cd .. && TRITON_INTERPRET=0 TWINKLE_TEST_DEVICE=cuda "$py" -c "
 import sys, pytest, twinkled.engine.flash_varlen as f
@@ -235,10 +235,10 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         # (0.21 GB a 0.5B run, 1.05 GB an 8B one) need the 4-GPU machines' memory and disk;
         # issue 33 on one GPU of a 2-GPU machine (256 GiB memory, 128 GiB disk), persistence
         # off: 960 trained runs' states (200 GB of the 0.5B, 204 of the 8B) would not fit its
-        # disk; parks to disk still write theirs. Host memory (TENANTS_HOST_GB, default 160 /
+        # disk; parks to disk still write theirs. Host memory (TENANTS_HOST_GB, default 150 /
         # 140) holds what the GPU bank does not, the disk the rest. ~8 minutes each.
         tenants05) "$py" bench_tenants.py --shape qwen2.5-0.5b --runs 1000 --active 64 \
-                       --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-160}" \
+                       --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-150}" \
                        --phase-s 150 --model-dir "$ckpt/q05" \
                        --write "$out/tenants05.md" > "$out/tenants05.log" 2>&1; tail -20 "$out/tenants05.log"
                    tail -c 30000000 /tmp/bench_tenants_*/twinkled.log > "$out/tenants05_twinkled.log" ;;

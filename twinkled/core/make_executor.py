@@ -12,6 +12,7 @@ from twinkled.core.adapter_room import gpu_budget
 from twinkled.core.executor import Executor
 from twinkled.protocol.blobs import store_spec
 from twinkled.protocol.config import Config
+from twinkled.protocol.sizing import GiB
 from twinkled.workers.hosts import HostRegistry, join_settings
 from twinkled.workers.supervisor import WorkerGroup
 
@@ -68,7 +69,8 @@ def worker_options(config: Config, devices: list[str], adapter_budget: int | Non
                "logprob_gap_every": config.logprob_gap_every,
                "threads": threads, "log_format": config.log_format,
                "checkpoint_store": store_spec(config),
-               "bank_max_bytes": gpu_budget(config, adapter_budget)}
+               "bank_max_bytes": gpu_budget(config, adapter_budget),
+               "host_max_bytes": int(config.host_adapter_memory_gb * GiB)}
 
 
 def in_process_executor(config: Config) -> Executor:
@@ -89,5 +91,6 @@ def in_process_executor(config: Config) -> Executor:
                            sample_prefix_cache=config.sample_prefix_cache,
                            logprob_gap_every=config.logprob_gap_every,
                            checkpoint_store=store_spec(config),
-                           bank_max_bytes=gpu_budget(config, None))
+                           bank_max_bytes=gpu_budget(config, None),
+                           host_max_bytes=int(config.host_adapter_memory_gb * GiB))
     return Executor(group, live_dir, config.persist_every, config.journal_fsync)

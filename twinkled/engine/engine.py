@@ -39,6 +39,7 @@ from .lora_adapters import LoraAdapters
 from .lora_bank import Bank
 from .model import BaseModel
 from .moe_parallel import ExpertSplit
+from .pinned import exact_sizes
 from .running import KV_BYTES, Finished, RunningBatch, pool_tokens
 from .running_slot import RunningSlot
 from .shared_prefix import MIN_SHARED
@@ -69,6 +70,8 @@ class Engine:
         # budget): no LoRA bank grows past them; None: no cap.
         self.model = BaseModel(model_dir, dtype=dtype, device=device, tp=tp, experts=experts,
                                rope_scaling=rope_scaling, max_seq_len=max_seq_len)
+        if self.model.device.type == "cuda":
+            exact_sizes()  # before any pinned allocation: exact sizes, no rounding (pinned.py)
         self.shard = self.model.shard  # None unless split
         self.model.recompute.set_mode(recompute)  # activation checkpointing (recompute.py)
         self.model.fused = Fused.parse(fused)  # the layer's fused kernels (fused_ops.py)

@@ -34,7 +34,8 @@ class InProcessGroup:
                  persist_every: int = 1,
                  sample_prefix_cache: float = 0.0, logprob_gap_every: int = 0,
                  max_seq_len: int = 0, rope_scaling: dict | None = None,
-                 checkpoint_store: dict | None = None, bank_max_bytes: int | None = None):
+                 checkpoint_store: dict | None = None, bank_max_bytes: int | None = None,
+                 host_max_bytes: int | None = None):
         self.devices = [device]
         self.model_info: dict = {}
         self.restarts = 0
@@ -51,6 +52,7 @@ class InProcessGroup:
         self._live_dir, self._persist_every = live_dir, persist_every
         self._gap_every = logprob_gap_every
         self._store = checkpoint_store  # where checkpoints live (protocol/blobs.py)
+        self._host_max_bytes = host_max_bytes  # parked adapters' host memory (parked.py)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._runner = None
         self._stopped: asyncio.Future | None = None
@@ -91,7 +93,8 @@ class InProcessGroup:
                 "vocab_size": cfg.vocab_size,
                 "dtype": str(engine.model.dtype).replace("torch.", "")}
         return StepRunner(engine, 0, 1, persister, gap_every=self._gap_every,
-                          blobs=Blobs.from_spec(self._store)), info
+                          blobs=Blobs.from_spec(self._store),
+                          host_max_bytes=self._host_max_bytes), info
 
     async def run(self, step: StepF) -> list[ReplyF]:
         """Run `step` on the engine thread; the frames cross the same codec as over ZeroMQ."""

@@ -25,7 +25,9 @@ import torch
 
 from twinkled.engine import Engine
 from twinkled.engine.live import unflatten
-from twinkled.engine.state import Snapshot, snapshot, to_device, write_into
+from twinkled.engine.pinned import pinned_bytes
+from twinkled.engine.state import MOMENTS, Snapshot, snapshot, to_device, write_into
+from twinkled.protocol.sizing import human_size
 from twinkled.protocol.types import AdapterInfo, EngineInputError
 
 
@@ -36,13 +38,20 @@ class Parked:
     pending: int  # datums whose gradients those are
 
     def bytes(self) -> int:
-        g = 0 if self.grads is None else self.grads.numel()
-        return 4 * (self.snap.flat.numel() + g)
+        """The host memory it takes (pinned allocations may be rounded up: pinned.py)."""
+        g = 0 if self.grads is None else pinned_bytes(self.grads.nbytes)
+        return pinned_bytes(self.snap.flat.nbytes) + g
 
 
 class HostTier:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, max_bytes: int | None = None):
+        """`max_bytes`: what this worker's parked adapters may take of its host memory (the
+        daemon's `host_adapter_memory_gb`). The daemon counts 16 bytes a parameter; this
+        counts the allocations as they are, so where pinned memory is rounded up a park
+        past it is refused (the daemon then parks on disk) instead of the kernel killing
+        the worker for want of memory."""
         self.engine = engine
+        self.max_bytes = max_bytes
         self._parked: dict[str, Parked] = {}
 
     def __contains__(self, adapter_id: str) -> bool:
@@ -62,6 +71,12 @@ class HostTier:
         """The adapter out of the bank into host memory (its slot is freed); a sampler's
         (not `training`) weights only."""
         adapter = self.engine.pool.get(adapter_id)
+        need = self._bytes_of(adapter, training)
+        if self.max_bytes is not None and self.bytes() + need > self.max_bytes:
+            raise EngineInputError("host_adapter_memory_gb", (
+                f"no room in this worker's host memory for adapter {adapter_id!r}: it needs "
+                f"{human_size(need)}, {human_size(self.bytes())} of "
+                f"{human_size(self.max_bytes)} are taken"))
         # This rank's own slices (under tensor parallelism each rank parks its part, no
         # collective); they go back into the same rank's bank as they are.
         snap = snapshot(adapter, optimizer=training)
@@ -73,6 +88,15 @@ class HostTier:
             grads.copy_(g, non_blocking=g.is_cuda)
         self._parked[adapter_id] = Parked(snap, grads, adapter.pending)
         self.engine.remove_adapter(adapter_id)
+
+    @staticmethod
+    def _bytes_of(adapter, training: bool) -> int:
+        """What parking `adapter` takes of host memory: its weights (and a training
+        adapter's moments) in one buffer, a training adapter's gradients in another."""
+        w = adapter.bank.flat(adapter.slot, "w")  # (fp32, as are the moments and gradients)
+        kinds = 1 + (len(MOMENTS[adapter.config.optimizer]) if training else 0)
+        state = pinned_bytes(w.element_size() * kinds * w.numel())
+        return state + (pinned_bytes(w.nbytes) if training else 0)
 
     def unpark(self, adapter_id: str, grow: bool = True) -> AdapterInfo:
         """The adapter back into a bank slot, bit for bit as it was parked. On a GPU its

@@ -79,7 +79,9 @@ class StepRunner:
     def __init__(self, engine: Engine, rank: int, world: int, persister: Persister | None,
                  spans_hosts: bool = False, ep: int = 1, seed: int | None = None,
                  persist_every: int = 1, gap_every: int = 0,
-                 cp: ContextParallel | None = None, blobs: Blobs | None = None):
+                 cp: ContextParallel | None = None, blobs: Blobs | None = None,
+                 host_max_bytes: int | None = None):
+        """`host_max_bytes`: what adapters parked in host memory may take (HostTier)."""
         self.engine = engine
         self.blobs = blobs or Blobs.from_spec(None)  # where checkpoints live (protocol/blobs.py)
         # Context parallelism (engine/context_parallel.py): a long row runs on every rank
@@ -109,7 +111,7 @@ class StepRunner:
         # Per adapter: the journal position of the last op after which it had no pending
         # gradients (what a snapshot of it holds; twinkled/core/journal.py).
         self.marks: dict[str, int] = {}
-        self.parked = HostTier(engine)  # adapters parked in host memory (parked.py)
+        self.parked = HostTier(engine, host_max_bytes)  # adapters in host memory (parked.py)
         self._grow = True  # an unpark may grow a bank (not inside a step in flight)
 
     def run(self, step: StepF, between: Callable[[], None] | None = None,

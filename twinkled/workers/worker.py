@@ -191,7 +191,8 @@ def _start(args: dict):
                         spans_hosts=args.get("spans_hosts", False), ep=ep, seed=seed,
                         persist_every=args.get("persist_every", 1),
                         gap_every=args.get("logprob_gap_every", 0), cp=cp,
-                        blobs=Blobs.from_spec(args.get("checkpoint_store")))
+                        blobs=Blobs.from_spec(args.get("checkpoint_store")),
+                        host_max_bytes=args.get("host_max_bytes"))
     return runner, hello
 
 

@@ -1,0 +1,109 @@
+"""The host tier's memory as it is allocated (engine/pinned.py, workers/parked.py): pinned
+memory may be rounded up to powers of two (torch builds without exact sizes), so the worker
+counts its parked adapters' allocations as they are and refuses a park past its host
+budget; the daemon then parks that adapter on disk, and every run trains on to the weights
+it reaches alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_residency_tiers import _create, _scores, _train
+from test_service import run, service
+
+from twinkled.engine import pinned
+from twinkled.protocol.config import Config
+from twinkled.protocol.sizing import GiB, adapter_bytes
+
+
+def test_pinned_bytes_counts_the_rounding_where_the_build_rounds(monkeypatch):
+    monkeypatch.setattr(pinned.torch.cuda, "is_available", lambda: True)
+    mib = 2**20
+    monkeypatch.setattr(pinned, "_exact", False)  # a build that rounds every allocation
+    assert pinned.pinned_bytes(211 * mib) == 256 * mib
+    assert pinned.pinned_bytes(70 * mib) == 128 * mib
+    assert pinned.pinned_bytes(256 * mib) == 256 * mib
+    monkeypatch.setattr(pinned, "_exact", True)  # told to give large ones their size
+    assert pinned.pinned_bytes(211 * mib) == 211 * mib
+    assert pinned.pinned_bytes(3 * mib) == 4 * mib  # small ones keep the rounding (reuse)
+    monkeypatch.setattr(pinned.torch.cuda, "is_available", lambda: False)
+    assert pinned.pinned_bytes(211 * mib) == 211 * mib  # not pinned at all
+
+
+def test_a_park_past_the_workers_host_budget_is_refused_and_changes_nothing(tiny_dir):
+    import torch
+    from helpers import adapter_snapshot, ce_request, make_engine
+
+    from twinkled.protocol.types import EngineInputError, LoraConfig
+    from twinkled.workers.parked import HostTier
+
+    engine = make_engine(tiny_dir)
+    vocab, gen = engine.model.vocab_size, torch.Generator().manual_seed(0)
+    for name in "ab":
+        engine.add_adapter(name, LoraConfig(rank=4, seed=ord(name)))
+        engine.forward_backward([ce_request(name, gen, vocab, [5, 7])])
+    params = engine.pool.get("a").bank.flat(engine.pool.get("a").slot, "w").numel()
+    tier = HostTier(engine, max_bytes=int(1.5 * 16 * params))  # room for one (16 B/param)
+    assert tier.bytes() == 0
+    tier.park("a")
+    assert tier.bytes() == 16 * params  # weights, two moments, gradients: fp32, exact on CPU
+    before = adapter_snapshot(engine, "b")
+    with pytest.raises(EngineInputError, match="host_adapter_memory_gb.*'b'.*KiB"):
+        tier.park("b")
+    assert engine.has_adapter("b") and "b" not in tier and tier.bytes() == 16 * params
+    after = adapter_snapshot(engine, "b")
+    assert all(before[k].equal(after[k]) for k in before)  # its slot untouched
+    tier.unpark("a")
+    tier.park("b")  # room again once a has left
+    assert "b" in tier
+
+
+def test_runs_the_workers_rounded_host_memory_cannot_hold_park_on_disk_and_train_on(
+        tiny_dir, tmp_path, monkeypatch, caplog):
+    """The daemon counts 16 bytes a parameter and thinks host memory holds two; the worker's
+    allocations, rounded up as a build without exact sizes does, take more. A park past the
+    worker's budget is refused there and goes to disk; no request fails, and every run reaches the
+    weights it reaches alone."""
+    import twinkled.workers.parked as parked
+
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+    tiers = {"adapter_memory_gb": 2.5 * one / GiB,
+             "host_adapter_memory_gb": 2.5 * one * 16 / 20 / GiB}
+
+    async def train(root, rounded: bool, **config):
+        if rounded:  # (a pinned allocation as a rounding build makes it)
+            monkeypatch.setattr(parked, "pinned_bytes", lambda n: 1 << (n - 1).bit_length())
+        async with service(tiny_dir, root, **config) as box:
+            runs = await _create(box, 6)
+            seq = await _train(box, runs, 1, 2)
+            return await _scores(box, runs, seq), box.svc.lanes.all[0].residency.tiers.status()
+
+    alone, _ = run(train(tmp_path / "alone", False))
+    tiered, status = run(train(tmp_path / "tiers", True, **tiers))
+    refusals = [r.message for r in caplog.records if "in host memory failed" in r.message]
+    assert refusals and "host_adapter_memory_gb" in refusals[0] and "KiB" in refusals[0]
+    assert status["moves"].get("to_disk", 0) > 0, status
+    for want, have in zip(alone, tiered, strict=True):
+        for x, y in zip(want, have, strict=True):
+            assert y == pytest.approx(x, abs=1e-4)
+
+
+def test_pinned_bytes_is_what_the_allocator_takes_on_a_card():
+    """On a GPU (TWINKLE_TEST_DEVICE=cuda): `pinned_bytes` says what torch's pinned-memory
+    allocator takes for an adapter-sized buffer, rounded or not, so the worker's host budget
+    is counted in the memory the machine gives."""
+    import torch
+    from helpers import DEVICE
+
+    if DEVICE != "cuda":
+        pytest.skip("pinned memory: CUDA")
+    pinned.exact_sizes()
+    stats = torch.cuda.host_memory_stats
+    if "allocated_bytes.current" not in stats():
+        pytest.skip("this torch build does not report pinned memory")
+    n = 211 * 2**20 + 4 * 12345  # (a size no cached block has)
+    before = stats()["allocated_bytes.current"]
+    buf = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    assert stats()["allocated_bytes.current"] - before == pinned.pinned_bytes(n)
+    print("exact pinned sizes:", pinned.exact_sizes())
+    del buf
