@@ -107,3 +107,17 @@ def test_pinned_bytes_is_what_the_allocator_takes_on_a_card():
     assert stats()["allocated_bytes.current"] - before == pinned.pinned_bytes(n)
     print("exact pinned sizes:", pinned.exact_sizes())
     del buf
+
+
+def test_a_build_without_exact_pinned_sizes_counts_the_rounding(monkeypatch):
+    """torch 2.11 refuses the option with a ValueError: the worker starts all the same, and
+    counts pinned allocations rounded up."""
+    def refuse(_):
+        raise ValueError("Unrecognized key 'pinned_max_round_threshold_mb' in Accelerator "
+                         "allocator config.")
+
+    monkeypatch.setattr(pinned.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pinned.torch._C, "_accelerator_setAllocatorSettings", refuse)
+    monkeypatch.setattr(pinned, "_exact", None)
+    assert pinned.exact_sizes() is False
+    assert pinned.pinned_bytes(211 * 2**20) == 256 * 2**20
