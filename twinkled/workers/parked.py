@@ -86,6 +86,10 @@ class HostTier:
             grads = torch.empty(g.shape, dtype=g.dtype, pin_memory=g.is_cuda)
             # Ordered before the slot is zeroed on release (same stream).
             grads.copy_(g, non_blocking=g.is_cuda)
+        # Waited for here: until then the snapshot keeps its device copy (state.Snapshot),
+        # and a parked adapter holding one would keep its GPU memory too (a 1,000-run bench
+        # filled the card so with 300 parked runs' copies and its next step ran out).
+        snap.host()
         self._parked[adapter_id] = Parked(snap, grads, adapter.pending)
         self.engine.remove_adapter(adapter_id)
 
