@@ -142,6 +142,7 @@ def phase(url: str, keys: list[str], args: argparse.Namespace, vocab: int, model
             "moves_s": sum(moves.values()) / wall,
             "gb_moved": (after["moved_bytes"] - before["moved_bytes"]) / 2**30,
             "host_hits": moves["from_host"] / back if back else None, "moves": moves,
+            "started_parked": after.get("started_parked", 0) - before.get("started_parked", 0),
             "prefetch": hits / (hits + misses) if hits + misses else None}
 
 
@@ -239,7 +240,8 @@ def one_shape(args: argparse.Namespace, first: bool) -> str:
                  f"{r['gb_moved']:.2f} | {hits} | {prefetch} |\n")
     runs = args.active * max(1, args.runs // args.active)
     return text + (f"\ntiers moves: {tiers['moves']}; the tiers phase's {runs:,} creates took "
-                   f"{tiers['create_s']:.1f} s ({runs / tiers['create_s']:.1f} a second)\n")
+                   f"{tiers['create_s']:.1f} s ({runs / tiers['create_s']:.1f} a second), "
+                   f"{tiers['started_parked']:,} of them started parked (no room in the bank)\n")
 
 
 if __name__ == "__main__":

@@ -149,14 +149,16 @@ def test_adapter_budget_reaches_the_banks(tiny_dir, tmp_path):
     assert bank.max_bytes == 12345 and bank.capacity == 1
 
 
-def test_a_burst_of_creates_past_the_budget_waits_for_room_not_a_bigger_bank(tiny_dir,
-                                                                              tmp_path):
-    """3N creates at once with a GPU budget of N adapters: every one is created (none
-    refused), the least recently used parked to make room, and the worker's bank never
-    grows past the budget (creates had held their room at once and parked behind: 64
-    clients creating 1,000 runs grew a 0.5B bank past an H200's memory)."""
+def test_a_burst_of_creates_past_the_budget_starts_runs_parked_not_a_bigger_bank(tiny_dir,
+                                                                                 tmp_path):
+    """3N creates at once with a GPU budget of N adapters: every one is answered at once
+    (none refused, none waiting), those past the budget start parked on disk without a park
+    of anyone, each comes in on its first request, and the worker's bank never grows past
+    the budget (creates had held their room at once and parked behind: 64 clients creating
+    1,000 runs grew a 0.5B bank past an H200's memory; then waited ~4 a second for parks)."""
     import asyncio
 
+    from test_residency_tiers import _op
     from test_service import done, run, service
 
     from twinkled.protocol.sizing import adapter_bytes
@@ -167,19 +169,26 @@ def test_a_burst_of_creates_past_the_budget_waits_for_room_not_a_bigger_bank(tin
     async def burst():
         async with service(tiny_dir, tmp_path, adapter_memory_gb=(n + 0.5) * one / GiB,
                            host_adapter_memory_gb=4 * one / GiB) as box:
-            futures = []
+            futures, models = [], []
             for i in range(3 * n):
                 tenant = f"t{i}"
                 box.store.tenants.ensure(tenant)
                 session = box.store.sessions.create(tenant)
-                futures.append(box.svc.create_model(
+                model, f = box.svc.create_model(
                     tenant, session, None, LoraConfig(rank=4, alpha=8.0, seed=i), {},
-                    lambda model: (b"{}", "application/json"))[1])
+                    lambda model: (b"{}", "application/json"))
+                futures.append(f)
+                models.append(model)
             await asyncio.gather(*(done(f) for f in futures))
             assert [f.error for f in futures] == [None] * (3 * n)
             residency = box.svc.lanes.all[0].residency
+            status = residency.tiers.status()
+            assert residency.count() == n and status["started_parked"] == 2 * n, status
+            assert sum(status["moves"].values()) == 0  # nobody parked for them
+            for i, model in enumerate(models):  # each trains, brought in as it comes
+                await _op(box, f"t{i}", model,
+                          lambda i=i, m=model: box.fwdbwd(f"t{i}", m, 1, [5, 7]))
             assert residency.count() <= n
-            assert residency.tiers.status()["moves"].get("to_host", 0) >= n
             runner = box.svc.lanes.all[0].executor.group._runner
             (bank,) = runner.engine.pool.banks.values()
             assert bank.max_bytes == int((n + 0.5) * one)
@@ -273,10 +282,11 @@ def test_samplers_take_only_what_the_budget_leaves_of_a_bank(tiny_dir, tmp_path)
     assert engine.has_adapter("s8") and bank.capacity == 3
 
 
-def test_a_create_waiting_for_room_fails_cleanly_when_the_daemon_stops(tiny_dir, tmp_path):
-    """A create waiting for room (the bank holds one adapter, whose run has work queued, so
-    it cannot be parked) is answered when the daemon stops: its client hears to submit it
-    again, its room is not held, and nothing is left running."""
+def test_a_create_the_bank_has_no_room_for_is_answered_at_once_holding_none(tiny_dir,
+                                                                             tmp_path):
+    """A create while the bank's one adapter cannot be parked (its run has work queued that
+    cannot run) is answered at once: the new run starts parked, holding no room, and the
+    daemon still stops cleanly (its first request would wait for room: the next test)."""
     import asyncio
 
     from test_service import run, service
@@ -292,15 +302,16 @@ def test_a_create_waiting_for_room_fails_cleanly_when_the_daemon_stops(tiny_dir,
             box.fwdbwd("t0", busy, 5, [4])  # op 5 waits for ops 1-4: queued work, for good
             box.store.tenants.ensure("t1")
             session = box.store.sessions.create("t1")
-            _, f = box.svc.create_model("t1", session, None, LoraConfig(rank=4, seed=2), {},
-                                        lambda model: (b"{}", "application/json"))
-            await asyncio.sleep(0.3)
-            assert not f.done.is_set()  # waiting for room
+            model, f = box.svc.create_model("t1", session, None, LoraConfig(rank=4, seed=2),
+                                            {}, lambda model: (b"{}", "application/json"))
+            await asyncio.wait_for(f.done.wait(), 5)
+            assert f.error is None
             residency = box.svc.lanes.all[0].residency
-            assert residency.count() == 1
-            await box.svc.life.shutdown()
-            assert f.done.is_set() and f.error is not None and "submit it again" in f.error[0]
+            assert residency.count() == 1 and not residency.is_open(model)
             assert residency.room.used() == residency.room.held(busy)
+            row = box.store.runs.get(model)
+            assert row["idle_unloaded"] and not row["live"] and row["next_seq"] == 1
+            await box.svc.life.shutdown()
             assert all(t.done() for t in residency._waiting)
 
     run(go())

@@ -203,6 +203,10 @@ def test_tinker_clients_beyond_the_gpu_budget_train_in_a_daemon(tiny_dir, tmp_pa
         with urllib.request.urlopen(f"{d.url}/metrics", timeout=T) as r:
             metrics = r.read().decode()
         assert f"twinkle_adapter_churn_total {float(tiers['churn'])}" in metrics
+        # the second and third were created with the bank full: started parked, made on
+        # their first step (no park for a create)
+        assert tiers["started_parked"] == 2, tiers
+        assert "twinkle_runs_started_parked_total 2.0" in metrics
         prefetch = tiers["prefetch"]  # the labels reference.md documents
         assert (f'twinkle_adapter_prefetch_total{{result="hit"}} {float(prefetch["hits"])}'
                 in metrics and f'twinkle_adapter_prefetch_total{{result="miss"}} '

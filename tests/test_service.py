@@ -42,6 +42,9 @@ class Box:
                                          lambda model: (b"{}", "application/json"))
         await done(f)
         assert f.error is None, f.error
+        # In the bank now, as after a client's first request (a create the bank has no room
+        # for starts parked: Residency.start_parked)
+        await self.svc.ensure_loaded(self.store.runs.get(model))
         return model
 
     def fwdbwd(self, tenant: str, model: str, seq: int, lengths: list[int], seed: int = 0,

@@ -389,7 +389,8 @@ class Lanes:
                 "moves": dict(moves),
                 "moved_bytes": sum(lane.residency.tiers.moved_bytes for lane in self.all),
                 "prefetch": {"hits": prefetch["hits"], "misses": prefetch["misses"]},
-                "churn": sum(lane.residency.tiers.churn for lane in self.all)}
+                "churn": sum(lane.residency.tiers.churn for lane in self.all),
+                "started_parked": sum(lane.residency.tiers.started_parked for lane in self.all)}
 
     def logprob_gap(self) -> dict:
         """Sampler vs trainer logprobs of recently checked samples, over every lane

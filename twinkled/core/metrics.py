@@ -121,6 +121,9 @@ def _tier_metrics(tiers: dict):
     yield CounterMetricFamily("twinkle_adapter_churn", "Adapters parked out of the GPU bank "
                               "within 10 s of their last use: the runs training at once do "
                               "not fit it", value=tiers["churn"])
+    yield CounterMetricFamily("twinkle_runs_started_parked", "New runs the GPU bank had no "
+                              "room for, started parked on disk (made from their seed on "
+                              "their first request)", value=tiers["started_parked"])
 
 
 def _gap_metrics(gap: dict):

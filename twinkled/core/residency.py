@@ -315,6 +315,13 @@ class Residency:
         would otherwise see each room they make taken by the next new model)."""
         return self.room.fits(config) and not self._admitting.locked()
 
+    def start_parked(self, model: str) -> None:
+        """A new run the bank has no room for now: parked on disk from the start, with no
+        state there (a restore makes its weights from its config's seed: RestoreF). Its
+        first request brings it in (`ensure_loaded`), its seq_ids from 1."""
+        self.tiers.start_parked(model)
+        self._store.runs.set_live(model, False, next_seq=1, idle_unloaded=True)
+
     def when_room(self, model: str, config: LoraConfig, tenant: str,
                   then: Callable[[Exception | None], None]) -> None:
         """Make room for a new model's adapter in the background (`make_room`, which holds

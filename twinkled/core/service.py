@@ -308,8 +308,9 @@ class Service:
     def _open(self, lane: Lane, tenant: str, config: LoraConfig, op: Op) -> Future:
         """A new model on `lane`, its create or load (`op`, op 0) queued once its adapter
         has room in the GPU bank. With room now (or a full-parameter run, on a lane of its
-        own), at once; else op 0 waits, queued nowhere, while the least recently used idle
-        adapters are parked (Residency.make_room), and its client polls meanwhile. Holding
+        own), at once; else a create starts parked (Residency.start_parked) and a load's
+        op 0 waits, queued nowhere, while the least recently used idle adapters are parked
+        (Residency.make_room), and its client polls meanwhile. Holding
         the room first and parking behind let a burst of creates grow the workers' bank
         past its budget: 1,000 runs created by 64 clients ran an H200 out of memory
         (BENCHMARKS.md, session 20)."""
@@ -321,6 +322,14 @@ class Service:
             residency.open(model, tenant, 0)
             return self.submit(op)
         self.life.check_intake()  # (refused now, not after the wait)
+        if isinstance(op.frame, CreateF):
+            # A new run has nothing to copy in (its weights follow from its seed): it starts
+            # parked on disk, answered at once, and its first request brings it in as any
+            # parked run's, charged to its tenant. No one is parked for a run that may not
+            # train for hours; 1,000 creates waited ~4 a second for parks on an H200.
+            residency.start_parked(model)
+            self.futures.resolve(op.future, None)
+            return op.future
         residency.open(model, tenant, 0)
         residency.when_room(model, config, tenant,
                             lambda why: self._submit_waited(lane, op, why))

@@ -70,9 +70,10 @@ class TierMoves:
             log.warning("adapter %s was not in host memory (%s); restoring it from disk",
                         model, moved.error)
         idle = self._planner.idle()
+        born = self._tiers.born(model)  # (a new run's first coming: made, not moved)
         moved = await self._executor.restore_one(model, config)
         self._planner.charge(needer, moved.seconds)
-        if moved.error is None:
+        if moved.error is None and not born:
             self._tiers.moved(model, "from_disk", config)
             self._tiers.prefetched(idle)
         return moved.error

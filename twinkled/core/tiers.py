@@ -52,6 +52,8 @@ class Tiers:
         # waited) and those that did: the prefetch hit rate.
         self.prefetch: Counter[str] = Counter()  # "hits", "misses"
         self.churn = 0  # parks of adapters used within CHURN_RECENT_S
+        self.started_parked = 0  # new runs that started on disk (Residency.start_parked)
+        self._unborn: set[str] = set()  # those of them not brought in yet
         self._churned: list[float] = []  # when, within the last CHURN_WINDOW_S
         self._warned = -CHURN_QUIET_S
 
@@ -122,6 +124,19 @@ class Tiers:
         for model in list(self._on_host):
             self.left_host(model)
 
+    def start_parked(self, model: str) -> None:
+        """A new run starts on disk, with no state there (Residency.start_parked)."""
+        self.started_parked += 1
+        self._unborn.add(model)
+
+    def born(self, model: str) -> bool:
+        """Whether `model` started parked and comes in for the first time now: made from
+        its seed, not moved (no move counted, nothing read from disk)."""
+        if model in self._unborn:
+            self._unborn.discard(model)
+            return True
+        return False
+
     def moved(self, model: str, kind: str, config: LoraConfig) -> None:
         self.moves[kind] += 1
         self.moved_bytes += self.host.size(config)
@@ -135,4 +150,4 @@ class Tiers:
                 "host": len(self._on_host), "host_bytes": self.host.used(),
                 "host_budget": self.host.budget, "moves": dict(self.moves),
                 "moved_bytes": self.moved_bytes, "prefetch": dict(self.prefetch),
-                "churn": self.churn}
+                "churn": self.churn, "started_parked": self.started_parked}
