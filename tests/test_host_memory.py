@@ -64,21 +64,37 @@ def test_a_park_past_the_workers_host_budget_is_refused_and_changes_nothing(tiny
     assert "b" in tier
 
 
-def test_runs_the_workers_rounded_host_memory_cannot_hold_park_on_disk_and_train_on(
+def test_runs_the_workers_rounded_host_memory_cannot_hold_go_on_to_disk_and_train_on(
         tiny_dir, tmp_path, monkeypatch, caplog):
-    """The daemon counts 16 bytes a parameter and thinks host memory holds two; the worker's
-    allocations, rounded up as a build without exact sizes does, take more. A park past the
-    worker's budget is refused there and goes to disk; no request fails, and every run reaches the
-    weights it reaches alone."""
+    """The daemon counts 16 bytes a parameter; the worker's allocations, rounded up as a
+    build without exact sizes makes them, take more. A park past the worker's budget is
+    refused there; the daemon moves the least recently used in host memory on to disk and
+    tries again, so host memory keeps the most recent and the worker never holds more than
+    its budget. No request fails, and every run reaches the weights it reaches alone."""
     import twinkled.workers.parked as parked
 
     one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
-    tiers = {"adapter_memory_gb": 2.5 * one / GiB,
-             "host_adapter_memory_gb": 2.5 * one * 16 / 20 / GiB}
+    host_budget = 2.5 * one * 16 / 20  # two by the daemon's count
+    tiers = {"adapter_memory_gb": 2.5 * one / GiB, "host_adapter_memory_gb": host_budget / GiB}
+    refused, held = [], []
 
-    async def train(root, rounded: bool, **config):
-        if rounded:  # (a pinned allocation as a rounding build makes it)
-            monkeypatch.setattr(parked, "pinned_bytes", lambda n: 1 << (n - 1).bit_length())
+    def rounded(n: int) -> int:  # a pinned allocation as a rounding build makes it
+        return 1 << (n - 1).bit_length()
+
+    park = parked.HostTier.park
+
+    def counting(tier, adapter_id, training=True):
+        try:
+            park(tier, adapter_id, training)
+        except Exception as e:
+            refused.append(str(e))
+            raise
+        held.append(tier.bytes())
+
+    async def train(root, rounding: bool, **config):
+        if rounding:
+            monkeypatch.setattr(parked, "pinned_bytes", rounded)
+            monkeypatch.setattr(parked.HostTier, "park", counting)
         async with service(tiny_dir, root, **config) as box:
             runs = await _create(box, 6)
             seq = await _train(box, runs, 1, 2)
@@ -86,9 +102,11 @@ def test_runs_the_workers_rounded_host_memory_cannot_hold_park_on_disk_and_train
 
     alone, _ = run(train(tmp_path / "alone", False))
     tiered, status = run(train(tmp_path / "tiers", True, **tiers))
-    refusals = [r.message for r in caplog.records if "in host memory failed" in r.message]
-    assert refusals and "host_adapter_memory_gb" in refusals[0] and "KiB" in refusals[0]
-    assert status["moves"].get("to_disk", 0) > 0, status
+    assert refused and "host_adapter_memory_gb" in refused[0] and "KiB" in refused[0]
+    assert held and max(held) <= int(host_budget)  # never past the worker's budget
+    # each refused park went to host memory after all, the coldest there moving on to disk
+    assert not [r for r in caplog.records if "in host memory failed" in r.message]
+    assert status["moves"].get("to_disk", 0) > 0 and status["host"] >= 1, status
     for want, have in zip(alone, tiered, strict=True):
         for x, y in zip(want, have, strict=True):
             assert y == pytest.approx(x, abs=1e-4)

@@ -24,7 +24,7 @@ from twinkled.core.executor import Executor
 from twinkled.core.ops import Outcome
 from twinkled.core.tier_moves import TierMoves
 from twinkled.core.tiers import Tiers
-from twinkled.protocol.errors import Draining, UserError
+from twinkled.protocol.errors import HOST_ROOM, Draining, UserError
 from twinkled.protocol.frames import CreateF, IdleUnloadF, LoadF, OpF, ParkF, UnloadF
 from twinkled.protocol.types import (
     ATTN_MODULES,
@@ -381,6 +381,12 @@ class Residency:
         self._planner.forget_model(model)
         host = to_host and await self.moves.host_room(config, incoming, needer)
         error = (await self.moves.move(ParkF(model) if host else IdleUnloadF(model), needer)).error
+        # The worker counts its host memory as allocated (workers/parked.py: pinned memory
+        # may be rounded up) and may have less room than this count says: the least
+        # recently used there goes on to disk, as when this count is full, and it tries again
+        while (error is not None and host and HOST_ROOM in error
+               and await self.moves.spill_coldest(incoming, needer)):
+            error = (await self.moves.move(ParkF(model), needer)).error
         if error is not None and host:
             log.warning("parking %s in host memory failed (%s); parking it on disk",
                         model, error)

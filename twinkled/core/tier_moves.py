@@ -35,13 +35,17 @@ class TierMoves:
         if not self._tiers.host.fits_ever(config):
             return False
         while not self._tiers.host.fits(config, leaving=incoming):
-            # Never one being brought in (its lock held, its unpark perhaps in flight:
-            # spilled now, it would leave the bank the moment it came back)
-            coldest = [m for m in self._tiers.on_host_models()
-                       if m != incoming and not self._moving(m)]
-            if not coldest or not await self.host_to_disk(coldest[0], needer):
+            if not await self.spill_coldest(incoming, needer):
                 return False
         return True
+
+    async def spill_coldest(self, incoming: str | None, needer: str | None = None) -> bool:
+        """The least recently used adapter in host memory on to disk; False if none can go.
+        Never `incoming` (its lock held, its unpark perhaps in flight: spilled now, it
+        would leave the bank the moment it came back)."""
+        coldest = [m for m in self._tiers.on_host_models()
+                   if m != incoming and not self._moving(m)]
+        return bool(coldest) and await self.host_to_disk(coldest[0], needer)
 
     async def host_to_disk(self, model: str, needer: str | None = None) -> bool:
         """A host-parked adapter on to disk (the caller holds Residency's `_admitting`)."""

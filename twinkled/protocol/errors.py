@@ -21,3 +21,8 @@ class Conflict(ValueError):
 
 class QuotaExceeded(UserError):
     """The tenant's storage (checkpoint files + stored user_metadata) is at its quota."""
+
+
+# What a worker's refusal of a park for want of host memory says (workers/parked.py); the
+# daemon then makes room there and tries again (core/residency.py)
+HOST_ROOM = "no room in this worker's host memory"

@@ -27,6 +27,7 @@ from twinkled.engine import Engine
 from twinkled.engine.live import unflatten
 from twinkled.engine.pinned import pinned_bytes
 from twinkled.engine.state import MOMENTS, Snapshot, snapshot, to_device, write_into
+from twinkled.protocol.errors import HOST_ROOM
 from twinkled.protocol.sizing import human_size
 from twinkled.protocol.types import AdapterInfo, EngineInputError
 
@@ -74,7 +75,7 @@ class HostTier:
         need = self._bytes_of(adapter, training)
         if self.max_bytes is not None and self.bytes() + need > self.max_bytes:
             raise EngineInputError("host_adapter_memory_gb", (
-                f"no room in this worker's host memory for adapter {adapter_id!r}: it needs "
+                f"{HOST_ROOM} for adapter {adapter_id!r}: it needs "
                 f"{human_size(need)}, {human_size(self.bytes())} of "
                 f"{human_size(self.max_bytes)} are taken"))
         # This rank's own slices (under tensor parallelism each rank parks its part, no
