@@ -108,6 +108,8 @@ def phase(url: str, keys: list[str], args: argparse.Namespace, vocab: int, model
     from twinkled.server.ctl import Target
 
     turns = args.turns or 2 * max(1, args.runs // args.active)
+    # (before the creates: those the bank had no room for start parked, Residency.start_parked)
+    born = Target(data, None, None).call("status")["tiers"].get("started_parked", 0)
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--client", "--url", url, "--key", key, "--base-model",
          model, "--vocab", str(vocab), "--seq", str(args.seq), "--batch", str(args.batch),
@@ -142,7 +144,7 @@ def phase(url: str, keys: list[str], args: argparse.Namespace, vocab: int, model
             "moves_s": sum(moves.values()) / wall,
             "gb_moved": (after["moved_bytes"] - before["moved_bytes"]) / 2**30,
             "host_hits": moves["from_host"] / back if back else None, "moves": moves,
-            "started_parked": after.get("started_parked", 0) - before.get("started_parked", 0),
+            "started_parked": after.get("started_parked", 0) - born,
             "prefetch": hits / (hits + misses) if hits + misses else None}
 
 
@@ -212,6 +214,9 @@ def one_shape(args: argparse.Namespace, first: bool) -> str:
     try:
         name = model.name
         resident = phase(url, keys, args, vocab, name, 1, data)
+        # (said at once: a GPU call cut off or failing in the tiers phase still tells it)
+        print(f"resident phase: {resident['tps']:,.0f} tok/s, step p50 {resident['p50']:.3f} s, "
+              f"p99 {resident['p99']:.3f} s, {resident['errors']} refusals", flush=True)
         tiers = phase(url, keys, args, vocab, name, max(1, args.runs // args.active), data)
     finally:
         # Killed, not stopped: a stop writes every live run's state to disk (880 runs of the
