@@ -1,0 +1,62 @@
+"""Runs created while the GPU bank is full start parked on disk with no state
+(Residency.start_parked): their weights are made from their seed on their first request, so
+they train exactly as runs created with room, even across a daemon restart in between.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_residency_tiers import _scores, _train
+from test_service import done, run, service
+
+from twinkled.protocol.config import Config
+from twinkled.protocol.sizing import GiB, adapter_bytes
+from twinkled.protocol.types import LoraConfig
+
+RUNS = 4
+
+
+async def _create_only(box, tenant: str, seed: int) -> str:
+    """A create as a client sends it, without a request after it (unlike `Box.create`)."""
+    box.store.tenants.ensure(tenant)
+    session = box.store.sessions.create(tenant)
+    model, f = box.svc.create_model(tenant, session, None,
+                                    LoraConfig(rank=4, alpha=8.0, seed=seed), {},
+                                    lambda _: (b"{}", "application/json"))
+    await done(f)
+    assert f.error is None, f.error
+    return model
+
+
+def test_runs_started_parked_train_as_runs_created_with_room_across_a_restart(tiny_dir,
+                                                                             tmp_path):
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+    small = {"adapter_memory_gb": 1.5 * one / GiB,
+             "host_adapter_memory_gb": 1.5 * one * 16 / 20 / GiB}
+
+    async def with_room():
+        async with service(tiny_dir, tmp_path / "room") as box:
+            runs = [await _create_only(box, f"t{i}", 100 + i) for i in range(RUNS)]
+            assert box.svc.lanes.all[0].residency.tiers.status()["started_parked"] == 0
+            seq = await _train(box, runs, 1, 2)
+            return await _scores(box, runs, seq)
+
+    async def started_parked():
+        async with service(tiny_dir, tmp_path / "parked", **small) as box:
+            runs = [await _create_only(box, f"t{i}", 100 + i) for i in range(RUNS)]
+            residency = box.svc.lanes.all[0].residency
+            assert residency.count() == 1
+            assert residency.tiers.status()["started_parked"] == RUNS - 1
+            rows = [box.store.runs.get(m) for m in runs[1:]]
+            assert all(r["idle_unloaded"] and not r["live"] and r["next_seq"] == 1
+                       for r in rows)
+        # The daemon stops before any of them trained, and starts again: nothing of the
+        # started-parked runs was written, and each is made from its seed when it comes in
+        async with service(tiny_dir, tmp_path / "parked", **small) as box:
+            seq = await _train(box, runs, 1, 2)
+            return await _scores(box, runs, seq)
+
+    want, got = run(with_room()), run(started_parked())
+    for a, b in zip(want, got, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert y == pytest.approx(x, abs=1e-4)
