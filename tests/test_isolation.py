@@ -444,6 +444,9 @@ RAW_TRIGGERS = {
                                               r"seed", "model"),
     "create_model_rank_1_7": RawTrigger(lambda c: _create(c, {"rank": 1.7}), r"rank", "model"),
     "create_model_rank_string": RawTrigger(lambda c: _create(c, {"rank": "x"}), r"rank", "model"),
+    "create_model_trains_no_module": RawTrigger(lambda c: _create(c, {
+        "rank": 4, "train_attn": False, "train_mlp": False, "train_unembed": False}),
+        r"train_attn", "model"),
     "create_model_lora_config_string": RawTrigger(lambda c: _create(c, "abc"), r"lora_config",
                                                   "model"),
     "create_model_alpha_inf": RawTrigger(

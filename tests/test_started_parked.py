@@ -60,3 +60,27 @@ def test_runs_started_parked_train_as_runs_created_with_room_across_a_restart(ti
     for a, b in zip(want, got, strict=True):
         for x, y in zip(a, b, strict=True):
             assert y == pytest.approx(x, abs=1e-4)
+
+
+def test_a_create_training_no_module_is_refused_at_the_door_even_with_the_bank_full(tiny_dir,
+                                                                                   tmp_path):
+    """A run that would start parked is checked as one the bank has room for: a LoRA config
+    that trains no module is refused at create, naming the fields, not at its first request."""
+    from twinkled.protocol.errors import UserError
+
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+
+    async def go():
+        async with service(tiny_dir, tmp_path, adapter_memory_gb=1.5 * one / GiB) as box:
+            await _create_only(box, "t0", 1)  # the bank is full now
+            box.store.tenants.ensure("t1")
+            session = box.store.sessions.create("t1")
+            bad = LoraConfig(rank=4, seed=2, train_attn=False, train_mlp=False,
+                             train_unembed=False)
+            with pytest.raises(UserError, match="train_attn.*train_mlp.*train_unembed"):
+                box.svc.create_model("t1", session, None, bad, {},
+                                     lambda _: (b"{}", "application/json"))
+            assert box.svc.lanes.all[0].residency.tiers.status()["started_parked"] == 0
+            assert box.store.runs.get(f"{session}:train:0") is None  # nothing recorded
+
+    run(go())

@@ -171,6 +171,11 @@ class Service:
                 "seed": config.seed, "optimizer": config.optimizer}  # a restore re-creates it
         if (retried := self._created(tenant, session_id, model_seq, lora)) is not None:
             return retried
+        if config.rank and not (config.train_attn or config.train_mlp or config.train_unembed):
+            # (here, not only in the engine: a run the bank has no room for starts parked,
+            # and would hear it only at its first request)
+            raise UserError("lora_config: train_attn, train_mlp and train_unembed are all "
+                            "false; at least one must be true")
         self.tenants.check_new_adapter(tenant, config.rank)
         if config.rank == 0:  # full-parameter: a lane of its own (core/exclusive.py)
             lane = full_run_lane(self.lanes, self.tenants, self.config, tenant)
