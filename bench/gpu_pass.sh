@@ -67,6 +67,7 @@ pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/gpu_pass${GPU_PASS_GPU:+_$GPU_PASS_G
 printf 'persist_every = 0\n' > /tmp/gpu_pass_p0.toml
 printf 'token_budget = 4096\nhost_adapter_memory_gb = 64\n' > /tmp/gpu_pass_tb4k.toml
 ckpt="${GPU_PASS_CKPT:-/tmp/gpu_pass}"
+mem_gb=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo)  # (GiB, for host shares)
 py="$(command -v python3 || command -v python)"
 
 wait_for() {  # a checkpoint `prewrite` is writing
@@ -235,13 +236,14 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         # (0.21 GB a 0.5B run, 1.05 GB an 8B one) need the 4-GPU machines' memory and disk;
         # issue 33 on one GPU of a 2-GPU machine (251 GiB memory, 128 GiB disk), persistence
         # off: 960 trained runs' states (200 GB of the 0.5B, 204 of the 8B) would not fit its
-        # disk; parks to disk still write theirs. Host memory (TENANTS_HOST_GB, default 150 /
-        # 190) holds what the GPU bank does not, the disk the rest. torch 2.11 rounds pinned
+        # disk; parks to disk still write theirs. Host memory (TENANTS_HOST_GB, default 60% /
+        # 75% of the machine's: 150 / 188 GiB there) holds what the GPU bank does not, the
+        # disk the rest. torch 2.11 rounds pinned
         # memory up (engine/pinned.py): a parked 8B run takes 2.5 GiB there, so the 8B needs
         # the larger host share to keep its disk parks (1.04 GB each) within the disk.
         # Run `done31` in a call of its own: beside these its 8B part missed its 290 s.
         tenants05) "$py" bench_tenants.py --shape qwen2.5-0.5b --runs 1000 --active 64 \
-                       --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-150}" \
+                       --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-$((mem_gb * 6 / 10))}" \
                        --phase-s "${TENANTS_PHASE_S:-150}" --model-dir "$ckpt/q05" \
                        --write "$out/tenants05.md" > "$out/tenants05.log" 2>&1; tail -20 "$out/tenants05.log"
                    tail -c 30000000 /tmp/bench_tenants_*/twinkled.log > "$out/tenants05_twinkled.log" ;;
@@ -253,7 +255,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
                        --write "$out/tenants05h.md" > "$out/tenants05h.log" 2>&1; tail -20 "$out/tenants05h.log" ;;
         # (the 16 GB checkpoint in memory, /dev/shm, so the disk holds only the runs' states)
         tenants8b) "$py" bench_tenants.py --shape qwen3-8b --runs 200 --active 16 \
-                       --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-190}" \
+                       --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-$((mem_gb * 3 / 4))}" \
                        --phase-s "${TENANTS_PHASE_S:-150}" --model-dir /dev/shm/gpu_pass_q8b \
                        --write "$out/tenants8b.md" > "$out/tenants8b.log" 2>&1; tail -20 "$out/tenants8b.log"
                    tail -c 30000000 /tmp/bench_tenants_*/twinkled.log > "$out/tenants8b_twinkled.log" ;;
