@@ -242,6 +242,8 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         # memory up (engine/pinned.py): a parked 8B run takes 2.5 GiB there, so the 8B needs
         # the larger host share to keep its disk parks (1.04 GB each) within the disk.
         # Run `done31` in a call of its own: beside these its 8B part missed its 290 s.
+        # One H200 alone (128 GiB, 64 GiB disk) cannot hold the 0.5B's disk parks: use
+        # `tenants05h` (192 runs) there.
         tenants05) "$py" bench_tenants.py --shape qwen2.5-0.5b --runs 1000 --active 64 \
                        --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-$((mem_gb * 6 / 10))}" \
                        --phase-s "${TENANTS_PHASE_S:-150}" --model-dir "$ckpt/q05" \
