@@ -64,6 +64,39 @@ def test_a_park_past_the_workers_host_budget_is_refused_and_changes_nothing(tiny
     assert "b" in tier
 
 
+def test_a_run_parked_between_its_steps_takes_no_room_for_gradients(tiny_dir):
+    """A run parked after its optimizer step has no gradients: its host copy is its weights
+    and moments (12 bytes a parameter, not 16), and it comes back bit for bit, its gradients
+    zero; one parked with gradients pending keeps them."""
+    import torch
+    from helpers import adapter_snapshot, ce_request, make_engine
+
+    from twinkled.protocol.types import AdamParams, LoraConfig
+    from twinkled.workers.parked import HostTier
+
+    engine = make_engine(tiny_dir)
+    vocab, gen = engine.model.vocab_size, torch.Generator().manual_seed(0)
+    for name in "ab":
+        engine.add_adapter(name, LoraConfig(rank=4, seed=ord(name)))
+        engine.forward_backward([ce_request(name, gen, vocab, [5, 7])])
+    engine.optim_step("a", AdamParams(learning_rate=1e-2))  # a between steps, b not
+    params = engine.pool.get("a").bank.flat(engine.pool.get("a").slot, "w").numel()
+    before = {m: adapter_snapshot(engine, m) for m in "ab"}
+    tier = HostTier(engine)
+    tier.park("a")
+    assert tier.bytes() == pinned.pinned_bytes(12 * params)
+    tier.park("b")
+    assert tier.bytes() == (2 * pinned.pinned_bytes(12 * params)
+                            + pinned.pinned_bytes(4 * params))
+    for m in "ab":
+        tier.unpark(m)
+        after = adapter_snapshot(engine, m)
+        assert all(before[m][k].equal(after[k]) for k in before[m])
+    a, b = engine.pool.get("a"), engine.pool.get("b")
+    assert not a.bank.flat(a.slot, "g").any() and b.bank.flat(b.slot, "g").any()
+    assert (a.pending, b.pending) == (0, 2)  # (two datums)
+
+
 def test_runs_the_workers_rounded_host_memory_cannot_hold_go_on_to_disk_and_train_on(
         tiny_dir, tmp_path, monkeypatch, caplog):
     """The daemon counts 16 bytes a parameter; the worker's allocations, rounded up as a
@@ -74,7 +107,8 @@ def test_runs_the_workers_rounded_host_memory_cannot_hold_go_on_to_disk_and_trai
     import twinkled.workers.parked as parked
 
     one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
-    host_budget = 2.5 * one * 16 / 20  # two by the daemon's count
+    # two parked with gradients pending; the daemon counts 12 bytes a parameter: three
+    host_budget = 2.5 * one * 16 / 20
     tiers = {"adapter_memory_gb": 2.5 * one / GiB, "host_adapter_memory_gb": host_budget / GiB}
     refused, held = [], []
 

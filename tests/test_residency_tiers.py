@@ -62,7 +62,7 @@ def test_3n_runs_train_round_robin_through_host_and_disk_to_the_weights_alone(ti
                                                                              tmp_path, caplog):
     one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
     tiers = {"adapter_memory_gb": (N + 0.5) * one / GiB,
-             "host_adapter_memory_gb": (N + 0.5) * one * 16 / 20 / GiB}
+             "host_adapter_memory_gb": (N + 0.2) * one * 16 / 20 / GiB}
 
     async def reference():
         async with service(tiny_dir, tmp_path / "alone") as box:  # room for every run
@@ -178,7 +178,7 @@ def test_tinker_clients_beyond_the_gpu_budget_train_in_a_daemon(tiny_dir, tmp_pa
     one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
     cfg = tmp_path / "twinkled.toml"
     cfg.write_text(f"adapter_memory_gb = {1.5 * one / GiB}\n"
-                   f"host_adapter_memory_gb = {1.5 * one * 16 / 20 / GiB}\n")
+                   f"host_adapter_memory_gb = {1.5 * one * 12 / 20 / GiB}\n")
     key = make_key(tmp_path, "ida")
     d = Daemon(tiny_dir, tmp_path, tmp_path / "log", "--config", str(cfg))
     try:
@@ -432,7 +432,7 @@ def test_an_adapter_coming_in_from_host_memory_is_never_spilled_to_disk_meanwhil
 
     one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
     tiers = {"adapter_memory_gb": 2.5 * one / GiB,
-             "host_adapter_memory_gb": 1.5 * one * 16 / 20 / GiB}
+             "host_adapter_memory_gb": 1.5 * one * 12 / 20 / GiB}
 
     async def go():
         async with service(tiny_dir, tmp_path, **tiers) as box:

@@ -32,7 +32,7 @@ def test_runs_started_parked_train_as_runs_created_with_room_across_a_restart(ti
                                                                              tmp_path):
     one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
     small = {"adapter_memory_gb": 1.5 * one / GiB,
-             "host_adapter_memory_gb": 1.5 * one * 16 / 20 / GiB}
+             "host_adapter_memory_gb": 1.5 * one * 12 / 20 / GiB}
 
     async def with_room():
         async with service(tiny_dir, tmp_path / "room") as box:

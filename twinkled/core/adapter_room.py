@@ -119,9 +119,11 @@ def adapter_room(config: Config, budget: int | None) -> AdapterRoom:
 
 def host_room(config: Config) -> AdapterRoom:
     """The host tier's room, per lane (`host_adapter_memory_gb`): a parked adapter's fp32
-    weights, gradients and moments (16 bytes a parameter; under tensor parallelism each
-    rank holds its slices, together the whole)."""
+    weights and moments (12 bytes a parameter; under tensor parallelism each rank holds its
+    slices, together the whole). One parked with gradients pending takes 16: the workers
+    count what they hold and refuse a park past the budget, and the least recently parked
+    then go on to disk (workers/parked.py, Residency._park)."""
     model = config.model_config or {}
     budget = int(config.host_adapter_memory_gb * GiB)
     return AdapterRoom(budget, lambda c: adapter_bytes(
-        model, c.rank, c.train_attn, c.train_mlp, c.train_unembed) * 16 // 20)
+        model, c.rank, c.train_attn, c.train_mlp, c.train_unembed) * 12 // 20)

@@ -35,7 +35,7 @@ from twinkled.protocol.types import AdapterInfo, EngineInputError
 @dataclass
 class Parked:
     snap: Snapshot  # weights (and a training adapter's moments), as the disk tier holds them
-    grads: torch.Tensor | None  # the bank row of pending gradients (a training adapter's)
+    grads: torch.Tensor | None  # the bank row of pending gradients (None: it had none)
     pending: int  # datums whose gradients those are
 
     def bytes(self) -> int:
@@ -72,7 +72,13 @@ class HostTier:
         """The adapter out of the bank into host memory (its slot is freed); a sampler's
         (not `training`) weights only."""
         adapter = self.engine.pool.get(adapter_id)
-        need = self._bytes_of(adapter, training)
+        # Its gradients only if it has any: a run parked between its optimizer steps (the
+        # usual case: its turn ended with one) has none, and its host copy is then 12 bytes
+        # a parameter, not 16. (Checked on the values: a context-parallel rank's share of a
+        # split row adds gradients its `pending` does not count.)
+        g = adapter.bank.flat(adapter.slot, "g") if training else None
+        keep = g is not None and bool(g.any())
+        need = self._bytes_of(adapter, training, keep)
         if self.max_bytes is not None and self.bytes() + need > self.max_bytes:
             raise EngineInputError("host_adapter_memory_gb", (
                 f"{HOST_ROOM} for adapter {adapter_id!r}: it needs "
@@ -82,8 +88,7 @@ class HostTier:
         # collective); they go back into the same rank's bank as they are.
         snap = snapshot(adapter, optimizer=training)
         grads = None
-        if training:
-            g = adapter.bank.flat(adapter.slot, "g")
+        if keep:
             grads = torch.empty(g.shape, dtype=g.dtype, pin_memory=g.is_cuda)
             # Ordered before the slot is zeroed on release (same stream).
             grads.copy_(g, non_blocking=g.is_cuda)
@@ -95,13 +100,13 @@ class HostTier:
         self.engine.remove_adapter(adapter_id)
 
     @staticmethod
-    def _bytes_of(adapter, training: bool) -> int:
+    def _bytes_of(adapter, training: bool, grads: bool) -> int:
         """What parking `adapter` takes of host memory: its weights (and a training
-        adapter's moments) in one buffer, a training adapter's gradients in another."""
+        adapter's moments) in one buffer, its gradients (`grads`) in another."""
         w = adapter.bank.flat(adapter.slot, "w")  # (fp32, as are the moments and gradients)
         kinds = 1 + (len(MOMENTS[adapter.config.optimizer]) if training else 0)
         state = pinned_bytes(w.element_size() * kinds * w.numel())
-        return state + (pinned_bytes(w.nbytes) if training else 0)
+        return state + (pinned_bytes(w.nbytes) if grads else 0)
 
     def unpark(self, adapter_id: str, grow: bool = True) -> AdapterInfo:
         """The adapter back into a bank slot, bit for bit as it was parked. On a GPU its
