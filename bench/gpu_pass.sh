@@ -236,16 +236,17 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         # (0.21 GB a 0.5B run, 1.05 GB an 8B one) need the 4-GPU machines' memory and disk;
         # issue 33 on one GPU of a 2-GPU machine (251 GiB memory, 128 GiB disk), persistence
         # off: 960 trained runs' states (200 GB of the 0.5B, 204 of the 8B) would not fit its
-        # disk; parks to disk still write theirs. Host memory (TENANTS_HOST_GB, default 60% /
-        # 75% of the machine's: 150 / 188 GiB there) holds what the GPU bank does not, the
-        # disk the rest. torch 2.11 rounds pinned
-        # memory up (engine/pinned.py): a parked 8B run takes 2.5 GiB there, so the 8B needs
-        # the larger host share to keep its disk parks (1.04 GB each) within the disk.
+        # disk; parks to disk still write theirs. Host memory (TENANTS_HOST_GB, default 2/3 /
+        # 3/4 of the machine's: 167 / 188 GiB there) holds what the GPU bank does not, the
+        # disk the rest. The bench's runs come back in a fixed cycle, so the bank and host
+        # memory together must hold all 960 or every bring-in reads the disk: torch 2.11
+        # rounds pinned memory up (engine/pinned.py), a parked 0.5B run takes 256 MiB there
+        # (~650 in 167 GiB, with ~313 in the bank) and an 8B one 2 GiB.
         # Run `done31` in a call of its own: beside these its 8B part missed its 290 s.
         # One H200 alone (128 GiB, 64 GiB disk) cannot hold the 0.5B's disk parks: use
         # `tenants05h` (192 runs) there.
         tenants05) "$py" bench_tenants.py --shape qwen2.5-0.5b --runs 1000 --active 64 \
-                       --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-$((mem_gb * 6 / 10))}" \
+                       --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-$((mem_gb * 2 / 3))}" \
                        --phase-s "${TENANTS_PHASE_S:-150}" --model-dir "$ckpt/q05" \
                        --write "$out/tenants05.md" > "$out/tenants05.log" 2>&1; tail -20 "$out/tenants05.log"
                    tail -c 30000000 /tmp/bench_tenants_*/twinkled.log > "$out/tenants05_twinkled.log" ;;
