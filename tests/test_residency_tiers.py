@@ -172,7 +172,7 @@ def test_tinker_clients_beyond_the_gpu_budget_train_in_a_daemon(tiny_dir, tmp_pa
     train in turn, none refused, and each scores the same after it was parked to host memory
     or to disk (worker processes: the moves' frames cross ZeroMQ) as right after its step."""
     import tinker
-    from daemon import Daemon, ctl_status, make_key
+    from daemon import Daemon, ctl_status, make_key, run_ctl
     from test_workers import T, _data, _logprobs, _step
 
     one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
@@ -207,6 +207,12 @@ def test_tinker_clients_beyond_the_gpu_budget_train_in_a_daemon(tiny_dir, tmp_pa
         # their first step (no park for a create)
         assert tiers["started_parked"] == 2, tiers
         assert "twinkle_runs_started_parked_total 2.0" in metrics
+        text = run_ctl(tmp_path, "status").stdout  # and what an operator reads
+        moves = tiers["moves"]
+        assert (f"adapters: 1 in GPU banks, 1 in host memory; moves to host "
+                f"{moves['to_host']}, to disk {moves['to_disk']}, back from host "
+                f"{moves['from_host']}, from disk {moves['from_disk']}") in text, text
+        assert "new runs started parked 2" in text, text
         prefetch = tiers["prefetch"]  # the labels reference.md documents
         assert (f'twinkle_adapter_prefetch_total{{result="hit"}} {float(prefetch["hits"])}'
                 in metrics and f'twinkle_adapter_prefetch_total{{result="miss"}} '

@@ -330,10 +330,21 @@ def status(target: Target, as_json: bool) -> None:
                        f" (peak {_size(w.get('peak_memory_bytes', 0))})")
         for lane in s.get("lanes", []):
             state = f"DOWN: {lane['down']}" if lane.get("down") else "up"
+            t = lane.get("tiers") or {}
+            host = (f", {t['host']} parked in host memory ({_size(t['host_bytes'])} of "
+                    f"{_size(t['host_budget'])})" if t.get("host_budget") else "")
             click.echo(f"  lane {lane['lane']} on {lane.get('host', '?')} "
                        f"({', '.join(lane['devices'])}): {state}, {lane['adapters']} adapters, "
-                       f"{lane['queued_requests']} queued"
+                       f"{lane['queued_requests']} queued{host}"
                        + (", long lane (long-context runs)" if lane.get("long") else ""))
+        if tiers := s.get("tiers"):
+            moves = tiers.get("moves", {})
+            click.echo(f"adapters: {tiers['gpu']} in GPU banks, {tiers['host']} in host memory;"
+                       f" moves to host {moves.get('to_host', 0)}, to disk "
+                       f"{moves.get('to_disk', 0)}, back from host {moves.get('from_host', 0)}, "
+                       f"from disk {moves.get('from_disk', 0)} ({_size(tiers['moved_bytes'])});"
+                       f" churn {tiers.get('churn', 0)}; new runs started parked "
+                       f"{tiers.get('started_parked', 0)}")
         for held in s.get("full_runs", []):
             click.echo(f"  lane {held['lane']} held by the full-parameter run {held['run']} "
                        f"of tenant {held['tenant']} (no LoRA runs or base-model samples there)")
