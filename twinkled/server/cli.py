@@ -14,6 +14,7 @@ from twinkled.server.layout import (
     expand_devices,
     full_run_room,
     gpu_memory,
+    host_memory_warning,
     kv_pool_mb,
     layout_problems,
     layout_summary,
@@ -89,6 +90,8 @@ def serve(model, model_name, data_dir, host, port, device, devices, workers, tp,
     if cfg.sample_kv_mb:
         logging.getLogger("twinkled").info("sampler KV pool: %d MiB per worker",
                                            cfg.sample_kv_mb)
+    if warning := host_memory_warning(cfg):
+        logging.getLogger("twinkled").warning(warning)
     private_dir(cfg.data_dir)
     key_path = admin_key_path(cfg.data_dir, cfg.admin_key_file or None)
     admin_key = ensure_admin_key(key_path)

@@ -214,3 +214,25 @@ def layout_summary(cfg: Config) -> str:
         line += (f"; for many small tenants, --lanes {replicas} puts each run on its own "
                  "worker group and scales better (docs/operator.md, section 5c)")
     return line
+
+
+def host_memory_warning(cfg: Config, machine_bytes: int | None = None) -> str | None:
+    """A warning when the lanes' host tiers (`host_adapter_memory_gb` each) could take more
+    than 80% of this machine's memory: parked adapters are pinned, which the kernel cannot
+    swap, so a worker that fills that much is killed instead (a 1,000-run bench lost its
+    worker so). `machine_bytes`: the machine's memory (default: read from the system)."""
+    if machine_bytes is None:
+        try:
+            import os
+
+            machine_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    lanes = max(cfg.lanes, 1)
+    total = cfg.host_adapter_memory_gb * GiB * lanes
+    if total <= 0.8 * machine_bytes:
+        return None
+    return (f"host_adapter_memory_gb {cfg.host_adapter_memory_gb:g} x {lanes} lane(s) = "
+            f"{total / GiB:.0f} GiB of parked adapters in pinned memory, more than 80% of this "
+            f"machine's {machine_bytes / GiB:.0f} GiB: a worker that parks that much is "
+            "killed by the kernel; lower host_adapter_memory_gb (docs/operator.md 5d)")
