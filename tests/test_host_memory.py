@@ -50,8 +50,9 @@ def test_a_park_past_the_workers_host_budget_is_refused_and_changes_nothing(tiny
     allocated = engine.model.device.type == "cuda" and pinned.torch.cuda.memory_allocated()
     tier.park("a")
     assert tier.bytes() == one
-    # The park keeps nothing on the card (its snapshot's device copy is let go): the bank
-    # keeps its slots, so what the card holds is what it held before
+    # The park keeps nothing on the card once its copy is done (its snapshot's device copy
+    # is let go): the bank keeps its slots, so what the card holds is what it held before
+    tier.settle(wait=True)
     assert not allocated or pinned.torch.cuda.memory_allocated() == allocated
     before = adapter_snapshot(engine, "b")
     with pytest.raises(EngineInputError, match="host_adapter_memory_gb.*'b'.*KiB"):
@@ -95,6 +96,16 @@ def test_a_run_parked_between_its_steps_takes_no_room_for_gradients(tiny_dir):
     a, b = engine.pool.get("a"), engine.pool.get("b")
     assert not a.bank.flat(a.slot, "g").any() and b.bank.flat(b.slot, "g").any()
     assert (a.pending, b.pending) == (0, 2)  # (two datums)
+    # A context-parallel rank's count leaves out its share of split rows: there the
+    # gradients themselves say (gradients with no pending datum counted are kept)
+    b.pending = 0
+    with_grads = adapter_snapshot(engine, "b")
+    cp_tier = HostTier(engine, exact_pending=False)
+    cp_tier.park("b")
+    assert cp_tier.bytes() == pinned.pinned_bytes(12 * params) + pinned.pinned_bytes(4 * params)
+    cp_tier.unpark("b")
+    after = adapter_snapshot(engine, "b")
+    assert all(with_grads[k].equal(after[k]) for k in with_grads)
 
 
 def test_runs_the_workers_rounded_host_memory_cannot_hold_go_on_to_disk_and_train_on(

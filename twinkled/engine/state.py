@@ -73,6 +73,14 @@ class Snapshot:
             self._device_copy = None
         return self.flat
 
+    def copied(self) -> bool:
+        """Whether the copy to the host has finished, never waiting; once it has, the
+        device copy is let go."""
+        if self.ready is not None and not self.ready.query():
+            return False
+        self._device_copy = None
+        return True
+
     def files(self) -> dict[str, dict[str, torch.Tensor]]:
         self.host()
         out: dict[str, dict[str, torch.Tensor]] = {}

@@ -37,6 +37,7 @@ class Parked:
     snap: Snapshot  # weights (and a training adapter's moments), as the disk tier holds them
     grads: torch.Tensor | None  # the bank row of pending gradients (None: it had none)
     pending: int  # datums whose gradients those are
+    grads_copied: torch.cuda.Event | None = None  # their copy to the host is done (CUDA)
 
     def bytes(self) -> int:
         """The host memory it takes (pinned allocations may be rounded up: pinned.py)."""
@@ -44,16 +45,39 @@ class Parked:
         return pinned_bytes(self.snap.flat.nbytes) + g
 
 
+# Parks whose device copies may wait for their copy to the host: each holds its snapshot's
+# flat device copy (211 MB of a 0.5B run) until then, so past this many the oldest is waited
+# for. Not waiting keeps a park inside a step in flight off that step's critical path.
+COPYING = 4
+
+
 class HostTier:
-    def __init__(self, engine: Engine, max_bytes: int | None = None):
+    def __init__(self, engine: Engine, max_bytes: int | None = None,
+                 exact_pending: bool = True):
         """`max_bytes`: what this worker's parked adapters may take of its host memory (the
-        daemon's `host_adapter_memory_gb`). The daemon counts 16 bytes a parameter; this
-        counts the allocations as they are, so where pinned memory is rounded up a park
-        past it is refused (the daemon then parks on disk) instead of the kernel killing
-        the worker for want of memory."""
+        daemon's `host_adapter_memory_gb`). The daemon counts 12 bytes a parameter; this
+        counts the allocations as they are (16 for a run with gradients pending; pinned
+        memory may be rounded up), so a park past it is refused (the daemon then makes
+        room) instead of the kernel killing the worker for want of memory.
+        `exact_pending`: an adapter with no pending datums has no gradients (not so on a
+        context-parallel rank: its share of a split row adds gradients its count leaves
+        out, so there the gradients themselves are looked at)."""
         self.engine = engine
         self.max_bytes = max_bytes
+        self.exact_pending = exact_pending
         self._parked: dict[str, Parked] = {}
+        self._copying: list[Snapshot] = []  # parked, their device copies not yet let go
+
+    def settle(self, wait: bool = False) -> None:
+        """Let go of the device copies of parks whose copy to the host has finished (with
+        `wait`, of every one, waiting for them)."""
+        if wait:
+            for snap in self._copying:
+                snap.host()
+            self._copying = []
+        self._copying = [s for s in self._copying if not s.copied()]
+        while len(self._copying) > COPYING:
+            self._copying.pop(0).host()
 
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self._parked
@@ -71,13 +95,14 @@ class HostTier:
     def park(self, adapter_id: str, training: bool = True) -> None:
         """The adapter out of the bank into host memory (its slot is freed); a sampler's
         (not `training`) weights only."""
+        self.settle()
         adapter = self.engine.pool.get(adapter_id)
         # Its gradients only if it has any: a run parked between its optimizer steps (the
         # usual case: its turn ended with one) has none, and its host copy is then 12 bytes
-        # a parameter, not 16. (Checked on the values: a context-parallel rank's share of a
-        # split row adds gradients its `pending` does not count.)
+        # a parameter, not 16.
         g = adapter.bank.flat(adapter.slot, "g") if training else None
-        keep = g is not None and bool(g.any())
+        keep = g is not None and (adapter.pending > 0
+                                  or (not self.exact_pending and bool(g.any())))
         need = self._bytes_of(adapter, training, keep)
         if self.max_bytes is not None and self.bytes() + need > self.max_bytes:
             raise EngineInputError("host_adapter_memory_gb", (
@@ -87,16 +112,21 @@ class HostTier:
         # This rank's own slices (under tensor parallelism each rank parks its part, no
         # collective); they go back into the same rank's bank as they are.
         snap = snapshot(adapter, optimizer=training)
-        grads = None
+        grads, copied = None, None
         if keep:
             grads = torch.empty(g.shape, dtype=g.dtype, pin_memory=g.is_cuda)
             # Ordered before the slot is zeroed on release (same stream).
             grads.copy_(g, non_blocking=g.is_cuda)
-        # Waited for here: until then the snapshot keeps its device copy (state.Snapshot),
-        # and a parked adapter holding one would keep its GPU memory too (a 1,000-run bench
-        # filled the card so with 300 parked runs' copies and its next step ran out).
-        snap.host()
-        self._parked[adapter_id] = Parked(snap, grads, adapter.pending)
+            if g.is_cuda:
+                copied = torch.cuda.Event()
+                copied.record()
+        # Until its copy to the host is done the snapshot keeps its device copy
+        # (state.Snapshot): let go of by `settle`, never held by a parked adapter (a
+        # 1,000-run bench filled the card with 300 parked runs' copies, and its next step
+        # ran out of memory).
+        self._copying.append(snap)
+        self.settle()
+        self._parked[adapter_id] = Parked(snap, grads, adapter.pending, copied)
         self.engine.remove_adapter(adapter_id)
 
     @staticmethod
@@ -113,6 +143,7 @@ class HostTier:
         state is copied in on a side stream (`state.to_device`): sent inside a training step
         in flight (a prefetch), the copy overlaps that step's kernels. `grow` False: only
         into a free slot of a bank that exists (no buffer of the step in flight moves)."""
+        self.settle()
         p = self._parked.get(adapter_id)
         if p is None:
             raise EngineInputError("adapter_id", f"adapter {adapter_id!r} is not parked in "
@@ -127,6 +158,8 @@ class HostTier:
             with torch.no_grad():
                 write_into(adapter, weights, moments, p.snap.steps)
                 if p.grads is not None:
+                    if p.grads_copied is not None:  # (the copy in reads what that one wrote)
+                        p.grads_copied.synchronize()
                     adapter.bank.flat(adapter.slot, "g").copy_(to_device(p.grads, device))
         except BaseException:
             self.engine.remove_adapter(adapter_id)
