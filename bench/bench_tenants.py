@@ -5,7 +5,8 @@ client). Two phases in one daemon, the same steps each:
 
 - **resident**: each client trains one run (`--active` runs in all, every one resident);
 - **tiers**: each client creates its share of `--runs` runs, then trains them in turns
-  (`--turn-steps` forward_backward + optim_step on one run, then its next run), so a
+  (`--turn-steps` forward_backward + optim_step on one run, then its next run: the next in
+  turn, or with `--order random` one drawn at random), so a
   rotating set of `--active` runs trains at any moment and the others are parked (host
   memory, then disk) and brought back by demand.
 
@@ -84,7 +85,9 @@ def client(args: argparse.Namespace) -> None:
     for turn in range(args.turns):
         if args.phase_s and time.time() - t0 > args.phase_s:
             break  # the phase's time is up: report what was measured (a device call is bounded)
-        tc = runs[turn % len(runs)]
+        # cyclic: each run again only after all the client's others (least recently used
+        # eviction's worst case); random: any of them, seeded (a run may come back soon)
+        tc = runs[turn % len(runs)] if args.order == "cyclic" else rng.choice(runs)
         for _ in range(args.turn_steps):
             s = time.perf_counter()
             try:
@@ -115,7 +118,7 @@ def phase(url: str, keys: list[str], args: argparse.Namespace, vocab: int, model
          model, "--vocab", str(vocab), "--seq", str(args.seq), "--batch", str(args.batch),
          "--seed", str(i), "--rank", str(args.rank), "--runs-per-client", str(runs_per_client),
          "--turns", str(turns), "--turn-steps", str(args.turn_steps),
-         "--phase-s", str(args.phase_s)],
+         "--phase-s", str(args.phase_s), "--order", args.order],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i, key in enumerate(keys)]
     # A client whose creates or warm-up failed is a refusal (the issue asks none): counted,
     # and the others go on, so a device call still reports what the rest measured.
@@ -167,6 +170,10 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=0,
                     help="turns per client (default: each of its runs twice)")
     ap.add_argument("--turn-steps", type=int, default=3, help="steps on a run per turn")
+    ap.add_argument("--order", choices=("cyclic", "random"), default="cyclic",
+                    help="which of its runs a client trains next: the next in turn (every "
+                    "run comes back only after all the others: LRU's worst case) or one "
+                    "drawn at random")
     ap.add_argument("--phase-s", type=float, default=0.0,
                     help="stop each phase's turns after this many seconds (0: every turn); "
                     "a client's turn in progress finishes")
@@ -240,7 +247,8 @@ def one_shape(args: argparse.Namespace, first: bool) -> str:
     config = "; ".join(line for line in config.strip().splitlines() if line.strip())
     config = f", config `{config}`" if config else ""
     text += (f"\n### {args.shape} ({device}{config}, LoRA r={args.rank}, S={args.seq}, "
-             f"{args.active} tinker clients, {args.turn_steps} steps a turn)\n\n"
+             f"{args.active} tinker clients, {args.turn_steps} steps a turn, runs in "
+             f"{args.order} order)\n\n"
              "| phase | runs | tok/s | vs resident | step p50 (s) | step p99 (s) | refusals "
              "| moves/s | GiB moved | from host | prefetch hits |\n"
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")

@@ -247,7 +247,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         # `tenants05h` (192 runs) there.
         tenants05) "$py" bench_tenants.py --shape qwen2.5-0.5b --runs 1000 --active 64 \
                        --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-$((mem_gb * 2 / 3))}" \
-                       --phase-s "${TENANTS_PHASE_S:-150}" --model-dir "$ckpt/q05" \
+                       --phase-s "${TENANTS_PHASE_S:-150}" --order "${TENANTS_ORDER:-cyclic}" --model-dir "$ckpt/q05" \
                        --write "$out/tenants05.md" > "$out/tenants05.log" 2>&1; tail -20 "$out/tenants05.log"
                    tail -c 30000000 /tmp/bench_tenants_*/twinkled.log > "$out/tenants05_twinkled.log" ;;
         # on one H200 (128 GiB, 64 GiB disk) `tenants05h` keeps 192 runs' parked states in
@@ -259,7 +259,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         # (the 16 GB checkpoint in memory, /dev/shm, so the disk holds only the runs' states)
         tenants8b) "$py" bench_tenants.py --shape qwen3-8b --runs 200 --active 16 \
                        --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-$((mem_gb * 3 / 4))}" \
-                       --phase-s "${TENANTS_PHASE_S:-150}" --model-dir /dev/shm/gpu_pass_q8b \
+                       --phase-s "${TENANTS_PHASE_S:-150}" --order "${TENANTS_ORDER:-cyclic}" --model-dir /dev/shm/gpu_pass_q8b \
                        --write "$out/tenants8b.md" > "$out/tenants8b.log" 2>&1; tail -20 "$out/tenants8b.log"
                    tail -c 30000000 /tmp/bench_tenants_*/twinkled.log > "$out/tenants8b_twinkled.log" ;;
         # issue 31 item 5: 8 tenants (tinker and openai clients) sampling through the daemon
