@@ -195,13 +195,16 @@ def test_a_build_without_exact_pinned_sizes_counts_the_rounding(monkeypatch):
 def test_a_host_budget_past_the_machines_memory_is_warned_of_with_the_numbers(tiny_dir):
     from twinkled.server.layout import host_memory_warning
 
-    cfg = Config(model=tiny_dir, host_adapter_memory_gb=160, lanes=1)
+    cfg = Config(model=tiny_dir, host_adapter_memory_gb=160, lanes=1, device="cuda")
     assert host_memory_warning(cfg, machine_bytes=512 * GiB) is None
     warning = host_memory_warning(cfg, machine_bytes=190 * GiB)
     assert warning is not None and "160 x 1 lane(s) = 160 GiB" in warning
     assert "190 GiB" in warning and "lower host_adapter_memory_gb" in warning
-    two = Config(model=tiny_dir, host_adapter_memory_gb=100, lanes=2)  # per lane: 200 GiB
+    two = Config(model=tiny_dir, host_adapter_memory_gb=100, lanes=2,  # per lane: 200 GiB
+                 devices=["cuda:0", "cuda:1"])
     assert "200 GiB" in (host_memory_warning(two, machine_bytes=240 * GiB) or "")
+    on_cpu = Config(model=tiny_dir, host_adapter_memory_gb=160, device="cpu")
+    assert host_memory_warning(on_cpu, machine_bytes=190 * GiB) is None  # (not pinned)
     import os  # this machine's own memory, read by default
 
     machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -221,6 +221,8 @@ def host_memory_warning(cfg: Config, machine_bytes: int | None = None) -> str | 
     than 80% of this machine's memory: parked adapters are pinned, which the kernel cannot
     swap, so a worker that fills that much is killed instead (a 1,000-run bench lost its
     worker so). `machine_bytes`: the machine's memory (default: read from the system)."""
+    if not any(d.startswith("cuda") for d in cfg.worker_devices()):
+        return None  # (parked in pageable memory there, which the kernel can swap)
     if machine_bytes is None:
         try:
             import os
