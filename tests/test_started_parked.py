@@ -6,7 +6,7 @@ they train exactly as runs created with room, even across a daemon restart in be
 from __future__ import annotations
 
 import pytest
-from test_residency_tiers import _scores, _train
+from test_residency_tiers import _op, _scores, _train
 from test_service import done, run, service
 
 from twinkled.protocol.config import Config
@@ -82,5 +82,35 @@ def test_a_create_training_no_module_is_refused_at_the_door_even_with_the_bank_f
                                      lambda _: (b"{}", "application/json"))
             assert box.svc.lanes.all[0].residency.tiers.status()["started_parked"] == 0
             assert box.store.runs.get(f"{session}:train:0") is None  # nothing recorded
+
+    run(go())
+
+
+def test_a_retried_create_of_a_run_started_parked_gets_the_original_answer(tiny_dir,
+                                                                          tmp_path):
+    """A client that lost the answer to its create sends it again (same session, same
+    model_seq_id, same config): it gets the original run and answer, as for a run created
+    with room, before and after the run came in; not "already exists"."""
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+
+    async def go():
+        async with service(tiny_dir, tmp_path, adapter_memory_gb=1.5 * one / GiB) as box:
+            await _create_only(box, "t0", 1)  # the bank is full now
+            box.store.tenants.ensure("t1")
+            session = box.store.sessions.create("t1")
+            config = LoraConfig(rank=4, alpha=8.0, seed=2)
+
+            def create():
+                return box.svc.create_model("t1", session, 0, config, {},
+                                            lambda _: (b"{}", "application/json"))
+
+            model, f = create()
+            await done(f)
+            assert box.svc.lanes.all[0].residency.tiers.status()["started_parked"] == 1
+            again, g = create()
+            assert (again, g.id) == (model, f.id) and g.error is None
+            await _op(box, "t1", model, lambda: box.fwdbwd("t1", model, 1, [5, 7]))  # in
+            again, g = create()
+            assert (again, g.id) == (model, f.id)
 
     run(go())

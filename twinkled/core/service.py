@@ -333,6 +333,7 @@ class Service:
             # parked run's, charged to its tenant. No one is parked for a run that may not
             # train for hours; 1,000 creates waited ~4 a second for parks on an H200.
             residency.start_parked(model)
+            self.futures.bind(op.future, model, 0)  # (a retry of the create gets this one)
             self.futures.resolve(op.future, None)
             return op.future
         residency.open(model, tenant, 0)
