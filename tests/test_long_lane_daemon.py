@@ -77,7 +77,10 @@ def test_short_runs_leave_the_long_runs_lane_and_train_on(tiny_dir, tmp_path):
         assert [lane["long"] for lane in status["lanes"]] == [True, False]
         assert [(r["lane"], r["tenant"]) for r in status["long_runs"]] == [(0, "lena")]
         assert status["lane_moves"] == 1
-        assert "long lane" in run_ctl(d.data_dir, "status").stdout
+        text = run_ctl(d.data_dir, "status").stdout
+        assert "long lane" in text
+        # each lane's host tier, with its budget (nothing parked there yet)
+        assert text.count("0 parked in host memory (0 B of ") == 2, text
         late = lora_client(d, "sam", tiny_dir, 9)  # a new run: the lane with no long run
         assert _adapters(ctl_status(d.data_dir)) == [1, 3]
         for _ in range(2):  # side by side: lena's long rows, the short runs on their lane
