@@ -241,7 +241,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         # disk the rest. The bench's runs come back in a fixed cycle, so the bank and host
         # memory together must hold all 960 or every bring-in reads the disk: torch 2.11
         # rounds pinned memory up (engine/pinned.py), a parked 0.5B run takes 256 MiB there
-        # (~650 in 167 GiB, with ~313 in the bank) and an 8B one 2 GiB.
+        # (~650 in 167 GiB, with ~313 in the bank), an 8B one 1 GiB (~185 in 188 GiB).
         # Run `done31` in a call of its own: beside these its 8B part missed its 290 s.
         # One H200 alone (128 GiB, 64 GiB disk) cannot hold the 0.5B's disk parks: use
         # `tenants05h` (192 runs) there.
