@@ -5,6 +5,8 @@ they train exactly as runs created with room, even across a daemon restart in be
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from test_residency_tiers import _op, _scores, _train
 from test_service import done, run, service
@@ -112,5 +114,35 @@ def test_a_retried_create_of_a_run_started_parked_gets_the_original_answer(tiny_
             await _op(box, "t1", model, lambda: box.fwdbwd("t1", model, 1, [5, 7]))  # in
             again, g = create()
             assert (again, g.id) == (model, f.id)
+
+    run(go())
+
+
+def test_a_run_started_parked_on_a_full_lane_comes_in_on_another_as_a_new_run(tiny_dir,
+                                                                              tmp_path):
+    """Two lanes of one adapter each, both full: a third run starts parked. Once a lane has
+    room its first request brings it in there, made from its seed, still not counted as a
+    move from disk (the mark goes with it to the other lane)."""
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+
+    async def go():
+        async with service(tiny_dir, tmp_path, lanes=2,
+                           adapter_memory_gb=1.5 * one / GiB) as box:
+            first, second = [await _create_only(box, f"t{i}", i) for i in range(2)]
+            third = await _create_only(box, "t2", 2)
+            lanes = box.svc.lanes.all
+            assert sum(lane.residency.tiers.status()["started_parked"] for lane in lanes) == 1
+            home = box.svc.lanes.of(third)
+            free = box.svc.lanes.of(first if home is not box.svc.lanes.of(first) else second)
+            assert free is not home
+            gone = first if free is box.svc.lanes.of(first) else second
+            tenant = "t0" if gone == first else "t1"
+            box.svc.unload_models(tenant, [gone])  # room on the other lane now
+            while free.residency.is_open(gone):
+                await asyncio.sleep(0.01)
+            await _op(box, "t2", third, lambda: box.fwdbwd("t2", third, 1, [5, 7]))
+            assert box.svc.lanes.of(third) is free
+            moves = [lane.residency.tiers.status()["moves"] for lane in lanes]
+            assert all(m.get("from_disk", 0) == 0 for m in moves), moves
 
     run(go())

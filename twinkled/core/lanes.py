@@ -296,6 +296,7 @@ class Lanes:
                 lane = here if here.residency.keeps(model) else self.choose(stored_config(run), model)
             if lane is not here:  # its journal goes on in the other lane's executor
                 here.executor.journal.release(model)
+                here.residency.tiers.hand_over(model, lane.residency.tiers)
             self.place(model, lane)
             await lane.residency.ensure_loaded(run)
 

@@ -137,6 +137,13 @@ class Tiers:
             return True
         return False
 
+    def hand_over(self, model: str, to: Tiers) -> None:
+        """`model` comes in on another lane (Lanes.ensure_loaded): a new run that started
+        parked here is still one there."""
+        if model in self._unborn:
+            self._unborn.discard(model)
+            to._unborn.add(model)
+
     def moved(self, model: str, kind: str, config: LoraConfig) -> None:
         self.moves[kind] += 1
         self.moved_bytes += self.host.size(config)
