@@ -23,11 +23,21 @@ async def _create_only(box, tenant: str, seed: int) -> str:
     box.store.tenants.ensure(tenant)
     session = box.store.sessions.create(tenant)
     model, f = box.svc.create_model(tenant, session, None,
-                                    LoraConfig(rank=4, alpha=8.0, seed=seed), {},
-                                    lambda _: (b"{}", "application/json"))
+                                    LoraConfig(rank=4, alpha=8.0, seed=seed), {}, _answer)
     await done(f)
     assert f.error is None, f.error
     return model
+
+
+async def _full_bank_and_a_session(box) -> str:
+    """The bank (room for one) filled by tenant t0's run; a session of tenant t1's."""
+    await _create_only(box, "t0", 1)
+    box.store.tenants.ensure("t1")
+    return box.store.sessions.create("t1")
+
+
+def _answer(_model: str) -> tuple[bytes, str]:
+    return b"{}", "application/json"
 
 
 def test_runs_started_parked_train_as_runs_created_with_room_across_a_restart(tiny_dir,
@@ -74,14 +84,11 @@ def test_a_create_training_no_module_is_refused_at_the_door_even_with_the_bank_f
 
     async def go():
         async with service(tiny_dir, tmp_path, adapter_memory_gb=1.5 * one / GiB) as box:
-            await _create_only(box, "t0", 1)  # the bank is full now
-            box.store.tenants.ensure("t1")
-            session = box.store.sessions.create("t1")
+            session = await _full_bank_and_a_session(box)
             bad = LoraConfig(rank=4, seed=2, train_attn=False, train_mlp=False,
                              train_unembed=False)
             with pytest.raises(UserError, match="train_attn.*train_mlp.*train_unembed"):
-                box.svc.create_model("t1", session, None, bad, {},
-                                     lambda _: (b"{}", "application/json"))
+                box.svc.create_model("t1", session, None, bad, {}, _answer)
             assert box.svc.lanes.all[0].residency.tiers.status()["started_parked"] == 0
             assert box.store.runs.get(f"{session}:train:0") is None  # nothing recorded
 
@@ -97,14 +104,11 @@ def test_a_retried_create_of_a_run_started_parked_gets_the_original_answer(tiny_
 
     async def go():
         async with service(tiny_dir, tmp_path, adapter_memory_gb=1.5 * one / GiB) as box:
-            await _create_only(box, "t0", 1)  # the bank is full now
-            box.store.tenants.ensure("t1")
-            session = box.store.sessions.create("t1")
+            session = await _full_bank_and_a_session(box)
             config = LoraConfig(rank=4, alpha=8.0, seed=2)
 
             def create():
-                return box.svc.create_model("t1", session, 0, config, {},
-                                            lambda _: (b"{}", "application/json"))
+                return box.svc.create_model("t1", session, 0, config, {}, _answer)
 
             model, f = create()
             await done(f)
