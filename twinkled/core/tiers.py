@@ -140,8 +140,7 @@ class Tiers:
     def hand_over(self, model: str, to: Tiers) -> None:
         """`model` comes in on another lane (Lanes.ensure_loaded): a new run that started
         parked here is still one there."""
-        if model in self._unborn:
-            self._unborn.discard(model)
+        if self.born(model):
             to._unborn.add(model)
 
     def moved(self, model: str, kind: str, config: LoraConfig) -> None:

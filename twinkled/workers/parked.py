@@ -95,7 +95,6 @@ class HostTier:
     def park(self, adapter_id: str, training: bool = True) -> None:
         """The adapter out of the bank into host memory (its slot is freed); a sampler's
         (not `training`) weights only."""
-        self.settle()
         adapter = self.engine.pool.get(adapter_id)
         # Its gradients only if it has any: a run parked between its optimizer steps (the
         # usual case: its turn ended with one) has none, and its host copy is then 12 bytes

@@ -111,8 +111,7 @@ class StepRunner:
         # Per adapter: the journal position of the last op after which it had no pending
         # gradients (what a snapshot of it holds; twinkled/core/journal.py).
         self.marks: dict[str, int] = {}
-        # adapters parked in host memory (parked.py); a context-parallel rank's `pending`
-        # leaves out its share of split rows
+        # adapters parked in host memory (parked.py; a cp rank's `pending` misses split rows)
         self.parked = HostTier(engine, host_max_bytes, exact_pending=cp is None)
         self._grow = True  # an unpark may grow a bank (not inside a step in flight)
 
