@@ -86,6 +86,8 @@ class Executor:
         # Told why the group restarted: who keeps work the workers held across steps (samples)
         self._restart_hooks: list[Callable[[str], None]] = []
         self._unsettled: set[str] = set()  # adapters a failed joined pass may have touched
+        # adapters waiting to be restored one by one (`restore_one`), and their answers
+        self._restoring: dict[str, tuple[LoraConfig, asyncio.Future]] = {}
         self.joined_s = 0.0  # seconds the ranks spent on joins (in the steps they ran in)
 
     def serve(self, adapters: LiveAdapters, on_restart: Callable[[], None]) -> None:
@@ -348,35 +350,63 @@ class Executor:
             self.restorer.note_persisted(replies)
 
     async def move(self, frame: OpF, overlap: bool = False) -> Moved:
-        """One residency move (a ParkF, UnparkF or IdleUnloadF: core/tiers.py) on every
-        rank. With `overlap` it may run inside the training step in flight (a ParkF or
-        UnparkF on a one-rank group, between two micro-batches: the step does not wait for
-        the move, nor the move for the step); where it cannot there (no free bank slot),
-        it runs between steps."""
+        """One residency move (a ParkF, UnparkF or IdleUnloadF: core/tiers.py); `moves`."""
+        return (await self.moves([frame], overlap))[0]
+
+    async def moves(self, frames: list[OpF], overlap: bool = False) -> list[Moved]:
+        """Residency moves on every rank, in one frame (a park of many adapters costs one
+        round trip, not one each). With `overlap` they may run inside the training step in
+        flight (ParkF and UnparkF on a one-rank group, between two micro-batches: the step
+        does not wait for them, nor they for the step); those that cannot run there (no
+        free bank slot) run between steps. Each move is charged its share of the time."""
+        moved: list[Moved | None] = [None] * len(frames)
         if overlap and self.can_join():
             try:
-                replies = await self.group.send_join(StepF(0, "barrier", [frame], join=True))
+                replies = await self.group.send_join(StepF(0, "barrier", frames, join=True))
             except WorkerLost as e:
-                return Moved((None, str(e), "server"), True)
+                return [Moved((None, str(e), "server"), True)] * len(frames)
             self.restorer.note_persisted(replies)  # (writes the rank finished meanwhile)
-            busy = max(r.busy_s for r in replies)
-            self.joined_s += busy  # the step in flight's time includes it: not its cost
-            outcome = merge_replies([frame], replies)[0]
-            if outcome[1] is None:
-                return Moved(outcome, True, busy)
-        async with self._turn():
-            replies = await self.group.run(StepF(0, "barrier", [frame]))
-            self.restorer.note_persisted(replies)
-            return Moved(merge_replies([frame], replies)[0], False,
-                         max(r.busy_s for r in replies))
+            busy = max(r.busy_s for r in replies) / len(frames)
+            self.joined_s += busy * len(frames)  # the step in flight's time holds it
+            for i, outcome in enumerate(merge_replies(frames, replies)):
+                if outcome[1] is None:
+                    moved[i] = Moved(outcome, True, busy)
+        again = [f for f, m in zip(frames, moved, strict=True) if m is None]
+        if again:
+            async with self._turn():
+                replies = await self.group.run(StepF(0, "barrier", again))
+                self.restorer.note_persisted(replies)
+            busy = max(r.busy_s for r in replies) / len(again)
+            outcomes = iter(merge_replies(again, replies))
+            moved = [m or Moved(next(outcomes), False, busy) for m in moved]
+        return moved
 
     async def restore_one(self, model: str, config: LoraConfig) -> Moved:
-        """Bring one adapter back between steps (its error: the reason if it could not be)."""
+        """Bring one adapter back between steps (its error: the reason if it could not be).
+        Those asked for while the group was busy are restored together, in one round trip
+        at the first one's turn (a turn of a 1,000-run bench brings in dozens a step)."""
+        answer = asyncio.get_running_loop().create_future()
+        self._restoring[model] = (config, answer)
         async with self._turn():
-            began = time.monotonic()
-            why = (await self.restorer.restore({model: config})).get(model)
-            return Moved((None, why, "server" if why else None), False,
-                         time.monotonic() - began)
+            if not answer.done():
+                batch, self._restoring = self._restoring, {}
+                began = time.monotonic()
+                try:
+                    failed = await self.restorer.restore({m: c for m, (c, _) in batch.items()})
+                except BaseException as e:  # (each caller hears it from its answer)
+                    stopped = isinstance(e, asyncio.CancelledError)
+                    for _, f in batch.values():
+                        if not f.done():
+                            f.cancel() if stopped else f.set_exception(e)
+                    if stopped:
+                        raise
+                else:
+                    seconds = (time.monotonic() - began) / len(batch)
+                    for m, (_, f) in batch.items():
+                        why = failed.get(m)
+                        f.set_result(Moved((None, why, "server" if why else None), False,
+                                           seconds))
+        return await answer
 
     def take_rollback(self, model: str) -> str | None:
         """What a model's client must be told once: its run lost acknowledged steps."""

@@ -83,13 +83,19 @@ class TierMoves:
         return moved.error
 
     async def move(self, frame: OpF, needer: str | None = None) -> Moved:
-        """One move on the workers (ParkF and UnparkF inside the training step in flight
-        where they can), its time charged to `needer`'s fair share. A worker lost meanwhile
-        is a failure of the move (the group restarts; the caller keeps what it had)."""
+        """One move on the workers (`moves`)."""
+        return (await self.moves([frame], needer))[0]
+
+    async def moves(self, frames: list[OpF], needer: str | None = None) -> list[Moved]:
+        """Moves on the workers in one frame (ParkF and UnparkF inside the training step in
+        flight where they can), their time charged to `needer`'s fair share. A worker lost
+        meanwhile is a failure of each move (the group restarts; the caller keeps what it
+        had)."""
         try:
-            moved = await self._executor.move(frame, overlap=isinstance(frame, ParkF | UnparkF))
+            moved = await self._executor.moves(
+                frames, overlap=all(isinstance(f, ParkF | UnparkF) for f in frames))
         except Exception as e:
-            return Moved((None, f"{type(e).__name__}: {e}", "server"))
+            return [Moved((None, f"{type(e).__name__}: {e}", "server"))] * len(frames)
         if needer is not None:
-            self._planner.charge(needer, moved.seconds)
+            self._planner.charge(needer, sum(m.seconds for m in moved))
         return moved
