@@ -178,39 +178,6 @@ def test_pinned_bytes_is_what_the_allocator_takes_on_a_card():
     del buf
 
 
-def test_pinned_blocks_made_ahead_are_what_the_next_parks_take():
-    """On a GPU: after a park, `Spares` makes the next parks' pinned blocks on its own
-    thread, and the parks that follow take them from torch's cache (no new page-locking on
-    the worker's thread), never past the host budget it is given."""
-    import time
-
-    import torch
-    from helpers import DEVICE
-
-    if DEVICE != "cuda":
-        pytest.skip("pinned memory: CUDA")
-    stats = torch.cuda.host_memory_stats
-    n = 97 * 2**20 + 4 * 4321  # (a size no cached block has)
-    spares = pinned.Spares(keep=2, limit=stats().get("allocated_bytes.current", 0)
-                           + 3 * pinned.pinned_bytes(n))
-    spares.want(n)
-    deadline = time.monotonic() + 30
-    while spares.made < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert spares.made == 2
-    grown = stats()["num_host_alloc"]
-    taken = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    assert stats()["num_host_alloc"] == grown  # both from the cache
-    spares.want(n)  # two taken: two more wanted, and room under the limit for one only
-    spares.want(n)
-    deadline = time.monotonic() + 30
-    while spares.made < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)
-    assert spares.made == 3
-    del taken
-
-
 def test_a_build_without_exact_pinned_sizes_counts_the_rounding(monkeypatch):
     """torch 2.11 refuses the option with a ValueError: the worker starts all the same, and
     counts pinned allocations rounded up."""

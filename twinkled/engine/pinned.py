@@ -12,7 +12,6 @@ are told to give large allocations their exact size (`exact_sizes`); on others,
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 
@@ -58,65 +57,3 @@ def pinned_bytes(nbytes: int) -> int:
     if nbytes > ROUND_BELOW_MB * 2**20 and exact_sizes():
         return nbytes
     return 1 << (nbytes - 1).bit_length()
-
-
-class Spares:
-    """Pinned blocks made ahead of need, on a thread of its own, and left in torch's cache
-    for the next allocation of their size to take at once. Page-locking is slow (the kernel
-    pins every page: ~100 ms for a 0.5B adapter's 211 MB state), and a park makes its host
-    copy on the worker's thread, inside the training step in flight: a 1,000-run bench on an
-    H200 ran its steps at 1.1 s against 0.38 s with every adapter resident, most of it
-    parks into fresh host memory. Once the host tier has filled, unparks free blocks that
-    later parks take; this covers the filling.
-
-    `keep` blocks of each size asked for (`want`) are kept ready, never more pinned memory in
-    all than `limit` bytes (the host tier's budget). Off CUDA: nothing (no pinned memory)."""
-
-    def __init__(self, keep: int = 4, limit: int | None = None):
-        self.keep, self.limit = keep, limit
-        self._ready: dict[int, int] = {}  # size -> blocks made ahead and not yet taken
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.made = 0  # blocks made ahead in all
-
-    def want(self, nbytes: int) -> None:
-        """An allocation of `nbytes` was made (a park took a block): keep `keep` ready."""
-        if not torch.cuda.is_available() or self.keep <= 0:
-            return
-        with self._lock:
-            self._ready[nbytes] = max(0, self._ready.get(nbytes, 0) - 1)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._fill, name="pinned-spares",
-                                            daemon=True)
-            self._thread.start()
-        self._wake.set()
-
-    def _fill(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            with self._lock:
-                sizes = list(self._ready)
-            for nbytes in sizes:
-                while self._make(nbytes):
-                    pass
-
-    def _make(self, nbytes: int) -> bool:
-        """One block of `nbytes` made ahead, if fewer than `keep` are ready and the limit
-        leaves room for it."""
-        with self._lock:
-            if self._ready[nbytes] >= self.keep:
-                return False
-        owned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
-        if self.limit is not None and owned + pinned_bytes(nbytes) > self.limit:
-            return False
-        try:  # made and let go at once: it stays in torch's cache for the next park
-            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as e:  # (out of host memory: the parks will say so)
-            log.warning("could not make a pinned block ahead of need: %s", e)
-            return False
-        with self._lock:
-            self._ready[nbytes] += 1
-        self.made += 1
-        return True

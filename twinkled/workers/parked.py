@@ -25,7 +25,7 @@ import torch
 
 from twinkled.engine import Engine
 from twinkled.engine.live import unflatten
-from twinkled.engine.pinned import Spares, pinned_bytes
+from twinkled.engine.pinned import pinned_bytes
 from twinkled.engine.state import MOMENTS, Snapshot, snapshot, to_device, write_into
 from twinkled.protocol.errors import HOST_ROOM
 from twinkled.protocol.sizing import human_size
@@ -67,8 +67,6 @@ class HostTier:
         self.exact_pending = exact_pending
         self._parked: dict[str, Parked] = {}
         self._copying: list[Snapshot] = []  # parked, their device copies not yet let go
-        # the next parks' pinned memory, made ahead of them off the worker's thread
-        self.spares = Spares(limit=max_bytes)
 
     def settle(self, wait: bool = False) -> None:
         """Let go of the device copies of parks whose copy to the host has finished (with
@@ -129,7 +127,6 @@ class HostTier:
         self.settle()
         self._parked[adapter_id] = Parked(snap, grads, adapter.pending, copied)
         self.engine.remove_adapter(adapter_id)
-        self.spares.want(snap.flat.nbytes)
 
     @staticmethod
     def _bytes_of(adapter, training: bool, grads: bool) -> int:
