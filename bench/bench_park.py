@@ -4,7 +4,9 @@ step in flight waits for when the move joins it), split from the pinned allocati
 
 Timed in one process, on the same adapters: pinned allocations of a parked state's size,
 fresh and from torch's cache; parks into fresh host memory, unparks, parks again into
-memory the unparks freed. Each is device-synchronised.
+memory the unparks freed (a host tier without a budget: the path before the arena); then
+parks into and unparks from the arena a worker's host tier pins ahead. Each is
+device-synchronised.
 
     python bench/bench_park.py [--shape qwen2.5-0.5b] [--adapters 16]
 """
@@ -80,9 +82,30 @@ def main() -> None:
         rows.append(("park, fresh host memory", timed(park, args.adapters)))
         rows.append(("unpark", timed(lambda i: tier.unpark(names[i]), args.adapters)))
         rows.append(("park again, memory the unparks freed", timed(park, args.adapters)))
+        for i in range(args.adapters):
+            tier.unpark(names[i])
+        # What an unpark (and a load) spent before writing the state: a new adapter's A
+        # drawn on the CPU and copied in, against a slot left zero
+        config = eng.pool.get(names[0]).config
+        for init, what in ((True, "a new bank slot, its A drawn (a create)"),
+                           (False, "a new bank slot left zero (an unpark, a load)")):
+            def add(i: int, init=init) -> None:
+                eng.pool.add(f"x{i}", config, init=init)
+            rows.append((what, timed(add, args.adapters)))
+            for i in range(args.adapters):
+                eng.remove_adapter(f"x{i}")
+        # The host tier as a worker has it: its budget pinned ahead (engine/host_arena.py)
+        t = time.perf_counter()
+        tier = HostTier(eng, max_bytes=(args.adapters + 1) * state)
+        tier.arena.wait_filled()
+        made_s = time.perf_counter() - t
+        rows.append(("park into the arena, made ahead", timed(park, args.adapters)))
+        rows.append(("unpark from the arena", timed(lambda i: tier.unpark(names[i]),
+                                                    args.adapters)))
     text = header("cuda").replace("Engine vs peft", "Parks between the GPU bank and host memory")
     text += (f"\n### {args.shape}, rank-32 adapters on every linear, {args.adapters} of them; "
-             f"a parked state {mb:.0f} MB (pinned: {pinned_bytes(state) / 2**20:.0f} MiB)\n\n"
+             f"a parked state {mb:.0f} MB (pinned: {pinned_bytes(state) / 2**20:.0f} MiB); "
+             f"the arena's {(args.adapters + 1) * mb / 1e3:.1f} GB made in {made_s:.1f} s\n\n"
              "| what | ms median | ms max | GB/s of the state |\n|---|---:|---:|---:|\n")
     for what, ms in rows:
         med = statistics.median(ms)

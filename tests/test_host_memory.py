@@ -12,6 +12,7 @@ from test_residency_tiers import _create, _scores, _train
 from test_service import run, service
 
 from twinkled.engine import pinned
+from twinkled.engine.host_arena import ALIGN
 from twinkled.protocol.config import Config
 from twinkled.protocol.sizing import GiB, adapter_bytes
 
@@ -43,9 +44,9 @@ def test_a_park_past_the_workers_host_budget_is_refused_and_changes_nothing(tiny
         engine.add_adapter(name, LoraConfig(rank=4, seed=ord(name)))
         engine.forward_backward([ce_request(name, gen, vocab, [5, 7])])
     params = engine.pool.get("a").bank.flat(engine.pool.get("a").slot, "w").numel()
-    # weights and two moments in one buffer, gradients in another: fp32 (pinned on a GPU,
-    # where a build may round each up)
-    one = pinned.pinned_bytes(12 * params) + pinned.pinned_bytes(4 * params)
+    # weights and two moments in a piece of the host arena (its size aligned), gradients in
+    # a buffer of their own: fp32 (pinned on a GPU, where a build may round it up)
+    one = -(-12 * params // ALIGN) * ALIGN + pinned.pinned_bytes(4 * params)
     tier = HostTier(engine, max_bytes=int(1.5 * one))  # room for one
     allocated = engine.model.device.type == "cuda" and pinned.torch.cuda.memory_allocated()
     tier.park("a")
@@ -176,6 +177,52 @@ def test_pinned_bytes_is_what_the_allocator_takes_on_a_card():
     assert stats()["allocated_bytes.current"] - before == pinned.pinned_bytes(n)
     print("exact pinned sizes:", pinned.exact_sizes())
     del buf
+
+
+def test_parks_take_pieces_of_the_arena_and_give_them_back(tiny_dir):
+    """With a host budget, the host tier parks into its arena (on a GPU pinned memory made
+    ahead: no page-locking in a park; TWINKLE_TEST_DEVICE=cuda), bit for bit; an unpark gives the piece back for
+    the next park; a state moved on to disk leaves the arena; past the arena, a park is
+    refused for host room (the daemon then spills and tries again)."""
+    import torch
+    from helpers import DEVICE, adapter_snapshot, make_engine
+
+    from twinkled.protocol.types import EngineInputError, LoraConfig
+    from twinkled.workers.parked import HostTier
+
+    engine = make_engine(tiny_dir)
+    for i in range(3):
+        engine.add_adapter(f"a{i}", LoraConfig(rank=4, seed=i))
+    a = engine.pool.get("a0")
+    state = a.bank.flat(a.slot, "w").nbytes * 3
+    # (a budget of one chunk, a power of two, which holds two states)
+    tier = HostTier(engine, max_bytes=1 << (2 * -(-state // ALIGN) * ALIGN).bit_length())
+    assert tier.arena is not None and tier.arena.wait_filled(60)
+    made = []  # (on a CPU made at the first park, not ahead)
+    before = {f"a{i}": adapter_snapshot(engine, f"a{i}") for i in range(3)}
+    for _ in range(3):  # parks and unparks, over and over, in the same pieces
+        tier.park("a0")
+        tier.park("a1")
+        with pytest.raises(EngineInputError, match="host_adapter_memory_gb"):
+            tier.park("a2")
+        assert engine.has_adapter("a2")  # refused: still in the bank
+        tier.settle(wait=True)
+        tier.unpark("a0")
+        tier.unpark("a1")
+        made.append(tier.arena.made())
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert made == [tier.max_bytes] * 3
+    for i in range(3):
+        after = adapter_snapshot(engine, f"a{i}")
+        assert all(before[f"a{i}"][k].equal(after[k]) for k in after)
+    tier.park("a0")
+    snap = tier.take("a0")  # for the disk: its own memory, the piece back in the arena
+    assert not snap.flat.is_pinned() and "a0" not in tier
+    assert tier.arena.free_bytes() == tier.arena.made() - tier.bytes()
+    assert snap.flat.numel() * snap.flat.element_size() == state
+    tier.park("a1")
+    tier.park("a2")  # room again
 
 
 def test_a_build_without_exact_pinned_sizes_counts_the_rounding(monkeypatch):

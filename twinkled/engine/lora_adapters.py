@@ -56,7 +56,7 @@ class LoraAdapters:
         """A new adapter `dst` with `src`'s configuration and current weights (copied on
         the device), but none of its gradients or optimizer state."""
         a = self.pool.get(src)
-        b = self.pool.add(dst, a.config)
+        b = self.pool.add(dst, a.config, init=False)  # (its weights: src's, below)
         try:
             with torch.no_grad():
                 torch._foreach_copy_(b.bank.tensors(b.slot, "w"), a.bank.tensors(a.slot, "w"))
@@ -130,6 +130,6 @@ class LoraAdapters:
             raise EngineInputError("path", "this lane trains a full-parameter run; its base "
                                    "model is not the one LoRA adapters apply to")
         else:
-            self.pool.add(adapter_id, config)
+            self.pool.add(adapter_id, config, init=False)  # (written next)
         state.write_into(self.pool.get(adapter_id), weights, moments, steps if optimizer else 0,
                          self.shard)

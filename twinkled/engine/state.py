@@ -96,9 +96,12 @@ _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 SMALL_SNAPSHOT = 64 * 2**20  # elements (256 MiB of fp32)
 
 
-def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
+def snapshot(adapter: Adapter, optimizer: bool, shard=None,
+             into: torch.Tensor | None = None) -> Snapshot:
     """`shard` (tp.py): the bank holds tensor-parallel slices; the snapshot is of the
-    whole tensors, gathered over the group (a collective: every rank calls it)."""
+    whole tensors, gathered over the group (a collective: every rank calls it). `into`: host
+    bytes to copy it into, at least its size (a piece of the host tier's arena,
+    workers/parked.py); else a buffer of its own (pinned on a GPU)."""
     bank, slot = adapter.bank, adapter.slot
     keys = list(bank.shapes)
     # The bank's cached views of the slot ("w": every A then every B; "m", "v" likewise),
@@ -114,12 +117,17 @@ def snapshot(adapter: Adapter, optimizer: bool, shard=None) -> Snapshot:
     if shard is not None:
         views = shard.gather_views(keys, views)
     names = [(f, n, tuple(v.shape)) for (f, n), v in zip(names, views, strict=True)]
+    total = sum(v.numel() for v in views)
+    if into is not None and into.nbytes >= total * views[0].element_size():
+        into = into.view(views[0].dtype)[:total]
+    else:
+        into = None
     if not views[0].is_cuda:
         return Snapshot(adapter.config, adapter.steps, names,
-                        torch.cat([v.reshape(-1) for v in views]))
+                        torch.cat([v.reshape(-1) for v in views], out=into))
     device = views[0].device
-    total = sum(v.numel() for v in views)
-    host = torch.empty(total, dtype=views[0].dtype, pin_memory=True)
+    host = into if into is not None else torch.empty(total, dtype=views[0].dtype,
+                                                     pin_memory=True)
     flat = None
     if total < SMALL_SNAPSHOT and has_room(device, total * views[0].element_size()):
         try:

@@ -19,11 +19,12 @@ parked here as parked on disk (its persisted state and its journal bring it back
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from twinkled.engine import Engine
+from twinkled.engine.host_arena import ALIGN, HostArena, Piece
 from twinkled.engine.live import unflatten
 from twinkled.engine.pinned import pinned_bytes
 from twinkled.engine.state import MOMENTS, Snapshot, snapshot, to_device, write_into
@@ -38,11 +39,13 @@ class Parked:
     grads: torch.Tensor | None  # the bank row of pending gradients (None: it had none)
     pending: int  # datums whose gradients those are
     grads_copied: torch.cuda.Event | None = None  # their copy to the host is done (CUDA)
+    piece: Piece | None = None  # the host arena's piece the snapshot lies in (CUDA)
 
     def bytes(self) -> int:
         """The host memory it takes (pinned allocations may be rounded up: pinned.py)."""
         g = 0 if self.grads is None else pinned_bytes(self.grads.nbytes)
-        return pinned_bytes(self.snap.flat.nbytes) + g
+        state = self.piece.size if self.piece else pinned_bytes(self.snap.flat.nbytes)
+        return state + g
 
 
 # Parks whose device copies may wait for their copy to the host: each holds its snapshot's
@@ -67,6 +70,12 @@ class HostTier:
         self.exact_pending = exact_pending
         self._parked: dict[str, Parked] = {}
         self._copying: list[Snapshot] = []  # parked, their device copies not yet let go
+        # Host memory for the snapshots, on a GPU pinned once from the start (host_arena.py:
+        # page-locking in a park cost 240 ms of the step in flight; under tensor parallelism
+        # each rank holds its slices, so its share is made ahead); on a CPU made as needed.
+        cuda = engine.model.device.type == "cuda"
+        self.arena = HostArena(max_bytes, pin=cuda, ahead=max_bytes // engine.model.tp.size
+                               if cuda else 0) if max_bytes else None
 
     def settle(self, wait: bool = False) -> None:
         """Let go of the device copies of parks whose copy to the host has finished (with
@@ -104,13 +113,15 @@ class HostTier:
                                   or (not self.exact_pending and bool(g.any())))
         need = self._bytes_of(adapter, training, keep)
         if self.max_bytes is not None and self.bytes() + need > self.max_bytes:
-            raise EngineInputError("host_adapter_memory_gb", (
-                f"{HOST_ROOM} for adapter {adapter_id!r}: it needs "
-                f"{human_size(need)}, {human_size(self.bytes())} of "
-                f"{human_size(self.max_bytes)} are taken"))
+            self._refuse(adapter_id, need)
+        piece = None
+        if self.arena is not None and self._state_bytes(adapter, training) <= self.arena.chunk:
+            piece = self.arena.take(self._state_bytes(adapter, training))
+            if piece is None:  # its memory is lent out (in pieces too small for it)
+                self._refuse(adapter_id, need)
         # This rank's own slices (under tensor parallelism each rank parks its part, no
         # collective); they go back into the same rank's bank as they are.
-        snap = snapshot(adapter, optimizer=training)
+        snap = snapshot(adapter, optimizer=training, into=piece and piece.tensor)
         grads, copied = None, None
         if keep:
             grads = torch.empty(g.shape, dtype=g.dtype, pin_memory=g.is_cuda)
@@ -125,17 +136,30 @@ class HostTier:
         # ran out of memory).
         self._copying.append(snap)
         self.settle()
-        self._parked[adapter_id] = Parked(snap, grads, adapter.pending, copied)
+        self._parked[adapter_id] = Parked(snap, grads, adapter.pending, copied, piece)
         self.engine.remove_adapter(adapter_id)
 
+    def _refuse(self, adapter_id: str, need: int) -> None:
+        raise EngineInputError("host_adapter_memory_gb", (
+            f"{HOST_ROOM} for adapter {adapter_id!r}: it needs {human_size(need)}, "
+            f"{human_size(self.bytes())} of {human_size(self.max_bytes)} are taken"))
+
     @staticmethod
-    def _bytes_of(adapter, training: bool, grads: bool) -> int:
-        """What parking `adapter` takes of host memory: its weights (and a training
-        adapter's moments) in one buffer, its gradients (`grads`) in another."""
-        w = adapter.bank.flat(adapter.slot, "w")  # (fp32, as are the moments and gradients)
+    def _state_bytes(adapter, training: bool) -> int:
+        """The bytes of `adapter`'s snapshot: its weights, and a training adapter's
+        moments, in one buffer (fp32, as are the gradients)."""
+        w = adapter.bank.flat(adapter.slot, "w")
         kinds = 1 + (len(MOMENTS[adapter.config.optimizer]) if training else 0)
-        state = pinned_bytes(w.element_size() * kinds * w.numel())
-        return state + (pinned_bytes(w.nbytes) if grads else 0)
+        return w.element_size() * kinds * w.numel()
+
+    def _bytes_of(self, adapter, training: bool, grads: bool) -> int:
+        """What parking `adapter` takes of host memory: its snapshot (a piece of the arena,
+        or a pinned allocation) and its gradients (`grads`) in another."""
+        state = self._state_bytes(adapter, training)
+        use_arena = self.arena is not None and state <= self.arena.chunk
+        state = -(-state // ALIGN) * ALIGN if use_arena else pinned_bytes(state)
+        return state + (pinned_bytes(adapter.bank.flat(adapter.slot, "w").nbytes) if grads
+                        else 0)
 
     def unpark(self, adapter_id: str, grow: bool = True) -> AdapterInfo:
         """The adapter back into a bank slot, bit for bit as it was parked. On a GPU its
@@ -149,7 +173,7 @@ class HostTier:
                                    "this worker's memory")
         if not grow and not self.engine.pool.has_slot(p.snap.config):
             raise EngineInputError("adapter_id", "no free bank slot inside a step in flight")
-        adapter = self.engine.pool.add(adapter_id, p.snap.config)
+        adapter = self.engine.pool.add(adapter_id, p.snap.config, init=False)  # (written next)
         device = adapter.bank.device
         weights, moments = unflatten(p.snap.names, to_device(p.snap.host(), device),
                                      p.snap.config)
@@ -166,12 +190,32 @@ class HostTier:
         adapter.pending = p.pending
         # (pop: a sampler parked to make its room may have pushed it out of host memory)
         self._parked.pop(adapter_id, None)
+        self._give_back(p, after_copies=True)
         return self.engine.adapter_info(adapter_id)
 
     def take(self, adapter_id: str) -> Snapshot:
         """The parked adapter's snapshot, for the disk; it leaves host memory. (Not a split
-        adapter's: its slices are written whole from the bank, `StepRunner`.)"""
-        return self._parked.pop(adapter_id).snap
+        adapter's: its slices are written whole from the bank, `StepRunner`.) Out of the
+        arena first: the writer thread keeps it until it is on disk."""
+        p = self._parked.pop(adapter_id)
+        if p.piece is None:
+            return p.snap
+        snap = replace(p.snap, flat=p.snap.host().clone(), ready=None, _device_copy=None)
+        self._give_back(p)
+        return snap
 
     def drop(self, adapter_id: str) -> None:
-        self._parked.pop(adapter_id, None)
+        p = self._parked.pop(adapter_id, None)
+        if p is not None:
+            self._give_back(p)
+
+    def _give_back(self, p: Parked, after_copies: bool = False) -> None:
+        """`p`'s arena piece back, once no copy reads or writes it: its copy to the host
+        (`snap.ready`), and with `after_copies` the copies of an unpark just queued."""
+        if p.piece is None:
+            return
+        after = p.snap.ready
+        if after_copies and self.arena.pin:
+            after = torch.cuda.Event()
+            after.record()  # (behind the side stream's copy: the compute stream waited)
+        self.arena.give(p.piece, after)
