@@ -19,8 +19,11 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import time
 
 import torch
+
+from twinkled.protocol.sizing import human_size
 
 log = logging.getLogger("twinkled")
 
@@ -99,8 +102,12 @@ class HostArena:
     # -- inside -------------------------------------------------------------------------
 
     def _fill(self, ahead: int) -> None:
+        began = time.monotonic()
         while self._reserved < ahead and self._grow():
             pass
+        if self.pin:  # (what the operator sized: operator.md 5d)
+            log.info("host tier: %s of pinned memory made for parked adapters in %.0f s",
+                     human_size(self.made()), time.monotonic() - began)
 
     def _grow(self) -> bool:
         """One more chunk, if the budget has room for one: the largest, or the largest
