@@ -174,6 +174,10 @@ def main() -> None:
                     help="which of its runs a client trains next: the next in turn (every "
                     "run comes back only after all the others: LRU's worst case) or one "
                     "drawn at random")
+    ap.add_argument("--fill-wait-s", type=float, default=300.0,
+                    help="on a GPU, wait up to this long after the resident phase for the "
+                    "workers' host tier to be made (pinned from the daemon's start: minutes "
+                    "for 160 GiB); 0: do not wait")
     ap.add_argument("--phase-s", type=float, default=0.0,
                     help="stop each phase's turns after this many seconds (0: every turn); "
                     "a client's turn in progress finishes")
@@ -204,6 +208,26 @@ def main() -> None:
     emit(text, args.write)
 
 
+def host_tier_made(log: Path, device: str, wait_s: float) -> str:
+    """Wait (up to `wait_s`) for the workers to have made their host tier's pinned memory
+    (engine/host_arena.py: at ~0.9 GB/s, minutes for 160 GiB, from the daemon's start): the
+    tiers phase measures runs parked into it, not the making of it. What the log said."""
+    if device != "cuda" or wait_s <= 0:
+        return ""
+    began = time.time()
+    while time.time() - began < wait_s:
+        said = [line for line in log.read_text(errors="replace").splitlines()
+                if "host tier:" in line and "made for parked adapters" in line]
+        if said:
+            print(said[-1].split("] ", 1)[-1], f"(waited {time.time() - began:.0f} s)",
+                  flush=True)
+            return said[-1].split("host tier: ", 1)[1]
+        time.sleep(2)
+    print(f"the host tier was not made within {wait_s:.0f} s: the tiers phase starts anyway",
+          flush=True)
+    return "not made yet"
+
+
 def one_shape(args: argparse.Namespace, first: bool) -> str:
     """Both phases on one model shape, in a daemon of its own: the table's markdown."""
     import torch
@@ -231,6 +255,7 @@ def one_shape(args: argparse.Namespace, first: bool) -> str:
         # (said at once: a GPU call cut off or failing in the tiers phase still tells it)
         print(f"resident phase: {resident['tps']:,.0f} tok/s, step p50 {resident['p50']:.3f} s, "
               f"p99 {resident['p99']:.3f} s, {resident['errors']} refusals", flush=True)
+        filled = host_tier_made(work / "twinkled.log", device, args.fill_wait_s)
         tiers = phase(url, keys, args, vocab, name, max(1, args.runs // args.active), data)
     finally:
         # Killed, not stopped: a stop writes every live run's state to disk (880 runs of the
@@ -259,6 +284,7 @@ def one_shape(args: argparse.Namespace, first: bool) -> str:
                  f"{r['p50']:.3f} | {r['p99']:.3f} | {r['errors']} | {r['moves_s']:.1f} | "
                  f"{r['gb_moved']:.2f} | {hits} | {prefetch} |\n")
     runs = args.active * max(1, args.runs // args.active)
+    text += f"\nhost tier before the tiers phase: {filled}\n" if filled else ""
     return text + (f"\ntiers moves: {tiers['moves']}; the tiers phase's {runs:,} creates took "
                    f"{tiers['create_s']:.1f} s ({runs / tiers['create_s']:.1f} a second), "
                    f"{tiers['started_parked']:,} of them started parked (no room in the bank)\n")

@@ -33,7 +33,8 @@
 #   bash bench/gpu_pass.sh rlstep                  # issue 31: the cookbook RL step, 8B
 #   bash bench/gpu_pass.sh tenants05; ... tenants8b  # issue 33: 1,000 / 200 runs (a call each)
 #   bash bench/gpu_pass.sh tenants05h sampdaemon     # issue 33 on one H200; issue 31's daemon sampling
-#   bash bench/gpu_pass.sh park                    # issue 33: a park's and an unpark's cost
+#   bash bench/gpu_pass.sh tiercheck park tenants05  # issue 33: the host tier's GPU tests, a park's
+#                                                  #   and an unpark's cost, 1,000 runs (~8 min)
 #   bash bench/gpu_pass.sh vl                      # issue 35: Qwen2.5-VL-7B, Qwen3-VL-8B through the daemon
 #   bash bench/gpu_pass.sh arch archsamp           # issue 34: gpt-oss-20b, DeepSeek-V3 (reduced) shapes
 #   bash bench/gpu_pass.sh journal                 # the journal's fsyncs on the machine's disk
@@ -260,6 +261,12 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         # issue 33: what one park and one unpark cost the worker, and the pinned allocation
         # under a park (~30 s)
         park) "$py" bench_park.py --write "$out/park.md" 2>&1 | grep -a "^|" ;;
+        # issue 33: the host tier's tests on the card (the arena pinned ahead, parks into it,
+        # batched moves; ~1 minute): run before `park` and `tenants05`
+        tiercheck) (cd .. && TRITON_INTERPRET=0 TWINKLE_TEST_DEVICE=cuda "$py" -m pytest -q \
+                       -p no:cacheprovider tests/test_host_arena.py tests/test_host_memory.py \
+                       tests/test_bank_growth.py tests/test_batched_moves.py) 2>&1 | tail -15 \
+                       | tee "$out/tiercheck.txt" ;;
         # (the 16 GB checkpoint in memory, /dev/shm, so the disk holds only the runs' states)
         tenants8b) "$py" bench_tenants.py --shape qwen3-8b --runs 200 --active 16 \
                        --config /tmp/gpu_pass_p0.toml --host-gb "${TENANTS_HOST_GB:-$((mem_gb * 3 / 4))}" \
@@ -318,7 +325,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_shared_prefix.
         longd4) "$py" long_daemon.py --shape qwen3-8b --seq 131072 --ranks 4 --cp 2 --lanes 2 \
                     --small-steps 6 --out "$out/long_daemon4.md" > "$out/long_daemon4.log" 2>&1
                 grep -a "^--\|^|" "$out/long_daemon4.log" ;;
-        *) echo "unknown: $what (done31, long4, longd4, loradec, prep, direct, workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, park, sampdaemon, gappaths, prof8b, grouped, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
+        *) echo "unknown: $what (done31, long4, longd4, loradec, prep, direct, workers, workers4, lanes4, lanes8b, workers8b, lanes, dpnuma, prewrite, sampling, slices, gap, gpucheck, tp, tp32, tp70, moe, qwen35, q35prof, rlstep, tenants05, tenants05h, tenants8b, park, tiercheck, sampdaemon, gappaths, prof8b, grouped, vl, arch, archsamp, tpsamp, gpttp2, journal, fulld, longd)"; exit 2 ;;
     esac
     pack
 done
