@@ -56,24 +56,33 @@ def test_runs_asking_at_once_are_made_room_by_one_park_and_one_restore(tiny_dir,
 
             lane.executor.moves = moves_seen
             lane.executor.restorer.restore = restore_seen
+            charged, charge = [], lane.planner.charge
+
+            def charge_seen(tenant, seconds):
+                charged.append(tenant)
+                return charge(tenant, seconds)
+
+            lane.planner.charge = charge_seen
             await asyncio.gather(*(box.svc.ensure_loaded(box.store.runs.get(m))
                                    for m in later))
-            status = lane.residency.tiers.status()
+            status, paid = lane.residency.tiers.status(), list(charged)
             assert all(lane.residency.is_open(m) for m in later)
             # all at once: the first ones come back from host memory
             await _turn(box, {**dict.fromkeys(first, 3), **dict.fromkeys(later, 1)})
-            return parks, restores, status, [
+            return parks, restores, status, paid, [
                 *await _scores(box, first, 5), *await _scores(box, later, 3, [
                     f"t{BANK + i}" for i in range(BANK)])]
 
-    parks, restores, status, tiered = run(go(**tiers))
-    if tiers:  # (the same runs with room for all: the reference)
-        _, _, _, alone = run(go())
+    parks, restores, status, paid, tiered = run(go(**tiers))
+    _, _, _, _, alone = run(go())  # (the same runs with room for all: the reference)
     assert status["started_parked"] == BANK and status["moves"] == {"to_host": BANK}, status
     # The first asked alone; the three that asked while its park ran went in one park, and
     # those that asked while a restore ran were made together (one by one: [1, 1, 1, 1])
     assert parks[:2] == [1, BANK - 1], parks
     assert sum(restores) == BANK and len(restores) < BANK, restores
+    # Each waiting tenant paid its share of the park that made its room, and its restore
+    # (one park charged to the first alone: t5 twice, t6 and t7 once)
+    assert all(paid.count(f"t{BANK + i}") == 2 for i in range(BANK)), paid
     # (fp32 tolerance: runs that ask at once are co-batched otherwise with room for all)
     flat = [x for rows in tiered for row in rows for x in row]
     assert flat == pytest.approx([x for rows in alone for row in rows for x in row], rel=1e-5)

@@ -22,7 +22,7 @@ from scheduler import Planner
 from twinkled.core.adapter_room import AdapterRoom, check_cap, check_disk
 from twinkled.core.executor import Executor
 from twinkled.core.ops import Outcome
-from twinkled.core.tier_moves import TierMoves
+from twinkled.core.tier_moves import Needer, TierMoves
 from twinkled.core.tiers import Tiers
 from twinkled.protocol.errors import HOST_ROOM, Draining, UserError
 from twinkled.protocol.frames import CreateF, IdleUnloadF, LoadF, OpF, ParkF, UnloadF
@@ -72,7 +72,8 @@ class Residency:
         self._admitting = asyncio.Lock()  # one maker of room at a time
         self._rebalancing: asyncio.Task | None = None
         self._waiting: set[asyncio.Task] = set()  # new models' waits for room (`when_room`)
-        self._wanting: dict[str, LoraConfig] = {}  # models in `make_room`, and their configs
+        # models in `make_room`: their configs and tenants (one park makes room for all)
+        self._wanting: dict[str, tuple[LoraConfig, str | None]] = {}
         self._stopping = False  # the daemon is stopping: no wait for room goes on
         # the workers' moves between the tiers, each charged to the tenant that needs it
         self.moves = TierMoves(executor, planner, self.tiers, self._moving)
@@ -288,9 +289,10 @@ class Residency:
         """Room in the GPU bank for `model`'s adapter, held for it: the least recently
         used idle adapters are parked until it fits, and while every resident one has work
         queued, this waits for one to finish (an op completes every step). The moves are
-        charged to `needer`'s fair share (the tenant whose adapter needs the room)."""
+        charged to `needer`'s fair share (the tenant whose adapter needs the room); a park
+        that makes room for several waiting runs, to their tenants in equal shares."""
         self.room.check(config)  # only what could never fit is refused
-        self._wanting[model] = config  # (counted by the parks of those ahead of it)
+        self._wanting[model] = config, needer  # (counted by the parks of those ahead of it)
         try:
             await self._make_room(model, config, needer)
         finally:
@@ -306,16 +308,18 @@ class Residency:
                 await self._poll()
         async with self._admitting:
             while not self.room.fits(config):
-                if not await self._park_coldest(incoming=model, needer=needer,
-                                                want=self._wanted()):
+                want, needers = self._wanted()
+                if not await self._park_coldest(incoming=model, needer=needers, want=want):
                     await self._poll()
             self.room.hold(model, config)
 
-    def _wanted(self) -> int:
+    def _wanted(self) -> tuple[int, tuple[str, ...]]:
         """The bytes the bank must free so that every adapter waiting for room fits (one
-        park for all of them: `_park_coldest`)."""
-        waiting = sum(self.room.size(c) for m, c in self._wanting.items() if not self.room.held(m))
-        return waiting + self.room.used() - (self.room.budget or 0)
+        park for all of them: `_park_coldest`), and the tenants who share its cost."""
+        waiting = [(c, t) for m, (c, t) in self._wanting.items() if not self.room.held(m)]
+        need = sum(self.room.size(c) for c, _ in waiting)
+        return (need + self.room.used() - (self.room.budget or 0),
+                tuple(t for _, t in waiting if t is not None))
 
     async def _poll(self) -> None:
         """Between two tries to make room; a stop ends the wait (`persist_all`)."""
@@ -367,7 +371,7 @@ class Residency:
                                                 want=self.room.used() - self.room.budget):
                     await asyncio.sleep(ROOM_POLL_S)
 
-    async def _park_coldest(self, incoming: str | None = None, needer: str | None = None,
+    async def _park_coldest(self, incoming: str | None = None, needer: Needer = None,
                             only: str | None = None, want: int = 0) -> bool:
         """Park the least recently used resident adapters with nothing queued (of tenant
         `only`, if given) until they free `want` bytes of the bank (at least one), in one
@@ -401,7 +405,7 @@ class Residency:
         return await self._park_all([model], to_host, incoming, needer) == 1
 
     async def _park_all(self, models: list[str], to_host: bool, incoming: str | None = None,
-                        needer: str | None = None) -> int:
+                        needer: Needer = None) -> int:
         """Out of the GPU bank, together (the caller holds their locks): to host memory if
         `to_host` and it has room there (the least recently parked go on to disk, never
         `incoming`, which leaves host memory next), else to disk. Their queues close; a
@@ -445,7 +449,7 @@ class Residency:
             parked += 1
         return parked
 
-    async def _moves(self, frame: type, models: list[str], needer: str | None
+    async def _moves(self, frame: type, models: list[str], needer: Needer
                      ) -> dict[str, str | None]:
         """{model: why its move failed, or None} for `frame(model)` of each, in one move."""
         if not models:

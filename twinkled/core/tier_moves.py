@@ -16,6 +16,9 @@ from twinkled.protocol.frames import IdleUnloadF, OpF, ParkF, UnparkF
 from twinkled.protocol.types import LoraConfig
 
 log = logging.getLogger("twinkled")
+# Whom a move is charged to: a tenant, or the tenants whose runs one batch of parks made
+# room for (each pays an equal share), or no one.
+Needer = str | tuple[str, ...] | None
 
 
 class TierMoves:
@@ -28,7 +31,7 @@ class TierMoves:
         self._moving = moving
 
     async def host_room(self, config: LoraConfig, incoming: str | None,
-                        needer: str | None = None) -> bool:
+                        needer: Needer = None) -> bool:
         """Whether an adapter of `config` can be parked in host memory, once the least
         recently parked there have gone on to disk (`incoming` counted as gone: it is
         brought in next, so an exchange of the two never spills it)."""
@@ -39,7 +42,7 @@ class TierMoves:
                 return False
         return True
 
-    async def spill_coldest(self, incoming: str | None, needer: str | None = None) -> bool:
+    async def spill_coldest(self, incoming: str | None, needer: Needer = None) -> bool:
         """The least recently used adapter in host memory on to disk; False if none can go.
         Never `incoming` (its lock held, its unpark perhaps in flight: spilled now, it
         would leave the bank the moment it came back)."""
@@ -47,7 +50,7 @@ class TierMoves:
                    if m != incoming and not self._moving(m)]
         return bool(coldest) and await self.host_to_disk(coldest[0], needer)
 
-    async def host_to_disk(self, model: str, needer: str | None = None) -> bool:
+    async def host_to_disk(self, model: str, needer: Needer = None) -> bool:
         """A host-parked adapter on to disk (the caller holds Residency's `_admitting`)."""
         error = (await self.move(IdleUnloadF(model), needer)).error
         if error is not None:
@@ -82,11 +85,11 @@ class TierMoves:
             self._tiers.prefetched(idle)
         return moved.error
 
-    async def move(self, frame: OpF, needer: str | None = None) -> Moved:
+    async def move(self, frame: OpF, needer: Needer = None) -> Moved:
         """One move on the workers (`moves`)."""
         return (await self.moves([frame], needer))[0]
 
-    async def moves(self, frames: list[OpF], needer: str | None = None) -> list[Moved]:
+    async def moves(self, frames: list[OpF], needer: Needer = None) -> list[Moved]:
         """Moves on the workers in one frame (ParkF and UnparkF inside the training step in
         flight where they can), their time charged to `needer`'s fair share. A worker lost
         meanwhile is a failure of each move (the group restarts; the caller keeps what it
@@ -96,6 +99,10 @@ class TierMoves:
                 frames, overlap=all(isinstance(f, ParkF | UnparkF) for f in frames))
         except Exception as e:
             return [Moved((None, f"{type(e).__name__}: {e}", "server"))] * len(frames)
-        if needer is not None:
-            self._planner.charge(needer, sum(m.seconds for m in moved))
+        self._charge(needer, sum(m.seconds for m in moved))
         return moved
+
+    def _charge(self, needer: Needer, seconds: float) -> None:
+        needers = (needer,) if isinstance(needer, str) else needer or ()
+        for tenant in needers:
+            self._planner.charge(tenant, seconds / len(needers))
