@@ -190,7 +190,7 @@ class HostTier:
         adapter.pending = p.pending
         # (pop: a sampler parked to make its room may have pushed it out of host memory)
         self._parked.pop(adapter_id, None)
-        self._give_back(p, after_copies=True)
+        self._give_back(p, copies_on=device)
         return self.engine.adapter_info(adapter_id)
 
     def take(self, adapter_id: str) -> Snapshot:
@@ -209,13 +209,13 @@ class HostTier:
         if p is not None:
             self._give_back(p)
 
-    def _give_back(self, p: Parked, after_copies: bool = False) -> None:
+    def _give_back(self, p: Parked, copies_on: torch.device | None = None) -> None:
         """`p`'s arena piece back, once no copy reads or writes it: its copy to the host
-        (`snap.ready`), and with `after_copies` the copies of an unpark just queued."""
+        (`snap.ready`), and the copies of an unpark just queued on `copies_on`'s compute
+        stream (which waited for the side stream's)."""
         if p.piece is None:
             return
         after = p.snap.ready
-        if after_copies and self.arena.pin:
-            after = torch.cuda.Event()
-            after.record()  # (behind the side stream's copy: the compute stream waited)
+        if copies_on is not None and copies_on.type == "cuda":
+            after = torch.cuda.current_stream(copies_on).record_event()
         self.arena.give(p.piece, after)
