@@ -38,6 +38,8 @@ from .hosts import HostRegistry, JoinSettings, RemoteHost
 from .launch import Forked, Launcher, arch_preload, worker_env
 
 log = logging.getLogger("twinkled")
+PORT_TAKEN = "EADDRINUSE"  # (torch's DistNetworkError names the errno)
+START_TRIES = 3  # more starts when the rendezvous port was taken meanwhile
 
 
 class WorkerLost(RuntimeError):
@@ -131,13 +133,22 @@ class WorkerGroup:
         """Spawn the ranks and wait until every one has loaded the model. A remote host
         whose ranks fail to come up is left out and the group started again without it:
         a host can cost a start, never the daemon's."""
+        taken = 0  # starts whose rendezvous port was taken meanwhile
         while True:
             failed: set[str] = set()
             try:
                 await self._start(failed)
                 return
-            except WorkerLost:
+            except WorkerLost as e:
                 await self.kill()
+                # The rendezvous port is free when picked and bound by rank 0 a moment
+                # later: another process may take it in between (seen in the test suite's
+                # parallel daemons). Another port, then, a few times.
+                if not failed and PORT_TAKEN in str(e) and taken < START_TRIES:
+                    taken += 1
+                    log.warning("the workers' rendezvous port was taken before rank 0 bound "
+                                "it; starting them again on another")
+                    continue
                 if not failed:
                     raise
                 for host in self.hosts.ready():
