@@ -44,9 +44,9 @@ def test_a_park_past_the_workers_host_budget_is_refused_and_changes_nothing(tiny
         engine.add_adapter(name, LoraConfig(rank=4, seed=ord(name)))
         engine.forward_backward([ce_request(name, gen, vocab, [5, 7])])
     params = engine.pool.get("a").bank.flat(engine.pool.get("a").slot, "w").numel()
-    # weights and two moments in a piece of the host arena (its size aligned), gradients in
-    # a buffer of their own: fp32 (pinned on a GPU, where a build may round it up)
-    one = -(-12 * params // ALIGN) * ALIGN + pinned.pinned_bytes(4 * params)
+    # weights and two moments in a piece of the host arena, gradients in another: fp32,
+    # their sizes aligned (pinned on a GPU, made ahead)
+    one = -(-12 * params // ALIGN) * ALIGN + -(-4 * params // ALIGN) * ALIGN
     tier = HostTier(engine, max_bytes=int(1.5 * one))  # room for one
     allocated = engine.model.device.type == "cuda" and pinned.torch.cuda.memory_allocated()
     tier.park("a")

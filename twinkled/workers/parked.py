@@ -39,11 +39,13 @@ class Parked:
     grads: torch.Tensor | None  # the bank row of pending gradients (None: it had none)
     pending: int  # datums whose gradients those are
     grads_copied: torch.cuda.Event | None = None  # their copy to the host is done (CUDA)
-    piece: Piece | None = None  # the host arena's piece the snapshot lies in (CUDA)
+    piece: Piece | None = None  # the host arena's piece the snapshot lies in
+    gpiece: Piece | None = None  # ... and the one the gradients lie in
 
     def bytes(self) -> int:
         """The host memory it takes (pinned allocations may be rounded up: pinned.py)."""
-        g = 0 if self.grads is None else pinned_bytes(self.grads.nbytes)
+        g = 0 if self.grads is None else (
+            self.gpiece.size if self.gpiece else pinned_bytes(self.grads.nbytes))
         state = self.piece.size if self.piece else pinned_bytes(self.snap.flat.nbytes)
         return state + g
 
@@ -114,17 +116,14 @@ class HostTier:
         need = self._bytes_of(adapter, training, keep)
         if self.max_bytes is not None and self.bytes() + need > self.max_bytes:
             self._refuse(adapter_id, need)
-        piece = None
-        if self.arena is not None and self._state_bytes(adapter, training) <= self.arena.chunk:
-            piece = self.arena.take(self._state_bytes(adapter, training))
-            if piece is None:  # its memory is lent out (in pieces too small for it)
-                self._refuse(adapter_id, need)
+        piece, gpiece = self._pieces(adapter_id, adapter, training, g if keep else None, need)
         # This rank's own slices (under tensor parallelism each rank parks its part, no
         # collective); they go back into the same rank's bank as they are.
         snap = snapshot(adapter, optimizer=training, into=piece and piece.tensor)
         grads, copied = None, None
         if keep:
-            grads = torch.empty(g.shape, dtype=g.dtype, pin_memory=g.is_cuda)
+            grads = (gpiece.tensor.view(g.dtype)[:g.numel()].view(g.shape) if gpiece else
+                     torch.empty(g.shape, dtype=g.dtype, pin_memory=g.is_cuda))
             # Ordered before the slot is zeroed on release (same stream).
             grads.copy_(g, non_blocking=g.is_cuda)
             if g.is_cuda:
@@ -136,8 +135,29 @@ class HostTier:
         # ran out of memory).
         self._copying.append(snap)
         self.settle()
-        self._parked[adapter_id] = Parked(snap, grads, adapter.pending, copied, piece)
+        self._parked[adapter_id] = Parked(snap, grads, adapter.pending, copied, piece, gpiece)
         self.engine.remove_adapter(adapter_id)
+
+    def _pieces(self, adapter_id: str, adapter, training: bool, g: torch.Tensor | None,
+                need: int) -> tuple[Piece | None, Piece | None]:
+        """The arena's pieces for `adapter`'s snapshot and its gradients `g` (None: none
+        kept); none without an arena. All it parks lies in the arena, so the worker pins no
+        more than its budget. Refused where they do not fit (the daemon makes room, or
+        parks it on disk)."""
+        if self.arena is None:
+            return None, None
+        state = self._state_bytes(adapter, training)
+        if state > self.arena.chunk:  # (no HOST_ROOM: making room would not help)
+            raise EngineInputError("adapter_id", (
+                f"adapter {adapter_id!r} needs {human_size(state)} of host memory in one "
+                f"piece, more than the host tier's chunks ({human_size(self.arena.chunk)})"))
+        piece = self.arena.take(state)
+        gpiece = None if piece is None or g is None else self.arena.take(g.nbytes)
+        if piece is None or (g is not None and gpiece is None):
+            if piece is not None:
+                self.arena.give(piece)
+            self._refuse(adapter_id, need)  # (lent out, or in pieces too small for these)
+        return piece, gpiece
 
     def _refuse(self, adapter_id: str, need: int) -> None:
         raise EngineInputError("host_adapter_memory_gb", (
@@ -153,13 +173,13 @@ class HostTier:
         return w.element_size() * kinds * w.numel()
 
     def _bytes_of(self, adapter, training: bool, grads: bool) -> int:
-        """What parking `adapter` takes of host memory: its snapshot (a piece of the arena,
-        or a pinned allocation) and its gradients (`grads`) in another."""
-        state = self._state_bytes(adapter, training)
-        use_arena = self.arena is not None and state <= self.arena.chunk
-        state = -(-state // ALIGN) * ALIGN if use_arena else pinned_bytes(state)
-        return state + (pinned_bytes(adapter.bank.flat(adapter.slot, "w").nbytes) if grads
-                        else 0)
+        """What parking `adapter` takes of host memory: its snapshot and its gradients
+        (`grads`), each a piece of the arena, or else a pinned allocation."""
+        def size(nbytes: int) -> int:
+            return -(-nbytes // ALIGN) * ALIGN if self.arena else pinned_bytes(nbytes)
+
+        g = adapter.bank.flat(adapter.slot, "w").nbytes if grads else 0
+        return size(self._state_bytes(adapter, training)) + (size(g) if grads else 0)
 
     def unpark(self, adapter_id: str, grow: bool = True) -> AdapterInfo:
         """The adapter back into a bank slot, bit for bit as it was parked. On a GPU its
@@ -198,9 +218,8 @@ class HostTier:
         adapter's: its slices are written whole from the bank, `StepRunner`.) Out of the
         arena first: the writer thread keeps it until it is on disk."""
         p = self._parked.pop(adapter_id)
-        if p.piece is None:
-            return p.snap
-        snap = replace(p.snap, flat=p.snap.host().clone(), ready=None, _device_copy=None)
+        snap = p.snap if p.piece is None else replace(
+            p.snap, flat=p.snap.host().clone(), ready=None, _device_copy=None)
         self._give_back(p)
         return snap
 
@@ -210,12 +229,13 @@ class HostTier:
             self._give_back(p)
 
     def _give_back(self, p: Parked, copies_on: torch.device | None = None) -> None:
-        """`p`'s arena piece back, once no copy reads or writes it: its copy to the host
-        (`snap.ready`), and the copies of an unpark just queued on `copies_on`'s compute
-        stream (which waited for the side stream's)."""
-        if p.piece is None:
-            return
-        after = p.snap.ready
+        """`p`'s arena pieces back, once no copy reads or writes them: their copies to the
+        host (`snap.ready`, `grads_copied`), and the copies of an unpark just queued on
+        `copies_on`'s compute stream (which waited for the side stream's)."""
+        after, grads_after = p.snap.ready, p.grads_copied
         if copies_on is not None and copies_on.type == "cuda":
-            after = torch.cuda.current_stream(copies_on).record_event()
-        self.arena.give(p.piece, after)
+            after = grads_after = torch.cuda.current_stream(copies_on).record_event()
+        if p.piece is not None:
+            self.arena.give(p.piece, after)
+        if p.gpiece is not None:
+            self.arena.give(p.gpiece, grads_after)
