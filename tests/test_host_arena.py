@@ -59,3 +59,13 @@ def test_chunks_past_what_was_made_ahead_are_made_when_needed_within_the_budget(
     assert arena.made() == 2 * MiB
     assert arena.take(MiB) is not None and arena.take(MiB) is None
     assert arena.made() == 3 * MiB
+
+
+def test_no_chunk_is_larger_than_the_budgets_largest_power_of_two():
+    """(So a piece that could never fit is refused as larger than a chunk, and the host tier
+    parks it on disk at once, not after spilling every other parked adapter.)"""
+    arena = HostArena(3 * MiB, pin=False, ahead=0)
+    assert arena.chunk == 2 * MiB
+    assert arena.take(2 * MiB + 1) is None and arena.made() == 0
+    assert arena.take(2 * MiB) is not None and arena.take(MiB) is not None
+    assert arena.made() == 3 * MiB

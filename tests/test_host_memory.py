@@ -187,6 +187,7 @@ def test_parks_take_pieces_of_the_arena_and_give_them_back(tiny_dir):
     import torch
     from helpers import DEVICE, adapter_snapshot, make_engine
 
+    from twinkled.protocol.errors import HOST_ROOM
     from twinkled.protocol.types import EngineInputError, LoraConfig
     from twinkled.workers.parked import HostTier
 
@@ -223,6 +224,15 @@ def test_parks_take_pieces_of_the_arena_and_give_them_back(tiny_dir):
     assert snap.flat.numel() * snap.flat.element_size() == state
     tier.park("a1")
     tier.park("a2")  # room again
+    # A state no chunk of the budget could hold: said so, not "no host room" (which would
+    # have the daemon spill every parked adapter to disk before parking it there)
+    aligned = -(-state // ALIGN) * ALIGN  # (room for it, in chunks of less than it)
+    small = HostTier(engine, max_bytes=(1 << aligned.bit_length()) - 1)
+    assert small.arena.chunk < aligned
+    engine.add_adapter("big", LoraConfig(rank=4, seed=9))
+    with pytest.raises(EngineInputError, match="more than the host tier's chunks") as e:
+        small.park("big")
+    assert HOST_ROOM not in str(e.value) and engine.has_adapter("big")
 
 
 def test_a_build_without_exact_pinned_sizes_counts_the_rounding(monkeypatch):

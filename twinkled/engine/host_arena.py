@@ -45,9 +45,10 @@ class HostArena:
         """`budget`: bytes of chunks in all; `pin`: page-locked (CUDA); `ahead`: bytes of
         chunks made from the start on a thread of their own (default all of `budget`; more
         are made when a piece does not fit, while the budget lasts); `chunk`: the largest
-        chunk (CHUNK_MAX); the budget's last ones are smaller powers of two, so that the
-        chunks add up to the budget (its binary digits)."""
-        self.chunk = chunk or CHUNK_MAX
+        chunk (CHUNK_MAX, or the budget's largest power of two); the budget's last ones are
+        smaller powers of two, so that the chunks add up to the budget (its binary
+        digits)."""
+        self.chunk = min(chunk or CHUNK_MAX, 1 << (max(budget, 1).bit_length() - 1))
         self.budget, self.pin = budget, pin
         self._chunks: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per chunk: sorted (start, end)
