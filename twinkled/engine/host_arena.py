@@ -41,7 +41,7 @@ class Piece:
 
 class HostArena:
     def __init__(self, budget: int, pin: bool = True, ahead: int | None = None,
-                 chunk: int | None = None):
+                 chunk: int | None = None, device: torch.device | None = None):
         """`budget`: bytes of chunks in all; `pin`: page-locked (CUDA); `ahead`: bytes of
         chunks made from the start on a thread of their own (default all of `budget`; more
         are made when a piece does not fit, while the budget lasts); `chunk`: the largest
@@ -50,6 +50,9 @@ class HostArena:
         digits)."""
         self.chunk = min(chunk or CHUNK_MAX, 1 << (max(budget, 1).bit_length() - 1))
         self.budget, self.pin = budget, pin
+        # (the CUDA device is a thread's own: the filler's is the worker's, or its first
+        # pinned allocation would make a context on GPU 0, ~500 MB of another lane's card)
+        self._device = device
         self._chunks: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per chunk: sorted (start, end)
         self._held: list[tuple[Piece, torch.cuda.Event | None]] = []  # given back, in use
@@ -103,6 +106,8 @@ class HostArena:
     # -- inside -------------------------------------------------------------------------
 
     def _fill(self, ahead: int) -> None:
+        if self.pin and self._device is not None and self._device.index is not None:
+            torch.cuda.set_device(self._device)
         began = time.monotonic()
         while self._reserved < ahead and self._grow():
             pass

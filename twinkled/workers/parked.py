@@ -77,7 +77,7 @@ class HostTier:
         # each rank holds its slices, so its share is made ahead); on a CPU made as needed.
         cuda = engine.model.device.type == "cuda"
         self.arena = HostArena(max_bytes, pin=cuda, ahead=max_bytes // engine.model.tp.size
-                               if cuda else 0) if max_bytes else None
+                               if cuda else 0, device=engine.model.device) if max_bytes else None
 
     def settle(self, wait: bool = False) -> None:
         """Let go of the device copies of parks whose copy to the host has finished (with
