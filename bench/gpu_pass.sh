@@ -129,7 +129,9 @@ for what in "$@"; do
         # issue 31's done-when in one call: the old and new decode paths and the padded sampler
         # they replaced, on the same weights, both workloads, both shapes (bench_sampling's
         # defaults on a GPU; the old path is slow: ~10 minutes, so a call of its own)
-        done31) for s in qwen3-8b qwen2.5-0.5b; do timeout 290 "$py" bench_sampling.py --device cuda \
+        # (DONE31_SHAPES, DONE31_TIMEOUT: the 8B alone in a call of its own, with the time
+        # its old path needs: it did not finish in 290 s beside the 0.5B, sessions 21-22)
+        done31) for s in ${DONE31_SHAPES:-qwen3-8b qwen2.5-0.5b}; do timeout "${DONE31_TIMEOUT:-290}" "$py" bench_sampling.py --device cuda \
                     --shape "$s" --repeats 1 --write "$out/done31_$s.md" > "$out/done31_$s.log" 2>&1
                     grep -a "^|" "$out/done31_$s.log"; done ;;
         # the LoRA row kernels (kernels/lora_decode.py): checked in a CUDA graph against the
