@@ -61,9 +61,10 @@ class HostTier:
                  exact_pending: bool = True):
         """`max_bytes`: what this worker's parked adapters may take of its host memory (the
         daemon's `host_adapter_memory_gb`). The daemon counts 12 bytes a parameter; this
-        counts the allocations as they are (16 for a run with gradients pending; pinned
-        memory may be rounded up), so a park past it is refused (the daemon then makes
-        room) instead of the kernel killing the worker for want of memory.
+        counts what a park holds (16 for a run with gradients pending; pieces of the arena
+        aligned to 4 KiB, or without one pinned allocations a build may round up), so a park
+        past it is refused (the daemon then makes room) instead of the kernel killing the
+        worker for want of memory.
         `exact_pending`: an adapter with no pending datums has no gradients (not so on a
         context-parallel rank: its share of a split row adds gradients its count leaves
         out, so there the gradients themselves are looked at)."""
