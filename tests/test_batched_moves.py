@@ -15,6 +15,7 @@ from test_residency_tiers import _op, _scores
 from test_service import run, service
 from test_started_parked import _create_only
 
+from twinkled.core.residency import stored_config
 from twinkled.protocol.config import Config
 from twinkled.protocol.frames import ParkF
 from twinkled.protocol.sizing import GiB, adapter_bytes
@@ -86,3 +87,35 @@ def test_runs_asking_at_once_are_made_room_by_one_park_and_one_restore(tiny_dir,
     # (fp32 tolerance: runs that ask at once are co-batched otherwise with room for all)
     flat = [x for rows in tiered for row in rows for x in row]
     assert flat == pytest.approx([x for rows in alone for row in rows for x in row], rel=1e-5)
+
+
+def test_a_restore_whose_asker_went_away_costs_the_others_nothing(tiny_dir, tmp_path):
+    """Restores asked for together run in the executor's own task: the request that started
+    them going away (its task cancelled) neither stops them nor fails the others."""
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+
+    async def go():
+        async with service(tiny_dir, tmp_path, adapter_memory_gb=1.5 * one / GiB) as box:
+            runs = [await _create_only(box, f"t{i}", 300 + i) for i in range(3)]
+            lane = box.svc.lanes.all[0]
+            born = [m for m in runs if not lane.residency.is_open(m)]  # (no room: parked)
+            assert len(born) == 2
+            restore, going = lane.executor.restorer.restore, asyncio.Event()
+
+            async def slow(adapters):  # the first restore waits until told to go on
+                await going.wait()
+                return await restore(adapters)
+
+            lane.executor.restorer.restore = slow
+            async with lane.executor._lock:  # (the group busy: both ask meanwhile)
+                first, second = (asyncio.ensure_future(lane.executor.restore_one(
+                    m, stored_config(box.store.runs.get(m)))) for m in born)
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # (both restoring, together)
+            first.cancel()  # the asker of the first went away
+            going.set()
+            moved = await second
+            return first.cancelled(), moved.error
+
+    cancelled, error = run(go())
+    assert cancelled and error is None

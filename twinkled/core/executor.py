@@ -88,6 +88,7 @@ class Executor:
         self._unsettled: set[str] = set()  # adapters a failed joined pass may have touched
         # adapters waiting to be restored one by one (`restore_one`), and their answers
         self._restoring: dict[str, tuple[LoraConfig, asyncio.Future]] = {}
+        self._restore_task: asyncio.Task | None = None  # (`_restore_waiting`, while any wait)
         self.joined_s = 0.0  # seconds the ranks spent on joins (in the steps they ran in)
 
     def serve(self, adapters: LiveAdapters, on_restart: Callable[[], None]) -> None:
@@ -383,12 +384,21 @@ class Executor:
 
     async def restore_one(self, model: str, config: LoraConfig) -> Moved:
         """Bring one adapter back between steps (its error: the reason if it could not be).
-        Those asked for while the group was busy are restored together, in one round trip
-        at the first one's turn (a turn of a 1,000-run bench brings in dozens a step)."""
-        answer = asyncio.get_running_loop().create_future()
+        Those asked for while the group is busy are restored together, in one round trip
+        (a turn of a 1,000-run bench brings in dozens a step), by a task of the executor's
+        own: a request that goes away meanwhile costs the others nothing."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
         self._restoring[model] = (config, answer)
-        async with self._turn():
-            if not answer.done():
+        if self._restore_task is None or self._restore_task.done():
+            self._restore_task = loop.create_task(self._restore_waiting())
+        return await asyncio.shield(answer)
+
+    async def _restore_waiting(self) -> None:
+        """Restore the adapters asked for (`restore_one`), those asked meanwhile together,
+        until none is left."""
+        while self._restoring:
+            async with self._turn():
                 batch, self._restoring = self._restoring, {}
                 began = time.monotonic()
                 try:
@@ -400,13 +410,13 @@ class Executor:
                             f.cancel() if stopped else f.set_exception(e)
                     if stopped:
                         raise
-                else:
-                    seconds = (time.monotonic() - began) / len(batch)
-                    for m, (_, f) in batch.items():
-                        why = failed.get(m)
+                    continue
+                seconds = (time.monotonic() - began) / len(batch)
+                for m, (_, f) in batch.items():
+                    why = failed.get(m)
+                    if not f.done():
                         f.set_result(Moved((None, why, "server" if why else None), False,
                                            seconds))
-        return await answer
 
     def take_rollback(self, model: str) -> str | None:
         """What a model's client must be told once: its run lost acknowledged steps."""
