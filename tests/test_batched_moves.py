@@ -119,3 +119,46 @@ def test_a_restore_whose_asker_went_away_costs_the_others_nothing(tiny_dir, tmp_
 
     cancelled, error = run(go())
     assert cancelled and error is None
+
+
+def test_a_park_whose_asker_went_away_is_finished_and_its_adapters_train_on(tiny_dir,
+                                                                          tmp_path):
+    """A park runs in a task of its own: the request that started it going away (its task
+    cancelled mid-park) leaves no adapter half-parked (its queue closed, its state nowhere
+    said), and the next request for room is served."""
+    one = adapter_bytes(Config(model=tiny_dir).model_config, 4)
+
+    async def go():
+        async with service(tiny_dir, tmp_path, adapter_memory_gb=2.5 * one / GiB,
+                           host_adapter_memory_gb=4.5 * one * 12 / 20 / GiB) as box:
+            first = [await box.create(f"t{i}", seed=400 + i) for i in range(2)]
+            await _turn(box, dict.fromkeys(first, 1))
+            born = [await _create_only(box, f"t{2 + i}", 500 + i) for i in range(2)]
+            lane = box.svc.lanes.all[0]
+            moves, entered, going = lane.executor.moves, asyncio.Event(), asyncio.Event()
+
+            async def held(frames, overlap=False):  # the first park waits until told
+                entered.set()
+                await going.wait()
+                return await moves(frames, overlap)
+
+            lane.executor.moves = held
+            asker = asyncio.ensure_future(box.svc.ensure_loaded(box.store.runs.get(born[0])))
+            await entered.wait()
+            other = asyncio.ensure_future(box.svc.ensure_loaded(box.store.runs.get(born[1])))
+            await asyncio.sleep(0.05)
+            asker.cancel()  # the request went away mid-park
+            going.set()
+            await other
+            served = lane.residency.is_open(born[1])
+            tiers = lane.residency.tiers
+            parked = [m for m in first if tiers.on_host(m)]
+            # every adapter of the first two is somewhere said: in the bank or in host memory
+            where = [lane.residency.is_open(m) or tiers.on_host(m) for m in first]
+            for i, m in enumerate(first):  # and trains on
+                await _op(box, f"t{i}", m, lambda i=i, m=m: box.fwdbwd(f"t{i}", m, 3, [5],
+                                                                        seed=i))
+            return asker.cancelled(), parked, where, served
+
+    cancelled, parked, where, served = run(go())
+    assert cancelled and parked and all(where) and served

@@ -72,6 +72,7 @@ class Residency:
         self._admitting = asyncio.Lock()  # one maker of room at a time
         self._rebalancing: asyncio.Task | None = None
         self._waiting: set[asyncio.Task] = set()  # new models' waits for room (`when_room`)
+        self._parking: set[asyncio.Task] = set()  # parks under way (`_park_locked`)
         # models in `make_room`: their configs and tenants (one park makes room for all)
         self._wanting: dict[str, tuple[LoraConfig, str | None]] = {}
         self._stopping = False  # the daemon is stopping: no wait for room goes on
@@ -392,11 +393,22 @@ class Residency:
                 break
         for model in chosen:  # free: taken at once, no other task runs in between
             await self._locks[model].acquire()
+        task = asyncio.get_running_loop().create_task(
+            self._park_locked(chosen, incoming, needer))
+        self._parking.add(task)  # (held: a task only the loop refers to may be collected)
+        task.add_done_callback(self._parking.discard)
+        return await asyncio.shield(task) > 0
+
+    async def _park_locked(self, models: list[str], incoming: str | None, needer: Needer
+                           ) -> int:
+        """`_park_all` to host memory of `models`, whose locks the caller took: in a task
+        of its own, so that a request that goes away meanwhile (its task cancelled) leaves
+        no adapter half-parked, its queue closed and its state nowhere said."""
         try:
-            return await self._park_all(chosen, to_host=True, incoming=incoming,
-                                        needer=needer) > 0
+            return await self._park_all(models, to_host=True, incoming=incoming,
+                                        needer=needer)
         finally:
-            for model in chosen:
+            for model in models:
                 self._locks[model].release()
 
     async def _park(self, model: str, to_host: bool, incoming: str | None = None,
