@@ -66,11 +66,11 @@ def test_runs_asking_at_once_are_made_room_by_one_park_and_one_restore(tiny_dir,
             lane.planner.charge = charge_seen
             await asyncio.gather(*(box.svc.ensure_loaded(box.store.runs.get(m))
                                    for m in later))
-            status, paid = lane.residency.tiers.status(), list(charged)
+            status, paid, made = lane.residency.tiers.status(), list(charged), list(restores)
             assert all(lane.residency.is_open(m) for m in later)
             # all at once: the first ones come back from host memory
             await _turn(box, {**dict.fromkeys(first, 3), **dict.fromkeys(later, 1)})
-            return parks, restores, status, paid, [
+            return parks, made, status, paid, [
                 *await _scores(box, first, 5), *await _scores(box, later, 3, [
                     f"t{BANK + i}" for i in range(BANK)])]
 

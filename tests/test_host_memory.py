@@ -255,11 +255,18 @@ def test_a_host_budget_past_the_machines_memory_is_warned_of_with_the_numbers(ti
     cfg = Config(model=tiny_dir, host_adapter_memory_gb=160, lanes=1, device="cuda")
     assert host_memory_warning(cfg, machine_bytes=512 * GiB) is None
     warning = host_memory_warning(cfg, machine_bytes=190 * GiB)
-    assert warning is not None and "160 x 1 lane(s) = 160 GiB" in warning
+    assert warning is not None and "160 x 1 GPU worker(s) = 160 GiB" in warning
     assert "190 GiB" in warning and "lower host_adapter_memory_gb" in warning
-    two = Config(model=tiny_dir, host_adapter_memory_gb=100, lanes=2,  # per lane: 200 GiB
+    two = Config(model=tiny_dir, host_adapter_memory_gb=100, lanes=2,  # per worker: 200 GiB
                  devices=["cuda:0", "cuda:1"])
     assert "200 GiB" in (host_memory_warning(two, machine_bytes=240 * GiB) or "")
+    group = Config(model=tiny_dir, host_adapter_memory_gb=100,  # one lane, 2 ranks: each
+                   devices=["cuda:0", "cuda:1"])                # holds every adapter
+    assert "2 GPU worker(s) = 200 GiB" in (host_memory_warning(group, machine_bytes=240 * GiB)
+                                           or "")
+    split = Config(model=tiny_dir, host_adapter_memory_gb=100, tp=2,  # each rank its half
+                   devices=["cuda:0", "cuda:1"])
+    assert host_memory_warning(split, machine_bytes=240 * GiB) is None
     on_cpu = Config(model=tiny_dir, host_adapter_memory_gb=160, device="cpu")
     assert host_memory_warning(on_cpu, machine_bytes=190 * GiB) is None  # (not pinned)
     import os  # this machine's own memory, read by default

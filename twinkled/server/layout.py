@@ -217,10 +217,11 @@ def layout_summary(cfg: Config) -> str:
 
 
 def host_memory_warning(cfg: Config, machine_bytes: int | None = None) -> str | None:
-    """A warning when the lanes' host tiers (`host_adapter_memory_gb` each) could take more
-    than 80% of this machine's memory: parked adapters are pinned, which the kernel cannot
-    swap, so a worker that fills that much is killed instead (a 1,000-run bench lost its
-    worker so). `machine_bytes`: the machine's memory (default: read from the system)."""
+    """A warning when the workers' host tiers take more than 80% of this machine's memory:
+    each GPU worker pins its `host_adapter_memory_gb` from the start (a tensor-parallel
+    rank its share; engine/host_arena.py), which the kernel cannot swap, so the machine
+    runs out for everything else (a 1,000-run bench lost its worker so). `machine_bytes`:
+    the machine's memory (default: read from the system)."""
     if not any(d.startswith("cuda") for d in cfg.worker_devices()):
         return None  # (parked in pageable memory there, which the kernel can swap)
     if machine_bytes is None:
@@ -230,11 +231,14 @@ def host_memory_warning(cfg: Config, machine_bytes: int | None = None) -> str | 
             machine_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             return None
-    lanes = max(cfg.lanes, 1)
-    total = cfg.host_adapter_memory_gb * GiB * lanes
+    ranks = sum(d.startswith("cuda") for d in cfg.worker_devices())
+    tp = max(cfg.tp, 1)
+    total = cfg.host_adapter_memory_gb * GiB * ranks / tp
     if total <= 0.8 * machine_bytes:
         return None
-    return (f"host_adapter_memory_gb {cfg.host_adapter_memory_gb:g} x {lanes} lane(s) = "
-            f"{total / GiB:.0f} GiB of parked adapters in pinned memory, more than 80% of this "
-            f"machine's {machine_bytes / GiB:.0f} GiB: a worker that parks that much is "
-            "killed by the kernel; lower host_adapter_memory_gb (docs/operator.md 5d)")
+    split = f" / tp {tp}" if tp > 1 else ""
+    return (f"host_adapter_memory_gb {cfg.host_adapter_memory_gb:g} x {ranks} GPU worker(s)"
+            f"{split} = {total / GiB:.0f} GiB of pinned memory for parked adapters, made at "
+            f"start, more than 80% of this machine's {machine_bytes / GiB:.0f} GiB: the rest "
+            "of the machine may run out and the kernel kill a worker; lower "
+            "host_adapter_memory_gb (docs/operator.md 5d)")

@@ -342,6 +342,8 @@ class WorkerGroup:
             if recv not in done:
                 recv.cancel()
                 if any(t.done() for t in self._exits):
+                    if what == "start" and await self._last_words(got):
+                        break  # (its reason: `_start` says it, and may try again)
                     raise WorkerLost(f"{self._lost()} during {what}")
                 raise WorkerLost(f"the worker group did not answer within {timeout:.0f} s "
                                  f"during {what}")
@@ -367,6 +369,28 @@ class WorkerGroup:
                 if arrived is not None:
                     arrived[int(rank)] = time.time()
         return [got[r] for r in range(self.world) if r in got]
+
+    async def _last_words(self, got: dict, grace: float = 1.0) -> bool:
+        """A rank that exited during start sends why just before (worker.py): its message
+        may come after its exit is seen. Whether one came (into `got`) within `grace`."""
+        deadline = asyncio.get_running_loop().time() + grace
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            try:
+                parts = await asyncio.wait_for(self._sock.recv_multipart(), left)
+            except TimeoutError:
+                return False
+            if len(parts) != 2:
+                continue
+            group, _, rank = parts[0].decode(errors="replace").partition(":")
+            try:
+                msg = reply_decoder.decode(parts[1])
+            except msgspec.DecodeError:
+                continue
+            if (group == self._group and rank.isdigit() and isinstance(msg, HelloF)
+                    and msg.error):
+                got[int(rank)] = msg
+                return True
+        return False
 
     async def restart(self) -> None:
         self.restarts += 1

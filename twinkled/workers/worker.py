@@ -58,6 +58,10 @@ def main(args: dict) -> None:
         log.exception("worker start-up failed")
         sock.send(encoder.encode(HelloF(rank, os.getpid(), args["device"],
                                         error=f"{type(e).__name__}: {e}")))
+        # Its reason reaches the daemon before the exit: a rank forked by a zygote ends in
+        # os._exit, which would drop a message still queued.
+        sock.close(linger=2000)
+        zmq.Context.instance().term()
         sys.exit(1)
     sock.send(encoder.encode(hello))
     from twinkled.engine.step import HOST_TIME  # torch is loaded by now
