@@ -391,6 +391,8 @@ class Residency:
             freed += self.room.held(model)
             if freed >= want:
                 break
+        if not chosen:
+            return False
         for model in chosen:  # free: taken at once, no other task runs in between
             await self._locks[model].acquire()
         task = asyncio.get_running_loop().create_task(
@@ -429,14 +431,14 @@ class Residency:
                 continue
             going[model] = (next_seq, self._resumes_at(model))
             self._planner.forget_model(model)
-        where: dict[str, str] = {}
+        hosted: list[str] = []
         for model in going:
             config = self._live[model]
             if to_host and await self.moves.host_room(config, incoming, needer):
                 self.tiers.host.hold(model, config)  # (its room, before the next one's)
-                where[model] = "host"
-        errors = await self._moves(ParkF, list(where), needer)
-        for model in list(where):
+                hosted.append(model)
+        errors = await self._moves(ParkF, hosted, needer)
+        for model in list(hosted):
             # The worker counts its host memory as allocated (workers/parked.py: pinned
             # memory may be rounded up) and may have less room than this count says: the
             # least recently used there goes on to disk, as when this count is full, and it
@@ -448,8 +450,8 @@ class Residency:
                 log.warning("parking %s in host memory failed (%s); parking it on disk",
                             model, errors[model])
                 self.tiers.host.release(model)
-                del where[model]
-        errors.update(await self._moves(IdleUnloadF, [m for m in going if m not in where],
+                hosted.remove(model)
+        errors.update(await self._moves(IdleUnloadF, [m for m in going if m not in hosted],
                                         needer))
         parked = 0
         for model, (next_seq, resume) in going.items():
@@ -457,7 +459,7 @@ class Residency:
                 log.error("parking adapter %s failed: %s", model, errors[model])
                 self.open(model, self._store.runs.get(model)["tenant"], next_seq)
                 continue
-            self._left_bank(model, where.get(model) == "host", resume)
+            self._left_bank(model, model in hosted, resume)
             parked += 1
         return parked
 

@@ -222,7 +222,8 @@ def host_memory_warning(cfg: Config, machine_bytes: int | None = None) -> str | 
     rank its share; engine/host_arena.py), which the kernel cannot swap, so the machine
     runs out for everything else (a 1,000-run bench lost its worker so). `machine_bytes`:
     the machine's memory (default: read from the system)."""
-    if not any(d.startswith("cuda") for d in cfg.worker_devices()):
+    ranks = sum(d.startswith("cuda") for d in cfg.worker_devices())
+    if not ranks:
         return None  # (parked in pageable memory there, which the kernel can swap)
     if machine_bytes is None:
         try:
@@ -231,7 +232,6 @@ def host_memory_warning(cfg: Config, machine_bytes: int | None = None) -> str | 
             machine_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             return None
-    ranks = sum(d.startswith("cuda") for d in cfg.worker_devices())
     tp = max(cfg.tp, 1)
     total = cfg.host_adapter_memory_gb * GiB * ranks / tp
     if total <= 0.8 * machine_bytes:

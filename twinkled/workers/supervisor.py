@@ -347,27 +347,15 @@ class WorkerGroup:
                     raise WorkerLost(f"{self._lost()} during {what}")
                 raise WorkerLost(f"the worker group did not answer within {timeout:.0f} s "
                                  f"during {what}")
-            parts = recv.result()
-            if len(parts) != 2:  # not a rank's [identity, frame]: any local process can
-                # connect to this port (seen: a stray HTTP client's bytes, which ZMQ's
-                # unversioned framing read as a message of several parts, ended the start)
-                log.warning("ignored a message of %d part(s) on the worker socket", len(parts))
+            rank, msg = self._frame(recv.result())
+            if rank is None or msg is None:
                 continue
-            ident, frame = parts
-            group, _, rank = ident.decode(errors="replace").partition(":")
-            try:
-                msg = reply_decoder.decode(frame)
-            except msgspec.DecodeError as e:
-                msg = None
-                log.warning("ignored an unreadable frame from %r: %s", ident, e)
-            if group != self._group or not rank.isdigit() or int(rank) >= self.world:
-                log.warning("ignored a frame from %r, not a rank of this worker group", ident)
-            elif isinstance(msg, ReplyF) and msg.step in self._joins:
+            if isinstance(msg, ReplyF) and msg.step in self._joins:
                 self._joins.pop(msg.step).set_result([msg])  # a joined step's (see `send_join`)
-            elif msg is not None and (wanted(msg) or (isinstance(msg, HelloF) and msg.error)):
-                got[int(rank)] = msg
+            elif wanted(msg) or (isinstance(msg, HelloF) and msg.error):
+                got[rank] = msg
                 if arrived is not None:
-                    arrived[int(rank)] = time.time()
+                    arrived[rank] = time.time()
         return [got[r] for r in range(self.world) if r in got]
 
     async def _last_words(self, got: dict, grace: float = 1.0) -> bool:
@@ -376,21 +364,37 @@ class WorkerGroup:
         deadline = asyncio.get_running_loop().time() + grace
         while (left := deadline - asyncio.get_running_loop().time()) > 0:
             try:
-                parts = await asyncio.wait_for(self._sock.recv_multipart(), left)
+                rank, msg = self._frame(
+                    await asyncio.wait_for(self._sock.recv_multipart(), left), quiet=True)
             except TimeoutError:
                 return False
-            if len(parts) != 2:
-                continue
-            group, _, rank = parts[0].decode(errors="replace").partition(":")
-            try:
-                msg = reply_decoder.decode(parts[1])
-            except msgspec.DecodeError:
-                continue
-            if (group == self._group and rank.isdigit() and isinstance(msg, HelloF)
-                    and msg.error):
-                got[int(rank)] = msg
+            if rank is not None and isinstance(msg, HelloF) and msg.error:
+                got[rank] = msg
                 return True
         return False
+
+    def _frame(self, parts: list[bytes], quiet: bool = False) -> tuple[int | None, object]:
+        """(rank, message) of what came on the worker socket; rank None for anything not
+        from a rank of this group, message None where unreadable (said unless `quiet`)."""
+        if len(parts) != 2:  # not a rank's [identity, frame]: any local process can
+            # connect to this port (seen: a stray HTTP client's bytes, which ZMQ's
+            # unversioned framing read as a message of several parts, ended the start)
+            if not quiet:
+                log.warning("ignored a message of %d part(s) on the worker socket", len(parts))
+            return None, None
+        ident, frame = parts
+        group, _, rank = ident.decode(errors="replace").partition(":")
+        try:
+            msg = reply_decoder.decode(frame)
+        except msgspec.DecodeError as e:
+            msg = None
+            if not quiet:
+                log.warning("ignored an unreadable frame from %r: %s", ident, e)
+        if group != self._group or not rank.isdigit() or int(rank) >= self.world:
+            if not quiet:
+                log.warning("ignored a frame from %r, not a rank of this worker group", ident)
+            return None, msg
+        return int(rank), msg
 
     async def restart(self) -> None:
         self.restarts += 1
